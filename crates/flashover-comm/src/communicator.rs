@@ -1,0 +1,169 @@
+//! The `Communicator` trait every engine implements, its typed extension and the `Group` handle.
+
+use crate::dtype::{DType, Element};
+use crate::error::CommResult;
+use crate::op::ReduceOp;
+use crate::stats::CommStats;
+use std::fmt;
+use std::ops::Deref;
+use std::sync::Arc;
+
+/// Collective communication over one process group.
+///
+/// Ranks are numbered `0..size()` within the group. Buffers are raw bytes tagged with a
+/// [`DType`], so the trait is object-safe and maps one to one onto MPI and NCCL calls; use
+/// [`CommunicatorExt`] for typed slices. Every call is collective over the group unless stated
+/// otherwise: all ranks must make the same calls in the same order, and an engine reports a
+/// mismatch or a missing rank as a [`crate::CommError`] instead of hanging.
+pub trait Communicator: Send + Sync {
+    /// This rank's index in the group.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the group.
+    fn size(&self) -> usize;
+    /// The group's name, used in errors (e.g. `world`, `tp[2,3]`).
+    fn name(&self) -> &str;
+    /// The global (world) rank of each group rank, in group-rank order.
+    fn members(&self) -> &[usize];
+
+    /// In place: every rank's `buf` becomes the element-wise reduction of all ranks' `buf`.
+    fn all_reduce_bytes(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> CommResult<()>;
+    /// `send` holds `size()` equal blocks; rank `r` receives into `recv` the reduction of every
+    /// rank's block `r`. `send.len() == size() * recv.len()`.
+    fn reduce_scatter_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> CommResult<()>;
+    /// `recv` becomes the concatenation of every rank's `send`, in rank order.
+    /// `recv.len() == size() * send.len()`.
+    fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8], dtype: DType) -> CommResult<()>;
+    /// Every rank's `buf` becomes `root`'s.
+    fn broadcast_bytes(&self, buf: &mut [u8], dtype: DType, root: usize) -> CommResult<()>;
+    /// Variable all-to-all. `send` is split into `size()` consecutive segments of
+    /// `send_counts[j]` elements, segment `j` going to rank `j`; `recv` receives from rank `j`
+    /// a segment of `recv_counts[j]` elements, in rank order. Counts are in elements and must
+    /// agree pairwise (`send_counts` of rank `i` at `j` == `recv_counts` of rank `j` at `i`).
+    fn all_to_all_v_bytes(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+        dtype: DType,
+    ) -> CommResult<()>;
+    /// Point to point (not collective): sends `buf` to group rank `dst`. Returns once the data
+    /// is buffered or delivered; messages between a pair arrive in order.
+    fn send_bytes(&self, buf: &[u8], dtype: DType, dst: usize) -> CommResult<()>;
+    /// Point to point (not collective): receives the next message from group rank `src` into
+    /// `buf`, whose length and dtype must match the message.
+    fn recv_bytes(&self, buf: &mut [u8], dtype: DType, src: usize) -> CommResult<()>;
+    /// Returns once every rank of the group has called `barrier`.
+    fn barrier(&self) -> CommResult<()>;
+    /// Collective: splits the group into sub-groups of the ranks that pass the same `color`,
+    /// ordered by `key` (ties by rank). `label` names the new group in errors (`tp`, `dp`, ...).
+    fn split(&self, color: usize, key: usize, label: &str) -> CommResult<Group>;
+    /// A snapshot of this communicator's counters.
+    fn stats(&self) -> CommStats;
+}
+
+/// Typed convenience methods for every [`Communicator`].
+pub trait CommunicatorExt: Communicator {
+    /// [`Communicator::all_reduce_bytes`] on a typed slice.
+    fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> CommResult<()> {
+        self.all_reduce_bytes(bytemuck::cast_slice_mut(buf), T::DTYPE, op)
+    }
+    /// [`Communicator::reduce_scatter_bytes`] on typed slices.
+    fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> CommResult<()> {
+        self.reduce_scatter_bytes(bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv), T::DTYPE, op)
+    }
+    /// [`Communicator::all_gather_bytes`] on typed slices.
+    fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> CommResult<()> {
+        self.all_gather_bytes(bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv), T::DTYPE)
+    }
+    /// [`Communicator::all_gather_bytes`] into a new vector of `size() * send.len()` elements.
+    fn all_gather_vec<T: Element>(&self, send: &[T]) -> CommResult<Vec<T>> {
+        let mut recv = vec![T::zeroed(); send.len() * self.size()];
+        self.all_gather(send, &mut recv)?;
+        Ok(recv)
+    }
+    /// [`Communicator::broadcast_bytes`] on a typed slice.
+    fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> CommResult<()> {
+        self.broadcast_bytes(bytemuck::cast_slice_mut(buf), T::DTYPE, root)
+    }
+    /// [`Communicator::all_to_all_v_bytes`] on typed slices.
+    fn all_to_all_v<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> CommResult<()> {
+        self.all_to_all_v_bytes(
+            bytemuck::cast_slice(send),
+            send_counts,
+            bytemuck::cast_slice_mut(recv),
+            recv_counts,
+            T::DTYPE,
+        )
+    }
+    /// Variable all-to-all when only the send side is known: exchanges the counts first (one
+    /// small all-to-all), then the data. Returns the received elements and the per-source counts.
+    fn all_to_all_v_exchange<T: Element>(
+        &self,
+        send: &[T],
+        send_counts: &[usize],
+    ) -> CommResult<(Vec<T>, Vec<usize>)> {
+        let n = self.size();
+        let counts: Vec<u64> = send_counts.iter().map(|&c| c as u64).collect();
+        let mut recv_counts = vec![0u64; n];
+        self.all_to_all_v(&counts, &vec![1; n], &mut recv_counts, &vec![1; n])?;
+        let recv_counts: Vec<usize> = recv_counts.iter().map(|&c| c as usize).collect();
+        let mut recv = vec![T::zeroed(); recv_counts.iter().sum()];
+        self.all_to_all_v(send, send_counts, &mut recv, &recv_counts)?;
+        Ok((recv, recv_counts))
+    }
+    /// [`Communicator::send_bytes`] on a typed slice.
+    fn send<T: Element>(&self, buf: &[T], dst: usize) -> CommResult<()> {
+        self.send_bytes(bytemuck::cast_slice(buf), T::DTYPE, dst)
+    }
+    /// [`Communicator::recv_bytes`] on a typed slice.
+    fn recv<T: Element>(&self, buf: &mut [T], src: usize) -> CommResult<()> {
+        self.recv_bytes(bytemuck::cast_slice_mut(buf), T::DTYPE, src)
+    }
+}
+
+impl<C: Communicator + ?Sized> CommunicatorExt for C {}
+
+/// A process group: a cheap, clonable handle to a [`Communicator`].
+///
+/// Groups are values: the launcher builds one per mesh axis and hands them to whatever
+/// communicates. Dereferences to the communicator, so `group.all_reduce(..)` works directly.
+#[derive(Clone)]
+pub struct Group(Arc<dyn Communicator>);
+
+impl Group {
+    /// Wraps a communicator.
+    pub fn new(comm: Arc<dyn Communicator>) -> Self {
+        Group(comm)
+    }
+
+    /// The shared communicator.
+    pub fn communicator(&self) -> &Arc<dyn Communicator> {
+        &self.0
+    }
+}
+
+impl Deref for Group {
+    type Target = dyn Communicator;
+    fn deref(&self) -> &Self::Target {
+        &*self.0
+    }
+}
+
+impl fmt::Debug for Group {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Group({} rank {}/{})", self.name(), self.rank(), self.size())
+    }
+}
