@@ -49,7 +49,7 @@ pub use error::{CommError, CommResult};
 pub use fault::{FaultAction, FaultPlan, FaultRule};
 pub use op::{OpKind, ReduceOp};
 pub use stats::{CommStats, OpStats};
-pub use thread::{ThreadComm, ThreadWorld};
+pub use thread::{DEFAULT_TIMEOUT, ThreadComm, ThreadWorld};
 
 /// Bus-bandwidth factor of an operation at world size `n`, as nccl-tests defines it: the ratio
 /// between the bandwidth each link must carry and the algorithm bandwidth `bytes / time`.

@@ -1,1 +1,34 @@
-//! placeholder
+//! # flashover-runtime: ranks, their context, and tensors on the wire
+//!
+//! - [`launch`] / [`Launch`]: run one closure per rank on its own thread, each with a
+//!   [`RankContext`] (rank, mesh, device, a process group per mesh axis); join them and return
+//!   every rank's result, or the failure that caused the others, never a hang or a silent panic.
+//! - [`TensorCollectives`]: the collectives on Burn tensors (host-staged through `TensorData`;
+//!   the device-memory path comes with the NCCL engine).
+//! - [`DeviceChoice`]: `flex | wgpu | cuda`, parsed from flags or `BURN_DEVICE`.
+//!
+//! ```
+//! use flashover_runtime::{launch, Axis, ReduceOp, TensorCollectives};
+//! use burn::tensor::Tensor;
+//!
+//! let sums = launch("dp=2,tp=2", |ctx| {
+//!     let x = Tensor::<1>::from_floats([ctx.rank() as f32], ctx.device());
+//!     ctx.group(Axis::Tp).all_reduce_tensor(x, ReduceOp::Sum)
+//! })
+//! .unwrap();
+//! let values: Vec<f32> = sums.into_iter().map(|t| t.into_scalar()).collect();
+//! assert_eq!(values, vec![1.0, 1.0, 5.0, 5.0]); // tp groups are [0 1] and [2 3]
+//! ```
+#![warn(missing_docs)]
+
+mod context;
+mod device;
+mod launch;
+mod tensor;
+
+pub use context::RankContext;
+pub use device::{DeviceChoice, DeviceError};
+pub use flashover_comm::{CommError, CommStats, Communicator, CommunicatorExt, FaultPlan, Group, OpKind, ReduceOp};
+pub use flashover_mesh::{Axis, DeviceMesh, MeshError};
+pub use launch::{IntoMesh, Launch, LaunchError, RankError, RankFailure, launch};
+pub use tensor::TensorCollectives;

@@ -1,0 +1,95 @@
+//! What each rank's closure receives: its rank, the mesh, its device and its process groups.
+
+use burn::tensor::Device;
+use flashover_comm::{CommResult, CommStats, Group};
+use flashover_mesh::{Axis, DeviceMesh};
+use std::sync::Mutex;
+
+/// One rank's view of the job. Built by the launcher (threads here; one process per rank later
+/// with the same type), handed by value to the rank's code. Groups are values, never globals.
+pub struct RankContext {
+    rank: usize,
+    mesh: DeviceMesh,
+    device: Device,
+    world: Group,
+    /// The group along each axis, in [`Axis::ALL`] order (size 1 for axes of degree 1).
+    axes: Vec<Group>,
+    /// Groups over several axes created on request, kept for statistics.
+    extra: Mutex<Vec<Group>>,
+}
+
+impl RankContext {
+    /// Builds the context of `rank`: splits `world` into one group per mesh axis.
+    /// Collective: every rank of `world` must call it, in the same order.
+    pub fn new(rank: usize, mesh: DeviceMesh, device: Device, world: Group) -> CommResult<Self> {
+        let axes = Axis::ALL
+            .iter()
+            .map(|&axis| {
+                let color = mesh.group_index(rank, &[axis]);
+                world.split(color, mesh.coord(rank, axis), axis.name())
+            })
+            .collect::<CommResult<Vec<_>>>()?;
+        Ok(RankContext { rank, mesh, device, world, axes, extra: Mutex::new(vec![]) })
+    }
+
+    /// This rank's global index.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks in the job.
+    pub fn world_size(&self) -> usize {
+        self.mesh.world_size()
+    }
+
+    /// The job's mesh.
+    pub fn mesh(&self) -> &DeviceMesh {
+        &self.mesh
+    }
+
+    /// This rank's coordinate along `axis`.
+    pub fn coord(&self, axis: Axis) -> usize {
+        self.mesh.coord(self.rank, axis)
+    }
+
+    /// The device this rank computes on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The group of all ranks.
+    pub fn world(&self) -> &Group {
+        &self.world
+    }
+
+    /// The group of ranks that differ from this one only along `axis`.
+    pub fn group(&self, axis: Axis) -> &Group {
+        let i = Axis::ALL.iter().position(|&a| a == axis).expect("every axis is in ALL");
+        &self.axes[i]
+    }
+
+    /// The group of ranks that differ from this one only along `axes` (e.g. `[Dp, Fsdp]` for
+    /// all data-parallel replicas of an HSDP job). Collective over the world: every rank must
+    /// call it with the same axes, in the same order.
+    pub fn subgroup(&self, axes: &[Axis]) -> CommResult<Group> {
+        let color = self.mesh.group_index(self.rank, axes);
+        let ranks = self.mesh.group_ranks(self.rank, axes);
+        let key = ranks.iter().position(|&r| r == self.rank).expect("own group");
+        let label = axes.iter().map(|a| a.name()).collect::<Vec<_>>().join("+");
+        let group = self.world.split(color, key, &label)?;
+        self.extra.lock().unwrap_or_else(|e| e.into_inner()).push(group.clone());
+        Ok(group)
+    }
+
+    /// Communication counters of every group of this rank, merged.
+    pub fn comm_stats(&self) -> CommStats {
+        let mut total = self.world.stats();
+        for g in &self.axes {
+            total.merge(&g.stats());
+        }
+        for g in self.extra.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            total.merge(&g.stats());
+        }
+        total
+    }
+}

@@ -1,0 +1,248 @@
+//! The in-process launcher: one thread per rank, every failure reported with its rank.
+
+use crate::context::RankContext;
+use burn::tensor::Device;
+use flashover_comm::{CommError, FaultPlan, Group, ThreadWorld};
+use flashover_mesh::{DeviceMesh, MeshError};
+use std::error::Error;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The error type rank closures return: anything that converts into a boxed error
+/// (`CommError`, `String`, your own error types).
+pub type RankError = Box<dyn Error + Send + Sync + 'static>;
+
+/// Anything that describes a mesh: a [`DeviceMesh`], a mesh string (`"dp=2,tp=2"`) or a number
+/// of ranks (plain data parallel).
+pub trait IntoMesh {
+    /// The validated mesh.
+    fn into_mesh(self) -> Result<DeviceMesh, MeshError>;
+}
+
+impl IntoMesh for DeviceMesh {
+    fn into_mesh(self) -> Result<DeviceMesh, MeshError> {
+        Ok(self)
+    }
+}
+
+impl IntoMesh for &DeviceMesh {
+    fn into_mesh(self) -> Result<DeviceMesh, MeshError> {
+        Ok(self.clone())
+    }
+}
+
+impl IntoMesh for &str {
+    fn into_mesh(self) -> Result<DeviceMesh, MeshError> {
+        self.parse()
+    }
+}
+
+impl IntoMesh for usize {
+    fn into_mesh(self) -> Result<DeviceMesh, MeshError> {
+        DeviceMesh::data_parallel(self)
+    }
+}
+
+/// One rank's failure.
+#[derive(Debug, Clone)]
+pub struct RankFailure {
+    /// Global rank.
+    pub rank: usize,
+    /// Whether the rank panicked (rather than returning an error).
+    pub panicked: bool,
+    /// The panic message or the error's display, with its sources.
+    pub message: String,
+    /// How likely this failure is the cause rather than a consequence (0 = most likely).
+    severity: u8,
+}
+
+/// Why a launch failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// The mesh description is invalid.
+    #[error(transparent)]
+    Mesh(#[from] MeshError),
+    /// A rank failed. `cause` is the likeliest root cause (a panic or a rank's own error before
+    /// the consequent collective failures of its peers); `all` lists every failed rank.
+    #[error("rank {} {}: {}{}", cause.rank, if cause.panicked { "panicked" } else { "failed" }, cause.message, others_note(all.len()))]
+    Rank {
+        /// The likeliest root cause.
+        cause: RankFailure,
+        /// Every failed rank, in rank order.
+        all: Vec<RankFailure>,
+    },
+}
+
+fn others_note(n: usize) -> String {
+    if n > 1 { format!(" ({} ranks failed in all)", n) } else { String::new() }
+}
+
+impl LaunchError {
+    /// The failure of `rank`, if it failed.
+    pub fn failure_of(&self, rank: usize) -> Option<&RankFailure> {
+        match self {
+            LaunchError::Rank { all, .. } => all.iter().find(|f| f.rank == rank),
+            LaunchError::Mesh(_) => None,
+        }
+    }
+}
+
+/// A launch under construction: mesh, device, collective timeout and injected faults.
+#[derive(Debug, Clone)]
+pub struct Launch {
+    mesh: DeviceMesh,
+    device: Device,
+    timeout: Duration,
+    faults: FaultPlan,
+}
+
+impl Launch {
+    /// A launch over `mesh` on the Flex (CPU) device with the default timeout.
+    pub fn new(mesh: impl IntoMesh) -> Result<Self, LaunchError> {
+        Ok(Launch {
+            mesh: mesh.into_mesh()?,
+            device: Device::flex(),
+            timeout: flashover_comm::DEFAULT_TIMEOUT,
+            faults: FaultPlan::new(),
+        })
+    }
+
+    /// The device every rank computes on (each rank gets a clone).
+    pub fn device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
+
+    /// How long a rank waits at any collective for its peers before failing.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Faults to inject (tests).
+    pub fn faults(mut self, faults: FaultPlan) -> Self {
+        self.faults = faults;
+        self
+    }
+
+    /// Runs `body` once per rank, each on its own thread, and returns the results in rank
+    /// order, or the failure that most likely caused the others.
+    pub fn run<T, E, F>(self, body: F) -> Result<Vec<T>, LaunchError>
+    where
+        T: Send,
+        E: Into<RankError>,
+        F: Fn(RankContext) -> Result<T, E> + Sync,
+    {
+        let n = self.mesh.world_size();
+        let comms = ThreadWorld::new(n).timeout(self.timeout).faults(self.faults.clone()).build();
+        let outcomes: Vec<Result<T, RankFailure>> = std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .into_iter()
+                .enumerate()
+                .map(|(rank, comm)| {
+                    let (body, mesh, device) = (&body, self.mesh.clone(), self.device.clone());
+                    std::thread::Builder::new()
+                        .name(format!("rank-{rank}"))
+                        // Autodiff graphs of deep models recurse; give each rank room.
+                        .stack_size(64 << 20)
+                        .spawn_scoped(s, move || run_rank(rank, comm, mesh, device, body))
+                        .expect("spawn rank thread")
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("rank threads catch their panics")).collect()
+        });
+        let mut results = Vec::with_capacity(n);
+        let mut failures = vec![];
+        for outcome in outcomes {
+            match outcome {
+                Ok(v) => results.push(v),
+                Err(f) => failures.push(f),
+            }
+        }
+        if failures.is_empty() {
+            return Ok(results);
+        }
+        let cause = failures.iter().min_by_key(|f| (f.severity, f.rank)).expect("non-empty").clone();
+        Err(LaunchError::Rank { cause, all: failures })
+    }
+}
+
+fn run_rank<T, E, F>(
+    rank: usize,
+    comm: flashover_comm::ThreadComm,
+    mesh: DeviceMesh,
+    device: Device,
+    body: &F,
+) -> Result<T, RankFailure>
+where
+    E: Into<RankError>,
+    F: Fn(RankContext) -> Result<T, E>,
+{
+    let comm = Arc::new(comm);
+    let world = Group::new(comm.clone());
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        let ctx = RankContext::new(rank, mesh, device, world).map_err(|e| Box::new(e) as RankError)?;
+        body(ctx).map_err(Into::into)
+    }));
+    let result = match outcome {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(RankFailure { rank, panicked: false, message: chain(&*e), severity: severity(&*e) }),
+        Err(payload) => {
+            let message = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "non-string panic payload".into());
+            Err(RankFailure { rank, panicked: true, message, severity: 0 })
+        }
+    };
+    // Peers still waiting for this rank fail at once, naming it and why.
+    let reason = match &result {
+        Ok(_) => "returned from its work".to_string(),
+        Err(f) if f.panicked => format!("panicked: {}", f.message),
+        Err(f) => format!("failed: {}", f.message),
+    };
+    comm.leave(&reason);
+    result
+}
+
+/// The error's display followed by its sources.
+fn chain(e: &(dyn Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s += &format!(": {inner}");
+        src = inner.source();
+    }
+    s
+}
+
+/// Ranks whose own code failed come first; collective failures that name another rank
+/// (timeouts, departures, poisoned groups) are consequences.
+fn severity(e: &(dyn Error + 'static)) -> u8 {
+    let mut cur: Option<&(dyn Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(c) = err.downcast_ref::<CommError>() {
+            return match c {
+                CommError::Timeout { .. } | CommError::Mismatch { .. } => 2,
+                CommError::PeerLeft { .. } => 3,
+                CommError::Poisoned { .. } => 4,
+                _ => 1,
+            };
+        }
+        cur = err.source();
+    }
+    1
+}
+
+/// Runs `body` on every rank of `mesh` (a [`DeviceMesh`], a mesh string or a rank count) on
+/// the Flex device with default settings. See [`Launch`] for the options.
+pub fn launch<T, E, F>(mesh: impl IntoMesh, body: F) -> Result<Vec<T>, LaunchError>
+where
+    T: Send,
+    E: Into<RankError>,
+    F: Fn(RankContext) -> Result<T, E> + Sync,
+{
+    Launch::new(mesh)?.run(body)
+}

@@ -1,0 +1,156 @@
+//! Collectives on Burn tensors, staged through host memory (`TensorData`).
+//!
+//! These move values, not gradients: results are fresh tensors on the input's device, outside
+//! any autodiff graph. Differentiable collectives (Megatron's conjugate operators) live with the
+//! strategies that need them. On CUDA with the NCCL engine the same trait will move device
+//! memory directly; the host path stays as the portable fallback.
+
+use burn::tensor::{DType as BurnDType, Tensor, TensorData};
+use flashover_comm::{CommError, CommResult, Communicator, DType, OpKind, ReduceOp};
+
+/// The collective operations on whole tensors, for every [`Communicator`] (and so every
+/// [`flashover_comm::Group`]).
+pub trait TensorCollectives {
+    /// Element-wise reduction over the group; every rank gets the result.
+    fn all_reduce_tensor<const D: usize>(&self, tensor: Tensor<D>, op: ReduceOp) -> CommResult<Tensor<D>>;
+    /// Every rank gets `root`'s tensor (all ranks pass a tensor of the same shape).
+    fn broadcast_tensor<const D: usize>(&self, tensor: Tensor<D>, root: usize) -> CommResult<Tensor<D>>;
+    /// Concatenation of every rank's tensor along `dim`, in rank order.
+    fn all_gather_tensor<const D: usize>(&self, tensor: Tensor<D>, dim: usize) -> CommResult<Tensor<D>>;
+    /// Rank `r` gets block `r` (of `size()` equal blocks along `dim`) of the reduction.
+    /// `tensor.dims()[dim]` must divide by the group size.
+    fn reduce_scatter_tensor<const D: usize>(&self, tensor: Tensor<D>, dim: usize, op: ReduceOp)
+    -> CommResult<Tensor<D>>;
+    /// Sends `tensor` to group rank `dst` (point to point).
+    fn send_tensor<const D: usize>(&self, tensor: &Tensor<D>, dst: usize) -> CommResult<()>;
+    /// Receives a tensor of `shape` and `dtype` from group rank `src` onto `device`.
+    fn recv_tensor<const D: usize>(
+        &self,
+        shape: [usize; D],
+        dtype: BurnDType,
+        src: usize,
+        device: &burn::tensor::Device,
+    ) -> CommResult<Tensor<D>>;
+}
+
+/// The collective layer's tag for a Burn dtype, if it can move it.
+fn comm_dtype(dtype: BurnDType) -> Option<DType> {
+    Some(match dtype {
+        BurnDType::F32 | BurnDType::Flex32 => DType::F32,
+        BurnDType::F64 => DType::F64,
+        BurnDType::F16 => DType::F16,
+        BurnDType::BF16 => DType::BF16,
+        BurnDType::I32 => DType::I32,
+        BurnDType::I64 => DType::I64,
+        BurnDType::U32 => DType::U32,
+        BurnDType::U64 => DType::U64,
+        BurnDType::U8 => DType::U8,
+        _ => return None,
+    })
+}
+
+/// A tensor's host bytes, shape and dtypes.
+struct Staged {
+    bytes: Vec<u8>,
+    shape: Vec<usize>,
+    burn_dtype: BurnDType,
+    dtype: DType,
+}
+
+fn stage<C: Communicator + ?Sized, const D: usize>(comm: &C, op: OpKind, tensor: &Tensor<D>) -> CommResult<Staged> {
+    let data = tensor.to_data();
+    let burn_dtype = data.dtype();
+    let dtype = comm_dtype(burn_dtype).ok_or_else(|| CommError::InvalidArgument {
+        op,
+        group: comm.name().to_string(),
+        detail: format!("tensors of dtype {burn_dtype:?} cannot be communicated"),
+    })?;
+    Ok(Staged { bytes: data.as_bytes().to_vec(), shape: data.shape().to_vec(), burn_dtype, dtype })
+}
+
+fn unstage<const D: usize>(bytes: Vec<u8>, shape: Vec<usize>, dtype: BurnDType, device: &burn::tensor::Device) -> Tensor<D> {
+    Tensor::from_data(TensorData::from_bytes_vec(bytes, shape, dtype), device)
+}
+
+impl<C: Communicator + ?Sized> TensorCollectives for C {
+    fn all_reduce_tensor<const D: usize>(&self, tensor: Tensor<D>, op: ReduceOp) -> CommResult<Tensor<D>> {
+        let mut s = stage(self, OpKind::AllReduce, &tensor)?;
+        self.all_reduce_bytes(&mut s.bytes, s.dtype, op)?;
+        Ok(unstage(s.bytes, s.shape, s.burn_dtype, &tensor.device()))
+    }
+
+    fn broadcast_tensor<const D: usize>(&self, tensor: Tensor<D>, root: usize) -> CommResult<Tensor<D>> {
+        let mut s = stage(self, OpKind::Broadcast, &tensor)?;
+        self.broadcast_bytes(&mut s.bytes, s.dtype, root)?;
+        Ok(unstage(s.bytes, s.shape, s.burn_dtype, &tensor.device()))
+    }
+
+    fn all_gather_tensor<const D: usize>(&self, tensor: Tensor<D>, dim: usize) -> CommResult<Tensor<D>> {
+        let s = stage(self, OpKind::AllGather, &tensor)?;
+        let n = self.size();
+        let mut recv = vec![0u8; s.bytes.len() * n];
+        self.all_gather_bytes(&s.bytes, &mut recv, s.dtype)?;
+        let device = tensor.device();
+        let parts: Vec<Tensor<D>> = recv
+            .chunks(s.bytes.len().max(1))
+            .take(n)
+            .map(|block| unstage(block.to_vec(), s.shape.clone(), s.burn_dtype, &device))
+            .collect();
+        if s.bytes.is_empty() {
+            let mut shape = s.shape.clone();
+            shape[dim] *= n;
+            return Ok(unstage(vec![], shape, s.burn_dtype, &device));
+        }
+        Ok(Tensor::cat(parts, dim))
+    }
+
+    fn reduce_scatter_tensor<const D: usize>(
+        &self,
+        tensor: Tensor<D>,
+        dim: usize,
+        op: ReduceOp,
+    ) -> CommResult<Tensor<D>> {
+        let n = self.size();
+        let dims = tensor.dims();
+        if dims[dim] % n != 0 {
+            return Err(CommError::InvalidArgument {
+                op: OpKind::ReduceScatter,
+                group: self.name().to_string(),
+                detail: format!("dim {dim} of shape {dims:?} does not divide by the group size {n}"),
+            });
+        }
+        let device = tensor.device();
+        // Blocks along `dim`, each made contiguous, laid end to end in rank order.
+        let blocks: Vec<Staged> = tensor
+            .chunk(n, dim)
+            .iter()
+            .map(|b| stage(self, OpKind::ReduceScatter, b))
+            .collect::<CommResult<_>>()?;
+        let send: Vec<u8> = blocks.iter().flat_map(|b| b.bytes.iter().copied()).collect();
+        let mut recv = vec![0u8; blocks[0].bytes.len()];
+        self.reduce_scatter_bytes(&send, &mut recv, blocks[0].dtype, op)?;
+        Ok(unstage(recv, blocks[0].shape.clone(), blocks[0].burn_dtype, &device))
+    }
+
+    fn send_tensor<const D: usize>(&self, tensor: &Tensor<D>, dst: usize) -> CommResult<()> {
+        let s = stage(self, OpKind::Send, tensor)?;
+        self.send_bytes(&s.bytes, s.dtype, dst)
+    }
+
+    fn recv_tensor<const D: usize>(
+        &self,
+        shape: [usize; D],
+        dtype: BurnDType,
+        src: usize,
+        device: &burn::tensor::Device,
+    ) -> CommResult<Tensor<D>> {
+        let tag = comm_dtype(dtype).ok_or_else(|| CommError::InvalidArgument {
+            op: OpKind::Recv,
+            group: self.name().to_string(),
+            detail: format!("tensors of dtype {dtype:?} cannot be communicated"),
+        })?;
+        let mut bytes = vec![0u8; shape.iter().product::<usize>() * tag.size()];
+        self.recv_bytes(&mut bytes, tag, src)?;
+        Ok(unstage(bytes, shape.to_vec(), dtype, device))
+    }
+}

@@ -1,0 +1,98 @@
+//! The launcher: results in rank order, groups per axis, and failures that name their rank.
+
+use flashover_runtime::{Axis, CommError, CommunicatorExt, FaultPlan, Launch, LaunchError, OpKind, ReduceOp, launch};
+use std::time::{Duration, Instant};
+
+#[test]
+fn results_come_back_in_rank_order_with_the_right_groups() {
+    let got = launch("pp=2,dp=2,tp=2", |ctx| {
+        let tp = ctx.group(Axis::Tp);
+        let dp = ctx.group(Axis::Dp);
+        let pp = ctx.group(Axis::Pp);
+        Ok::<_, CommError>((ctx.rank(), tp.members().to_vec(), dp.members().to_vec(), pp.members().to_vec(), ctx.group(Axis::Cp).size()))
+    })
+    .unwrap();
+    for (r, (rank, tp, dp, pp, cp)) in got.into_iter().enumerate() {
+        assert_eq!(rank, r);
+        assert_eq!(tp, vec![r & !1, r | 1]);
+        assert_eq!(dp, vec![r & !2, r | 2]);
+        assert_eq!(pp, vec![r & !4, r | 4]);
+        assert_eq!(cp, 1);
+    }
+}
+
+#[test]
+fn a_subgroup_over_two_axes_reduces_over_both() {
+    let got = launch("dp=2,fsdp=2,tp=2", |ctx| {
+        let g = ctx.subgroup(&[Axis::Dp, Axis::Fsdp])?;
+        let mut x = [ctx.rank() as u64];
+        g.all_reduce(&mut x, ReduceOp::Sum)?;
+        Ok::<_, CommError>(x[0])
+    })
+    .unwrap();
+    // tp coordinate 0: ranks 0,2,4,6 -> 12; tp 1: ranks 1,3,5,7 -> 16.
+    assert_eq!(got, vec![12, 16, 12, 16, 12, 16, 12, 16]);
+}
+
+#[test]
+fn a_panicking_rank_is_reported_as_the_cause() {
+    let start = Instant::now();
+    let err = launch(3, |ctx| {
+        if ctx.rank() == 1 {
+            panic!("boom on rank one");
+        }
+        let mut x = [1.0f32];
+        ctx.world().all_reduce(&mut x, ReduceOp::Sum)?;
+        Ok::<_, CommError>(x[0])
+    })
+    .unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(10), "peers must fail fast, not time out");
+    match &err {
+        LaunchError::Rank { cause, all } => {
+            assert_eq!((cause.rank, cause.panicked), (1, true));
+            assert!(cause.message.contains("boom on rank one"));
+            assert_eq!(all.len(), 3);
+            let peer = err.failure_of(0).unwrap();
+            assert!(peer.message.contains("rank 1 left the group (panicked: boom on rank one)"), "{}", peer.message);
+        }
+        other => panic!("{other}"),
+    }
+}
+
+#[test]
+fn a_stalled_rank_is_named_within_the_timeout() {
+    let start = Instant::now();
+    let err = Launch::new("dp=4")
+        .unwrap()
+        .timeout(Duration::from_millis(300))
+        .faults(FaultPlan::new().stall_at(3, OpKind::AllReduce, 0, Duration::from_millis(900)))
+        .run(|ctx| {
+            let mut x = [1.0f32];
+            ctx.group(Axis::Dp).all_reduce(&mut x, ReduceOp::Sum)
+        })
+        .unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(5));
+    let msg = err.to_string();
+    assert!(msg.starts_with("rank 0 failed: all_reduce #0 in group dp[0,1,2,3] timed out"), "{msg}");
+    assert!(msg.contains("ranks [3] did not arrive"), "{msg}");
+}
+
+#[test]
+fn a_mesh_that_does_not_parse_fails_before_any_rank_starts() {
+    let err = launch("dp=2,xx=2", |_ctx| Ok::<_, CommError>(())).unwrap_err();
+    assert!(matches!(err, LaunchError::Mesh(_)));
+    assert!(err.to_string().contains("unknown mesh axis `xx`"));
+}
+
+#[test]
+fn a_rank_error_is_preferred_over_the_failures_it_causes() {
+    let err = launch(2, |ctx| {
+        if ctx.rank() == 1 {
+            return Err("bad batch on rank one".to_string().into());
+        }
+        ctx.world().barrier().map_err(Into::into)
+    })
+    .map(|_: Vec<()>| ())
+    .unwrap_err();
+    assert_eq!(err.to_string(), "rank 1 failed: bad batch on rank one (2 ranks failed in all)");
+}

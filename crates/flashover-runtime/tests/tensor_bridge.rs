@@ -1,0 +1,61 @@
+//! Collectives on Burn tensors (Flex), against values computed by hand.
+
+use burn::tensor::{DType, Tensor};
+use flashover_runtime::{CommError, ReduceOp, TensorCollectives, launch};
+
+fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data().to_vec::<f32>().unwrap()
+}
+
+#[test]
+fn tensor_collectives_match_hand_computed_values() {
+    let got = launch(2, |ctx| {
+        let dev = ctx.device().clone();
+        let r = ctx.rank() as f32;
+        let w = ctx.world();
+        // [[r, r+1], [r+2, r+3]]
+        let x = Tensor::<2>::from_floats([[r, r + 1.0], [r + 2.0, r + 3.0]], &dev);
+        let sum = w.all_reduce_tensor(x.clone(), ReduceOp::Sum)?;
+        let gathered0 = w.all_gather_tensor(x.clone(), 0)?;
+        let gathered1 = w.all_gather_tensor(x.clone(), 1)?;
+        let scattered = w.reduce_scatter_tensor(x.clone(), 1, ReduceOp::Sum)?;
+        let bcast = w.broadcast_tensor(x.clone(), 1)?;
+        let passed = if ctx.rank() == 0 {
+            w.send_tensor(&x, 1)?;
+            None
+        } else {
+            Some(values(w.recv_tensor::<2>([2, 2], DType::F32, 0, &dev)?))
+        };
+        Ok::<_, CommError>((
+            values(sum),
+            (gathered0.dims(), values(gathered0)),
+            (gathered1.dims(), values(gathered1)),
+            (scattered.dims(), values(scattered)),
+            values(bcast),
+            passed,
+        ))
+    })
+    .unwrap();
+    for (rank, (sum, g0, g1, rs, b, p)) in got.into_iter().enumerate() {
+        assert_eq!(sum, vec![1.0, 3.0, 5.0, 7.0]);
+        assert_eq!(g0, ([4, 2], vec![0.0, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 4.0]));
+        assert_eq!(g1, ([2, 4], vec![0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0]));
+        // Column `rank` of the sum.
+        let col = if rank == 0 { vec![1.0, 5.0] } else { vec![3.0, 7.0] };
+        assert_eq!(rs, ([2, 1], col));
+        assert_eq!(b, vec![1.0, 2.0, 3.0, 4.0]);
+        if rank == 1 {
+            assert_eq!(p, Some(vec![0.0, 1.0, 2.0, 3.0]));
+        }
+    }
+}
+
+#[test]
+fn reduce_scatter_of_an_indivisible_dim_is_refused() {
+    let err = launch(2, |ctx| {
+        let x = Tensor::<1>::from_floats([1.0, 2.0, 3.0], ctx.device());
+        ctx.world().reduce_scatter_tensor(x, 0, ReduceOp::Sum).map(|_| ())
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("does not divide by the group size 2"), "{err}");
+}

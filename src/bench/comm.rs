@@ -1,0 +1,193 @@
+//! `flashover bench comm`: every collective at sizes from 4 KiB to 256 MiB, with algorithm and
+//! bus bandwidth by nccl-tests' conventions, next to single-thread memcpy measured in the same run.
+
+use flashover_comm::{Communicator, CommunicatorExt, OpKind, ReduceOp, ThreadWorld, bus_bandwidth_factor};
+use serde::Serialize;
+use std::time::{Duration, Instant};
+
+/// The operations `bench comm` measures.
+pub const OPS: [OpKind; 5] = [OpKind::AllReduce, OpKind::ReduceScatter, OpKind::AllGather, OpKind::Broadcast, OpKind::AllToAll];
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct CommBenchConfig {
+    /// World sizes.
+    pub worlds: Vec<usize>,
+    /// Operations.
+    pub ops: Vec<OpKind>,
+    /// Smallest message in bytes (nccl-tests "size": the larger per-rank buffer).
+    pub min_bytes: usize,
+    /// Largest message in bytes; sizes step by 4x.
+    pub max_bytes: usize,
+    /// Wall time to aim for per measurement.
+    pub target: Duration,
+}
+
+impl Default for CommBenchConfig {
+    fn default() -> Self {
+        CommBenchConfig {
+            worlds: vec![2, 4],
+            ops: OPS.to_vec(),
+            min_bytes: 4 << 10,
+            max_bytes: 256 << 20,
+            target: Duration::from_millis(200),
+        }
+    }
+}
+
+/// One measurement, serialised as one JSON line.
+#[derive(Debug, Clone, Serialize)]
+#[serde(untagged)]
+pub enum Record {
+    /// A collective.
+    Collective {
+        /// Operation name (`all_reduce`, ...).
+        op: &'static str,
+        /// Engine (`thread`).
+        backend: &'static str,
+        /// Number of ranks.
+        world: usize,
+        /// Message size in bytes.
+        bytes: usize,
+        /// Seconds per call (slowest rank).
+        time_s: f64,
+        /// `bytes / time_s` in GB/s (1e9).
+        algbw_gbps: f64,
+        /// Algorithm bandwidth times the op's bus factor.
+        busbw_gbps: f64,
+    },
+    /// The physical reference: one thread copying `bytes`.
+    Memcpy {
+        /// Always `memcpy`.
+        op: &'static str,
+        /// Bytes copied.
+        bytes: usize,
+        /// GB/s.
+        gbps: f64,
+    },
+}
+
+/// Message sizes from `min` to `max` bytes, stepping by 4x.
+pub fn sizes(min: usize, max: usize) -> Vec<usize> {
+    let mut out = vec![];
+    let mut s = min.max(4);
+    while s <= max {
+        out.push(s);
+        s *= 4;
+    }
+    out
+}
+
+/// Iterations that fill roughly `target` given one call took `once`.
+fn iterations(once: Duration, target: Duration) -> usize {
+    let once = once.as_secs_f64().max(1e-7);
+    ((target.as_secs_f64() / once) as usize).clamp(2, 2000)
+}
+
+/// Single-thread memcpy bandwidth for `bytes`, in GB/s.
+pub fn memcpy_gbps(bytes: usize, target: Duration) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let t = Instant::now();
+    dst.copy_from_slice(&src);
+    let iters = iterations(t.elapsed(), target);
+    let t = Instant::now();
+    for _ in 0..iters {
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+    }
+    bytes as f64 * iters as f64 / t.elapsed().as_secs_f64() / 1e9
+}
+
+/// Runs `op` on a message of `bytes` on `world` thread ranks; returns seconds per call.
+pub fn time_collective(op: OpKind, world: usize, bytes: usize, target: Duration) -> f64 {
+    let times: Vec<f64> = std::thread::scope(|s| {
+        let handles: Vec<_> = ThreadWorld::new(world)
+            .build()
+            .into_iter()
+            .map(|c| s.spawn(move || time_on_rank(&c, op, bytes, target)))
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("bench rank")).collect()
+    });
+    times.into_iter().fold(0.0, f64::max)
+}
+
+fn time_on_rank(c: &dyn Communicator, op: OpKind, bytes: usize, target: Duration) -> f64 {
+    let n = c.size();
+    let elems = bytes / 4;
+    // Buffers sized by nccl-tests' conventions: `bytes` is the larger per-rank buffer.
+    let (send_len, recv_len) = match op {
+        OpKind::ReduceScatter => (elems / n * n, elems / n),
+        OpKind::AllGather => (elems / n, elems / n * n),
+        OpKind::AllToAll => (elems / n * n, elems / n * n),
+        _ => (elems, elems),
+    };
+    let mut send = vec![1.0f32; send_len];
+    let mut recv = vec![0.0f32; recv_len];
+    let counts = vec![send_len / n; n];
+    let mut call = || match op {
+        OpKind::AllReduce => c.all_reduce(&mut send, ReduceOp::Sum),
+        OpKind::ReduceScatter => c.reduce_scatter(&send, &mut recv, ReduceOp::Sum),
+        OpKind::AllGather => c.all_gather(&send, &mut recv),
+        OpKind::Broadcast => c.broadcast(&mut send, 0),
+        OpKind::AllToAll => c.all_to_all_v(&send, &counts, &mut recv, &counts),
+        other => unreachable!("{other} is not benchmarked"),
+    };
+    // Warm-up, then agree on an iteration count (rank 0's estimate) so every rank calls alike.
+    let t = Instant::now();
+    call().expect("warm-up");
+    let mut iters = [iterations(t.elapsed(), target) as u64];
+    c.broadcast(&mut iters, 0).expect("agree on iterations");
+    c.barrier().expect("start barrier");
+    let t = Instant::now();
+    for _ in 0..iters[0] {
+        call().expect("collective");
+    }
+    c.barrier().expect("end barrier");
+    t.elapsed().as_secs_f64() / iters[0] as f64
+}
+
+/// Runs the whole benchmark, calling `emit` after each measurement.
+pub fn run(config: &CommBenchConfig, mut emit: impl FnMut(&Record)) {
+    for bytes in sizes(config.min_bytes, config.max_bytes) {
+        emit(&Record::Memcpy { op: "memcpy", bytes, gbps: memcpy_gbps(bytes, config.target) });
+    }
+    for &world in &config.worlds {
+        for &op in &config.ops {
+            for bytes in sizes(config.min_bytes, config.max_bytes) {
+                let time_s = time_collective(op, world, bytes, config.target);
+                let algbw = bytes as f64 / time_s / 1e9;
+                emit(&Record::Collective {
+                    op: op.name(),
+                    backend: "thread",
+                    world,
+                    bytes,
+                    time_s,
+                    algbw_gbps: algbw,
+                    busbw_gbps: algbw * bus_bandwidth_factor(op, world),
+                });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_step_by_four_from_4k_to_256m() {
+        let s = sizes(4 << 10, 256 << 20);
+        assert_eq!(s.first(), Some(&4096));
+        assert_eq!(s.last(), Some(&(256 << 20)));
+        assert_eq!(s.len(), 9);
+    }
+
+    #[test]
+    fn every_op_runs_at_a_small_size() {
+        for op in OPS {
+            let t = time_collective(op, 3, 48 << 10, Duration::from_millis(5));
+            assert!(t > 0.0 && t.is_finite(), "{op}: {t}");
+        }
+    }
+}

@@ -1,0 +1,87 @@
+//! `flashover bench ...`.
+
+use clap::{Args, Subcommand};
+use flashover::OpKind;
+use flashover::bench::comm::{self, CommBenchConfig, Record};
+use std::time::Duration;
+
+/// Benchmarks.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Every collective at sizes from 4 KiB to 256 MiB, with memcpy as the reference.
+    Comm(CommArgs),
+}
+
+/// Options of `bench comm`.
+#[derive(Debug, Args)]
+pub struct CommArgs {
+    /// World sizes, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "2,4")]
+    worlds: Vec<usize>,
+    /// Operations, comma separated (all_reduce, reduce_scatter, all_gather, broadcast, all_to_all).
+    #[arg(long, value_delimiter = ',')]
+    ops: Vec<String>,
+    /// Smallest message (bytes; K, M, G suffixes).
+    #[arg(long, default_value = "4K", value_parser = super::parse_bytes)]
+    min_bytes: usize,
+    /// Largest message.
+    #[arg(long, default_value = "256M", value_parser = super::parse_bytes)]
+    max_bytes: usize,
+    /// Milliseconds to aim for per measurement.
+    #[arg(long, default_value_t = 200)]
+    target_ms: u64,
+    /// Print one JSON object per line instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_op(name: &str) -> Result<OpKind, String> {
+    comm::OPS
+        .into_iter()
+        .find(|o| o.name() == name.trim())
+        .ok_or_else(|| format!("--ops: unknown op `{name}`; expected one of all_reduce, reduce_scatter, all_gather, broadcast, all_to_all"))
+}
+
+pub fn run(cmd: BenchCommand) -> Result<(), String> {
+    match cmd {
+        BenchCommand::Comm(args) => {
+            if args.worlds.iter().any(|&w| w < 2) {
+                return Err("--worlds: every world size must be at least 2".into());
+            }
+            if args.min_bytes > args.max_bytes {
+                return Err(format!("--min-bytes {} exceeds --max-bytes {}", args.min_bytes, args.max_bytes));
+            }
+            let ops = if args.ops.is_empty() {
+                comm::OPS.to_vec()
+            } else {
+                args.ops.iter().map(|o| parse_op(o)).collect::<Result<_, _>>()?
+            };
+            let config = CommBenchConfig {
+                worlds: args.worlds,
+                ops,
+                min_bytes: args.min_bytes,
+                max_bytes: args.max_bytes,
+                target: Duration::from_millis(args.target_ms),
+            };
+            if !args.json {
+                println!("{:<15} {:>7} {:>5} {:>12} {:>12} {:>10} {:>10}", "op", "backend", "world", "bytes", "time_us", "algbw", "busbw");
+            }
+            comm::run(&config, |r| {
+                if args.json {
+                    println!("{}", serde_json::to_string(r).expect("records serialise"));
+                    return;
+                }
+                match r {
+                    Record::Memcpy { bytes, gbps, .. } => {
+                        println!("{:<15} {:>7} {:>5} {:>12} {:>12} {:>10.2} {:>10}", "memcpy", "-", 1, bytes, "-", gbps, "-")
+                    }
+                    Record::Collective { op, backend, world, bytes, time_s, algbw_gbps, busbw_gbps } => println!(
+                        "{op:<15} {backend:>7} {world:>5} {bytes:>12} {:>12.1} {algbw_gbps:>10.2} {busbw_gbps:>10.2}",
+                        time_s * 1e6
+                    ),
+                }
+            });
+            Ok(())
+        }
+    }
+}

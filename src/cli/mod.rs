@@ -1,0 +1,80 @@
+//! The `flashover` command line: argument definitions (clap) and their handlers.
+
+mod bench;
+
+use clap::{Parser, Subcommand};
+
+/// Train one Burn model on many accelerators.
+#[derive(Debug, Parser)]
+#[command(name = "flashover", version, about)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Measure the collective layer and the machine.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+    /// Draw a device mesh: every rank's coordinates and the groups along each axis.
+    Mesh {
+        /// The mesh, e.g. `dp=2,tp=2` (axes pp, dp, fsdp, ep, cp, tp).
+        #[arg(long)]
+        mesh: String,
+        /// Check that the mesh uses exactly this many ranks.
+        #[arg(long)]
+        world: Option<usize>,
+    },
+}
+
+/// Runs the parsed command; returns the process exit code.
+pub fn run(cli: Cli) -> Result<(), String> {
+    match cli.command {
+        Command::Bench(b) => bench::run(b),
+        Command::Mesh { mesh, world } => {
+            let mesh: flashover::DeviceMesh = mesh.parse().map_err(|e| format!("--mesh: {e}"))?;
+            if let Some(w) = world {
+                mesh.check_world(w).map_err(|e| format!("--mesh: {e}"))?;
+            }
+            print!("{mesh}");
+            Ok(())
+        }
+    }
+}
+
+/// Parses a byte size such as `4096`, `4K`, `64M` or `1G` (powers of 1024).
+pub fn parse_bytes(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (digits, mult) = match s.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&s[..i], 1 << 10),
+        Some((i, 'M' | 'm')) => (&s[..i], 1 << 20),
+        Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    digits
+        .parse::<usize>()
+        .map(|d| d * mult)
+        .map_err(|_| format!("`{s}` is not a byte size: use a number with an optional K, M or G suffix"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn byte_sizes_parse_with_suffixes() {
+        assert_eq!(parse_bytes("4K"), Ok(4096));
+        assert_eq!(parse_bytes("256M"), Ok(256 << 20));
+        assert_eq!(parse_bytes("12"), Ok(12));
+        assert!(parse_bytes("4X").unwrap_err().contains("not a byte size"));
+    }
+
+    #[test]
+    fn the_cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+}

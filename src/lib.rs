@@ -1,0 +1,38 @@
+//! # Flashover
+//!
+//! Train one Burn model on many accelerators. Flashover splits a model's parameters, gradients,
+//! optimizer state, activations and batch across ranks arranged on an N-D [`DeviceMesh`]
+//! (`pp`, `dp`, `fsdp`, `ep`, `cp`, `tp`) and communicates just enough to compute exactly what
+//! one device would.
+//!
+//! This facade re-exports the pieces a model author uses:
+//! - [`launch`] / [`Launch`]: run one closure per rank (threads in one process) with its
+//!   [`RankContext`]: rank, mesh, device and a process [`Group`] per mesh axis.
+//! - [`comm`]: the collective layer ([`comm::Communicator`], the thread engine, fault injection).
+//! - [`mesh`]: the device mesh and its rank order.
+//! - [`TensorCollectives`]: collectives on Burn tensors.
+//! - [`bench`]: the measurements behind `flashover bench`.
+//!
+//! ```
+//! use flashover::{launch, Axis, ReduceOp, TensorCollectives};
+//! use burn::tensor::Tensor;
+//!
+//! // Four ranks as a 2 x 2 mesh; average a tensor over each data-parallel group.
+//! let out = launch("dp=2,tp=2", |ctx| {
+//!     let x = Tensor::<1>::from_floats([ctx.rank() as f32, 1.0], ctx.device());
+//!     ctx.group(Axis::Dp).all_reduce_tensor(x, ReduceOp::Avg)
+//! })
+//! .unwrap();
+//! assert_eq!(out[0].to_data().to_vec::<f32>().unwrap(), vec![1.0, 1.0]); // (0 + 2) / 2
+//! ```
+#![warn(missing_docs)]
+
+pub mod bench;
+
+pub use flashover_comm as comm;
+pub use flashover_mesh as mesh;
+pub use flashover_runtime::{
+    Axis, CommError, CommStats, Communicator, CommunicatorExt, DeviceChoice, DeviceError, DeviceMesh, FaultPlan,
+    Group, IntoMesh, Launch, LaunchError, MeshError, OpKind, RankContext, RankError, RankFailure, ReduceOp,
+    TensorCollectives, launch,
+};
