@@ -11,6 +11,7 @@
 //! - [`comm`]: the collective layer ([`comm::Communicator`], the thread engine, fault injection).
 //! - [`mesh`]: the device mesh and its rank order.
 //! - [`TensorCollectives`]: collectives on Burn tensors.
+//! - [`train`]: the training job behind `flashover train` and `flashover verify`.
 //! - [`bench`]: the measurements behind `flashover bench`.
 //!
 //! ```
@@ -23,16 +24,17 @@
 //!     ctx.group(Axis::Dp).all_reduce_tensor(x, ReduceOp::Avg)
 //! })
 //! .unwrap();
-//! assert_eq!(out[0].to_data().to_vec::<f32>().unwrap(), vec![1.0, 1.0]); // (0 + 2) / 2
+//! assert_eq!(out[0].to_data().try_to_vec::<f32>().unwrap(), vec![1.0, 1.0]); // (0 + 2) / 2
 //! ```
 #![warn(missing_docs)]
 
 pub mod bench;
+pub mod train;
 
 pub use flashover_comm as comm;
 pub use flashover_mesh as mesh;
 pub use flashover_runtime::{
-    Axis, CommError, CommStats, Communicator, CommunicatorExt, DeviceChoice, DeviceError, DeviceMesh, FaultPlan,
-    Group, IntoMesh, Launch, LaunchError, MeshError, OpKind, RankContext, RankError, RankFailure, ReduceOp,
-    TensorCollectives, launch,
+    Axis, CommError, CommStats, Communicator, CommunicatorExt, DeviceChoice, DeviceError,
+    DeviceMesh, FaultPlan, Group, IntoMesh, Launch, LaunchError, MeshError, OpKind, RankContext,
+    RankError, RankFailure, ReduceOp, TensorCollectives, launch,
 };

@@ -1,12 +1,20 @@
 //! `flashover bench comm`: every collective at sizes from 4 KiB to 256 MiB, with algorithm and
 //! bus bandwidth by nccl-tests' conventions, next to single-thread memcpy measured in the same run.
 
-use flashover_comm::{Communicator, CommunicatorExt, OpKind, ReduceOp, ThreadWorld, bus_bandwidth_factor};
+use flashover_comm::{
+    Communicator, CommunicatorExt, OpKind, ReduceOp, ThreadWorld, bus_bandwidth_factor,
+};
 use serde::Serialize;
 use std::time::{Duration, Instant};
 
 /// The operations `bench comm` measures.
-pub const OPS: [OpKind; 5] = [OpKind::AllReduce, OpKind::ReduceScatter, OpKind::AllGather, OpKind::Broadcast, OpKind::AllToAll];
+pub const OPS: [OpKind; 5] = [
+    OpKind::AllReduce,
+    OpKind::ReduceScatter,
+    OpKind::AllGather,
+    OpKind::Broadcast,
+    OpKind::AllToAll,
+];
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -107,7 +115,10 @@ pub fn time_collective(op: OpKind, world: usize, bytes: usize, target: Duration)
             .into_iter()
             .map(|c| s.spawn(move || time_on_rank(&c, op, bytes, target)))
             .collect();
-        handles.into_iter().map(|h| h.join().expect("bench rank")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("bench rank"))
+            .collect()
     });
     times.into_iter().fold(0.0, f64::max)
 }
@@ -150,7 +161,11 @@ fn time_on_rank(c: &dyn Communicator, op: OpKind, bytes: usize, target: Duration
 /// Runs the whole benchmark, calling `emit` after each measurement.
 pub fn run(config: &CommBenchConfig, mut emit: impl FnMut(&Record)) {
     for bytes in sizes(config.min_bytes, config.max_bytes) {
-        emit(&Record::Memcpy { op: "memcpy", bytes, gbps: memcpy_gbps(bytes, config.target) });
+        emit(&Record::Memcpy {
+            op: "memcpy",
+            bytes,
+            gbps: memcpy_gbps(bytes, config.target),
+        });
     }
     for &world in &config.worlds {
         for &op in &config.ops {

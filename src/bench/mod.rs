@@ -2,3 +2,4 @@
 //! produced them; ratios are measured side by side in one run because these machines are noisy.
 
 pub mod comm;
+pub mod train;

@@ -10,6 +10,25 @@ use std::time::Duration;
 pub enum BenchCommand {
     /// Every collective at sizes from 4 KiB to 256 MiB, with memcpy as the reference.
     Comm(CommArgs),
+    /// Tokens/s of the reference model: plain Burn loop vs Flashover DDP at several dp.
+    Train(TrainArgs),
+}
+
+/// Options of `bench train`.
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// Job options (model, data, batch, steps...); the mesh is set per variant.
+    #[command(flatten)]
+    job: super::job::JobArgs,
+    /// Data-parallel degrees to measure, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    dps: Vec<usize>,
+    /// Interleaved repeats of every variant (medians are reported).
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Print JSON lines instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Options of `bench comm`.
@@ -44,17 +63,43 @@ fn parse_op(name: &str) -> Result<OpKind, String> {
 
 pub fn run(cmd: BenchCommand) -> Result<(), String> {
     match cmd {
+        BenchCommand::Train(args) => {
+            let mut config = args.job.build_with_mesh("dp=1")?;
+            config.parallel.mesh = "dp=1".into();
+            let records = flashover::bench::train::run(&config, &args.dps, args.repeats)?;
+            let plain = records[0].tokens_per_s;
+            for r in &records {
+                if args.json {
+                    println!("{}", serde_json::to_string(r).expect("records serialise"));
+                } else {
+                    println!(
+                        "{:<16} {:>10.0} tokens/s {:>9.2} ms/step  ratio to plain Burn {:.3}",
+                        r.variant,
+                        r.tokens_per_s,
+                        r.step_ms,
+                        r.tokens_per_s / plain
+                    );
+                }
+            }
+            Ok(())
+        }
         BenchCommand::Comm(args) => {
             if args.worlds.iter().any(|&w| w < 2) {
                 return Err("--worlds: every world size must be at least 2".into());
             }
             if args.min_bytes > args.max_bytes {
-                return Err(format!("--min-bytes {} exceeds --max-bytes {}", args.min_bytes, args.max_bytes));
+                return Err(format!(
+                    "--min-bytes {} exceeds --max-bytes {}",
+                    args.min_bytes, args.max_bytes
+                ));
             }
             let ops = if args.ops.is_empty() {
                 comm::OPS.to_vec()
             } else {
-                args.ops.iter().map(|o| parse_op(o)).collect::<Result<_, _>>()?
+                args.ops
+                    .iter()
+                    .map(|o| parse_op(o))
+                    .collect::<Result<_, _>>()?
             };
             let config = CommBenchConfig {
                 worlds: args.worlds,
@@ -64,7 +109,10 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                 target: Duration::from_millis(args.target_ms),
             };
             if !args.json {
-                println!("{:<15} {:>7} {:>5} {:>12} {:>12} {:>10} {:>10}", "op", "backend", "world", "bytes", "time_us", "algbw", "busbw");
+                println!(
+                    "{:<15} {:>7} {:>5} {:>12} {:>12} {:>10} {:>10}",
+                    "op", "backend", "world", "bytes", "time_us", "algbw", "busbw"
+                );
             }
             comm::run(&config, |r| {
                 if args.json {
@@ -73,9 +121,20 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                 }
                 match r {
                     Record::Memcpy { bytes, gbps, .. } => {
-                        println!("{:<15} {:>7} {:>5} {:>12} {:>12} {:>10.2} {:>10}", "memcpy", "-", 1, bytes, "-", gbps, "-")
+                        println!(
+                            "{:<15} {:>7} {:>5} {:>12} {:>12} {:>10.2} {:>10}",
+                            "memcpy", "-", 1, bytes, "-", gbps, "-"
+                        )
                     }
-                    Record::Collective { op, backend, world, bytes, time_s, algbw_gbps, busbw_gbps } => println!(
+                    Record::Collective {
+                        op,
+                        backend,
+                        world,
+                        bytes,
+                        time_s,
+                        algbw_gbps,
+                        busbw_gbps,
+                    } => println!(
                         "{op:<15} {backend:>7} {world:>5} {bytes:>12} {:>12.1} {algbw_gbps:>10.2} {busbw_gbps:>10.2}",
                         time_s * 1e6
                     ),

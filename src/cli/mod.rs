@@ -1,6 +1,7 @@
 //! The `flashover` command line: argument definitions (clap) and their handlers.
 
 mod bench;
+mod job;
 
 use clap::{Parser, Subcommand};
 
@@ -19,6 +20,24 @@ pub enum Command {
     /// Measure the collective layer and the machine.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Train the reference transformer on simulated ranks (threads), data parallel over `dp`.
+    Train {
+        /// Job options.
+        #[command(flatten)]
+        job: job::JobArgs,
+        /// Write one JSON line per step to this file.
+        #[arg(long)]
+        log_jsonl: Option<std::path::PathBuf>,
+    },
+    /// Train on one rank and on the given mesh; compare losses, gradient norms and parameters.
+    Verify {
+        /// Job options.
+        #[command(flatten)]
+        job: job::JobArgs,
+        /// Largest relative difference accepted.
+        #[arg(long, default_value_t = 1e-5)]
+        tolerance: f64,
+    },
     /// Draw a device mesh: every rank's coordinates and the groups along each axis.
     Mesh {
         /// The mesh, e.g. `dp=2,tp=2` (axes pp, dp, fsdp, ep, cp, tp).
@@ -30,10 +49,18 @@ pub enum Command {
     },
 }
 
-/// Runs the parsed command; returns the process exit code.
+/// Runs the parsed command.
 pub fn run(cli: Cli) -> Result<(), String> {
     match cli.command {
         Command::Bench(b) => bench::run(b),
+        Command::Train { job, log_jsonl } => job::train(&job, log_jsonl),
+        Command::Verify { job, tolerance } => {
+            if !job::verify(&job, tolerance)? {
+                // The last line printed is the verdict; the exit code says it too.
+                std::process::exit(1);
+            }
+            Ok(())
+        }
         Command::Mesh { mesh, world } => {
             let mesh: flashover::DeviceMesh = mesh.parse().map_err(|e| format!("--mesh: {e}"))?;
             if let Some(w) = world {
@@ -54,10 +81,9 @@ pub fn parse_bytes(s: &str) -> Result<usize, String> {
         Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
         _ => (s, 1),
     };
-    digits
-        .parse::<usize>()
-        .map(|d| d * mult)
-        .map_err(|_| format!("`{s}` is not a byte size: use a number with an optional K, M or G suffix"))
+    digits.parse::<usize>().map(|d| d * mult).map_err(|_| {
+        format!("`{s}` is not a byte size: use a number with an optional K, M or G suffix")
+    })
 }
 
 #[cfg(test)]

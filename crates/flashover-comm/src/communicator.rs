@@ -75,12 +75,26 @@ pub trait CommunicatorExt: Communicator {
         self.all_reduce_bytes(bytemuck::cast_slice_mut(buf), T::DTYPE, op)
     }
     /// [`Communicator::reduce_scatter_bytes`] on typed slices.
-    fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> CommResult<()> {
-        self.reduce_scatter_bytes(bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv), T::DTYPE, op)
+    fn reduce_scatter<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        self.reduce_scatter_bytes(
+            bytemuck::cast_slice(send),
+            bytemuck::cast_slice_mut(recv),
+            T::DTYPE,
+            op,
+        )
     }
     /// [`Communicator::all_gather_bytes`] on typed slices.
     fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> CommResult<()> {
-        self.all_gather_bytes(bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv), T::DTYPE)
+        self.all_gather_bytes(
+            bytemuck::cast_slice(send),
+            bytemuck::cast_slice_mut(recv),
+            T::DTYPE,
+        )
     }
     /// [`Communicator::all_gather_bytes`] into a new vector of `size() * send.len()` elements.
     fn all_gather_vec<T: Element>(&self, send: &[T]) -> CommResult<Vec<T>> {
@@ -164,6 +178,12 @@ impl Deref for Group {
 
 impl fmt::Debug for Group {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Group({} rank {}/{})", self.name(), self.rank(), self.size())
+        write!(
+            f,
+            "Group({} rank {}/{})",
+            self.name(),
+            self.rank(),
+            self.size()
+        )
     }
 }

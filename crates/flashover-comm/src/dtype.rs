@@ -222,7 +222,11 @@ pub fn reduce_slices<T: Element>(op: ReduceOp, inputs: &[&[T]], out: &mut [T]) {
         }
     }
     for (o, a) in out.iter_mut().zip(acc) {
-        let a = if op == ReduceOp::Avg { T::div_count(a, n) } else { a };
+        let a = if op == ReduceOp::Avg {
+            T::div_count(a, n)
+        } else {
+            a
+        };
         *o = T::from_acc(a);
     }
 }

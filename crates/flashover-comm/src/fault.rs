@@ -61,17 +61,32 @@ impl FaultPlan {
 
     /// `rank` sleeps `duration` before its `nth` call of `op`.
     pub fn stall_at(self, rank: usize, op: OpKind, nth: u64, duration: Duration) -> Self {
-        self.with(FaultRule { rank, op: Some(op), nth: Some(nth), action: FaultAction::Delay(duration) })
+        self.with(FaultRule {
+            rank,
+            op: Some(op),
+            nth: Some(nth),
+            action: FaultAction::Delay(duration),
+        })
     }
 
     /// `rank` panics at its `nth` call of `op`.
     pub fn panic_at(self, rank: usize, op: OpKind, nth: u64) -> Self {
-        self.with(FaultRule { rank, op: Some(op), nth: Some(nth), action: FaultAction::Panic })
+        self.with(FaultRule {
+            rank,
+            op: Some(op),
+            nth: Some(nth),
+            action: FaultAction::Panic,
+        })
     }
 
     /// `rank` sleeps `duration` before every call of `op`.
     pub fn delay_every(self, rank: usize, op: OpKind, duration: Duration) -> Self {
-        self.with(FaultRule { rank, op: Some(op), nth: None, action: FaultAction::Delay(duration) })
+        self.with(FaultRule {
+            rank,
+            op: Some(op),
+            nth: None,
+            action: FaultAction::Delay(duration),
+        })
     }
 
     /// The rules, in the order added.

@@ -30,12 +30,14 @@ pub struct CommStats {
 impl CommStats {
     /// Sum of all kinds.
     pub fn total(&self) -> OpStats {
-        self.ops.values().fold(OpStats::default(), |acc, s| OpStats {
-            calls: acc.calls + s.calls,
-            bytes: acc.bytes + s.bytes,
-            wait: acc.wait + s.wait,
-            transfer: acc.transfer + s.transfer,
-        })
+        self.ops
+            .values()
+            .fold(OpStats::default(), |acc, s| OpStats {
+                calls: acc.calls + s.calls,
+                bytes: acc.bytes + s.bytes,
+                wait: acc.wait + s.wait,
+                transfer: acc.transfer + s.transfer,
+            })
     }
 
     /// Adds another snapshot (e.g. of another group of the same rank) into this one.

@@ -22,7 +22,11 @@ fn reference(inputs: &[Vec<f32>], op: ReduceOp) -> Vec<f32> {
                     ReduceOp::Min => acc.min(input[i]),
                 };
             }
-            if op == ReduceOp::Avg { acc / n as f32 } else { acc }
+            if op == ReduceOp::Avg {
+                acc / n as f32
+            } else {
+                acc
+            }
         })
         .collect()
 }
@@ -45,7 +49,9 @@ fn all_reduce_matches_sequential_reference_bitwise() {
                 });
                 for (r, g) in got.iter().enumerate() {
                     assert!(
-                        g.iter().map(|v| v.to_bits()).eq(expected.iter().map(|v| v.to_bits())),
+                        g.iter()
+                            .map(|v| v.to_bits())
+                            .eq(expected.iter().map(|v| v.to_bits())),
                         "all_reduce {op:?} n={n} len={len}: rank {r} differs from the reference"
                     );
                 }
@@ -86,7 +92,10 @@ fn reduce_scatter_gives_each_rank_its_reduced_block() {
             });
             for (r, g) in got.iter().enumerate() {
                 let want = &full[r * block..(r + 1) * block];
-                assert!(g.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "n={n} block={block} rank {r}");
+                assert!(
+                    g.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "n={n} block={block} rank {r}"
+                );
             }
         }
     }
@@ -97,7 +106,9 @@ fn all_gather_concatenates_in_rank_order() {
     for n in WORLDS {
         for len in SIZES {
             let expected: Vec<f32> = (0..n).flat_map(|r| rank_data(r, len)).collect();
-            let got = run(ThreadWorld::new(n), |c| c.all_gather_vec(&rank_data(c.rank(), len)).unwrap());
+            let got = run(ThreadWorld::new(n), |c| {
+                c.all_gather_vec(&rank_data(c.rank(), len)).unwrap()
+            });
             assert!(got.iter().all(|g| g == &expected), "n={n} len={len}");
         }
     }
@@ -132,7 +143,9 @@ fn all_to_all_v_routes_variable_segments() {
                 let me = c.rank();
                 let send_counts: Vec<usize> = (0..n).map(|j| a2a_counts(me, j, base)).collect();
                 let send: Vec<f32> = (0..n)
-                    .flat_map(|j| (0..send_counts[j]).map(move |k| (me * 1_000_000 + j * 1000 + k) as f32))
+                    .flat_map(|j| {
+                        (0..send_counts[j]).map(move |k| (me * 1_000_000 + j * 1000 + k) as f32)
+                    })
                     .collect();
                 let (recv, counts) = c.all_to_all_v_exchange(&send, &send_counts).unwrap();
                 (recv, counts)
@@ -141,7 +154,9 @@ fn all_to_all_v_routes_variable_segments() {
                 let want_counts: Vec<usize> = (0..n).map(|i| a2a_counts(i, me, base)).collect();
                 assert_eq!(counts, &want_counts);
                 let want: Vec<f32> = (0..n)
-                    .flat_map(|i| (0..want_counts[i]).map(move |k| (i * 1_000_000 + me * 1000 + k) as f32))
+                    .flat_map(|i| {
+                        (0..want_counts[i]).map(move |k| (i * 1_000_000 + me * 1000 + k) as f32)
+                    })
                     .collect();
                 assert_eq!(recv, &want, "n={n} base={base} rank {me}");
             }
@@ -167,7 +182,10 @@ fn send_and_recv_deliver_in_order_around_a_ring() {
         });
         for (me, msgs) in got.iter().enumerate() {
             let prev = (me + n - 1) % n;
-            assert_eq!(msgs, &(0..3).map(|k| [prev as f32, k as f32]).collect::<Vec<_>>());
+            assert_eq!(
+                msgs,
+                &(0..3).map(|k| [prev as f32, k as f32]).collect::<Vec<_>>()
+            );
         }
     }
 }
@@ -183,7 +201,15 @@ fn split_builds_sub_groups_that_reduce_independently() {
         let h = g.split(g.rank() / 2, g.rank(), "pair").unwrap();
         let mut y = vec![c.rank() as u64];
         h.all_reduce(&mut y, ReduceOp::Sum).unwrap();
-        (g.rank(), g.size(), g.members().to_vec(), x[0], h.size(), y[0], g.name().to_string())
+        (
+            g.rank(),
+            g.size(),
+            g.members().to_vec(),
+            x[0],
+            h.size(),
+            y[0],
+            g.name().to_string(),
+        )
     });
     for (rank, (grank, gsize, members, sum, hsize, pair_sum, name)) in got.into_iter().enumerate() {
         assert_eq!(gsize, 4);

@@ -4,7 +4,9 @@
 mod common;
 
 use common::run;
-use flashover_comm::{CommError, Communicator, CommunicatorExt, FaultPlan, OpKind, ReduceOp, ThreadWorld};
+use flashover_comm::{
+    CommError, Communicator, CommunicatorExt, FaultPlan, OpKind, ReduceOp, ThreadWorld,
+};
 use std::time::{Duration, Instant};
 
 #[test]
@@ -26,7 +28,13 @@ fn a_stalled_rank_times_out_the_others_naming_it() {
             assert!(matches!(err, CommError::Poisoned { .. }), "{err}");
         }
         match err.root_cause() {
-            CommError::Timeout { op, group, seq, missing, .. } => {
+            CommError::Timeout {
+                op,
+                group,
+                seq,
+                missing,
+                ..
+            } => {
                 assert_eq!((*op, group.as_str(), *seq), (OpKind::AllReduce, "world", 1));
                 assert_eq!(missing, &vec![2]);
             }
@@ -34,7 +42,10 @@ fn a_stalled_rank_times_out_the_others_naming_it() {
         }
     }
     let msg = got[0].as_ref().unwrap_err().to_string();
-    assert!(msg.contains("all_reduce #1 in group world") && msg.contains("ranks [2] did not arrive"), "{msg}");
+    assert!(
+        msg.contains("all_reduce #1 in group world") && msg.contains("ranks [2] did not arrive"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -51,7 +62,11 @@ fn mismatched_calls_are_reported_not_mixed() {
         let err = r.as_ref().unwrap_err();
         assert!(matches!(err, CommError::Mismatch { seq: 0, .. }), "{err}");
         let msg = err.to_string();
-        assert!(msg.contains("rank 0: all_gather f32 send=40B") && msg.contains("rank 1: all_reduce f32 send=48B"), "{msg}");
+        assert!(
+            msg.contains("rank 0: all_gather f32 send=40B")
+                && msg.contains("rank 1: all_reduce f32 send=48B"),
+            "{msg}"
+        );
     }
 }
 
@@ -61,7 +76,10 @@ fn mismatched_sizes_of_the_same_op_are_reported() {
         let mut x = vec![0.0f32; 10 + c.rank()];
         c.all_reduce(&mut x, ReduceOp::Sum)
     });
-    assert!(got.iter().all(|r| matches!(r, Err(CommError::Mismatch { .. }))));
+    assert!(
+        got.iter()
+            .all(|r| matches!(r, Err(CommError::Mismatch { .. })))
+    );
 }
 
 #[test]
@@ -70,7 +88,11 @@ fn inconsistent_all_to_all_counts_are_reported() {
         // Rank 0 sends 2 elements to rank 1, which expects 3.
         let send = vec![1.0f32; 3];
         let mut recv = vec![0.0f32; if c.rank() == 0 { 2 } else { 4 }];
-        let (sc, rc) = if c.rank() == 0 { ([1, 2], [1, 1]) } else { ([1, 2], [3, 1]) };
+        let (sc, rc) = if c.rank() == 0 {
+            ([1, 2], [1, 1])
+        } else {
+            ([1, 2], [3, 1])
+        };
         c.all_to_all_v(&send, &sc, &mut recv, &rc)
     });
     for r in &got {
@@ -87,7 +109,10 @@ fn invalid_arguments_on_one_rank_fail_every_rank_at_once() {
         let mut recv = vec![0.0f32; if c.rank() == 0 { 2 } else { 3 }];
         c.reduce_scatter(&send, &mut recv, ReduceOp::Sum)
     });
-    assert!(start.elapsed() < Duration::from_secs(5), "must not wait for the timeout");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "must not wait for the timeout"
+    );
     let msg = got[1].as_ref().unwrap_err().to_string();
     assert!(msg.contains("INVALID"), "{msg}");
 }
@@ -100,15 +125,26 @@ fn a_rank_that_dies_makes_the_others_fail_fast_naming_it() {
     let start = Instant::now();
     let comms = world.build();
     let results: Vec<std::thread::Result<Result<Vec<f32>, CommError>>> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms.into_iter().map(|c| s.spawn(move || c.all_gather_vec(&[1.0f32]))).collect();
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|c| s.spawn(move || c.all_gather_vec(&[1.0f32])))
+            .collect();
         handles.into_iter().map(|h| h.join()).collect()
     });
-    assert!(start.elapsed() < Duration::from_secs(5), "peers must not wait for the timeout");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "peers must not wait for the timeout"
+    );
     assert!(results[1].is_err(), "rank 1 panicked");
     for r in [0, 2] {
         let err = results[r].as_ref().unwrap().as_ref().unwrap_err();
         match err {
-            CommError::PeerLeft { rank: 1, reason, op: OpKind::AllGather, .. } => assert_eq!(reason, "panicked"),
+            CommError::PeerLeft {
+                rank: 1,
+                reason,
+                op: OpKind::AllGather,
+                ..
+            } => assert_eq!(reason, "panicked"),
             other => panic!("rank {r}: {other}"),
         }
     }
@@ -130,18 +166,25 @@ fn a_rank_that_finishes_early_is_named_by_the_rest() {
 
 #[test]
 fn recv_from_a_silent_peer_times_out_naming_it() {
-    let got = run(ThreadWorld::new(2).timeout(Duration::from_millis(100)), |c| {
-        if c.rank() == 0 {
-            let mut buf = [0.0f32; 4];
-            Some(c.recv(&mut buf, 1))
-        } else {
-            // Alive but silent for longer than the timeout.
-            std::thread::sleep(Duration::from_millis(400));
-            None
-        }
-    });
+    let got = run(
+        ThreadWorld::new(2).timeout(Duration::from_millis(100)),
+        |c| {
+            if c.rank() == 0 {
+                let mut buf = [0.0f32; 4];
+                Some(c.recv(&mut buf, 1))
+            } else {
+                // Alive but silent for longer than the timeout.
+                std::thread::sleep(Duration::from_millis(400));
+                None
+            }
+        },
+    );
     match got[0].as_ref().unwrap() {
-        Err(CommError::Timeout { op: OpKind::Recv, missing, .. }) => assert_eq!(missing, &vec![1]),
+        Err(CommError::Timeout {
+            op: OpKind::Recv,
+            missing,
+            ..
+        }) => assert_eq!(missing, &vec![1]),
         other => panic!("{other:?}"),
     }
 }
@@ -157,7 +200,10 @@ fn recv_with_the_wrong_length_is_a_mismatch() {
         }
     });
     let msg = got[1].as_ref().unwrap_err().to_string();
-    assert!(msg.contains("sent 12 bytes of f32") && msg.contains("expected 16 bytes"), "{msg}");
+    assert!(
+        msg.contains("sent 12 bytes of f32") && msg.contains("expected 16 bytes"),
+        "{msg}"
+    );
 }
 
 #[test]

@@ -37,7 +37,12 @@ impl MarkovSource {
             // Skewed weights give a chain whose entropy is well below ln(branching).
             let weights: Vec<f64> = next.iter().map(|_| rng.next_f64().powi(2) + 0.05).collect();
             let total: f64 = weights.iter().sum();
-            probs.push(next.into_iter().zip(weights).map(|(t, w)| (t, w / total)).collect());
+            probs.push(
+                next.into_iter()
+                    .zip(weights)
+                    .map(|(t, w)| (t, w / total))
+                    .collect(),
+            );
         }
         let stationary = stationary_distribution(&probs);
         let entropy_rate = stationary
@@ -45,12 +50,20 @@ impl MarkovSource {
             .zip(&probs)
             .map(|(pi, row)| pi * row.iter().map(|&(_, p)| -p * p.ln()).sum::<f64>())
             .sum();
-        let successors = probs.iter().map(|row| cumulative(row.iter().map(|&(t, p)| (t, p)))).collect();
+        let successors = probs
+            .iter()
+            .map(|row| cumulative(row.iter().map(|&(t, p)| (t, p))))
+            .collect();
         let stationary_cdf = cumulative(stationary.iter().enumerate().map(|(t, &p)| (t as u32, p)))
             .into_iter()
             .map(|(_, c)| c)
             .collect();
-        MarkovSource { seed, successors, stationary_cdf, entropy_rate }
+        MarkovSource {
+            seed,
+            successors,
+            stationary_cdf,
+            entropy_rate,
+        }
     }
 
     /// The chain's entropy rate in nats per token.
@@ -116,10 +129,19 @@ impl TokenSource for MarkovSource {
         if len == 0 {
             return out;
         }
-        let mut cur = draw(self.stationary_cdf.iter().enumerate().map(|(t, &c)| (t as u32, c)), rng.next_f64());
+        let mut cur = draw(
+            self.stationary_cdf
+                .iter()
+                .enumerate()
+                .map(|(t, &c)| (t as u32, c)),
+            rng.next_f64(),
+        );
         out.push(cur);
         while out.len() < len {
-            cur = draw(self.successors[cur as usize].iter().copied(), rng.next_f64());
+            cur = draw(
+                self.successors[cur as usize].iter().copied(),
+                rng.next_f64(),
+            );
             out.push(cur);
         }
         out
@@ -151,7 +173,10 @@ mod tests {
         assert_ne!(m.sample(3, 50), m.sample(4, 50));
         let s = m.sample(11, 200);
         for w in s.windows(2) {
-            assert!(m.successors[w[0] as usize].iter().any(|&(t, _)| t == w[1]), "{w:?} is not a transition");
+            assert!(
+                m.successors[w[0] as usize].iter().any(|&(t, _)| t == w[1]),
+                "{w:?} is not a transition"
+            );
         }
     }
 
@@ -171,7 +196,11 @@ mod tests {
             }
         }
         let empirical = total / count as f64;
-        assert!((empirical - m.entropy_rate()).abs() < 0.02, "{empirical} vs {}", m.entropy_rate());
+        assert!(
+            (empirical - m.entropy_rate()).abs() < 0.02,
+            "{empirical} vs {}",
+            m.entropy_rate()
+        );
         assert!(m.entropy_rate() > 0.1 && m.entropy_rate() < 3f64.ln());
     }
 }

@@ -33,12 +33,32 @@ pub struct BatchPlan {
 
 impl BatchPlan {
     /// A plan for data-parallel `rank` of `data_parallel`.
-    pub fn new(global_batch: usize, data_parallel: usize, rank: usize, micro_batches: usize) -> Result<Self, SamplerError> {
-        if global_batch == 0 || micro_batches == 0 || global_batch % (data_parallel * micro_batches) != 0 {
-            return Err(SamplerError::Indivisible { global_batch, data_parallel, micro_batches });
+    pub fn new(
+        global_batch: usize,
+        data_parallel: usize,
+        rank: usize,
+        micro_batches: usize,
+    ) -> Result<Self, SamplerError> {
+        if global_batch == 0
+            || micro_batches == 0
+            || global_batch % (data_parallel * micro_batches) != 0
+        {
+            return Err(SamplerError::Indivisible {
+                global_batch,
+                data_parallel,
+                micro_batches,
+            });
         }
-        assert!(rank < data_parallel, "rank {rank} outside {data_parallel} data-parallel ranks");
-        Ok(BatchPlan { global_batch, data_parallel, rank, micro_batches })
+        assert!(
+            rank < data_parallel,
+            "rank {rank} outside {data_parallel} data-parallel ranks"
+        );
+        Ok(BatchPlan {
+            global_batch,
+            data_parallel,
+            rank,
+            micro_batches,
+        })
     }
 
     /// Samples per micro-batch on one rank.
@@ -54,7 +74,8 @@ impl BatchPlan {
     /// Global sample indices of micro-batch `micro` of `step` on this rank.
     pub fn indices(&self, step: u64, micro: usize) -> Range<u64> {
         let mb = self.micro_batch_size() as u64;
-        let start = step * self.global_batch as u64 + (self.rank * self.micro_batches + micro) as u64 * mb;
+        let start =
+            step * self.global_batch as u64 + (self.rank * self.micro_batches + micro) as u64 * mb;
         start..start + mb
     }
 }

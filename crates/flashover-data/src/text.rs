@@ -16,7 +16,9 @@ pub enum TextError {
         source: std::io::Error,
     },
     /// The file is shorter than one sample.
-    #[error("text data {path} has {len} bytes but one sample needs {needed}: use a longer file or a shorter --seq-len")]
+    #[error(
+        "text data {path} has {len} bytes but one sample needs {needed}: use a longer file or a shorter --seq-len"
+    )]
     TooShort {
         /// The path given.
         path: PathBuf,
@@ -38,11 +40,22 @@ pub struct TextSource {
 impl TextSource {
     /// Reads `path`; checks that it holds at least `sample_len` bytes.
     pub fn open(path: &Path, sample_len: usize, seed: u64) -> Result<Self, TextError> {
-        let bytes = std::fs::read(path).map_err(|source| TextError::Read { path: path.into(), source })?;
+        let bytes = std::fs::read(path).map_err(|source| TextError::Read {
+            path: path.into(),
+            source,
+        })?;
         if bytes.len() < sample_len {
-            return Err(TextError::TooShort { path: path.into(), len: bytes.len(), needed: sample_len });
+            return Err(TextError::TooShort {
+                path: path.into(),
+                len: bytes.len(),
+                needed: sample_len,
+            });
         }
-        Ok(TextSource { bytes, seed, name: path.display().to_string() })
+        Ok(TextSource {
+            bytes,
+            seed,
+            name: path.display().to_string(),
+        })
     }
 }
 
@@ -54,7 +67,10 @@ impl TokenSource for TextSource {
     fn sample(&self, index: u64, len: usize) -> Vec<u32> {
         let span = (self.bytes.len() - len.min(self.bytes.len())) as u64 + 1;
         let start = SplitMix64::stream(self.seed, index).below(span) as usize;
-        self.bytes[start..start + len].iter().map(|&b| b as u32).collect()
+        self.bytes[start..start + len]
+            .iter()
+            .map(|&b| b as u32)
+            .collect()
     }
 
     fn loss_floor(&self) -> Option<f64> {
@@ -62,7 +78,11 @@ impl TokenSource for TextSource {
     }
 
     fn describe(&self) -> String {
-        format!("text file {} ({} bytes, byte tokens)", self.name, self.bytes.len())
+        format!(
+            "text file {} ({} bytes, byte tokens)",
+            self.name,
+            self.bytes.len()
+        )
     }
 }
 
@@ -79,9 +99,16 @@ mod tests {
         let src = TextSource::open(&path, 8, 1).unwrap();
         let s = src.sample(5, 8);
         let text: Vec<u8> = s.iter().map(|&t| t as u8).collect();
-        assert!(b"hello world, hello flashover".windows(8).any(|w| w == text.as_slice()));
+        assert!(
+            b"hello world, hello flashover"
+                .windows(8)
+                .any(|w| w == text.as_slice())
+        );
         let err = TextSource::open(&path, 100, 1).unwrap_err().to_string();
-        assert!(err.contains("has 28 bytes but one sample needs 100"), "{err}");
+        assert!(
+            err.contains("has 28 bytes but one sample needs 100"),
+            "{err}"
+        );
         std::fs::remove_dir_all(dir).ok();
     }
 }

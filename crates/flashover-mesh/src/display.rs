@@ -37,7 +37,15 @@ impl fmt::Display for DeviceMesh {
             let groups: Vec<String> = self
                 .groups(&[*a])
                 .iter()
-                .map(|g| format!("[{}]", g.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(" ")))
+                .map(|g| {
+                    format!(
+                        "[{}]",
+                        g.iter()
+                            .map(|r| r.to_string())
+                            .collect::<Vec<_>>()
+                            .join(" ")
+                    )
+                })
                 .collect();
             writeln!(f, "  {:>4} groups: {}", a.name(), groups.join(" "))?;
         }

@@ -74,7 +74,10 @@ impl DeviceMesh {
                 return Err(MeshError::DuplicateAxis { axis });
             }
             if degree == 0 {
-                return Err(MeshError::BadDegree { axis, degree: "0".into() });
+                return Err(MeshError::BadDegree {
+                    axis,
+                    degree: "0".into(),
+                });
             }
             degrees[Self::slot(axis)] = degree;
             named.push(axis);
@@ -93,7 +96,12 @@ impl DeviceMesh {
         if self.world_size() == world {
             return Ok(());
         }
-        let factors = self.named.iter().map(|a| format!("{a}={}", self.degree(*a))).collect::<Vec<_>>().join(" x ");
+        let factors = self
+            .named
+            .iter()
+            .map(|a| format!("{a}={}", self.degree(*a)))
+            .collect::<Vec<_>>()
+            .join(" x ");
         Err(MeshError::WorldMismatch {
             mesh: self.to_spec(),
             product: self.world_size(),
@@ -103,7 +111,10 @@ impl DeviceMesh {
     }
 
     fn slot(axis: Axis) -> usize {
-        Axis::ALL.iter().position(|&a| a == axis).expect("every axis is in ALL")
+        Axis::ALL
+            .iter()
+            .position(|&a| a == axis)
+            .expect("every axis is in ALL")
     }
 
     /// Number of ranks: the product of the degrees.
@@ -123,12 +134,20 @@ impl DeviceMesh {
 
     /// The canonical string form, e.g. `dp=2,tp=2` (named axes, rank order).
     pub fn to_spec(&self) -> String {
-        self.named.iter().map(|a| format!("{a}={}", self.degree(*a))).collect::<Vec<_>>().join(",")
+        self.named
+            .iter()
+            .map(|a| format!("{a}={}", self.degree(*a)))
+            .collect::<Vec<_>>()
+            .join(",")
     }
 
     /// Coordinates of `rank`, one per axis in [`Axis::ALL`] order.
     pub fn coords(&self, rank: usize) -> [usize; 6] {
-        assert!(rank < self.world_size(), "rank {rank} outside a world of {}", self.world_size());
+        assert!(
+            rank < self.world_size(),
+            "rank {rank} outside a world of {}",
+            self.world_size()
+        );
         let mut coords = [0; 6];
         let mut rest = rank;
         for i in (0..6).rev() {
@@ -172,7 +191,10 @@ impl DeviceMesh {
     /// Which group along `axes` `rank` belongs to, numbered 0.. in order of the groups' first ranks.
     pub fn group_index(&self, rank: usize, axes: &[Axis]) -> usize {
         let first = self.group_ranks(rank, axes)[0];
-        self.groups(axes).iter().position(|g| g[0] == first).expect("rank is in a group")
+        self.groups(axes)
+            .iter()
+            .position(|g| g[0] == first)
+            .expect("rank is in a group")
     }
 
     /// Every group along `axes`, ordered by first rank.
@@ -203,12 +225,16 @@ impl FromStr for DeviceMesh {
         }
         let mut axes = vec![];
         for entry in s.split(',') {
-            let (name, degree) = entry.split_once('=').ok_or_else(|| MeshError::Malformed { entry: entry.trim().into() })?;
-            let axis: Axis = name.parse().map_err(|name| MeshError::UnknownAxis { name })?;
-            let d: usize = degree
-                .trim()
+            let (name, degree) = entry.split_once('=').ok_or_else(|| MeshError::Malformed {
+                entry: entry.trim().into(),
+            })?;
+            let axis: Axis = name
                 .parse()
-                .map_err(|_| MeshError::BadDegree { axis, degree: degree.trim().into() })?;
+                .map_err(|name| MeshError::UnknownAxis { name })?;
+            let d: usize = degree.trim().parse().map_err(|_| MeshError::BadDegree {
+                axis,
+                degree: degree.trim().into(),
+            })?;
             axes.push((axis, d));
         }
         DeviceMesh::new(&axes)
@@ -227,9 +253,18 @@ mod tests {
     fn tp_ranks_are_adjacent_and_pp_is_outermost() {
         let m = mesh("tp=2,pp=2,dp=2");
         assert_eq!(m.to_spec(), "pp=2,dp=2,tp=2");
-        assert_eq!(m.groups(&[Axis::Tp]), vec![vec![0, 1], vec![2, 3], vec![4, 5], vec![6, 7]]);
-        assert_eq!(m.groups(&[Axis::Dp]), vec![vec![0, 2], vec![1, 3], vec![4, 6], vec![5, 7]]);
-        assert_eq!(m.groups(&[Axis::Pp]), vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]);
+        assert_eq!(
+            m.groups(&[Axis::Tp]),
+            vec![vec![0, 1], vec![2, 3], vec![4, 5], vec![6, 7]]
+        );
+        assert_eq!(
+            m.groups(&[Axis::Dp]),
+            vec![vec![0, 2], vec![1, 3], vec![4, 6], vec![5, 7]]
+        );
+        assert_eq!(
+            m.groups(&[Axis::Pp]),
+            vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]
+        );
     }
 
     #[test]
@@ -271,6 +306,9 @@ mod tests {
         assert!(err("tp=two").contains("degree `two`"));
         assert!(err("tp").contains("expected axis=degree"));
         let e = mesh("dp=2,tp=4").check_world(6).unwrap_err().to_string();
-        assert_eq!(e, "mesh dp=2,tp=4 needs 8 ranks (dp=2 x tp=4 = 8) but the world has 6");
+        assert_eq!(
+            e,
+            "mesh dp=2,tp=4 needs 8 ranks (dp=2 x tp=4 = 8) but the world has 6"
+        );
     }
 }

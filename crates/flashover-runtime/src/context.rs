@@ -29,7 +29,14 @@ impl RankContext {
                 world.split(color, mesh.coord(rank, axis), axis.name())
             })
             .collect::<CommResult<Vec<_>>>()?;
-        Ok(RankContext { rank, mesh, device, world, axes, extra: Mutex::new(vec![]) })
+        Ok(RankContext {
+            rank,
+            mesh,
+            device,
+            world,
+            axes,
+            extra: Mutex::new(vec![]),
+        })
     }
 
     /// This rank's global index.
@@ -64,7 +71,10 @@ impl RankContext {
 
     /// The group of ranks that differ from this one only along `axis`.
     pub fn group(&self, axis: Axis) -> &Group {
-        let i = Axis::ALL.iter().position(|&a| a == axis).expect("every axis is in ALL");
+        let i = Axis::ALL
+            .iter()
+            .position(|&a| a == axis)
+            .expect("every axis is in ALL");
         &self.axes[i]
     }
 
@@ -74,10 +84,16 @@ impl RankContext {
     pub fn subgroup(&self, axes: &[Axis]) -> CommResult<Group> {
         let color = self.mesh.group_index(self.rank, axes);
         let ranks = self.mesh.group_ranks(self.rank, axes);
-        let key = ranks.iter().position(|&r| r == self.rank).expect("own group");
+        let key = ranks
+            .iter()
+            .position(|&r| r == self.rank)
+            .expect("own group");
         let label = axes.iter().map(|a| a.name()).collect::<Vec<_>>().join("+");
         let group = self.world.split(color, key, &label)?;
-        self.extra.lock().unwrap_or_else(|e| e.into_inner()).push(group.clone());
+        self.extra
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(group.clone());
         Ok(group)
     }
 

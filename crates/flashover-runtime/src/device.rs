@@ -25,7 +25,9 @@ pub enum DeviceError {
     #[error("unknown device `{0}`: expected flex, wgpu or cuda")]
     Unknown(String),
     /// The backend was not compiled in.
-    #[error("device `{device}` needs the `{feature}` cargo feature: rebuild with `--features {feature}`")]
+    #[error(
+        "device `{device}` needs the `{feature}` cargo feature: rebuild with `--features {feature}`"
+    )]
     NotBuilt {
         /// The device asked for.
         device: DeviceChoice,
@@ -51,11 +53,17 @@ impl DeviceChoice {
             #[cfg(feature = "wgpu")]
             DeviceChoice::Wgpu => Ok(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
             #[cfg(not(feature = "wgpu"))]
-            DeviceChoice::Wgpu => Err(DeviceError::NotBuilt { device: self, feature: "wgpu" }),
+            DeviceChoice::Wgpu => Err(DeviceError::NotBuilt {
+                device: self,
+                feature: "wgpu",
+            }),
             #[cfg(feature = "cuda")]
             DeviceChoice::Cuda => Ok(Device::cuda(local_rank)),
             #[cfg(not(feature = "cuda"))]
-            DeviceChoice::Cuda => Err(DeviceError::NotBuilt { device: self, feature: "cuda" }),
+            DeviceChoice::Cuda => Err(DeviceError::NotBuilt {
+                device: self,
+                feature: "cuda",
+            }),
         }
     }
 }

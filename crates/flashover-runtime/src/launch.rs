@@ -75,7 +75,11 @@ pub enum LaunchError {
 }
 
 fn others_note(n: usize) -> String {
-    if n > 1 { format!(" ({} ranks failed in all)", n) } else { String::new() }
+    if n > 1 {
+        format!(" ({} ranks failed in all)", n)
+    } else {
+        String::new()
+    }
 }
 
 impl LaunchError {
@@ -135,7 +139,10 @@ impl Launch {
         F: Fn(RankContext) -> Result<T, E> + Sync,
     {
         let n = self.mesh.world_size();
-        let comms = ThreadWorld::new(n).timeout(self.timeout).faults(self.faults.clone()).build();
+        let comms = ThreadWorld::new(n)
+            .timeout(self.timeout)
+            .faults(self.faults.clone())
+            .build();
         let outcomes: Vec<Result<T, RankFailure>> = std::thread::scope(|s| {
             let handles: Vec<_> = comms
                 .into_iter()
@@ -150,7 +157,10 @@ impl Launch {
                         .expect("spawn rank thread")
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().expect("rank threads catch their panics")).collect()
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("rank threads catch their panics"))
+                .collect()
         });
         let mut results = Vec::with_capacity(n);
         let mut failures = vec![];
@@ -163,8 +173,15 @@ impl Launch {
         if failures.is_empty() {
             return Ok(results);
         }
-        let cause = failures.iter().min_by_key(|f| (f.severity, f.rank)).expect("non-empty").clone();
-        Err(LaunchError::Rank { cause, all: failures })
+        let cause = failures
+            .iter()
+            .min_by_key(|f| (f.severity, f.rank))
+            .expect("non-empty")
+            .clone();
+        Err(LaunchError::Rank {
+            cause,
+            all: failures,
+        })
     }
 }
 
@@ -182,19 +199,30 @@ where
     let comm = Arc::new(comm);
     let world = Group::new(comm.clone());
     let outcome = catch_unwind(AssertUnwindSafe(|| {
-        let ctx = RankContext::new(rank, mesh, device, world).map_err(|e| Box::new(e) as RankError)?;
+        let ctx =
+            RankContext::new(rank, mesh, device, world).map_err(|e| Box::new(e) as RankError)?;
         body(ctx).map_err(Into::into)
     }));
     let result = match outcome {
         Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(RankFailure { rank, panicked: false, message: chain(&*e), severity: severity(&*e) }),
+        Ok(Err(e)) => Err(RankFailure {
+            rank,
+            panicked: false,
+            message: chain(&*e),
+            severity: severity(&*e),
+        }),
         Err(payload) => {
             let message = payload
                 .downcast_ref::<&str>()
                 .map(|s| s.to_string())
                 .or_else(|| payload.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "non-string panic payload".into());
-            Err(RankFailure { rank, panicked: true, message, severity: 0 })
+            Err(RankFailure {
+                rank,
+                panicked: true,
+                message,
+                severity: 0,
+            })
         }
     };
     // Peers still waiting for this rank fail at once, naming it and why.

@@ -28,7 +28,9 @@ mod tensor;
 
 pub use context::RankContext;
 pub use device::{DeviceChoice, DeviceError};
-pub use flashover_comm::{CommError, CommStats, Communicator, CommunicatorExt, FaultPlan, Group, OpKind, ReduceOp};
+pub use flashover_comm::{
+    CommError, CommStats, Communicator, CommunicatorExt, FaultPlan, Group, OpKind, ReduceOp,
+};
 pub use flashover_mesh::{Axis, DeviceMesh, MeshError};
 pub use launch::{IntoMesh, Launch, LaunchError, RankError, RankFailure, launch};
 pub use tensor::TensorCollectives;

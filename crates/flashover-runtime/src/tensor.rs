@@ -12,15 +12,31 @@ use flashover_comm::{CommError, CommResult, Communicator, DType, OpKind, ReduceO
 /// [`flashover_comm::Group`]).
 pub trait TensorCollectives {
     /// Element-wise reduction over the group; every rank gets the result.
-    fn all_reduce_tensor<const D: usize>(&self, tensor: Tensor<D>, op: ReduceOp) -> CommResult<Tensor<D>>;
+    fn all_reduce_tensor<const D: usize>(
+        &self,
+        tensor: Tensor<D>,
+        op: ReduceOp,
+    ) -> CommResult<Tensor<D>>;
     /// Every rank gets `root`'s tensor (all ranks pass a tensor of the same shape).
-    fn broadcast_tensor<const D: usize>(&self, tensor: Tensor<D>, root: usize) -> CommResult<Tensor<D>>;
+    fn broadcast_tensor<const D: usize>(
+        &self,
+        tensor: Tensor<D>,
+        root: usize,
+    ) -> CommResult<Tensor<D>>;
     /// Concatenation of every rank's tensor along `dim`, in rank order.
-    fn all_gather_tensor<const D: usize>(&self, tensor: Tensor<D>, dim: usize) -> CommResult<Tensor<D>>;
+    fn all_gather_tensor<const D: usize>(
+        &self,
+        tensor: Tensor<D>,
+        dim: usize,
+    ) -> CommResult<Tensor<D>>;
     /// Rank `r` gets block `r` (of `size()` equal blocks along `dim`) of the reduction.
     /// `tensor.dims()[dim]` must divide by the group size.
-    fn reduce_scatter_tensor<const D: usize>(&self, tensor: Tensor<D>, dim: usize, op: ReduceOp)
-    -> CommResult<Tensor<D>>;
+    fn reduce_scatter_tensor<const D: usize>(
+        &self,
+        tensor: Tensor<D>,
+        dim: usize,
+        op: ReduceOp,
+    ) -> CommResult<Tensor<D>>;
     /// Sends `tensor` to group rank `dst` (point to point).
     fn send_tensor<const D: usize>(&self, tensor: &Tensor<D>, dst: usize) -> CommResult<()>;
     /// Receives a tensor of `shape` and `dtype` from group rank `src` onto `device`.
@@ -57,7 +73,11 @@ struct Staged {
     dtype: DType,
 }
 
-fn stage<C: Communicator + ?Sized, const D: usize>(comm: &C, op: OpKind, tensor: &Tensor<D>) -> CommResult<Staged> {
+fn stage<C: Communicator + ?Sized, const D: usize>(
+    comm: &C,
+    op: OpKind,
+    tensor: &Tensor<D>,
+) -> CommResult<Staged> {
     let data = tensor.to_data();
     let burn_dtype = data.dtype();
     let dtype = comm_dtype(burn_dtype).ok_or_else(|| CommError::InvalidArgument {
@@ -65,27 +85,49 @@ fn stage<C: Communicator + ?Sized, const D: usize>(comm: &C, op: OpKind, tensor:
         group: comm.name().to_string(),
         detail: format!("tensors of dtype {burn_dtype:?} cannot be communicated"),
     })?;
-    Ok(Staged { bytes: data.as_bytes().to_vec(), shape: data.shape().to_vec(), burn_dtype, dtype })
+    Ok(Staged {
+        bytes: data.as_bytes().to_vec(),
+        shape: data.shape().to_vec(),
+        burn_dtype,
+        dtype,
+    })
 }
 
-fn unstage<const D: usize>(bytes: Vec<u8>, shape: Vec<usize>, dtype: BurnDType, device: &burn::tensor::Device) -> Tensor<D> {
+fn unstage<const D: usize>(
+    bytes: Vec<u8>,
+    shape: Vec<usize>,
+    dtype: BurnDType,
+    device: &burn::tensor::Device,
+) -> Tensor<D> {
     Tensor::from_data(TensorData::from_bytes_vec(bytes, shape, dtype), device)
 }
 
 impl<C: Communicator + ?Sized> TensorCollectives for C {
-    fn all_reduce_tensor<const D: usize>(&self, tensor: Tensor<D>, op: ReduceOp) -> CommResult<Tensor<D>> {
+    fn all_reduce_tensor<const D: usize>(
+        &self,
+        tensor: Tensor<D>,
+        op: ReduceOp,
+    ) -> CommResult<Tensor<D>> {
         let mut s = stage(self, OpKind::AllReduce, &tensor)?;
         self.all_reduce_bytes(&mut s.bytes, s.dtype, op)?;
         Ok(unstage(s.bytes, s.shape, s.burn_dtype, &tensor.device()))
     }
 
-    fn broadcast_tensor<const D: usize>(&self, tensor: Tensor<D>, root: usize) -> CommResult<Tensor<D>> {
+    fn broadcast_tensor<const D: usize>(
+        &self,
+        tensor: Tensor<D>,
+        root: usize,
+    ) -> CommResult<Tensor<D>> {
         let mut s = stage(self, OpKind::Broadcast, &tensor)?;
         self.broadcast_bytes(&mut s.bytes, s.dtype, root)?;
         Ok(unstage(s.bytes, s.shape, s.burn_dtype, &tensor.device()))
     }
 
-    fn all_gather_tensor<const D: usize>(&self, tensor: Tensor<D>, dim: usize) -> CommResult<Tensor<D>> {
+    fn all_gather_tensor<const D: usize>(
+        &self,
+        tensor: Tensor<D>,
+        dim: usize,
+    ) -> CommResult<Tensor<D>> {
         let s = stage(self, OpKind::AllGather, &tensor)?;
         let n = self.size();
         let mut recv = vec![0u8; s.bytes.len() * n];
@@ -116,7 +158,9 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
             return Err(CommError::InvalidArgument {
                 op: OpKind::ReduceScatter,
                 group: self.name().to_string(),
-                detail: format!("dim {dim} of shape {dims:?} does not divide by the group size {n}"),
+                detail: format!(
+                    "dim {dim} of shape {dims:?} does not divide by the group size {n}"
+                ),
             });
         }
         let device = tensor.device();
@@ -126,10 +170,18 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
             .iter()
             .map(|b| stage(self, OpKind::ReduceScatter, b))
             .collect::<CommResult<_>>()?;
-        let send: Vec<u8> = blocks.iter().flat_map(|b| b.bytes.iter().copied()).collect();
+        let send: Vec<u8> = blocks
+            .iter()
+            .flat_map(|b| b.bytes.iter().copied())
+            .collect();
         let mut recv = vec![0u8; blocks[0].bytes.len()];
         self.reduce_scatter_bytes(&send, &mut recv, blocks[0].dtype, op)?;
-        Ok(unstage(recv, blocks[0].shape.clone(), blocks[0].burn_dtype, &device))
+        Ok(unstage(
+            recv,
+            blocks[0].shape.clone(),
+            blocks[0].burn_dtype,
+            &device,
+        ))
     }
 
     fn send_tensor<const D: usize>(&self, tensor: &Tensor<D>, dst: usize) -> CommResult<()> {

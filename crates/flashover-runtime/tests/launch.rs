@@ -1,6 +1,8 @@
 //! The launcher: results in rank order, groups per axis, and failures that name their rank.
 
-use flashover_runtime::{Axis, CommError, CommunicatorExt, FaultPlan, Launch, LaunchError, OpKind, ReduceOp, launch};
+use flashover_runtime::{
+    Axis, CommError, CommunicatorExt, FaultPlan, Launch, LaunchError, OpKind, ReduceOp, launch,
+};
 use std::time::{Duration, Instant};
 
 #[test]
@@ -9,7 +11,13 @@ fn results_come_back_in_rank_order_with_the_right_groups() {
         let tp = ctx.group(Axis::Tp);
         let dp = ctx.group(Axis::Dp);
         let pp = ctx.group(Axis::Pp);
-        Ok::<_, CommError>((ctx.rank(), tp.members().to_vec(), dp.members().to_vec(), pp.members().to_vec(), ctx.group(Axis::Cp).size()))
+        Ok::<_, CommError>((
+            ctx.rank(),
+            tp.members().to_vec(),
+            dp.members().to_vec(),
+            pp.members().to_vec(),
+            ctx.group(Axis::Cp).size(),
+        ))
     })
     .unwrap();
     for (r, (rank, tp, dp, pp, cp)) in got.into_iter().enumerate() {
@@ -46,14 +54,22 @@ fn a_panicking_rank_is_reported_as_the_cause() {
         Ok::<_, CommError>(x[0])
     })
     .unwrap_err();
-    assert!(start.elapsed() < Duration::from_secs(10), "peers must fail fast, not time out");
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "peers must fail fast, not time out"
+    );
     match &err {
         LaunchError::Rank { cause, all } => {
             assert_eq!((cause.rank, cause.panicked), (1, true));
             assert!(cause.message.contains("boom on rank one"));
             assert_eq!(all.len(), 3);
             let peer = err.failure_of(0).unwrap();
-            assert!(peer.message.contains("rank 1 left the group (panicked: boom on rank one)"), "{}", peer.message);
+            assert!(
+                peer.message
+                    .contains("rank 1 left the group (panicked: boom on rank one)"),
+                "{}",
+                peer.message
+            );
         }
         other => panic!("{other}"),
     }
@@ -73,7 +89,10 @@ fn a_stalled_rank_is_named_within_the_timeout() {
         .unwrap_err();
     assert!(start.elapsed() < Duration::from_secs(5));
     let msg = err.to_string();
-    assert!(msg.starts_with("rank 0 failed: all_reduce #0 in group dp[0,1,2,3] timed out"), "{msg}");
+    assert!(
+        msg.starts_with("rank 0 failed: all_reduce #0 in group dp[0,1,2,3] timed out"),
+        "{msg}"
+    );
     assert!(msg.contains("ranks [3] did not arrive"), "{msg}");
 }
 
@@ -90,9 +109,14 @@ fn a_rank_error_is_preferred_over_the_failures_it_causes() {
         if ctx.rank() == 1 {
             return Err("bad batch on rank one".to_string().into());
         }
-        ctx.world().barrier().map_err(Into::into)
+        ctx.world()
+            .barrier()
+            .map_err(flashover_runtime::RankError::from)
     })
     .map(|_: Vec<()>| ())
     .unwrap_err();
-    assert_eq!(err.to_string(), "rank 1 failed: bad batch on rank one (2 ranks failed in all)");
+    assert_eq!(
+        err.to_string(),
+        "rank 1 failed: bad batch on rank one (2 ranks failed in all)"
+    );
 }

@@ -4,7 +4,7 @@ use burn::tensor::{DType, Tensor};
 use flashover_runtime::{CommError, ReduceOp, TensorCollectives, launch};
 
 fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-    t.into_data().to_vec::<f32>().unwrap()
+    t.into_data().try_to_vec::<f32>().unwrap()
 }
 
 #[test]
@@ -41,7 +41,11 @@ fn tensor_collectives_match_hand_computed_values() {
         assert_eq!(g0, ([4, 2], vec![0.0, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 4.0]));
         assert_eq!(g1, ([2, 4], vec![0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0]));
         // Column `rank` of the sum.
-        let col = if rank == 0 { vec![1.0, 5.0] } else { vec![3.0, 7.0] };
+        let col = if rank == 0 {
+            vec![1.0, 5.0]
+        } else {
+            vec![3.0, 7.0]
+        };
         assert_eq!(rs, ([2, 1], col));
         assert_eq!(b, vec![1.0, 2.0, 3.0, 4.0]);
         if rank == 1 {
@@ -54,8 +58,14 @@ fn tensor_collectives_match_hand_computed_values() {
 fn reduce_scatter_of_an_indivisible_dim_is_refused() {
     let err = launch(2, |ctx| {
         let x = Tensor::<1>::from_floats([1.0, 2.0, 3.0], ctx.device());
-        ctx.world().reduce_scatter_tensor(x, 0, ReduceOp::Sum).map(|_| ())
+        ctx.world()
+            .reduce_scatter_tensor(x, 0, ReduceOp::Sum)
+            .map(|_| ())
     })
     .unwrap_err();
-    assert!(err.to_string().contains("does not divide by the group size 2"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("does not divide by the group size 2"),
+        "{err}"
+    );
 }

@@ -36,11 +36,22 @@ pub(crate) struct OpDesc {
 
 impl OpDesc {
     pub(crate) fn new(kind: OpKind, dtype: DType, send_bytes: usize, recv_bytes: usize) -> Self {
-        OpDesc { kind, dtype, send_bytes, recv_bytes, root: 0, reduce: None, invalid: None }
+        OpDesc {
+            kind,
+            dtype,
+            send_bytes,
+            recv_bytes,
+            root: 0,
+            reduce: None,
+            invalid: None,
+        }
     }
 
     fn describe(&self) -> String {
-        let mut s = format!("{} {} send={}B recv={}B", self.kind, self.dtype, self.send_bytes, self.recv_bytes);
+        let mut s = format!(
+            "{} {} send={}B recv={}B",
+            self.kind, self.dtype, self.send_bytes, self.recv_bytes
+        );
         if let Some(op) = self.reduce {
             s += &format!(" op={op:?}");
         }
@@ -107,7 +118,11 @@ pub(crate) struct WorldShared {
 }
 
 impl WorldShared {
-    pub(crate) fn new_group(self: &Arc<Self>, name: String, members: Vec<usize>) -> Arc<GroupShared> {
+    pub(crate) fn new_group(
+        self: &Arc<Self>,
+        name: String,
+        members: Vec<usize>,
+    ) -> Arc<GroupShared> {
         let id = {
             let mut next = lock(&self.next_id);
             *next += 1;
@@ -140,7 +155,10 @@ impl WorldShared {
 
     /// Marks global rank `rank` as gone from every group it belongs to.
     pub(crate) fn depart(&self, rank: usize, reason: &str) {
-        let groups: Vec<Arc<GroupShared>> = lock(&self.groups).iter().filter_map(Weak::upgrade).collect();
+        let groups: Vec<Arc<GroupShared>> = lock(&self.groups)
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
         for g in groups {
             if let Some(local) = g.members.iter().position(|&m| m == rank) {
                 g.depart(local, reason);
@@ -174,7 +192,10 @@ impl GroupShared {
     }
 
     fn poisoned(&self, cause: &CommError) -> CommError {
-        CommError::Poisoned { group: self.name.clone(), cause: Box::new(cause.root_cause().clone()) }
+        CommError::Poisoned {
+            group: self.name.clone(),
+            cause: Box::new(cause.root_cause().clone()),
+        }
     }
 
     /// Records that group rank `local` left; ranks waiting for it fail.
@@ -205,7 +226,12 @@ impl GroupShared {
 
     /// Step 1 of every collective: publish, wait for all ranks (until the deadline), check that
     /// the calls match. Returns the op's sequence number and every rank's published buffers.
-    pub(crate) fn enter(&self, me: usize, desc: OpDesc, published: Published) -> CommResult<(u64, Vec<Published>)> {
+    pub(crate) fn enter(
+        &self,
+        me: usize,
+        desc: OpDesc,
+        published: Published,
+    ) -> CommResult<(u64, Vec<Published>)> {
         let n = self.size();
         let start = Instant::now();
         let deadline = start + self.world.timeout;
@@ -218,10 +244,18 @@ impl GroupShared {
         st.entries[me] = Some(Entry { desc, published });
         st.entered += 1;
         if st.entered == n {
-            let entries: Vec<Entry> = st.entries.iter_mut().map(|e| e.take().expect("entered")).collect();
+            let entries: Vec<Entry> = st
+                .entries
+                .iter_mut()
+                .map(|e| e.take().expect("entered"))
+                .collect();
             st.entered = 0;
             if let Err(detail) = self.validate(&entries) {
-                let err = CommError::Mismatch { group: self.name.clone(), seq, detail };
+                let err = CommError::Mismatch {
+                    group: self.name.clone(),
+                    seq,
+                    detail,
+                };
                 st.poison = Some(err.clone());
                 drop(st);
                 self.changed.notify_all();
@@ -262,7 +296,10 @@ impl GroupShared {
                     group: self.name.clone(),
                     seq,
                     missing: missing.iter().map(|&r| self.members[r]).collect(),
-                    arrived: (0..n).filter(|r| !missing.contains(r)).map(|r| self.members[r]).collect(),
+                    arrived: (0..n)
+                        .filter(|r| !missing.contains(r))
+                        .map(|r| self.members[r])
+                        .collect(),
                     waited: now - start,
                 };
                 st.poison = Some(err.clone());
@@ -270,7 +307,11 @@ impl GroupShared {
                 self.changed.notify_all();
                 return Err(err);
             }
-            st = self.changed.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+            st = self
+                .changed
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     }
 
@@ -284,7 +325,8 @@ impl GroupShared {
                 && d.dtype == first.dtype
                 && d.reduce == first.reduce
                 && d.root == first.root
-                && (d.kind == OpKind::AllToAll || (d.send_bytes == first.send_bytes && d.recv_bytes == first.recv_bytes))
+                && (d.kind == OpKind::AllToAll
+                    || (d.send_bytes == first.send_bytes && d.recv_bytes == first.recv_bytes))
         });
         if !same {
             return Err(self.describe_all(entries));

@@ -17,7 +17,13 @@ pub(crate) fn chunk(len: usize, n: usize, r: usize) -> Range<usize> {
 /// # Safety
 /// Every address must point to at least `range.end` elements of `dtype`, alive and not written
 /// by anyone else for the duration of the call. `dst` may be one of `srcs`.
-pub(crate) unsafe fn reduce_chunk(dtype: DType, op: ReduceOp, srcs: &[usize], dst: usize, range: Range<usize>) {
+pub(crate) unsafe fn reduce_chunk(
+    dtype: DType,
+    op: ReduceOp,
+    srcs: &[usize],
+    dst: usize,
+    range: Range<usize>,
+) {
     with_dtype!(dtype, T => unsafe { reduce_typed::<T>(op, srcs, dst, range) })
 }
 

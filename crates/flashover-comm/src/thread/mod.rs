@@ -42,7 +42,11 @@ pub struct ThreadWorld {
 impl ThreadWorld {
     /// A world of `size` ranks with the default timeout and no faults.
     pub fn new(size: usize) -> Self {
-        ThreadWorld { size, timeout: DEFAULT_TIMEOUT, faults: FaultPlan::new() }
+        ThreadWorld {
+            size,
+            timeout: DEFAULT_TIMEOUT,
+            faults: FaultPlan::new(),
+        }
     }
 
     /// How long a rank waits for its peers at any collective before failing.
@@ -68,7 +72,9 @@ impl ThreadWorld {
             next_id: Mutex::new(0),
         });
         let group = world.new_group("world".into(), (0..self.size).collect());
-        (0..self.size).map(|rank| ThreadComm::new(group.clone(), rank)).collect()
+        (0..self.size)
+            .map(|rank| ThreadComm::new(group.clone(), rank))
+            .collect()
     }
 }
 
@@ -82,7 +88,12 @@ pub struct ThreadComm {
 
 impl ThreadComm {
     fn new(shared: Arc<GroupShared>, rank: usize) -> Self {
-        ThreadComm { shared, rank, splits: AtomicU64::new(0), stats: StatsRecorder::default() }
+        ThreadComm {
+            shared,
+            rank,
+            splits: AtomicU64::new(0),
+            stats: StatsRecorder::default(),
+        }
     }
 
     /// Declares that this rank's global rank has left the world (its work ended or failed):
@@ -96,7 +107,11 @@ impl ThreadComm {
     }
 
     fn invalid(&self, op: OpKind, detail: String) -> CommError {
-        CommError::InvalidArgument { op, group: self.shared.name.clone(), detail }
+        CommError::InvalidArgument {
+            op,
+            group: self.shared.name.clone(),
+            detail,
+        }
     }
 
     /// Runs one collective: fault hook, entry rendezvous, `phases` data phases each followed by
@@ -117,7 +132,8 @@ impl ThreadComm {
         let t1 = Instant::now();
         let mut failed = false;
         for phase in 0..phases {
-            let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(phase, &peers))).is_ok();
+            let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(phase, &peers)))
+                .is_ok();
             if self.shared.phase_barrier(!ok) {
                 failed = true;
                 break;
@@ -127,7 +143,10 @@ impl ThreadComm {
         if failed {
             let err = CommError::Engine {
                 engine: "thread",
-                detail: format!("{kind} #{seq} in group {} panicked during data movement", self.shared.name),
+                detail: format!(
+                    "{kind} #{seq} in group {} panicked during data movement",
+                    self.shared.name
+                ),
             };
             self.shared.poison(err.clone());
             return Err(err);
@@ -138,7 +157,9 @@ impl ThreadComm {
     /// Checks a buffer length against the dtype; returns the element count.
     fn elements(bytes: usize, dtype: DType) -> Result<usize, String> {
         if bytes % dtype.size() != 0 {
-            return Err(format!("buffer of {bytes} bytes is not a whole number of {dtype} elements"));
+            return Err(format!(
+                "buffer of {bytes} bytes is not a whole number of {dtype} elements"
+            ));
         }
         Ok(bytes / dtype.size())
     }
@@ -147,14 +168,19 @@ impl ThreadComm {
     fn solo(&self, kind: OpKind, bytes: usize) -> CommResult<()> {
         self.shared.world.faults.apply(self.global_rank(), kind);
         self.shared.check_poison()?;
-        self.stats.record(kind, bytes, Duration::ZERO, Duration::ZERO);
+        self.stats
+            .record(kind, bytes, Duration::ZERO, Duration::ZERO);
         Ok(())
     }
 }
 
 impl Drop for ThreadComm {
     fn drop(&mut self) {
-        let reason = if std::thread::panicking() { "panicked" } else { "dropped its communicator" };
+        let reason = if std::thread::panicking() {
+            "panicked"
+        } else {
+            "dropped its communicator"
+        };
         self.shared.depart(self.rank, reason);
     }
 }
@@ -188,14 +214,23 @@ impl Communicator for ThreadComm {
         desc.invalid = elems.as_ref().err().cloned();
         let elems = elems.unwrap_or(0);
         let me = self.rank;
-        let published = Published { recv: buf.as_mut_ptr() as usize, ..Default::default() };
+        let published = Published {
+            recv: buf.as_mut_ptr() as usize,
+            ..Default::default()
+        };
         self.collective(desc, published, 2, |phase, peers| {
             let srcs: Vec<usize> = peers.iter().map(|p| p.recv).collect();
             // SAFETY: phase 0 reads chunk `me` of every buffer and writes chunk `me` of our own;
             // phase 1 reads peers' own chunks (final after phase 0) into our other chunks.
             unsafe {
                 if phase == 0 {
-                    kernels::reduce_chunk(dtype, op, &srcs, published.recv, kernels::chunk(elems, n, me));
+                    kernels::reduce_chunk(
+                        dtype,
+                        op,
+                        &srcs,
+                        published.recv,
+                        kernels::chunk(elems, n, me),
+                    );
                 } else {
                     let dsize = dtype.size();
                     for (j, &src) in srcs.iter().enumerate().filter(|&(j, _)| j != me) {
@@ -208,7 +243,13 @@ impl Communicator for ThreadComm {
         })
     }
 
-    fn reduce_scatter_bytes(&self, send: &[u8], recv: &mut [u8], dtype: DType, op: ReduceOp) -> CommResult<()> {
+    fn reduce_scatter_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> CommResult<()> {
         let n = self.size();
         let mut desc = OpDesc::new(OpKind::ReduceScatter, dtype, send.len(), recv.len());
         desc.reduce = Some(op);
@@ -216,7 +257,11 @@ impl Communicator for ThreadComm {
             if send.len() == n * recv.len() {
                 Ok(m)
             } else {
-                Err(format!("send has {} bytes, expected group size {n} x recv {} bytes", send.len(), recv.len()))
+                Err(format!(
+                    "send has {} bytes, expected group size {n} x recv {} bytes",
+                    send.len(),
+                    recv.len()
+                ))
             }
         });
         if n == 1 {
@@ -228,7 +273,11 @@ impl Communicator for ThreadComm {
         let m = check.unwrap_or(0);
         let me = self.rank;
         let dsize = dtype.size();
-        let published = Published { send: send.as_ptr() as usize, recv: recv.as_mut_ptr() as usize, ..Default::default() };
+        let published = Published {
+            send: send.as_ptr() as usize,
+            recv: recv.as_mut_ptr() as usize,
+            ..Default::default()
+        };
         self.collective(desc, published, 1, |_, peers| {
             let srcs: Vec<usize> = peers.iter().map(|p| p.send + me * m * dsize).collect();
             // SAFETY: reads block `me` of every send buffer (never written), writes our recv.
@@ -243,7 +292,11 @@ impl Communicator for ThreadComm {
             if recv.len() == n * send.len() {
                 Ok(m)
             } else {
-                Err(format!("recv has {} bytes, expected group size {n} x send {} bytes", recv.len(), send.len()))
+                Err(format!(
+                    "recv has {} bytes, expected group size {n} x send {} bytes",
+                    recv.len(),
+                    send.len()
+                ))
             }
         });
         if n == 1 {
@@ -254,11 +307,17 @@ impl Communicator for ThreadComm {
         let mut desc = desc;
         desc.invalid = check.as_ref().err().cloned();
         let m = check.unwrap_or(0);
-        let published = Published { send: send.as_ptr() as usize, recv: recv.as_mut_ptr() as usize, ..Default::default() };
+        let published = Published {
+            send: send.as_ptr() as usize,
+            recv: recv.as_mut_ptr() as usize,
+            ..Default::default()
+        };
         self.collective(desc, published, 1, |_, peers| {
             for (j, p) in peers.iter().enumerate() {
                 // SAFETY: send buffers are read-only; we write block `j` of our own recv.
-                unsafe { kernels::copy_elems(dtype, p.send, published.recv + j * m * dtype.size(), m) }
+                unsafe {
+                    kernels::copy_elems(dtype, p.send, published.recv + j * m * dtype.size(), m)
+                }
             }
         })
     }
@@ -268,7 +327,11 @@ impl Communicator for ThreadComm {
         let mut desc = OpDesc::new(OpKind::Broadcast, dtype, buf.len(), buf.len());
         desc.root = root;
         let check = Self::elements(buf.len(), dtype).and_then(|m| {
-            if root < n { Ok(m) } else { Err(format!("root {root} is not a rank of a group of size {n}")) }
+            if root < n {
+                Ok(m)
+            } else {
+                Err(format!("root {root} is not a rank of a group of size {n}"))
+            }
         });
         if n == 1 {
             check.map_err(|e| self.invalid(desc.kind, e))?;
@@ -277,7 +340,10 @@ impl Communicator for ThreadComm {
         desc.invalid = check.as_ref().err().cloned();
         let m = check.unwrap_or(0);
         let me = self.rank;
-        let published = Published { recv: buf.as_mut_ptr() as usize, ..Default::default() };
+        let published = Published {
+            recv: buf.as_mut_ptr() as usize,
+            ..Default::default()
+        };
         self.collective(desc, published, 1, |_, peers| {
             if me != root {
                 // SAFETY: the root's buffer is not written during this op; we write our own.
@@ -305,7 +371,10 @@ impl Communicator for ThreadComm {
                     recv_counts.len()
                 ));
             }
-            let (s, r) = (send_counts.iter().sum::<usize>(), recv_counts.iter().sum::<usize>());
+            let (s, r) = (
+                send_counts.iter().sum::<usize>(),
+                recv_counts.iter().sum::<usize>(),
+            );
             if s * dsize != send.len() || r * dsize != recv.len() {
                 return Err(format!(
                     "counts sum to {s} send / {r} recv elements but buffers hold {} / {} bytes of {dtype}",
@@ -327,8 +396,16 @@ impl Communicator for ThreadComm {
         let published = Published {
             send: send.as_ptr() as usize,
             recv: recv.as_mut_ptr() as usize,
-            send_counts: if valid { send_counts.as_ptr() as usize } else { 0 },
-            recv_counts: if valid { recv_counts.as_ptr() as usize } else { 0 },
+            send_counts: if valid {
+                send_counts.as_ptr() as usize
+            } else {
+                0
+            },
+            recv_counts: if valid {
+                recv_counts.as_ptr() as usize
+            } else {
+                0
+            },
         };
         let me = self.rank;
         self.collective(desc, published, 1, |_, peers| {
@@ -340,7 +417,12 @@ impl Communicator for ThreadComm {
                     let their_counts = std::slice::from_raw_parts(p.send_counts as *const usize, n);
                     let src_offset: usize = their_counts[..me].iter().sum();
                     let len = recv_counts[j];
-                    kernels::copy_elems(dtype, p.send + src_offset * dsize, published.recv + dst_offset * dsize, len);
+                    kernels::copy_elems(
+                        dtype,
+                        p.send + src_offset * dsize,
+                        published.recv + dst_offset * dsize,
+                        len,
+                    );
                     dst_offset += len;
                 }
             }
@@ -350,24 +432,40 @@ impl Communicator for ThreadComm {
     fn send_bytes(&self, buf: &[u8], dtype: DType, dst: usize) -> CommResult<()> {
         let n = self.size();
         if dst >= n || dst == self.rank {
-            return Err(self.invalid(OpKind::Send, format!("destination {dst} (group size {n}, own rank {})", self.rank)));
+            return Err(self.invalid(
+                OpKind::Send,
+                format!("destination {dst} (group size {n}, own rank {})", self.rank),
+            ));
         }
-        self.shared.world.faults.apply(self.global_rank(), OpKind::Send);
+        self.shared
+            .world
+            .faults
+            .apply(self.global_rank(), OpKind::Send);
         self.shared.check_poison()?;
         let t0 = Instant::now();
         let mailbox = &self.shared.mailboxes[self.rank * n + dst];
-        lock(&mailbox.queue).push_back(Message { dtype, data: buf.to_vec() });
+        lock(&mailbox.queue).push_back(Message {
+            dtype,
+            data: buf.to_vec(),
+        });
         mailbox.ready.notify_all();
-        self.stats.record(OpKind::Send, buf.len(), Duration::ZERO, t0.elapsed());
+        self.stats
+            .record(OpKind::Send, buf.len(), Duration::ZERO, t0.elapsed());
         Ok(())
     }
 
     fn recv_bytes(&self, buf: &mut [u8], dtype: DType, src: usize) -> CommResult<()> {
         let n = self.size();
         if src >= n || src == self.rank {
-            return Err(self.invalid(OpKind::Recv, format!("source {src} (group size {n}, own rank {})", self.rank)));
+            return Err(self.invalid(
+                OpKind::Recv,
+                format!("source {src} (group size {n}, own rank {})", self.rank),
+            ));
         }
-        self.shared.world.faults.apply(self.global_rank(), OpKind::Recv);
+        self.shared
+            .world
+            .faults
+            .apply(self.global_rank(), OpKind::Recv);
         let t0 = Instant::now();
         let deadline = t0 + self.shared.world.timeout;
         let mailbox = &self.shared.mailboxes[src * n + self.rank];
@@ -398,7 +496,11 @@ impl Communicator for ThreadComm {
             }
             // Wake at least every 50 ms to notice a departed sender.
             let wait = (deadline - now).min(Duration::from_millis(50));
-            queue = mailbox.ready.wait_timeout(queue, wait).unwrap_or_else(|e| e.into_inner()).0;
+            queue = mailbox
+                .ready
+                .wait_timeout(queue, wait)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         };
         drop(queue);
         let t1 = Instant::now();
@@ -417,7 +519,8 @@ impl Communicator for ThreadComm {
             });
         }
         buf.copy_from_slice(&message.data);
-        self.stats.record(OpKind::Recv, buf.len(), t1 - t0, t1.elapsed());
+        self.stats
+            .record(OpKind::Recv, buf.len(), t1 - t0, t1.elapsed());
         Ok(())
     }
 
@@ -439,13 +542,23 @@ impl Communicator for ThreadComm {
             .collect();
         mine.sort();
         let local_ranks: Vec<usize> = mine.iter().map(|&(_, r)| r).collect();
-        let members: Vec<usize> = local_ranks.iter().map(|&r| self.shared.members[r]).collect();
-        let my_rank = local_ranks.iter().position(|&r| r == self.rank).expect("own color");
+        let members: Vec<usize> = local_ranks
+            .iter()
+            .map(|&r| self.shared.members[r])
+            .collect();
+        let my_rank = local_ranks
+            .iter()
+            .position(|&r| r == self.rank)
+            .expect("own color");
         let world = &self.shared.world;
         let shared = lock(&world.registry)
             .entry((self.shared.id, index, color))
             .or_insert_with(|| {
-                let list = members.iter().map(|m| m.to_string()).collect::<Vec<_>>().join(",");
+                let list = members
+                    .iter()
+                    .map(|m| m.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",");
                 world.new_group(format!("{label}[{list}]"), members.clone())
             })
             .clone();

@@ -9,7 +9,10 @@ pub fn run<T: Send>(world: ThreadWorld, f: impl Fn(ThreadComm) -> T + Sync) -> V
     std::thread::scope(|s| {
         let f = &f;
         let handles: Vec<_> = comms.into_iter().map(|c| s.spawn(move || f(c))).collect();
-        handles.into_iter().map(|h| h.join().expect("rank panicked")).collect()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank panicked"))
+            .collect()
     })
 }
 

@@ -1,0 +1,125 @@
+//! The transformer's layers: causal attention with RoPE, SwiGLU MLP, and the block.
+
+use burn::module::Module;
+use burn::nn::{Linear, RmsNorm};
+use burn::tensor::activation::{silu, softmax};
+use burn::tensor::{Bool, Device, Tensor, TensorData};
+
+/// Rotary position tables `(cos, sin)`, each `[len, head_dim / 2]`, for positions
+/// `start .. start + len`.
+pub fn rope_tables(
+    start: usize,
+    len: usize,
+    head_dim: usize,
+    theta: f64,
+    device: &Device,
+) -> (Tensor<2>, Tensor<2>) {
+    let half = head_dim / 2;
+    let mut cos = Vec::with_capacity(len * half);
+    let mut sin = Vec::with_capacity(len * half);
+    for pos in start..start + len {
+        for i in 0..half {
+            let freq = theta.powf(-(2.0 * i as f64) / head_dim as f64);
+            let angle = pos as f64 * freq;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (
+        Tensor::from_data(TensorData::new(cos, [len, half]), device),
+        Tensor::from_data(TensorData::new(sin, [len, half]), device),
+    )
+}
+
+/// Applies rotary embeddings to `x: [batch, heads, seq, head_dim]` ("rotate half" layout).
+fn apply_rope(x: Tensor<4>, cos: &Tensor<2>, sin: &Tensor<2>) -> Tensor<4> {
+    let [b, h, t, d] = x.dims();
+    let half = d / 2;
+    let x1 = x.clone().narrow(3, 0, half);
+    let x2 = x.narrow(3, half, half);
+    let cos = cos.clone().reshape([1, 1, t, half]).expand([b, h, t, half]);
+    let sin = sin.clone().reshape([1, 1, t, half]).expand([b, h, t, half]);
+    let r1 = x1.clone() * cos.clone() - x2.clone() * sin.clone();
+    let r2 = x1 * sin + x2 * cos;
+    Tensor::cat(vec![r1, r2], 3)
+}
+
+/// Causal multi-head self-attention with rotary position embeddings.
+///
+/// `q, k, v = x Wq, x Wk, x Wv` split into `n_heads` heads of `head_dim`;
+/// `out = softmax(q k^T / sqrt(head_dim) + causal mask) v`, heads concatenated, then `Wo`.
+#[derive(Module, Debug)]
+pub struct Attention {
+    /// Query projection `[d_model, n_heads * head_dim]`.
+    pub wq: Linear,
+    /// Key projection.
+    pub wk: Linear,
+    /// Value projection.
+    pub wv: Linear,
+    /// Output projection `[n_heads * head_dim, d_model]`.
+    pub wo: Linear,
+    /// Heads held by this module (all of them, or a tensor-parallel share).
+    pub n_heads: usize,
+    /// Features per head.
+    pub head_dim: usize,
+}
+
+impl Attention {
+    /// `x: [batch, seq, d_model]` -> `[batch, seq, d_model]`; `rope` from [`rope_tables`].
+    pub fn forward(&self, x: Tensor<3>, rope: &(Tensor<2>, Tensor<2>)) -> Tensor<3> {
+        let [b, t, _] = x.dims();
+        let (h, hd) = (self.n_heads, self.head_dim);
+        let split = |y: Tensor<3>| y.reshape([b, t, h, hd]).swap_dims(1, 2);
+        let q = apply_rope(split(self.wq.forward(x.clone())), &rope.0, &rope.1);
+        let k = apply_rope(split(self.wk.forward(x.clone())), &rope.0, &rope.1);
+        let v = split(self.wv.forward(x));
+        let scores = q.matmul(k.swap_dims(2, 3)).div_scalar((hd as f64).sqrt());
+        // `tril_mask` is true strictly above the diagonal: the future positions to hide.
+        let mask = Tensor::<2, Bool>::tril_mask([t, t], 0, &scores.device())
+            .reshape([1, 1, t, t])
+            .expand([b, h, t, t]);
+        let probs = softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 3);
+        let out = probs.matmul(v).swap_dims(1, 2).reshape([b, t, h * hd]);
+        self.wo.forward(out)
+    }
+}
+
+/// SwiGLU feed-forward: `(silu(x W_gate) * (x W_up)) W_down`.
+#[derive(Module, Debug)]
+pub struct SwiGlu {
+    /// Gate projection `[d_model, d_ff]`.
+    pub w_gate: Linear,
+    /// Up projection `[d_model, d_ff]`.
+    pub w_up: Linear,
+    /// Down projection `[d_ff, d_model]`.
+    pub w_down: Linear,
+}
+
+impl SwiGlu {
+    /// `x: [batch, seq, d_model]` -> same shape.
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        self.w_down
+            .forward(silu(self.w_gate.forward(x.clone())) * self.w_up.forward(x))
+    }
+}
+
+/// A pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+#[derive(Module, Debug)]
+pub struct Block {
+    /// Norm before attention.
+    pub attn_norm: RmsNorm,
+    /// Self-attention.
+    pub attn: Attention,
+    /// Norm before the MLP.
+    pub mlp_norm: RmsNorm,
+    /// Feed-forward.
+    pub mlp: SwiGlu,
+}
+
+impl Block {
+    /// `x: [batch, seq, d_model]` -> same shape.
+    pub fn forward(&self, x: Tensor<3>, rope: &(Tensor<2>, Tensor<2>)) -> Tensor<3> {
+        let x = x.clone() + self.attn.forward(self.attn_norm.forward(x), rope);
+        x.clone() + self.mlp.forward(self.mlp_norm.forward(x))
+    }
+}

@@ -1,0 +1,243 @@
+//! The model: embedding, blocks, final norm, LM head; configuration and presets.
+
+use crate::init;
+use crate::layers::{Attention, Block, SwiGlu, rope_tables};
+use burn::config::Config;
+use burn::module::Module;
+use burn::nn::{Embedding, Linear, RmsNorm};
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Device, Int, Tensor};
+
+/// Configuration of the reference transformer.
+#[derive(Config, Debug, PartialEq)]
+pub struct TransformerConfig {
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Model width.
+    pub d_model: usize,
+    /// Number of transformer blocks.
+    pub n_layers: usize,
+    /// Attention heads; must divide `d_model`.
+    pub n_heads: usize,
+    /// Hidden width of the SwiGLU MLP.
+    pub d_ff: usize,
+    /// Share the embedding table with the LM head.
+    #[config(default = true)]
+    pub tie_embeddings: bool,
+    /// RoPE base frequency.
+    #[config(default = 10000.0)]
+    pub rope_theta: f64,
+    /// RMSNorm epsilon.
+    #[config(default = 1e-5)]
+    pub norm_eps: f64,
+}
+
+impl TransformerConfig {
+    /// A few thousand parameters: unit and equivalence tests.
+    pub fn tiny(vocab_size: usize) -> Self {
+        TransformerConfig::new(vocab_size, 32, 2, 4, 64)
+    }
+
+    /// About 0.8M parameters at vocab 256: the default `train` job on a laptop CPU.
+    pub fn small(vocab_size: usize) -> Self {
+        TransformerConfig::new(vocab_size, 128, 4, 4, 344)
+    }
+
+    /// About 110M parameters at vocab 32000 (GPT-2 small shape): GPU benchmarks.
+    pub fn base(vocab_size: usize) -> Self {
+        TransformerConfig::new(vocab_size, 768, 12, 12, 2048)
+    }
+
+    /// Checks the shape constraints; the message names the fields.
+    pub fn validate(&self) -> Result<(), String> {
+        let mut errors = vec![];
+        for (name, v) in [
+            ("vocab_size", self.vocab_size),
+            ("d_model", self.d_model),
+            ("n_layers", self.n_layers),
+            ("n_heads", self.n_heads),
+            ("d_ff", self.d_ff),
+        ] {
+            if v == 0 {
+                errors.push(format!("model.{name} must be at least 1"));
+            }
+        }
+        if self.n_heads > 0 && self.d_model % self.n_heads != 0 {
+            errors.push(format!(
+                "model.n_heads = {} does not divide model.d_model = {}",
+                self.n_heads, self.d_model
+            ));
+        } else if self.n_heads > 0 && (self.d_model / self.n_heads) % 2 != 0 {
+            errors.push(format!(
+                "model.d_model / model.n_heads = {} must be even for rotary embeddings",
+                self.d_model / self.n_heads
+            ));
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors.join("; "))
+        }
+    }
+
+    /// Number of parameters.
+    pub fn num_params(&self) -> usize {
+        let (v, d, f) = (self.vocab_size, self.d_model, self.d_ff);
+        let block = 4 * d * d + 3 * d * f + 2 * d;
+        v * d + self.n_layers * block + d + if self.tie_embeddings { 0 } else { d * v }
+    }
+
+    /// Builds the model with weights drawn from `seed` (see [`init`]). Panics if the config is
+    /// invalid: call [`TransformerConfig::validate`] first on user input.
+    pub fn init(&self, seed: u64, device: &Device) -> Transformer {
+        if let Err(e) = self.validate() {
+            panic!("invalid transformer config: {e}");
+        }
+        let (d, f) = (self.d_model, self.d_ff);
+        let std = 0.02;
+        // Residual-branch outputs are scaled down with depth (GPT-2).
+        let out_std = std / (2.0 * self.n_layers as f64).sqrt();
+        let blocks = (0..self.n_layers)
+            .map(|l| {
+                let p = |n: &str| format!("blocks.{l}.{n}");
+                Block {
+                    attn_norm: init::rms_norm(d, self.norm_eps, device),
+                    attn: Attention {
+                        wq: init::linear(seed, &p("attn.wq"), d, d, std, device),
+                        wk: init::linear(seed, &p("attn.wk"), d, d, std, device),
+                        wv: init::linear(seed, &p("attn.wv"), d, d, std, device),
+                        wo: init::linear(seed, &p("attn.wo"), d, d, out_std, device),
+                        n_heads: self.n_heads,
+                        head_dim: d / self.n_heads,
+                    },
+                    mlp_norm: init::rms_norm(d, self.norm_eps, device),
+                    mlp: SwiGlu {
+                        w_gate: init::linear(seed, &p("mlp.w_gate"), d, f, std, device),
+                        w_up: init::linear(seed, &p("mlp.w_up"), d, f, std, device),
+                        w_down: init::linear(seed, &p("mlp.w_down"), f, d, out_std, device),
+                    },
+                }
+            })
+            .collect();
+        Transformer {
+            embed: init::embedding(seed, "embed", self.vocab_size, d, std, device),
+            blocks,
+            norm: init::rms_norm(d, self.norm_eps, device),
+            head: (!self.tie_embeddings)
+                .then(|| init::linear(seed, "head", d, self.vocab_size, std, device)),
+            rope_theta: self.rope_theta,
+        }
+    }
+}
+
+/// The decoder-only transformer.
+#[derive(Module, Debug)]
+pub struct Transformer {
+    /// Token embedding `[vocab, d_model]`.
+    pub embed: Embedding,
+    /// The blocks, in order.
+    pub blocks: Vec<Block>,
+    /// Final norm.
+    pub norm: RmsNorm,
+    /// LM head `[d_model, vocab]`; `None` when tied to the embedding.
+    pub head: Option<Linear>,
+    /// RoPE base frequency.
+    pub rope_theta: f64,
+}
+
+impl Transformer {
+    /// `tokens: [batch, seq]` -> logits `[batch, seq, vocab]`.
+    pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let t = tokens.dims()[1];
+        let h = self.embed_tokens(tokens);
+        let rope = self.rope(0, t, &h.device());
+        let h = self
+            .blocks
+            .iter()
+            .fold(h, |h, block| block.forward(h, &rope));
+        self.logits(h)
+    }
+
+    /// Embedding lookup: `[batch, seq]` -> `[batch, seq, d_model]`.
+    pub fn embed_tokens(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        self.embed.forward(tokens)
+    }
+
+    /// Rotary tables for positions `start .. start + len`.
+    pub fn rope(&self, start: usize, len: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
+        let head_dim = self.blocks.first().map(|b| b.attn.head_dim).unwrap_or(2);
+        rope_tables(start, len, head_dim, self.rope_theta, device)
+    }
+
+    /// Final norm and LM head: `[batch, seq, d_model]` -> `[batch, seq, vocab]`.
+    pub fn logits(&self, h: Tensor<3>) -> Tensor<3> {
+        let h = self.norm.forward(h);
+        match &self.head {
+            Some(head) => head.forward(h),
+            None => {
+                let [b, t, d] = h.dims();
+                let w = self.embed.weight.val(); // [vocab, d]
+                let v = w.dims()[0];
+                h.reshape([b * t, d])
+                    .matmul(w.transpose())
+                    .reshape([b, t, v])
+            }
+        }
+    }
+}
+
+/// Mean next-token cross-entropy (nats): `logits: [batch, seq, vocab]`, `targets: [batch, seq]`.
+pub fn next_token_loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+    let [b, t, v] = logits.dims();
+    let logp = log_softmax(logits.reshape([b * t, v]), 1);
+    let picked = logp.gather(1, targets.reshape([b * t, 1]));
+    picked.mean().neg()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_same_seed_builds_the_same_model_and_counts_its_parameters() {
+        let dev = Device::flex();
+        let cfg = TransformerConfig::tiny(16);
+        let (a, b) = (cfg.init(3, &dev), cfg.init(3, &dev));
+        assert_eq!(
+            a.embed.weight.val().into_data(),
+            b.embed.weight.val().into_data()
+        );
+        assert_eq!(a.num_params(), cfg.num_params());
+        let untied = TransformerConfig {
+            tie_embeddings: false,
+            ..cfg.clone()
+        };
+        assert_eq!(untied.init(3, &dev).num_params(), untied.num_params());
+    }
+
+    #[test]
+    fn invalid_shapes_are_named() {
+        let e = TransformerConfig::new(16, 30, 1, 4, 8)
+            .validate()
+            .unwrap_err();
+        assert!(
+            e.contains("model.n_heads = 4 does not divide model.d_model = 30"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn attention_is_causal() {
+        let dev = Device::flex();
+        let model = TransformerConfig::tiny(16).init(1, &dev);
+        let a = Tensor::<2, Int>::from_ints([[1, 2, 3, 4]], &dev);
+        let b = Tensor::<2, Int>::from_ints([[1, 2, 9, 9]], &dev);
+        let (la, lb) = (model.forward(a), model.forward(b));
+        let first = |l: Tensor<3>| l.narrow(1, 0, 2).into_data().try_to_vec::<f32>().unwrap();
+        assert_eq!(
+            first(la),
+            first(lb),
+            "positions 0..2 must not see later tokens"
+        );
+    }
+}

@@ -1,0 +1,263 @@
+//! Data parallel (DDP).
+//!
+//! **What is replicated:** parameters, gradients and optimizer state, on every rank of the `dp`
+//! group. **What is split:** the batch (see `flashover_data::BatchPlan`).
+//! **Communication per step:** one broadcast per parameter at start-up (rank 0's values win), then
+//! per step an all-reduce (sum) of every gradient, in buckets of about
+//! [`DataParallelConfig::bucket_bytes`], i.e. `2 (n-1)/n x 4 bytes x params` of bus traffic.
+//!
+//! Buckets follow reverse parameter order (backward produces the last layers first) and are
+//! reduced strictly in bucket order by a per-rank communication thread, so every rank issues
+//! the same collectives in the same order. On Flex, a gradient hook on each parameter reports its
+//! gradient the moment backward finalises it, and a full bucket is reduced while backward still
+//! runs; elsewhere gradients are read right after backward. With gradient accumulation, only the
+//! last micro-batch launches reductions; earlier ones accumulate locally.
+//!
+//! ```
+//! use burn::module::Module;
+//! use burn::nn::LinearConfig;
+//! use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+//! use burn::tensor::{Device, Tensor};
+//! use flashover_parallel::data_parallel::DataParallelConfig;
+//! use flashover_runtime::{Axis, launch};
+//!
+//! let losses = launch(2, |ctx| {
+//!     let device = Device::flex().autodiff();
+//!     let model = LinearConfig::new(4, 1).init(&device); // different init per rank...
+//!     let (model, mut ddp) = DataParallelConfig::new().init(model, ctx.group(Axis::Dp))?; // ...made equal
+//!     let mut optim = AdamWConfig::new().init();
+//!     let x = Tensor::<2>::ones([2, 4], &device).mul_scalar(ctx.rank() as f32 + 1.0);
+//!     ddp.begin_step(1);
+//!     let loss = ddp.prepare(&model).forward(x).powi_scalar(2).mean();
+//!     ddp.backward_done(&model, GradientsParams::from_grads(loss.backward(), &model));
+//!     let step = ddp.finish(&model, Some(1.0))?;
+//!     let model = optim.step(1e-2, model, step.grads);
+//!     Ok::<_, flashover_parallel::ParallelError>(model.weight.val().into_data())
+//! })
+//! .unwrap();
+//! assert_eq!(losses[0], losses[1]); // replicas stay identical
+//! ```
+
+mod reducer;
+
+use crate::error::ParallelError;
+use crate::grad_clip::clip_global_norm;
+use crate::hook::{GradCallback, grad_hook, hooks_supported};
+use crate::params::{ParamLayout, accumulate_grads, broadcast_module, grads_from_flat};
+use burn::config::Config;
+use burn::module::{Module, ModuleMapper, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
+use flashover_comm::Group;
+use reducer::Reducer;
+use std::time::{Duration, Instant};
+
+/// Options of data parallel training.
+#[derive(Config, Debug)]
+pub struct DataParallelConfig {
+    /// Target size of one gradient bucket in bytes (f32 gradients; a parameter larger than
+    /// this gets a bucket of its own).
+    #[config(default = 4194304)]
+    pub bucket_bytes: usize,
+    /// Reduce buckets during backward through gradient hooks where the device supports them
+    /// (Flex); otherwise, and when `false`, right after backward.
+    #[config(default = true)]
+    pub overlap: bool,
+    /// Average gradients over ranks and micro-batches, for losses that are per-sample means
+    /// (the usual case). `false` sums them, for losses that are sums over samples.
+    #[config(default = true)]
+    pub average: bool,
+}
+
+impl DataParallelConfig {
+    /// Wraps `model` for data parallel training over `group`: broadcasts rank 0's parameters
+    /// (collective) and plans the buckets. Returns the synchronised model and the DDP state.
+    pub fn init<M: Module>(
+        &self,
+        model: M,
+        group: &Group,
+    ) -> Result<(M, DataParallel), ParallelError> {
+        if self.bucket_bytes < 4 {
+            return Err(ParallelError::Invalid(format!(
+                "bucket_bytes = {} must hold at least one f32",
+                self.bucket_bytes
+            )));
+        }
+        let model = broadcast_module(model, group, 0)?;
+        let layout = ParamLayout::of(&model);
+        let numels: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
+        let reducer = Reducer::new(group.clone(), &numels, self.bucket_bytes / 4);
+        let device_ok = model_device(&model).is_some_and(|d| hooks_supported(&d));
+        Ok((
+            model,
+            DataParallel {
+                group: group.clone(),
+                flat: vec![0.0; layout.numel],
+                layout,
+                reducer,
+                hooks: self.overlap && device_ok,
+                average: self.average,
+                micro_batches: 0,
+                micro: 0,
+                backward_end: None,
+            },
+        ))
+    }
+}
+
+fn model_device<M: Module>(model: &M) -> Option<burn::tensor::Device> {
+    model.devices().into_iter().next()
+}
+
+/// What one step's gradient reduction did and cost.
+#[derive(Debug, Clone, Default)]
+pub struct ReduceReport {
+    /// Global gradient norm before clipping.
+    pub grad_norm: f32,
+    /// Time the communication thread spent in all-reduces.
+    pub comm: Duration,
+    /// Part of `comm` that ran before the last backward finished (hidden behind compute).
+    pub overlapped: Duration,
+    /// Time the training thread waited for reductions after backward.
+    pub exposed: Duration,
+    /// Buckets reduced.
+    pub buckets: usize,
+}
+
+/// A step's averaged gradients and its report.
+pub struct StepGradients {
+    /// Gradients averaged (or summed) over every rank and micro-batch, clipped, ready for the
+    /// optimizer.
+    pub grads: GradientsParams,
+    /// What the reduction measured.
+    pub report: ReduceReport,
+}
+
+/// The per-rank state of data parallel training; see the module docs for the step protocol:
+/// `begin_step`, then per micro-batch `prepare` + backward + `backward_done`, then `finish`.
+pub struct DataParallel {
+    group: Group,
+    layout: ParamLayout,
+    reducer: Reducer,
+    flat: Vec<f32>,
+    hooks: bool,
+    average: bool,
+    micro_batches: usize,
+    micro: usize,
+    backward_end: Option<Instant>,
+}
+
+struct HookMapper<'a> {
+    reducer: &'a Reducer,
+    index: usize,
+}
+
+impl ModuleMapper for HookMapper<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let callback = GradCallback(self.reducer.callback(self.index));
+        self.index += 1;
+        param.map(|t| grad_hook(t, callback))
+    }
+}
+
+impl DataParallel {
+    /// The parameter layout (names, shapes, offsets) DDP reduces.
+    pub fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+
+    /// Number of gradient buckets.
+    pub fn num_buckets(&self) -> usize {
+        self.reducer.buckets().len()
+    }
+
+    /// Whether gradients are reported by hooks during backward (overlap) on this device.
+    pub fn overlaps(&self) -> bool {
+        self.hooks
+    }
+
+    /// Starts a step of `micro_batches` micro-batches.
+    pub fn begin_step(&mut self, micro_batches: usize) {
+        assert!(micro_batches > 0, "a step needs at least one micro-batch");
+        self.micro_batches = micro_batches;
+        self.micro = 0;
+        self.backward_end = None;
+        self.reducer.begin_step();
+    }
+
+    /// The model to run the next micro-batch's forward with: `model` itself, with gradient
+    /// hooks on its parameters where the device supports them.
+    pub fn prepare<M: Module>(&mut self, model: &M) -> M {
+        assert!(
+            self.micro < self.micro_batches,
+            "prepare called after the step's last micro-batch"
+        );
+        self.reducer
+            .begin_micro(self.micro + 1 == self.micro_batches);
+        if self.hooks {
+            model.clone().map(&mut HookMapper {
+                reducer: &self.reducer,
+                index: 0,
+            })
+        } else {
+            model.clone()
+        }
+    }
+
+    /// After a micro-batch's backward: gradients that hooks did not report are read from `grads`
+    /// (parameters that got no gradient count as zero).
+    pub fn backward_done<M: Module>(&mut self, model: &M, grads: GradientsParams) {
+        self.flat.iter_mut().for_each(|x| *x = 0.0);
+        let arrived = self.reducer.arrived();
+        accumulate_grads(model, &grads, &mut self.flat, &arrived);
+        self.reducer.add_remaining(&self.flat);
+        self.micro += 1;
+        if self.micro == self.micro_batches {
+            self.backward_end = Some(Instant::now());
+        }
+    }
+
+    /// After the last micro-batch: waits for the reductions, averages over ranks and
+    /// micro-batches, clips to `max_norm`, and returns the gradients for the optimizer.
+    pub fn finish<M: Module>(
+        &mut self,
+        model: &M,
+        max_norm: Option<f32>,
+    ) -> Result<StepGradients, ParallelError> {
+        assert_eq!(
+            self.micro, self.micro_batches,
+            "finish called before every micro-batch's backward_done"
+        );
+        let t0 = Instant::now();
+        let spans = self.reducer.wait(&mut self.flat)?;
+        let exposed = t0.elapsed();
+        if self.average {
+            let denom = (self.group.size() * self.micro_batches) as f32;
+            self.flat.iter_mut().for_each(|g| *g /= denom);
+        }
+        let grad_norm = clip_global_norm(&mut self.flat, max_norm, None)?;
+        let end = self.backward_end.unwrap_or(t0);
+        let comm = spans.spans.iter().map(|(a, b)| *b - *a).sum();
+        let overlapped = spans
+            .spans
+            .iter()
+            .map(|&(a, b)| {
+                if a < end {
+                    b.min(end) - a
+                } else {
+                    Duration::ZERO
+                }
+            })
+            .sum();
+        Ok(StepGradients {
+            grads: grads_from_flat(model, &self.flat),
+            report: ReduceReport {
+                grad_norm,
+                comm,
+                overlapped,
+                exposed,
+                buckets: spans.spans.len(),
+            },
+        })
+    }
+}

@@ -1,0 +1,89 @@
+//! A gradient hook: forward identity; backward hands the gradient's values to a host callback
+//! and passes the gradient through unchanged. This is how DDP learns, during backward, that a
+//! parameter's gradient is final, so its bucket can be reduced while backward continues.
+//!
+//! Burn 0.22.1 has no tensor hooks; this is a backend-extension op with a hand-written backward
+//! (see the project notes' custom-backward recipe). It is implemented for Flex; on other
+//! backends the strategies fall back to reading gradients after backward.
+
+use burn::backend::autodiff::{
+    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+    grads::Gradients,
+    ops::{Backward, Ops, OpsKind, unary},
+};
+use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
+use burn::tensor::{Device, Tensor};
+use std::sync::Arc;
+
+/// The callback a hook calls with a gradient's values (row-major f32).
+#[derive(Clone)]
+pub struct GradCallback(pub Arc<dyn Fn(&[f32]) + Send + Sync>);
+
+impl std::fmt::Debug for GradCallback {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("GradCallback")
+    }
+}
+
+#[backend_extension(Flex, Autodiff)]
+pub trait GradHookOps: Backend {
+    /// Forward: identity. Backward: calls `callback` with the gradient, returns it unchanged.
+    fn grad_hook(x: FloatTensor<Self>, callback: GradCallback) -> FloatTensor<Self>;
+}
+
+impl GradHookOps for Flex {
+    fn grad_hook(x: FloatTensor<Self>, _callback: GradCallback) -> FloatTensor<Self> {
+        x
+    }
+}
+
+#[derive(Debug)]
+struct HookBackward;
+
+impl Backward<Flex, 1> for HookBackward {
+    type State = GradCallback;
+
+    fn backward(
+        self,
+        ops: Ops<GradCallback, 1>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let callback = ops.state;
+        unary::<Flex, _>(ops.parents, ops.node, grads, |g| {
+            let data = g.clone().into_data();
+            match data.as_slice::<f32>() {
+                Ok(values) => (callback.0)(values),
+                Err(_) => (callback.0)(
+                    data.convert::<f32>()
+                        .as_slice::<f32>()
+                        .expect("converted to f32"),
+                ),
+            }
+            g
+        });
+    }
+}
+
+impl<C: CheckpointStrategy> GradHookOps for Autodiff<Flex, C> {
+    fn grad_hook(x: FloatTensor<Self>, callback: GradCallback) -> FloatTensor<Self> {
+        let node = x.node();
+        match HookBackward.prepare::<C>([node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(callback, x.into_primitive()),
+            OpsKind::UnTracked(prep) => prep.finish(x.into_primitive()),
+        }
+    }
+}
+
+/// Whether gradient hooks work on `device` (Flex with autodiff).
+pub fn hooks_supported(device: &Device) -> bool {
+    device.is_autodiff() && device.clone().inner() == Device::flex()
+}
+
+/// `x` with a gradient hook attached (see the module docs).
+pub fn grad_hook<const D: usize>(x: Tensor<D>, callback: GradCallback) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as GradHookOps>::grad_hook(
+        x.into_dispatch(),
+        callback,
+    ))
+}

@@ -1,0 +1,20 @@
+//! # flashover-parallel: the strategies
+//!
+//! Each strategy is one public module that says what is sharded, when it is gathered and which
+//! collective runs where, with its equivalence test against one rank beside it.
+//!
+//! - [`data_parallel`]: DDP. Replicas start from rank 0's parameters; gradients are averaged
+//!   over the `dp` group in buckets, launched from a per-rank communication thread while the
+//!   rest of backward still runs (on Flex, through a gradient hook; elsewhere right after
+//!   backward); gradient accumulation reduces once per step; global-norm clipping.
+//! - [`params`]: walking a Burn module's parameters: layout, flattening, broadcasting.
+#![warn(missing_docs)]
+
+pub mod data_parallel;
+mod error;
+mod grad_clip;
+mod hook;
+pub mod params;
+
+pub use error::ParallelError;
+pub use grad_clip::clip_global_norm;

@@ -1,0 +1,230 @@
+//! Walking a Burn module's float parameters: their layout in one flat buffer, reading gradients
+//! into it, writing gradients back out of it, and broadcasting parameters over a group.
+
+use crate::error::ParallelError;
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::{Tensor, TensorData};
+use flashover_comm::{CommError, Group};
+use flashover_runtime::TensorCollectives;
+
+/// One float parameter's place in the flat layout.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamSlot {
+    /// Burn's id of the parameter.
+    pub id: ParamId,
+    /// Dotted path, e.g. `blocks.0.attn.wq.weight`.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Offset of its first element in the flat buffer.
+    pub offset: usize,
+    /// Number of elements.
+    pub numel: usize,
+}
+
+/// Every float parameter of a module, in visiting order, laid end to end.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamLayout {
+    /// The parameters, in the module's visiting order.
+    pub slots: Vec<ParamSlot>,
+    /// Total number of elements.
+    pub numel: usize,
+}
+
+#[derive(Default)]
+struct LayoutVisitor {
+    path: Vec<String>,
+    slots: Vec<ParamSlot>,
+    numel: usize,
+}
+
+impl ModuleVisitor for LayoutVisitor {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let shape = param.val().dims().to_vec();
+        let numel = shape.iter().product();
+        let name = self
+            .path
+            .iter()
+            .filter(|p| !p.is_empty())
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(".");
+        self.slots.push(ParamSlot {
+            id: param.id,
+            name,
+            shape,
+            offset: self.numel,
+            numel,
+        });
+        self.numel += numel;
+    }
+}
+
+impl ParamLayout {
+    /// The layout of `module`'s float parameters.
+    pub fn of<M: Module>(module: &M) -> Self {
+        let mut v = LayoutVisitor::default();
+        module.visit(&mut v);
+        ParamLayout {
+            slots: v.slots,
+            numel: v.numel,
+        }
+    }
+}
+
+/// Host copy of a tensor's values as f32.
+pub fn to_f32<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    let data = t.into_data();
+    match data.as_slice::<f32>() {
+        Ok(s) => s.to_vec(),
+        Err(_) => data
+            .convert::<f32>()
+            .as_slice::<f32>()
+            .expect("converted to f32")
+            .to_vec(),
+    }
+}
+
+/// Every float parameter's values, concatenated in layout order.
+pub fn flatten_params<M: Module>(module: &M) -> Vec<f32> {
+    struct V(Vec<f32>);
+    impl ModuleVisitor for V {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.extend(to_f32(param.val()));
+        }
+    }
+    let mut v = V(vec![]);
+    module.visit(&mut v);
+    v.0
+}
+
+/// Adds each parameter's gradient in `grads` into `flat` at its layout offset; returns which
+/// parameters had one. Parameters without a gradient (unused in forward) are left as they are.
+pub fn accumulate_grads<M: Module>(
+    module: &M,
+    grads: &GradientsParams,
+    flat: &mut [f32],
+    skip: &[bool],
+) -> Vec<bool> {
+    struct V<'a> {
+        grads: &'a GradientsParams,
+        flat: &'a mut [f32],
+        skip: &'a [bool],
+        offset: usize,
+        index: usize,
+        found: Vec<bool>,
+    }
+    impl ModuleVisitor for V<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let numel: usize = param.val().dims().iter().product();
+            let skip = self.skip.get(self.index).copied().unwrap_or(false);
+            let mut found = false;
+            if !skip && let Some(g) = self.grads.get::<D>(param.id) {
+                for (acc, x) in self.flat[self.offset..self.offset + numel]
+                    .iter_mut()
+                    .zip(to_f32(g))
+                {
+                    *acc += x;
+                }
+                found = true;
+            }
+            self.found.push(found);
+            self.offset += numel;
+            self.index += 1;
+        }
+    }
+    let mut v = V {
+        grads,
+        flat,
+        skip,
+        offset: 0,
+        index: 0,
+        found: vec![],
+    };
+    module.visit(&mut v);
+    v.found
+}
+
+/// Gradients for every float parameter of `module`, read from `flat` in layout order, on the
+/// parameters' devices (outside any autodiff graph, as optimizers expect).
+pub fn grads_from_flat<M: Module>(module: &M, flat: &[f32]) -> GradientsParams {
+    struct V<'a> {
+        flat: &'a [f32],
+        offset: usize,
+        grads: GradientsParams,
+    }
+    impl ModuleVisitor for V<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let value = param.val();
+            let dims = value.dims();
+            let numel: usize = dims.iter().product();
+            let device = value.device().inner();
+            let data = TensorData::new(self.flat[self.offset..self.offset + numel].to_vec(), dims);
+            self.grads
+                .register::<D>(param.id, Tensor::from_data(data, &device));
+            self.offset += numel;
+        }
+    }
+    let mut v = V {
+        flat,
+        offset: 0,
+        grads: GradientsParams::new(),
+    };
+    module.visit(&mut v);
+    v.grads
+}
+
+/// Replaces every float parameter of `module` with `root`'s copy (same ids, same
+/// `require_grad`), so replicas start identical whatever their initialisation.
+pub fn broadcast_module<M: Module>(
+    module: M,
+    group: &Group,
+    root: usize,
+) -> Result<M, ParallelError> {
+    struct Mapper<'a> {
+        group: &'a Group,
+        root: usize,
+        error: Option<CommError>,
+    }
+    impl ModuleMapper for Mapper<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            if self.error.is_some() {
+                return param;
+            }
+            let (group, root) = (self.group, self.root);
+            let mut error = None;
+            let param = param.map(|t| {
+                let require_grad = t.is_require_grad();
+                match group.broadcast_tensor(t.clone().detach(), root) {
+                    Ok(b) => b.set_require_grad(require_grad),
+                    Err(e) => {
+                        error = Some(e);
+                        t
+                    }
+                }
+            });
+            self.error = error;
+            param
+        }
+    }
+    if group.size() == 1 {
+        return Ok(module);
+    }
+    let mut mapper = Mapper {
+        group,
+        root,
+        error: None,
+    };
+    let module = module.map(&mut mapper);
+    match mapper.error {
+        Some(e) => Err(e.into()),
+        None => Ok(module),
+    }
+}

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The README's test command: every test of the workspace, on Flex and on the wgpu CPU adapter
+# (Mesa lavapipe). Installs lavapipe first where it is missing and apt-get is usable as root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1 || ! ldconfig -p | grep -q 'libvulkan.so.1'; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends mesa-vulkan-drivers libvulkan1
+  else
+    echo "The wgpu tests need Mesa's Vulkan CPU driver: install mesa-vulkan-drivers and libvulkan1." >&2
+    exit 1
+  fi
+fi
+
+cargo test --workspace --features wgpu "$@"

@@ -1,0 +1,105 @@
+//! `flashover bench train`: tokens/s of the reference model under Flashover's DDP at dp=1 and
+//! dp=2 (one thread per rank), next to a plain Burn training loop on the same model, data and
+//! optimizer. Variants are interleaved and repeated; medians are reported, because ratios
+//! measured side by side are what survives a noisy machine.
+
+use crate::train::{TrainConfig, make_batch, token_source, train};
+use burn::optim::{AdamWConfig, GradientsParams};
+use flashover_data::{BatchPlan, TokenSource};
+use flashover_models::next_token_loss;
+use serde::Serialize;
+use std::time::Instant;
+
+/// One variant's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct TrainBenchRecord {
+    /// `plain_burn`, `flashover_dp1`, `flashover_dp2`, ...
+    pub variant: String,
+    /// Median over repeats of tokens per second (steps after the first).
+    pub tokens_per_s: f64,
+    /// Median milliseconds per step.
+    pub step_ms: f64,
+    /// Every repeat's tokens per second.
+    pub samples: Vec<f64>,
+}
+
+/// Seconds per step (after the first) of a plain Burn loop: forward, backward, AdamW step.
+pub fn plain_burn_step_s(config: &TrainConfig) -> Result<f64, String> {
+    let source = token_source(config)?;
+    let model_config = config.transformer(source.vocab_size())?;
+    let device = config
+        .run
+        .device
+        .device(0)
+        .map_err(|e| e.to_string())?
+        .autodiff();
+    let mut model = model_config.init(config.run.seed, &device);
+    let mut optim = AdamWConfig::new()
+        .with_weight_decay(config.optim.weight_decay as f32)
+        .init();
+    let plan = BatchPlan::new(config.run.global_batch, 1, 0, 1).map_err(|e| e.to_string())?;
+    let mut start = Instant::now();
+    for step in 0..config.run.steps {
+        if step == 1 {
+            start = Instant::now();
+        }
+        let (inputs, targets) = make_batch(
+            source.as_ref() as &dyn TokenSource,
+            plan.indices(step as u64, 0),
+            config.data.seq_len,
+            &device,
+        );
+        let loss = next_token_loss(model.forward(inputs), targets);
+        let _ = loss.clone().into_scalar::<f32>();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(config.lr_at(step), model, grads);
+    }
+    Ok(start.elapsed().as_secs_f64() / (config.run.steps - 1).max(1) as f64)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Runs every variant `repeats` times, interleaved. `base` sets model, data, batch and steps;
+/// its mesh is replaced per variant. Clipping is off in every variant (plain Burn has no global
+/// norm clipping to compare with).
+pub fn run(
+    base: &TrainConfig,
+    dps: &[usize],
+    repeats: usize,
+) -> Result<Vec<TrainBenchRecord>, String> {
+    let mut base = base.clone();
+    base.optim.clip = None;
+    base.run.log_jsonl = None;
+    let tokens_per_step = (base.run.global_batch * base.data.seq_len) as f64;
+    let mut samples: Vec<(String, Vec<f64>)> = vec![("plain_burn".into(), vec![])];
+    samples.extend(dps.iter().map(|dp| (format!("flashover_dp{dp}"), vec![])));
+    for _ in 0..repeats.max(1) {
+        samples[0]
+            .1
+            .push(tokens_per_step / plain_burn_step_s(&base)?);
+        for (i, &dp) in dps.iter().enumerate() {
+            let mut c = base.clone();
+            c.parallel.mesh = format!("dp={dp}");
+            let report = train(&c, &|_| {})?;
+            let timed = &report.steps[1..];
+            let step_s =
+                timed.iter().map(|s| s.step_time_s).sum::<f64>() / timed.len().max(1) as f64;
+            samples[i + 1].1.push(tokens_per_step / step_s);
+        }
+    }
+    Ok(samples
+        .into_iter()
+        .map(|(variant, s)| {
+            let tps = median(s.clone());
+            TrainBenchRecord {
+                variant,
+                tokens_per_s: tps,
+                step_ms: tokens_per_step / tps * 1e3,
+                samples: s,
+            }
+        })
+        .collect())
+}

@@ -1,0 +1,213 @@
+//! `flashover train` and `flashover verify`: flags that override the job file.
+
+use clap::Args;
+use flashover::DeviceChoice;
+use flashover::train::{StepRecord, TrainConfig};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::PathBuf;
+
+/// Job options shared by `train` and `verify`. Flags override `--config`, which overrides the
+/// built-in defaults.
+#[derive(Debug, Args)]
+pub struct JobArgs {
+    /// A TOML job file (see examples/configs/).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// The mesh, e.g. `dp=4`.
+    #[arg(long)]
+    mesh: Option<String>,
+    /// Optimizer steps.
+    #[arg(long)]
+    steps: Option<usize>,
+    /// Samples per step over all data-parallel ranks.
+    #[arg(long)]
+    global_batch: Option<usize>,
+    /// Micro-batches per step on each rank (gradient accumulation).
+    #[arg(long)]
+    micro_batches: Option<usize>,
+    /// Tokens per sample.
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Peak learning rate.
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Clip the global gradient norm (0: off).
+    #[arg(long)]
+    clip: Option<f32>,
+    /// Seed of model, data and everything random.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Compute device: flex, wgpu or cuda (default: BURN_DEVICE, else flex).
+    #[arg(long)]
+    device: Option<DeviceChoice>,
+    /// Model preset: tiny, small or base.
+    #[arg(long)]
+    model: Option<String>,
+    /// Model width (overrides the preset).
+    #[arg(long)]
+    d_model: Option<usize>,
+    /// Model depth (overrides the preset).
+    #[arg(long)]
+    n_layers: Option<usize>,
+    /// Byte-level text file to train on instead of the embedded Markov chain.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// DDP bucket size in MiB.
+    #[arg(long)]
+    bucket_mb: Option<f64>,
+    /// Reduce gradients after backward instead of during it.
+    #[arg(long)]
+    no_overlap: bool,
+}
+
+impl JobArgs {
+    /// The job: defaults, then the file, then the flags; validated.
+    pub fn build(&self) -> Result<TrainConfig, String> {
+        self.build_with_mesh_override(None)
+    }
+
+    /// Like [`JobArgs::build`], with the mesh forced to `mesh` (benchmarks set it per variant).
+    pub fn build_with_mesh(&self, mesh: &str) -> Result<TrainConfig, String> {
+        self.build_with_mesh_override(Some(mesh))
+    }
+
+    fn build_with_mesh_override(&self, mesh: Option<&str>) -> Result<TrainConfig, String> {
+        let mut c = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| format!("--config {}: {e}", path.display()))?;
+                TrainConfig::from_toml(&text)
+                    .map_err(|e| format!("--config {}: {e}", path.display()))?
+            }
+            None => TrainConfig::default(),
+        };
+        if self.device.is_none()
+            && self.config.is_none()
+            && let Some(d) = DeviceChoice::from_env().map_err(|e| format!("BURN_DEVICE: {e}"))?
+        {
+            c.run.device = d;
+        }
+        set(&mut c.parallel.mesh, self.mesh.clone());
+        set(&mut c.parallel.mesh, mesh.map(String::from));
+        set(&mut c.run.steps, self.steps);
+        set(&mut c.run.global_batch, self.global_batch);
+        set(&mut c.run.micro_batches, self.micro_batches);
+        set(&mut c.data.seq_len, self.seq_len);
+        set(&mut c.optim.lr, self.lr);
+        set(&mut c.run.seed, self.seed);
+        set(&mut c.run.device, self.device);
+        set(&mut c.parallel.bucket_mb, self.bucket_mb);
+        if let Some(clip) = self.clip {
+            c.optim.clip = (clip > 0.0).then_some(clip);
+        }
+        if let Some(preset) = &self.model {
+            c.model = flashover::train::ModelSection {
+                preset: preset.clone(),
+                d_model: None,
+                n_layers: None,
+                n_heads: None,
+                d_ff: None,
+                ..c.model
+            };
+        }
+        if self.d_model.is_some() {
+            c.model.d_model = self.d_model;
+        }
+        if self.n_layers.is_some() {
+            c.model.n_layers = self.n_layers;
+        }
+        if let Some(path) = &self.data {
+            c.data.source = "text".into();
+            c.data.path = Some(path.clone());
+        }
+        if self.no_overlap {
+            c.parallel.overlap = false;
+        }
+        let errors = c.validate();
+        if !errors.is_empty() {
+            return Err(format!("invalid job:\n  {}", errors.join("\n  ")));
+        }
+        Ok(c)
+    }
+}
+
+fn set<T>(field: &mut T, value: Option<T>) {
+    if let Some(v) = value {
+        *field = v;
+    }
+}
+
+/// `flashover train`.
+pub fn train(args: &JobArgs, log_jsonl: Option<PathBuf>) -> Result<(), String> {
+    let mut config = args.build()?;
+    if log_jsonl.is_some() {
+        config.run.log_jsonl = log_jsonl;
+    }
+    let source = flashover::train::token_source(&config)?;
+    println!("data: {}", source.describe());
+    if let Some(floor) = source.loss_floor() {
+        println!(
+            "loss floor (entropy rate): {floor:.4} nats; uniform guess: {:.4}",
+            (source.vocab_size() as f64).ln()
+        );
+    }
+    let model = config.transformer(source.vocab_size())?;
+    println!(
+        "model: d_model {} x {} layers, {} heads, d_ff {}, {} parameters; mesh {}; device {}",
+        model.d_model,
+        model.n_layers,
+        model.n_heads,
+        model.d_ff,
+        model.num_params(),
+        config.parallel.mesh,
+        config.run.device
+    );
+    let bar = ProgressBar::new(config.run.steps as u64);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} {msg} [{elapsed_precise}<{eta_precise}]",
+        )
+        .expect("valid template"),
+    );
+    let on_step = |r: &StepRecord| {
+        bar.set_message(format!(
+            "loss {:.4} | {:.0} tok/s | {:.1} ms/step",
+            r.loss,
+            r.tokens_per_s,
+            r.step_time_s * 1e3
+        ));
+        bar.inc(1);
+        if !bar.is_hidden() {
+            return;
+        }
+        // Not a terminal: print a line every tenth of the run instead.
+        let every = (config.run.steps / 10).max(1);
+        if r.step % every == 0 || r.step + 1 == config.run.steps {
+            println!(
+                "step {:>5}  loss {:.4}  lr {:.2e}  grad_norm {:.3}  {:.0} tok/s",
+                r.step, r.loss, r.lr, r.grad_norm, r.tokens_per_s
+            );
+        }
+    };
+    let report = flashover::train::train(&config, &on_step)?;
+    bar.finish();
+    print!("{report}");
+    Ok(())
+}
+
+/// `flashover verify`.
+pub fn verify(args: &JobArgs, tolerance: f64) -> Result<bool, String> {
+    let config = args.build()?;
+    println!(
+        "verify: mesh {} (micro-batches {}) against one rank, {} steps, seed {}",
+        config.parallel.mesh, config.run.micro_batches, config.run.steps, config.run.seed
+    );
+    let (reference, candidate, cmp) = flashover::train::verify(&config, tolerance)?;
+    println!(
+        "reference final loss {:.6}; candidate final loss {:.6}",
+        reference.final_loss(),
+        candidate.final_loss()
+    );
+    println!("{cmp}");
+    Ok(cmp.pass)
+}

@@ -1,0 +1,370 @@
+//! The job configuration: one TOML file (or flags) for model, data, mesh, optimizer and run.
+//! Every field has a default, so an empty file is a valid job; `validate` lists every invalid
+//! field at once, each with its path.
+
+use flashover_models::TransformerConfig;
+use flashover_runtime::{Axis, DeviceChoice, DeviceMesh};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// A whole training job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    /// The model.
+    pub model: ModelSection,
+    /// Where tokens come from.
+    pub data: DataSection,
+    /// How ranks are arranged and what they share.
+    pub parallel: ParallelSection,
+    /// AdamW and the learning-rate schedule.
+    pub optim: OptimSection,
+    /// Steps, batch, seed, device, logs.
+    pub run: RunSection,
+}
+
+/// `[model]`: a preset, optionally overridden field by field.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelSection {
+    /// `tiny`, `small` or `base`.
+    pub preset: String,
+    /// Overrides the preset's width.
+    pub d_model: Option<usize>,
+    /// Overrides the preset's depth.
+    pub n_layers: Option<usize>,
+    /// Overrides the preset's heads.
+    pub n_heads: Option<usize>,
+    /// Overrides the preset's MLP width.
+    pub d_ff: Option<usize>,
+    /// Share embedding and LM head.
+    pub tie_embeddings: bool,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        ModelSection {
+            preset: "small".into(),
+            d_model: Some(64),
+            n_layers: Some(2),
+            n_heads: Some(4),
+            d_ff: Some(172),
+            tie_embeddings: true,
+        }
+    }
+}
+
+/// `[data]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DataSection {
+    /// `markov` (embedded, known loss floor) or `text` (byte tokens from `path`).
+    pub source: String,
+    /// Text file for `source = "text"`.
+    pub path: Option<PathBuf>,
+    /// Vocabulary of the Markov chain.
+    pub vocab: usize,
+    /// Successors per token of the Markov chain.
+    pub branching: usize,
+    /// Tokens per sample (the model sees `seq_len` inputs and predicts the next of each).
+    pub seq_len: usize,
+}
+
+impl Default for DataSection {
+    fn default() -> Self {
+        DataSection {
+            source: "markov".into(),
+            path: None,
+            vocab: 64,
+            branching: 4,
+            seq_len: 32,
+        }
+    }
+}
+
+/// `[parallel]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ParallelSection {
+    /// The mesh, e.g. `dp=4`.
+    pub mesh: String,
+    /// DDP bucket size in MiB.
+    pub bucket_mb: f64,
+    /// Reduce gradient buckets during backward where the device allows.
+    pub overlap: bool,
+    /// Collective timeout in seconds.
+    pub timeout_s: f64,
+    /// `mean` (losses are per-sample means: gradients averaged over ranks and micro-batches)
+    /// or `sum` (losses are sums: gradients summed).
+    pub gradient_reduction: String,
+}
+
+impl Default for ParallelSection {
+    fn default() -> Self {
+        ParallelSection {
+            mesh: "dp=2".into(),
+            bucket_mb: 1.0,
+            overlap: true,
+            timeout_s: 300.0,
+            gradient_reduction: "mean".into(),
+        }
+    }
+}
+
+/// `[optim]`: AdamW with linear warm-up and cosine decay to `min_lr_ratio x lr`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OptimSection {
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Warm-up steps.
+    pub warmup_steps: usize,
+    /// Final learning rate as a fraction of `lr`.
+    pub min_lr_ratio: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// Clip the global gradient norm to this (none if absent or 0).
+    pub clip: Option<f32>,
+}
+
+impl Default for OptimSection {
+    fn default() -> Self {
+        OptimSection {
+            lr: 3e-3,
+            warmup_steps: 10,
+            min_lr_ratio: 0.1,
+            weight_decay: 0.01,
+            clip: Some(1.0),
+        }
+    }
+}
+
+/// `[run]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RunSection {
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Samples per step over all data-parallel ranks.
+    pub global_batch: usize,
+    /// Micro-batches per step on each rank (gradient accumulation).
+    pub micro_batches: usize,
+    /// Seed of the model, the data and everything random.
+    pub seed: u64,
+    /// `flex`, `wgpu` or `cuda` (`BURN_DEVICE` overrides the default).
+    pub device: DeviceChoice,
+    /// Write one JSON line per step here.
+    pub log_jsonl: Option<PathBuf>,
+}
+
+impl Default for RunSection {
+    fn default() -> Self {
+        RunSection {
+            steps: 200,
+            global_batch: 16,
+            micro_batches: 1,
+            seed: 1,
+            device: DeviceChoice::Flex,
+            log_jsonl: None,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Parses a TOML job file; unknown fields are errors.
+    pub fn from_toml(text: &str) -> Result<Self, String> {
+        toml::from_str(text).map_err(|e| format!("invalid config: {e}"))
+    }
+
+    /// The model configuration the sections describe (vocabulary from the data source).
+    pub fn transformer(&self, vocab_size: usize) -> Result<TransformerConfig, String> {
+        let base = match self.model.preset.as_str() {
+            "tiny" => TransformerConfig::tiny(vocab_size),
+            "small" => TransformerConfig::small(vocab_size),
+            "base" => TransformerConfig::base(vocab_size),
+            other => {
+                return Err(format!(
+                    "model.preset = `{other}`: expected tiny, small or base"
+                ));
+            }
+        };
+        let m = &self.model;
+        Ok(TransformerConfig {
+            d_model: m.d_model.unwrap_or(base.d_model),
+            n_layers: m.n_layers.unwrap_or(base.n_layers),
+            n_heads: m.n_heads.unwrap_or(base.n_heads),
+            d_ff: m.d_ff.unwrap_or(base.d_ff),
+            tie_embeddings: m.tie_embeddings,
+            ..base
+        })
+    }
+
+    /// The vocabulary of the configured data source.
+    pub fn vocab_size(&self) -> usize {
+        if self.data.source == "text" {
+            256
+        } else {
+            self.data.vocab
+        }
+    }
+
+    /// The parsed mesh.
+    pub fn mesh(&self) -> Result<DeviceMesh, String> {
+        self.parallel
+            .mesh
+            .parse()
+            .map_err(|e| format!("parallel.mesh: {e}"))
+    }
+
+    /// Every problem with the configuration, each naming its field; empty when valid.
+    pub fn validate(&self) -> Vec<String> {
+        let mut errors = vec![];
+        match self.transformer(self.vocab_size()) {
+            Ok(t) => {
+                if let Err(e) = t.validate() {
+                    errors.extend(e.split("; ").map(String::from));
+                }
+            }
+            Err(e) => errors.push(e),
+        }
+        match self.data.source.as_str() {
+            "markov" => {
+                if self.data.vocab < 2 {
+                    errors.push(format!(
+                        "data.vocab = {} must be at least 2",
+                        self.data.vocab
+                    ));
+                }
+                if self.data.branching == 0 || self.data.branching > self.data.vocab {
+                    errors.push(format!(
+                        "data.branching = {} must be between 1 and data.vocab = {}",
+                        self.data.branching, self.data.vocab
+                    ));
+                }
+            }
+            "text" if self.data.path.is_none() => {
+                errors.push("data.path is required when data.source = \"text\"".into())
+            }
+            "text" => {}
+            other => errors.push(format!("data.source = `{other}`: expected markov or text")),
+        }
+        if self.data.seq_len == 0 {
+            errors.push("data.seq_len must be at least 1".into());
+        }
+        match self.mesh() {
+            Ok(mesh) => {
+                for axis in Axis::ALL {
+                    if axis != Axis::Dp && mesh.degree(axis) > 1 {
+                        errors.push(format!(
+                            "parallel.mesh: axis `{axis}` is not supported by `train` yet (data parallel `dp` only)"
+                        ));
+                    }
+                }
+                let (dp, m, b) = (
+                    mesh.degree(Axis::Dp),
+                    self.run.micro_batches,
+                    self.run.global_batch,
+                );
+                if m == 0 || b == 0 || b % (dp * m) != 0 {
+                    errors.push(format!(
+                        "run.global_batch = {b} must be a positive multiple of dp ({dp}) x run.micro_batches ({m})"
+                    ));
+                }
+            }
+            Err(e) => errors.push(e),
+        }
+        if self.parallel.bucket_mb.is_nan() || self.parallel.bucket_mb <= 0.0 {
+            errors.push(format!(
+                "parallel.bucket_mb = {} must be positive",
+                self.parallel.bucket_mb
+            ));
+        }
+        if self.parallel.timeout_s.is_nan() || self.parallel.timeout_s <= 0.0 {
+            errors.push(format!(
+                "parallel.timeout_s = {} must be positive",
+                self.parallel.timeout_s
+            ));
+        }
+        if !matches!(self.parallel.gradient_reduction.as_str(), "mean" | "sum") {
+            errors.push(format!(
+                "parallel.gradient_reduction = `{}`: expected mean or sum",
+                self.parallel.gradient_reduction
+            ));
+        }
+        if self.optim.lr.is_nan() || self.optim.lr <= 0.0 {
+            errors.push(format!("optim.lr = {} must be positive", self.optim.lr));
+        }
+        if !(0.0..=1.0).contains(&self.optim.min_lr_ratio) {
+            errors.push(format!(
+                "optim.min_lr_ratio = {} must be in [0, 1]",
+                self.optim.min_lr_ratio
+            ));
+        }
+        if self.optim.clip.is_some_and(|c| c.is_nan() || c < 0.0) {
+            errors.push("optim.clip must be positive (0 or absent: no clipping)".into());
+        }
+        if self.run.steps == 0 {
+            errors.push("run.steps must be at least 1".into());
+        }
+        errors
+    }
+
+    /// Learning rate at `step`: linear warm-up, then cosine decay to `min_lr_ratio x lr`.
+    pub fn lr_at(&self, step: usize) -> f64 {
+        let o = &self.optim;
+        if step < o.warmup_steps {
+            return o.lr * (step + 1) as f64 / o.warmup_steps as f64;
+        }
+        let span = (self.run.steps.saturating_sub(o.warmup_steps)).max(1) as f64;
+        let progress = ((step - o.warmup_steps) as f64 / span).min(1.0);
+        let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+        o.lr * (o.min_lr_ratio + (1.0 - o.min_lr_ratio) * cosine)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_file_is_the_default_job() {
+        let c = TrainConfig::from_toml("").unwrap();
+        assert_eq!(c, TrainConfig::default());
+        assert!(c.validate().is_empty(), "{:?}", c.validate());
+    }
+
+    #[test]
+    fn every_invalid_field_is_listed_with_its_path() {
+        let c = TrainConfig::from_toml(
+            "[model]\nn_heads = 3\n[parallel]\nmesh = \"dp=3\"\n[run]\nglobal_batch = 16\nsteps = 0\n[optim]\nlr = -1.0\n",
+        )
+        .unwrap();
+        let e = c.validate();
+        let all = e.join("\n");
+        assert!(
+            all.contains("model.n_heads = 3 does not divide model.d_model = 64"),
+            "{all}"
+        );
+        assert!(
+            all.contains("run.global_batch = 16 must be a positive multiple of dp (3)"),
+            "{all}"
+        );
+        assert!(all.contains("run.steps"), "{all}");
+        assert!(all.contains("optim.lr = -1"), "{all}");
+        assert_eq!(e.len(), 4, "{all}");
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected() {
+        let e = TrainConfig::from_toml("[run]\nstep = 3\n").unwrap_err();
+        assert!(e.contains("unknown field `step`"), "{e}");
+    }
+
+    #[test]
+    fn the_schedule_warms_up_then_decays() {
+        let c = TrainConfig::default();
+        assert!(c.lr_at(0) < c.lr_at(9));
+        assert!((c.lr_at(9) - c.optim.lr).abs() < 1e-12);
+        assert!((c.lr_at(c.run.steps) - c.optim.lr * c.optim.min_lr_ratio).abs() < 1e-9);
+    }
+}

@@ -1,0 +1,132 @@
+//! Equivalence between layouts: the same model, data and seed trained on one rank and on a
+//! mesh must give the same loss and gradient norm at every step and the same final parameters.
+
+use super::config::TrainConfig;
+use super::report::{StepRecord, TrainReport};
+use std::fmt;
+
+/// The differences between a reference run and a candidate run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Comparison {
+    /// Largest `|a - b| / |b|` of the per-step losses.
+    pub max_rel_loss_diff: f64,
+    /// Largest `|a - b| / |b|` of the per-step gradient norms (catches wrong gradient scaling,
+    /// to which AdamW's update is nearly blind).
+    pub max_rel_grad_norm_diff: f64,
+    /// Largest per-tensor `max|a - b| / max|b|` over the final parameters.
+    pub max_rel_param_diff: f64,
+    /// The parameter where that largest difference is.
+    pub worst_param: String,
+    /// The tolerance used.
+    pub tolerance: f64,
+    /// Whether every difference is within the tolerance (and the runs have the same shape).
+    pub pass: bool,
+    /// Why the runs could not be compared, if they could not.
+    pub structural: Option<String>,
+}
+
+/// `|a - b| / |b|`; infinite where either is not finite (a NaN must never pass).
+fn rel(a: f64, b: f64) -> f64 {
+    if !a.is_finite() || !b.is_finite() {
+        f64::INFINITY
+    } else if a == b {
+        0.0
+    } else {
+        (a - b).abs() / b.abs().max(f64::MIN_POSITIVE)
+    }
+}
+
+fn max_over(a: &[StepRecord], b: &[StepRecord], f: impl Fn(&StepRecord) -> f64) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| rel(f(x), f(y)))
+        .fold(0.0, f64::max)
+}
+
+/// Compares `candidate` against `reference` with relative tolerance `tolerance`.
+pub fn compare(reference: &TrainReport, candidate: &TrainReport, tolerance: f64) -> Comparison {
+    let mut structural = None;
+    if reference.steps.len() != candidate.steps.len() {
+        structural = Some(format!(
+            "{} steps vs {}",
+            reference.steps.len(),
+            candidate.steps.len()
+        ));
+    }
+    let names_match = reference.params.len() == candidate.params.len()
+        && reference
+            .params
+            .iter()
+            .zip(&candidate.params)
+            .all(|(a, b)| a.0 == b.0 && a.1.len() == b.1.len());
+    if !names_match {
+        structural = Some("the runs' parameters differ in names or sizes".into());
+    }
+    let mut worst = (0.0f64, String::new());
+    for ((name, r), (_, c)) in reference.params.iter().zip(&candidate.params) {
+        let scale = r.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
+        let diff = r
+            .iter()
+            .zip(c)
+            .fold(0.0f32, |m, (a, b)| m.max((a - b).abs())) as f64;
+        let finite = r.iter().chain(c).all(|v| v.is_finite());
+        let d = if !finite {
+            f64::INFINITY
+        } else if diff == 0.0 {
+            0.0
+        } else {
+            diff / scale.max(f64::MIN_POSITIVE)
+        };
+        if d > worst.0 || worst.1.is_empty() {
+            worst = (d, name.clone());
+        }
+    }
+    let loss = max_over(&candidate.steps, &reference.steps, |s| s.loss);
+    let norm = max_over(&candidate.steps, &reference.steps, |s| s.grad_norm);
+    let pass =
+        structural.is_none() && loss <= tolerance && norm <= tolerance && worst.0 <= tolerance;
+    Comparison {
+        max_rel_loss_diff: loss,
+        max_rel_grad_norm_diff: norm,
+        max_rel_param_diff: worst.0,
+        worst_param: worst.1,
+        tolerance,
+        pass,
+        structural,
+    }
+}
+
+impl fmt::Display for Comparison {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(why) = &self.structural {
+            writeln!(f, "runs cannot be compared: {why}")?;
+        }
+        write!(
+            f,
+            "verify: {} max_rel_loss_diff={:.3e} max_rel_grad_norm_diff={:.3e} max_rel_param_diff={:.3e} worst_param={} tolerance={:.1e}",
+            if self.pass { "PASS" } else { "FAIL" },
+            self.max_rel_loss_diff,
+            self.max_rel_grad_norm_diff,
+            self.max_rel_param_diff,
+            self.worst_param,
+            self.tolerance
+        )
+    }
+}
+
+/// Trains `config` on one rank (one micro-batch per step over the whole global batch) and as
+/// configured, and compares the two.
+pub fn verify(
+    config: &TrainConfig,
+    tolerance: f64,
+) -> Result<(TrainReport, TrainReport, Comparison), String> {
+    let mut reference = config.clone();
+    reference.parallel.mesh = "dp=1".into();
+    reference.run.micro_batches = 1;
+    reference.run.log_jsonl = None;
+    let quiet = |_: &StepRecord| {};
+    let r = super::train(&reference, &quiet)?;
+    let c = super::train(config, &quiet)?;
+    let cmp = compare(&r, &c, tolerance);
+    Ok((r, c, cmp))
+}
