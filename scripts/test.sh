@@ -15,4 +15,6 @@ if ! ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1 || ! ldconfig -p 
   fi
 fi
 
+# Mesa's Vulkan loader wants a runtime directory; headless machines often have none.
+export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
 cargo test --workspace --features wgpu "$@"

@@ -11,7 +11,7 @@ pub enum BenchCommand {
     /// Every collective at sizes from 4 KiB to 256 MiB, with memcpy as the reference.
     Comm(CommArgs),
     /// Tokens/s of the reference model: plain Burn loop vs Flashover DDP at several dp.
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
 }
 
 /// Options of `bench train`.

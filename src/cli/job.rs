@@ -182,7 +182,7 @@ pub fn train(args: &JobArgs, log_jsonl: Option<PathBuf>) -> Result<(), String> {
         }
         // Not a terminal: print a line every tenth of the run instead.
         let every = (config.run.steps / 10).max(1);
-        if r.step % every == 0 || r.step + 1 == config.run.steps {
+        if r.step.is_multiple_of(every) || r.step + 1 == config.run.steps {
             println!(
                 "step {:>5}  loss {:.4}  lr {:.2e}  grad_norm {:.3}  {:.0} tok/s",
                 r.step, r.loss, r.lr, r.grad_norm, r.tokens_per_s

@@ -265,7 +265,7 @@ impl TrainConfig {
                     self.run.micro_batches,
                     self.run.global_batch,
                 );
-                if m == 0 || b == 0 || b % (dp * m) != 0 {
+                if m == 0 || b == 0 || !b.is_multiple_of(dp * m) {
                     errors.push(format!(
                         "run.global_batch = {b} must be a positive multiple of dp ({dp}) x run.micro_batches ({m})"
                     ));

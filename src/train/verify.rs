@@ -130,3 +130,68 @@ pub fn verify(
     let cmp = compare(&r, &c, tolerance);
     Ok((r, c, cmp))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(losses: &[f64], param: Vec<f32>) -> TrainReport {
+        TrainReport {
+            steps: losses
+                .iter()
+                .enumerate()
+                .map(|(step, &loss)| StepRecord {
+                    step,
+                    loss,
+                    lr: 1e-3,
+                    grad_norm: 1.0,
+                    tokens_per_s: 1.0,
+                    step_time_s: 1.0,
+                    ranks: vec![],
+                })
+                .collect(),
+            params: vec![("w".into(), param)],
+            loss_floor: None,
+            num_params: 2,
+            mesh: "dp=1".into(),
+            buckets: 1,
+            overlap: false,
+            wall_s: 1.0,
+            tokens: 1,
+        }
+    }
+
+    #[test]
+    fn identical_runs_pass_and_small_differences_are_measured() {
+        let a = report(&[2.0, 1.0], vec![1.0, -2.0]);
+        assert!(compare(&a, &a, 0.0).pass);
+        let b = report(&[2.0, 1.000001], vec![1.0, -2.00001]);
+        let c = compare(&a, &b, 1e-5);
+        assert!(c.pass, "{c}");
+        assert!((c.max_rel_loss_diff - 1e-6).abs() < 1e-9);
+        assert!((c.max_rel_param_diff - 5e-6).abs() < 1e-6);
+        assert!(!compare(&a, &b, 1e-7).pass);
+    }
+
+    #[test]
+    fn a_nan_never_passes() {
+        let a = report(&[2.0, 1.0], vec![1.0, 2.0]);
+        assert!(!compare(&a, &report(&[2.0, f64::NAN], vec![1.0, 2.0]), 1.0).pass);
+        assert!(!compare(&a, &report(&[2.0, 1.0], vec![f32::NAN, 2.0]), 1.0).pass);
+        assert!(
+            !compare(
+                &report(&[f64::NAN], vec![1.0]),
+                &report(&[f64::NAN], vec![1.0]),
+                1.0
+            )
+            .pass
+        );
+    }
+
+    #[test]
+    fn runs_of_different_shapes_cannot_pass() {
+        let a = report(&[2.0, 1.0], vec![1.0, 2.0]);
+        let c = compare(&a, &report(&[2.0], vec![1.0, 2.0]), 1.0);
+        assert!(!c.pass && c.structural.is_some());
+    }
+}

@@ -216,7 +216,7 @@ fn split_builds_sub_groups_that_reduce_independently() {
         let expect_members: Vec<usize> = (0..8).rev().filter(|r| r % 2 == rank % 2).collect();
         assert_eq!(members, expect_members);
         assert_eq!(members[grank], rank);
-        assert_eq!(sum, if rank % 2 == 0 { 12.0 } else { 16.0 });
+        assert_eq!(sum, if rank.is_multiple_of(2) { 12.0 } else { 16.0 });
         assert_eq!(hsize, 2);
         let partner = members[grank ^ 1];
         assert_eq!(pair_sum, (rank + partner) as u64);

@@ -41,7 +41,7 @@ impl BatchPlan {
     ) -> Result<Self, SamplerError> {
         if global_batch == 0
             || micro_batches == 0
-            || global_batch % (data_parallel * micro_batches) != 0
+            || !global_batch.is_multiple_of(data_parallel * micro_batches)
         {
             return Err(SamplerError::Indivisible {
                 global_batch,

@@ -62,12 +62,12 @@ impl TransformerConfig {
                 errors.push(format!("model.{name} must be at least 1"));
             }
         }
-        if self.n_heads > 0 && self.d_model % self.n_heads != 0 {
+        if self.n_heads > 0 && !self.d_model.is_multiple_of(self.n_heads) {
             errors.push(format!(
                 "model.n_heads = {} does not divide model.d_model = {}",
                 self.n_heads, self.d_model
             ));
-        } else if self.n_heads > 0 && (self.d_model / self.n_heads) % 2 != 0 {
+        } else if self.n_heads > 0 && !(self.d_model / self.n_heads).is_multiple_of(2) {
             errors.push(format!(
                 "model.d_model / model.n_heads = {} must be even for rotary embeddings",
                 self.d_model / self.n_heads

@@ -15,9 +15,12 @@ use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension, tensor
 use burn::tensor::{Device, Tensor};
 use std::sync::Arc;
 
-/// The callback a hook calls with a gradient's values (row-major f32).
+/// A function receiving a gradient's values (row-major f32).
+pub type GradFn = dyn Fn(&[f32]) + Send + Sync;
+
+/// The callback a hook calls with a gradient's values.
 #[derive(Clone)]
-pub struct GradCallback(pub Arc<dyn Fn(&[f32]) + Send + Sync>);
+pub struct GradCallback(pub Arc<GradFn>);
 
 impl std::fmt::Debug for GradCallback {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -154,7 +154,7 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
     ) -> CommResult<Tensor<D>> {
         let n = self.size();
         let dims = tensor.dims();
-        if dims[dim] % n != 0 {
+        if !dims[dim].is_multiple_of(n) {
             return Err(CommError::InvalidArgument {
                 op: OpKind::ReduceScatter,
                 group: self.name().to_string(),

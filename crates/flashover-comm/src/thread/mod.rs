@@ -156,7 +156,7 @@ impl ThreadComm {
 
     /// Checks a buffer length against the dtype; returns the element count.
     fn elements(bytes: usize, dtype: DType) -> Result<usize, String> {
-        if bytes % dtype.size() != 0 {
+        if !bytes.is_multiple_of(dtype.size()) {
             return Err(format!(
                 "buffer of {bytes} bytes is not a whole number of {dtype} elements"
             ));

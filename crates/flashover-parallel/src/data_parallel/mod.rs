@@ -42,7 +42,7 @@ mod reducer;
 
 use crate::error::ParallelError;
 use crate::grad_clip::clip_global_norm;
-use crate::hook::{GradCallback, grad_hook, hooks_supported};
+use crate::hook::{grad_hook, hooks_supported};
 use crate::params::{ParamLayout, accumulate_grads, broadcast_module, grads_from_flat};
 use burn::config::Config;
 use burn::module::{Module, ModuleMapper, Param};
@@ -154,7 +154,7 @@ struct HookMapper<'a> {
 
 impl ModuleMapper for HookMapper<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let callback = GradCallback(self.reducer.callback(self.index));
+        let callback = self.reducer.callback(self.index);
         self.index += 1;
         param.map(|t| grad_hook(t, callback))
     }

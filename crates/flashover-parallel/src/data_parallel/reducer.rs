@@ -3,6 +3,7 @@
 //! all-reduces buckets strictly in bucket order as soon as each is complete, so every rank
 //! issues the same collectives in the same order while backward goes on.
 
+use crate::hook::GradCallback;
 use flashover_comm::{CommError, CommunicatorExt, Group, ReduceOp};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -183,9 +184,9 @@ impl Reducer {
     }
 
     /// A callback for gradient hooks: adds the gradient of parameter `param` during backward.
-    pub(crate) fn callback(&self, param: usize) -> Arc<dyn Fn(&[f32]) + Send + Sync> {
+    pub(crate) fn callback(&self, param: usize) -> GradCallback {
         let shared = self.shared.clone();
-        Arc::new(move |values| shared.add(param, values))
+        GradCallback(Arc::new(move |values: &[f32]| shared.add(param, values)))
     }
 
     /// Which parameters have reported this micro-batch.
