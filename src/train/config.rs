@@ -368,3 +368,16 @@ mod tests {
         assert!((c.lr_at(c.run.steps) - c.optim.lr * c.optim.min_lr_ratio).abs() < 1e-9);
     }
 }
+
+#[cfg(test)]
+mod example_config_tests {
+    use super::TrainConfig;
+
+    #[test]
+    fn the_example_config_parses_and_validates() {
+        let text = include_str!("../../examples/configs/ddp.toml");
+        let c = TrainConfig::from_toml(text).unwrap();
+        assert!(c.validate().is_empty(), "{:?}", c.validate());
+        assert_eq!(c.parallel.mesh, "dp=4");
+    }
+}

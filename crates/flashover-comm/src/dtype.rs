@@ -202,31 +202,3 @@ macro_rules! with_dtype {
     };
 }
 pub(crate) use with_dtype;
-
-/// Reduces `inputs` element-wise, in the order given, into `out` (all the same length).
-///
-/// Every element is combined as `((x0 op x1) op x2) ...` in the accumulator type and rounded once,
-/// so any engine that calls this for its chunk agrees to the bit with a sequential reference.
-pub fn reduce_slices<T: Element>(op: ReduceOp, inputs: &[&[T]], out: &mut [T]) {
-    let n = inputs.len();
-    if out.is_empty() {
-        return;
-    }
-    let mut acc: Vec<T::Acc> = out.iter().map(|_| inputs[0][0].to_acc()).collect();
-    for (a, x) in acc.iter_mut().zip(inputs[0]) {
-        *a = x.to_acc();
-    }
-    for input in &inputs[1..] {
-        for (a, x) in acc.iter_mut().zip(input.iter()) {
-            *a = T::combine(op, *a, x.to_acc());
-        }
-    }
-    for (o, a) in out.iter_mut().zip(acc) {
-        let a = if op == ReduceOp::Avg {
-            T::div_count(a, n)
-        } else {
-            a
-        };
-        *o = T::from_acc(a);
-    }
-}

@@ -65,6 +65,19 @@ fn comm_dtype(dtype: BurnDType) -> Option<DType> {
     })
 }
 
+/// [`comm_dtype`], or an error naming the op and group.
+fn checked_dtype<C: Communicator + ?Sized>(
+    comm: &C,
+    op: OpKind,
+    dtype: BurnDType,
+) -> CommResult<DType> {
+    comm_dtype(dtype).ok_or_else(|| CommError::InvalidArgument {
+        op,
+        group: comm.name().to_string(),
+        detail: format!("tensors of dtype {dtype:?} cannot be communicated"),
+    })
+}
+
 /// A tensor's host bytes, shape and dtypes.
 struct Staged {
     bytes: Vec<u8>,
@@ -80,11 +93,7 @@ fn stage<C: Communicator + ?Sized, const D: usize>(
 ) -> CommResult<Staged> {
     let data = tensor.to_data();
     let burn_dtype = data.dtype();
-    let dtype = comm_dtype(burn_dtype).ok_or_else(|| CommError::InvalidArgument {
-        op,
-        group: comm.name().to_string(),
-        detail: format!("tensors of dtype {burn_dtype:?} cannot be communicated"),
-    })?;
+    let dtype = checked_dtype(comm, op, burn_dtype)?;
     Ok(Staged {
         bytes: data.as_bytes().to_vec(),
         shape: data.shape().to_vec(),
@@ -196,11 +205,7 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         src: usize,
         device: &burn::tensor::Device,
     ) -> CommResult<Tensor<D>> {
-        let tag = comm_dtype(dtype).ok_or_else(|| CommError::InvalidArgument {
-            op: OpKind::Recv,
-            group: self.name().to_string(),
-            detail: format!("tensors of dtype {dtype:?} cannot be communicated"),
-        })?;
+        let tag = checked_dtype(self, OpKind::Recv, dtype)?;
         let mut bytes = vec![0u8; shape.iter().product::<usize>() * tag.size()];
         self.recv_bytes(&mut bytes, tag, src)?;
         Ok(unstage(bytes, shape.to_vec(), dtype, device))
