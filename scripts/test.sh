@@ -18,3 +18,8 @@ fi
 # Mesa's Vulkan loader wants a runtime directory; headless machines often have none.
 export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
 cargo test --workspace --features wgpu "$@"
+
+# Examples run as a user would run them (same features as the tests: no second build).
+for example in ddp_own_model; do
+  cargo run --quiet --features wgpu --example "$example"
+done

@@ -38,8 +38,16 @@ pub enum Command {
         #[arg(long, default_value_t = 1e-5)]
         tolerance: f64,
     },
-    /// Draw a device mesh: every rank's coordinates and the groups along each axis.
-    Mesh {
+    /// Device meshes.
+    #[command(subcommand)]
+    Mesh(MeshCommand),
+}
+
+/// `flashover mesh ...`.
+#[derive(Debug, Subcommand)]
+pub enum MeshCommand {
+    /// Draw a mesh: every rank's coordinates and the groups along each axis.
+    Show {
         /// The mesh, e.g. `dp=2,tp=2` (axes pp, dp, fsdp, ep, cp, tp).
         #[arg(long)]
         mesh: String,
@@ -61,7 +69,7 @@ pub fn run(cli: Cli) -> Result<(), String> {
             }
             Ok(())
         }
-        Command::Mesh { mesh, world } => {
+        Command::Mesh(MeshCommand::Show { mesh, world }) => {
             let mesh: flashover::DeviceMesh = mesh.parse().map_err(|e| format!("--mesh: {e}"))?;
             if let Some(w) = world {
                 mesh.check_world(w).map_err(|e| format!("--mesh: {e}"))?;

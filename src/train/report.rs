@@ -10,7 +10,7 @@ pub struct RankTimes {
     pub rank: usize,
     /// Wall time of the step on this rank.
     pub step_s: f64,
-    /// Time computing: the step minus the waits below.
+    /// Time the training thread computed: the step minus `exposed_comm_s`.
     pub compute_s: f64,
     /// Time the communication thread spent reducing gradients (hidden or not).
     pub comm_s: f64,
@@ -18,7 +18,9 @@ pub struct RankTimes {
     pub overlapped_s: f64,
     /// Time the training thread waited for gradient reductions after backward.
     pub exposed_comm_s: f64,
-    /// Time spent waiting for slower peers to reach a collective.
+    /// Time this rank's collectives waited for slower peers to arrive (load imbalance); it is
+    /// spent on the communication thread, inside `comm_s`, and shows in `exposed_comm_s` only
+    /// when backward has already finished.
     pub idle_s: f64,
 }
 

@@ -204,7 +204,7 @@ fn train_rank(
                     .map(|(rank, p)| RankTimes {
                         rank,
                         step_s: p[1],
-                        compute_s: (p[1] - p[4] - p[5]).max(0.0),
+                        compute_s: (p[1] - p[4]).max(0.0),
                         comm_s: p[2],
                         overlapped_s: p[3],
                         exposed_comm_s: p[4],

@@ -7,7 +7,7 @@ use common::{floats, run};
 use flashover_comm::{Communicator, CommunicatorExt, ReduceOp, ThreadWorld};
 
 const WORLDS: [usize; 5] = [1, 2, 3, 4, 8];
-const SIZES: [usize; 5] = [0, 1, 7, 1001, (1 << 16) + 3];
+const SIZES: [usize; 5] = [0, 1, 7, 1001, (1 << 20) + 3];
 
 /// Sequential reference: fold in rank order, divide once for `Avg`.
 fn reference(inputs: &[Vec<f32>], op: ReduceOp) -> Vec<f32> {
