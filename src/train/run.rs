@@ -67,7 +67,7 @@ pub fn train(
     let source = token_source(config)?;
     let model_config = config.transformer(source.vocab_size())?;
     let device = config.run.device.device(0).map_err(|e| e.to_string())?;
-    let mut log = match &config.run.log_jsonl {
+    let log = match &config.run.log_jsonl {
         Some(path) => Some(
             std::fs::File::create(path)
                 .map_err(|e| format!("run.log_jsonl {}: {e}", path.display()))?,
@@ -100,7 +100,6 @@ pub fn train(
     if let Some(e) = log_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(format!("writing run.log_jsonl: {e}"));
     }
-    let _ = log.take();
     let (steps, params, buckets, overlap) = outputs
         .into_iter()
         .next()

@@ -240,7 +240,11 @@ fn chain(e: &(dyn Error + 'static)) -> String {
     let mut s = e.to_string();
     let mut src = e.source();
     while let Some(inner) = src {
-        s += &format!(": {inner}");
+        // Wrappers that display their source already (`#[error("{0}")]`) add nothing.
+        let text = inner.to_string();
+        if !s.contains(&text) {
+            s += &format!(": {text}");
+        }
         src = inner.source();
     }
     s

@@ -250,10 +250,23 @@ fn worker_loop(shared: &Shared) {
             }
         };
         let t0 = Instant::now();
-        let result = {
+        // A panic here (a bug, or an injected fault) must reach the training thread as an
+        // error: it is waiting for this bucket and would otherwise wait forever.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let mut data = lock(&shared.data[b]);
             shared.group.all_reduce(&mut data, ReduceOp::Sum)
-        };
+        }))
+        .unwrap_or_else(|payload| {
+            let message = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "non-string panic payload".into());
+            Err(CommError::Engine {
+                engine: "ddp",
+                detail: format!("gradient communication thread panicked: {message}"),
+            })
+        });
         let t1 = Instant::now();
         let mut st = lock(&shared.state);
         st.spans.push((t0, t1));

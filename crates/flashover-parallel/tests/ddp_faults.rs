@@ -1,0 +1,106 @@
+//! DDP under injected faults: delays never change results; a rank that dies mid-training makes
+//! the others fail fast with an error naming it.
+
+use burn::module::{Module, Param};
+use burn::nn::Linear;
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::{Device, Tensor, TensorData};
+use flashover_parallel::ParallelError;
+use flashover_parallel::data_parallel::DataParallelConfig;
+use flashover_runtime::{Axis, FaultPlan, Launch, LaunchError, OpKind};
+use std::time::{Duration, Instant};
+
+#[derive(Module, Debug)]
+struct Net {
+    a: Linear,
+    b: Linear,
+}
+
+fn linear(d_in: usize, d_out: usize, salt: f32, device: &Device) -> Linear {
+    let w: Vec<f32> = (0..d_in * d_out)
+        .map(|i| ((i as f32 * 0.37 + salt).sin()) * 0.3)
+        .collect();
+    Linear {
+        weight: Param::from_data(TensorData::new(w, [d_in, d_out]), device),
+        bias: None,
+    }
+}
+
+/// Three ranks, five steps, two micro-batches, tiny buckets; returns every rank's final weights.
+fn train(faults: FaultPlan) -> Result<Vec<Vec<f32>>, LaunchError> {
+    Launch::new(3)?
+        .timeout(Duration::from_secs(20))
+        .faults(faults)
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let net = Net {
+                a: linear(6, 16, 0.1, &device),
+                b: linear(16, 2, 0.7, &device),
+            };
+            let config = DataParallelConfig::new().with_bucket_bytes(64);
+            let (mut net, mut ddp) = config.init(net, ctx.group(Axis::Dp))?;
+            let mut optim = AdamWConfig::new().init();
+            for step in 0..5 {
+                ddp.begin_step(2);
+                for micro in 0..2 {
+                    let seed = (step * 10 + micro * 3 + ctx.rank()) as f32;
+                    let x: Vec<f32> = (0..4 * 6).map(|i| (i as f32 * 0.11 + seed).cos()).collect();
+                    let x = Tensor::<2>::from_data(TensorData::new(x, [4, 6]), &device);
+                    let y = ddp.prepare(&net).b.forward(net.a.forward(x).tanh());
+                    let loss = y.powi_scalar(2).mean();
+                    ddp.backward_done(&net, GradientsParams::from_grads(loss.backward(), &net));
+                }
+                let grads = ddp.finish(&net, Some(1.0))?.grads;
+                net = optim.step(1e-2, net, grads);
+            }
+            Ok::<_, ParallelError>(net.a.weight.val().into_data().try_to_vec::<f32>().unwrap())
+        })
+}
+
+#[test]
+fn injected_delays_before_all_reduces_do_not_change_results() {
+    let plain = train(FaultPlan::new()).unwrap();
+    assert!(
+        plain.iter().all(|w| w == &plain[0]),
+        "replicas must stay identical"
+    );
+    let delayed = train(
+        FaultPlan::new()
+            .delay_every(0, OpKind::AllReduce, Duration::from_millis(2))
+            .delay_every(2, OpKind::AllReduce, Duration::from_millis(1)),
+    )
+    .unwrap();
+    assert_eq!(plain, delayed);
+}
+
+#[test]
+fn a_rank_dying_during_gradient_reduction_fails_the_others_fast() {
+    let start = Instant::now();
+    let err = train(FaultPlan::new().panic_at(1, OpKind::AllReduce, 3)).unwrap_err();
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "must not wait for the 20 s timeout"
+    );
+    match &err {
+        LaunchError::Rank { cause, all } => {
+            // The fault fires on rank 1's gradient communication thread; the training thread
+            // turns it into an error, leaves, and the peers fail at once naming rank 1.
+            assert_eq!(cause.rank, 1, "{err}");
+            assert!(
+                cause
+                    .message
+                    .contains("communication thread panicked: injected fault"),
+                "{err}"
+            );
+            assert_eq!(all.len(), 3, "{err}");
+            assert!(
+                err.failure_of(0)
+                    .unwrap()
+                    .message
+                    .contains("rank 1 left the group"),
+                "{err}"
+            );
+        }
+        other => panic!("{other}"),
+    }
+}
