@@ -8,13 +8,16 @@
 //!   rest of backward still runs (on Flex, through a gradient hook; elsewhere right after
 //!   backward); gradient accumulation reduces once per step; global-norm clipping.
 //! - [`params`]: walking a Burn module's parameters: layout, flattening, broadcasting.
+//! - [`FlatAdamW`]: AdamW on a flat slice, matching Burn's AdamW, for sharded optimizers.
 #![warn(missing_docs)]
 
 pub mod data_parallel;
 mod error;
+mod flat_adamw;
 mod grad_clip;
 mod hook;
 pub mod params;
 
 pub use error::ParallelError;
+pub use flat_adamw::{FlatAdamW, FlatAdamWConfig};
 pub use grad_clip::clip_global_norm;
