@@ -8,6 +8,7 @@
 //!   rest of backward still runs (on Flex, through a gradient hook; elsewhere right after
 //!   backward); gradient accumulation reduces once per step; global-norm clipping.
 //! - [`params`]: walking a Burn module's parameters: layout, flattening, broadcasting.
+//! - [`zero`]: sharded data parallel; ZeRO stage 1 (optimizer-state sharding) so far.
 //! - [`FlatAdamW`]: AdamW on a flat slice, matching Burn's AdamW, for sharded optimizers.
 #![warn(missing_docs)]
 
@@ -17,6 +18,7 @@ mod flat_adamw;
 mod grad_clip;
 mod hook;
 pub mod params;
+pub mod zero;
 
 pub use error::ParallelError;
 pub use flat_adamw::{FlatAdamW, FlatAdamWConfig};

@@ -228,3 +228,26 @@ pub fn broadcast_module<M: Module>(
         None => Ok(module),
     }
 }
+
+/// `module` with every float parameter replaced by its values in `flat` (layout order), keeping
+/// ids, devices and `require_grad`.
+pub fn load_flat<M: Module>(module: M, flat: &[f32]) -> M {
+    struct Mapper<'a> {
+        flat: &'a [f32],
+        offset: usize,
+    }
+    impl ModuleMapper for Mapper<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (flat, offset) = (self.flat, &mut self.offset);
+            param.map(|t| {
+                let dims = t.dims();
+                let numel: usize = dims.iter().product();
+                let require_grad = t.is_require_grad();
+                let data = TensorData::new(flat[*offset..*offset + numel].to_vec(), dims);
+                *offset += numel;
+                Tensor::from_data(data, &t.device()).set_require_grad(require_grad)
+            })
+        }
+    }
+    module.map(&mut Mapper { flat, offset: 0 })
+}

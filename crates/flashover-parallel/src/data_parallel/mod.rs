@@ -224,6 +224,16 @@ impl DataParallel {
         model: &M,
         max_norm: Option<f32>,
     ) -> Result<StepGradients, ParallelError> {
+        let report = self.finish_flat(max_norm)?;
+        Ok(StepGradients {
+            grads: grads_from_flat(model, &self.flat),
+            report,
+        })
+    }
+
+    /// Like [`DataParallel::finish`], but leaves the gradient flat, in layout order, in
+    /// [`DataParallel::flat_grads`], for optimizers that work on flat buffers (ZeRO).
+    pub fn finish_flat(&mut self, max_norm: Option<f32>) -> Result<ReduceReport, ParallelError> {
         assert_eq!(
             self.micro, self.micro_batches,
             "finish called before every micro-batch's backward_done"
@@ -249,15 +259,17 @@ impl DataParallel {
                 }
             })
             .sum();
-        Ok(StepGradients {
-            grads: grads_from_flat(model, &self.flat),
-            report: ReduceReport {
-                grad_norm,
-                comm,
-                overlapped,
-                exposed,
-                buckets: spans.spans.len(),
-            },
+        Ok(ReduceReport {
+            grad_norm,
+            comm,
+            overlapped,
+            exposed,
+            buckets: spans.spans.len(),
         })
+    }
+
+    /// The step's reduced gradient in layout order (valid after [`DataParallel::finish_flat`]).
+    pub fn flat_grads(&self) -> &[f32] {
+        &self.flat
     }
 }
