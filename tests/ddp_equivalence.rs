@@ -83,3 +83,26 @@ fn an_invalid_job_fails_before_any_compute_naming_the_fields() {
     );
     assert!(err.contains("data.seq_len"), "{err}");
 }
+
+#[test]
+fn zero1_equals_ddp_bit_for_bit_and_one_rank_within_tolerance() {
+    let ddp = train(&job("dp=3", 24, 2), &|_| {}).unwrap();
+    let mut sharded = job("dp=3", 24, 2);
+    sharded.parallel.zero = 1;
+    let zero = train(&sharded, &|_| {}).unwrap();
+    let cmp = compare(&ddp, &zero, 0.0);
+    assert!(cmp.pass, "ZeRO-1 against DDP: {cmp}");
+    let (_, _, cmp) = verify(&sharded, TOLERANCE).unwrap();
+    assert!(cmp.pass, "ZeRO-1 against one rank: {cmp}");
+}
+
+#[test]
+fn unimplemented_zero_stages_are_refused_up_front() {
+    let mut c = job("dp=2", 8, 1);
+    c.parallel.zero = 3;
+    let err = train(&c, &|_| {}).unwrap_err();
+    assert!(
+        err.contains("parallel.zero = 3: only 0 (DDP) and 1"),
+        "{err}"
+    );
+}

@@ -58,6 +58,9 @@ pub struct JobArgs {
     /// Reduce gradients after backward instead of during it.
     #[arg(long)]
     no_overlap: bool,
+    /// ZeRO stage: 0 (DDP) or 1 (optimizer state sharded over dp).
+    #[arg(long)]
+    zero: Option<u8>,
 }
 
 impl JobArgs {
@@ -97,6 +100,7 @@ impl JobArgs {
         set(&mut c.run.seed, self.seed);
         set(&mut c.run.device, self.device);
         set(&mut c.parallel.bucket_mb, self.bucket_mb);
+        set(&mut c.parallel.zero, self.zero);
         if let Some(clip) = self.clip {
             c.optim.clip = (clip > 0.0).then_some(clip);
         }

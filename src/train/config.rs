@@ -97,6 +97,9 @@ pub struct ParallelSection {
     /// `mean` (losses are per-sample means: gradients averaged over ranks and micro-batches)
     /// or `sum` (losses are sums: gradients summed).
     pub gradient_reduction: String,
+    /// ZeRO stage: 0 (plain DDP) or 1 (optimizer state sharded over `dp`). Stages 2 and 3 are
+    /// not implemented yet.
+    pub zero: u8,
 }
 
 impl Default for ParallelSection {
@@ -107,6 +110,7 @@ impl Default for ParallelSection {
             overlap: true,
             timeout_s: 300.0,
             gradient_reduction: "mean".into(),
+            zero: 0,
         }
     }
 }
@@ -289,6 +293,12 @@ impl TrainConfig {
             errors.push(format!(
                 "parallel.gradient_reduction = `{}`: expected mean or sum",
                 self.parallel.gradient_reduction
+            ));
+        }
+        if self.parallel.zero > 1 {
+            errors.push(format!(
+                "parallel.zero = {}: only 0 (DDP) and 1 (optimizer-state sharding) are implemented so far",
+                self.parallel.zero
             ));
         }
         if self.optim.lr.is_nan() || self.optim.lr <= 0.0 {

@@ -3,12 +3,14 @@
 use super::config::TrainConfig;
 use super::report::{RankTimes, StepRecord, TrainReport};
 use burn::module::Module;
-use burn::optim::{AdamWConfig, GradientsParams};
+use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_data::{BatchPlan, MarkovSource, TextSource, TokenSource};
 use flashover_models::{Transformer, next_token_loss};
+use flashover_parallel::FlatAdamWConfig;
 use flashover_parallel::data_parallel::DataParallelConfig;
 use flashover_parallel::params::{ParamLayout, flatten_params};
+use flashover_parallel::zero::ZeroOptimizer;
 use flashover_runtime::{Axis, CommunicatorExt, Launch, RankContext, RankError};
 use std::io::Write;
 use std::sync::Arc;
@@ -141,9 +143,10 @@ fn train_rank(
         .with_overlap(config.parallel.overlap)
         .with_average(config.parallel.gradient_reduction == "mean");
     let (mut model, mut ddp) = ddp_config.init(model, dp)?;
-    let mut optim = AdamWConfig::new()
-        .with_weight_decay(config.optim.weight_decay as f32)
-        .init();
+    let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
+    let mut optim = adamw.to_burn().init();
+    // ZeRO-1: the same AdamW, its state sharded over the data-parallel group.
+    let mut sharded = (config.parallel.zero == 1).then(|| ZeroOptimizer::new(&model, dp, &adamw));
     let clip = config.optim.clip.filter(|&c| c > 0.0);
     let tokens_per_step = (config.run.global_batch * config.data.seq_len) as f64;
     let mut records = vec![];
@@ -165,9 +168,19 @@ fn train_rank(
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             ddp.backward_done(&model, grads);
         }
-        let reduced = ddp.finish(&model, clip)?;
         let lr = config.lr_at(step);
-        model = optim.step(lr, model, reduced.grads);
+        let report = match sharded.as_mut() {
+            Some(zero) => {
+                let report = ddp.finish_flat(clip)?;
+                model = zero.step(lr, model, ddp.flat_grads())?;
+                report
+            }
+            None => {
+                let reduced = ddp.finish(&model, clip)?;
+                model = optim.step(lr, model, reduced.grads);
+                reduced.report
+            }
+        };
         let step_s = t0.elapsed().as_secs_f64();
         let idle = ctx
             .comm_stats()
@@ -175,7 +188,7 @@ fn train_rank(
             .total()
             .wait
             .as_secs_f64();
-        let r = &reduced.report;
+        let r = &report;
         let exposed = r.exposed.as_secs_f64();
         let mine = [
             loss_sum / plan.micro_batches() as f64,
