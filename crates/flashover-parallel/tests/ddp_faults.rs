@@ -1,30 +1,15 @@
 //! DDP under injected faults: delays never change results; a rank that dies mid-training makes
 //! the others fail fast with an error naming it.
 
-use burn::module::{Module, Param};
-use burn::nn::Linear;
+mod common;
+
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Tensor, TensorData};
+use common::Net;
 use flashover_parallel::ParallelError;
 use flashover_parallel::data_parallel::DataParallelConfig;
 use flashover_runtime::{Axis, FaultPlan, Launch, LaunchError, OpKind};
 use std::time::{Duration, Instant};
-
-#[derive(Module, Debug)]
-struct Net {
-    a: Linear,
-    b: Linear,
-}
-
-fn linear(d_in: usize, d_out: usize, salt: f32, device: &Device) -> Linear {
-    let w: Vec<f32> = (0..d_in * d_out)
-        .map(|i| ((i as f32 * 0.37 + salt).sin()) * 0.3)
-        .collect();
-    Linear {
-        weight: Param::from_data(TensorData::new(w, [d_in, d_out]), device),
-        bias: None,
-    }
-}
 
 /// Three ranks, five steps, two micro-batches, tiny buckets; returns every rank's final weights.
 fn train(faults: FaultPlan) -> Result<Vec<Vec<f32>>, LaunchError> {
@@ -33,10 +18,7 @@ fn train(faults: FaultPlan) -> Result<Vec<Vec<f32>>, LaunchError> {
         .faults(faults)
         .run(|ctx| {
             let device = Device::flex().autodiff();
-            let net = Net {
-                a: linear(6, 16, 0.1, &device),
-                b: linear(16, 2, 0.7, &device),
-            };
+            let net = Net::new(&device);
             let config = DataParallelConfig::new().with_bucket_bytes(64);
             let (mut net, mut ddp) = config.init(net, ctx.group(Axis::Dp))?;
             let mut optim = AdamWConfig::new().init();
@@ -46,7 +28,7 @@ fn train(faults: FaultPlan) -> Result<Vec<Vec<f32>>, LaunchError> {
                     let seed = (step * 10 + micro * 3 + ctx.rank()) as f32;
                     let x: Vec<f32> = (0..4 * 6).map(|i| (i as f32 * 0.11 + seed).cos()).collect();
                     let x = Tensor::<2>::from_data(TensorData::new(x, [4, 6]), &device);
-                    let y = ddp.prepare(&net).b.forward(net.a.forward(x).tanh());
+                    let y = ddp.prepare(&net).forward(x);
                     let loss = y.powi_scalar(2).mean();
                     ddp.backward_done(&net, GradientsParams::from_grads(loss.backward(), &net));
                 }

@@ -3,31 +3,16 @@
 //! shard from the same averaged gradient, so the parameters must equal DDP's bit for bit, also
 //! when the parameter count does not divide by the world size (padding).
 
-use burn::module::{Module, Param};
-use burn::nn::Linear;
+mod common;
+
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
+use common::Net;
 use flashover_parallel::data_parallel::DataParallelConfig;
 use flashover_parallel::params::flatten_params;
 use flashover_parallel::zero::ZeroOptimizer;
 use flashover_parallel::{FlatAdamWConfig, ParallelError};
 use flashover_runtime::{Axis, launch};
-
-#[derive(Module, Debug)]
-struct Net {
-    a: Linear,
-    b: Linear,
-}
-
-fn linear(d_in: usize, d_out: usize, salt: f32, device: &Device) -> Linear {
-    let w: Vec<f32> = (0..d_in * d_out)
-        .map(|i| ((i as f32 * 0.37 + salt).sin()) * 0.3)
-        .collect();
-    Linear {
-        weight: Param::from_data(TensorData::new(w, [d_in, d_out]), device),
-        bias: None,
-    }
-}
 
 const GLOBAL_BATCH: usize = 6;
 
@@ -35,10 +20,7 @@ const GLOBAL_BATCH: usize = 6;
 fn train(world: usize, zero: bool) -> (Vec<Vec<f32>>, usize) {
     let out = launch(world, |ctx| {
         let device = Device::flex().autodiff();
-        let net = Net {
-            a: linear(6, 16, 0.1, &device),
-            b: linear(16, 2, 0.7, &device),
-        };
+        let net = Net::new(&device);
         let dp = ctx.group(Axis::Dp);
         let (mut net, mut ddp) = DataParallelConfig::new()
             .with_bucket_bytes(128)
@@ -55,12 +37,7 @@ fn train(world: usize, zero: bool) -> (Vec<Vec<f32>>, usize) {
                 .collect();
             let x = Tensor::<2>::from_data(TensorData::new(rows, [per_rank, 6]), &device);
             ddp.begin_step(1);
-            let loss = ddp
-                .prepare(&net)
-                .b
-                .forward(net.a.forward(x).tanh())
-                .powi_scalar(2)
-                .mean();
+            let loss = ddp.prepare(&net).forward(x).powi_scalar(2).mean();
             ddp.backward_done(&net, GradientsParams::from_grads(loss.backward(), &net));
             let lr = 0.02;
             if zero {
