@@ -64,8 +64,7 @@ fn parse_op(name: &str) -> Result<OpKind, String> {
 pub fn run(cmd: BenchCommand) -> Result<(), String> {
     match cmd {
         BenchCommand::Train(args) => {
-            let mut config = args.job.build_with_mesh("dp=1")?;
-            config.parallel.mesh = "dp=1".into();
+            let config = args.job.build_with_mesh("dp=1")?;
             let records = flashover::bench::train::run(&config, &args.dps, args.repeats)?;
             let plain = records[0].tokens_per_s;
             for r in &records {

@@ -188,16 +188,15 @@ fn train_rank(
             .total()
             .wait
             .as_secs_f64();
-        let r = &report;
-        let exposed = r.exposed.as_secs_f64();
+        let exposed = report.exposed.as_secs_f64();
         let mine = [
             loss_sum / plan.micro_batches() as f64,
             step_s,
-            r.comm.as_secs_f64(),
-            r.overlapped.as_secs_f64(),
+            report.comm.as_secs_f64(),
+            report.overlapped.as_secs_f64(),
             exposed,
             idle,
-            r.grad_norm as f64,
+            report.grad_norm as f64,
         ];
         let all = world.all_gather_vec(&mine)?;
         if ctx.rank() == 0 {

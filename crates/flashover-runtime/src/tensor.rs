@@ -142,16 +142,15 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         let mut recv = vec![0u8; s.bytes.len() * n];
         self.all_gather_bytes(&s.bytes, &mut recv, s.dtype)?;
         let device = tensor.device();
-        let parts: Vec<Tensor<D>> = recv
-            .chunks(s.bytes.len().max(1))
-            .take(n)
-            .map(|block| unstage(block.to_vec(), s.shape.clone(), s.burn_dtype, &device))
-            .collect();
         if s.bytes.is_empty() {
             let mut shape = s.shape.clone();
             shape[dim] *= n;
             return Ok(unstage(vec![], shape, s.burn_dtype, &device));
         }
+        let parts: Vec<Tensor<D>> = recv
+            .chunks(s.bytes.len())
+            .map(|block| unstage(block.to_vec(), s.shape.clone(), s.burn_dtype, &device))
+            .collect();
         Ok(Tensor::cat(parts, dim))
     }
 

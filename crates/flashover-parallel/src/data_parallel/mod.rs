@@ -207,10 +207,13 @@ impl DataParallel {
     /// After a micro-batch's backward: gradients that hooks did not report are read from `grads`
     /// (parameters that got no gradient count as zero).
     pub fn backward_done<M: Module>(&mut self, model: &M, grads: GradientsParams) {
-        self.flat.iter_mut().for_each(|x| *x = 0.0);
         let arrived = self.reducer.arrived();
-        accumulate_grads(model, &grads, &mut self.flat, &arrived);
-        self.reducer.add_remaining(&self.flat);
+        // With hooks every parameter has usually reported already: nothing to read.
+        if !arrived.iter().all(|&a| a) {
+            self.flat.iter_mut().for_each(|x| *x = 0.0);
+            accumulate_grads(model, &grads, &mut self.flat, &arrived);
+            self.reducer.add_remaining(&self.flat);
+        }
         self.micro += 1;
         if self.micro == self.micro_batches {
             self.backward_end = Some(Instant::now());
