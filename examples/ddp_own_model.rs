@@ -112,7 +112,7 @@ fn train_ddp() -> (Vec<f32>, Vec<f32>) {
             dp.all_reduce(&mut l, ReduceOp::Avg)?; // + (for printing the global loss only)
             losses.push(l[0]);
             let grads = GradientsParams::from_grads(loss.backward(), &model);
-            ddp.backward_done(&model, grads); // +
+            ddp.backward_done(&model, grads)?; // +
             let grads = ddp.finish(&model, None)?.grads; // +
             model = optim.step(1e-2, model, grads);
         }

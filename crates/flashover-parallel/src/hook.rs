@@ -30,18 +30,25 @@ impl std::fmt::Debug for GradCallback {
 
 #[backend_extension(Flex, Autodiff)]
 pub trait GradHookOps: Backend {
-    /// Forward: identity. Backward: calls `callback` with the gradient, returns it unchanged.
-    fn grad_hook(x: FloatTensor<Self>, callback: GradCallback) -> FloatTensor<Self>;
+    /// Forward: identity. Backward: calls `callback` with the gradient and passes it on, or,
+    /// with `consume`, keeps it from reaching `x` (the callback took ownership of it).
+    fn grad_hook(x: FloatTensor<Self>, callback: GradCallback, consume: bool) -> FloatTensor<Self>;
 }
 
 impl GradHookOps for Flex {
-    fn grad_hook(x: FloatTensor<Self>, _callback: GradCallback) -> FloatTensor<Self> {
+    fn grad_hook(
+        x: FloatTensor<Self>,
+        _callback: GradCallback,
+        _consume: bool,
+    ) -> FloatTensor<Self> {
         x
     }
 }
 
 #[derive(Debug)]
-struct HookBackward;
+struct HookBackward {
+    consume: bool,
+}
 
 impl Backward<Flex, 1> for HookBackward {
     type State = GradCallback;
@@ -53,7 +60,7 @@ impl Backward<Flex, 1> for HookBackward {
         _checkpointer: &mut Checkpointer,
     ) {
         let callback = ops.state;
-        unary::<Flex, _>(ops.parents, ops.node, grads, |g| {
+        let report = |g: &FloatTensor<Flex>| {
             let data = g.clone().into_data();
             match data.as_slice::<f32>() {
                 Ok(values) => (callback.0)(values),
@@ -63,15 +70,28 @@ impl Backward<Flex, 1> for HookBackward {
                         .expect("converted to f32"),
                 ),
             }
-            g
-        });
+        };
+        if self.consume {
+            // The parameter never receives this gradient: Burn's gradient container stays
+            // free of it, which is what lets ZeRO-2 hold only a shard.
+            report(&grads.consume::<Flex>(&ops.node));
+        } else {
+            unary::<Flex, _>(ops.parents, ops.node, grads, |g| {
+                report(&g);
+                g
+            });
+        }
     }
 }
 
 impl<C: CheckpointStrategy> GradHookOps for Autodiff<Flex, C> {
-    fn grad_hook(x: FloatTensor<Self>, callback: GradCallback) -> FloatTensor<Self> {
+    fn grad_hook(x: FloatTensor<Self>, callback: GradCallback, consume: bool) -> FloatTensor<Self> {
         let node = x.node();
-        match HookBackward.prepare::<C>([node]).compute_bound().stateful() {
+        match (HookBackward { consume })
+            .prepare::<C>([node])
+            .compute_bound()
+            .stateful()
+        {
             OpsKind::Tracked(prep) => prep.finish(callback, x.into_primitive()),
             OpsKind::UnTracked(prep) => prep.finish(x.into_primitive()),
         }
@@ -84,9 +104,10 @@ pub fn hooks_supported(device: &Device) -> bool {
 }
 
 /// `x` with a gradient hook attached (see the module docs).
-pub fn grad_hook<const D: usize>(x: Tensor<D>, callback: GradCallback) -> Tensor<D> {
+pub fn grad_hook<const D: usize>(x: Tensor<D>, callback: GradCallback, consume: bool) -> Tensor<D> {
     Tensor::from_dispatch(<Dispatch as GradHookOps>::grad_hook(
         x.into_dispatch(),
         callback,
+        consume,
     ))
 }

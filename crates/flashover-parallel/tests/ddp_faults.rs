@@ -30,7 +30,7 @@ fn train(faults: FaultPlan) -> Result<Vec<Vec<f32>>, LaunchError> {
                     let x = Tensor::<2>::from_data(TensorData::new(x, [4, 6]), &device);
                     let y = ddp.prepare(&net).forward(x);
                     let loss = y.powi_scalar(2).mean();
-                    ddp.backward_done(&net, GradientsParams::from_grads(loss.backward(), &net));
+                    ddp.backward_done(&net, GradientsParams::from_grads(loss.backward(), &net))?;
                 }
                 let grads = ddp.finish(&net, Some(1.0))?.grads;
                 net = optim.step(1e-2, net, grads);

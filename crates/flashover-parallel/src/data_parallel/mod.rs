@@ -29,7 +29,7 @@
 //!     let x = Tensor::<2>::ones([2, 4], &device).mul_scalar(ctx.rank() as f32 + 1.0);
 //!     ddp.begin_step(1);
 //!     let loss = ddp.prepare(&model).forward(x).powi_scalar(2).mean();
-//!     ddp.backward_done(&model, GradientsParams::from_grads(loss.backward(), &model));
+//!     ddp.backward_done(&model, GradientsParams::from_grads(loss.backward(), &model))?;
 //!     let step = ddp.finish(&model, Some(1.0))?;
 //!     let model = optim.step(1e-2, model, step.grads);
 //!     Ok::<_, flashover_parallel::ParallelError>(model.weight.val().into_data())
@@ -44,11 +44,13 @@ use crate::error::ParallelError;
 use crate::grad_clip::clip_global_norm;
 use crate::hook::{grad_hook, hooks_supported};
 use crate::params::{ParamLayout, accumulate_grads, broadcast_module, grads_from_flat};
+use crate::zero::ShardMap;
 use burn::config::Config;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use flashover_comm::Group;
+pub(crate) use reducer::Mode;
 use reducer::Reducer;
 use std::time::{Duration, Instant};
 
@@ -77,6 +79,16 @@ impl DataParallelConfig {
         model: M,
         group: &Group,
     ) -> Result<(M, DataParallel), ParallelError> {
+        self.init_with(model, group, Mode::AllReduce)
+    }
+
+    /// [`DataParallelConfig::init`] with the reduction `mode` (ZeRO-2 reduce-scatters).
+    pub(crate) fn init_with<M: Module>(
+        &self,
+        model: M,
+        group: &Group,
+        mode: Mode,
+    ) -> Result<(M, DataParallel), ParallelError> {
         if self.bucket_bytes < 4 {
             return Err(ParallelError::Invalid(format!(
                 "bucket_bytes = {} must hold at least one f32",
@@ -86,13 +98,14 @@ impl DataParallelConfig {
         let model = broadcast_module(model, group, 0)?;
         let layout = ParamLayout::of(&model);
         let numels: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
-        let reducer = Reducer::new(group.clone(), &numels, self.bucket_bytes / 4);
+        let reducer = Reducer::new(group.clone(), &numels, self.bucket_bytes / 4, mode);
         let device_ok = model_device(&model).is_some_and(|d| hooks_supported(&d));
         Ok((
             model,
             DataParallel {
                 group: group.clone(),
-                flat: vec![0.0; layout.numel],
+                flat: vec![],
+                shard: vec![],
                 layout,
                 reducer,
                 hooks: self.overlap && device_ok,
@@ -100,6 +113,7 @@ impl DataParallelConfig {
                 micro_batches: 0,
                 micro: 0,
                 backward_end: None,
+                exposed_between: Duration::ZERO,
             },
         ))
     }
@@ -139,24 +153,30 @@ pub struct DataParallel {
     group: Group,
     layout: ParamLayout,
     reducer: Reducer,
+    /// Whole-model gradient in layout order (allocated on first use).
     flat: Vec<f32>,
+    /// This rank's gradient shard (ZeRO; allocated on first use).
+    shard: Vec<f32>,
     hooks: bool,
     average: bool,
     micro_batches: usize,
     micro: usize,
     backward_end: Option<Instant>,
+    /// Time spent waiting for reductions between micro-batches (reduce-scatter mode).
+    exposed_between: Duration,
 }
 
 struct HookMapper<'a> {
     reducer: &'a Reducer,
     index: usize,
+    consume: bool,
 }
 
 impl ModuleMapper for HookMapper<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let callback = self.reducer.callback(self.index);
         self.index += 1;
-        param.map(|t| grad_hook(t, callback))
+        param.map(|t| grad_hook(t, callback, self.consume))
     }
 }
 
@@ -182,6 +202,8 @@ impl DataParallel {
         self.micro_batches = micro_batches;
         self.micro = 0;
         self.backward_end = None;
+        self.exposed_between = Duration::ZERO;
+        self.shard = vec![];
         self.reducer.begin_step();
     }
 
@@ -198,6 +220,7 @@ impl DataParallel {
             model.clone().map(&mut HookMapper {
                 reducer: &self.reducer,
                 index: 0,
+                consume: self.reducer.mode() == Mode::ReduceScatter,
             })
         } else {
             model.clone()
@@ -206,18 +229,35 @@ impl DataParallel {
 
     /// After a micro-batch's backward: gradients that hooks did not report are read from `grads`
     /// (parameters that got no gradient count as zero).
-    pub fn backward_done<M: Module>(&mut self, model: &M, grads: GradientsParams) {
+    ///
+    /// When gradients are reduce-scattered (ZeRO-2), every micro-batch's buckets are reduced;
+    /// before the next micro-batch this waits for them (the wait is reported as exposed).
+    pub fn backward_done<M: Module>(
+        &mut self,
+        model: &M,
+        grads: GradientsParams,
+    ) -> Result<(), ParallelError> {
         let arrived = self.reducer.arrived();
         // With hooks every parameter has usually reported already: nothing to read.
         if !arrived.iter().all(|&a| a) {
-            self.flat.iter_mut().for_each(|x| *x = 0.0);
+            self.flat.clear();
+            self.flat.resize(self.layout.numel, 0.0);
             accumulate_grads(model, &grads, &mut self.flat, &arrived);
             self.reducer.add_remaining(&self.flat);
+            if self.reducer.mode() == Mode::ReduceScatter {
+                self.flat = vec![];
+            }
         }
+        drop(grads);
         self.micro += 1;
         if self.micro == self.micro_batches {
             self.backward_end = Some(Instant::now());
+        } else if self.reducer.mode() == Mode::ReduceScatter {
+            let t0 = Instant::now();
+            self.reducer.wait_reduced()?;
+            self.exposed_between += t0.elapsed();
         }
+        Ok(())
     }
 
     /// After the last micro-batch: waits for the reductions, averages over ranks and
@@ -228,27 +268,83 @@ impl DataParallel {
         max_norm: Option<f32>,
     ) -> Result<StepGradients, ParallelError> {
         let report = self.finish_flat(max_norm)?;
-        Ok(StepGradients {
-            grads: grads_from_flat(model, &self.flat),
-            report,
-        })
+        let grads = grads_from_flat(model, &self.flat);
+        // Burn's gradients now hold the values; the host copy is not kept between steps.
+        self.flat = vec![];
+        Ok(StepGradients { grads, report })
     }
 
     /// Like [`DataParallel::finish`], but leaves the gradient flat, in layout order, in
-    /// [`DataParallel::flat_grads`], for optimizers that work on flat buffers (ZeRO).
+    /// [`DataParallel::flat_grads`], for optimizers that work on flat buffers.
     pub fn finish_flat(&mut self, max_norm: Option<f32>) -> Result<ReduceReport, ParallelError> {
+        self.check_finished();
+        let t0 = Instant::now();
+        self.flat.resize(self.layout.numel, 0.0);
+        let spans = self.reducer.wait(&mut self.flat)?;
+        let denom = self.denominator();
+        let flat = &mut self.flat;
+        flat.iter_mut().for_each(|g| *g /= denom);
+        let grad_norm = clip_global_norm(flat, max_norm, None)?;
+        Ok(self.report(t0, spans, grad_norm))
+    }
+
+    /// Like [`DataParallel::finish`], but keeps only this rank's shard of the gradient (the
+    /// elements [`DataParallel::shard_map`] gives it), in [`DataParallel::shard_grads`]: the
+    /// gradient input of [`crate::zero::ZeroOptimizer`]. The clipping norm is taken over every
+    /// rank's shard.
+    pub fn finish_shard(&mut self, max_norm: Option<f32>) -> Result<ReduceReport, ParallelError> {
+        self.check_finished();
+        let t0 = Instant::now();
+        let (shard, spans) = self.reducer.wait_shard()?;
+        self.shard = shard;
+        let denom = self.denominator();
+        self.shard.iter_mut().for_each(|g| *g /= denom);
+        let grad_norm = clip_global_norm(&mut self.shard, max_norm, Some(&self.group))?;
+        Ok(self.report(t0, spans, grad_norm))
+    }
+
+    /// Which flat elements each rank's gradient shard holds (chunk `r` of every bucket).
+    pub fn shard_map(&self) -> ShardMap {
+        ShardMap::bucketed(
+            self.layout.numel,
+            &self.reducer.bucket_params(),
+            self.group.size(),
+        )
+    }
+
+    /// This rank's averaged gradient shard (valid after [`DataParallel::finish_shard`]).
+    pub fn shard_grads(&self) -> &[f32] {
+        &self.shard
+    }
+
+    /// Bytes of gradient this rank holds now: bucket buffers, and the flat or shard gradient.
+    pub fn grad_bytes(&self) -> usize {
+        (self.flat.len() + self.shard.len()) * 4 + self.reducer.held_bytes().0
+    }
+
+    /// The most gradient bytes held at once since the step began (at least [`Self::grad_bytes`]).
+    pub fn peak_grad_bytes(&self) -> usize {
+        self.reducer.held_bytes().1.max(self.grad_bytes())
+    }
+
+    fn check_finished(&self) {
         assert_eq!(
             self.micro, self.micro_batches,
             "finish called before every micro-batch's backward_done"
         );
-        let t0 = Instant::now();
-        let spans = self.reducer.wait(&mut self.flat)?;
-        let exposed = t0.elapsed();
+    }
+
+    /// What gradient sums are divided by: ranks x micro-batches when averaging.
+    fn denominator(&self) -> f32 {
         if self.average {
-            let denom = (self.group.size() * self.micro_batches) as f32;
-            self.flat.iter_mut().for_each(|g| *g /= denom);
+            (self.group.size() * self.micro_batches) as f32
+        } else {
+            1.0
         }
-        let grad_norm = clip_global_norm(&mut self.flat, max_norm, None)?;
+    }
+
+    fn report(&self, t0: Instant, spans: reducer::Spans, grad_norm: f32) -> ReduceReport {
+        let exposed = t0.elapsed() + self.exposed_between;
         let end = self.backward_end.unwrap_or(t0);
         let comm = spans.spans.iter().map(|(a, b)| *b - *a).sum();
         let overlapped = spans
@@ -262,13 +358,13 @@ impl DataParallel {
                 }
             })
             .sum();
-        Ok(ReduceReport {
+        ReduceReport {
             grad_norm,
             comm,
             overlapped,
             exposed,
             buckets: spans.spans.len(),
-        })
+        }
     }
 
     /// The step's reduced gradient in layout order (valid after [`DataParallel::finish_flat`]).

@@ -1,7 +1,17 @@
-//! The bucketed gradient reducer behind DDP: per-bucket host buffers that gradients are added
-//! into (from hooks during backward, or after it), and a per-rank communication thread that
-//! all-reduces buckets strictly in bucket order as soon as each is complete, so every rank
-//! issues the same collectives in the same order while backward goes on.
+//! The bucketed gradient reducer behind DDP and ZeRO-1/2: per-bucket host buffers that
+//! gradients are added into (from hooks during backward, or after it), and a per-rank
+//! communication thread that reduces buckets strictly in bucket order as soon as each is
+//! complete, so every rank issues the same collectives in the same order while backward goes on.
+//!
+//! Three modes. **All-reduce** (DDP): buffers persist and accumulate over micro-batches; only
+//! the last micro-batch launches reductions. **All-reduce, then shard** (ZeRO-1): the same, but
+//! once reduced each bucket gives up this rank's chunk and is freed. **Reduce-scatter**
+//! (ZeRO-2): every micro-batch's buckets are reduce-scattered as they fill; each rank adds its
+//! chunk of every bucket into its gradient shard, and a bucket's buffer is freed once reduced,
+//! so a rank holds its shard plus the buckets in flight, not the whole gradient.
+//!
+//! The reducer counts the gradient bytes it holds (and their peak in the step), so strategies
+//! can report measured memory rather than formulas.
 
 use crate::hook::GradCallback;
 use flashover_comm::{CommError, CommunicatorExt, Group, ReduceOp};
@@ -45,8 +55,20 @@ pub(crate) fn plan_buckets(
     (buckets, location)
 }
 
+/// Gradient reduction of a bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Every rank gets the whole sum (DDP).
+    AllReduce,
+    /// All-reduce, then keep chunk `r` of every bucket and free the bucket (ZeRO-1).
+    AllReduceShard,
+    /// Rank `r` gets the sum of chunk `r` of every bucket (ZeRO-2).
+    ReduceScatter,
+}
+
 struct State {
-    last_micro: bool,
+    /// Reductions launch when a bucket fills (last micro-batch, or every one when scattering).
+    launch: bool,
     arrived: Vec<bool>,
     pending: Vec<usize>,
     ready: Vec<bool>,
@@ -58,6 +80,14 @@ struct State {
 
 struct Shared {
     group: Group,
+    mode: Mode,
+    /// Per bucket: its chunk length (`ceil(len / size)`) and the chunk's offset in the shard.
+    chunks: Vec<usize>,
+    chunk_offsets: Vec<usize>,
+    /// This rank's gradient shard (reduce-scatter mode; allocated at the first reduction).
+    shard: Mutex<Vec<f32>>,
+    /// Gradient bytes held (buckets and shard) now, and at most since the step began.
+    held: Mutex<(usize, usize)>,
     /// Per parameter: offset in the flat layout and element count.
     offsets: Vec<usize>,
     numels: Vec<usize>,
@@ -77,12 +107,30 @@ impl Shared {
         let (b, offset) = self.location[param];
         {
             let mut data = lock(&self.data[b]);
+            if data.is_empty() {
+                // Freed after its last reduction: allocate again (padded to whole chunks).
+                let len = self.chunks[b] * self.group.size();
+                data.resize(len, 0.0);
+                self.hold(len * 4);
+            }
             for (acc, v) in data[offset..offset + values.len()].iter_mut().zip(values) {
                 *acc += v;
             }
         }
         let mut st = lock(&self.state);
         self.mark(&mut st, param);
+    }
+
+    /// Counts `bytes` more gradient held.
+    fn hold(&self, bytes: usize) {
+        let mut held = lock(&self.held);
+        held.0 += bytes;
+        held.1 = held.1.max(held.0);
+    }
+
+    /// Counts `bytes` of gradient released.
+    fn release(&self, bytes: usize) {
+        lock(&self.held).0 -= bytes;
     }
 
     fn mark(&self, st: &mut State, param: usize) {
@@ -92,7 +140,7 @@ impl Shared {
         st.arrived[param] = true;
         let b = self.location[param].0;
         st.pending[b] -= 1;
-        if st.pending[b] == 0 && st.last_micro {
+        if st.pending[b] == 0 && st.launch {
             st.ready[b] = true;
             self.changed.notify_all();
         }
@@ -113,8 +161,25 @@ pub(crate) struct Reducer {
 }
 
 impl Reducer {
-    pub(crate) fn new(group: Group, numels: &[usize], bucket_elems: usize) -> Self {
+    pub(crate) fn new(group: Group, numels: &[usize], bucket_elems: usize, mode: Mode) -> Self {
         let (buckets, location) = plan_buckets(numels, bucket_elems);
+        let size = group.size();
+        let chunks: Vec<usize> = buckets.iter().map(|b| b.len.div_ceil(size)).collect();
+        let chunk_offsets = chunks
+            .iter()
+            .scan(0, |acc, &c| {
+                let o = *acc;
+                *acc += c;
+                Some(o)
+            })
+            .collect();
+        // DDP's buffers live for the whole run; ZeRO's only while in use.
+        let persistent = mode == Mode::AllReduce;
+        let allocated: usize = if persistent {
+            buckets.iter().map(|b| b.len * 4).sum()
+        } else {
+            0
+        };
         let offsets = numels.iter().scan(0, |acc, &n| {
             let o = *acc;
             *acc += n;
@@ -122,14 +187,19 @@ impl Reducer {
         });
         let shared = Arc::new(Shared {
             group,
+            mode,
+            chunk_offsets,
+            shard: Mutex::new(vec![]),
+            held: Mutex::new((allocated, allocated)),
             offsets: offsets.collect(),
             numels: numels.to_vec(),
             data: buckets
                 .iter()
-                .map(|b| Mutex::new(vec![0.0; b.len]))
+                .map(|b| Mutex::new(if persistent { vec![0.0; b.len] } else { vec![] }))
                 .collect(),
+            chunks,
             state: Mutex::new(State {
-                last_micro: false,
+                launch: false,
                 arrived: vec![false; numels.len()],
                 pending: buckets.iter().map(|b| b.params.len()).collect(),
                 ready: vec![false; buckets.len()],
@@ -157,10 +227,43 @@ impl Reducer {
         &self.shared.buckets
     }
 
+    /// The reduction mode.
+    pub(crate) fn mode(&self) -> Mode {
+        self.shared.mode
+    }
+
+    /// Per bucket, `(flat offset, numel)` of its parameters in bucket order (for shard maps).
+    pub(crate) fn bucket_params(&self) -> Vec<Vec<(usize, usize)>> {
+        let s = &self.shared;
+        s.buckets
+            .iter()
+            .map(|b| {
+                b.params
+                    .iter()
+                    .map(|&p| (s.offsets[p], s.numels[p]))
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Elements of this rank's gradient shard (reduce-scatter mode).
+    pub(crate) fn shard_len(&self) -> usize {
+        self.shared.chunks.iter().sum()
+    }
+
+    /// Gradient bytes held now, and the most held at once since the step began.
+    pub(crate) fn held_bytes(&self) -> (usize, usize) {
+        *lock(&self.shared.held)
+    }
+
     /// Starts a step: zeroes the buffers; the worker waits for the first bucket.
     pub(crate) fn begin_step(&self) {
         for d in &self.shared.data {
             lock(d).iter_mut().for_each(|x| *x = 0.0);
+        }
+        {
+            let mut held = lock(&self.shared.held);
+            held.1 = held.0;
         }
         let mut st = lock(&self.shared.state);
         st.next = 0;
@@ -169,12 +272,17 @@ impl Reducer {
         st.error = None;
     }
 
-    /// Starts a micro-batch; on the last one, complete buckets are reduced at once.
+    /// Starts a micro-batch. Buckets are reduced as they fill on the last micro-batch, and on
+    /// every micro-batch in reduce-scatter mode.
     pub(crate) fn begin_micro(&self, last: bool) {
         let mut st = lock(&self.shared.state);
-        st.last_micro = last;
+        st.launch = last || self.shared.mode == Mode::ReduceScatter;
         st.arrived.iter_mut().for_each(|a| *a = false);
         st.pending = self.shared.buckets.iter().map(|b| b.params.len()).collect();
+        if self.shared.mode == Mode::ReduceScatter {
+            st.next = 0;
+            st.ready.iter_mut().for_each(|r| *r = false);
+        }
     }
 
     /// Adds a gradient of parameter `param` into its bucket and marks it final for this
@@ -206,8 +314,9 @@ impl Reducer {
         }
     }
 
-    /// Waits until every bucket is reduced; copies the sums into `flat` (layout order).
-    pub(crate) fn wait(&self, flat: &mut [f32]) -> Result<Spans, CommError> {
+    /// Waits until every bucket of the current micro-batch is reduced (reduce-scatter mode
+    /// adds chunks into the shard; the buffers may then be reused).
+    pub(crate) fn wait_reduced(&self) -> Result<Spans, CommError> {
         let mut st = lock(&self.shared.state);
         while st.next < self.shared.buckets.len() && st.error.is_none() {
             st = self
@@ -219,10 +328,50 @@ impl Reducer {
         if let Some(e) = st.error.take() {
             return Err(e);
         }
-        let spans = Spans {
+        Ok(Spans {
             spans: st.spans.clone(),
+        })
+    }
+
+    /// Waits until every bucket is reduced and hands over this rank's gradient shard (chunk `r`
+    /// of every bucket, in bucket order). ZeRO modes only; their bucket buffers are freed.
+    pub(crate) fn wait_shard(&self) -> Result<(Vec<f32>, Spans), CommError> {
+        let spans = self.wait_reduced()?;
+        let s = &self.shared;
+        let shard = match s.mode {
+            Mode::ReduceScatter => std::mem::take(&mut *lock(&s.shard)),
+            Mode::AllReduceShard => {
+                let rank = s.group.rank();
+                // Filled bucket by bucket while each bucket is freed: the peak stays near one
+                // whole gradient, not a gradient plus a shard.
+                let mut shard = Vec::with_capacity(self.shard_len());
+                for (b, data) in s.data.iter().enumerate() {
+                    let full = std::mem::take(&mut *lock(data));
+                    let c = s.chunks[b];
+                    let chunk = full.get(rank * c..(rank + 1) * c).unwrap_or(&[]);
+                    shard.extend_from_slice(chunk);
+                    shard.resize(s.chunk_offsets[b] + c, 0.0);
+                    s.hold(c * 4);
+                    s.release(full.len() * 4);
+                }
+                shard
+            }
+            Mode::AllReduce => panic!("wait_shard needs a ZeRO reduction mode"),
         };
-        drop(st);
+        // The shard now belongs to the caller, which accounts for it.
+        s.release(shard.len() * 4);
+        Ok((shard, spans))
+    }
+
+    /// Waits until every bucket is reduced; copies the sums into `flat` (layout order).
+    /// All-reduce mode only.
+    pub(crate) fn wait(&self, flat: &mut [f32]) -> Result<Spans, CommError> {
+        assert_eq!(
+            self.shared.mode,
+            Mode::AllReduce,
+            "whole gradients need all-reduce"
+        );
+        let spans = self.wait_reduced()?;
         for (b, plan) in self.shared.buckets.iter().enumerate() {
             let data = lock(&self.shared.data[b]);
             for &p in &plan.params {
@@ -252,21 +401,19 @@ fn worker_loop(shared: &Shared) {
         let t0 = Instant::now();
         // A panic here (a bug, or an injected fault) must reach the training thread as an
         // error: it is waiting for this bucket and would otherwise wait forever.
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let mut data = lock(&shared.data[b]);
-            shared.group.all_reduce(&mut data, ReduceOp::Sum)
-        }))
-        .unwrap_or_else(|payload| {
-            let message = payload
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "non-string panic payload".into());
-            Err(CommError::Engine {
-                engine: "ddp",
-                detail: format!("gradient communication thread panicked: {message}"),
-            })
-        });
+        let result =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| reduce_bucket(shared, b)))
+                .unwrap_or_else(|payload| {
+                    let message = payload
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| payload.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "non-string panic payload".into());
+                    Err(CommError::Engine {
+                        engine: "ddp",
+                        detail: format!("gradient communication thread panicked: {message}"),
+                    })
+                });
         let t1 = Instant::now();
         let mut st = lock(&shared.state);
         st.spans.push((t0, t1));
@@ -278,6 +425,36 @@ fn worker_loop(shared: &Shared) {
             }
         }
         shared.changed.notify_all();
+    }
+}
+
+/// Reduces bucket `b`: in place (all-reduce), or into this rank's shard, freeing the buffer
+/// (reduce-scatter).
+fn reduce_bucket(shared: &Shared, b: usize) -> Result<(), CommError> {
+    let mut data = lock(&shared.data[b]);
+    match shared.mode {
+        Mode::AllReduce | Mode::AllReduceShard => shared.group.all_reduce(&mut data, ReduceOp::Sum),
+        Mode::ReduceScatter => {
+            let full = std::mem::take(&mut *data);
+            drop(data);
+            let mut chunk = vec![0.0f32; shared.chunks[b]];
+            shared
+                .group
+                .reduce_scatter(&full, &mut chunk, ReduceOp::Sum)?;
+            shared.release(full.len() * 4);
+            drop(full);
+            let at = shared.chunk_offsets[b];
+            let mut shard = lock(&shared.shard);
+            if shard.is_empty() {
+                let len: usize = shared.chunks.iter().sum();
+                shard.resize(len, 0.0);
+                shared.hold(len * 4);
+            }
+            for (acc, g) in shard[at..at + chunk.len()].iter_mut().zip(&chunk) {
+                *acc += g;
+            }
+            Ok(())
+        }
     }
 }
 

@@ -1,125 +1,178 @@
-//! Sharded data parallel (ZeRO). **This session: stage 1**, optimizer-state sharding.
+//! Sharded data parallel: ZeRO stages 1 and 2 here, stage 3 (fully sharded parameters) in
+//! [`FullyShardConfig`].
 //!
-//! **What is sharded:** the AdamW moments. The flattened parameters (layout order, padded to a
-//! multiple of the group size) are cut into one contiguous shard per rank of the sharding group;
-//! each rank keeps moments for its shard only: `8 x params / N` bytes instead of `8 x params`.
-//! **Communication per step:** the gradient all-reduce of data parallel (unchanged), then one
-//! all-gather of the updated shards (`(N-1)/N x 4 x params` bytes of bus traffic per rank).
+//! | | parameters | gradients after backward | AdamW moments | communication per step |
+//! |---|---|---|---|---|
+//! | DDP | full | full (all-reduced) | full | all-reduce of gradients |
+//! | ZeRO-1 | full | full, then shard kept | shard | all-reduce; all-gather of parameters |
+//! | ZeRO-2 | full | shard (reduce-scattered) | shard | reduce-scatter; all-gather of parameters |
+//! | ZeRO-3 | shard | shard | shard | per unit: all-gather before use, reduce-scatter of gradients |
 //!
-//! Because [`FlatAdamW`] is bit-identical to Burn's AdamW on Flex and each rank updates its
-//! shard from the same averaged gradient, ZeRO-1 training equals DDP training bit for bit.
-//! Stages 2 and 3 (gradient and parameter sharding) and HSDP are the rest of the issue.
+//! **What a rank owns** (stages 1-2): chunk `r` of every gradient bucket of
+//! [`crate::data_parallel`] ([`ShardMap::bucketed`]), so the reduce-scatter of a bucket delivers
+//! exactly the gradient of the elements this rank steps. Buckets that do not divide by the group
+//! size are padded; padding never reaches a parameter.
+//!
+//! **When:** stage 1 all-reduces each bucket as in DDP (overlapped with backward), keeps its
+//! chunk and frees the bucket. Stage 2 reduce-scatters every micro-batch's buckets as they
+//! fill, accumulating into the shard; hooks keep the gradient out of Burn's container, so a
+//! rank never holds the whole gradient, only its shard and the buckets in flight. After the
+//! last micro-batch each rank steps AdamW on its shard ([`ZeroOptimizer`]) and one all-gather
+//! refreshes every replica. Clipping takes the global norm over the shards.
+//!
+//! Because [`crate::FlatAdamW`] is bit-identical to Burn's AdamW on Flex, stage 1 equals DDP
+//! bit for bit; stage 2 sums micro-batches after ranks rather than before, so it equals DDP to
+//! rounding (and bit for bit without accumulation).
 
+mod fully_shard;
+mod ops;
+mod optimizer;
+mod shard_map;
+
+pub use fully_shard::{FullyShardConfig, FullyShardedUnit, GatherCounts, GatherStats};
+pub use optimizer::{FullyShardedOptimizer, ZeroOptimizer};
+pub use shard_map::{Run, ShardLayout, ShardMap};
+
+use crate::data_parallel::{DataParallel, DataParallelConfig, Mode, ReduceReport};
 use crate::error::ParallelError;
-use crate::flat_adamw::{FlatAdamW, FlatAdamWConfig};
-use crate::params::{ParamLayout, flatten_params, load_flat};
+use crate::flat_adamw::FlatAdamWConfig;
+use crate::params::ParamLayout;
+use burn::config::Config;
 use burn::module::Module;
-use flashover_comm::{CommunicatorExt, Group};
-use std::ops::Range;
+use burn::optim::GradientsParams;
+use flashover_comm::Group;
 
-/// How a flat buffer of `numel` elements is cut into `size` equal shards (the last ones padded).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ShardLayout {
-    /// Real elements.
-    pub numel: usize,
-    /// Elements per shard: `ceil(numel / size)`.
-    pub shard: usize,
-    /// Number of shards (the group size).
-    pub size: usize,
+/// What stages 1-2 shard, and how gradients are reduced.
+#[derive(Config, Debug)]
+pub struct ZeroConfig {
+    /// Reduce-scatter gradients so a rank only ever holds its shard (ZeRO-2). `false`
+    /// all-reduces them and keeps the shard afterwards (ZeRO-1).
+    #[config(default = false)]
+    pub shard_gradients: bool,
+    /// Bucketing, overlap and averaging of the gradient reduction.
+    pub data_parallel: DataParallelConfig,
+    /// The AdamW whose moments are sharded.
+    pub optimizer: FlatAdamWConfig,
 }
 
-impl ShardLayout {
-    /// Shards of `numel` elements over `size` ranks.
-    pub fn new(numel: usize, size: usize) -> Self {
-        ShardLayout {
-            numel,
-            shard: numel.div_ceil(size.max(1)),
-            size: size.max(1),
+impl ZeroConfig {
+    /// ZeRO stage 1 (`1`) or 2 (`2`) with default reduction settings. Stage 3 shards
+    /// parameters and is [`FullyShardConfig`].
+    pub fn stage(stage: usize, optimizer: FlatAdamWConfig) -> Result<Self, ParallelError> {
+        match stage {
+            1 | 2 => Ok(ZeroConfig::new(DataParallelConfig::new(), optimizer)
+                .with_shard_gradients(stage == 2)),
+            _ => Err(ParallelError::Invalid(format!(
+                "ZeroConfig covers stages 1 and 2, not {stage}; stage 3 is FullyShardConfig"
+            ))),
         }
     }
 
-    /// Padded length: `shard x size`.
-    pub fn padded(&self) -> usize {
-        self.shard * self.size
-    }
-
-    /// The padded range rank `r` owns.
-    pub fn range(&self, r: usize) -> Range<usize> {
-        r * self.shard..(r + 1) * self.shard
+    /// Wraps `model` over `group`: broadcasts rank 0's parameters (collective), plans buckets
+    /// and shards. Returns the synchronised model and the per-rank state.
+    pub fn init<M: Module>(
+        &self,
+        model: M,
+        group: &Group,
+    ) -> Result<(M, ShardedDataParallel), ParallelError> {
+        let mode = if self.shard_gradients {
+            Mode::ReduceScatter
+        } else {
+            Mode::AllReduceShard
+        };
+        let (model, ddp) = self.data_parallel.init_with(model, group, mode)?;
+        let optimizer = ZeroOptimizer::new(&model, group, ddp.shard_map(), &self.optimizer)?;
+        let numel = ParamLayout::of(&model).numel;
+        Ok((
+            model,
+            ShardedDataParallel {
+                ddp,
+                optimizer,
+                numel,
+            },
+        ))
     }
 }
 
-/// ZeRO stage 1: AdamW whose state is sharded over `group`; see the module docs.
-pub struct ZeroOptimizer {
-    group: Group,
-    shards: ShardLayout,
-    adam: FlatAdamW,
-    /// Padded flat parameters (host copy) and the gather buffer.
-    params: Vec<f32>,
-    gathered: Vec<f32>,
+/// Bytes one rank holds for training state, by kind; see [`ShardedDataParallel::memory`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct MemoryReport {
+    /// Parameters held between steps (full replicas, or shards).
+    pub params: usize,
+    /// The most gradient bytes held at once during the step (buckets, shards).
+    pub grads: usize,
+    /// Optimizer state (AdamW moments).
+    pub optimizer: usize,
+    /// The most gathered (unsharded) parameter bytes alive at once (ZeRO-3).
+    pub gathered_peak: usize,
 }
 
-impl ZeroOptimizer {
-    /// Sharded AdamW for `model`'s float parameters over `group` (every rank must hold the same
-    /// parameters, e.g. after [`crate::data_parallel::DataParallelConfig::init`]).
-    pub fn new<M: Module>(model: &M, group: &Group, config: &FlatAdamWConfig) -> Self {
-        let shards = ShardLayout::new(ParamLayout::of(model).numel, group.size());
-        ZeroOptimizer {
-            group: group.clone(),
-            adam: FlatAdamW::new(config, shards.shard),
-            params: vec![0.0; shards.padded()],
-            gathered: vec![0.0; shards.padded()],
-            shards,
-        }
+impl MemoryReport {
+    /// Parameters + gradients + optimizer state + gathered peak.
+    pub fn total(&self) -> usize {
+        self.params + self.grads + self.optimizer + self.gathered_peak
+    }
+}
+
+/// The per-rank state of ZeRO stages 1-2: the step protocol of
+/// [`crate::data_parallel::DataParallel`] (`begin_step`, per micro-batch `prepare` + backward +
+/// `backward_done`), then [`ShardedDataParallel::step`], which also updates the parameters.
+pub struct ShardedDataParallel {
+    ddp: DataParallel,
+    optimizer: ZeroOptimizer,
+    numel: usize,
+}
+
+impl ShardedDataParallel {
+    /// Starts a step of `micro_batches` micro-batches.
+    pub fn begin_step(&mut self, micro_batches: usize) {
+        self.ddp.begin_step(micro_batches);
     }
 
-    /// The shard layout.
-    pub fn shards(&self) -> ShardLayout {
-        self.shards
+    /// The model to run the next micro-batch's forward with (gradient hooks attached).
+    pub fn prepare<M: Module>(&mut self, model: &M) -> M {
+        self.ddp.prepare(model)
     }
 
-    /// Bytes of optimizer state this rank holds.
-    pub fn state_bytes(&self) -> usize {
-        self.adam.state_bytes()
+    /// After a micro-batch's backward (see [`DataParallel::backward_done`]).
+    pub fn backward_done<M: Module>(
+        &mut self,
+        model: &M,
+        grads: GradientsParams,
+    ) -> Result<(), ParallelError> {
+        self.ddp.backward_done(model, grads)
     }
 
-    /// One step: updates this rank's shard from `flat_grads` (the whole averaged gradient in
-    /// layout order), all-gathers every shard, and returns `model` with the new parameters.
+    /// After the last micro-batch: waits for this rank's gradient shard, clips by the global
+    /// norm over all shards, steps AdamW on the shard and all-gathers the new parameters.
     pub fn step<M: Module>(
         &mut self,
         lr: f64,
         model: M,
-        flat_grads: &[f32],
-    ) -> Result<M, ParallelError> {
-        let numel = self.shards.numel;
-        if flat_grads.len() != numel {
-            return Err(ParallelError::Invalid(format!(
-                "ZeRO step got {} gradient elements for a model of {numel}",
-                flat_grads.len()
-            )));
-        }
-        self.params[..numel].copy_from_slice(&flatten_params(&model));
-        let own = self.shards.range(self.group.rank());
-        let mut grads = vec![0.0; own.len()];
-        let real = own.start.min(numel)..own.end.min(numel);
-        grads[..real.len()].copy_from_slice(&flat_grads[real]);
-        self.adam.step(lr, &mut self.params[own.clone()], &grads);
-        self.group
-            .all_gather(&self.params[own], &mut self.gathered)?;
-        Ok(load_flat(model, &self.gathered[..numel]))
+        max_norm: Option<f32>,
+    ) -> Result<(M, ReduceReport), ParallelError> {
+        let report = self.ddp.finish_shard(max_norm)?;
+        let model = self.optimizer.step(lr, model, self.ddp.shard_grads())?;
+        Ok((model, report))
     }
-}
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+    /// The sharded optimizer (its shard map and state size).
+    pub fn optimizer(&self) -> &ZeroOptimizer {
+        &self.optimizer
+    }
 
-    #[test]
-    fn shards_cover_the_buffer_with_padding_at_the_end() {
-        let s = ShardLayout::new(10, 3);
-        assert_eq!((s.shard, s.padded()), (4, 12));
-        assert_eq!(s.range(2), 8..12);
-        assert_eq!(ShardLayout::new(12, 4).padded(), 12);
-        assert_eq!(ShardLayout::new(0, 4).shard, 0);
+    /// The gradient reduction underneath (buckets, overlap).
+    pub fn data_parallel(&self) -> &DataParallel {
+        &self.ddp
+    }
+
+    /// Measured bytes of this step (call after [`ShardedDataParallel::step`]).
+    pub fn memory(&self) -> MemoryReport {
+        MemoryReport {
+            params: self.numel * 4,
+            grads: self.ddp.peak_grad_bytes(),
+            optimizer: self.optimizer.state_bytes(),
+            gathered_peak: 0,
+        }
     }
 }

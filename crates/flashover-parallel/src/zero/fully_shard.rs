@@ -1,0 +1,343 @@
+//! ZeRO-3 / FSDP: a module whose parameters live as one flat shard per rank, gathered just
+//! before use and released after.
+//!
+//! [`FullyShardConfig::init`] turns any Burn module into a [`FullyShardedUnit`]: its float
+//! parameters are flattened (layout order), padded to a multiple of the shard group's size and
+//! cut into equal contiguous shards; a rank keeps only its shard, as the unit's one Burn
+//! parameter, so a model made of units is itself a Burn module whose parameters are shards.
+//! Wrap each transformer block in its own unit (and the rest of the model in one more) to get
+//! the FSDP policy "every block".
+//!
+//! **When parameters are gathered** ([`FullyShardedUnit::forward`]): one all-gather just before
+//! the unit's forward. With `reshard_after_forward` the full parameters are dropped as soon as
+//! the forward returns and gathered again in backward, where the unit's forward is recomputed
+//! from its saved input (Burn's autodiff keeps the tensors an op needs for backward, so the only
+//! way to free a unit's weights between forward and backward is to not record its forward at
+//! all: this is unit-level activation recomputation). Without it, the full parameters stay alive
+//! from forward to backward and nothing is recomputed.
+//! **Gradients** reach the shards through a reduce-scatter in the unit's backward; see
+//! [`super::FullyShardedOptimizer`] for the step (and HSDP's all-reduce across replicas).
+//!
+//! These ops run host code in their backward, so units need the Flex backend in this release.
+
+use super::ops::{RecomputeHook, ScatterHook, gather_shard, recompute_unit};
+use super::shard_map::ShardLayout;
+use crate::error::ParallelError;
+use crate::hook::hooks_supported;
+use crate::params::{ParamLayout, accumulate_grads, broadcast_module, flatten_params, to_f32};
+use burn::config::Config;
+use burn::module::{Module, ModuleMapper, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::{Device, Shape, Tensor, TensorData};
+use flashover_comm::{CommunicatorExt, Group, ReduceOp};
+use std::sync::{Arc, Mutex};
+
+/// How a unit's parameters are gathered and released.
+#[derive(Config, Debug)]
+pub struct FullyShardConfig {
+    /// Free the gathered parameters right after the unit's forward and gather them again in
+    /// its backward (recomputing the unit's forward there). `false` keeps them from forward to
+    /// backward: more memory, no second all-gather, no recomputation.
+    #[config(default = true)]
+    pub reshard_after_forward: bool,
+}
+
+/// Gathered-parameter bytes alive on one rank, shared by the units of a model.
+#[derive(Debug, Default)]
+pub struct GatherStats {
+    counts: Mutex<GatherCounts>,
+}
+
+/// A snapshot of [`GatherStats`].
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct GatherCounts {
+    /// Gathered parameter bytes alive now.
+    pub live_bytes: usize,
+    /// The most alive at once since [`GatherStats::reset_peak`].
+    pub peak_bytes: usize,
+    /// All-gathers issued.
+    pub all_gathers: usize,
+    /// Reduce-scatters issued.
+    pub reduce_scatters: usize,
+}
+
+impl GatherStats {
+    /// A new, shared counter.
+    pub fn shared() -> Arc<Self> {
+        Arc::new(GatherStats::default())
+    }
+
+    /// The counts now.
+    pub fn snapshot(&self) -> GatherCounts {
+        *self.lock()
+    }
+
+    /// Starts a new peak measurement at the current live bytes.
+    pub fn reset_peak(&self) {
+        let mut c = self.lock();
+        c.peak_bytes = c.live_bytes;
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, GatherCounts> {
+        self.counts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn gathered(&self, bytes: usize) {
+        let mut c = self.lock();
+        c.live_bytes += bytes;
+        c.peak_bytes = c.peak_bytes.max(c.live_bytes);
+        c.all_gathers += 1;
+    }
+
+    fn released(&self, bytes: usize) {
+        let mut c = self.lock();
+        c.live_bytes = c.live_bytes.saturating_sub(bytes);
+    }
+
+    fn scattered(&self) {
+        self.lock().reduce_scatters += 1;
+    }
+}
+
+/// What a unit needs besides its shard; shared (behind an `Arc`) by clones of the unit and by
+/// the backward closures it records.
+struct UnitSpec<M> {
+    /// The module with placeholder parameters: only its structure is used.
+    skeleton: Mutex<M>,
+    layout: ParamLayout,
+    shards: ShardLayout,
+    group: Group,
+    reshard_after_forward: bool,
+    stats: Arc<GatherStats>,
+}
+
+impl<M> std::fmt::Debug for UnitSpec<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnitSpec")
+            .field("params", &self.layout.slots.len())
+            .field("numel", &self.layout.numel)
+            .field("shards", &self.shards)
+            .field("group", &self.group.name())
+            .finish()
+    }
+}
+
+/// One fully sharded unit; see the [module docs](self). Its only Burn parameter is this rank's
+/// shard of the unit's flattened parameters.
+#[derive(Module, Debug)]
+pub struct FullyShardedUnit<M: Send + Sync + 'static> {
+    /// This rank's shard (padded), the parameter the optimizer steps.
+    pub shard: Param<Tensor<1>>,
+    #[module(skip)]
+    spec: Arc<UnitSpec<M>>,
+}
+
+impl FullyShardConfig {
+    /// Shards `module` over `group` (collective: rank 0's parameters are broadcast first, so
+    /// every rank starts from the same values). `stats` is shared by the units of one model.
+    pub fn init<M: Module + Sync + 'static>(
+        &self,
+        module: M,
+        group: &Group,
+        stats: &Arc<GatherStats>,
+    ) -> Result<FullyShardedUnit<M>, ParallelError> {
+        let device = module
+            .devices()
+            .into_iter()
+            .next()
+            .ok_or_else(|| ParallelError::Invalid("a sharded unit needs parameters".into()))?;
+        if !hooks_supported(&device) {
+            return Err(ParallelError::Invalid(format!(
+                "fully sharded units run host code in backward and need the Flex backend with \
+                 autodiff in this release; the module is on {device:?}"
+            )));
+        }
+        let module = broadcast_module(module, group, 0)?;
+        let layout = ParamLayout::of(&module);
+        let shards = ShardLayout::new(layout.numel, group.size());
+        let mut own = vec![0.0; shards.shard];
+        let real = shards.real_range(group.rank());
+        let flat = flatten_params(&module);
+        own[..real.len()].copy_from_slice(&flat[real]);
+        drop(flat);
+        let shard = Param::from_data(TensorData::new(own, [shards.shard]), &device);
+        let skeleton = module.map(&mut Placeholders);
+        Ok(FullyShardedUnit {
+            shard,
+            spec: Arc::new(UnitSpec {
+                skeleton: Mutex::new(skeleton),
+                layout,
+                shards,
+                group: group.clone(),
+                reshard_after_forward: self.reshard_after_forward,
+                stats: stats.clone(),
+            }),
+        })
+    }
+}
+
+/// Replaces every float parameter with a one-element placeholder of the same rank.
+struct Placeholders;
+
+impl ModuleMapper for Placeholders {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        param.map(|t| Tensor::zeros([1; D], &t.device()))
+    }
+}
+
+/// Where materialised parameters come from.
+enum Source<'a> {
+    /// Host values, as tensors that are (`true`) or are not new autodiff leaves.
+    Host(&'a [f32], bool),
+    /// Slices of a tracked full buffer.
+    Tracked(&'a Tensor<1>),
+}
+
+struct Materialize<'a> {
+    source: Source<'a>,
+    layout: &'a ParamLayout,
+    index: usize,
+    device: Device,
+}
+
+impl ModuleMapper for Materialize<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let slot = &self.layout.slots[self.index];
+        self.index += 1;
+        let range = slot.offset..slot.offset + slot.numel;
+        let shape = Shape::from(slot.shape.clone());
+        param.map(|_| match &self.source {
+            Source::Host(values, leaf) => {
+                let data = TensorData::new(values[range].to_vec(), shape);
+                let t = Tensor::from_data(data, &self.device);
+                if *leaf { t.require_grad() } else { t }
+            }
+            Source::Tracked(full) => Tensor::clone(full).slice(range).reshape(shape),
+        })
+    }
+}
+
+impl<M: Module + Sync + 'static> UnitSpec<M> {
+    fn materialize(&self, source: Source<'_>, device: &Device) -> M {
+        let skeleton = self
+            .skeleton
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        skeleton.map(&mut Materialize {
+            source,
+            layout: &self.layout,
+            index: 0,
+            device: device.clone(),
+        })
+    }
+
+    /// All-gathers every rank's shard: the padded full buffer.
+    fn all_gather(&self, own: &[f32]) -> Result<Vec<f32>, ParallelError> {
+        let full = self.group.all_gather_vec(own)?;
+        self.stats.gathered(self.layout.numel * 4);
+        Ok(full)
+    }
+
+    /// Reduce-scatters (sums) a padded full gradient: this rank's shard of it. Runs inside
+    /// Burn's backward, which cannot return errors: a failed collective panics with its message
+    /// (the launcher reports the panic as this rank's failure).
+    fn reduce_scatter(&self, mut full: Vec<f32>) -> Vec<f32> {
+        full.resize(self.shards.padded(), 0.0);
+        let mut shard = vec![0.0; self.shards.shard];
+        if let Err(e) = self.group.reduce_scatter(&full, &mut shard, ReduceOp::Sum) {
+            panic!("FSDP gradient reduce-scatter failed: {e}");
+        }
+        self.stats.scattered();
+        shard
+    }
+}
+
+impl<M: Module + Sync + 'static> FullyShardedUnit<M> {
+    /// Elements of the unit's parameters (unpadded).
+    pub fn numel(&self) -> usize {
+        self.spec.layout.numel
+    }
+
+    /// The unit's parameter layout (names and shapes of the full parameters).
+    pub fn layout(&self) -> &ParamLayout {
+        &self.spec.layout
+    }
+
+    /// The shard layout over the group.
+    pub fn shards(&self) -> ShardLayout {
+        self.spec.shards
+    }
+
+    /// The full module, gathered now and differentiable with respect to the shard: its
+    /// parameters stay alive until the step's backward has passed through them, which then
+    /// reduce-scatters their gradient into the shard's.
+    pub fn gather(&self) -> Result<M, ParallelError> {
+        let shard = self.shard.val();
+        let device = shard.device();
+        let full = self.spec.all_gather(&to_f32(shard.clone()))?;
+        let padded = full.len();
+        let full = Tensor::<1>::from_data(TensorData::new(full, [padded]), &device);
+        let tracked = shard.is_require_grad();
+        let spec = self.spec.clone();
+        let hook = ScatterHook(Arc::new(move |grad: Vec<f32>| {
+            spec.stats.released(spec.layout.numel * 4);
+            spec.reduce_scatter(grad)
+        }));
+        if !tracked {
+            // No backward will release them: account for them as released now.
+            self.spec.stats.released(self.spec.layout.numel * 4);
+        }
+        let full = gather_shard(shard, full, hook);
+        Ok(self.spec.materialize(Source::Tracked(&full), &device))
+    }
+
+    /// Runs `f` (the unit's forward) on `x` with the unit's parameters gathered, as the
+    /// configuration says (see the [module docs](self)).
+    pub fn forward<const D: usize, const E: usize, F>(
+        &self,
+        x: Tensor<D>,
+        f: F,
+    ) -> Result<Tensor<E>, ParallelError>
+    where
+        F: Fn(&M, Tensor<D>) -> Tensor<E> + Send + Sync + 'static,
+    {
+        let shard = self.shard.val();
+        if !self.spec.reshard_after_forward || !shard.is_require_grad() {
+            return Ok(f(&self.gather()?, x));
+        }
+        let device = shard.device();
+        let bytes = self.spec.layout.numel * 4;
+        // The shard's storage, shared (not copied) with the parameter, for the backward gather.
+        let saved_shard = shard.clone().detach();
+        let y = {
+            let full = self.spec.all_gather(&to_f32(saved_shard.clone()))?;
+            let module = self.spec.materialize(Source::Host(&full, false), &device);
+            f(&module, x.clone().detach())
+        };
+        self.spec.stats.released(bytes);
+        let spec = self.spec.clone();
+        let hook = RecomputeHook(Arc::new(move |x: TensorData, grad_y: TensorData| {
+            let full = match spec.all_gather(&to_f32(saved_shard.clone())) {
+                Ok(full) => full,
+                Err(e) => panic!("FSDP parameter all-gather in backward failed: {e}"),
+            };
+            let module = spec.materialize(Source::Host(&full, true), &device);
+            drop(full);
+            let x = Tensor::<D>::from_data(x, &device).require_grad();
+            let y = f(&module, x.clone());
+            let grad_y = Tensor::<E>::from_data(grad_y, &device);
+            let grads = (y * grad_y).sum().backward();
+            let grad_x = x.grad(&grads).map(|g| g.into_data()).unwrap_or_else(|| {
+                Tensor::<D>::zeros(x.shape(), &device.clone().inner()).into_data()
+            });
+            let params = GradientsParams::from_grads(grads, &module);
+            let mut flat = vec![0.0; spec.shards.padded()];
+            accumulate_grads(&module, &params, &mut flat, &[]);
+            drop((module, params));
+            spec.stats.released(bytes);
+            (grad_x, spec.reduce_scatter(flat))
+        }));
+        Ok(recompute_unit(x, shard, y, hook))
+    }
+}

@@ -1,0 +1,165 @@
+//! The sharded AdamW of ZeRO stages 1 and 2: moments only for the elements this rank owns,
+//! then an all-gather of the updated elements so every replica holds the new parameters.
+
+use super::shard_map::ShardMap;
+use crate::error::ParallelError;
+use crate::flat_adamw::{FlatAdamW, FlatAdamWConfig};
+use crate::grad_clip::clip_global_norm;
+use crate::params::{ParamLayout, accumulate_grads, flatten_params, load_flat};
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use flashover_comm::{CommunicatorExt, Group, ReduceOp};
+
+/// AdamW whose state is sharded over `group` as `map` says; see the [module docs](super).
+pub struct ZeroOptimizer {
+    group: Group,
+    map: ShardMap,
+    adam: FlatAdamW,
+}
+
+impl ZeroOptimizer {
+    /// Sharded AdamW for `model`'s float parameters over `group`, owning what `map` gives each
+    /// rank (usually [`crate::data_parallel::DataParallel::shard_map`], so the gradient shards
+    /// the reducer produces line up). Every rank must hold the same parameters.
+    pub fn new<M: Module>(
+        model: &M,
+        group: &Group,
+        map: ShardMap,
+        config: &FlatAdamWConfig,
+    ) -> Result<Self, ParallelError> {
+        let numel = ParamLayout::of(model).numel;
+        if map.numel() != numel || map.size() != group.size() {
+            return Err(ParallelError::Invalid(format!(
+                "shard map covers {} elements over {} ranks, but the model has {numel} and \
+                 group `{}` has {} ranks",
+                map.numel(),
+                map.size(),
+                group.name(),
+                group.size()
+            )));
+        }
+        Ok(ZeroOptimizer {
+            group: group.clone(),
+            adam: FlatAdamW::new(config, map.shard_len()),
+            map,
+        })
+    }
+
+    /// Which elements each rank owns.
+    pub fn shard_map(&self) -> &ShardMap {
+        &self.map
+    }
+
+    /// Bytes of optimizer state this rank holds.
+    pub fn state_bytes(&self) -> usize {
+        self.adam.state_bytes()
+    }
+
+    /// One step: updates this rank's elements from `shard_grads` (its own averaged gradient
+    /// shard, in shard order), all-gathers every rank's elements, and returns `model` with the
+    /// new parameters.
+    pub fn step<M: Module>(
+        &mut self,
+        lr: f64,
+        model: M,
+        shard_grads: &[f32],
+    ) -> Result<M, ParallelError> {
+        if shard_grads.len() != self.map.shard_len() {
+            return Err(ParallelError::Invalid(format!(
+                "ZeRO step got {} gradient elements for a shard of {}",
+                shard_grads.len(),
+                self.map.shard_len()
+            )));
+        }
+        let mut flat = flatten_params(&model);
+        let mut own = self.map.take(self.group.rank(), &flat);
+        self.adam.step(lr, &mut own, shard_grads);
+        let gathered = self.group.all_gather_vec(&own)?;
+        self.map.put_all(&gathered, &mut flat);
+        Ok(load_flat(model, &flat))
+    }
+}
+
+/// The step of ZeRO-3 / HSDP: AdamW on a model whose parameters are shards (a module made of
+/// [`super::FullyShardedUnit`]s), with no communication in the step itself.
+///
+/// Per micro-batch, [`FullyShardedOptimizer::accumulate`] adds the shard gradients backward
+/// produced (already summed over the shard group by the units' reduce-scatters). The step then
+/// all-reduces them across `replicate_group` (HSDP: shard within `fsdp`, replicate across `dp`),
+/// averages, clips by the global norm over all shards, and updates each shard in place.
+pub struct FullyShardedOptimizer {
+    shard_group: Group,
+    replicate_group: Option<Group>,
+    adam: FlatAdamW,
+    grads: Vec<f32>,
+    micro_batches: usize,
+    average: bool,
+}
+
+impl FullyShardedOptimizer {
+    /// AdamW for `model`'s (sharded) parameters. `average` divides gradient sums by ranks and
+    /// micro-batches (for per-sample-mean losses).
+    pub fn new<M: Module>(
+        model: &M,
+        shard_group: &Group,
+        replicate_group: Option<&Group>,
+        config: &FlatAdamWConfig,
+        average: bool,
+    ) -> Self {
+        let numel = ParamLayout::of(model).numel;
+        FullyShardedOptimizer {
+            shard_group: shard_group.clone(),
+            replicate_group: replicate_group.cloned(),
+            adam: FlatAdamW::new(config, numel),
+            grads: vec![0.0; numel],
+            micro_batches: 0,
+            average,
+        }
+    }
+
+    /// Bytes of optimizer state (moments of this rank's shards).
+    pub fn state_bytes(&self) -> usize {
+        self.adam.state_bytes()
+    }
+
+    /// Bytes of gradient held (this rank's shards).
+    pub fn grad_bytes(&self) -> usize {
+        self.grads.len() * 4
+    }
+
+    /// Adds one micro-batch's shard gradients (parameters without one count as zero).
+    pub fn accumulate<M: Module>(&mut self, model: &M, grads: &GradientsParams) {
+        accumulate_grads(model, grads, &mut self.grads, &[]);
+        self.micro_batches += 1;
+    }
+
+    /// Averages, clips to `max_norm`, and updates `model`'s shards; returns the model and the
+    /// global gradient norm before clipping. Resets the accumulated gradients.
+    pub fn step<M: Module>(
+        &mut self,
+        lr: f64,
+        model: M,
+        max_norm: Option<f32>,
+    ) -> Result<(M, f32), ParallelError> {
+        if self.micro_batches == 0 {
+            return Err(ParallelError::Invalid(
+                "FullyShardedOptimizer::step before any accumulate".into(),
+            ));
+        }
+        let mut ranks = self.shard_group.size();
+        if let Some(replicas) = &self.replicate_group {
+            replicas.all_reduce(&mut self.grads, ReduceOp::Sum)?;
+            ranks *= replicas.size();
+        }
+        if self.average {
+            let denom = (ranks * self.micro_batches) as f32;
+            self.grads.iter_mut().for_each(|g| *g /= denom);
+        }
+        let norm = clip_global_norm(&mut self.grads, max_norm, Some(&self.shard_group))?;
+        let mut flat = flatten_params(&model);
+        self.adam.step(lr, &mut flat, &self.grads);
+        self.grads.iter_mut().for_each(|g| *g = 0.0);
+        self.micro_batches = 0;
+        Ok((load_flat(model, &flat), norm))
+    }
+}
