@@ -58,9 +58,14 @@ pub struct JobArgs {
     /// Reduce gradients after backward instead of during it.
     #[arg(long)]
     no_overlap: bool,
-    /// ZeRO stage: 0 (DDP) or 1 (optimizer state sharded over dp).
+    /// ZeRO stage: 0 (DDP), 1 (optimizer state sharded over dp x fsdp), 2 (and gradients),
+    /// 3 (and parameters, over fsdp; with dp too: HSDP).
     #[arg(long)]
     zero: Option<u8>,
+    /// ZeRO-3: whether blocks release gathered parameters after forward (true) or keep them
+    /// until backward (false).
+    #[arg(long)]
+    reshard_after_forward: Option<bool>,
 }
 
 impl JobArgs {
@@ -101,6 +106,10 @@ impl JobArgs {
         set(&mut c.run.device, self.device);
         set(&mut c.parallel.bucket_mb, self.bucket_mb);
         set(&mut c.parallel.zero, self.zero);
+        set(
+            &mut c.parallel.reshard_after_forward,
+            self.reshard_after_forward,
+        );
         if let Some(clip) = self.clip {
             c.optim.clip = (clip > 0.0).then_some(clip);
         }

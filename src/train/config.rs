@@ -97,9 +97,12 @@ pub struct ParallelSection {
     /// `mean` (losses are per-sample means: gradients averaged over ranks and micro-batches)
     /// or `sum` (losses are sums: gradients summed).
     pub gradient_reduction: String,
-    /// ZeRO stage: 0 (plain DDP) or 1 (optimizer state sharded over `dp`). Stages 2 and 3 are
-    /// not implemented yet.
+    /// ZeRO stage: 0 (DDP), 1 (AdamW state sharded over the data-parallel ranks), 2 (and
+    /// gradients), 3 (and parameters, sharded over the `fsdp` axis, replicated over `dp`: HSDP).
     pub zero: u8,
+    /// ZeRO-3: free each block's gathered parameters after its forward and gather them again
+    /// (recomputing the block) in backward. `false` keeps them from forward to backward.
+    pub reshard_after_forward: bool,
 }
 
 impl Default for ParallelSection {
@@ -111,6 +114,7 @@ impl Default for ParallelSection {
             timeout_s: 300.0,
             gradient_reduction: "mean".into(),
             zero: 0,
+            reshard_after_forward: true,
         }
     }
 }
@@ -258,20 +262,32 @@ impl TrainConfig {
         match self.mesh() {
             Ok(mesh) => {
                 for axis in Axis::ALL {
-                    if axis != Axis::Dp && mesh.degree(axis) > 1 {
+                    if !matches!(axis, Axis::Dp | Axis::Fsdp) && mesh.degree(axis) > 1 {
                         errors.push(format!(
-                            "parallel.mesh: axis `{axis}` is not supported by `train` yet (data parallel `dp` only)"
+                            "parallel.mesh: axis `{axis}` is not supported by `train` yet (data parallel `dp` and sharded `fsdp` only)"
                         ));
                     }
                 }
+                let fsdp = mesh.degree(Axis::Fsdp);
+                if fsdp > 1 && self.parallel.zero == 0 {
+                    errors.push(format!(
+                        "parallel.mesh shards over fsdp={fsdp} but parallel.zero = 0: choose --zero 1, 2 or 3 (3 shards parameters over fsdp)"
+                    ));
+                }
+                if self.parallel.zero == 3 && fsdp == 1 && mesh.degree(Axis::Dp) > 1 {
+                    errors.push(format!(
+                        "parallel.zero = 3 shards parameters over the fsdp axis, but the mesh `{}` has none: write fsdp=N (or dp=R,fsdp=N for HSDP)",
+                        self.parallel.mesh
+                    ));
+                }
                 let (dp, m, b) = (
-                    mesh.degree(Axis::Dp),
+                    mesh.degree(Axis::Dp) * fsdp,
                     self.run.micro_batches,
                     self.run.global_batch,
                 );
                 if m == 0 || b == 0 || !b.is_multiple_of(dp * m) {
                     errors.push(format!(
-                        "run.global_batch = {b} must be a positive multiple of dp ({dp}) x run.micro_batches ({m})"
+                        "run.global_batch = {b} must be a positive multiple of the data-parallel ranks dp x fsdp ({dp}) x run.micro_batches ({m})"
                     ));
                 }
             }
@@ -295,9 +311,9 @@ impl TrainConfig {
                 self.parallel.gradient_reduction
             ));
         }
-        if self.parallel.zero > 1 {
+        if self.parallel.zero > 3 {
             errors.push(format!(
-                "parallel.zero = {}: only 0 (DDP) and 1 (optimizer-state sharding) are implemented so far",
+                "parallel.zero = {}: expected 0 (DDP), 1, 2 or 3",
                 self.parallel.zero
             ));
         }
@@ -356,7 +372,7 @@ mod tests {
             "{all}"
         );
         assert!(
-            all.contains("run.global_batch = 16 must be a positive multiple of dp (3)"),
+            all.contains("run.global_batch = 16 must be a positive multiple of the data-parallel ranks dp x fsdp (3)"),
             "{all}"
         );
         assert!(all.contains("run.steps"), "{all}");

@@ -4,11 +4,13 @@
 mod config;
 mod report;
 mod run;
+mod sharded_model;
 mod verify;
 
 pub use config::{
     DataSection, ModelSection, OptimSection, ParallelSection, RunSection, TrainConfig,
 };
-pub use report::{RankTimes, StepRecord, TrainReport};
+pub use report::{RankTimes, StepRecord, TrainReport, memory_formula};
 pub use run::{make_batch, token_source, train};
+pub use sharded_model::ShardedTransformer;
 pub use verify::{Comparison, compare, verify};

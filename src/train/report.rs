@@ -1,5 +1,6 @@
 //! What a training run measured: per-step records (the JSONL log) and the final summary.
 
+use flashover_parallel::zero::MemoryReport;
 use serde::Serialize;
 use std::fmt;
 
@@ -22,6 +23,9 @@ pub struct RankTimes {
     /// spent on the communication thread, inside `comm_s`, and shows in `exposed_comm_s` only
     /// when backward has already finished.
     pub idle_s: f64,
+    /// Bytes this rank held in parameters, gradients, optimizer state and gathered parameters
+    /// (see [`flashover_parallel::zero::MemoryReport`]).
+    pub memory_bytes: u64,
 }
 
 /// One optimizer step, as written to the JSONL log.
@@ -60,10 +64,29 @@ pub struct TrainReport {
     pub buckets: usize,
     /// Whether gradient reduction overlapped backward.
     pub overlap: bool,
+    /// Every rank's measured memory in the last step.
+    pub memory: Vec<MemoryReport>,
+    /// ZeRO stage (0: DDP).
+    pub zero: u8,
+    /// Ranks that state is sharded over (ZeRO-1/2: data-parallel ranks; ZeRO-3: `fsdp`).
+    pub shard_degree: usize,
     /// Wall time of the whole run.
     pub wall_s: f64,
     /// Tokens processed.
     pub tokens: usize,
+}
+
+/// Bytes per rank the usual formula gives for `params` fp32 parameters with AdamW, sharded
+/// over `n` ranks at ZeRO `stage` (0: DDP 16 B/param; 1: 4 + 4 + 8/N; 2: 4 + 12/N; 3: 16/N),
+/// not counting gathered units.
+pub fn memory_formula(stage: u8, params: usize, n: usize) -> f64 {
+    let (p, n) = (params as f64, n.max(1) as f64);
+    match stage {
+        0 => 16.0 * p,
+        1 => 8.0 * p + 8.0 * p / n,
+        2 => 4.0 * p + 12.0 * p / n,
+        _ => 16.0 * p / n,
+    }
 }
 
 impl TrainReport {
@@ -126,16 +149,49 @@ impl fmt::Display for TrainReport {
             self.tokens as f64 / self.wall_s,
             self.tokens
         )?;
+        if self.zero == 3 {
+            writeln!(
+                f,
+                "  gradients reduce-scattered per unit inside backward (ZeRO-3)"
+            )?;
+        } else {
+            writeln!(
+                f,
+                "  gradient buckets per step: {}; reduction overlapped with backward: {}",
+                self.buckets,
+                if self.overlap {
+                    "yes (gradient hooks)"
+                } else {
+                    "no (after backward)"
+                }
+            )?;
+        }
+        const MIB: f64 = (1 << 20) as f64;
+        let formula = memory_formula(self.zero, self.num_params, self.shard_degree);
         writeln!(
             f,
-            "  gradient buckets per step: {}; reduction overlapped with backward: {}",
-            self.buckets,
-            if self.overlap {
-                "yes (gradient hooks)"
-            } else {
-                "no (after backward)"
-            }
+            "  memory per rank (MiB, measured in the last step; ZeRO {} over {} ranks; formula {:.3}):",
+            self.zero,
+            self.shard_degree,
+            formula / MIB
         )?;
+        writeln!(
+            f,
+            "    rank  params   grads   optim  gathered   total  total-gathered/formula"
+        )?;
+        for (rank, m) in self.memory.iter().enumerate() {
+            writeln!(
+                f,
+                "    {:>4} {:>7.3} {:>7.3} {:>7.3} {:>9.3} {:>7.3} {:>8.3}",
+                rank,
+                m.params as f64 / MIB,
+                m.grads as f64 / MIB,
+                m.optimizer as f64 / MIB,
+                m.gathered_peak as f64 / MIB,
+                m.total() as f64 / MIB,
+                (m.total() - m.gathered_peak) as f64 / formula
+            )?;
+        }
         writeln!(f, "  per rank, steps 2..{} (seconds):", self.steps.len())?;
         writeln!(
             f,

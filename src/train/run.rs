@@ -2,16 +2,21 @@
 
 use super::config::TrainConfig;
 use super::report::{RankTimes, StepRecord, TrainReport};
+use super::sharded_model::ShardedTransformer;
 use burn::module::Module;
 use burn::optim::GradientsParams;
+use burn::optim::ModuleOptimizer;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_data::{BatchPlan, MarkovSource, TextSource, TokenSource};
 use flashover_models::{Transformer, next_token_loss};
 use flashover_parallel::FlatAdamWConfig;
-use flashover_parallel::data_parallel::DataParallelConfig;
+use flashover_parallel::data_parallel::{DataParallel, DataParallelConfig, ReduceReport};
 use flashover_parallel::params::{ParamLayout, flatten_params};
-use flashover_parallel::zero::ZeroOptimizer;
-use flashover_runtime::{Axis, CommunicatorExt, Launch, RankContext, RankError};
+use flashover_parallel::zero::{
+    FullyShardConfig, FullyShardedOptimizer, GatherStats, MemoryReport, ShardedDataParallel,
+    ZeroConfig,
+};
+use flashover_runtime::{Axis, CommunicatorExt, Group, Launch, RankContext, RankError};
 use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -102,7 +107,7 @@ pub fn train(
     if let Some(e) = log_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(format!("writing run.log_jsonl: {e}"));
     }
-    let (steps, params, buckets, overlap) = outputs
+    let (steps, params, buckets, overlap, memory) = outputs
         .into_iter()
         .next()
         .flatten()
@@ -116,11 +121,209 @@ pub fn train(
         mesh: mesh.to_spec(),
         buckets,
         overlap,
+        memory,
+        zero: config.parallel.zero,
+        shard_degree: match config.parallel.zero {
+            0 => 1,
+            3 => mesh.degree(Axis::Fsdp),
+            _ => mesh.degree(Axis::Dp) * mesh.degree(Axis::Fsdp),
+        },
         wall_s: started.elapsed().as_secs_f64(),
     })
 }
 
-type RankOutput = Option<(Vec<StepRecord>, Vec<(String, Vec<f32>)>, usize, bool)>;
+/// What rank 0 hands back: its step records, the final parameters by name, buckets per step,
+/// whether reduction overlapped backward, and every rank's measured memory.
+type RankOutput = Option<(
+    Vec<StepRecord>,
+    Vec<(String, Vec<f32>)>,
+    usize,
+    bool,
+    Vec<MemoryReport>,
+)>;
+
+/// How one rank holds and updates the model, as `parallel.zero` and the mesh say.
+enum Strategy {
+    /// Replicas, Burn's AdamW on whole averaged gradients.
+    Ddp(Box<Transformer>, DataParallel, ModuleOptimizer),
+    /// Replicas, AdamW state (and with stage 2 gradients) sharded.
+    Zero(Box<Transformer>, ShardedDataParallel),
+    /// Parameters sharded in units over `fsdp` (replicated over `dp`: HSDP).
+    Fsdp(
+        Box<ShardedTransformer>,
+        FullyShardedOptimizer,
+        Arc<GatherStats>,
+    ),
+}
+
+/// One step's outcome on one rank.
+struct StepOutcome {
+    loss_sum: f64,
+    grad_norm: f32,
+    comm: Duration,
+    overlapped: Duration,
+    exposed: Duration,
+    memory: MemoryReport,
+}
+
+impl StepOutcome {
+    fn reduced(loss_sum: f64, report: &ReduceReport, memory: MemoryReport) -> Self {
+        StepOutcome {
+            loss_sum,
+            grad_norm: report.grad_norm,
+            comm: report.comm,
+            overlapped: report.overlapped,
+            exposed: report.exposed,
+            memory,
+        }
+    }
+}
+
+impl Strategy {
+    fn new(
+        ctx: &RankContext,
+        config: &TrainConfig,
+        model: Transformer,
+        batch_group: &Group,
+    ) -> Result<Self, RankError> {
+        let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
+        let ddp_config = DataParallelConfig::new()
+            .with_bucket_bytes((config.parallel.bucket_mb * (1 << 20) as f64) as usize)
+            .with_overlap(config.parallel.overlap)
+            .with_average(config.parallel.gradient_reduction == "mean");
+        Ok(match config.parallel.zero {
+            0 => {
+                let (model, ddp) = ddp_config.init(model, batch_group)?;
+                Strategy::Ddp(Box::new(model), ddp, adamw.to_burn().init())
+            }
+            1 | 2 => {
+                let mut zero = ZeroConfig::stage(config.parallel.zero as usize, adamw)?;
+                zero.data_parallel = ddp_config;
+                let (model, sharded) = zero.init(model, batch_group)?;
+                Strategy::Zero(Box::new(model), sharded)
+            }
+            _ => {
+                let stats = GatherStats::shared();
+                let fsdp = FullyShardConfig::new()
+                    .with_reshard_after_forward(config.parallel.reshard_after_forward);
+                let shard_group = ctx.group(Axis::Fsdp);
+                let replicas = ctx.group(Axis::Dp);
+                // Replicas must start equal: rank 0 of each shard group broadcasts within its
+                // group, and those ranks hold the same seeded initialisation.
+                let model = ShardedTransformer::new(model, &fsdp, shard_group, &stats)?;
+                let optim = FullyShardedOptimizer::new(
+                    &model,
+                    shard_group,
+                    (replicas.size() > 1).then_some(replicas),
+                    &adamw,
+                    config.parallel.gradient_reduction == "mean",
+                );
+                Strategy::Fsdp(Box::new(model), optim, stats)
+            }
+        })
+    }
+
+    /// One optimizer step over `micro_batches` micro-batches from `batches`.
+    fn step(
+        self,
+        ctx: &RankContext,
+        clip: Option<f32>,
+        batches: &mut dyn FnMut(usize) -> (Tensor<2, Int>, Tensor<2, Int>),
+        micro_batches: usize,
+        lr: f64,
+    ) -> Result<(Self, StepOutcome), RankError> {
+        let mut loss_sum = 0.0f64;
+        let mut add_loss = |loss: &Tensor<1>| loss_sum += loss.clone().into_scalar::<f32>() as f64;
+        match self {
+            Strategy::Ddp(model, mut ddp, mut optim) => {
+                ddp.begin_step(micro_batches);
+                for micro in 0..micro_batches {
+                    let (inputs, targets) = batches(micro);
+                    let loss = next_token_loss(ddp.prepare(&*model).forward(inputs), targets);
+                    add_loss(&loss);
+                    let grads = GradientsParams::from_grads(loss.backward(), &*model);
+                    ddp.backward_done(&*model, grads)?;
+                }
+                let reduced = ddp.finish(&*model, clip)?;
+                let numel = ddp.layout().numel;
+                let memory = MemoryReport {
+                    params: numel * 4,
+                    // The bucket buffers, plus Burn's gradients handed to its optimizer.
+                    grads: ddp.peak_grad_bytes() + numel * 4,
+                    optimizer: numel * 8,
+                    gathered_peak: 0,
+                };
+                let model = Box::new(optim.step(lr, *model, reduced.grads));
+                let outcome = StepOutcome::reduced(loss_sum, &reduced.report, memory);
+                Ok((Strategy::Ddp(model, ddp, optim), outcome))
+            }
+            Strategy::Zero(model, mut zero) => {
+                zero.begin_step(micro_batches);
+                for micro in 0..micro_batches {
+                    let (inputs, targets) = batches(micro);
+                    let loss = next_token_loss(zero.prepare(&*model).forward(inputs), targets);
+                    add_loss(&loss);
+                    let grads = GradientsParams::from_grads(loss.backward(), &*model);
+                    zero.backward_done(&*model, grads)?;
+                }
+                let (model, report) = zero.step(lr, *model, clip)?;
+                let outcome = StepOutcome::reduced(loss_sum, &report, zero.memory());
+                Ok((Strategy::Zero(Box::new(model), zero), outcome))
+            }
+            Strategy::Fsdp(model, mut optim, stats) => {
+                stats.reset_peak();
+                let before = ctx.comm_stats();
+                for micro in 0..micro_batches {
+                    let (inputs, targets) = batches(micro);
+                    let loss = next_token_loss(model.forward(inputs)?, targets);
+                    add_loss(&loss);
+                    let grads = GradientsParams::from_grads(loss.backward(), &*model);
+                    optim.accumulate(&*model, &grads);
+                }
+                let shard_bytes = ParamLayout::of(&*model).numel * 4;
+                let (model, grad_norm) = optim.step(lr, *model, clip)?;
+                // Collectives run inline on the training thread: all of their time is exposed.
+                let comm = ctx.comm_stats().since(&before).total();
+                let comm = comm.wait + comm.transfer;
+                let outcome = StepOutcome {
+                    loss_sum,
+                    grad_norm,
+                    comm,
+                    overlapped: Duration::ZERO,
+                    exposed: comm,
+                    memory: MemoryReport {
+                        params: shard_bytes,
+                        grads: optim.grad_bytes(),
+                        optimizer: optim.state_bytes(),
+                        gathered_peak: stats.snapshot().peak_bytes,
+                    },
+                };
+                Ok((Strategy::Fsdp(Box::new(model), optim, stats), outcome))
+            }
+        }
+    }
+
+    /// Gradient buckets per step and whether reduction overlaps backward (none for FSDP, whose
+    /// reduce-scatters run inside backward).
+    fn buckets(&self) -> (usize, bool) {
+        match self {
+            Strategy::Ddp(_, ddp, _) => (ddp.num_buckets(), ddp.overlaps()),
+            Strategy::Zero(_, zero) => (
+                zero.data_parallel().num_buckets(),
+                zero.data_parallel().overlaps(),
+            ),
+            Strategy::Fsdp(..) => (0, false),
+        }
+    }
+
+    /// The whole model's parameters (collective for FSDP).
+    fn full_model(&self) -> Result<Transformer, RankError> {
+        Ok(match self {
+            Strategy::Ddp(model, ..) | Strategy::Zero(model, ..) => model.valid(),
+            Strategy::Fsdp(model, ..) => model.gather_full()?,
+        })
+    }
+}
 
 fn train_rank(
     ctx: &RankContext,
@@ -130,57 +333,36 @@ fn train_rank(
     emit: &dyn Fn(&StepRecord),
 ) -> Result<RankOutput, RankError> {
     let device = ctx.device().clone().autodiff();
-    let dp = ctx.group(Axis::Dp);
+    // Every data-parallel rank (replica or shard) reads its own slice of the batch.
+    let batch_group = ctx.subgroup(&[Axis::Dp, Axis::Fsdp])?;
     let plan = BatchPlan::new(
         config.run.global_batch,
-        dp.size(),
-        dp.rank(),
+        batch_group.size(),
+        batch_group.rank(),
         config.run.micro_batches,
     )?;
     let model: Transformer = model_config.init(config.run.seed, &device);
-    let ddp_config = DataParallelConfig::new()
-        .with_bucket_bytes((config.parallel.bucket_mb * (1 << 20) as f64) as usize)
-        .with_overlap(config.parallel.overlap)
-        .with_average(config.parallel.gradient_reduction == "mean");
-    let (mut model, mut ddp) = ddp_config.init(model, dp)?;
-    let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
-    let mut optim = adamw.to_burn().init();
-    // ZeRO-1: the same AdamW, its state sharded over the data-parallel group.
-    let mut sharded = (config.parallel.zero == 1).then(|| ZeroOptimizer::new(&model, dp, &adamw));
+    let mut strategy = Strategy::new(ctx, config, model, &batch_group)?;
     let clip = config.optim.clip.filter(|&c| c > 0.0);
     let tokens_per_step = (config.run.global_batch * config.data.seq_len) as f64;
     let mut records = vec![];
+    let mut memory = MemoryReport::default();
     let world = ctx.world();
     for step in 0..config.run.steps {
         let stats_before = ctx.comm_stats();
         let t0 = Instant::now();
-        ddp.begin_step(plan.micro_batches());
-        let mut loss_sum = 0.0f64;
-        for micro in 0..plan.micro_batches() {
-            let (inputs, targets) = make_batch(
+        let lr = config.lr_at(step);
+        let mut batches = |micro: usize| {
+            make_batch(
                 source,
                 plan.indices(step as u64, micro),
                 config.data.seq_len,
                 &device,
-            );
-            let loss = next_token_loss(ddp.prepare(&model).forward(inputs), targets);
-            loss_sum += loss.clone().into_scalar::<f32>() as f64;
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            ddp.backward_done(&model, grads);
-        }
-        let lr = config.lr_at(step);
-        let report = match sharded.as_mut() {
-            Some(zero) => {
-                let report = ddp.finish_flat(clip)?;
-                model = zero.step(lr, model, ddp.flat_grads())?;
-                report
-            }
-            None => {
-                let reduced = ddp.finish(&model, clip)?;
-                model = optim.step(lr, model, reduced.grads);
-                reduced.report
-            }
+            )
         };
+        let (next, outcome) = strategy.step(ctx, clip, &mut batches, plan.micro_batches(), lr)?;
+        strategy = next;
+        memory = outcome.memory;
         let step_s = t0.elapsed().as_secs_f64();
         let idle = ctx
             .comm_stats()
@@ -188,15 +370,16 @@ fn train_rank(
             .total()
             .wait
             .as_secs_f64();
-        let exposed = report.exposed.as_secs_f64();
+        let exposed = outcome.exposed.as_secs_f64();
         let mine = [
-            loss_sum / plan.micro_batches() as f64,
+            outcome.loss_sum / plan.micro_batches() as f64,
             step_s,
-            report.comm.as_secs_f64(),
-            report.overlapped.as_secs_f64(),
+            outcome.comm.as_secs_f64(),
+            outcome.overlapped.as_secs_f64(),
             exposed,
             idle,
-            report.grad_norm as f64,
+            outcome.grad_norm as f64,
+            outcome.memory.total() as f64,
         ];
         let all = world.all_gather_vec(&mine)?;
         if ctx.rank() == 0 {
@@ -220,6 +403,7 @@ fn train_rank(
                         overlapped_s: p[3],
                         exposed_comm_s: p[4],
                         idle_s: p[5],
+                        memory_bytes: p[7] as u64,
                     })
                     .collect(),
             };
@@ -227,15 +411,34 @@ fn train_rank(
             records.push(record);
         }
     }
+    let fields = [
+        memory.params,
+        memory.grads,
+        memory.optimizer,
+        memory.gathered_peak,
+    ]
+    .map(|b| b as u64);
+    let all_memory = world.all_gather_vec(&fields)?;
+    let full = strategy.full_model()?;
     if ctx.rank() != 0 {
         return Ok(None);
     }
-    let layout = ParamLayout::of(&model);
-    let flat = flatten_params(&model.valid());
+    let memories = all_memory
+        .chunks(4)
+        .map(|m| MemoryReport {
+            params: m[0] as usize,
+            grads: m[1] as usize,
+            optimizer: m[2] as usize,
+            gathered_peak: m[3] as usize,
+        })
+        .collect();
+    let layout = ParamLayout::of(&full);
+    let flat = flatten_params(&full);
     let params = layout
         .slots
         .iter()
         .map(|s| (s.name.clone(), flat[s.offset..s.offset + s.numel].to_vec()))
         .collect();
-    Ok(Some((records, params, ddp.num_buckets(), ddp.overlaps())))
+    let (buckets, overlap) = strategy.buckets();
+    Ok(Some((records, params, buckets, overlap, memories)))
 }

@@ -122,6 +122,7 @@ pub fn verify(
 ) -> Result<(TrainReport, TrainReport, Comparison), String> {
     let mut reference = config.clone();
     reference.parallel.mesh = "dp=1".into();
+    reference.parallel.zero = 0;
     reference.run.micro_batches = 1;
     reference.run.log_jsonl = None;
     let quiet = |_: &StepRecord| {};
@@ -156,6 +157,9 @@ mod tests {
             mesh: "dp=1".into(),
             buckets: 1,
             overlap: false,
+            memory: vec![],
+            zero: 0,
+            shard_degree: 1,
             wall_s: 1.0,
             tokens: 1,
         }

@@ -49,7 +49,7 @@ use burn::config::Config;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
-use flashover_comm::Group;
+use flashover_comm::{CommunicatorExt, Group};
 pub(crate) use reducer::Mode;
 use reducer::Reducer;
 use std::time::{Duration, Instant};
@@ -114,6 +114,7 @@ impl DataParallelConfig {
                 micro: 0,
                 backward_end: None,
                 exposed_between: Duration::ZERO,
+                order_fixed: false,
             },
         ))
     }
@@ -164,6 +165,8 @@ pub struct DataParallel {
     backward_end: Option<Instant>,
     /// Time spent waiting for reductions between micro-batches (reduce-scatter mode).
     exposed_between: Duration,
+    /// Whether the bucket reduction order has been fixed from the first step.
+    order_fixed: bool,
 }
 
 struct HookMapper<'a> {
@@ -281,6 +284,7 @@ impl DataParallel {
         let t0 = Instant::now();
         self.flat.resize(self.layout.numel, 0.0);
         let spans = self.reducer.wait(&mut self.flat)?;
+        self.fix_order_after_first_step()?;
         let denom = self.denominator();
         let flat = &mut self.flat;
         flat.iter_mut().for_each(|g| *g /= denom);
@@ -296,6 +300,7 @@ impl DataParallel {
         self.check_finished();
         let t0 = Instant::now();
         let (shard, spans) = self.reducer.wait_shard()?;
+        self.fix_order_after_first_step()?;
         self.shard = shard;
         let denom = self.denominator();
         self.shard.iter_mut().for_each(|g| *g /= denom);
@@ -325,6 +330,32 @@ impl DataParallel {
     /// The most gradient bytes held at once since the step began (at least [`Self::grad_bytes`]).
     pub fn peak_grad_bytes(&self) -> usize {
         self.reducer.held_bytes().1.max(self.grad_bytes())
+    }
+
+    /// After the first step: every rank adopts the order in which rank 0's buckets completed
+    /// (collective; see the reducer's docs).
+    fn fix_order_after_first_step(&mut self) -> Result<(), ParallelError> {
+        if self.order_fixed {
+            return Ok(());
+        }
+        self.order_fixed = true;
+        let n = self.reducer.buckets().len();
+        let mut order: Vec<u64> = self
+            .reducer
+            .completion_order()
+            .iter()
+            .map(|&b| b as u64)
+            .collect();
+        // Buckets that never completed (none should) keep their plan position at the end.
+        for b in 0..n as u64 {
+            if !order.contains(&b) {
+                order.push(b);
+            }
+        }
+        self.group.broadcast(&mut order, 0)?;
+        self.reducer
+            .set_order(order.into_iter().map(|b| b as usize).collect());
+        Ok(())
     }
 
     fn check_finished(&self) {

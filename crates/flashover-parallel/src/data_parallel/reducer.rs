@@ -10,6 +10,12 @@
 //! chunk of every bucket into its gradient shard, and a bucket's buffer is freed once reduced,
 //! so a rank holds its shard plus the buckets in flight, not the whole gradient.
 //!
+//! Buckets are planned in reverse layout order, but backward does not finish parameters in
+//! exactly that order (norm weights, embeddings...). Reducing strictly in plan order would then
+//! stall behind the latest bucket; so after the first step every rank adopts the order in which
+//! rank 0's buckets completed (broadcast, so all ranks issue the same collectives), as PyTorch
+//! DDP rebuilds its buckets after the first iteration. Composition, and so ZeRO's shards, stay.
+//!
 //! The reducer counts the gradient bytes it holds (and their peak in the step), so strategies
 //! can report measured memory rather than formulas.
 
@@ -66,7 +72,17 @@ pub(crate) enum Mode {
     ReduceScatter,
 }
 
+/// Reduce-scatter mode keeps at most this many bucket buffers allocated while the
+/// communication thread can drain them: one filling, one being reduced.
+const MAX_BUFFERS_IN_FLIGHT: usize = 2;
+
 struct State {
+    /// Bucket buffers allocated now (reduce-scatter mode).
+    buffers: usize,
+    /// The order buckets are reduced in (a permutation of bucket indices).
+    order: Vec<usize>,
+    /// Buckets in the order they completed in the current micro-batch.
+    completed: Vec<usize>,
     /// Reductions launch when a bucket fills (last micro-batch, or every one when scattering).
     launch: bool,
     arrived: Vec<bool>,
@@ -105,6 +121,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Shared {
     fn add(&self, param: usize, values: &[f32]) {
         let (b, offset) = self.location[param];
+        if self.mode == Mode::ReduceScatter && lock(&self.data[b]).is_empty() {
+            self.wait_for_room();
+        }
         {
             let mut data = lock(&self.data[b]);
             if data.is_empty() {
@@ -112,6 +131,7 @@ impl Shared {
                 let len = self.chunks[b] * self.group.size();
                 data.resize(len, 0.0);
                 self.hold(len * 4);
+                lock(&self.state).buffers += 1;
             }
             for (acc, v) in data[offset..offset + values.len()].iter_mut().zip(values) {
                 *acc += v;
@@ -119,6 +139,22 @@ impl Shared {
         }
         let mut st = lock(&self.state);
         self.mark(&mut st, param);
+    }
+
+    /// Backpressure for reduce-scatter mode: before another bucket buffer is allocated, waits
+    /// while [`MAX_BUFFERS_IN_FLIGHT`] are allocated and the communication thread can make
+    /// progress without this thread (its next bucket is complete). Waiting only then cannot
+    /// deadlock when backward fills buckets out of order.
+    fn wait_for_room(&self) {
+        let mut st = lock(&self.state);
+        while st.buffers >= MAX_BUFFERS_IN_FLIGHT
+            && st.next < self.buckets.len()
+            && st.ready[st.order[st.next]]
+            && st.error.is_none()
+            && !st.shutdown
+        {
+            st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
     }
 
     /// Counts `bytes` more gradient held.
@@ -142,6 +178,7 @@ impl Shared {
         st.pending[b] -= 1;
         if st.pending[b] == 0 && st.launch {
             st.ready[b] = true;
+            st.completed.push(b);
             self.changed.notify_all();
         }
     }
@@ -199,6 +236,9 @@ impl Reducer {
                 .collect(),
             chunks,
             state: Mutex::new(State {
+                buffers: 0,
+                order: (0..buckets.len()).collect(),
+                completed: vec![],
                 launch: false,
                 arrived: vec![false; numels.len()],
                 pending: buckets.iter().map(|b| b.params.len()).collect(),
@@ -251,6 +291,22 @@ impl Reducer {
         self.shared.chunks.iter().sum()
     }
 
+    /// The order in which this rank's buckets completed in the last micro-batch.
+    pub(crate) fn completion_order(&self) -> Vec<usize> {
+        lock(&self.shared.state).completed.clone()
+    }
+
+    /// Reduces buckets in `order` from the next step on (every rank must adopt the same one).
+    pub(crate) fn set_order(&self, order: Vec<usize>) {
+        let mut sorted = order.clone();
+        sorted.sort_unstable();
+        assert!(
+            sorted.iter().copied().eq(0..self.shared.buckets.len()),
+            "a bucket order must be a permutation"
+        );
+        lock(&self.shared.state).order = order;
+    }
+
     /// Gradient bytes held now, and the most held at once since the step began.
     pub(crate) fn held_bytes(&self) -> (usize, usize) {
         *lock(&self.shared.held)
@@ -279,6 +335,7 @@ impl Reducer {
         st.launch = last || self.shared.mode == Mode::ReduceScatter;
         st.arrived.iter_mut().for_each(|a| *a = false);
         st.pending = self.shared.buckets.iter().map(|b| b.params.len()).collect();
+        st.completed.clear();
         if self.shared.mode == Mode::ReduceScatter {
             st.next = 0;
             st.ready.iter_mut().for_each(|r| *r = false);
@@ -392,8 +449,11 @@ fn worker_loop(shared: &Shared) {
                 if st.shutdown {
                     return;
                 }
-                if st.next < shared.buckets.len() && st.ready[st.next] && st.error.is_none() {
-                    break st.next;
+                if st.next < shared.buckets.len()
+                    && st.ready[st.order[st.next]]
+                    && st.error.is_none()
+                {
+                    break st.order[st.next];
                 }
                 st = shared.changed.wait(st).unwrap_or_else(|e| e.into_inner());
             }
@@ -443,6 +503,7 @@ fn reduce_bucket(shared: &Shared, b: usize) -> Result<(), CommError> {
                 .reduce_scatter(&full, &mut chunk, ReduceOp::Sum)?;
             shared.release(full.len() * 4);
             drop(full);
+            lock(&shared.state).buffers -= 1;
             let at = shared.chunk_offsets[b];
             let mut shard = lock(&shared.shard);
             if shard.is_empty() {
