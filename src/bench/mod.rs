@@ -2,4 +2,5 @@
 //! produced them; ratios are measured side by side in one run because these machines are noisy.
 
 pub mod comm;
+pub mod memory;
 pub mod train;

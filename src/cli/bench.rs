@@ -12,6 +12,22 @@ pub enum BenchCommand {
     Comm(CommArgs),
     /// Tokens/s of the reference model: plain Burn loop vs Flashover DDP at several dp.
     Train(Box<TrainArgs>),
+    /// Per-rank memory of DDP and ZeRO-1/2/3 at several shard counts, vs the formulas.
+    Memory(Box<MemoryArgs>),
+}
+
+/// Options of `bench memory`.
+#[derive(Debug, Args)]
+pub struct MemoryArgs {
+    /// Job options (model, data, bucket size...); mesh, stage and steps are set per variant.
+    #[command(flatten)]
+    job: super::job::JobArgs,
+    /// Shard counts, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    ns: Vec<usize>,
+    /// ZeRO stages (0 is DDP), comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "0,1,2,3")]
+    stages: Vec<u8>,
 }
 
 /// Options of `bench train`.
@@ -63,6 +79,32 @@ fn parse_op(name: &str) -> Result<OpKind, String> {
 
 pub fn run(cmd: BenchCommand) -> Result<(), String> {
     match cmd {
+        BenchCommand::Memory(args) => {
+            let config = args.job.build_with_mesh("dp=1")?;
+            let records = flashover::bench::memory::run(&config, &args.stages, &args.ns)?;
+            const MIB: f64 = (1 << 20) as f64;
+            println!(
+                "| layout | N | measured state (MiB) | formula (MiB) | measured / formula | gathered peak (MiB) | largest unit (MiB) |"
+            );
+            println!("|---|---|---|---|---|---|---|");
+            for r in &records {
+                let layout = if r.zero == 0 {
+                    "DDP".to_string()
+                } else {
+                    format!("ZeRO-{}", r.zero)
+                };
+                println!(
+                    "| {layout} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} |",
+                    r.n,
+                    r.measured_state as f64 / MIB,
+                    r.formula / MIB,
+                    r.measured_state as f64 / r.formula,
+                    r.gathered_peak as f64 / MIB,
+                    r.largest_unit as f64 / MIB,
+                );
+            }
+            Ok(())
+        }
         BenchCommand::Train(args) => {
             let config = args.job.build_with_mesh("dp=1")?;
             let records = flashover::bench::train::run(&config, &args.dps, args.repeats)?;

@@ -248,8 +248,7 @@ impl Strategy {
                 let numel = ddp.layout().numel;
                 let memory = MemoryReport {
                     params: numel * 4,
-                    // The bucket buffers, plus Burn's gradients handed to its optimizer.
-                    grads: ddp.peak_grad_bytes() + numel * 4,
+                    grads: ddp.peak_grad_bytes(),
                     optimizer: numel * 8,
                     gathered_peak: 0,
                 };

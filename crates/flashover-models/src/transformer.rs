@@ -82,9 +82,17 @@ impl TransformerConfig {
 
     /// Number of parameters.
     pub fn num_params(&self) -> usize {
-        let (v, d, f) = (self.vocab_size, self.d_model, self.d_ff);
-        let block = 4 * d * d + 3 * d * f + 2 * d;
-        v * d + self.n_layers * block + d + if self.tie_embeddings { 0 } else { d * v }
+        let (v, d) = (self.vocab_size, self.d_model);
+        v * d
+            + self.n_layers * self.num_params_per_block()
+            + d
+            + if self.tie_embeddings { 0 } else { d * v }
+    }
+
+    /// Parameters in one block: attention, MLP and two norms.
+    pub fn num_params_per_block(&self) -> usize {
+        let (d, f) = (self.d_model, self.d_ff);
+        4 * d * d + 3 * d * f + 2 * d
     }
 
     /// Builds the model with weights drawn from `seed` (see [`init`]). Panics if the config is

@@ -63,6 +63,19 @@ impl FlatAdamW {
         }
     }
 
+    /// The first and second moments.
+    pub fn moments(&self) -> (&[f32], &[f32]) {
+        (&self.moment_1, &self.moment_2)
+    }
+
+    /// Replaces both moments (equal lengths: the new number of parameters), keeping the step
+    /// count; for re-sharding the state over a new partition.
+    pub fn replace_moments(&mut self, moment_1: Vec<f32>, moment_2: Vec<f32>) {
+        assert_eq!(moment_1.len(), moment_2.len(), "moments of equal length");
+        self.moment_1 = moment_1;
+        self.moment_2 = moment_2;
+    }
+
     /// Bytes of optimizer state held (two f32 moments per parameter).
     pub fn state_bytes(&self) -> usize {
         (self.moment_1.len() + self.moment_2.len()) * 4

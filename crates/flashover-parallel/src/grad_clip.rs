@@ -13,7 +13,21 @@ pub fn clip_global_norm(
     max_norm: Option<f32>,
     shard_group: Option<&Group>,
 ) -> Result<f32, ParallelError> {
-    let mut sq = [local.iter().map(|&g| g as f64 * g as f64).sum::<f64>()];
+    clip_global_norm_parts(&mut [local], max_norm, shard_group)
+}
+
+/// [`clip_global_norm`] over a gradient held in several pieces (e.g. one per parameter),
+/// accumulated in the order given.
+pub fn clip_global_norm_parts(
+    parts: &mut [&mut [f32]],
+    max_norm: Option<f32>,
+    shard_group: Option<&Group>,
+) -> Result<f32, ParallelError> {
+    let mut sq = [parts
+        .iter()
+        .flat_map(|p| p.iter())
+        .map(|&g| g as f64 * g as f64)
+        .sum::<f64>()];
     if let Some(group) = shard_group {
         group.all_reduce(&mut sq, ReduceOp::Sum)?;
     }
@@ -26,7 +40,9 @@ pub fn clip_global_norm(
         }
         if norm > max {
             let scale = max / (norm + 1e-6);
-            local.iter_mut().for_each(|g| *g *= scale);
+            parts
+                .iter_mut()
+                .for_each(|p| p.iter_mut().for_each(|g| *g *= scale));
         }
     }
     Ok(norm)

@@ -22,4 +22,4 @@ pub mod zero;
 
 pub use error::ParallelError;
 pub use flat_adamw::{FlatAdamW, FlatAdamWConfig};
-pub use grad_clip::clip_global_norm;
+pub use grad_clip::{clip_global_norm, clip_global_norm_parts};

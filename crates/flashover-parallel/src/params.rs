@@ -181,6 +181,33 @@ pub fn grads_from_flat<M: Module>(module: &M, flat: &[f32]) -> GradientsParams {
     v.grads
 }
 
+/// Gradients for every float parameter of `module` from per-parameter values in layout order
+/// (consumed: each buffer becomes its tensor's data), on the parameters' devices outside any
+/// autodiff graph.
+pub fn grads_from_parts<M: Module>(module: &M, parts: Vec<Vec<f32>>) -> GradientsParams {
+    struct V {
+        parts: std::vec::IntoIter<Vec<f32>>,
+        grads: GradientsParams,
+    }
+    impl ModuleVisitor for V {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let value = param.val();
+            let dims = value.dims();
+            let device = value.device().inner();
+            let values = self.parts.next().expect("one gradient per parameter");
+            let data = TensorData::new(values, dims);
+            self.grads
+                .register::<D>(param.id, Tensor::from_data(data, &device));
+        }
+    }
+    let mut v = V {
+        parts: parts.into_iter(),
+        grads: GradientsParams::new(),
+    };
+    module.visit(&mut v);
+    v.grads
+}
+
 /// Replaces every float parameter of `module` with `root`'s copy (same ids, same
 /// `require_grad`), so replicas start identical whatever their initialisation.
 pub fn broadcast_module<M: Module>(

@@ -12,7 +12,8 @@ use common::Net;
 use flashover_parallel::data_parallel::DataParallelConfig;
 use flashover_parallel::params::flatten_params;
 use flashover_parallel::zero::{
-    FullyShardConfig, FullyShardedOptimizer, FullyShardedUnit, GatherStats, ZeroConfig,
+    FullyShardConfig, FullyShardedOptimizer, FullyShardedUnit, GatherStats, ShardMap, ZeroConfig,
+    ZeroOptimizer,
 };
 use flashover_parallel::{FlatAdamWConfig, ParallelError};
 use flashover_runtime::{Axis, FaultPlan, Launch, OpKind, RankContext};
@@ -336,7 +337,7 @@ fn zero_shards_optimizer_state_and_gradients() {
                     .forward(batch(0, dp.rank(), 3, 0, 1, &device)),
             );
             let grads = GradientsParams::from_grads(l.backward(), &net);
-            // ZeRO-2's hooks keep gradients out of Burn's container; ZeRO-1's do not.
+            // The hooks keep gradients out of Burn's container: the reducer holds them.
             let in_burn = grads.len();
             zero.backward_done(&net, grads)?;
             let _ = zero.step(LR, net, None)?;
@@ -351,10 +352,32 @@ fn zero_shards_optimizer_state_and_gradients() {
     // 128 weights in buckets of 50 f32: [32 (b), 96 (a)] -> chunks of 11 + 32 = 43 per rank.
     assert_eq!((zero1.optimizer, zero2.optimizer), (8 * 43, 8 * 43));
     assert_eq!(zero1.params, 4 * 128);
-    assert_eq!((burn1, burn2), (2, 0));
+    assert_eq!((burn1, burn2), (0, 0));
     // After the step both keep only their gradient shard.
     assert_eq!((held1, held2), (4 * 43, 4 * 43));
     // ZeRO-1 held every bucket (padded to 33 + 96) at once.
     assert!(zero1.grads >= 4 * (33 + 96), "{zero1:?}");
     assert!(zero2.grads <= 4 * (43 + 33 + 96), "{zero2:?}");
+}
+
+#[test]
+fn resharding_optimizer_state_keeps_every_moment_with_its_parameter() {
+    flashover_runtime::launch(3, |ctx| {
+        let device = Device::flex();
+        let group = ctx.group(Axis::Dp);
+        let rank = group.rank();
+        let old = ShardMap::contiguous(128, 3);
+        // Net's layout: a (96 elements at 0), b (32 at 96); buckets b then a.
+        let new = ShardMap::bucketed(128, &[vec![(96, 32)], vec![(0, 96)]], 3);
+        let mut optim = ZeroOptimizer::new(&Net::new(&device), group, old.clone(), &adamw())?;
+        let grads: Vec<f32> = (0..128).map(|i| i as f32 + 1.0).collect();
+        // One step at lr 0: the parameters stay, the first moment becomes 0.1 x gradient.
+        optim.step(0.0, Net::new(&device), &old.take(rank, &grads))?;
+        optim.reshard(new.clone())?;
+        let expected: Vec<f32> = grads.iter().map(|g| g * (1.0f32 - 0.9f32)).collect();
+        assert_eq!(optim.moments().0, new.take(rank, &expected).as_slice());
+        assert_eq!(optim.shard_map(), &new);
+        Ok::<_, ParallelError>(())
+    })
+    .unwrap();
 }

@@ -41,9 +41,9 @@
 mod reducer;
 
 use crate::error::ParallelError;
-use crate::grad_clip::clip_global_norm;
+use crate::grad_clip::{clip_global_norm, clip_global_norm_parts};
 use crate::hook::{grad_hook, hooks_supported};
-use crate::params::{ParamLayout, accumulate_grads, broadcast_module, grads_from_flat};
+use crate::params::{ParamLayout, accumulate_grads, broadcast_module, grads_from_parts};
 use crate::zero::ShardMap;
 use burn::config::Config;
 use burn::module::{Module, ModuleMapper, Param};
@@ -98,7 +98,9 @@ impl DataParallelConfig {
         let model = broadcast_module(model, group, 0)?;
         let layout = ParamLayout::of(&model);
         let numels: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
-        let reducer = Reducer::new(group.clone(), &numels, self.bucket_bytes / 4, mode);
+        let reverse_layout: Vec<usize> = (0..numels.len()).rev().collect();
+        let bucket_elems = self.bucket_bytes / 4;
+        let reducer = Reducer::new(group.clone(), &numels, &reverse_layout, bucket_elems, mode);
         let device_ok = model_device(&model).is_some_and(|d| hooks_supported(&d));
         Ok((
             model,
@@ -114,7 +116,9 @@ impl DataParallelConfig {
                 micro: 0,
                 backward_end: None,
                 exposed_between: Duration::ZERO,
-                order_fixed: false,
+                rebuilt: false,
+                peak_elsewhere: 0,
+                bucket_elems,
             },
         ))
     }
@@ -165,8 +169,13 @@ pub struct DataParallel {
     backward_end: Option<Instant>,
     /// Time spent waiting for reductions between micro-batches (reduce-scatter mode).
     exposed_between: Duration,
-    /// Whether the bucket reduction order has been fixed from the first step.
-    order_fixed: bool,
+    /// Whether buckets have been re-planned from the first step's gradient order.
+    rebuilt: bool,
+    /// Gradient bytes this step held outside the current reducer: Burn gradients that
+    /// [`DataParallel::finish`] returned, or the peak of a reducer replaced by a rebuild.
+    peak_elsewhere: usize,
+    /// Target elements per bucket.
+    bucket_elems: usize,
 }
 
 struct HookMapper<'a> {
@@ -207,6 +216,7 @@ impl DataParallel {
         self.backward_end = None;
         self.exposed_between = Duration::ZERO;
         self.shard = vec![];
+        self.peak_elsewhere = 0;
         self.reducer.begin_step();
     }
 
@@ -223,7 +233,7 @@ impl DataParallel {
             model.clone().map(&mut HookMapper {
                 reducer: &self.reducer,
                 index: 0,
-                consume: self.reducer.mode() == Mode::ReduceScatter,
+                consume: true,
             })
         } else {
             model.clone()
@@ -247,9 +257,8 @@ impl DataParallel {
             self.flat.resize(self.layout.numel, 0.0);
             accumulate_grads(model, &grads, &mut self.flat, &arrived);
             self.reducer.add_remaining(&self.flat);
-            if self.reducer.mode() == Mode::ReduceScatter {
-                self.flat = vec![];
-            }
+            // Scratch only: the buckets hold the gradient now.
+            self.flat = vec![];
         }
         drop(grads);
         self.micro += 1;
@@ -270,11 +279,28 @@ impl DataParallel {
         model: &M,
         max_norm: Option<f32>,
     ) -> Result<StepGradients, ParallelError> {
-        let report = self.finish_flat(max_norm)?;
-        let grads = grads_from_flat(model, &self.flat);
-        // Burn's gradients now hold the values; the host copy is not kept between steps.
-        self.flat = vec![];
-        Ok(StepGradients { grads, report })
+        assert_eq!(
+            self.reducer.mode(),
+            Mode::AllReduce,
+            "whole gradients need all-reduce"
+        );
+        self.check_finished();
+        let t0 = Instant::now();
+        let spans = self.reducer.wait_reduced()?;
+        // Per parameter, each bucket freed once copied out: about one gradient is held.
+        let mut parts = self.reducer.drain();
+        self.rebuild_buckets_after_first_step()?;
+        let denom = self.denominator();
+        parts.iter_mut().flatten().for_each(|g| *g /= denom);
+        let mut views: Vec<&mut [f32]> = parts.iter_mut().map(|p| p.as_mut_slice()).collect();
+        let grad_norm = clip_global_norm_parts(&mut views, max_norm, None)?;
+        let grads = grads_from_parts(model, parts);
+        // Burn's gradients, handed to its optimizer, are gradient bytes this step held too.
+        self.peak_elsewhere = self.peak_elsewhere.max(self.layout.numel * 4);
+        Ok(StepGradients {
+            grads,
+            report: self.report(t0, spans, grad_norm),
+        })
     }
 
     /// Like [`DataParallel::finish`], but leaves the gradient flat, in layout order, in
@@ -284,7 +310,7 @@ impl DataParallel {
         let t0 = Instant::now();
         self.flat.resize(self.layout.numel, 0.0);
         let spans = self.reducer.wait(&mut self.flat)?;
-        self.fix_order_after_first_step()?;
+        self.rebuild_buckets_after_first_step()?;
         let denom = self.denominator();
         let flat = &mut self.flat;
         flat.iter_mut().for_each(|g| *g /= denom);
@@ -300,7 +326,7 @@ impl DataParallel {
         self.check_finished();
         let t0 = Instant::now();
         let (shard, spans) = self.reducer.wait_shard()?;
-        self.fix_order_after_first_step()?;
+        self.rebuild_buckets_after_first_step()?;
         self.shard = shard;
         let denom = self.denominator();
         self.shard.iter_mut().for_each(|g| *g /= denom);
@@ -327,34 +353,38 @@ impl DataParallel {
         (self.flat.len() + self.shard.len()) * 4 + self.reducer.held_bytes().0
     }
 
-    /// The most gradient bytes held at once since the step began (at least [`Self::grad_bytes`]).
+    /// The most gradient bytes held at once since the step began: bucket buffers and copies
+    /// on their way out, and the gradients [`DataParallel::finish`] handed over.
     pub fn peak_grad_bytes(&self) -> usize {
-        self.reducer.held_bytes().1.max(self.grad_bytes())
+        self.reducer
+            .held_bytes()
+            .1
+            .max(self.grad_bytes())
+            .max(self.peak_elsewhere)
     }
 
-    /// After the first step: every rank adopts the order in which rank 0's buckets completed
-    /// (collective; see the reducer's docs).
-    fn fix_order_after_first_step(&mut self) -> Result<(), ParallelError> {
-        if self.order_fixed {
+    /// After the first step: every rank re-plans its buckets in the order rank 0's gradients
+    /// arrived (collective; see the reducer's docs). Parameters that never got a gradient go
+    /// last.
+    fn rebuild_buckets_after_first_step(&mut self) -> Result<(), ParallelError> {
+        if self.rebuilt {
             return Ok(());
         }
-        self.order_fixed = true;
-        let n = self.reducer.buckets().len();
-        let mut order: Vec<u64> = self
-            .reducer
-            .completion_order()
-            .iter()
-            .map(|&b| b as u64)
-            .collect();
-        // Buckets that never completed (none should) keep their plan position at the end.
-        for b in 0..n as u64 {
-            if !order.contains(&b) {
-                order.push(b);
+        self.rebuilt = true;
+        let n = self.layout.slots.len();
+        let mut seen = vec![false; n];
+        let mut order: Vec<u64> = vec![];
+        for p in self.reducer.arrival_order().into_iter().chain((0..n).rev()) {
+            if !std::mem::replace(&mut seen[p], true) {
+                order.push(p as u64);
             }
         }
         self.group.broadcast(&mut order, 0)?;
-        self.reducer
-            .set_order(order.into_iter().map(|b| b as usize).collect());
+        let order: Vec<usize> = order.into_iter().map(|p| p as usize).collect();
+        let numels: Vec<usize> = self.layout.slots.iter().map(|s| s.numel).collect();
+        let mode = self.reducer.mode();
+        self.peak_elsewhere = self.peak_elsewhere.max(self.reducer.held_bytes().1);
+        self.reducer = Reducer::new(self.group.clone(), &numels, &order, self.bucket_elems, mode);
         Ok(())
     }
 

@@ -10,11 +10,12 @@
 //! chunk of every bucket into its gradient shard, and a bucket's buffer is freed once reduced,
 //! so a rank holds its shard plus the buckets in flight, not the whole gradient.
 //!
-//! Buckets are planned in reverse layout order, but backward does not finish parameters in
-//! exactly that order (norm weights, embeddings...). Reducing strictly in plan order would then
-//! stall behind the latest bucket; so after the first step every rank adopts the order in which
-//! rank 0's buckets completed (broadcast, so all ranks issue the same collectives), as PyTorch
-//! DDP rebuilds its buckets after the first iteration. Composition, and so ZeRO's shards, stay.
+//! Buckets are first planned in reverse layout order, but backward does not finish parameters
+//! in exactly that order (norm weights, embeddings...): a bucket would then be allocated at its
+//! first gradient and wait long for its last, and reduction in bucket order would stall. So the
+//! reducer records the order gradients arrive in, and after the first step DDP re-plans its
+//! buckets from rank 0's order (broadcast, so all ranks issue the same collectives), as PyTorch
+//! DDP rebuilds its buckets after the first iteration.
 //!
 //! The reducer counts the gradient bytes it holds (and their peak in the step), so strategies
 //! can report measured memory rather than formulas.
@@ -34,16 +35,18 @@ pub(crate) struct BucketPlan {
     pub len: usize,
 }
 
-/// Splits parameters into buckets of about `bucket_elems` elements, in reverse layout order
-/// (backward produces the last layers' gradients first). Every bucket holds at least one
-/// parameter. Returns the buckets and, per parameter, (bucket, offset in bucket).
+/// Splits parameters into buckets of about `bucket_elems` elements, taking parameters in
+/// `order` (the order backward produces their gradients; reverse layout order before it is
+/// known). Every bucket holds at least one parameter. Returns the buckets and, per parameter,
+/// (bucket, offset in bucket).
 pub(crate) fn plan_buckets(
     numels: &[usize],
+    order: &[usize],
     bucket_elems: usize,
 ) -> (Vec<BucketPlan>, Vec<(usize, usize)>) {
     let mut buckets: Vec<BucketPlan> = vec![];
     let mut location = vec![(0, 0); numels.len()];
-    for p in (0..numels.len()).rev() {
+    for &p in order {
         let start_new = buckets
             .last()
             .is_none_or(|b| b.len > 0 && b.len + numels[p] > bucket_elems);
@@ -79,10 +82,8 @@ const MAX_BUFFERS_IN_FLIGHT: usize = 2;
 struct State {
     /// Bucket buffers allocated now (reduce-scatter mode).
     buffers: usize,
-    /// The order buckets are reduced in (a permutation of bucket indices).
-    order: Vec<usize>,
-    /// Buckets in the order they completed in the current micro-batch.
-    completed: Vec<usize>,
+    /// Parameters in the order their gradients arrived in the current micro-batch.
+    arrivals: Vec<usize>,
     /// Reductions launch when a bucket fills (last micro-batch, or every one when scattering).
     launch: bool,
     arrived: Vec<bool>,
@@ -131,7 +132,9 @@ impl Shared {
                 let len = self.chunks[b] * self.group.size();
                 data.resize(len, 0.0);
                 self.hold(len * 4);
-                lock(&self.state).buffers += 1;
+                if self.mode == Mode::ReduceScatter {
+                    lock(&self.state).buffers += 1;
+                }
             }
             for (acc, v) in data[offset..offset + values.len()].iter_mut().zip(values) {
                 *acc += v;
@@ -149,7 +152,7 @@ impl Shared {
         let mut st = lock(&self.state);
         while st.buffers >= MAX_BUFFERS_IN_FLIGHT
             && st.next < self.buckets.len()
-            && st.ready[st.order[st.next]]
+            && st.ready[st.next]
             && st.error.is_none()
             && !st.shutdown
         {
@@ -174,11 +177,11 @@ impl Shared {
             return;
         }
         st.arrived[param] = true;
+        st.arrivals.push(param);
         let b = self.location[param].0;
         st.pending[b] -= 1;
         if st.pending[b] == 0 && st.launch {
             st.ready[b] = true;
-            st.completed.push(b);
             self.changed.notify_all();
         }
     }
@@ -198,8 +201,15 @@ pub(crate) struct Reducer {
 }
 
 impl Reducer {
-    pub(crate) fn new(group: Group, numels: &[usize], bucket_elems: usize, mode: Mode) -> Self {
-        let (buckets, location) = plan_buckets(numels, bucket_elems);
+    /// A reducer over `group` for parameters of `numels` elements, bucketed in `order`.
+    pub(crate) fn new(
+        group: Group,
+        numels: &[usize],
+        order: &[usize],
+        bucket_elems: usize,
+        mode: Mode,
+    ) -> Self {
+        let (buckets, location) = plan_buckets(numels, order, bucket_elems);
         let size = group.size();
         let chunks: Vec<usize> = buckets.iter().map(|b| b.len.div_ceil(size)).collect();
         let chunk_offsets = chunks
@@ -210,13 +220,8 @@ impl Reducer {
                 Some(o)
             })
             .collect();
-        // DDP's buffers live for the whole run; ZeRO's only while in use.
-        let persistent = mode == Mode::AllReduce;
-        let allocated: usize = if persistent {
-            buckets.iter().map(|b| b.len * 4).sum()
-        } else {
-            0
-        };
+        // Buffers are allocated at a bucket's first gradient of the step and freed once its
+        // sums are handed over, so between steps the reducer holds nothing.
         let offsets = numels.iter().scan(0, |acc, &n| {
             let o = *acc;
             *acc += n;
@@ -227,18 +232,14 @@ impl Reducer {
             mode,
             chunk_offsets,
             shard: Mutex::new(vec![]),
-            held: Mutex::new((allocated, allocated)),
+            held: Mutex::new((0, 0)),
             offsets: offsets.collect(),
             numels: numels.to_vec(),
-            data: buckets
-                .iter()
-                .map(|b| Mutex::new(if persistent { vec![0.0; b.len] } else { vec![] }))
-                .collect(),
+            data: buckets.iter().map(|_| Mutex::new(vec![])).collect(),
             chunks,
             state: Mutex::new(State {
                 buffers: 0,
-                order: (0..buckets.len()).collect(),
-                completed: vec![],
+                arrivals: vec![],
                 launch: false,
                 arrived: vec![false; numels.len()],
                 pending: buckets.iter().map(|b| b.params.len()).collect(),
@@ -291,20 +292,9 @@ impl Reducer {
         self.shared.chunks.iter().sum()
     }
 
-    /// The order in which this rank's buckets completed in the last micro-batch.
-    pub(crate) fn completion_order(&self) -> Vec<usize> {
-        lock(&self.shared.state).completed.clone()
-    }
-
-    /// Reduces buckets in `order` from the next step on (every rank must adopt the same one).
-    pub(crate) fn set_order(&self, order: Vec<usize>) {
-        let mut sorted = order.clone();
-        sorted.sort_unstable();
-        assert!(
-            sorted.iter().copied().eq(0..self.shared.buckets.len()),
-            "a bucket order must be a permutation"
-        );
-        lock(&self.shared.state).order = order;
+    /// Parameters in the order their gradients arrived in the last micro-batch.
+    pub(crate) fn arrival_order(&self) -> Vec<usize> {
+        lock(&self.shared.state).arrivals.clone()
     }
 
     /// Gradient bytes held now, and the most held at once since the step began.
@@ -335,7 +325,7 @@ impl Reducer {
         st.launch = last || self.shared.mode == Mode::ReduceScatter;
         st.arrived.iter_mut().for_each(|a| *a = false);
         st.pending = self.shared.buckets.iter().map(|b| b.params.len()).collect();
-        st.completed.clear();
+        st.arrivals.clear();
         if self.shared.mode == Mode::ReduceScatter {
             st.next = 0;
             st.ready.iter_mut().for_each(|r| *r = false);
@@ -429,15 +419,41 @@ impl Reducer {
             "whole gradients need all-reduce"
         );
         let spans = self.wait_reduced()?;
-        for (b, plan) in self.shared.buckets.iter().enumerate() {
-            let data = lock(&self.shared.data[b]);
-            for &p in &plan.params {
-                let (off, n) = (self.shared.location[p].1, self.shared.numels[p]);
-                let start = self.shared.offsets[p];
-                flat[start..start + n].copy_from_slice(&data[off..off + n]);
-            }
+        for (p, values) in self.drain().into_iter().enumerate() {
+            let start = self.shared.offsets[p];
+            flat[start..start + values.len()].copy_from_slice(&values);
         }
         Ok(spans)
+    }
+
+    /// Every parameter's reduced gradient, in layout order, each bucket freed as soon as its
+    /// last parameter is copied out (all-reduce modes, after [`Reducer::wait_reduced`]): the
+    /// peak stays near one gradient plus one bucket.
+    pub(crate) fn drain(&self) -> Vec<Vec<f32>> {
+        let s = &self.shared;
+        let last: Vec<usize> = s
+            .buckets
+            .iter()
+            .map(|b| b.params.iter().copied().max().unwrap_or(0))
+            .collect();
+        let mut out = Vec::with_capacity(s.numels.len());
+        for (p, &n) in s.numels.iter().enumerate() {
+            let (b, off) = s.location[p];
+            let mut data = lock(&s.data[b]);
+            let values = match data.get(off..off + n) {
+                Some(values) => values.to_vec(),
+                None => vec![0.0; n],
+            };
+            s.hold(n * 4);
+            if last[b] == p {
+                let freed = std::mem::take(&mut *data);
+                s.release(freed.len() * 4);
+            }
+            out.push(values);
+        }
+        // The copies now belong to the caller.
+        s.release(out.iter().map(|v| v.len() * 4).sum());
+        out
     }
 }
 
@@ -449,11 +465,8 @@ fn worker_loop(shared: &Shared) {
                 if st.shutdown {
                     return;
                 }
-                if st.next < shared.buckets.len()
-                    && st.ready[st.order[st.next]]
-                    && st.error.is_none()
-                {
-                    break st.order[st.next];
+                if st.next < shared.buckets.len() && st.ready[st.next] && st.error.is_none() {
+                    break st.next;
                 }
                 st = shared.changed.wait(st).unwrap_or_else(|e| e.into_inner());
             }
@@ -535,11 +548,15 @@ mod tests {
 
     #[test]
     fn buckets_fill_in_reverse_order_and_cover_every_parameter() {
-        let (buckets, loc) = plan_buckets(&[10, 5, 20, 3, 8], 16);
+        let (buckets, loc) = plan_buckets(&[10, 5, 20, 3, 8], &[4, 3, 2, 1, 0], 16);
         let order: Vec<Vec<usize>> = buckets.iter().map(|b| b.params.clone()).collect();
         assert_eq!(order, vec![vec![4, 3], vec![2], vec![1, 0]]);
         assert_eq!(loc[3], (0, 8));
         assert_eq!(loc[0], (2, 5));
         assert_eq!(buckets.iter().map(|b| b.len).sum::<usize>(), 46);
+        // In the order gradients arrived instead (rebuilt after the first step).
+        let (buckets, _) = plan_buckets(&[10, 5, 20, 3, 8], &[1, 4, 0, 3, 2], 16);
+        let order: Vec<Vec<usize>> = buckets.iter().map(|b| b.params.clone()).collect();
+        assert_eq!(order, vec![vec![1, 4], vec![0, 3], vec![2]]);
     }
 }

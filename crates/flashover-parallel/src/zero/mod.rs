@@ -153,6 +153,12 @@ impl ShardedDataParallel {
     ) -> Result<(M, ReduceReport), ParallelError> {
         let report = self.ddp.finish_shard(max_norm)?;
         let model = self.optimizer.step(lr, model, self.ddp.shard_grads())?;
+        // After the first step the reducer re-plans its buckets in gradient order; the
+        // optimizer state follows the new shards.
+        let map = self.ddp.shard_map();
+        if &map != self.optimizer.shard_map() {
+            self.optimizer.reshard(map)?;
+        }
         Ok((model, report))
     }
 

@@ -55,6 +55,39 @@ impl ZeroOptimizer {
         self.adam.state_bytes()
     }
 
+    /// This rank's AdamW moments, in shard order.
+    pub fn moments(&self) -> (&[f32], &[f32]) {
+        self.adam.moments()
+    }
+
+    /// Moves the optimizer state to a new partition of the same parameters (collective: every
+    /// rank's moments are all-gathered once and each rank keeps what `map` gives it).
+    pub fn reshard(&mut self, map: ShardMap) -> Result<(), ParallelError> {
+        if map.numel() != self.map.numel() || map.size() != self.map.size() {
+            return Err(ParallelError::Invalid(format!(
+                "cannot reshard {} elements over {} ranks onto a map of {} over {}",
+                self.map.numel(),
+                self.map.size(),
+                map.numel(),
+                map.size()
+            )));
+        }
+        let rank = self.group.rank();
+        let mut full = vec![0.0; map.numel()];
+        let (m1, m2) = self.adam.moments();
+        let mut moved = vec![];
+        for moment in [m1, m2] {
+            let gathered = self.group.all_gather_vec(moment)?;
+            self.map.put_all(&gathered, &mut full);
+            moved.push(map.take(rank, &full));
+        }
+        let m2 = moved.pop().expect("two moments");
+        let m1 = moved.pop().expect("two moments");
+        self.adam.replace_moments(m1, m2);
+        self.map = map;
+        Ok(())
+    }
+
     /// One step: updates this rank's elements from `shard_grads` (its own averaged gradient
     /// shard, in shard order), all-gathers every rank's elements, and returns `model` with the
     /// new parameters.
