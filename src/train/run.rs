@@ -13,7 +13,7 @@ use flashover_parallel::FlatAdamWConfig;
 use flashover_parallel::data_parallel::{DataParallel, DataParallelConfig, ReduceReport};
 use flashover_parallel::params::{ParamLayout, flatten_params};
 use flashover_parallel::zero::{
-    FullyShardConfig, FullyShardedOptimizer, GatherStats, MemoryReport, ShardedDataParallel,
+    FullyShardConfig, FullyShardedOptimizer, MemoryReport, ShardGroup, ShardedDataParallel,
     ZeroConfig,
 };
 use flashover_runtime::{Axis, CommunicatorExt, Group, Launch, RankContext, RankError};
@@ -152,7 +152,7 @@ enum Strategy {
     Fsdp(
         Box<ShardedTransformer>,
         FullyShardedOptimizer,
-        Arc<GatherStats>,
+        Arc<ShardGroup>,
     ),
 }
 
@@ -203,14 +203,14 @@ impl Strategy {
                 Strategy::Zero(Box::new(model), sharded)
             }
             _ => {
-                let stats = GatherStats::shared();
                 let fsdp = FullyShardConfig::new()
                     .with_reshard_after_forward(config.parallel.reshard_after_forward);
                 let shard_group = ctx.group(Axis::Fsdp);
                 let replicas = ctx.group(Axis::Dp);
                 // Replicas must start equal: rank 0 of each shard group broadcasts within its
                 // group, and those ranks hold the same seeded initialisation.
-                let model = ShardedTransformer::new(model, &fsdp, shard_group, &stats)?;
+                let units = ShardGroup::new(shard_group);
+                let model = ShardedTransformer::new(model, &fsdp, &units)?;
                 let optim = FullyShardedOptimizer::new(
                     &model,
                     shard_group,
@@ -218,7 +218,7 @@ impl Strategy {
                     &adamw,
                     config.parallel.gradient_reduction == "mean",
                 );
-                Strategy::Fsdp(Box::new(model), optim, stats)
+                Strategy::Fsdp(Box::new(model), optim, units)
             }
         })
     }
@@ -269,9 +269,10 @@ impl Strategy {
                 let outcome = StepOutcome::reduced(loss_sum, &report, zero.memory());
                 Ok((Strategy::Zero(Box::new(model), zero), outcome))
             }
-            Strategy::Fsdp(model, mut optim, stats) => {
-                stats.reset_peak();
+            Strategy::Fsdp(model, mut optim, units) => {
+                units.stats().reset_peak();
                 let before = ctx.comm_stats();
+                let waited_before = units.stats().snapshot().waited;
                 for micro in 0..micro_batches {
                     let (inputs, targets) = batches(micro);
                     let loss = next_token_loss(model.forward(inputs)?, targets);
@@ -281,23 +282,25 @@ impl Strategy {
                 }
                 let shard_bytes = ParamLayout::of(&*model).numel * 4;
                 let (model, grad_norm) = optim.step(lr, *model, clip)?;
-                // Collectives run inline on the training thread: all of their time is exposed.
+                // Collectives run on the shard group's thread; the training thread's waits for
+                // them are the exposed part, the rest overlapped compute (prefetches).
                 let comm = ctx.comm_stats().since(&before).total();
                 let comm = comm.wait + comm.transfer;
+                let exposed = units.stats().snapshot().waited - waited_before;
                 let outcome = StepOutcome {
                     loss_sum,
                     grad_norm,
                     comm,
-                    overlapped: Duration::ZERO,
-                    exposed: comm,
+                    overlapped: comm.saturating_sub(exposed),
+                    exposed,
                     memory: MemoryReport {
                         params: shard_bytes,
                         grads: optim.grad_bytes(),
                         optimizer: optim.state_bytes(),
-                        gathered_peak: stats.snapshot().peak_bytes,
+                        gathered_peak: units.stats().snapshot().peak_bytes,
                     },
                 };
-                Ok((Strategy::Fsdp(Box::new(model), optim, stats), outcome))
+                Ok((Strategy::Fsdp(Box::new(model), optim, units), outcome))
             }
         }
     }

@@ -4,14 +4,14 @@
 //!
 //! The root unit stays gathered for the whole step (its embedding is used first and its head
 //! last); each block is gathered just before its forward and, with `reshard_after_forward`,
-//! released right after and gathered again for its backward.
+//! released right after and gathered again for its backward. The next block's all-gather is
+//! prefetched while the current block computes, in forward and in backward.
 
 use burn::module::Module;
 use burn::tensor::{Int, Tensor};
 use flashover_models::{Block, Transformer, rope_tables};
 use flashover_parallel::ParallelError;
-use flashover_parallel::zero::{FullyShardConfig, FullyShardedUnit, GatherStats};
-use flashover_runtime::Group;
+use flashover_parallel::zero::{FullyShardConfig, FullyShardedUnit, ShardGroup};
 use std::sync::Arc;
 
 /// [`Transformer`] as fully sharded units; see the module docs.
@@ -26,22 +26,21 @@ pub struct ShardedTransformer {
 }
 
 impl ShardedTransformer {
-    /// Shards `model` over `group` (collective).
+    /// Shards `model` over `shard_group` (collective).
     pub fn new(
         mut model: Transformer,
         config: &FullyShardConfig,
-        group: &Group,
-        stats: &Arc<GatherStats>,
+        shard_group: &Arc<ShardGroup>,
     ) -> Result<Self, ParallelError> {
         let head_dim = model.blocks.first().map_or(2, |b| b.attn.head_dim);
         let blocks = std::mem::take(&mut model.blocks)
             .into_iter()
-            .map(|block| config.init(block, group, stats))
+            .map(|block| config.init(block, shard_group))
             .collect::<Result<Vec<_>, _>>()?;
         // The root is needed at both ends of the step: keeping it gathered saves a gather.
         let root_config = FullyShardConfig::new().with_reshard_after_forward(false);
         Ok(ShardedTransformer {
-            root: root_config.init(model, group, stats)?,
+            root: root_config.init(model, shard_group)?,
             blocks,
             head_dim,
         })
@@ -49,14 +48,22 @@ impl ShardedTransformer {
 
     /// `tokens: [batch, seq]` -> logits `[batch, seq, vocab]`.
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Result<Tensor<3>, ParallelError> {
+        if let Some(first) = self.blocks.first() {
+            first.prefetch();
+        }
         let root = self.root.gather()?;
         let t = tokens.dims()[1];
         let h = root.embed_tokens(tokens);
         let rope = rope_tables(0, t, self.head_dim, root.rope_theta, &h.device());
         let mut h = h;
-        for block in &self.blocks {
+        for (i, block) in self.blocks.iter().enumerate() {
+            if let Some(next) = self.blocks.get(i + 1) {
+                next.prefetch();
+            }
+            // In backward, blocks run in reverse: this one's start prefetches the one before.
+            let before = i.checked_sub(1).map(|j| self.blocks[j].prefetch_handle());
             let rope = rope.clone();
-            h = block.forward(h, move |b: &Block, h| b.forward(h, &rope))?;
+            h = block.forward_prefetching(h, move |b: &Block, h| b.forward(h, &rope), before)?;
         }
         Ok(root.logits(h))
     }

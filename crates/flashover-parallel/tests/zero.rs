@@ -12,7 +12,7 @@ use common::Net;
 use flashover_parallel::data_parallel::DataParallelConfig;
 use flashover_parallel::params::flatten_params;
 use flashover_parallel::zero::{
-    FullyShardConfig, FullyShardedOptimizer, FullyShardedUnit, GatherStats, ShardMap, ZeroConfig,
+    FullyShardConfig, FullyShardedOptimizer, FullyShardedUnit, ShardGroup, ShardMap, ZeroConfig,
     ZeroOptimizer,
 };
 use flashover_parallel::{FlatAdamWConfig, ParallelError};
@@ -48,8 +48,12 @@ struct ShardedNet {
 
 impl ShardedNet {
     fn forward(&self, x: Tensor<2>) -> Result<Tensor<2>, ParallelError> {
+        // Prefetch b's parameters while a computes; in backward, a's while b recomputes.
+        self.b.prefetch();
         let h = self.a.forward(x, |a: &Linear, x| a.forward(x).tanh())?;
-        self.b.forward(h, |b: &Linear, h| b.forward(h))
+        let a = Some(self.a.prefetch_handle());
+        self.b
+            .forward_prefetching(h, |b: &Linear, h| b.forward(h), a)
     }
 
     /// The full parameters, gathered (collective).
@@ -158,14 +162,14 @@ fn train(mesh: &str, layout: Layout, micros: usize, clip: Option<f32>, faults: F
                 Layout::Fsdp {
                     reshard_after_forward,
                 } => {
-                    let stats = GatherStats::shared();
                     let config =
                         FullyShardConfig::new().with_reshard_after_forward(reshard_after_forward);
                     let fsdp = ctx.group(Axis::Fsdp);
+                    let shard_group = ShardGroup::new(fsdp);
                     let net = Net::new(&device);
                     let mut net = ShardedNet {
-                        a: config.init(net.a, fsdp, &stats)?,
-                        b: config.init(net.b, fsdp, &stats)?,
+                        a: config.init(net.a, &shard_group)?,
+                        b: config.init(net.b, &shard_group)?,
                     };
                     let replicas = (ctx.group(Axis::Dp).size() > 1).then(|| ctx.group(Axis::Dp));
                     let mut optim =
@@ -182,8 +186,11 @@ fn train(mesh: &str, layout: Layout, micros: usize, clip: Option<f32>, faults: F
                         losses.push(sum / micros as f32);
                         net = optim.step(LR, net, clip)?.0;
                     }
-                    let counts = stats.snapshot();
+                    let counts = shard_group.stats().snapshot();
                     assert_eq!(counts.live_bytes, 0, "every gathered unit must be released");
+                    // Per step: b prefetched in forward; with resharding, a again in backward.
+                    let per_step = if reshard_after_forward { 2 } else { 1 };
+                    assert_eq!(counts.prefetches, per_step * STEPS * micros);
                     net.full_params()?
                 }
             };

@@ -17,10 +17,16 @@
 //! from forward to backward and nothing is recomputed.
 //! **Gradients** reach the shards through a reduce-scatter in the unit's backward; see
 //! [`super::FullyShardedOptimizer`] for the step (and HSDP's all-reduce across replicas).
+//! **Prefetch:** every collective runs on the [`ShardGroup`]'s communication thread, so
+//! [`FullyShardedUnit::prefetch`] starts the next unit's all-gather while this one computes,
+//! and [`FullyShardedUnit::forward_prefetching`] names the unit whose all-gather to start when
+//! this one's backward begins (the unit before it in forward order), as FSDP2's
+//! `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch` do.
 //!
 //! These ops run host code in their backward, so units need the Flex backend in this release.
 
 use super::ops::{RecomputeHook, ScatterHook, gather_shard, recompute_unit};
+use super::shard_group::{Pending, ShardGroup};
 use super::shard_map::ShardLayout;
 use crate::error::ParallelError;
 use crate::hook::hooks_supported;
@@ -29,7 +35,6 @@ use burn::config::Config;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Shape, Tensor, TensorData};
-use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use std::sync::{Arc, Mutex};
 
 /// How a unit's parameters are gathered and released.
@@ -42,63 +47,6 @@ pub struct FullyShardConfig {
     pub reshard_after_forward: bool,
 }
 
-/// Gathered-parameter bytes alive on one rank, shared by the units of a model.
-#[derive(Debug, Default)]
-pub struct GatherStats {
-    counts: Mutex<GatherCounts>,
-}
-
-/// A snapshot of [`GatherStats`].
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct GatherCounts {
-    /// Gathered parameter bytes alive now.
-    pub live_bytes: usize,
-    /// The most alive at once since [`GatherStats::reset_peak`].
-    pub peak_bytes: usize,
-    /// All-gathers issued.
-    pub all_gathers: usize,
-    /// Reduce-scatters issued.
-    pub reduce_scatters: usize,
-}
-
-impl GatherStats {
-    /// A new, shared counter.
-    pub fn shared() -> Arc<Self> {
-        Arc::new(GatherStats::default())
-    }
-
-    /// The counts now.
-    pub fn snapshot(&self) -> GatherCounts {
-        *self.lock()
-    }
-
-    /// Starts a new peak measurement at the current live bytes.
-    pub fn reset_peak(&self) {
-        let mut c = self.lock();
-        c.peak_bytes = c.live_bytes;
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, GatherCounts> {
-        self.counts.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn gathered(&self, bytes: usize) {
-        let mut c = self.lock();
-        c.live_bytes += bytes;
-        c.peak_bytes = c.peak_bytes.max(c.live_bytes);
-        c.all_gathers += 1;
-    }
-
-    fn released(&self, bytes: usize) {
-        let mut c = self.lock();
-        c.live_bytes = c.live_bytes.saturating_sub(bytes);
-    }
-
-    fn scattered(&self) {
-        self.lock().reduce_scatters += 1;
-    }
-}
-
 /// What a unit needs besides its shard; shared (behind an `Arc`) by clones of the unit and by
 /// the backward closures it records.
 struct UnitSpec<M> {
@@ -106,9 +54,10 @@ struct UnitSpec<M> {
     skeleton: Mutex<M>,
     layout: ParamLayout,
     shards: ShardLayout,
-    group: Group,
+    shard_group: Arc<ShardGroup>,
     reshard_after_forward: bool,
-    stats: Arc<GatherStats>,
+    /// An all-gather of this unit submitted ahead of use (a prefetch).
+    pending: Mutex<Option<Pending>>,
 }
 
 impl<M> std::fmt::Debug for UnitSpec<M> {
@@ -117,7 +66,7 @@ impl<M> std::fmt::Debug for UnitSpec<M> {
             .field("params", &self.layout.slots.len())
             .field("numel", &self.layout.numel)
             .field("shards", &self.shards)
-            .field("group", &self.group.name())
+            .field("group", &self.shard_group.group().name())
             .finish()
     }
 }
@@ -133,14 +82,14 @@ pub struct FullyShardedUnit<M: Send + Sync + 'static> {
 }
 
 impl FullyShardConfig {
-    /// Shards `module` over `group` (collective: rank 0's parameters are broadcast first, so
-    /// every rank starts from the same values). `stats` is shared by the units of one model.
+    /// Shards `module` over `shard_group` (collective: rank 0's parameters are broadcast first,
+    /// so every rank starts from the same values). The units of one model share one group.
     pub fn init<M: Module + Sync + 'static>(
         &self,
         module: M,
-        group: &Group,
-        stats: &Arc<GatherStats>,
+        shard_group: &Arc<ShardGroup>,
     ) -> Result<FullyShardedUnit<M>, ParallelError> {
+        let group = shard_group.group();
         let device = module
             .devices()
             .into_iter()
@@ -168,9 +117,9 @@ impl FullyShardConfig {
                 skeleton: Mutex::new(skeleton),
                 layout,
                 shards,
-                group: group.clone(),
+                shard_group: shard_group.clone(),
                 reshard_after_forward: self.reshard_after_forward,
-                stats: stats.clone(),
+                pending: Mutex::new(None),
             }),
         })
     }
@@ -232,11 +181,34 @@ impl<M: Module + Sync + 'static> UnitSpec<M> {
         })
     }
 
-    /// All-gathers every rank's shard: the padded full buffer.
-    fn all_gather(&self, own: &[f32]) -> Result<Vec<f32>, ParallelError> {
-        let full = self.group.all_gather_vec(own)?;
-        self.stats.gathered(self.layout.numel * 4);
-        Ok(full)
+    fn bytes(&self) -> usize {
+        self.layout.numel * 4
+    }
+
+    /// Submits the all-gather of `shard` unless one is already pending (a prefetch).
+    fn prefetch(&self, shard: &Tensor<1>) {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        if pending.is_none() {
+            self.shard_group.stats().gathered(self.bytes(), true);
+            *pending = Some(self.shard_group.all_gather(to_f32(shard.clone())));
+        }
+    }
+
+    /// The padded full buffer: the prefetched all-gather's result, or a new all-gather.
+    fn all_gather(&self, shard: &Tensor<1>) -> Result<Vec<f32>, ParallelError> {
+        let pending = self
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let pending = pending.unwrap_or_else(|| {
+            self.shard_group.stats().gathered(self.bytes(), false);
+            self.shard_group.all_gather(to_f32(shard.clone()))
+        });
+        let t0 = std::time::Instant::now();
+        let full = pending.wait();
+        self.shard_group.stats().waited(t0.elapsed());
+        Ok(full?)
     }
 
     /// Reduce-scatters (sums) a padded full gradient: this rank's shard of it. Runs inside
@@ -244,12 +216,24 @@ impl<M: Module + Sync + 'static> UnitSpec<M> {
     /// (the launcher reports the panic as this rank's failure).
     fn reduce_scatter(&self, mut full: Vec<f32>) -> Vec<f32> {
         full.resize(self.shards.padded(), 0.0);
-        let mut shard = vec![0.0; self.shards.shard];
-        if let Err(e) = self.group.reduce_scatter(&full, &mut shard, ReduceOp::Sum) {
-            panic!("FSDP gradient reduce-scatter failed: {e}");
+        let t0 = std::time::Instant::now();
+        let shard = self.shard_group.reduce_scatter(full).wait();
+        self.shard_group.stats().waited(t0.elapsed());
+        match shard {
+            Ok(shard) => shard,
+            Err(e) => panic!("FSDP gradient reduce-scatter failed: {e}"),
         }
-        self.stats.scattered();
-        shard
+    }
+}
+
+/// A unit's all-gather, ready to be started later by another unit (see
+/// [`FullyShardedUnit::forward_prefetching`]).
+#[derive(Clone)]
+pub struct Prefetch(Arc<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for Prefetch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Prefetch")
     }
 }
 
@@ -275,21 +259,37 @@ impl<M: Module + Sync + 'static> FullyShardedUnit<M> {
     pub fn gather(&self) -> Result<M, ParallelError> {
         let shard = self.shard.val();
         let device = shard.device();
-        let full = self.spec.all_gather(&to_f32(shard.clone()))?;
+        let full = self.spec.all_gather(&shard)?;
         let padded = full.len();
         let full = Tensor::<1>::from_data(TensorData::new(full, [padded]), &device);
         let tracked = shard.is_require_grad();
         let spec = self.spec.clone();
         let hook = ScatterHook(Arc::new(move |grad: Vec<f32>| {
-            spec.stats.released(spec.layout.numel * 4);
+            spec.shard_group.stats().released(spec.bytes());
             spec.reduce_scatter(grad)
         }));
         if !tracked {
             // No backward will release them: account for them as released now.
-            self.spec.stats.released(self.spec.layout.numel * 4);
+            self.spec.shard_group.stats().released(self.spec.bytes());
         }
         let full = gather_shard(shard, full, hook);
         Ok(self.spec.materialize(Source::Tracked(&full), &device))
+    }
+
+    /// Starts this unit's all-gather now, on the communication thread, so that its next
+    /// [`FullyShardedUnit::gather`] or forward finds the parameters ready. Call it for the next
+    /// unit before running the current one.
+    pub fn prefetch(&self) {
+        self.spec.prefetch(&self.shard.val());
+    }
+
+    /// A handle that starts this unit's all-gather when called: pass it as `backward_prefetch`
+    /// to the unit that runs after this one in forward.
+    pub fn prefetch_handle(&self) -> Prefetch {
+        let spec = self.spec.clone();
+        // The shard's storage, shared with the parameter, not copied.
+        let shard = self.shard.val().detach();
+        Prefetch(Arc::new(move || spec.prefetch(&shard)))
     }
 
     /// Runs `f` (the unit's forward) on `x` with the unit's parameters gathered, as the
@@ -302,23 +302,42 @@ impl<M: Module + Sync + 'static> FullyShardedUnit<M> {
     where
         F: Fn(&M, Tensor<D>) -> Tensor<E> + Send + Sync + 'static,
     {
+        self.forward_prefetching(x, f, None)
+    }
+
+    /// [`FullyShardedUnit::forward`], and when this unit's backward begins (with
+    /// `reshard_after_forward`), first start `backward_prefetch`: the all-gather of the unit
+    /// whose backward comes next.
+    pub fn forward_prefetching<const D: usize, const E: usize, F>(
+        &self,
+        x: Tensor<D>,
+        f: F,
+        backward_prefetch: Option<Prefetch>,
+    ) -> Result<Tensor<E>, ParallelError>
+    where
+        F: Fn(&M, Tensor<D>) -> Tensor<E> + Send + Sync + 'static,
+    {
         let shard = self.shard.val();
         if !self.spec.reshard_after_forward || !shard.is_require_grad() {
             return Ok(f(&self.gather()?, x));
         }
         let device = shard.device();
-        let bytes = self.spec.layout.numel * 4;
+        let bytes = self.spec.bytes();
         // The shard's storage, shared (not copied) with the parameter, for the backward gather.
         let saved_shard = shard.clone().detach();
         let y = {
-            let full = self.spec.all_gather(&to_f32(saved_shard.clone()))?;
+            let full = self.spec.all_gather(&saved_shard)?;
             let module = self.spec.materialize(Source::Host(&full, false), &device);
             f(&module, x.clone().detach())
         };
-        self.spec.stats.released(bytes);
+        self.spec.shard_group.stats().released(bytes);
         let spec = self.spec.clone();
         let hook = RecomputeHook(Arc::new(move |x: TensorData, grad_y: TensorData| {
-            let full = match spec.all_gather(&to_f32(saved_shard.clone())) {
+            let full = spec.all_gather(&saved_shard);
+            if let Some(next) = &backward_prefetch {
+                (next.0)();
+            }
+            let full = match full {
                 Ok(full) => full,
                 Err(e) => panic!("FSDP parameter all-gather in backward failed: {e}"),
             };
@@ -335,7 +354,7 @@ impl<M: Module + Sync + 'static> FullyShardedUnit<M> {
             let mut flat = vec![0.0; spec.shards.padded()];
             accumulate_grads(&module, &params, &mut flat, &[]);
             drop((module, params));
-            spec.stats.released(bytes);
+            spec.shard_group.stats().released(bytes);
             (grad_x, spec.reduce_scatter(flat))
         }));
         Ok(recompute_unit(x, shard, y, hook))

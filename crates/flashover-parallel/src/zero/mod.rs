@@ -27,10 +27,12 @@
 mod fully_shard;
 mod ops;
 mod optimizer;
+mod shard_group;
 mod shard_map;
 
-pub use fully_shard::{FullyShardConfig, FullyShardedUnit, GatherCounts, GatherStats};
+pub use fully_shard::{FullyShardConfig, FullyShardedUnit, Prefetch};
 pub use optimizer::{FullyShardedOptimizer, ZeroOptimizer};
+pub use shard_group::{GatherCounts, GatherStats, ShardGroup};
 pub use shard_map::{Run, ShardLayout, ShardMap};
 
 use crate::data_parallel::{DataParallel, DataParallelConfig, Mode, ReduceReport};

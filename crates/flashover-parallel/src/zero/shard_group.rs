@@ -1,0 +1,206 @@
+//! The shard group of a fully sharded model: one communication thread per rank that runs the
+//! units' all-gathers and reduce-scatters in submission order, and the gathered-memory counters.
+//!
+//! Every collective of the units goes through this thread, first in, first out. Ranks submit in
+//! the same program order, so they issue the same collectives in the same order, and an
+//! all-gather submitted early (a prefetch) runs while the training thread computes.
+
+use flashover_comm::{CommError, CommunicatorExt, Group, ReduceOp};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// Gathered-parameter bytes alive on one rank and collectives issued, shared by the units of a
+/// model.
+#[derive(Debug, Default)]
+pub struct GatherStats {
+    counts: Mutex<GatherCounts>,
+}
+
+/// A snapshot of [`GatherStats`].
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct GatherCounts {
+    /// Gathered parameter bytes alive now (from the all-gather's submission to the release).
+    pub live_bytes: usize,
+    /// The most alive at once since [`GatherStats::reset_peak`].
+    pub peak_bytes: usize,
+    /// All-gathers issued.
+    pub all_gathers: usize,
+    /// Of those, the ones submitted ahead of use (prefetches).
+    pub prefetches: usize,
+    /// Reduce-scatters issued.
+    pub reduce_scatters: usize,
+    /// Time the training thread spent waiting for collectives (communication not hidden).
+    pub waited: Duration,
+}
+
+impl GatherStats {
+    /// The counts now.
+    pub fn snapshot(&self) -> GatherCounts {
+        *self.lock()
+    }
+
+    /// Starts a new peak measurement at the current live bytes.
+    pub fn reset_peak(&self) {
+        let mut c = self.lock();
+        c.peak_bytes = c.live_bytes;
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, GatherCounts> {
+        self.counts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn gathered(&self, bytes: usize, prefetch: bool) {
+        let mut c = self.lock();
+        c.live_bytes += bytes;
+        c.peak_bytes = c.peak_bytes.max(c.live_bytes);
+        c.all_gathers += 1;
+        c.prefetches += prefetch as usize;
+    }
+
+    pub(crate) fn released(&self, bytes: usize) {
+        let mut c = self.lock();
+        c.live_bytes = c.live_bytes.saturating_sub(bytes);
+    }
+
+    pub(crate) fn scattered(&self) {
+        self.lock().reduce_scatters += 1;
+    }
+
+    pub(crate) fn waited(&self, time: Duration) {
+        self.lock().waited += time;
+    }
+}
+
+enum Job {
+    AllGather(Vec<f32>),
+    ReduceScatter(Vec<f32>),
+}
+
+type Reply = Sender<Result<Vec<f32>, CommError>>;
+
+/// A submitted collective; [`Pending::wait`] returns its result.
+pub(crate) struct Pending(Receiver<Result<Vec<f32>, CommError>>);
+
+impl Pending {
+    /// Blocks until the collective is done.
+    pub(crate) fn wait(self) -> Result<Vec<f32>, CommError> {
+        self.0.recv().unwrap_or_else(|_| {
+            Err(CommError::Engine {
+                engine: "fsdp",
+                detail: "the sharding communication thread ended before answering".into(),
+            })
+        })
+    }
+}
+
+/// See the [module docs](self).
+pub struct ShardGroup {
+    group: Group,
+    stats: GatherStats,
+    jobs: Mutex<Option<Sender<(Job, Reply)>>>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for ShardGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardGroup")
+            .field("group", &self.group.name())
+            .finish()
+    }
+}
+
+impl ShardGroup {
+    /// Units sharded over `group`, with their communication thread.
+    pub fn new(group: &Group) -> Arc<Self> {
+        let (tx, rx) = channel::<(Job, Reply)>();
+        let worker_group = group.clone();
+        let worker = std::thread::Builder::new()
+            .name("fsdp-comm".into())
+            .spawn(move || {
+                for (job, reply) in rx {
+                    // A panic (a bug or an injected fault) must reach the waiting thread.
+                    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        run(&worker_group, job)
+                    }))
+                    .unwrap_or_else(|payload| {
+                        let message = payload
+                            .downcast_ref::<&str>()
+                            .map(|s| s.to_string())
+                            .or_else(|| payload.downcast_ref::<String>().cloned())
+                            .unwrap_or_else(|| "non-string panic payload".into());
+                        Err(CommError::Engine {
+                            engine: "fsdp",
+                            detail: format!("sharding communication thread panicked: {message}"),
+                        })
+                    });
+                    let _ = reply.send(result);
+                }
+            })
+            .expect("spawn the FSDP communication thread");
+        Arc::new(ShardGroup {
+            group: group.clone(),
+            stats: GatherStats::default(),
+            jobs: Mutex::new(Some(tx)),
+            worker: Mutex::new(Some(worker)),
+        })
+    }
+
+    /// The process group the units are sharded over.
+    pub fn group(&self) -> &Group {
+        &self.group
+    }
+
+    /// Gathered-memory and collective counters.
+    pub fn stats(&self) -> &GatherStats {
+        &self.stats
+    }
+
+    fn submit(&self, job: Job) -> Pending {
+        let (tx, rx) = channel();
+        let jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        match jobs.as_ref() {
+            Some(jobs) if jobs.send((job, tx.clone())).is_ok() => {}
+            _ => {
+                let _ = tx.send(Err(CommError::Engine {
+                    engine: "fsdp",
+                    detail: "the sharding communication thread is gone".into(),
+                }));
+            }
+        }
+        Pending(rx)
+    }
+
+    /// Submits an all-gather of this rank's shard (the result is every rank's, in rank order).
+    pub(crate) fn all_gather(&self, own: Vec<f32>) -> Pending {
+        self.submit(Job::AllGather(own))
+    }
+
+    /// Submits a reduce-scatter (sum) of a padded full buffer.
+    pub(crate) fn reduce_scatter(&self, full: Vec<f32>) -> Pending {
+        self.stats.scattered();
+        self.submit(Job::ReduceScatter(full))
+    }
+}
+
+fn run(group: &Group, job: Job) -> Result<Vec<f32>, CommError> {
+    match job {
+        Job::AllGather(own) => group.all_gather_vec(&own),
+        Job::ReduceScatter(full) => {
+            let mut shard = vec![0.0; full.len() / group.size()];
+            group.reduce_scatter(&full, &mut shard, ReduceOp::Sum)?;
+            Ok(shard)
+        }
+    }
+}
+
+impl Drop for ShardGroup {
+    fn drop(&mut self) {
+        // Closing the channel ends the worker's loop.
+        self.jobs.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(worker) = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = worker.join();
+        }
+    }
+}
