@@ -16,7 +16,7 @@ use flashover_parallel::zero::{
     ZeroOptimizer,
 };
 use flashover_parallel::{FlatAdamWConfig, ParallelError};
-use flashover_runtime::{Axis, FaultPlan, Launch, OpKind, RankContext};
+use flashover_runtime::{Axis, FaultPlan, Launch, LaunchError, OpKind, RankContext};
 
 const GLOBAL_BATCH: usize = 24;
 const STEPS: usize = 5;
@@ -100,8 +100,17 @@ fn global_losses(ctx: &RankContext, mine: &[f32]) -> Result<Vec<f32>, ParallelEr
 }
 
 fn train(mesh: &str, layout: Layout, micros: usize, clip: Option<f32>, faults: FaultPlan) -> Run {
-    let out = Launch::new(mesh)
-        .unwrap()
+    try_train(mesh, layout, micros, clip, faults).unwrap()
+}
+
+fn try_train(
+    mesh: &str,
+    layout: Layout,
+    micros: usize,
+    clip: Option<f32>,
+    faults: FaultPlan,
+) -> Result<Run, LaunchError> {
+    let out = Launch::new(mesh)?
         .timeout(std::time::Duration::from_secs(30))
         .faults(faults)
         .run(|ctx| {
@@ -195,12 +204,11 @@ fn train(mesh: &str, layout: Layout, micros: usize, clip: Option<f32>, faults: F
                 }
             };
             Ok::<_, ParallelError>((global_losses(&ctx, &losses)?, params))
-        })
-        .unwrap();
-    Run {
+        })?;
+    Ok(Run {
         losses: out[0].0.clone(),
         params: out.into_iter().map(|(_, p)| p).collect(),
-    }
+    })
 }
 
 /// Largest difference relative to the largest magnitude of the reference.
@@ -387,4 +395,38 @@ fn resharding_optimizer_state_keeps_every_moment_with_its_parameter() {
         Ok::<_, ParallelError>(())
     })
     .unwrap();
+}
+
+#[test]
+fn a_rank_dying_in_a_backward_reduce_scatter_fails_the_others_fast() {
+    let start = std::time::Instant::now();
+    let faults = FaultPlan::new().panic_at(1, OpKind::ReduceScatter, 3);
+    let layout = Layout::Fsdp {
+        reshard_after_forward: true,
+    };
+    let err = try_train("fsdp=3", layout, 1, None, faults)
+        .err()
+        .expect("training must fail");
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(20),
+        "must not wait for the 30 s timeout"
+    );
+    match &err {
+        LaunchError::Rank { cause, .. } => {
+            assert_eq!(cause.rank, 1, "{err}");
+            assert!(cause.message.contains("injected fault"), "{err}");
+            assert!(
+                cause.message.contains("sharding communication thread"),
+                "{err}"
+            );
+            assert!(
+                err.failure_of(0)
+                    .unwrap()
+                    .message
+                    .contains("rank 1 left the group"),
+                "{err}"
+            );
+        }
+        other => panic!("{other}"),
+    }
 }

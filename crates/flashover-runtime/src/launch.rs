@@ -211,6 +211,17 @@ where
             message: chain(&*e),
             severity: severity(&*e),
         }),
+        // A collective that failed where no error can be returned (inside Burn's backward)
+        // panics with the `CommError` itself, so it is ranked like a returned one.
+        Err(payload) if payload.downcast_ref::<CommError>().is_some() => {
+            let e = payload.downcast_ref::<CommError>().expect("checked");
+            Err(RankFailure {
+                rank,
+                panicked: true,
+                message: e.to_string(),
+                severity: severity(e),
+            })
+        }
         Err(payload) => {
             let message = payload
                 .downcast_ref::<&str>()

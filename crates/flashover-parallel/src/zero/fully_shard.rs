@@ -212,8 +212,8 @@ impl<M: Module + Sync + 'static> UnitSpec<M> {
     }
 
     /// Reduce-scatters (sums) a padded full gradient: this rank's shard of it. Runs inside
-    /// Burn's backward, which cannot return errors: a failed collective panics with its message
-    /// (the launcher reports the panic as this rank's failure).
+    /// Burn's backward, which cannot return errors: a failed collective panics with the
+    /// `CommError` as payload, which the launcher reports like a returned error.
     fn reduce_scatter(&self, mut full: Vec<f32>) -> Vec<f32> {
         full.resize(self.shards.padded(), 0.0);
         let t0 = std::time::Instant::now();
@@ -221,7 +221,7 @@ impl<M: Module + Sync + 'static> UnitSpec<M> {
         self.shard_group.stats().waited(t0.elapsed());
         match shard {
             Ok(shard) => shard,
-            Err(e) => panic!("FSDP gradient reduce-scatter failed: {e}"),
+            Err(e) => std::panic::panic_any(e),
         }
     }
 }
@@ -339,6 +339,7 @@ impl<M: Module + Sync + 'static> FullyShardedUnit<M> {
             }
             let full = match full {
                 Ok(full) => full,
+                Err(ParallelError::Comm(e)) => std::panic::panic_any(e),
                 Err(e) => panic!("FSDP parameter all-gather in backward failed: {e}"),
             };
             let module = spec.materialize(Source::Host(&full, true), &device);
