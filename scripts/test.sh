@@ -20,6 +20,6 @@ export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
 cargo test --workspace --features wgpu "$@"
 
 # Examples run as a user would run them (same features as the tests: no second build).
-for example in ddp_own_model; do
+for example in ddp_own_model zero_own_model; do
   cargo run --quiet --features wgpu --example "$example"
 done

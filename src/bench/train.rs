@@ -62,27 +62,43 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Runs every variant `repeats` times, interleaved. `base` sets model, data, batch and steps;
-/// its mesh is replaced per variant. Clipping is off in every variant (plain Burn has no global
-/// norm clipping to compare with).
+/// Runs every variant `repeats` times, interleaved: plain Burn, DDP at each of `dps`, and each
+/// ZeRO stage of `zero_stages` at the largest of `dps` (stages 1-2 over `dp`, 3 over `fsdp`).
+/// `base` sets model, data, batch and steps; its mesh is replaced per variant. Clipping is off in
+/// every variant (plain Burn has no global norm clipping to compare with).
 pub fn run(
     base: &TrainConfig,
     dps: &[usize],
+    zero_stages: &[u8],
     repeats: usize,
 ) -> Result<Vec<TrainBenchRecord>, String> {
     let mut base = base.clone();
     base.optim.clip = None;
     base.run.log_jsonl = None;
     let tokens_per_step = (base.run.global_batch * base.data.seq_len) as f64;
+    let world = dps.iter().copied().max().unwrap_or(1);
+    let mut variants: Vec<(String, String, u8)> = dps
+        .iter()
+        .map(|dp| (format!("flashover_dp{dp}"), format!("dp={dp}"), 0))
+        .collect();
+    for &zero in zero_stages {
+        let axis = if zero == 3 { "fsdp" } else { "dp" };
+        variants.push((
+            format!("zero{zero}_{axis}{world}"),
+            format!("{axis}={world}"),
+            zero,
+        ));
+    }
     let mut samples: Vec<(String, Vec<f64>)> = vec![("plain_burn".into(), vec![])];
-    samples.extend(dps.iter().map(|dp| (format!("flashover_dp{dp}"), vec![])));
+    samples.extend(variants.iter().map(|(name, ..)| (name.clone(), vec![])));
     for _ in 0..repeats.max(1) {
         samples[0]
             .1
             .push(tokens_per_step / plain_burn_step_s(&base)?);
-        for (i, &dp) in dps.iter().enumerate() {
+        for (i, (_, mesh, zero)) in variants.iter().enumerate() {
             let mut c = base.clone();
-            c.parallel.mesh = format!("dp={dp}");
+            c.parallel.mesh = mesh.clone();
+            c.parallel.zero = *zero;
             let report = train(&c, &|_| {})?;
             let timed = &report.steps[1..];
             let step_s =

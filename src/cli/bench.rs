@@ -39,6 +39,9 @@ pub struct TrainArgs {
     /// Data-parallel degrees to measure, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "1,2")]
     dps: Vec<usize>,
+    /// ZeRO stages to measure at the largest degree (1-2 over dp, 3 over fsdp), comma separated.
+    #[arg(long, value_delimiter = ',')]
+    zero_stages: Vec<u8>,
     /// Interleaved repeats of every variant (medians are reported).
     #[arg(long, default_value_t = 3)]
     repeats: usize,
@@ -107,7 +110,8 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
         }
         BenchCommand::Train(args) => {
             let config = args.job.build_with_mesh("dp=1")?;
-            let records = flashover::bench::train::run(&config, &args.dps, args.repeats)?;
+            let records =
+                flashover::bench::train::run(&config, &args.dps, &args.zero_stages, args.repeats)?;
             let plain = records[0].tokens_per_s;
             for r in &records {
                 if args.json {

@@ -23,9 +23,9 @@ pub struct RankTimes {
     /// spent on the communication thread, inside `comm_s`, and shows in `exposed_comm_s` only
     /// when backward has already finished.
     pub idle_s: f64,
-    /// Bytes this rank held in parameters, gradients, optimizer state and gathered parameters
-    /// (see [`flashover_parallel::zero::MemoryReport`]).
-    pub memory_bytes: u64,
+    /// Bytes this rank held for training state in the step: parameters, gradients (peak),
+    /// optimizer state and gathered parameters (peak), as the strategy measured them.
+    pub memory: MemoryReport,
 }
 
 /// One optimizer step, as written to the JSONL log.

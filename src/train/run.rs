@@ -107,11 +107,15 @@ pub fn train(
     if let Some(e) = log_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(format!("writing run.log_jsonl: {e}"));
     }
-    let (steps, params, buckets, overlap, memory) = outputs
+    let (steps, params, buckets, overlap) = outputs
         .into_iter()
         .next()
         .flatten()
         .expect("rank 0 reports");
+    let memory = steps
+        .last()
+        .map(|s| s.ranks.iter().map(|r| r.memory).collect())
+        .unwrap_or_default();
     Ok(TrainReport {
         tokens: steps.len() * config.run.global_batch * config.data.seq_len,
         steps,
@@ -133,14 +137,8 @@ pub fn train(
 }
 
 /// What rank 0 hands back: its step records, the final parameters by name, buckets per step,
-/// whether reduction overlapped backward, and every rank's measured memory.
-type RankOutput = Option<(
-    Vec<StepRecord>,
-    Vec<(String, Vec<f32>)>,
-    usize,
-    bool,
-    Vec<MemoryReport>,
-)>;
+/// and whether reduction overlapped backward.
+type RankOutput = Option<(Vec<StepRecord>, Vec<(String, Vec<f32>)>, usize, bool)>;
 
 /// How one rank holds and updates the model, as `parallel.zero` and the mesh say.
 enum Strategy {
@@ -348,7 +346,6 @@ fn train_rank(
     let clip = config.optim.clip.filter(|&c| c > 0.0);
     let tokens_per_step = (config.run.global_batch * config.data.seq_len) as f64;
     let mut records = vec![];
-    let mut memory = MemoryReport::default();
     let world = ctx.world();
     for step in 0..config.run.steps {
         let stats_before = ctx.comm_stats();
@@ -364,7 +361,6 @@ fn train_rank(
         };
         let (next, outcome) = strategy.step(ctx, clip, &mut batches, plan.micro_batches(), lr)?;
         strategy = next;
-        memory = outcome.memory;
         let step_s = t0.elapsed().as_secs_f64();
         let idle = ctx
             .comm_stats()
@@ -381,7 +377,10 @@ fn train_rank(
             exposed,
             idle,
             outcome.grad_norm as f64,
-            outcome.memory.total() as f64,
+            outcome.memory.params as f64,
+            outcome.memory.grads as f64,
+            outcome.memory.optimizer as f64,
+            outcome.memory.gathered_peak as f64,
         ];
         let all = world.all_gather_vec(&mine)?;
         if ctx.rank() == 0 {
@@ -405,7 +404,12 @@ fn train_rank(
                         overlapped_s: p[3],
                         exposed_comm_s: p[4],
                         idle_s: p[5],
-                        memory_bytes: p[7] as u64,
+                        memory: MemoryReport {
+                            params: p[7] as usize,
+                            grads: p[8] as usize,
+                            optimizer: p[9] as usize,
+                            gathered_peak: p[10] as usize,
+                        },
                     })
                     .collect(),
             };
@@ -413,27 +417,10 @@ fn train_rank(
             records.push(record);
         }
     }
-    let fields = [
-        memory.params,
-        memory.grads,
-        memory.optimizer,
-        memory.gathered_peak,
-    ]
-    .map(|b| b as u64);
-    let all_memory = world.all_gather_vec(&fields)?;
     let full = strategy.full_model()?;
     if ctx.rank() != 0 {
         return Ok(None);
     }
-    let memories = all_memory
-        .chunks(4)
-        .map(|m| MemoryReport {
-            params: m[0] as usize,
-            grads: m[1] as usize,
-            optimizer: m[2] as usize,
-            gathered_peak: m[3] as usize,
-        })
-        .collect();
     let layout = ParamLayout::of(&full);
     let flat = flatten_params(&full);
     let params = layout
@@ -442,5 +429,5 @@ fn train_rank(
         .map(|s| (s.name.clone(), flat[s.offset..s.offset + s.numel].to_vec()))
         .collect();
     let (buckets, overlap) = strategy.buckets();
-    Ok(Some((records, params, buckets, overlap, memories)))
+    Ok(Some((records, params, buckets, overlap)))
 }
