@@ -96,3 +96,27 @@ impl CommError {
         }
     }
 }
+
+/// The text of a panic payload (`panic!` with a literal or a formatted message).
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".into())
+}
+
+impl CommError {
+    /// A panic on an engine's communication thread (`thread`, e.g. "gradient communication
+    /// thread"), as the error its waiting caller receives instead of waiting forever.
+    pub fn from_panic(
+        engine: &'static str,
+        thread: &str,
+        payload: &(dyn std::any::Any + Send),
+    ) -> Self {
+        CommError::Engine {
+            engine,
+            detail: format!("{thread} panicked: {}", panic_message(payload)),
+        }
+    }
+}

@@ -45,7 +45,7 @@ mod thread;
 
 pub use communicator::{Communicator, CommunicatorExt, Group};
 pub use dtype::{DType, Element};
-pub use error::{CommError, CommResult};
+pub use error::{CommError, CommResult, panic_message};
 pub use fault::{FaultAction, FaultPlan, FaultRule};
 pub use op::{OpKind, ReduceOp};
 pub use stats::{CommStats, OpStats};

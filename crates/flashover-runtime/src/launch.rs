@@ -223,11 +223,7 @@ where
             })
         }
         Err(payload) => {
-            let message = payload
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "non-string panic payload".into());
+            let message = flashover_comm::panic_message(&*payload);
             Err(RankFailure {
                 rank,
                 panicked: true,

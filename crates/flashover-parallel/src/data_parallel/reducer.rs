@@ -477,15 +477,11 @@ fn worker_loop(shared: &Shared) {
         let result =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| reduce_bucket(shared, b)))
                 .unwrap_or_else(|payload| {
-                    let message = payload
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| payload.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "non-string panic payload".into());
-                    Err(CommError::Engine {
-                        engine: "ddp",
-                        detail: format!("gradient communication thread panicked: {message}"),
-                    })
+                    Err(CommError::from_panic(
+                        "ddp",
+                        "gradient communication thread",
+                        &*payload,
+                    ))
                 });
         let t1 = Instant::now();
         let mut st = lock(&shared.state);

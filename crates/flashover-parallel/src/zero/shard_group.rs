@@ -125,15 +125,11 @@ impl ShardGroup {
                         run(&worker_group, job)
                     }))
                     .unwrap_or_else(|payload| {
-                        let message = payload
-                            .downcast_ref::<&str>()
-                            .map(|s| s.to_string())
-                            .or_else(|| payload.downcast_ref::<String>().cloned())
-                            .unwrap_or_else(|| "non-string panic payload".into());
-                        Err(CommError::Engine {
-                            engine: "fsdp",
-                            detail: format!("sharding communication thread panicked: {message}"),
-                        })
+                        Err(CommError::from_panic(
+                            "fsdp",
+                            "sharding communication thread",
+                            &*payload,
+                        ))
                     });
                     let _ = reply.send(result);
                 }
