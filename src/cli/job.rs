@@ -66,6 +66,9 @@ pub struct JobArgs {
     /// until backward (false).
     #[arg(long)]
     reshard_after_forward: Option<bool>,
+    /// With a tp axis: split activations outside the tensor-parallel regions along the sequence.
+    #[arg(long)]
+    sequence_parallel: bool,
 }
 
 impl JobArgs {
@@ -110,6 +113,9 @@ impl JobArgs {
             &mut c.parallel.reshard_after_forward,
             self.reshard_after_forward,
         );
+        if self.sequence_parallel {
+            c.parallel.sequence_parallel = true;
+        }
         if let Some(clip) = self.clip {
             c.optim.clip = (clip > 0.0).then_some(clip);
         }

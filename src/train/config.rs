@@ -103,6 +103,9 @@ pub struct ParallelSection {
     /// ZeRO-3: free each block's gathered parameters after its forward and gather them again
     /// (recomputing the block) in backward. `false` keeps them from forward to backward.
     pub reshard_after_forward: bool,
+    /// With a `tp` axis: split the activations between the tensor-parallel regions along the
+    /// sequence (Megatron's sequence parallelism).
+    pub sequence_parallel: bool,
 }
 
 impl Default for ParallelSection {
@@ -115,6 +118,7 @@ impl Default for ParallelSection {
             gradient_reduction: "mean".into(),
             zero: 0,
             reshard_after_forward: true,
+            sequence_parallel: false,
         }
     }
 }
@@ -262,11 +266,42 @@ impl TrainConfig {
         match self.mesh() {
             Ok(mesh) => {
                 for axis in Axis::ALL {
-                    if !matches!(axis, Axis::Dp | Axis::Fsdp) && mesh.degree(axis) > 1 {
+                    if !matches!(axis, Axis::Dp | Axis::Fsdp | Axis::Tp) && mesh.degree(axis) > 1 {
                         errors.push(format!(
-                            "parallel.mesh: axis `{axis}` is not supported by `train` yet (data parallel `dp` and sharded `fsdp` only)"
+                            "parallel.mesh: axis `{axis}` is not supported by `train` yet (dp, fsdp and tp only)"
                         ));
                     }
+                }
+                let tp = mesh.degree(Axis::Tp);
+                if tp > 1 {
+                    if self.parallel.zero > 0 || mesh.degree(Axis::Fsdp) > 1 {
+                        errors.push(format!(
+                            "parallel.mesh `{}` with tp={tp}: tensor parallelism composes with dp (DDP) so far, not with ZeRO or fsdp; use parallel.zero = 0 and no fsdp axis",
+                            self.parallel.mesh
+                        ));
+                    }
+                    if let Ok(t) = self.transformer(self.vocab_size()) {
+                        if !t.n_heads.is_multiple_of(tp) {
+                            errors.push(format!(
+                                "model.n_heads = {} does not divide by tp = {tp}: attention is split by whole heads",
+                                t.n_heads
+                            ));
+                        }
+                        if !t.d_ff.is_multiple_of(tp) {
+                            errors.push(format!(
+                                "model.d_ff = {} does not divide by tp = {tp}: the MLP is split by columns",
+                                t.d_ff
+                            ));
+                        }
+                    }
+                    if self.parallel.sequence_parallel && !self.data.seq_len.is_multiple_of(tp) {
+                        errors.push(format!(
+                            "data.seq_len = {} does not divide by tp = {tp}: sequence parallelism splits the sequence",
+                            self.data.seq_len
+                        ));
+                    }
+                } else if self.parallel.sequence_parallel {
+                    errors.push("parallel.sequence_parallel needs a tp axis in parallel.mesh (e.g. dp=2,tp=2)".into());
                 }
                 let fsdp = mesh.degree(Axis::Fsdp);
                 if fsdp > 1 && self.parallel.zero == 0 {

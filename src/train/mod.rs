@@ -5,6 +5,7 @@ mod config;
 mod report;
 mod run;
 mod sharded_model;
+mod tp_model;
 mod verify;
 
 pub use config::{
@@ -13,4 +14,5 @@ pub use config::{
 pub use report::{RankTimes, StepRecord, TrainReport, memory_formula};
 pub use run::{make_batch, token_source, train};
 pub use sharded_model::ShardedTransformer;
+pub use tp_model::TpTransformer;
 pub use verify::{Comparison, compare, verify};

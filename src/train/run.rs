@@ -3,6 +3,7 @@
 use super::config::TrainConfig;
 use super::report::{RankTimes, StepRecord, TrainReport};
 use super::sharded_model::ShardedTransformer;
+use super::tp_model::TpTransformer;
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::optim::ModuleOptimizer;
@@ -10,8 +11,10 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_data::{BatchPlan, MarkovSource, TextSource, TokenSource};
 use flashover_models::{Transformer, next_token_loss};
 use flashover_parallel::FlatAdamWConfig;
+use flashover_parallel::clip_module_grads;
 use flashover_parallel::data_parallel::{DataParallel, DataParallelConfig, ReduceReport};
 use flashover_parallel::params::{ParamLayout, flatten_params};
+use flashover_parallel::tensor_parallel::TensorParallel;
 use flashover_parallel::zero::{
     FullyShardConfig, FullyShardedOptimizer, MemoryReport, ShardGroup, ShardedDataParallel,
     ZeroConfig,
@@ -146,6 +149,8 @@ enum Strategy {
     Ddp(Box<Transformer>, DataParallel, ModuleOptimizer),
     /// Replicas, AdamW state (and with stage 2 gradients) sharded.
     Zero(Box<Transformer>, ShardedDataParallel),
+    /// Weights split over `tp` (Megatron), replicas over `dp`.
+    Tp(Box<TpTransformer>, DataParallel, ModuleOptimizer),
     /// Parameters sharded in units over `fsdp` (replicated over `dp`: HSDP).
     Fsdp(
         Box<ShardedTransformer>,
@@ -189,6 +194,14 @@ impl Strategy {
             .with_bucket_bytes((config.parallel.bucket_mb * (1 << 20) as f64) as usize)
             .with_overlap(config.parallel.overlap)
             .with_average(config.parallel.gradient_reduction == "mean");
+        let tp = ctx.group(Axis::Tp);
+        if tp.size() > 1 {
+            let plan =
+                TensorParallel::new(tp).with_sequence_parallel(config.parallel.sequence_parallel);
+            let model = TpTransformer::shard(model, &plan)?;
+            let (model, ddp) = ddp_config.init(model, batch_group)?;
+            return Ok(Strategy::Tp(Box::new(model), ddp, adamw.to_burn().init()));
+        }
         Ok(match config.parallel.zero {
             0 => {
                 let (model, ddp) = ddp_config.init(model, batch_group)?;
@@ -254,6 +267,37 @@ impl Strategy {
                 let outcome = StepOutcome::reduced(loss_sum, &reduced.report, memory);
                 Ok((Strategy::Ddp(model, ddp, optim), outcome))
             }
+            Strategy::Tp(model, mut ddp, mut optim) => {
+                ddp.begin_step(micro_batches);
+                for micro in 0..micro_batches {
+                    let (inputs, targets) = batches(micro);
+                    let loss = ddp.prepare(&*model).forward_loss(inputs, targets);
+                    add_loss(&loss);
+                    let grads = GradientsParams::from_grads(loss.backward(), &*model);
+                    ddp.backward_done(&*model, grads)?;
+                }
+                // The norm spans every tp rank's split weights; norms count once.
+                let reduced = ddp.finish(&*model, None)?;
+                let tp = ctx.group(Axis::Tp);
+                let (grads, grad_norm) = clip_module_grads(
+                    &*model,
+                    reduced.grads,
+                    clip,
+                    tp,
+                    TpTransformer::is_replicated,
+                )?;
+                let numel = ddp.layout().numel;
+                let memory = MemoryReport {
+                    params: numel * 4,
+                    grads: ddp.peak_grad_bytes(),
+                    optimizer: numel * 8,
+                    gathered_peak: 0,
+                };
+                let model = Box::new(optim.step(lr, *model, grads));
+                let mut outcome = StepOutcome::reduced(loss_sum, &reduced.report, memory);
+                outcome.grad_norm = grad_norm;
+                Ok((Strategy::Tp(model, ddp, optim), outcome))
+            }
             Strategy::Zero(model, mut zero) => {
                 zero.begin_step(micro_batches);
                 for micro in 0..micro_batches {
@@ -307,7 +351,9 @@ impl Strategy {
     /// reduce-scatters run inside backward).
     fn buckets(&self) -> (usize, bool) {
         match self {
-            Strategy::Ddp(_, ddp, _) => (ddp.num_buckets(), ddp.overlaps()),
+            Strategy::Ddp(_, ddp, _) | Strategy::Tp(_, ddp, _) => {
+                (ddp.num_buckets(), ddp.overlaps())
+            }
             Strategy::Zero(_, zero) => (
                 zero.data_parallel().num_buckets(),
                 zero.data_parallel().overlaps(),
@@ -321,6 +367,7 @@ impl Strategy {
         Ok(match self {
             Strategy::Ddp(model, ..) | Strategy::Zero(model, ..) => model.valid(),
             Strategy::Fsdp(model, ..) => model.gather_full()?,
+            Strategy::Tp(model, ..) => model.unshard()?,
         })
     }
 }

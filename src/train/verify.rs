@@ -123,6 +123,7 @@ pub fn verify(
     let mut reference = config.clone();
     reference.parallel.mesh = "dp=1".into();
     reference.parallel.zero = 0;
+    reference.parallel.sequence_parallel = false;
     reference.run.micro_batches = 1;
     reference.run.log_jsonl = None;
     let quiet = |_: &StepRecord| {};

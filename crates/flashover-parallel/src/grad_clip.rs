@@ -1,6 +1,10 @@
 //! Global-norm gradient clipping over (possibly sharded) flat gradients.
 
 use crate::error::ParallelError;
+use crate::params::{ParamLayout, to_f32};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 
 /// The global L2 norm of a gradient whose pieces are spread over `shard_group` (each rank
@@ -46,4 +50,70 @@ pub fn clip_global_norm_parts(
         }
     }
     Ok(norm)
+}
+
+/// Global-norm clipping of a module's gradients when some parameters are split over
+/// `split_group` (tensor parallel: each rank holds a disjoint part) and others replicated on it
+/// (`replicated(name)`, e.g. norms, counted once). Returns the clipped gradients and the norm
+/// before clipping.
+pub fn clip_module_grads<M: Module>(
+    module: &M,
+    mut grads: GradientsParams,
+    max_norm: Option<f32>,
+    split_group: &Group,
+    replicated: impl Fn(&str) -> bool,
+) -> Result<(GradientsParams, f32), ParallelError> {
+    let layout = ParamLayout::of(module);
+    struct SumSquares<'a> {
+        grads: &'a GradientsParams,
+        /// (split, replicated) sums of squares.
+        sums: [f64; 2],
+        replicated: Vec<bool>,
+        index: usize,
+    }
+    impl ModuleVisitor for SumSquares<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.get::<D>(param.id) {
+                let sq: f64 = to_f32(g).iter().map(|&x| x as f64 * x as f64).sum();
+                self.sums[self.replicated[self.index] as usize] += sq;
+            }
+            self.index += 1;
+        }
+    }
+    let mut v = SumSquares {
+        grads: &grads,
+        sums: [0.0; 2],
+        replicated: layout.slots.iter().map(|s| replicated(&s.name)).collect(),
+        index: 0,
+    };
+    module.visit(&mut v);
+    let mut split = [v.sums[0]];
+    split_group.all_reduce(&mut split, ReduceOp::Sum)?;
+    let norm = (split[0] + v.sums[1]).sqrt() as f32;
+    if let Some(max) = max_norm {
+        if max.is_nan() || max <= 0.0 {
+            return Err(ParallelError::Invalid(format!(
+                "gradient clipping needs a positive max norm, got {max}"
+            )));
+        }
+        if norm > max {
+            let scale = max / (norm + 1e-6);
+            struct Scale<'a> {
+                grads: &'a mut GradientsParams,
+                scale: f32,
+            }
+            impl ModuleVisitor for Scale<'_> {
+                fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                    if let Some(g) = self.grads.remove::<D>(param.id) {
+                        self.grads.register::<D>(param.id, g.mul_scalar(self.scale));
+                    }
+                }
+            }
+            module.visit(&mut Scale {
+                grads: &mut grads,
+                scale,
+            });
+        }
+    }
+    Ok((grads, norm))
 }

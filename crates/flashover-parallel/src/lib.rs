@@ -8,7 +8,10 @@
 //!   rest of backward still runs (on Flex, through a gradient hook; elsewhere right after
 //!   backward); gradient accumulation reduces once per step; global-norm clipping.
 //! - [`params`]: walking a Burn module's parameters: layout, flattening, broadcasting.
-//! - [`zero`]: sharded data parallel; ZeRO stage 1 (optimizer-state sharding) so far.
+//! - [`zero`]: sharded data parallel: ZeRO-1/2 (optimizer state, gradients), ZeRO-3/FSDP units,
+//!   HSDP.
+//! - [`tensor_parallel`]: Megatron's column/row-parallel layers, vocabulary-parallel embedding and
+//!   loss, sequence parallelism.
 //! - [`FlatAdamW`]: AdamW on a flat slice, matching Burn's AdamW, for sharded optimizers.
 #![warn(missing_docs)]
 
@@ -18,8 +21,9 @@ mod flat_adamw;
 mod grad_clip;
 mod hook;
 pub mod params;
+pub mod tensor_parallel;
 pub mod zero;
 
 pub use error::ParallelError;
 pub use flat_adamw::{FlatAdamW, FlatAdamWConfig};
-pub use grad_clip::{clip_global_norm, clip_global_norm_parts};
+pub use grad_clip::{clip_global_norm, clip_global_norm_parts, clip_module_grads};

@@ -1,0 +1,183 @@
+//! The reference transformer under tensor parallelism (Megatron) and, optionally, sequence
+//! parallelism, assembled from `flashover_parallel::tensor_parallel`.
+//!
+//! Each rank holds a [`Transformer`] of the same structure and parameter names whose weights are
+//! its shares: q/k/v and gate/up by output columns (attention by whole heads), the attention
+//! output and MLP down projection by input rows, the embedding (tied to the LM head) by
+//! vocabulary rows, padded to a multiple of `tp`; norms replicated. The forward puts Megatron's
+//! conjugate operators around the two parallel regions of every block: four all-reduces per
+//! block per step (two forward, two backward), or all-gather / reduce-scatter pairs with
+//! sequence parallelism.
+
+use burn::module::{Module, Param};
+use burn::nn::{Embedding, Linear, RmsNorm};
+use burn::tensor::{Int, Tensor};
+use flashover_models::{Transformer, rope_tables};
+use flashover_parallel::ParallelError;
+use flashover_parallel::tensor_parallel::comm::copy_to_tp;
+use flashover_parallel::tensor_parallel::{
+    TensorParallel, VocabShard, gather_parts, split_dim, vocab_parallel_cross_entropy,
+    vocab_parallel_embedding,
+};
+
+/// [`Transformer`] split over the `tp` group; see the module docs.
+#[derive(Module, Debug)]
+pub struct TpTransformer {
+    /// This rank's shares, in the full model's structure.
+    pub local: Transformer,
+    /// Per-head dimension (for the rotary tables).
+    pub head_dim: usize,
+    #[module(skip)]
+    tp: TensorParallel,
+    #[module(skip)]
+    vocab: VocabShard,
+}
+
+fn linear_from(weight: Tensor<2>) -> Linear {
+    Linear {
+        weight: Param::from_tensor(weight),
+        bias: None,
+    }
+}
+
+/// The columns (`dim = 1`) or rows (`dim = 0`) of `linear` this rank holds.
+fn split_linear(linear: &Linear, dim: usize, tp: &TensorParallel) -> Result<Linear, ParallelError> {
+    let (rank, n) = (tp.group.rank(), tp.group.size());
+    Ok(linear_from(split_dim(&linear.weight.val(), dim, rank, n)?))
+}
+
+/// Every rank's columns or rows of `linear`, concatenated (collective).
+fn gather_linear(
+    linear: &Linear,
+    dim: usize,
+    tp: &TensorParallel,
+) -> Result<Linear, ParallelError> {
+    Ok(linear_from(gather_parts(
+        linear.weight.val(),
+        dim,
+        &tp.group,
+        None,
+    )?))
+}
+
+/// A norm whose weight's gradient is all-reduced over `tp` in backward: with sequence
+/// parallelism each rank sees only part of the sequence, so its gradient is a partial sum.
+fn sequence_parallel_norm(norm: &RmsNorm, tp: &TensorParallel) -> RmsNorm {
+    RmsNorm {
+        gamma: norm.gamma.clone().map(|g| copy_to_tp(g, &tp.group)),
+        epsilon: norm.epsilon,
+    }
+}
+
+impl TpTransformer {
+    /// This rank's shares of `full` (every rank passes the same full model). Fails, naming
+    /// the sizes, when heads or the MLP width do not divide by `tp`.
+    pub fn shard(full: Transformer, tp: &TensorParallel) -> Result<Self, ParallelError> {
+        let (rank, n) = (tp.group.rank(), tp.group.size());
+        let heads = full.blocks.first().map_or(0, |b| b.attn.n_heads);
+        if !heads.is_multiple_of(n) {
+            return Err(ParallelError::Invalid(format!(
+                "model.n_heads = {heads} does not divide by tp = {n}: attention is split by whole \
+                 heads; choose a tp that divides the head count"
+            )));
+        }
+        let head_dim = full.blocks.first().map_or(2, |b| b.attn.head_dim);
+        let mut local = full;
+        for block in &mut local.blocks {
+            let attn = &mut block.attn;
+            attn.wq = split_linear(&attn.wq, 1, tp)?;
+            attn.wk = split_linear(&attn.wk, 1, tp)?;
+            attn.wv = split_linear(&attn.wv, 1, tp)?;
+            attn.wo = split_linear(&attn.wo, 0, tp)?;
+            attn.n_heads /= n;
+            let mlp = &mut block.mlp;
+            mlp.w_gate = split_linear(&mlp.w_gate, 1, tp)?;
+            mlp.w_up = split_linear(&mlp.w_up, 1, tp)?;
+            mlp.w_down = split_linear(&mlp.w_down, 0, tp)?;
+        }
+        let table = local.embed.weight.val();
+        let vocab = VocabShard::new(table.dims()[0], rank, n);
+        local.embed = Embedding {
+            weight: Param::from_tensor(vocab.take_rows(&table)),
+        };
+        if let Some(head) = &local.head {
+            // The head is `[d, vocab]`: its vocabulary columns, padded like the embedding.
+            let columns = vocab.take_rows(&head.weight.val().transpose());
+            local.head = Some(linear_from(columns.transpose()));
+        }
+        Ok(TpTransformer {
+            local,
+            head_dim,
+            tp: tp.clone(),
+            vocab,
+        })
+    }
+
+    /// The full model, gathered from every rank's shares (collective; values only).
+    pub fn unshard(&self) -> Result<Transformer, ParallelError> {
+        let tp = &self.tp;
+        let mut full = self.local.clone().valid();
+        for block in &mut full.blocks {
+            let attn = &mut block.attn;
+            attn.wq = gather_linear(&attn.wq, 1, tp)?;
+            attn.wk = gather_linear(&attn.wk, 1, tp)?;
+            attn.wv = gather_linear(&attn.wv, 1, tp)?;
+            attn.wo = gather_linear(&attn.wo, 0, tp)?;
+            attn.n_heads *= tp.group.size();
+            let mlp = &mut block.mlp;
+            mlp.w_gate = gather_linear(&mlp.w_gate, 1, tp)?;
+            mlp.w_up = gather_linear(&mlp.w_up, 1, tp)?;
+            mlp.w_down = gather_linear(&mlp.w_down, 0, tp)?;
+        }
+        let vocab = Some(self.vocab.vocab);
+        full.embed = Embedding {
+            weight: Param::from_tensor(gather_parts(full.embed.weight.val(), 0, &tp.group, vocab)?),
+        };
+        if let Some(head) = &full.head {
+            let columns = gather_parts(head.weight.val(), 1, &tp.group, vocab)?;
+            full.head = Some(linear_from(columns));
+        }
+        Ok(full)
+    }
+
+    /// Mean next-token loss of `tokens` against `targets` (both `[batch, seq]`, the same on
+    /// every tp rank), computed without ever holding full logits.
+    pub fn forward_loss(&self, tokens: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
+        let (tp, model) = (&self.tp, &self.local);
+        let t = tokens.dims()[1];
+        let norm = |n: &RmsNorm| {
+            if tp.sequence_parallel {
+                sequence_parallel_norm(n, tp)
+            } else {
+                n.clone()
+            }
+        };
+        // [batch, seq, d], or [batch, seq / tp, d] with sequence parallelism.
+        let mut h = vocab_parallel_embedding(model.embed.weight.val(), tokens, &self.vocab, tp);
+        let rope = rope_tables(0, t, self.head_dim, model.rope_theta, &h.device());
+        for block in &model.blocks {
+            let x = tp.enter(norm(&block.attn_norm).forward(h.clone()));
+            h = h + tp.exit(block.attn.forward(x, &rope));
+            let x = tp.enter(norm(&block.mlp_norm).forward(h.clone()));
+            h = h + tp.exit(block.mlp.forward(x));
+        }
+        let h = tp.enter(norm(&model.norm).forward(h));
+        let [b, t, d] = h.dims();
+        let logits = match &model.head {
+            Some(head) => head.forward(h),
+            None => {
+                let w = model.embed.weight.val();
+                let rows = w.dims()[0];
+                h.reshape([b * t, d])
+                    .matmul(w.transpose())
+                    .reshape([b, t, rows])
+            }
+        };
+        vocab_parallel_cross_entropy(logits, targets, &self.vocab, &tp.group)
+    }
+
+    /// Whether parameter `name` is replicated over `tp` (the norms) rather than split.
+    pub fn is_replicated(name: &str) -> bool {
+        name.contains("norm")
+    }
+}
