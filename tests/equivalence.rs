@@ -1,9 +1,16 @@
 //! Layout equivalence through the training job: the same model, data and seed trained on one
-//! rank and with DDP, ZeRO-1/2/3 and HSDP must give the same loss and gradient norm at every
+//! rank and with DDP, ZeRO-1/2/3, HSDP and tensor parallelism (with and without sequence
+//! parallelism, with dp) must give the same loss and gradient norm at every
 //! step and the same final parameters (fp32, 1e-5 relative: the reduction order differs from
 //! one rank's, so not bitwise).
 
-use flashover::train::{TrainConfig, compare, memory_formula, train, verify};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use flashover::train::{TpTransformer, TrainConfig, compare, memory_formula, train, verify};
+use flashover::{Axis, OpKind, launch};
+use flashover_models::TransformerConfig;
+use flashover_parallel::ParallelError;
+use flashover_parallel::params::flatten_params;
+use flashover_parallel::tensor_parallel::TensorParallel;
 
 const TOLERANCE: f64 = 1e-5;
 
@@ -168,12 +175,108 @@ fn layouts_the_job_cannot_run_are_refused_up_front() {
             3,
             "parallel.zero = 3 shards parameters over the fsdp axis",
         ),
-        ("dp=2,tp=2", 0, "axis `tp` is not supported by `train` yet"),
+        ("pp=2", 0, "axis `pp` is not supported by `train` yet"),
+        (
+            "dp=2,tp=2",
+            1,
+            "tensor parallelism composes with dp (DDP) so far",
+        ),
+        ("tp=3", 0, "model.n_heads = 4 does not divide by tp = 3"),
     ];
     for (mesh, zero, message) in refused {
         let mut c = job(mesh, 8, 1);
         c.parallel.zero = zero;
         let err = train(&c, &|_| {}).unwrap_err();
         assert!(err.contains(message), "{mesh} zero {zero}: {err}");
+    }
+}
+
+#[test]
+fn tensor_parallel_matches_one_rank_with_and_without_sequence_parallel_and_with_dp() {
+    let cases = [
+        ("tp=2", false, 32),
+        ("tp=4", false, 32),
+        ("tp=2", true, 32),
+        ("tp=4", true, 32),
+        ("dp=2,tp=2", false, 32),
+        ("dp=2,tp=2", true, 32),
+        // A vocabulary that does not divide by tp: padded rows, same results.
+        ("tp=4", false, 30),
+        ("tp=2", true, 31),
+    ];
+    for (mesh, sp, vocab) in cases {
+        let mut c = job(mesh, 24, 2);
+        c.parallel.sequence_parallel = sp;
+        c.data.vocab = vocab;
+        let (reference, _, cmp) = verify(&c, TOLERANCE).unwrap();
+        assert!(cmp.pass, "{mesh} sp={sp} vocab {vocab}: {cmp}");
+        assert!(
+            reference.steps.iter().any(|s| s.grad_norm > 0.5),
+            "clipping must bite"
+        );
+    }
+}
+
+/// (all-reduces, all-gathers, reduce-scatters) on the tp group for one forward and backward of
+/// the 2-layer test transformer at tp=2.
+fn tp_collectives(sequence_parallel: bool) -> (u64, u64, u64) {
+    let counts = launch("tp=2", |ctx| {
+        let device = Device::flex().autodiff();
+        let full = TransformerConfig::new(32, 32, 2, 4, 64).init(7, &device);
+        let tp = ctx.group(Axis::Tp);
+        let plan = TensorParallel::new(tp).with_sequence_parallel(sequence_parallel);
+        let model = TpTransformer::shard(full, &plan)?;
+        let ids = |salt: i64| -> Tensor<2, Int> {
+            let v: Vec<i64> = (0..16).map(|i| (i * 7 + salt) % 32).collect();
+            Tensor::from_data(TensorData::new(v, [2, 8]), &device)
+        };
+        let before = tp.stats();
+        let _ = model.forward_loss(ids(1), ids(2)).backward();
+        let ops = tp.stats().since(&before).ops;
+        let calls = |op| ops.get(&op).map_or(0, |s| s.calls);
+        Ok::<_, ParallelError>((
+            calls(OpKind::AllReduce),
+            calls(OpKind::AllGather),
+            calls(OpKind::ReduceScatter),
+        ))
+    })
+    .unwrap();
+    counts[0]
+}
+
+#[test]
+fn tensor_parallel_issues_megatrons_collectives_and_no_more() {
+    let layers = 2;
+    // Without sequence parallelism: 4 all-reduces per block (f and g around attention and the
+    // MLP, forward and backward), 1 for the embedding (g), 1 for the head's input (f,
+    // backward), 3 in the vocabulary-parallel loss (max, sum of exponentials, target logit).
+    assert_eq!(tp_collectives(false), (4 * layers + 5, 0, 0));
+    // With it, each block's two all-reduces become all-gather / reduce-scatter pairs forward and
+    // backward (4 + 4 per block), the embedding's a reduce-scatter (+ all-gather backward), the
+    // head's input an all-gather (+ reduce-scatter backward); the norm weights' gradients are
+    // all-reduced (2 per block + the final norm), plus the loss's 3.
+    assert_eq!(
+        tp_collectives(true),
+        (2 * layers + 1 + 3, 4 * layers + 2, 4 * layers + 2)
+    );
+}
+
+#[test]
+fn sharding_a_single_rank_model_and_gathering_it_back_is_exact() {
+    for tie in [true, false] {
+        let out = launch("tp=4", |ctx| {
+            let device = Device::flex().autodiff();
+            let mut config = TransformerConfig::new(30, 32, 2, 4, 64);
+            config.tie_embeddings = tie;
+            let full = config.init(3, &device);
+            let plan = TensorParallel::new(ctx.group(Axis::Tp));
+            let local = TpTransformer::shard(full.clone(), &plan)?;
+            let back = local.unshard()?;
+            Ok::<_, ParallelError>((flatten_params(&full), flatten_params(&back)))
+        })
+        .unwrap();
+        for (full, back) in out {
+            assert_eq!(full, back, "tie_embeddings = {tie}");
+        }
     }
 }

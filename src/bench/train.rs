@@ -21,6 +21,8 @@ pub struct TrainBenchRecord {
     pub step_ms: f64,
     /// Every repeat's tokens per second.
     pub samples: Vec<f64>,
+    /// Parameter bytes rank 0 held (0 for the plain loop: the whole model).
+    pub param_bytes: usize,
 }
 
 /// Seconds per step (after the first) of a plain Burn loop: forward, backward, AdamW step.
@@ -62,14 +64,16 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Runs every variant `repeats` times, interleaved: plain Burn, DDP at each of `dps`, and each
-/// ZeRO stage of `zero_stages` at the largest of `dps` (stages 1-2 over `dp`, 3 over `fsdp`).
+/// Runs every variant `repeats` times, interleaved: plain Burn, DDP at each of `dps`, each
+/// ZeRO stage of `zero_stages` at the largest of `dps` (stages 1-2 over `dp`, 3 over `fsdp`),
+/// and tensor parallelism at each of `tps`.
 /// `base` sets model, data, batch and steps; its mesh is replaced per variant. Clipping is off in
 /// every variant (plain Burn has no global norm clipping to compare with).
 pub fn run(
     base: &TrainConfig,
     dps: &[usize],
     zero_stages: &[u8],
+    tps: &[usize],
     repeats: usize,
 ) -> Result<Vec<TrainBenchRecord>, String> {
     let mut base = base.clone();
@@ -89,6 +93,10 @@ pub fn run(
             zero,
         ));
     }
+    for &tp in tps {
+        variants.push((format!("tp{tp}"), format!("tp={tp}"), 0));
+    }
+    let mut param_bytes = vec![0; variants.len() + 1];
     let mut samples: Vec<(String, Vec<f64>)> = vec![("plain_burn".into(), vec![])];
     samples.extend(variants.iter().map(|(name, ..)| (name.clone(), vec![])));
     for _ in 0..repeats.max(1) {
@@ -100,6 +108,7 @@ pub fn run(
             c.parallel.mesh = mesh.clone();
             c.parallel.zero = *zero;
             let report = train(&c, &|_| {})?;
+            param_bytes[i + 1] = report.memory.first().map_or(0, |m| m.params);
             let timed = &report.steps[1..];
             let step_s =
                 timed.iter().map(|s| s.step_time_s).sum::<f64>() / timed.len().max(1) as f64;
@@ -108,13 +117,15 @@ pub fn run(
     }
     Ok(samples
         .into_iter()
-        .map(|(variant, s)| {
+        .zip(param_bytes)
+        .map(|((variant, s), param_bytes)| {
             let tps = median(s.clone());
             TrainBenchRecord {
                 variant,
                 tokens_per_s: tps,
                 step_ms: tokens_per_step / tps * 1e3,
                 samples: s,
+                param_bytes,
             }
         })
         .collect())

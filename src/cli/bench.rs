@@ -42,6 +42,9 @@ pub struct TrainArgs {
     /// ZeRO stages to measure at the largest degree (1-2 over dp, 3 over fsdp), comma separated.
     #[arg(long, value_delimiter = ',')]
     zero_stages: Vec<u8>,
+    /// Tensor-parallel degrees to measure (mesh tp=N), comma separated.
+    #[arg(long, value_delimiter = ',')]
+    tps: Vec<usize>,
     /// Interleaved repeats of every variant (medians are reported).
     #[arg(long, default_value_t = 3)]
     repeats: usize,
@@ -110,19 +113,25 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
         }
         BenchCommand::Train(args) => {
             let config = args.job.build_with_mesh("dp=1")?;
-            let records =
-                flashover::bench::train::run(&config, &args.dps, &args.zero_stages, args.repeats)?;
+            let records = flashover::bench::train::run(
+                &config,
+                &args.dps,
+                &args.zero_stages,
+                &args.tps,
+                args.repeats,
+            )?;
             let plain = records[0].tokens_per_s;
             for r in &records {
                 if args.json {
                     println!("{}", serde_json::to_string(r).expect("records serialise"));
                 } else {
                     println!(
-                        "{:<16} {:>10.0} tokens/s {:>9.2} ms/step  ratio to plain Burn {:.3}",
+                        "{:<16} {:>10.0} tokens/s {:>9.2} ms/step  ratio to plain Burn {:.3}  params/rank {:.3} MiB",
                         r.variant,
                         r.tokens_per_s,
                         r.step_ms,
-                        r.tokens_per_s / plain
+                        r.tokens_per_s / plain,
+                        r.param_bytes as f64 / (1 << 20) as f64
                     );
                 }
             }
