@@ -231,7 +231,9 @@ fn tp_collectives(sequence_parallel: bool) -> (u64, u64, u64) {
             Tensor::from_data(TensorData::new(v, [2, 8]), &device)
         };
         let before = tp.stats();
-        let _ = model.forward_loss(ids(1), ids(2)).backward();
+        let _ = model
+            .forward_loss(ids(1), ids(2), &Default::default())
+            .backward();
         let ops = tp.stats().since(&before).ops;
         let calls = |op| ops.get(&op).map_or(0, |s| s.calls);
         Ok::<_, ParallelError>((
@@ -278,5 +280,34 @@ fn sharding_a_single_rank_model_and_gathering_it_back_is_exact() {
         for (full, back) in out {
             assert_eq!(full, back, "tie_embeddings = {tie}");
         }
+    }
+}
+
+#[test]
+fn dropout_drops_the_same_elements_in_every_layout() {
+    let with_dropout = |mesh: &str, zero: u8, sp: bool| {
+        let mut c = job(mesh, 24, 2);
+        c.model.dropout = 0.1;
+        c.parallel.zero = zero;
+        c.parallel.sequence_parallel = sp;
+        c
+    };
+    // Dropout is active: the same job without it trains differently.
+    let plain = train(&job("dp=1", 24, 1), &|_| {}).unwrap();
+    let dropped = train(&with_dropout("dp=1", 0, false), &|_| {}).unwrap();
+    assert!(
+        !compare(&plain, &dropped, 1e-3).pass,
+        "dropout must change the run"
+    );
+    // Masks are keyed by the logical tensor: data, tensor (with and without sequence) and
+    // fully sharded (recomputing blocks in backward) layouts all match one rank.
+    for (mesh, zero, sp) in [
+        ("dp=3", 0, false),
+        ("dp=2,tp=2", 0, false),
+        ("tp=2", 0, true),
+        ("fsdp=2", 3, false),
+    ] {
+        let (_, _, cmp) = verify(&with_dropout(mesh, zero, sp), TOLERANCE).unwrap();
+        assert!(cmp.pass, "{mesh} zero {zero} sp {sp}: {cmp}");
     }
 }

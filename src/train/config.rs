@@ -39,6 +39,9 @@ pub struct ModelSection {
     pub d_ff: Option<usize>,
     /// Share embedding and LM head.
     pub tie_embeddings: bool,
+    /// Dropout probability on attention probabilities and on each block's two branch outputs
+    /// (counter-based masks: every layout drops the same elements as one rank).
+    pub dropout: f64,
 }
 
 impl Default for ModelSection {
@@ -50,6 +53,7 @@ impl Default for ModelSection {
             n_heads: Some(4),
             d_ff: Some(172),
             tie_embeddings: true,
+            dropout: 0.0,
         }
     }
 }
@@ -259,6 +263,12 @@ impl TrainConfig {
             }
             "text" => {}
             other => errors.push(format!("data.source = `{other}`: expected markov or text")),
+        }
+        if !(0.0..1.0).contains(&self.model.dropout) {
+            errors.push(format!(
+                "model.dropout = {} must be in [0, 1)",
+                self.model.dropout
+            ));
         }
         if self.data.seq_len == 0 {
             errors.push("data.seq_len must be at least 1".into());

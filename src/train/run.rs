@@ -9,7 +9,7 @@ use burn::optim::GradientsParams;
 use burn::optim::ModuleOptimizer;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_data::{BatchPlan, MarkovSource, TextSource, TokenSource};
-use flashover_models::{Transformer, next_token_loss};
+use flashover_models::{Dropout, ForwardContext, Transformer, next_token_loss};
 use flashover_parallel::FlatAdamWConfig;
 use flashover_parallel::clip_module_grads;
 use flashover_parallel::data_parallel::{DataParallel, DataParallelConfig, ReduceReport};
@@ -239,7 +239,7 @@ impl Strategy {
         self,
         ctx: &RankContext,
         clip: Option<f32>,
-        batches: &mut dyn FnMut(usize) -> (Tensor<2, Int>, Tensor<2, Int>),
+        batches: &mut dyn FnMut(usize) -> (Tensor<2, Int>, Tensor<2, Int>, ForwardContext),
         micro_batches: usize,
         lr: f64,
     ) -> Result<(Self, StepOutcome), RankError> {
@@ -249,8 +249,9 @@ impl Strategy {
             Strategy::Ddp(model, mut ddp, mut optim) => {
                 ddp.begin_step(micro_batches);
                 for micro in 0..micro_batches {
-                    let (inputs, targets) = batches(micro);
-                    let loss = next_token_loss(ddp.prepare(&*model).forward(inputs), targets);
+                    let (inputs, targets, fwd) = batches(micro);
+                    let logits = ddp.prepare(&*model).forward_with(inputs, &fwd);
+                    let loss = next_token_loss(logits, targets);
                     add_loss(&loss);
                     let grads = GradientsParams::from_grads(loss.backward(), &*model);
                     ddp.backward_done(&*model, grads)?;
@@ -270,8 +271,8 @@ impl Strategy {
             Strategy::Tp(model, mut ddp, mut optim) => {
                 ddp.begin_step(micro_batches);
                 for micro in 0..micro_batches {
-                    let (inputs, targets) = batches(micro);
-                    let loss = ddp.prepare(&*model).forward_loss(inputs, targets);
+                    let (inputs, targets, fwd) = batches(micro);
+                    let loss = ddp.prepare(&*model).forward_loss(inputs, targets, &fwd);
                     add_loss(&loss);
                     let grads = GradientsParams::from_grads(loss.backward(), &*model);
                     ddp.backward_done(&*model, grads)?;
@@ -301,8 +302,9 @@ impl Strategy {
             Strategy::Zero(model, mut zero) => {
                 zero.begin_step(micro_batches);
                 for micro in 0..micro_batches {
-                    let (inputs, targets) = batches(micro);
-                    let loss = next_token_loss(zero.prepare(&*model).forward(inputs), targets);
+                    let (inputs, targets, fwd) = batches(micro);
+                    let logits = zero.prepare(&*model).forward_with(inputs, &fwd);
+                    let loss = next_token_loss(logits, targets);
                     add_loss(&loss);
                     let grads = GradientsParams::from_grads(loss.backward(), &*model);
                     zero.backward_done(&*model, grads)?;
@@ -316,8 +318,8 @@ impl Strategy {
                 let before = ctx.comm_stats();
                 let waited_before = units.stats().snapshot().waited;
                 for micro in 0..micro_batches {
-                    let (inputs, targets) = batches(micro);
-                    let loss = next_token_loss(model.forward(inputs)?, targets);
+                    let (inputs, targets, fwd) = batches(micro);
+                    let loss = next_token_loss(model.forward(inputs, &fwd)?, targets);
                     add_loss(&loss);
                     let grads = GradientsParams::from_grads(loss.backward(), &*model);
                     optim.accumulate(&*model, &grads);
@@ -399,12 +401,19 @@ fn train_rank(
         let t0 = Instant::now();
         let lr = config.lr_at(step);
         let mut batches = |micro: usize| {
-            make_batch(
-                source,
-                plan.indices(step as u64, micro),
-                config.data.seq_len,
-                &device,
-            )
+            let samples = plan.indices(step as u64, micro);
+            // Dropout masks are keyed by global sample index: the same in every layout.
+            let fwd = ForwardContext {
+                dropout: (config.model.dropout > 0.0).then_some(Dropout {
+                    p: config.model.dropout,
+                    seed: config.run.seed,
+                    step: step as u64,
+                }),
+                sample_offset: samples.start as usize,
+                ..ForwardContext::default()
+            };
+            let (inputs, targets) = make_batch(source, samples, config.data.seq_len, &device);
+            (inputs, targets, fwd)
         };
         let (next, outcome) = strategy.step(ctx, clip, &mut batches, plan.micro_batches(), lr)?;
         strategy = next;

@@ -9,7 +9,7 @@
 
 use burn::module::Module;
 use burn::tensor::{Int, Tensor};
-use flashover_models::{Block, Transformer, rope_tables};
+use flashover_models::{Block, ForwardContext, Transformer, rope_tables};
 use flashover_parallel::ParallelError;
 use flashover_parallel::zero::{FullyShardConfig, FullyShardedUnit, ShardGroup};
 use std::sync::Arc;
@@ -46,8 +46,13 @@ impl ShardedTransformer {
         })
     }
 
-    /// `tokens: [batch, seq]` -> logits `[batch, seq, vocab]`.
-    pub fn forward(&self, tokens: Tensor<2, Int>) -> Result<Tensor<3>, ParallelError> {
+    /// `tokens: [batch, seq]` -> logits `[batch, seq, vocab]`, with `ctx`'s dropout (replayed
+    /// exactly when a block is recomputed in backward).
+    pub fn forward(
+        &self,
+        tokens: Tensor<2, Int>,
+        ctx: &ForwardContext,
+    ) -> Result<Tensor<3>, ParallelError> {
         if let Some(first) = self.blocks.first() {
             first.prefetch();
         }
@@ -62,8 +67,9 @@ impl ShardedTransformer {
             }
             // In backward, blocks run in reverse: this one's start prefetches the one before.
             let before = i.checked_sub(1).map(|j| self.blocks[j].prefetch_handle());
-            let rope = rope.clone();
-            h = block.forward_prefetching(h, move |b: &Block, h| b.forward(h, &rope), before)?;
+            let (rope, ctx) = (rope.clone(), *ctx);
+            let forward = move |b: &Block, h| b.forward_with(h, &rope, &ctx, i);
+            h = block.forward_prefetching(h, forward, before)?;
         }
         Ok(root.logits(h))
     }

@@ -12,7 +12,7 @@
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::tensor::{Int, Tensor};
-use flashover_models::{Transformer, rope_tables};
+use flashover_models::{ForwardContext, Site, Transformer, rope_tables};
 use flashover_parallel::ParallelError;
 use flashover_parallel::tensor_parallel::comm::copy_to_tp;
 use flashover_parallel::tensor_parallel::{
@@ -141,10 +141,28 @@ impl TpTransformer {
     }
 
     /// Mean next-token loss of `tokens` against `targets` (both `[batch, seq]`, the same on
-    /// every tp rank), computed without ever holding full logits.
-    pub fn forward_loss(&self, tokens: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
+    /// every tp rank), computed without ever holding full logits. `ctx`'s dropout masks are the
+    /// single-rank model's, restricted to this rank's heads and (with sequence parallelism)
+    /// sequence positions.
+    pub fn forward_loss(
+        &self,
+        tokens: Tensor<2, Int>,
+        targets: Tensor<2, Int>,
+        ctx: &ForwardContext,
+    ) -> Tensor<1> {
         let (tp, model) = (&self.tp, &self.local);
         let t = tokens.dims()[1];
+        let rank = tp.group.rank();
+        let heads = model.blocks.first().map_or(0, |b| b.attn.n_heads);
+        let ctx = ForwardContext {
+            head_offset: rank * heads,
+            seq_offset: if tp.sequence_parallel {
+                rank * t / tp.group.size()
+            } else {
+                0
+            },
+            ..*ctx
+        };
         let norm = |n: &RmsNorm| {
             if tp.sequence_parallel {
                 sequence_parallel_norm(n, tp)
@@ -155,11 +173,13 @@ impl TpTransformer {
         // [batch, seq, d], or [batch, seq / tp, d] with sequence parallelism.
         let mut h = vocab_parallel_embedding(model.embed.weight.val(), tokens, &self.vocab, tp);
         let rope = rope_tables(0, t, self.head_dim, model.rope_theta, &h.device());
-        for block in &model.blocks {
+        for (layer, block) in model.blocks.iter().enumerate() {
             let x = tp.enter(norm(&block.attn_norm).forward(h.clone()));
-            h = h + tp.exit(block.attn.forward(x, &rope));
+            let attn = tp.exit(block.attn.forward_with(x, &rope, &ctx, layer));
+            h = h + ctx.hidden(attn, layer, Site::AttentionOut);
             let x = tp.enter(norm(&block.mlp_norm).forward(h.clone()));
-            h = h + tp.exit(block.mlp.forward(x));
+            let mlp = tp.exit(block.mlp.forward(x));
+            h = h + ctx.hidden(mlp, layer, Site::MlpOut);
         }
         let h = tp.enter(norm(&model.norm).forward(h));
         let [b, t, d] = h.dims();

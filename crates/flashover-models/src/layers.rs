@@ -1,5 +1,6 @@
 //! The transformer's layers: causal attention with RoPE, SwiGLU MLP, and the block.
 
+use crate::dropout::{ForwardContext, Site};
 use burn::module::Module;
 use burn::nn::{Linear, RmsNorm};
 use burn::tensor::activation::{silu, softmax};
@@ -67,6 +68,17 @@ pub struct Attention {
 impl Attention {
     /// `x: [batch, seq, d_model]` -> `[batch, seq, d_model]`; `rope` from [`rope_tables`].
     pub fn forward(&self, x: Tensor<3>, rope: &(Tensor<2>, Tensor<2>)) -> Tensor<3> {
+        self.forward_with(x, rope, &ForwardContext::default(), 0)
+    }
+
+    /// [`Attention::forward`] as layer `layer`, with `ctx`'s dropout on the probabilities.
+    pub fn forward_with(
+        &self,
+        x: Tensor<3>,
+        rope: &(Tensor<2>, Tensor<2>),
+        ctx: &ForwardContext,
+        layer: usize,
+    ) -> Tensor<3> {
         let [b, t, _] = x.dims();
         let (h, hd) = (self.n_heads, self.head_dim);
         let split = |y: Tensor<3>| y.reshape([b, t, h, hd]).swap_dims(1, 2);
@@ -78,7 +90,7 @@ impl Attention {
         let mask = Tensor::<2, Bool>::tril_mask([t, t], 0, &scores.device())
             .reshape([1, 1, t, t])
             .expand([b, h, t, t]);
-        let probs = softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 3);
+        let probs = ctx.attention(softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 3), layer);
         let out = probs.matmul(v).swap_dims(1, 2).reshape([b, t, h * hd]);
         self.wo.forward(out)
     }
@@ -119,7 +131,23 @@ pub struct Block {
 impl Block {
     /// `x: [batch, seq, d_model]` -> same shape.
     pub fn forward(&self, x: Tensor<3>, rope: &(Tensor<2>, Tensor<2>)) -> Tensor<3> {
-        let x = x.clone() + self.attn.forward(self.attn_norm.forward(x), rope);
-        x.clone() + self.mlp.forward(self.mlp_norm.forward(x))
+        self.forward_with(x, rope, &ForwardContext::default(), 0)
+    }
+
+    /// [`Block::forward`] as layer `layer`, with `ctx`'s dropout on the attention
+    /// probabilities and on both branches' outputs.
+    pub fn forward_with(
+        &self,
+        x: Tensor<3>,
+        rope: &(Tensor<2>, Tensor<2>),
+        ctx: &ForwardContext,
+        layer: usize,
+    ) -> Tensor<3> {
+        let attn = self
+            .attn
+            .forward_with(self.attn_norm.forward(x.clone()), rope, ctx, layer);
+        let x = x + ctx.hidden(attn, layer, Site::AttentionOut);
+        let mlp = self.mlp.forward(self.mlp_norm.forward(x.clone()));
+        x + ctx.hidden(mlp, layer, Site::MlpOut)
     }
 }

@@ -21,9 +21,11 @@
 //! ```
 #![warn(missing_docs)]
 
+mod dropout;
 pub mod init;
 mod layers;
 mod transformer;
 
+pub use dropout::{Dropout, ForwardContext, Site};
 pub use layers::{Attention, Block, SwiGlu, rope_tables};
 pub use transformer::{Transformer, TransformerConfig, next_token_loss};

@@ -1,5 +1,6 @@
 //! The model: embedding, blocks, final norm, LM head; configuration and presets.
 
+use crate::dropout::ForwardContext;
 use crate::init;
 use crate::layers::{Attention, Block, SwiGlu, rope_tables};
 use burn::config::Config;
@@ -156,13 +157,17 @@ pub struct Transformer {
 impl Transformer {
     /// `tokens: [batch, seq]` -> logits `[batch, seq, vocab]`.
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        self.forward_with(tokens, &ForwardContext::default())
+    }
+
+    /// [`Transformer::forward`] with `ctx`'s dropout (see [`ForwardContext`]).
+    pub fn forward_with(&self, tokens: Tensor<2, Int>, ctx: &ForwardContext) -> Tensor<3> {
         let t = tokens.dims()[1];
         let h = self.embed_tokens(tokens);
         let rope = self.rope(0, t, &h.device());
-        let h = self
-            .blocks
-            .iter()
-            .fold(h, |h, block| block.forward(h, &rope));
+        let h = self.blocks.iter().enumerate().fold(h, |h, (layer, block)| {
+            block.forward_with(h, &rope, ctx, layer)
+        });
         self.logits(h)
     }
 
