@@ -41,6 +41,21 @@ pub enum Command {
     /// Device meshes.
     #[command(subcommand)]
     Mesh(MeshCommand),
+    /// Print a pipeline schedule as a time x stage table, with its bubbles.
+    PpSchedule {
+        /// Pipeline ranks.
+        #[arg(long)]
+        pp: usize,
+        /// Micro-batches per step.
+        #[arg(long)]
+        microbatches: usize,
+        /// gpipe, 1f1b, interleaved or zb-h1.
+        #[arg(long, default_value = "1f1b")]
+        schedule: String,
+        /// Model chunks per rank (interleaved only).
+        #[arg(long, default_value_t = 2)]
+        chunks: usize,
+    },
 }
 
 /// `flashover mesh ...`.
@@ -66,6 +81,35 @@ pub fn run(cli: Cli) -> Result<(), String> {
             if !job::verify(&job, tolerance)? {
                 // The last line printed is the verdict; the exit code says it too.
                 std::process::exit(1);
+            }
+            Ok(())
+        }
+        Command::PpSchedule {
+            pp,
+            microbatches,
+            schedule,
+            chunks,
+        } => {
+            use flashover_parallel::pipeline::{Costs, Schedule, render_table, simulate};
+            let kind = schedule.parse().map_err(|e| format!("--schedule: {e}"))?;
+            let schedule = Schedule::build(kind, pp, microbatches, chunks)?;
+            let timeline = simulate(&schedule, &Costs::default()).map_err(|e| e.to_string())?;
+            println!(
+                "{kind:?}: pp={pp}, {microbatches} micro-batches, {} chunk(s) per rank; forward 1, backward 2 (input 1 + weight 1) time units",
+                schedule.chunks
+            );
+            print!("{}", render_table(&timeline, 1.0));
+            for (rank, (bubble, peak)) in timeline
+                .bubbles()
+                .iter()
+                .zip(&timeline.peak_in_flight)
+                .enumerate()
+            {
+                println!(
+                    "rank {rank}: idle {:.1}% of {} units; at most {peak} micro-batch(es) in flight",
+                    bubble * 100.0,
+                    timeline.makespan
+                );
             }
             Ok(())
         }

@@ -10,6 +10,8 @@
 //! - [`params`]: walking a Burn module's parameters: layout, flattening, broadcasting.
 //! - [`zero`]: sharded data parallel: ZeRO-1/2 (optimizer state, gradients), ZeRO-3/FSDP units,
 //!   HSDP.
+//! - [`pipeline`]: pipeline schedules as data (GPipe, 1F1B, interleaved, zero-bubble H1), checked
+//!   and timed before they run.
 //! - [`tensor_parallel`]: Megatron's column/row-parallel layers, vocabulary-parallel embedding and
 //!   loss, sequence parallelism.
 //! - [`FlatAdamW`]: AdamW on a flat slice, matching Burn's AdamW, for sharded optimizers.
@@ -21,6 +23,7 @@ mod flat_adamw;
 mod grad_clip;
 mod hook;
 pub mod params;
+pub mod pipeline;
 pub mod tensor_parallel;
 pub mod zero;
 
