@@ -173,8 +173,8 @@ pub fn validate(schedule: &Schedule) -> Result<(), ScheduleError> {
     let mut channels = HashMap::new();
     loop {
         let mut moved = false;
-        for rank in 0..s.pp {
-            while let Some(a) = s.ranks[rank].get(next[rank]) {
+        for (rank, actions) in s.ranks.iter().enumerate() {
+            while let Some(a) = actions.get(next[rank]) {
                 if !play(s, rank, a, &mut progress, &mut channels)? {
                     break;
                 }
