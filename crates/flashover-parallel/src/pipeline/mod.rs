@@ -1,15 +1,18 @@
-//! Pipeline parallelism over the `pp` mesh axis. **So far: schedules.**
+//! Pipeline parallelism over the `pp` mesh axis. **So far: schedules and their executor.**
 //!
 //! A schedule is data ([`Schedule`]): per rank, the ordered list of forward, backward (or
 //! input- and weight-gradient) and send/receive actions. Generators build GPipe, 1F1B,
 //! interleaved 1F1B and zero-bubble H1; users can write their own. [`validate`] checks a
 //! schedule before anything runs (a backward before its forward, an unmatched or misordered
 //! message, deadlock); [`simulate`] times it with given costs, giving each rank's bubble and
-//! peak activations in flight; [`render_table`] prints the time x stage table. The executor
-//! that runs a schedule on model stages is the rest of the pipeline issue.
+//! peak activations in flight; [`render_table`] prints the time x stage table.
+//! [`PipelineExecutor`] runs a schedule on this rank's model chunks. Splitting the reference
+//! transformer into stages and `train --mesh pp=..` are the rest of the pipeline issue.
 
+mod executor;
 mod schedule;
 mod simulate;
 
+pub use executor::{PipelineExecutor, PipelineStepReport, StageOutput};
 pub use schedule::{Action, ActionKind, Schedule, ScheduleKind};
 pub use simulate::{Costs, ScheduleError, Slot, Timeline, render_table, simulate, validate};

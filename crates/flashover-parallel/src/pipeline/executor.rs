@@ -1,0 +1,194 @@
+//! Runs a [`Schedule`] on this rank's model chunks: forwards and backwards in the schedule's
+//! order, activations and their gradients sent to the neighbouring stages through the
+//! collective layer's send/recv.
+//!
+//! A stage's input arrives as a new autodiff leaf; its backward is `(output * grad).sum()`
+//! backpropagated, after which the input's gradient goes back upstream (the recipe the
+//! project notes verified: parameter gradients equal the unsplit model's). Losses are
+//! per-micro-batch means, so gradients are averaged over micro-batches, as one rank computing
+//! the whole batch would. Zero-bubble's input/weight split is honoured as an order only: the
+//! input-gradient action runs the whole backward and the weight-gradient action is
+//! bookkeeping (Burn has no partial backward), so results are exact but the bubble is 1F1B's.
+
+use super::schedule::{ActionKind, Schedule};
+use super::simulate::validate;
+use crate::error::ParallelError;
+use crate::params::{ParamLayout, accumulate_grads, grads_from_flat};
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::tensor::{Device, Tensor};
+use flashover_comm::Group;
+use flashover_runtime::TensorCollectives;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// What a chunk's forward returns: the activation for the next stage, or on the last virtual
+/// stage the micro-batch's loss.
+pub enum StageOutput<const D: usize> {
+    /// Output activation.
+    Activation(Tensor<D>),
+    /// Mean loss of the micro-batch.
+    Loss(Tensor<1>),
+}
+
+/// What one step measured on this rank.
+#[derive(Debug, Clone, Default)]
+pub struct PipelineStepReport {
+    /// Sum of the micro-batch losses (last virtual stage; 0 elsewhere).
+    pub loss_sum: f64,
+    /// Time in forwards.
+    pub forward: Duration,
+    /// Time in backwards.
+    pub backward: Duration,
+    /// Time waiting in receives.
+    pub recv_wait: Duration,
+}
+
+/// Runs `schedule` for pipeline rank `group.rank()`; see the module docs.
+pub struct PipelineExecutor<'a> {
+    schedule: &'a Schedule,
+    group: &'a Group,
+}
+
+impl<'a> PipelineExecutor<'a> {
+    /// Validates `schedule` (before anything runs) for a pipeline group of matching size.
+    pub fn new(schedule: &'a Schedule, group: &'a Group) -> Result<Self, ParallelError> {
+        if group.size() != schedule.pp {
+            return Err(ParallelError::Invalid(format!(
+                "schedule for pp = {} on a pipeline group of {} ranks",
+                schedule.pp,
+                group.size()
+            )));
+        }
+        validate(schedule).map_err(|e| ParallelError::Invalid(e.to_string()))?;
+        Ok(PipelineExecutor { schedule, group })
+    }
+
+    /// One step over every micro-batch: `forward(chunk, module, input, micro)` runs chunk
+    /// `chunk` (its module is `chunks[chunk]`) on `input` (`None` on the first virtual stage,
+    /// which reads micro-batch `micro` itself). Activations have shape `shape` and live on
+    /// `device` (an autodiff device). Returns, per chunk, its gradients averaged over
+    /// micro-batches, and what the step measured.
+    pub fn step<M, F, const D: usize>(
+        &self,
+        chunks: &[M],
+        shape: [usize; D],
+        device: &Device,
+        forward: F,
+    ) -> Result<(Vec<GradientsParams>, PipelineStepReport), ParallelError>
+    where
+        M: Module,
+        F: Fn(usize, &M, Option<Tensor<D>>, usize) -> StageOutput<D>,
+    {
+        let s = self.schedule;
+        let rank = self.group.rank();
+        if chunks.len() != s.chunks {
+            return Err(ParallelError::Invalid(format!(
+                "the schedule has {} chunks per rank; {} were given",
+                s.chunks,
+                chunks.len()
+            )));
+        }
+        let layouts: Vec<ParamLayout> = chunks.iter().map(ParamLayout::of).collect();
+        let mut flats: Vec<Vec<f32>> = layouts.iter().map(|l| vec![0.0; l.numel]).collect();
+        let mut inputs: HashMap<(usize, usize), Tensor<D>> = HashMap::new();
+        let mut outputs: HashMap<(usize, usize), (Option<Tensor<D>>, StageOutput<D>)> =
+            HashMap::new();
+        let mut grads_in: HashMap<(usize, usize), Tensor<D>> = HashMap::new();
+        let mut grads_out: HashMap<(usize, usize), Tensor<D>> = HashMap::new();
+        let mut report = PipelineStepReport::default();
+        let dtype = burn::tensor::DType::F32;
+        for a in &s.ranks[rank] {
+            let key = (a.micro, a.chunk);
+            let stage = s.stage_of(rank, a.chunk);
+            match a.kind {
+                ActionKind::RecvActivation => {
+                    let src = s.place(stage - 1).0;
+                    let t0 = Instant::now();
+                    let x = self.group.recv_tensor(shape, dtype, src, device)?;
+                    report.recv_wait += t0.elapsed();
+                    inputs.insert(key, x.require_grad());
+                }
+                ActionKind::RecvGrad => {
+                    let src = s.place(stage + 1).0;
+                    let t0 = Instant::now();
+                    let g = self
+                        .group
+                        .recv_tensor(shape, dtype, src, &device.clone().inner())?;
+                    report.recv_wait += t0.elapsed();
+                    grads_out.insert(key, g);
+                }
+                ActionKind::Forward => {
+                    let t0 = Instant::now();
+                    let input = inputs.remove(&key);
+                    let out = forward(a.chunk, &chunks[a.chunk], input.clone(), a.micro);
+                    if let StageOutput::Loss(loss) = &out {
+                        report.loss_sum += loss.clone().into_scalar::<f32>() as f64;
+                    }
+                    outputs.insert(key, (input, out));
+                    report.forward += t0.elapsed();
+                }
+                ActionKind::SendActivation => {
+                    let dst = s.place(stage + 1).0;
+                    match outputs.get(&key) {
+                        Some((_, StageOutput::Activation(y))) => {
+                            self.group.send_tensor(&y.clone().detach(), dst)?
+                        }
+                        _ => {
+                            return Err(ParallelError::Invalid(format!(
+                                "rank {rank}: chunk {} returned a loss where an activation was due",
+                                a.chunk
+                            )));
+                        }
+                    }
+                }
+                ActionKind::Backward | ActionKind::BackwardInput => {
+                    let t0 = Instant::now();
+                    let (input, out) = outputs.remove(&key).expect("validated: forward first");
+                    let grads = match out {
+                        StageOutput::Loss(loss) => loss.backward(),
+                        StageOutput::Activation(y) => {
+                            let g = grads_out.remove(&key).ok_or_else(|| {
+                                ParallelError::Invalid(format!(
+                                    "rank {rank}: no output gradient for micro-batch {} chunk {}",
+                                    a.micro, a.chunk
+                                ))
+                            })?;
+                            let g = Tensor::<D>::from_data(g.into_data(), device);
+                            (y * g).sum().backward()
+                        }
+                    };
+                    if let Some(x) = input
+                        && let Some(gx) = x.grad(&grads)
+                    {
+                        grads_in.insert(key, gx);
+                    }
+                    let params = GradientsParams::from_grads(grads, &chunks[a.chunk]);
+                    accumulate_grads(&chunks[a.chunk], &params, &mut flats[a.chunk], &[]);
+                    report.backward += t0.elapsed();
+                }
+                ActionKind::BackwardWeight => {}
+                ActionKind::SendGrad => {
+                    let dst = s.place(stage - 1).0;
+                    let g = grads_in.remove(&key).ok_or_else(|| {
+                        ParallelError::Invalid(format!(
+                            "rank {rank}: chunk {}'s input got no gradient for micro-batch {}",
+                            a.chunk, a.micro
+                        ))
+                    })?;
+                    self.group.send_tensor(&g, dst)?;
+                }
+            }
+        }
+        let m = s.micro_batches as f32;
+        let grads = chunks
+            .iter()
+            .zip(flats.iter_mut())
+            .map(|(chunk, flat)| {
+                flat.iter_mut().for_each(|g| *g /= m);
+                grads_from_flat(chunk, flat)
+            })
+            .collect();
+        Ok((grads, report))
+    }
+}

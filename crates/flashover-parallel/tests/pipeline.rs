@@ -1,0 +1,271 @@
+//! The pipeline executor against one rank: an 8-layer stack split into p x v virtual stages,
+//! every built-in schedule at p = 2, 3, 4 and m = 1, p, 2p + 1 micro-batches, and dp x pp;
+//! the loss and every layer's gradient must match the unsplit model on the whole batch.
+
+use burn::module::{Module, Param};
+use burn::nn::Linear;
+
+use burn::tensor::{Device, Tensor, TensorData};
+use flashover_comm::{CommunicatorExt, ReduceOp};
+use flashover_parallel::ParallelError;
+use flashover_parallel::params::{ParamLayout, accumulate_grads};
+use flashover_parallel::pipeline::{
+    ActionKind, PipelineExecutor, Schedule, ScheduleKind, StageOutput,
+};
+use flashover_runtime::{Axis, launch};
+
+const LAYERS: usize = 8;
+const ROWS_PER_MICRO: usize = 2;
+/// Tolerance against one rank computing the whole batch at once, relative to the largest
+/// gradient element (fp32; the pipeline also matches one rank accumulating the same
+/// micro-batches to 1e-6).
+const WHOLE_BATCH: f32 = 1e-5;
+
+#[derive(Module, Debug)]
+struct Stack {
+    layers: Vec<Linear>,
+}
+
+fn layer(i: usize, device: &Device) -> Linear {
+    // Near identity plus a perturbation: the signal and its gradient survive eight layers.
+    let w: Vec<f32> = (0..36)
+        .map(|k| (k % 7 == 0) as u8 as f32 + (k as f32 * 0.41 + i as f32).sin() * 0.3)
+        .collect();
+    Linear {
+        weight: Param::from_data(TensorData::new(w, [6, 6]), device),
+        bias: None,
+    }
+}
+
+impl Stack {
+    fn new(range: std::ops::Range<usize>, device: &Device) -> Self {
+        Stack {
+            layers: range.map(|i| layer(i, device)).collect(),
+        }
+    }
+
+    fn forward(&self, mut x: Tensor<2>) -> Tensor<2> {
+        for l in &self.layers {
+            x = l.forward(x).tanh();
+        }
+        x
+    }
+}
+
+fn rows(first: usize, n: usize, device: &Device) -> Tensor<2> {
+    let v: Vec<f32> = (first * 6..(first + n) * 6)
+        .map(|i| (i as f32 * 0.23).cos())
+        .collect();
+    Tensor::from_data(TensorData::new(v, [n, 6]), device)
+}
+
+fn loss(y: Tensor<2>) -> Tensor<1> {
+    (y - 1.5).powi_scalar(2).mean()
+}
+
+/// Layers of virtual stage `k` of `stages`.
+fn stage_layers(k: usize, stages: usize) -> std::ops::Range<usize> {
+    k * LAYERS / stages..(k + 1) * LAYERS / stages
+}
+
+/// Loss and per-layer weight gradients of the whole stack on `n` rows.
+fn reference(n: usize) -> (f32, Vec<Vec<f32>>) {
+    let device = Device::flex().autodiff();
+    let stack = Stack::new(0..LAYERS, &device);
+    let l = loss(stack.forward(rows(0, n, &device)));
+    let value = l.clone().into_scalar::<f32>();
+    let grads = l.backward();
+    let g = stack
+        .layers
+        .iter()
+        .map(|layer| {
+            layer
+                .weight
+                .grad(&grads)
+                .unwrap()
+                .into_data()
+                .try_to_vec::<f32>()
+                .unwrap()
+        })
+        .collect();
+    (value, g)
+}
+
+/// The same on one rank, accumulating `m` micro-batches of `ROWS_PER_MICRO` rows (gradients
+/// averaged): the order of sums the pipeline uses.
+fn reference_accumulated(m: usize) -> (f32, Vec<Vec<f32>>) {
+    let device = Device::flex().autodiff();
+    let stack = Stack::new(0..LAYERS, &device);
+    let mut total = 0.0;
+    let mut sums = vec![vec![0.0f32; 36]; LAYERS];
+    for micro in 0..m {
+        let l = loss(stack.forward(rows(micro * ROWS_PER_MICRO, ROWS_PER_MICRO, &device)));
+        total += l.clone().into_scalar::<f32>();
+        let grads = l.backward();
+        for (acc, layer) in sums.iter_mut().zip(&stack.layers) {
+            let g = layer
+                .weight
+                .grad(&grads)
+                .unwrap()
+                .into_data()
+                .try_to_vec::<f32>()
+                .unwrap();
+            acc.iter_mut().zip(g).for_each(|(a, x)| *a += x);
+        }
+    }
+    for acc in &mut sums {
+        acc.iter_mut().for_each(|a| *a /= m as f32);
+    }
+    (total / m as f32, sums)
+}
+
+/// Runs `kind` on `mesh` (pp and optional dp) with `m` micro-batches per replica: the mean loss
+/// and every layer's gradient (averaged over dp), gathered by layer index.
+fn pipelined(
+    mesh: &str,
+    kind: ScheduleKind,
+    m: usize,
+    v: usize,
+) -> Result<(f32, Vec<Vec<f32>>), String> {
+    let out = launch(mesh, |ctx| {
+        let device = Device::flex().autodiff();
+        let pp = ctx.group(Axis::Pp);
+        let dp = ctx.group(Axis::Dp);
+        let schedule = Schedule::build(kind, pp.size(), m, v).map_err(ParallelError::Invalid)?;
+        let stages = schedule.stages();
+        let chunks: Vec<Stack> = (0..schedule.chunks)
+            .map(|c| {
+                Stack::new(
+                    stage_layers(schedule.stage_of(pp.rank(), c), stages),
+                    &device,
+                )
+            })
+            .collect();
+        let first_row = dp.rank() * m * ROWS_PER_MICRO;
+        let last = stages - 1;
+        let executor = PipelineExecutor::new(&schedule, pp)?;
+        let (grads, report) = executor.step(
+            &chunks,
+            [ROWS_PER_MICRO, 6],
+            &device,
+            |chunk, module: &Stack, input, micro| {
+                let stage = schedule.stage_of(pp.rank(), chunk);
+                let x = input.unwrap_or_else(|| {
+                    rows(first_row + micro * ROWS_PER_MICRO, ROWS_PER_MICRO, &device)
+                });
+                let y = module.forward(x);
+                if stage == last {
+                    StageOutput::Loss(loss(y))
+                } else {
+                    StageOutput::Activation(y)
+                }
+            },
+        )?;
+        // Every layer's gradient, averaged over data-parallel replicas.
+        let mut per_layer = vec![];
+        for (c, (chunk, g)) in chunks.iter().zip(&grads).enumerate() {
+            let mut flat = vec![0.0; ParamLayout::of(chunk).numel];
+            accumulate_grads(chunk, g, &mut flat, &[]);
+            dp.all_reduce(&mut flat, ReduceOp::Avg)?;
+            let first = stage_layers(schedule.stage_of(pp.rank(), c), stages).start;
+            for (i, w) in flat.chunks(36).enumerate() {
+                per_layer.push((first + i, w.to_vec()));
+            }
+        }
+        let mut l = [report.loss_sum / m as f64];
+        ctx.world().all_reduce(&mut l, ReduceOp::Sum)?;
+        // Only the dp replicas' last stages contributed a loss.
+        Ok::<_, ParallelError>((l[0] as f32 / dp.size() as f32, per_layer))
+    })
+    .map_err(|e| e.to_string())?;
+    let mut layers = vec![vec![]; LAYERS];
+    for (_, per_layer) in &out {
+        for (i, w) in per_layer {
+            layers[*i] = w.clone();
+        }
+    }
+    Ok((out[0].0, layers))
+}
+
+/// Loss, and every layer's gradient within `tol` of the largest gradient element of the model
+/// (as the layout tests compare parameters).
+fn assert_close(got: &(f32, Vec<Vec<f32>>), want: &(f32, Vec<Vec<f32>>), tol: f32, what: &str) {
+    assert!(
+        (got.0 - want.0).abs() <= 1e-5 * want.0.abs(),
+        "{what}: loss {} vs {}",
+        got.0,
+        want.0
+    );
+    let scale = want
+        .1
+        .iter()
+        .flatten()
+        .fold(0f32, |m, x| m.max(x.abs()))
+        .max(1e-12);
+    for (i, (g, w)) in got.1.iter().zip(&want.1).enumerate() {
+        let diff = g.iter().zip(w).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale;
+        assert!(
+            diff <= tol,
+            "{what}: layer {i} gradient differs by {diff:e}"
+        );
+    }
+}
+
+#[test]
+fn every_schedule_matches_one_rank_at_p_2_3_4() {
+    for p in [2, 3, 4] {
+        for m in [1, p, 2 * p + 1] {
+            let want = reference(m * ROWS_PER_MICRO);
+            let acc = reference_accumulated(m);
+            for kind in [
+                ScheduleKind::GPipe,
+                ScheduleKind::OneFOneB,
+                ScheduleKind::ZeroBubbleH1,
+            ] {
+                let got = pipelined(&format!("pp={p}"), kind, m, 1).unwrap();
+                // Same sums in the same order as one rank accumulating micro-batches.
+                assert_close(
+                    &got,
+                    &acc,
+                    1e-6,
+                    &format!("{kind:?} p={p} m={m} vs accumulated"),
+                );
+                assert_close(
+                    &got,
+                    &want,
+                    WHOLE_BATCH,
+                    &format!("{kind:?} p={p} m={m} vs whole batch"),
+                );
+            }
+        }
+        // Interleaved: two chunks per rank, micro-batches a multiple of p.
+        let m = 2 * p;
+        let got = pipelined(&format!("pp={p}"), ScheduleKind::Interleaved1F1B, m, 2).unwrap();
+        let what = format!("interleaved p={p}");
+        assert_close(&got, &reference_accumulated(m), 1e-6, &what);
+        assert_close(&got, &reference(m * ROWS_PER_MICRO), WHOLE_BATCH, &what);
+    }
+}
+
+#[test]
+fn data_parallel_times_pipeline_matches_one_rank() {
+    let want = reference(2 * 3 * ROWS_PER_MICRO);
+    let got = pipelined("pp=2,dp=2", ScheduleKind::OneFOneB, 3, 1).unwrap();
+    assert_close(&got, &want, WHOLE_BATCH, "dp=2 x pp=2");
+}
+
+#[test]
+fn an_invalid_schedule_is_refused_before_anything_runs() {
+    let err = launch("pp=2", |ctx| {
+        let mut schedule = Schedule::build(ScheduleKind::OneFOneB, 2, 2, 1).unwrap();
+        schedule.ranks[1].retain(|a| a.kind != ActionKind::RecvActivation);
+        PipelineExecutor::new(&schedule, ctx.group(Axis::Pp)).map(|_| ())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("invalid pipeline schedule"), "{err}");
+    assert!(
+        err.contains("before its input activation was received"),
+        "{err}"
+    );
+}
