@@ -175,7 +175,7 @@ fn layouts_the_job_cannot_run_are_refused_up_front() {
             3,
             "parallel.zero = 3 shards parameters over the fsdp axis",
         ),
-        ("pp=2", 0, "axis `pp` is not supported by `train` yet"),
+        ("ep=2", 0, "axis `ep` is not supported by `train` yet"),
         (
             "dp=2,tp=2",
             1,
@@ -310,4 +310,42 @@ fn dropout_drops_the_same_elements_in_every_layout() {
         let (_, _, cmp) = verify(&with_dropout(mesh, zero, sp), TOLERANCE).unwrap();
         assert!(cmp.pass, "{mesh} zero {zero} sp {sp}: {cmp}");
     }
+}
+
+#[test]
+fn pipeline_training_matches_one_rank_for_every_schedule() {
+    let pipeline = |mesh: &str, schedule: &str, chunks: usize, micro: usize| {
+        let mut c = job(mesh, 24, micro);
+        c.model.n_layers = Some(4);
+        c.model.tie_embeddings = false;
+        c.parallel.pp_schedule = schedule.into();
+        c.parallel.pp_chunks = chunks;
+        c
+    };
+    for (mesh, schedule, chunks, micro) in [
+        ("pp=2", "gpipe", 1, 3),
+        ("pp=2", "1f1b", 1, 4),
+        ("pp=4", "1f1b", 1, 4),
+        ("pp=3", "zb-h1", 1, 3),
+        ("pp=2", "interleaved", 2, 4),
+        ("dp=2,pp=2", "1f1b", 1, 3),
+    ] {
+        let (_, _, cmp) = verify(&pipeline(mesh, schedule, chunks, micro), TOLERANCE).unwrap();
+        assert!(
+            cmp.pass,
+            "{mesh} {schedule} x{chunks}, {micro} micro-batches: {cmp}"
+        );
+    }
+    let mut tied = pipeline("pp=2", "1f1b", 1, 2);
+    tied.model.tie_embeddings = true;
+    let err = train(&tied, &|_| {}).unwrap_err();
+    assert!(
+        err.contains("model.tie_embeddings = true with pp > 1"),
+        "{err}"
+    );
+    let err = train(&pipeline("pp=2", "interleaved", 2, 3), &|_| {}).unwrap_err();
+    assert!(
+        err.contains("needs micro-batches (3) to be a multiple of pp (2)"),
+        "{err}"
+    );
 }

@@ -69,6 +69,15 @@ pub struct JobArgs {
     /// With a tp axis: split activations outside the tensor-parallel regions along the sequence.
     #[arg(long)]
     sequence_parallel: bool,
+    /// With a pp axis: gpipe, 1f1b, interleaved or zb-h1.
+    #[arg(long)]
+    pp_schedule: Option<String>,
+    /// With a pp axis and the interleaved schedule: model chunks per rank.
+    #[arg(long)]
+    pp_chunks: Option<usize>,
+    /// Untie the LM head from the embedding (needed with a pp axis).
+    #[arg(long)]
+    untie_embeddings: bool,
 }
 
 impl JobArgs {
@@ -115,6 +124,11 @@ impl JobArgs {
         );
         if self.sequence_parallel {
             c.parallel.sequence_parallel = true;
+        }
+        set(&mut c.parallel.pp_schedule, self.pp_schedule.clone());
+        set(&mut c.parallel.pp_chunks, self.pp_chunks);
+        if self.untie_embeddings {
+            c.model.tie_embeddings = false;
         }
         if let Some(clip) = self.clip {
             c.optim.clip = (clip > 0.0).then_some(clip);

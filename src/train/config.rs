@@ -110,6 +110,12 @@ pub struct ParallelSection {
     /// With a `tp` axis: split the activations between the tensor-parallel regions along the
     /// sequence (Megatron's sequence parallelism).
     pub sequence_parallel: bool,
+    /// With a `pp` axis: the schedule (gpipe, 1f1b, interleaved, zb-h1).
+    pub pp_schedule: String,
+    /// With a `pp` axis and the interleaved schedule: model chunks per rank.
+    pub pp_chunks: usize,
+    /// With a `pp` axis: blocks per virtual stage (default: as even as possible).
+    pub pp_blocks: Option<Vec<usize>>,
 }
 
 impl Default for ParallelSection {
@@ -123,6 +129,9 @@ impl Default for ParallelSection {
             zero: 0,
             reshard_after_forward: true,
             sequence_parallel: false,
+            pp_schedule: "1f1b".into(),
+            pp_chunks: 1,
+            pp_blocks: None,
         }
     }
 }
@@ -276,10 +285,60 @@ impl TrainConfig {
         match self.mesh() {
             Ok(mesh) => {
                 for axis in Axis::ALL {
-                    if !matches!(axis, Axis::Dp | Axis::Fsdp | Axis::Tp) && mesh.degree(axis) > 1 {
+                    if !matches!(axis, Axis::Dp | Axis::Fsdp | Axis::Tp | Axis::Pp)
+                        && mesh.degree(axis) > 1
+                    {
                         errors.push(format!(
-                            "parallel.mesh: axis `{axis}` is not supported by `train` yet (dp, fsdp and tp only)"
+                            "parallel.mesh: axis `{axis}` is not supported by `train` yet (dp, fsdp, tp and pp only)"
                         ));
+                    }
+                }
+                let pp = mesh.degree(Axis::Pp);
+                if pp > 1 {
+                    if self.parallel.zero > 0
+                        || mesh.degree(Axis::Tp) > 1
+                        || mesh.degree(Axis::Fsdp) > 1
+                    {
+                        errors.push(format!(
+                            "parallel.mesh `{}` with pp={pp}: pipeline parallelism composes with dp so far, not with tp, fsdp or ZeRO",
+                            self.parallel.mesh
+                        ));
+                    }
+                    if self.model.tie_embeddings {
+                        errors.push("model.tie_embeddings = true with pp > 1: the first and last pipeline stages would share the embedding; set it to false".into());
+                    }
+                    match self
+                        .parallel
+                        .pp_schedule
+                        .parse::<flashover_parallel::pipeline::ScheduleKind>()
+                    {
+                        Ok(kind) => {
+                            let chunks = if kind
+                                == flashover_parallel::pipeline::ScheduleKind::Interleaved1F1B
+                            {
+                                self.parallel.pp_chunks.max(1)
+                            } else {
+                                1
+                            };
+                            if let Err(e) = flashover_parallel::pipeline::Schedule::build(
+                                kind,
+                                pp,
+                                self.run.micro_batches,
+                                chunks,
+                            ) {
+                                errors.push(format!("parallel.pp_schedule: {e}"));
+                            }
+                            if let Ok(t) = self.transformer(self.vocab_size())
+                                && let Err(e) = super::pp_model::split_blocks(
+                                    t.n_layers,
+                                    pp * chunks,
+                                    self.parallel.pp_blocks.as_deref(),
+                                )
+                            {
+                                errors.push(e);
+                            }
+                        }
+                        Err(e) => errors.push(format!("parallel.pp_schedule: {e}")),
                     }
                 }
                 let tp = mesh.degree(Axis::Tp);

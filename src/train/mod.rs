@@ -2,6 +2,7 @@
 //! loop, its report, and the equivalence check between layouts.
 
 mod config;
+mod pp_model;
 mod report;
 mod run;
 mod sharded_model;
@@ -11,6 +12,7 @@ mod verify;
 pub use config::{
     DataSection, ModelSection, OptimSection, ParallelSection, RunSection, TrainConfig,
 };
+pub use pp_model::{TransformerStage, split_blocks};
 pub use report::{RankTimes, StepRecord, TrainReport, memory_formula};
 pub use run::{make_batch, token_source, train};
 pub use sharded_model::ShardedTransformer;

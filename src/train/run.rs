@@ -1,6 +1,7 @@
 //! The training job: one closure per rank under the launcher, data parallel over the `dp` axis.
 
 use super::config::TrainConfig;
+use super::pp_model::{TransformerStage, split_blocks};
 use super::report::{RankTimes, StepRecord, TrainReport};
 use super::sharded_model::ShardedTransformer;
 use super::tp_model::TpTransformer;
@@ -13,12 +14,14 @@ use flashover_models::{Dropout, ForwardContext, Transformer, next_token_loss};
 use flashover_parallel::FlatAdamWConfig;
 use flashover_parallel::clip_module_grads;
 use flashover_parallel::data_parallel::{DataParallel, DataParallelConfig, ReduceReport};
-use flashover_parallel::params::{ParamLayout, flatten_params};
+use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
+use flashover_parallel::pipeline::{PipelineExecutor, Schedule, ScheduleKind};
 use flashover_parallel::tensor_parallel::TensorParallel;
 use flashover_parallel::zero::{
     FullyShardConfig, FullyShardedOptimizer, MemoryReport, ShardGroup, ShardedDataParallel,
     ZeroConfig,
 };
+use flashover_runtime::ReduceOp;
 use flashover_runtime::{Axis, CommunicatorExt, Group, Launch, RankContext, RankError};
 use std::io::Write;
 use std::sync::Arc;
@@ -149,6 +152,8 @@ enum Strategy {
     Ddp(Box<Transformer>, DataParallel, ModuleOptimizer),
     /// Replicas, AdamW state (and with stage 2 gradients) sharded.
     Zero(Box<Transformer>, ShardedDataParallel),
+    /// Layers split into pipeline stages over `pp` (this rank's chunks), replicas over `dp`.
+    Pp(Box<PipelineState>),
     /// Weights split over `tp` (Megatron), replicas over `dp`.
     Tp(Box<TpTransformer>, DataParallel, ModuleOptimizer),
     /// Parameters sharded in units over `fsdp` (replicated over `dp`: HSDP).
@@ -167,6 +172,18 @@ struct StepOutcome {
     overlapped: Duration,
     exposed: Duration,
     memory: MemoryReport,
+}
+
+/// A pipeline rank's chunks, schedule, optimizer and how to name its parameters.
+struct PipelineState {
+    chunks: Vec<TransformerStage>,
+    schedule: Schedule,
+    optim: ModuleOptimizer,
+    /// Blocks per virtual stage, and the full model's structure (for naming parameters).
+    counts: Vec<usize>,
+    template: Transformer,
+    shape: [usize; 3],
+    average: bool,
 }
 
 impl StepOutcome {
@@ -194,6 +211,33 @@ impl Strategy {
             .with_bucket_bytes((config.parallel.bucket_mb * (1 << 20) as f64) as usize)
             .with_overlap(config.parallel.overlap)
             .with_average(config.parallel.gradient_reduction == "mean");
+        let pp = ctx.group(Axis::Pp);
+        if pp.size() > 1 {
+            let kind: ScheduleKind = config.parallel.pp_schedule.parse()?;
+            let micro = config.run.micro_batches;
+            let schedule = Schedule::build(kind, pp.size(), micro, config.parallel.pp_chunks)
+                .map_err(RankError::from)?;
+            let counts = split_blocks(
+                model.blocks.len(),
+                schedule.stages(),
+                config.parallel.pp_blocks.as_deref(),
+            )?;
+            let chunks = (0..schedule.chunks)
+                .map(|c| TransformerStage::cut(&model, schedule.stage_of(pp.rank(), c), &counts))
+                .collect::<Result<Vec<_>, _>>()?;
+            let rows = config.run.global_batch / batch_group.size() / micro;
+            let d = model.embed.weight.val().dims()[1];
+            let template = model.valid();
+            return Ok(Strategy::Pp(Box::new(PipelineState {
+                chunks,
+                schedule,
+                optim: adamw.to_burn().init(),
+                counts,
+                template,
+                shape: [rows, config.data.seq_len, d],
+                average: config.parallel.gradient_reduction == "mean",
+            })));
+        }
         let tp = ctx.group(Axis::Tp);
         if tp.size() > 1 {
             let plan =
@@ -267,6 +311,10 @@ impl Strategy {
                 let model = Box::new(optim.step(lr, *model, reduced.grads));
                 let outcome = StepOutcome::reduced(loss_sum, &reduced.report, memory);
                 Ok((Strategy::Ddp(model, ddp, optim), outcome))
+            }
+            Strategy::Pp(mut state) => {
+                let outcome = pipeline_step(ctx, &mut state, clip, batches, micro_batches, lr)?;
+                Ok((Strategy::Pp(state), outcome))
             }
             Strategy::Tp(model, mut ddp, mut optim) => {
                 ddp.begin_step(micro_batches);
@@ -360,17 +408,26 @@ impl Strategy {
                 zero.data_parallel().num_buckets(),
                 zero.data_parallel().overlaps(),
             ),
-            Strategy::Fsdp(..) => (0, false),
+            Strategy::Fsdp(..) | Strategy::Pp(..) => (0, false),
         }
     }
 
-    /// The whole model's parameters (collective for FSDP).
-    fn full_model(&self) -> Result<Transformer, RankError> {
-        Ok(match self {
+    /// The whole model's parameters by name, on world rank 0 (collective for every strategy
+    /// but DDP and ZeRO-1/2; empty elsewhere).
+    fn full_params(&self, ctx: &RankContext) -> Result<Vec<(String, Vec<f32>)>, RankError> {
+        let full = match self {
             Strategy::Ddp(model, ..) | Strategy::Zero(model, ..) => model.valid(),
             Strategy::Fsdp(model, ..) => model.gather_full()?,
             Strategy::Tp(model, ..) => model.unshard()?,
-        })
+            Strategy::Pp(state) => return gather_pipeline_params(ctx, state),
+        };
+        let layout = ParamLayout::of(&full);
+        let flat = flatten_params(&full);
+        Ok(layout
+            .slots
+            .iter()
+            .map(|s| (s.name.clone(), flat[s.offset..s.offset + s.numel].to_vec()))
+            .collect())
     }
 }
 
@@ -473,17 +530,128 @@ fn train_rank(
             records.push(record);
         }
     }
-    let full = strategy.full_model()?;
+    let params = strategy.full_params(ctx)?;
     if ctx.rank() != 0 {
         return Ok(None);
     }
-    let layout = ParamLayout::of(&full);
-    let flat = flatten_params(&full);
-    let params = layout
-        .slots
-        .iter()
-        .map(|s| (s.name.clone(), flat[s.offset..s.offset + s.numel].to_vec()))
-        .collect();
     let (buckets, overlap) = strategy.buckets();
     Ok(Some((records, params, buckets, overlap)))
+}
+
+/// One pipeline step: the schedule over every micro-batch, gradients averaged over `dp`
+/// replicas, clipped by the global norm over every stage, then AdamW on this rank's chunks.
+fn pipeline_step(
+    ctx: &RankContext,
+    state: &mut PipelineState,
+    clip: Option<f32>,
+    batches: &mut dyn FnMut(usize) -> (Tensor<2, Int>, Tensor<2, Int>, ForwardContext),
+    micro_batches: usize,
+    lr: f64,
+) -> Result<StepOutcome, RankError> {
+    let (pp, dp) = (ctx.group(Axis::Pp), ctx.group(Axis::Dp));
+    let before = ctx.comm_stats();
+    let data: Vec<_> = (0..micro_batches).map(&mut *batches).collect();
+    let device = data[0].0.device();
+    let executor = PipelineExecutor::new(&state.schedule, pp)?;
+    let (grads, report) = executor.step(
+        &state.chunks,
+        state.shape,
+        &device,
+        |_, stage: &TransformerStage, input, micro| {
+            let (tokens, targets, fwd) = data[micro].clone();
+            stage.forward(input, tokens, targets, &fwd)
+        },
+    )?;
+    // One flat gradient over this rank's chunks, averaged over replicas.
+    let numels: Vec<usize> = state
+        .chunks
+        .iter()
+        .map(|c| ParamLayout::of(c).numel)
+        .collect();
+    let mut flat = vec![0.0f32; numels.iter().sum()];
+    let mut at = 0;
+    for ((chunk, g), n) in state.chunks.iter().zip(&grads).zip(&numels) {
+        accumulate_grads(chunk, g, &mut flat[at..at + n], &[]);
+        at += n;
+    }
+    drop(grads);
+    if state.average {
+        dp.all_reduce(&mut flat, ReduceOp::Avg)?;
+    } else {
+        // The executor averaged over micro-batches; sums want them summed.
+        flat.iter_mut().for_each(|g| *g *= micro_batches as f32);
+        dp.all_reduce(&mut flat, ReduceOp::Sum)?;
+    }
+    // Stages hold disjoint parameters: the squared norm sums over the pipeline.
+    let mut sq = [flat.iter().map(|&g| g as f64 * g as f64).sum::<f64>()];
+    pp.all_reduce(&mut sq, ReduceOp::Sum)?;
+    let grad_norm = sq[0].sqrt() as f32;
+    if let Some(max) = clip
+        && grad_norm > max
+    {
+        let scale = max / (grad_norm + 1e-6);
+        flat.iter_mut().for_each(|g| *g *= scale);
+    }
+    let grads = grads_from_flat(&state.chunks, &flat);
+    let chunks = std::mem::take(&mut state.chunks);
+    state.chunks = state.optim.step(lr, chunks, grads);
+    // Only the last stage computed losses: share them along the pipeline.
+    let mut loss = [report.loss_sum];
+    pp.all_reduce(&mut loss, ReduceOp::Sum)?;
+    let comm = ctx.comm_stats().since(&before).total();
+    let comm = comm.wait + comm.transfer;
+    let numel = flat.len();
+    Ok(StepOutcome {
+        loss_sum: loss[0],
+        grad_norm,
+        comm,
+        overlapped: Duration::ZERO,
+        exposed: report.recv_wait,
+        memory: MemoryReport {
+            params: numel * 4,
+            grads: numel * 4,
+            optimizer: numel * 8,
+            gathered_peak: 0,
+        },
+    })
+}
+
+/// Every stage's parameters, named as in the whole model, gathered to world rank 0.
+fn gather_pipeline_params(
+    ctx: &RankContext,
+    state: &PipelineState,
+) -> Result<Vec<(String, Vec<f32>)>, RankError> {
+    let pp = ctx.group(Axis::Pp);
+    let mine: Vec<f32> = state.chunks.iter().flat_map(flatten_params).collect();
+    let mut longest = [mine.len() as u64];
+    pp.all_reduce(&mut longest, ReduceOp::Max)?;
+    let mut padded = mine;
+    padded.resize(longest[0] as usize, 0.0);
+    let all = pp.all_gather_vec(&padded)?;
+    if ctx.rank() != 0 {
+        return Ok(vec![]);
+    }
+    let s = &state.schedule;
+    let mut named = vec![];
+    for (rank, values) in all.chunks(longest[0] as usize).enumerate() {
+        let mut at = 0;
+        for chunk in 0..s.chunks {
+            let stage =
+                TransformerStage::cut(&state.template, s.stage_of(rank, chunk), &state.counts)?;
+            let layout = ParamLayout::of(&stage);
+            for slot in &layout.slots {
+                let v = values[at + slot.offset..at + slot.offset + slot.numel].to_vec();
+                named.push((stage.global_name(&slot.name), v));
+            }
+            at += layout.numel;
+        }
+    }
+    // In the whole model's order, so reports compare name by name.
+    let order: Vec<String> = ParamLayout::of(&state.template)
+        .slots
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    named.sort_by_key(|(name, _)| order.iter().position(|n| n == name).unwrap_or(usize::MAX));
+    Ok(named)
 }

@@ -124,6 +124,7 @@ pub fn verify(
     reference.parallel.mesh = "dp=1".into();
     reference.parallel.zero = 0;
     reference.parallel.sequence_parallel = false;
+    reference.parallel.pp_chunks = 1;
     reference.run.micro_batches = 1;
     reference.run.log_jsonl = None;
     let quiet = |_: &StepRecord| {};
