@@ -3,4 +3,5 @@
 
 pub mod comm;
 pub mod memory;
+pub mod pipeline;
 pub mod train;

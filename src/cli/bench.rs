@@ -14,6 +14,29 @@ pub enum BenchCommand {
     Train(Box<TrainArgs>),
     /// Per-rank memory of DDP and ZeRO-1/2/3 at several shard counts, vs the formulas.
     Memory(Box<MemoryArgs>),
+    /// Measured pipeline bubbles per schedule, vs the formulas and the simulation.
+    Pipeline(Box<PipelineArgs>),
+}
+
+/// Options of `bench pipeline`.
+#[derive(Debug, Args)]
+pub struct PipelineArgs {
+    /// Job options (model, data, steps; batch is the rows per micro-batch x micro-batches).
+    #[command(flatten)]
+    job: super::job::JobArgs,
+    /// Pipeline degrees, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "2,4")]
+    pps: Vec<usize>,
+    /// Micro-batch counts, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "2,4,8")]
+    micro: Vec<usize>,
+    /// Schedules, comma separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "gpipe,1f1b,interleaved,zb-h1"
+    )]
+    schedules: Vec<String>,
 }
 
 /// Options of `bench memory`.
@@ -85,6 +108,30 @@ fn parse_op(name: &str) -> Result<OpKind, String> {
 
 pub fn run(cmd: BenchCommand) -> Result<(), String> {
     match cmd {
+        BenchCommand::Pipeline(args) => {
+            let config = args.job.build_with_mesh("dp=1")?;
+            let records =
+                flashover::bench::pipeline::run(&config, &args.pps, &args.micro, &args.schedules)?;
+            println!(
+                "| schedule | p | m | v | formula | simulated | measured | measured / formula | peak in flight (rank 0) |"
+            );
+            println!("|---|---|---|---|---:|---:|---:|---:|---:|");
+            for r in &records {
+                println!(
+                    "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.2} | {} |",
+                    r.schedule,
+                    r.pp,
+                    r.micro_batches,
+                    r.chunks,
+                    r.formula,
+                    r.simulated,
+                    r.measured,
+                    r.measured / r.formula,
+                    r.peak_in_flight
+                );
+            }
+            Ok(())
+        }
         BenchCommand::Memory(args) => {
             let config = args.job.build_with_mesh("dp=1")?;
             let records = flashover::bench::memory::run(&config, &args.stages, &args.ns)?;

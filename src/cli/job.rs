@@ -171,10 +171,17 @@ fn set<T>(field: &mut T, value: Option<T>) {
 }
 
 /// `flashover train`.
-pub fn train(args: &JobArgs, log_jsonl: Option<PathBuf>) -> Result<(), String> {
+pub fn train(
+    args: &JobArgs,
+    log_jsonl: Option<PathBuf>,
+    trace: Option<PathBuf>,
+) -> Result<(), String> {
     let mut config = args.build()?;
     if log_jsonl.is_some() {
         config.run.log_jsonl = log_jsonl;
+    }
+    if trace.is_some() {
+        config.run.trace = trace;
     }
     let source = flashover::train::token_source(&config)?;
     println!("data: {}", source.describe());

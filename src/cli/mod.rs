@@ -28,6 +28,9 @@ pub enum Command {
         /// Write one JSON line per step to this file.
         #[arg(long)]
         log_jsonl: Option<std::path::PathBuf>,
+        /// Write a Chrome trace (Perfetto) of every rank's steps and pipeline actions here.
+        #[arg(long)]
+        trace: Option<std::path::PathBuf>,
     },
     /// Train on one rank and on the given mesh; compare losses, gradient norms and parameters.
     Verify {
@@ -76,7 +79,11 @@ pub enum MeshCommand {
 pub fn run(cli: Cli) -> Result<(), String> {
     match cli.command {
         Command::Bench(b) => bench::run(b),
-        Command::Train { job, log_jsonl } => job::train(&job, log_jsonl),
+        Command::Train {
+            job,
+            log_jsonl,
+            trace,
+        } => job::train(&job, log_jsonl, trace),
         Command::Verify { job, tolerance } => {
             if !job::verify(&job, tolerance)? {
                 // The last line printed is the verdict; the exit code says it too.

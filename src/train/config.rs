@@ -180,6 +180,9 @@ pub struct RunSection {
     pub device: DeviceChoice,
     /// Write one JSON line per step here.
     pub log_jsonl: Option<PathBuf>,
+    /// Write a timeline of every rank's steps (and pipeline actions) here, as Chrome trace
+    /// JSON (open it in Perfetto).
+    pub trace: Option<PathBuf>,
 }
 
 impl Default for RunSection {
@@ -191,6 +194,7 @@ impl Default for RunSection {
             seed: 1,
             device: DeviceChoice::Flex,
             log_jsonl: None,
+            trace: None,
         }
     }
 }

@@ -7,6 +7,7 @@ mod report;
 mod run;
 mod sharded_model;
 mod tp_model;
+mod trace;
 mod verify;
 
 pub use config::{

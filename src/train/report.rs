@@ -26,6 +26,12 @@ pub struct RankTimes {
     /// Bytes this rank held for training state in the step: parameters, gradients (peak),
     /// optimizer state and gathered parameters (peak), as the strategy measured them.
     pub memory: MemoryReport,
+    /// Pipeline: the most micro-batches whose activations this rank held at once (0 without
+    /// a pipeline).
+    pub in_flight: usize,
+    /// Pipeline: wall time of the schedule (forwards, backwards and the waits between them);
+    /// `exposed_comm_s` is then its idle part, the bubble. 0 without a pipeline.
+    pub pipeline_s: f64,
 }
 
 /// One optimizer step, as written to the JSONL log.

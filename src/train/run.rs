@@ -5,6 +5,7 @@ use super::pp_model::{TransformerStage, split_blocks};
 use super::report::{RankTimes, StepRecord, TrainReport};
 use super::sharded_model::ShardedTransformer;
 use super::tp_model::TpTransformer;
+use super::trace::Trace;
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::optim::ModuleOptimizer;
@@ -15,7 +16,7 @@ use flashover_parallel::FlatAdamWConfig;
 use flashover_parallel::clip_module_grads;
 use flashover_parallel::data_parallel::{DataParallel, DataParallelConfig, ReduceReport};
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
-use flashover_parallel::pipeline::{PipelineExecutor, Schedule, ScheduleKind};
+use flashover_parallel::pipeline::{Action, PipelineExecutor, Schedule, ScheduleKind};
 use flashover_parallel::tensor_parallel::TensorParallel;
 use flashover_parallel::zero::{
     FullyShardConfig, FullyShardedOptimizer, MemoryReport, ShardGroup, ShardedDataParallel,
@@ -107,7 +108,7 @@ pub fn train(
                     }
                 }
             };
-            train_rank(&ctx, config, &model_config, source.as_ref(), &emit)
+            train_rank(&ctx, config, &model_config, source.as_ref(), &emit, started)
         })
         .map_err(|e| e.to_string())?;
     if let Some(e) = log_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
@@ -172,6 +173,12 @@ struct StepOutcome {
     overlapped: Duration,
     exposed: Duration,
     memory: MemoryReport,
+    /// Pipeline actions and receive waits (pipeline strategy only).
+    events: Vec<(Action, Instant, Instant)>,
+    /// Pipeline: most micro-batches held at once.
+    in_flight: usize,
+    /// Pipeline: wall time of the schedule.
+    pipeline: Duration,
 }
 
 /// A pipeline rank's chunks, schedule, optimizer and how to name its parameters.
@@ -195,6 +202,9 @@ impl StepOutcome {
             overlapped: report.overlapped,
             exposed: report.exposed,
             memory,
+            events: vec![],
+            in_flight: 0,
+            pipeline: Duration::ZERO,
         }
     }
 }
@@ -385,6 +395,9 @@ impl Strategy {
                     comm,
                     overlapped: comm.saturating_sub(exposed),
                     exposed,
+                    events: vec![],
+                    in_flight: 0,
+                    pipeline: Duration::ZERO,
                     memory: MemoryReport {
                         params: shard_bytes,
                         grads: optim.grad_bytes(),
@@ -437,6 +450,7 @@ fn train_rank(
     model_config: &flashover_models::TransformerConfig,
     source: &dyn TokenSource,
     emit: &dyn Fn(&StepRecord),
+    origin: Instant,
 ) -> Result<RankOutput, RankError> {
     let device = ctx.device().clone().autodiff();
     // Every data-parallel rank (replica or shard) reads its own slice of the batch.
@@ -453,6 +467,7 @@ fn train_rank(
     let tokens_per_step = (config.run.global_batch * config.data.seq_len) as f64;
     let mut records = vec![];
     let world = ctx.world();
+    let mut trace = Trace::new(origin);
     for step in 0..config.run.steps {
         let stats_before = ctx.comm_stats();
         let t0 = Instant::now();
@@ -472,8 +487,17 @@ fn train_rank(
             let (inputs, targets) = make_batch(source, samples, config.data.seq_len, &device);
             (inputs, targets, fwd)
         };
-        let (next, outcome) = strategy.step(ctx, clip, &mut batches, plan.micro_batches(), lr)?;
+        let (next, mut outcome) =
+            strategy.step(ctx, clip, &mut batches, plan.micro_batches(), lr)?;
         strategy = next;
+        if config.run.trace.is_some() {
+            trace.record_step(
+                step,
+                t0,
+                Instant::now(),
+                std::mem::take(&mut outcome.events),
+            );
+        }
         let step_s = t0.elapsed().as_secs_f64();
         let idle = ctx
             .comm_stats()
@@ -494,6 +518,8 @@ fn train_rank(
             outcome.memory.grads as f64,
             outcome.memory.optimizer as f64,
             outcome.memory.gathered_peak as f64,
+            outcome.in_flight as f64,
+            outcome.pipeline.as_secs_f64(),
         ];
         let all = world.all_gather_vec(&mine)?;
         if ctx.rank() == 0 {
@@ -523,12 +549,17 @@ fn train_rank(
                             optimizer: p[9] as usize,
                             gathered_peak: p[10] as usize,
                         },
+                        in_flight: p[11] as usize,
+                        pipeline_s: p[12],
                     })
                     .collect(),
             };
             emit(&record);
             records.push(record);
         }
+    }
+    if let Some(path) = &config.run.trace {
+        trace.write(ctx, path)?;
     }
     let params = strategy.full_params(ctx)?;
     if ctx.rank() != 0 {
@@ -606,7 +637,11 @@ fn pipeline_step(
         grad_norm,
         comm,
         overlapped: Duration::ZERO,
-        exposed: report.recv_wait,
+        // The schedule's idle time: its bubble (receive waits and hand-offs).
+        exposed: report.wall.saturating_sub(report.forward + report.backward),
+        pipeline: report.wall,
+        in_flight: report.peak_in_flight,
+        events: report.events,
         memory: MemoryReport {
             params: numel * 4,
             grads: numel * 4,

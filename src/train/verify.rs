@@ -127,6 +127,7 @@ pub fn verify(
     reference.parallel.pp_chunks = 1;
     reference.run.micro_batches = 1;
     reference.run.log_jsonl = None;
+    reference.run.trace = None;
     let quiet = |_: &StepRecord| {};
     let r = super::train(&reference, &quiet)?;
     let c = super::train(config, &quiet)?;

@@ -10,7 +10,7 @@
 //! input-gradient action runs the whole backward and the weight-gradient action is
 //! bookkeeping (Burn has no partial backward), so results are exact but the bubble is 1F1B's.
 
-use super::schedule::{ActionKind, Schedule};
+use super::schedule::{Action, ActionKind, Schedule};
 use super::simulate::validate;
 use crate::error::ParallelError;
 use crate::params::{ParamLayout, accumulate_grads, grads_from_flat};
@@ -42,6 +42,12 @@ pub struct PipelineStepReport {
     pub backward: Duration,
     /// Time waiting in receives.
     pub recv_wait: Duration,
+    /// Wall time of the whole schedule on this rank (first action to last).
+    pub wall: Duration,
+    /// The most micro-batches whose activations (forward graphs) this rank held at once.
+    pub peak_in_flight: usize,
+    /// Every compute action and receive wait, in order, with its start and end.
+    pub events: Vec<(Action, Instant, Instant)>,
 }
 
 /// Runs `schedule` for pipeline rank `group.rank()`; see the module docs.
@@ -98,6 +104,7 @@ impl<'a> PipelineExecutor<'a> {
         let mut grads_out: HashMap<(usize, usize), Tensor<D>> = HashMap::new();
         let mut report = PipelineStepReport::default();
         let dtype = burn::tensor::DType::F32;
+        let started = Instant::now();
         for a in &s.ranks[rank] {
             let key = (a.micro, a.chunk);
             let stage = s.stage_of(rank, a.chunk);
@@ -107,6 +114,7 @@ impl<'a> PipelineExecutor<'a> {
                     let t0 = Instant::now();
                     let x = self.group.recv_tensor(shape, dtype, src, device)?;
                     report.recv_wait += t0.elapsed();
+                    report.events.push((*a, t0, Instant::now()));
                     inputs.insert(key, x.require_grad());
                 }
                 ActionKind::RecvGrad => {
@@ -116,6 +124,7 @@ impl<'a> PipelineExecutor<'a> {
                         .group
                         .recv_tensor(shape, dtype, src, &device.clone().inner())?;
                     report.recv_wait += t0.elapsed();
+                    report.events.push((*a, t0, Instant::now()));
                     grads_out.insert(key, g);
                 }
                 ActionKind::Forward => {
@@ -127,6 +136,8 @@ impl<'a> PipelineExecutor<'a> {
                     }
                     outputs.insert(key, (input, out));
                     report.forward += t0.elapsed();
+                    report.events.push((*a, t0, Instant::now()));
+                    report.peak_in_flight = report.peak_in_flight.max(outputs.len());
                 }
                 ActionKind::SendActivation => {
                     let dst = s.place(stage + 1).0;
@@ -166,6 +177,7 @@ impl<'a> PipelineExecutor<'a> {
                     let params = GradientsParams::from_grads(grads, &chunks[a.chunk]);
                     accumulate_grads(&chunks[a.chunk], &params, &mut flats[a.chunk], &[]);
                     report.backward += t0.elapsed();
+                    report.events.push((*a, t0, Instant::now()));
                 }
                 ActionKind::BackwardWeight => {}
                 ActionKind::SendGrad => {
@@ -180,6 +192,7 @@ impl<'a> PipelineExecutor<'a> {
                 }
             }
         }
+        report.wall = started.elapsed();
         let m = s.micro_batches as f32;
         let grads = chunks
             .iter()
