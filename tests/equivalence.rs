@@ -349,3 +349,27 @@ fn pipeline_training_matches_one_rank_for_every_schedule() {
         "{err}"
     );
 }
+
+#[test]
+fn a_pipeline_trace_shows_every_rank_and_action() {
+    let path = std::env::temp_dir().join(format!("flashover-trace-{}.json", std::process::id()));
+    let mut c = job("pp=2", 8, 2);
+    c.model.tie_embeddings = false;
+    c.run.steps = 2;
+    c.run.trace = Some(path.clone());
+    train(&c, &|_| {}).unwrap();
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    std::fs::remove_file(&path).ok();
+    let events = trace["traceEvents"].as_array().unwrap();
+    for rank in 0..2 {
+        let count = |prefix: &str| {
+            events
+                .iter()
+                .filter(|e| e["tid"] == rank && e["name"].as_str().unwrap().starts_with(prefix))
+                .count()
+        };
+        // Two steps of two micro-batches: four forwards, four backwards, two step spans.
+        assert_eq!((count("F"), count("B"), count("step")), (4, 4, 2), "rank {rank}");
+    }
+}
