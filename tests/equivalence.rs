@@ -370,6 +370,10 @@ fn a_pipeline_trace_shows_every_rank_and_action() {
                 .count()
         };
         // Two steps of two micro-batches: four forwards, four backwards, two step spans.
-        assert_eq!((count("F"), count("B"), count("step")), (4, 4, 2), "rank {rank}");
+        assert_eq!(
+            (count("F"), count("B"), count("step")),
+            (4, 4, 2),
+            "rank {rank}"
+        );
     }
 }
