@@ -2,13 +2,11 @@
 //! and seed, losses every step and final parameters compared. The model's 128 weights do not
 //! divide by 3, so world 3 exercises padding.
 
-mod common;
-
+use crate::common::Net;
 use burn::module::Module;
 use burn::nn::Linear;
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
-use common::Net;
 use flashover_parallel::data_parallel::DataParallelConfig;
 use flashover_parallel::params::flatten_params;
 use flashover_parallel::zero::{

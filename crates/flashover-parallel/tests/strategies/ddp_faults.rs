@@ -1,11 +1,9 @@
 //! DDP under injected faults: delays never change results; a rank that dies mid-training makes
 //! the others fail fast with an error naming it.
 
-mod common;
-
+use crate::common::Net;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Tensor, TensorData};
-use common::Net;
 use flashover_parallel::ParallelError;
 use flashover_parallel::data_parallel::DataParallelConfig;
 use flashover_runtime::{Axis, FaultPlan, Launch, LaunchError, OpKind};
