@@ -336,6 +336,11 @@ fn pipeline_training_matches_one_rank_for_every_schedule() {
             "{mesh} {schedule} x{chunks}, {micro} micro-batches: {cmp}"
         );
     }
+    // Stages balanced by estimated cost rather than block count.
+    let mut by_cost = pipeline("pp=2", "1f1b", 1, 4);
+    by_cost.parallel.pp_split = "cost".into();
+    let (_, _, cmp) = verify(&by_cost, TOLERANCE).unwrap();
+    assert!(cmp.pass, "cost split: {cmp}");
     let mut tied = pipeline("pp=2", "1f1b", 1, 2);
     tied.model.tie_embeddings = true;
     let err = train(&tied, &|_| {}).unwrap_err();

@@ -114,8 +114,11 @@ pub struct ParallelSection {
     pub pp_schedule: String,
     /// With a `pp` axis and the interleaved schedule: model chunks per rank.
     pub pp_chunks: usize,
-    /// With a `pp` axis: blocks per virtual stage (default: as even as possible).
+    /// With a `pp` axis: blocks per virtual stage (default: as `pp_split` says).
     pub pp_blocks: Option<Vec<usize>>,
+    /// With a `pp` axis and no `pp_blocks`: `even` (same number of blocks per stage) or `cost`
+    /// (balance an estimate of each stage's compute, the LM head included).
+    pub pp_split: String,
 }
 
 impl Default for ParallelSection {
@@ -132,6 +135,7 @@ impl Default for ParallelSection {
             pp_schedule: "1f1b".into(),
             pp_chunks: 1,
             pp_blocks: None,
+            pp_split: "even".into(),
         }
     }
 }
@@ -237,6 +241,27 @@ impl TrainConfig {
         }
     }
 
+    /// Blocks per pipeline virtual stage, as `parallel.pp_blocks` or `parallel.pp_split` say.
+    pub fn pipeline_blocks(
+        &self,
+        model: &TransformerConfig,
+        stages: usize,
+    ) -> Result<Vec<usize>, String> {
+        match (
+            self.parallel.pp_blocks.as_deref(),
+            self.parallel.pp_split.as_str(),
+        ) {
+            (Some(list), _) => super::pp_model::split_blocks(model.n_layers, stages, Some(list)),
+            (None, "even") => super::pp_model::split_blocks(model.n_layers, stages, None),
+            (None, "cost") => {
+                super::pp_model::split_blocks_by_cost(model, self.data.seq_len, stages)
+            }
+            (None, other) => Err(format!(
+                "parallel.pp_split = `{other}`: expected even or cost"
+            )),
+        }
+    }
+
     /// The parsed mesh.
     pub fn mesh(&self) -> Result<DeviceMesh, String> {
         self.parallel
@@ -333,11 +358,7 @@ impl TrainConfig {
                                 errors.push(format!("parallel.pp_schedule: {e}"));
                             }
                             if let Ok(t) = self.transformer(self.vocab_size())
-                                && let Err(e) = super::pp_model::split_blocks(
-                                    t.n_layers,
-                                    pp * chunks,
-                                    self.parallel.pp_blocks.as_deref(),
-                                )
+                                && let Err(e) = self.pipeline_blocks(&t, pp * chunks)
                             {
                                 errors.push(e);
                             }

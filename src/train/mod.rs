@@ -13,7 +13,7 @@ mod verify;
 pub use config::{
     DataSection, ModelSection, OptimSection, ParallelSection, RunSection, TrainConfig,
 };
-pub use pp_model::{TransformerStage, split_blocks};
+pub use pp_model::{TransformerStage, split_blocks, split_blocks_by_cost};
 pub use report::{RankTimes, StepRecord, TrainReport, memory_formula};
 pub use run::{make_batch, token_source, train};
 pub use sharded_model::ShardedTransformer;

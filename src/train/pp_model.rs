@@ -53,6 +53,57 @@ pub fn split_blocks(
         .collect())
 }
 
+/// Blocks per virtual stage balancing an estimate of each stage's compute: a block costs its
+/// matrix products per token (`2 (4 d^2 + 3 d f)`) plus attention (`4 t d`), and the last stage
+/// also pays the LM head (`2 d V`). The contiguous split minimising the most expensive stage,
+/// every stage holding at least one block.
+pub fn split_blocks_by_cost(
+    config: &flashover_models::TransformerConfig,
+    seq_len: usize,
+    stages: usize,
+) -> Result<Vec<usize>, String> {
+    let (d, f, v, t) = (
+        config.d_model as f64,
+        config.d_ff as f64,
+        config.vocab_size as f64,
+        seq_len as f64,
+    );
+    let n = config.n_layers;
+    if n < stages {
+        return Err(format!(
+            "model.n_layers = {n} cannot fill {stages} pipeline stages: every stage needs a block"
+        ));
+    }
+    let block = 2.0 * (4.0 * d * d + 3.0 * d * f) + 4.0 * t * d;
+    let head = 2.0 * d * v;
+    // best[k][i]: the smallest possible maximum stage cost putting the first i blocks into k
+    // stages; the head is added to the stage that ends at block n.
+    let cost =
+        |from: usize, to: usize| (to - from) as f64 * block + if to == n { head } else { 0.0 };
+    let mut best = vec![vec![f64::INFINITY; n + 1]; stages + 1];
+    let mut cut = vec![vec![0usize; n + 1]; stages + 1];
+    best[0][0] = 0.0;
+    for k in 1..=stages {
+        for i in k..=n {
+            for j in (k - 1)..i {
+                let c = best[k - 1][j].max(cost(j, i));
+                if c < best[k][i] {
+                    best[k][i] = c;
+                    cut[k][i] = j;
+                }
+            }
+        }
+    }
+    let mut counts = vec![0; stages];
+    let mut i = n;
+    for k in (1..=stages).rev() {
+        let j = cut[k][i];
+        counts[k - 1] = i - j;
+        i = j;
+    }
+    Ok(counts)
+}
+
 impl TransformerStage {
     /// Virtual stage `stage` of `stages` cut from `full`, with `counts` blocks per stage.
     pub fn cut(full: &Transformer, stage: usize, counts: &[usize]) -> Result<Self, ParallelError> {
@@ -111,5 +162,40 @@ impl TransformerStage {
             }
             None => local.to_string(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flashover_models::TransformerConfig;
+
+    #[test]
+    fn even_splits_give_the_remainder_to_the_first_stages_and_explicit_lists_are_checked() {
+        assert_eq!(split_blocks(8, 3, None).unwrap(), vec![3, 3, 2]);
+        assert_eq!(split_blocks(4, 2, Some(&[1, 3])).unwrap(), vec![1, 3]);
+        assert!(
+            split_blocks(4, 2, Some(&[1, 2]))
+                .unwrap_err()
+                .contains("sum to model.n_layers = 4")
+        );
+        assert!(
+            split_blocks(2, 3, None)
+                .unwrap_err()
+                .contains("cannot fill 3")
+        );
+    }
+
+    #[test]
+    fn a_heavy_head_leaves_the_last_stage_fewer_blocks() {
+        // d 64, d_ff 172: a block costs ~2 (4 x 64^2 + 3 x 64 x 172) = 99k per token; a head
+        // over 4096 words costs 2 x 64 x 4096 = 524k, about five blocks.
+        let config = TransformerConfig::new(4096, 64, 8, 4, 172);
+        let counts = split_blocks_by_cost(&config, 32, 2).unwrap();
+        assert_eq!(counts.iter().sum::<usize>(), 8);
+        assert!(counts[1] < counts[0], "{counts:?}");
+        // Without a vocabulary to speak of, the split is even.
+        let light = TransformerConfig::new(2, 64, 8, 4, 172);
+        assert_eq!(split_blocks_by_cost(&light, 32, 2).unwrap(), vec![4, 4]);
     }
 }

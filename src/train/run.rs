@@ -1,7 +1,7 @@
 //! The training job: one closure per rank under the launcher, data parallel over the `dp` axis.
 
 use super::config::TrainConfig;
-use super::pp_model::{TransformerStage, split_blocks};
+use super::pp_model::TransformerStage;
 use super::report::{RankTimes, StepRecord, TrainReport};
 use super::sharded_model::ShardedTransformer;
 use super::tp_model::TpTransformer;
@@ -213,6 +213,7 @@ impl Strategy {
     fn new(
         ctx: &RankContext,
         config: &TrainConfig,
+        model_config: &flashover_models::TransformerConfig,
         model: Transformer,
         batch_group: &Group,
     ) -> Result<Self, RankError> {
@@ -227,11 +228,7 @@ impl Strategy {
             let micro = config.run.micro_batches;
             let schedule = Schedule::build(kind, pp.size(), micro, config.parallel.pp_chunks)
                 .map_err(RankError::from)?;
-            let counts = split_blocks(
-                model.blocks.len(),
-                schedule.stages(),
-                config.parallel.pp_blocks.as_deref(),
-            )?;
+            let counts = config.pipeline_blocks(model_config, schedule.stages())?;
             let chunks = (0..schedule.chunks)
                 .map(|c| TransformerStage::cut(&model, schedule.stage_of(pp.rank(), c), &counts))
                 .collect::<Result<Vec<_>, _>>()?;
@@ -462,7 +459,7 @@ fn train_rank(
         config.run.micro_batches,
     )?;
     let model: Transformer = model_config.init(config.run.seed, &device);
-    let mut strategy = Strategy::new(ctx, config, model, &batch_group)?;
+    let mut strategy = Strategy::new(ctx, config, model_config, model, &batch_group)?;
     let clip = config.optim.clip.filter(|&c| c > 0.0);
     let tokens_per_step = (config.run.global_batch * config.data.seq_len) as f64;
     let mut records = vec![];
