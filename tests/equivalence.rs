@@ -329,6 +329,9 @@ fn pipeline_training_matches_one_rank_for_every_schedule() {
         ("pp=3", "zb-h1", 1, 3),
         ("pp=2", "interleaved", 2, 4),
         ("dp=2,pp=2", "1f1b", 1, 3),
+        // 3D: data x tensor x pipeline, and tensor x interleaved pipeline.
+        ("dp=2,tp=2,pp=2", "1f1b", 1, 3),
+        ("tp=2,pp=2", "interleaved", 2, 4),
     ] {
         let (_, _, cmp) = verify(&pipeline(mesh, schedule, chunks, micro), TOLERANCE).unwrap();
         assert!(
@@ -336,6 +339,11 @@ fn pipeline_training_matches_one_rank_for_every_schedule() {
             "{mesh} {schedule} x{chunks}, {micro} micro-batches: {cmp}"
         );
     }
+    // With sequence parallelism inside the stages.
+    let mut sp = pipeline("tp=2,pp=2", "gpipe", 1, 2);
+    sp.parallel.sequence_parallel = true;
+    let (_, _, cmp) = verify(&sp, TOLERANCE).unwrap();
+    assert!(cmp.pass, "tp x pp with sequence parallelism: {cmp}");
     // Stages balanced by estimated cost rather than block count.
     let mut by_cost = pipeline("pp=2", "1f1b", 1, 4);
     by_cost.parallel.pp_split = "cost".into();

@@ -324,12 +324,9 @@ impl TrainConfig {
                 }
                 let pp = mesh.degree(Axis::Pp);
                 if pp > 1 {
-                    if self.parallel.zero > 0
-                        || mesh.degree(Axis::Tp) > 1
-                        || mesh.degree(Axis::Fsdp) > 1
-                    {
+                    if self.parallel.zero > 0 || mesh.degree(Axis::Fsdp) > 1 {
                         errors.push(format!(
-                            "parallel.mesh `{}` with pp={pp}: pipeline parallelism composes with dp so far, not with tp, fsdp or ZeRO",
+                            "parallel.mesh `{}` with pp={pp}: pipeline parallelism composes with dp and tp so far, not with fsdp or ZeRO",
                             self.parallel.mesh
                         ));
                     }

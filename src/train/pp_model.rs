@@ -2,12 +2,16 @@
 //! embedding, every stage a contiguous run of blocks, the last the final norm and LM head (and
 //! computes the loss).
 
-use burn::module::Module;
+use super::tp_model::{tp_block_forward, tp_context, tp_loss, unshard_block};
+use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::tensor::{Int, Tensor};
 use flashover_models::{Block, ForwardContext, Transformer, next_token_loss, rope_tables};
 use flashover_parallel::ParallelError;
 use flashover_parallel::pipeline::StageOutput;
+use flashover_parallel::tensor_parallel::{
+    TensorParallel, VocabShard, gather_parts, vocab_parallel_embedding,
+};
 
 /// One virtual stage of [`Transformer`].
 #[derive(Module, Debug)]
@@ -26,6 +30,9 @@ pub struct TransformerStage {
     pub rope_theta: f64,
     /// Per-head dimension.
     pub head_dim: usize,
+    /// With tensor parallelism inside the stage: the plan and this rank's vocabulary rows.
+    #[module(skip)]
+    tp: Option<(TensorParallel, VocabShard)>,
 }
 
 /// Blocks per virtual stage: `n_layers` spread evenly over `stages` (earlier stages take the
@@ -107,6 +114,17 @@ pub fn split_blocks_by_cost(
 impl TransformerStage {
     /// Virtual stage `stage` of `stages` cut from `full`, with `counts` blocks per stage.
     pub fn cut(full: &Transformer, stage: usize, counts: &[usize]) -> Result<Self, ParallelError> {
+        Self::cut_split(full, stage, counts, None)
+    }
+
+    /// [`TransformerStage::cut`] from a model whose weights are already this rank's
+    /// tensor-parallel shares ([`crate::train::TpTransformer::local`]).
+    pub fn cut_split(
+        full: &Transformer,
+        stage: usize,
+        counts: &[usize],
+        tp: Option<(TensorParallel, VocabShard)>,
+    ) -> Result<Self, ParallelError> {
         if full.head.is_none() && counts.len() > 1 {
             return Err(ParallelError::Invalid(
                 "pipeline stages need an untied LM head: set model.tie_embeddings = false".into(),
@@ -122,6 +140,7 @@ impl TransformerStage {
             first_block: first,
             rope_theta: full.rope_theta,
             head_dim: full.blocks.first().map_or(2, |b| b.attn.head_dim),
+            tp,
         })
     }
 
@@ -135,21 +154,66 @@ impl TransformerStage {
         ctx: &ForwardContext,
     ) -> StageOutput<3> {
         let t = tokens.dims()[1];
-        let mut h = match (&self.embed, input) {
-            (Some(embed), _) => embed.forward(tokens),
-            (None, Some(x)) => x,
-            (None, None) => panic!("a middle pipeline stage ran without its input"),
+        let mut h = match (&self.embed, input, &self.tp) {
+            (Some(embed), _, Some((tp, vocab))) => {
+                vocab_parallel_embedding(embed.weight.val(), tokens, vocab, tp)
+            }
+            (Some(embed), _, None) => embed.forward(tokens),
+            (None, Some(x), _) => x,
+            (None, None, _) => panic!("a middle pipeline stage ran without its input"),
         };
         let rope = rope_tables(0, t, self.head_dim, self.rope_theta, &h.device());
+        let heads = self.blocks.first().map_or(0, |b| b.attn.n_heads);
         for (i, block) in self.blocks.iter().enumerate() {
-            h = block.forward_with(h, &rope, ctx, self.first_block + i);
+            let layer = self.first_block + i;
+            h = match &self.tp {
+                Some((tp, _)) => {
+                    let ctx = tp_context(ctx, tp, heads, t);
+                    tp_block_forward(block, h, &rope, &ctx, layer, tp)
+                }
+                None => block.forward_with(h, &rope, ctx, layer),
+            };
         }
-        match (&self.norm, &self.head) {
-            (Some(norm), Some(head)) => {
+        match (&self.norm, &self.head, &self.tp) {
+            (Some(norm), Some(head), Some((tp, vocab))) => {
+                StageOutput::Loss(tp_loss(norm, head.weight.val(), h, targets, vocab, tp))
+            }
+            (Some(norm), Some(head), None) => {
                 StageOutput::Loss(next_token_loss(head.forward(norm.forward(h)), targets))
             }
             _ => StageOutput::Activation(h),
         }
+    }
+
+    /// The stage with every tensor-parallel rank's shares gathered back (collective over `tp`;
+    /// the stage itself without tensor parallelism).
+    pub fn unshard(&self) -> Result<Self, ParallelError> {
+        let mut full = self.clone().valid();
+        if let Some((tp, vocab)) = &self.tp {
+            for block in &mut full.blocks {
+                unshard_block(block, tp)?;
+            }
+            if let Some(embed) = &full.embed {
+                let rows = gather_parts(embed.weight.val(), 0, &tp.group, Some(vocab.vocab))?;
+                full.embed = Some(Embedding {
+                    weight: Param::from_tensor(rows),
+                });
+            }
+            if let Some(head) = &full.head {
+                let columns = gather_parts(head.weight.val(), 1, &tp.group, Some(vocab.vocab))?;
+                full.head = Some(Linear {
+                    weight: Param::from_tensor(columns),
+                    bias: None,
+                });
+            }
+            full.tp = None;
+        }
+        Ok(full)
+    }
+
+    /// Whether the stage splits its weights over a tensor-parallel group.
+    pub fn tensor_parallel(&self) -> Option<&TensorParallel> {
+        self.tp.as_ref().map(|(tp, _)| tp)
     }
 
     /// This stage's parameters with the whole model's names (`blocks.{global index}...`).

@@ -229,19 +229,38 @@ impl Strategy {
             let schedule = Schedule::build(kind, pp.size(), micro, config.parallel.pp_chunks)
                 .map_err(RankError::from)?;
             let counts = config.pipeline_blocks(model_config, schedule.stages())?;
-            let chunks = (0..schedule.chunks)
-                .map(|c| TransformerStage::cut(&model, schedule.stage_of(pp.rank(), c), &counts))
-                .collect::<Result<Vec<_>, _>>()?;
             let rows = config.run.global_batch / batch_group.size() / micro;
             let d = model.embed.weight.val().dims()[1];
             let template = model.valid();
+            // With a tp axis each stage holds its tensor-parallel shares (dp x tp x pp).
+            let tp = ctx.group(Axis::Tp);
+            let (local, split, seq) = if tp.size() > 1 {
+                let plan = TensorParallel::new(tp)
+                    .with_sequence_parallel(config.parallel.sequence_parallel);
+                let sharded = TpTransformer::shard(model, &plan)?;
+                let seq = if plan.sequence_parallel {
+                    config.data.seq_len / tp.size()
+                } else {
+                    config.data.seq_len
+                };
+                let split = Some((plan, sharded.vocab()));
+                (sharded.local, split, seq)
+            } else {
+                (model, None, config.data.seq_len)
+            };
+            let chunks = (0..schedule.chunks)
+                .map(|c| {
+                    let stage = schedule.stage_of(pp.rank(), c);
+                    TransformerStage::cut_split(&local, stage, &counts, split.clone())
+                })
+                .collect::<Result<Vec<_>, _>>()?;
             return Ok(Strategy::Pp(Box::new(PipelineState {
                 chunks,
                 schedule,
                 optim: adamw.to_burn().init(),
                 counts,
                 template,
-                shape: [rows, config.data.seq_len, d],
+                shape: [rows, seq, d],
                 average: config.parallel.gradient_reduction == "mean",
             })));
         }
@@ -610,8 +629,30 @@ fn pipeline_step(
         flat.iter_mut().for_each(|g| *g *= micro_batches as f32);
         dp.all_reduce(&mut flat, ReduceOp::Sum)?;
     }
-    // Stages hold disjoint parameters: the squared norm sums over the pipeline.
-    let mut sq = [flat.iter().map(|&g| g as f64 * g as f64).sum::<f64>()];
+    // Stages hold disjoint parameters: the squared norm sums over the pipeline. Within a
+    // stage split over tp, split weights sum over tp and replicated ones (norms) count once.
+    let mut split = 0.0f64;
+    let mut replicated = 0.0f64;
+    let mut at = 0;
+    for chunk in &state.chunks {
+        for slot in ParamLayout::of(chunk).slots {
+            let sq: f64 = flat[at + slot.offset..at + slot.offset + slot.numel]
+                .iter()
+                .map(|&g| g as f64 * g as f64)
+                .sum();
+            if chunk.tensor_parallel().is_some() && !TpTransformer::is_replicated(&slot.name) {
+                split += sq;
+            } else {
+                replicated += sq;
+            }
+        }
+        at += ParamLayout::of(chunk).numel;
+    }
+    let mut split = [split];
+    if let Some(tp) = state.chunks.first().and_then(|c| c.tensor_parallel()) {
+        tp.group.all_reduce(&mut split, ReduceOp::Sum)?;
+    }
+    let mut sq = [split[0] + replicated];
     pp.all_reduce(&mut sq, ReduceOp::Sum)?;
     let grad_norm = sq[0].sqrt() as f32;
     if let Some(max) = clip
@@ -654,7 +695,13 @@ fn gather_pipeline_params(
     state: &PipelineState,
 ) -> Result<Vec<(String, Vec<f32>)>, RankError> {
     let pp = ctx.group(Axis::Pp);
-    let mine: Vec<f32> = state.chunks.iter().flat_map(flatten_params).collect();
+    // Whole weights first (collective over tp when the stages are split).
+    let whole = state
+        .chunks
+        .iter()
+        .map(|c| c.unshard())
+        .collect::<Result<Vec<_>, _>>()?;
+    let mine: Vec<f32> = whole.iter().flat_map(flatten_params).collect();
     let mut longest = [mine.len() as u64];
     pp.all_reduce(&mut longest, ReduceOp::Max)?;
     let mut padded = mine;

@@ -12,7 +12,7 @@
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::tensor::{Int, Tensor};
-use flashover_models::{ForwardContext, Site, Transformer, rope_tables};
+use flashover_models::{Block, ForwardContext, Site, Transformer, rope_tables};
 use flashover_parallel::ParallelError;
 use flashover_parallel::tensor_parallel::comm::copy_to_tp;
 use flashover_parallel::tensor_parallel::{
@@ -84,16 +84,7 @@ impl TpTransformer {
         let head_dim = full.blocks.first().map_or(2, |b| b.attn.head_dim);
         let mut local = full;
         for block in &mut local.blocks {
-            let attn = &mut block.attn;
-            attn.wq = split_linear(&attn.wq, 1, tp)?;
-            attn.wk = split_linear(&attn.wk, 1, tp)?;
-            attn.wv = split_linear(&attn.wv, 1, tp)?;
-            attn.wo = split_linear(&attn.wo, 0, tp)?;
-            attn.n_heads /= n;
-            let mlp = &mut block.mlp;
-            mlp.w_gate = split_linear(&mlp.w_gate, 1, tp)?;
-            mlp.w_up = split_linear(&mlp.w_up, 1, tp)?;
-            mlp.w_down = split_linear(&mlp.w_down, 0, tp)?;
+            shard_block(block, tp)?;
         }
         let table = local.embed.weight.val();
         let vocab = VocabShard::new(table.dims()[0], rank, n);
@@ -118,16 +109,7 @@ impl TpTransformer {
         let tp = &self.tp;
         let mut full = self.local.clone().valid();
         for block in &mut full.blocks {
-            let attn = &mut block.attn;
-            attn.wq = gather_linear(&attn.wq, 1, tp)?;
-            attn.wk = gather_linear(&attn.wk, 1, tp)?;
-            attn.wv = gather_linear(&attn.wv, 1, tp)?;
-            attn.wo = gather_linear(&attn.wo, 0, tp)?;
-            attn.n_heads *= tp.group.size();
-            let mlp = &mut block.mlp;
-            mlp.w_gate = gather_linear(&mlp.w_gate, 1, tp)?;
-            mlp.w_up = gather_linear(&mlp.w_up, 1, tp)?;
-            mlp.w_down = gather_linear(&mlp.w_down, 0, tp)?;
+            unshard_block(block, tp)?;
         }
         let vocab = Some(self.vocab.vocab);
         full.embed = Embedding {
@@ -152,52 +134,125 @@ impl TpTransformer {
     ) -> Tensor<1> {
         let (tp, model) = (&self.tp, &self.local);
         let t = tokens.dims()[1];
-        let rank = tp.group.rank();
         let heads = model.blocks.first().map_or(0, |b| b.attn.n_heads);
-        let ctx = ForwardContext {
-            head_offset: rank * heads,
-            seq_offset: if tp.sequence_parallel {
-                rank * t / tp.group.size()
-            } else {
-                0
-            },
-            ..*ctx
-        };
-        let norm = |n: &RmsNorm| {
-            if tp.sequence_parallel {
-                sequence_parallel_norm(n, tp)
-            } else {
-                n.clone()
-            }
-        };
+        let ctx = tp_context(ctx, tp, heads, t);
         // [batch, seq, d], or [batch, seq / tp, d] with sequence parallelism.
         let mut h = vocab_parallel_embedding(model.embed.weight.val(), tokens, &self.vocab, tp);
         let rope = rope_tables(0, t, self.head_dim, model.rope_theta, &h.device());
         for (layer, block) in model.blocks.iter().enumerate() {
-            let x = tp.enter(norm(&block.attn_norm).forward(h.clone()));
-            let attn = tp.exit(block.attn.forward_with(x, &rope, &ctx, layer));
-            h = h + ctx.hidden(attn, layer, Site::AttentionOut);
-            let x = tp.enter(norm(&block.mlp_norm).forward(h.clone()));
-            let mlp = tp.exit(block.mlp.forward(x));
-            h = h + ctx.hidden(mlp, layer, Site::MlpOut);
+            h = tp_block_forward(block, h, &rope, &ctx, layer, tp);
         }
-        let h = tp.enter(norm(&model.norm).forward(h));
-        let [b, t, d] = h.dims();
-        let logits = match &model.head {
-            Some(head) => head.forward(h),
-            None => {
-                let w = model.embed.weight.val();
-                let rows = w.dims()[0];
-                h.reshape([b * t, d])
-                    .matmul(w.transpose())
-                    .reshape([b, t, rows])
-            }
+        let head = match &model.head {
+            Some(head) => head.weight.val(),
+            None => model.embed.weight.val().transpose(),
         };
-        vocab_parallel_cross_entropy(logits, targets, &self.vocab, &tp.group)
+        tp_loss(&model.norm, head, h, targets, &self.vocab, tp)
+    }
+
+    /// How activations enter and leave the parallel regions.
+    pub fn plan(&self) -> &TensorParallel {
+        &self.tp
+    }
+
+    /// This rank's vocabulary rows.
+    pub fn vocab(&self) -> VocabShard {
+        self.vocab
     }
 
     /// Whether parameter `name` is replicated over `tp` (the norms) rather than split.
     pub fn is_replicated(name: &str) -> bool {
         name.contains("norm")
     }
+}
+
+/// `ctx` with this rank's first head and (with sequence parallelism) first sequence position.
+pub(crate) fn tp_context(
+    ctx: &ForwardContext,
+    tp: &TensorParallel,
+    local_heads: usize,
+    seq: usize,
+) -> ForwardContext {
+    let rank = tp.group.rank();
+    ForwardContext {
+        head_offset: rank * local_heads,
+        seq_offset: if tp.sequence_parallel {
+            rank * seq / tp.group.size()
+        } else {
+            0
+        },
+        ..*ctx
+    }
+}
+
+fn maybe_sp_norm(norm: &RmsNorm, tp: &TensorParallel) -> RmsNorm {
+    if tp.sequence_parallel {
+        sequence_parallel_norm(norm, tp)
+    } else {
+        norm.clone()
+    }
+}
+
+/// One block with its weights split over `tp`: the two parallel regions between Megatron's
+/// operators, residual adds and dropout outside them.
+pub(crate) fn tp_block_forward(
+    block: &Block,
+    h: Tensor<3>,
+    rope: &(Tensor<2>, Tensor<2>),
+    ctx: &ForwardContext,
+    layer: usize,
+    tp: &TensorParallel,
+) -> Tensor<3> {
+    let x = tp.enter(maybe_sp_norm(&block.attn_norm, tp).forward(h.clone()));
+    let attn = tp.exit(block.attn.forward_with(x, rope, ctx, layer));
+    let h = h + ctx.hidden(attn, layer, Site::AttentionOut);
+    let x = tp.enter(maybe_sp_norm(&block.mlp_norm, tp).forward(h.clone()));
+    let mlp = tp.exit(block.mlp.forward(x));
+    h + ctx.hidden(mlp, layer, Site::MlpOut)
+}
+
+/// Final norm, the head's vocabulary columns (`head: [d, rows]`) and the vocabulary-parallel
+/// loss.
+pub(crate) fn tp_loss(
+    norm: &RmsNorm,
+    head: Tensor<2>,
+    h: Tensor<3>,
+    targets: Tensor<2, Int>,
+    vocab: &VocabShard,
+    tp: &TensorParallel,
+) -> Tensor<1> {
+    let h = tp.enter(maybe_sp_norm(norm, tp).forward(h));
+    let [b, t, d] = h.dims();
+    let rows = head.dims()[1];
+    let logits = h.reshape([b * t, d]).matmul(head).reshape([b, t, rows]);
+    vocab_parallel_cross_entropy(logits, targets, vocab, &tp.group)
+}
+
+/// `block` with its weights replaced by this rank's shares.
+pub(crate) fn shard_block(block: &mut Block, tp: &TensorParallel) -> Result<(), ParallelError> {
+    let attn = &mut block.attn;
+    attn.wq = split_linear(&attn.wq, 1, tp)?;
+    attn.wk = split_linear(&attn.wk, 1, tp)?;
+    attn.wv = split_linear(&attn.wv, 1, tp)?;
+    attn.wo = split_linear(&attn.wo, 0, tp)?;
+    attn.n_heads /= tp.group.size();
+    let mlp = &mut block.mlp;
+    mlp.w_gate = split_linear(&mlp.w_gate, 1, tp)?;
+    mlp.w_up = split_linear(&mlp.w_up, 1, tp)?;
+    mlp.w_down = split_linear(&mlp.w_down, 0, tp)?;
+    Ok(())
+}
+
+/// `block` with every rank's shares gathered back (collective).
+pub(crate) fn unshard_block(block: &mut Block, tp: &TensorParallel) -> Result<(), ParallelError> {
+    let attn = &mut block.attn;
+    attn.wq = gather_linear(&attn.wq, 1, tp)?;
+    attn.wk = gather_linear(&attn.wk, 1, tp)?;
+    attn.wv = gather_linear(&attn.wv, 1, tp)?;
+    attn.wo = gather_linear(&attn.wo, 0, tp)?;
+    attn.n_heads *= tp.group.size();
+    let mlp = &mut block.mlp;
+    mlp.w_gate = gather_linear(&mlp.w_gate, 1, tp)?;
+    mlp.w_up = gather_linear(&mlp.w_up, 1, tp)?;
+    mlp.w_down = gather_linear(&mlp.w_down, 0, tp)?;
+    Ok(())
 }
