@@ -330,9 +330,7 @@ impl TrainConfig {
                             self.parallel.mesh
                         ));
                     }
-                    if self.model.tie_embeddings {
-                        errors.push("model.tie_embeddings = true with pp > 1: the first and last pipeline stages would share the embedding; set it to false".into());
-                    }
+
                     match self
                         .parallel
                         .pp_schedule

@@ -22,8 +22,12 @@ pub struct TransformerStage {
     pub blocks: Vec<Block>,
     /// Final norm (last stage only).
     pub norm: Option<RmsNorm>,
-    /// LM head (last stage only; the model must not tie it to the embedding).
+    /// LM head (last stage only, untied models).
     pub head: Option<Linear>,
+    /// The last stage's copy of the embedding table, used as the LM head of a tied model.
+    /// Its gradient is summed with the first stage's embedding gradient every step, so both
+    /// copies stay equal (as Megatron does across its first and last stages).
+    pub tied_head: Option<Param<Tensor<2>>>,
     /// Index of this stage's first block in the whole model.
     pub first_block: usize,
     /// RoPE base frequency.
@@ -125,11 +129,6 @@ impl TransformerStage {
         counts: &[usize],
         tp: Option<(TensorParallel, VocabShard)>,
     ) -> Result<Self, ParallelError> {
-        if full.head.is_none() && counts.len() > 1 {
-            return Err(ParallelError::Invalid(
-                "pipeline stages need an untied LM head: set model.tie_embeddings = false".into(),
-            ));
-        }
         let first: usize = counts[..stage].iter().sum();
         let last = stage + 1 == counts.len();
         Ok(TransformerStage {
@@ -137,6 +136,10 @@ impl TransformerStage {
             blocks: full.blocks[first..first + counts[stage]].to_vec(),
             norm: last.then(|| full.norm.clone()),
             head: if last { full.head.clone() } else { None },
+            tied_head: (last && full.head.is_none()).then(|| {
+                let w = full.embed.weight.val();
+                Param::from_data(w.clone().detach().into_data(), &w.device())
+            }),
             first_block: first,
             rope_theta: full.rope_theta,
             head_dim: full.blocks.first().map_or(2, |b| b.attn.head_dim),
@@ -174,12 +177,21 @@ impl TransformerStage {
                 None => block.forward_with(h, &rope, ctx, layer),
             };
         }
-        match (&self.norm, &self.head, &self.tp) {
+        let head = match (&self.head, &self.tied_head) {
+            (Some(head), _) => Some(head.weight.val()),
+            (None, Some(table)) => Some(table.val().transpose()),
+            (None, None) => None,
+        };
+        match (&self.norm, head, &self.tp) {
             (Some(norm), Some(head), Some((tp, vocab))) => {
-                StageOutput::Loss(tp_loss(norm, head.weight.val(), h, targets, vocab, tp))
+                StageOutput::Loss(tp_loss(norm, head, h, targets, vocab, tp))
             }
             (Some(norm), Some(head), None) => {
-                StageOutput::Loss(next_token_loss(head.forward(norm.forward(h)), targets))
+                let h = norm.forward(h);
+                let [b, t, d] = h.dims();
+                let v = head.dims()[1];
+                let logits = h.reshape([b * t, d]).matmul(head).reshape([b, t, v]);
+                StageOutput::Loss(next_token_loss(logits, targets))
             }
             _ => StageOutput::Activation(h),
         }
@@ -198,6 +210,10 @@ impl TransformerStage {
                 full.embed = Some(Embedding {
                     weight: Param::from_tensor(rows),
                 });
+            }
+            if let Some(table) = &full.tied_head {
+                let rows = gather_parts(table.val(), 0, &tp.group, Some(vocab.vocab))?;
+                full.tied_head = Some(Param::from_tensor(rows));
             }
             if let Some(head) = &full.head {
                 let columns = gather_parts(head.weight.val(), 1, &tp.group, Some(vocab.vocab))?;

@@ -191,6 +191,9 @@ struct PipelineState {
     template: Transformer,
     shape: [usize; 3],
     average: bool,
+    /// Tied embeddings: the group of the ranks holding the first and the last stage, which sum
+    /// the two copies' gradients (`None` for other ranks and untied models).
+    tie: Option<Group>,
 }
 
 impl StepOutcome {
@@ -254,7 +257,14 @@ impl Strategy {
                     TransformerStage::cut_split(&local, stage, &counts, split.clone())
                 })
                 .collect::<Result<Vec<_>, _>>()?;
+            // Tied embeddings: the first and the last stage's ranks keep their copies in step.
+            let tied = template.head.is_none();
+            let (first, last) = (0, pp.size() - 1);
+            let holds = pp.rank() == first || pp.rank() == last;
+            let tie_group = pp.split((!holds) as usize, pp.rank(), "embedding-tie")?;
+            let tie = (tied && holds).then_some(tie_group);
             return Ok(Strategy::Pp(Box::new(PipelineState {
+                tie,
                 chunks,
                 schedule,
                 optim: adamw.to_burn().init(),
@@ -629,6 +639,22 @@ fn pipeline_step(
         flat.iter_mut().for_each(|g| *g *= micro_batches as f32);
         dp.all_reduce(&mut flat, ReduceOp::Sum)?;
     }
+    // Tied embeddings: the first stage's table and the last stage's copy get the sum of both
+    // gradients, so the copies stay equal.
+    if let Some(tie) = &state.tie {
+        let mut at = 0;
+        for chunk in &state.chunks {
+            for slot in ParamLayout::of(chunk).slots {
+                if slot.name == "embed.weight" || slot.name == "tied_head" {
+                    tie.all_reduce(
+                        &mut flat[at + slot.offset..at + slot.offset + slot.numel],
+                        ReduceOp::Sum,
+                    )?;
+                }
+            }
+            at += ParamLayout::of(chunk).numel;
+        }
+    }
     // Stages hold disjoint parameters: the squared norm sums over the pipeline. Within a
     // stage split over tp, split weights sum over tp and replicated ones (norms) count once.
     let mut split = 0.0f64;
@@ -640,7 +666,10 @@ fn pipeline_step(
                 .iter()
                 .map(|&g| g as f64 * g as f64)
                 .sum();
-            if chunk.tensor_parallel().is_some() && !TpTransformer::is_replicated(&slot.name) {
+            if slot.name == "tied_head" {
+                // Counted once, with the first stage's table.
+            } else if chunk.tensor_parallel().is_some() && !TpTransformer::is_replicated(&slot.name)
+            {
                 split += sq;
             } else {
                 replicated += sq;
@@ -718,7 +747,8 @@ fn gather_pipeline_params(
             let stage =
                 TransformerStage::cut(&state.template, s.stage_of(rank, chunk), &state.counts)?;
             let layout = ParamLayout::of(&stage);
-            for slot in &layout.slots {
+            // The tied head's copy is the embedding: reported once, as `embed.weight`.
+            for slot in layout.slots.iter().filter(|s| s.name != "tied_head") {
                 let v = values[at + slot.offset..at + slot.offset + slot.numel].to_vec();
                 named.push((stage.global_name(&slot.name), v));
             }
