@@ -13,7 +13,6 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_data::{BatchPlan, MarkovSource, TextSource, TokenSource};
 use flashover_models::{Dropout, ForwardContext, Transformer, next_token_loss};
 use flashover_parallel::FlatAdamWConfig;
-use flashover_parallel::clip_module_grads;
 use flashover_parallel::data_parallel::{DataParallel, DataParallelConfig, ReduceReport};
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
 use flashover_parallel::pipeline::{Action, PipelineExecutor, Schedule, ScheduleKind};
@@ -22,6 +21,7 @@ use flashover_parallel::zero::{
     FullyShardConfig, FullyShardedOptimizer, MemoryReport, ShardGroup, ShardedDataParallel,
     ZeroConfig,
 };
+use flashover_parallel::{clip_module_grads, clip_scale};
 use flashover_runtime::ReduceOp;
 use flashover_runtime::{Axis, CommunicatorExt, Group, Launch, RankContext, RankError};
 use std::io::Write;
@@ -684,10 +684,7 @@ fn pipeline_step(
     let mut sq = [split[0] + replicated];
     pp.all_reduce(&mut sq, ReduceOp::Sum)?;
     let grad_norm = sq[0].sqrt() as f32;
-    if let Some(max) = clip
-        && grad_norm > max
-    {
-        let scale = max / (grad_norm + 1e-6);
+    if let Some(scale) = clip_scale(grad_norm, clip)? {
         flat.iter_mut().for_each(|g| *g *= scale);
     }
     let grads = grads_from_flat(&state.chunks, &flat);

@@ -36,20 +36,24 @@ pub fn clip_global_norm_parts(
         group.all_reduce(&mut sq, ReduceOp::Sum)?;
     }
     let norm = sq[0].sqrt() as f32;
-    if let Some(max) = max_norm {
-        if max.is_nan() || max <= 0.0 {
-            return Err(ParallelError::Invalid(format!(
-                "gradient clipping needs a positive max norm, got {max}"
-            )));
-        }
-        if norm > max {
-            let scale = max / (norm + 1e-6);
-            parts
-                .iter_mut()
-                .for_each(|p| p.iter_mut().for_each(|g| *g *= scale));
-        }
+    if let Some(scale) = clip_scale(norm, max_norm)? {
+        parts
+            .iter_mut()
+            .for_each(|p| p.iter_mut().for_each(|g| *g *= scale));
     }
     Ok(norm)
+}
+
+/// The factor that brings a gradient of global norm `norm` down to `max_norm` (`None` when it
+/// is already within, or there is no limit); fails on a limit that is not positive.
+pub fn clip_scale(norm: f32, max_norm: Option<f32>) -> Result<Option<f32>, ParallelError> {
+    match max_norm {
+        None => Ok(None),
+        Some(max) if max.is_nan() || max <= 0.0 => Err(ParallelError::Invalid(format!(
+            "gradient clipping needs a positive max norm, got {max}"
+        ))),
+        Some(max) => Ok((norm > max).then(|| max / (norm + 1e-6))),
+    }
 }
 
 /// Global-norm clipping of a module's gradients when some parameters are split over
@@ -90,30 +94,22 @@ pub fn clip_module_grads<M: Module>(
     let mut split = [v.sums[0]];
     split_group.all_reduce(&mut split, ReduceOp::Sum)?;
     let norm = (split[0] + v.sums[1]).sqrt() as f32;
-    if let Some(max) = max_norm {
-        if max.is_nan() || max <= 0.0 {
-            return Err(ParallelError::Invalid(format!(
-                "gradient clipping needs a positive max norm, got {max}"
-            )));
+    if let Some(scale) = clip_scale(norm, max_norm)? {
+        struct Scale<'a> {
+            grads: &'a mut GradientsParams,
+            scale: f32,
         }
-        if norm > max {
-            let scale = max / (norm + 1e-6);
-            struct Scale<'a> {
-                grads: &'a mut GradientsParams,
-                scale: f32,
-            }
-            impl ModuleVisitor for Scale<'_> {
-                fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                    if let Some(g) = self.grads.remove::<D>(param.id) {
-                        self.grads.register::<D>(param.id, g.mul_scalar(self.scale));
-                    }
+        impl ModuleVisitor for Scale<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if let Some(g) = self.grads.remove::<D>(param.id) {
+                    self.grads.register::<D>(param.id, g.mul_scalar(self.scale));
                 }
             }
-            module.visit(&mut Scale {
-                grads: &mut grads,
-                scale,
-            });
         }
+        module.visit(&mut Scale {
+            grads: &mut grads,
+            scale,
+        });
     }
     Ok((grads, norm))
 }
