@@ -529,5 +529,15 @@ mod example_config_tests {
         let c = TrainConfig::from_toml(text).unwrap();
         assert!(c.validate().is_empty(), "{:?}", c.validate());
         assert_eq!(c.parallel.mesh, "dp=4");
+        for (name, text) in [
+            ("3d.toml", include_str!("../../examples/configs/3d.toml")),
+            (
+                "fsdp.toml",
+                include_str!("../../examples/configs/fsdp.toml"),
+            ),
+        ] {
+            let c = TrainConfig::from_toml(text).unwrap();
+            assert!(c.validate().is_empty(), "{name}: {:?}", c.validate());
+        }
     }
 }
