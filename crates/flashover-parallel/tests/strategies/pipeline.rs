@@ -269,3 +269,37 @@ fn an_invalid_schedule_is_refused_before_anything_runs() {
         "{err}"
     );
 }
+
+#[test]
+fn one_f_one_b_holds_at_most_p_minus_r_micro_batches_where_gpipe_holds_all() {
+    for (kind, m) in [(ScheduleKind::GPipe, 6), (ScheduleKind::OneFOneB, 6)] {
+        let peaks = launch("pp=3", |ctx| {
+            let device = Device::flex().autodiff();
+            let pp = ctx.group(Axis::Pp);
+            let schedule = Schedule::build(kind, 3, m, 1).map_err(ParallelError::Invalid)?;
+            let chunks = vec![Stack::new(stage_layers(pp.rank(), 3), &device)];
+            let (_, report) = PipelineExecutor::new(&schedule, pp)?.step(
+                &chunks,
+                [ROWS_PER_MICRO, 6],
+                &device,
+                |_, module: &Stack, input, micro| {
+                    let x = input
+                        .unwrap_or_else(|| rows(micro * ROWS_PER_MICRO, ROWS_PER_MICRO, &device));
+                    let y = module.forward(x);
+                    if pp.rank() == 2 {
+                        StageOutput::Loss(loss(y))
+                    } else {
+                        StageOutput::Activation(y)
+                    }
+                },
+            )?;
+            Ok::<_, ParallelError>(report.peak_in_flight)
+        })
+        .unwrap();
+        let expected: Vec<usize> = match kind {
+            ScheduleKind::GPipe => vec![m; 3],
+            _ => (0..3).map(|r| 3 - r).collect(),
+        };
+        assert_eq!(peaks, expected, "{kind:?}");
+    }
+}
