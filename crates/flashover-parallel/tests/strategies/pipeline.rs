@@ -303,3 +303,49 @@ fn one_f_one_b_holds_at_most_p_minus_r_micro_batches_where_gpipe_holds_all() {
         assert_eq!(peaks, expected, "{kind:?}");
     }
 }
+
+#[test]
+fn a_stage_dying_mid_schedule_fails_its_neighbours_fast_naming_it() {
+    use flashover_runtime::{FaultPlan, Launch, LaunchError, OpKind};
+    let start = std::time::Instant::now();
+    let err = Launch::new("pp=3")
+        .unwrap()
+        .timeout(std::time::Duration::from_secs(30))
+        .faults(FaultPlan::new().panic_at(1, OpKind::Recv, 3))
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let pp = ctx.group(Axis::Pp);
+            let schedule =
+                Schedule::build(ScheduleKind::OneFOneB, 3, 4, 1).map_err(ParallelError::Invalid)?;
+            let chunks = vec![Stack::new(stage_layers(pp.rank(), 3), &device)];
+            PipelineExecutor::new(&schedule, pp)?.step(
+                &chunks,
+                [ROWS_PER_MICRO, 6],
+                &device,
+                |_, module: &Stack, input, micro| {
+                    let x = input
+                        .unwrap_or_else(|| rows(micro * ROWS_PER_MICRO, ROWS_PER_MICRO, &device));
+                    let y = module.forward(x);
+                    if pp.rank() == 2 {
+                        StageOutput::Loss(loss(y))
+                    } else {
+                        StageOutput::Activation(y)
+                    }
+                },
+            )?;
+            Ok::<_, ParallelError>(())
+        })
+        .unwrap_err();
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(20),
+        "must not wait for the timeout"
+    );
+    match &err {
+        LaunchError::Rank { cause, all } => {
+            assert_eq!(cause.rank, 1, "{err}");
+            assert!(cause.message.contains("injected fault"), "{err}");
+            assert_eq!(all.len(), 3, "{err}");
+        }
+        other => panic!("{other}"),
+    }
+}
