@@ -270,30 +270,39 @@ fn an_invalid_schedule_is_refused_before_anything_runs() {
     );
 }
 
+/// One step of `kind` with `m` micro-batches on a 3-stage split (one chunk per rank) of the
+/// stack, run on this rank of `ctx`'s pipeline group.
+fn three_stage_step(
+    ctx: &flashover_runtime::RankContext,
+    kind: ScheduleKind,
+    m: usize,
+) -> Result<flashover_parallel::pipeline::PipelineStepReport, ParallelError> {
+    let device = Device::flex().autodiff();
+    let pp = ctx.group(Axis::Pp);
+    let schedule = Schedule::build(kind, 3, m, 1).map_err(ParallelError::Invalid)?;
+    let chunks = vec![Stack::new(stage_layers(pp.rank(), 3), &device)];
+    let (_, report) = PipelineExecutor::new(&schedule, pp)?.step(
+        &chunks,
+        [ROWS_PER_MICRO, 6],
+        &device,
+        |_, module: &Stack, input, micro| {
+            let x = input.unwrap_or_else(|| rows(micro * ROWS_PER_MICRO, ROWS_PER_MICRO, &device));
+            let y = module.forward(x);
+            if pp.rank() == 2 {
+                StageOutput::Loss(loss(y))
+            } else {
+                StageOutput::Activation(y)
+            }
+        },
+    )?;
+    Ok(report)
+}
+
 #[test]
 fn one_f_one_b_holds_at_most_p_minus_r_micro_batches_where_gpipe_holds_all() {
     for (kind, m) in [(ScheduleKind::GPipe, 6), (ScheduleKind::OneFOneB, 6)] {
         let peaks = launch("pp=3", |ctx| {
-            let device = Device::flex().autodiff();
-            let pp = ctx.group(Axis::Pp);
-            let schedule = Schedule::build(kind, 3, m, 1).map_err(ParallelError::Invalid)?;
-            let chunks = vec![Stack::new(stage_layers(pp.rank(), 3), &device)];
-            let (_, report) = PipelineExecutor::new(&schedule, pp)?.step(
-                &chunks,
-                [ROWS_PER_MICRO, 6],
-                &device,
-                |_, module: &Stack, input, micro| {
-                    let x = input
-                        .unwrap_or_else(|| rows(micro * ROWS_PER_MICRO, ROWS_PER_MICRO, &device));
-                    let y = module.forward(x);
-                    if pp.rank() == 2 {
-                        StageOutput::Loss(loss(y))
-                    } else {
-                        StageOutput::Activation(y)
-                    }
-                },
-            )?;
-            Ok::<_, ParallelError>(report.peak_in_flight)
+            three_stage_step(&ctx, kind, m).map(|report| report.peak_in_flight)
         })
         .unwrap();
         let expected: Vec<usize> = match kind {
@@ -312,29 +321,7 @@ fn a_stage_dying_mid_schedule_fails_its_neighbours_fast_naming_it() {
         .unwrap()
         .timeout(std::time::Duration::from_secs(30))
         .faults(FaultPlan::new().panic_at(1, OpKind::Recv, 3))
-        .run(|ctx| {
-            let device = Device::flex().autodiff();
-            let pp = ctx.group(Axis::Pp);
-            let schedule =
-                Schedule::build(ScheduleKind::OneFOneB, 3, 4, 1).map_err(ParallelError::Invalid)?;
-            let chunks = vec![Stack::new(stage_layers(pp.rank(), 3), &device)];
-            PipelineExecutor::new(&schedule, pp)?.step(
-                &chunks,
-                [ROWS_PER_MICRO, 6],
-                &device,
-                |_, module: &Stack, input, micro| {
-                    let x = input
-                        .unwrap_or_else(|| rows(micro * ROWS_PER_MICRO, ROWS_PER_MICRO, &device));
-                    let y = module.forward(x);
-                    if pp.rank() == 2 {
-                        StageOutput::Loss(loss(y))
-                    } else {
-                        StageOutput::Activation(y)
-                    }
-                },
-            )?;
-            Ok::<_, ParallelError>(())
-        })
+        .run(|ctx| three_stage_step(&ctx, ScheduleKind::OneFOneB, 4).map(|_| ()))
         .unwrap_err();
     assert!(
         start.elapsed() < std::time::Duration::from_secs(20),
