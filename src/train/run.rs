@@ -13,7 +13,9 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_data::{BatchPlan, MarkovSource, TextSource, TokenSource};
 use flashover_models::{Dropout, ForwardContext, Transformer, next_token_loss};
 use flashover_parallel::FlatAdamWConfig;
-use flashover_parallel::data_parallel::{DataParallel, DataParallelConfig, ReduceReport};
+use flashover_parallel::data_parallel::{
+    DataParallel, DataParallelConfig, MicroBatches, ReduceReport,
+};
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
 use flashover_parallel::pipeline::{Action, PipelineExecutor, Schedule, ScheduleKind};
 use flashover_parallel::tensor_parallel::TensorParallel;
@@ -325,17 +327,13 @@ impl Strategy {
     ) -> Result<(Self, StepOutcome), RankError> {
         let mut loss_sum = 0.0f64;
         let mut add_loss = |loss: &Tensor<1>| loss_sum += loss.clone().into_scalar::<f32>() as f64;
+        let transformer_loss = |model: &Transformer, inputs, targets, fwd: &ForwardContext| {
+            next_token_loss(model.forward_with(inputs, fwd), targets)
+        };
         match self {
             Strategy::Ddp(model, mut ddp, mut optim) => {
-                ddp.begin_step(micro_batches);
-                for micro in 0..micro_batches {
-                    let (inputs, targets, fwd) = batches(micro);
-                    let logits = ddp.prepare(&*model).forward_with(inputs, &fwd);
-                    let loss = next_token_loss(logits, targets);
-                    add_loss(&loss);
-                    let grads = GradientsParams::from_grads(loss.backward(), &*model);
-                    ddp.backward_done(&*model, grads)?;
-                }
+                let loss_sum =
+                    run_micro_batches(&mut ddp, &*model, batches, micro_batches, transformer_loss)?;
                 let reduced = ddp.finish(&*model, clip)?;
                 let numel = ddp.layout().numel;
                 let memory = MemoryReport {
@@ -353,14 +351,11 @@ impl Strategy {
                 Ok((Strategy::Pp(state), outcome))
             }
             Strategy::Tp(model, mut ddp, mut optim) => {
-                ddp.begin_step(micro_batches);
-                for micro in 0..micro_batches {
-                    let (inputs, targets, fwd) = batches(micro);
-                    let loss = ddp.prepare(&*model).forward_loss(inputs, targets, &fwd);
-                    add_loss(&loss);
-                    let grads = GradientsParams::from_grads(loss.backward(), &*model);
-                    ddp.backward_done(&*model, grads)?;
-                }
+                let tp_loss = |m: &TpTransformer, inputs, targets, fwd: &ForwardContext| {
+                    m.forward_loss(inputs, targets, fwd)
+                };
+                let loss_sum =
+                    run_micro_batches(&mut ddp, &*model, batches, micro_batches, tp_loss)?;
                 // The norm spans every tp rank's split weights; norms count once.
                 let reduced = ddp.finish(&*model, None)?;
                 let tp = ctx.group(Axis::Tp);
@@ -384,15 +379,13 @@ impl Strategy {
                 Ok((Strategy::Tp(model, ddp, optim), outcome))
             }
             Strategy::Zero(model, mut zero) => {
-                zero.begin_step(micro_batches);
-                for micro in 0..micro_batches {
-                    let (inputs, targets, fwd) = batches(micro);
-                    let logits = zero.prepare(&*model).forward_with(inputs, &fwd);
-                    let loss = next_token_loss(logits, targets);
-                    add_loss(&loss);
-                    let grads = GradientsParams::from_grads(loss.backward(), &*model);
-                    zero.backward_done(&*model, grads)?;
-                }
+                let loss_sum = run_micro_batches(
+                    &mut zero,
+                    &*model,
+                    batches,
+                    micro_batches,
+                    transformer_loss,
+                )?;
                 let (model, report) = zero.step(lr, *model, clip)?;
                 let outcome = StepOutcome::reduced(loss_sum, &report, zero.memory());
                 Ok((Strategy::Zero(Box::new(model), zero), outcome))
@@ -593,6 +586,32 @@ fn train_rank(
     }
     let (buckets, overlap) = strategy.buckets();
     Ok(Some((records, params, buckets, overlap)))
+}
+
+/// Every micro-batch of a step under a replicated strategy (DDP, ZeRO-1/2, TP + DDP): forward
+/// through `loss`, backward, gradients handed over. Returns the sum of the micro-batch losses.
+fn run_micro_batches<S, M, L>(
+    sync: &mut S,
+    model: &M,
+    batches: &mut dyn FnMut(usize) -> (Tensor<2, Int>, Tensor<2, Int>, ForwardContext),
+    micro_batches: usize,
+    loss: L,
+) -> Result<f64, RankError>
+where
+    S: MicroBatches,
+    M: Module,
+    L: Fn(&M, Tensor<2, Int>, Tensor<2, Int>, &ForwardContext) -> Tensor<1>,
+{
+    sync.begin_step(micro_batches);
+    let mut loss_sum = 0.0;
+    for micro in 0..micro_batches {
+        let (inputs, targets, fwd) = batches(micro);
+        let l = loss(&sync.prepare(model), inputs, targets, &fwd);
+        loss_sum += l.clone().into_scalar::<f32>() as f64;
+        let grads = GradientsParams::from_grads(l.backward(), model);
+        sync.backward_done(model, grads)?;
+    }
+    Ok(loss_sum)
 }
 
 /// One pipeline step: the schedule over every micro-batch, gradients averaged over `dp`

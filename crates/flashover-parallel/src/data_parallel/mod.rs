@@ -128,6 +128,38 @@ fn model_device<M: Module>(model: &M) -> Option<burn::tensor::Device> {
     model.devices().into_iter().next()
 }
 
+/// The per-micro-batch protocol of replicated training, shared by DDP and ZeRO-1/2: start a
+/// step, run each micro-batch's forward on the model [`MicroBatches::prepare`] returns, and hand
+/// its gradients to [`MicroBatches::backward_done`].
+pub trait MicroBatches {
+    /// Starts a step of `micro_batches` micro-batches.
+    fn begin_step(&mut self, micro_batches: usize);
+    /// The model to run the next micro-batch's forward with.
+    fn prepare<M: Module>(&mut self, model: &M) -> M;
+    /// After a micro-batch's backward.
+    fn backward_done<M: Module>(
+        &mut self,
+        model: &M,
+        grads: GradientsParams,
+    ) -> Result<(), ParallelError>;
+}
+
+impl MicroBatches for DataParallel {
+    fn begin_step(&mut self, micro_batches: usize) {
+        DataParallel::begin_step(self, micro_batches)
+    }
+    fn prepare<M: Module>(&mut self, model: &M) -> M {
+        DataParallel::prepare(self, model)
+    }
+    fn backward_done<M: Module>(
+        &mut self,
+        model: &M,
+        grads: GradientsParams,
+    ) -> Result<(), ParallelError> {
+        DataParallel::backward_done(self, model, grads)
+    }
+}
+
 /// What one step's gradient reduction did and cost.
 #[derive(Debug, Clone, Default)]
 pub struct ReduceReport {

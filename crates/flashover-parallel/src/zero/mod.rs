@@ -116,6 +116,22 @@ impl MemoryReport {
     }
 }
 
+impl crate::data_parallel::MicroBatches for ShardedDataParallel {
+    fn begin_step(&mut self, micro_batches: usize) {
+        ShardedDataParallel::begin_step(self, micro_batches)
+    }
+    fn prepare<M: Module>(&mut self, model: &M) -> M {
+        ShardedDataParallel::prepare(self, model)
+    }
+    fn backward_done<M: Module>(
+        &mut self,
+        model: &M,
+        grads: GradientsParams,
+    ) -> Result<(), ParallelError> {
+        ShardedDataParallel::backward_done(self, model, grads)
+    }
+}
+
 /// The per-rank state of ZeRO stages 1-2: the step protocol of
 /// [`crate::data_parallel::DataParallel`] (`begin_step`, per micro-batch `prepare` + backward +
 /// `backward_done`), then [`ShardedDataParallel::step`], which also updates the parameters.
