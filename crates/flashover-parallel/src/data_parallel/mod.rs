@@ -106,7 +106,6 @@ impl DataParallelConfig {
             model,
             DataParallel {
                 group: group.clone(),
-                flat: vec![],
                 shard: vec![],
                 layout,
                 reducer,
@@ -190,8 +189,6 @@ pub struct DataParallel {
     group: Group,
     layout: ParamLayout,
     reducer: Reducer,
-    /// Whole-model gradient in layout order (allocated on first use).
-    flat: Vec<f32>,
     /// This rank's gradient shard (ZeRO; allocated on first use).
     shard: Vec<f32>,
     hooks: bool,
@@ -285,12 +282,10 @@ impl DataParallel {
         let arrived = self.reducer.arrived();
         // With hooks every parameter has usually reported already: nothing to read.
         if !arrived.iter().all(|&a| a) {
-            self.flat.clear();
-            self.flat.resize(self.layout.numel, 0.0);
-            accumulate_grads(model, &grads, &mut self.flat, &arrived);
-            self.reducer.add_remaining(&self.flat);
-            // Scratch only: the buckets hold the gradient now.
-            self.flat = vec![];
+            // Scratch only: the buckets hold the gradient once it is added.
+            let mut flat = vec![0.0; self.layout.numel];
+            accumulate_grads(model, &grads, &mut flat, &arrived);
+            self.reducer.add_remaining(&flat);
         }
         drop(grads);
         self.micro += 1;
@@ -335,21 +330,6 @@ impl DataParallel {
         })
     }
 
-    /// Like [`DataParallel::finish`], but leaves the gradient flat, in layout order, in
-    /// [`DataParallel::flat_grads`], for optimizers that work on flat buffers.
-    pub fn finish_flat(&mut self, max_norm: Option<f32>) -> Result<ReduceReport, ParallelError> {
-        self.check_finished();
-        let t0 = Instant::now();
-        self.flat.resize(self.layout.numel, 0.0);
-        let spans = self.reducer.wait(&mut self.flat)?;
-        self.rebuild_buckets_after_first_step()?;
-        let denom = self.denominator();
-        let flat = &mut self.flat;
-        flat.iter_mut().for_each(|g| *g /= denom);
-        let grad_norm = clip_global_norm(flat, max_norm, None)?;
-        Ok(self.report(t0, spans, grad_norm))
-    }
-
     /// Like [`DataParallel::finish`], but keeps only this rank's shard of the gradient (the
     /// elements [`DataParallel::shard_map`] gives it), in [`DataParallel::shard_grads`]: the
     /// gradient input of [`crate::zero::ZeroOptimizer`]. The clipping norm is taken over every
@@ -380,9 +360,9 @@ impl DataParallel {
         &self.shard
     }
 
-    /// Bytes of gradient this rank holds now: bucket buffers, and the flat or shard gradient.
+    /// Bytes of gradient this rank holds now: bucket buffers, and the shard gradient.
     pub fn grad_bytes(&self) -> usize {
-        (self.flat.len() + self.shard.len()) * 4 + self.reducer.held_bytes().0
+        self.shard.len() * 4 + self.reducer.held_bytes().0
     }
 
     /// The most gradient bytes held at once since the step began: bucket buffers and copies
@@ -458,10 +438,5 @@ impl DataParallel {
             exposed,
             buckets: spans.spans.len(),
         }
-    }
-
-    /// The step's reduced gradient in layout order (valid after [`DataParallel::finish_flat`]).
-    pub fn flat_grads(&self) -> &[f32] {
-        &self.flat
     }
 }

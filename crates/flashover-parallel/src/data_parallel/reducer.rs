@@ -410,22 +410,6 @@ impl Reducer {
         Ok((shard, spans))
     }
 
-    /// Waits until every bucket is reduced; copies the sums into `flat` (layout order).
-    /// All-reduce mode only.
-    pub(crate) fn wait(&self, flat: &mut [f32]) -> Result<Spans, CommError> {
-        assert_eq!(
-            self.shared.mode,
-            Mode::AllReduce,
-            "whole gradients need all-reduce"
-        );
-        let spans = self.wait_reduced()?;
-        for (p, values) in self.drain().into_iter().enumerate() {
-            let start = self.shared.offsets[p];
-            flat[start..start + values.len()].copy_from_slice(&values);
-        }
-        Ok(spans)
-    }
-
     /// Every parameter's reduced gradient, in layout order, each bucket freed as soon as its
     /// last parameter is copied out (all-reduce modes, after [`Reducer::wait_reduced`]): the
     /// peak stays near one gradient plus one bucket.
