@@ -1,6 +1,8 @@
-//! A gradient hook: forward identity; backward hands the gradient's values to a host callback
-//! and passes the gradient through unchanged. This is how DDP learns, during backward, that a
-//! parameter's gradient is final, so its bucket can be reduced while backward continues.
+//! A gradient hook: forward identity; backward hands the gradient's values to a host callback,
+//! which takes them over: the parameter never receives the gradient, so Burn's gradient
+//! container stays free of it (the reducer's bucket is the only copy, which is what lets ZeRO-2
+//! hold only a shard). This is how DDP learns, during backward, that a parameter's gradient is
+//! final, so its bucket can be reduced while backward continues.
 //!
 //! Burn 0.22.1 has no tensor hooks; this is a backend-extension op with a hand-written backward
 //! (see the project notes' custom-backward recipe). It is implemented for Flex; on other
@@ -9,7 +11,7 @@
 use burn::backend::autodiff::{
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
-    ops::{Backward, Ops, OpsKind, unary},
+    ops::{Backward, Ops, OpsKind},
 };
 use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
 use burn::tensor::{Device, Tensor};
@@ -30,25 +32,19 @@ impl std::fmt::Debug for GradCallback {
 
 #[backend_extension(Flex, Autodiff)]
 pub trait GradHookOps: Backend {
-    /// Forward: identity. Backward: calls `callback` with the gradient and passes it on, or,
-    /// with `consume`, keeps it from reaching `x` (the callback took ownership of it).
-    fn grad_hook(x: FloatTensor<Self>, callback: GradCallback, consume: bool) -> FloatTensor<Self>;
+    /// Forward: identity. Backward: calls `callback` with the gradient, which does not reach
+    /// `x` (the callback took it over).
+    fn grad_hook(x: FloatTensor<Self>, callback: GradCallback) -> FloatTensor<Self>;
 }
 
 impl GradHookOps for Flex {
-    fn grad_hook(
-        x: FloatTensor<Self>,
-        _callback: GradCallback,
-        _consume: bool,
-    ) -> FloatTensor<Self> {
+    fn grad_hook(x: FloatTensor<Self>, _callback: GradCallback) -> FloatTensor<Self> {
         x
     }
 }
 
 #[derive(Debug)]
-struct HookBackward {
-    consume: bool,
-}
+struct HookBackward;
 
 impl Backward<Flex, 1> for HookBackward {
     type State = GradCallback;
@@ -60,38 +56,23 @@ impl Backward<Flex, 1> for HookBackward {
         _checkpointer: &mut Checkpointer,
     ) {
         let callback = ops.state;
-        let report = |g: &FloatTensor<Flex>| {
-            let data = g.clone().into_data();
-            match data.as_slice::<f32>() {
-                Ok(values) => (callback.0)(values),
-                Err(_) => (callback.0)(
-                    data.convert::<f32>()
-                        .as_slice::<f32>()
-                        .expect("converted to f32"),
-                ),
-            }
-        };
-        if self.consume {
-            // The parameter never receives this gradient: Burn's gradient container stays
-            // free of it, which is what lets ZeRO-2 hold only a shard.
-            report(&grads.consume::<Flex>(&ops.node));
-        } else {
-            unary::<Flex, _>(ops.parents, ops.node, grads, |g| {
-                report(&g);
-                g
-            });
+        // Consumed, not registered for the parent: the parameter never receives it.
+        let data = grads.consume::<Flex>(&ops.node).into_data();
+        match data.as_slice::<f32>() {
+            Ok(values) => (callback.0)(values),
+            Err(_) => (callback.0)(
+                data.convert::<f32>()
+                    .as_slice::<f32>()
+                    .expect("converted to f32"),
+            ),
         }
     }
 }
 
 impl<C: CheckpointStrategy> GradHookOps for Autodiff<Flex, C> {
-    fn grad_hook(x: FloatTensor<Self>, callback: GradCallback, consume: bool) -> FloatTensor<Self> {
+    fn grad_hook(x: FloatTensor<Self>, callback: GradCallback) -> FloatTensor<Self> {
         let node = x.node();
-        match (HookBackward { consume })
-            .prepare::<C>([node])
-            .compute_bound()
-            .stateful()
-        {
+        match HookBackward.prepare::<C>([node]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish(callback, x.into_primitive()),
             OpsKind::UnTracked(prep) => prep.finish(x.into_primitive()),
         }
@@ -104,10 +85,9 @@ pub fn hooks_supported(device: &Device) -> bool {
 }
 
 /// `x` with a gradient hook attached (see the module docs).
-pub fn grad_hook<const D: usize>(x: Tensor<D>, callback: GradCallback, consume: bool) -> Tensor<D> {
+pub fn grad_hook<const D: usize>(x: Tensor<D>, callback: GradCallback) -> Tensor<D> {
     Tensor::from_dispatch(<Dispatch as GradHookOps>::grad_hook(
         x.into_dispatch(),
         callback,
-        consume,
     ))
 }

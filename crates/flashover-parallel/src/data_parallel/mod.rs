@@ -210,14 +210,13 @@ pub struct DataParallel {
 struct HookMapper<'a> {
     reducer: &'a Reducer,
     index: usize,
-    consume: bool,
 }
 
 impl ModuleMapper for HookMapper<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let callback = self.reducer.callback(self.index);
         self.index += 1;
-        param.map(|t| grad_hook(t, callback, self.consume))
+        param.map(|t| grad_hook(t, callback))
     }
 }
 
@@ -262,7 +261,6 @@ impl DataParallel {
             model.clone().map(&mut HookMapper {
                 reducer: &self.reducer,
                 index: 0,
-                consume: true,
             })
         } else {
             model.clone()
