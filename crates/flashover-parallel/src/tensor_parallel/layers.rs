@@ -8,6 +8,7 @@
 use super::comm::{
     copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_tp,
 };
+use super::shard::split_dim;
 use crate::error::ParallelError;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear};
@@ -63,24 +64,14 @@ impl TensorParallel {
     }
 }
 
-/// `[d_in, d_out]` cut into `n` column blocks: block `rank`.
+/// Part `rank` of `n` of a weight along `dim`, as a new parameter.
 fn narrow_param(
     w: &Param<Tensor<2>>,
     dim: usize,
     rank: usize,
     n: usize,
 ) -> Result<Param<Tensor<2>>, ParallelError> {
-    let dims = w.val().dims();
-    if !dims[dim].is_multiple_of(n) {
-        return Err(ParallelError::Invalid(format!(
-            "a weight of shape {dims:?} cannot be split into {n} tensor-parallel parts along dim {dim}: {} does not divide by {n}",
-            dims[dim]
-        )));
-    }
-    let part = dims[dim] / n;
-    let device = w.val().device();
-    let slice = w.val().detach().narrow(dim, rank * part, part);
-    Ok(Param::from_data(slice.into_data(), &device))
+    Ok(Param::from_tensor(split_dim(&w.val(), dim, rank, n)?))
 }
 
 /// Column-parallel linear layer: `y = x A` with `A = [A_1 .. A_n]` split by output features;

@@ -16,8 +16,8 @@ pub fn split_dim<const D: usize>(
     let dims = full.dims();
     if !dims[dim].is_multiple_of(n) {
         return Err(ParallelError::Invalid(format!(
-            "cannot split a tensor of shape {dims:?} into {n} tensor-parallel parts along dim \
-             {dim}: {} does not divide by {n}",
+            "a tensor of shape {dims:?} cannot be split into {n} tensor-parallel parts along \
+             dim {dim}: {} does not divide by {n}",
             dims[dim]
         )));
     }
