@@ -188,9 +188,14 @@ struct PipelineState {
     chunks: Vec<TransformerStage>,
     schedule: Schedule,
     optim: ModuleOptimizer,
-    /// Blocks per virtual stage, and the full model's structure (for naming parameters).
-    counts: Vec<usize>,
-    template: Transformer,
+    /// The parameter layout of each of this rank's chunks (fixed for the run).
+    layouts: Vec<ParamLayout>,
+    /// Per virtual stage, its whole (unsplit) parameters in layout order: the name they have
+    /// in the whole model (`None` for the tied head's copy, reported as `embed.weight`) and
+    /// their length. With `order`, the whole model's names, this is all rank 0 needs to name
+    /// gathered parameters: no rank keeps a copy of the whole model.
+    stage_params: Vec<Vec<(Option<String>, usize)>>,
+    order: Vec<String>,
     shape: [usize; 3],
     average: bool,
     /// Tied embeddings: the group of the ranks holding the first and the last stage, which sum
@@ -236,7 +241,25 @@ impl Strategy {
             let counts = config.pipeline_blocks(model_config, schedule.stages())?;
             let rows = config.run.global_batch / batch_group.size() / micro;
             let d = model.embed.weight.val().dims()[1];
-            let template = model.valid();
+            let tied = model.head.is_none();
+            let order = ParamLayout::of(&model)
+                .slots
+                .into_iter()
+                .map(|s| s.name)
+                .collect();
+            let stage_params = (0..schedule.stages())
+                .map(|stage| {
+                    let whole = TransformerStage::cut(&model, stage, &counts)?;
+                    Ok(ParamLayout::of(&whole)
+                        .slots
+                        .into_iter()
+                        .map(|s| {
+                            let name = (s.name != "tied_head").then(|| whole.global_name(&s.name));
+                            (name, s.numel)
+                        })
+                        .collect())
+                })
+                .collect::<Result<Vec<_>, flashover_parallel::ParallelError>>()?;
             // With a tp axis each stage holds its tensor-parallel shares (dp x tp x pp).
             let tp = ctx.group(Axis::Tp);
             let (local, split, seq) = if tp.size() > 1 {
@@ -260,18 +283,18 @@ impl Strategy {
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             // Tied embeddings: the first and the last stage's ranks keep their copies in step.
-            let tied = template.head.is_none();
             let (first, last) = (0, pp.size() - 1);
             let holds = pp.rank() == first || pp.rank() == last;
             let tie_group = pp.split((!holds) as usize, pp.rank(), "embedding-tie")?;
             let tie = (tied && holds).then_some(tie_group);
             return Ok(Strategy::Pp(Box::new(PipelineState {
                 tie,
-                chunks,
                 schedule,
                 optim: adamw.to_burn().init(),
-                counts,
-                template,
+                layouts: chunks.iter().map(ParamLayout::of).collect(),
+                chunks,
+                stage_params,
+                order,
                 shape: [rows, seq, d],
                 average: config.parallel.gradient_reduction == "mean",
             })));
@@ -639,16 +662,11 @@ fn pipeline_step(
         },
     )?;
     // One flat gradient over this rank's chunks, averaged over replicas.
-    let numels: Vec<usize> = state
-        .chunks
-        .iter()
-        .map(|c| ParamLayout::of(c).numel)
-        .collect();
-    let mut flat = vec![0.0f32; numels.iter().sum()];
+    let mut flat = vec![0.0f32; state.layouts.iter().map(|l| l.numel).sum()];
     let mut at = 0;
-    for ((chunk, g), n) in state.chunks.iter().zip(&grads).zip(&numels) {
-        accumulate_grads(chunk, g, &mut flat[at..at + n], &[]);
-        at += n;
+    for ((chunk, g), layout) in state.chunks.iter().zip(&grads).zip(&state.layouts) {
+        accumulate_grads(chunk, g, &mut flat[at..at + layout.numel], &[]);
+        at += layout.numel;
     }
     drop(grads);
     if state.average {
@@ -662,8 +680,8 @@ fn pipeline_step(
     // gradients, so the copies stay equal.
     if let Some(tie) = &state.tie {
         let mut at = 0;
-        for chunk in &state.chunks {
-            for slot in ParamLayout::of(chunk).slots {
+        for layout in &state.layouts {
+            for slot in &layout.slots {
                 if slot.name == "embed.weight" || slot.name == "tied_head" {
                     tie.all_reduce(
                         &mut flat[at + slot.offset..at + slot.offset + slot.numel],
@@ -671,7 +689,7 @@ fn pipeline_step(
                     )?;
                 }
             }
-            at += ParamLayout::of(chunk).numel;
+            at += layout.numel;
         }
     }
     // Stages hold disjoint parameters: the squared norm sums over the pipeline. Within a
@@ -679,8 +697,8 @@ fn pipeline_step(
     let mut split = 0.0f64;
     let mut replicated = 0.0f64;
     let mut at = 0;
-    for chunk in &state.chunks {
-        for slot in ParamLayout::of(chunk).slots {
+    for (chunk, layout) in state.chunks.iter().zip(&state.layouts) {
+        for slot in &layout.slots {
             let sq: f64 = flat[at + slot.offset..at + slot.offset + slot.numel]
                 .iter()
                 .map(|&g| g as f64 * g as f64)
@@ -694,7 +712,7 @@ fn pipeline_step(
                 replicated += sq;
             }
         }
-        at += ParamLayout::of(chunk).numel;
+        at += layout.numel;
     }
     let mut split = [split];
     if let Some(tp) = state.chunks.first().and_then(|c| c.tensor_parallel()) {
@@ -760,23 +778,17 @@ fn gather_pipeline_params(
     for (rank, values) in all.chunks(longest[0] as usize).enumerate() {
         let mut at = 0;
         for chunk in 0..s.chunks {
-            let stage =
-                TransformerStage::cut(&state.template, s.stage_of(rank, chunk), &state.counts)?;
-            let layout = ParamLayout::of(&stage);
-            // The tied head's copy is the embedding: reported once, as `embed.weight`.
-            for slot in layout.slots.iter().filter(|s| s.name != "tied_head") {
-                let v = values[at + slot.offset..at + slot.offset + slot.numel].to_vec();
-                named.push((stage.global_name(&slot.name), v));
+            for (name, numel) in &state.stage_params[s.stage_of(rank, chunk)] {
+                // The tied head's copy is the embedding: reported once, as `embed.weight`.
+                if let Some(name) = name {
+                    named.push((name.clone(), values[at..at + numel].to_vec()));
+                }
+                at += numel;
             }
-            at += layout.numel;
         }
     }
     // In the whole model's order, so reports compare name by name.
-    let order: Vec<String> = ParamLayout::of(&state.template)
-        .slots
-        .into_iter()
-        .map(|s| s.name)
-        .collect();
+    let order = &state.order;
     named.sort_by_key(|(name, _)| order.iter().position(|n| n == name).unwrap_or(usize::MAX));
     Ok(named)
 }
