@@ -50,7 +50,7 @@ pub fn run(
             let report = train(&c, &|_| {})?;
             let m = report.memory[0];
             let shard_n = if zero == 0 { 1 } else { n };
-            let model_config = c.transformer(c.data.vocab)?;
+            let model_config = c.transformer(c.vocab_size())?;
             let per_block = model_config.num_params_per_block();
             let root = model_config.num_params() - per_block * model_config.n_layers;
             out.push(MemoryBenchRecord {

@@ -358,13 +358,7 @@ impl Strategy {
                 let loss_sum =
                     run_micro_batches(&mut ddp, &*model, batches, micro_batches, transformer_loss)?;
                 let reduced = ddp.finish(&*model, clip)?;
-                let numel = ddp.layout().numel;
-                let memory = MemoryReport {
-                    params: numel * 4,
-                    grads: ddp.peak_grad_bytes(),
-                    optimizer: numel * 8,
-                    gathered_peak: 0,
-                };
+                let memory = replicated_memory(&ddp);
                 let model = Box::new(optim.step(lr, *model, reduced.grads));
                 let outcome = StepOutcome::reduced(loss_sum, &reduced.report, memory);
                 Ok((Strategy::Ddp(model, ddp, optim), outcome))
@@ -389,13 +383,7 @@ impl Strategy {
                     tp,
                     TpTransformer::is_replicated,
                 )?;
-                let numel = ddp.layout().numel;
-                let memory = MemoryReport {
-                    params: numel * 4,
-                    grads: ddp.peak_grad_bytes(),
-                    optimizer: numel * 8,
-                    gathered_peak: 0,
-                };
+                let memory = replicated_memory(&ddp);
                 let model = Box::new(optim.step(lr, *model, grads));
                 let mut outcome = StepOutcome::reduced(loss_sum, &reduced.report, memory);
                 outcome.grad_norm = grad_norm;
@@ -609,6 +597,18 @@ fn train_rank(
     }
     let (buckets, overlap) = strategy.buckets();
     Ok(Some((records, params, buckets, overlap)))
+}
+
+/// What a replica holds under DDP: whole parameters, the gradient's peak, and Burn's AdamW
+/// with two f32 moments per parameter.
+fn replicated_memory(ddp: &DataParallel) -> MemoryReport {
+    let numel = ddp.layout().numel;
+    MemoryReport {
+        params: numel * 4,
+        grads: ddp.peak_grad_bytes(),
+        optimizer: numel * 8,
+        gathered_peak: 0,
+    }
 }
 
 /// Every micro-batch of a step under a replicated strategy (DDP, ZeRO-1/2, TP + DDP): forward
