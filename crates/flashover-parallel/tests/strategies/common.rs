@@ -1,4 +1,5 @@
-//! A tiny two-layer model with deterministic weights, shared by the strategy tests.
+//! What the strategy tests share: a tiny two-layer model with deterministic weights, and the
+//! check that a failed run names the rank that caused it.
 
 use burn::module::{Module, Param};
 use burn::nn::Linear;
@@ -33,5 +34,31 @@ impl Net {
     /// Forward pass.
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         self.b.forward(self.a.forward(x).tanh())
+    }
+}
+
+/// `err` names rank `rank` as the cause, its message holds every one of `fragments`, all
+/// `world` ranks failed, and rank 0 (a peer left waiting) says rank `rank` left its group.
+pub fn assert_caused_by(
+    err: &flashover_runtime::LaunchError,
+    rank: usize,
+    fragments: &[&str],
+    world: usize,
+) {
+    match err {
+        flashover_runtime::LaunchError::Rank { cause, all } => {
+            assert_eq!(cause.rank, rank, "{err}");
+            for fragment in fragments {
+                assert!(cause.message.contains(fragment), "{fragment}: {err}");
+            }
+            assert_eq!(all.len(), world, "{err}");
+            let peer = err.failure_of(0).unwrap();
+            assert!(
+                peer.message
+                    .contains(&format!("rank {rank} left the group")),
+                "{err}"
+            );
+        }
+        other => panic!("{other}"),
     }
 }

@@ -315,7 +315,8 @@ fn one_f_one_b_holds_at_most_p_minus_r_micro_batches_where_gpipe_holds_all() {
 
 #[test]
 fn a_stage_dying_mid_schedule_fails_its_neighbours_fast_naming_it() {
-    use flashover_runtime::{FaultPlan, Launch, LaunchError, OpKind};
+    use crate::common::assert_caused_by;
+    use flashover_runtime::{FaultPlan, Launch, OpKind};
     let start = std::time::Instant::now();
     let err = Launch::new("pp=3")
         .unwrap()
@@ -327,12 +328,5 @@ fn a_stage_dying_mid_schedule_fails_its_neighbours_fast_naming_it() {
         start.elapsed() < std::time::Duration::from_secs(20),
         "must not wait for the timeout"
     );
-    match &err {
-        LaunchError::Rank { cause, all } => {
-            assert_eq!(cause.rank, 1, "{err}");
-            assert!(cause.message.contains("injected fault"), "{err}");
-            assert_eq!(all.len(), 3, "{err}");
-        }
-        other => panic!("{other}"),
-    }
+    assert_caused_by(&err, 1, &["injected fault"], 3);
 }
