@@ -30,6 +30,9 @@ pub struct PipelineBenchRecord {
     pub formula: f64,
     /// Most micro-batches rank 0 held at once.
     pub peak_in_flight: usize,
+    /// Mean over the timed steps of the slowest rank's schedule wall time, in milliseconds:
+    /// what compares schedules of the same p and m.
+    pub schedule_ms: f64,
 }
 
 /// Runs `base` (its model, data and steps) with each schedule at each `pp` and micro-batch
@@ -73,6 +76,12 @@ pub fn run(
                     })
                     .sum::<f64>()
                     / ranks as f64;
+                let schedule_ms = timed
+                    .iter()
+                    .map(|s| s.ranks.iter().map(|r| r.pipeline_s).fold(0.0, f64::max))
+                    .sum::<f64>()
+                    * 1e3
+                    / timed.len() as f64;
                 let timeline = simulate(&schedule, &Costs::default()).map_err(|e| e.to_string())?;
                 let bubbles = timeline.bubbles();
                 let simulated = bubbles.iter().sum::<f64>() / bubbles.len() as f64;
@@ -91,6 +100,7 @@ pub fn run(
                     simulated,
                     formula,
                     peak_in_flight: report.steps.last().map_or(0, |s| s.ranks[0].in_flight),
+                    schedule_ms,
                 });
             }
         }

@@ -113,12 +113,12 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
             let records =
                 flashover::bench::pipeline::run(&config, &args.pps, &args.micro, &args.schedules)?;
             println!(
-                "| schedule | p | m | v | formula | simulated | measured | measured / formula | peak in flight (rank 0) |"
+                "| schedule | p | m | v | formula | simulated | measured | measured / formula | peak in flight (rank 0) | schedule ms |"
             );
-            println!("|---|---|---|---|---:|---:|---:|---:|---:|");
+            println!("|---|---|---|---|---:|---:|---:|---:|---:|---:|");
             for r in &records {
                 println!(
-                    "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.2} | {} |",
+                    "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.2} | {} | {:.1} |",
                     r.schedule,
                     r.pp,
                     r.micro_batches,
@@ -127,7 +127,8 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                     r.simulated,
                     r.measured,
                     r.measured / r.formula,
-                    r.peak_in_flight
+                    r.peak_in_flight,
+                    r.schedule_ms
                 );
             }
             Ok(())

@@ -6,9 +6,11 @@ use super::tp_model::{tp_block_forward, tp_context, tp_loss, unshard_block};
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::tensor::{Int, Tensor};
-use flashover_models::{Block, ForwardContext, Transformer, next_token_loss, rope_tables};
+use flashover_models::{
+    Block, ForwardContext, LinearOp, Transformer, next_token_loss, rope_tables,
+};
 use flashover_parallel::ParallelError;
-use flashover_parallel::pipeline::StageOutput;
+use flashover_parallel::pipeline::{StageOutput, WeightGradStore, deferred_linear};
 use flashover_parallel::tensor_parallel::{
     TensorParallel, VocabShard, gather_parts, vocab_parallel_embedding,
 };
@@ -37,6 +39,16 @@ pub struct TransformerStage {
     /// With tensor parallelism inside the stage: the plan and this rank's vocabulary rows.
     #[module(skip)]
     tp: Option<(TensorParallel, VocabShard)>,
+}
+
+/// Runs the blocks' linear layers with their weight gradients deferred to a store, for
+/// zero-bubble schedules (see [`flashover_parallel::pipeline::deferred_linear`]).
+pub struct DeferWeightGrads(pub WeightGradStore);
+
+impl LinearOp for DeferWeightGrads {
+    fn apply(&self, linear: &Linear, x: Tensor<3>) -> Tensor<3> {
+        deferred_linear(linear, x, &self.0)
+    }
 }
 
 /// Blocks per virtual stage: `n_layers` spread evenly over `stages` (earlier stages take the

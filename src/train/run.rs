@@ -1,7 +1,7 @@
 //! The training job: one closure per rank under the launcher, data parallel over the `dp` axis.
 
 use super::config::TrainConfig;
-use super::pp_model::TransformerStage;
+use super::pp_model::{DeferWeightGrads, TransformerStage};
 use super::report::{RankTimes, StepRecord, TrainReport};
 use super::sharded_model::ShardedTransformer;
 use super::tp_model::TpTransformer;
@@ -11,13 +11,16 @@ use burn::optim::GradientsParams;
 use burn::optim::ModuleOptimizer;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_data::{BatchPlan, MarkovSource, TextSource, TokenSource};
-use flashover_models::{Dropout, ForwardContext, Transformer, next_token_loss};
+use flashover_models::{Dropout, ForwardContext, LinearHook, Transformer, next_token_loss};
 use flashover_parallel::FlatAdamWConfig;
 use flashover_parallel::data_parallel::{
     DataParallel, DataParallelConfig, MicroBatches, ReduceReport,
 };
+use flashover_parallel::hooks_supported;
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
-use flashover_parallel::pipeline::{Action, PipelineExecutor, Schedule, ScheduleKind};
+use flashover_parallel::pipeline::{
+    Action, ActionKind, PipelineExecutor, Schedule, ScheduleKind, WeightGradStore,
+};
 use flashover_parallel::tensor_parallel::TensorParallel;
 use flashover_parallel::zero::{
     FullyShardConfig, FullyShardedOptimizer, MemoryReport, ShardGroup, ShardedDataParallel,
@@ -201,6 +204,9 @@ struct PipelineState {
     /// Tied embeddings: the group of the ranks holding the first and the last stage, which sum
     /// the two copies' gradients (`None` for other ranks and untied models).
     tie: Option<Group>,
+    /// Zero-bubble schedules on Flex without tensor parallelism: the blocks' weight gradients
+    /// are deferred to this store and computed at the weight-gradient actions.
+    deferral: Option<(WeightGradStore, LinearHook)>,
 }
 
 impl StepOutcome {
@@ -287,8 +293,22 @@ impl Strategy {
             let holds = pp.rank() == first || pp.rank() == last;
             let tie_group = pp.split((!holds) as usize, pp.rank(), "embedding-tie")?;
             let tie = (tied && holds).then_some(tie_group);
+            let splits_backward = schedule
+                .ranks
+                .iter()
+                .flatten()
+                .any(|a| a.kind == ActionKind::BackwardWeight);
+            let deferral = (splits_backward
+                && split.is_none()
+                && hooks_supported(&ctx.device().clone().autodiff()))
+            .then(|| {
+                let store = WeightGradStore::default();
+                let hook = LinearHook(Arc::new(DeferWeightGrads(store.clone())));
+                (store, hook)
+            });
             return Ok(Strategy::Pp(Box::new(PipelineState {
                 tie,
+                deferral,
                 schedule,
                 optim: adamw.to_burn().init(),
                 layouts: chunks.iter().map(ParamLayout::of).collect(),
@@ -651,13 +671,19 @@ fn pipeline_step(
     let before = ctx.comm_stats();
     let data: Vec<_> = (0..micro_batches).map(&mut *batches).collect();
     let device = data[0].0.device();
-    let executor = PipelineExecutor::new(&state.schedule, pp)?;
+    let mut executor = PipelineExecutor::new(&state.schedule, pp)?;
+    let mut hook = None;
+    if let Some((store, linear)) = &state.deferral {
+        executor = executor.deferring_weight_grads(store.clone());
+        hook = Some(linear.clone());
+    }
     let (grads, report) = executor.step(
         &state.chunks,
         state.shape,
         &device,
         |_, stage: &TransformerStage, input, micro| {
-            let (tokens, targets, fwd) = data[micro].clone();
+            let (tokens, targets, mut fwd) = data[micro].clone();
+            fwd.linear = hook.clone();
             stage.forward(input, tokens, targets, &fwd)
         },
     )?;

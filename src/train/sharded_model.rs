@@ -67,7 +67,7 @@ impl ShardedTransformer {
             }
             // In backward, blocks run in reverse: this one's start prefetches the one before.
             let before = i.checked_sub(1).map(|j| self.blocks[j].prefetch_handle());
-            let (rope, ctx) = (rope.clone(), *ctx);
+            let (rope, ctx) = (rope.clone(), ctx.clone());
             let forward = move |b: &Block, h| b.forward_with(h, &rope, &ctx, i);
             h = block.forward_prefetching(h, forward, before)?;
         }

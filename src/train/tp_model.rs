@@ -180,7 +180,7 @@ pub(crate) fn tp_context(
         } else {
             0
         },
-        ..*ctx
+        ..ctx.clone()
     }
 }
 

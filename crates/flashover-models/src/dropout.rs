@@ -8,8 +8,10 @@
 //! (replicated activations) match, masks of split activations differ where the elements
 //! differ, and every layout drops the same elements as one rank, reproducibly from the seed.
 
+use burn::nn::Linear;
 use burn::tensor::{Shape, Tensor, TensorData};
 use flashover_data::SplitMix64;
+use std::sync::Arc;
 
 /// Dropout with probability `p` for optimizer step `step` of a run seeded `seed`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -22,8 +24,9 @@ pub struct Dropout {
     pub step: u64,
 }
 
-/// Where a forward runs: its dropout and where its local tensors sit in the logical ones.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+/// Where a forward runs: its dropout, where its local tensors sit in the logical ones, and who
+/// computes its linear layers.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct ForwardContext {
     /// Dropout, if any.
     pub dropout: Option<Dropout>,
@@ -33,6 +36,31 @@ pub struct ForwardContext {
     pub head_offset: usize,
     /// First sequence position held locally in the residual stream (sequence parallelism).
     pub seq_offset: usize,
+    /// Computes the blocks' linear layers in place of [`Linear::forward`] when set.
+    pub linear: Option<LinearHook>,
+}
+
+/// Computes a linear layer in place of [`Linear::forward`]: how a strategy changes the way a
+/// weight's gradient is produced (a zero-bubble pipeline defers it to a later action).
+pub trait LinearOp: Send + Sync {
+    /// `linear` applied to `x: [batch, seq, d_in]`.
+    fn apply(&self, linear: &Linear, x: Tensor<3>) -> Tensor<3>;
+}
+
+/// A shared [`LinearOp`]; two hooks are equal when they are the same object.
+#[derive(Clone)]
+pub struct LinearHook(pub Arc<dyn LinearOp>);
+
+impl std::fmt::Debug for LinearHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LinearHook")
+    }
+}
+
+impl PartialEq for LinearHook {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 /// Dropout sites in a block, combined with the layer index into a site id.
@@ -91,6 +119,14 @@ impl Dropout {
 }
 
 impl ForwardContext {
+    /// `linear` applied to `x`, by the context's [`LinearOp`] if it has one.
+    pub fn linear(&self, linear: &Linear, x: Tensor<3>) -> Tensor<3> {
+        match &self.linear {
+            Some(hook) => hook.0.apply(linear, x),
+            None => linear.forward(x),
+        }
+    }
+
     /// Dropout at `(layer, site)` on a `[batch, seq, d]` residual-stream tensor.
     pub fn hidden(&self, x: Tensor<3>, layer: usize, site: Site) -> Tensor<3> {
         match &self.dropout {

@@ -82,9 +82,9 @@ impl Attention {
         let [b, t, _] = x.dims();
         let (h, hd) = (self.n_heads, self.head_dim);
         let split = |y: Tensor<3>| y.reshape([b, t, h, hd]).swap_dims(1, 2);
-        let q = apply_rope(split(self.wq.forward(x.clone())), &rope.0, &rope.1);
-        let k = apply_rope(split(self.wk.forward(x.clone())), &rope.0, &rope.1);
-        let v = split(self.wv.forward(x));
+        let q = apply_rope(split(ctx.linear(&self.wq, x.clone())), &rope.0, &rope.1);
+        let k = apply_rope(split(ctx.linear(&self.wk, x.clone())), &rope.0, &rope.1);
+        let v = split(ctx.linear(&self.wv, x));
         let scores = q.matmul(k.swap_dims(2, 3)).div_scalar((hd as f64).sqrt());
         // `tril_mask` is true strictly above the diagonal: the future positions to hide.
         let mask = Tensor::<2, Bool>::tril_mask([t, t], 0, &scores.device())
@@ -92,7 +92,7 @@ impl Attention {
             .expand([b, h, t, t]);
         let probs = ctx.attention(softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 3), layer);
         let out = probs.matmul(v).swap_dims(1, 2).reshape([b, t, h * hd]);
-        self.wo.forward(out)
+        ctx.linear(&self.wo, out)
     }
 }
 
@@ -110,8 +110,13 @@ pub struct SwiGlu {
 impl SwiGlu {
     /// `x: [batch, seq, d_model]` -> same shape.
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        self.w_down
-            .forward(silu(self.w_gate.forward(x.clone())) * self.w_up.forward(x))
+        self.forward_with(x, &ForwardContext::default())
+    }
+
+    /// [`SwiGlu::forward`] with `ctx`'s linear layers.
+    pub fn forward_with(&self, x: Tensor<3>, ctx: &ForwardContext) -> Tensor<3> {
+        let gate = silu(ctx.linear(&self.w_gate, x.clone()));
+        ctx.linear(&self.w_down, gate * ctx.linear(&self.w_up, x))
     }
 }
 
@@ -147,7 +152,7 @@ impl Block {
             .attn
             .forward_with(self.attn_norm.forward(x.clone()), rope, ctx, layer);
         let x = x + ctx.hidden(attn, layer, Site::AttentionOut);
-        let mlp = self.mlp.forward(self.mlp_norm.forward(x.clone()));
+        let mlp = self.mlp.forward_with(self.mlp_norm.forward(x.clone()), ctx);
         x + ctx.hidden(mlp, layer, Site::MlpOut)
     }
 }

@@ -26,6 +26,6 @@ pub mod init;
 mod layers;
 mod transformer;
 
-pub use dropout::{Dropout, ForwardContext, Site};
+pub use dropout::{Dropout, ForwardContext, LinearHook, LinearOp, Site};
 pub use layers::{Attention, Block, SwiGlu, rope_tables};
 pub use transformer::{Transformer, TransformerConfig, next_token_loss};

@@ -6,15 +6,19 @@
 //! backpropagated, after which the input's gradient goes back upstream (the recipe the
 //! project notes verified: parameter gradients equal the unsplit model's). Losses are
 //! per-micro-batch means, so gradients are averaged over micro-batches, as one rank computing
-//! the whole batch would. Zero-bubble's input/weight split is honoured as an order only: the
-//! input-gradient action runs the whole backward and the weight-gradient action is
-//! bookkeeping (Burn has no partial backward), so results are exact but the bubble is 1F1B's.
+//! the whole batch would. Zero-bubble's input/weight split is real for linear layers that run
+//! through [`super::deferred_linear`] with the store given to
+//! [`PipelineExecutor::deferring_weight_grads`]: the input-gradient action computes everything
+//! but their weight gradients, which the weight-gradient action computes. Without a store the
+//! input-gradient action runs the whole backward and the weight-gradient action has nothing to
+//! do (exact, but the bubble is 1F1B's).
 
 use super::schedule::{Action, ActionKind, Schedule};
 use super::simulate::validate;
+use super::weight_grad::{DeferredWeightGrad, WeightGradStore};
 use crate::error::ParallelError;
 use crate::params::{ParamLayout, accumulate_grads, grads_from_flat};
-use burn::module::Module;
+use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor};
 use flashover_comm::Group;
@@ -38,8 +42,12 @@ pub struct PipelineStepReport {
     pub loss_sum: f64,
     /// Time in forwards.
     pub forward: Duration,
-    /// Time in backwards.
+    /// Time in backwards (input- and weight-gradient actions included).
     pub backward: Duration,
+    /// Of `backward`, the time in weight-gradient actions.
+    pub weight_grad: Duration,
+    /// How many weight gradients the weight-gradient actions computed (deferred ones).
+    pub deferred_weight_grads: usize,
     /// Time waiting in receives.
     pub recv_wait: Duration,
     /// Wall time of the whole schedule on this rank (first action to last).
@@ -54,6 +62,7 @@ pub struct PipelineStepReport {
 pub struct PipelineExecutor<'a> {
     schedule: &'a Schedule,
     group: &'a Group,
+    weight_grads: Option<WeightGradStore>,
 }
 
 impl<'a> PipelineExecutor<'a> {
@@ -67,7 +76,19 @@ impl<'a> PipelineExecutor<'a> {
             )));
         }
         validate(schedule).map_err(|e| ParallelError::Invalid(e.to_string()))?;
-        Ok(PipelineExecutor { schedule, group })
+        Ok(PipelineExecutor {
+            schedule,
+            group,
+            weight_grads: None,
+        })
+    }
+
+    /// Weight gradients deferred to `store` by [`super::deferred_linear`] during a backward
+    /// are computed at the micro-batch's weight-gradient action (at once after a plain
+    /// backward). The forward must use the same store.
+    pub fn deferring_weight_grads(mut self, store: WeightGradStore) -> Self {
+        self.weight_grads = Some(store);
+        self
     }
 
     /// One step over every micro-batch: `forward(chunk, module, input, micro)` runs chunk
@@ -97,6 +118,14 @@ impl<'a> PipelineExecutor<'a> {
         }
         let layouts: Vec<ParamLayout> = chunks.iter().map(ParamLayout::of).collect();
         let mut flats: Vec<Vec<f32>> = layouts.iter().map(|l| vec![0.0; l.numel]).collect();
+        let offsets: Vec<HashMap<ParamId, usize>> = layouts
+            .iter()
+            .map(|l| l.slots.iter().map(|s| (s.id, s.offset)).collect())
+            .collect();
+        let mut deferred: HashMap<(usize, usize), Vec<DeferredWeightGrad>> = HashMap::new();
+        if let Some(store) = &self.weight_grads {
+            store.take(); // Nothing left over from a failed step may leak into this one.
+        }
         let mut inputs: HashMap<(usize, usize), Tensor<D>> = HashMap::new();
         let mut outputs: HashMap<(usize, usize), (Option<Tensor<D>>, StageOutput<D>)> =
             HashMap::new();
@@ -176,10 +205,26 @@ impl<'a> PipelineExecutor<'a> {
                     }
                     let params = GradientsParams::from_grads(grads, &chunks[a.chunk]);
                     accumulate_grads(&chunks[a.chunk], &params, &mut flats[a.chunk], &[]);
+                    if let Some(store) = &self.weight_grads {
+                        let pending = store.take();
+                        if a.kind == ActionKind::Backward {
+                            add_weight_grads(pending, &offsets[a.chunk], &mut flats[a.chunk])?;
+                        } else {
+                            deferred.insert(key, pending);
+                        }
+                    }
                     report.backward += t0.elapsed();
                     report.events.push((*a, t0, Instant::now()));
                 }
-                ActionKind::BackwardWeight => {}
+                ActionKind::BackwardWeight => {
+                    let t0 = Instant::now();
+                    let pending = deferred.remove(&key).unwrap_or_default();
+                    report.deferred_weight_grads += pending.len();
+                    add_weight_grads(pending, &offsets[a.chunk], &mut flats[a.chunk])?;
+                    report.backward += t0.elapsed();
+                    report.weight_grad += t0.elapsed();
+                    report.events.push((*a, t0, Instant::now()));
+                }
                 ActionKind::SendGrad => {
                     let dst = s.place(stage - 1).0;
                     let g = grads_in.remove(&key).ok_or_else(|| {
@@ -193,6 +238,10 @@ impl<'a> PipelineExecutor<'a> {
             }
         }
         report.wall = started.elapsed();
+        debug_assert!(
+            deferred.is_empty(),
+            "validated: every input gradient has its weight's"
+        );
         let m = s.micro_batches as f32;
         let grads = chunks
             .iter()
@@ -204,4 +253,25 @@ impl<'a> PipelineExecutor<'a> {
             .collect();
         Ok((grads, report))
     }
+}
+
+/// Computes deferred weight gradients and adds each at its parameter's offset in `flat`.
+fn add_weight_grads(
+    pending: Vec<DeferredWeightGrad>,
+    offsets: &HashMap<ParamId, usize>,
+    flat: &mut [f32],
+) -> Result<(), ParallelError> {
+    for grad in pending {
+        let offset = *offsets.get(&grad.param).ok_or_else(|| {
+            ParallelError::Invalid(format!(
+                "a deferred weight gradient for parameter {} that is not in this chunk",
+                grad.param
+            ))
+        })?;
+        let values = crate::params::to_f32(grad.compute());
+        for (acc, g) in flat[offset..offset + values.len()].iter_mut().zip(values) {
+            *acc += g;
+        }
+    }
+    Ok(())
 }

@@ -1,4 +1,5 @@
-//! Pipeline parallelism over the `pp` mesh axis. **So far: schedules and their executor.**
+//! Pipeline parallelism over the `pp` mesh axis: schedules, their executor, deferred weight
+//! gradients.
 //!
 //! A schedule is data ([`Schedule`]): per rank, the ordered list of forward, backward (or
 //! input- and weight-gradient) and send/receive actions. Generators build GPipe, 1F1B,
@@ -6,13 +7,15 @@
 //! schedule before anything runs (a backward before its forward, an unmatched or misordered
 //! message, deadlock); [`simulate`] times it with given costs, giving each rank's bubble and
 //! peak activations in flight; [`render_table`] prints the time x stage table.
-//! [`PipelineExecutor`] runs a schedule on this rank's model chunks. Splitting the reference
-//! transformer into stages and `train --mesh pp=..` are the rest of the pipeline issue.
+//! [`PipelineExecutor`] runs a schedule on this rank's model chunks; [`deferred_linear`] lets
+//! linear layers leave their weight gradients to the schedule's weight-gradient actions.
 
 mod executor;
 mod schedule;
 mod simulate;
+mod weight_grad;
 
 pub use executor::{PipelineExecutor, PipelineStepReport, StageOutput};
 pub use schedule::{Action, ActionKind, Schedule, ScheduleKind};
 pub use simulate::{Costs, ScheduleError, Slot, Timeline, render_table, simulate, validate};
+pub use weight_grad::{DeferredWeightGrad, WeightGradStore, deferred_linear};

@@ -10,7 +10,8 @@ use flashover_comm::{CommunicatorExt, ReduceOp};
 use flashover_parallel::ParallelError;
 use flashover_parallel::params::{ParamLayout, accumulate_grads};
 use flashover_parallel::pipeline::{
-    ActionKind, PipelineExecutor, Schedule, ScheduleKind, StageOutput,
+    ActionKind, PipelineExecutor, Schedule, ScheduleKind, StageOutput, WeightGradStore,
+    deferred_linear,
 };
 use flashover_runtime::{Axis, launch};
 
@@ -44,9 +45,14 @@ impl Stack {
         }
     }
 
-    fn forward(&self, mut x: Tensor<2>) -> Tensor<2> {
+    /// With `store`, the layers defer their weight gradients to it (zero-bubble's split).
+    fn forward(&self, mut x: Tensor<2>, store: Option<&WeightGradStore>) -> Tensor<2> {
         for l in &self.layers {
-            x = l.forward(x).tanh();
+            x = match store {
+                Some(store) => deferred_linear(l, x, store),
+                None => l.forward(x),
+            }
+            .tanh();
         }
         x
     }
@@ -72,7 +78,7 @@ fn stage_layers(k: usize, stages: usize) -> std::ops::Range<usize> {
 fn reference(n: usize) -> (f32, Vec<Vec<f32>>) {
     let device = Device::flex().autodiff();
     let stack = Stack::new(0..LAYERS, &device);
-    let l = loss(stack.forward(rows(0, n, &device)));
+    let l = loss(stack.forward(rows(0, n, &device), None));
     let value = l.clone().into_scalar::<f32>();
     let grads = l.backward();
     let g = stack
@@ -99,7 +105,7 @@ fn reference_accumulated(m: usize) -> (f32, Vec<Vec<f32>>) {
     let mut total = 0.0;
     let mut sums = vec![vec![0.0f32; 36]; LAYERS];
     for micro in 0..m {
-        let l = loss(stack.forward(rows(micro * ROWS_PER_MICRO, ROWS_PER_MICRO, &device)));
+        let l = loss(stack.forward(rows(micro * ROWS_PER_MICRO, ROWS_PER_MICRO, &device), None));
         total += l.clone().into_scalar::<f32>();
         let grads = l.backward();
         for (acc, layer) in sums.iter_mut().zip(&stack.layers) {
@@ -121,11 +127,14 @@ fn reference_accumulated(m: usize) -> (f32, Vec<Vec<f32>>) {
 
 /// Runs `kind` on `mesh` (pp and optional dp) with `m` micro-batches per replica: the mean loss
 /// and every layer's gradient (averaged over dp), gathered by layer index.
+/// Loss and every layer's gradient from one pipelined step; with `defer`, weight gradients
+/// are deferred to the weight-gradient actions (which must then have done work).
 fn pipelined(
     mesh: &str,
     kind: ScheduleKind,
     m: usize,
     v: usize,
+    defer: bool,
 ) -> Result<(f32, Vec<Vec<f32>>), String> {
     let out = launch(mesh, |ctx| {
         let device = Device::flex().autodiff();
@@ -143,7 +152,11 @@ fn pipelined(
             .collect();
         let first_row = dp.rank() * m * ROWS_PER_MICRO;
         let last = stages - 1;
-        let executor = PipelineExecutor::new(&schedule, pp)?;
+        let store = defer.then(WeightGradStore::default);
+        let mut executor = PipelineExecutor::new(&schedule, pp)?;
+        if let Some(store) = &store {
+            executor = executor.deferring_weight_grads(store.clone());
+        }
         let (grads, report) = executor.step(
             &chunks,
             [ROWS_PER_MICRO, 6],
@@ -153,7 +166,7 @@ fn pipelined(
                 let x = input.unwrap_or_else(|| {
                     rows(first_row + micro * ROWS_PER_MICRO, ROWS_PER_MICRO, &device)
                 });
-                let y = module.forward(x);
+                let y = module.forward(x, store.as_ref());
                 if stage == last {
                     StageOutput::Loss(loss(y))
                 } else {
@@ -161,6 +174,14 @@ fn pipelined(
                 }
             },
         )?;
+        let splits = schedule.ranks[pp.rank()]
+            .iter()
+            .any(|a| a.kind == ActionKind::BackwardWeight);
+        assert_eq!(
+            report.deferred_weight_grads > 0,
+            defer && splits,
+            "weight-gradient actions computed something exactly when deferring"
+        );
         // Every layer's gradient, averaged over data-parallel replicas.
         let mut per_layer = vec![];
         for (c, (chunk, g)) in chunks.iter().zip(&grads).enumerate() {
@@ -222,25 +243,27 @@ fn every_schedule_matches_one_rank_at_p_2_3_4() {
                 ScheduleKind::OneFOneB,
                 ScheduleKind::ZeroBubbleH1,
             ] {
-                let got = pipelined(&format!("pp={p}"), kind, m, 1).unwrap();
-                // Same sums in the same order as one rank accumulating micro-batches.
-                assert_close(
-                    &got,
-                    &acc,
-                    1e-6,
-                    &format!("{kind:?} p={p} m={m} vs accumulated"),
-                );
-                assert_close(
-                    &got,
-                    &want,
-                    WHOLE_BATCH,
-                    &format!("{kind:?} p={p} m={m} vs whole batch"),
-                );
+                // Zero-bubble also with its backward split for real (deferred weight
+                // gradients); the other schedules compute them at once when deferring.
+                for defer in [false, true] {
+                    let got = pipelined(&format!("pp={p}"), kind, m, 1, defer).unwrap();
+                    let what = format!("{kind:?} p={p} m={m} defer={defer}");
+                    // Same sums in the same order as one rank accumulating micro-batches.
+                    assert_close(&got, &acc, 1e-6, &format!("{what} vs accumulated"));
+                    assert_close(&got, &want, WHOLE_BATCH, &format!("{what} vs whole batch"));
+                }
             }
         }
         // Interleaved: two chunks per rank, micro-batches a multiple of p.
         let m = 2 * p;
-        let got = pipelined(&format!("pp={p}"), ScheduleKind::Interleaved1F1B, m, 2).unwrap();
+        let got = pipelined(
+            &format!("pp={p}"),
+            ScheduleKind::Interleaved1F1B,
+            m,
+            2,
+            false,
+        )
+        .unwrap();
         let what = format!("interleaved p={p}");
         assert_close(&got, &reference_accumulated(m), 1e-6, &what);
         assert_close(&got, &reference(m * ROWS_PER_MICRO), WHOLE_BATCH, &what);
@@ -250,8 +273,13 @@ fn every_schedule_matches_one_rank_at_p_2_3_4() {
 #[test]
 fn data_parallel_times_pipeline_matches_one_rank() {
     let want = reference(2 * 3 * ROWS_PER_MICRO);
-    let got = pipelined("pp=2,dp=2", ScheduleKind::OneFOneB, 3, 1).unwrap();
-    assert_close(&got, &want, WHOLE_BATCH, "dp=2 x pp=2");
+    for (kind, defer) in [
+        (ScheduleKind::OneFOneB, false),
+        (ScheduleKind::ZeroBubbleH1, true),
+    ] {
+        let got = pipelined("pp=2,dp=2", kind, 3, 1, defer).unwrap();
+        assert_close(&got, &want, WHOLE_BATCH, &format!("dp=2 x pp=2 {kind:?}"));
+    }
 }
 
 #[test]
@@ -287,7 +315,7 @@ fn three_stage_step(
         &device,
         |_, module: &Stack, input, micro| {
             let x = input.unwrap_or_else(|| rows(micro * ROWS_PER_MICRO, ROWS_PER_MICRO, &device));
-            let y = module.forward(x);
+            let y = module.forward(x, None);
             if pp.rank() == 2 {
                 StageOutput::Loss(loss(y))
             } else {

@@ -1,0 +1,252 @@
+//! Deferred weight gradients, what makes a zero-bubble schedule's split backward real.
+//!
+//! Zero-bubble schedules split a stage's backward in two: the input gradient, which the
+//! previous stage is waiting for, and the weight gradient, which nobody waits for and can fill
+//! a bubble later. Burn's backward computes both at once, so linear layers that should defer
+//! their weight gradient run through [`deferred_linear`]: a matrix product whose backward
+//! computes only `dx = dy W^T` and records `(x, dy)` in a [`WeightGradStore`]; the weight
+//! gradient `dW = x^T dy` is computed when the schedule's weight-gradient action runs
+//! ([`DeferredWeightGrad::compute`]). The weight never receives a gradient from autodiff.
+//!
+//! A backend-extension op with a hand-written backward (the project notes' custom-backward
+//! recipe), implemented for Flex.
+
+use burn::backend::autodiff::{
+    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+    grads::Gradients,
+    ops::{Backward, Ops, OpsKind},
+};
+use burn::backend::{
+    Autodiff, Backend, Dispatch, Flex, backend_extension, flex::FlexTensor, tensor::FloatTensor,
+};
+use burn::module::ParamId;
+use burn::nn::Linear;
+use burn::tensor::Tensor;
+use std::sync::{Arc, Mutex};
+
+/// A weight gradient whose computation was deferred: the layer's input and output gradient.
+#[derive(Debug)]
+pub struct DeferredWeightGrad {
+    /// The weight it belongs to.
+    pub param: ParamId,
+    input: FlexTensor,
+    output_grad: FlexTensor,
+}
+
+impl DeferredWeightGrad {
+    /// The weight's gradient `x^T dy`, `[d_in, d_out]`, on the Flex device.
+    pub fn compute(self) -> Tensor<2> {
+        let x = Tensor::<2>::from_primitive::<Flex>(self.input);
+        let dy = Tensor::<2>::from_primitive::<Flex>(self.output_grad);
+        x.transpose().matmul(dy)
+    }
+}
+
+/// Where [`deferred_linear`]'s backward records the weight gradients it did not compute.
+/// Cloning shares the store.
+#[derive(Clone, Default)]
+pub struct WeightGradStore(Arc<Mutex<Vec<DeferredWeightGrad>>>);
+
+impl std::fmt::Debug for WeightGradStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WeightGradStore")
+    }
+}
+
+impl WeightGradStore {
+    /// Everything recorded since the last call, in the order backward produced it.
+    pub fn take(&self) -> Vec<DeferredWeightGrad> {
+        std::mem::take(&mut *self.lock())
+    }
+
+    fn push(&self, grad: DeferredWeightGrad) {
+        self.lock().push(grad);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<DeferredWeightGrad>> {
+        // A panic elsewhere while holding the lock leaves the list itself intact.
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// State of one deferred product: its input and weight, and where to record.
+#[derive(Clone, Debug)]
+struct Deferral {
+    input: FlexTensor,
+    weight: FlexTensor,
+    param: ParamId,
+    store: WeightGradStore,
+}
+
+#[backend_extension(Flex, Autodiff)]
+pub trait DeferredMatmulOps: Backend {
+    /// Forward: `x W` (`x: [n, d_in]`, `W: [d_in, d_out]`). Backward: `dx = dy W^T` only;
+    /// `(x, dy)` is recorded in `store` for `param`, whose gradient autodiff never sees.
+    fn deferred_matmul(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        param: ParamId,
+        store: WeightGradStore,
+    ) -> FloatTensor<Self>;
+}
+
+fn matmul(x: FlexTensor, w: FlexTensor) -> FlexTensor {
+    let y = Tensor::<2>::from_primitive::<Flex>(x).matmul(Tensor::<2>::from_primitive::<Flex>(w));
+    y.try_into_primitive::<Flex>()
+        .expect("a product of Flex tensors is a Flex tensor")
+}
+
+impl DeferredMatmulOps for Flex {
+    fn deferred_matmul(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        _: ParamId,
+        _: WeightGradStore,
+    ) -> FloatTensor<Self> {
+        matmul(x, weight)
+    }
+}
+
+#[derive(Debug)]
+struct DeferredMatmulBackward;
+
+impl Backward<Flex, 2> for DeferredMatmulBackward {
+    type State = Deferral;
+
+    fn backward(self, ops: Ops<Deferral, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [input_node, weight_node] = ops.parents;
+        let d = ops.state;
+        let dy = grads.consume::<Flex>(&ops.node);
+        if weight_node.is_some() {
+            d.store.push(DeferredWeightGrad {
+                param: d.param,
+                input: d.input,
+                output_grad: dy.clone(),
+            });
+        }
+        if let Some(node) = input_node {
+            let w_t = Tensor::<2>::from_primitive::<Flex>(d.weight).transpose();
+            let w_t = w_t
+                .try_into_primitive::<Flex>()
+                .expect("a Flex tensor stays one");
+            grads.register::<Flex>(node.id, matmul(dy, w_t));
+        }
+    }
+}
+
+impl<C: CheckpointStrategy> DeferredMatmulOps for Autodiff<Flex, C> {
+    fn deferred_matmul(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        param: ParamId,
+        store: WeightGradStore,
+    ) -> FloatTensor<Self> {
+        let nodes = [x.node(), weight.node()];
+        let (input, weight) = (x.into_primitive(), weight.into_primitive());
+        let out = matmul(input.clone(), weight.clone());
+        match DeferredMatmulBackward
+            .prepare::<C>(nodes)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(
+                Deferral {
+                    input,
+                    weight,
+                    param,
+                    store,
+                },
+                out,
+            ),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+}
+
+/// `linear` applied to `x: [.., d_in]` with its weight gradient deferred to `store` (the bias,
+/// if any, gets its gradient from autodiff as usual). Flex only.
+pub fn deferred_linear<const D: usize>(
+    linear: &Linear,
+    x: Tensor<D>,
+    store: &WeightGradStore,
+) -> Tensor<D> {
+    let mut dims = x.dims();
+    let d_in = dims[D - 1];
+    let rows = dims[..D - 1].iter().product();
+    let weight = linear.weight.val();
+    dims[D - 1] = weight.dims()[1];
+    let y: Tensor<2> = Tensor::from_dispatch(<Dispatch as DeferredMatmulOps>::deferred_matmul(
+        x.reshape([rows, d_in]).into_dispatch(),
+        weight.into_dispatch(),
+        linear.weight.id,
+        store.clone(),
+    ));
+    let y = y.reshape(dims);
+    match &linear.bias {
+        Some(bias) => y + bias.val().unsqueeze(),
+        None => y,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::module::Param;
+    use burn::tensor::{Device, TensorData};
+
+    fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+        t.into_data().try_to_vec::<f32>().unwrap()
+    }
+
+    #[test]
+    fn the_deferred_gradients_equal_autodiff_and_the_weight_gets_none_until_computed() {
+        let device = Device::flex().autodiff();
+        let w: Vec<f32> = (0..12).map(|i| (i as f32 * 0.37).sin()).collect();
+        let x: Vec<f32> = (0..2 * 3 * 4).map(|i| (i as f32 * 0.11).cos()).collect();
+        let linear = |device: &Device| Linear {
+            weight: Param::from_data(TensorData::new(w.clone(), [4, 3]), device),
+            bias: Some(Param::from_data(
+                TensorData::new(vec![0.1, 0.2, 0.3], [3]),
+                device,
+            )),
+        };
+        let input = || Tensor::<3>::from_data(TensorData::new(x.clone(), [2, 3, 4]), &device);
+
+        let reference = linear(&device);
+        let x_ref = input().require_grad();
+        let grads = (reference.forward(x_ref.clone()).powi_scalar(2))
+            .sum()
+            .backward();
+        let dw_ref = values(reference.weight.grad(&grads).unwrap());
+        let db_ref = values(reference.bias.as_ref().unwrap().grad(&grads).unwrap());
+        let dx_ref = values(x_ref.grad(&grads).unwrap());
+
+        let deferred = linear(&device);
+        let store = WeightGradStore::default();
+        let x_def = input().require_grad();
+        let y = deferred_linear(&deferred, x_def.clone(), &store);
+        let grads = y.powi_scalar(2).sum().backward();
+        assert!(
+            deferred.weight.grad(&grads).is_none(),
+            "autodiff got the weight gradient"
+        );
+        assert_eq!(values(x_def.grad(&grads).unwrap()), dx_ref);
+        assert_eq!(
+            values(deferred.bias.as_ref().unwrap().grad(&grads).unwrap()),
+            db_ref
+        );
+        let pending = store.take();
+        assert_eq!(pending.len(), 1);
+        assert_eq!(pending[0].param, deferred.weight.id);
+        let dw = values(pending.into_iter().next().unwrap().compute());
+        for (a, b) in dw.iter().zip(&dw_ref) {
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs().max(1.0),
+                "{dw:?} vs {dw_ref:?}"
+            );
+        }
+        assert!(store.take().is_empty());
+    }
+}
