@@ -170,18 +170,62 @@ fn set<T>(field: &mut T, value: Option<T>) {
     }
 }
 
-/// `flashover train`.
-pub fn train(
-    args: &JobArgs,
+/// What `train` writes and resumes from, beyond the job file.
+#[derive(Debug, Args)]
+pub struct TrainOutputs {
+    /// Write one JSON line per step to this file.
+    #[arg(long)]
     log_jsonl: Option<PathBuf>,
+    /// Write a Chrome trace (Perfetto) of every rank's steps and pipeline actions here.
+    #[arg(long)]
     trace: Option<PathBuf>,
-) -> Result<(), String> {
+    /// Save a sharded checkpoint every N steps and after the last one (into --ckpt-dir).
+    #[arg(long)]
+    save_every: Option<usize>,
+    /// Directory of checkpoints (one `step-NNNNNNNN` directory each).
+    #[arg(long)]
+    ckpt_dir: Option<PathBuf>,
+    /// Committed checkpoints to keep.
+    #[arg(long)]
+    keep_checkpoints: Option<usize>,
+    /// Write checkpoints in the background while training continues.
+    #[arg(long)]
+    async_save: bool,
+    /// Resume from a checkpoint (a `step-*` directory or a directory of them: the newest),
+    /// on any mesh.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Stop after this many steps (from step 0), as an interrupted job would; the schedule
+    /// still spans --steps.
+    #[arg(long)]
+    exit_after: Option<usize>,
+}
+
+/// `flashover train`.
+pub fn train(args: &JobArgs, outputs: TrainOutputs) -> Result<(), String> {
     let mut config = args.build()?;
-    if log_jsonl.is_some() {
-        config.run.log_jsonl = log_jsonl;
+    if outputs.log_jsonl.is_some() {
+        config.run.log_jsonl = outputs.log_jsonl;
     }
-    if trace.is_some() {
-        config.run.trace = trace;
+    if outputs.trace.is_some() {
+        config.run.trace = outputs.trace;
+    }
+    let ckpt = &mut config.checkpoint;
+    set(&mut ckpt.save_every, outputs.save_every);
+    set(&mut ckpt.keep, outputs.keep_checkpoints);
+    if outputs.ckpt_dir.is_some() {
+        ckpt.dir = outputs.ckpt_dir;
+    }
+    if outputs.resume.is_some() {
+        ckpt.resume = outputs.resume;
+    }
+    ckpt.async_save |= outputs.async_save;
+    if outputs.exit_after.is_some() {
+        config.run.exit_after = outputs.exit_after;
+    }
+    let errors = config.validate();
+    if !errors.is_empty() {
+        return Err(format!("invalid job:\n  {}", errors.join("\n  ")));
     }
     let source = flashover::train::token_source(&config)?;
     println!("data: {}", source.describe());

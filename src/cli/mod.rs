@@ -1,6 +1,7 @@
 //! The `flashover` command line: argument definitions (clap) and their handlers.
 
 mod bench;
+mod ckpt;
 mod job;
 
 use clap::{Parser, Subcommand};
@@ -25,13 +26,13 @@ pub enum Command {
         /// Job options.
         #[command(flatten)]
         job: job::JobArgs,
-        /// Write one JSON line per step to this file.
-        #[arg(long)]
-        log_jsonl: Option<std::path::PathBuf>,
-        /// Write a Chrome trace (Perfetto) of every rank's steps and pipeline actions here.
-        #[arg(long)]
-        trace: Option<std::path::PathBuf>,
+        /// Logs, traces and checkpoints.
+        #[command(flatten)]
+        outputs: job::TrainOutputs,
     },
+    /// Inspect, reshard and export training checkpoints.
+    #[command(subcommand)]
+    Ckpt(ckpt::CkptCommand),
     /// Train on one rank and on the given mesh; compare losses, gradient norms and parameters.
     Verify {
         /// Job options.
@@ -79,11 +80,8 @@ pub enum MeshCommand {
 pub fn run(cli: Cli) -> Result<(), String> {
     match cli.command {
         Command::Bench(b) => bench::run(b),
-        Command::Train {
-            job,
-            log_jsonl,
-            trace,
-        } => job::train(&job, log_jsonl, trace),
+        Command::Train { job, outputs } => job::train(&job, outputs),
+        Command::Ckpt(c) => ckpt::run(c),
         Command::Verify { job, tolerance } => {
             if !job::verify(&job, tolerance)? {
                 // The last line printed is the verdict; the exit code says it too.

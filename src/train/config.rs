@@ -21,6 +21,41 @@ pub struct TrainConfig {
     pub optim: OptimSection,
     /// Steps, batch, seed, device, logs.
     pub run: RunSection,
+    /// Saving and resuming training checkpoints.
+    pub checkpoint: CheckpointSection,
+}
+
+/// `[checkpoint]`: sharded training checkpoints (see `docs/checkpoints.md`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointSection {
+    /// Where checkpoints go: one `step-NNNNNNNN` directory each.
+    pub dir: Option<PathBuf>,
+    /// Save after every this many steps and after the last (0: never).
+    pub save_every: usize,
+    /// How many committed checkpoints to keep (oldest removed first).
+    pub keep: usize,
+    /// Write in the background while training continues (the next save waits for it).
+    pub async_save: bool,
+    /// Resume from this checkpoint (a `step-*` directory, or a directory of them: the newest).
+    pub resume: Option<PathBuf>,
+    /// Fault injection for tests: `(rank, step)` makes that rank fail right after writing its
+    /// shard of that step's checkpoint, before anything is committed.
+    #[serde(skip)]
+    pub fail_after_write: Option<(usize, usize)>,
+}
+
+impl Default for CheckpointSection {
+    fn default() -> Self {
+        CheckpointSection {
+            dir: None,
+            save_every: 0,
+            keep: 3,
+            async_save: false,
+            resume: None,
+            fail_after_write: None,
+        }
+    }
 }
 
 /// `[model]`: a preset, optionally overridden field by field.
@@ -187,6 +222,10 @@ pub struct RunSection {
     /// Write a timeline of every rank's steps (and pipeline actions) here, as Chrome trace
     /// JSON (open it in Perfetto).
     pub trace: Option<PathBuf>,
+    /// Stop once this many steps are done (counted from step 0, resumed steps included), as an
+    /// interrupted job would; the learning-rate schedule still spans `steps`. A checkpoint is
+    /// saved on exit when saving is on.
+    pub exit_after: Option<usize>,
 }
 
 impl Default for RunSection {
@@ -199,6 +238,7 @@ impl Default for RunSection {
             device: DeviceChoice::Flex,
             log_jsonl: None,
             trace: None,
+            exit_after: None,
         }
     }
 }
@@ -310,6 +350,14 @@ impl TrainConfig {
         }
         if self.data.seq_len == 0 {
             errors.push("data.seq_len must be at least 1".into());
+        }
+        if self.checkpoint.save_every > 0 && self.checkpoint.dir.is_none() {
+            errors.push(
+                "checkpoint.save_every is set but checkpoint.dir is not: say where to save (--ckpt-dir DIR)".into(),
+            );
+        }
+        if self.checkpoint.keep == 0 {
+            errors.push("checkpoint.keep must be at least 1".into());
         }
         match self.mesh() {
             Ok(mesh) => {

@@ -1,6 +1,7 @@
 //! The training job behind `flashover train` and `flashover verify`: configuration, the per-rank
 //! loop, its report, and the equivalence check between layouts.
 
+pub mod checkpoint;
 mod config;
 mod pp_model;
 mod report;
@@ -11,7 +12,8 @@ mod trace;
 mod verify;
 
 pub use config::{
-    DataSection, ModelSection, OptimSection, ParallelSection, RunSection, TrainConfig,
+    CheckpointSection, DataSection, ModelSection, OptimSection, ParallelSection, RunSection,
+    TrainConfig,
 };
 pub use pp_model::{TransformerStage, split_blocks, split_blocks_by_cost};
 pub use report::{RankTimes, StepRecord, TrainReport, memory_formula};

@@ -244,6 +244,11 @@ impl TransformerStage {
         self.tp.as_ref().map(|(tp, _)| tp)
     }
 
+    /// With tensor parallelism, this rank's vocabulary rows.
+    pub fn vocab_shard(&self) -> Option<&VocabShard> {
+        self.tp.as_ref().map(|(_, vocab)| vocab)
+    }
+
     /// This stage's parameters with the whole model's names (`blocks.{global index}...`).
     pub fn global_name(&self, local: &str) -> String {
         match local.strip_prefix("blocks.") {

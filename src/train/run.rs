@@ -1,5 +1,6 @@
 //! The training job: one closure per rank under the launcher, data parallel over the `dp` axis.
 
+use super::checkpoint::{LocalState, Saver, Segment, run_segments, tp_segment, whole_segments};
 use super::config::TrainConfig;
 use super::pp_model::{DeferWeightGrads, TransformerStage};
 use super::report::{RankTimes, StepRecord, TrainReport};
@@ -8,24 +9,25 @@ use super::tp_model::TpTransformer;
 use super::trace::Trace;
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::optim::ModuleOptimizer;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_data::{BatchPlan, MarkovSource, TextSource, TokenSource};
 use flashover_models::{Dropout, ForwardContext, LinearHook, Transformer, next_token_loss};
-use flashover_parallel::FlatAdamWConfig;
+use flashover_parallel::FlatAdamW;
 use flashover_parallel::data_parallel::{
     DataParallel, DataParallelConfig, MicroBatches, ReduceReport,
 };
 use flashover_parallel::hooks_supported;
-use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
+use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, load_flat};
 use flashover_parallel::pipeline::{
     Action, ActionKind, PipelineExecutor, Schedule, ScheduleKind, WeightGradStore,
 };
 use flashover_parallel::tensor_parallel::TensorParallel;
+use flashover_parallel::zero::ShardLayout;
 use flashover_parallel::zero::{
     FullyShardConfig, FullyShardedOptimizer, MemoryReport, ShardGroup, ShardedDataParallel,
     ZeroConfig,
 };
+use flashover_parallel::{FlatAdamWConfig, ModuleAdamW};
 use flashover_parallel::{clip_module_grads, clip_scale};
 use flashover_runtime::ReduceOp;
 use flashover_runtime::{Axis, CommunicatorExt, Group, Launch, RankContext, RankError};
@@ -155,13 +157,13 @@ type RankOutput = Option<(Vec<StepRecord>, Vec<(String, Vec<f32>)>, usize, bool)
 /// How one rank holds and updates the model, as `parallel.zero` and the mesh say.
 enum Strategy {
     /// Replicas, Burn's AdamW on whole averaged gradients.
-    Ddp(Box<Transformer>, DataParallel, ModuleOptimizer),
+    Ddp(Box<Transformer>, DataParallel, ModuleAdamW),
     /// Replicas, AdamW state (and with stage 2 gradients) sharded.
     Zero(Box<Transformer>, ShardedDataParallel),
     /// Layers split into pipeline stages over `pp` (this rank's chunks), replicas over `dp`.
     Pp(Box<PipelineState>),
     /// Weights split over `tp` (Megatron), replicas over `dp`.
-    Tp(Box<TpTransformer>, DataParallel, ModuleOptimizer),
+    Tp(Box<TpTransformer>, DataParallel, ModuleAdamW),
     /// Parameters sharded in units over `fsdp` (replicated over `dp`: HSDP).
     Fsdp(
         Box<ShardedTransformer>,
@@ -190,7 +192,7 @@ struct StepOutcome {
 struct PipelineState {
     chunks: Vec<TransformerStage>,
     schedule: Schedule,
-    optim: ModuleOptimizer,
+    optim: ModuleAdamW,
     /// The parameter layout of each of this rank's chunks (fixed for the run).
     layouts: Vec<ParamLayout>,
     /// Per virtual stage, its whole (unsplit) parameters in layout order: the name they have
@@ -310,7 +312,7 @@ impl Strategy {
                 tie,
                 deferral,
                 schedule,
-                optim: adamw.to_burn().init(),
+                optim: ModuleAdamW::new(&adamw, &chunks),
                 layouts: chunks.iter().map(ParamLayout::of).collect(),
                 chunks,
                 stage_params,
@@ -325,12 +327,14 @@ impl Strategy {
                 TensorParallel::new(tp).with_sequence_parallel(config.parallel.sequence_parallel);
             let model = TpTransformer::shard(model, &plan)?;
             let (model, ddp) = ddp_config.init(model, batch_group)?;
-            return Ok(Strategy::Tp(Box::new(model), ddp, adamw.to_burn().init()));
+            let optim = ModuleAdamW::new(&adamw, &model);
+            return Ok(Strategy::Tp(Box::new(model), ddp, optim));
         }
         Ok(match config.parallel.zero {
             0 => {
                 let (model, ddp) = ddp_config.init(model, batch_group)?;
-                Strategy::Ddp(Box::new(model), ddp, adamw.to_burn().init())
+                let optim = ModuleAdamW::new(&adamw, &model);
+                Strategy::Ddp(Box::new(model), ddp, optim)
             }
             1 | 2 => {
                 let mut zero = ZeroConfig::stage(config.parallel.zero as usize, adamw)?;
@@ -379,7 +383,7 @@ impl Strategy {
                     run_micro_batches(&mut ddp, &*model, batches, micro_batches, transformer_loss)?;
                 let reduced = ddp.finish(&*model, clip)?;
                 let memory = replicated_memory(&ddp);
-                let model = Box::new(optim.step(lr, *model, reduced.grads));
+                let model = Box::new(optim.step(lr, *model, &reduced.grads)?);
                 let outcome = StepOutcome::reduced(loss_sum, &reduced.report, memory);
                 Ok((Strategy::Ddp(model, ddp, optim), outcome))
             }
@@ -404,7 +408,7 @@ impl Strategy {
                     TpTransformer::is_replicated,
                 )?;
                 let memory = replicated_memory(&ddp);
-                let model = Box::new(optim.step(lr, *model, grads));
+                let model = Box::new(optim.step(lr, *model, &grads)?);
                 let mut outcome = StepOutcome::reduced(loss_sum, &reduced.report, memory);
                 outcome.grad_norm = grad_norm;
                 Ok((Strategy::Tp(model, ddp, optim), outcome))
@@ -475,6 +479,150 @@ impl Strategy {
         }
     }
 
+    /// This rank's parameters and optimizer state with where each part belongs in the whole
+    /// model, and which ranks hold the same data: `(state, param replicas, moment replicas)`
+    /// as `(index, count)` for sharing the writing.
+    fn local_state(
+        &self,
+        ctx: &RankContext,
+        batch_group: &Group,
+    ) -> (LocalState, (usize, usize), (usize, usize)) {
+        let same = |name: &str| name.to_string();
+        let everyone = (batch_group.rank(), batch_group.size());
+        let dp = ctx.group(Axis::Dp);
+        let replicas = (dp.rank(), dp.size());
+        let with_moments = |params: Vec<f32>, segments: Vec<Segment>, adam: &FlatAdamW| {
+            let (m1, m2) = adam.moments();
+            LocalState {
+                params,
+                moment_segments: segments.clone(),
+                param_segments: segments,
+                moments: [m1.to_vec(), m2.to_vec()],
+                steps_taken: adam.steps_taken(),
+            }
+        };
+        match self {
+            Strategy::Ddp(model, _, optim) => {
+                let segments = whole_segments(&ParamLayout::of(&**model), same);
+                let state = with_moments(flatten_params(&**model), segments, optim.flat());
+                (state, everyone, everyone)
+            }
+            Strategy::Zero(model, zero) => {
+                let layout = ParamLayout::of(&**model);
+                let segments = whole_segments(&layout, same);
+                let optim = zero.optimizer();
+                let mut state = with_moments(flatten_params(&**model), segments, optim.flat());
+                let runs = optim.shard_map().runs(batch_group.rank());
+                state.moment_segments =
+                    run_segments(&layout, runs.iter().map(|r| (r.flat, r.len)), 0, same);
+                // Parameters are replicated; moments are this rank's own shard.
+                (state, everyone, (0, 1))
+            }
+            Strategy::Fsdp(model, optim, _) => {
+                let rank = ctx.group(Axis::Fsdp).rank();
+                let mut segments = vec![];
+                let mut local = 0;
+                let mut unit = |layout: &ParamLayout, shards: ShardLayout, prefix: String| {
+                    let own = shards.real_range(rank);
+                    let runs = [(Some(own.start), own.len())];
+                    segments.extend(run_segments(layout, runs, local, |n| {
+                        format!("{prefix}{n}")
+                    }));
+                    local += shards.shard;
+                };
+                unit(model.root.layout(), model.root.shards(), String::new());
+                for (i, block) in model.blocks.iter().enumerate() {
+                    unit(block.layout(), block.shards(), format!("blocks.{i}."));
+                }
+                let state = with_moments(flatten_params(&**model), segments, optim.flat());
+                (state, replicas, replicas)
+            }
+            Strategy::Tp(model, _, optim) => {
+                let tp = ctx.group(Axis::Tp);
+                let vocab = model.vocab();
+                let segments = ParamLayout::of(&**model)
+                    .slots
+                    .iter()
+                    .map(|s| {
+                        let name = s.name.strip_prefix("local.").unwrap_or(&s.name);
+                        tp_segment(name, &s.shape, s.offset, (tp.rank(), tp.size()), &vocab)
+                    })
+                    .collect();
+                let state = with_moments(flatten_params(&**model), segments, optim.flat());
+                (state, replicas, replicas)
+            }
+            Strategy::Pp(state) => {
+                let mut segments = vec![];
+                let mut base = 0;
+                for (chunk, layout) in state.chunks.iter().zip(&state.layouts) {
+                    for s in &layout.slots {
+                        let tied = s.name == "tied_head";
+                        let name = if tied {
+                            "embed.weight".to_string()
+                        } else {
+                            chunk.global_name(&s.name)
+                        };
+                        let mut segment = match (chunk.tensor_parallel(), chunk.vocab_shard()) {
+                            (Some(tp), Some(vocab)) => {
+                                let g = &tp.group;
+                                tp_segment(
+                                    &name,
+                                    &s.shape,
+                                    base + s.offset,
+                                    (g.rank(), g.size()),
+                                    vocab,
+                                )
+                            }
+                            _ => Segment::whole(&name, &s.shape, base + s.offset),
+                        };
+                        // The last stage's copy of a tied embedding is read, not written: the
+                        // first stage writes the table.
+                        segment.write &= !tied;
+                        segments.push(segment);
+                    }
+                    base += layout.numel;
+                }
+                let local =
+                    with_moments(flatten_params(&state.chunks), segments, state.optim.flat());
+                (local, replicas, replicas)
+            }
+        }
+    }
+
+    /// Puts a loaded [`LocalState`] (from [`Strategy::local_state`], filled by a checkpoint)
+    /// back into the model and optimizer.
+    fn restore(&mut self, state: LocalState) -> Result<(), RankError> {
+        let LocalState {
+            params,
+            moments: [m1, m2],
+            steps_taken,
+            ..
+        } = state;
+        let adam = match self {
+            Strategy::Ddp(model, _, optim) => {
+                **model = load_flat((**model).clone(), &params);
+                optim.flat_mut()
+            }
+            Strategy::Zero(model, zero) => {
+                **model = load_flat((**model).clone(), &params);
+                zero.optimizer_mut().flat_mut()
+            }
+            Strategy::Fsdp(model, optim, _) => {
+                **model = load_flat((**model).clone(), &params);
+                optim.flat_mut()
+            }
+            Strategy::Tp(model, _, optim) => {
+                **model = load_flat((**model).clone(), &params);
+                optim.flat_mut()
+            }
+            Strategy::Pp(state) => {
+                state.chunks = load_flat(std::mem::take(&mut state.chunks), &params);
+                state.optim.flat_mut()
+            }
+        };
+        adam.restore(steps_taken, m1, m2).map_err(RankError::from)
+    }
+
     /// The whole model's parameters by name, on world rank 0 (collective for every strategy
     /// but DDP and ZeRO-1/2; empty elsewhere).
     fn full_params(&self, ctx: &RankContext) -> Result<Vec<(String, Vec<f32>)>, RankError> {
@@ -518,7 +666,49 @@ fn train_rank(
     let mut records = vec![];
     let world = ctx.world();
     let mut trace = Trace::new(origin);
-    for step in 0..config.run.steps {
+    let first_step = match &config.checkpoint.resume {
+        Some(path) => resume(ctx, config, &mut strategy, &batch_group, path)?,
+        None => 0,
+    };
+    let ckpt = &config.checkpoint;
+    let mut saver = match (&ckpt.dir, ckpt.save_every) {
+        (Some(dir), every) if every > 0 => Some(Saver::new(
+            dir,
+            ckpt.keep,
+            ckpt.async_save,
+            ckpt.fail_after_write
+                .filter(|(rank, _)| *rank == ctx.rank())
+                .map(|(_, step)| step as u64),
+        )),
+        _ => None,
+    };
+    let save = |saver: &mut Saver, strategy: &Strategy, done: usize| -> Result<(), RankError> {
+        let (state, param_replicas, moment_replicas) = strategy.local_state(ctx, &batch_group);
+        let mut pieces = state.pieces_for(param_replicas, moment_replicas);
+        pieces.shrink_to_fit();
+        let run = serde_json::json!({
+            "step": done,
+            "adamw_steps": state.steps_taken,
+            "seed": config.run.seed,
+            "mesh": config.parallel.mesh,
+            "zero": config.parallel.zero,
+            "config": config,
+        });
+        saver
+            .save(world, done as u64, run, pieces)
+            .map_err(RankError::from)
+    };
+    let last_step = config
+        .run
+        .exit_after
+        .map_or(config.run.steps, |e| e.min(config.run.steps));
+    // A resumed run with nothing left to train (offline resharding) saves what it loaded.
+    if first_step >= last_step
+        && let Some(saver) = saver.as_mut()
+    {
+        save(saver, &strategy, first_step)?;
+    }
+    for step in first_step..last_step {
         let stats_before = ctx.comm_stats();
         let t0 = Instant::now();
         let lr = config.lr_at(step);
@@ -607,6 +797,15 @@ fn train_rank(
             emit(&record);
             records.push(record);
         }
+        let done = step + 1;
+        if let Some(saver) = saver.as_mut()
+            && (done.is_multiple_of(config.checkpoint.save_every) || done == last_step)
+        {
+            save(saver, &strategy, done)?;
+        }
+    }
+    if let Some(saver) = saver.as_mut() {
+        saver.finish(world).map_err(RankError::from)?;
     }
     if let Some(path) = &config.run.trace {
         trace.write(ctx, path)?;
@@ -617,6 +816,42 @@ fn train_rank(
     }
     let (buckets, overlap) = strategy.buckets();
     Ok(Some((records, params, buckets, overlap)))
+}
+
+/// Loads the checkpoint at `path` into `strategy` (every rank reads the regions it holds, so
+/// any mesh can resume any checkpoint of the same model); returns the step to continue from.
+fn resume(
+    ctx: &RankContext,
+    config: &TrainConfig,
+    strategy: &mut Strategy,
+    batch_group: &Group,
+    path: &std::path::Path,
+) -> Result<usize, RankError> {
+    let ckpt = super::checkpoint::open(path)?;
+    let run = &ckpt.index().run;
+    let seed = run.get("seed").and_then(|v| v.as_u64());
+    if seed != Some(config.run.seed) {
+        return Err(RankError::from(format!(
+            "{}: saved with seed {seed:?}, this job has run.seed = {}; batches and dropout follow the seed, so resume with --seed {}",
+            ckpt.dir().display(),
+            config.run.seed,
+            seed.map_or("?".into(), |s| s.to_string())
+        )));
+    }
+    let step = ckpt.step() as usize;
+    if step > config.run.steps {
+        return Err(RankError::from(format!(
+            "{}: the checkpoint is at step {step}, past run.steps = {}",
+            ckpt.dir().display(),
+            config.run.steps
+        )));
+    }
+    let (mut state, _, _) = strategy.local_state(ctx, batch_group);
+    state
+        .load(&ckpt)
+        .map_err(|e| RankError::from(format!("resuming: {e}")))?;
+    strategy.restore(state)?;
+    Ok(step)
 }
 
 /// What a replica holds under DDP: whole parameters, the gradient's peak, and Burn's AdamW
@@ -750,9 +985,8 @@ fn pipeline_step(
     if let Some(scale) = clip_scale(grad_norm, clip)? {
         flat.iter_mut().for_each(|g| *g *= scale);
     }
-    let grads = grads_from_flat(&state.chunks, &flat);
     let chunks = std::mem::take(&mut state.chunks);
-    state.chunks = state.optim.step(lr, chunks, grads);
+    state.chunks = state.optim.step_flat(lr, chunks, &flat)?;
     // Only the last stage computed losses: share them along the pipeline.
     let mut loss = [report.loss_sum];
     pp.all_reduce(&mut loss, ReduceOp::Sum)?;

@@ -185,6 +185,11 @@ impl ShardedDataParallel {
         &self.optimizer
     }
 
+    /// The sharded optimizer, to restore a saved state.
+    pub fn optimizer_mut(&mut self) -> &mut ZeroOptimizer {
+        &mut self.optimizer
+    }
+
     /// The gradient reduction underneath (buckets, overlap).
     pub fn data_parallel(&self) -> &DataParallel {
         &self.ddp

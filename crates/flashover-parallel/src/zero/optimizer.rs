@@ -60,6 +60,16 @@ impl ZeroOptimizer {
         self.adam.moments()
     }
 
+    /// This rank's AdamW (moments in shard order, step count).
+    pub fn flat(&self) -> &FlatAdamW {
+        &self.adam
+    }
+
+    /// This rank's AdamW, to restore a saved state.
+    pub fn flat_mut(&mut self) -> &mut FlatAdamW {
+        &mut self.adam
+    }
+
     /// Moves the optimizer state to a new partition of the same parameters (collective: every
     /// rank's moments are all-gathered once and each rank keeps what `map` gives it).
     pub fn reshard(&mut self, map: ShardMap) -> Result<(), ParallelError> {
@@ -153,6 +163,16 @@ impl FullyShardedOptimizer {
     /// Bytes of optimizer state (moments of this rank's shards).
     pub fn state_bytes(&self) -> usize {
         self.adam.state_bytes()
+    }
+
+    /// This rank's AdamW (moments of its shards in the model's parameter order, step count).
+    pub fn flat(&self) -> &FlatAdamW {
+        &self.adam
+    }
+
+    /// This rank's AdamW, to restore a saved state.
+    pub fn flat_mut(&mut self) -> &mut FlatAdamW {
+        &mut self.adam
     }
 
     /// Bytes of gradient held (this rank's shards).
