@@ -1,7 +1,7 @@
 //! Training checkpoints through the training job: resuming is bitwise on the same mesh for
 //! every strategy; resuming on another mesh continues as an uninterrupted run on that mesh
 //! would (fp32, 1e-5 relative); failed, corrupt and foreign checkpoints are refused by name;
-//! the exported model is the trained one.
+//! the exported model is the trained one, and a new run on another layout starts from it.
 
 use flashover::train::checkpoint::{export, reshard};
 use flashover::train::{TrainConfig, TrainReport, compare, train};
@@ -226,4 +226,18 @@ fn the_exported_model_is_the_trained_one_in_a_standard_safetensors_file() {
             .collect();
         assert_eq!(&got, values, "{name}");
     }
+    // A new run on another layout starts from the file: before any step, its parameters are
+    // the file's.
+    let mut start = job("fsdp=2", 3, 1);
+    start.checkpoint.init_from = Some(out.clone());
+    start.run.exit_after = Some(0);
+    assert_eq!(run(&start).params, report.params);
+    // A file of another model is refused, naming the tensor.
+    let mut other = start.clone();
+    other.model.d_ff = Some(32);
+    let err = train(&other, &|_| {}).unwrap_err();
+    assert!(
+        err.contains("w_gate.weight") && err.contains("has shape"),
+        "{err}"
+    );
 }

@@ -195,6 +195,9 @@ pub struct TrainOutputs {
     /// on any mesh.
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Start from the weights in this safetensors file (e.g. from `ckpt export`), any mesh.
+    #[arg(long)]
+    init_from: Option<PathBuf>,
     /// Stop after this many steps (from step 0), as an interrupted job would; the schedule
     /// still spans --steps.
     #[arg(long)]
@@ -220,6 +223,9 @@ pub fn train(args: &JobArgs, outputs: TrainOutputs) -> Result<(), String> {
         ckpt.resume = outputs.resume;
     }
     ckpt.async_save |= outputs.async_save;
+    if outputs.init_from.is_some() {
+        ckpt.init_from = outputs.init_from;
+    }
     if outputs.exit_after.is_some() {
         config.run.exit_after = outputs.exit_after;
     }

@@ -13,7 +13,9 @@
 //! configuration. Batches and dropout masks are pure functions of `(seed, step)`, so the step is
 //! the whole data-sampler and RNG state.
 
-use flashover_checkpoint::{Checkpoint, CheckpointError, PieceData, Region, ShardManifest};
+use flashover_checkpoint::{
+    Checkpoint, CheckpointError, PieceData, Region, ShardManifest, TensorSource,
+};
 use flashover_comm::{CommunicatorExt, Group};
 use flashover_parallel::params::ParamLayout;
 use flashover_parallel::tensor_parallel::VocabShard;
@@ -293,6 +295,17 @@ fn moment_name(which: usize, tensor: &str) -> String {
 }
 
 impl LocalState {
+    /// Reads every parameter segment's region from `source` (a checkpoint or a consolidated
+    /// model file), leaving the optimizer state as it is.
+    pub fn load_params(&mut self, source: &dyn TensorSource) -> Result<(), CheckpointError> {
+        for s in &self.param_segments {
+            source.expect_shape(&s.tensor, &s.shape)?;
+            let values = source.read(&s.tensor, &s.region)?;
+            s.scatter(&values, &mut self.params);
+        }
+        Ok(())
+    }
+
     /// Every piece this rank writes: parameters and both moments, each shared with the ranks
     /// holding the same data (`(index, count)`).
     pub fn pieces_for(
@@ -317,11 +330,7 @@ impl LocalState {
     /// lengths: padding stays as it is). Fails naming the tensor when the checkpoint lacks it
     /// or has another shape (a checkpoint of another model).
     pub fn load(&mut self, ckpt: &Checkpoint) -> Result<(), CheckpointError> {
-        for s in &self.param_segments {
-            ckpt.expect_shape(&s.tensor, &s.shape)?;
-            let values = ckpt.read(&s.tensor, &s.region)?;
-            s.scatter(&values, &mut self.params);
-        }
+        self.load_params(ckpt)?;
         for (which, moment) in self.moments.iter_mut().enumerate() {
             for s in &self.moment_segments {
                 let name = moment_name(which, &s.tensor);

@@ -39,6 +39,10 @@ pub struct CheckpointSection {
     pub async_save: bool,
     /// Resume from this checkpoint (a `step-*` directory, or a directory of them: the newest).
     pub resume: Option<PathBuf>,
+    /// Start from these weights instead of the seeded initialisation: a safetensors file of
+    /// whole tensors named as the model's parameters (`ckpt export` writes one; so does
+    /// ordinary Burn code with burn-store). The optimizer starts fresh at step 0.
+    pub init_from: Option<PathBuf>,
     /// Fault injection for tests: `(rank, step)` makes that rank fail right after writing its
     /// shard of that step's checkpoint, before anything is committed.
     #[serde(skip)]
@@ -53,6 +57,7 @@ impl Default for CheckpointSection {
             keep: 3,
             async_save: false,
             resume: None,
+            init_from: None,
             fail_after_write: None,
         }
     }
@@ -354,6 +359,11 @@ impl TrainConfig {
         if self.checkpoint.save_every > 0 && self.checkpoint.dir.is_none() {
             errors.push(
                 "checkpoint.save_every is set but checkpoint.dir is not: say where to save (--ckpt-dir DIR)".into(),
+            );
+        }
+        if self.checkpoint.resume.is_some() && self.checkpoint.init_from.is_some() {
+            errors.push(
+                "checkpoint.resume and checkpoint.init_from are both set: resume continues a run, init_from starts one from weights; pick one".into(),
             );
         }
         if self.checkpoint.keep == 0 {

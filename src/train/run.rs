@@ -670,6 +670,15 @@ fn train_rank(
         Some(path) => resume(ctx, config, &mut strategy, &batch_group, path)?,
         None => 0,
     };
+    if let Some(path) = &config.checkpoint.init_from {
+        let file = flashover_checkpoint::ModelFile::open(path)
+            .map_err(|e| RankError::from(format!("checkpoint.init_from: {e}")))?;
+        let (mut state, _, _) = strategy.local_state(ctx, &batch_group);
+        state
+            .load_params(&file)
+            .map_err(|e| RankError::from(format!("checkpoint.init_from: {e}")))?;
+        strategy.restore(state)?;
+    }
     let ckpt = &config.checkpoint;
     let mut saver = match (&ckpt.dir, ckpt.save_every) {
         (Some(dir), every) if every > 0 => Some(Saver::new(

@@ -9,6 +9,8 @@
 //! - [`write`]: the save protocol ([`begin`], [`write_shard`] per rank, [`commit`] once, then
 //!   [`prune`]); atomic: nothing is visible until the index is in place and the directory
 //!   renamed.
+//! - [`ModelFile`]: a consolidated safetensors file of whole tensors (`ckpt export`, or
+//!   ordinary Burn code), to start a sharded run from.
 //! - [`Checkpoint`]: open (untrusted input: every size, offset and shape checked, the
 //!   safetensors headers cross-checked), read regions, verify checksums.
 //!
@@ -38,13 +40,15 @@
 
 mod error;
 pub mod index;
+mod model_file;
 mod read;
 pub mod region;
 pub mod write;
 
 pub use error::CheckpointError;
 pub use index::{FileEntry, Index, PieceEntry, TensorEntry};
-pub use read::{Checkpoint, resolve};
+pub use model_file::ModelFile;
+pub use read::{Checkpoint, TensorSource, resolve};
 pub use region::Region;
 pub use write::{
     PieceData, ShardManifest, begin, commit, committed, partial, prune, step_dir_name, write_shard,

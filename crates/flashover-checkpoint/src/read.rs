@@ -34,6 +34,25 @@ impl std::fmt::Debug for Checkpoint {
     }
 }
 
+/// Where loading reads whole-model tensors from: a [`Checkpoint`] or a consolidated
+/// [`crate::ModelFile`].
+pub trait TensorSource {
+    /// Checks `name` exists with exactly `shape`; the error names the tensor.
+    fn expect_shape(&self, name: &str, shape: &[usize]) -> Result<(), CheckpointError>;
+    /// The elements of `region` of tensor `name`, in the region's order.
+    fn read(&self, name: &str, region: &Region) -> Result<Vec<f32>, CheckpointError>;
+}
+
+impl TensorSource for Checkpoint {
+    fn expect_shape(&self, name: &str, shape: &[usize]) -> Result<(), CheckpointError> {
+        Checkpoint::expect_shape(self, name, shape)
+    }
+
+    fn read(&self, name: &str, region: &Region) -> Result<Vec<f32>, CheckpointError> {
+        Checkpoint::read(self, name, region)
+    }
+}
+
 /// The newest committed checkpoint under `root`, or `root` itself if it is one.
 pub fn resolve(root: &Path) -> Result<PathBuf, CheckpointError> {
     if root.join(INDEX_FILE).is_file() {
