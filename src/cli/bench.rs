@@ -16,6 +16,25 @@ pub enum BenchCommand {
     Memory(Box<MemoryArgs>),
     /// Measured pipeline bubbles per schedule, vs the formulas and the simulation.
     Pipeline(Box<PipelineArgs>),
+    /// Checkpoint save and load throughput next to raw file writes and reads of the same bytes.
+    Ckpt(CkptArgs),
+}
+
+/// Options of `bench ckpt`.
+#[derive(Debug, Args)]
+pub struct CkptArgs {
+    /// Model parameters (each saved with two AdamW moments: 12 bytes per parameter).
+    #[arg(long, default_value_t = 64 << 20)]
+    params: usize,
+    /// Writer threads (ranks).
+    #[arg(long, default_value_t = 2)]
+    ranks: usize,
+    /// Repeats (each writes everything anew).
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Scratch directory (emptied; default: the system's temporary directory).
+    #[arg(long)]
+    dir: Option<std::path::PathBuf>,
 }
 
 /// Options of `bench pipeline`.
@@ -108,6 +127,31 @@ fn parse_op(name: &str) -> Result<OpKind, String> {
 
 pub fn run(cmd: BenchCommand) -> Result<(), String> {
     match cmd {
+        BenchCommand::Ckpt(args) => {
+            let dir = args
+                .dir
+                .unwrap_or_else(|| std::env::temp_dir().join("flashover-bench-ckpt"));
+            let records =
+                flashover::bench::checkpoint::run(&dir, args.params, args.ranks, args.repeats)?;
+            println!(
+                "| bytes | ranks | raw write GB/s | save GB/s | save / raw | raw read GB/s | load GB/s | load / raw |"
+            );
+            println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+            for r in &records {
+                println!(
+                    "| {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                    r.bytes,
+                    r.ranks,
+                    r.raw_write_gbs,
+                    r.save_gbs,
+                    r.save_gbs / r.raw_write_gbs,
+                    r.raw_read_gbs,
+                    r.load_gbs,
+                    r.load_gbs / r.raw_read_gbs
+                );
+            }
+            Ok(())
+        }
         BenchCommand::Pipeline(args) => {
             let config = args.job.build_with_mesh("dp=1")?;
             let records =

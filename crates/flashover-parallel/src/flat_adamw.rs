@@ -119,23 +119,67 @@ impl FlatAdamW {
         let c2 = 1f32 - b2.powi(self.time);
         let decay = (1.0 - lr * self.weight_decay as f64) as f32;
         let decays = lr * self.weight_decay as f64 != 0.0;
-        let lr = lr as f32;
+        let k = Kernel {
+            b1,
+            b2,
+            f1,
+            f2,
+            c1,
+            c2,
+            epsilon: self.epsilon,
+            decay,
+            lr: lr as f32,
+        };
+        let (m, v) = (&mut self.moment_1[..], &mut self.moment_2[..]);
+        // The branches are decided once per step, so the element loop has none and vectorizes
+        // (IEEE division and square root are exact in SIMD too: results stay bit-identical).
+        match (first, decays) {
+            (true, true) => k.run::<true, true>(params, grads, m, v),
+            (true, false) => k.run::<true, false>(params, grads, m, v),
+            (false, true) => k.run::<false, true>(params, grads, m, v),
+            (false, false) => k.run::<false, false>(params, grads, m, v),
+        }
+    }
+}
+
+/// One step's constants.
+struct Kernel {
+    b1: f32,
+    b2: f32,
+    f1: f32,
+    f2: f32,
+    c1: f32,
+    c2: f32,
+    epsilon: f32,
+    decay: f32,
+    lr: f32,
+}
+
+impl Kernel {
+    #[inline(always)]
+    fn run<const FIRST: bool, const DECAY: bool>(
+        &self,
+        params: &mut [f32],
+        grads: &[f32],
+        moment_1: &mut [f32],
+        moment_2: &mut [f32],
+    ) {
         for (((x, &g), m), v) in params
             .iter_mut()
             .zip(grads)
-            .zip(&mut self.moment_1)
-            .zip(&mut self.moment_2)
+            .zip(moment_1.iter_mut())
+            .zip(moment_2.iter_mut())
         {
-            if first {
-                *m = g * f1;
-                *v = (g * g) * f2;
+            if FIRST {
+                *m = g * self.f1;
+                *v = (g * g) * self.f2;
             } else {
-                *m = *m * b1 + g * f1;
-                *v = *v * b2 + (g * g) * f2;
+                *m = *m * self.b1 + g * self.f1;
+                *v = *v * self.b2 + (g * g) * self.f2;
             }
-            let delta = (*m / c1) / ((*v / c2).sqrt() + self.epsilon);
-            let decayed = if decays { *x * decay } else { *x };
-            *x = decayed - delta * lr;
+            let delta = (*m / self.c1) / ((*v / self.c2).sqrt() + self.epsilon);
+            let decayed = if DECAY { *x * self.decay } else { *x };
+            *x = decayed - delta * self.lr;
         }
     }
 }
