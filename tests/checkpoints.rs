@@ -1,11 +1,14 @@
 //! Training checkpoints through the training job: resuming is bitwise on the same mesh for
 //! every strategy; resuming on another mesh continues as an uninterrupted run on that mesh
 //! would (fp32, 1e-5 relative); failed, corrupt and foreign checkpoints are refused by name;
-//! the exported model is the trained one, and a new run on another layout starts from it.
+//! the exported model is the trained one, ordinary Burn code (burn-store) loads it, and a new
+//! run on another layout starts from it.
 
+use burn_store::ModuleSnapshot;
 use flashover::train::checkpoint::{export, reshard};
 use flashover::train::{TrainConfig, TrainReport, compare, train};
 use flashover_checkpoint::Checkpoint;
+use flashover_parallel::params::{ParamLayout, flatten_params};
 use std::path::{Path, PathBuf};
 
 const TOLERANCE: f64 = 1e-5;
@@ -225,6 +228,25 @@ fn the_exported_model_is_the_trained_one_in_a_standard_safetensors_file() {
             .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
             .collect();
         assert_eq!(&got, values, "{name}");
+    }
+    // Ordinary Burn code loads it with burn-store into a freshly built model.
+    let device = burn::tensor::Device::flex();
+    let mut model = c.transformer(30).unwrap().init(99, &device);
+    let mut store = burn_store::SafetensorsStore::from_file(&out);
+    let result = model.load_from(&mut store).unwrap();
+    assert!(
+        result.errors.is_empty() && result.missing.is_empty(),
+        "{result:?}"
+    );
+    let layout = ParamLayout::of(&model);
+    let flat = flatten_params(&model);
+    for (slot, (name, values)) in layout.slots.iter().zip(&report.params) {
+        assert_eq!(&slot.name, name);
+        assert_eq!(
+            &flat[slot.offset..slot.offset + slot.numel],
+            &values[..],
+            "{name}"
+        );
     }
     // A new run on another layout starts from the file: before any step, its parameters are
     // the file's.
