@@ -505,27 +505,14 @@ fn agree(world: &Group, phase: &str, step: u64, mine: Result<(), String>) -> Res
 pub fn export(ckpt: &Checkpoint, out: &Path) -> Result<usize, String> {
     let mut tensors = vec![];
     for (name, entry) in &ckpt.index().tensors {
-        if name.starts_with("optim.") {
-            continue;
+        if !name.starts_with("optim.") {
+            let values = ckpt.read_whole(name).map_err(|e| e.to_string())?;
+            tensors.push((name.clone(), entry.dims(), values));
         }
-        let values = ckpt.read_whole(name).map_err(|e| e.to_string())?;
-        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        tensors.push((name.clone(), entry.dims(), bytes));
     }
-    let views = tensors
-        .iter()
-        .map(|(name, shape, bytes)| {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
-                .map(|v| (name.clone(), v))
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| e.to_string())?;
     let metadata =
         std::collections::HashMap::from([("flashover_step".to_string(), ckpt.step().to_string())]);
-    let bytes = safetensors::tensor::serialize(views, Some(metadata)).map_err(|e| e.to_string())?;
-    let tmp = out.with_extension("safetensors.tmp");
-    std::fs::write(&tmp, &bytes).map_err(|e| format!("{}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, out).map_err(|e| format!("{}: {e}", out.display()))?;
+    flashover_checkpoint::ModelFile::write(out, &tensors, metadata).map_err(|e| e.to_string())?;
     Ok(tensors.len())
 }
 

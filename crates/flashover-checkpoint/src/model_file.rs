@@ -4,6 +4,7 @@
 use crate::error::CheckpointError;
 use crate::read::TensorSource;
 use crate::region::{Region, checked_numel};
+use crate::write::{serialize_f32, write_file};
 use memmap2::Mmap;
 use std::collections::HashMap;
 use std::fs::File;
@@ -55,6 +56,41 @@ impl ModelFile {
             map,
             tensors,
         })
+    }
+
+    /// Writes `tensors` (name, shape, values) as one safetensors file at `path`, durably
+    /// (temporary name, fsync, rename), with `metadata` in its header.
+    pub fn write(
+        path: &Path,
+        tensors: &[(String, Vec<usize>, Vec<f32>)],
+        metadata: HashMap<String, String>,
+    ) -> Result<(), CheckpointError> {
+        let raw: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+            .iter()
+            .map(|(name, shape, values)| {
+                let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                (name.clone(), shape.clone(), bytes)
+            })
+            .collect();
+        let bytes =
+            serialize_f32(&raw, Some(metadata)).map_err(|e| CheckpointError::corrupt(path, e))?;
+        let (dir, name) = match (path.parent(), path.file_name().and_then(|n| n.to_str())) {
+            (Some(dir), Some(name)) => (
+                if dir.as_os_str().is_empty() {
+                    Path::new(".")
+                } else {
+                    dir
+                },
+                name,
+            ),
+            _ => {
+                return Err(CheckpointError::Invalid(format!(
+                    "{}: not a file path",
+                    path.display()
+                )));
+            }
+        };
+        write_file(dir, name, &bytes)
     }
 
     fn entry(&self, name: &str) -> Result<&(Vec<usize>, Range<usize>), CheckpointError> {

@@ -59,7 +59,7 @@ fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
 }
 
 /// Writes `bytes` to `dir/name` durably: temporary name, fsync, rename.
-fn write_file(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), CheckpointError> {
+pub(crate) fn write_file(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), CheckpointError> {
     let tmp = dir.join(format!("{name}.tmp"));
     let path = dir.join(name);
     let mut f = File::create(&tmp).map_err(|e| CheckpointError::io(&tmp, e))?;
@@ -84,6 +84,22 @@ pub fn begin(root: &Path, step: u64) -> Result<PathBuf, CheckpointError> {
 /// The partial directory [`begin`] created for `step` (for the other ranks).
 pub fn partial(root: &Path, step: u64) -> PathBuf {
     partial_dir(root, step)
+}
+
+/// A safetensors file's bytes holding `tensors` (name, shape, little-endian f32 bytes).
+pub(crate) fn serialize_f32(
+    tensors: &[(String, Vec<usize>, Vec<u8>)],
+    metadata: Option<std::collections::HashMap<String, String>>,
+) -> Result<Vec<u8>, String> {
+    let views = tensors
+        .iter()
+        .map(|(name, shape, bytes)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                .map(|v| (name.clone(), v))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
+    safetensors::tensor::serialize(views, metadata).map_err(|e| e.to_string())
 }
 
 /// Writes rank `rank`'s pieces into `dir` (from [`begin`]) as one safetensors file
@@ -111,16 +127,7 @@ pub fn write_shard(
         let bytes: Vec<u8> = p.values.iter().flat_map(|v| v.to_le_bytes()).collect();
         raw.push((format!("{}@{k}", p.tensor), vec![n], bytes));
     }
-    let views = raw
-        .iter()
-        .map(|(key, shape, bytes)| {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
-                .map(|v| (key.clone(), v))
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| CheckpointError::corrupt(&path, e.to_string()))?;
-    let bytes = safetensors::tensor::serialize(views, None)
-        .map_err(|e| CheckpointError::corrupt(&path, e.to_string()))?;
+    let bytes = serialize_f32(&raw, None).map_err(|e| CheckpointError::corrupt(&path, e))?;
     // Where each piece landed: the header gives data offsets after its own length.
     let (header, meta) = safetensors::SafeTensors::read_metadata(&bytes)
         .map_err(|e| CheckpointError::corrupt(&path, e.to_string()))?;
