@@ -15,9 +15,24 @@ if ! ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1 || ! ldconfig -p 
   fi
 fi
 
+# The MPI engine's checks need OpenMPI and libclang (for the bindings).
+if ! command -v mpirun >/dev/null 2>&1 || ! ldconfig -p | grep -q 'libclang'; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends libopenmpi-dev openmpi-bin libclang-dev clang pkg-config
+  else
+    echo "The MPI checks need OpenMPI and libclang: install libopenmpi-dev openmpi-bin libclang-dev clang." >&2
+    exit 1
+  fi
+fi
+
 # Mesa's Vulkan loader wants a runtime directory; headless machines often have none.
 export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
 cargo test --workspace --features wgpu "$@"
+
+# The MPI engine, one rank per process under mpirun.
+scripts/mpi_check.sh
 
 # Examples run as a user would run them (same features as the tests: no second build).
 for example in ddp_own_model zero_own_model; do

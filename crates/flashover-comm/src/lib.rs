@@ -39,6 +39,8 @@ mod communicator;
 mod dtype;
 mod error;
 mod fault;
+#[cfg(feature = "mpi")]
+mod mpi;
 mod op;
 mod stats;
 mod thread;
@@ -47,6 +49,8 @@ pub use communicator::{Communicator, CommunicatorExt, Group};
 pub use dtype::{DType, Element};
 pub use error::{CommError, CommResult, panic_message};
 pub use fault::{FaultAction, FaultPlan, FaultRule};
+#[cfg(feature = "mpi")]
+pub use mpi::{MpiComm, MpiWorld};
 pub use op::{OpKind, ReduceOp};
 pub use stats::{CommStats, OpStats};
 pub use thread::{DEFAULT_TIMEOUT, ThreadComm, ThreadWorld};

@@ -6,7 +6,7 @@
 //! rendezvous protocol that makes this safe and hang-free.
 
 mod group;
-mod kernels;
+pub(crate) mod kernels;
 
 use crate::communicator::{Communicator, CommunicatorExt, Group};
 use crate::dtype::DType;
