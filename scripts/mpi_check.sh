@@ -12,6 +12,25 @@ run() { mpirun --oversubscribe --allow-run-as-root "$@"; }
 run -np 2 "$check"
 run -np 4 "$check"
 
+# Training: one rank per process gives the thread launcher's losses and gradient norms bit for
+# bit (DDP + TP, ZeRO-3/HSDP, DDP + pipeline).
+cargo build --quiet --features mpi,wgpu --bin flashover
+flashover="${CARGO_TARGET_DIR:-target}/debug/flashover"
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+numbers() { grep -o '"\(loss\|grad_norm\)":[^,]*' "$1"; }
+for job in "--mesh dp=2,tp=2" "--mesh dp=2,fsdp=2 --zero 3" "--mesh dp=2,pp=2 --micro-batches 2"; do
+  # shellcheck disable=SC2086
+  run -np 4 "$flashover" train $job --steps 6 --log-jsonl "$scratch/mpi.jsonl" >/dev/null
+  # shellcheck disable=SC2086
+  "$flashover" train $job --steps 6 --log-jsonl "$scratch/threads.jsonl" >/dev/null
+  if ! diff <(numbers "$scratch/mpi.jsonl") <(numbers "$scratch/threads.jsonl") >/dev/null \
+     || [ "$(numbers "$scratch/mpi.jsonl" | wc -l)" != 12 ]; then
+    echo "mpi_check: train $job under mpirun differs from the thread launcher" >&2; exit 1
+  fi
+  echo "mpi_check: train $job: 6 steps, losses and gradient norms equal the threads' bit for bit"
+done
+
 # Failure must not hang: a dying rank and a stalled rank (5 s deadline) both end the job.
 expect_failure() {
   local what="$1" pattern="$2"; shift 2

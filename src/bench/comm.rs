@@ -51,7 +51,7 @@ pub enum Record {
     Collective {
         /// Operation name (`all_reduce`, ...).
         op: &'static str,
-        /// Engine (`thread`).
+        /// Engine (`thread` or `mpi`).
         backend: &'static str,
         /// Number of ranks.
         world: usize,
@@ -156,6 +156,46 @@ fn time_on_rank(c: &dyn Communicator, op: OpKind, bytes: usize, target: Duration
     }
     c.barrier().expect("end barrier");
     t.elapsed().as_secs_f64() / iters[0] as f64
+}
+
+/// The benchmark on the MPI engine, one rank per process (run under `mpirun`): the world is
+/// MPI's; only world rank 0 emits. Each figure is the slowest rank's time.
+#[cfg(feature = "mpi")]
+pub fn run_mpi(config: &CommBenchConfig, mut emit: impl FnMut(&Record)) -> Result<(), String> {
+    let env = flashover_comm::MpiWorld::init().map_err(|e| e.to_string())?;
+    let world = env.group(Duration::from_secs(600));
+    let n = world.size();
+    let leader = world.rank() == 0;
+    for bytes in sizes(config.min_bytes, config.max_bytes) {
+        if leader {
+            emit(&Record::Memcpy {
+                op: "memcpy",
+                bytes,
+                gbps: memcpy_gbps(bytes, config.target),
+            });
+        }
+    }
+    for &op in &config.ops {
+        for bytes in sizes(config.min_bytes, config.max_bytes) {
+            let mut time_s = [time_on_rank(&*world, op, bytes, config.target)];
+            world
+                .all_reduce(&mut time_s, ReduceOp::Max)
+                .map_err(|e| e.to_string())?;
+            let algbw = bytes as f64 / time_s[0] / 1e9;
+            if leader {
+                emit(&Record::Collective {
+                    op: op.name(),
+                    backend: "mpi",
+                    world: n,
+                    bytes,
+                    time_s: time_s[0],
+                    algbw_gbps: algbw,
+                    busbw_gbps: algbw * bus_bandwidth_factor(op, n),
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Runs the whole benchmark, calling `emit` after each measurement.

@@ -116,6 +116,10 @@ pub struct CommArgs {
     /// Print one JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
+    /// `thread` (ranks as threads, --worlds) or `mpi` (one rank per process: run under
+    /// `mpirun`; needs the `mpi` feature).
+    #[arg(long, default_value = "thread")]
+    backend: String,
 }
 
 fn parse_op(name: &str) -> Result<OpKind, String> {
@@ -230,7 +234,7 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
             Ok(())
         }
         BenchCommand::Comm(args) => {
-            if args.worlds.iter().any(|&w| w < 2) {
+            if args.backend == "thread" && args.worlds.iter().any(|&w| w < 2) {
                 return Err("--worlds: every world size must be at least 2".into());
             }
             if args.min_bytes > args.max_bytes {
@@ -254,16 +258,18 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                 max_bytes: args.max_bytes,
                 target: Duration::from_millis(args.target_ms),
             };
-            if !args.json {
-                println!(
-                    "{:<15} {:>7} {:>5} {:>12} {:>12} {:>10} {:>10}",
-                    "op", "backend", "world", "bytes", "time_us", "algbw", "busbw"
-                );
-            }
-            comm::run(&config, |r| {
+            // The header comes with the first record: under MPI only rank 0 emits.
+            let mut header = !args.json;
+            let emit = |r: &Record| {
                 if args.json {
                     println!("{}", serde_json::to_string(r).expect("records serialise"));
                     return;
+                }
+                if std::mem::take(&mut header) {
+                    println!(
+                        "{:<15} {:>7} {:>5} {:>12} {:>12} {:>10} {:>10}",
+                        "op", "backend", "world", "bytes", "time_us", "algbw", "busbw"
+                    );
                 }
                 match r {
                     Record::Memcpy { bytes, gbps, .. } => {
@@ -285,7 +291,19 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                         time_s * 1e6
                     ),
                 }
-            });
+            };
+            match args.backend.as_str() {
+                "thread" => comm::run(&config, emit),
+                #[cfg(feature = "mpi")]
+                "mpi" => comm::run_mpi(&config, emit)?,
+                #[cfg(not(feature = "mpi"))]
+                "mpi" => {
+                    return Err(
+                        "--backend mpi: this build has no MPI engine; build with --features mpi and run under mpirun".into(),
+                    );
+                }
+                other => return Err(format!("--backend `{other}`: expected thread or mpi")),
+            }
             Ok(())
         }
     }

@@ -233,6 +233,13 @@ pub fn train(args: &JobArgs, outputs: TrainOutputs) -> Result<(), String> {
     if !errors.is_empty() {
         return Err(format!("invalid job:\n  {}", errors.join("\n  ")));
     }
+    // Under mpirun (and built with the MPI engine) this process is one rank; rank 0 reports.
+    let world = process_world(&config)?;
+    let leader = world.as_ref().is_none_or(|w| w.rank() == 0);
+    if !leader {
+        return flashover::train::train_process(&config, &|_| {}, world.expect("a rank"))
+            .map(|_| ());
+    }
     let source = flashover::train::token_source(&config)?;
     println!("data: {}", source.describe());
     if let Some(floor) = source.loss_floor() {
@@ -279,10 +286,38 @@ pub fn train(args: &JobArgs, outputs: TrainOutputs) -> Result<(), String> {
             );
         }
     };
-    let report = flashover::train::train(&config, &on_step)?;
+    let report = match world {
+        Some(world) => flashover::train::train_process(&config, &on_step, world)?
+            .ok_or("rank 0 gave no report")?,
+        None => flashover::train::train(&config, &on_step)?,
+    };
     bar.finish();
     print!("{report}");
     Ok(())
+}
+
+/// The MPI world when this process was started by `mpirun` (Open MPI or MPICH variables) and
+/// the build has the MPI engine; `None` otherwise (ranks are threads of this process).
+fn process_world(
+    config: &flashover::train::TrainConfig,
+) -> Result<Option<flashover::Group>, String> {
+    let under_mpirun = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some());
+    if !under_mpirun {
+        return Ok(None);
+    }
+    #[cfg(feature = "mpi")]
+    {
+        let env = flashover_comm::MpiWorld::init().map_err(|e| e.to_string())?;
+        let timeout = std::time::Duration::from_secs_f64(config.parallel.timeout_s);
+        Ok(Some(env.group(timeout)))
+    }
+    #[cfg(not(feature = "mpi"))]
+    {
+        let _ = config;
+        Err("started by mpirun, but this build has no MPI engine: build with --features mpi".into())
+    }
 }
 
 /// `flashover verify`.

@@ -17,7 +17,7 @@ pub use config::{
 };
 pub use pp_model::{TransformerStage, split_blocks, split_blocks_by_cost};
 pub use report::{RankTimes, StepRecord, TrainReport, memory_formula};
-pub use run::{make_batch, token_source, train};
+pub use run::{make_batch, token_source, train, train_process};
 pub use sharded_model::ShardedTransformer;
 pub use tp_model::TpTransformer;
 pub use verify::{Comparison, compare, verify};

@@ -75,11 +75,32 @@ pub fn make_batch(
     )
 }
 
-/// Runs the job. `on_step` sees every step's record as it completes (rank 0's thread).
+/// Runs the job, every rank a thread of this process. `on_step` sees every step's record as it
+/// completes (rank 0's thread).
 pub fn train(
     config: &TrainConfig,
     on_step: &(dyn Fn(&StepRecord) + Sync),
 ) -> Result<TrainReport, String> {
+    run_job(config, on_step, None)?.ok_or_else(|| "rank 0 gave no report".into())
+}
+
+/// Runs the job as rank `world.rank()` of a job whose ranks are processes (under `mpirun`,
+/// with the MPI engine's world group). The same code as [`train`] runs on each rank, so the
+/// results are the thread launcher's. Rank 0 gets the report (and calls `on_step`, writes the
+/// log); the others get `None`.
+pub fn train_process(
+    config: &TrainConfig,
+    on_step: &(dyn Fn(&StepRecord) + Sync),
+    world: Group,
+) -> Result<Option<TrainReport>, String> {
+    run_job(config, on_step, Some(world))
+}
+
+fn run_job(
+    config: &TrainConfig,
+    on_step: &(dyn Fn(&StepRecord) + Sync),
+    process: Option<Group>,
+) -> Result<Option<TrainReport>, String> {
     let errors = config.validate();
     if !errors.is_empty() {
         return Err(format!("invalid configuration:\n  {}", errors.join("\n  ")));
@@ -88,49 +109,56 @@ pub fn train(
     let source = token_source(config)?;
     let model_config = config.transformer(source.vocab_size())?;
     let device = config.run.device.device(0).map_err(|e| e.to_string())?;
+    let leader = process.as_ref().is_none_or(|w| w.rank() == 0);
     let log = match &config.run.log_jsonl {
-        Some(path) => Some(
+        Some(path) if leader => Some(
             std::fs::File::create(path)
                 .map_err(|e| format!("run.log_jsonl {}: {e}", path.display()))?,
         ),
-        None => None,
+        _ => None,
     };
     let log_error = std::sync::Mutex::new(None::<String>);
     let started = Instant::now();
-    let outputs = Launch::new(&mesh)
+    let launch = Launch::new(&mesh)
         .map_err(|e| e.to_string())?
         .device(device)
-        .timeout(Duration::from_secs_f64(config.parallel.timeout_s))
-        .run(|ctx| {
-            let emit = |record: &StepRecord| {
-                on_step(record);
-                if let Some(file) = log.as_ref() {
-                    let mut file = file;
-                    if let Err(e) = writeln!(
-                        file,
-                        "{}",
-                        serde_json::to_string(record).expect("records serialise")
-                    ) {
-                        *log_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
-                    }
+        .timeout(Duration::from_secs_f64(config.parallel.timeout_s));
+    let body = |ctx: RankContext| {
+        let emit = |record: &StepRecord| {
+            on_step(record);
+            if let Some(file) = log.as_ref() {
+                let mut file = file;
+                if let Err(e) = writeln!(
+                    file,
+                    "{}",
+                    serde_json::to_string(record).expect("records serialise")
+                ) {
+                    *log_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
                 }
-            };
-            train_rank(&ctx, config, &model_config, source.as_ref(), &emit, started)
-        })
-        .map_err(|e| e.to_string())?;
+            }
+        };
+        train_rank(&ctx, config, &model_config, source.as_ref(), &emit, started)
+    };
+    let output = match process {
+        None => launch
+            .run(body)
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .next()
+            .flatten(),
+        Some(world) => launch.run_process(world, body).map_err(|e| e.to_string())?,
+    };
     if let Some(e) = log_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(format!("writing run.log_jsonl: {e}"));
     }
-    let (steps, params, buckets, overlap) = outputs
-        .into_iter()
-        .next()
-        .flatten()
-        .expect("rank 0 reports");
+    let Some((steps, params, buckets, overlap)) = output else {
+        return Ok(None);
+    };
     let memory = steps
         .last()
         .map(|s| s.ranks.iter().map(|r| r.memory).collect())
         .unwrap_or_default();
-    Ok(TrainReport {
+    Ok(Some(TrainReport {
         tokens: steps.len() * config.run.global_batch * config.data.seq_len,
         steps,
         params,
@@ -147,7 +175,7 @@ pub fn train(
             _ => mesh.degree(Axis::Dp) * mesh.degree(Axis::Fsdp),
         },
         wall_s: started.elapsed().as_secs_f64(),
-    })
+    }))
 }
 
 /// What rank 0 hands back: its step records, the final parameters by name, buckets per step,

@@ -153,7 +153,11 @@ impl Launch {
                         .name(format!("rank-{rank}"))
                         // Autodiff graphs of deep models recurse; give each rank room.
                         .stack_size(64 << 20)
-                        .spawn_scoped(s, move || run_rank(rank, comm, mesh, device, body))
+                        .spawn_scoped(s, move || {
+                            let comm = Arc::new(comm);
+                            let world = Group::new(comm.clone());
+                            run_rank(rank, world, mesh, device, body, |reason| comm.leave(reason))
+                        })
                         .expect("spawn rank thread")
                 })
                 .collect();
@@ -185,19 +189,56 @@ impl Launch {
     }
 }
 
+impl Launch {
+    /// Runs `body` as rank `world.rank()` of a job whose ranks are processes (MPI, or any
+    /// engine whose world group this process holds): one rank here, its peers elsewhere. The
+    /// world must have the mesh's size. Returns this rank's result or its failure.
+    pub fn run_process<T, E, F>(self, world: Group, body: F) -> Result<T, LaunchError>
+    where
+        E: Into<RankError>,
+        F: Fn(RankContext) -> Result<T, E>,
+    {
+        let n = self.mesh.world_size();
+        if world.size() != n {
+            return Err(LaunchError::Rank {
+                cause: RankFailure {
+                    rank: world.rank(),
+                    panicked: false,
+                    message: format!(
+                        "the mesh `{}` needs {n} ranks but the job has {} processes",
+                        self.mesh.to_spec(),
+                        world.size()
+                    ),
+                    severity: 1,
+                },
+                all: vec![],
+            });
+        }
+        let rank = world.rank();
+        // Peers in other processes learn of a departure from the engine (MPI ends the job).
+        run_rank(rank, world, self.mesh, self.device, &body, |_| {}).map_err(|failure| {
+            LaunchError::Rank {
+                cause: failure.clone(),
+                all: vec![failure],
+            }
+        })
+    }
+}
+
+/// Runs `body` as `rank`, turning errors and panics into a [`RankFailure`]; `leave` is told
+/// why the rank's work ended (so in-process peers can stop waiting for it).
 fn run_rank<T, E, F>(
     rank: usize,
-    comm: flashover_comm::ThreadComm,
+    world: Group,
     mesh: DeviceMesh,
     device: Device,
     body: &F,
+    leave: impl FnOnce(&str),
 ) -> Result<T, RankFailure>
 where
     E: Into<RankError>,
     F: Fn(RankContext) -> Result<T, E>,
 {
-    let comm = Arc::new(comm);
-    let world = Group::new(comm.clone());
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         let ctx =
             RankContext::new(rank, mesh, device, world).map_err(|e| Box::new(e) as RankError)?;
@@ -238,7 +279,7 @@ where
         Err(f) if f.panicked => format!("panicked: {}", f.message),
         Err(f) => format!("failed: {}", f.message),
     };
-    comm.leave(&reason);
+    leave(&reason);
     result
 }
 
