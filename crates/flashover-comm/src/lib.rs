@@ -42,6 +42,7 @@ mod fault;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod op;
+mod rendezvous;
 mod stats;
 mod thread;
 
@@ -52,6 +53,7 @@ pub use fault::{FaultAction, FaultPlan, FaultRule};
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, MpiWorld};
 pub use op::{OpKind, ReduceOp};
+pub use rendezvous::{MAX_BLOB, MAX_FRAME, Rendezvous, RendezvousError};
 pub use stats::{CommStats, OpStats};
 pub use thread::{DEFAULT_TIMEOUT, ThreadComm, ThreadWorld};
 
