@@ -31,6 +31,11 @@ for job in "--mesh dp=2,tp=2" "--mesh dp=2,fsdp=2 --zero 3" "--mesh dp=2,pp=2 --
   echo "mpi_check: train $job: 6 steps, losses and gradient norms equal the threads' bit for bit"
 done
 
+# flashover launch: N processes through mpirun, output tagged with the rank.
+out=$(OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "$flashover" launch -n 2 -- train --mesh dp=2 --steps 3)
+grep -q '\[1,0\]<stdout>:.*final loss' <<<"$out" || { echo "mpi_check: launch: no final report from rank 0:" >&2; echo "$out" >&2; exit 1; }
+echo "mpi_check: launch -n 2 -- train --mesh dp=2: ran, rank 0 reported"
+
 # Failure must not hang: a dying rank and a stalled rank (5 s deadline) both end the job.
 expect_failure() {
   local what="$1" pattern="$2"; shift 2

@@ -35,6 +35,6 @@ pub use flashover_comm as comm;
 pub use flashover_mesh as mesh;
 pub use flashover_runtime::{
     Axis, CommError, CommStats, Communicator, CommunicatorExt, DeviceChoice, DeviceError,
-    DeviceMesh, FaultPlan, Group, IntoMesh, Launch, LaunchError, MeshError, OpKind, RankContext,
-    RankError, RankFailure, ReduceOp, TensorCollectives, launch,
+    DeviceMesh, FaultPlan, Group, IntoMesh, Launch, LaunchError, Launcher, MeshError, OpKind,
+    ProcessEnv, RankContext, RankError, RankFailure, ReduceOp, TensorCollectives, launch,
 };

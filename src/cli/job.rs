@@ -235,10 +235,9 @@ pub fn train(args: &JobArgs, outputs: TrainOutputs) -> Result<(), String> {
     }
     // Under mpirun (and built with the MPI engine) this process is one rank; rank 0 reports.
     let world = process_world(&config)?;
-    let leader = world.as_ref().is_none_or(|w| w.rank() == 0);
-    if !leader {
-        return flashover::train::train_process(&config, &|_| {}, world.expect("a rank"))
-            .map(|_| ());
+    let leader = world.as_ref().is_none_or(|(w, _)| w.rank() == 0);
+    if let Some((world, local_rank)) = world.clone().filter(|_| !leader) {
+        return flashover::train::train_process(&config, &|_| {}, world, local_rank).map(|_| ());
     }
     let source = flashover::train::token_source(&config)?;
     println!("data: {}", source.describe());
@@ -287,8 +286,10 @@ pub fn train(args: &JobArgs, outputs: TrainOutputs) -> Result<(), String> {
         }
     };
     let report = match world {
-        Some(world) => flashover::train::train_process(&config, &on_step, world)?
-            .ok_or("rank 0 gave no report")?,
+        Some((world, local_rank)) => {
+            flashover::train::train_process(&config, &on_step, world, local_rank)?
+                .ok_or("rank 0 gave no report")?
+        }
         None => flashover::train::train(&config, &on_step)?,
     };
     bar.finish();
@@ -296,28 +297,37 @@ pub fn train(args: &JobArgs, outputs: TrainOutputs) -> Result<(), String> {
     Ok(())
 }
 
-/// The MPI world when this process was started by `mpirun` (Open MPI or MPICH variables) and
-/// the build has the MPI engine; `None` otherwise (ranks are threads of this process).
+/// This process's world group and local rank when a launcher started it as one rank of a job
+/// (`mpirun` or Slurm with the MPI engine built in); `None` when ranks are threads here.
 fn process_world(
     config: &flashover::train::TrainConfig,
-) -> Result<Option<flashover::Group>, String> {
-    let under_mpirun = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
-        .iter()
-        .any(|v| std::env::var_os(v).is_some());
-    if !under_mpirun {
+) -> Result<Option<(flashover::Group, usize)>, String> {
+    let Some(env) = flashover::ProcessEnv::detect()? else {
         return Ok(None);
-    }
+    };
     #[cfg(feature = "mpi")]
-    {
-        let env = flashover_comm::MpiWorld::init().map_err(|e| e.to_string())?;
+    if matches!(
+        env.launcher,
+        flashover::Launcher::Mpirun | flashover::Launcher::Slurm
+    ) {
+        let mpi = flashover_comm::MpiWorld::init().map_err(|e| e.to_string())?;
+        if (mpi.rank(), mpi.size()) != (env.rank, env.world) {
+            return Err(format!(
+                "the launcher says rank {} of {}, MPI says rank {} of {}",
+                env.rank,
+                env.world,
+                mpi.rank(),
+                mpi.size()
+            ));
+        }
         let timeout = std::time::Duration::from_secs_f64(config.parallel.timeout_s);
-        Ok(Some(env.group(timeout)))
+        return Ok(Some((mpi.group(timeout), env.local_rank)));
     }
-    #[cfg(not(feature = "mpi"))]
-    {
-        let _ = config;
-        Err("started by mpirun, but this build has no MPI engine: build with --features mpi".into())
-    }
+    let _ = config;
+    Err(format!(
+        "started by {:?} as rank {} of {}, but this build has no engine for one rank per process there: build with --features mpi and start it with mpirun or srun (NCCL over the TCP rendezvous is not there yet)",
+        env.launcher, env.rank, env.world
+    ))
 }
 
 /// `flashover verify`.

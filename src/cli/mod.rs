@@ -30,6 +30,17 @@ pub enum Command {
         #[command(flatten)]
         outputs: job::TrainOutputs,
     },
+    /// Start N local processes of this program, one rank each (through `mpirun`; needs the
+    /// `mpi` feature): `flashover launch -n 4 -- train --mesh dp=2,tp=2`. Output lines carry
+    /// the rank; if one process fails, all are stopped and the exit code is non-zero.
+    Launch {
+        /// Number of processes.
+        #[arg(short = 'n', long)]
+        n: usize,
+        /// The command line for every process (after `--`).
+        #[arg(last = true, required = true)]
+        args: Vec<String>,
+    },
     /// Inspect, reshard and export training checkpoints.
     #[command(subcommand)]
     Ckpt(ckpt::CkptCommand),
@@ -82,6 +93,7 @@ pub fn run(cli: Cli) -> Result<(), String> {
         Command::Bench(b) => bench::run(b),
         Command::Train { job, outputs } => job::train(&job, outputs),
         Command::Ckpt(c) => ckpt::run(c),
+        Command::Launch { n, args } => launch(n, &args),
         Command::Verify { job, tolerance } => {
             if !job::verify(&job, tolerance)? {
                 // The last line printed is the verdict; the exit code says it too.
@@ -141,6 +153,29 @@ pub fn parse_bytes(s: &str) -> Result<usize, String> {
     digits.parse::<usize>().map(|d| d * mult).map_err(|_| {
         format!("`{s}` is not a byte size: use a number with an optional K, M or G suffix")
     })
+}
+
+/// `flashover launch`: `mpirun -np N --tag-output` on this executable.
+fn launch(n: usize, args: &[String]) -> Result<(), String> {
+    if n == 0 {
+        return Err("-n must be at least 1".into());
+    }
+    if !cfg!(feature = "mpi") {
+        return Err("launch starts ranks through mpirun, and this build has no MPI engine: build with --features mpi (NCCL with a TCP rendezvous is not there yet)".into());
+    }
+    let exe = std::env::current_exe().map_err(|e| format!("finding this program: {e}"))?;
+    // --oversubscribe: a laptop may have fewer cores than ranks.
+    let status = std::process::Command::new("mpirun")
+        .args(["--oversubscribe", "--tag-output", "-np", &n.to_string()])
+        .arg(&exe)
+        .args(args)
+        .status()
+        .map_err(|e| format!("starting mpirun (is Open MPI installed?): {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("the job failed ({status})"))
+    }
 }
 
 #[cfg(test)]

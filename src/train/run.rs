@@ -85,21 +85,22 @@ pub fn train(
 }
 
 /// Runs the job as rank `world.rank()` of a job whose ranks are processes (under `mpirun`,
-/// with the MPI engine's world group). The same code as [`train`] runs on each rank, so the
-/// results are the thread launcher's. Rank 0 gets the report (and calls `on_step`, writes the
-/// log); the others get `None`.
+/// with the MPI engine's world group), on device `local_rank` of `run.device`. The same code
+/// as [`train`] runs on each rank, so the results are the thread launcher's. Rank 0 gets the
+/// report (and calls `on_step`, writes the log); the others get `None`.
 pub fn train_process(
     config: &TrainConfig,
     on_step: &(dyn Fn(&StepRecord) + Sync),
     world: Group,
+    local_rank: usize,
 ) -> Result<Option<TrainReport>, String> {
-    run_job(config, on_step, Some(world))
+    run_job(config, on_step, Some((world, local_rank)))
 }
 
 fn run_job(
     config: &TrainConfig,
     on_step: &(dyn Fn(&StepRecord) + Sync),
-    process: Option<Group>,
+    process: Option<(Group, usize)>,
 ) -> Result<Option<TrainReport>, String> {
     let errors = config.validate();
     if !errors.is_empty() {
@@ -108,8 +109,13 @@ fn run_job(
     let mesh = config.mesh()?;
     let source = token_source(config)?;
     let model_config = config.transformer(source.vocab_size())?;
-    let device = config.run.device.device(0).map_err(|e| e.to_string())?;
-    let leader = process.as_ref().is_none_or(|w| w.rank() == 0);
+    let local_rank = process.as_ref().map_or(0, |(_, local)| *local);
+    let device = config
+        .run
+        .device
+        .device(local_rank)
+        .map_err(|e| e.to_string())?;
+    let leader = process.as_ref().is_none_or(|(w, _)| w.rank() == 0);
     let log = match &config.run.log_jsonl {
         Some(path) if leader => Some(
             std::fs::File::create(path)
@@ -146,7 +152,7 @@ fn run_job(
             .into_iter()
             .next()
             .flatten(),
-        Some(world) => launch.run_process(world, body).map_err(|e| e.to_string())?,
+        Some((world, _)) => launch.run_process(world, body).map_err(|e| e.to_string())?,
     };
     if let Some(e) = log_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(format!("writing run.log_jsonl: {e}"));

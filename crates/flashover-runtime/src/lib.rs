@@ -24,6 +24,7 @@
 mod context;
 mod device;
 mod launch;
+mod process_env;
 mod tensor;
 
 pub use context::RankContext;
@@ -33,4 +34,5 @@ pub use flashover_comm::{
 };
 pub use flashover_mesh::{Axis, DeviceMesh, MeshError};
 pub use launch::{IntoMesh, Launch, LaunchError, RankError, RankFailure, launch};
+pub use process_env::{Launcher, ProcessEnv};
 pub use tensor::TensorCollectives;
