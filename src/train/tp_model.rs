@@ -165,6 +165,42 @@ impl TpTransformer {
     }
 }
 
+/// How tensor parallelism splits a parameter of the reference transformer, by its name in the
+/// whole model: the one description that [`shard_block`], the vocabulary split and checkpoints
+/// agree on (a test checks [`TpTransformer::shard`] against it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TpSplit {
+    /// Split evenly along this dimension (column-parallel: dim 1; row-parallel: dim 0).
+    Dim(usize),
+    /// Split by vocabulary along this dimension, padded to a multiple of tp (embedding rows,
+    /// LM head columns).
+    Vocab(usize),
+    /// Whole on every rank (the norms).
+    Replicated,
+}
+
+/// The split of parameter `name` (whole-model name, e.g. `blocks.0.attn.wq.weight`).
+pub fn tp_split(name: &str) -> TpSplit {
+    let leaf = |suffixes: &[&str]| suffixes.iter().any(|s| name.ends_with(s));
+    if leaf(&[
+        "wq.weight",
+        "wk.weight",
+        "wv.weight",
+        "w_gate.weight",
+        "w_up.weight",
+    ]) {
+        TpSplit::Dim(1)
+    } else if leaf(&["wo.weight", "w_down.weight"]) {
+        TpSplit::Dim(0)
+    } else if name == "embed.weight" {
+        TpSplit::Vocab(0)
+    } else if name == "head.weight" {
+        TpSplit::Vocab(1)
+    } else {
+        TpSplit::Replicated
+    }
+}
+
 /// `ctx` with this rank's first head and (with sequence parallelism) first sequence position.
 pub(crate) fn tp_context(
     ctx: &ForwardContext,
@@ -255,4 +291,39 @@ pub(crate) fn unshard_block(block: &mut Block, tp: &TensorParallel) -> Result<()
     mlp.w_up = gather_linear(&mlp.w_up, 1, tp)?;
     mlp.w_down = gather_linear(&mlp.w_down, 0, tp)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Axis, launch};
+    use flashover_models::TransformerConfig;
+    use flashover_parallel::params::ParamLayout;
+
+    #[test]
+    fn tp_split_describes_what_sharding_does() {
+        for tied in [true, false] {
+            let mut config = TransformerConfig::new(31, 16, 2, 4, 24);
+            config.tie_embeddings = tied;
+            launch("tp=2", |ctx| {
+                let full = config.init(3, ctx.device());
+                let whole = ParamLayout::of(&full);
+                let plan = TensorParallel::new(ctx.group(Axis::Tp));
+                let local = ParamLayout::of(&TpTransformer::shard(full, &plan)?);
+                assert_eq!(whole.slots.len(), local.slots.len());
+                for (w, l) in whole.slots.iter().zip(&local.slots) {
+                    assert_eq!(l.name, format!("local.{}", w.name));
+                    let mut expected = w.shape.clone();
+                    match tp_split(&w.name) {
+                        TpSplit::Dim(d) => expected[d] /= 2,
+                        TpSplit::Vocab(d) => expected[d] = 31usize.div_ceil(2),
+                        TpSplit::Replicated => {}
+                    }
+                    assert_eq!(l.shape, expected, "{}", w.name);
+                }
+                Ok::<_, ParallelError>(())
+            })
+            .unwrap();
+        }
+    }
 }
