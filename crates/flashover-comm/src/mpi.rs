@@ -102,6 +102,7 @@ impl MpiWorld {
             seq: AtomicU64::new(0),
             stats: StatsRecorder::default(),
             sends: Mutex::new(vec![]),
+            scratch: Mutex::new(vec![]),
         }))
     }
 }
@@ -193,6 +194,8 @@ pub struct MpiComm {
     seq: AtomicU64,
     stats: StatsRecorder,
     sends: Mutex<Vec<PendingSend>>,
+    /// Reused receive buffer of reductions (8-byte words: aligned for every element type).
+    scratch: Mutex<Vec<u64>>,
 }
 
 // SAFETY: see `MpiWorld` (MPI_THREAD_MULTIPLE); pending sends sit behind a mutex.
@@ -267,43 +270,44 @@ impl MpiComm {
         }
     }
 
-    /// Reduces every rank's `buf` element-wise in rank order; this rank gets chunk `rank` of
-    /// the result in `out` (see the module docs).
-    fn reduce_my_chunk(
+    /// Reduces every rank's `buf` element-wise in rank order and calls `with` on this rank's
+    /// chunk (`chunk_of(rank)`) of the result (see the module docs). The received chunks and
+    /// the result live in the communicator's scratch buffer, reused from call to call.
+    fn reduce_my_chunk<T>(
         &self,
         buf: &[u8],
         dtype: DType,
         op: ReduceOp,
         chunk_of: impl Fn(usize) -> std::ops::Range<usize>,
-    ) -> CommResult<Vec<u64>> {
+        with: impl FnOnce(&[u8]) -> CommResult<T>,
+    ) -> CommResult<T> {
         let n = self.size();
         let es = dtype.size();
         let send_lens: Vec<usize> = (0..n).map(|r| chunk_of(r).len() * es).collect();
         let mine = chunk_of(self.rank).len() * es;
         let (sc, sd) = counts_displs(&send_lens)?;
         let (rc, rd) = counts_displs(&vec![mine; n])?;
-        let mut gathered = aligned(mine * n);
+        let mut gathered = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let words = (mine * n).div_ceil(8);
+        if gathered.len() < words {
+            gathered.resize(words, 0);
+        }
         {
             let send = Partition::new(buf, &sc[..], &sd[..]);
             let recv_bytes = bytes_of_mut(&mut gathered, mine * n);
             let mut recv = PartitionMut::new(recv_bytes, &rc[..], &rd[..]);
             self.comm.all_to_all_varcount_into(&send, &mut recv);
         }
-        let mut out = aligned(mine);
-        let base = gathered.as_ptr() as usize;
+        let base = gathered.as_mut_ptr() as usize;
         let srcs: Vec<usize> = (0..n).map(|r| base + r * mine).collect();
-        // SAFETY: every source is `mine` bytes inside `gathered` (8-byte aligned, so aligned
-        // for any element type), `out` holds `mine` bytes; nothing else touches them.
+        // SAFETY: every source is `mine` bytes inside `gathered`, whose chunks start at
+        // multiples of `mine` (a multiple of the element size) from an 8-byte-aligned base, so
+        // every element is aligned; the result goes into the first chunk, which the kernel
+        // allows; the lock keeps everyone else out.
         unsafe {
-            reduce_chunk(
-                dtype,
-                op,
-                &srcs,
-                out.as_mut_ptr() as usize,
-                0..mine / es.max(1),
-            );
+            reduce_chunk(dtype, op, &srcs, base, 0..mine / es.max(1));
         }
-        Ok(out)
+        with(bytes_of(&gathered, mine))
     }
 }
 
@@ -331,12 +335,13 @@ impl Communicator for MpiComm {
         }
         let count = buf.len() / es;
         self.run(OpKind::AllReduce, buf.len(), || {
-            let reduced = self.reduce_my_chunk(buf, dtype, op, |r| chunk(count, n, r))?;
             let lens: Vec<usize> = (0..n).map(|r| chunk(count, n, r).len() * es).collect();
             let (c, d) = counts_displs(&lens)?;
-            let mine = bytes_of(&reduced, lens[self.rank]);
+            // The reduced chunk is copied out of the scratch so `buf` can be the destination.
+            let mine =
+                self.reduce_my_chunk(buf, dtype, op, |r| chunk(count, n, r), |m| Ok(m.to_vec()))?;
             let mut recv = PartitionMut::new(&mut buf[..], &c[..], &d[..]);
-            self.comm.all_gather_varcount_into(mine, &mut recv);
+            self.comm.all_gather_varcount_into(&mine[..], &mut recv);
             Ok(())
         })
     }
@@ -361,9 +366,16 @@ impl Communicator for MpiComm {
         }
         let block = recv.len() / es;
         self.run(OpKind::ReduceScatter, send.len(), || {
-            let reduced = self.reduce_my_chunk(send, dtype, op, |r| r * block..(r + 1) * block)?;
-            recv.copy_from_slice(bytes_of(&reduced, recv.len()));
-            Ok(())
+            self.reduce_my_chunk(
+                send,
+                dtype,
+                op,
+                |r| r * block..(r + 1) * block,
+                |m| {
+                    recv.copy_from_slice(m);
+                    Ok(())
+                },
+            )
         })
     }
 
@@ -518,6 +530,7 @@ impl Communicator for MpiComm {
                 seq: AtomicU64::new(0),
                 stats: StatsRecorder::default(),
                 sends: Mutex::new(vec![]),
+                scratch: Mutex::new(vec![]),
             })))
         })
     }
