@@ -35,6 +35,6 @@ cargo test --workspace --features wgpu "$@"
 scripts/mpi_check.sh
 
 # Examples run as a user would run them (same features as the tests: no second build).
-for example in ddp_own_model zero_own_model; do
+for example in ddp_own_model zero_own_model checkpoint_own_model; do
   cargo run --quiet --features wgpu --example "$example"
 done
