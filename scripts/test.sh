@@ -34,6 +34,9 @@ cargo test --workspace --features wgpu "$@"
 # The MPI engine, one rank per process under mpirun.
 scripts/mpi_check.sh
 
+# The NCCL engine builds without CUDA and, without a GPU, fails naming the missing library.
+cargo test -p flashover-comm --features nccl --test nccl_engine
+
 # Examples run as a user would run them (same features as the tests: no second build).
 for example in ddp_own_model zero_own_model checkpoint_own_model; do
   cargo run --quiet --features wgpu --example "$example"

@@ -325,7 +325,7 @@ fn process_world(
     }
     let _ = config;
     Err(format!(
-        "started by {:?} as rank {} of {}, but this build has no engine for one rank per process there: build with --features mpi and start it with mpirun or srun (NCCL over the TCP rendezvous is not there yet)",
+        "started by {:?} as rank {} of {}, but this build has no engine for one rank per process there: build with --features mpi and start it with mpirun or srun (the NCCL engine exists in flashover-comm, but `train` does not start it yet)",
         env.launcher, env.rank, env.world
     ))
 }

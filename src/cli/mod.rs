@@ -161,7 +161,7 @@ fn launch(n: usize, args: &[String]) -> Result<(), String> {
         return Err("-n must be at least 1".into());
     }
     if !cfg!(feature = "mpi") {
-        return Err("launch starts ranks through mpirun, and this build has no MPI engine: build with --features mpi (NCCL with a TCP rendezvous is not there yet)".into());
+        return Err("launch starts ranks through mpirun, and this build has no MPI engine: build with --features mpi (starting NCCL ranks with a TCP rendezvous is not there yet)".into());
     }
     let exe = std::env::current_exe().map_err(|e| format!("finding this program: {e}"))?;
     // --oversubscribe: a laptop may have fewer cores than ranks.

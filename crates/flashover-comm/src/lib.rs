@@ -41,6 +41,8 @@ mod error;
 mod fault;
 #[cfg(feature = "mpi")]
 mod mpi;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod op;
 mod rendezvous;
 mod stats;
@@ -52,6 +54,8 @@ pub use error::{CommError, CommResult, panic_message};
 pub use fault::{FaultAction, FaultPlan, FaultRule};
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, MpiWorld};
+#[cfg(feature = "nccl")]
+pub use nccl::{NcclComm, NcclWorld};
 pub use op::{OpKind, ReduceOp};
 pub use rendezvous::{MAX_BLOB, MAX_FRAME, Rendezvous, RendezvousError};
 pub use stats::{CommStats, OpStats};

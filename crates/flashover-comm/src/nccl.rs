@@ -1,0 +1,533 @@
+//! The NCCL engine (feature `nccl`): collectives on CUDA device memory through cudarc, one rank
+//! per process and GPU.
+//!
+//! cudarc loads CUDA and NCCL at run time, so this compiles where neither is installed;
+//! [`NcclWorld::available`] says clearly which library is missing. A `cudarc` communicator is
+//! not `Send`, so each group's communicator lives on its own thread (an actor) that owns the
+//! CUDA context, the stream and the NCCL communicator; calls are sent to it and their replies
+//! awaited with the group's deadline, so a peer that never arrives is a timeout naming the op
+//! and the group, not a hang (after one, the group is unusable, as NCCL's would be).
+//!
+//! The byte-level [`Communicator`] API stages host buffers through device memory (copy in, NCCL,
+//! copy out). Reductions use NCCL's own order, so results match the thread and MPI engines to
+//! rounding, not bit for bit. Variable all-to-all is grouped send/recv; sub-groups get their own
+//! NCCL communicator, whose unique id the group leader shares over the parent group. NCCL's
+//! `send` completes only with the matching `recv` (no buffering), so schedules that send
+//! before receiving in both directions (pipelines) need the thread or MPI engine for now.
+//!
+//! Not yet run on a GPU here (no GPU was available when it was written).
+
+use crate::communicator::{Communicator, CommunicatorExt, Group};
+use crate::dtype::DType;
+use crate::error::{CommError, CommResult};
+use crate::op::{OpKind, ReduceOp};
+use crate::stats::{CommStats, StatsRecorder};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::nccl::{Comm, Id};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+fn engine(detail: impl std::fmt::Display) -> CommError {
+    CommError::Engine {
+        engine: "nccl",
+        detail: detail.to_string(),
+    }
+}
+
+/// Entry points of the NCCL engine.
+pub struct NcclWorld;
+
+impl NcclWorld {
+    /// Whether the CUDA driver and NCCL libraries can be loaded; the error says which is
+    /// missing and what to install.
+    pub fn available() -> CommResult<()> {
+        // SAFETY: only tries to open the shared libraries.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(engine(
+                "the CUDA driver library (libcuda.so) cannot be loaded: no NVIDIA driver on this machine",
+            ));
+        }
+        // SAFETY: as above.
+        if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+            return Err(engine(
+                "the NCCL library cannot be loaded: install NCCL (cudarc looks for libnccl.so, libnccl.so.2 is not enough: add a libnccl.so symlink)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The world group for `rank` of `world` processes on GPU `device`. Rank 0 creates NCCL's
+    /// unique id; `exchange` must hand every rank every rank's blob (rank 0's is the id; e.g.
+    /// [`crate::Rendezvous`] or an MPI all-gather). Calls time out after `timeout`.
+    pub fn group(
+        rank: usize,
+        world: usize,
+        device: usize,
+        timeout: Duration,
+        exchange: impl FnOnce(&[u8]) -> Result<Vec<Vec<u8>>, String>,
+    ) -> CommResult<Group> {
+        Self::available()?;
+        let mine = if rank == 0 {
+            id_bytes(&Id::new().map_err(|e| engine(format!("creating the unique id: {e:?}")))?)
+        } else {
+            vec![]
+        };
+        let blobs =
+            exchange(&mine).map_err(|e| engine(format!("exchanging the unique id: {e}")))?;
+        let id = id_from(
+            blobs
+                .first()
+                .ok_or_else(|| engine("no unique id from rank 0"))?,
+        )?;
+        let members = (0..world).collect();
+        NcclComm::start("world".into(), members, rank, device, id, timeout)
+    }
+}
+
+fn id_bytes(id: &Id) -> Vec<u8> {
+    id.internal().iter().map(|&c| c as u8).collect()
+}
+
+fn id_from(bytes: &[u8]) -> CommResult<Id> {
+    let bytes: [u8; 128] = bytes.try_into().map_err(|_| {
+        engine(format!(
+            "a unique id of {} bytes (128 expected)",
+            bytes.len()
+        ))
+    })?;
+    Ok(Id::uninit(bytes.map(|b| b as std::ffi::c_char)))
+}
+
+/// Work for a communicator's thread; the reply carries the output bytes.
+enum Job {
+    AllReduce(Vec<u8>, DType, ReduceOp),
+    ReduceScatter(Vec<u8>, DType, ReduceOp),
+    AllGather(Vec<u8>),
+    Broadcast(Vec<u8>, usize),
+    AllToAll(Vec<u8>, Vec<usize>, Vec<usize>),
+    Send(Vec<u8>, usize),
+    Recv(usize, usize),
+}
+
+type Reply = mpsc::Sender<CommResult<Vec<u8>>>;
+
+/// One group's communicator on the NCCL engine (a handle to its thread).
+pub struct NcclComm {
+    name: String,
+    members: Vec<usize>,
+    rank: usize,
+    device: usize,
+    timeout: Duration,
+    jobs: Mutex<mpsc::Sender<(Job, Reply)>>,
+    seq: AtomicU64,
+    stats: StatsRecorder,
+    failed: Mutex<Option<CommError>>,
+}
+
+impl NcclComm {
+    /// Starts the thread owning group rank `rank`'s NCCL communicator on GPU `device`.
+    fn start(
+        name: String,
+        members: Vec<usize>,
+        rank: usize,
+        device: usize,
+        id: Id,
+        timeout: Duration,
+    ) -> CommResult<Group> {
+        let (tx, rx) = mpsc::channel::<(Job, Reply)>();
+        let (ready_tx, ready_rx) = mpsc::channel::<CommResult<()>>();
+        let world = members.len();
+        std::thread::Builder::new()
+            .name(format!("nccl-{name}-{rank}"))
+            .spawn(move || {
+                let setup = || -> Result<(Arc<CudaStream>, Comm), String> {
+                    let ctx =
+                        CudaContext::new(device).map_err(|e| format!("GPU {device}: {e:?}"))?;
+                    let stream = ctx.default_stream();
+                    let comm = Comm::from_rank(stream.clone(), rank, world, id)
+                        .map_err(|e| format!("ncclCommInitRank: {e:?}"))?;
+                    Ok((stream, comm))
+                };
+                let (stream, comm) = match setup() {
+                    Ok(v) => {
+                        let _ = ready_tx.send(Ok(()));
+                        v
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(engine(e)));
+                        return;
+                    }
+                };
+                for (job, reply) in rx {
+                    let _ = reply.send(run(&stream, &comm, world, job).map_err(engine));
+                }
+            })
+            .map_err(|e| engine(format!("starting the NCCL thread: {e}")))?;
+        ready_rx
+            .recv_timeout(timeout)
+            .map_err(|_| engine("the NCCL communicator did not initialise in time"))??;
+        Ok(Group::new(Arc::new(NcclComm {
+            name,
+            members,
+            rank,
+            device,
+            timeout,
+            jobs: Mutex::new(tx),
+            seq: AtomicU64::new(0),
+            stats: StatsRecorder::default(),
+            failed: Mutex::new(None),
+        })))
+    }
+
+    /// Runs `job` on the communicator's thread, waiting at most the group's timeout.
+    fn call(&self, op: OpKind, bytes: usize, job: Job) -> CommResult<Vec<u8>> {
+        if let Some(cause) = self
+            .failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+        {
+            return Err(CommError::Poisoned {
+                group: self.name.clone(),
+                cause: Box::new(cause),
+            });
+        }
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let started = Instant::now();
+        let (reply_tx, reply_rx) = mpsc::channel();
+        self.jobs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send((job, reply_tx))
+            .map_err(|_| engine("the NCCL thread has stopped"))?;
+        let out = match reply_rx.recv_timeout(self.timeout) {
+            Ok(r) => r,
+            Err(_) => {
+                let err = CommError::Timeout {
+                    op,
+                    group: self.name.clone(),
+                    seq,
+                    missing: vec![],
+                    arrived: vec![self.members[self.rank]],
+                    waited: started.elapsed(),
+                };
+                *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(err.clone());
+                return Err(err);
+            }
+        };
+        self.stats
+            .record(op, bytes, Duration::ZERO, started.elapsed());
+        out
+    }
+
+    fn invalid(&self, op: OpKind, detail: String) -> CommError {
+        CommError::InvalidArgument {
+            op,
+            group: self.name.clone(),
+            detail,
+        }
+    }
+}
+
+fn nccl_op(op: ReduceOp) -> cudarc::nccl::ReduceOp {
+    match op {
+        ReduceOp::Sum => cudarc::nccl::ReduceOp::Sum,
+        ReduceOp::Avg => cudarc::nccl::ReduceOp::Avg,
+        ReduceOp::Max => cudarc::nccl::ReduceOp::Max,
+        ReduceOp::Min => cudarc::nccl::ReduceOp::Min,
+    }
+}
+
+/// A reduction of `data` as elements of `T`: `scatter` keeps this rank's block only.
+fn reduce<T>(
+    stream: &Arc<CudaStream>,
+    comm: &Comm,
+    data: &[u8],
+    op: ReduceOp,
+    scatter: Option<usize>,
+) -> Result<Vec<u8>, String>
+where
+    T: bytemuck::Pod
+        + cudarc::driver::DeviceRepr
+        + cudarc::driver::ValidAsZeroBits
+        + cudarc::nccl::NcclType,
+{
+    let host: Vec<T> = data
+        .chunks_exact(std::mem::size_of::<T>())
+        .map(bytemuck::pod_read_unaligned)
+        .collect();
+    let send = stream.clone_htod(&host).map_err(|e| format!("{e:?}"))?;
+    let out_len = scatter.map_or(host.len(), |n| host.len() / n);
+    let mut recv: CudaSlice<T> = stream.alloc_zeros(out_len).map_err(|e| format!("{e:?}"))?;
+    let status = match scatter {
+        None => comm.all_reduce(&send, &mut recv, &nccl_op(op)),
+        Some(_) => comm.reduce_scatter(&send, &mut recv, &nccl_op(op)),
+    };
+    status.map_err(|e| format!("{e:?}"))?;
+    let out = stream.clone_dtoh(&recv).map_err(|e| format!("{e:?}"))?;
+    Ok(bytemuck::cast_slice(&out).to_vec())
+}
+
+/// One job on the communicator's thread.
+fn run(stream: &Arc<CudaStream>, comm: &Comm, world: usize, job: Job) -> Result<Vec<u8>, String> {
+    let err = |e: &dyn std::fmt::Debug| format!("{e:?}");
+    let upload = |bytes: &[u8]| stream.clone_htod(bytes).map_err(|e| err(&e));
+    let download = |slice: &CudaSlice<u8>| stream.clone_dtoh(slice).map_err(|e| err(&e));
+    match job {
+        Job::AllReduce(data, dtype, op) => reduce_as(stream, comm, &data, dtype, op, None),
+        Job::ReduceScatter(data, dtype, op) => {
+            reduce_as(stream, comm, &data, dtype, op, Some(world))
+        }
+        Job::AllGather(data) => {
+            let send = upload(&data)?;
+            let mut recv: CudaSlice<u8> = stream
+                .alloc_zeros(data.len() * world)
+                .map_err(|e| err(&e))?;
+            comm.all_gather(&send, &mut recv).map_err(|e| err(&e))?;
+            download(&recv)
+        }
+        Job::Broadcast(data, root) => {
+            let mut buf = upload(&data)?;
+            comm.broadcast_in_place(&mut buf, root as i32)
+                .map_err(|e| err(&e))?;
+            download(&buf)
+        }
+        Job::AllToAll(data, send_bytes, recv_bytes) => {
+            let send = upload(&data)?;
+            // One receive buffer per peer: the grouped calls need disjoint mutable views.
+            let mut recvs: Vec<CudaSlice<u8>> = recv_bytes
+                .iter()
+                .map(|&r| stream.alloc_zeros(r.max(1)))
+                .collect::<Result<_, _>>()
+                .map_err(|e| err(&e))?;
+            {
+                let mut group = comm.group();
+                let mut s_at = 0;
+                for (peer, recv) in recvs.iter_mut().enumerate() {
+                    let (s, r) = (send_bytes[peer], recv_bytes[peer]);
+                    if s > 0 {
+                        group
+                            .send(send.slice(s_at..s_at + s), peer as i32)
+                            .map_err(|e| err(&e))?;
+                    }
+                    if r > 0 {
+                        group
+                            .recv(recv.slice_mut(0..r), peer as i32)
+                            .map_err(|e| err(&e))?;
+                    }
+                    s_at += s;
+                }
+            }
+            let mut out = Vec::with_capacity(recv_bytes.iter().sum());
+            for (recv, &r) in recvs.iter().zip(&recv_bytes) {
+                out.extend_from_slice(&download(recv)?[..r]);
+            }
+            Ok(out)
+        }
+        Job::Send(data, dst) => {
+            let send = upload(&data)?;
+            comm.send(&send, dst as i32).map_err(|e| err(&e))?;
+            stream.synchronize().map_err(|e| err(&e))?;
+            Ok(vec![])
+        }
+        Job::Recv(len, src) => {
+            let mut recv: CudaSlice<u8> = stream.alloc_zeros(len.max(1)).map_err(|e| err(&e))?;
+            comm.recv(&mut recv, src as i32).map_err(|e| err(&e))?;
+            let mut out = download(&recv)?;
+            out.truncate(len);
+            Ok(out)
+        }
+    }
+}
+
+/// [`reduce`] for the element type `dtype` names.
+fn reduce_as(
+    stream: &Arc<CudaStream>,
+    comm: &Comm,
+    data: &[u8],
+    dtype: DType,
+    op: ReduceOp,
+    scatter: Option<usize>,
+) -> Result<Vec<u8>, String> {
+    match dtype {
+        DType::F32 => reduce::<f32>(stream, comm, data, op, scatter),
+        DType::F64 => reduce::<f64>(stream, comm, data, op, scatter),
+        DType::I32 => reduce::<i32>(stream, comm, data, op, scatter),
+        DType::I64 => reduce::<i64>(stream, comm, data, op, scatter),
+        DType::U32 => reduce::<u32>(stream, comm, data, op, scatter),
+        DType::U64 => reduce::<u64>(stream, comm, data, op, scatter),
+        DType::U8 => reduce::<u8>(stream, comm, data, op, scatter),
+        other => Err(format!("{other} reductions are not supported on NCCL yet")),
+    }
+}
+
+impl Communicator for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    fn all_reduce_bytes(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> CommResult<()> {
+        let out = self.call(
+            OpKind::AllReduce,
+            buf.len(),
+            Job::AllReduce(buf.to_vec(), dtype, op),
+        )?;
+        buf.copy_from_slice(&out);
+        Ok(())
+    }
+
+    fn reduce_scatter_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        if send.len() != self.size() * recv.len() {
+            return Err(self.invalid(
+                OpKind::ReduceScatter,
+                format!("send {} bytes, recv {} bytes", send.len(), recv.len()),
+            ));
+        }
+        let out = self.call(
+            OpKind::ReduceScatter,
+            send.len(),
+            Job::ReduceScatter(send.to_vec(), dtype, op),
+        )?;
+        recv.copy_from_slice(&out);
+        Ok(())
+    }
+
+    fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8], _dtype: DType) -> CommResult<()> {
+        if recv.len() != self.size() * send.len() {
+            return Err(self.invalid(
+                OpKind::AllGather,
+                format!("send {} bytes, recv {} bytes", send.len(), recv.len()),
+            ));
+        }
+        let out = self.call(OpKind::AllGather, recv.len(), Job::AllGather(send.to_vec()))?;
+        recv.copy_from_slice(&out);
+        Ok(())
+    }
+
+    fn broadcast_bytes(&self, buf: &mut [u8], _dtype: DType, root: usize) -> CommResult<()> {
+        if root >= self.size() {
+            return Err(self.invalid(OpKind::Broadcast, format!("root {root}")));
+        }
+        let out = self.call(
+            OpKind::Broadcast,
+            buf.len(),
+            Job::Broadcast(buf.to_vec(), root),
+        )?;
+        buf.copy_from_slice(&out);
+        Ok(())
+    }
+
+    fn all_to_all_v_bytes(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+        dtype: DType,
+    ) -> CommResult<()> {
+        let (n, es) = (self.size(), dtype.size());
+        let bytes = |c: &[usize]| c.iter().map(|x| x * es).collect::<Vec<_>>();
+        let (sb, rb) = (bytes(send_counts), bytes(recv_counts));
+        if sb.len() != n
+            || rb.len() != n
+            || sb.iter().sum::<usize>() != send.len()
+            || rb.iter().sum::<usize>() != recv.len()
+        {
+            return Err(self.invalid(
+                OpKind::AllToAll,
+                format!(
+                    "counts {send_counts:?} / {recv_counts:?} for {} / {} bytes",
+                    send.len(),
+                    recv.len()
+                ),
+            ));
+        }
+        let out = self.call(
+            OpKind::AllToAll,
+            send.len(),
+            Job::AllToAll(send.to_vec(), sb, rb),
+        )?;
+        recv.copy_from_slice(&out);
+        Ok(())
+    }
+
+    fn send_bytes(&self, buf: &[u8], _dtype: DType, dst: usize) -> CommResult<()> {
+        if dst >= self.size() {
+            return Err(self.invalid(OpKind::Send, format!("destination {dst}")));
+        }
+        self.call(OpKind::Send, buf.len(), Job::Send(buf.to_vec(), dst))
+            .map(|_| ())
+    }
+
+    fn recv_bytes(&self, buf: &mut [u8], _dtype: DType, src: usize) -> CommResult<()> {
+        if src >= self.size() {
+            return Err(self.invalid(OpKind::Recv, format!("source {src}")));
+        }
+        let out = self.call(OpKind::Recv, buf.len(), Job::Recv(buf.len(), src))?;
+        buf.copy_from_slice(&out);
+        Ok(())
+    }
+
+    fn barrier(&self) -> CommResult<()> {
+        // NCCL has no barrier: a one-element all-reduce, waited for, is one.
+        let mut one = [0u8; 4];
+        self.all_reduce_bytes(&mut one, DType::F32, ReduceOp::Sum)
+    }
+
+    fn split(&self, color: usize, key: usize, label: &str) -> CommResult<Group> {
+        // Every rank learns every rank's (color, key); each color's first rank by (key, rank)
+        // creates a unique id, shared over this group.
+        let mine = [color as u64, key as u64];
+        let all = self.all_gather_vec(&mine)?;
+        let mut same: Vec<(u64, usize)> = (0..self.size())
+            .filter(|&r| all[2 * r] == color as u64)
+            .map(|r| (all[2 * r + 1], r))
+            .collect();
+        same.sort();
+        let sub_rank = same
+            .iter()
+            .position(|&(_, r)| r == self.rank)
+            .expect("this rank has its own color");
+        let leader = same[0].1 == self.rank;
+        let id = if leader {
+            id_bytes(&Id::new().map_err(|e| engine(format!("creating a unique id: {e:?}")))?)
+        } else {
+            vec![0u8; 128]
+        };
+        let ids = self.all_gather_vec(&id)?;
+        let leader_id = &ids[same[0].1 * 128..same[0].1 * 128 + 128];
+        let members: Vec<usize> = same.iter().map(|&(_, r)| self.members[r]).collect();
+        let name = format!("{label}{members:?}");
+        NcclComm::start(
+            name,
+            members,
+            sub_rank,
+            self.device,
+            id_from(leader_id)?,
+            self.timeout,
+        )
+    }
+
+    fn stats(&self) -> CommStats {
+        self.stats.snapshot()
+    }
+}
