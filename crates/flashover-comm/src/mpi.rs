@@ -48,9 +48,8 @@ impl MpiWorld {
     /// Initialises MPI (once per process; later calls return the same world). Fails when the
     /// library cannot provide `MPI_THREAD_MULTIPLE`.
     pub fn init() -> CommResult<Arc<MpiWorld>> {
-        let fail = |detail: String| CommError::InvalidArgument {
-            op: OpKind::Split,
-            group: "world".into(),
+        let fail = |detail: String| CommError::Engine {
+            engine: "mpi",
             detail,
         };
         let mut live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
