@@ -323,9 +323,28 @@ fn process_world(
         let timeout = std::time::Duration::from_secs_f64(config.parallel.timeout_s);
         return Ok(Some((mpi.group(timeout), env.local_rank)));
     }
+    #[cfg(feature = "nccl")]
+    if env.launcher == flashover::Launcher::Torchrun {
+        // NCCL ranks: rank 0's unique id travels through the TCP rendezvous.
+        let timeout = std::time::Duration::from_secs_f64(config.parallel.timeout_s);
+        let rdzv = env.rendezvous(timeout)?;
+        let rank = env.rank;
+        let exchange = |blob: &[u8]| {
+            if rank == 0 {
+                rdzv.serve(blob)
+            } else {
+                rdzv.join(rank, blob)
+            }
+            .map_err(|e| e.to_string())
+        };
+        let world =
+            flashover_comm::NcclWorld::group(rank, env.world, env.local_rank, timeout, exchange)
+                .map_err(|e| e.to_string())?;
+        return Ok(Some((world, env.local_rank)));
+    }
     let _ = config;
     Err(format!(
-        "started by {:?} as rank {} of {}, but this build has no engine for one rank per process there: build with --features mpi and start it with mpirun or srun (the NCCL engine exists in flashover-comm, but `train` does not start it yet)",
+        "started by {:?} as rank {} of {}, but this build has no engine for one rank per process there: build with --features mpi and start it with mpirun or srun (or --features nccl for ranks started with torchrun-style variables, e.g. by `flashover launch --engine nccl`)",
         env.launcher, env.rank, env.world
     ))
 }

@@ -3,6 +3,7 @@
 mod bench;
 mod ckpt;
 mod job;
+mod launch;
 
 use clap::{Parser, Subcommand};
 
@@ -30,13 +31,17 @@ pub enum Command {
         #[command(flatten)]
         outputs: job::TrainOutputs,
     },
-    /// Start N local processes of this program, one rank each (through `mpirun`; needs the
-    /// `mpi` feature): `flashover launch -n 4 -- train --mesh dp=2,tp=2`. Output lines carry
-    /// the rank; if one process fails, all are stopped and the exit code is non-zero.
+    /// Start N local processes of this program, one rank each:
+    /// `flashover launch -n 4 -- train --mesh dp=2,tp=2`. Output lines carry the rank; if one
+    /// process fails, all are stopped and the exit code is non-zero.
     Launch {
         /// Number of processes.
         #[arg(short = 'n', long)]
         n: usize,
+        /// `mpi` (through mpirun; the default when built with the `mpi` feature) or `nccl`
+        /// (torchrun-style variables and the TCP rendezvous).
+        #[arg(long)]
+        engine: Option<String>,
         /// The command line for every process (after `--`).
         #[arg(last = true, required = true)]
         args: Vec<String>,
@@ -93,7 +98,7 @@ pub fn run(cli: Cli) -> Result<(), String> {
         Command::Bench(b) => bench::run(b),
         Command::Train { job, outputs } => job::train(&job, outputs),
         Command::Ckpt(c) => ckpt::run(c),
-        Command::Launch { n, args } => launch(n, &args),
+        Command::Launch { n, engine, args } => launch::run(n, engine.as_deref(), &args),
         Command::Verify { job, tolerance } => {
             if !job::verify(&job, tolerance)? {
                 // The last line printed is the verdict; the exit code says it too.
@@ -153,29 +158,6 @@ pub fn parse_bytes(s: &str) -> Result<usize, String> {
     digits.parse::<usize>().map(|d| d * mult).map_err(|_| {
         format!("`{s}` is not a byte size: use a number with an optional K, M or G suffix")
     })
-}
-
-/// `flashover launch`: `mpirun -np N --tag-output` on this executable.
-fn launch(n: usize, args: &[String]) -> Result<(), String> {
-    if n == 0 {
-        return Err("-n must be at least 1".into());
-    }
-    if !cfg!(feature = "mpi") {
-        return Err("launch starts ranks through mpirun, and this build has no MPI engine: build with --features mpi (starting NCCL ranks with a TCP rendezvous is not there yet)".into());
-    }
-    let exe = std::env::current_exe().map_err(|e| format!("finding this program: {e}"))?;
-    // --oversubscribe: a laptop may have fewer cores than ranks.
-    let status = std::process::Command::new("mpirun")
-        .args(["--oversubscribe", "--tag-output", "-np", &n.to_string()])
-        .arg(&exe)
-        .args(args)
-        .status()
-        .map_err(|e| format!("starting mpirun (is Open MPI installed?): {e}"))?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(format!("the job failed ({status})"))
-    }
 }
 
 #[cfg(test)]

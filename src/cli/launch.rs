@@ -1,0 +1,124 @@
+//! `flashover launch -n N [--engine mpi|nccl] -- ARGS`: N local processes of this program, one
+//! rank each.
+//!
+//! - `mpi`: through `mpirun --tag-output` (needs the `mpi` feature and Open MPI).
+//! - `nccl`: this launcher starts the processes itself with torchrun-style variables (`RANK`,
+//!   `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR=127.0.0.1`, a free `MASTER_PORT`) and a fresh
+//!   job token (`FLASHOVER_RDZV_TOKEN`) for the TCP rendezvous, prefixes every output line
+//!   with its rank, and stops all processes as soon as one fails.
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::Duration;
+
+/// Runs the launch; `engine` defaults to `mpi` when built with it, else `nccl`.
+pub fn run(n: usize, engine: Option<&str>, args: &[String]) -> Result<(), String> {
+    if n == 0 {
+        return Err("-n must be at least 1".into());
+    }
+    let engine = engine.unwrap_or(if cfg!(feature = "mpi") { "mpi" } else { "nccl" });
+    let exe = std::env::current_exe().map_err(|e| format!("finding this program: {e}"))?;
+    match engine {
+        "mpi" => through_mpirun(n, &exe, args),
+        "nccl" => spawn_ranks(n, &exe, args),
+        other => Err(format!("--engine `{other}`: expected mpi or nccl")),
+    }
+}
+
+fn through_mpirun(n: usize, exe: &std::path::Path, args: &[String]) -> Result<(), String> {
+    if !cfg!(feature = "mpi") {
+        return Err("--engine mpi: this build has no MPI engine: build with --features mpi".into());
+    }
+    // --oversubscribe: a laptop may have fewer cores than ranks.
+    let status = Command::new("mpirun")
+        .args(["--oversubscribe", "--tag-output", "-np", &n.to_string()])
+        .arg(exe)
+        .args(args)
+        .status()
+        .map_err(|e| format!("starting mpirun (is Open MPI installed?): {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("the job failed ({status})"))
+    }
+}
+
+/// A secret for this job's rendezvous: 16 random bytes, hex.
+fn job_token() -> Result<String, String> {
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .map_err(|e| format!("reading /dev/urandom for the job token: {e}"))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// A port free right now on the loopback interface.
+fn free_port() -> Result<u16, String> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| format!("finding a free port: {e}"))
+}
+
+/// Copies `from` to our stdout or stderr, each line prefixed with the rank.
+fn forward(rank: usize, from: impl Read + Send + 'static, to_stderr: bool) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(from).lines().map_while(Result::ok) {
+            if to_stderr {
+                eprintln!("[rank {rank}] {line}");
+            } else {
+                println!("[rank {rank}] {line}");
+            }
+        }
+    });
+}
+
+fn spawn_ranks(n: usize, exe: &std::path::Path, args: &[String]) -> Result<(), String> {
+    let (token, port) = (job_token()?, free_port()?);
+    let mut children: Vec<Child> = Vec::with_capacity(n);
+    for rank in 0..n {
+        let mut child = Command::new(exe)
+            .args(args)
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string())
+            .env("FLASHOVER_RDZV_TOKEN", &token)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("starting rank {rank}: {e}"))?;
+        forward(rank, child.stdout.take().expect("piped"), false);
+        forward(rank, child.stderr.take().expect("piped"), true);
+        children.push(child);
+    }
+    // Wait for all; the first failure stops the rest.
+    let mut done: Vec<Option<ExitStatus>> = vec![None; n];
+    loop {
+        for (rank, child) in children.iter_mut().enumerate() {
+            if done[rank].is_none()
+                && let Some(status) = child.try_wait().map_err(|e| e.to_string())?
+            {
+                done[rank] = Some(status);
+                if !status.success() {
+                    for other in children.iter_mut() {
+                        let _ = other.kill();
+                        let _ = other.wait();
+                    }
+                    // Let the forwarders flush what the ranks printed.
+                    std::thread::sleep(Duration::from_millis(200));
+                    return Err(format!(
+                        "rank {rank} failed ({status}); stopped the other {} rank(s)",
+                        n - 1
+                    ));
+                }
+            }
+        }
+        if done.iter().all(Option::is_some) {
+            std::thread::sleep(Duration::from_millis(100));
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
