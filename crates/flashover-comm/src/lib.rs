@@ -35,6 +35,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod args;
 mod communicator;
 mod dtype;
 mod error;

@@ -12,6 +12,7 @@
 //! group and its sequence number, and aborts the whole MPI job (`MPI_Abort`), so every process
 //! exits non-zero instead of hanging. MPI does not tell which ranks did not arrive.
 
+use crate::args;
 use crate::communicator::{Communicator, Group};
 use crate::dtype::DType;
 use crate::error::{CommError, CommResult};
@@ -329,10 +330,8 @@ impl Communicator for MpiComm {
 
     fn all_reduce_bytes(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> CommResult<()> {
         let (n, es) = (self.size(), dtype.size());
-        if !buf.len().is_multiple_of(es) {
-            return Err(self.invalid(OpKind::AllReduce, format!("{} bytes of {dtype}", buf.len())));
-        }
-        let count = buf.len() / es;
+        let count =
+            args::elements(buf.len(), dtype).map_err(|e| self.invalid(OpKind::AllReduce, e))?;
         self.run(OpKind::AllReduce, buf.len(), || {
             let lens: Vec<usize> = (0..n).map(|r| chunk(count, n, r).len() * es).collect();
             let (c, d) = counts_displs(&lens)?;
@@ -352,18 +351,8 @@ impl Communicator for MpiComm {
         dtype: DType,
         op: ReduceOp,
     ) -> CommResult<()> {
-        let (n, es) = (self.size(), dtype.size());
-        if send.len() != n * recv.len() || !recv.len().is_multiple_of(es) {
-            return Err(self.invalid(
-                OpKind::ReduceScatter,
-                format!(
-                    "send {} bytes, recv {} bytes over {n} ranks",
-                    send.len(),
-                    recv.len()
-                ),
-            ));
-        }
-        let block = recv.len() / es;
+        let block = args::reduce_scatter(self.size(), send.len(), recv.len(), dtype)
+            .map_err(|e| self.invalid(OpKind::ReduceScatter, e))?;
         self.run(OpKind::ReduceScatter, send.len(), || {
             self.reduce_my_chunk(
                 send,
@@ -378,23 +367,18 @@ impl Communicator for MpiComm {
         })
     }
 
-    fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8], _dtype: DType) -> CommResult<()> {
-        if recv.len() != self.size() * send.len() {
-            return Err(self.invalid(
-                OpKind::AllGather,
-                format!("send {} bytes, recv {} bytes", send.len(), recv.len()),
-            ));
-        }
+    fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8], dtype: DType) -> CommResult<()> {
+        args::all_gather(self.size(), send.len(), recv.len(), dtype)
+            .map_err(|e| self.invalid(OpKind::AllGather, e))?;
         self.run(OpKind::AllGather, recv.len(), || {
             self.comm.all_gather_into(send, recv);
             Ok(())
         })
     }
 
-    fn broadcast_bytes(&self, buf: &mut [u8], _dtype: DType, root: usize) -> CommResult<()> {
-        if root >= self.size() {
-            return Err(self.invalid(OpKind::Broadcast, format!("root {root}")));
-        }
+    fn broadcast_bytes(&self, buf: &mut [u8], dtype: DType, root: usize) -> CommResult<()> {
+        args::broadcast(self.size(), buf.len(), dtype, root)
+            .map_err(|e| self.invalid(OpKind::Broadcast, e))?;
         self.run(OpKind::Broadcast, buf.len(), || {
             self.comm
                 .process_at_rank(root as i32)
@@ -411,22 +395,16 @@ impl Communicator for MpiComm {
         recv_counts: &[usize],
         dtype: DType,
     ) -> CommResult<()> {
-        let (n, es) = (self.size(), dtype.size());
-        let total = |c: &[usize]| c.iter().sum::<usize>() * es;
-        if send_counts.len() != n
-            || recv_counts.len() != n
-            || total(send_counts) != send.len()
-            || total(recv_counts) != recv.len()
-        {
-            return Err(self.invalid(
-                OpKind::AllToAll,
-                format!(
-                    "counts {send_counts:?} / {recv_counts:?} for {} / {} bytes",
-                    send.len(),
-                    recv.len()
-                ),
-            ));
-        }
+        let es = dtype.size();
+        args::all_to_all(
+            self.size(),
+            send.len(),
+            send_counts,
+            recv.len(),
+            recv_counts,
+            dtype,
+        )
+        .map_err(|e| self.invalid(OpKind::AllToAll, e))?;
         let bytes = |c: &[usize]| c.iter().map(|x| x * es).collect::<Vec<_>>();
         let (sc, sd) = counts_displs(&bytes(send_counts))?;
         let (rc, rd) = counts_displs(&bytes(recv_counts))?;
@@ -439,9 +417,8 @@ impl Communicator for MpiComm {
     }
 
     fn send_bytes(&self, buf: &[u8], _dtype: DType, dst: usize) -> CommResult<()> {
-        if dst >= self.size() {
-            return Err(self.invalid(OpKind::Send, format!("destination {dst}")));
-        }
+        args::peer(self.size(), self.rank, dst, "destination", true)
+            .map_err(|e| self.invalid(OpKind::Send, e))?;
         self.run(OpKind::Send, buf.len(), || {
             let mut sends = self.sends.lock().unwrap_or_else(|p| p.into_inner());
             // Free the buffers of sends that have completed.
@@ -475,9 +452,8 @@ impl Communicator for MpiComm {
     }
 
     fn recv_bytes(&self, buf: &mut [u8], _dtype: DType, src: usize) -> CommResult<()> {
-        if src >= self.size() {
-            return Err(self.invalid(OpKind::Recv, format!("source {src}")));
-        }
+        args::peer(self.size(), self.rank, src, "source", true)
+            .map_err(|e| self.invalid(OpKind::Recv, e))?;
         self.run(OpKind::Recv, buf.len(), || {
             let (msg, _status) = self.comm.process_at_rank(src as i32).receive_vec::<u64>();
             let len = msg.first().copied().unwrap_or(u64::MAX) as usize;

@@ -17,6 +17,7 @@
 //!
 //! Not yet run on a GPU here (no GPU was available when it was written).
 
+use crate::args;
 use crate::communicator::{Communicator, CommunicatorExt, Group};
 use crate::dtype::DType;
 use crate::error::{CommError, CommResult};
@@ -380,6 +381,7 @@ impl Communicator for NcclComm {
     }
 
     fn all_reduce_bytes(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> CommResult<()> {
+        args::elements(buf.len(), dtype).map_err(|e| self.invalid(OpKind::AllReduce, e))?;
         let out = self.call(
             OpKind::AllReduce,
             buf.len(),
@@ -396,12 +398,8 @@ impl Communicator for NcclComm {
         dtype: DType,
         op: ReduceOp,
     ) -> CommResult<()> {
-        if send.len() != self.size() * recv.len() {
-            return Err(self.invalid(
-                OpKind::ReduceScatter,
-                format!("send {} bytes, recv {} bytes", send.len(), recv.len()),
-            ));
-        }
+        args::reduce_scatter(self.size(), send.len(), recv.len(), dtype)
+            .map_err(|e| self.invalid(OpKind::ReduceScatter, e))?;
         let out = self.call(
             OpKind::ReduceScatter,
             send.len(),
@@ -411,22 +409,17 @@ impl Communicator for NcclComm {
         Ok(())
     }
 
-    fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8], _dtype: DType) -> CommResult<()> {
-        if recv.len() != self.size() * send.len() {
-            return Err(self.invalid(
-                OpKind::AllGather,
-                format!("send {} bytes, recv {} bytes", send.len(), recv.len()),
-            ));
-        }
+    fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8], dtype: DType) -> CommResult<()> {
+        args::all_gather(self.size(), send.len(), recv.len(), dtype)
+            .map_err(|e| self.invalid(OpKind::AllGather, e))?;
         let out = self.call(OpKind::AllGather, recv.len(), Job::AllGather(send.to_vec()))?;
         recv.copy_from_slice(&out);
         Ok(())
     }
 
-    fn broadcast_bytes(&self, buf: &mut [u8], _dtype: DType, root: usize) -> CommResult<()> {
-        if root >= self.size() {
-            return Err(self.invalid(OpKind::Broadcast, format!("root {root}")));
-        }
+    fn broadcast_bytes(&self, buf: &mut [u8], dtype: DType, root: usize) -> CommResult<()> {
+        args::broadcast(self.size(), buf.len(), dtype, root)
+            .map_err(|e| self.invalid(OpKind::Broadcast, e))?;
         let out = self.call(
             OpKind::Broadcast,
             buf.len(),
@@ -444,23 +437,17 @@ impl Communicator for NcclComm {
         recv_counts: &[usize],
         dtype: DType,
     ) -> CommResult<()> {
-        let (n, es) = (self.size(), dtype.size());
-        let bytes = |c: &[usize]| c.iter().map(|x| x * es).collect::<Vec<_>>();
+        args::all_to_all(
+            self.size(),
+            send.len(),
+            send_counts,
+            recv.len(),
+            recv_counts,
+            dtype,
+        )
+        .map_err(|e| self.invalid(OpKind::AllToAll, e))?;
+        let bytes = |c: &[usize]| c.iter().map(|x| x * dtype.size()).collect::<Vec<_>>();
         let (sb, rb) = (bytes(send_counts), bytes(recv_counts));
-        if sb.len() != n
-            || rb.len() != n
-            || sb.iter().sum::<usize>() != send.len()
-            || rb.iter().sum::<usize>() != recv.len()
-        {
-            return Err(self.invalid(
-                OpKind::AllToAll,
-                format!(
-                    "counts {send_counts:?} / {recv_counts:?} for {} / {} bytes",
-                    send.len(),
-                    recv.len()
-                ),
-            ));
-        }
         let out = self.call(
             OpKind::AllToAll,
             send.len(),
@@ -471,17 +458,15 @@ impl Communicator for NcclComm {
     }
 
     fn send_bytes(&self, buf: &[u8], _dtype: DType, dst: usize) -> CommResult<()> {
-        if dst >= self.size() {
-            return Err(self.invalid(OpKind::Send, format!("destination {dst}")));
-        }
+        args::peer(self.size(), self.rank, dst, "destination", true)
+            .map_err(|e| self.invalid(OpKind::Send, e))?;
         self.call(OpKind::Send, buf.len(), Job::Send(buf.to_vec(), dst))
             .map(|_| ())
     }
 
     fn recv_bytes(&self, buf: &mut [u8], _dtype: DType, src: usize) -> CommResult<()> {
-        if src >= self.size() {
-            return Err(self.invalid(OpKind::Recv, format!("source {src}")));
-        }
+        args::peer(self.size(), self.rank, src, "source", true)
+            .map_err(|e| self.invalid(OpKind::Recv, e))?;
         let out = self.call(OpKind::Recv, buf.len(), Job::Recv(buf.len(), src))?;
         buf.copy_from_slice(&out);
         Ok(())

@@ -8,6 +8,7 @@
 mod group;
 pub(crate) mod kernels;
 
+use crate::args;
 use crate::communicator::{Communicator, CommunicatorExt, Group};
 use crate::dtype::DType;
 use crate::error::{CommError, CommResult};
@@ -155,15 +156,6 @@ impl ThreadComm {
     }
 
     /// Checks a buffer length against the dtype; returns the element count.
-    fn elements(bytes: usize, dtype: DType) -> Result<usize, String> {
-        if !bytes.is_multiple_of(dtype.size()) {
-            return Err(format!(
-                "buffer of {bytes} bytes is not a whole number of {dtype} elements"
-            ));
-        }
-        Ok(bytes / dtype.size())
-    }
-
     /// Solo groups skip the rendezvous but still apply faults and count the call.
     fn solo(&self, kind: OpKind, bytes: usize) -> CommResult<()> {
         self.shared.world.faults.apply(self.global_rank(), kind);
@@ -206,7 +198,7 @@ impl Communicator for ThreadComm {
         let n = self.size();
         let mut desc = OpDesc::new(OpKind::AllReduce, dtype, buf.len(), buf.len());
         desc.reduce = Some(op);
-        let elems = Self::elements(buf.len(), dtype);
+        let elems = args::elements(buf.len(), dtype);
         if n == 1 {
             elems.map_err(|e| self.invalid(desc.kind, e))?;
             return self.solo(desc.kind, buf.len());
@@ -253,17 +245,7 @@ impl Communicator for ThreadComm {
         let n = self.size();
         let mut desc = OpDesc::new(OpKind::ReduceScatter, dtype, send.len(), recv.len());
         desc.reduce = Some(op);
-        let check = Self::elements(recv.len(), dtype).and_then(|m| {
-            if send.len() == n * recv.len() {
-                Ok(m)
-            } else {
-                Err(format!(
-                    "send has {} bytes, expected group size {n} x recv {} bytes",
-                    send.len(),
-                    recv.len()
-                ))
-            }
-        });
+        let check = args::reduce_scatter(n, send.len(), recv.len(), dtype);
         if n == 1 {
             check.map_err(|e| self.invalid(desc.kind, e))?;
             recv.copy_from_slice(send); // Avg over one rank divides by one: exact.
@@ -288,17 +270,7 @@ impl Communicator for ThreadComm {
     fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8], dtype: DType) -> CommResult<()> {
         let n = self.size();
         let desc = OpDesc::new(OpKind::AllGather, dtype, send.len(), recv.len());
-        let check = Self::elements(send.len(), dtype).and_then(|m| {
-            if recv.len() == n * send.len() {
-                Ok(m)
-            } else {
-                Err(format!(
-                    "recv has {} bytes, expected group size {n} x send {} bytes",
-                    recv.len(),
-                    send.len()
-                ))
-            }
-        });
+        let check = args::all_gather(n, send.len(), recv.len(), dtype);
         if n == 1 {
             check.map_err(|e| self.invalid(desc.kind, e))?;
             recv.copy_from_slice(send);
@@ -326,13 +298,7 @@ impl Communicator for ThreadComm {
         let n = self.size();
         let mut desc = OpDesc::new(OpKind::Broadcast, dtype, buf.len(), buf.len());
         desc.root = root;
-        let check = Self::elements(buf.len(), dtype).and_then(|m| {
-            if root < n {
-                Ok(m)
-            } else {
-                Err(format!("root {root} is not a rank of a group of size {n}"))
-            }
-        });
+        let check = args::broadcast(n, buf.len(), dtype, root);
         if n == 1 {
             check.map_err(|e| self.invalid(desc.kind, e))?;
             return self.solo(desc.kind, buf.len());
@@ -363,27 +329,7 @@ impl Communicator for ThreadComm {
         let n = self.size();
         let dsize = dtype.size();
         let desc = OpDesc::new(OpKind::AllToAll, dtype, send.len(), recv.len());
-        let check = (|| {
-            if send_counts.len() != n || recv_counts.len() != n {
-                return Err(format!(
-                    "{} send counts and {} recv counts for a group of size {n}",
-                    send_counts.len(),
-                    recv_counts.len()
-                ));
-            }
-            let (s, r) = (
-                send_counts.iter().sum::<usize>(),
-                recv_counts.iter().sum::<usize>(),
-            );
-            if s * dsize != send.len() || r * dsize != recv.len() {
-                return Err(format!(
-                    "counts sum to {s} send / {r} recv elements but buffers hold {} / {} bytes of {dtype}",
-                    send.len(),
-                    recv.len()
-                ));
-            }
-            Ok(())
-        })();
+        let check = args::all_to_all(n, send.len(), send_counts, recv.len(), recv_counts, dtype);
         if n == 1 {
             check.map_err(|e| self.invalid(desc.kind, e))?;
             recv.copy_from_slice(send);
@@ -431,12 +377,8 @@ impl Communicator for ThreadComm {
 
     fn send_bytes(&self, buf: &[u8], dtype: DType, dst: usize) -> CommResult<()> {
         let n = self.size();
-        if dst >= n || dst == self.rank {
-            return Err(self.invalid(
-                OpKind::Send,
-                format!("destination {dst} (group size {n}, own rank {})", self.rank),
-            ));
-        }
+        args::peer(n, self.rank, dst, "destination", false)
+            .map_err(|e| self.invalid(OpKind::Send, e))?;
         self.shared
             .world
             .faults
@@ -456,12 +398,8 @@ impl Communicator for ThreadComm {
 
     fn recv_bytes(&self, buf: &mut [u8], dtype: DType, src: usize) -> CommResult<()> {
         let n = self.size();
-        if src >= n || src == self.rank {
-            return Err(self.invalid(
-                OpKind::Recv,
-                format!("source {src} (group size {n}, own rank {})", self.rank),
-            ));
-        }
+        args::peer(n, self.rank, src, "source", false)
+            .map_err(|e| self.invalid(OpKind::Recv, e))?;
         self.shared
             .world
             .faults
