@@ -210,16 +210,18 @@ impl ModuleAdamW {
         module: M,
         grads: &burn::optim::GradientsParams,
     ) -> Result<M, crate::ParallelError> {
-        let layout = crate::params::ParamLayout::of(&module);
-        let mut flat_grads = vec![0.0; layout.numel];
+        let params = crate::params::flatten_params(&module);
+        let mut flat_grads = vec![0.0; params.len()];
         let found = crate::params::accumulate_grads(&module, grads, &mut flat_grads, &[]);
         if let Some(i) = found.iter().position(|f| !f) {
+            // Names are only needed for the error: no layout is built on the step's path.
+            let layout = crate::params::ParamLayout::of(&module);
             return Err(crate::ParallelError::Invalid(format!(
                 "parameter `{}` has no gradient for the optimizer step",
                 layout.slots[i].name
             )));
         }
-        self.step_flat(lr, module, &flat_grads)
+        self.apply(lr, module, params, &flat_grads)
     }
 
     /// One step of `module` with gradients already flat in layout order.
@@ -229,7 +231,18 @@ impl ModuleAdamW {
         module: M,
         flat_grads: &[f32],
     ) -> Result<M, crate::ParallelError> {
-        let mut params = crate::params::flatten_params(&module);
+        let params = crate::params::flatten_params(&module);
+        self.apply(lr, module, params, flat_grads)
+    }
+
+    /// Steps `params` (the module's, flat) with `flat_grads` and loads them into `module`.
+    fn apply<M: burn::module::Module>(
+        &mut self,
+        lr: f64,
+        module: M,
+        mut params: Vec<f32>,
+        flat_grads: &[f32],
+    ) -> Result<M, crate::ParallelError> {
         if flat_grads.len() != params.len() {
             return Err(crate::ParallelError::Invalid(format!(
                 "{} gradient elements for {} parameters",
