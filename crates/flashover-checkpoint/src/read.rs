@@ -202,23 +202,25 @@ impl Checkpoint {
         let mut out = vec![0f32; n];
         let want = region.runs(&shape);
         for (k, p) in t.pieces.iter().enumerate() {
-            let have = p.region.runs(&shape);
-            let mut touched = false;
-            overlap(&want, &have, |_, _, _| touched = true);
-            if !touched {
+            // The common stretches, found once: none means the piece is not read at all.
+            let mut common = vec![];
+            overlap(&want, &p.region.runs(&shape), |dst, src, len| {
+                common.push((dst, src, len))
+            });
+            if common.is_empty() {
                 continue;
             }
             let bytes =
                 &self.maps[p.file][p.byte_offset as usize..(p.byte_offset + p.byte_len) as usize];
             self.verify_piece(name, k, bytes, p.crc32, p.file)?;
-            overlap(&want, &have, |dst, src, len| {
+            for (dst, src, len) in common {
                 for (o, chunk) in out[dst..dst + len]
                     .iter_mut()
                     .zip(bytes[src * 4..(src + len) * 4].chunks_exact(4))
                 {
                     *o = f32::from_le_bytes(chunk.try_into().expect("4 bytes"));
                 }
-            });
+            }
         }
         Ok(out)
     }
