@@ -727,8 +727,7 @@ fn train_rank(
     };
     let save = |saver: &mut Saver, strategy: &Strategy, done: usize| -> Result<(), RankError> {
         let (state, param_replicas, moment_replicas) = strategy.local_state(ctx, &batch_group);
-        let mut pieces = state.pieces_for(param_replicas, moment_replicas);
-        pieces.shrink_to_fit();
+        let pieces = state.pieces_for(param_replicas, moment_replicas);
         let run = serde_json::json!({
             "step": done,
             "adamw_steps": state.steps_taken,
