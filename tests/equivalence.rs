@@ -14,6 +14,9 @@ use flashover_parallel::tensor_parallel::TensorParallel;
 
 const TOLERANCE: f64 = 1e-5;
 
+#[path = "equivalence/moe.rs"]
+mod moe;
+
 /// A small job: tiny transformer, 8 steps, clipping tight enough to be active.
 fn job(mesh: &str, global_batch: usize, micro_batches: usize) -> TrainConfig {
     let mut c = TrainConfig::default();
@@ -86,7 +89,7 @@ fn an_invalid_job_fails_before_any_compute_naming_the_fields() {
     c.data.seq_len = 0;
     let err = train(&c, &|_| {}).unwrap_err();
     assert!(
-        err.contains("run.global_batch = 10 must be a positive multiple of the data-parallel ranks dp x fsdp (4)"),
+        err.contains("run.global_batch = 10 must be a positive multiple of the data-parallel ranks dp x fsdp x ep (4)"),
         "{err}"
     );
     assert!(err.contains("data.seq_len"), "{err}");
@@ -175,7 +178,8 @@ fn layouts_the_job_cannot_run_are_refused_up_front() {
             3,
             "parallel.zero = 3 shards parameters over the fsdp axis",
         ),
-        ("ep=2", 0, "axis `ep` is not supported by `train` yet"),
+        ("cp=2", 0, "axis `cp` is not supported by `train` yet"),
+        ("ep=2", 0, "has ep=2 but the model has no experts"),
         (
             "dp=2,tp=2",
             1,

@@ -4,5 +4,6 @@
 pub mod checkpoint;
 pub mod comm;
 pub mod memory;
+pub mod moe;
 pub mod pipeline;
 pub mod train;

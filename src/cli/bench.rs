@@ -18,6 +18,22 @@ pub enum BenchCommand {
     Pipeline(Box<PipelineArgs>),
     /// Checkpoint save and load throughput next to raw file writes and reads of the same bytes.
     Ckpt(CkptArgs),
+    /// Mixture of experts: step and all-to-all time, drop rate and bytes per ep and capacity.
+    Moe(Box<MoeArgs>),
+}
+
+/// Options of `bench moe`.
+#[derive(Debug, Args)]
+pub struct MoeArgs {
+    /// Job options (model, data, steps, --experts, --top-k...); mesh and capacity per variant.
+    #[command(flatten)]
+    job: super::job::JobArgs,
+    /// Expert-parallel degrees, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    eps: Vec<usize>,
+    /// Capacity factors, comma separated (0: dropless).
+    #[arg(long, value_delimiter = ',', default_value = "0,1,1.25,2")]
+    capacity_factors: Vec<f64>,
 }
 
 /// Options of `bench ckpt`.
@@ -131,6 +147,38 @@ fn parse_op(name: &str) -> Result<OpKind, String> {
 
 pub fn run(cmd: BenchCommand) -> Result<(), String> {
     match cmd {
+        BenchCommand::Moe(args) => {
+            let mut config = args.job.build_with_mesh("dp=1")?;
+            if config.moe.experts == 0 {
+                config.moe.experts = 8;
+            }
+            let records = flashover::bench::moe::run(&config, &args.eps, &args.capacity_factors)?;
+            println!(
+                "| ep | capacity factor | step ms | all-to-all ms | drop rate | imbalance | remote MiB/step | formula MiB/step | measured / formula |"
+            );
+            println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|");
+            const MIB: f64 = (1 << 20) as f64;
+            for r in &records {
+                println!(
+                    "| {} | {} | {:.1} | {:.1} | {:.4} | {:.2} | {:.3} | {:.3} | {} |",
+                    r.ep,
+                    r.capacity_factor
+                        .map_or("dropless".into(), |f| f.to_string()),
+                    r.step_ms,
+                    r.a2a_ms,
+                    r.drop_rate,
+                    r.imbalance,
+                    r.remote_bytes / MIB,
+                    r.formula_bytes / MIB,
+                    if r.formula_bytes > 0.0 {
+                        format!("{:.3}", r.remote_bytes / r.formula_bytes)
+                    } else {
+                        "-".into()
+                    }
+                );
+            }
+            Ok(())
+        }
         BenchCommand::Ckpt(args) => {
             let dir = args
                 .dir

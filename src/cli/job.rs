@@ -78,6 +78,36 @@ pub struct JobArgs {
     /// Untie the LM head from the embedding (needed with a pp axis).
     #[arg(long)]
     untie_embeddings: bool,
+    /// Mixture of experts in every block (8 experts, top-2 unless --experts / --top-k say).
+    #[arg(long)]
+    moe: bool,
+    /// Experts per MoE layer (implies --moe).
+    #[arg(long)]
+    experts: Option<usize>,
+    /// Experts per token.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Hidden width of each expert (default: the model's d_ff).
+    #[arg(long)]
+    d_expert: Option<usize>,
+    /// Router scores: softmax or sigmoid.
+    #[arg(long)]
+    router: Option<String>,
+    /// Expert capacity factor (per sequence; 0: dropless).
+    #[arg(long)]
+    capacity_factor: Option<f64>,
+    /// What an expert over capacity keeps: position or probability.
+    #[arg(long)]
+    drop_policy: Option<String>,
+    /// Add a shared expert every token goes through.
+    #[arg(long)]
+    shared_expert: bool,
+    /// Weight of the load-balancing loss.
+    #[arg(long)]
+    aux_loss_coef: Option<f64>,
+    /// Weight of the router z-loss.
+    #[arg(long)]
+    z_loss_coef: Option<f64>,
 }
 
 impl JobArgs {
@@ -156,12 +186,47 @@ impl JobArgs {
         if self.no_overlap {
             c.parallel.overlap = false;
         }
+        self.apply_moe(&mut c)?;
         let errors = c.validate();
         if !errors.is_empty() {
             return Err(format!("invalid job:\n  {}", errors.join("\n  ")));
         }
         Ok(c)
     }
+}
+
+impl JobArgs {
+    /// The `[moe]` flags.
+    fn apply_moe(&self, c: &mut TrainConfig) -> Result<(), String> {
+        let m = &mut c.moe;
+        if self.moe && m.experts == 0 {
+            m.experts = 8;
+        }
+        set(&mut m.experts, self.experts);
+        set(&mut m.top_k, self.top_k);
+        if self.d_expert.is_some() {
+            m.d_expert = self.d_expert;
+        }
+        if let Some(router) = &self.router {
+            m.router = parse_choice("--router", router)?;
+        }
+        if let Some(policy) = &self.drop_policy {
+            m.drop_policy = parse_choice("--drop-policy", policy)?;
+        }
+        if let Some(f) = self.capacity_factor {
+            m.capacity_factor = (f != 0.0).then_some(f);
+        }
+        m.shared_expert |= self.shared_expert;
+        set(&mut m.aux_loss_coef, self.aux_loss_coef);
+        set(&mut m.z_loss_coef, self.z_loss_coef);
+        Ok(())
+    }
+}
+
+/// A lowercase enum value as the job file spells it.
+fn parse_choice<T: serde::de::DeserializeOwned>(flag: &str, value: &str) -> Result<T, String> {
+    serde_json::from_value(serde_json::Value::String(value.to_string()))
+        .map_err(|e| format!("{flag} {value}: {e}"))
 }
 
 fn set<T>(field: &mut T, value: Option<T>) {

@@ -3,6 +3,7 @@
 //! field at once, each with its path.
 
 use flashover_models::TransformerConfig;
+use flashover_models::moe::{DropPolicy, MoeConfig, RouterKind};
 use flashover_runtime::{Axis, DeviceChoice, DeviceMesh};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -23,6 +24,52 @@ pub struct TrainConfig {
     pub run: RunSection,
     /// Saving and resuming training checkpoints.
     pub checkpoint: CheckpointSection,
+    /// Mixture of experts in place of the dense feed-forward.
+    pub moe: MoeSection,
+}
+
+/// `[moe]`: a mixture-of-experts feed-forward in every block (see `docs/expert_parallel.md`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MoeSection {
+    /// Experts per layer; 0 keeps the dense SwiGLU.
+    pub experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Hidden width of each expert (default: `model.d_ff`).
+    pub d_expert: Option<usize>,
+    /// `softmax` or `sigmoid` scores.
+    pub router: RouterKind,
+    /// Divide the chosen experts' weights by their sum.
+    pub renormalize: bool,
+    /// Absent: dropless. Otherwise each expert takes at most
+    /// `ceil(capacity_factor * seq_len * top_k / experts)` assignments per sequence.
+    pub capacity_factor: Option<f64>,
+    /// `position` or `probability`: what an expert over capacity keeps.
+    pub drop_policy: DropPolicy,
+    /// Add one dense expert every token goes through.
+    pub shared_expert: bool,
+    /// Weight of the load-balancing loss.
+    pub aux_loss_coef: f64,
+    /// Weight of the router z-loss.
+    pub z_loss_coef: f64,
+}
+
+impl Default for MoeSection {
+    fn default() -> Self {
+        MoeSection {
+            experts: 0,
+            top_k: 2,
+            d_expert: None,
+            router: RouterKind::Softmax,
+            renormalize: true,
+            capacity_factor: None,
+            drop_policy: DropPolicy::Position,
+            shared_expert: false,
+            aux_loss_coef: 0.01,
+            z_loss_coef: 0.0,
+        }
+    }
 }
 
 /// `[checkpoint]`: sharded training checkpoints (see `docs/checkpoints.md`).
@@ -273,6 +320,21 @@ impl TrainConfig {
             n_heads: m.n_heads.unwrap_or(base.n_heads),
             d_ff: m.d_ff.unwrap_or(base.d_ff),
             tie_embeddings: m.tie_embeddings,
+            moe: (self.moe.experts > 0).then(|| {
+                let e = &self.moe;
+                MoeConfig {
+                    n_experts: e.experts,
+                    top_k: e.top_k,
+                    d_expert: e.d_expert.or(m.d_ff).unwrap_or(base.d_ff),
+                    router: e.router,
+                    renormalize: e.renormalize,
+                    capacity_factor: e.capacity_factor,
+                    drop_policy: e.drop_policy,
+                    shared_expert: e.shared_expert,
+                    aux_loss_coef: e.aux_loss_coef,
+                    z_loss_coef: e.z_loss_coef,
+                }
+            }),
             ..base
         })
     }
@@ -372,14 +434,15 @@ impl TrainConfig {
         match self.mesh() {
             Ok(mesh) => {
                 for axis in Axis::ALL {
-                    if !matches!(axis, Axis::Dp | Axis::Fsdp | Axis::Tp | Axis::Pp)
+                    if !matches!(axis, Axis::Dp | Axis::Fsdp | Axis::Tp | Axis::Pp | Axis::Ep)
                         && mesh.degree(axis) > 1
                     {
                         errors.push(format!(
-                            "parallel.mesh: axis `{axis}` is not supported by `train` yet (dp, fsdp, tp and pp only)"
+                            "parallel.mesh: axis `{axis}` is not supported by `train` yet (dp, fsdp, ep, tp and pp only)"
                         ));
                     }
                 }
+                errors.extend(self.moe_errors(&mesh));
                 let pp = mesh.degree(Axis::Pp);
                 if pp > 1 {
                     if self.parallel.zero > 0 || mesh.degree(Axis::Fsdp) > 1 {
@@ -463,13 +526,13 @@ impl TrainConfig {
                     ));
                 }
                 let (dp, m, b) = (
-                    mesh.degree(Axis::Dp) * fsdp,
+                    mesh.degree(Axis::Dp) * fsdp * mesh.degree(Axis::Ep),
                     self.run.micro_batches,
                     self.run.global_batch,
                 );
                 if m == 0 || b == 0 || !b.is_multiple_of(dp * m) {
                     errors.push(format!(
-                        "run.global_batch = {b} must be a positive multiple of the data-parallel ranks dp x fsdp ({dp}) x run.micro_batches ({m})"
+                        "run.global_batch = {b} must be a positive multiple of the data-parallel ranks dp x fsdp x ep ({dp}) x run.micro_batches ({m})"
                     ));
                 }
             }
@@ -517,6 +580,46 @@ impl TrainConfig {
         errors
     }
 
+    /// What is wrong with `[moe]` on `mesh`: expert counts, and the strategies experts do not
+    /// compose with yet.
+    fn moe_errors(&self, mesh: &DeviceMesh) -> Vec<String> {
+        let mut errors = vec![];
+        let ep = mesh.degree(Axis::Ep);
+        let e = &self.moe;
+        if e.experts == 0 {
+            if ep > 1 {
+                errors.push(format!(
+                    "parallel.mesh has ep={ep} but the model has no experts: set moe.experts (--moe --experts N)"
+                ));
+            }
+            return errors;
+        }
+        if let Ok(t) = self.transformer(self.vocab_size())
+            && let Some(moe) = &t.moe
+            && let Err(err) = moe.validate()
+        {
+            errors.push(err);
+        }
+        if !e.experts.is_multiple_of(ep) {
+            errors.push(format!(
+                "moe.experts = {} does not divide by ep = {ep}: each expert-parallel rank holds experts / ep whole experts",
+                e.experts
+            ));
+        }
+        let others = [Axis::Tp, Axis::Pp, Axis::Fsdp]
+            .into_iter()
+            .filter(|&a| mesh.degree(a) > 1)
+            .map(|a| a.to_string())
+            .collect::<Vec<_>>();
+        if !others.is_empty() || self.parallel.zero > 0 {
+            errors.push(format!(
+                "moe.experts = {} with parallel.mesh `{}` and parallel.zero = {}: mixture-of-experts models train with dp and ep so far (not tp, pp, fsdp or ZeRO)",
+                e.experts, self.parallel.mesh, self.parallel.zero
+            ));
+        }
+        errors
+    }
+
     /// Learning rate at `step`: linear warm-up, then cosine decay to `min_lr_ratio x lr`.
     pub fn lr_at(&self, step: usize) -> f64 {
         let o = &self.optim;
@@ -554,7 +657,7 @@ mod tests {
             "{all}"
         );
         assert!(
-            all.contains("run.global_batch = 16 must be a positive multiple of the data-parallel ranks dp x fsdp (3)"),
+            all.contains("run.global_batch = 16 must be a positive multiple of the data-parallel ranks dp x fsdp x ep (3)"),
             "{all}"
         );
         assert!(all.contains("run.steps"), "{all}");

@@ -12,11 +12,11 @@ mod trace;
 mod verify;
 
 pub use config::{
-    CheckpointSection, DataSection, ModelSection, OptimSection, ParallelSection, RunSection,
-    TrainConfig,
+    CheckpointSection, DataSection, ModelSection, MoeSection, OptimSection, ParallelSection,
+    RunSection, TrainConfig,
 };
 pub use pp_model::{TransformerStage, split_blocks, split_blocks_by_cost};
-pub use report::{RankTimes, StepRecord, TrainReport, memory_formula};
+pub use report::{MoeRecord, RankTimes, StepRecord, TrainReport, memory_formula};
 pub use run::{make_batch, token_source, train, train_process};
 pub use sharded_model::ShardedTransformer;
 pub use tp_model::TpTransformer;

@@ -51,6 +51,29 @@ pub struct StepRecord {
     pub step_time_s: f64,
     /// Per-rank times.
     pub ranks: Vec<RankTimes>,
+    /// Mixture of experts: routing over the global batch (absent for dense models).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeRecord>,
+}
+
+/// One step's expert routing over the global batch and every micro-batch.
+#[derive(Debug, Clone, Serialize, PartialEq, Default)]
+pub struct MoeRecord {
+    /// Per layer: assignments each expert processed (after dropping).
+    pub tokens_per_expert: Vec<Vec<u64>>,
+    /// Largest over layers of max / mean assignments per expert (1: perfectly balanced).
+    pub imbalance: f64,
+    /// Share of the routed assignments dropped for want of capacity.
+    pub drop_rate: f64,
+    /// Load-balancing loss, unweighted, mean over layers and micro-batches of the ranks.
+    pub aux_loss: f64,
+    /// Router z-loss, unweighted, mean over layers and micro-batches of the ranks.
+    pub z_loss: f64,
+    /// Bytes of token rows the all-to-alls moved between different ranks (forward and
+    /// backward, all ranks).
+    pub a2a_remote_bytes: u64,
+    /// Time in all-to-alls (slowest rank), seconds: waiting for peers and moving rows.
+    pub a2a_s: f64,
 }
 
 /// A finished run.
@@ -76,6 +99,10 @@ pub struct TrainReport {
     pub zero: u8,
     /// Ranks that state is sharded over (ZeRO-1/2: data-parallel ranks; ZeRO-3: `fsdp`).
     pub shard_degree: usize,
+    /// Parameters in routed experts (0 for dense models), split over `expert_degree` ranks.
+    pub expert_params: usize,
+    /// Ranks the routed experts are split over (`ep`).
+    pub expert_degree: usize,
     /// Wall time of the whole run.
     pub wall_s: f64,
     /// Tokens processed.
@@ -96,6 +123,12 @@ pub fn memory_formula(stage: u8, params: usize, n: usize) -> f64 {
 }
 
 impl TrainReport {
+    /// Parameters one rank holds before ZeRO sharding: everything but the routed experts, and
+    /// its share of those.
+    pub fn params_per_rank(&self) -> usize {
+        self.num_params - self.expert_params + self.expert_params / self.expert_degree.max(1)
+    }
+
     /// Final loss: the mean of the last `min(10, steps)` steps.
     pub fn final_loss(&self) -> f64 {
         let tail = &self.steps[self.steps.len().saturating_sub(10)..];
@@ -173,10 +206,15 @@ impl fmt::Display for TrainReport {
             )?;
         }
         const MIB: f64 = (1 << 20) as f64;
-        let formula = memory_formula(self.zero, self.num_params, self.shard_degree);
+        let formula = memory_formula(self.zero, self.params_per_rank(), self.shard_degree);
+        let experts = if self.expert_params > 0 {
+            format!("; experts over {} ranks", self.expert_degree)
+        } else {
+            String::new()
+        };
         writeln!(
             f,
-            "  memory per rank (MiB, measured in the last step; ZeRO {} over {} ranks; formula {:.3}):",
+            "  memory per rank (MiB, measured in the last step; ZeRO {} over {} ranks{experts}; formula {:.3}):",
             self.zero,
             self.shard_degree,
             formula / MIB
@@ -196,6 +234,18 @@ impl fmt::Display for TrainReport {
                 m.gathered_peak as f64 / MIB,
                 m.total() as f64 / MIB,
                 (m.total() - m.gathered_peak) as f64 / formula
+            )?;
+        }
+        let moe: Vec<&MoeRecord> = self.steps.iter().filter_map(|s| s.moe.as_ref()).collect();
+        if !moe.is_empty() {
+            let n = moe.len() as f64;
+            writeln!(
+                f,
+                "  experts: mean drop rate {:.4}, mean imbalance (max/mean) {:.3}, all-to-all {:.1} MiB/step between ranks, {:.3} s/step",
+                moe.iter().map(|m| m.drop_rate).sum::<f64>() / n,
+                moe.iter().map(|m| m.imbalance).sum::<f64>() / n,
+                moe.iter().map(|m| m.a2a_remote_bytes as f64).sum::<f64>() / n / MIB,
+                moe.iter().map(|m| m.a2a_s).sum::<f64>() / n,
             )?;
         }
         writeln!(f, "  per rank, steps 2..{} (seconds):", self.steps.len())?;

@@ -3,7 +3,7 @@
 use super::checkpoint::{LocalState, Saver, Segment, run_segments, tp_segment, whole_segments};
 use super::config::TrainConfig;
 use super::pp_model::{DeferWeightGrads, TransformerStage};
-use super::report::{RankTimes, StepRecord, TrainReport};
+use super::report::{MoeRecord, RankTimes, StepRecord, TrainReport};
 use super::sharded_model::ShardedTransformer;
 use super::tp_model::TpTransformer;
 use super::trace::Trace;
@@ -11,11 +11,14 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_data::{BatchPlan, MarkovSource, TextSource, TokenSource};
-use flashover_models::{Dropout, ForwardContext, LinearHook, Transformer, next_token_loss};
+use flashover_models::{
+    Dropout, ForwardContext, LinearHook, MoeHook, Transformer, next_token_loss,
+};
 use flashover_parallel::FlatAdamW;
 use flashover_parallel::data_parallel::{
     DataParallel, DataParallelConfig, MicroBatches, ReduceReport,
 };
+use flashover_parallel::expert_parallel::{ExpertGradients, ExpertParallel, is_expert_param};
 use flashover_parallel::hooks_supported;
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, load_flat};
 use flashover_parallel::pipeline::{
@@ -180,6 +183,10 @@ fn run_job(
             3 => mesh.degree(Axis::Fsdp),
             _ => mesh.degree(Axis::Dp) * mesh.degree(Axis::Fsdp),
         },
+        expert_params: model_config.moe.as_ref().map_or(0, |m| {
+            model_config.n_layers * m.routed_params(model_config.d_model)
+        }),
+        expert_degree: mesh.degree(Axis::Ep),
         wall_s: started.elapsed().as_secs_f64(),
     }))
 }
@@ -204,6 +211,19 @@ enum Strategy {
         FullyShardedOptimizer,
         Arc<ShardGroup>,
     ),
+    /// A mixture-of-experts model: experts split over `ep`, the rest replicated over `dp x ep`.
+    Moe(Box<MoeState>),
+}
+
+/// An expert-parallel rank: its experts and the replicated rest, how tokens reach the
+/// experts, how gradients are reduced.
+struct MoeState {
+    model: Transformer,
+    experts: ExpertParallel,
+    hook: MoeHook,
+    gradients: ExpertGradients,
+    optim: ModuleAdamW,
+    layout: ParamLayout,
 }
 
 /// One step's outcome on one rank.
@@ -220,6 +240,10 @@ struct StepOutcome {
     in_flight: usize,
     /// Pipeline: wall time of the schedule.
     pipeline: Duration,
+    /// Mixture of experts: the step's routing over the global batch.
+    moe: Option<MoeRecord>,
+    /// Mixture of experts: this rank's time in all-to-alls.
+    a2a: Duration,
 }
 
 /// A pipeline rank's chunks, schedule, optimizer and how to name its parameters.
@@ -257,6 +281,8 @@ impl StepOutcome {
             events: vec![],
             in_flight: 0,
             pipeline: Duration::ZERO,
+            moe: None,
+            a2a: Duration::ZERO,
         }
     }
 }
@@ -274,6 +300,27 @@ impl Strategy {
             .with_bucket_bytes((config.parallel.bucket_mb * (1 << 20) as f64) as usize)
             .with_overlap(config.parallel.overlap)
             .with_average(config.parallel.gradient_reduction == "mean");
+        if let Some(moe) = &model_config.moe {
+            let ep = ctx.group(Axis::Ep);
+            let experts = ExpertParallel::new(ep, moe.n_experts)?;
+            // Replicas start equal: the seeded initialisation is the same on every rank.
+            let layout = ParamLayout::of(&model);
+            let gradients = ExpertGradients::new(
+                &layout,
+                batch_group,
+                ctx.group(Axis::Dp),
+                ep,
+                config.parallel.gradient_reduction == "mean",
+            );
+            return Ok(Strategy::Moe(Box::new(MoeState {
+                optim: ModuleAdamW::new(&adamw, &model),
+                hook: MoeHook::new(Arc::new(experts.clone())),
+                experts,
+                gradients,
+                layout,
+                model,
+            })));
+        }
         let pp = ctx.group(Axis::Pp);
         if pp.size() > 1 {
             let kind: ScheduleKind = config.parallel.pp_schedule.parse()?;
@@ -425,6 +472,10 @@ impl Strategy {
                 let outcome = pipeline_step(ctx, &mut state, clip, batches, micro_batches, lr)?;
                 Ok((Strategy::Pp(state), outcome))
             }
+            Strategy::Moe(mut state) => {
+                let outcome = moe_step(ctx, &mut state, clip, batches, micro_batches, lr)?;
+                Ok((Strategy::Moe(state), outcome))
+            }
             Strategy::Tp(model, mut ddp, mut optim) => {
                 let tp_loss = |m: &TpTransformer, inputs, targets, fwd: &ForwardContext| {
                     m.forward_loss(inputs, targets, fwd)
@@ -492,6 +543,8 @@ impl Strategy {
                         optimizer: optim.state_bytes(),
                         gathered_peak: units.stats().snapshot().peak_bytes,
                     },
+                    moe: None,
+                    a2a: Duration::ZERO,
                 };
                 Ok((Strategy::Fsdp(Box::new(model), optim, units), outcome))
             }
@@ -509,7 +562,7 @@ impl Strategy {
                 zero.data_parallel().num_buckets(),
                 zero.data_parallel().overlaps(),
             ),
-            Strategy::Fsdp(..) | Strategy::Pp(..) => (0, false),
+            Strategy::Fsdp(..) | Strategy::Pp(..) | Strategy::Moe(..) => (0, false),
         }
     }
 
@@ -585,6 +638,26 @@ impl Strategy {
                 let state = with_moments(flatten_params(&**model), segments, optim.flat());
                 (state, replicas, replicas)
             }
+            Strategy::Moe(state) => {
+                // Experts are named by their global index; the replicated rest is written by
+                // the ranks holding the first experts (one copy of each).
+                let ep = state.experts.group();
+                let first = state.experts.experts_of(ep.rank()).start;
+                let segments = state
+                    .layout
+                    .slots
+                    .iter()
+                    .map(|s| {
+                        let name = global_expert_name(&s.name, first);
+                        let mut segment = Segment::whole(&name, &s.shape, s.offset);
+                        segment.write &= is_expert_param(&s.name) || ep.rank() == 0;
+                        segment
+                    })
+                    .collect();
+                let local =
+                    with_moments(flatten_params(&state.model), segments, state.optim.flat());
+                (local, replicas, replicas)
+            }
             Strategy::Pp(state) => {
                 let mut segments = vec![];
                 let mut base = 0;
@@ -653,6 +726,10 @@ impl Strategy {
                 state.chunks = load_flat(std::mem::take(&mut state.chunks), &params);
                 state.optim.flat_mut()
             }
+            Strategy::Moe(state) => {
+                state.model = load_flat(state.model.clone(), &params);
+                state.optim.flat_mut()
+            }
         };
         adam.restore(steps_taken, m1, m2).map_err(RankError::from)
     }
@@ -665,6 +742,7 @@ impl Strategy {
             Strategy::Fsdp(model, ..) => model.gather_full()?,
             Strategy::Tp(model, ..) => model.unshard()?,
             Strategy::Pp(state) => return gather_pipeline_params(ctx, state),
+            Strategy::Moe(state) => state.experts.gather_experts(state.model.valid())?,
         };
         let layout = ParamLayout::of(&full);
         let flat = flatten_params(&full);
@@ -686,14 +764,23 @@ fn train_rank(
 ) -> Result<RankOutput, RankError> {
     let device = ctx.device().clone().autodiff();
     // Every data-parallel rank (replica or shard) reads its own slice of the batch.
-    let batch_group = ctx.subgroup(&[Axis::Dp, Axis::Fsdp])?;
+    let batch_group = ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep])?;
     let plan = BatchPlan::new(
         config.run.global_batch,
         batch_group.size(),
         batch_group.rank(),
         config.run.micro_batches,
     )?;
-    let model: Transformer = model_config.init(config.run.seed, &device);
+    // Expert-parallel ranks build only their own experts.
+    let model: Transformer = match &model_config.moe {
+        Some(moe) => {
+            let ep = ctx.group(Axis::Ep);
+            let per = moe.n_experts / ep.size();
+            let experts = ep.rank() * per..(ep.rank() + 1) * per;
+            model_config.init_experts(config.run.seed, &device, experts)
+        }
+        None => model_config.init(config.run.seed, &device),
+    };
     let mut strategy = Strategy::new(ctx, config, model_config, model, &batch_group)?;
     let clip = config.optim.clip.filter(|&c| c > 0.0);
     let tokens_per_step = (config.run.global_batch * config.data.seq_len) as f64;
@@ -802,6 +889,7 @@ fn train_rank(
             outcome.memory.gathered_peak as f64,
             outcome.in_flight as f64,
             outcome.pipeline.as_secs_f64(),
+            outcome.a2a.as_secs_f64(),
         ];
         let all = world.all_gather_vec(&mine)?;
         if ctx.rank() == 0 {
@@ -835,6 +923,10 @@ fn train_rank(
                         pipeline_s: p[12],
                     })
                     .collect(),
+                moe: outcome.moe.take().map(|m| MoeRecord {
+                    a2a_s: per.iter().map(|p| p[13]).fold(0.0, f64::max),
+                    ..m
+                }),
             };
             emit(&record);
             records.push(record);
@@ -932,6 +1024,120 @@ where
         sync.backward_done(model, grads)?;
     }
     Ok(loss_sum)
+}
+
+/// One expert-parallel step: every micro-batch's forward (tokens to their experts' ranks and
+/// back) and backward with the auxiliary losses, gradients reduced over the ranks that share
+/// each parameter, AdamW on this rank's parameters; routing statistics over the batch group.
+fn moe_step(
+    ctx: &RankContext,
+    state: &mut MoeState,
+    clip: Option<f32>,
+    batches: &mut dyn FnMut(usize) -> (Tensor<2, Int>, Tensor<2, Int>, ForwardContext),
+    micro_batches: usize,
+    lr: f64,
+) -> Result<StepOutcome, RankError> {
+    let before = ctx.comm_stats();
+    let a2a_before = state.experts.group().stats();
+    state.experts.traffic().take();
+    let mut grads = vec![0.0f32; state.layout.numel];
+    let mut loss_sum = 0.0f64;
+    for micro in 0..micro_batches {
+        let (inputs, targets, mut fwd) = batches(micro);
+        fwd.moe = Some(state.hook.clone());
+        let lm = next_token_loss(state.model.forward_with(inputs, &fwd), targets);
+        loss_sum += lm.clone().into_scalar::<f32>() as f64;
+        let total = match state.hook.take_aux_loss() {
+            Some(aux) => lm + aux,
+            None => lm,
+        };
+        let g = GradientsParams::from_grads(total.backward(), &state.model);
+        accumulate_grads(&state.model, &g, &mut grads, &[]);
+    }
+    let grad_norm = state.gradients.reduce(&mut grads, micro_batches, clip)?;
+    state.model = state.optim.step_flat(lr, state.model.clone(), &grads)?;
+    // Routing statistics and traffic over the whole batch group.
+    let stats = state.hook.take_stats();
+    let (remote, _) = state.experts.traffic().take();
+    let batch = ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep])?;
+    let mut sums: Vec<f64> = stats
+        .routed
+        .iter()
+        .chain(&stats.kept)
+        .flatten()
+        .map(|&c| c as f64)
+        .collect();
+    sums.extend([
+        stats.aux_loss,
+        stats.z_loss,
+        stats.forwards as f64,
+        remote as f64,
+    ]);
+    batch.all_reduce(&mut sums, ReduceOp::Sum)?;
+    let layers = stats.routed.len();
+    let experts = stats.routed.first().map_or(0, Vec::len);
+    let per_layer = |block: usize| -> Vec<Vec<u64>> {
+        sums[block * layers * experts..(block + 1) * layers * experts]
+            .chunks(experts.max(1))
+            .map(|c| c.iter().map(|&v| v as u64).collect())
+            .collect()
+    };
+    let (routed, kept) = (per_layer(0), per_layer(1));
+    let tail = &sums[2 * layers * experts..];
+    let total_routed: u64 = routed.iter().flatten().sum();
+    let total_kept: u64 = kept.iter().flatten().sum();
+    let imbalance = kept
+        .iter()
+        .map(|l| {
+            let mean = l.iter().sum::<u64>() as f64 / l.len().max(1) as f64;
+            l.iter().copied().max().unwrap_or(0) as f64 / mean.max(f64::MIN_POSITIVE)
+        })
+        .fold(0.0, f64::max);
+    let d = state.model.embed.weight.val().dims()[1];
+    let comm = ctx.comm_stats().since(&before).total();
+    let a2a = state.experts.group().stats().since(&a2a_before).total();
+    let numel = state.layout.numel;
+    Ok(StepOutcome {
+        loss_sum,
+        grad_norm,
+        comm: comm.wait + comm.transfer,
+        overlapped: Duration::ZERO,
+        exposed: comm.wait + comm.transfer,
+        memory: MemoryReport {
+            params: numel * 4,
+            grads: numel * 4,
+            optimizer: numel * 8,
+            gathered_peak: 0,
+        },
+        events: vec![],
+        in_flight: 0,
+        pipeline: Duration::ZERO,
+        moe: Some(MoeRecord {
+            tokens_per_expert: kept,
+            imbalance,
+            drop_rate: 1.0 - total_kept as f64 / (total_routed as f64).max(1.0),
+            aux_loss: tail[0] / tail[2].max(1.0),
+            z_loss: tail[1] / tail[2].max(1.0),
+            a2a_remote_bytes: tail[3] as u64 * d as u64 * 4,
+            a2a_s: 0.0,
+        }),
+        a2a: a2a.wait + a2a.transfer,
+    })
+}
+
+/// The whole model's name of parameter `name` of an expert-parallel rank whose first expert
+/// is `first`: `blocks.0.moe.experts.1.w_up.weight` is expert `first + 1`.
+fn global_expert_name(name: &str, first: usize) -> String {
+    const MARK: &str = ".moe.experts.";
+    let Some(at) = name.find(MARK) else {
+        return name.to_string();
+    };
+    let rest = &name[at + MARK.len()..];
+    let (index, tail) = rest.split_once('.').unwrap_or((rest, ""));
+    match index.parse::<usize>() {
+        Ok(local) => format!("{}{MARK}{}.{tail}", &name[..at], first + local),
+        Err(_) => name.to_string(),
+    }
 }
 
 /// One pipeline step: the schedule over every micro-batch, gradients averaged over `dp`
@@ -1051,6 +1257,8 @@ fn pipeline_step(
             optimizer: numel * 8,
             gathered_peak: 0,
         },
+        moe: None,
+        a2a: Duration::ZERO,
     })
 }
 

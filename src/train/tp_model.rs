@@ -242,7 +242,7 @@ pub(crate) fn tp_block_forward(
     let attn = tp.exit(block.attn.forward_with(x, rope, ctx, layer));
     let h = h + ctx.hidden(attn, layer, Site::AttentionOut);
     let x = tp.enter(maybe_sp_norm(&block.mlp_norm, tp).forward(h.clone()));
-    let mlp = tp.exit(block.mlp.forward(x));
+    let mlp = tp.exit(block.feed_forward(x, ctx, layer));
     h + ctx.hidden(mlp, layer, Site::MlpOut)
 }
 
@@ -271,10 +271,11 @@ pub(crate) fn shard_block(block: &mut Block, tp: &TensorParallel) -> Result<(), 
     attn.wv = split_linear(&attn.wv, 1, tp)?;
     attn.wo = split_linear(&attn.wo, 0, tp)?;
     attn.n_heads /= tp.group.size();
-    let mlp = &mut block.mlp;
-    mlp.w_gate = split_linear(&mlp.w_gate, 1, tp)?;
-    mlp.w_up = split_linear(&mlp.w_up, 1, tp)?;
-    mlp.w_down = split_linear(&mlp.w_down, 0, tp)?;
+    if let Some(mlp) = block.mlp.as_mut() {
+        mlp.w_gate = split_linear(&mlp.w_gate, 1, tp)?;
+        mlp.w_up = split_linear(&mlp.w_up, 1, tp)?;
+        mlp.w_down = split_linear(&mlp.w_down, 0, tp)?;
+    }
     Ok(())
 }
 
@@ -286,10 +287,11 @@ pub(crate) fn unshard_block(block: &mut Block, tp: &TensorParallel) -> Result<()
     attn.wv = gather_linear(&attn.wv, 1, tp)?;
     attn.wo = gather_linear(&attn.wo, 0, tp)?;
     attn.n_heads *= tp.group.size();
-    let mlp = &mut block.mlp;
-    mlp.w_gate = gather_linear(&mlp.w_gate, 1, tp)?;
-    mlp.w_up = gather_linear(&mlp.w_up, 1, tp)?;
-    mlp.w_down = gather_linear(&mlp.w_down, 0, tp)?;
+    if let Some(mlp) = block.mlp.as_mut() {
+        mlp.w_gate = gather_linear(&mlp.w_gate, 1, tp)?;
+        mlp.w_up = gather_linear(&mlp.w_up, 1, tp)?;
+        mlp.w_down = gather_linear(&mlp.w_down, 0, tp)?;
+    }
     Ok(())
 }
 

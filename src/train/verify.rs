@@ -17,6 +17,10 @@ pub struct Comparison {
     pub max_rel_param_diff: f64,
     /// The parameter where that largest difference is.
     pub worst_param: String,
+    /// Mixture of experts: the largest difference, over steps, layers and experts, in the
+    /// number of assignments an expert processed (0: every layout routed and dropped the same
+    /// tokens; `None` for dense models).
+    pub max_routing_diff: Option<u64>,
     /// The tolerance used.
     pub tolerance: f64,
     /// Whether every difference is within the tolerance (and the runs have the same shape).
@@ -41,6 +45,36 @@ fn max_over(a: &[StepRecord], b: &[StepRecord], f: impl Fn(&StepRecord) -> f64) 
         .zip(b)
         .map(|(x, y)| rel(f(x), f(y)))
         .fold(0.0, f64::max)
+}
+
+/// The largest difference in tokens per expert between two runs' steps (`None` if neither
+/// routed; `u64::MAX` if only one did or their shapes differ).
+fn routing_diff(a: &[StepRecord], b: &[StepRecord]) -> Option<u64> {
+    let mut worst = None;
+    for (x, y) in a.iter().zip(b) {
+        let d = match (&x.moe, &y.moe) {
+            (None, None) => continue,
+            (Some(x), Some(y)) if x.tokens_per_expert.len() == y.tokens_per_expert.len() => x
+                .tokens_per_expert
+                .iter()
+                .zip(&y.tokens_per_expert)
+                .map(|(p, q)| {
+                    if p.len() != q.len() {
+                        return u64::MAX;
+                    }
+                    p.iter()
+                        .zip(q)
+                        .map(|(u, v)| u.abs_diff(*v))
+                        .max()
+                        .unwrap_or(0)
+                })
+                .max()
+                .unwrap_or(0),
+            _ => u64::MAX,
+        };
+        worst = Some(worst.map_or(d, |w: u64| w.max(d)));
+    }
+    worst
 }
 
 /// Compares `candidate` against `reference` with relative tolerance `tolerance`.
@@ -83,13 +117,18 @@ pub fn compare(reference: &TrainReport, candidate: &TrainReport, tolerance: f64)
     }
     let loss = max_over(&candidate.steps, &reference.steps, |s| s.loss);
     let norm = max_over(&candidate.steps, &reference.steps, |s| s.grad_norm);
-    let pass =
-        structural.is_none() && loss <= tolerance && norm <= tolerance && worst.0 <= tolerance;
+    let routing = routing_diff(&reference.steps, &candidate.steps);
+    let pass = structural.is_none()
+        && loss <= tolerance
+        && norm <= tolerance
+        && worst.0 <= tolerance
+        && routing.is_none_or(|d| d == 0);
     Comparison {
         max_rel_loss_diff: loss,
         max_rel_grad_norm_diff: norm,
         max_rel_param_diff: worst.0,
         worst_param: worst.1,
+        max_routing_diff: routing,
         tolerance,
         pass,
         structural,
@@ -110,7 +149,11 @@ impl fmt::Display for Comparison {
             self.max_rel_param_diff,
             self.worst_param,
             self.tolerance
-        )
+        )?;
+        if let Some(d) = self.max_routing_diff {
+            write!(f, " max_routing_diff={d}")?;
+        }
+        Ok(())
     }
 }
 
@@ -152,6 +195,7 @@ mod tests {
                     tokens_per_s: 1.0,
                     step_time_s: 1.0,
                     ranks: vec![],
+                    moe: None,
                 })
                 .collect(),
             params: vec![("w".into(), param)],
@@ -163,6 +207,8 @@ mod tests {
             memory: vec![],
             zero: 0,
             shard_degree: 1,
+            expert_params: 0,
+            expert_degree: 1,
             wall_s: 1.0,
             tokens: 1,
         }

@@ -38,6 +38,9 @@ pub struct ForwardContext {
     pub seq_offset: usize,
     /// Computes the blocks' linear layers in place of [`Linear::forward`] when set.
     pub linear: Option<LinearHook>,
+    /// Runs mixture-of-experts layers' experts and collects their auxiliary losses when set
+    /// (without it, experts run locally and auxiliary losses are not added).
+    pub moe: Option<crate::moe::MoeHook>,
 }
 
 /// Computes a linear layer in place of [`Linear::forward`]: how a strategy changes the way a

@@ -1,6 +1,7 @@
 //! The transformer's layers: causal attention with RoPE, SwiGLU MLP, and the block.
 
 use crate::dropout::{ForwardContext, Site};
+use crate::moe::Moe;
 use burn::module::Module;
 use burn::nn::{Linear, RmsNorm};
 use burn::tensor::activation::{silu, softmax};
@@ -127,10 +128,12 @@ pub struct Block {
     pub attn_norm: RmsNorm,
     /// Self-attention.
     pub attn: Attention,
-    /// Norm before the MLP.
+    /// Norm before the feed-forward.
     pub mlp_norm: RmsNorm,
-    /// Feed-forward.
-    pub mlp: SwiGlu,
+    /// Dense feed-forward (`None` in a mixture-of-experts block).
+    pub mlp: Option<SwiGlu>,
+    /// Mixture-of-experts feed-forward (`None` in a dense block).
+    pub moe: Option<Moe>,
 }
 
 impl Block {
@@ -152,7 +155,16 @@ impl Block {
             .attn
             .forward_with(self.attn_norm.forward(x.clone()), rope, ctx, layer);
         let x = x + ctx.hidden(attn, layer, Site::AttentionOut);
-        let mlp = self.mlp.forward_with(self.mlp_norm.forward(x.clone()), ctx);
+        let mlp = self.feed_forward(self.mlp_norm.forward(x.clone()), ctx, layer);
         x + ctx.hidden(mlp, layer, Site::MlpOut)
+    }
+
+    /// The block's feed-forward (dense or mixture of experts) on normed `x`.
+    pub fn feed_forward(&self, x: Tensor<3>, ctx: &ForwardContext, layer: usize) -> Tensor<3> {
+        match (&self.moe, &self.mlp) {
+            (Some(moe), _) => moe.forward_with(x, ctx, layer),
+            (None, Some(mlp)) => mlp.forward_with(x, ctx),
+            (None, None) => panic!("block {layer} has neither a dense nor an MoE feed-forward"),
+        }
     }
 }

@@ -24,8 +24,10 @@
 mod dropout;
 pub mod init;
 mod layers;
+pub mod moe;
 mod transformer;
 
 pub use dropout::{Dropout, ForwardContext, LinearHook, LinearOp, Site};
 pub use layers::{Attention, Block, SwiGlu, rope_tables};
+pub use moe::{Moe, MoeConfig, MoeHook};
 pub use transformer::{Transformer, TransformerConfig, next_token_loss};

@@ -3,6 +3,7 @@
 use crate::dropout::ForwardContext;
 use crate::init;
 use crate::layers::{Attention, Block, SwiGlu, rope_tables};
+use crate::moe::{Moe, MoeConfig};
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::{Embedding, Linear, RmsNorm};
@@ -31,6 +32,9 @@ pub struct TransformerConfig {
     /// RMSNorm epsilon.
     #[config(default = 1e-5)]
     pub norm_eps: f64,
+    /// Mixture-of-experts feed-forward in every block instead of the dense SwiGLU (`d_ff` is
+    /// then unused).
+    pub moe: Option<MoeConfig>,
 }
 
 impl TransformerConfig {
@@ -74,6 +78,11 @@ impl TransformerConfig {
                 self.d_model / self.n_heads
             ));
         }
+        if let Some(moe) = &self.moe
+            && let Err(e) = moe.validate()
+        {
+            errors.push(e);
+        }
         if errors.is_empty() {
             Ok(())
         } else {
@@ -90,15 +99,31 @@ impl TransformerConfig {
             + if self.tie_embeddings { 0 } else { d * v }
     }
 
-    /// Parameters in one block: attention, MLP and two norms.
+    /// Parameters in one block: attention, feed-forward (dense or every expert) and two norms.
     pub fn num_params_per_block(&self) -> usize {
         let (d, f) = (self.d_model, self.d_ff);
-        4 * d * d + 3 * d * f + 2 * d
+        let ffn = match &self.moe {
+            Some(moe) => moe.num_params(d),
+            None => 3 * d * f,
+        };
+        4 * d * d + ffn + 2 * d
     }
 
     /// Builds the model with weights drawn from `seed` (see [`init`]). Panics if the config is
     /// invalid: call [`TransformerConfig::validate`] first on user input.
     pub fn init(&self, seed: u64, device: &Device) -> Transformer {
+        let experts = self.moe.as_ref().map_or(0, |m| m.n_experts);
+        self.init_experts(seed, device, 0..experts)
+    }
+
+    /// [`TransformerConfig::init`] holding only experts `experts` of each mixture-of-experts
+    /// layer (expert parallelism); each is initialised by its global index, as in the whole model.
+    pub fn init_experts(
+        &self,
+        seed: u64,
+        device: &Device,
+        experts: std::ops::Range<usize>,
+    ) -> Transformer {
         if let Err(e) = self.validate() {
             panic!("invalid transformer config: {e}");
         }
@@ -106,6 +131,11 @@ impl TransformerConfig {
         let std = 0.02;
         // Residual-branch outputs are scaled down with depth (GPT-2).
         let out_std = std / (2.0 * self.n_layers as f64).sqrt();
+        let swiglu = |name: &str, d: usize, f: usize| SwiGlu {
+            w_gate: init::linear(seed, &format!("{name}.w_gate"), d, f, std, device),
+            w_up: init::linear(seed, &format!("{name}.w_up"), d, f, std, device),
+            w_down: init::linear(seed, &format!("{name}.w_down"), f, d, out_std, device),
+        };
         let blocks = (0..self.n_layers)
             .map(|l| {
                 let p = |n: &str| format!("blocks.{l}.{n}");
@@ -120,11 +150,19 @@ impl TransformerConfig {
                         head_dim: d / self.n_heads,
                     },
                     mlp_norm: init::rms_norm(d, self.norm_eps, device),
-                    mlp: SwiGlu {
-                        w_gate: init::linear(seed, &p("mlp.w_gate"), d, f, std, device),
-                        w_up: init::linear(seed, &p("mlp.w_up"), d, f, std, device),
-                        w_down: init::linear(seed, &p("mlp.w_down"), f, d, out_std, device),
-                    },
+                    mlp: self.moe.is_none().then(|| swiglu(&p("mlp"), d, f)),
+                    moe: self.moe.as_ref().map(|moe| Moe {
+                        router: init::linear(seed, &p("moe.router"), d, moe.n_experts, std, device),
+                        experts: experts
+                            .clone()
+                            .map(|x| swiglu(&p(&format!("moe.experts.{x}")), d, moe.d_expert))
+                            .collect(),
+                        shared: moe
+                            .shared_expert
+                            .then(|| swiglu(&p("moe.shared"), d, moe.d_expert)),
+                        first_expert: experts.start,
+                        config: moe.clone(),
+                    }),
                 }
             })
             .collect();

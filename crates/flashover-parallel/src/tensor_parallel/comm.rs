@@ -84,7 +84,7 @@ impl<C: CheckpointStrategy> TpCommOps for Autodiff<Flex, C> {
     }
 }
 
-fn host_pair<const D: usize, const E: usize>(
+pub(crate) fn host_pair<const D: usize, const E: usize>(
     x: Tensor<D>,
     forward: HostFn,
     backward: HostFn,
@@ -97,11 +97,11 @@ fn host_pair<const D: usize, const E: usize>(
 }
 
 /// Unwraps a collective's result inside an op, where errors cannot be returned.
-fn ok<T>(r: Result<T, CommError>) -> T {
+pub(crate) fn ok<T>(r: Result<T, CommError>) -> T {
     r.unwrap_or_else(|e| std::panic::panic_any(e))
 }
 
-fn values(data: TensorData) -> (Vec<f32>, Vec<usize>) {
+pub(crate) fn values(data: TensorData) -> (Vec<f32>, Vec<usize>) {
     let shape = data.shape().to_vec();
     let data = data.convert::<f32>();
     (data.as_slice::<f32>().expect("f32").to_vec(), shape)
@@ -170,7 +170,7 @@ fn reduce_scatter(group: &Group, data: TensorData, dim: usize) -> TensorData {
     TensorData::new(own, out_shape)
 }
 
-fn host(f: impl Fn(TensorData) -> TensorData + Send + Sync + 'static) -> HostFn {
+pub(crate) fn host(f: impl Fn(TensorData) -> TensorData + Send + Sync + 'static) -> HostFn {
     HostFn(Arc::new(f))
 }
 

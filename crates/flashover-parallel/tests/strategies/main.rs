@@ -1,8 +1,10 @@
 //! The strategies' multi-rank tests, in one test binary (one link instead of four): DDP under
-//! faults, ZeRO stages 1-3 and HSDP, tensor-parallel layers, and the pipeline executor.
+//! faults, ZeRO stages 1-3 and HSDP, tensor-parallel layers, the pipeline executor and the
+//! expert-parallel MoE layer.
 
 mod common;
 mod ddp_faults;
+mod expert_parallel;
 mod pipeline;
 mod tensor_parallel;
 mod zero;

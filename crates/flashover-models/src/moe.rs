@@ -1,0 +1,497 @@
+//! Mixture-of-experts feed-forward: a router picks `top_k` of `n_experts` SwiGLU experts per
+//! token; the chosen experts' outputs are weighted by the router and summed.
+//!
+//! Routing is decided on the host from the router's logits ([`route`]): which experts each token
+//! goes to, which assignments are dropped when an expert is over capacity, and the order in which
+//! the kept assignments are laid out (grouped by expert, so every expert runs once on all of its
+//! tokens). Running the experts is delegated to an [`ExpertDispatch`]: [`LocalExperts`] when this
+//! module holds every expert; the expert-parallel dispatcher (in `flashover-parallel`) when the
+//! experts are spread over ranks and tokens travel by all-to-all.
+//!
+//! **Capacity groups are sequences.** An expert may take at most
+//! `ceil(capacity_factor * seq_len * top_k / n_experts)` assignments from each sequence. A group
+//! that never spans two samples makes dropping independent of how the batch is split over ranks
+//! and micro-batches: every layout drops exactly the tokens one rank drops, and a rank decides
+//! its drops before sending anything. The load-balancing loss is computed per sequence too and
+//! averaged (as DeepSeek-V3's sequence-wise balance loss), for the same reason.
+
+use crate::dropout::ForwardContext;
+use crate::layers::SwiGlu;
+use burn::module::Module;
+use burn::nn::Linear;
+use burn::tensor::activation::{sigmoid, softmax};
+use burn::tensor::{Int, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+use std::sync::{Arc, Mutex};
+
+/// How router logits become expert scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum RouterKind {
+    /// Softmax over the experts (Switch, GShard, Mixtral).
+    #[default]
+    Softmax,
+    /// An independent sigmoid per expert (DeepSeek-V3).
+    Sigmoid,
+}
+
+/// Which assignments an expert over capacity keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DropPolicy {
+    /// Earlier choices first (every token's first choice before any second choice), then
+    /// earlier positions (GShard).
+    #[default]
+    Position,
+    /// Higher router weight first (ties: earlier position).
+    Probability,
+}
+
+/// Configuration of a mixture-of-experts feed-forward layer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    /// Number of experts.
+    pub n_experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Hidden width of each expert's SwiGLU.
+    pub d_expert: usize,
+    /// Softmax or sigmoid scores.
+    pub router: RouterKind,
+    /// Divide the chosen experts' weights by their sum.
+    pub renormalize: bool,
+    /// `None`: dropless (an expert takes every token routed to it). `Some(f)`: at most
+    /// `ceil(f * seq_len * top_k / n_experts)` assignments per expert and sequence.
+    pub capacity_factor: Option<f64>,
+    /// Which assignments are kept when an expert is over capacity.
+    pub drop_policy: DropPolicy,
+    /// One dense SwiGLU expert every token goes through, added to the routed output.
+    pub shared_expert: bool,
+    /// Weight of the load-balancing loss (Switch/GShard `E * sum_e f_e P_e`, per sequence).
+    pub aux_loss_coef: f64,
+    /// Weight of the router z-loss (`mean logsumexp(logits)^2`, ST-MoE).
+    pub z_loss_coef: f64,
+}
+
+impl MoeConfig {
+    /// `n_experts` experts of width `d_expert`, `top_k` per token, softmax router, dropless,
+    /// load-balancing loss weight 0.01.
+    pub fn new(n_experts: usize, top_k: usize, d_expert: usize) -> Self {
+        MoeConfig {
+            n_experts,
+            top_k,
+            d_expert,
+            router: RouterKind::Softmax,
+            renormalize: true,
+            capacity_factor: None,
+            drop_policy: DropPolicy::Position,
+            shared_expert: false,
+            aux_loss_coef: 0.01,
+            z_loss_coef: 0.0,
+        }
+    }
+
+    /// Checks the fields; the message names them.
+    pub fn validate(&self) -> Result<(), String> {
+        let mut errors = vec![];
+        if self.n_experts == 0 || self.d_expert == 0 {
+            errors.push("moe.experts and moe.d_expert must be at least 1".to_string());
+        }
+        if self.top_k == 0 || self.top_k > self.n_experts {
+            errors.push(format!(
+                "moe.top_k = {} must be between 1 and moe.experts = {}",
+                self.top_k, self.n_experts
+            ));
+        }
+        if let Some(f) = self.capacity_factor
+            && (f.is_nan() || f <= 0.0)
+        {
+            errors.push(format!(
+                "moe.capacity_factor = {f} must be positive (or absent: dropless)"
+            ));
+        }
+        for (name, v) in [
+            ("moe.aux_loss_coef", self.aux_loss_coef),
+            ("moe.z_loss_coef", self.z_loss_coef),
+        ] {
+            if v.is_nan() || v < 0.0 {
+                errors.push(format!("{name} = {v} must be zero or positive"));
+            }
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors.join("; "))
+        }
+    }
+
+    /// Most assignments an expert takes from one sequence of `seq_len` tokens (`None`: no limit).
+    pub fn capacity(&self, seq_len: usize) -> Option<usize> {
+        self.capacity_factor.map(|f| {
+            ((f * (seq_len * self.top_k) as f64 / self.n_experts as f64).ceil() as usize).max(1)
+        })
+    }
+
+    /// Parameters of one layer: router, experts, shared expert.
+    pub fn num_params(&self, d_model: usize) -> usize {
+        let shared = self.shared_expert as usize * 3 * d_model * self.d_expert;
+        d_model * self.n_experts + self.routed_params(d_model) + shared
+    }
+
+    /// Parameters of one layer's routed experts (what expert parallelism splits).
+    pub fn routed_params(&self, d_model: usize) -> usize {
+        self.n_experts * 3 * d_model * self.d_expert
+    }
+}
+
+/// A mixture-of-experts feed-forward layer holding experts `first_expert ..
+/// first_expert + experts.len()` of `config.n_experts` (all of them on one rank).
+#[derive(Module, Debug)]
+pub struct Moe {
+    /// Router `[d_model, n_experts]`.
+    pub router: Linear,
+    /// The experts this module holds, in global order from `first_expert`.
+    pub experts: Vec<SwiGlu>,
+    /// The shared expert, if configured.
+    pub shared: Option<SwiGlu>,
+    /// Global index of `experts[0]`.
+    pub first_expert: usize,
+    /// The layer's configuration.
+    #[module(skip)]
+    pub config: MoeConfig,
+}
+
+/// Where the kept assignments of a batch go, decided from the router logits on the host.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routing {
+    /// Per kept assignment, grouped by expert (then in priority order): the token's row.
+    pub token: Vec<usize>,
+    /// Per kept assignment: its index in the `[tokens, top_k]` choices (`token * top_k + j`).
+    pub choice: Vec<usize>,
+    /// The experts chosen, `[tokens, top_k]` row-major (dropped ones included).
+    pub chosen: Vec<usize>,
+    /// Kept assignments per expert (the layout of `token`).
+    pub kept: Vec<usize>,
+    /// Assignments per expert before dropping.
+    pub routed: Vec<usize>,
+}
+
+impl Routing {
+    /// Assignments dropped for want of capacity.
+    pub fn dropped(&self) -> usize {
+        self.routed.iter().sum::<usize>() - self.kept.iter().sum::<usize>()
+    }
+}
+
+/// Chooses experts for `logits: [tokens, n_experts]` (row-major, `seq_len` consecutive tokens
+/// per sequence) and applies the capacity of `config`. `bias` (one per expert) is added to the
+/// scores for choosing only.
+pub fn route(logits: &[f32], seq_len: usize, config: &MoeConfig, bias: Option<&[f32]>) -> Routing {
+    let e = config.n_experts;
+    let k = config.top_k;
+    let tokens = logits.len() / e;
+    // Softmax and sigmoid are monotone in the logit, so choosing by logit chooses by score;
+    // ties go to the lower expert index.
+    let mut chosen = Vec::with_capacity(tokens * k);
+    let mut order: Vec<usize> = (0..e).collect();
+    for row in logits.chunks(e) {
+        let score = |x: usize| row[x] + bias.map_or(0.0, |b| b[x]);
+        order.sort_by(|&a, &b| score(b).total_cmp(&score(a)).then(a.cmp(&b)));
+        chosen.extend_from_slice(&order[..k]);
+    }
+    // Priority within each (sequence, expert): by choice rank then position, or by weight.
+    let weight = |choice: usize| -> f32 {
+        let (t, x) = (choice / k, chosen[choice]);
+        let row = &logits[t * e..(t + 1) * e];
+        match config.router {
+            RouterKind::Softmax => {
+                let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                (row[x] - max).exp() / row.iter().map(|&v| (v - max).exp()).sum::<f32>()
+            }
+            RouterKind::Sigmoid => 1.0 / (1.0 + (-row[x]).exp()),
+        }
+    };
+    let capacity = config.capacity(seq_len);
+    let mut per_expert: Vec<Vec<(usize, usize)>> = vec![vec![]; e];
+    let mut routed = vec![0; e];
+    for start in (0..tokens).step_by(seq_len.max(1)) {
+        let end = (start + seq_len).min(tokens);
+        let mut candidates: Vec<usize> = (start * k..end * k).collect();
+        match config.drop_policy {
+            DropPolicy::Position => candidates.sort_by_key(|&c| (c % k, c / k)),
+            DropPolicy::Probability => candidates.sort_by(|&a, &b| {
+                weight(b)
+                    .total_cmp(&weight(a))
+                    .then((a / k).cmp(&(b / k)))
+                    .then(a.cmp(&b))
+            }),
+        }
+        let mut taken = vec![0; e];
+        for c in candidates {
+            let x = chosen[c];
+            routed[x] += 1;
+            if capacity.is_none_or(|cap| taken[x] < cap) {
+                taken[x] += 1;
+                per_expert[x].push((c / k, c));
+            }
+        }
+    }
+    let kept = per_expert.iter().map(Vec::len).collect();
+    let mut token = Vec::new();
+    let mut choice = Vec::new();
+    for mut list in per_expert {
+        // Within an expert, rows go in token order (the order does not change the result; a
+        // fixed one keeps every layout's expert inputs identical).
+        list.sort_unstable();
+        for (t, c) in list {
+            token.push(t);
+            choice.push(c);
+        }
+    }
+    Routing {
+        token,
+        choice,
+        chosen,
+        kept,
+        routed,
+    }
+}
+
+/// Runs a layer's experts on tokens grouped by expert.
+pub trait ExpertDispatch: Send + Sync {
+    /// `tokens: [rows, d_model]`, `counts[e]` rows for global expert `e` in expert order;
+    /// returns each row's expert output in the same order. `moe` holds this rank's experts.
+    fn dispatch(&self, moe: &Moe, tokens: Tensor<2>, counts: &[usize]) -> Tensor<2>;
+}
+
+/// Every expert is local: each runs once on its rows.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LocalExperts;
+
+impl ExpertDispatch for LocalExperts {
+    fn dispatch(&self, moe: &Moe, tokens: Tensor<2>, counts: &[usize]) -> Tensor<2> {
+        run_experts(&moe.experts, tokens, counts)
+    }
+}
+
+/// Runs `experts[i]` on the next `counts[i]` rows of `tokens: [rows, d]`.
+pub fn run_experts(experts: &[SwiGlu], tokens: Tensor<2>, counts: &[usize]) -> Tensor<2> {
+    let [rows, d] = tokens.dims();
+    if rows == 0 {
+        return tokens;
+    }
+    let mut outputs = Vec::with_capacity(experts.len());
+    let mut start = 0;
+    for (expert, &n) in experts.iter().zip(counts) {
+        if n > 0 {
+            let x = tokens.clone().narrow(0, start, n).reshape([1, n, d]);
+            outputs.push(expert.forward(x).reshape([n, d]));
+        }
+        start += n;
+    }
+    Tensor::cat(outputs, 0)
+}
+
+/// One step's routing statistics, summed over layers and micro-batches (per layer).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MoeStats {
+    /// Per layer: assignments per expert before dropping.
+    pub routed: Vec<Vec<u64>>,
+    /// Per layer: assignments per expert kept.
+    pub kept: Vec<Vec<u64>>,
+    /// Sum of the load-balancing losses (unweighted) over layers and micro-batches.
+    pub aux_loss: f64,
+    /// Sum of the router z-losses (unweighted) over layers and micro-batches.
+    pub z_loss: f64,
+    /// How many (layer, micro-batch) forwards the sums cover.
+    pub forwards: u64,
+}
+
+impl MoeStats {
+    /// Adds `routing` as layer `layer`.
+    fn record(&mut self, layer: usize, routing: &Routing) {
+        if self.routed.len() <= layer {
+            self.routed.resize(layer + 1, vec![]);
+            self.kept.resize(layer + 1, vec![]);
+        }
+        for (sums, counts) in [
+            (&mut self.routed[layer], &routing.routed),
+            (&mut self.kept[layer], &routing.kept),
+        ] {
+            sums.resize(counts.len(), 0);
+            sums.iter_mut()
+                .zip(counts)
+                .for_each(|(s, &c)| *s += c as u64);
+        }
+    }
+}
+
+/// What a forward through MoE layers needs besides the tokens: who runs the experts, and where
+/// the auxiliary losses and statistics go. Shared by a step's micro-batches.
+#[derive(Clone)]
+pub struct MoeHook {
+    /// Runs the experts.
+    pub dispatch: Arc<dyn ExpertDispatch>,
+    /// The auxiliary losses of the forwards since the last [`MoeHook::take_aux_loss`].
+    aux: Arc<Mutex<Vec<Tensor<1>>>>,
+    /// Routing statistics since the last [`MoeHook::take_stats`].
+    stats: Arc<Mutex<MoeStats>>,
+}
+
+impl std::fmt::Debug for MoeHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MoeHook")
+    }
+}
+
+impl PartialEq for MoeHook {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.aux, &other.aux)
+    }
+}
+
+impl MoeHook {
+    /// A hook whose experts run through `dispatch`.
+    pub fn new(dispatch: Arc<dyn ExpertDispatch>) -> Self {
+        MoeHook {
+            dispatch,
+            aux: Arc::default(),
+            stats: Arc::default(),
+        }
+    }
+
+    /// The weighted auxiliary losses added since the last call, summed (`None` if there were
+    /// none): add it to the training loss before backward.
+    pub fn take_aux_loss(&self) -> Option<Tensor<1>> {
+        let terms = std::mem::take(&mut *self.aux.lock().expect("aux losses"));
+        terms.into_iter().reduce(|a, b| a + b)
+    }
+
+    /// The statistics gathered since the last call.
+    pub fn take_stats(&self) -> MoeStats {
+        std::mem::take(&mut *self.stats.lock().expect("moe stats"))
+    }
+}
+
+impl Moe {
+    /// `x: [batch, seq, d_model]` -> same shape, as layer `layer`. Without an [`MoeHook`] in
+    /// `ctx` the experts run locally and the auxiliary losses are not collected.
+    pub fn forward_with(&self, x: Tensor<3>, ctx: &ForwardContext, layer: usize) -> Tensor<3> {
+        let [b, t, d] = x.dims();
+        let n = b * t;
+        let k = self.config.top_k;
+        let xf = x.reshape([n, d]);
+        let logits = self.router.forward(xf.clone()); // [n, e]
+        let host: Vec<f32> = logits
+            .clone()
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .expect("router logits are f32");
+        let routing = route(&host, t, &self.config, None);
+        let device = xf.device();
+        let index = |v: &[usize]| {
+            Tensor::<1, Int>::from_data(
+                TensorData::new(v.iter().map(|&i| i as i64).collect::<Vec<_>>(), [v.len()]),
+                &device,
+            )
+        };
+        let scores = match self.config.router {
+            RouterKind::Softmax => softmax(logits.clone(), 1),
+            RouterKind::Sigmoid => sigmoid(logits.clone()),
+        };
+        let chosen = Tensor::<2, Int>::from_data(
+            TensorData::new(
+                routing.chosen.iter().map(|&i| i as i64).collect::<Vec<_>>(),
+                [n, k],
+            ),
+            &device,
+        );
+        let mut weights = scores.clone().gather(1, chosen); // [n, k]
+        if self.config.renormalize {
+            weights = weights.clone() / weights.sum_dim(1);
+        }
+        if let Some(hook) = &ctx.moe {
+            let (aux, values) = self.aux_losses(logits, scores, &routing, b, t);
+            let mut stats = hook.stats.lock().expect("moe stats");
+            stats.record(layer, &routing);
+            stats.aux_loss += values[0];
+            stats.z_loss += values[1];
+            stats.forwards += 1;
+            if let Some(aux) = aux {
+                hook.aux.lock().expect("aux losses").push(aux);
+            }
+        }
+        let rows = routing.token.len();
+        let routed = if rows == 0 {
+            Tensor::zeros([n, d], &device)
+        } else {
+            let tokens = xf.clone().select(0, index(&routing.token));
+            let out = match &ctx.moe {
+                Some(hook) => hook.dispatch.dispatch(self, tokens, &routing.kept),
+                None => LocalExperts.dispatch(self, tokens, &routing.kept),
+            };
+            let w = weights
+                .reshape([n * k])
+                .select(0, index(&routing.choice))
+                .reshape([rows, 1]);
+            // Back to [tokens, top_k] slots (dropped slots read the zero row), summed over k.
+            let mut slot = vec![rows; n * k];
+            for (row, &c) in routing.choice.iter().enumerate() {
+                slot[c] = row;
+            }
+            let padded = Tensor::cat(vec![out * w, Tensor::zeros([1, d], &device)], 0);
+            padded
+                .select(0, index(&slot))
+                .reshape([n, k, d])
+                .sum_dim(1)
+                .reshape([n, d])
+        };
+        let out = match &self.shared {
+            Some(shared) => routed + shared.forward(xf.reshape([1, n, d])).reshape([n, d]),
+            None => routed,
+        };
+        out.reshape([b, t, d])
+    }
+
+    /// The weighted sum of the load-balancing and z-losses of one forward (`None` if both
+    /// weights are 0) and their unweighted values (0 where a weight is 0).
+    fn aux_losses(
+        &self,
+        logits: Tensor<2>,
+        scores: Tensor<2>,
+        routing: &Routing,
+        b: usize,
+        t: usize,
+    ) -> (Option<Tensor<1>>, [f64; 2]) {
+        let (e, k) = (self.config.n_experts, self.config.top_k);
+        let mut total: Option<Tensor<1>> = None;
+        let mut values = [0.0; 2];
+        if self.config.aux_loss_coef > 0.0 {
+            // f[s, x]: the share of sequence s's choices that picked expert x (before drops).
+            let mut f = vec![0f32; b * e];
+            for (c, &x) in routing.chosen.iter().enumerate() {
+                f[(c / k / t) * e + x] += 1.0 / (t * k) as f32;
+            }
+            let f = Tensor::<2>::from_data(TensorData::new(f, [b, e]), &logits.device());
+            // P[s, x]: the mean normalised score of expert x over sequence s.
+            let p = scores.clone() / scores.sum_dim(1);
+            let p = p.reshape([b, t, e]).mean_dim(1).reshape([b, e]);
+            let aux = (f * p).sum().mul_scalar(e as f64 / b as f64);
+            values[0] = aux.clone().into_scalar::<f32>() as f64;
+            total = Some(aux.mul_scalar(self.config.aux_loss_coef));
+        }
+        if self.config.z_loss_coef > 0.0 {
+            let max = logits.clone().max_dim(1).detach();
+            let lse = (logits - max.clone()).exp().sum_dim(1).log() + max;
+            let z = lse.powi_scalar(2).mean();
+            values[1] = z.clone().into_scalar::<f32>() as f64;
+            let z = z.mul_scalar(self.config.z_loss_coef);
+            total = Some(match total {
+                Some(a) => a + z,
+                None => z,
+            });
+        }
+        (total, values)
+    }
+}

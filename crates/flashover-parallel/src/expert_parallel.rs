@@ -1,0 +1,317 @@
+//! Expert parallelism over the `ep` mesh axis.
+//!
+//! **What is split:** the routed experts of every mixture-of-experts layer: rank `r` of the ep
+//! group holds experts `r * E/ep .. (r + 1) * E/ep`. Everything else (attention, norms, router,
+//! shared expert) is replicated, and every rank of the batch group (`dp x ep`) reads its own
+//! slice of the batch, as in data parallelism.
+//!
+//! **Communication:** per layer, forward: the per-expert row counts (one small all-to-all), then
+//! the routed token rows to the ranks that own their experts and the outputs back (two
+//! variable all-to-alls); backward: the two all-to-alls again, reversed. An all-reduce cannot do
+//! this: each token row must reach one particular rank, not every rank, and the rows each pair
+//! of ranks exchanges differ in number and content (see `docs/expert_parallel.md`).
+//!
+//! **Gradients:** replicated parameters are averaged over the whole batch group, as in DDP.
+//! An expert's gradient on its owner already sums the contributions of every ep rank's tokens
+//! (they came back through the all-to-all's backward), so it is reduced over the `dp` replicas
+//! of that expert only, then scaled like the rest ([`ExpertGradients`]).
+
+use crate::error::ParallelError;
+use crate::params::{ParamLayout, flatten_params, load_flat};
+use crate::tensor_parallel::comm::{host, host_pair, ok, values};
+use burn::tensor::{Int, Tensor, TensorData};
+use flashover_comm::{CommunicatorExt, Group, ReduceOp};
+use flashover_models::moe::{ExpertDispatch, Moe, run_experts};
+use flashover_models::{SwiGlu, Transformer};
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Whether parameter `name` (a path in the model) belongs to a routed expert.
+pub fn is_expert_param(name: &str) -> bool {
+    name.contains(".moe.experts.")
+}
+
+/// Rows moved by the token all-to-alls, forward and backward, counted by the sender.
+#[derive(Debug, Default)]
+pub struct ExpertTraffic {
+    /// Rows sent to other ranks.
+    pub remote_rows: AtomicU64,
+    /// Rows kept on this rank (sent to itself).
+    pub local_rows: AtomicU64,
+}
+
+impl ExpertTraffic {
+    /// `(remote, local)` rows so far, and resets the counters.
+    pub fn take(&self) -> (u64, u64) {
+        (
+            self.remote_rows.swap(0, Ordering::Relaxed),
+            self.local_rows.swap(0, Ordering::Relaxed),
+        )
+    }
+
+    fn count(&self, rank: usize, rows: &[usize]) {
+        let local = rows[rank] as u64;
+        let all: u64 = rows.iter().map(|&r| r as u64).sum();
+        self.local_rows.fetch_add(local, Ordering::Relaxed);
+        self.remote_rows.fetch_add(all - local, Ordering::Relaxed);
+    }
+}
+
+/// The ep group and which experts each of its ranks holds; the [`ExpertDispatch`] that sends
+/// tokens to their experts' ranks.
+#[derive(Debug, Clone)]
+pub struct ExpertParallel {
+    group: Group,
+    n_experts: usize,
+    traffic: Arc<ExpertTraffic>,
+}
+
+impl ExpertParallel {
+    /// `n_experts` experts spread evenly over `group`; fails unless the group size divides them.
+    pub fn new(group: &Group, n_experts: usize) -> Result<Self, ParallelError> {
+        if n_experts == 0 || !n_experts.is_multiple_of(group.size()) {
+            return Err(ParallelError::Invalid(format!(
+                "{n_experts} experts do not divide over the {} ranks of expert-parallel group `{}`",
+                group.size(),
+                group.name()
+            )));
+        }
+        Ok(ExpertParallel {
+            group: group.clone(),
+            n_experts,
+            traffic: Arc::default(),
+        })
+    }
+
+    /// The ep group.
+    pub fn group(&self) -> &Group {
+        &self.group
+    }
+
+    /// Experts per rank.
+    pub fn per_rank(&self) -> usize {
+        self.n_experts / self.group.size()
+    }
+
+    /// The global indices of the experts rank `rank` of the group holds.
+    pub fn experts_of(&self, rank: usize) -> Range<usize> {
+        rank * self.per_rank()..(rank + 1) * self.per_rank()
+    }
+
+    /// The rows this rank's token all-to-alls have sent.
+    pub fn traffic(&self) -> &ExpertTraffic {
+        &self.traffic
+    }
+
+    /// `model` with every MoE layer's experts gathered from the group (collective): the whole
+    /// model, as one rank would hold it.
+    pub fn gather_experts(&self, mut model: Transformer) -> Result<Transformer, ParallelError> {
+        for block in &mut model.blocks {
+            if let Some(moe) = block.moe.as_mut() {
+                let gathered = self.group.all_gather_vec(&flatten_params(&moe.experts))?;
+                let template: Vec<SwiGlu> = (0..self.group.size())
+                    .flat_map(|_| moe.experts.clone())
+                    .collect();
+                moe.experts = load_flat(template, &gathered);
+                moe.first_expert = 0;
+            }
+        }
+        Ok(model)
+    }
+}
+
+/// Variable all-to-all of the rows of `x: [rows, d]`: `send[q]` consecutive rows to rank `q`;
+/// returns the `recv[q]` rows from each rank `q`, in rank order. Backward sends the gradients
+/// back the same way.
+fn exchange_rows(
+    x: Tensor<2>,
+    send: Vec<usize>,
+    recv: Vec<usize>,
+    ep: &ExpertParallel,
+) -> Tensor<2> {
+    let d = x.dims()[1];
+    ep.traffic.count(ep.group.rank(), &send);
+    let forward = {
+        let (ep, send, recv) = (ep.clone(), send.clone(), recv.clone());
+        move |data: TensorData| all_to_all_rows(&ep.group, data, &send, &recv, d)
+    };
+    let backward = {
+        let ep = ep.clone();
+        move |data: TensorData| {
+            ep.traffic.count(ep.group.rank(), &recv);
+            all_to_all_rows(&ep.group, data, &recv, &send, d)
+        }
+    };
+    host_pair(x, host(forward), host(backward))
+}
+
+fn all_to_all_rows(
+    group: &Group,
+    data: TensorData,
+    send: &[usize],
+    recv: &[usize],
+    d: usize,
+) -> TensorData {
+    let (v, _) = values(data);
+    let rows: usize = recv.iter().sum();
+    let mut out = vec![0f32; rows * d];
+    let elements = |rows: &[usize]| rows.iter().map(|r| r * d).collect::<Vec<_>>();
+    ok(group.all_to_all_v(&v, &elements(send), &mut out, &elements(recv)));
+    TensorData::new(out, [rows, d])
+}
+
+impl ExpertDispatch for ExpertParallel {
+    fn dispatch(&self, moe: &Moe, tokens: Tensor<2>, counts: &[usize]) -> Tensor<2> {
+        let (p, per) = (self.group.size(), self.per_rank());
+        // Rows are grouped by expert and experts are contiguous per rank: grouped by rank too.
+        let send: Vec<usize> = counts.chunks(per).map(|c| c.iter().sum()).collect();
+        // Each owner learns how many rows per local expert every rank sends.
+        let counts64: Vec<u64> = counts.iter().map(|&c| c as u64).collect();
+        let mut incoming = vec![0u64; p * per];
+        ok(self
+            .group
+            .all_to_all_v(&counts64, &vec![per; p], &mut incoming, &vec![per; p]));
+        let incoming: Vec<usize> = incoming.iter().map(|&c| c as usize).collect();
+        let recv: Vec<usize> = incoming.chunks(per).map(|c| c.iter().sum()).collect();
+        let received = exchange_rows(tokens, send.clone(), recv.clone(), self);
+        let total: usize = recv.iter().sum();
+        let outputs = if total == 0 {
+            // Nothing to compute, but the way back must still run (it is a collective).
+            received
+        } else if per == 1 {
+            run_experts(&moe.experts, received, &[total])
+        } else {
+            // Received rows come (source, expert); experts want (expert, source).
+            let mut starts = vec![0; p * per];
+            let mut at = 0;
+            for (i, &n) in incoming.iter().enumerate() {
+                starts[i] = at;
+                at += n;
+            }
+            let mut order = Vec::with_capacity(total);
+            for j in 0..per {
+                for src in 0..p {
+                    let i = src * per + j;
+                    order.extend(starts[i]..starts[i] + incoming[i]);
+                }
+            }
+            let mut inverse = vec![0; total];
+            for (pos, &row) in order.iter().enumerate() {
+                inverse[row] = pos;
+            }
+            let device = received.device();
+            let index = |v: &[usize]| {
+                Tensor::<1, Int>::from_data(
+                    TensorData::new(v.iter().map(|&i| i as i64).collect::<Vec<_>>(), [v.len()]),
+                    &device,
+                )
+            };
+            let per_expert: Vec<usize> = (0..per)
+                .map(|j| (0..p).map(|src| incoming[src * per + j]).sum())
+                .collect();
+            let grouped = received.select(0, index(&order));
+            run_experts(&moe.experts, grouped, &per_expert).select(0, index(&inverse))
+        };
+        exchange_rows(outputs, recv, send, self)
+    }
+}
+
+/// Reduces and clips the flat gradients of an expert-parallel model: replicated parameters
+/// over the batch group (`dp x ep`), experts over their `dp` replicas only.
+#[derive(Debug, Clone)]
+pub struct ExpertGradients {
+    /// Where the routed experts' gradients are in the flat gradient.
+    expert: Vec<Range<usize>>,
+    /// Where every other parameter's gradient is.
+    replicated: Vec<Range<usize>>,
+    batch: Group,
+    replicas: Group,
+    ep: Group,
+    average: bool,
+}
+
+impl ExpertGradients {
+    /// For `layout` (the local model's), with `batch` every rank reading its own data, `replicas`
+    /// the ranks holding the same experts (`dp`), `ep` the ranks splitting them. `average`:
+    /// gradients are means over the batch group and `micro_batches` micro-batches (sums
+    /// otherwise).
+    pub fn new(
+        layout: &ParamLayout,
+        batch: &Group,
+        replicas: &Group,
+        ep: &Group,
+        average: bool,
+    ) -> Self {
+        let (mut expert, mut replicated) = (vec![], vec![]);
+        for s in &layout.slots {
+            let range = s.offset..s.offset + s.numel;
+            if is_expert_param(&s.name) {
+                expert.push(range);
+            } else {
+                replicated.push(range);
+            }
+        }
+        ExpertGradients {
+            expert,
+            replicated,
+            batch: batch.clone(),
+            replicas: replicas.clone(),
+            ep: ep.clone(),
+            average,
+        }
+    }
+
+    fn gather(flat: &[f32], ranges: &[Range<usize>]) -> Vec<f32> {
+        ranges
+            .iter()
+            .flat_map(|r| flat[r.clone()].iter().copied())
+            .collect()
+    }
+
+    fn scatter(flat: &mut [f32], ranges: &[Range<usize>], values: &[f32]) {
+        let mut at = 0;
+        for r in ranges {
+            flat[r.clone()].copy_from_slice(&values[at..at + r.len()]);
+            at += r.len();
+        }
+    }
+
+    /// Sums `flat` (this rank's gradients, summed over `micro_batches` micro-batches) over the
+    /// ranks that share each parameter, averages if configured, and clips to `max_norm`.
+    /// Returns the global norm before clipping.
+    pub fn reduce(
+        &self,
+        flat: &mut [f32],
+        micro_batches: usize,
+        max_norm: Option<f32>,
+    ) -> Result<f32, ParallelError> {
+        let mut shared = Self::gather(flat, &self.replicated);
+        let mut own = Self::gather(flat, &self.expert);
+        self.batch.all_reduce(&mut shared, ReduceOp::Sum)?;
+        if self.replicas.size() > 1 {
+            self.replicas.all_reduce(&mut own, ReduceOp::Sum)?;
+        }
+        if self.average {
+            let scale = 1.0 / (self.batch.size() * micro_batches) as f32;
+            shared
+                .iter_mut()
+                .chain(own.iter_mut())
+                .for_each(|g| *g *= scale);
+        }
+        // Replicated gradients count once; each expert's lives on one rank of the ep group.
+        let squares = |v: &[f32]| v.iter().map(|&g| g as f64 * g as f64).sum::<f64>();
+        let mut expert_sq = [squares(&own)];
+        self.ep.all_reduce(&mut expert_sq, ReduceOp::Sum)?;
+        let norm = (squares(&shared) + expert_sq[0]).sqrt() as f32;
+        if let Some(scale) = crate::clip_scale(norm, max_norm)? {
+            shared
+                .iter_mut()
+                .chain(own.iter_mut())
+                .for_each(|g| *g *= scale);
+        }
+        Self::scatter(flat, &self.replicated, &shared);
+        Self::scatter(flat, &self.expert, &own);
+        Ok(norm)
+    }
+}

@@ -1,0 +1,105 @@
+//! Expert parallelism through the training job: a mixture-of-experts transformer trained on
+//! one rank holding every expert and on `ep` (and `dp x ep`) layouts must give the same loss and
+//! gradient norm at every step, the same final parameters and the same tokens per expert (so the
+//! same tokens dropped) at every step.
+
+use super::{TOLERANCE, job};
+use flashover::train::{TrainConfig, train, verify};
+use flashover_models::moe::{DropPolicy, RouterKind};
+
+fn moe_job(mesh: &str, experts: usize, top_k: usize, micro_batches: usize) -> TrainConfig {
+    let mut c = job(mesh, 8, micro_batches);
+    c.run.steps = 6;
+    c.moe.experts = experts;
+    c.moe.top_k = top_k;
+    c.moe.d_expert = Some(24);
+    c.moe.z_loss_coef = 1e-3;
+    c
+}
+
+#[test]
+fn expert_parallel_matches_one_rank_dropless_at_ep_2_and_4_and_with_dp() {
+    for (mesh, top_k, micro) in [("ep=2", 2, 1), ("ep=4", 1, 2), ("dp=2,ep=2", 2, 1)] {
+        let (reference, candidate, cmp) =
+            verify(&moe_job(mesh, 4, top_k, micro), TOLERANCE).unwrap();
+        assert!(cmp.pass, "{mesh} top-{top_k}: {cmp}");
+        assert_eq!(cmp.max_routing_diff, Some(0), "{mesh}");
+        let moe = candidate.steps[0].moe.as_ref().unwrap();
+        assert_eq!(moe.drop_rate, 0.0, "dropless");
+        assert!(moe.a2a_remote_bytes > 0, "{mesh}: tokens must cross ranks");
+        let routed: u64 = moe.tokens_per_expert.iter().flatten().sum();
+        // Every token of every layer is routed top_k times.
+        assert_eq!(routed, (2 * 8 * 16 * top_k) as u64, "{mesh}");
+        assert!(
+            reference.steps.last().unwrap().loss < reference.steps[0].loss,
+            "the model must learn"
+        );
+    }
+}
+
+#[test]
+fn capacity_drops_the_same_tokens_as_one_rank_with_either_policy() {
+    for (policy, router) in [
+        (DropPolicy::Position, RouterKind::Softmax),
+        (DropPolicy::Probability, RouterKind::Sigmoid),
+    ] {
+        let mut c = moe_job("ep=2", 4, 2, 2);
+        c.moe.capacity_factor = Some(0.75);
+        c.moe.drop_policy = policy;
+        c.moe.router = router;
+        c.moe.shared_expert = true;
+        let (_, candidate, cmp) = verify(&c, TOLERANCE).unwrap();
+        assert!(cmp.pass, "{policy:?}: {cmp}");
+        assert_eq!(cmp.max_routing_diff, Some(0));
+        let drop = candidate.steps[0].moe.as_ref().unwrap().drop_rate;
+        assert!(
+            drop > 0.0 && drop < 1.0,
+            "capacity 0.75 must drop some assignments: {drop}"
+        );
+    }
+}
+
+#[test]
+fn the_load_balancing_loss_reaches_the_router() {
+    // With a heavy balancing weight, routing must become more even than without it.
+    let imbalance = |coef: f64| {
+        let mut c = moe_job("ep=2", 4, 1, 1);
+        c.run.steps = 30;
+        c.optim.lr = 1e-2;
+        c.moe.aux_loss_coef = coef;
+        let report = train(&c, &|_| {}).unwrap();
+        let tail = &report.steps[20..];
+        tail.iter()
+            .map(|s| s.moe.as_ref().unwrap().imbalance)
+            .sum::<f64>()
+            / tail.len() as f64
+    };
+    let (free, balanced) = (imbalance(0.0), imbalance(1.0));
+    assert!(
+        balanced < free,
+        "imbalance with the loss {balanced} vs without {free}"
+    );
+}
+
+#[test]
+fn moe_jobs_that_cannot_run_are_refused_naming_the_fields() {
+    let errors = moe_job("ep=4", 6, 2, 1).validate().join("\n");
+    assert!(
+        errors.contains("moe.experts = 6 does not divide by ep = 4"),
+        "{errors}"
+    );
+    let errors = moe_job("tp=2", 4, 2, 1).validate().join("\n");
+    assert!(errors.contains("train with dp and ep so far"), "{errors}");
+    let errors = moe_job("ep=2", 4, 5, 1).validate().join("\n");
+    assert!(
+        errors.contains("moe.top_k = 5 must be between 1 and moe.experts = 4"),
+        "{errors}"
+    );
+    let mut dense = job("ep=2", 8, 1);
+    dense.moe.experts = 0;
+    let errors = dense.validate().join("\n");
+    assert!(
+        errors.contains("has ep=2 but the model has no experts"),
+        "{errors}"
+    );
+}
