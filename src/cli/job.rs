@@ -108,6 +108,9 @@ pub struct JobArgs {
     /// Weight of the router z-loss.
     #[arg(long)]
     z_loss_coef: Option<f64>,
+    /// Auxiliary-loss-free balancing: per-step change of each expert's routing bias.
+    #[arg(long)]
+    bias_update_rate: Option<f64>,
 }
 
 impl JobArgs {
@@ -219,6 +222,7 @@ impl JobArgs {
         m.shared_expert |= self.shared_expert;
         set(&mut m.aux_loss_coef, self.aux_loss_coef);
         set(&mut m.z_loss_coef, self.z_loss_coef);
+        set(&mut m.bias_update_rate, self.bias_update_rate);
         Ok(())
     }
 }

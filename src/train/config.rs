@@ -53,6 +53,8 @@ pub struct MoeSection {
     pub aux_loss_coef: f64,
     /// Weight of the router z-loss.
     pub z_loss_coef: f64,
+    /// Auxiliary-loss-free balancing: per-step change of each expert's routing bias (0: off).
+    pub bias_update_rate: f64,
 }
 
 impl Default for MoeSection {
@@ -68,6 +70,7 @@ impl Default for MoeSection {
             shared_expert: false,
             aux_loss_coef: 0.01,
             z_loss_coef: 0.0,
+            bias_update_rate: 0.0,
         }
     }
 }
@@ -333,6 +336,7 @@ impl TrainConfig {
                     shared_expert: e.shared_expert,
                     aux_loss_coef: e.aux_loss_coef,
                     z_loss_coef: e.z_loss_coef,
+                    bias_update_rate: e.bias_update_rate,
                 }
             }),
             ..base
@@ -606,16 +610,21 @@ impl TrainConfig {
                 e.experts
             ));
         }
-        let others = [Axis::Tp, Axis::Pp, Axis::Fsdp]
+        let others = [Axis::Pp, Axis::Fsdp]
             .into_iter()
             .filter(|&a| mesh.degree(a) > 1)
             .map(|a| a.to_string())
             .collect::<Vec<_>>();
         if !others.is_empty() || self.parallel.zero > 0 {
             errors.push(format!(
-                "moe.experts = {} with parallel.mesh `{}` and parallel.zero = {}: mixture-of-experts models train with dp and ep so far (not tp, pp, fsdp or ZeRO)",
+                "moe.experts = {} with parallel.mesh `{}` and parallel.zero = {}: mixture-of-experts models train with dp, ep and tp so far (not pp, fsdp or ZeRO)",
                 e.experts, self.parallel.mesh, self.parallel.zero
             ));
+        }
+        if self.parallel.sequence_parallel {
+            errors.push(
+                "moe.experts with parallel.sequence_parallel: capacity and the balancing loss are per whole sequence, which sequence parallelism splits; drop --sequence-parallel".into(),
+            );
         }
         errors
     }

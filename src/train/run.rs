@@ -12,19 +12,21 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_data::{BatchPlan, MarkovSource, TextSource, TokenSource};
 use flashover_models::{
-    Dropout, ForwardContext, LinearHook, MoeHook, Transformer, next_token_loss,
+    Block, Dropout, ForwardContext, LinearHook, MoeHook, Transformer, next_token_loss,
 };
 use flashover_parallel::FlatAdamW;
 use flashover_parallel::data_parallel::{
     DataParallel, DataParallelConfig, MicroBatches, ReduceReport,
 };
-use flashover_parallel::expert_parallel::{ExpertGradients, ExpertParallel, is_expert_param};
+use flashover_parallel::expert_parallel::{
+    ExpertGradients, ExpertGroups, ExpertParallel, is_expert_param,
+};
 use flashover_parallel::hooks_supported;
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, load_flat};
 use flashover_parallel::pipeline::{
     Action, ActionKind, PipelineExecutor, Schedule, ScheduleKind, WeightGradStore,
 };
-use flashover_parallel::tensor_parallel::TensorParallel;
+use flashover_parallel::tensor_parallel::{TensorParallel, VocabShard};
 use flashover_parallel::zero::ShardLayout;
 use flashover_parallel::zero::{
     FullyShardConfig, FullyShardedOptimizer, MemoryReport, ShardGroup, ShardedDataParallel,
@@ -212,18 +214,123 @@ enum Strategy {
         Arc<ShardGroup>,
     ),
     /// A mixture-of-experts model: experts split over `ep`, the rest replicated over `dp x ep`.
-    Moe(Box<MoeState>),
+    Moe(Box<MoeState<Transformer>>),
+    /// The same with attention, embedding and head split over `tp` (experts whole on every tp
+    /// rank of their ep rank).
+    TpMoe(Box<MoeState<TpTransformer>>),
 }
 
-/// An expert-parallel rank: its experts and the replicated rest, how tokens reach the
-/// experts, how gradients are reduced.
-struct MoeState {
-    model: Transformer,
+/// An expert-parallel rank: its experts and the rest, how tokens reach the experts, how
+/// gradients are reduced.
+struct MoeState<M> {
+    model: M,
     experts: ExpertParallel,
     hook: MoeHook,
     gradients: ExpertGradients,
     optim: ModuleAdamW,
     layout: ParamLayout,
+    d_model: usize,
+}
+
+/// A model whose blocks an expert-parallel step reaches between steps (routing biases).
+trait MoeBlocks {
+    fn moe_blocks(&self) -> &[Block];
+    fn moe_blocks_mut(&mut self) -> &mut [Block];
+}
+
+impl MoeBlocks for Transformer {
+    fn moe_blocks(&self) -> &[Block] {
+        &self.blocks
+    }
+    fn moe_blocks_mut(&mut self) -> &mut [Block] {
+        &mut self.blocks
+    }
+}
+
+impl MoeBlocks for TpTransformer {
+    fn moe_blocks(&self) -> &[Block] {
+        &self.local.blocks
+    }
+    fn moe_blocks_mut(&mut self) -> &mut [Block] {
+        &mut self.local.blocks
+    }
+}
+
+impl<M: MoeBlocks> MoeState<M> {
+    /// Every MoE layer's routing bias (empty vectors where balancing by bias is off).
+    fn bias(&self) -> Vec<Vec<f32>> {
+        self.model
+            .moe_blocks()
+            .iter()
+            .map(|b| b.moe.as_ref().map_or(vec![], |m| m.expert_bias.clone()))
+            .collect()
+    }
+
+    /// Sets the routing biases from [`MoeState::bias`]'s output (a checkpoint's).
+    fn set_bias(&mut self, bias: &[Vec<f32>]) -> Result<(), RankError> {
+        let blocks = self.model.moe_blocks_mut();
+        if bias.len() != blocks.len() {
+            return Err(RankError::from(format!(
+                "the checkpoint has routing biases for {} layers, the model has {}",
+                bias.len(),
+                blocks.len()
+            )));
+        }
+        for (block, b) in blocks.iter_mut().zip(bias) {
+            if let Some(moe) = block.moe.as_mut() {
+                moe.expert_bias = b.clone();
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<M: Module> MoeState<M> {
+    /// `model` (this rank's experts, and with tp its shares) with gradients reduced over
+    /// `groups`; `split(name)`: whether a parameter is split over tp.
+    fn new(
+        model: M,
+        experts: ExpertParallel,
+        groups: ExpertGroups,
+        split: impl Fn(&str) -> bool,
+        average: bool,
+        adamw: &FlatAdamWConfig,
+        d_model: usize,
+    ) -> Self {
+        let layout = ParamLayout::of(&model);
+        MoeState {
+            gradients: ExpertGradients::new(&layout, groups, split, average),
+            optim: ModuleAdamW::new(adamw, &model),
+            hook: MoeHook::new(Arc::new(experts.clone())),
+            experts,
+            layout,
+            model,
+            d_model,
+        }
+    }
+
+    /// Checkpoint segments: experts named by global index, replicated parameters written by
+    /// the ranks holding the first experts; with tp, each weight's tp split.
+    fn segments(&self, tp: Option<(&Group, &VocabShard)>) -> Vec<Segment> {
+        let ep = self.experts.group();
+        let first = self.experts.experts_of(ep.rank()).start;
+        self.layout
+            .slots
+            .iter()
+            .map(|s| {
+                let local = s.name.strip_prefix("local.").unwrap_or(&s.name);
+                let name = global_expert_name(local, first);
+                let mut segment = match tp {
+                    Some((g, vocab)) => {
+                        tp_segment(&name, &s.shape, s.offset, (g.rank(), g.size()), vocab)
+                    }
+                    None => Segment::whole(&name, &s.shape, s.offset),
+                };
+                segment.write &= is_expert_param(&name) || ep.rank() == 0;
+                segment
+            })
+            .collect()
+    }
 }
 
 /// One step's outcome on one rank.
@@ -301,25 +408,26 @@ impl Strategy {
             .with_overlap(config.parallel.overlap)
             .with_average(config.parallel.gradient_reduction == "mean");
         if let Some(moe) = &model_config.moe {
+            // Replicas start equal: the seeded initialisation is the same on every rank.
             let ep = ctx.group(Axis::Ep);
             let experts = ExpertParallel::new(ep, moe.n_experts)?;
-            // Replicas start equal: the seeded initialisation is the same on every rank.
-            let layout = ParamLayout::of(&model);
-            let gradients = ExpertGradients::new(
-                &layout,
-                batch_group,
-                ctx.group(Axis::Dp),
-                ep,
-                config.parallel.gradient_reduction == "mean",
-            );
-            return Ok(Strategy::Moe(Box::new(MoeState {
-                optim: ModuleAdamW::new(&adamw, &model),
-                hook: MoeHook::new(Arc::new(experts.clone())),
-                experts,
-                gradients,
-                layout,
-                model,
-            })));
+            let tp = ctx.group(Axis::Tp);
+            let groups = ExpertGroups {
+                batch: batch_group.clone(),
+                replicas: ctx.group(Axis::Dp).clone(),
+                ep: ep.clone(),
+                tp: tp.clone(),
+            };
+            let average = config.parallel.gradient_reduction == "mean";
+            let d = model_config.d_model;
+            if tp.size() > 1 {
+                let model = TpTransformer::shard(model, &TensorParallel::new(tp))?;
+                let split = |name: &str| !TpTransformer::is_replicated(name);
+                let state = MoeState::new(model, experts, groups, split, average, &adamw, d);
+                return Ok(Strategy::TpMoe(Box::new(state)));
+            }
+            let state = MoeState::new(model, experts, groups, |_| false, average, &adamw, d);
+            return Ok(Strategy::Moe(Box::new(state)));
         }
         let pp = ctx.group(Axis::Pp);
         if pp.size() > 1 {
@@ -473,8 +581,23 @@ impl Strategy {
                 Ok((Strategy::Pp(state), outcome))
             }
             Strategy::Moe(mut state) => {
-                let outcome = moe_step(ctx, &mut state, clip, batches, micro_batches, lr)?;
+                let outcome = moe_step(
+                    ctx,
+                    &mut state,
+                    clip,
+                    batches,
+                    micro_batches,
+                    lr,
+                    transformer_loss,
+                )?;
                 Ok((Strategy::Moe(state), outcome))
+            }
+            Strategy::TpMoe(mut state) => {
+                let tp_loss = |m: &TpTransformer, inputs, targets, fwd: &ForwardContext| {
+                    m.forward_loss(inputs, targets, fwd)
+                };
+                let outcome = moe_step(ctx, &mut state, clip, batches, micro_batches, lr, tp_loss)?;
+                Ok((Strategy::TpMoe(state), outcome))
             }
             Strategy::Tp(model, mut ddp, mut optim) => {
                 let tp_loss = |m: &TpTransformer, inputs, targets, fwd: &ForwardContext| {
@@ -562,7 +685,9 @@ impl Strategy {
                 zero.data_parallel().num_buckets(),
                 zero.data_parallel().overlaps(),
             ),
-            Strategy::Fsdp(..) | Strategy::Pp(..) | Strategy::Moe(..) => (0, false),
+            Strategy::Fsdp(..) | Strategy::Pp(..) | Strategy::Moe(..) | Strategy::TpMoe(..) => {
+                (0, false)
+            }
         }
     }
 
@@ -639,21 +764,14 @@ impl Strategy {
                 (state, replicas, replicas)
             }
             Strategy::Moe(state) => {
-                // Experts are named by their global index; the replicated rest is written by
-                // the ranks holding the first experts (one copy of each).
-                let ep = state.experts.group();
-                let first = state.experts.experts_of(ep.rank()).start;
-                let segments = state
-                    .layout
-                    .slots
-                    .iter()
-                    .map(|s| {
-                        let name = global_expert_name(&s.name, first);
-                        let mut segment = Segment::whole(&name, &s.shape, s.offset);
-                        segment.write &= is_expert_param(&s.name) || ep.rank() == 0;
-                        segment
-                    })
-                    .collect();
+                let segments = state.segments(None);
+                let local =
+                    with_moments(flatten_params(&state.model), segments, state.optim.flat());
+                (local, replicas, replicas)
+            }
+            Strategy::TpMoe(state) => {
+                let vocab = state.model.vocab();
+                let segments = state.segments(Some((ctx.group(Axis::Tp), &vocab)));
                 let local =
                     with_moments(flatten_params(&state.model), segments, state.optim.flat());
                 (local, replicas, replicas)
@@ -730,8 +848,30 @@ impl Strategy {
                 state.model = load_flat(state.model.clone(), &params);
                 state.optim.flat_mut()
             }
+            Strategy::TpMoe(state) => {
+                state.model = load_flat(state.model.clone(), &params);
+                state.optim.flat_mut()
+            }
         };
         adam.restore(steps_taken, m1, m2).map_err(RankError::from)
+    }
+
+    /// Mixture of experts: every layer's routing bias (`None` for other strategies).
+    fn moe_bias(&self) -> Option<Vec<Vec<f32>>> {
+        match self {
+            Strategy::Moe(state) => Some(state.bias()),
+            Strategy::TpMoe(state) => Some(state.bias()),
+            _ => None,
+        }
+    }
+
+    /// Restores [`Strategy::moe_bias`]'s output.
+    fn set_moe_bias(&mut self, bias: &[Vec<f32>]) -> Result<(), RankError> {
+        match self {
+            Strategy::Moe(state) => state.set_bias(bias),
+            Strategy::TpMoe(state) => state.set_bias(bias),
+            _ => Ok(()),
+        }
     }
 
     /// The whole model's parameters by name, on world rank 0 (collective for every strategy
@@ -743,6 +883,7 @@ impl Strategy {
             Strategy::Tp(model, ..) => model.unshard()?,
             Strategy::Pp(state) => return gather_pipeline_params(ctx, state),
             Strategy::Moe(state) => state.experts.gather_experts(state.model.valid())?,
+            Strategy::TpMoe(state) => state.experts.gather_experts(state.model.unshard()?)?,
         };
         let layout = ParamLayout::of(&full);
         let flat = flatten_params(&full);
@@ -822,6 +963,7 @@ fn train_rank(
             "mesh": config.parallel.mesh,
             "zero": config.parallel.zero,
             "config": config,
+            "moe_bias": strategy.moe_bias(),
         });
         saver
             .save(world, done as u64, run, pieces)
@@ -985,6 +1127,11 @@ fn resume(
         .load(&ckpt)
         .map_err(|e| RankError::from(format!("resuming: {e}")))?;
     strategy.restore(state)?;
+    if let Some(bias) = run.get("moe_bias").filter(|v| !v.is_null()) {
+        let bias: Vec<Vec<f32>> = serde_json::from_value(bias.clone())
+            .map_err(|e| RankError::from(format!("{}: run.moe_bias: {e}", ckpt.dir().display())))?;
+        strategy.set_moe_bias(&bias)?;
+    }
     Ok(step)
 }
 
@@ -1029,13 +1176,14 @@ where
 /// One expert-parallel step: every micro-batch's forward (tokens to their experts' ranks and
 /// back) and backward with the auxiliary losses, gradients reduced over the ranks that share
 /// each parameter, AdamW on this rank's parameters; routing statistics over the batch group.
-fn moe_step(
+fn moe_step<M: Module + MoeBlocks>(
     ctx: &RankContext,
-    state: &mut MoeState,
+    state: &mut MoeState<M>,
     clip: Option<f32>,
     batches: &mut dyn FnMut(usize) -> (Tensor<2, Int>, Tensor<2, Int>, ForwardContext),
     micro_batches: usize,
     lr: f64,
+    loss: impl Fn(&M, Tensor<2, Int>, Tensor<2, Int>, &ForwardContext) -> Tensor<1>,
 ) -> Result<StepOutcome, RankError> {
     let before = ctx.comm_stats();
     let a2a_before = state.experts.group().stats();
@@ -1045,7 +1193,7 @@ fn moe_step(
     for micro in 0..micro_batches {
         let (inputs, targets, mut fwd) = batches(micro);
         fwd.moe = Some(state.hook.clone());
-        let lm = next_token_loss(state.model.forward_with(inputs, &fwd), targets);
+        let lm = loss(&state.model, inputs, targets, &fwd);
         loss_sum += lm.clone().into_scalar::<f32>() as f64;
         let total = match state.hook.take_aux_loss() {
             Some(aux) => lm + aux,
@@ -1083,6 +1231,12 @@ fn moe_step(
             .collect()
     };
     let (routed, kept) = (per_layer(0), per_layer(1));
+    // Auxiliary-loss-free balancing: the global loads move every rank's biases alike.
+    for (block, counts) in state.model.moe_blocks_mut().iter_mut().zip(&routed) {
+        if let Some(moe) = block.moe.as_mut() {
+            moe.update_bias(counts);
+        }
+    }
     let tail = &sums[2 * layers * experts..];
     let total_routed: u64 = routed.iter().flatten().sum();
     let total_kept: u64 = kept.iter().flatten().sum();
@@ -1093,7 +1247,7 @@ fn moe_step(
             l.iter().copied().max().unwrap_or(0) as f64 / mean.max(f64::MIN_POSITIVE)
         })
         .fold(0.0, f64::max);
-    let d = state.model.embed.weight.val().dims()[1];
+    let d = state.d_model;
     let comm = ctx.comm_stats().since(&before).total();
     let a2a = state.experts.group().stats().since(&a2a_before).total();
     let numel = state.layout.numel;

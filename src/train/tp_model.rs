@@ -159,9 +159,10 @@ impl TpTransformer {
         self.vocab
     }
 
-    /// Whether parameter `name` is replicated over `tp` (the norms) rather than split.
+    /// Whether parameter `name` is replicated over `tp` (the norms, mixture-of-experts layers)
+    /// rather than split.
     pub fn is_replicated(name: &str) -> bool {
-        name.contains("norm")
+        name.contains("norm") || name.contains(".moe.")
     }
 }
 
@@ -182,7 +183,10 @@ pub enum TpSplit {
 /// The split of parameter `name` (whole-model name, e.g. `blocks.0.attn.wq.weight`).
 pub fn tp_split(name: &str) -> TpSplit {
     let leaf = |suffixes: &[&str]| suffixes.iter().any(|s| name.ends_with(s));
-    if leaf(&[
+    if name.contains(".moe.") {
+        // Routers and experts are whole on every tp rank (experts split over ep instead).
+        TpSplit::Replicated
+    } else if leaf(&[
         "wq.weight",
         "wk.weight",
         "wv.weight",
@@ -241,8 +245,13 @@ pub(crate) fn tp_block_forward(
     let x = tp.enter(maybe_sp_norm(&block.attn_norm, tp).forward(h.clone()));
     let attn = tp.exit(block.attn.forward_with(x, rope, ctx, layer));
     let h = h + ctx.hidden(attn, layer, Site::AttentionOut);
-    let x = tp.enter(maybe_sp_norm(&block.mlp_norm, tp).forward(h.clone()));
-    let mlp = tp.exit(block.feed_forward(x, ctx, layer));
+    let x = maybe_sp_norm(&block.mlp_norm, tp).forward(h.clone());
+    // A mixture of experts is not split over tp: every tp rank routes the same (replicated)
+    // tokens through its ep group, so no operator surrounds it.
+    let mlp = match &block.moe {
+        Some(moe) => moe.forward_with(x, ctx, layer),
+        None => tp.exit(block.feed_forward(tp.enter(x), ctx, layer)),
+    };
     h + ctx.hidden(mlp, layer, Site::MlpOut)
 }
 

@@ -18,8 +18,13 @@ fn moe_job(mesh: &str, experts: usize, top_k: usize, micro_batches: usize) -> Tr
 }
 
 #[test]
-fn expert_parallel_matches_one_rank_dropless_at_ep_2_and_4_and_with_dp() {
-    for (mesh, top_k, micro) in [("ep=2", 2, 1), ("ep=4", 1, 2), ("dp=2,ep=2", 2, 1)] {
+fn expert_parallel_matches_one_rank_dropless_at_ep_2_and_4_with_dp_and_with_tp() {
+    for (mesh, top_k, micro) in [
+        ("ep=2", 2, 1),
+        ("ep=4", 1, 2),
+        ("dp=2,ep=2", 2, 1),
+        ("ep=2,tp=2", 2, 1),
+    ] {
         let (reference, candidate, cmp) =
             verify(&moe_job(mesh, 4, top_k, micro), TOLERANCE).unwrap();
         assert!(cmp.pass, "{mesh} top-{top_k}: {cmp}");
@@ -82,14 +87,49 @@ fn the_load_balancing_loss_reaches_the_router() {
 }
 
 #[test]
+fn balancing_by_routing_bias_matches_one_rank_and_evens_the_load() {
+    let mut c = moe_job("ep=2", 4, 1, 1);
+    c.moe.aux_loss_coef = 0.0;
+    c.moe.bias_update_rate = 0.05;
+    let (_, _, cmp) = verify(&c, TOLERANCE).unwrap();
+    assert!(cmp.pass, "{cmp}");
+    assert_eq!(cmp.max_routing_diff, Some(0));
+    let imbalance = |rate: f64| {
+        let mut c = c.clone();
+        c.run.steps = 30;
+        c.optim.lr = 1e-2;
+        c.moe.bias_update_rate = rate;
+        let report = train(&c, &|_| {}).unwrap();
+        let tail = &report.steps[5..];
+        tail.iter()
+            .map(|s| s.moe.as_ref().unwrap().imbalance)
+            .sum::<f64>()
+            / tail.len() as f64
+    };
+    // The rate is large next to these small logits' spread: much larger and loads oscillate.
+    let (free, biased) = (imbalance(0.0), imbalance(0.01));
+    assert!(
+        biased < free,
+        "imbalance with the bias {biased} vs without {free}"
+    );
+}
+
+#[test]
 fn moe_jobs_that_cannot_run_are_refused_naming_the_fields() {
     let errors = moe_job("ep=4", 6, 2, 1).validate().join("\n");
     assert!(
         errors.contains("moe.experts = 6 does not divide by ep = 4"),
         "{errors}"
     );
-    let errors = moe_job("tp=2", 4, 2, 1).validate().join("\n");
-    assert!(errors.contains("train with dp and ep so far"), "{errors}");
+    let errors = moe_job("pp=2", 4, 2, 1).validate().join("\n");
+    assert!(
+        errors.contains("train with dp, ep and tp so far"),
+        "{errors}"
+    );
+    let mut sp = moe_job("tp=2", 4, 2, 1);
+    sp.parallel.sequence_parallel = true;
+    let errors = sp.validate().join("\n");
+    assert!(errors.contains("drop --sequence-parallel"), "{errors}");
     let errors = moe_job("ep=2", 4, 5, 1).validate().join("\n");
     assert!(
         errors.contains("moe.top_k = 5 must be between 1 and moe.experts = 4"),

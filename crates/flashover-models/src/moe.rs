@@ -71,6 +71,10 @@ pub struct MoeConfig {
     pub aux_loss_coef: f64,
     /// Weight of the router z-loss (`mean logsumexp(logits)^2`, ST-MoE).
     pub z_loss_coef: f64,
+    /// Auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert's routing
+    /// bias moves by this much towards the mean load (0: off). The bias only chooses experts;
+    /// it never weights their outputs.
+    pub bias_update_rate: f64,
 }
 
 impl MoeConfig {
@@ -88,6 +92,7 @@ impl MoeConfig {
             shared_expert: false,
             aux_loss_coef: 0.01,
             z_loss_coef: 0.0,
+            bias_update_rate: 0.0,
         }
     }
 
@@ -113,6 +118,7 @@ impl MoeConfig {
         for (name, v) in [
             ("moe.aux_loss_coef", self.aux_loss_coef),
             ("moe.z_loss_coef", self.z_loss_coef),
+            ("moe.bias_update_rate", self.bias_update_rate),
         ] {
             if v.is_nan() || v < 0.0 {
                 errors.push(format!("{name} = {v} must be zero or positive"));
@@ -159,6 +165,11 @@ pub struct Moe {
     /// The layer's configuration.
     #[module(skip)]
     pub config: MoeConfig,
+    /// Per expert, added to the router scores when choosing (auxiliary-loss-free balancing);
+    /// empty when off. Not a parameter: [`Moe::update_bias`] moves it, checkpoints keep it in
+    /// their run record.
+    #[module(skip)]
+    pub expert_bias: Vec<f32>,
 }
 
 /// Where the kept assignments of a batch go, decided from the router logits on the host.
@@ -374,6 +385,25 @@ impl MoeHook {
 }
 
 impl Moe {
+    /// Auxiliary-loss-free balancing after a step: `routed[e]` assignments went to expert `e`
+    /// over the whole global batch; each bias moves by `bias_update_rate` towards the mean
+    /// load (up for under-loaded experts, down for over-loaded ones). Every rank sees the same
+    /// counts, so every rank's bias stays the same.
+    pub fn update_bias(&mut self, routed: &[u64]) {
+        let rate = self.config.bias_update_rate as f32;
+        if rate == 0.0 || routed.len() != self.config.n_experts {
+            return;
+        }
+        self.expert_bias.resize(routed.len(), 0.0);
+        let mean = routed.iter().sum::<u64>() as f64 / routed.len() as f64;
+        for (b, &load) in self.expert_bias.iter_mut().zip(routed) {
+            let gap = mean - load as f64;
+            if gap != 0.0 {
+                *b += rate * gap.signum() as f32;
+            }
+        }
+    }
+
     /// `x: [batch, seq, d_model]` -> same shape, as layer `layer`. Without an [`MoeHook`] in
     /// `ctx` the experts run locally and the auxiliary losses are not collected.
     pub fn forward_with(&self, x: Tensor<3>, ctx: &ForwardContext, layer: usize) -> Tensor<3> {
@@ -388,7 +418,8 @@ impl Moe {
             .convert::<f32>()
             .try_into_vec::<f32>()
             .expect("router logits are f32");
-        let routing = route(&host, t, &self.config, None);
+        let bias = (!self.expert_bias.is_empty()).then_some(self.expert_bias.as_slice());
+        let routing = route(&host, t, &self.config, bias);
         let device = xf.device();
         let index = |v: &[usize]| {
             Tensor::<1, Int>::from_data(
@@ -493,5 +524,90 @@ impl Moe {
             });
         }
         (total, values)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(top_k: usize, capacity: Option<f64>, policy: DropPolicy) -> MoeConfig {
+        MoeConfig {
+            capacity_factor: capacity,
+            drop_policy: policy,
+            ..MoeConfig::new(2, top_k, 4)
+        }
+    }
+
+    #[test]
+    fn routing_picks_the_best_experts_ties_to_the_lowest_index_grouped_by_expert() {
+        // Four tokens, two experts.
+        let logits = [0.0, 1.0, 2.0, 0.0, 0.5, 0.5, 3.0, -1.0];
+        let r = route(&logits, 4, &config(1, None, DropPolicy::Position), None);
+        assert_eq!(r.chosen, vec![1, 0, 0, 0]);
+        assert_eq!(
+            r.token,
+            vec![1, 2, 3, 0],
+            "expert 0's rows, then expert 1's"
+        );
+        assert_eq!((r.kept.clone(), r.routed.clone()), (vec![3, 1], vec![3, 1]));
+        // A bias changes the choice, not the order within an expert.
+        let r = route(
+            &logits,
+            4,
+            &config(1, None, DropPolicy::Position),
+            Some(&[0.0, 2.0]),
+        );
+        assert_eq!(
+            r.chosen,
+            vec![1, 0, 1, 0],
+            "token 1 ties (2 + 0 = 0 + 2): expert 0"
+        );
+    }
+
+    #[test]
+    fn capacity_is_per_sequence_and_the_policy_decides_who_stays() {
+        // Two sequences of two tokens, top-2 of 2 experts: capacity ceil(0.5 * 2 * 2 / 2) = 1.
+        let logits = [0.0, 1.0, 3.0, 0.0, 0.0, 1.0, 0.0, 2.0];
+        let by_position = route(
+            &logits,
+            2,
+            &config(2, Some(0.5), DropPolicy::Position),
+            None,
+        );
+        // First choices first: in sequence 0, token 0 keeps expert 1, token 1 keeps expert 0.
+        assert_eq!(by_position.kept, vec![2, 2]);
+        assert_eq!(by_position.dropped(), 4);
+        assert_eq!(
+            by_position.choice[..2],
+            [2, 5],
+            "expert 0 keeps token 1's first choice, then token 2's second"
+        );
+        let by_probability = route(
+            &logits,
+            2,
+            &config(2, Some(0.5), DropPolicy::Probability),
+            None,
+        );
+        assert_eq!(by_probability.dropped(), 4);
+        // Sequence 1: expert 0's two candidates weigh 0.27 (token 2) and 0.12 (token 3).
+        assert!(by_probability.choice.contains(&5) && !by_probability.choice.contains(&7));
+    }
+
+    #[test]
+    fn the_routing_bias_moves_towards_the_mean_load() {
+        let mut moe = Moe {
+            router: crate::init::linear(1, "r", 2, 3, 0.1, &burn::tensor::Device::flex()),
+            experts: vec![],
+            shared: None,
+            first_expert: 0,
+            config: MoeConfig {
+                bias_update_rate: 0.5,
+                ..MoeConfig::new(3, 1, 4)
+            },
+            expert_bias: vec![],
+        };
+        moe.update_bias(&[6, 3, 0]);
+        assert_eq!(moe.expert_bias, vec![-0.5, 0.0, 0.5]);
     }
 }

@@ -162,6 +162,7 @@ impl TransformerConfig {
                             .then(|| swiglu(&p("moe.shared"), d, moe.d_expert)),
                         first_expert: experts.start,
                         config: moe.clone(),
+                        expert_bias: vec![],
                     }),
                 }
             })

@@ -217,47 +217,59 @@ impl ExpertDispatch for ExpertParallel {
     }
 }
 
+/// The groups an expert-parallel rank reduces gradients over.
+#[derive(Debug, Clone)]
+pub struct ExpertGroups {
+    /// Every rank reading its own data (`dp x ep`): replicated parameters are reduced here.
+    pub batch: Group,
+    /// The ranks holding the same experts (`dp`): experts are reduced here.
+    pub replicas: Group,
+    /// The ranks splitting the experts (`ep`).
+    pub ep: Group,
+    /// The ranks splitting other weights (`tp`; size 1 without tensor parallelism).
+    pub tp: Group,
+}
+
 /// Reduces and clips the flat gradients of an expert-parallel model: replicated parameters
 /// over the batch group (`dp x ep`), experts over their `dp` replicas only.
 #[derive(Debug, Clone)]
 pub struct ExpertGradients {
     /// Where the routed experts' gradients are in the flat gradient.
     expert: Vec<Range<usize>>,
+    /// Where the gradients of weights split over `tp` are.
+    split: Vec<Range<usize>>,
     /// Where every other parameter's gradient is.
     replicated: Vec<Range<usize>>,
-    batch: Group,
-    replicas: Group,
-    ep: Group,
+    groups: ExpertGroups,
     average: bool,
 }
 
 impl ExpertGradients {
-    /// For `layout` (the local model's), with `batch` every rank reading its own data, `replicas`
-    /// the ranks holding the same experts (`dp`), `ep` the ranks splitting them. `average`:
-    /// gradients are means over the batch group and `micro_batches` micro-batches (sums
-    /// otherwise).
+    /// For `layout` (the local model's) on `groups`; `split(name)` says which parameters are
+    /// split over `tp` (none without tensor parallelism). `average`: gradients are means over
+    /// the batch group and the micro-batches (sums otherwise).
     pub fn new(
         layout: &ParamLayout,
-        batch: &Group,
-        replicas: &Group,
-        ep: &Group,
+        groups: ExpertGroups,
+        split: impl Fn(&str) -> bool,
         average: bool,
     ) -> Self {
-        let (mut expert, mut replicated) = (vec![], vec![]);
+        let (mut expert, mut split_ranges, mut replicated) = (vec![], vec![], vec![]);
         for s in &layout.slots {
             let range = s.offset..s.offset + s.numel;
             if is_expert_param(&s.name) {
                 expert.push(range);
+            } else if split(&s.name) {
+                split_ranges.push(range);
             } else {
                 replicated.push(range);
             }
         }
         ExpertGradients {
             expert,
+            split: split_ranges,
             replicated,
-            batch: batch.clone(),
-            replicas: replicas.clone(),
-            ep: ep.clone(),
+            groups,
             average,
         }
     }
@@ -286,31 +298,40 @@ impl ExpertGradients {
         micro_batches: usize,
         max_norm: Option<f32>,
     ) -> Result<f32, ParallelError> {
-        let mut shared = Self::gather(flat, &self.replicated);
+        let g = &self.groups;
+        // Replicated and tp-split weights are both shared by the batch group: one all-reduce.
+        let dense: Vec<Range<usize>> = self.replicated.iter().chain(&self.split).cloned().collect();
+        let mut shared = Self::gather(flat, &dense);
         let mut own = Self::gather(flat, &self.expert);
-        self.batch.all_reduce(&mut shared, ReduceOp::Sum)?;
-        if self.replicas.size() > 1 {
-            self.replicas.all_reduce(&mut own, ReduceOp::Sum)?;
+        g.batch.all_reduce(&mut shared, ReduceOp::Sum)?;
+        if g.replicas.size() > 1 {
+            g.replicas.all_reduce(&mut own, ReduceOp::Sum)?;
         }
         if self.average {
-            let scale = 1.0 / (self.batch.size() * micro_batches) as f32;
+            let scale = 1.0 / (g.batch.size() * micro_batches) as f32;
             shared
                 .iter_mut()
                 .chain(own.iter_mut())
                 .for_each(|g| *g *= scale);
         }
-        // Replicated gradients count once; each expert's lives on one rank of the ep group.
+        // Replicated gradients count once; tp-split ones sum over tp, experts over ep.
         let squares = |v: &[f32]| v.iter().map(|&g| g as f64 * g as f64).sum::<f64>();
+        let replicated_len: usize = self.replicated.iter().map(|r| r.len()).sum();
+        let (replicated, split) = shared.split_at(replicated_len);
+        let mut split_sq = [squares(split)];
         let mut expert_sq = [squares(&own)];
-        self.ep.all_reduce(&mut expert_sq, ReduceOp::Sum)?;
-        let norm = (squares(&shared) + expert_sq[0]).sqrt() as f32;
+        if g.tp.size() > 1 {
+            g.tp.all_reduce(&mut split_sq, ReduceOp::Sum)?;
+        }
+        g.ep.all_reduce(&mut expert_sq, ReduceOp::Sum)?;
+        let norm = (squares(replicated) + split_sq[0] + expert_sq[0]).sqrt() as f32;
         if let Some(scale) = crate::clip_scale(norm, max_norm)? {
             shared
                 .iter_mut()
                 .chain(own.iter_mut())
                 .for_each(|g| *g *= scale);
         }
-        Self::scatter(flat, &self.replicated, &shared);
+        Self::scatter(flat, &dense, &shared);
         Self::scatter(flat, &self.expert, &own);
         Ok(norm)
     }

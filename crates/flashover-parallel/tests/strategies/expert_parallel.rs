@@ -48,6 +48,7 @@ fn layer(config: &MoeConfig, experts: std::ops::Range<usize>, router: f32, devic
         shared: None,
         first_expert: experts.start,
         config: config.clone(),
+        expert_bias: vec![],
     }
 }
 
