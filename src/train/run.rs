@@ -299,7 +299,7 @@ impl<M: Module> MoeState<M> {
     ) -> Self {
         let layout = ParamLayout::of(&model);
         MoeState {
-            gradients: ExpertGradients::new(&layout, groups, split, average),
+            gradients: ExpertGradients::new(&model, groups, split, average),
             optim: ModuleAdamW::new(adamw, &model),
             hook: MoeHook::new(Arc::new(experts.clone())),
             experts,

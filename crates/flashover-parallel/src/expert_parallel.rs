@@ -19,17 +19,49 @@
 use crate::error::ParallelError;
 use crate::params::{ParamLayout, flatten_params, load_flat};
 use crate::tensor_parallel::comm::{host, host_pair, ok, values};
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Int, Tensor, TensorData};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use flashover_models::moe::{ExpertDispatch, Moe, run_experts};
 use flashover_models::{SwiGlu, Transformer};
+use flashover_runtime::{Axis, RankContext};
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Whether parameter `name` (a path in the model) belongs to a routed expert.
+/// Whether parameter `name` (a path in the reference transformer, e.g.
+/// `blocks.0.moe.experts.3.w_up.weight`) belongs to a routed expert. In any other model use
+/// [`expert_slots`], which does not depend on names.
 pub fn is_expert_param(name: &str) -> bool {
-    name.contains(".moe.experts.")
+    name.starts_with("moe.experts.") || name.contains(".moe.experts.")
+}
+
+/// Per float parameter of `module`, in visiting order: whether it sits in the `experts` of a
+/// [`Moe`] layer, wherever that layer is in the model and whatever its field is called.
+pub fn expert_slots<M: Module>(module: &M) -> Vec<bool> {
+    struct V {
+        /// Per enclosing module: whether it is a `Moe`'s `experts`.
+        inside: Vec<bool>,
+        slots: Vec<bool>,
+    }
+    impl ModuleVisitor for V {
+        fn enter_module(&mut self, name: &str, container_type: &str) {
+            self.inside
+                .push(name == "experts" && container_type == "Struct:Moe");
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.inside.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, _: &Param<Tensor<D>>) {
+            self.slots.push(self.inside.iter().any(|&e| e));
+        }
+    }
+    let mut v = V {
+        inside: vec![],
+        slots: vec![],
+    };
+    module.visit(&mut v);
+    v.slots
 }
 
 /// Rows moved by the token all-to-alls, forward and backward, counted by the sender.
@@ -230,6 +262,18 @@ pub struct ExpertGroups {
     pub tp: Group,
 }
 
+impl ExpertGroups {
+    /// The groups of `ctx`'s mesh: the batch group spans `dp`, `fsdp` and `ep`.
+    pub fn of(ctx: &RankContext) -> Result<Self, ParallelError> {
+        Ok(ExpertGroups {
+            batch: ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep])?,
+            replicas: ctx.group(Axis::Dp).clone(),
+            ep: ctx.group(Axis::Ep).clone(),
+            tp: ctx.group(Axis::Tp).clone(),
+        })
+    }
+}
+
 /// Reduces and clips the flat gradients of an expert-parallel model: replicated parameters
 /// over the batch group (`dp x ep`), experts over their `dp` replicas only.
 #[derive(Debug, Clone)]
@@ -245,19 +289,21 @@ pub struct ExpertGradients {
 }
 
 impl ExpertGradients {
-    /// For `layout` (the local model's) on `groups`; `split(name)` says which parameters are
-    /// split over `tp` (none without tensor parallelism). `average`: gradients are means over
-    /// the batch group and the micro-batches (sums otherwise).
-    pub fn new(
-        layout: &ParamLayout,
+    /// For `module` (this rank's, with its experts) on `groups`; `split(name)` says which
+    /// parameters are split over `tp` (none without tensor parallelism). `average`: gradients
+    /// are means over the batch group and the micro-batches (sums otherwise).
+    pub fn new<M: Module>(
+        module: &M,
         groups: ExpertGroups,
         split: impl Fn(&str) -> bool,
         average: bool,
     ) -> Self {
+        let layout = ParamLayout::of(module);
+        let experts = expert_slots(module);
         let (mut expert, mut split_ranges, mut replicated) = (vec![], vec![], vec![]);
-        for s in &layout.slots {
+        for (s, is_expert) in layout.slots.iter().zip(experts) {
             let range = s.offset..s.offset + s.numel;
-            if is_expert_param(&s.name) {
+            if is_expert {
                 expert.push(range);
             } else if split(&s.name) {
                 split_ranges.push(range);
