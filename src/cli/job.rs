@@ -111,6 +111,9 @@ pub struct JobArgs {
     /// Auxiliary-loss-free balancing: per-step change of each expert's routing bias.
     #[arg(long)]
     bias_update_rate: Option<f64>,
+    /// Balanced routing: Sinkhorn iterations per sequence before choosing (0: plain top-k).
+    #[arg(long)]
+    sinkhorn_iters: Option<usize>,
 }
 
 impl JobArgs {
@@ -223,6 +226,7 @@ impl JobArgs {
         set(&mut m.aux_loss_coef, self.aux_loss_coef);
         set(&mut m.z_loss_coef, self.z_loss_coef);
         set(&mut m.bias_update_rate, self.bias_update_rate);
+        set(&mut m.sinkhorn_iters, self.sinkhorn_iters);
         Ok(())
     }
 }

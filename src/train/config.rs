@@ -55,6 +55,8 @@ pub struct MoeSection {
     pub z_loss_coef: f64,
     /// Auxiliary-loss-free balancing: per-step change of each expert's routing bias (0: off).
     pub bias_update_rate: f64,
+    /// Balanced routing: Sinkhorn iterations per sequence before choosing (0: plain top-k).
+    pub sinkhorn_iters: usize,
 }
 
 impl Default for MoeSection {
@@ -71,6 +73,7 @@ impl Default for MoeSection {
             aux_loss_coef: 0.01,
             z_loss_coef: 0.0,
             bias_update_rate: 0.0,
+            sinkhorn_iters: 0,
         }
     }
 }
@@ -337,6 +340,7 @@ impl TrainConfig {
                     aux_loss_coef: e.aux_loss_coef,
                     z_loss_coef: e.z_loss_coef,
                     bias_update_rate: e.bias_update_rate,
+                    sinkhorn_iters: e.sinkhorn_iters,
                 }
             }),
             ..base

@@ -43,15 +43,17 @@ fn expert_parallel_matches_one_rank_dropless_at_ep_2_and_4_with_dp_and_with_tp()
 }
 
 #[test]
-fn capacity_drops_the_same_tokens_as_one_rank_with_either_policy() {
-    for (policy, router) in [
-        (DropPolicy::Position, RouterKind::Softmax),
-        (DropPolicy::Probability, RouterKind::Sigmoid),
+fn capacity_drops_the_same_tokens_as_one_rank_with_either_policy_and_balanced_routing() {
+    for (policy, router, sinkhorn) in [
+        (DropPolicy::Position, RouterKind::Softmax, 0),
+        (DropPolicy::Probability, RouterKind::Sigmoid, 0),
+        (DropPolicy::Position, RouterKind::Softmax, 8),
     ] {
         let mut c = moe_job("ep=2", 4, 2, 2);
         c.moe.capacity_factor = Some(0.75);
         c.moe.drop_policy = policy;
         c.moe.router = router;
+        c.moe.sinkhorn_iters = sinkhorn;
         c.moe.shared_expert = true;
         let (_, candidate, cmp) = verify(&c, TOLERANCE).unwrap();
         assert!(cmp.pass, "{policy:?}: {cmp}");

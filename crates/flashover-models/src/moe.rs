@@ -75,6 +75,9 @@ pub struct MoeConfig {
     /// bias moves by this much towards the mean load (0: off). The bias only chooses experts;
     /// it never weights their outputs.
     pub bias_update_rate: f64,
+    /// Balanced routing: choose experts from the Sinkhorn-balanced plan of each sequence's
+    /// scores after this many iterations (0: plain top-k). Weights stay the router's scores.
+    pub sinkhorn_iters: usize,
 }
 
 impl MoeConfig {
@@ -93,6 +96,7 @@ impl MoeConfig {
             aux_loss_coef: 0.01,
             z_loss_coef: 0.0,
             bias_update_rate: 0.0,
+            sinkhorn_iters: 0,
         }
     }
 
@@ -205,10 +209,17 @@ pub fn route(logits: &[f32], seq_len: usize, config: &MoeConfig, bias: Option<&[
     // ties go to the lower expert index.
     let mut chosen = Vec::with_capacity(tokens * k);
     let mut order: Vec<usize> = (0..e).collect();
-    for row in logits.chunks(e) {
-        let score = |x: usize| row[x] + bias.map_or(0.0, |b| b[x]);
-        order.sort_by(|&a, &b| score(b).total_cmp(&score(a)).then(a.cmp(&b)));
-        chosen.extend_from_slice(&order[..k]);
+    let group = seq_len.max(1);
+    for rows in logits.chunks(group * e) {
+        // Balanced routing: per sequence, the log of Sinkhorn's expert scaling joins the bias.
+        let balance = sinkhorn_log_scaling(rows, e, config.sinkhorn_iters);
+        for row in rows.chunks(e) {
+            let score = |x: usize| {
+                row[x] + bias.map_or(0.0, |b| b[x]) + balance.as_ref().map_or(0.0, |s| s[x])
+            };
+            order.sort_by(|&a, &b| score(b).total_cmp(&score(a)).then(a.cmp(&b)));
+            chosen.extend_from_slice(&order[..k]);
+        }
     }
     // Priority within each (sequence, expert): by choice rank then position, or by weight.
     let weight = |choice: usize| -> f32 {
@@ -266,6 +277,37 @@ pub fn route(logits: &[f32], seq_len: usize, config: &MoeConfig, bias: Option<&[
         kept,
         routed,
     }
+}
+
+/// Sinkhorn balancing of one sequence's `rows: [tokens, e]` logits: the log of the per-expert
+/// scaling `c` such that `exp(logits) * r * c` (for some per-token `r`) has rows summing to
+/// `1 / tokens` and columns to `1 / e`: choosing by `logit + ln c` is choosing from a plan that
+/// gives every expert the same share. `None` when `iterations` is 0.
+fn sinkhorn_log_scaling(rows: &[f32], e: usize, iterations: usize) -> Option<Vec<f32>> {
+    if iterations == 0 {
+        return None;
+    }
+    let t = rows.len() / e;
+    // Subtracting each row's max leaves the plan's scaling of columns unchanged.
+    let p: Vec<f64> = rows
+        .chunks(e)
+        .flat_map(|row| {
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            row.iter().map(move |&v| ((v - max) as f64).exp())
+        })
+        .collect();
+    let (mut r, mut c) = (vec![1.0f64; t], vec![1.0f64; e]);
+    for _ in 0..iterations {
+        for (i, ri) in r.iter_mut().enumerate() {
+            let s: f64 = (0..e).map(|x| p[i * e + x] * c[x]).sum();
+            *ri = 1.0 / (t as f64 * s);
+        }
+        for (x, cx) in c.iter_mut().enumerate() {
+            let s: f64 = (0..t).map(|i| p[i * e + x] * r[i]).sum();
+            *cx = 1.0 / (e as f64 * s);
+        }
+    }
+    Some(c.iter().map(|&v| v.ln() as f32).collect())
 }
 
 /// Runs a layer's experts on tokens grouped by expert.
@@ -592,6 +634,29 @@ mod tests {
         assert_eq!(by_probability.dropped(), 4);
         // Sequence 1: expert 0's two candidates weigh 0.27 (token 2) and 0.12 (token 3).
         assert!(by_probability.choice.contains(&5) && !by_probability.choice.contains(&7));
+    }
+
+    #[test]
+    fn sinkhorn_routing_spreads_tokens_that_all_prefer_one_expert() {
+        // Sixteen tokens of one sequence, four experts, every token leaning to expert 0.
+        let logits: Vec<f32> = (0..16 * 4)
+            .map(|i| (i as f32 * 1.7).sin() + if i % 4 == 0 { 1.5 } else { 0.0 })
+            .collect();
+        let max_load = |iters| {
+            let config = MoeConfig {
+                sinkhorn_iters: iters,
+                ..MoeConfig::new(4, 1, 4)
+            };
+            let r = route(&logits, 16, &config, None);
+            assert_eq!(r.routed.iter().sum::<usize>(), 16);
+            *r.routed.iter().max().unwrap()
+        };
+        let (plain, balanced) = (max_load(0), max_load(20));
+        assert!(plain >= 10, "the skew must show without balancing: {plain}");
+        assert!(
+            balanced <= 6,
+            "balanced: most tokens on one expert {balanced} (plain {plain})"
+        );
     }
 
     #[test]

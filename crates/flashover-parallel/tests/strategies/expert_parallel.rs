@@ -8,7 +8,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use flashover_models::moe::{DropPolicy, Moe, MoeConfig, MoeHook};
 use flashover_models::{ForwardContext, SwiGlu};
 use flashover_parallel::ParallelError;
-use flashover_parallel::expert_parallel::ExpertParallel;
+use flashover_parallel::expert_parallel::{ExpertParallel, expert_slots};
 use flashover_parallel::params::to_f32;
 use flashover_runtime::{Axis, CommunicatorExt, ReduceOp, launch};
 use std::sync::Arc;
@@ -201,4 +201,21 @@ fn experts_that_do_not_divide_over_ep_are_refused_by_name() {
         "{}",
         errors[0]
     );
+}
+
+#[test]
+fn experts_are_found_by_structure_whatever_the_layer_is_called() {
+    #[derive(burn::module::Module, Debug)]
+    struct Net {
+        ffn: Moe,
+        head: Linear,
+    }
+    let device = Device::flex();
+    let net = Net {
+        ffn: layer(&MoeConfig::new(4, 2, 12), 0..2, 1.0, &device),
+        head: linear(D, 1, 0.3, 1.0, &device),
+    };
+    // The router, two experts' three weights each, the head.
+    let expected = [vec![false], vec![true; 6], vec![false]].concat();
+    assert_eq!(expert_slots(&net), expected);
 }
