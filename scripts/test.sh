@@ -38,6 +38,6 @@ scripts/mpi_check.sh
 cargo test -p flashover-comm --features nccl --test nccl_engine
 
 # Examples run as a user would run them (same features as the tests: no second build).
-for example in ddp_own_model zero_own_model checkpoint_own_model moe_own_model; do
+for example in ddp_own_model zero_own_model checkpoint_own_model tensor_parallel moe_expert_parallel; do
   cargo run --quiet --features wgpu --example "$example"
 done

@@ -152,6 +152,12 @@ impl fmt::Display for Comparison {
         )?;
         if let Some(d) = self.max_routing_diff {
             write!(f, " max_routing_diff={d}")?;
+            if d > 0 {
+                write!(
+                    f,
+                    "\n  (experts received different tokens: a routing decision closer than float rounding went the other way; see docs/expert_parallel.md)"
+                )?;
+            }
         }
         Ok(())
     }

@@ -44,19 +44,25 @@ fn expert_parallel_matches_one_rank_dropless_at_ep_2_and_4_with_dp_and_with_tp()
 
 #[test]
 fn capacity_drops_the_same_tokens_as_one_rank_with_either_policy_and_balanced_routing() {
-    for (policy, router, sinkhorn) in [
-        (DropPolicy::Position, RouterKind::Softmax, 0),
-        (DropPolicy::Probability, RouterKind::Sigmoid, 0),
-        (DropPolicy::Position, RouterKind::Softmax, 8),
+    // Routing is discontinuous in the router's logits, which layouts round differently once
+    // their parameters differ in the last bits (after step 1): decisions made by a margin below
+    // that can differ (docs/expert_parallel.md). Dropping by position decides on choice and
+    // position alone; dropping by probability and Sinkhorn routing compare near-equal values
+    // far more often, so they run fewer steps here.
+    for (policy, router, sinkhorn, steps) in [
+        (DropPolicy::Position, RouterKind::Softmax, 0, 6),
+        (DropPolicy::Probability, RouterKind::Sigmoid, 0, 2),
+        (DropPolicy::Position, RouterKind::Softmax, 8, 2),
     ] {
         let mut c = moe_job("ep=2", 4, 2, 2);
+        c.run.steps = steps;
         c.moe.capacity_factor = Some(0.75);
         c.moe.drop_policy = policy;
         c.moe.router = router;
         c.moe.sinkhorn_iters = sinkhorn;
         c.moe.shared_expert = true;
         let (_, candidate, cmp) = verify(&c, TOLERANCE).unwrap();
-        assert!(cmp.pass, "{policy:?}: {cmp}");
+        assert!(cmp.pass, "{policy:?}, sinkhorn {sinkhorn}: {cmp}");
         assert_eq!(cmp.max_routing_diff, Some(0));
         let drop = candidate.steps[0].moe.as_ref().unwrap().drop_rate;
         assert!(
@@ -66,22 +72,27 @@ fn capacity_drops_the_same_tokens_as_one_rank_with_either_policy_and_balanced_ro
     }
 }
 
+/// Mean imbalance (max / mean tokens per expert) over steps 6-30 of a 30-step top-1 run at
+/// ep=2 with `balance` applied to the job.
+fn mean_imbalance(balance: impl Fn(&mut TrainConfig)) -> f64 {
+    let mut c = moe_job("ep=2", 4, 1, 1);
+    c.run.steps = 30;
+    c.optim.lr = 1e-2;
+    c.moe.aux_loss_coef = 0.0;
+    balance(&mut c);
+    let report = train(&c, &|_| {}).unwrap();
+    let tail = &report.steps[5..];
+    tail.iter()
+        .map(|s| s.moe.as_ref().unwrap().imbalance)
+        .sum::<f64>()
+        / tail.len() as f64
+}
+
 #[test]
 fn the_load_balancing_loss_reaches_the_router() {
     // With a heavy balancing weight, routing must become more even than without it.
-    let imbalance = |coef: f64| {
-        let mut c = moe_job("ep=2", 4, 1, 1);
-        c.run.steps = 30;
-        c.optim.lr = 1e-2;
-        c.moe.aux_loss_coef = coef;
-        let report = train(&c, &|_| {}).unwrap();
-        let tail = &report.steps[20..];
-        tail.iter()
-            .map(|s| s.moe.as_ref().unwrap().imbalance)
-            .sum::<f64>()
-            / tail.len() as f64
-    };
-    let (free, balanced) = (imbalance(0.0), imbalance(1.0));
+    let free = mean_imbalance(|_| {});
+    let balanced = mean_imbalance(|c| c.moe.aux_loss_coef = 1.0);
     assert!(
         balanced < free,
         "imbalance with the loss {balanced} vs without {free}"
@@ -96,20 +107,9 @@ fn balancing_by_routing_bias_matches_one_rank_and_evens_the_load() {
     let (_, _, cmp) = verify(&c, TOLERANCE).unwrap();
     assert!(cmp.pass, "{cmp}");
     assert_eq!(cmp.max_routing_diff, Some(0));
-    let imbalance = |rate: f64| {
-        let mut c = c.clone();
-        c.run.steps = 30;
-        c.optim.lr = 1e-2;
-        c.moe.bias_update_rate = rate;
-        let report = train(&c, &|_| {}).unwrap();
-        let tail = &report.steps[5..];
-        tail.iter()
-            .map(|s| s.moe.as_ref().unwrap().imbalance)
-            .sum::<f64>()
-            / tail.len() as f64
-    };
     // The rate is large next to these small logits' spread: much larger and loads oscillate.
-    let (free, biased) = (imbalance(0.0), imbalance(0.01));
+    let free = mean_imbalance(|_| {});
+    let biased = mean_imbalance(|c| c.moe.bias_update_rate = 0.01);
     assert!(
         biased < free,
         "imbalance with the bias {biased} vs without {free}"

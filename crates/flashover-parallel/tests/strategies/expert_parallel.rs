@@ -156,14 +156,20 @@ fn expert_parallel_matches_one_rank_dropless_and_with_capacity_top1_and_top2() {
             let mut config = MoeConfig::new(4, top_k, 12);
             let dropless = check(&config, ep, 1.0);
             assert_eq!(dropless.kept, dropless.routed, "dropless keeps everything");
-            for policy in [DropPolicy::Position, DropPolicy::Probability] {
+            for (policy, sinkhorn) in [
+                (DropPolicy::Position, 0),
+                (DropPolicy::Probability, 0),
+                (DropPolicy::Position, 5),
+            ] {
                 config.capacity_factor = Some(1.0);
                 config.drop_policy = policy;
+                config.sinkhorn_iters = sinkhorn;
                 let capped = check(&config, ep, 1.0);
                 let dropped: u64 =
                     capped.routed.iter().sum::<u64>() - capped.kept.iter().sum::<u64>();
+                // Top-k overfills some experts here; balanced routing may fill each exactly.
                 assert!(
-                    dropped > 0,
+                    dropped > 0 || sinkhorn > 0,
                     "capacity 1.0 must drop some of these tokens: {capped:?}",
                     capped = capped.kept
                 );

@@ -7,7 +7,7 @@
 //! batch, tokens sent to their expert's rank and back by all-to-all. Losses and weights match
 //! (fp32, 1e-5 relative).
 //!
-//! Run: `cargo run --example moe_own_model`
+//! Run: `cargo run --example moe_expert_parallel`
 
 #[allow(dead_code)] // the shared MLP and its loop are the other examples'
 mod common;
