@@ -20,7 +20,7 @@ scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 numbers() { grep -o '"\(loss\|grad_norm\)":[^,]*' "$1"; }
 for job in "--mesh dp=2,tp=2" "--mesh dp=2,fsdp=2 --zero 3" "--mesh dp=2,pp=2 --micro-batches 2" \
-           "--mesh dp=2,ep=2 --moe --experts 4 --capacity-factor 1.25"; do
+           "--mesh dp=2,ep=2 --moe --experts 4 --capacity-factor 1.25 --replicate-hot 1"; do
   # shellcheck disable=SC2086
   run -np 4 "$flashover" train $job --steps 6 --log-jsonl "$scratch/mpi.jsonl" >/dev/null
   # shellcheck disable=SC2086

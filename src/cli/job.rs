@@ -114,6 +114,9 @@ pub struct JobArgs {
     /// Balanced routing: Sinkhorn iterations per sequence before choosing (0: plain top-k).
     #[arg(long)]
     sinkhorn_iters: Option<usize>,
+    /// Copy this many of each layer's hottest experts to every ep rank each step.
+    #[arg(long)]
+    replicate_hot: Option<usize>,
 }
 
 impl JobArgs {
@@ -227,6 +230,7 @@ impl JobArgs {
         set(&mut m.z_loss_coef, self.z_loss_coef);
         set(&mut m.bias_update_rate, self.bias_update_rate);
         set(&mut m.sinkhorn_iters, self.sinkhorn_iters);
+        set(&mut m.replicate_hot, self.replicate_hot);
         Ok(())
     }
 }

@@ -57,6 +57,9 @@ pub struct MoeSection {
     pub bias_update_rate: f64,
     /// Balanced routing: Sinkhorn iterations per sequence before choosing (0: plain top-k).
     pub sinkhorn_iters: usize,
+    /// Expert parallelism: copy this many of each layer's hottest experts (by the last step's
+    /// loads) to every ep rank, which then keeps its tokens for them (0: off).
+    pub replicate_hot: usize,
 }
 
 impl Default for MoeSection {
@@ -74,6 +77,7 @@ impl Default for MoeSection {
             z_loss_coef: 0.0,
             bias_update_rate: 0.0,
             sinkhorn_iters: 0,
+            replicate_hot: 0,
         }
     }
 }
@@ -607,6 +611,12 @@ impl TrainConfig {
             && let Err(err) = moe.validate()
         {
             errors.push(err);
+        }
+        if e.replicate_hot > e.experts {
+            errors.push(format!(
+                "moe.replicate_hot = {} exceeds moe.experts = {}",
+                e.replicate_hot, e.experts
+            ));
         }
         if !e.experts.is_multiple_of(ep) {
             errors.push(format!(

@@ -230,6 +230,8 @@ struct MoeState<M> {
     optim: ModuleAdamW,
     layout: ParamLayout,
     d_model: usize,
+    /// Hot experts copied to every ep rank each step (`moe.replicate_hot`).
+    replicate_hot: usize,
 }
 
 /// A model whose blocks an expert-parallel step reaches between steps (routing biases).
@@ -306,6 +308,7 @@ impl<M: Module> MoeState<M> {
             layout,
             model,
             d_model,
+            replicate_hot: 0,
         }
     }
 
@@ -420,13 +423,16 @@ impl Strategy {
             };
             let average = config.parallel.gradient_reduction == "mean";
             let d = model_config.d_model;
+            let hot = config.moe.replicate_hot;
             if tp.size() > 1 {
                 let model = TpTransformer::shard(model, &TensorParallel::new(tp))?;
                 let split = |name: &str| !TpTransformer::is_replicated(name);
-                let state = MoeState::new(model, experts, groups, split, average, &adamw, d);
+                let mut state = MoeState::new(model, experts, groups, split, average, &adamw, d);
+                state.replicate_hot = hot;
                 return Ok(Strategy::TpMoe(Box::new(state)));
             }
-            let state = MoeState::new(model, experts, groups, |_| false, average, &adamw, d);
+            let mut state = MoeState::new(model, experts, groups, |_| false, average, &adamw, d);
+            state.replicate_hot = hot;
             return Ok(Strategy::Moe(Box::new(state)));
         }
         let pp = ctx.group(Axis::Pp);
@@ -1188,6 +1194,9 @@ fn moe_step<M: Module + MoeBlocks>(
     let before = ctx.comm_stats();
     let a2a_before = state.experts.group().stats();
     state.experts.traffic().take();
+    state
+        .experts
+        .replicate_hot(state.model.moe_blocks(), state.replicate_hot)?;
     let mut grads = vec![0.0f32; state.layout.numel];
     let mut loss_sum = 0.0f64;
     for micro in 0..micro_batches {
@@ -1199,9 +1208,14 @@ fn moe_step<M: Module + MoeBlocks>(
             Some(aux) => lm + aux,
             None => lm,
         };
-        let g = GradientsParams::from_grads(total.backward(), &state.model);
+        let mut raw = total.backward();
+        state.experts.take_replica_grads(&mut raw);
+        let g = GradientsParams::from_grads(raw, &state.model);
         accumulate_grads(&state.model, &g, &mut grads, &[]);
     }
+    state
+        .experts
+        .fold_replica_grads(&state.model, state.model.moe_blocks(), &mut grads)?;
     let grad_norm = state.gradients.reduce(&mut grads, micro_batches, clip)?;
     state.model = state.optim.step_flat(lr, state.model.clone(), &grads)?;
     // Routing statistics and traffic over the whole batch group.
@@ -1231,6 +1245,9 @@ fn moe_step<M: Module + MoeBlocks>(
             .collect()
     };
     let (routed, kept) = (per_layer(0), per_layer(1));
+    state
+        .experts
+        .record_loads(state.model.moe_blocks(), &routed);
     // Auxiliary-loss-free balancing: the global loads move every rank's biases alike.
     for (block, counts) in state.model.moe_blocks_mut().iter_mut().zip(&routed) {
         if let Some(moe) = block.moe.as_mut() {

@@ -175,6 +175,7 @@ pub fn verify(
     reference.parallel.sequence_parallel = false;
     reference.parallel.pp_chunks = 1;
     reference.run.micro_batches = 1;
+    reference.moe.replicate_hot = 0;
     reference.run.log_jsonl = None;
     reference.run.trace = None;
     let quiet = |_: &StepRecord| {};

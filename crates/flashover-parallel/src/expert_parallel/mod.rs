@@ -16,6 +16,10 @@
 //! (they came back through the all-to-all's backward), so it is reduced over the `dp` replicas
 //! of that expert only, then scaled like the rest ([`ExpertGradients`]).
 
+mod replicas;
+
+pub use replicas::Replicas;
+
 use crate::error::ParallelError;
 use crate::params::{ParamLayout, flatten_params, load_flat};
 use crate::tensor_parallel::comm::{host, host_pair, ok, values};
@@ -97,6 +101,7 @@ pub struct ExpertParallel {
     group: Group,
     n_experts: usize,
     traffic: Arc<ExpertTraffic>,
+    replicas: Replicas,
 }
 
 impl ExpertParallel {
@@ -113,6 +118,7 @@ impl ExpertParallel {
             group: group.clone(),
             n_experts,
             traffic: Arc::default(),
+            replicas: Replicas::default(),
         })
     }
 
@@ -195,58 +201,100 @@ fn all_to_all_rows(
 
 impl ExpertDispatch for ExpertParallel {
     fn dispatch(&self, moe: &Moe, tokens: Tensor<2>, counts: &[usize]) -> Tensor<2> {
-        let (p, per) = (self.group.size(), self.per_rank());
-        // Rows are grouped by expert and experts are contiguous per rank: grouped by rank too.
-        let send: Vec<usize> = counts.chunks(per).map(|c| c.iter().sum()).collect();
-        // Each owner learns how many rows per local expert every rank sends.
-        let counts64: Vec<u64> = counts.iter().map(|&c| c as u64).collect();
-        let mut incoming = vec![0u64; p * per];
+        let (p, per, me) = (self.group.size(), self.per_rank(), self.group.rank());
+        // This step's replicated (hot) experts of this layer: every rank holds a copy and keeps
+        // its own tokens for them. Each rank's slots: its own experts, then the copies.
+        let (hot, copies) = self.replicas.layer(moe.router.weight.id);
+        let slots = per + hot.len();
+        let mut starts = vec![0; counts.len()];
+        for x in 1..counts.len() {
+            starts[x] = starts[x - 1] + counts[x - 1];
+        }
+        // Rows in send order: per destination rank, per slot.
+        let (mut order, mut outgoing) = (Vec::new(), vec![0u64; p * slots]);
+        for q in 0..p {
+            for (j, x) in self.experts_of(q).enumerate() {
+                if !hot.contains(&x) {
+                    outgoing[q * slots + j] = counts[x] as u64;
+                    order.extend(starts[x]..starts[x] + counts[x]);
+                }
+            }
+            if q == me {
+                for (i, &h) in hot.iter().enumerate() {
+                    outgoing[q * slots + per + i] = counts[h] as u64;
+                    order.extend(starts[h]..starts[h] + counts[h]);
+                }
+            }
+        }
+        let send: Vec<usize> = outgoing
+            .chunks(slots)
+            .map(|c| c.iter().sum::<u64>() as usize)
+            .collect();
+        let reordered = order.iter().enumerate().any(|(i, &r)| i != r);
+        let device = tokens.device();
+        let index = |v: &[usize]| {
+            Tensor::<1, Int>::from_data(
+                TensorData::new(v.iter().map(|&i| i as i64).collect::<Vec<_>>(), [v.len()]),
+                &device,
+            )
+        };
+        let tokens = if reordered {
+            tokens.select(0, index(&order))
+        } else {
+            tokens
+        };
+        // Each rank learns how many rows per slot every rank sends it.
+        let mut incoming = vec![0u64; p * slots];
         ok(self
             .group
-            .all_to_all_v(&counts64, &vec![per; p], &mut incoming, &vec![per; p]));
+            .all_to_all_v(&outgoing, &vec![slots; p], &mut incoming, &vec![slots; p]));
         let incoming: Vec<usize> = incoming.iter().map(|&c| c as usize).collect();
-        let recv: Vec<usize> = incoming.chunks(per).map(|c| c.iter().sum()).collect();
+        let recv: Vec<usize> = incoming.chunks(slots).map(|c| c.iter().sum()).collect();
         let received = exchange_rows(tokens, send.clone(), recv.clone(), self);
         let total: usize = recv.iter().sum();
+        let experts: Vec<SwiGlu> = moe.experts.iter().chain(&copies).cloned().collect();
         let outputs = if total == 0 {
             // Nothing to compute, but the way back must still run (it is a collective).
             received
-        } else if per == 1 {
-            run_experts(&moe.experts, received, &[total])
+        } else if slots == 1 {
+            run_experts(&experts, received, &[total])
         } else {
-            // Received rows come (source, expert); experts want (expert, source).
-            let mut starts = vec![0; p * per];
+            // Received rows come (source, slot); experts want (slot, source).
             let mut at = 0;
+            let mut first = vec![0; p * slots];
             for (i, &n) in incoming.iter().enumerate() {
-                starts[i] = at;
+                first[i] = at;
                 at += n;
             }
-            let mut order = Vec::with_capacity(total);
-            for j in 0..per {
+            let mut grouped = Vec::with_capacity(total);
+            for j in 0..slots {
                 for src in 0..p {
-                    let i = src * per + j;
-                    order.extend(starts[i]..starts[i] + incoming[i]);
+                    let i = src * slots + j;
+                    grouped.extend(first[i]..first[i] + incoming[i]);
                 }
             }
-            let mut inverse = vec![0; total];
-            for (pos, &row) in order.iter().enumerate() {
-                inverse[row] = pos;
-            }
-            let device = received.device();
-            let index = |v: &[usize]| {
-                Tensor::<1, Int>::from_data(
-                    TensorData::new(v.iter().map(|&i| i as i64).collect::<Vec<_>>(), [v.len()]),
-                    &device,
-                )
-            };
-            let per_expert: Vec<usize> = (0..per)
-                .map(|j| (0..p).map(|src| incoming[src * per + j]).sum())
+            let per_slot: Vec<usize> = (0..slots)
+                .map(|j| (0..p).map(|src| incoming[src * slots + j]).sum())
                 .collect();
-            let grouped = received.select(0, index(&order));
-            run_experts(&moe.experts, grouped, &per_expert).select(0, index(&inverse))
+            let rows = received.select(0, index(&grouped));
+            run_experts(&experts, rows, &per_slot).select(0, index(&inverse(&grouped)))
         };
-        exchange_rows(outputs, recv, send, self)
+        let back = exchange_rows(outputs, recv, send, self);
+        if reordered {
+            back.select(0, index(&inverse(&order)))
+        } else {
+            back
+        }
     }
+}
+
+/// The permutation that undoes `order` (`order[i]` is the row placed at `i`).
+fn inverse(order: &[usize]) -> Vec<usize> {
+    let mut inverse = vec![0; order.len()];
+    for (pos, &row) in order.iter().enumerate() {
+        inverse[row] = pos;
+    }
+    inverse
 }
 
 /// The groups an expert-parallel rank reduces gradients over.
