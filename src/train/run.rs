@@ -1221,7 +1221,7 @@ fn moe_step<M: Module + MoeBlocks>(
     // Routing statistics and traffic over the whole batch group.
     let stats = state.hook.take_stats();
     let (remote, _) = state.experts.traffic().take();
-    let batch = ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep])?;
+    let batch = &state.gradients.groups().batch;
     let mut sums: Vec<f64> = stats
         .routed
         .iter()

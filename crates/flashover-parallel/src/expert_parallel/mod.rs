@@ -368,6 +368,11 @@ impl ExpertGradients {
         }
     }
 
+    /// The groups gradients are reduced over.
+    pub fn groups(&self) -> &ExpertGroups {
+        &self.groups
+    }
+
     fn gather(flat: &[f32], ranges: &[Range<usize>]) -> Vec<f32> {
         ranges
             .iter()
