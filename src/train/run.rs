@@ -1220,7 +1220,7 @@ fn moe_step<M: Module + MoeBlocks>(
     state.model = state.optim.step_flat(lr, state.model.clone(), &grads)?;
     // Routing statistics and traffic over the whole batch group.
     let stats = state.hook.take_stats();
-    let (remote, _) = state.experts.traffic().take();
+    let remote = state.experts.traffic().take();
     let batch = &state.gradients.groups().batch;
     let mut sums: Vec<f64> = stats
         .routed

@@ -20,7 +20,7 @@ use crate::layers::SwiGlu;
 use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::activation::{sigmoid, softmax};
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 use std::sync::{Arc, Mutex};
 
@@ -221,17 +221,23 @@ pub fn route(logits: &[f32], seq_len: usize, config: &MoeConfig, bias: Option<&[
             chosen.extend_from_slice(&order[..k]);
         }
     }
-    // Priority within each (sequence, expert): by choice rank then position, or by weight.
-    let weight = |choice: usize| -> f32 {
-        let (t, x) = (choice / k, chosen[choice]);
-        let row = &logits[t * e..(t + 1) * e];
-        match config.router {
-            RouterKind::Softmax => {
-                let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                (row[x] - max).exp() / row.iter().map(|&v| (v - max).exp()).sum::<f32>()
-            }
-            RouterKind::Sigmoid => 1.0 / (1.0 + (-row[x]).exp()),
-        }
+    // Priority within each (sequence, expert): by choice rank then position, or by weight
+    // (each choice's router score, computed once rather than in every comparison).
+    let weight: Vec<f32> = match config.drop_policy {
+        DropPolicy::Position => vec![],
+        DropPolicy::Probability => (0..tokens * k)
+            .map(|choice| {
+                let (t, x) = (choice / k, chosen[choice]);
+                let row = &logits[t * e..(t + 1) * e];
+                match config.router {
+                    RouterKind::Softmax => {
+                        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                        (row[x] - max).exp() / row.iter().map(|&v| (v - max).exp()).sum::<f32>()
+                    }
+                    RouterKind::Sigmoid => 1.0 / (1.0 + (-row[x]).exp()),
+                }
+            })
+            .collect(),
     };
     let capacity = config.capacity(seq_len);
     let mut per_expert: Vec<Vec<(usize, usize)>> = vec![vec![]; e];
@@ -242,8 +248,8 @@ pub fn route(logits: &[f32], seq_len: usize, config: &MoeConfig, bias: Option<&[
         match config.drop_policy {
             DropPolicy::Position => candidates.sort_by_key(|&c| (c % k, c / k)),
             DropPolicy::Probability => candidates.sort_by(|&a, &b| {
-                weight(b)
-                    .total_cmp(&weight(a))
+                weight[b]
+                    .total_cmp(&weight[a])
                     .then((a / k).cmp(&(b / k)))
                     .then(a.cmp(&b))
             }),
@@ -308,6 +314,16 @@ fn sinkhorn_log_scaling(rows: &[f32], e: usize, iterations: usize) -> Option<Vec
         }
     }
     Some(c.iter().map(|&v| v.ln() as f32).collect())
+}
+
+/// Row indices as an `Int` tensor on `device` (for `select` and `gather`), shaped `shape`.
+pub fn index_tensor<const D: usize>(
+    v: &[usize],
+    shape: [usize; D],
+    device: &Device,
+) -> Tensor<D, Int> {
+    let data = v.iter().map(|&i| i as i64).collect::<Vec<_>>();
+    Tensor::from_data(TensorData::new(data, shape), device)
 }
 
 /// Runs a layer's experts on tokens grouped by expert.
@@ -463,23 +479,12 @@ impl Moe {
         let bias = (!self.expert_bias.is_empty()).then_some(self.expert_bias.as_slice());
         let routing = route(&host, t, &self.config, bias);
         let device = xf.device();
-        let index = |v: &[usize]| {
-            Tensor::<1, Int>::from_data(
-                TensorData::new(v.iter().map(|&i| i as i64).collect::<Vec<_>>(), [v.len()]),
-                &device,
-            )
-        };
+        let index = |v: &[usize]| index_tensor(v, [v.len()], &device);
         let scores = match self.config.router {
             RouterKind::Softmax => softmax(logits.clone(), 1),
             RouterKind::Sigmoid => sigmoid(logits.clone()),
         };
-        let chosen = Tensor::<2, Int>::from_data(
-            TensorData::new(
-                routing.chosen.iter().map(|&i| i as i64).collect::<Vec<_>>(),
-                [n, k],
-            ),
-            &device,
-        );
+        let chosen = index_tensor(&routing.chosen, [n, k], &device);
         let mut weights = scores.clone().gather(1, chosen); // [n, k]
         if self.config.renormalize {
             weights = weights.clone() / weights.sum_dim(1);

@@ -18,15 +18,15 @@
 
 mod replicas;
 
-pub use replicas::Replicas;
+use replicas::Replicas;
 
 use crate::error::ParallelError;
 use crate::params::{ParamLayout, flatten_params, load_flat};
 use crate::tensor_parallel::comm::{host, host_pair, ok, values};
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
-use flashover_models::moe::{ExpertDispatch, Moe, run_experts};
+use flashover_models::moe::{ExpertDispatch, Moe, index_tensor, run_experts};
 use flashover_models::{SwiGlu, Transformer};
 use flashover_runtime::{Axis, RankContext};
 use std::ops::Range;
@@ -68,29 +68,23 @@ pub fn expert_slots<M: Module>(module: &M) -> Vec<bool> {
     v.slots
 }
 
-/// Rows moved by the token all-to-alls, forward and backward, counted by the sender.
+/// Rows the token all-to-alls sent to other ranks, forward and backward, counted by the sender
+/// (rows a rank sends itself move no bytes between ranks and are not counted).
 #[derive(Debug, Default)]
 pub struct ExpertTraffic {
     /// Rows sent to other ranks.
     pub remote_rows: AtomicU64,
-    /// Rows kept on this rank (sent to itself).
-    pub local_rows: AtomicU64,
 }
 
 impl ExpertTraffic {
-    /// `(remote, local)` rows so far, and resets the counters.
-    pub fn take(&self) -> (u64, u64) {
-        (
-            self.remote_rows.swap(0, Ordering::Relaxed),
-            self.local_rows.swap(0, Ordering::Relaxed),
-        )
+    /// Rows sent to other ranks so far; resets the counter.
+    pub fn take(&self) -> u64 {
+        self.remote_rows.swap(0, Ordering::Relaxed)
     }
 
     fn count(&self, rank: usize, rows: &[usize]) {
-        let local = rows[rank] as u64;
-        let all: u64 = rows.iter().map(|&r| r as u64).sum();
-        self.local_rows.fetch_add(local, Ordering::Relaxed);
-        self.remote_rows.fetch_add(all - local, Ordering::Relaxed);
+        let remote: usize = rows.iter().sum::<usize>() - rows[rank];
+        self.remote_rows.fetch_add(remote as u64, Ordering::Relaxed);
     }
 }
 
@@ -232,12 +226,7 @@ impl ExpertDispatch for ExpertParallel {
             .collect();
         let reordered = order.iter().enumerate().any(|(i, &r)| i != r);
         let device = tokens.device();
-        let index = |v: &[usize]| {
-            Tensor::<1, Int>::from_data(
-                TensorData::new(v.iter().map(|&i| i as i64).collect::<Vec<_>>(), [v.len()]),
-                &device,
-            )
-        };
+        let index = |v: &[usize]| index_tensor(v, [v.len()], &device);
         let tokens = if reordered {
             tokens.select(0, index(&order))
         } else {

@@ -96,7 +96,7 @@ impl ExpertParallel {
             let mut hot = by_load[..n.min(self.n_experts)].to_vec();
             hot.sort_unstable();
             let template = &moe.experts[0];
-            let len = flatten_params(template).len();
+            let len = template.num_params();
             let mut copies = Vec::with_capacity(hot.len());
             for &x in &hot {
                 let owner = x / self.per_rank();
@@ -123,7 +123,7 @@ impl ExpertParallel {
             ..
         } = &mut *state;
         for (id, (_, copies)) in layers.iter() {
-            let Some(len) = copies.first().map(|c| flatten_params(c).len()) else {
+            let Some(len) = copies.first().map(Module::num_params) else {
                 continue;
             };
             let sum = sums
@@ -149,10 +149,11 @@ impl ExpertParallel {
         let me = self.group.rank();
         for moe in blocks.iter().filter_map(|b| b.moe.as_ref()) {
             let id = moe.router.weight.id;
-            let Some((hot, copies)) = state.layers.get(&id).cloned() else {
-                continue;
-            };
-            let Some(len) = copies.first().map(|c| flatten_params(c).len()) else {
+            let Some((hot, len)) = state
+                .layers
+                .get(&id)
+                .and_then(|(hot, copies)| Some((hot.clone(), copies.first()?.num_params())))
+            else {
                 continue;
             };
             let mut sums = state
