@@ -75,6 +75,12 @@ pub struct JobArgs {
     /// With a pp axis and the interleaved schedule: model chunks per rank.
     #[arg(long)]
     pp_chunks: Option<usize>,
+    /// With a cp axis: ring or all-to-all attention.
+    #[arg(long)]
+    cp_attention: Option<String>,
+    /// With a cp axis: one contiguous chunk per rank instead of a head and a tail chunk.
+    #[arg(long)]
+    no_cp_load_balance: bool,
     /// Untie the LM head from the embedding (needed with a pp axis).
     #[arg(long)]
     untie_embeddings: bool,
@@ -166,6 +172,10 @@ impl JobArgs {
         }
         set(&mut c.parallel.pp_schedule, self.pp_schedule.clone());
         set(&mut c.parallel.pp_chunks, self.pp_chunks);
+        set(&mut c.parallel.cp_attention, self.cp_attention.clone());
+        if self.no_cp_load_balance {
+            c.parallel.cp_load_balance = false;
+        }
         if self.untie_embeddings {
             c.model.tie_embeddings = false;
         }

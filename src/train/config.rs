@@ -216,6 +216,12 @@ pub struct ParallelSection {
     /// With a `pp` axis and no `pp_blocks`: `even` (same number of blocks per stage) or `cost`
     /// (balance an estimate of each stage's compute, the LM head included).
     pub pp_split: String,
+    /// With a `cp` axis: how attention reaches other ranks' keys and values, `ring` or
+    /// `all-to-all` (Ulysses; heads must divide by tp x cp).
+    pub cp_attention: String,
+    /// With a `cp` axis: each rank holds a head and a tail chunk of every sequence so causal
+    /// attention work is even (`false`: one contiguous chunk per rank).
+    pub cp_load_balance: bool,
 }
 
 impl Default for ParallelSection {
@@ -233,6 +239,8 @@ impl Default for ParallelSection {
             pp_chunks: 1,
             pp_blocks: None,
             pp_split: "even".into(),
+            cp_attention: "ring".into(),
+            cp_load_balance: true,
         }
     }
 }
@@ -446,15 +454,18 @@ impl TrainConfig {
         match self.mesh() {
             Ok(mesh) => {
                 for axis in Axis::ALL {
-                    if !matches!(axis, Axis::Dp | Axis::Fsdp | Axis::Tp | Axis::Pp | Axis::Ep)
-                        && mesh.degree(axis) > 1
+                    if !matches!(
+                        axis,
+                        Axis::Dp | Axis::Fsdp | Axis::Tp | Axis::Pp | Axis::Ep | Axis::Cp
+                    ) && mesh.degree(axis) > 1
                     {
                         errors.push(format!(
-                            "parallel.mesh: axis `{axis}` is not supported by `train` yet (dp, fsdp, ep, tp and pp only)"
+                            "parallel.mesh: axis `{axis}` is not supported by `train` yet"
                         ));
                     }
                 }
                 errors.extend(self.moe_errors(&mesh));
+                errors.extend(self.cp_errors(&mesh));
                 let pp = mesh.degree(Axis::Pp);
                 if pp > 1 {
                     if self.parallel.zero > 0 || mesh.degree(Axis::Fsdp) > 1 {
@@ -588,6 +599,70 @@ impl TrainConfig {
         }
         if self.run.steps == 0 {
             errors.push("run.steps must be at least 1".into());
+        }
+        errors
+    }
+
+    /// What is wrong with a `cp` axis in `mesh`: sequence lengths that do not cut evenly, heads
+    /// all-to-all attention cannot split, and the strategies context parallelism does not
+    /// compose with yet.
+    fn cp_errors(&self, mesh: &DeviceMesh) -> Vec<String> {
+        let mut errors = vec![];
+        let algorithm = self
+            .parallel
+            .cp_attention
+            .parse::<flashover_parallel::context_parallel::CpAttention>();
+        if let Err(e) = &algorithm {
+            errors.push(format!("parallel.cp_attention = {e}"));
+        }
+        let cp = mesh.degree(Axis::Cp);
+        if cp == 1 {
+            return errors;
+        }
+        let chunks = if self.parallel.cp_load_balance {
+            2 * cp
+        } else {
+            cp
+        };
+        if !self.data.seq_len.is_multiple_of(chunks) {
+            let why = if self.parallel.cp_load_balance {
+                "load-balanced context parallelism cuts each sequence into 2 x cp equal chunks"
+            } else {
+                "context parallelism cuts each sequence into cp equal chunks"
+            };
+            errors.push(format!(
+                "data.seq_len = {} does not divide by {chunks}: {why}; use a multiple of {chunks} (e.g. {})",
+                self.data.seq_len,
+                self.data.seq_len.div_ceil(chunks) * chunks
+            ));
+        }
+        if algorithm == Ok(flashover_parallel::context_parallel::CpAttention::AllToAll)
+            && let Ok(t) = self.transformer(self.vocab_size())
+        {
+            let tp = mesh.degree(Axis::Tp);
+            if !t.n_heads.is_multiple_of(tp * cp) {
+                errors.push(format!(
+                    "model.n_heads = {} does not divide by tp x cp = {}: all-to-all attention gives each cp rank whole heads; use --cp-attention ring",
+                    t.n_heads,
+                    tp * cp
+                ));
+            }
+        }
+        let others = [Axis::Pp, Axis::Fsdp, Axis::Ep]
+            .into_iter()
+            .filter(|&a| mesh.degree(a) > 1)
+            .map(|a| a.to_string())
+            .collect::<Vec<_>>();
+        if !others.is_empty() || self.parallel.zero == 3 || self.moe.experts > 0 {
+            errors.push(format!(
+                "parallel.mesh `{}` with cp={cp}: context parallelism composes with dp, tp and ZeRO-1/2 so far (not pp, fsdp, ZeRO-3 or mixture-of-experts models)",
+                self.parallel.mesh
+            ));
+        }
+        if self.parallel.sequence_parallel {
+            errors.push(
+                "parallel.sequence_parallel with a cp axis: the sequence is already split over cp; drop --sequence-parallel".into(),
+            );
         }
         errors
     }

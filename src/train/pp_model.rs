@@ -6,9 +6,7 @@ use super::tp_model::{tp_block_forward, tp_context, tp_loss, unshard_block};
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::tensor::{Int, Tensor};
-use flashover_models::{
-    Block, ForwardContext, LinearOp, Transformer, next_token_loss, rope_tables,
-};
+use flashover_models::{Block, ForwardContext, LinearOp, Transformer, next_token_loss};
 use flashover_parallel::ParallelError;
 use flashover_parallel::pipeline::{StageOutput, WeightGradStore, deferred_linear};
 use flashover_parallel::tensor_parallel::{
@@ -177,7 +175,7 @@ impl TransformerStage {
             (None, Some(x), _) => x,
             (None, None, _) => panic!("a middle pipeline stage ran without its input"),
         };
-        let rope = rope_tables(0, t, self.head_dim, self.rope_theta, &h.device());
+        let rope = ctx.rope_tables(t, self.head_dim, self.rope_theta, &h.device());
         let heads = self.blocks.first().map_or(0, |b| b.attn.n_heads);
         for (i, block) in self.blocks.iter().enumerate() {
             let layer = self.first_block + i;

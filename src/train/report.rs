@@ -32,6 +32,11 @@ pub struct RankTimes {
     /// Pipeline: wall time of the schedule (forwards, backwards and the waits between them);
     /// `exposed_comm_s` is then its idle part, the bubble. 0 without a pipeline.
     pub pipeline_s: f64,
+    /// Context parallelism: time this rank spent computing attention blocks in forward (the
+    /// causal work load balancing evens out); 0 without a cp axis.
+    pub attention_s: f64,
+    /// Context parallelism: attention scores this rank computed in forward; 0 without cp.
+    pub attention_scores: u64,
 }
 
 /// One optimizer step, as written to the JSONL log.

@@ -15,6 +15,7 @@ use flashover_models::{
     Block, Dropout, ForwardContext, LinearHook, MoeHook, Transformer, next_token_loss,
 };
 use flashover_parallel::FlatAdamW;
+use flashover_parallel::context_parallel::{AttentionWork, ContextParallel, CpAttention};
 use flashover_parallel::data_parallel::{
     DataParallel, DataParallelConfig, MicroBatches, ReduceReport,
 };
@@ -403,8 +404,9 @@ impl Strategy {
         config: &TrainConfig,
         model_config: &flashover_models::TransformerConfig,
         model: Transformer,
-        batch_group: &Group,
+        grad_group: &Group,
     ) -> Result<Self, RankError> {
+        let batch_group = grad_group;
         let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
         let ddp_config = DataParallelConfig::new()
             .with_bucket_bytes((config.parallel.bucket_mb * (1 << 20) as f64) as usize)
@@ -703,12 +705,13 @@ impl Strategy {
     fn local_state(
         &self,
         ctx: &RankContext,
-        batch_group: &Group,
+        grad_group: &Group,
     ) -> (LocalState, (usize, usize), (usize, usize)) {
         let same = |name: &str| name.to_string();
-        let everyone = (batch_group.rank(), batch_group.size());
-        let dp = ctx.group(Axis::Dp);
-        let replicas = (dp.rank(), dp.size());
+        let everyone = (grad_group.rank(), grad_group.size());
+        // Replicas of a split model: the dp ranks, and the cp ranks (which hold it whole).
+        let (dp, cp) = (ctx.group(Axis::Dp), ctx.group(Axis::Cp));
+        let replicas = (dp.rank() * cp.size() + cp.rank(), dp.size() * cp.size());
         let with_moments = |params: Vec<f32>, segments: Vec<Segment>, adam: &FlatAdamW| {
             let (m1, m2) = adam.moments();
             LocalState {
@@ -730,7 +733,7 @@ impl Strategy {
                 let segments = whole_segments(&layout, same);
                 let optim = zero.optimizer();
                 let mut state = with_moments(flatten_params(&**model), segments, optim.flat());
-                let runs = optim.shard_map().runs(batch_group.rank());
+                let runs = optim.shard_map().runs(grad_group.rank());
                 state.moment_segments =
                     run_segments(&layout, runs.iter().map(|r| (r.flat, r.len)), 0, same);
                 // Parameters are replicated; moments are this rank's own shard.
@@ -912,6 +915,27 @@ fn train_rank(
     let device = ctx.device().clone().autodiff();
     // Every data-parallel rank (replica or shard) reads its own slice of the batch.
     let batch_group = ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep])?;
+    // Context-parallel ranks read the same samples and keep different positions of them; their
+    // gradients are averaged together with the data-parallel ranks'.
+    let cp = ctx.group(Axis::Cp);
+    let grad_group = if cp.size() > 1 {
+        ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep, Axis::Cp])?
+    } else {
+        batch_group.clone()
+    };
+    let context = if cp.size() > 1 {
+        let algorithm = config.parallel.cp_attention.parse::<CpAttention>()?;
+        let local_heads = model_config.n_heads / ctx.group(Axis::Tp).size();
+        Some(ContextParallel::new(
+            cp,
+            config.data.seq_len,
+            algorithm,
+            config.parallel.cp_load_balance,
+            local_heads,
+        )?)
+    } else {
+        None
+    };
     let plan = BatchPlan::new(
         config.run.global_batch,
         batch_group.size(),
@@ -928,20 +952,20 @@ fn train_rank(
         }
         None => model_config.init(config.run.seed, &device),
     };
-    let mut strategy = Strategy::new(ctx, config, model_config, model, &batch_group)?;
+    let mut strategy = Strategy::new(ctx, config, model_config, model, &grad_group)?;
     let clip = config.optim.clip.filter(|&c| c > 0.0);
     let tokens_per_step = (config.run.global_batch * config.data.seq_len) as f64;
     let mut records = vec![];
     let world = ctx.world();
     let mut trace = Trace::new(origin);
     let first_step = match &config.checkpoint.resume {
-        Some(path) => resume(ctx, config, &mut strategy, &batch_group, path)?,
+        Some(path) => resume(ctx, config, &mut strategy, &grad_group, path)?,
         None => 0,
     };
     if let Some(path) = &config.checkpoint.init_from {
         let file = flashover_checkpoint::ModelFile::open(path)
             .map_err(|e| RankError::from(format!("checkpoint.init_from: {e}")))?;
-        let (mut state, _, _) = strategy.local_state(ctx, &batch_group);
+        let (mut state, _, _) = strategy.local_state(ctx, &grad_group);
         state
             .load_params(&file)
             .map_err(|e| RankError::from(format!("checkpoint.init_from: {e}")))?;
@@ -960,7 +984,7 @@ fn train_rank(
         _ => None,
     };
     let save = |saver: &mut Saver, strategy: &Strategy, done: usize| -> Result<(), RankError> {
-        let (state, param_replicas, moment_replicas) = strategy.local_state(ctx, &batch_group);
+        let (state, param_replicas, moment_replicas) = strategy.local_state(ctx, &grad_group);
         let pieces = state.pieces_for(param_replicas, moment_replicas);
         let run = serde_json::json!({
             "step": done,
@@ -1002,8 +1026,16 @@ fn train_rank(
                 ..ForwardContext::default()
             };
             let (inputs, targets) = make_batch(source, samples, config.data.seq_len, &device);
-            (inputs, targets, fwd)
+            match &context {
+                Some(cp) => (
+                    cp.local_tokens(inputs),
+                    cp.local_tokens(targets),
+                    cp.forward_context(fwd),
+                ),
+                None => (inputs, targets, fwd),
+            }
         };
+        let attention_before = context.as_ref().map(|cp| cp.work()).unwrap_or_default();
         let (next, mut outcome) =
             strategy.step(ctx, clip, &mut batches, plan.micro_batches(), lr)?;
         strategy = next;
@@ -1016,6 +1048,13 @@ fn train_rank(
             );
         }
         let step_s = t0.elapsed().as_secs_f64();
+        let attention = context.as_ref().map_or(AttentionWork::default(), |cp| {
+            let now = cp.work();
+            AttentionWork {
+                score_elements: now.score_elements - attention_before.score_elements,
+                compute: now.compute - attention_before.compute,
+            }
+        });
         let idle = ctx
             .comm_stats()
             .since(&stats_before)
@@ -1038,6 +1077,8 @@ fn train_rank(
             outcome.in_flight as f64,
             outcome.pipeline.as_secs_f64(),
             outcome.a2a.as_secs_f64(),
+            attention.compute.as_secs_f64(),
+            attention.score_elements as f64,
         ];
         let all = world.all_gather_vec(&mine)?;
         if ctx.rank() == 0 {
@@ -1069,6 +1110,8 @@ fn train_rank(
                         },
                         in_flight: p[11] as usize,
                         pipeline_s: p[12],
+                        attention_s: p[14],
+                        attention_scores: p[15] as u64,
                     })
                     .collect(),
                 moe: outcome.moe.take().map(|m| MoeRecord {
@@ -1106,7 +1149,7 @@ fn resume(
     ctx: &RankContext,
     config: &TrainConfig,
     strategy: &mut Strategy,
-    batch_group: &Group,
+    grad_group: &Group,
     path: &std::path::Path,
 ) -> Result<usize, RankError> {
     let ckpt = super::checkpoint::open(path)?;
@@ -1128,7 +1171,7 @@ fn resume(
             config.run.steps
         )));
     }
-    let (mut state, _, _) = strategy.local_state(ctx, batch_group);
+    let (mut state, _, _) = strategy.local_state(ctx, grad_group);
     state
         .load(&ckpt)
         .map_err(|e| RankError::from(format!("resuming: {e}")))?;

@@ -9,7 +9,7 @@
 
 use burn::module::Module;
 use burn::tensor::{Int, Tensor};
-use flashover_models::{Block, ForwardContext, Transformer, rope_tables};
+use flashover_models::{Block, ForwardContext, Transformer};
 use flashover_parallel::ParallelError;
 use flashover_parallel::zero::{FullyShardConfig, FullyShardedUnit, ShardGroup};
 use std::sync::Arc;
@@ -59,7 +59,7 @@ impl ShardedTransformer {
         let root = self.root.gather()?;
         let t = tokens.dims()[1];
         let h = root.embed_tokens(tokens);
-        let rope = rope_tables(0, t, self.head_dim, root.rope_theta, &h.device());
+        let rope = ctx.rope_tables(t, self.head_dim, root.rope_theta, &h.device());
         let mut h = h;
         for (i, block) in self.blocks.iter().enumerate() {
             if let Some(next) = self.blocks.get(i + 1) {

@@ -12,7 +12,7 @@
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::tensor::{Int, Tensor};
-use flashover_models::{Block, ForwardContext, Site, Transformer, rope_tables};
+use flashover_models::{Block, ForwardContext, Site, Transformer};
 use flashover_parallel::ParallelError;
 use flashover_parallel::tensor_parallel::comm::copy_to_tp;
 use flashover_parallel::tensor_parallel::{
@@ -138,7 +138,7 @@ impl TpTransformer {
         let ctx = tp_context(ctx, tp, heads, t);
         // [batch, seq, d], or [batch, seq / tp, d] with sequence parallelism.
         let mut h = vocab_parallel_embedding(model.embed.weight.val(), tokens, &self.vocab, tp);
-        let rope = rope_tables(0, t, self.head_dim, model.rope_theta, &h.device());
+        let rope = ctx.rope_tables(t, self.head_dim, model.rope_theta, &h.device());
         for (layer, block) in model.blocks.iter().enumerate() {
             h = tp_block_forward(block, h, &rope, &ctx, layer, tp);
         }

@@ -8,8 +8,9 @@
 //! (replicated activations) match, masks of split activations differ where the elements
 //! differ, and every layout drops the same elements as one rank, reproducibly from the seed.
 
+use crate::layers::rope_tables_at;
 use burn::nn::Linear;
-use burn::tensor::{Shape, Tensor, TensorData};
+use burn::tensor::{Device, Shape, Tensor, TensorData};
 use flashover_data::SplitMix64;
 use std::sync::Arc;
 
@@ -36,11 +37,69 @@ pub struct ForwardContext {
     pub head_offset: usize,
     /// First sequence position held locally in the residual stream (sequence parallelism).
     pub seq_offset: usize,
+    /// The global sequence positions of the local sequence, when they are not `0..seq`
+    /// (context parallelism: a rank holds chunks of every sequence). Rotary embeddings and
+    /// dropout masks use them; `None` means `seq_offset..`.
+    pub positions: Option<Arc<[usize]>>,
     /// Computes the blocks' linear layers in place of [`Linear::forward`] when set.
     pub linear: Option<LinearHook>,
     /// Runs mixture-of-experts layers' experts and collects their auxiliary losses when set
     /// (without it, experts run locally and auxiliary losses are not added).
     pub moe: Option<crate::moe::MoeHook>,
+    /// Computes attention's core (softmax of scores times values) in place of the local causal
+    /// attention when set: context parallelism, whose keys and values live on other ranks too.
+    pub core_attention: Option<AttentionHook>,
+}
+
+/// Computes causal attention over a sequence that is split across ranks.
+pub trait AttentionOp: Send + Sync {
+    /// `q`, `k`, `v`: `[batch, heads, seq, head_dim]` of this rank's positions
+    /// ([`ForwardContext::positions`]), rotary embeddings applied. Returns this rank's rows of
+    /// `softmax(q K^T / sqrt(head_dim) + causal mask) V` over the *whole* sequence's keys `K`
+    /// and values `V`, `[batch, heads, seq, head_dim]`, with `ctx`'s dropout on the
+    /// probabilities of layer `layer`.
+    fn attend(
+        &self,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        ctx: &ForwardContext,
+        layer: usize,
+    ) -> Tensor<4>;
+}
+
+/// A shared [`AttentionOp`]; two hooks are equal when they are the same object.
+#[derive(Clone)]
+pub struct AttentionHook(pub Arc<dyn AttentionOp>);
+
+impl std::fmt::Debug for AttentionHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AttentionHook")
+    }
+}
+
+impl PartialEq for AttentionHook {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+/// Where a local tensor's elements sit along one dimension of the logical tensor.
+#[derive(Debug, Clone, Copy)]
+pub enum Coords<'a> {
+    /// Consecutive, from this index.
+    From(usize),
+    /// At these indices, one per local element.
+    At(&'a [usize]),
+}
+
+impl Coords<'_> {
+    fn at(&self, i: usize) -> usize {
+        match self {
+            Coords::From(start) => start + i,
+            Coords::At(indices) => indices[i],
+        }
+    }
 }
 
 /// Computes a linear layer in place of [`Linear::forward`]: how a strategy changes the way a
@@ -96,6 +155,17 @@ impl Dropout {
         site: Site,
         offsets: [usize; D],
     ) -> Tensor<D> {
+        self.apply_at(x, layer, site, offsets.map(Coords::From))
+    }
+
+    /// [`Dropout::apply`] with each dimension's logical coordinates given by `coords`.
+    pub fn apply_at<const D: usize>(
+        &self,
+        x: Tensor<D>,
+        layer: usize,
+        site: Site,
+        coords: [Coords<'_>; D],
+    ) -> Tensor<D> {
         if self.p <= 0.0 {
             return x;
         }
@@ -104,14 +174,14 @@ impl Dropout {
         let scale = (1.0 / (1.0 - self.p)) as f32;
         let numel: usize = dims.iter().product();
         let mut mask = Vec::with_capacity(numel);
-        let mut coords = offsets;
+        let mut at = [0; D];
         for i in 0..numel {
             let mut rest = i;
             for d in (0..D).rev() {
-                coords[d] = offsets[d] + rest % dims[d];
+                at[d] = coords[d].at(rest % dims[d]);
                 rest /= dims[d];
             }
-            mask.push(if self.keep(site, &coords) { scale } else { 0.0 });
+            mask.push(if self.keep(site, &at) { scale } else { 0.0 });
         }
         let mask = Tensor::<D>::from_data(
             TensorData::new(mask, Shape::from(dims.to_vec())),
@@ -132,9 +202,58 @@ impl ForwardContext {
 
     /// Dropout at `(layer, site)` on a `[batch, seq, d]` residual-stream tensor.
     pub fn hidden(&self, x: Tensor<3>, layer: usize, site: Site) -> Tensor<3> {
+        let Some(d) = &self.dropout else { return x };
+        let seq = match &self.positions {
+            Some(p) => Coords::At(&p[self.seq_offset..]),
+            None => Coords::From(self.seq_offset),
+        };
+        d.apply_at(
+            x,
+            layer,
+            site,
+            [Coords::From(self.sample_offset), seq, Coords::From(0)],
+        )
+    }
+
+    /// Rotary tables `(cos, sin)` for a local sequence of `len` positions: `0..len`, or
+    /// [`ForwardContext::positions`] when set.
+    pub fn rope_tables(
+        &self,
+        len: usize,
+        head_dim: usize,
+        theta: f64,
+        device: &Device,
+    ) -> (Tensor<2>, Tensor<2>) {
+        match &self.positions {
+            Some(p) => rope_tables_at(p, head_dim, theta, device),
+            None => rope_tables_at(&(0..len).collect::<Vec<_>>(), head_dim, theta, device),
+        }
+    }
+
+    /// Dropout on a block of attention probabilities `[batch, heads, q, k]` whose heads start
+    /// at `head_offset` (of the whole model's heads) and whose queries and keys sit at global
+    /// positions `q_positions` and `k_positions`.
+    pub fn attention_at(
+        &self,
+        probs: Tensor<4>,
+        layer: usize,
+        head_offset: usize,
+        q_positions: &[usize],
+        k_positions: &[usize],
+    ) -> Tensor<4> {
         match &self.dropout {
-            Some(d) => d.apply(x, layer, site, [self.sample_offset, self.seq_offset, 0]),
-            None => x,
+            Some(d) => d.apply_at(
+                probs,
+                layer,
+                Site::AttentionProbs,
+                [
+                    Coords::From(self.sample_offset),
+                    Coords::From(head_offset),
+                    Coords::At(q_positions),
+                    Coords::At(k_positions),
+                ],
+            ),
+            None => probs,
         }
     }
 

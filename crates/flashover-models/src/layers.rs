@@ -16,10 +16,27 @@ pub fn rope_tables(
     theta: f64,
     device: &Device,
 ) -> (Tensor<2>, Tensor<2>) {
+    rope_tables_at(
+        &(start..start + len).collect::<Vec<_>>(),
+        head_dim,
+        theta,
+        device,
+    )
+}
+
+/// Rotary position tables `(cos, sin)`, each `[positions.len(), head_dim / 2]`, for the given
+/// positions (a context-parallel rank's chunks of the sequence).
+pub fn rope_tables_at(
+    positions: &[usize],
+    head_dim: usize,
+    theta: f64,
+    device: &Device,
+) -> (Tensor<2>, Tensor<2>) {
     let half = head_dim / 2;
+    let len = positions.len();
     let mut cos = Vec::with_capacity(len * half);
     let mut sin = Vec::with_capacity(len * half);
-    for pos in start..start + len {
+    for &pos in positions {
         for i in 0..half {
             let freq = theta.powf(-(2.0 * i as f64) / head_dim as f64);
             let angle = pos as f64 * freq;
@@ -86,6 +103,10 @@ impl Attention {
         let q = apply_rope(split(ctx.linear(&self.wq, x.clone())), &rope.0, &rope.1);
         let k = apply_rope(split(ctx.linear(&self.wk, x.clone())), &rope.0, &rope.1);
         let v = split(ctx.linear(&self.wv, x));
+        if let Some(core) = &ctx.core_attention {
+            let out = core.0.attend(q, k, v, ctx, layer);
+            return ctx.linear(&self.wo, out.swap_dims(1, 2).reshape([b, t, h * hd]));
+        }
         let scores = q.matmul(k.swap_dims(2, 3)).div_scalar((hd as f64).sqrt());
         // `tril_mask` is true strictly above the diagonal: the future positions to hide.
         let mask = Tensor::<2, Bool>::tril_mask([t, t], 0, &scores.device())

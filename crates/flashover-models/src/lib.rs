@@ -27,7 +27,9 @@ mod layers;
 pub mod moe;
 mod transformer;
 
-pub use dropout::{Dropout, ForwardContext, LinearHook, LinearOp, Site};
-pub use layers::{Attention, Block, SwiGlu, rope_tables};
+pub use dropout::{
+    AttentionHook, AttentionOp, Coords, Dropout, ForwardContext, LinearHook, LinearOp, Site,
+};
+pub use layers::{Attention, Block, SwiGlu, rope_tables, rope_tables_at};
 pub use moe::{Moe, MoeConfig, MoeHook};
 pub use transformer::{Transformer, TransformerConfig, next_token_loss};

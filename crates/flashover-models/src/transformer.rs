@@ -203,7 +203,8 @@ impl Transformer {
     pub fn forward_with(&self, tokens: Tensor<2, Int>, ctx: &ForwardContext) -> Tensor<3> {
         let t = tokens.dims()[1];
         let h = self.embed_tokens(tokens);
-        let rope = self.rope(0, t, &h.device());
+        let head_dim = self.blocks.first().map_or(2, |b| b.attn.head_dim);
+        let rope = ctx.rope_tables(t, head_dim, self.rope_theta, &h.device());
         let h = self.blocks.iter().enumerate().fold(h, |h, (layer, block)| {
             block.forward_with(h, &rope, ctx, layer)
         });

@@ -14,11 +14,14 @@
 //!   and timed before they run.
 //! - [`tensor_parallel`]: Megatron's column/row-parallel layers, vocabulary-parallel embedding and
 //!   loss, sequence parallelism.
+//! - [`context_parallel`]: sequences split over `cp`; ring attention and all-to-all (Ulysses)
+//!   attention.
 //! - [`expert_parallel`]: mixture-of-experts layers with experts split over `ep`, tokens sent
 //!   to them by all-to-all.
 //! - [`FlatAdamW`]: AdamW on a flat slice, matching Burn's AdamW, for sharded optimizers.
 #![warn(missing_docs)]
 
+pub mod context_parallel;
 pub mod data_parallel;
 mod error;
 pub mod expert_parallel;

@@ -3,6 +3,7 @@
 //! expert-parallel MoE layer.
 
 mod common;
+mod context_parallel;
 mod ddp_faults;
 mod expert_parallel;
 mod pipeline;

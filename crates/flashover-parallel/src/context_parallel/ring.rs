@@ -1,0 +1,101 @@
+//! Ring attention: queries stay, key/value blocks travel the ring.
+
+use super::blocks::{Partial, attend_block, merge};
+use super::comm::{ring_passed, ring_shift};
+use super::layout::{SequenceLayout, Visibility};
+use super::work::WorkCounter;
+use burn::tensor::Tensor;
+use flashover_comm::Group;
+use flashover_models::{AttentionOp, ForwardContext};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Causal attention over a sequence split by `layout` across `group`.
+///
+/// In `cp` steps each rank attends its query chunks to the key/value block it holds, merging
+/// the blocks with the log-sum-exp rule, while the block moves on to the next rank (the
+/// exchange for step `s + 1` runs on a helper thread during step `s`'s attention). Chunk
+/// pairs wholly in the future are skipped, which is the work load balancing evens out.
+/// Backward is autodiff through the same steps: each pass's gradient goes back one rank, so
+/// key/value gradients travel the ring in reverse and arrive home summed over every rank that
+/// used them.
+pub struct RingAttention {
+    pub(super) group: Group,
+    pub(super) layout: SequenceLayout,
+    pub(super) work: Arc<WorkCounter>,
+}
+
+impl AttentionOp for RingAttention {
+    fn attend(
+        &self,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        ctx: &ForwardContext,
+        layer: usize,
+    ) -> Tensor<4> {
+        let (group, layout) = (&self.group, &self.layout);
+        let (n, rank) = (group.size(), group.rank());
+        let heads = q.dims()[1];
+        let c = layout.chunk_len();
+        let mine = layout.chunks(rank);
+        let queries: Vec<Tensor<4>> = (0..mine.len())
+            .map(|i| q.clone().narrow(2, i * c, c))
+            .collect();
+        let mut partials: Vec<Option<Partial>> = mine.iter().map(|_| None).collect();
+        // Keys and values travel as one block, stacked along the head dim.
+        let mut kv = Tensor::cat(vec![k, v], 1);
+        let mut used = false;
+        for step in 0..n {
+            used = false;
+            let theirs = layout.chunks((rank + n - step) % n);
+            let outgoing = (step + 1 < n).then(|| kv.clone().into_data());
+            let received = std::thread::scope(|scope| {
+                let pass = outgoing.map(|data| scope.spawn(|| ring_shift(group, data, 1)));
+                let started = Instant::now();
+                let mut elements = 0;
+                for (qi, q_range) in mine.iter().enumerate() {
+                    for (ki, k_range) in theirs.iter().enumerate() {
+                        let visibility = Visibility::of(q_range, k_range);
+                        if visibility == Visibility::Hidden {
+                            continue;
+                        }
+                        let block = kv.clone().narrow(2, ki * c, c);
+                        let (kb, vb) = (
+                            block.clone().narrow(1, 0, heads),
+                            block.narrow(1, heads, heads),
+                        );
+                        let (q_pos, k_pos): (Vec<usize>, Vec<usize>) =
+                            (q_range.clone().collect(), k_range.clone().collect());
+                        let part = attend_block(queries[qi].clone(), kb, vb, visibility, |p| {
+                            ctx.attention_at(p, layer, ctx.head_offset, &q_pos, &k_pos)
+                        });
+                        elements += queries[qi].dims()[0] * heads * c * c;
+                        used = true;
+                        partials[qi] = Some(match partials[qi].take() {
+                            None => part,
+                            Some(acc) => merge(acc, part),
+                        });
+                    }
+                }
+                self.work.add(elements, started.elapsed());
+                pass.map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            });
+            if let Some(data) = received {
+                kv = ring_passed(kv, data, group);
+            }
+        }
+        let outs = partials
+            .into_iter()
+            .map(|p| p.expect("every query chunk sees its own positions").out)
+            .collect();
+        let out = Tensor::cat(outs, 2);
+        if used {
+            return out;
+        }
+        // Backward runs only where gradients flow. A rank that used none of the last block it
+        // received (its queries all precede it) must still pass the (zero) gradients back
+        // around the ring, which its neighbours wait for: tie the block to the output.
+        out + kv.sum().mul_scalar(0.0).reshape([1, 1, 1, 1])
+    }
+}

@@ -1,0 +1,113 @@
+//! Context parallelism through the training job: sequences split over `cp` (ring or
+//! all-to-all attention, load-balanced or contiguous chunks, with dropout) and combined with
+//! dp, tp and ZeRO-2 must train as one rank does: the same loss and gradient norm at every step
+//! and the same final parameters.
+
+use super::{TOLERANCE, job};
+use flashover::train::{TrainConfig, train, verify};
+
+fn cp_job(mesh: &str, attention: &str, load_balance: bool) -> TrainConfig {
+    let mut c = job(mesh, 8, 1);
+    c.run.steps = 6;
+    c.data.seq_len = 24;
+    c.parallel.cp_attention = attention.into();
+    c.parallel.cp_load_balance = load_balance;
+    c
+}
+
+#[test]
+fn ring_attention_trains_as_one_rank_at_cp_2_3_and_4() {
+    for (mesh, balanced, micro) in [
+        ("cp=2", true, 1),
+        ("cp=3", true, 2),
+        ("cp=4", true, 1),
+        ("cp=3", false, 1),
+    ] {
+        let mut c = cp_job(mesh, "ring", balanced);
+        c.run.micro_batches = micro;
+        let (reference, _, cmp) = verify(&c, TOLERANCE).unwrap();
+        assert!(cmp.pass, "{mesh} ring balanced={balanced}: {cmp}");
+        assert!(
+            reference.steps.last().unwrap().loss < reference.steps[0].loss,
+            "the model must learn"
+        );
+    }
+}
+
+#[test]
+fn all_to_all_attention_trains_as_one_rank_at_cp_2_and_4() {
+    for (mesh, balanced) in [("cp=2", true), ("cp=4", false)] {
+        let (_, _, cmp) = verify(&cp_job(mesh, "all-to-all", balanced), TOLERANCE).unwrap();
+        assert!(cmp.pass, "{mesh} all-to-all: {cmp}");
+    }
+}
+
+#[test]
+fn context_parallel_composes_with_dp_tp_zero2_and_dropout() {
+    for (mesh, attention, zero, dropout) in [
+        ("dp=2,cp=2", "ring", 0, 0.1),
+        ("dp=2,tp=2,cp=2", "ring", 0, 0.0),
+        ("tp=2,cp=2", "all-to-all", 0, 0.1),
+        ("dp=2,cp=2", "all-to-all", 2, 0.0),
+    ] {
+        let mut c = cp_job(mesh, attention, true);
+        c.parallel.zero = zero;
+        c.model.dropout = dropout;
+        let (_, _, cmp) = verify(&c, TOLERANCE).unwrap();
+        assert!(
+            cmp.pass,
+            "{mesh} {attention} zero={zero} dropout={dropout}: {cmp}"
+        );
+    }
+}
+
+#[test]
+fn each_rank_reports_its_attention_work_and_balancing_evens_it() {
+    let spread = |balanced: bool| {
+        let report = train(&cp_job("cp=4", "ring", balanced), &|_| {}).unwrap();
+        let work: Vec<u64> = report.steps[0]
+            .ranks
+            .iter()
+            .map(|r| r.attention_scores)
+            .collect();
+        assert!(work.iter().all(|&w| w > 0), "{work:?}");
+        *work.iter().max().unwrap() as f64 / *work.iter().min().unwrap() as f64
+    };
+    assert_eq!(spread(true), 1.0);
+    assert_eq!(
+        spread(false),
+        4.0,
+        "the last rank computes 4 blocks, the first 1"
+    );
+}
+
+#[test]
+fn layouts_context_parallelism_cannot_run_fail_before_any_compute() {
+    let errors = |mut c: TrainConfig, f: &dyn Fn(&mut TrainConfig)| {
+        f(&mut c);
+        c.validate().join("\n")
+    };
+    let e = errors(cp_job("cp=4", "ring", true), &|c| c.data.seq_len = 20);
+    assert!(
+        e.contains("data.seq_len = 20 does not divide by 8") && e.contains("e.g. 24"),
+        "{e}"
+    );
+    let e = errors(cp_job("cp=3", "ring", false), &|c| c.data.seq_len = 20);
+    assert!(e.contains("does not divide by 3"), "{e}");
+    let e = errors(cp_job("cp=3", "all-to-all", true), &|_| {});
+    assert!(
+        e.contains("model.n_heads = 4 does not divide by tp x cp = 3"),
+        "{e}"
+    );
+    let e = errors(cp_job("pp=2,cp=2", "ring", true), &|_| {});
+    assert!(
+        e.contains("context parallelism composes with dp, tp"),
+        "{e}"
+    );
+    let e = errors(cp_job("cp=2", "rings", true), &|_| {});
+    assert!(e.contains("parallel.cp_attention = `rings`"), "{e}");
+    let e = errors(cp_job("tp=2,cp=2", "ring", true), &|c| {
+        c.parallel.sequence_parallel = true
+    });
+    assert!(e.contains("drop --sequence-parallel"), "{e}");
+}
