@@ -12,7 +12,8 @@
 //! - [`mesh`]: the device mesh and its rank order.
 //! - [`TensorCollectives`]: collectives on Burn tensors.
 //! - [`train`]: the training job behind `flashover train` and `flashover verify`.
-//! - [`bench`]: the measurements behind `flashover bench`.
+//! - [`bench`]: the measurements behind `flashover bench`; [`heap`]: the counting allocator
+//!   they measure memory with.
 //!
 //! ```
 //! use flashover::{launch, Axis, ReduceOp, TensorCollectives};
@@ -29,6 +30,7 @@
 #![warn(missing_docs)]
 
 pub mod bench;
+pub mod heap;
 pub mod train;
 
 pub use flashover_comm as comm;

@@ -4,6 +4,10 @@ mod cli;
 
 use clap::Parser;
 
+// Memory benchmarks read the heap's peak.
+#[global_allocator]
+static HEAP: flashover::heap::CountingAllocator = flashover::heap::CountingAllocator;
+
 fn main() {
     let cli = cli::Cli::parse();
     if let Err(message) = cli::run(cli) {

@@ -136,6 +136,26 @@ fn a_mixture_of_experts_resumes_bitwise_and_on_other_expert_layouts() {
 }
 
 #[test]
+fn a_context_parallel_run_resumes_bitwise_and_on_layouts_without_cp() {
+    // Context-parallel ranks hold whole replicas: they share the writing as dp replicas do.
+    for mesh in ["dp=2,cp=2", "tp=2,cp=2"] {
+        let s = Scratch::new(&format!("cp-resume-{}", mesh.replace([',', '='], "")));
+        let c = job(mesh, 0, 1);
+        let straight = second_half(run(&c));
+        let resumed = interrupted(&c, &c, &s.0);
+        assert_eq!(losses(&resumed), losses(&straight), "{mesh}: losses");
+        assert_eq!(resumed.params, straight.params, "{mesh}: parameters");
+    }
+    for (from, to) in [("cp=2", "dp=2"), ("dp=2", "tp=2,cp=2")] {
+        let s = Scratch::new(&format!("cp-reshard-{}", from.replace([',', '='], "")));
+        let straight = second_half(run(&job(to, 0, 1)));
+        let resumed = interrupted(&job(from, 0, 1), &job(to, 0, 1), &s.0);
+        let cmp = compare(&straight, &resumed, TOLERANCE);
+        assert!(cmp.pass, "{from} -> {to}: {cmp}");
+    }
+}
+
+#[test]
 fn a_checkpoint_loads_on_another_mesh_and_training_continues_as_there() {
     // The pairs users of other frameworks report as impossible, and ZeRO-3 to plain DDP.
     for (from, to) in [

@@ -3,6 +3,7 @@
 
 pub mod checkpoint;
 pub mod comm;
+pub mod context;
 pub mod memory;
 pub mod moe;
 pub mod pipeline;

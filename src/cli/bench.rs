@@ -20,6 +20,23 @@ pub enum BenchCommand {
     Ckpt(CkptArgs),
     /// Mixture of experts: step and all-to-all time, drop rate and bytes per ep and capacity.
     Moe(Box<MoeArgs>),
+    /// Context parallelism: per-rank working memory and step time vs sequence length and cp,
+    /// and each rank's share of causal attention work with and without load balancing.
+    Cp(Box<CpArgs>),
+}
+
+/// Options of `bench cp`.
+#[derive(Debug, Args)]
+pub struct CpArgs {
+    /// Job options (model, batch, steps, --cp-attention); mesh and sequence length per variant.
+    #[command(flatten)]
+    job: super::job::JobArgs,
+    /// Sequence lengths, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "256,512,1024")]
+    seq_lens: Vec<usize>,
+    /// Context-parallel degrees, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    cps: Vec<usize>,
 }
 
 /// Options of `bench moe`.
@@ -147,6 +164,40 @@ fn parse_op(name: &str) -> Result<OpKind, String> {
 
 pub fn run(cmd: BenchCommand) -> Result<(), String> {
     match cmd {
+        BenchCommand::Cp(args) => {
+            let config = args.job.build_with_mesh("dp=1")?;
+            let records = flashover::bench::context::run(&config, &args.seq_lens, &args.cps)?;
+            println!(
+                "| seq len | cp | layout | working MiB / rank | vs cp=1 | step ms | attention work max/mean | attention time max/mean |"
+            );
+            println!("|---:|---:|---|---:|---:|---:|---:|---:|");
+            for r in &records {
+                let single = records
+                    .iter()
+                    .find(|s| s.seq_len == r.seq_len && s.cp == 1)
+                    .map_or(f64::NAN, |s| {
+                        r.working_bytes_per_rank / s.working_bytes_per_rank
+                    });
+                println!(
+                    "| {} | {} | {} | {:.1} | {:.3} | {:.0} | {:.3} | {:.3} |",
+                    r.seq_len,
+                    r.cp,
+                    if r.cp == 1 {
+                        "-"
+                    } else if r.load_balanced {
+                        "head+tail"
+                    } else {
+                        "contiguous"
+                    },
+                    r.working_bytes_per_rank / (1 << 20) as f64,
+                    single,
+                    r.step_s * 1e3,
+                    r.work_imbalance,
+                    r.time_imbalance
+                );
+            }
+            Ok(())
+        }
         BenchCommand::Moe(args) => {
             let mut config = args.job.build_with_mesh("dp=1")?;
             if config.moe.experts == 0 {

@@ -1,0 +1,97 @@
+//! `flashover bench cp`: per-rank working memory and step time against sequence length at
+//! several context-parallel degrees, and each rank's share of the causal attention work with
+//! and without load balancing.
+//!
+//! Memory is measured, not estimated: the heap's peak during a step above what was live
+//! between steps (activations, gradients and attention blocks; parameters and AdamW state are
+//! the between-steps baseline), as counted by [`crate::heap::CountingAllocator`]. The ranks
+//! are threads of one process sharing that counter, so the per-rank figure is the process
+//! figure divided by the ranks, which step in lockstep.
+
+use crate::heap;
+use crate::train::{StepRecord, TrainConfig, train};
+use serde::Serialize;
+use std::sync::Mutex;
+
+/// One (sequence length, cp, layout) measurement.
+#[derive(Debug, Clone, Serialize)]
+pub struct ContextBenchRecord {
+    /// Positions per sequence.
+    pub seq_len: usize,
+    /// Context-parallel degree.
+    pub cp: usize,
+    /// Whether ranks held head-and-tail chunks.
+    pub load_balanced: bool,
+    /// Peak working heap bytes per rank over the measured steps.
+    pub working_bytes_per_rank: f64,
+    /// Median step time over the measured steps (seconds).
+    pub step_s: f64,
+    /// Attention scores computed: most-loaded rank over the mean (1: even).
+    pub work_imbalance: f64,
+    /// Attention compute time: slowest rank over the mean.
+    pub time_imbalance: f64,
+}
+
+fn max_over_mean(values: impl Iterator<Item = f64>) -> f64 {
+    let v: Vec<f64> = values.collect();
+    let mean = v.iter().sum::<f64>() / v.len() as f64;
+    if mean > 0.0 {
+        v.iter().cloned().fold(0.0, f64::max) / mean
+    } else {
+        1.0
+    }
+}
+
+/// Runs `config` (its model, batch and `steps`, at least 2: the first warms up) for every
+/// sequence length and cp degree; cp > 1 both with and without load balancing.
+pub fn run(
+    config: &TrainConfig,
+    seq_lens: &[usize],
+    cps: &[usize],
+) -> Result<Vec<ContextBenchRecord>, String> {
+    if !heap::counting() {
+        return Err("bench cp measures the heap: run it from the flashover binary, which installs the counting allocator".into());
+    }
+    let mut out = vec![];
+    for &seq_len in seq_lens {
+        for &cp in cps {
+            let layouts: &[bool] = if cp > 1 { &[true, false] } else { &[true] };
+            for &load_balanced in layouts {
+                let mut c = config.clone();
+                c.data.seq_len = seq_len;
+                c.parallel.mesh = format!("cp={cp}");
+                c.parallel.cp_load_balance = load_balanced;
+                c.run.steps = c.run.steps.max(2);
+                c.run.log_jsonl = None;
+                // The peak of each step above the bytes live when the previous one ended.
+                let peaks = Mutex::new(vec![]);
+                let on_step = |_: &StepRecord| {
+                    let mut peaks = peaks.lock().expect("peaks");
+                    let peak = heap::peak_bytes();
+                    let base = heap::reset_peak();
+                    peaks.push(peak.saturating_sub(base));
+                };
+                heap::reset_peak();
+                let report = train(&c, &on_step)?;
+                let peaks = peaks.into_inner().expect("peaks");
+                let measured = &report.steps[1..];
+                let mut times: Vec<f64> = measured.iter().map(|s| s.step_time_s).collect();
+                times.sort_by(f64::total_cmp);
+                // Entry i: step i's peak above what was live when step i - 1 ended (entry 0
+                // also counts building the model, so it is left out).
+                let working = peaks[1..].iter().copied().max().unwrap_or(0);
+                let ranks = &measured.last().expect("a measured step").ranks;
+                out.push(ContextBenchRecord {
+                    seq_len,
+                    cp,
+                    load_balanced,
+                    working_bytes_per_rank: working as f64 / cp as f64,
+                    step_s: times[times.len() / 2],
+                    work_imbalance: max_over_mean(ranks.iter().map(|r| r.attention_scores as f64)),
+                    time_imbalance: max_over_mean(ranks.iter().map(|r| r.attention_s)),
+                });
+            }
+        }
+    }
+    Ok(out)
+}
