@@ -13,14 +13,16 @@ run -np 2 "$check"
 run -np 4 "$check"
 
 # Training: one rank per process gives the thread launcher's losses and gradient norms bit for
-# bit (DDP + TP, ZeRO-3/HSDP, DDP + pipeline, expert parallel: tokens by MPI all-to-all).
+# bit (DDP + TP, ZeRO-3/HSDP, DDP + pipeline, expert parallel: tokens by MPI all-to-all,
+# context parallel: ring attention's exchanges from a helper thread).
 cargo build --quiet --features mpi,wgpu --bin flashover
 flashover="${CARGO_TARGET_DIR:-target}/debug/flashover"
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 numbers() { grep -o '"\(loss\|grad_norm\)":[^,]*' "$1"; }
 for job in "--mesh dp=2,tp=2" "--mesh dp=2,fsdp=2 --zero 3" "--mesh dp=2,pp=2 --micro-batches 2" \
-           "--mesh dp=2,ep=2 --moe --experts 4 --capacity-factor 1.25 --replicate-hot 1"; do
+           "--mesh dp=2,ep=2 --moe --experts 4 --capacity-factor 1.25 --replicate-hot 1" \
+           "--mesh dp=2,cp=2"; do
   # shellcheck disable=SC2086
   run -np 4 "$flashover" train $job --steps 6 --log-jsonl "$scratch/mpi.jsonl" >/dev/null
   # shellcheck disable=SC2086

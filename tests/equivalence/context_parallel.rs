@@ -35,9 +35,13 @@ fn ring_attention_trains_as_one_rank_at_cp_2_3_and_4() {
 }
 
 #[test]
-fn all_to_all_attention_trains_as_one_rank_at_cp_2_and_4() {
-    for (mesh, balanced) in [("cp=2", true), ("cp=4", false)] {
-        let (_, _, cmp) = verify(&cp_job(mesh, "all-to-all", balanced), TOLERANCE).unwrap();
+fn all_to_all_attention_trains_as_one_rank_at_cp_2_3_and_4() {
+    for (mesh, balanced, heads) in [("cp=2", true, 4), ("cp=3", true, 6), ("cp=4", false, 4)] {
+        let mut c = cp_job(mesh, "all-to-all", balanced);
+        // Whole heads per rank: 6 heads of 8 features at cp = 3.
+        c.model.n_heads = Some(heads);
+        c.model.d_model = Some(8 * heads);
+        let (_, _, cmp) = verify(&c, TOLERANCE).unwrap();
         assert!(cmp.pass, "{mesh} all-to-all: {cmp}");
     }
 }
