@@ -14,6 +14,8 @@ use flashover_parallel::tensor_parallel::TensorParallel;
 
 const TOLERANCE: f64 = 1e-5;
 
+#[path = "equivalence/activation_checkpointing.rs"]
+mod activation_checkpointing;
 #[path = "equivalence/context_parallel.rs"]
 mod context_parallel;
 #[path = "equivalence/moe.rs"]

@@ -75,6 +75,9 @@ pub struct JobArgs {
     /// With a pp axis and the interleaved schedule: model chunks per rank.
     #[arg(long)]
     pp_chunks: Option<usize>,
+    /// Activation checkpointing: none, full, selective, every:K or blocks:I,J.
+    #[arg(long)]
+    activation_checkpointing: Option<String>,
     /// With a cp axis: ring or all-to-all attention.
     #[arg(long)]
     cp_attention: Option<String>,
@@ -173,6 +176,10 @@ impl JobArgs {
         set(&mut c.parallel.pp_schedule, self.pp_schedule.clone());
         set(&mut c.parallel.pp_chunks, self.pp_chunks);
         set(&mut c.parallel.cp_attention, self.cp_attention.clone());
+        set(
+            &mut c.parallel.activation_checkpointing,
+            self.activation_checkpointing.clone(),
+        );
         if self.no_cp_load_balance {
             c.parallel.cp_load_balance = false;
         }

@@ -4,6 +4,7 @@
 
 use flashover_models::TransformerConfig;
 use flashover_models::moe::{DropPolicy, MoeConfig, RouterKind};
+use flashover_parallel::activation_checkpointing::CheckpointPolicy;
 use flashover_runtime::{Axis, DeviceChoice, DeviceMesh};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -222,6 +223,10 @@ pub struct ParallelSection {
     /// With a `cp` axis: each rank holds a head and a tail chunk of every sequence so causal
     /// attention work is even (`false`: one contiguous chunk per rank).
     pub cp_load_balance: bool,
+    /// Activation checkpointing (recomputation in backward): `none`, `full` (every block),
+    /// `every:K` (blocks 0, K, 2K, ...), `blocks:I,J` (those blocks) or `selective` (Burn's
+    /// balanced checkpointing: keep matrix products, recompute the rest).
+    pub activation_checkpointing: String,
 }
 
 impl Default for ParallelSection {
@@ -241,6 +246,7 @@ impl Default for ParallelSection {
             pp_split: "even".into(),
             cp_attention: "ring".into(),
             cp_load_balance: true,
+            activation_checkpointing: "none".into(),
         }
     }
 }
@@ -466,6 +472,7 @@ impl TrainConfig {
                 }
                 errors.extend(self.moe_errors(&mesh));
                 errors.extend(self.cp_errors(&mesh));
+                errors.extend(self.recompute_errors());
                 let pp = mesh.degree(Axis::Pp);
                 if pp > 1 {
                     if self.parallel.zero > 0 || mesh.degree(Axis::Fsdp) > 1 {
@@ -663,6 +670,35 @@ impl TrainConfig {
             errors.push(
                 "parallel.sequence_parallel with a cp axis: the sequence is already split over cp; drop --sequence-parallel".into(),
             );
+        }
+        errors
+    }
+
+    /// What is wrong with `parallel.activation_checkpointing`.
+    fn recompute_errors(&self) -> Vec<String> {
+        let policy = match self
+            .parallel
+            .activation_checkpointing
+            .parse::<CheckpointPolicy>()
+        {
+            Ok(policy) => policy,
+            Err(e) => return vec![format!("parallel.activation_checkpointing = {e}")],
+        };
+        let mut errors = vec![];
+        if policy.is_block_level() && self.run.device != DeviceChoice::Flex {
+            errors.push(format!(
+                "parallel.activation_checkpointing = {policy} recomputes blocks through a host op that needs the flex device in this release (run.device = {}); use selective, which works on every backend",
+                self.run.device
+            ));
+        }
+        if let (CheckpointPolicy::Blocks(blocks), Ok(t)) =
+            (&policy, self.transformer(self.vocab_size()))
+            && let Some(b) = blocks.iter().find(|&&b| b >= t.n_layers)
+        {
+            errors.push(format!(
+                "parallel.activation_checkpointing names block {b}, but the model has {} (0..{})",
+                t.n_layers, t.n_layers
+            ));
         }
         errors
     }

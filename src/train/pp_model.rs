@@ -179,12 +179,20 @@ impl TransformerStage {
         let heads = self.blocks.first().map_or(0, |b| b.attn.n_heads);
         for (i, block) in self.blocks.iter().enumerate() {
             let layer = self.first_block + i;
+            let rope = rope.clone();
             h = match &self.tp {
                 Some((tp, _)) => {
-                    let ctx = tp_context(ctx, tp, heads, t);
-                    tp_block_forward(block, h, &rope, &ctx, layer, tp)
+                    let (inner, tp) = (tp_context(ctx, tp, heads, t), tp.clone());
+                    ctx.block(layer, block, h, move |b, h| {
+                        tp_block_forward(b, h, &rope, &inner, layer, &tp)
+                    })
                 }
-                None => block.forward_with(h, &rope, ctx, layer),
+                None => {
+                    let inner = ctx.clone();
+                    ctx.block(layer, block, h, move |b, h| {
+                        b.forward_with(h, &rope, &inner, layer)
+                    })
+                }
             };
         }
         let head = match (&self.head, &self.tied_head) {

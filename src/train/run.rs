@@ -15,6 +15,7 @@ use flashover_models::{
     Block, Dropout, ForwardContext, LinearHook, MoeHook, Transformer, next_token_loss,
 };
 use flashover_parallel::FlatAdamW;
+use flashover_parallel::activation_checkpointing::CheckpointPolicy;
 use flashover_parallel::context_parallel::{AttentionWork, ContextParallel, CpAttention};
 use flashover_parallel::data_parallel::{
     DataParallel, DataParallelConfig, MicroBatches, ReduceReport,
@@ -912,7 +913,16 @@ fn train_rank(
     emit: &dyn Fn(&StepRecord),
     origin: Instant,
 ) -> Result<RankOutput, RankError> {
-    let device = ctx.device().clone().autodiff();
+    let recompute = config
+        .parallel
+        .activation_checkpointing
+        .parse::<CheckpointPolicy>()?;
+    let device = if recompute.is_selective() {
+        ctx.device().clone().autodiff().gradient_checkpointing()
+    } else {
+        ctx.device().clone().autodiff()
+    };
+    let checkpointing = recompute.hook();
     // Every data-parallel rank (replica or shard) reads its own slice of the batch.
     let batch_group = ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep])?;
     // Context-parallel ranks read the same samples and keep different positions of them; their
@@ -1023,6 +1033,7 @@ fn train_rank(
                     step: step as u64,
                 }),
                 sample_offset: samples.start as usize,
+                checkpointing: checkpointing.clone(),
                 ..ForwardContext::default()
             };
             let (inputs, targets) = make_batch(source, samples, config.data.seq_len, &device);

@@ -67,8 +67,16 @@ impl ShardedTransformer {
             }
             // In backward, blocks run in reverse: this one's start prefetches the one before.
             let before = i.checked_sub(1).map(|j| self.blocks[j].prefetch_handle());
-            let (rope, ctx) = (rope.clone(), ctx.clone());
-            let forward = move |b: &Block, h| b.forward_with(h, &rope, &ctx, i);
+            let (rope, mut ctx) = (rope.clone(), ctx.clone());
+            // A unit that reshards after forward recomputes its block in backward already.
+            if block.recomputes() {
+                ctx.checkpointing = None;
+            }
+            let forward = move |b: &Block, h| {
+                let inner = ctx.clone();
+                let rope = rope.clone();
+                ctx.block(i, b, h, move |b, h| b.forward_with(h, &rope, &inner, i))
+            };
             h = block.forward_prefetching(h, forward, before)?;
         }
         Ok(root.logits(h))

@@ -8,7 +8,7 @@
 //! (replicated activations) match, masks of split activations differ where the elements
 //! differ, and every layout drops the same elements as one rank, reproducibly from the seed.
 
-use crate::layers::rope_tables_at;
+use crate::layers::{Block, rope_tables_at};
 use burn::nn::Linear;
 use burn::tensor::{Device, Shape, Tensor, TensorData};
 use flashover_data::SplitMix64;
@@ -49,6 +49,35 @@ pub struct ForwardContext {
     /// Computes attention's core (softmax of scores times values) in place of the local causal
     /// attention when set: context parallelism, whose keys and values live on other ranks too.
     pub core_attention: Option<AttentionHook>,
+    /// Runs the transformer blocks when set: activation checkpointing recomputes some of them
+    /// in backward instead of keeping their activations.
+    pub checkpointing: Option<CheckpointHook>,
+}
+
+/// A block's forward as a function of the block and its input (everything else captured).
+pub type BlockFn = Arc<dyn Fn(&Block, Tensor<3>) -> Tensor<3> + Send + Sync>;
+
+/// Runs transformer blocks: how a strategy changes what a block keeps for backward.
+pub trait BlockCheckpoint: Send + Sync {
+    /// `forward(block, x)` for block `layer`; may keep only `x` and run `forward` again in
+    /// backward.
+    fn run(&self, layer: usize, block: &Block, x: Tensor<3>, forward: BlockFn) -> Tensor<3>;
+}
+
+/// A shared [`BlockCheckpoint`]; two hooks are equal when they are the same object.
+#[derive(Clone)]
+pub struct CheckpointHook(pub Arc<dyn BlockCheckpoint>);
+
+impl std::fmt::Debug for CheckpointHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CheckpointHook")
+    }
+}
+
+impl PartialEq for CheckpointHook {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 /// Computes causal attention over a sequence that is split across ranks.
@@ -197,6 +226,21 @@ impl ForwardContext {
         match &self.linear {
             Some(hook) => hook.0.apply(linear, x),
             None => linear.forward(x),
+        }
+    }
+
+    /// Block `layer`'s forward, `forward(block, x)`, through the context's
+    /// [`BlockCheckpoint`] if it has one.
+    pub fn block(
+        &self,
+        layer: usize,
+        block: &Block,
+        x: Tensor<3>,
+        forward: impl Fn(&Block, Tensor<3>) -> Tensor<3> + Send + Sync + 'static,
+    ) -> Tensor<3> {
+        match &self.checkpointing {
+            Some(hook) => hook.0.run(layer, block, x, Arc::new(forward)),
+            None => forward(block, x),
         }
     }
 

@@ -28,7 +28,8 @@ pub mod moe;
 mod transformer;
 
 pub use dropout::{
-    AttentionHook, AttentionOp, Coords, Dropout, ForwardContext, LinearHook, LinearOp, Site,
+    AttentionHook, AttentionOp, BlockCheckpoint, BlockFn, CheckpointHook, Coords, Dropout,
+    ForwardContext, LinearHook, LinearOp, Site,
 };
 pub use layers::{Attention, Block, SwiGlu, rope_tables, rope_tables_at};
 pub use moe::{Moe, MoeConfig, MoeHook};

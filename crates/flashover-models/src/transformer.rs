@@ -206,7 +206,10 @@ impl Transformer {
         let head_dim = self.blocks.first().map_or(2, |b| b.attn.head_dim);
         let rope = ctx.rope_tables(t, head_dim, self.rope_theta, &h.device());
         let h = self.blocks.iter().enumerate().fold(h, |h, (layer, block)| {
-            block.forward_with(h, &rope, ctx, layer)
+            let (rope, inner) = (rope.clone(), ctx.clone());
+            ctx.block(layer, block, h, move |b, h| {
+                b.forward_with(h, &rope, &inner, layer)
+            })
         });
         self.logits(h)
     }

@@ -14,6 +14,8 @@
 //!   and timed before they run.
 //! - [`tensor_parallel`]: Megatron's column/row-parallel layers, vocabulary-parallel embedding and
 //!   loss, sequence parallelism.
+//! - [`activation_checkpointing`]: recompute whole blocks (any module) or memory-bound
+//!   operations in backward instead of keeping their activations.
 //! - [`context_parallel`]: sequences split over `cp`; ring attention and all-to-all (Ulysses)
 //!   attention.
 //! - [`expert_parallel`]: mixture-of-experts layers with experts split over `ep`, tokens sent
@@ -21,6 +23,7 @@
 //! - [`FlatAdamW`]: AdamW on a flat slice, matching Burn's AdamW, for sharded optimizers.
 #![warn(missing_docs)]
 
+pub mod activation_checkpointing;
 pub mod context_parallel;
 pub mod data_parallel;
 mod error;

@@ -25,9 +25,10 @@
 //!
 //! These ops run host code in their backward, so units need the Flex backend in this release.
 
-use super::ops::{RecomputeHook, ScatterHook, gather_shard, recompute_unit};
+use super::ops::{ScatterHook, gather_shard};
 use super::shard_group::{Pending, ShardGroup};
 use super::shard_map::ShardLayout;
+use crate::activation_checkpointing::{RecomputeHook, recompute};
 use crate::error::ParallelError;
 use crate::hook::hooks_supported;
 use crate::params::{ParamLayout, accumulate_grads, broadcast_module, flatten_params, to_f32};
@@ -292,6 +293,11 @@ impl<M: Module + Sync + 'static> FullyShardedUnit<M> {
         Prefetch(Arc::new(move || spec.prefetch(&shard)))
     }
 
+    /// Whether the unit's forward is recomputed in backward (it reshards after forward).
+    pub fn recomputes(&self) -> bool {
+        self.spec.reshard_after_forward
+    }
+
     /// Runs `f` (the unit's forward) on `x` with the unit's parameters gathered, as the
     /// configuration says (see the [module docs](self)).
     pub fn forward<const D: usize, const E: usize, F>(
@@ -358,6 +364,6 @@ impl<M: Module + Sync + 'static> FullyShardedUnit<M> {
             spec.shard_group.stats().released(bytes);
             (grad_x, spec.reduce_scatter(flat))
         }));
-        Ok(recompute_unit(x, shard, y, hook))
+        Ok(recompute(x, shard, y, hook))
     }
 }

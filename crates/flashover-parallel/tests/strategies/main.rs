@@ -2,6 +2,7 @@
 //! faults, ZeRO stages 1-3 and HSDP, tensor-parallel layers, the pipeline executor and the
 //! expert-parallel MoE layer.
 
+mod activation_checkpointing;
 mod common;
 mod context_parallel;
 mod ddp_faults;

@@ -1,0 +1,240 @@
+//! Activation checkpointing (recomputation): keep less of the forward for backward and compute
+//! it again when backward needs it. Not to be confused with training checkpoints
+//! (`flashover-checkpoint`).
+//!
+//! - **Block-level** ([`checkpoint`]): any Burn module's forward runs outside the autodiff
+//!   graph; only its input is kept (its parameters are alive anyway). In backward the forward
+//!   runs again with a graph, from that input, and its own backward gives the gradients of the
+//!   input and of every parameter, which continue into the outer graph (so data-parallel
+//!   gradient hooks, tensor-parallel operators and fully sharded gathers see them as usual).
+//!   The equivalent of `torch.utils.checkpoint`. [`CheckpointPolicy`] picks the transformer
+//!   blocks: all, every k-th, or a list.
+//! - **Selective**: Burn's balanced checkpointing (`Device::gradient_checkpointing`), which keeps
+//!   the outputs of compute-bound operations (matrix products) and recomputes memory-bound ones
+//!   (norms, activations, softmax, elementwise) in backward.
+//!
+//! **Random numbers:** the model's dropout masks are a hash of (seed, step, site, logical
+//! coordinates) (`flashover_models::Dropout`), not a stream: a recomputed forward draws exactly
+//! the masks the first one drew, so gradients equal those without recomputation.
+//!
+//! Block-level recomputation is a custom autodiff op with host code in its backward ([`op`]),
+//! implemented for Flex; the training job refuses it on other devices.
+
+mod op;
+
+pub use op::{RecomputeHook, recompute};
+
+use crate::hook::hooks_supported;
+use crate::params::{ParamLayout, accumulate_grads};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::{Tensor, TensorData};
+use flashover_models::{Block, BlockCheckpoint, BlockFn, CheckpointHook};
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+/// Which activations to recompute.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CheckpointPolicy {
+    /// Keep everything.
+    None,
+    /// Recompute every block.
+    Full,
+    /// Recompute memory-bound operations everywhere, keep matrix products (Burn's balanced
+    /// checkpointing).
+    Selective,
+    /// Recompute blocks `0, k, 2k, ...`.
+    Every(usize),
+    /// Recompute the listed blocks.
+    Blocks(Vec<usize>),
+}
+
+impl FromStr for CheckpointPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let bad = || format!("`{s}`: expected none, full, selective, every:K or blocks:I,J,...");
+        Ok(match s {
+            "none" => CheckpointPolicy::None,
+            "full" => CheckpointPolicy::Full,
+            "selective" => CheckpointPolicy::Selective,
+            _ => {
+                if let Some(k) = s.strip_prefix("every:") {
+                    match k.trim().parse::<usize>() {
+                        Ok(k) if k > 0 => CheckpointPolicy::Every(k),
+                        _ => return Err(bad()),
+                    }
+                } else if let Some(list) = s.strip_prefix("blocks:") {
+                    let blocks = list
+                        .split(',')
+                        .map(|b| b.trim().parse::<usize>())
+                        .collect::<Result<Vec<_>, _>>()
+                        .map_err(|_| bad())?;
+                    CheckpointPolicy::Blocks(blocks)
+                } else {
+                    return Err(bad());
+                }
+            }
+        })
+    }
+}
+
+impl fmt::Display for CheckpointPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CheckpointPolicy::None => f.write_str("none"),
+            CheckpointPolicy::Full => f.write_str("full"),
+            CheckpointPolicy::Selective => f.write_str("selective"),
+            CheckpointPolicy::Every(k) => write!(f, "every:{k}"),
+            CheckpointPolicy::Blocks(b) => {
+                let list: Vec<String> = b.iter().map(|i| i.to_string()).collect();
+                write!(f, "blocks:{}", list.join(","))
+            }
+        }
+    }
+}
+
+impl CheckpointPolicy {
+    /// Whether block `layer` is recomputed as a whole.
+    pub fn recomputes_block(&self, layer: usize) -> bool {
+        match self {
+            CheckpointPolicy::Full => true,
+            CheckpointPolicy::Every(k) => layer.is_multiple_of(*k),
+            CheckpointPolicy::Blocks(blocks) => blocks.contains(&layer),
+            CheckpointPolicy::None | CheckpointPolicy::Selective => false,
+        }
+    }
+
+    /// Whether the policy recomputes whole blocks (needs [`CheckpointPolicy::hook`]).
+    pub fn is_block_level(&self) -> bool {
+        matches!(
+            self,
+            CheckpointPolicy::Full | CheckpointPolicy::Every(_) | CheckpointPolicy::Blocks(_)
+        )
+    }
+
+    /// Whether the policy is Burn's balanced checkpointing (a property of the device:
+    /// `Device::gradient_checkpointing`).
+    pub fn is_selective(&self) -> bool {
+        *self == CheckpointPolicy::Selective
+    }
+
+    /// The forward-context hook that recomputes the blocks this policy names (`None` when it
+    /// names none).
+    pub fn hook(&self) -> Option<CheckpointHook> {
+        self.is_block_level()
+            .then(|| CheckpointHook(Arc::new(BlockCheckpointing(self.clone()))))
+    }
+}
+
+/// Recomputes the blocks a [`CheckpointPolicy`] names.
+struct BlockCheckpointing(CheckpointPolicy);
+
+impl BlockCheckpoint for BlockCheckpointing {
+    fn run(&self, layer: usize, block: &Block, x: Tensor<3>, forward: BlockFn) -> Tensor<3> {
+        if self.0.recomputes_block(layer) {
+            checkpoint(block, x, move |b: &Block, x| forward(b, x))
+        } else {
+            forward(block, x)
+        }
+    }
+}
+
+struct Detach;
+
+impl ModuleMapper for Detach {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        param.map(|t| t.detach())
+    }
+}
+
+/// Parameters as fresh leaves of a new graph (same ids and values).
+struct Leaves;
+
+impl ModuleMapper for Leaves {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        param.map(|t| t.detach().require_grad())
+    }
+}
+
+/// Every float parameter of `module`, flattened in layout order, as one tracked vector (`None`
+/// for a module without parameters).
+fn flat_params<M: Module>(module: &M) -> Option<Tensor<1>> {
+    struct Collect(Vec<Tensor<1>>);
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let t = param.val();
+            let numel = t.shape().num_elements();
+            self.0.push(t.reshape([numel]));
+        }
+    }
+    let mut c = Collect(vec![]);
+    module.visit(&mut c);
+    (!c.0.is_empty()).then(|| Tensor::cat(c.0, 0))
+}
+
+/// `forward(module, x)`, keeping only `x` for backward and running `forward` again there (see
+/// the [module docs](self)). Falls back to a plain call when nothing needs a gradient or the
+/// device has no recompute op (not Flex with autodiff).
+pub fn checkpoint<M, const D: usize, const E: usize, F>(
+    module: &M,
+    x: Tensor<D>,
+    forward: F,
+) -> Tensor<E>
+where
+    M: Module + Send + Sync + 'static,
+    F: Fn(&M, Tensor<D>) -> Tensor<E> + Send + Sync + 'static,
+{
+    let device = x.device();
+    let params = flat_params(module);
+    let tracked = x.is_require_grad() || params.as_ref().is_some_and(|p| p.is_require_grad());
+    if !tracked || !hooks_supported(&device) {
+        return forward(module, x);
+    }
+    let params = params.unwrap_or_else(|| Tensor::<1>::zeros([0], &device));
+    let numel = ParamLayout::of(module).numel;
+    // Shares the parameters' storage: nothing is copied.
+    let values = module.clone().map(&mut Detach);
+    let y = forward(&values, x.clone().detach());
+    let hook = RecomputeHook(Arc::new(move |x: TensorData, grad_y: TensorData| {
+        let module = values.clone().map(&mut Leaves);
+        let x = Tensor::<D>::from_data(x, &device).require_grad();
+        let y = forward(&module, x.clone());
+        let grads = (y * Tensor::<E>::from_data(grad_y, &device))
+            .sum()
+            .backward();
+        let grad_x = x
+            .grad(&grads)
+            .map(|g| g.into_data())
+            .unwrap_or_else(|| Tensor::<D>::zeros(x.shape(), &device.clone().inner()).into_data());
+        let params = GradientsParams::from_grads(grads, &module);
+        let mut flat = vec![0.0; numel];
+        accumulate_grads(&module, &params, &mut flat, &[]);
+        (grad_x, flat)
+    }));
+    recompute(x, params, y, hook)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policies_parse_and_print_back() {
+        for s in ["none", "full", "selective", "every:2", "blocks:0,3"] {
+            assert_eq!(s.parse::<CheckpointPolicy>().unwrap().to_string(), s);
+        }
+        for bad in ["every:0", "blocks:a", "all", "every:"] {
+            let e = bad.parse::<CheckpointPolicy>().unwrap_err();
+            assert!(e.contains("every:K"), "{e}");
+        }
+        let every = CheckpointPolicy::Every(2);
+        assert_eq!(
+            (0..5)
+                .map(|l| every.recomputes_block(l))
+                .collect::<Vec<_>>(),
+            vec![true, false, true, false, true]
+        );
+    }
+}

@@ -1,0 +1,116 @@
+//! The differentiable operation behind recomputation, a backend-extension op with a
+//! hand-written backward (Burn 0.22.1 has no autograd functions; see the project notes'
+//! custom-backward recipe): forward returns an output computed outside the graph as a function
+//! of the input and a flat parameter vector; backward calls a host function that recomputes the
+//! forward with a graph and returns the gradients of both. Host work happens in Flex-specific
+//! code, so it runs on Flex.
+
+use burn::backend::autodiff::{
+    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+    grads::Gradients,
+    ops::{Backward, Ops, OpsKind},
+};
+use burn::backend::{
+    Autodiff, Backend, Dispatch, Flex, backend_extension, flex::FlexTensor, tensor::FloatTensor,
+};
+use burn::tensor::{Tensor, TensorData};
+use std::sync::Arc;
+
+/// Host function of [`recompute`]'s backward: (input, output gradient) in, (input gradient,
+/// flat parameter gradient) out.
+pub type RecomputeFn = dyn Fn(TensorData, TensorData) -> (TensorData, Vec<f32>) + Send + Sync;
+
+/// [`RecomputeFn`] as an op state (states must be `Debug`).
+#[derive(Clone)]
+pub struct RecomputeHook(pub Arc<RecomputeFn>);
+
+impl std::fmt::Debug for RecomputeHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RecomputeHook")
+    }
+}
+
+#[backend_extension(Flex, Autodiff)]
+pub trait RecomputeOps: Backend {
+    /// Forward: `y`, as a function of `x` and `params`. Backward: `hook` recomputes and returns
+    /// the gradients of `x` and `params`.
+    fn recompute(
+        x: FloatTensor<Self>,
+        params: FloatTensor<Self>,
+        y: FloatTensor<Self>,
+        hook: RecomputeHook,
+    ) -> FloatTensor<Self>;
+}
+
+impl RecomputeOps for Flex {
+    fn recompute(
+        _: FloatTensor<Self>,
+        _: FloatTensor<Self>,
+        y: FloatTensor<Self>,
+        _: RecomputeHook,
+    ) -> FloatTensor<Self> {
+        y
+    }
+}
+
+#[derive(Debug)]
+struct RecomputeBackward;
+
+impl Backward<Flex, 2> for RecomputeBackward {
+    type State = (RecomputeHook, FlexTensor);
+
+    fn backward(
+        self,
+        ops: Ops<(RecomputeHook, FlexTensor), 2>,
+        grads: &mut Gradients,
+        _: &mut Checkpointer,
+    ) {
+        let (hook, x) = ops.state;
+        let grad_y = grads.consume::<Flex>(&ops.node);
+        let (grad_x, grad_params) = (hook.0)(x.into_data(), grad_y.into_data());
+        let [x_node, params_node] = ops.parents;
+        if let Some(node) = x_node {
+            grads.register::<Flex>(node.id, FlexTensor::from_data(grad_x));
+        }
+        if let Some(node) = params_node {
+            let len = grad_params.len();
+            let data = TensorData::new(grad_params, [len]);
+            grads.register::<Flex>(node.id, FlexTensor::from_data(data));
+        }
+    }
+}
+
+impl<C: CheckpointStrategy> RecomputeOps for Autodiff<Flex, C> {
+    fn recompute(
+        x: FloatTensor<Self>,
+        params: FloatTensor<Self>,
+        y: FloatTensor<Self>,
+        hook: RecomputeHook,
+    ) -> FloatTensor<Self> {
+        let nodes = [x.node(), params.node()];
+        match RecomputeBackward
+            .prepare::<C>(nodes)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((hook, x.into_primitive()), y.into_primitive()),
+            OpsKind::UnTracked(prep) => prep.finish(y.into_primitive()),
+        }
+    }
+}
+
+/// `y` (computed untracked from `x`) as a differentiable function of `x` and `params` (a flat
+/// vector of the parameters `y` was computed with); `hook` recomputes in backward.
+pub fn recompute<const D: usize, const E: usize>(
+    x: Tensor<D>,
+    params: Tensor<1>,
+    y: Tensor<E>,
+    hook: RecomputeHook,
+) -> Tensor<E> {
+    Tensor::from_dispatch(<Dispatch as RecomputeOps>::recompute(
+        x.into_dispatch(),
+        params.into_dispatch(),
+        y.into_dispatch(),
+        hook,
+    ))
+}

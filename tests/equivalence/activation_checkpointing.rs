@@ -1,0 +1,91 @@
+//! Activation checkpointing through the training job: with dropout on, every policy trains
+//! exactly as no recomputation does (losses and gradient norms every step, every final
+//! parameter, bit for bit), alone and combined with dp x tp, pipelines (including the
+//! zero-bubble schedule's deferred weight gradients), ZeRO-3 and context parallelism.
+
+use super::job;
+use flashover::train::{TrainConfig, TrainReport, train};
+
+fn recompute_job(mesh: &str, policy: &str) -> TrainConfig {
+    let mut c = job(mesh, 8, 2);
+    c.run.steps = 4;
+    c.model.n_layers = Some(4);
+    c.model.tie_embeddings = false;
+    c.model.dropout = 0.1;
+    c.parallel.activation_checkpointing = policy.into();
+    c
+}
+
+fn bits(r: &TrainReport) -> (Vec<u64>, Vec<u64>, Vec<(String, Vec<u32>)>) {
+    (
+        r.steps.iter().map(|s| s.loss.to_bits()).collect(),
+        r.steps.iter().map(|s| s.grad_norm.to_bits()).collect(),
+        r.params
+            .iter()
+            .map(|(n, v)| (n.clone(), v.iter().map(|x| x.to_bits()).collect()))
+            .collect(),
+    )
+}
+
+fn same_as_without(mesh: &str, policies: &[&str], tweak: &dyn Fn(&mut TrainConfig)) {
+    let run = |policy: &str| {
+        let mut c = recompute_job(mesh, policy);
+        tweak(&mut c);
+        train(&c, &|_| {}).unwrap_or_else(|e| panic!("{mesh} {policy}: {e}"))
+    };
+    let plain = bits(&run("none"));
+    for policy in policies {
+        let (losses, norms, params) = bits(&run(policy));
+        assert_eq!(losses, plain.0, "{mesh} {policy}: losses");
+        assert_eq!(norms, plain.1, "{mesh} {policy}: gradient norms");
+        assert!(params == plain.2, "{mesh} {policy}: parameters differ");
+    }
+}
+
+#[test]
+fn every_policy_trains_bit_for_bit_as_without_recomputation() {
+    same_as_without(
+        "dp=2",
+        &["full", "every:2", "blocks:1,3", "selective"],
+        &|_| {},
+    );
+}
+
+#[test]
+fn recomputation_composes_with_tensor_pipeline_zero3_and_context_parallelism() {
+    same_as_without("dp=2,tp=2", &["full", "selective"], &|_| {});
+    same_as_without("pp=2", &["full", "every:2"], &|c| {
+        c.parallel.pp_schedule = "1f1b".into();
+    });
+    same_as_without("pp=2", &["full"], &|c| {
+        c.parallel.pp_schedule = "zb-h1".into();
+    });
+    // ZeRO-3 units that keep their parameters: the blocks recompute inside the unit; units
+    // that reshard after forward already recompute, and the policy must not change a bit.
+    for reshard in [false, true] {
+        same_as_without("fsdp=2", &["full"], &|c| {
+            c.parallel.zero = 3;
+            c.parallel.reshard_after_forward = reshard;
+        });
+    }
+    same_as_without("cp=2", &["full", "selective"], &|c| {
+        c.parallel.cp_attention = "ring".into()
+    });
+}
+
+#[test]
+fn policies_the_job_cannot_run_are_refused_by_field() {
+    let mut c = recompute_job("dp=2", "blocks:1,7");
+    let e = c.validate().join("\n");
+    assert!(e.contains("names block 7, but the model has 4"), "{e}");
+    c.parallel.activation_checkpointing = "sometimes".into();
+    let e = c.validate().join("\n");
+    assert!(
+        e.contains("parallel.activation_checkpointing = `sometimes`"),
+        "{e}"
+    );
+    c.parallel.activation_checkpointing = "full".into();
+    c.run.device = flashover::DeviceChoice::Wgpu;
+    let e = c.validate().join("\n");
+    assert!(e.contains("needs the flex device"), "{e}");
+}
