@@ -2,16 +2,13 @@
 //! several context-parallel degrees, and each rank's share of the causal attention work with
 //! and without load balancing.
 //!
-//! Memory is measured, not estimated: the heap's peak during a step above what was live
-//! between steps (activations, gradients and attention blocks; parameters and AdamW state are
-//! the between-steps baseline), as counted by [`crate::heap::CountingAllocator`]. The ranks
-//! are threads of one process sharing that counter, so the per-rank figure is the process
-//! figure divided by the ranks, which step in lockstep.
+//! Memory is measured, not estimated ([`super::working_memory`]). The ranks are threads of one
+//! process sharing the heap counter, so the per-rank figure is the process figure divided by
+//! the ranks, which step in lockstep.
 
-use crate::heap;
-use crate::train::{StepRecord, TrainConfig, train};
+use super::working_memory::measure;
+use crate::train::TrainConfig;
 use serde::Serialize;
-use std::sync::Mutex;
 
 /// One (sequence length, cp, layout) measurement.
 #[derive(Debug, Clone, Serialize)]
@@ -49,9 +46,6 @@ pub fn run(
     seq_lens: &[usize],
     cps: &[usize],
 ) -> Result<Vec<ContextBenchRecord>, String> {
-    if !heap::counting() {
-        return Err("bench cp measures the heap: run it from the flashover binary, which installs the counting allocator".into());
-    }
     let mut out = vec![];
     for &seq_len in seq_lens {
         for &cp in cps {
@@ -61,32 +55,14 @@ pub fn run(
                 c.data.seq_len = seq_len;
                 c.parallel.mesh = format!("cp={cp}");
                 c.parallel.cp_load_balance = load_balanced;
-                c.run.steps = c.run.steps.max(2);
-                c.run.log_jsonl = None;
-                // The peak of each step above the bytes live when the previous one ended.
-                let peaks = Mutex::new(vec![]);
-                let on_step = |_: &StepRecord| {
-                    let mut peaks = peaks.lock().expect("peaks");
-                    let peak = heap::peak_bytes();
-                    let base = heap::reset_peak();
-                    peaks.push(peak.saturating_sub(base));
-                };
-                heap::reset_peak();
-                let report = train(&c, &on_step)?;
-                let peaks = peaks.into_inner().expect("peaks");
-                let measured = &report.steps[1..];
-                let mut times: Vec<f64> = measured.iter().map(|s| s.step_time_s).collect();
-                times.sort_by(f64::total_cmp);
-                // Entry i: step i's peak above what was live when step i - 1 ended (entry 0
-                // also counts building the model, so it is left out).
-                let working = peaks[1..].iter().copied().max().unwrap_or(0);
-                let ranks = &measured.last().expect("a measured step").ranks;
+                let m = measure(&c)?;
+                let ranks = &m.report.steps.last().expect("a measured step").ranks;
                 out.push(ContextBenchRecord {
                     seq_len,
                     cp,
                     load_balanced,
-                    working_bytes_per_rank: working as f64 / cp as f64,
-                    step_s: times[times.len() / 2],
+                    working_bytes_per_rank: m.working_bytes as f64 / cp as f64,
+                    step_s: m.step_s,
                     work_imbalance: max_over_mean(ranks.iter().map(|r| r.attention_scores as f64)),
                     time_imbalance: max_over_mean(ranks.iter().map(|r| r.attention_s)),
                 });

@@ -7,4 +7,6 @@ pub mod context;
 pub mod memory;
 pub mod moe;
 pub mod pipeline;
+pub mod recompute;
 pub mod train;
+pub mod working_memory;

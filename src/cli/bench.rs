@@ -23,6 +23,26 @@ pub enum BenchCommand {
     /// Context parallelism: per-rank working memory and step time vs sequence length and cp,
     /// and each rank's share of causal attention work with and without load balancing.
     Cp(Box<CpArgs>),
+    /// Activation checkpointing: working memory and step time per policy at two model sizes.
+    Recompute(Box<RecomputeArgs>),
+}
+
+/// Options of `bench recompute`.
+#[derive(Debug, Args)]
+pub struct RecomputeArgs {
+    /// Job options (batch, sequence length, steps); model size and policy per variant.
+    #[command(flatten)]
+    job: super::job::JobArgs,
+    /// Model sizes as d_model x n_layers, comma separated (heads from the job).
+    #[arg(long, value_delimiter = ',', default_value = "128x4,256x8")]
+    sizes: Vec<String>,
+    /// Policies, comma separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "none,full,every:2,selective"
+    )]
+    policies: Vec<String>,
 }
 
 /// Options of `bench cp`.
@@ -194,6 +214,49 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                     r.step_s * 1e3,
                     r.work_imbalance,
                     r.time_imbalance
+                );
+            }
+            Ok(())
+        }
+        BenchCommand::Recompute(args) => {
+            let config = args.job.build_with_mesh("dp=1")?;
+            let sizes = args
+                .sizes
+                .iter()
+                .map(|s| {
+                    let (d, l) = s
+                        .split_once('x')
+                        .ok_or_else(|| format!("--sizes `{s}`: expected D_MODELxN_LAYERS"))?;
+                    let parse = |v: &str| {
+                        v.trim()
+                            .parse::<usize>()
+                            .map_err(|e| format!("--sizes `{s}`: {e}"))
+                    };
+                    Ok((parse(d)?, parse(l)?))
+                })
+                .collect::<Result<Vec<_>, String>>()?;
+            let records = flashover::bench::recompute::run(&config, &sizes, &args.policies)?;
+            println!(
+                "| model (d x layers) | policy | working MiB | vs none | step ms | vs none | final loss |"
+            );
+            println!("|---|---|---:|---:|---:|---:|---:|");
+            for r in &records {
+                let none = records
+                    .iter()
+                    .find(|n| n.model == r.model && n.policy == "none");
+                let ratio =
+                    |f: &dyn Fn(&flashover::bench::recompute::RecomputeBenchRecord) -> f64| {
+                        none.map_or(f64::NAN, |n| f(r) / f(n))
+                    };
+                println!(
+                    "| {} | {} | {:.1} | {:.3} | {:.0} | {:.3} | {:.4} |",
+                    r.model,
+                    r.policy,
+                    r.working_bytes as f64 / (1 << 20) as f64,
+                    ratio(&|x| x.working_bytes as f64),
+                    r.step_s * 1e3,
+                    ratio(&|x| x.step_s),
+                    r.loss
                 );
             }
             Ok(())

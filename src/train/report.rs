@@ -50,6 +50,9 @@ pub struct StepRecord {
     pub lr: f64,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
+    /// Activation checkpointing: block forwards run again in backward this step (the most on
+    /// any rank; 0 without block-level recomputation).
+    pub recomputed_blocks: u64,
     /// Tokens per second over the whole job.
     pub tokens_per_s: f64,
     /// Wall time of the step (slowest rank).

@@ -922,7 +922,8 @@ fn train_rank(
     } else {
         ctx.device().clone().autodiff()
     };
-    let checkpointing = recompute.hook();
+    let block_recompute = recompute.block_recompute();
+    let checkpointing = block_recompute.as_ref().map(|r| r.hook());
     // Every data-parallel rank (replica or shard) reads its own slice of the batch.
     let batch_group = ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep])?;
     // Context-parallel ranks read the same samples and keep different positions of them; their
@@ -1047,6 +1048,7 @@ fn train_rank(
             }
         };
         let attention_before = context.as_ref().map(|cp| cp.work()).unwrap_or_default();
+        let recomputed_before = block_recompute.as_ref().map_or(0, |r| r.recomputed());
         let (next, mut outcome) =
             strategy.step(ctx, clip, &mut batches, plan.micro_batches(), lr)?;
         strategy = next;
@@ -1090,6 +1092,7 @@ fn train_rank(
             outcome.a2a.as_secs_f64(),
             attention.compute.as_secs_f64(),
             attention.score_elements as f64,
+            (block_recompute.as_ref().map_or(0, |r| r.recomputed()) - recomputed_before) as f64,
         ];
         let all = world.all_gather_vec(&mine)?;
         if ctx.rank() == 0 {
@@ -1100,6 +1103,7 @@ fn train_rank(
                 loss: per.iter().map(|p| p[0]).sum::<f64>() / per.len() as f64,
                 lr,
                 grad_norm: per[0][6],
+                recomputed_blocks: per.iter().map(|p| p[16] as u64).max().unwrap_or(0),
                 tokens_per_s: tokens_per_step / step_time,
                 step_time_s: step_time,
                 ranks: per

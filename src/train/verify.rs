@@ -199,6 +199,7 @@ mod tests {
                     loss,
                     lr: 1e-3,
                     grad_norm: 1.0,
+                    recomputed_blocks: 0,
                     tokens_per_s: 1.0,
                     step_time_s: 1.0,
                     ranks: vec![],

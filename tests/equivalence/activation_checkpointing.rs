@@ -27,15 +27,30 @@ fn bits(r: &TrainReport) -> (Vec<u64>, Vec<u64>, Vec<(String, Vec<u32>)>) {
     )
 }
 
-fn same_as_without(mesh: &str, policies: &[&str], tweak: &dyn Fn(&mut TrainConfig)) {
+/// Trains `mesh` without recomputation and with each `(policy, blocks recomputed per step on
+/// the busiest rank)`; everything must be equal bit for bit, and the blocks really recomputed.
+fn same_as_without(mesh: &str, policies: &[(&str, u64)], tweak: &dyn Fn(&mut TrainConfig)) {
     let run = |policy: &str| {
         let mut c = recompute_job(mesh, policy);
         tweak(&mut c);
         train(&c, &|_| {}).unwrap_or_else(|e| panic!("{mesh} {policy}: {e}"))
     };
     let plain = bits(&run("none"));
-    for policy in policies {
-        let (losses, norms, params) = bits(&run(policy));
+    for &(policy, recomputed) in policies {
+        let report = run(policy);
+        assert!(
+            report
+                .steps
+                .iter()
+                .all(|s| s.recomputed_blocks == recomputed),
+            "{mesh} {policy}: {recomputed} blocks must run again in backward each step, not {:?}",
+            report
+                .steps
+                .iter()
+                .map(|s| s.recomputed_blocks)
+                .collect::<Vec<_>>()
+        );
+        let (losses, norms, params) = bits(&report);
         assert_eq!(losses, plain.0, "{mesh} {policy}: losses");
         assert_eq!(norms, plain.1, "{mesh} {policy}: gradient norms");
         assert!(params == plain.2, "{mesh} {policy}: parameters differ");
@@ -44,31 +59,38 @@ fn same_as_without(mesh: &str, policies: &[&str], tweak: &dyn Fn(&mut TrainConfi
 
 #[test]
 fn every_policy_trains_bit_for_bit_as_without_recomputation() {
+    // 4 blocks, 2 micro-batches per step.
     same_as_without(
         "dp=2",
-        &["full", "every:2", "blocks:1,3", "selective"],
+        &[
+            ("full", 8),
+            ("every:2", 4),
+            ("blocks:1,3", 4),
+            ("selective", 0),
+        ],
         &|_| {},
     );
 }
 
 #[test]
 fn recomputation_composes_with_tensor_pipeline_zero3_and_context_parallelism() {
-    same_as_without("dp=2,tp=2", &["full", "selective"], &|_| {});
-    same_as_without("pp=2", &["full", "every:2"], &|c| {
+    same_as_without("dp=2,tp=2", &[("full", 8), ("selective", 0)], &|_| {});
+    // Each stage holds 2 of the 4 blocks; every:2 counts globally (blocks 0 and 2).
+    same_as_without("pp=2", &[("full", 4), ("every:2", 2)], &|c| {
         c.parallel.pp_schedule = "1f1b".into();
     });
-    same_as_without("pp=2", &["full"], &|c| {
+    same_as_without("pp=2", &[("full", 4)], &|c| {
         c.parallel.pp_schedule = "zb-h1".into();
     });
-    // ZeRO-3 units that keep their parameters: the blocks recompute inside the unit; units
-    // that reshard after forward already recompute, and the policy must not change a bit.
-    for reshard in [false, true] {
-        same_as_without("fsdp=2", &["full"], &|c| {
+    // ZeRO-3 units that keep their parameters: the blocks recompute inside the unit. Units
+    // that reshard after forward recompute their block already: the policy adds nothing.
+    for (reshard, recomputed) in [(false, 8), (true, 0)] {
+        same_as_without("fsdp=2", &[("full", recomputed)], &|c| {
             c.parallel.zero = 3;
             c.parallel.reshard_after_forward = reshard;
         });
     }
-    same_as_without("cp=2", &["full", "selective"], &|c| {
+    same_as_without("cp=2", &[("full", 8), ("selective", 0)], &|c| {
         c.parallel.cp_attention = "ring".into()
     });
 }

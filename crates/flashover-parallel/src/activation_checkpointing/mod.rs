@@ -33,6 +33,7 @@ use flashover_models::{Block, BlockCheckpoint, BlockFn, CheckpointHook};
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Which activations to recompute.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -120,32 +121,63 @@ impl CheckpointPolicy {
         *self == CheckpointPolicy::Selective
     }
 
-    /// The forward-context hook that recomputes the blocks this policy names (`None` when it
-    /// names none).
-    pub fn hook(&self) -> Option<CheckpointHook> {
-        self.is_block_level()
-            .then(|| CheckpointHook(Arc::new(BlockCheckpointing(self.clone()))))
+    /// What recomputes the blocks this policy names (`None` when it names none); its
+    /// [`BlockRecompute::hook`] goes into the `ForwardContext`.
+    pub fn block_recompute(&self) -> Option<Arc<BlockRecompute>> {
+        self.is_block_level().then(|| {
+            Arc::new(BlockRecompute {
+                policy: self.clone(),
+                recomputed: Arc::new(AtomicUsize::new(0)),
+            })
+        })
     }
 }
 
-/// Recomputes the blocks a [`CheckpointPolicy`] names.
-struct BlockCheckpointing(CheckpointPolicy);
+/// Recomputes the blocks a [`CheckpointPolicy`] names, counting the recomputations.
+pub struct BlockRecompute {
+    policy: CheckpointPolicy,
+    recomputed: Arc<AtomicUsize>,
+}
 
-impl BlockCheckpoint for BlockCheckpointing {
-    fn run(&self, layer: usize, block: &Block, x: Tensor<3>, forward: BlockFn) -> Tensor<3> {
-        if self.0.recomputes_block(layer) {
-            checkpoint(block, x, move |b: &Block, x| forward(b, x))
-        } else {
-            forward(block, x)
-        }
+impl BlockRecompute {
+    /// The forward-context hook.
+    pub fn hook(self: &Arc<Self>) -> CheckpointHook {
+        CheckpointHook(self.clone())
     }
+
+    /// Block forwards run again in backward so far.
+    pub fn recomputed(&self) -> usize {
+        self.recomputed.load(Ordering::Relaxed)
+    }
+}
+
+impl BlockCheckpoint for BlockRecompute {
+    fn run(&self, layer: usize, block: &Block, x: Tensor<3>, forward: BlockFn) -> Tensor<3> {
+        if !self.policy.recomputes_block(layer) {
+            return forward(block, x);
+        }
+        let recomputed = self.recomputed.clone();
+        checkpoint(block, x, move |b: &Block, x: Tensor<3>| {
+            // The first run has no graph; the one in backward tracks its input.
+            if x.is_tracked() {
+                recomputed.fetch_add(1, Ordering::Relaxed);
+            }
+            forward(b, x)
+        })
+    }
+}
+
+/// `t` outside any graph. `detach` alone keeps a leaf's `require_grad` (Burn keeps it so that a
+/// detached parameter stays trainable), and a forward from such a leaf would record a graph.
+fn untracked<const D: usize>(t: Tensor<D>) -> Tensor<D> {
+    t.detach().set_require_grad(false)
 }
 
 struct Detach;
 
 impl ModuleMapper for Detach {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        param.map(|t| t.detach())
+        param.map(untracked)
     }
 }
 
@@ -188,7 +220,7 @@ where
 {
     let device = x.device();
     let params = flat_params(module);
-    let tracked = x.is_require_grad() || params.as_ref().is_some_and(|p| p.is_require_grad());
+    let tracked = x.is_tracked() || params.as_ref().is_some_and(|p| p.is_tracked());
     if !tracked || !hooks_supported(&device) {
         return forward(module, x);
     }
@@ -196,7 +228,7 @@ where
     let numel = ParamLayout::of(module).numel;
     // Shares the parameters' storage: nothing is copied.
     let values = module.clone().map(&mut Detach);
-    let y = forward(&values, x.clone().detach());
+    let y = forward(&values, untracked(x.clone()));
     let hook = RecomputeHook(Arc::new(move |x: TensorData, grad_y: TensorData| {
         let module = values.clone().map(&mut Leaves);
         let x = Tensor::<D>::from_data(x, &device).require_grad();

@@ -334,7 +334,7 @@ impl<M: Module + Sync + 'static> FullyShardedUnit<M> {
         let y = {
             let full = self.spec.all_gather(&saved_shard)?;
             let module = self.spec.materialize(Source::Host(&full, false), &device);
-            f(&module, x.clone().detach())
+            f(&module, x.clone().detach().set_require_grad(false))
         };
         self.spec.shard_group.stats().released(bytes);
         let spec = self.spec.clone();

@@ -30,13 +30,14 @@ fn run(policy: &str) -> (f32, Vec<f32>) {
         ..TransformerConfig::tiny(16)
     };
     let model: Transformer = config.init(5, &device);
+    let recompute = policy.block_recompute();
     let ctx = ForwardContext {
         dropout: Some(Dropout {
             p: 0.2,
             seed: 3,
             step: 1,
         }),
-        checkpointing: policy.hook(),
+        checkpointing: recompute.as_ref().map(|r| r.hook()),
         ..ForwardContext::default()
     };
     let (inputs, targets) = tokens(&device);
@@ -48,6 +49,12 @@ fn run(policy: &str) -> (f32, Vec<f32>) {
     assert!(
         found.iter().all(|&f| f),
         "{policy}: every parameter gets a gradient"
+    );
+    let expected = (0..3).filter(|&l| policy.recomputes_block(l)).count();
+    assert_eq!(
+        recompute.map_or(0, |r| r.recomputed()),
+        expected,
+        "{policy}: blocks run again in backward"
     );
     (value, flat)
 }
