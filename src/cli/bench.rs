@@ -237,9 +237,9 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                 .collect::<Result<Vec<_>, String>>()?;
             let records = flashover::bench::recompute::run(&config, &sizes, &args.policies)?;
             println!(
-                "| model (d x layers) | policy | working MiB | vs none | step ms | vs none | final loss |"
+                "| model (d x layers) | policy | kept after forward MiB | vs none | step working MiB | vs none | step ms | vs none | final loss |"
             );
-            println!("|---|---|---:|---:|---:|---:|---:|");
+            println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
             for r in &records {
                 let none = records
                     .iter()
@@ -248,11 +248,14 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                     |f: &dyn Fn(&flashover::bench::recompute::RecomputeBenchRecord) -> f64| {
                         none.map_or(f64::NAN, |n| f(r) / f(n))
                     };
+                const MIB: f64 = (1 << 20) as f64;
                 println!(
-                    "| {} | {} | {:.1} | {:.3} | {:.0} | {:.3} | {:.4} |",
+                    "| {} | {} | {:.1} | {:.3} | {:.1} | {:.3} | {:.0} | {:.3} | {:.4} |",
                     r.model,
                     r.policy,
-                    r.working_bytes as f64 / (1 << 20) as f64,
+                    r.kept_bytes as f64 / MIB,
+                    ratio(&|x| x.kept_bytes as f64),
+                    r.working_bytes as f64 / MIB,
                     ratio(&|x| x.working_bytes as f64),
                     r.step_s * 1e3,
                     ratio(&|x| x.step_s),
