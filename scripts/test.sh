@@ -38,6 +38,7 @@ scripts/mpi_check.sh
 cargo test -p flashover-comm --features nccl --test nccl_engine
 
 # Examples run as a user would run them (same features as the tests: no second build).
-for example in ddp_own_model zero_own_model checkpoint_own_model tensor_parallel moe_expert_parallel; do
+for example in ddp_own_model zero_own_model checkpoint_own_model tensor_parallel moe_expert_parallel \
+    context_parallel_long_sequence activation_checkpointing; do
   cargo run --quiet --features wgpu --example "$example"
 done

@@ -16,7 +16,10 @@ fn recompute_job(mesh: &str, policy: &str) -> TrainConfig {
     c
 }
 
-fn bits(r: &TrainReport) -> (Vec<u64>, Vec<u64>, Vec<(String, Vec<u32>)>) {
+/// Losses, gradient norms and final parameters as bit patterns.
+type Bits = (Vec<u64>, Vec<u64>, Vec<(String, Vec<u32>)>);
+
+fn bits(r: &TrainReport) -> Bits {
     (
         r.steps.iter().map(|s| s.loss.to_bits()).collect(),
         r.steps.iter().map(|s| s.grad_norm.to_bits()).collect(),
