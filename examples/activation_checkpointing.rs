@@ -14,7 +14,7 @@ use burn::nn::Linear;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Tensor, TensorData};
-use flashover::{Axis, Communicator, launch};
+use flashover::{Axis, launch};
 use flashover_models::init;
 use flashover_parallel::activation_checkpointing::checkpoint;
 use flashover_parallel::data_parallel::DataParallelConfig;
