@@ -12,6 +12,7 @@
 //! - [`mesh`]: the device mesh and its rank order.
 //! - [`TensorCollectives`]: collectives on Burn tensors.
 //! - [`train`]: the training job behind `flashover train` and `flashover verify`.
+//! - [`plan`]: the planner behind `flashover plan` (memory and step-time model, mesh search).
 //! - [`bench`]: the measurements behind `flashover bench`; [`heap`]: the counting allocator
 //!   they measure memory with.
 //!
@@ -31,6 +32,7 @@
 
 pub mod bench;
 pub mod heap;
+pub mod plan;
 pub mod train;
 
 pub use flashover_comm as comm;

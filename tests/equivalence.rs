@@ -182,7 +182,11 @@ fn layouts_the_job_cannot_run_are_refused_up_front() {
             3,
             "parallel.zero = 3 shards parameters over the fsdp axis",
         ),
-        ("cp=2", 0, "axis `cp` is not supported by `train` yet"),
+        (
+            "cp=2",
+            3,
+            "context parallelism composes with dp, tp and ZeRO-1/2 so far",
+        ),
         ("ep=2", 0, "has ep=2 but the model has no experts"),
         (
             "dp=2,tp=2",

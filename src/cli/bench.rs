@@ -25,6 +25,23 @@ pub enum BenchCommand {
     Cp(Box<CpArgs>),
     /// Activation checkpointing: working memory and step time per policy at two model sizes.
     Recompute(Box<RecomputeArgs>),
+    /// The planner's memory and step-time predictions against measured runs of a few meshes.
+    Plan(Box<PlanCalibrationArgs>),
+}
+
+/// Options of `bench plan`.
+#[derive(Debug, Args)]
+pub struct PlanCalibrationArgs {
+    /// Job options (model, batch, steps); the mesh and ZeRO stage per variant.
+    #[command(flatten)]
+    job: super::job::JobArgs,
+    /// Layouts as MESH or MESH:ZERO, separated by spaces.
+    #[arg(
+        long,
+        value_delimiter = ' ',
+        default_value = "dp=1 dp=2 dp=2:2 fsdp=2:3 tp=2 pp=2 cp=2"
+    )]
+    layouts: Vec<String>,
 }
 
 /// Options of `bench recompute`.
@@ -214,6 +231,46 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                     r.step_s * 1e3,
                     r.work_imbalance,
                     r.time_imbalance
+                );
+            }
+            Ok(())
+        }
+        BenchCommand::Plan(args) => {
+            let config = args.job.build_with_mesh("dp=1")?;
+            let layouts = args
+                .layouts
+                .iter()
+                .map(|l| match l.split_once(':') {
+                    Some((mesh, zero)) => zero
+                        .parse::<u8>()
+                        .map(|z| (mesh.to_string(), z))
+                        .map_err(|e| format!("--layouts `{l}`: {e}")),
+                    None => Ok((l.clone(), 0)),
+                })
+                .collect::<Result<Vec<_>, String>>()?;
+            let (rate, records) = flashover::bench::calibrate::run(&config, &layouts)?;
+            println!(
+                "matrix products measured at {:.1} GFLOP/s (fp32, Flex, 256 x 256)",
+                rate / 1e9
+            );
+            println!(
+                "| layout | state KiB predicted | measured | ratio | activations KiB predicted | working KiB measured | ratio | step ms predicted | measured | ratio |"
+            );
+            println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+            const KIB: f64 = 1024.0;
+            for r in &records {
+                println!(
+                    "| {} | {:.1} | {:.1} | {:.3} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                    r.layout,
+                    r.predicted_state / KIB,
+                    r.measured_state / KIB,
+                    r.predicted_state / r.measured_state,
+                    r.predicted_activations / KIB,
+                    r.measured_working / KIB,
+                    r.predicted_activations / r.measured_working,
+                    r.predicted_step * 1e3,
+                    r.measured_step * 1e3,
+                    r.predicted_step / r.measured_step
                 );
             }
             Ok(())

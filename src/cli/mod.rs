@@ -4,6 +4,7 @@ mod bench;
 mod ckpt;
 mod job;
 mod launch;
+mod plan;
 
 use clap::{Parser, Subcommand};
 
@@ -61,6 +62,12 @@ pub enum Command {
     /// Device meshes.
     #[command(subcommand)]
     Mesh(MeshCommand),
+    /// Propose meshes for a model on a cluster: valid layouts that fit, ranked by estimated
+    /// throughput, with memory and time breakdowns (`--explain` draws the placement).
+    Plan(Box<plan::PlanArgs>),
+    /// Job files.
+    #[command(subcommand)]
+    Config(ConfigCommand),
     /// Print a pipeline schedule as a time x stage table, with its bubbles.
     PpSchedule {
         /// Pipeline ranks.
@@ -75,6 +82,16 @@ pub enum Command {
         /// Model chunks per rank (interleaved only).
         #[arg(long, default_value_t = 2)]
         chunks: usize,
+    },
+}
+
+/// `flashover config ...`.
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Report every invalid or inconsistent field of a job file at once, with its path.
+    Check {
+        /// The TOML job file (`train --config` takes the same).
+        file: std::path::PathBuf,
     },
 }
 
@@ -132,6 +149,13 @@ pub fn run(cli: Cli) -> Result<(), String> {
                     bubble * 100.0,
                     timeline.makespan
                 );
+            }
+            Ok(())
+        }
+        Command::Plan(args) => plan::run(&args),
+        Command::Config(ConfigCommand::Check { file }) => {
+            if !plan::check(&file)? {
+                std::process::exit(1);
             }
             Ok(())
         }

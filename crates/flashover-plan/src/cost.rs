@@ -1,0 +1,427 @@
+//! The cost model: per-device memory and step time of a layout, from published formulas, each
+//! assumption stated where it is made ([`ASSUMPTIONS`] collects them for the report).
+
+use crate::hardware::Hardware;
+use crate::layout::{Layout, PipelineSchedule, Precision, Recompute};
+use crate::model::{ModelSpec, Workload};
+use flashover_mesh::Axis;
+use serde::Serialize;
+
+/// Every assumption the estimates rest on, for `flashover plan` to print.
+pub const ASSUMPTIONS: &[&str] = &[
+    "model state per parameter: mixed precision 2 (weights) + 2 (gradients) + 12 (fp32 master and Adam moments) bytes, fp32 4 + 4 + 8; ZeRO-1 shards the optimizer state, ZeRO-2 also gradients, ZeRO-3 everything (Rajbhandari et al. 2020)",
+    "ZeRO-3 also holds two gathered blocks (the one computing and the one prefetched)",
+    "activations per block and micro-batch: s b h (10 + 24/t) + 5 a s S b / t bytes at 16 bits, s b h 34/t + 5 a s S b / t with sequence parallelism (Korthikanti et al. 2022; a GPT block, s the local and S the whole sequence, scores materialised); selective recomputation drops the score term, full recomputation keeps 2 s b h per block plus one block live again in backward; fp32 doubles them",
+    "pipelines hold activations of min(m, pp) micro-batches on the first stage (1F1B, ZB-H1), m with GPipe, x (1 + (pp-1)/(pp v)) interleaved; the last stage also holds fp32 logits and their gradient",
+    "compute: 6 N_active + 12 L h S FLOPs per token (PaLM), split evenly over the devices, at the hardware's efficiency x peak; full recomputation adds a forward of the blocks (1/3), selective the attention scores' forward",
+    "pipeline bubble: (pp - 1)/m of the compute for GPipe and 1F1B, (pp - 1)/(v m) interleaved, a third of 1F1B's for ZB-H1",
+    "collectives: latency x steps + bytes x (nccl-tests busbw factor) / busbw of the link (intra-node if the group's ranks fit in one node given the rank order pp, dp, fsdp, ep, cp, tp from outermost), ring algorithms",
+    "tensor-parallel all-reduces (4 per block and micro-batch, 6 with full recomputation) and expert all-to-alls are exposed; ring attention's key/value passes hide behind attention compute; gradient reduction (once per step) hides behind the last micro-batch's backward (2/3 of its compute); ZeRO-3 gathers and reduce-scatters hide behind the whole step's compute",
+];
+
+/// Per-device memory, bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct MemoryEstimate {
+    /// Parameters held.
+    pub params: f64,
+    /// Gradients held.
+    pub grads: f64,
+    /// Optimizer state held.
+    pub optimizer: f64,
+    /// Gathered parameters (ZeRO-3).
+    pub gathered: f64,
+    /// Activations (the busiest stage).
+    pub activations: f64,
+}
+
+impl MemoryEstimate {
+    /// Everything.
+    pub fn total(&self) -> f64 {
+        self.params + self.grads + self.optimizer + self.gathered + self.activations
+    }
+
+    /// Parameters, gradients and optimizer state (what ZeRO's formulas count).
+    pub fn model_state(&self) -> f64 {
+        self.params + self.grads + self.optimizer
+    }
+}
+
+/// Per-step time, seconds, by cause.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TimeEstimate {
+    /// Model FLOPs at the hardware's efficiency.
+    pub compute: f64,
+    /// Recomputed forwards.
+    pub recompute: f64,
+    /// Pipeline bubble.
+    pub bubble: f64,
+    /// Tensor-parallel collectives.
+    pub tensor_parallel: f64,
+    /// Context-parallel exchanges not hidden behind attention.
+    pub context_parallel: f64,
+    /// Pipeline sends and receives.
+    pub pipeline_comm: f64,
+    /// Gradient reduction and ZeRO gathers not hidden behind compute.
+    pub data_parallel: f64,
+    /// Expert all-to-alls.
+    pub expert_parallel: f64,
+}
+
+impl TimeEstimate {
+    /// The step.
+    pub fn step(&self) -> f64 {
+        self.compute
+            + self.recompute
+            + self.bubble
+            + self.tensor_parallel
+            + self.context_parallel
+            + self.pipeline_comm
+            + self.data_parallel
+            + self.expert_parallel
+    }
+
+    /// `(name, seconds)` of everything besides compute, largest first.
+    pub fn overheads(&self) -> Vec<(&'static str, f64)> {
+        let mut v = vec![
+            ("recomputation", self.recompute),
+            ("pipeline bubble", self.bubble),
+            ("tensor-parallel communication", self.tensor_parallel),
+            ("context-parallel communication", self.context_parallel),
+            ("pipeline sends", self.pipeline_comm),
+            ("exposed data-parallel communication", self.data_parallel),
+            ("expert all-to-alls", self.expert_parallel),
+        ];
+        v.sort_by(|a, b| b.1.total_cmp(&a.1));
+        v
+    }
+}
+
+/// Parameters on the busiest device: its stage's blocks (split over tp, experts over ep) and
+/// the embedding or LM head its stage holds.
+pub fn params_per_device(model: &ModelSpec, layout: &Layout) -> f64 {
+    block_params_per_device(model, layout) * (model.layers / layout.pp.max(1)) as f64
+        + edge_params_per_device(model, layout)
+}
+
+/// One block's parameters on a device.
+pub fn block_params_per_device(model: &ModelSpec, layout: &Layout) -> f64 {
+    let (h, t) = (model.hidden as f64, layout.tp as f64);
+    let ffn = if model.experts > 0 {
+        // Experts are split over ep and, as in Flashover, whole on every tp rank.
+        (model.experts / layout.ep.max(1)) as f64 * model.mlp_params() + h * model.experts as f64
+    } else {
+        model.mlp_params() / t
+    };
+    model.attention_params() / t + ffn + 2.0 * h
+}
+
+/// The embedding and LM head on the busiest stage (both on one stage without a pipeline).
+fn edge_params_per_device(model: &ModelSpec, layout: &Layout) -> f64 {
+    let table = (model.vocab * model.hidden) as f64 / layout.tp as f64;
+    let norm = model.hidden as f64;
+    if layout.pp == 1 {
+        table * if model.tied_embeddings { 1.0 } else { 2.0 } + norm
+    } else {
+        // First stage: the embedding; last: the head (a tied table is copied there).
+        table + norm
+    }
+}
+
+/// Per-device memory of `layout`.
+pub fn memory(
+    model: &ModelSpec,
+    work: &Workload,
+    layout: &Layout,
+    precision: Precision,
+) -> MemoryEstimate {
+    let p = params_per_device(model, layout);
+    let (w, _, _) = precision.state_bytes();
+    let (params, grads, optimizer) = model_state(p, precision, layout.zero, layout.shard_ranks());
+    let gathered = if layout.zero == 3 {
+        2.0 * block_params_per_device(model, layout) * w
+    } else {
+        0.0
+    };
+    MemoryEstimate {
+        params,
+        grads,
+        optimizer,
+        gathered,
+        activations: activation_bytes(model, work, layout, precision),
+    }
+}
+
+/// Bytes of parameters, gradients and optimizer state per device for `params` parameters
+/// under ZeRO stage `zero` over `n` ranks (ZeRO paper, section 5; stage 0 is DDP).
+pub fn model_state(params: f64, precision: Precision, zero: u8, n: usize) -> (f64, f64, f64) {
+    let (p, n) = (params, n.max(1) as f64);
+    let (w, g, o) = precision.state_bytes();
+    match zero {
+        0 => (p * w, p * g, p * o),
+        1 => (p * w, p * g, p * o / n),
+        2 => (p * w, p * g / n, p * o / n),
+        _ => (p * w / n, p * g / n, p * o / n),
+    }
+}
+
+/// Activations of one block and one micro-batch, bytes, under `recompute`.
+fn block_activations(
+    model: &ModelSpec,
+    work: &Workload,
+    layout: &Layout,
+    precision: Precision,
+    recompute: Recompute,
+) -> f64 {
+    let (h, a, t) = (model.hidden as f64, model.heads as f64, layout.tp as f64);
+    let s_all = work.seq_len as f64;
+    let s = s_all / layout.cp as f64;
+    let b = work.micro_batch as f64;
+    let scale = precision.activation_bytes() / 2.0;
+    let sbh = s * b * h;
+    let linear = if layout.sequence_parallel {
+        sbh * 34.0 / t
+    } else {
+        sbh * (10.0 + 24.0 / t)
+    };
+    let scores = 5.0 * a * s * s_all * b / t;
+    scale
+        * match recompute {
+            Recompute::None => linear + scores,
+            Recompute::Selective => linear,
+            Recompute::Full => 2.0 * sbh / if layout.sequence_parallel { t } else { 1.0 },
+        }
+}
+
+fn chunks(layout: &Layout) -> usize {
+    match layout.schedule {
+        PipelineSchedule::Interleaved { chunks } if layout.pp > 1 => chunks,
+        _ => 1,
+    }
+}
+
+/// Micro-batches whose activations the busiest stage holds at once.
+pub fn in_flight(layout: &Layout, micro_batches: usize) -> f64 {
+    let (pp, m) = (layout.pp, micro_batches.max(1));
+    if pp == 1 {
+        return 1.0;
+    }
+    match layout.schedule {
+        PipelineSchedule::Gpipe => m as f64,
+        PipelineSchedule::OneFOneB | PipelineSchedule::ZbH1 => m.min(pp) as f64,
+        PipelineSchedule::Interleaved { chunks } => {
+            m.min(pp) as f64 * (1.0 + (pp as f64 - 1.0) / (pp * chunks) as f64)
+        }
+    }
+}
+
+fn activation_bytes(
+    model: &ModelSpec,
+    work: &Workload,
+    layout: &Layout,
+    precision: Precision,
+) -> f64 {
+    let per_block = block_activations(model, work, layout, precision, layout.recompute);
+    let blocks = (model.layers / layout.pp.max(1)) as f64;
+    let m = layout.micro_batches(work);
+    // Full recomputation brings one block's activations back during its backward.
+    let live_again = if layout.recompute == Recompute::Full {
+        block_activations(model, work, layout, precision, Recompute::None)
+    } else {
+        0.0
+    };
+    let tokens = (work.seq_len / layout.cp * work.micro_batch) as f64;
+    let logits = 2.0 * 4.0 * tokens * model.vocab as f64 / layout.tp as f64;
+    let first = blocks * per_block * in_flight(layout, m) + live_again;
+    let last = blocks * per_block + live_again + logits;
+    if layout.pp == 1 {
+        last
+    } else {
+        first.max(last)
+    }
+}
+
+/// Time of one ring collective over `n` ranks moving `bytes` per rank with nccl-tests'
+/// bus-bandwidth factor `factor`.
+fn collective(n: usize, bytes: f64, factor: f64, bandwidth: f64, latency: f64) -> f64 {
+    if n <= 1 {
+        return 0.0;
+    }
+    latency * (n - 1) as f64 + bytes * factor / bandwidth
+}
+
+fn link(layout: &Layout, axes: &[Axis], hw: &Hardware) -> (f64, f64) {
+    if layout.within_node(axes, hw) {
+        (hw.intra_node_bandwidth, hw.intra_node_latency)
+    } else {
+        (hw.inter_node_bandwidth, hw.inter_node_latency)
+    }
+}
+
+/// Per-step time of `layout` on `world` devices of `hw`.
+pub fn step_time(
+    model: &ModelSpec,
+    work: &Workload,
+    layout: &Layout,
+    hw: &Hardware,
+    precision: Precision,
+) -> TimeEstimate {
+    let world = layout.world() as f64;
+    let rate = hw.peak_flops * hw.efficiency;
+    let tokens = work.tokens();
+    let compute = model.step_flops(tokens, work.seq_len) / world / rate;
+    let (l, h, s_all) = (
+        model.layers as f64,
+        model.hidden as f64,
+        work.seq_len as f64,
+    );
+    let recompute = match layout.recompute {
+        Recompute::None => 0.0,
+        // One more forward: 2 N + 4 L h S of the 6 N + 12 L h S per token.
+        Recompute::Full => compute / 3.0,
+        Recompute::Selective => 4.0 * l * h * s_all * tokens / world / rate,
+    };
+    let m = layout.micro_batches(work).max(1) as f64;
+    let pp = layout.pp as f64;
+    let bubble_fraction = if layout.pp == 1 {
+        0.0
+    } else {
+        match layout.schedule {
+            PipelineSchedule::Gpipe | PipelineSchedule::OneFOneB => (pp - 1.0) / m,
+            PipelineSchedule::Interleaved { chunks } => (pp - 1.0) / (chunks as f64 * m),
+            PipelineSchedule::ZbH1 => (pp - 1.0) / (3.0 * m),
+        }
+    };
+    let bubble = (compute + recompute) * bubble_fraction;
+    let act = precision.activation_bytes();
+    let s = s_all / layout.cp as f64;
+    let b = work.micro_batch as f64;
+    let blocks = (model.layers / layout.pp.max(1)) as f64;
+    let t = layout.tp;
+    // Tensor parallelism: all-reduces of the block's activations (or their all-gather /
+    // reduce-scatter halves with sequence parallelism: the same bytes).
+    let (bw, lat) = link(layout, &[Axis::Tp], hw);
+    let per_block = if layout.recompute == Recompute::Full {
+        6.0
+    } else {
+        4.0
+    };
+    let tensor_parallel = m
+        * blocks
+        * per_block
+        * collective(
+            t,
+            s * b * h * act,
+            2.0 * (t as f64 - 1.0) / t as f64,
+            bw,
+            lat,
+        );
+    // Context parallelism: cp - 1 passes of the key/value block each way, per block, hidden
+    // behind the block's attention compute when shorter.
+    let context_parallel = if layout.cp > 1 {
+        let (bw, lat) = link(layout, &[Axis::Cp], hw);
+        let kv = 2.0 * s * b * model.kv_width() / t as f64 * act;
+        let passes = 2.0 * (layout.cp - 1) as f64;
+        let comm = passes * (lat + kv / bw);
+        let attention = 12.0 * h * s * s_all * b / t as f64 / rate;
+        m * blocks * (comm - attention).max(0.0)
+    } else {
+        0.0
+    };
+    // Pipeline: one activation forward and one gradient back per micro-batch and boundary.
+    let pipeline_comm = if layout.pp > 1 {
+        let (bw, lat) = link(layout, &[Axis::Pp], hw);
+        let sp = if layout.sequence_parallel {
+            t as f64
+        } else {
+            1.0
+        };
+        2.0 * m * chunks(layout) as f64 * (lat + s * b * h / sp * act / bw)
+    } else {
+        0.0
+    };
+    let p = params_per_device(model, layout);
+    let (w, g, _) = precision.state_bytes();
+    let data_parallel = if layout.zero == 3 {
+        let n = layout.fsdp;
+        let (bw, lat) = link(layout, &[Axis::Fsdp], hw);
+        let factor = (n as f64 - 1.0) / n as f64;
+        // Gather for forward, again for backward, reduce-scatter the gradients: every
+        // micro-batch, hidden behind compute.
+        let per_micro =
+            2.0 * collective(n, p * w, factor, bw, lat) + collective(n, p * g, factor, bw, lat);
+        let replicas = if layout.dp > 1 {
+            let (bw, lat) = link(layout, &[Axis::Dp], hw);
+            let dp = layout.dp as f64;
+            collective(layout.dp, p * g / n as f64, 2.0 * (dp - 1.0) / dp, bw, lat)
+        } else {
+            0.0
+        };
+        (m * per_micro - compute).max(0.0) + replicas
+    } else {
+        let n = layout.dp * layout.cp * layout.ep;
+        let (bw, lat) = link(layout, &[Axis::Dp, Axis::Ep, Axis::Cp], hw);
+        let reduce = collective(n, p * g, 2.0 * (n as f64 - 1.0) / n as f64, bw, lat);
+        // Hidden behind the last micro-batch's backward.
+        (reduce - 2.0 / 3.0 * compute / m).max(0.0)
+    };
+    let expert_parallel = if layout.ep > 1 && model.experts > 0 {
+        let (bw, lat) = link(layout, &[Axis::Ep], hw);
+        let e = layout.ep as f64;
+        let rows = s * b * model.top_k as f64;
+        m * blocks * 4.0 * collective(layout.ep, rows * h * act, (e - 1.0) / e, bw, lat)
+    } else {
+        0.0
+    };
+    TimeEstimate {
+        compute,
+        recompute,
+        bubble,
+        tensor_parallel,
+        context_parallel,
+        pipeline_comm,
+        data_parallel,
+        expert_parallel,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_memory_matches_the_papers_table() {
+        // ZeRO (Rajbhandari et al. 2020), Table 1: 7.5B parameters, N = 64, mixed precision.
+        let gb = |(a, b, c): (f64, f64, f64)| ((a + b + c) / 1e9 * 10.0).round() / 10.0;
+        let state = |zero| gb(model_state(7.5e9, Precision::Mixed, zero, 64));
+        assert_eq!(state(0), 120.0);
+        assert_eq!(state(1), 31.4);
+        assert_eq!(state(2), 16.6);
+        assert_eq!(state(3), 1.9);
+    }
+
+    fn layout() -> Layout {
+        Layout {
+            pp: 1,
+            dp: 1,
+            fsdp: 1,
+            ep: 1,
+            cp: 1,
+            tp: 1,
+            zero: 0,
+            sequence_parallel: false,
+            schedule: PipelineSchedule::OneFOneB,
+            recompute: Recompute::None,
+        }
+    }
+
+    #[test]
+    fn in_flight_micro_batches_follow_the_schedule() {
+        let mut layout = layout();
+        layout.pp = 4;
+        assert_eq!(in_flight(&layout, 8), 4.0);
+        layout.schedule = PipelineSchedule::Gpipe;
+        assert_eq!(in_flight(&layout, 8), 8.0);
+        layout.schedule = PipelineSchedule::Interleaved { chunks: 2 };
+        assert_eq!(in_flight(&layout, 8), 4.0 * (1.0 + 3.0 / 8.0));
+    }
+}

@@ -1,0 +1,75 @@
+//! The planner ([`flashover_plan`]) fed from a training job: the reference model and batch of a
+//! [`TrainConfig`] as the planner's model and workload.
+
+use crate::train::TrainConfig;
+pub use flashover_plan::*;
+
+/// The job's model (the reference transformer with its `[model]` and `[moe]` fields) as the
+/// planner describes models.
+pub fn model_spec(config: &TrainConfig) -> Result<ModelSpec, String> {
+    let t = config.transformer(config.vocab_size())?;
+    let moe = t.moe.as_ref();
+    Ok(ModelSpec {
+        name: format!("reference ({})", config.model.preset),
+        layers: t.n_layers,
+        hidden: t.d_model,
+        heads: t.n_heads,
+        kv_heads: t.n_heads,
+        ffn: moe.map_or(t.d_ff, |m| m.d_expert),
+        vocab: t.vocab_size,
+        tied_embeddings: t.tie_embeddings,
+        experts: moe.map_or(0, |m| m.n_experts),
+        top_k: moe.map_or(0, |m| m.top_k),
+    })
+}
+
+/// The job's batch: sequence length, global batch, and the micro-batch that
+/// `run.micro_batches` makes on each data-parallel rank of its mesh.
+pub fn workload(config: &TrainConfig) -> Result<Workload, String> {
+    let mesh = config.mesh()?;
+    let ranks = [
+        flashover_mesh::Axis::Dp,
+        flashover_mesh::Axis::Fsdp,
+        flashover_mesh::Axis::Ep,
+    ]
+    .iter()
+    .map(|&a| mesh.degree(a))
+    .product::<usize>();
+    Ok(Workload {
+        seq_len: config.data.seq_len,
+        global_batch: config.run.global_batch,
+        micro_batch: (config.run.global_batch / ranks / config.run.micro_batches.max(1)).max(1),
+    })
+}
+
+/// The planner's layout for the job's own mesh and options (what `train` would run).
+pub fn layout_of(config: &TrainConfig) -> Result<Layout, String> {
+    use flashover_mesh::Axis;
+    let mesh = config.mesh()?;
+    let p = &config.parallel;
+    let schedule = match p.pp_schedule.as_str() {
+        "gpipe" => PipelineSchedule::Gpipe,
+        "interleaved" => PipelineSchedule::Interleaved {
+            chunks: p.pp_chunks.max(1),
+        },
+        "zb-h1" => PipelineSchedule::ZbH1,
+        _ => PipelineSchedule::OneFOneB,
+    };
+    let recompute = match p.activation_checkpointing.as_str() {
+        "none" => Recompute::None,
+        "selective" => Recompute::Selective,
+        _ => Recompute::Full,
+    };
+    Ok(Layout {
+        pp: mesh.degree(Axis::Pp),
+        dp: mesh.degree(Axis::Dp),
+        fsdp: mesh.degree(Axis::Fsdp),
+        ep: mesh.degree(Axis::Ep),
+        cp: mesh.degree(Axis::Cp),
+        tp: mesh.degree(Axis::Tp),
+        zero: p.zero,
+        sequence_parallel: p.sequence_parallel,
+        schedule,
+        recompute,
+    })
+}
