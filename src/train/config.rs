@@ -825,6 +825,10 @@ mod example_config_tests {
                 "fsdp.toml",
                 include_str!("../../examples/configs/fsdp.toml"),
             ),
+            (
+                "long_context.toml",
+                include_str!("../../examples/configs/long_context.toml"),
+            ),
         ] {
             let c = TrainConfig::from_toml(text).unwrap();
             assert!(c.validate().is_empty(), "{name}: {:?}", c.validate());
