@@ -1,32 +1,69 @@
-//! Data parallel training on the wgpu device (Mesa lavapipe in CI) against the same layout on
-//! Flex: loss every step within 1e-4 relative in f32. On wgpu the gradient hooks are not
-//! available, so this also covers the post-backward reduction path.
+//! Every strategy on the wgpu device (Mesa lavapipe in CI) against the same layout on Flex:
+//! loss every step and final parameters within 1e-4 relative in f32. The custom ops (gradient
+//! hooks, tensor-parallel operators, ZeRO-3 gathers, recomputation, ring attention, expert
+//! dispatch) run through the CubeCL backend here.
 #![cfg(feature = "wgpu")]
 
 use flashover::DeviceChoice;
 use flashover::train::{TrainConfig, compare, train};
 
-#[test]
-fn ddp_on_wgpu_matches_ddp_on_flex() {
+fn tiny(mesh: &str) -> TrainConfig {
     let mut c = TrainConfig::default();
     c.model.preset = "tiny".into();
     c.model.d_model = Some(32);
-    c.model.n_layers = Some(1);
+    c.model.n_layers = Some(2);
     c.model.d_ff = Some(64);
     c.data.vocab = 16;
     c.data.seq_len = 8;
     c.run.steps = 3;
     c.run.global_batch = 4;
-    c.parallel.mesh = "dp=2".into();
+    c.parallel.mesh = mesh.into();
     c.parallel.timeout_s = 120.0;
-    let flex = train(&c, &|_| {}).unwrap();
-    c.run.device = DeviceChoice::Wgpu;
-    let wgpu = train(&c, &|_| {}).unwrap();
-    assert!(
-        !wgpu.overlap,
-        "hooks are Flex-only; wgpu reduces after backward"
+    c
+}
+
+fn flex_and_wgpu_agree(c: TrainConfig) -> flashover::train::TrainReport {
+    let what = format!(
+        "{} zero={} recompute={}",
+        c.parallel.mesh, c.parallel.zero, c.parallel.activation_checkpointing
     );
+    let flex = train(&c, &|_| {}).unwrap_or_else(|e| panic!("{what} on flex: {e}"));
+    let mut on_wgpu = c;
+    on_wgpu.run.device = DeviceChoice::Wgpu;
+    let wgpu = train(&on_wgpu, &|_| {}).unwrap_or_else(|e| panic!("{what} on wgpu: {e}"));
     let cmp = compare(&flex, &wgpu, 1e-4);
-    assert!(cmp.max_rel_loss_diff <= 1e-4, "{cmp}");
-    assert!(cmp.max_rel_param_diff <= 1e-4, "{cmp}");
+    assert!(cmp.max_rel_loss_diff <= 1e-4, "{what}: {cmp}");
+    assert!(cmp.max_rel_param_diff <= 1e-4, "{what}: {cmp}");
+    wgpu
+}
+
+#[test]
+fn ddp_on_wgpu_matches_flex_with_gradient_hooks() {
+    let wgpu = flex_and_wgpu_agree(tiny("dp=2"));
+    assert!(wgpu.overlap, "gradient hooks run on the CubeCL backend too");
+}
+
+#[test]
+fn tensor_pipeline_and_sharded_layouts_on_wgpu_match_flex() {
+    flex_and_wgpu_agree(tiny("tp=2"));
+    let mut pp = tiny("pp=2");
+    pp.model.tie_embeddings = false;
+    pp.run.micro_batches = 2;
+    flex_and_wgpu_agree(pp);
+    let mut zero3 = tiny("fsdp=2");
+    zero3.parallel.zero = 3;
+    flex_and_wgpu_agree(zero3);
+}
+
+#[test]
+fn context_expert_and_recomputation_on_wgpu_match_flex() {
+    flex_and_wgpu_agree(tiny("cp=2"));
+    let mut moe = tiny("ep=2");
+    moe.moe.experts = 4;
+    moe.moe.d_expert = Some(16);
+    flex_and_wgpu_agree(moe);
+    let mut recompute = tiny("dp=2");
+    recompute.parallel.activation_checkpointing = "full".into();
+    let report = flex_and_wgpu_agree(recompute);
+    assert!(report.steps.iter().all(|s| s.recomputed_blocks == 2));
 }

@@ -685,12 +685,6 @@ impl TrainConfig {
             Err(e) => return vec![format!("parallel.activation_checkpointing = {e}")],
         };
         let mut errors = vec![];
-        if policy.is_block_level() && self.run.device != DeviceChoice::Flex {
-            errors.push(format!(
-                "parallel.activation_checkpointing = {policy} recomputes blocks through a host op that needs the flex device in this release (run.device = {}); use selective, which works on every backend",
-                self.run.device
-            ));
-        }
         if let (CheckpointPolicy::Blocks(blocks), Ok(t)) =
             (&policy, self.transformer(self.vocab_size()))
             && let Some(b) = blocks.iter().find(|&&b| b >= t.n_layers)

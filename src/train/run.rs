@@ -23,10 +23,10 @@ use flashover_parallel::data_parallel::{
 use flashover_parallel::expert_parallel::{
     ExpertGradients, ExpertGroups, ExpertParallel, is_expert_param,
 };
-use flashover_parallel::hooks_supported;
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, load_flat};
 use flashover_parallel::pipeline::{
     Action, ActionKind, PipelineExecutor, Schedule, ScheduleKind, WeightGradStore,
+    deferral_supported,
 };
 use flashover_parallel::tensor_parallel::{TensorParallel, VocabShard};
 use flashover_parallel::zero::ShardLayout;
@@ -500,7 +500,7 @@ impl Strategy {
                 .any(|a| a.kind == ActionKind::BackwardWeight);
             let deferral = (splits_backward
                 && split.is_none()
-                && hooks_supported(&ctx.device().clone().autodiff()))
+                && deferral_supported(&ctx.device().clone().autodiff()))
             .then(|| {
                 let store = WeightGradStore::default();
                 let hook = LinearHook(Arc::new(DeferWeightGrads(store.clone())));

@@ -5,9 +5,12 @@
 //! final, so its bucket can be reduced while backward continues.
 //!
 //! Burn 0.22.1 has no tensor hooks; this is a backend-extension op with a hand-written backward
-//! (see the project notes' custom-backward recipe). It is implemented for Flex; on other
-//! backends the strategies fall back to reading gradients after backward.
+//! (see the project notes' custom-backward recipe). It is implemented for Flex and, with the
+//! `wgpu` / `cuda` features, for the CubeCL backend; on other backends the strategies fall
+//! back to reading gradients after backward.
 
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+use burn::backend::Cube;
 use burn::backend::autodiff::{
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
@@ -30,7 +33,7 @@ impl std::fmt::Debug for GradCallback {
     }
 }
 
-#[backend_extension(Flex, Autodiff)]
+#[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")), Autodiff)]
 pub trait GradHookOps: Backend {
     /// Forward: identity. Backward: calls `callback` with the gradient, which does not reach
     /// `x` (the callback took it over).
@@ -43,10 +46,17 @@ impl GradHookOps for Flex {
     }
 }
 
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+impl GradHookOps for Cube {
+    fn grad_hook(x: FloatTensor<Self>, _callback: GradCallback) -> FloatTensor<Self> {
+        x
+    }
+}
+
 #[derive(Debug)]
 struct HookBackward;
 
-impl Backward<Flex, 1> for HookBackward {
+impl<B: Backend> Backward<B, 1> for HookBackward {
     type State = GradCallback;
 
     fn backward(
@@ -57,7 +67,7 @@ impl Backward<Flex, 1> for HookBackward {
     ) {
         let callback = ops.state;
         // Consumed, not registered for the parent: the parameter never receives it.
-        let data = grads.consume::<Flex>(&ops.node).into_data();
+        let data = crate::host::read::<B>(grads.consume::<B>(&ops.node));
         match data.as_slice::<f32>() {
             Ok(values) => (callback.0)(values),
             Err(_) => (callback.0)(
@@ -69,7 +79,7 @@ impl Backward<Flex, 1> for HookBackward {
     }
 }
 
-impl<C: CheckpointStrategy> GradHookOps for Autodiff<Flex, C> {
+impl<B: Backend, C: CheckpointStrategy> GradHookOps for Autodiff<B, C> {
     fn grad_hook(x: FloatTensor<Self>, callback: GradCallback) -> FloatTensor<Self> {
         let node = x.node();
         match HookBackward.prepare::<C>([node]).compute_bound().stateful() {
@@ -79,9 +89,12 @@ impl<C: CheckpointStrategy> GradHookOps for Autodiff<Flex, C> {
     }
 }
 
-/// Whether gradient hooks work on `device` (Flex with autodiff).
+/// Whether gradient hooks and the other custom ops work on `device`: an autodiff device of a
+/// backend they are built for (Flex; the CubeCL backend with the `wgpu` / `cuda` features).
 pub fn hooks_supported(device: &Device) -> bool {
-    device.is_autodiff() && device.clone().inner() == Device::flex()
+    device.is_autodiff()
+        && (device.clone().inner() == Device::flex()
+            || cfg!(any(feature = "wgpu", feature = "cuda")))
 }
 
 /// `x` with a gradient hook attached (see the module docs).

@@ -31,6 +31,7 @@ pub mod expert_parallel;
 mod flat_adamw;
 mod grad_clip;
 mod hook;
+mod host;
 pub mod params;
 pub mod pipeline;
 pub mod tensor_parallel;

@@ -2,17 +2,19 @@
 //! hand-written backward (Burn 0.22.1 has no autograd functions; see the project notes'
 //! custom-backward recipe): forward returns an output computed outside the graph as a function
 //! of the input and a flat parameter vector; backward calls a host function that recomputes the
-//! forward with a graph and returns the gradients of both. Host work happens in Flex-specific
-//! code, so it runs on Flex.
+//! forward with a graph and returns the gradients of both. Host work goes through
+//! [`crate::host`], so it runs on Flex and (with the `wgpu` / `cuda` features) the CubeCL
+//! backend.
 
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+use burn::backend::Cube;
+use burn::backend::TensorMetadata;
 use burn::backend::autodiff::{
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
     ops::{Backward, Ops, OpsKind},
 };
-use burn::backend::{
-    Autodiff, Backend, Dispatch, Flex, backend_extension, flex::FlexTensor, tensor::FloatTensor,
-};
+use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
 use burn::tensor::{Tensor, TensorData};
 use std::sync::Arc;
 
@@ -30,7 +32,7 @@ impl std::fmt::Debug for RecomputeHook {
     }
 }
 
-#[backend_extension(Flex, Autodiff)]
+#[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")), Autodiff)]
 pub trait RecomputeOps: Backend {
     /// Forward: `y`, as a function of `x` and `params`. Backward: `hook` recomputes and returns
     /// the gradients of `x` and `params`.
@@ -53,34 +55,48 @@ impl RecomputeOps for Flex {
     }
 }
 
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+impl RecomputeOps for Cube {
+    fn recompute(
+        _: FloatTensor<Self>,
+        _: FloatTensor<Self>,
+        y: FloatTensor<Self>,
+        _: RecomputeHook,
+    ) -> FloatTensor<Self> {
+        y
+    }
+}
+
 #[derive(Debug)]
 struct RecomputeBackward;
 
-impl Backward<Flex, 2> for RecomputeBackward {
-    type State = (RecomputeHook, FlexTensor);
+impl<B: Backend> Backward<B, 2> for RecomputeBackward {
+    type State = (RecomputeHook, FloatTensor<B>);
 
     fn backward(
         self,
-        ops: Ops<(RecomputeHook, FlexTensor), 2>,
+        ops: Ops<(RecomputeHook, FloatTensor<B>), 2>,
         grads: &mut Gradients,
         _: &mut Checkpointer,
     ) {
         let (hook, x) = ops.state;
-        let grad_y = grads.consume::<Flex>(&ops.node);
-        let (grad_x, grad_params) = (hook.0)(x.into_data(), grad_y.into_data());
+        let device = x.device();
+        let grad_y = grads.consume::<B>(&ops.node);
+        let (grad_x, grad_params) =
+            (hook.0)(crate::host::read::<B>(x), crate::host::read::<B>(grad_y));
         let [x_node, params_node] = ops.parents;
         if let Some(node) = x_node {
-            grads.register::<Flex>(node.id, FlexTensor::from_data(grad_x));
+            grads.register::<B>(node.id, crate::host::write::<B>(grad_x, &device));
         }
         if let Some(node) = params_node {
             let len = grad_params.len();
             let data = TensorData::new(grad_params, [len]);
-            grads.register::<Flex>(node.id, FlexTensor::from_data(data));
+            grads.register::<B>(node.id, crate::host::write::<B>(data, &device));
         }
     }
 }
 
-impl<C: CheckpointStrategy> RecomputeOps for Autodiff<Flex, C> {
+impl<B: Backend, C: CheckpointStrategy> RecomputeOps for Autodiff<B, C> {
     fn recompute(
         x: FloatTensor<Self>,
         params: FloatTensor<Self>,

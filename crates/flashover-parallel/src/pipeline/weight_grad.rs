@@ -165,6 +165,12 @@ impl<C: CheckpointStrategy> DeferredMatmulOps for Autodiff<Flex, C> {
     }
 }
 
+/// Whether deferred weight gradients work on `device` (Flex with autodiff; elsewhere a
+/// zero-bubble schedule runs its weight-gradient actions empty, with autodiff's gradients).
+pub fn deferral_supported(device: &burn::tensor::Device) -> bool {
+    device.is_autodiff() && device.clone().inner() == burn::tensor::Device::flex()
+}
+
 /// `linear` applied to `x: [.., d_in]` with its weight gradient deferred to `store` (the bias,
 /// if any, gets its gradient from autodiff as usual). Flex only.
 pub fn deferred_linear<const D: usize>(

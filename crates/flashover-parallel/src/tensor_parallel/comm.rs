@@ -15,17 +15,19 @@
 //! Sequence parallelism uses the last two pairs along the sequence dim; the plain all-reduce of
 //! Burn is not a correct *g* (its backward would all-reduce again).
 //!
-//! The ops run host code, so they need the Flex backend. A failed collective inside backward
+//! The ops run host code on the tensor's values ([`crate::host`]): on Flex, and on the CubeCL
+//! backend (wgpu, CUDA) with the `wgpu` / `cuda` features. A failed collective inside backward
 //! panics with its `CommError` (the launcher reports it like a returned error).
 
+use crate::host;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+use burn::backend::Cube;
 use burn::backend::autodiff::{
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
     ops::{Backward, Ops, OpsKind, unary},
 };
-use burn::backend::{
-    Autodiff, Backend, Dispatch, Flex, backend_extension, flex::FlexTensor, tensor::FloatTensor,
-};
+use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
 use burn::tensor::{Tensor, TensorData};
 use flashover_comm::{CommError, CommunicatorExt, Group, ReduceOp};
 use std::sync::Arc;
@@ -41,38 +43,45 @@ impl std::fmt::Debug for HostFn {
 }
 
 /// The one op behind the operators: a host function forward and another backward.
-#[backend_extension(Flex, Autodiff)]
+#[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")), Autodiff)]
 pub trait TpCommOps: Backend {
     /// Forward: `forward(x)`. Backward: `backward(grad)`.
     fn host_pair(x: FloatTensor<Self>, forward: HostFn, backward: HostFn) -> FloatTensor<Self>;
 }
 
-fn on_host(x: FlexTensor, f: &HostFn) -> FlexTensor {
-    FlexTensor::from_data((f.0)(x.into_data()))
+fn on_host<B: Backend>(x: FloatTensor<B>, f: &HostFn) -> FloatTensor<B> {
+    host::map::<B>(x, |d| (f.0)(d))
 }
 
 impl TpCommOps for Flex {
     fn host_pair(x: FloatTensor<Self>, forward: HostFn, _: HostFn) -> FloatTensor<Self> {
-        on_host(x, &forward)
+        on_host::<Self>(x, &forward)
+    }
+}
+
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+impl TpCommOps for Cube {
+    fn host_pair(x: FloatTensor<Self>, forward: HostFn, _: HostFn) -> FloatTensor<Self> {
+        on_host::<Self>(x, &forward)
     }
 }
 
 #[derive(Debug)]
 struct HostPairBackward;
 
-impl Backward<Flex, 1> for HostPairBackward {
+impl<B: Backend> Backward<B, 1> for HostPairBackward {
     type State = HostFn;
 
     fn backward(self, ops: Ops<HostFn, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let backward = ops.state;
-        unary::<Flex, _>(ops.parents, ops.node, grads, |g| on_host(g, &backward));
+        unary::<B, _>(ops.parents, ops.node, grads, |g| on_host::<B>(g, &backward));
     }
 }
 
-impl<C: CheckpointStrategy> TpCommOps for Autodiff<Flex, C> {
+impl<B: Backend, C: CheckpointStrategy> TpCommOps for Autodiff<B, C> {
     fn host_pair(x: FloatTensor<Self>, forward: HostFn, backward: HostFn) -> FloatTensor<Self> {
         let node = x.node();
-        let out = on_host(x.into_primitive(), &forward);
+        let out = on_host::<B>(x.into_primitive(), &forward);
         match HostPairBackward
             .prepare::<C>([node])
             .compute_bound()

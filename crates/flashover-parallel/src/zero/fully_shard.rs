@@ -98,8 +98,9 @@ impl FullyShardConfig {
             .ok_or_else(|| ParallelError::Invalid("a sharded unit needs parameters".into()))?;
         if !hooks_supported(&device) {
             return Err(ParallelError::Invalid(format!(
-                "fully sharded units run host code in backward and need the Flex backend with \
-                 autodiff in this release; the module is on {device:?}"
+                "fully sharded units run host code in backward and need an autodiff device of a \
+                 backend their ops are built for (Flex; wgpu/CUDA with those features); the module \
+                 is on {device:?}"
             )));
         }
         let module = broadcast_module(module, group, 0)?;

@@ -2,18 +2,19 @@
 //! hand-written backward (Burn 0.22.1 has no autograd functions; see the project notes'
 //! custom-backward recipe): forward returns the already all-gathered full buffer as a function
 //! of the rank's shard; backward hands the full buffer's gradient to a host function (the
-//! reduce-scatter) and gives the shard its result. Host work happens in Flex-specific code, so
-//! it runs on Flex. A unit's recomputation in backward is activation checkpointing's
+//! reduce-scatter) and gives the shard its result. Host work goes through [`crate::host`], so
+//! it runs on Flex and (with the `wgpu` / `cuda` features) the CubeCL backend. A unit's recomputation in backward is activation checkpointing's
 //! [`crate::activation_checkpointing::recompute`] op.
 
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+use burn::backend::Cube;
+use burn::backend::TensorMetadata;
 use burn::backend::autodiff::{
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
     ops::{Backward, Ops, OpsKind, unary},
 };
-use burn::backend::{
-    Autodiff, Backend, Dispatch, Flex, backend_extension, flex::FlexTensor, tensor::FloatTensor,
-};
+use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
 use burn::tensor::{Tensor, TensorData};
 use std::sync::Arc;
 
@@ -31,7 +32,7 @@ impl std::fmt::Debug for ScatterHook {
     }
 }
 
-#[backend_extension(Flex, Autodiff)]
+#[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")), Autodiff)]
 pub trait ShardOps: Backend {
     /// Forward: `full`, as a function of `shard`. Backward: `hook` maps `full`'s gradient to
     /// `shard`'s.
@@ -52,28 +53,40 @@ impl ShardOps for Flex {
     }
 }
 
-fn to_f32(t: FlexTensor) -> Vec<f32> {
-    let data = t.into_data().convert::<f32>();
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+impl ShardOps for Cube {
+    fn gather_shard(
+        _: FloatTensor<Self>,
+        full: FloatTensor<Self>,
+        _: ScatterHook,
+    ) -> FloatTensor<Self> {
+        full
+    }
+}
+
+fn to_f32<B: Backend>(t: FloatTensor<B>) -> Vec<f32> {
+    let data = crate::host::read::<B>(t).convert::<f32>();
     data.as_slice::<f32>().expect("f32 after convert").to_vec()
 }
 
 #[derive(Debug)]
 struct GatherBackward;
 
-impl Backward<Flex, 1> for GatherBackward {
+impl<B: Backend> Backward<B, 1> for GatherBackward {
     type State = ScatterHook;
 
     fn backward(self, ops: Ops<ScatterHook, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let hook = ops.state;
-        unary::<Flex, _>(ops.parents, ops.node, grads, |g| {
-            let shard = (hook.0)(to_f32(g));
+        unary::<B, _>(ops.parents, ops.node, grads, |g| {
+            let device = g.device();
+            let shard = (hook.0)(to_f32::<B>(g));
             let len = shard.len();
-            FlexTensor::from_data(TensorData::new(shard, [len]))
+            crate::host::write::<B>(TensorData::new(shard, [len]), &device)
         });
     }
 }
 
-impl<C: CheckpointStrategy> ShardOps for Autodiff<Flex, C> {
+impl<B: Backend, C: CheckpointStrategy> ShardOps for Autodiff<B, C> {
     fn gather_shard(
         shard: FloatTensor<Self>,
         full: FloatTensor<Self>,

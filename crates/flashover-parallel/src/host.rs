@@ -1,0 +1,29 @@
+//! Host access to tensor primitives on any backend: the custom ops (tensor-parallel operators,
+//! gradient hooks, recomputation, ZeRO-3 gathers, deferred weight gradients) read a tensor's
+//! values, run host code (a collective) and write the result back on the same device. Written
+//! against Burn's backend traits, so one implementation serves Flex and the CubeCL backend
+//! (wgpu, CUDA). On a GPU the values pass through host memory: correct everywhere, not the
+//! zero-copy path NCCL on device pointers would give.
+
+use burn::backend::TensorMetadata;
+use burn::backend::{Backend, tensor::FloatTensor};
+use burn::tensor::TensorData;
+
+/// The values of `x`, waiting for the device.
+pub(crate) fn read<B: Backend>(x: FloatTensor<B>) -> TensorData {
+    burn::tensor::read_sync(B::float_into_data(x)).expect("reading a tensor to the host")
+}
+
+/// `data` as a tensor on `device`.
+pub(crate) fn write<B: Backend>(data: TensorData, device: &B::Device) -> FloatTensor<B> {
+    B::float_from_data(data, device)
+}
+
+/// `f` applied to `x`'s values, on `x`'s device.
+pub(crate) fn map<B: Backend>(
+    x: FloatTensor<B>,
+    f: impl FnOnce(TensorData) -> TensorData,
+) -> FloatTensor<B> {
+    let device = x.device();
+    write::<B>(f(read::<B>(x)), &device)
+}
