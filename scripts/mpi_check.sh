@@ -39,6 +39,13 @@ out=$(OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "$flashover" lau
 grep -q '\[1,0\]<stdout>:.*final loss' <<<"$out" || { echo "mpi_check: launch: no final report from rank 0:" >&2; echo "$out" >&2; exit 1; }
 echo "mpi_check: launch -n 2 -- train --mesh dp=2: ran, rank 0 reported"
 
+# The multi_process example: the same script as threads and under mpirun.
+cargo build --quiet --features mpi,wgpu --example multi_process
+example="${CARGO_TARGET_DIR:-target}/debug/examples/multi_process"
+"$example" | grep -q "^match" || { echo "mpi_check: multi_process as threads failed" >&2; exit 1; }
+run -np 2 "$example" | grep -q "^match" || { echo "mpi_check: multi_process under mpirun failed" >&2; exit 1; }
+echo "mpi_check: examples/multi_process matches one rank as threads and under mpirun -np 2"
+
 # Failure must not hang: a dying rank and a stalled rank (5 s deadline) both end the job.
 expect_failure() {
   local what="$1" pattern="$2"; shift 2

@@ -37,8 +37,9 @@ scripts/mpi_check.sh
 # The NCCL engine builds without CUDA and, without a GPU, fails naming the missing library.
 cargo test -p flashover-comm --features nccl --test nccl_engine
 
-# Examples run as a user would run them (same features as the tests: no second build).
-for example in ddp_own_model zero_own_model checkpoint_own_model tensor_parallel moe_expert_parallel \
-    context_parallel_long_sequence activation_checkpointing; do
+# Examples run as a user would run them (same features as the tests: no second build;
+# multi_process needs MPI and runs in scripts/mpi_check.sh).
+for example in ddp_own_model zero3_own_model checkpoint_reshard tensor_parallel pipeline \
+    moe_expert_parallel context_parallel_long_sequence activation_checkpointing; do
   cargo run --quiet --features wgpu --example "$example"
 done

@@ -6,7 +6,7 @@
 //! job then stops. Two rank threads resume from it and finish. The losses and final weights
 //! match one rank training without interruption (fp32, 1e-5 relative).
 //!
-//! Run: `cargo run --example checkpoint_own_model`
+//! Run: `cargo run --example checkpoint_reshard`
 
 mod common;
 

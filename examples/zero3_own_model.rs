@@ -3,9 +3,11 @@
 //!
 //! The MLP of `ddp_own_model` is trained on one rank with a plain Burn loop, then with ZeRO-2
 //! over four ranks (`dp=4`), then with ZeRO-3 sharded over two ranks and replicated over two
-//! (`dp=2,fsdp=2`). Loss curves and final weights match the single rank (fp32, 1e-5 relative).
+//! (`dp=2,fsdp=2`). Loss curves and final weights match the single rank (fp32, 1e-5 relative),
+//! and each rank's memory for parameters, gradients and optimizer state is printed against
+//! DDP's (which holds all of it on every rank).
 //!
-//! Run: `cargo run --example zero_own_model`
+//! Run: `cargo run --example zero3_own_model`
 
 mod common;
 
@@ -16,7 +18,7 @@ use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 use common::{GLOBAL_BATCH, Mlp, STEPS, batch, differences, mse, train_single};
 use flashover::{Axis, CommunicatorExt, Launch, ReduceOp};
-use flashover_parallel::params::flatten_params;
+use flashover_parallel::params::{ParamLayout, flatten_params};
 use flashover_parallel::zero::{
     FullyShardConfig, FullyShardedOptimizer, FullyShardedUnit, ShardGroup, ZeroConfig,
 };
@@ -40,8 +42,12 @@ impl ShardedMlp {
     }
 }
 
+/// Losses, the first layer's final weights, and rank 0's bytes of parameters, gradients and
+/// optimizer state (as the strategy measured them).
+type Run = (Vec<f32>, Vec<f32>, usize);
+
 /// ZeRO-2 (`stage = 2`, mesh `dp=4`) or ZeRO-3/HSDP (`stage = 3`, mesh `dp=2,fsdp=2`).
-fn train_sharded(stage: usize) -> (Vec<f32>, Vec<f32>) {
+fn train_sharded(stage: usize) -> Run {
     let mesh = if stage == 3 { "dp=2,fsdp=2" } else { "dp=4" };
     let results = Launch::new(mesh)
         .expect("mesh")
@@ -61,7 +67,7 @@ fn train_sharded(stage: usize) -> (Vec<f32>, Vec<f32>) {
                 losses.push(l[0]);
                 Ok(())
             };
-            let weights = if stage == 3 {
+            let (weights, bytes) = if stage == 3 {
                 let units = ShardGroup::new(ctx.group(Axis::Fsdp));
                 let config = FullyShardConfig::new();
                 let mlp = Mlp::new(7, &device);
@@ -87,7 +93,12 @@ fn train_sharded(stage: usize) -> (Vec<f32>, Vec<f32>) {
                     );
                     model = optim.step(1e-2, model, None)?.0;
                 }
-                flatten_params(&model.l1.gather()?)[..8 * 32].to_vec()
+                let shard = ParamLayout::of(&model).numel * 4;
+                let bytes = shard + optim.grad_bytes() + optim.state_bytes();
+                (
+                    flatten_params(&model.l1.gather()?)[..8 * 32].to_vec(),
+                    bytes,
+                )
             } else {
                 let zero = ZeroConfig::stage(2, adamw)?;
                 let (mut model, mut zero) = zero.init(Mlp::new(7, &device), ctx.group(Axis::Dp))?;
@@ -102,9 +113,11 @@ fn train_sharded(stage: usize) -> (Vec<f32>, Vec<f32>) {
                     )?;
                     model = zero.step(1e-2, model, None)?.0;
                 }
-                flatten_params(&model.l1)[..8 * 32].to_vec()
+                let m = zero.memory();
+                let bytes = m.params + m.grads + m.optimizer;
+                (flatten_params(&model.l1)[..8 * 32].to_vec(), bytes)
             };
-            Ok::<_, ParallelError>((losses, weights))
+            Ok::<_, ParallelError>((losses, weights, bytes))
         })
         .expect("sharded training");
     results.into_iter().next().unwrap()
@@ -121,8 +134,19 @@ fn main() {
             single.0[i], zero2.0[i], zero3.0[i]
         );
     }
+    // DDP holds every parameter, its gradient and two AdamW moments on every rank.
+    let ddp = ParamLayout::of(&Mlp::new(7, &Device::flex())).numel * (4 + 4 + 8);
+    println!(
+        "bytes per rank for parameters + gradients + optimizer state: DDP {ddp}, ZeRO-2 over 4 ranks {}, ZeRO-3 over 2 shards {}",
+        zero2.2, zero3.2
+    );
+    assert!(
+        zero2.2 < ddp && zero3.2 < ddp,
+        "sharding must hold less than DDP"
+    );
     for (name, run) in [("ZeRO-2", &zero2), ("ZeRO-3/HSDP", &zero3)] {
-        let (loss_diff, w_diff) = differences(&single, run);
+        let run = (run.0.clone(), run.1.clone());
+        let (loss_diff, w_diff) = differences(&single, &run);
         println!("{name}: max relative loss difference {loss_diff:.2e}; weights {w_diff:.2e}");
         assert!(
             loss_diff < 1e-5 && w_diff < 1e-5,
