@@ -1,9 +1,19 @@
 //! Heap accounting for memory benchmarks: a global allocator that counts live bytes and their
-//! peak. The `flashover` binary installs it; a library user's program can too:
+//! peak. The `flashover` binary installs it; a library user's program can too (in its `main`
+//! crate: `#[global_allocator] static HEAP: flashover::heap::CountingAllocator =
+//! flashover::heap::CountingAllocator;`, as `examples/activation_checkpointing.rs` does).
 //!
-//! ```ignore
-//! #[global_allocator]
-//! static HEAP: flashover::heap::CountingAllocator = flashover::heap::CountingAllocator;
+//! ```
+//! use flashover::heap;
+//!
+//! // Without the allocator installed the counters stay at zero and `counting` says so.
+//! if heap::counting() {
+//!     let before = heap::live_bytes();
+//!     let buffer = vec![0u8; 1 << 20];
+//!     assert!(heap::peak_bytes() >= before + buffer.len());
+//! } else {
+//!     assert_eq!(heap::live_bytes(), 0);
+//! }
 //! ```
 //!
 //! Flex tensors live on the heap, so on the CPU backend the peak is the honest peak of bytes

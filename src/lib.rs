@@ -12,6 +12,7 @@
 //! - [`mesh`]: the device mesh and its rank order.
 //! - [`TensorCollectives`]: collectives on Burn tensors.
 //! - [`train`]: the training job behind `flashover train` and `flashover verify`.
+//! - [`check`]: comparing a layout's loss curve and weights with one rank's.
 //! - [`plan`]: the planner behind `flashover plan` (memory and step-time model, mesh search).
 //! - [`bench`]: the measurements behind `flashover bench`; [`heap`]: the counting allocator
 //!   they measure memory with.
@@ -31,6 +32,7 @@
 #![warn(missing_docs)]
 
 pub mod bench;
+pub mod check;
 pub mod heap;
 pub mod plan;
 pub mod train;

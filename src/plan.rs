@@ -6,6 +6,24 @@ pub use flashover_plan::*;
 
 /// The job's model (the reference transformer with its `[model]` and `[moe]` fields) as the
 /// planner describes models.
+///
+/// ```
+/// use flashover::plan::{Hardware, PlanRequest, Precision, Fixed, model_spec, plan, workload};
+/// use flashover::train::TrainConfig;
+///
+/// let job = TrainConfig::default();
+/// let request = PlanRequest {
+///     world: 4,
+///     hardware: Hardware::preset("cpu").unwrap(),
+///     model: model_spec(&job).unwrap(),
+///     workload: workload(&job).unwrap(),
+///     precision: Precision::Fp32,
+///     fixed: Fixed::default(),
+///     include_unsupported: false,
+/// };
+/// let best = &plan(&request).unwrap().plans[0];
+/// assert_eq!(best.layout.world(), 4);
+/// ```
 pub fn model_spec(config: &TrainConfig) -> Result<ModelSpec, String> {
     let t = config.transformer(config.vocab_size())?;
     let moe = t.moe.as_ref();

@@ -320,7 +320,17 @@ impl Default for RunSection {
 }
 
 impl TrainConfig {
-    /// Parses a TOML job file; unknown fields are errors.
+    /// Parses a TOML job file; unknown fields are errors. [`TrainConfig::validate`] then lists
+    /// every inconsistent field at once, with its path.
+    ///
+    /// ```
+    /// use flashover::train::TrainConfig;
+    ///
+    /// let config = TrainConfig::from_toml("[parallel]\nmesh = \"tp=3\"\n").unwrap();
+    /// let errors = config.validate();
+    /// assert!(errors.iter().any(|e| e.contains("model.n_heads = 4 does not divide by tp = 3")));
+    /// assert!(TrainConfig::from_toml("[parallel]\nmeshh = \"dp=2\"").is_err());
+    /// ```
     pub fn from_toml(text: &str) -> Result<Self, String> {
         toml::from_str(text).map_err(|e| format!("invalid config: {e}"))
     }

@@ -84,6 +84,19 @@ pub fn make_batch(
 
 /// Runs the job, every rank a thread of this process. `on_step` sees every step's record as it
 /// completes (rank 0's thread).
+///
+/// ```
+/// use flashover::train::{TrainConfig, train};
+///
+/// // The reference transformer, data parallel over two rank threads, three steps.
+/// let config = TrainConfig::from_toml(
+///     "[parallel]\nmesh = \"dp=2\"\n[run]\nsteps = 3\nglobal_batch = 4\n",
+/// )
+/// .unwrap();
+/// let report = train(&config, &|step| assert!(step.loss.is_finite())).unwrap();
+/// assert_eq!(report.steps.len(), 3);
+/// assert_eq!(report.steps[0].ranks.len(), 2);
+/// ```
 pub fn train(
     config: &TrainConfig,
     on_step: &(dyn Fn(&StepRecord) + Sync),

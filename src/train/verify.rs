@@ -78,6 +78,18 @@ fn routing_diff(a: &[StepRecord], b: &[StepRecord]) -> Option<u64> {
 }
 
 /// Compares `candidate` against `reference` with relative tolerance `tolerance`.
+///
+/// ```
+/// use flashover::train::{TrainConfig, compare, train};
+///
+/// let mut config = TrainConfig::default();
+/// config.run.steps = 2;
+/// config.run.global_batch = 4;
+/// let a = train(&config, &|_| {}).unwrap();
+/// let b = train(&config, &|_| {}).unwrap();
+/// // The same job twice is bit for bit the same.
+/// assert!(compare(&a, &b, 0.0).pass);
+/// ```
 pub fn compare(reference: &TrainReport, candidate: &TrainReport, tolerance: f64) -> Comparison {
     let mut structural = None;
     if reference.steps.len() != candidate.steps.len() {
@@ -165,6 +177,17 @@ impl fmt::Display for Comparison {
 
 /// Trains `config` on one rank (one micro-batch per step over the whole global batch) and as
 /// configured, and compares the two.
+///
+/// ```
+/// use flashover::train::{TrainConfig, verify};
+///
+/// let mut config = TrainConfig::default();
+/// config.parallel.mesh = "dp=2,cp=2".into();
+/// config.run.steps = 2;
+/// config.run.global_batch = 4;
+/// let (_, _, comparison) = verify(&config, 1e-5).unwrap();
+/// assert!(comparison.pass, "{comparison}");
+/// ```
 pub fn verify(
     config: &TrainConfig,
     tolerance: f64,
