@@ -84,7 +84,8 @@ pub fn train_single() -> (Vec<f32>, Vec<f32>) {
     )
 }
 
-/// Largest relative differences of the loss curves and of the weights against the reference.
+/// Largest relative differences of the loss curves (step by step) and of the weights (against
+/// their largest value) with the reference.
 pub fn differences(single: &(Vec<f32>, Vec<f32>), other: &(Vec<f32>, Vec<f32>)) -> (f32, f32) {
     let rel = |a: f32, b: f32| (a - b).abs() / b.abs().max(1e-12);
     let loss = single
@@ -93,13 +94,7 @@ pub fn differences(single: &(Vec<f32>, Vec<f32>), other: &(Vec<f32>, Vec<f32>)) 
         .zip(&other.0)
         .map(|(a, b)| rel(*b, *a))
         .fold(0.0, f32::max);
-    let scale = single.1.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let weights = single
-        .1
-        .iter()
-        .zip(&other.1)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max)
-        / scale;
+    // Weights relative to their own scale (flashover::check); each loss relative to itself.
+    let weights = flashover::check::relative_difference(&single.1, &other.1);
     (loss, weights)
 }

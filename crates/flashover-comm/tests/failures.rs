@@ -227,3 +227,39 @@ fn injected_delays_do_not_change_results() {
     );
     assert_eq!(plain, delayed);
 }
+
+#[test]
+fn two_threads_of_one_rank_in_a_group_fail_every_rank_at_once_with_the_reason() {
+    // Rank 0 calls from two threads at the same time (as a user collective on the DDP group
+    // while DDP's own thread reduces on it would); rank 1 calls once and waits.
+    let start = Instant::now();
+    let got = run(ThreadWorld::new(2).timeout(Duration::from_secs(30)), |c| {
+        if c.rank() == 0 {
+            std::thread::scope(|s| {
+                let other = s.spawn(|| {
+                    let mut y = vec![1.0f32; 4];
+                    c.all_reduce(&mut y, ReduceOp::Sum)
+                });
+                std::thread::sleep(Duration::from_millis(200));
+                let mut x = vec![1.0f32; 4];
+                let mine = c.all_reduce(&mut x, ReduceOp::Sum);
+                let theirs = other.join().unwrap();
+                mine.and(theirs)
+            })
+        } else {
+            std::thread::sleep(Duration::from_millis(600));
+            let mut x = vec![1.0f32; 4];
+            c.all_reduce(&mut x, ReduceOp::Sum)
+        }
+    });
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "no one waits for the timeout"
+    );
+    let msg = got[0].as_ref().unwrap_err().root_cause().to_string();
+    assert!(
+        msg.contains("two threads of one rank used the group at once"),
+        "{msg}"
+    );
+    assert!(got[1].is_err(), "the other rank fails too");
+}

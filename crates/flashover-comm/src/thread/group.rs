@@ -241,6 +241,22 @@ impl GroupShared {
             return Err(self.poisoned(cause));
         }
         let seq = st.seq;
+        if let Some(earlier) = &st.entries[me] {
+            // Two threads of one rank in the same group at once: the calls cannot be matched
+            // across ranks. Fail every rank now rather than corrupt the rendezvous.
+            let err = CommError::Mismatch {
+                group: self.name.clone(),
+                seq,
+                detail: format!(
+                    "rank {me} called {kind} while its {} on this group had not completed: two threads of one rank used the group at once (e.g. a collective on the data-parallel group while DDP still reduces gradients on it: call it after finish(), or use another group)",
+                    earlier.desc.kind
+                ),
+            };
+            st.poison = Some(err.clone());
+            drop(st);
+            self.changed.notify_all();
+            return Err(err);
+        }
         st.entries[me] = Some(Entry { desc, published });
         st.entered += 1;
         if st.entered == n {

@@ -74,12 +74,14 @@ fn narrow_param(
     Ok(Param::from_tensor(split_dim(&w.val(), dim, rank, n)?))
 }
 
-/// Column-parallel linear layer: `y = x A` with `A = [A_1 .. A_n]` split by output features;
-/// rank `r` holds `A_r` and computes `y_r = x A_r`.
+/// Column-parallel linear layer: `y = x A + b` with `A = [A_1 .. A_n]` and `b` split by output
+/// features; rank `r` holds `A_r`, `b_r` and computes `y_r = x A_r + b_r`.
 #[derive(Module, Debug)]
 pub struct ColumnParallelLinear {
     /// This rank's `[d_in, d_out / tp]` weight.
     pub weight: Param<Tensor<2>>,
+    /// This rank's `[d_out / tp]` part of the bias, if the layer has one.
+    pub bias: Option<Param<Tensor<1>>>,
     /// All-gather the output features after the product (otherwise each rank keeps its part,
     /// to feed a row-parallel layer).
     pub gather_output: bool,
@@ -88,20 +90,20 @@ pub struct ColumnParallelLinear {
 }
 
 impl ColumnParallelLinear {
-    /// This rank's share of the bias-free `full` layer.
+    /// This rank's share of `full` (weight columns and bias entries).
     pub fn from_full(
         full: &Linear,
         tp: &TensorParallel,
         gather_output: bool,
     ) -> Result<Self, ParallelError> {
-        if full.bias.is_some() {
-            return Err(ParallelError::Invalid(
-                "ColumnParallelLinear: biases are not supported yet".into(),
-            ));
-        }
         let (rank, n) = (tp.group.rank(), tp.group.size());
+        let bias = match &full.bias {
+            Some(b) => Some(Param::from_tensor(split_dim(&b.val(), 0, rank, n)?)),
+            None => None,
+        };
         Ok(ColumnParallelLinear {
             weight: narrow_param(&full.weight, 1, rank, n)?,
+            bias,
             gather_output,
             tp: tp.clone(),
         })
@@ -110,7 +112,8 @@ impl ColumnParallelLinear {
     /// `x: [.., d_in]` (replicated, or sequence-split with sequence parallelism) -> `[.., d_out
     /// / tp]`, or `[.., d_out]` with `gather_output`.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let y = linear(self.tp.enter(x), self.weight.val(), None);
+        let bias = self.bias.as_ref().map(|b| b.val());
+        let y = linear(self.tp.enter(x), self.weight.val(), bias);
         if self.gather_output {
             gather_from_tp(y, D - 1, &self.tp.group)
         } else {
@@ -119,27 +122,33 @@ impl ColumnParallelLinear {
     }
 }
 
-/// Row-parallel linear layer: `y = X A` with `A` split by input features and `X` by columns;
-/// rank `r` computes `X_r A_r` and the partial products are summed across ranks.
+/// Row-parallel linear layer: `y = X A + b` with `A` split by input features and `X` by
+/// columns; rank `r` computes `X_r A_r`, the partial products are summed across ranks, and the
+/// bias (whole on every rank) is added once, after the sum.
+///
+/// With sequence parallelism the sum is a reduce-scatter along the sequence, so each rank
+/// adds the bias to its own positions: all-reduce the bias's gradient over `tp` (as for the
+/// norms), since each rank then sees only its positions' share.
 #[derive(Module, Debug)]
 pub struct RowParallelLinear {
     /// This rank's `[d_in / tp, d_out]` weight.
     pub weight: Param<Tensor<2>>,
+    /// The whole `[d_out]` bias, if the layer has one (replicated over `tp`).
+    pub bias: Option<Param<Tensor<1>>>,
     #[module(skip)]
     tp: TensorParallel,
 }
 
 impl RowParallelLinear {
-    /// This rank's share of the bias-free `full` layer.
+    /// This rank's share of `full` (weight rows; the bias whole).
     pub fn from_full(full: &Linear, tp: &TensorParallel) -> Result<Self, ParallelError> {
-        if full.bias.is_some() {
-            return Err(ParallelError::Invalid(
-                "RowParallelLinear: biases are not supported yet".into(),
-            ));
-        }
         let (rank, n) = (tp.group.rank(), tp.group.size());
         Ok(RowParallelLinear {
             weight: narrow_param(&full.weight, 0, rank, n)?,
+            bias: full
+                .bias
+                .as_ref()
+                .map(|b| Param::from_tensor(b.val().detach())),
             tp: tp.clone(),
         })
     }
@@ -147,7 +156,16 @@ impl RowParallelLinear {
     /// `x: [.., d_in / tp]` (this rank's features) -> `[.., d_out]`, summed over ranks
     /// (sequence-split with sequence parallelism).
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        self.tp.exit(linear(x, self.weight.val(), None))
+        let y = self.tp.exit(linear(x, self.weight.val(), None));
+        match &self.bias {
+            Some(b) => {
+                let d = b.val().dims()[0];
+                let mut shape = [1; D];
+                shape[D - 1] = d;
+                y + b.val().reshape(shape)
+            }
+            None => y,
+        }
     }
 }
 

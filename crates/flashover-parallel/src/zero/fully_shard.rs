@@ -23,7 +23,8 @@
 //! this one's backward begins (the unit before it in forward order), as FSDP2's
 //! `set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch` do.
 //!
-//! These ops run host code in their backward, so units need the Flex backend in this release.
+//! These ops run host code in their backward: on Flex, and on the CubeCL backend (wgpu, CUDA)
+//! with the `wgpu` / `cuda` features.
 
 use super::ops::{ScatterHook, gather_shard};
 use super::shard_group::{Pending, ShardGroup};

@@ -171,3 +171,57 @@ fn splits_that_do_not_divide_fail_with_the_sizes() {
     .to_string();
     assert!(err.contains("shape [8, 8] cannot be split into 3"), "{err}");
 }
+
+fn biased(d_in: usize, d_out: usize, salt: f32, device: &Device) -> Linear {
+    Linear {
+        bias: Some(Param::from_data(
+            TensorData::new(values(d_out, salt + 0.5), [d_out]),
+            device,
+        )),
+        ..linear(d_in, d_out, salt, device)
+    }
+}
+
+#[test]
+fn biased_layers_split_the_column_bias_and_add_the_row_bias_once() {
+    let device = Device::flex().autodiff();
+    let x = Tensor::<3>::from_data(TensorData::new(values(64, 0.3), [2, 4, 8]), &device);
+    let (w1, w2) = (biased(8, 12, 0.1, &device), biased(12, 8, 0.9, &device));
+    let y = w2.forward(w1.forward(x).tanh());
+    let grads = (y.clone() * y.clone()).sum().backward();
+    let reference = (
+        to_f32(y),
+        to_f32(w1.bias.as_ref().unwrap().grad(&grads).unwrap()),
+        to_f32(w2.bias.as_ref().unwrap().grad(&grads).unwrap()),
+    );
+    for (tp, sp) in [(2, false), (4, false), (2, true)] {
+        let out = launch(format!("tp={tp}").as_str(), |ctx| {
+            use flashover_runtime::{CommunicatorExt, ReduceOp, TensorCollectives};
+            let device = Device::flex().autodiff();
+            let group = ctx.group(Axis::Tp);
+            let plan = TensorParallel::new(group).with_sequence_parallel(sp);
+            let w1 = ColumnParallelLinear::from_full(&biased(8, 12, 0.1, &device), &plan, false)?;
+            let w2 = RowParallelLinear::from_full(&biased(12, 8, 0.9, &device), &plan)?;
+            let x = Tensor::<3>::from_data(TensorData::new(values(64, 0.3), [2, 4, 8]), &device);
+            let x = if sp { scatter_to_tp(x, 1, group) } else { x };
+            let y = w2.forward(w1.forward(x).tanh());
+            let y = if sp { gather_from_tp(y, 1, group) } else { y };
+            let grads = (y.clone() * y.clone()).sum().backward();
+            let b1 = w1.bias.as_ref().unwrap().grad(&grads).unwrap();
+            let b1 = to_f32(group.all_gather_tensor(b1, 0).unwrap());
+            let mut b2 = to_f32(w2.bias.as_ref().unwrap().grad(&grads).unwrap());
+            if sp {
+                // Each rank added the bias to its own positions only.
+                group.all_reduce(&mut b2, ReduceOp::Sum)?;
+            }
+            Ok::<_, ParallelError>((to_f32(y), b1, b2))
+        })
+        .unwrap();
+        for (rank, (y, b1, b2)) in out.iter().enumerate() {
+            let what = format!("tp={tp} sp={sp} rank {rank}");
+            close(y, &reference.0, &format!("{what}: output"));
+            close(b1, &reference.1, &format!("{what}: column bias gradient"));
+            close(b2, &reference.2, &format!("{what}: row bias gradient"));
+        }
+    }
+}
