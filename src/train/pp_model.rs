@@ -14,6 +14,31 @@ use flashover_parallel::tensor_parallel::{
 };
 
 /// One virtual stage of [`Transformer`].
+///
+/// ```
+/// use burn::tensor::{Device, Int, Tensor};
+/// use flashover::train::TransformerStage;
+/// use flashover_models::{ForwardContext, TransformerConfig};
+/// use flashover_parallel::pipeline::StageOutput;
+///
+/// let model = TransformerConfig { tie_embeddings: false, ..TransformerConfig::tiny(16) }
+///     .init(3, &Device::flex());
+/// // Two stages of one block each: the first embeds, the last computes the loss.
+/// let (first, last) = (
+///     TransformerStage::cut(&model, 0, &[1, 1]).unwrap(),
+///     TransformerStage::cut(&model, 1, &[1, 1]).unwrap(),
+/// );
+/// assert_eq!(last.global_name("blocks.0.attn.wq.weight"), "blocks.1.attn.wq.weight");
+/// assert!(first.tensor_parallel().is_none() && first.vocab_shard().is_none());
+/// let tokens = Tensor::<2, Int>::from_ints([[1, 2, 3, 4, 5]], &Device::flex());
+/// let (inputs, targets) = (tokens.clone().narrow(1, 0, 4), tokens.narrow(1, 1, 4));
+/// let ctx = ForwardContext::default();
+/// let StageOutput::Activation(h) = first.forward(None, inputs.clone(), targets.clone(), &ctx)
+/// else { panic!("the first stage passes activations on") };
+/// let StageOutput::Loss(loss) = last.forward(Some(h), inputs, targets, &ctx)
+/// else { panic!("the last stage computes the loss") };
+/// assert!(loss.into_scalar::<f32>().is_finite());
+/// ```
 #[derive(Module, Debug)]
 pub struct TransformerStage {
     /// The embedding (first stage only).

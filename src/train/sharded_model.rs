@@ -15,6 +15,30 @@ use flashover_parallel::zero::{FullyShardConfig, FullyShardedUnit, ShardGroup};
 use std::sync::Arc;
 
 /// [`Transformer`] as fully sharded units; see the module docs.
+///
+/// ```
+/// use burn::tensor::{Device, Int, Tensor};
+/// use flashover::train::ShardedTransformer;
+/// use flashover::{Axis, launch};
+/// use flashover_models::{ForwardContext, TransformerConfig, next_token_loss};
+/// use flashover_parallel::zero::{FullyShardConfig, ShardGroup};
+///
+/// let config = TransformerConfig::tiny(16);
+/// let losses = launch("fsdp=2", |ctx| {
+///     let device = Device::flex().autodiff();
+///     let units = ShardGroup::new(ctx.group(Axis::Fsdp));
+///     let model = ShardedTransformer::new(config.init(3, &device), &FullyShardConfig::new(), &units)?;
+///     assert!(model.largest_unit() > 0);
+///     let tokens = Tensor::<2, Int>::from_ints([[1, 2, 3, 4, 5]], &device);
+///     let logits = model.forward(tokens.clone().narrow(1, 0, 4), &ForwardContext::default())?;
+///     let loss = next_token_loss(logits, tokens.narrow(1, 1, 4));
+///     let whole = model.gather_full()?; // the whole model, outside any graph (collective)
+///     assert_eq!(whole.blocks.len(), 2);
+///     Ok::<f32, flashover_parallel::ParallelError>(loss.into_scalar())
+/// })
+/// .unwrap();
+/// assert_eq!(losses[0], losses[1]);
+/// ```
 #[derive(Module, Debug)]
 pub struct ShardedTransformer {
     /// Embedding, final norm and head (a `Transformer` without blocks).

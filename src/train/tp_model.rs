@@ -21,6 +21,33 @@ use flashover_parallel::tensor_parallel::{
 };
 
 /// [`Transformer`] split over the `tp` group; see the module docs.
+///
+/// ```
+/// use burn::tensor::{Device, Int, Tensor};
+/// use flashover::train::TpTransformer;
+/// use flashover::{Axis, launch};
+/// use flashover_models::{ForwardContext, TransformerConfig, next_token_loss};
+/// use flashover_parallel::tensor_parallel::TensorParallel;
+///
+/// let config = TransformerConfig::tiny(16);
+/// let tokens = || Tensor::<2, Int>::from_ints([[1, 2, 3, 4, 5]], &Device::flex().autodiff());
+/// let full = config.init(3, &Device::flex().autodiff());
+/// let (inputs, targets) = (tokens().narrow(1, 0, 4), tokens().narrow(1, 1, 4));
+/// let one_rank: f32 = next_token_loss(full.forward(inputs), targets).into_scalar();
+/// let losses = launch("tp=2", |ctx| {
+///     let plan = TensorParallel::new(ctx.group(Axis::Tp));
+///     let model = TpTransformer::shard(config.init(3, &Device::flex().autodiff()), &plan)?;
+///     assert!(TpTransformer::is_replicated("blocks.0.attn_norm.gamma"));
+///     assert_eq!(model.vocab().rows, 8);
+///     let (inputs, targets) = (tokens().narrow(1, 0, 4), tokens().narrow(1, 1, 4));
+///     let loss = model.forward_loss(inputs, targets, &ForwardContext::default());
+///     let whole = model.unshard()?; // every rank's shares gathered (collective)
+///     assert_eq!(whole.blocks[0].attn.n_heads, 4);
+///     Ok::<f32, flashover_parallel::ParallelError>(loss.into_scalar())
+/// })
+/// .unwrap();
+/// assert!((losses[0] - one_rank).abs() < 1e-5 && losses[0] == losses[1]);
+/// ```
 #[derive(Module, Debug)]
 pub struct TpTransformer {
     /// This rank's shares, in the full model's structure.

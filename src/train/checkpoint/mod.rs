@@ -12,6 +12,29 @@
 //! The run state rides in the index: the step, the AdamW step count, the seed and the job's
 //! configuration. Batches and dropout masks are pure functions of `(seed, step)`, so the step is
 //! the whole data-sampler and RNG state.
+//!
+//! ```
+//! use flashover::train::{TrainConfig, checkpoint, train};
+//!
+//! let dir = std::env::temp_dir().join(format!("flashover-doc-ckpt-{}", std::process::id()));
+//! let mut config = TrainConfig::default();
+//! config.parallel.mesh = "dp=2".into();
+//! config.run.steps = 2;
+//! config.run.global_batch = 4;
+//! config.checkpoint.dir = Some(dir.join("run"));
+//! config.checkpoint.save_every = 2;
+//! train(&config, &|_| {}).unwrap();
+//! // The checkpoint of step 2, its parameters as one safetensors file, and a copy resharded
+//! // for ZeRO-3 over two ranks.
+//! let saved = dir.join("run").join("step-00000002");
+//! let ckpt = checkpoint::open(&saved).unwrap();
+//! assert_eq!(ckpt.step(), 2);
+//! let tensors = checkpoint::export(&ckpt, &dir.join("model.safetensors")).unwrap();
+//! assert!(tensors > 0);
+//! let resharded = checkpoint::reshard(&saved, "fsdp=2", Some(3), &dir.join("fsdp")).unwrap();
+//! assert!(checkpoint::open(&resharded).is_ok());
+//! std::fs::remove_dir_all(&dir).unwrap();
+//! ```
 
 mod placement;
 mod saver;
