@@ -10,6 +10,7 @@
 
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use flashover::check::relative_difference;
 use flashover::{Axis, CommunicatorExt, ReduceOp, launch};
 use flashover_models::{ForwardContext, Transformer, TransformerConfig, next_token_loss};
 use flashover_parallel::context_parallel::{ContextParallel, CpAttention};
@@ -114,21 +115,8 @@ fn main() {
     for (i, (a, b)) in single.0.iter().zip(&split.0).enumerate() {
         println!("{i:>4}  {a:>12.6}  {b:>11.6}");
     }
-    let rel = |a: f32, b: f32| (a - b).abs() / b.abs().max(1e-12);
-    let loss_diff = single
-        .0
-        .iter()
-        .zip(&split.0)
-        .map(|(a, b)| rel(*b, *a))
-        .fold(0.0, f32::max);
-    let scale = single.1.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let w_diff = single
-        .1
-        .iter()
-        .zip(&split.1)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max)
-        / scale;
+    let loss_diff = relative_difference(&single.0, &split.0);
+    let w_diff = relative_difference(&single.1, &split.1);
     println!(
         "max relative loss difference {loss_diff:.2e}; max relative weight difference {w_diff:.2e}"
     );
