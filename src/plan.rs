@@ -23,6 +23,8 @@ pub use flashover_plan::*;
 /// };
 /// let best = &plan(&request).unwrap().plans[0];
 /// assert_eq!(best.layout.world(), 4);
+/// // The job's own mesh as the planner sees it (what `bench plan` predicts).
+/// assert_eq!(flashover::plan::layout_of(&job).unwrap().mesh_spec(), "dp=2");
 /// ```
 pub fn model_spec(config: &TrainConfig) -> Result<ModelSpec, String> {
     let t = config.transformer(config.vocab_size())?;

@@ -19,6 +19,52 @@
 //! let measured = working_memory::measure(&job);
 //! assert_eq!(measured.is_ok(), flashover::heap::counting());
 //! ```
+//!
+//! Each benchmark's runner on a small job (the `flashover bench` subcommands print these
+//! records as tables):
+//!
+//! ```
+//! use flashover::bench::{checkpoint, comm, context, memory, moe, pipeline, recompute, train};
+//! use flashover::OpKind;
+//! use flashover::train::TrainConfig;
+//! use std::time::Duration;
+//!
+//! let mut job = TrainConfig::default();
+//! job.model.preset = "tiny".into();
+//! job.run.steps = 2;
+//! job.run.global_batch = 4;
+//! let zero3 = memory::run(&job, &[3], &[2]).unwrap();
+//! assert!(zero3[0].measured_state > 0);
+//! let throughput = train::run(&job, &[1], &[], &[], 1).unwrap();
+//! assert!(!throughput.is_empty());
+//! assert!(train::plain_burn_step_s(&job).unwrap() > 0.0);
+//! let mut deep = job.clone();
+//! deep.model.n_layers = Some(2);
+//! deep.model.tie_embeddings = false;
+//! let bubbles = pipeline::run(&deep, &[2], &[2], &["1f1b".to_string()]).unwrap();
+//! assert_eq!(bubbles.len(), 1);
+//! let mut experts = job.clone();
+//! experts.moe.experts = 4;
+//! assert_eq!(moe::run(&experts, &[2], &[0.0]).unwrap().len(), 1);
+//! let saves = checkpoint::run(&std::env::temp_dir().join("flashover-doc-bench"), 1 << 16, 2, 1);
+//! assert!(saves.unwrap()[0].save_gbs > 0.0);
+//! let config = comm::CommBenchConfig {
+//!     worlds: vec![2],
+//!     ops: vec![OpKind::AllReduce],
+//!     min_bytes: 4096,
+//!     max_bytes: 4096,
+//!     target: Duration::from_millis(10),
+//! };
+//! let mut records = 0;
+//! comm::run(&config, |_| records += 1);
+//! assert!(records > 0);
+//! // The memory benchmarks need the counting allocator the `flashover` binary installs.
+//! let counting = flashover::heap::counting();
+//! assert_eq!(context::run(&job, &[8], &[2]).is_ok(), counting);
+//! assert_eq!(recompute::run(&job, &[(32, 2)], &["full".into()]).is_ok(), counting);
+//! let calibration = flashover::bench::calibrate::run(&job, &[("dp=1".into(), 0)]);
+//! assert_eq!(calibration.is_ok(), counting);
+//! ```
 
 pub mod calibrate;
 pub mod checkpoint;

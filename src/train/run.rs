@@ -108,6 +108,30 @@ pub fn train(
 /// with the MPI engine's world group), on device `local_rank` of `run.device`. The same code
 /// as [`train`] runs on each rank, so the results are the thread launcher's. Rank 0 gets the
 /// report (and calls `on_step`, writes the log); the others get `None`.
+///
+/// ```
+/// use flashover::comm::{Group, ThreadWorld};
+/// use flashover::train::{TrainConfig, train_process};
+///
+/// // Two ranks, each with its own world communicator, as two processes would have (here
+/// // threads of the thread engine stand in for MPI).
+/// let mut config = TrainConfig::default();
+/// config.run.steps = 2;
+/// config.run.global_batch = 4;
+/// let reports: Vec<_> = std::thread::scope(|s| {
+///     let ranks: Vec<_> = ThreadWorld::new(2)
+///         .build()
+///         .into_iter()
+///         .map(|comm| {
+///             let config = &config;
+///             let world = Group::new(std::sync::Arc::new(comm));
+///             s.spawn(move || train_process(config, &|_| {}, world, 0))
+///         })
+///         .collect();
+///     ranks.into_iter().map(|r| r.join().unwrap().unwrap()).collect()
+/// });
+/// assert!(reports[0].is_some() && reports[1].is_none(), "rank 0 reports");
+/// ```
 pub fn train_process(
     config: &TrainConfig,
     on_step: &(dyn Fn(&StepRecord) + Sync),

@@ -35,13 +35,52 @@
 //! assert!(checkpoint::open(&resharded).is_ok());
 //! std::fs::remove_dir_all(&dir).unwrap();
 //! ```
+//!
+//! Your own model's state, saved by two replicas (each writes half) and read back by one
+//! rank (`examples/checkpoint_reshard.rs` trains and resumes on another mesh this way):
+//!
+//! ```
+//! use flashover::train::checkpoint::{LocalState, Saver, Segment, whole_segments};
+//! use flashover::{Axis, launch};
+//! use flashover_parallel::params::{ParamLayout, flatten_params};
+//!
+//! let dir = std::env::temp_dir().join(format!("flashover-doc-own-{}", std::process::id()));
+//! let layer = |device: &burn::tensor::Device| flashover_models::init::linear(1, "l", 4, 3, 0.5, device);
+//! let state = |params: Vec<f32>| {
+//!     let layer = layer(&burn::tensor::Device::flex());
+//!     // Whole tensors named as the module's parameters; moments in the same layout.
+//!     let segments: Vec<Segment> = whole_segments(&ParamLayout::of(&layer), str::to_string);
+//!     let n = params.len();
+//!     LocalState {
+//!         params,
+//!         param_segments: segments.clone(),
+//!         moments: [vec![0.1; n], vec![0.2; n]],
+//!         moment_segments: segments,
+//!         steps_taken: 3,
+//!     }
+//! };
+//! let saved = flatten_params(&layer(&burn::tensor::Device::flex()));
+//! launch("dp=2", |ctx| {
+//!     let dp = ctx.group(Axis::Dp);
+//!     let replicas = (dp.rank(), dp.size());
+//!     let pieces = state(saved.clone()).pieces_for(replicas, replicas);
+//!     let run = serde_json::json!({ "step": 1, "adamw_steps": 3 });
+//!     Saver::new(&dir, 1, false, None).save(dp, 1, run, pieces)
+//! })
+//! .unwrap();
+//! let mut loaded = state(vec![0.0; saved.len()]);
+//! loaded.load(&flashover_checkpoint::Checkpoint::open(&dir).unwrap()).unwrap();
+//! assert_eq!(loaded.params, saved);
+//! assert_eq!(loaded.moments[1], vec![0.2; saved.len()]);
+//! assert_eq!(loaded.steps_taken, 3);
+//! std::fs::remove_dir_all(&dir).unwrap();
+//! ```
 
 mod placement;
 mod saver;
 mod tools;
 
-pub use placement::{
-    LocalState, Segment, pieces_to_write, run_segments, tp_segment, whole_segments,
-};
-pub use saver::{Saver, gather_manifests};
+pub use placement::{LocalState, Segment, whole_segments};
+pub(crate) use placement::{run_segments, tp_segment};
+pub use saver::Saver;
 pub use tools::{export, open, reshard};

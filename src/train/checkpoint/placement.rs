@@ -121,7 +121,7 @@ pub fn whole_segments(layout: &ParamLayout, name: impl Fn(&str) -> String) -> Ve
 
 /// Segments for `runs` of a module's flat parameter vector (`(Some(flat start) | None for
 /// padding, len)`, laid end to end locally from `local`), cut at parameter boundaries.
-pub fn run_segments(
+pub(crate) fn run_segments(
     layout: &ParamLayout,
     runs: impl IntoIterator<Item = (Option<usize>, usize)>,
     mut local: usize,
@@ -158,7 +158,7 @@ pub fn run_segments(
 /// The placement of a tensor-parallel share: `name` is the whole-model name, `local_shape` the
 /// share's shape (vocabulary-split tensors padded), `tp = (rank, size)`. Norms are replicated
 /// and written by tp rank 0.
-pub fn tp_segment(
+pub(crate) fn tp_segment(
     name: &str,
     local_shape: &[usize],
     local: usize,
@@ -207,7 +207,7 @@ pub fn tp_segment(
 /// The pieces this rank writes of `segments` over `flat`: the segments it is responsible for,
 /// contiguous ones split evenly between `replicas = (index, count)` ranks holding the same data,
 /// others written whole by replica 0.
-pub fn pieces_to_write(
+pub(crate) fn pieces_to_write(
     segments: &[Segment],
     flat: &[f32],
     replicas: (usize, usize),

@@ -7,7 +7,7 @@ use std::path::Path;
 
 /// Gathers every rank's manifest at rank 0 of `world` (collective; JSON bytes padded to the
 /// longest).
-pub fn gather_manifests(
+pub(crate) fn gather_manifests(
     world: &Group,
     manifest: &ShardManifest,
 ) -> Result<Vec<ShardManifest>, String> {
