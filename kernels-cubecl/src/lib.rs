@@ -1,1 +1,37 @@
-//! placeholder
+//! # flashover-kernels: fused operations for the parallel strategies
+//!
+//! Each operation is a Burn backend extension with two implementations: a plain Burn-tensor
+//! reference (what Flex runs, and what the tests compare against) and a CubeCL kernel that
+//! does the same in one launch on Burn's CubeCL backend (wgpu, CUDA; with the `wgpu` / `cuda`
+//! features). They are forward-only (not differentiable).
+//!
+//! - [`merge_partials`]: the online-softmax merge of two partial attention results with their
+//!   log-sum-exps (context parallelism's ring attention).
+//! - [`adamw_step`]: AdamW on a flat shard: moments, bias correction, decoupled weight decay
+//!   and the update in one pass (ZeRO's sharded optimizer).
+//! - [`cross_entropy_pieces`]: per-row maximum, sum of exponentials and target logit over a
+//!   vocabulary shard (tensor parallelism's vocabulary-parallel loss).
+//!
+//! ```
+//! use burn::tensor::{Device, Tensor};
+//! use flashover_kernels::merge_partials;
+//!
+//! let device = Device::flex();
+//! let out_a = Tensor::<2>::from_floats([[1.0, 2.0]], &device);
+//! let out_b = Tensor::<2>::from_floats([[3.0, 4.0]], &device);
+//! let lse = Tensor::<1>::from_floats([0.0], &device); // equal weights
+//! let (out, merged) = merge_partials(out_a, lse.clone(), out_b, lse);
+//! assert_eq!(out.into_data().try_to_vec::<f32>().unwrap(), vec![2.0, 3.0]);
+//! assert!((merged.into_scalar::<f32>() - 2f32.ln()).abs() < 1e-6);
+//! ```
+#![warn(missing_docs)]
+
+mod adamw;
+mod cross_entropy;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod cube;
+mod merge;
+
+pub use adamw::{AdamWScalars, adamw_step, adamw_step_reference};
+pub use cross_entropy::{cross_entropy_pieces, cross_entropy_pieces_reference};
+pub use merge::{merge_partials, merge_partials_reference};

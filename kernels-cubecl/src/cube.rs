@@ -1,0 +1,235 @@
+//! The CubeCL kernels and their launches on Burn's CubeCL tensors (f32, made contiguous).
+
+use crate::adamw::AdamWScalars;
+use burn::backend::TensorMetadata;
+use burn::tensor::{DType, Shape};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+const UNITS: usize = 256;
+
+/// Online-softmax merge: one unit per output element.
+// Kernel code: the cube macro translates `%`, not `is_multiple_of`.
+#[allow(clippy::manual_is_multiple_of)]
+#[cube(launch)]
+fn merge_kernel(
+    out_a: &[f32],
+    lse_a: &[f32],
+    out_b: &[f32],
+    lse_b: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+    width: u32,
+) {
+    let pos = ABSOLUTE_POS;
+    if pos < out.len() {
+        let w = width as usize;
+        let row = pos / w;
+        let a = lse_a[row];
+        let b = lse_b[row];
+        let mut m = a;
+        if b > a {
+            m = b;
+        }
+        let wa = (a - m).exp();
+        let wb = (b - m).exp();
+        let s = wa + wb;
+        out[pos] = out_a[pos] * (wa / s) + out_b[pos] * (wb / s);
+        if pos % w == 0 {
+            lse[row] = m + s.ln();
+        }
+    }
+}
+
+/// AdamW: one unit per element; the scalars are `[b1, b2, f1, f2, c1, c2, eps, decay, lr]`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn adamw_kernel(
+    params: &[f32],
+    grads: &[f32],
+    moment_1: &[f32],
+    moment_2: &[f32],
+    scalars: &[f32],
+    new_params: &mut [f32],
+    new_moment_1: &mut [f32],
+    new_moment_2: &mut [f32],
+    decays: u32,
+) {
+    let i = ABSOLUTE_POS;
+    if i < params.len() {
+        let g = grads[i];
+        let m = moment_1[i] * scalars[0] + g * scalars[2];
+        let v = moment_2[i] * scalars[1] + (g * g) * scalars[3];
+        new_moment_1[i] = m;
+        new_moment_2[i] = v;
+        let delta = (m / scalars[4]) / ((v / scalars[5]).sqrt() + scalars[6]);
+        let mut x = params[i];
+        if decays == 1 {
+            x *= scalars[7];
+        }
+        new_params[i] = x - delta * scalars[8];
+    }
+}
+
+/// Cross-entropy pieces: one unit per row, two passes over its `width` logits.
+#[cube(launch)]
+fn cross_entropy_kernel(
+    logits: &[f32],
+    targets: &[f32],
+    max_out: &mut [f32],
+    sum_out: &mut [f32],
+    target_out: &mut [f32],
+    width: u32,
+) {
+    let row = ABSOLUTE_POS;
+    if row < max_out.len() {
+        let w = width as usize;
+        let start = row * w;
+        let mut m = logits[start];
+        for j in 1..w {
+            let x = logits[start + j];
+            if x > m {
+                m = x;
+            }
+        }
+        let mut s = 0.0f32;
+        for j in 0..w {
+            s += (logits[start + j] - m).exp();
+        }
+        max_out[row] = m;
+        sum_out[row] = s;
+        let t = targets[row];
+        let mut picked = 0.0f32;
+        if t >= 0.0 {
+            picked = logits[start + t as usize];
+        }
+        target_out[row] = picked;
+    }
+}
+
+fn f32_contiguous(t: CubeTensor, what: &str) -> CubeTensor {
+    assert_eq!(
+        t.dtype,
+        DType::F32,
+        "flashover-kernels: {what} must be f32 (got {:?})",
+        t.dtype
+    );
+    into_contiguous(t)
+}
+
+fn buffer(t: &CubeTensor) -> BufferArg {
+    let len = t.shape().num_elements();
+    // SAFETY: the handle is a contiguous f32 buffer of `len` elements (f32_contiguous).
+    unsafe { BufferArg::from_raw_parts(t.handle.clone(), len) }
+}
+
+fn empty(like: &CubeTensor, shape: Shape) -> CubeTensor {
+    let bytes = shape.num_elements() * std::mem::size_of::<f32>();
+    let handle = like.client.empty(bytes.max(4));
+    CubeTensor::new_contiguous(
+        like.client.clone(),
+        like.device.clone(),
+        shape,
+        handle,
+        DType::F32,
+    )
+}
+
+fn cubes(n: usize) -> CubeCount {
+    CubeCount::Static(n.div_ceil(UNITS).max(1) as u32, 1, 1)
+}
+
+pub(crate) fn merge_partials(
+    out_a: CubeTensor,
+    lse_a: CubeTensor,
+    out_b: CubeTensor,
+    lse_b: CubeTensor,
+) -> (CubeTensor, CubeTensor) {
+    let (out_a, out_b) = (
+        f32_contiguous(out_a, "out_a"),
+        f32_contiguous(out_b, "out_b"),
+    );
+    let (lse_a, lse_b) = (
+        f32_contiguous(lse_a, "lse_a"),
+        f32_contiguous(lse_b, "lse_b"),
+    );
+    let shape = out_a.shape();
+    let (rows, width) = (shape[0], shape[1]);
+    let out = empty(&out_a, shape.clone());
+    let lse = empty(&out_a, Shape::new([rows]));
+    merge_kernel::launch(
+        &out_a.client,
+        cubes(rows * width),
+        CubeDim::new_1d(UNITS as u32),
+        buffer(&out_a),
+        buffer(&lse_a),
+        buffer(&out_b),
+        buffer(&lse_b),
+        buffer(&out),
+        buffer(&lse),
+        width as u32,
+    );
+    (out, lse)
+}
+
+pub(crate) fn adamw_step(
+    params: CubeTensor,
+    grads: CubeTensor,
+    moment_1: CubeTensor,
+    moment_2: CubeTensor,
+    s: AdamWScalars,
+) -> (CubeTensor, CubeTensor, CubeTensor) {
+    let params = f32_contiguous(params, "params");
+    let moment_1 = f32_contiguous(moment_1, "moment_1");
+    let moment_2 = f32_contiguous(moment_2, "moment_2");
+    let grads = f32_contiguous(grads, "grads");
+    let shape = params.shape();
+    let outputs = [0, 1, 2].map(|_| empty(&params, shape.clone()));
+    let [f1, f2, c1, c2, decay] = s.derived();
+    let values = [s.beta_1, s.beta_2, f1, f2, c1, c2, s.epsilon, decay, s.lr];
+    let scalars = params.client.create_from_slice(f32::as_bytes(&values));
+    let n = params.shape().num_elements();
+    adamw_kernel::launch(
+        &params.client,
+        cubes(n),
+        CubeDim::new_1d(UNITS as u32),
+        buffer(&params),
+        buffer(&grads),
+        buffer(&moment_1),
+        buffer(&moment_2),
+        // SAFETY: nine f32 values just written.
+        unsafe { BufferArg::from_raw_parts(scalars, values.len()) },
+        buffer(&outputs[0]),
+        buffer(&outputs[1]),
+        buffer(&outputs[2]),
+        (s.lr as f64 * s.weight_decay as f64 != 0.0) as u32,
+    );
+    let [p, m, v] = outputs;
+    (p, m, v)
+}
+
+pub(crate) fn cross_entropy_pieces(
+    logits: CubeTensor,
+    targets: CubeTensor,
+) -> (CubeTensor, CubeTensor, CubeTensor) {
+    let logits = f32_contiguous(logits, "logits");
+    let targets = f32_contiguous(targets, "targets");
+    let shape = logits.shape();
+    let (rows, width) = (shape[0], shape[1]);
+    let max = empty(&logits, Shape::new([rows]));
+    let sum = empty(&logits, Shape::new([rows]));
+    let target = empty(&logits, Shape::new([rows]));
+    cross_entropy_kernel::launch(
+        &logits.client,
+        cubes(rows),
+        CubeDim::new_1d(UNITS as u32),
+        buffer(&logits),
+        buffer(&targets),
+        buffer(&max),
+        buffer(&sum),
+        buffer(&target),
+        width as u32,
+    );
+    (max, sum, target)
+}

@@ -1,0 +1,148 @@
+//! Every kernel on the wgpu device (Mesa lavapipe in CI) against its plain-tensor reference
+//! on Flex, for shapes that are and are not multiples of the 256-unit cube, down to one
+//! element.
+#![cfg(feature = "wgpu")]
+
+use burn::tensor::{Device, DeviceKind, Tensor, TensorData};
+use flashover_kernels::{
+    AdamWScalars, adamw_step, adamw_step_reference, cross_entropy_pieces,
+    cross_entropy_pieces_reference, merge_partials, merge_partials_reference,
+};
+
+fn wgpu() -> Device {
+    Device::wgpu(DeviceKind::DefaultDevice)
+}
+
+fn values(n: usize, salt: f32, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i as f32 * 0.61 + salt).sin()) * scale)
+        .collect()
+}
+
+fn tensor<const D: usize>(v: Vec<f32>, shape: [usize; D], device: &Device) -> Tensor<D> {
+    Tensor::from_data(TensorData::new(v, shape), device)
+}
+
+fn close<const D: usize>(kernel: Tensor<D>, reference: Tensor<D>, what: &str) {
+    let (a, b) = (
+        kernel.into_data().try_to_vec::<f32>().unwrap(),
+        reference.into_data().try_to_vec::<f32>().unwrap(),
+    );
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(
+            (x - y).abs() <= 1e-5 * y.abs().max(1.0),
+            "{what}[{i}]: kernel {x} vs reference {y}"
+        );
+    }
+}
+
+const SHAPES: [(usize, usize); 5] = [(1, 1), (3, 7), (17, 64), (33, 129), (257, 5)];
+
+#[test]
+fn merge_kernel_matches_the_reference() {
+    for (rows, width) in SHAPES {
+        let data = [
+            values(rows * width, 0.1, 1.0),
+            values(rows, 0.2, 3.0),
+            values(rows * width, 0.3, 1.0),
+            values(rows, 0.4, 3.0),
+        ];
+        let run = |device: &Device, kernel: bool| {
+            let oa = tensor(data[0].clone(), [rows, width], device);
+            let la = tensor(data[1].clone(), [rows], device);
+            let ob = tensor(data[2].clone(), [rows, width], device);
+            let lb = tensor(data[3].clone(), [rows], device);
+            if kernel {
+                merge_partials(oa, la, ob, lb)
+            } else {
+                merge_partials_reference(oa, la, ob, lb)
+            }
+        };
+        let (out, lse) = run(&wgpu(), true);
+        let (out_ref, lse_ref) = run(&Device::flex(), false);
+        close(out, out_ref, &format!("merge {rows}x{width}: out"));
+        close(lse, lse_ref, &format!("merge {rows}x{width}: lse"));
+    }
+}
+
+#[test]
+fn adamw_kernel_matches_the_reference_with_and_without_decay() {
+    for n in [1, 255, 256, 1000] {
+        for (weight_decay, time) in [(0.0, 1), (0.01, 7)] {
+            let s = AdamWScalars {
+                lr: 1e-2,
+                beta_1: 0.9,
+                beta_2: 0.999,
+                epsilon: 1e-8,
+                weight_decay,
+                time,
+            };
+            let data = [
+                values(n, 0.1, 1.0),
+                values(n, 0.2, 0.5),
+                values(n, 0.3, 0.1),
+                values(n, 0.4, 0.01).iter().map(|v| v.abs()).collect(),
+            ];
+            let run = |device: &Device, kernel: bool| {
+                let [p, g, m, v] = data.clone().map(|d| tensor(d, [n], device));
+                if kernel {
+                    adamw_step(p, g, m, v, s)
+                } else {
+                    adamw_step_reference(p, g, m, v, s)
+                }
+            };
+            let (p, m, v) = run(&wgpu(), true);
+            let (p_ref, m_ref, v_ref) = run(&Device::flex(), false);
+            let what = format!("adamw n={n} wd={weight_decay} t={time}");
+            close(p, p_ref, &format!("{what}: params"));
+            close(m, m_ref, &format!("{what}: moment_1"));
+            close(v, v_ref, &format!("{what}: moment_2"));
+        }
+    }
+}
+
+#[test]
+fn cross_entropy_kernel_matches_the_reference_with_targets_held_and_not() {
+    for (rows, width) in SHAPES {
+        let logits = values(rows * width, 0.7, 4.0);
+        // Every third row's target is on another rank.
+        let targets: Vec<f32> = (0..rows)
+            .map(|r| {
+                if r % 3 == 2 {
+                    -1.0
+                } else {
+                    ((r * 5) % width) as f32
+                }
+            })
+            .collect();
+        let run = |device: &Device, kernel: bool| {
+            let l = tensor(logits.clone(), [rows, width], device);
+            let t = tensor(targets.clone(), [rows], device);
+            if kernel {
+                cross_entropy_pieces(l, t)
+            } else {
+                cross_entropy_pieces_reference(l, t)
+            }
+        };
+        let (max, sum, target) = run(&wgpu(), true);
+        let (max_ref, sum_ref, target_ref) = run(&Device::flex(), false);
+        let what = format!("cross-entropy {rows}x{width}");
+        close(max, max_ref, &format!("{what}: max"));
+        close(sum, sum_ref, &format!("{what}: sum"));
+        close(target, target_ref, &format!("{what}: target"));
+    }
+}
+
+#[test]
+fn on_flex_the_ops_are_their_references() {
+    let d = Device::flex();
+    let (rows, width) = (3, 5);
+    let l = || tensor(values(rows * width, 0.7, 4.0), [rows, width], &d);
+    let t = || tensor(vec![0.0, -1.0, 4.0], [rows], &d);
+    let (a, b, c) = cross_entropy_pieces(l(), t());
+    let (x, y, z) = cross_entropy_pieces_reference(l(), t());
+    close(a, x, "max");
+    close(b, y, "sum");
+    close(c, z, "target");
+}
