@@ -70,6 +70,7 @@ pub mod calibrate;
 pub mod checkpoint;
 pub mod comm;
 pub mod context;
+pub mod kernels;
 pub mod memory;
 pub mod moe;
 pub mod pipeline;

@@ -27,6 +27,20 @@ pub enum BenchCommand {
     Recompute(Box<RecomputeArgs>),
     /// The planner's memory and step-time predictions against measured runs of a few meshes.
     Plan(Box<PlanCalibrationArgs>),
+    /// Each fused CubeCL kernel against the unfused Burn operations it replaces.
+    Kernels(KernelArgs),
+}
+
+/// Options of `bench kernels`.
+#[derive(Debug, Args)]
+pub struct KernelArgs {
+    /// Device: flex (the kernels' reference path on both sides) or wgpu (needs the `wgpu`
+    /// feature).
+    #[arg(long, default_value = "wgpu")]
+    device: flashover::DeviceChoice,
+    /// Timed runs per measurement (the median is reported).
+    #[arg(long, default_value_t = 10)]
+    repeats: usize,
 }
 
 /// Options of `bench plan`.
@@ -231,6 +245,27 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                     r.step_s * 1e3,
                     r.work_imbalance,
                     r.time_imbalance
+                );
+            }
+            Ok(())
+        }
+        BenchCommand::Kernels(args) => {
+            let device = args.device.device(0).map_err(|e| e.to_string())?;
+            let records = flashover::bench::kernels::run(&device, args.repeats)?;
+            println!("device {device:?}");
+            println!(
+                "| operation | size | fused ms | unfused ms | unfused / fused | fused GB/s (minimum traffic) |"
+            );
+            println!("|---|---|---:|---:|---:|---:|");
+            for r in &records {
+                println!(
+                    "| {} | {} | {:.3} | {:.3} | {:.2} | {:.2} |",
+                    r.op,
+                    r.size,
+                    r.fused_s * 1e3,
+                    r.unfused_s * 1e3,
+                    r.unfused_s / r.fused_s,
+                    r.bytes / r.fused_s / 1e9
                 );
             }
             Ok(())

@@ -1,0 +1,120 @@
+//! `flashover bench kernels`: each fused kernel of `flashover-kernels` against the unfused
+//! sequence of Burn operations it replaces (its reference path), on the same device, with the
+//! bytes each must move at least and the rate the fused one reaches.
+
+use burn::tensor::{Device, Distribution, Tensor};
+use flashover_kernels::{
+    AdamWScalars, adamw_step, adamw_step_reference, cross_entropy_pieces,
+    cross_entropy_pieces_reference, merge_partials, merge_partials_reference,
+};
+use serde::Serialize;
+use std::time::Instant;
+
+/// One operation at one size.
+#[derive(Debug, Clone, Serialize)]
+pub struct KernelBenchRecord {
+    /// The operation.
+    pub op: String,
+    /// Its size.
+    pub size: String,
+    /// Median time of the fused kernel (seconds).
+    pub fused_s: f64,
+    /// Median time of the unfused Burn operations (seconds).
+    pub unfused_s: f64,
+    /// Bytes the operation must read and write at least.
+    pub bytes: f64,
+}
+
+/// Median seconds of `f` over `repeats` runs after one warm-up, waiting for `device` each time.
+fn median(device: &Device, repeats: usize, mut f: impl FnMut()) -> Result<f64, String> {
+    f();
+    device.sync().map_err(|e| format!("device sync: {e:?}"))?;
+    let mut times = Vec::with_capacity(repeats);
+    for _ in 0..repeats.max(1) {
+        let t = Instant::now();
+        f();
+        device.sync().map_err(|e| format!("device sync: {e:?}"))?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// Measures every kernel at a few sizes on `device`.
+pub fn run(device: &Device, repeats: usize) -> Result<Vec<KernelBenchRecord>, String> {
+    let rand = |shape: Vec<usize>| {
+        Tensor::<1>::random(
+            [shape.iter().product::<usize>()],
+            Distribution::Default,
+            device,
+        )
+    };
+    let mut out = vec![];
+    for (rows, width) in [(4096, 64), (16384, 128)] {
+        let oa = rand(vec![rows, width]).reshape([rows, width]);
+        let ob = rand(vec![rows, width]).reshape([rows, width]);
+        let (la, lb) = (rand(vec![rows]), rand(vec![rows]));
+        let args = || (oa.clone(), la.clone(), ob.clone(), lb.clone());
+        let fused = median(device, repeats, || {
+            let (a, b, c, d) = args();
+            let _ = merge_partials(a, b, c, d);
+        })?;
+        let unfused = median(device, repeats, || {
+            let (a, b, c, d) = args();
+            let _ = merge_partials_reference(a, b, c, d);
+        })?;
+        out.push(KernelBenchRecord {
+            op: "online-softmax merge".into(),
+            size: format!("{rows} x {width}"),
+            fused_s: fused,
+            unfused_s: unfused,
+            bytes: 4.0 * (3 * rows * width + 3 * rows) as f64,
+        });
+    }
+    for n in [1 << 20, 1 << 23] {
+        let s = AdamWScalars {
+            lr: 1e-3,
+            beta_1: 0.9,
+            beta_2: 0.999,
+            epsilon: 1e-8,
+            weight_decay: 0.01,
+            time: 3,
+        };
+        let (p, g, m, v) = (rand(vec![n]), rand(vec![n]), rand(vec![n]), rand(vec![n]));
+        let args = || (p.clone(), g.clone(), m.clone(), v.clone());
+        let fused = median(device, repeats, || {
+            let (a, b, c, d) = args();
+            let _ = adamw_step(a, b, c, d, s);
+        })?;
+        let unfused = median(device, repeats, || {
+            let (a, b, c, d) = args();
+            let _ = adamw_step_reference(a, b, c, d, s);
+        })?;
+        out.push(KernelBenchRecord {
+            op: "AdamW on a flat shard".into(),
+            size: format!("{n} parameters"),
+            fused_s: fused,
+            unfused_s: unfused,
+            bytes: 4.0 * 7.0 * n as f64,
+        });
+    }
+    for (rows, width) in [(2048, 1000), (8192, 4000)] {
+        let logits = rand(vec![rows, width]).reshape([rows, width]);
+        let targets =
+            Tensor::<1>::random([rows], Distribution::Uniform(0.0, width as f64), device).floor();
+        let fused = median(device, repeats, || {
+            let _ = cross_entropy_pieces(logits.clone(), targets.clone());
+        })?;
+        let unfused = median(device, repeats, || {
+            let _ = cross_entropy_pieces_reference(logits.clone(), targets.clone());
+        })?;
+        out.push(KernelBenchRecord {
+            op: "cross-entropy pieces".into(),
+            size: format!("{rows} x {width}"),
+            fused_s: fused,
+            unfused_s: unfused,
+            bytes: 4.0 * (rows * width + 4 * rows) as f64,
+        });
+    }
+    Ok(out)
+}
