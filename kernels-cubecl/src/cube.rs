@@ -108,6 +108,44 @@ fn cross_entropy_kernel(
     }
 }
 
+/// Row gather: one unit per output element.
+#[cube(launch)]
+fn permute_kernel(tokens: &[f32], order: &[f32], out: &mut [f32], width: u32) {
+    let pos = ABSOLUTE_POS;
+    if pos < out.len() {
+        let w = width as usize;
+        let source = order[pos / w] as usize;
+        out[pos] = tokens[source * w + pos % w];
+    }
+}
+
+/// Weighted gather back: one unit per output element, `k` choices each.
+#[cube(launch)]
+fn unpermute_kernel(
+    outputs: &[f32],
+    positions: &[f32],
+    weights: &[f32],
+    out: &mut [f32],
+    width: u32,
+    k: u32,
+) {
+    let pos = ABSOLUTE_POS;
+    if pos < out.len() {
+        let w = width as usize;
+        let kk = k as usize;
+        let token = pos / w;
+        let col = pos % w;
+        let mut acc = 0.0f32;
+        for j in 0..kk {
+            let p = positions[token * kk + j];
+            if p >= 0.0 {
+                acc += weights[token * kk + j] * outputs[(p as usize) * w + col];
+            }
+        }
+        out[pos] = acc;
+    }
+}
+
 fn f32_contiguous(t: CubeTensor, what: &str) -> CubeTensor {
     assert_eq!(
         t.dtype,
@@ -136,8 +174,10 @@ fn empty(like: &CubeTensor, shape: Shape) -> CubeTensor {
     )
 }
 
-fn cubes(n: usize) -> CubeCount {
-    CubeCount::Static(n.div_ceil(UNITS).max(1) as u32, 1, 1)
+/// Enough cubes of `UNITS` for `n` units, spread over the grid's dimensions (one dimension
+/// holds at most 65535 cubes on wgpu).
+fn cubes(client: &Client, n: usize) -> CubeCount {
+    cubecl::calculate_cube_count_elemwise(client, n.max(1), CubeDim::new_1d(UNITS as u32))
 }
 
 pub(crate) fn merge_partials(
@@ -160,7 +200,7 @@ pub(crate) fn merge_partials(
     let lse = empty(&out_a, Shape::new([rows]));
     merge_kernel::launch(
         &out_a.client,
-        cubes(rows * width),
+        cubes(&out_a.client, rows * width),
         CubeDim::new_1d(UNITS as u32),
         buffer(&out_a),
         buffer(&lse_a),
@@ -192,7 +232,7 @@ pub(crate) fn adamw_step(
     let n = params.shape().num_elements();
     adamw_kernel::launch(
         &params.client,
-        cubes(n),
+        cubes(&params.client, n),
         CubeDim::new_1d(UNITS as u32),
         buffer(&params),
         buffer(&grads),
@@ -222,7 +262,7 @@ pub(crate) fn cross_entropy_pieces(
     let target = empty(&logits, Shape::new([rows]));
     cross_entropy_kernel::launch(
         &logits.client,
-        cubes(rows),
+        cubes(&logits.client, rows),
         CubeDim::new_1d(UNITS as u32),
         buffer(&logits),
         buffer(&targets),
@@ -232,4 +272,46 @@ pub(crate) fn cross_entropy_pieces(
         width as u32,
     );
     (max, sum, target)
+}
+
+pub(crate) fn permute_rows(tokens: CubeTensor, order: CubeTensor) -> CubeTensor {
+    let tokens = f32_contiguous(tokens, "tokens");
+    let order = f32_contiguous(order, "order");
+    let (n, width) = (order.shape()[0], tokens.shape()[1]);
+    let out = empty(&tokens, Shape::new([n, width]));
+    permute_kernel::launch(
+        &tokens.client,
+        cubes(&tokens.client, n * width),
+        CubeDim::new_1d(UNITS as u32),
+        buffer(&tokens),
+        buffer(&order),
+        buffer(&out),
+        width as u32,
+    );
+    out
+}
+
+pub(crate) fn unpermute_rows(
+    outputs: CubeTensor,
+    positions: CubeTensor,
+    weights: CubeTensor,
+) -> CubeTensor {
+    let outputs = f32_contiguous(outputs, "outputs");
+    let positions = f32_contiguous(positions, "positions");
+    let weights = f32_contiguous(weights, "weights");
+    let (tokens, k) = (positions.shape()[0], positions.shape()[1]);
+    let width = outputs.shape()[1];
+    let out = empty(&outputs, Shape::new([tokens, width]));
+    unpermute_kernel::launch(
+        &outputs.client,
+        cubes(&outputs.client, tokens * width),
+        CubeDim::new_1d(UNITS as u32),
+        buffer(&outputs),
+        buffer(&positions),
+        buffer(&weights),
+        buffer(&out),
+        width as u32,
+        k as u32,
+    );
+    out
 }

@@ -11,6 +11,9 @@
 //!   and the update in one pass (ZeRO's sharded optimizer).
 //! - [`cross_entropy_pieces`]: per-row maximum, sum of exponentials and target logit over a
 //!   vocabulary shard (tensor parallelism's vocabulary-parallel loss).
+//! - [`permute_rows`] / [`unpermute_rows`]: tokens into per-expert order from the router's
+//!   choices, and expert outputs back per token weighted by the routing weights (expert
+//!   parallelism).
 //!
 //! ```
 //! use burn::tensor::{Device, Tensor};
@@ -31,7 +34,9 @@ mod cross_entropy;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod cube;
 mod merge;
+mod moe;
 
 pub use adamw::{AdamWScalars, adamw_step, adamw_step_reference};
 pub use cross_entropy::{cross_entropy_pieces, cross_entropy_pieces_reference};
 pub use merge::{merge_partials, merge_partials_reference};
+pub use moe::{permute_rows, permute_rows_reference, unpermute_rows, unpermute_rows_reference};

@@ -41,7 +41,9 @@ const SHAPES: [(usize, usize); 5] = [(1, 1), (3, 7), (17, 64), (33, 129), (257, 
 
 #[test]
 fn merge_kernel_matches_the_reference() {
-    for (rows, width) in SHAPES {
+    // The last shape needs more than 65535 cubes of 256 units: the grid spreads over two
+    // dimensions.
+    for (rows, width) in SHAPES.into_iter().chain([(65_601, 256)]) {
         let data = [
             values(rows * width, 0.1, 1.0),
             values(rows, 0.2, 3.0),
@@ -145,4 +147,49 @@ fn on_flex_the_ops_are_their_references() {
     close(a, x, "max");
     close(b, y, "sum");
     close(c, z, "target");
+}
+
+#[test]
+fn moe_permute_kernels_match_the_reference_with_dropped_choices() {
+    use flashover_kernels::{
+        permute_rows, permute_rows_reference, unpermute_rows, unpermute_rows_reference,
+    };
+    for (tokens, width, k) in [(1, 1, 1), (7, 33, 2), (300, 17, 2), (64, 256, 4)] {
+        let x = values(tokens * width, 0.2, 1.0);
+        // Each token's k choices land in rows of the permuted buffer; every fifth is dropped.
+        let n = tokens * k;
+        let order: Vec<f32> = (0..n).map(|i| ((i * 7) % tokens) as f32).collect();
+        let positions: Vec<f32> = (0..n)
+            .map(|i| {
+                if i % 5 == 4 {
+                    -1.0
+                } else {
+                    ((i * 3) % n) as f32
+                }
+            })
+            .collect();
+        let weights = values(n, 0.9, 0.5);
+        let run = |device: &Device, kernel: bool| {
+            let x = tensor(x.clone(), [tokens, width], device);
+            let order = tensor(order.clone(), [n], device);
+            let permuted = if kernel {
+                permute_rows(x, order)
+            } else {
+                permute_rows_reference(x, order)
+            };
+            let p = tensor(positions.clone(), [tokens, k], device);
+            let w = tensor(weights.clone(), [tokens, k], device);
+            let combined = if kernel {
+                unpermute_rows(permuted.clone(), p, w)
+            } else {
+                unpermute_rows_reference(permuted.clone(), p, w)
+            };
+            (permuted, combined)
+        };
+        let (permuted, combined) = run(&wgpu(), true);
+        let (permuted_ref, combined_ref) = run(&Device::flex(), false);
+        let what = format!("moe {tokens}x{width} k={k}");
+        close(permuted, permuted_ref, &format!("{what}: permuted"));
+        close(combined, combined_ref, &format!("{what}: combined"));
+    }
 }

@@ -5,7 +5,8 @@
 use burn::tensor::{Device, Distribution, Tensor};
 use flashover_kernels::{
     AdamWScalars, adamw_step, adamw_step_reference, cross_entropy_pieces,
-    cross_entropy_pieces_reference, merge_partials, merge_partials_reference,
+    cross_entropy_pieces_reference, merge_partials, merge_partials_reference, permute_rows,
+    permute_rows_reference, unpermute_rows, unpermute_rows_reference,
 };
 use serde::Serialize;
 use std::time::Instant;
@@ -114,6 +115,43 @@ pub fn run(device: &Device, repeats: usize) -> Result<Vec<KernelBenchRecord>, St
             fused_s: fused,
             unfused_s: unfused,
             bytes: 4.0 * (rows * width + 4 * rows) as f64,
+        });
+    }
+    for (tokens, width, k) in [(4096, 256, 2), (16384, 512, 2)] {
+        let n = tokens * k;
+        let x = rand(vec![tokens, width]).reshape([tokens, width]);
+        let order =
+            Tensor::<1>::random([n], Distribution::Uniform(0.0, tokens as f64), device).floor();
+        let positions = Tensor::<1>::random([n], Distribution::Uniform(0.0, n as f64), device)
+            .floor()
+            .reshape([tokens, k]);
+        let weights = rand(vec![n]).reshape([tokens, k]);
+        let permuted = permute_rows_reference(x.clone(), order.clone());
+        let fused = median(device, repeats, || {
+            let _ = permute_rows(x.clone(), order.clone());
+        })?;
+        let unfused = median(device, repeats, || {
+            let _ = permute_rows_reference(x.clone(), order.clone());
+        })?;
+        out.push(KernelBenchRecord {
+            op: "MoE permute".into(),
+            size: format!("{tokens} x {width}, top-{k}"),
+            fused_s: fused,
+            unfused_s: unfused,
+            bytes: 4.0 * (2 * n * width + n) as f64,
+        });
+        let fused = median(device, repeats, || {
+            let _ = unpermute_rows(permuted.clone(), positions.clone(), weights.clone());
+        })?;
+        let unfused = median(device, repeats, || {
+            let _ = unpermute_rows_reference(permuted.clone(), positions.clone(), weights.clone());
+        })?;
+        out.push(KernelBenchRecord {
+            op: "MoE un-permute (weighted)".into(),
+            size: format!("{tokens} x {width}, top-{k}"),
+            fused_s: fused,
+            unfused_s: unfused,
+            bytes: 4.0 * (n * width + tokens * width + 2 * n) as f64,
         });
     }
     Ok(out)
