@@ -64,6 +64,10 @@
 //! assert_eq!(recompute::run(&job, &[(32, 2)], &["full".into()]).is_ok(), counting);
 //! let calibration = flashover::bench::calibrate::run(&job, &[("dp=1".into(), 0)]);
 //! assert_eq!(calibration.is_ok(), counting);
+//! // Fused kernels against their unfused operations (on Flex both sides are the reference;
+//! // `--device wgpu` runs the kernels).
+//! let kernels = flashover::bench::kernels::run(&burn::tensor::Device::flex(), 1).unwrap();
+//! assert!(kernels.iter().all(|r| r.fused_s > 0.0 && r.unfused_s > 0.0));
 //! ```
 
 pub mod calibrate;
