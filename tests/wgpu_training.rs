@@ -41,6 +41,18 @@ fn flex_and_wgpu_agree(c: TrainConfig) -> flashover::train::TrainReport {
 fn ddp_on_wgpu_matches_flex_with_gradient_hooks() {
     let wgpu = flex_and_wgpu_agree(tiny("dp=2"));
     assert!(wgpu.overlap, "gradient hooks run on the CubeCL backend too");
+    // The device's allocator reports what it holds; Flex reports nothing.
+    for rank in &wgpu.steps.last().unwrap().ranks {
+        let m = rank.device_memory.expect("wgpu reports device memory");
+        assert!(m.in_use > 0 && m.reserved >= m.in_use, "{m:?}");
+    }
+    let flex = train(&tiny("dp=2"), &|_| {}).unwrap();
+    assert!(
+        flex.steps[0]
+            .ranks
+            .iter()
+            .all(|r| r.device_memory.is_none())
+    );
 }
 
 #[test]

@@ -50,7 +50,7 @@ pub use config::{
     RunSection, TrainConfig,
 };
 pub use pp_model::{TransformerStage, split_blocks, split_blocks_by_cost};
-pub use report::{MoeRecord, RankTimes, StepRecord, TrainReport, memory_formula};
+pub use report::{DeviceMemory, MoeRecord, RankTimes, StepRecord, TrainReport, memory_formula};
 pub use run::{make_batch, token_source, train, train_process};
 pub use sharded_model::ShardedTransformer;
 pub use tp_model::TpTransformer;

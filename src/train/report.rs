@@ -37,6 +37,20 @@ pub struct RankTimes {
     pub attention_s: f64,
     /// Context parallelism: attention scores this rank computed in forward; 0 without cp.
     pub attention_scores: u64,
+    /// Bytes the rank's device allocator held for live tensors after the step, and bytes it
+    /// had reserved, where the backend reports them (the CubeCL devices: wgpu, CUDA; `None`
+    /// on Flex). Ranks sharing one device (threads on one GPU or adapter) report the same
+    /// device-wide figure.
+    pub device_memory: Option<DeviceMemory>,
+}
+
+/// What a device's allocator holds, as Burn reports it (`Device::memory_pool_usage`).
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct DeviceMemory {
+    /// Bytes of live allocations (padding excluded).
+    pub in_use: u64,
+    /// Bytes reserved from the device (live allocations plus pages kept for reuse).
+    pub reserved: u64,
 }
 
 /// One optimizer step, as written to the JSONL log.
@@ -243,6 +257,25 @@ impl fmt::Display for TrainReport {
                 m.total() as f64 / MIB,
                 (m.total() - m.gathered_peak) as f64 / formula
             )?;
+        }
+        if let Some(last) = self.steps.last()
+            && last.ranks.iter().any(|r| r.device_memory.is_some())
+        {
+            writeln!(
+                f,
+                "  device memory per rank after the last step (MiB, the device allocator's figures; ranks on one device share them):"
+            )?;
+            for r in &last.ranks {
+                if let Some(m) = r.device_memory {
+                    writeln!(
+                        f,
+                        "    {:>4} in use {:>9.3}  reserved {:>9.3}",
+                        r.rank,
+                        m.in_use as f64 / MIB,
+                        m.reserved as f64 / MIB
+                    )?;
+                }
+            }
         }
         let moe: Vec<&MoeRecord> = self.steps.iter().filter_map(|s| s.moe.as_ref()).collect();
         if !moe.is_empty() {

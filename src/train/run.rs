@@ -3,7 +3,7 @@
 use super::checkpoint::{LocalState, Saver, Segment, run_segments, tp_segment, whole_segments};
 use super::config::TrainConfig;
 use super::pp_model::{DeferWeightGrads, TransformerStage};
-use super::report::{MoeRecord, RankTimes, StepRecord, TrainReport};
+use super::report::{DeviceMemory, MoeRecord, RankTimes, StepRecord, TrainReport};
 use super::sharded_model::ShardedTransformer;
 use super::tp_model::TpTransformer;
 use super::trace::Trace;
@@ -1098,6 +1098,8 @@ fn train_rank(
             );
         }
         let step_s = t0.elapsed().as_secs_f64();
+        // From the device's allocator where the backend reports it (not Flex).
+        let device_usage = ctx.device().memory_pool_usage();
         let attention = context.as_ref().map_or(AttentionWork::default(), |cp| {
             let now = cp.work();
             AttentionWork {
@@ -1130,6 +1132,8 @@ fn train_rank(
             attention.compute.as_secs_f64(),
             attention.score_elements as f64,
             (block_recompute.as_ref().map_or(0, |r| r.recomputed()) - recomputed_before) as f64,
+            device_usage.map_or(-1.0, |u| u.bytes_in_use as f64),
+            device_usage.map_or(-1.0, |u| u.bytes_reserved as f64),
         ];
         let all = world.all_gather_vec(&mine)?;
         if ctx.rank() == 0 {
@@ -1164,6 +1168,10 @@ fn train_rank(
                         pipeline_s: p[12],
                         attention_s: p[14],
                         attention_scores: p[15] as u64,
+                        device_memory: (p[17] >= 0.0).then(|| DeviceMemory {
+                            in_use: p[17] as u64,
+                            reserved: p[18] as u64,
+                        }),
                     })
                     .collect(),
                 moe: outcome.moe.take().map(|m| MoeRecord {
