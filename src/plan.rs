@@ -46,15 +46,7 @@ pub fn model_spec(config: &TrainConfig) -> Result<ModelSpec, String> {
 /// The job's batch: sequence length, global batch, and the micro-batch that
 /// `run.micro_batches` makes on each data-parallel rank of its mesh.
 pub fn workload(config: &TrainConfig) -> Result<Workload, String> {
-    let mesh = config.mesh()?;
-    let ranks = [
-        flashover_mesh::Axis::Dp,
-        flashover_mesh::Axis::Fsdp,
-        flashover_mesh::Axis::Ep,
-    ]
-    .iter()
-    .map(|&a| mesh.degree(a))
-    .product::<usize>();
+    let ranks = layout_of(config)?.batch_ranks();
     Ok(Workload {
         seq_len: config.data.seq_len,
         global_batch: config.run.global_batch,

@@ -79,14 +79,13 @@ impl AdamWOps for Flex {
         scalars: AdamWScalars,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let (p, m, v) = adamw_step_reference(
-            Tensor::from_primitive::<Flex>(params),
-            Tensor::from_primitive::<Flex>(grads),
-            Tensor::from_primitive::<Flex>(moment_1),
-            Tensor::from_primitive::<Flex>(moment_2),
+            crate::from_flex(params),
+            crate::from_flex(grads),
+            crate::from_flex(moment_1),
+            crate::from_flex(moment_2),
             scalars,
         );
-        let flex = |t: Tensor<1>| t.try_into_primitive::<Flex>().expect("a Flex tensor");
-        (flex(p), flex(m), flex(v))
+        (crate::to_flex(p), crate::to_flex(m), crate::to_flex(v))
     }
 }
 

@@ -36,12 +36,13 @@ impl CrossEntropyOps for Flex {
         logits: FloatTensor<Self>,
         targets: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let (max, sum, target) = cross_entropy_pieces_reference(
-            Tensor::from_primitive::<Flex>(logits),
-            Tensor::from_primitive::<Flex>(targets),
-        );
-        let flex = |t: Tensor<1>| t.try_into_primitive::<Flex>().expect("a Flex tensor");
-        (flex(max), flex(sum), flex(target))
+        let (max, sum, target) =
+            cross_entropy_pieces_reference(crate::from_flex(logits), crate::from_flex(targets));
+        (
+            crate::to_flex(max),
+            crate::to_flex(sum),
+            crate::to_flex(target),
+        )
     }
 }
 

@@ -36,6 +36,20 @@ mod cube;
 mod merge;
 mod moe;
 
+use burn::backend::{Flex, tensor::FloatTensor};
+use burn::tensor::Tensor;
+
+/// A Flex primitive as a tensor: the reference paths' way in.
+fn from_flex<const D: usize>(x: FloatTensor<Flex>) -> Tensor<D> {
+    Tensor::from_primitive::<Flex>(x)
+}
+
+/// A tensor computed on Flex back to its primitive: the reference paths' way out.
+fn to_flex<const D: usize>(t: Tensor<D>) -> FloatTensor<Flex> {
+    t.try_into_primitive::<Flex>()
+        .expect("a reference path on Flex tensors stays on Flex")
+}
+
 pub use adamw::{AdamWScalars, adamw_step, adamw_step_reference};
 pub use cross_entropy::{cross_entropy_pieces, cross_entropy_pieces_reference};
 pub use merge::{merge_partials, merge_partials_reference};

@@ -42,15 +42,12 @@ impl MergeOps for Flex {
         lse_b: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let (out, lse) = merge_partials_reference(
-            Tensor::from_primitive::<Flex>(out_a),
-            Tensor::from_primitive::<Flex>(lse_a),
-            Tensor::from_primitive::<Flex>(out_b),
-            Tensor::from_primitive::<Flex>(lse_b),
+            crate::from_flex(out_a),
+            crate::from_flex(lse_a),
+            crate::from_flex(out_b),
+            crate::from_flex(lse_b),
         );
-        (
-            out.try_into_primitive::<Flex>().expect("a Flex tensor"),
-            lse.try_into_primitive::<Flex>().expect("a Flex tensor"),
-        )
+        (crate::to_flex(out), crate::to_flex(lse))
     }
 }
 

@@ -47,12 +47,10 @@ pub fn unpermute_rows_reference(
 
 impl MoePermuteOps for Flex {
     fn permute_rows(tokens: FloatTensor<Self>, order: FloatTensor<Self>) -> FloatTensor<Self> {
-        permute_rows_reference(
-            Tensor::from_primitive::<Flex>(tokens),
-            Tensor::from_primitive::<Flex>(order),
-        )
-        .try_into_primitive::<Flex>()
-        .expect("a Flex tensor")
+        crate::to_flex(permute_rows_reference(
+            crate::from_flex(tokens),
+            crate::from_flex(order),
+        ))
     }
 
     fn unpermute_rows(
@@ -60,13 +58,11 @@ impl MoePermuteOps for Flex {
         positions: FloatTensor<Self>,
         weights: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        unpermute_rows_reference(
-            Tensor::from_primitive::<Flex>(outputs),
-            Tensor::from_primitive::<Flex>(positions),
-            Tensor::from_primitive::<Flex>(weights),
-        )
-        .try_into_primitive::<Flex>()
-        .expect("a Flex tensor")
+        crate::to_flex(unpermute_rows_reference(
+            crate::from_flex(outputs),
+            crate::from_flex(positions),
+            crate::from_flex(weights),
+        ))
     }
 }
 

@@ -41,6 +41,24 @@ fn median(device: &Device, repeats: usize, mut f: impl FnMut()) -> Result<f64, S
     Ok(times[times.len() / 2])
 }
 
+/// Times `fused` and `unfused` side by side on `device` as one record.
+fn compare(
+    (device, repeats): (&Device, usize),
+    op: &str,
+    size: String,
+    bytes: f64,
+    fused: impl FnMut(),
+    unfused: impl FnMut(),
+) -> Result<KernelBenchRecord, String> {
+    Ok(KernelBenchRecord {
+        op: op.into(),
+        size,
+        fused_s: median(device, repeats, fused)?,
+        unfused_s: median(device, repeats, unfused)?,
+        bytes,
+    })
+}
+
 /// Measures every kernel at a few sizes on `device`.
 pub fn run(device: &Device, repeats: usize) -> Result<Vec<KernelBenchRecord>, String> {
     let rand = |shape: Vec<usize>| {
@@ -56,21 +74,20 @@ pub fn run(device: &Device, repeats: usize) -> Result<Vec<KernelBenchRecord>, St
         let ob = rand(vec![rows, width]).reshape([rows, width]);
         let (la, lb) = (rand(vec![rows]), rand(vec![rows]));
         let args = || (oa.clone(), la.clone(), ob.clone(), lb.clone());
-        let fused = median(device, repeats, || {
-            let (a, b, c, d) = args();
-            let _ = merge_partials(a, b, c, d);
-        })?;
-        let unfused = median(device, repeats, || {
-            let (a, b, c, d) = args();
-            let _ = merge_partials_reference(a, b, c, d);
-        })?;
-        out.push(KernelBenchRecord {
-            op: "online-softmax merge".into(),
-            size: format!("{rows} x {width}"),
-            fused_s: fused,
-            unfused_s: unfused,
-            bytes: 4.0 * (3 * rows * width + 3 * rows) as f64,
-        });
+        out.push(compare(
+            (device, repeats),
+            "online-softmax merge",
+            format!("{rows} x {width}"),
+            4.0 * (3 * rows * width + 3 * rows) as f64,
+            || {
+                let (a, b, c, d) = args();
+                let _ = merge_partials(a, b, c, d);
+            },
+            || {
+                let (a, b, c, d) = args();
+                let _ = merge_partials_reference(a, b, c, d);
+            },
+        )?);
     }
     for n in [1 << 20, 1 << 23] {
         let s = AdamWScalars {
@@ -83,39 +100,37 @@ pub fn run(device: &Device, repeats: usize) -> Result<Vec<KernelBenchRecord>, St
         };
         let (p, g, m, v) = (rand(vec![n]), rand(vec![n]), rand(vec![n]), rand(vec![n]));
         let args = || (p.clone(), g.clone(), m.clone(), v.clone());
-        let fused = median(device, repeats, || {
-            let (a, b, c, d) = args();
-            let _ = adamw_step(a, b, c, d, s);
-        })?;
-        let unfused = median(device, repeats, || {
-            let (a, b, c, d) = args();
-            let _ = adamw_step_reference(a, b, c, d, s);
-        })?;
-        out.push(KernelBenchRecord {
-            op: "AdamW on a flat shard".into(),
-            size: format!("{n} parameters"),
-            fused_s: fused,
-            unfused_s: unfused,
-            bytes: 4.0 * 7.0 * n as f64,
-        });
+        out.push(compare(
+            (device, repeats),
+            "AdamW on a flat shard",
+            format!("{n} parameters"),
+            4.0 * 7.0 * n as f64,
+            || {
+                let (a, b, c, d) = args();
+                let _ = adamw_step(a, b, c, d, s);
+            },
+            || {
+                let (a, b, c, d) = args();
+                let _ = adamw_step_reference(a, b, c, d, s);
+            },
+        )?);
     }
     for (rows, width) in [(2048, 1000), (8192, 4000)] {
         let logits = rand(vec![rows, width]).reshape([rows, width]);
         let targets =
             Tensor::<1>::random([rows], Distribution::Uniform(0.0, width as f64), device).floor();
-        let fused = median(device, repeats, || {
-            let _ = cross_entropy_pieces(logits.clone(), targets.clone());
-        })?;
-        let unfused = median(device, repeats, || {
-            let _ = cross_entropy_pieces_reference(logits.clone(), targets.clone());
-        })?;
-        out.push(KernelBenchRecord {
-            op: "cross-entropy pieces".into(),
-            size: format!("{rows} x {width}"),
-            fused_s: fused,
-            unfused_s: unfused,
-            bytes: 4.0 * (rows * width + 4 * rows) as f64,
-        });
+        out.push(compare(
+            (device, repeats),
+            "cross-entropy pieces",
+            format!("{rows} x {width}"),
+            4.0 * (rows * width + 4 * rows) as f64,
+            || {
+                let _ = cross_entropy_pieces(logits.clone(), targets.clone());
+            },
+            || {
+                let _ = cross_entropy_pieces_reference(logits.clone(), targets.clone());
+            },
+        )?);
     }
     for (tokens, width, k) in [(4096, 256, 2), (16384, 512, 2)] {
         let n = tokens * k;
@@ -127,32 +142,31 @@ pub fn run(device: &Device, repeats: usize) -> Result<Vec<KernelBenchRecord>, St
             .reshape([tokens, k]);
         let weights = rand(vec![n]).reshape([tokens, k]);
         let permuted = permute_rows_reference(x.clone(), order.clone());
-        let fused = median(device, repeats, || {
-            let _ = permute_rows(x.clone(), order.clone());
-        })?;
-        let unfused = median(device, repeats, || {
-            let _ = permute_rows_reference(x.clone(), order.clone());
-        })?;
-        out.push(KernelBenchRecord {
-            op: "MoE permute".into(),
-            size: format!("{tokens} x {width}, top-{k}"),
-            fused_s: fused,
-            unfused_s: unfused,
-            bytes: 4.0 * (2 * n * width + n) as f64,
-        });
-        let fused = median(device, repeats, || {
-            let _ = unpermute_rows(permuted.clone(), positions.clone(), weights.clone());
-        })?;
-        let unfused = median(device, repeats, || {
-            let _ = unpermute_rows_reference(permuted.clone(), positions.clone(), weights.clone());
-        })?;
-        out.push(KernelBenchRecord {
-            op: "MoE un-permute (weighted)".into(),
-            size: format!("{tokens} x {width}, top-{k}"),
-            fused_s: fused,
-            unfused_s: unfused,
-            bytes: 4.0 * (n * width + tokens * width + 2 * n) as f64,
-        });
+        out.push(compare(
+            (device, repeats),
+            "MoE permute",
+            format!("{tokens} x {width}, top-{k}"),
+            4.0 * (2 * n * width + n) as f64,
+            || {
+                let _ = permute_rows(x.clone(), order.clone());
+            },
+            || {
+                let _ = permute_rows_reference(x.clone(), order.clone());
+            },
+        )?);
+        out.push(compare(
+            (device, repeats),
+            "MoE un-permute (weighted)",
+            format!("{tokens} x {width}, top-{k}"),
+            4.0 * (n * width + tokens * width + 2 * n) as f64,
+            || {
+                let _ = unpermute_rows(permuted.clone(), positions.clone(), weights.clone());
+            },
+            || {
+                let _ =
+                    unpermute_rows_reference(permuted.clone(), positions.clone(), weights.clone());
+            },
+        )?);
     }
     Ok(out)
 }

@@ -18,14 +18,14 @@
 //! the masks the first one drew, so gradients equal those without recomputation.
 //!
 //! Block-level recomputation is a custom autodiff op with host code in its backward ([`op`]),
-//! implemented for Flex; the training job refuses it on other devices.
+//! implemented for Flex and, with the `wgpu` / `cuda` features, the CubeCL backend.
 
 mod op;
 
 pub use op::{RecomputeHook, recompute};
 
 use crate::hook::hooks_supported;
-use crate::params::{ParamLayout, accumulate_grads};
+use crate::params::accumulate_grads;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{Tensor, TensorData};
@@ -208,7 +208,7 @@ fn flat_params<M: Module>(module: &M) -> Option<Tensor<1>> {
 
 /// `forward(module, x)`, keeping only `x` for backward and running `forward` again there (see
 /// the [module docs](self)). Falls back to a plain call when nothing needs a gradient or the
-/// device has no recompute op (not Flex with autodiff).
+/// device has no recompute op (not an autodiff device of a backend it is built for).
 pub fn checkpoint<M, const D: usize, const E: usize, F>(
     module: &M,
     x: Tensor<D>,
@@ -225,7 +225,7 @@ where
         return forward(module, x);
     }
     let params = params.unwrap_or_else(|| Tensor::<1>::zeros([0], &device));
-    let numel = ParamLayout::of(module).numel;
+    let numel = params.dims()[0];
     // Shares the parameters' storage: nothing is copied.
     let values = module.clone().map(&mut Detach);
     let y = forward(&values, untracked(x.clone()));

@@ -1,6 +1,6 @@
 //! All-to-all (Ulysses) attention: trade the sequence split for a head split around attention.
 
-use super::blocks::attend_positions;
+use super::blocks::attend_masked;
 use super::comm::{heads_to_sequence, sequence_to_heads};
 use super::layout::SequenceLayout;
 use super::work::WorkCounter;
@@ -19,6 +19,8 @@ pub struct AllToAllAttention {
     pub(super) layout: SequenceLayout,
     /// Every position in the order the first all-to-all lays them out (rank-major).
     pub(super) positions: Vec<usize>,
+    /// The causal mask over `positions` (the layout is fixed: built once, not per call).
+    pub(super) hidden: Vec<bool>,
     pub(super) work: Arc<WorkCounter>,
 }
 
@@ -46,7 +48,7 @@ impl AttentionOp for AllToAllAttention {
         let started = Instant::now();
         let head_offset = ctx.head_offset + group.rank() * heads / n;
         let all = &self.positions;
-        let out = attend_positions(q, k, v, all, all, |p| {
+        let out = attend_masked(q, k, v, self.hidden.clone(), |p| {
             ctx.attention_at(p, layer, head_offset, all, all)
         });
         let t = all.len();

@@ -58,6 +58,15 @@ pub fn merge(a: Partial, b: Partial) -> Partial {
     }
 }
 
+/// The causal mask of queries at `q_positions` over keys at `k_positions`, row-major
+/// `[queries, keys]`: `true` where the key follows the query (hidden).
+pub fn causal_mask(q_positions: &[usize], k_positions: &[usize]) -> Vec<bool> {
+    q_positions
+        .iter()
+        .flat_map(|&qp| k_positions.iter().map(move |&kp| kp > qp))
+        .collect()
+}
+
 /// Causal attention of queries at positions `q_positions` over keys at `k_positions` (any
 /// order; each query must see at least one key), with `dropout` on the probabilities.
 pub fn attend_positions(
@@ -68,13 +77,21 @@ pub fn attend_positions(
     k_positions: &[usize],
     dropout: impl FnOnce(Tensor<4>) -> Tensor<4>,
 ) -> Tensor<4> {
+    attend_masked(q, k, v, causal_mask(q_positions, k_positions), dropout)
+}
+
+/// Attention of `q` over `k`, `v` with the `[queries, keys]` mask `hidden` (from
+/// [`causal_mask`]), with `dropout` on the probabilities.
+pub fn attend_masked(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    hidden: Vec<bool>,
+    dropout: impl FnOnce(Tensor<4>) -> Tensor<4>,
+) -> Tensor<4> {
     let [b, h, tq, hd] = q.dims();
     let tk = k.dims()[2];
     let scores = q.matmul(k.swap_dims(2, 3)).div_scalar((hd as f64).sqrt());
-    let hidden: Vec<bool> = q_positions
-        .iter()
-        .flat_map(|&qp| k_positions.iter().map(move |&kp| kp > qp))
-        .collect();
     let mask = Tensor::<2, Bool>::from_data(TensorData::new(hidden, [tq, tk]), &scores.device())
         .reshape([1, 1, tq, tk])
         .expand([b, h, tq, tk]);

@@ -19,7 +19,7 @@ mod ring;
 mod work;
 
 pub use all_to_all::AllToAllAttention;
-pub use blocks::{Partial, attend_block, attend_positions, merge};
+pub use blocks::{Partial, attend_block, attend_masked, attend_positions, causal_mask, merge};
 pub use comm::{heads_to_sequence, ring_pass, sequence_to_heads};
 pub use layout::{SequenceLayout, Visibility};
 pub use ring::RingAttention;
@@ -102,12 +102,14 @@ impl ContextParallel {
                         group.size()
                     )));
                 }
+                let positions: Vec<usize> = (0..group.size())
+                    .flat_map(|r| layout.positions(r))
+                    .collect();
                 AttentionHook(Arc::new(AllToAllAttention {
                     group: group.clone(),
                     layout,
-                    positions: (0..group.size())
-                        .flat_map(|r| layout.positions(r))
-                        .collect(),
+                    hidden: causal_mask(&positions, &positions),
+                    positions,
                     work: work.clone(),
                 }))
             }
