@@ -444,7 +444,6 @@ impl Strategy {
         model: Transformer,
         grad_group: &Group,
     ) -> Result<Self, RankError> {
-        let batch_group = grad_group;
         let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
         let ddp_config = DataParallelConfig::new()
             .with_bucket_bytes((config.parallel.bucket_mb * (1 << 20) as f64) as usize)
@@ -456,7 +455,7 @@ impl Strategy {
             let experts = ExpertParallel::new(ep, moe.n_experts)?;
             let tp = ctx.group(Axis::Tp);
             let groups = ExpertGroups {
-                batch: batch_group.clone(),
+                batch: grad_group.clone(),
                 replicas: ctx.group(Axis::Dp).clone(),
                 ep: ep.clone(),
                 tp: tp.clone(),
@@ -482,7 +481,7 @@ impl Strategy {
             let schedule = Schedule::build(kind, pp.size(), micro, config.parallel.pp_chunks)
                 .map_err(RankError::from)?;
             let counts = config.pipeline_blocks(model_config, schedule.stages())?;
-            let rows = config.run.global_batch / batch_group.size() / micro;
+            let rows = config.run.global_batch / grad_group.size() / micro;
             let d = model.embed.weight.val().dims()[1];
             let tied = model.head.is_none();
             let order = ParamLayout::of(&model)
@@ -561,20 +560,20 @@ impl Strategy {
             let plan =
                 TensorParallel::new(tp).with_sequence_parallel(config.parallel.sequence_parallel);
             let model = TpTransformer::shard(model, &plan)?;
-            let (model, ddp) = ddp_config.init(model, batch_group)?;
+            let (model, ddp) = ddp_config.init(model, grad_group)?;
             let optim = ModuleAdamW::new(&adamw, &model);
             return Ok(Strategy::Tp(Box::new(model), ddp, optim));
         }
         Ok(match config.parallel.zero {
             0 => {
-                let (model, ddp) = ddp_config.init(model, batch_group)?;
+                let (model, ddp) = ddp_config.init(model, grad_group)?;
                 let optim = ModuleAdamW::new(&adamw, &model);
                 Strategy::Ddp(Box::new(model), ddp, optim)
             }
             1 | 2 => {
                 let mut zero = ZeroConfig::stage(config.parallel.zero as usize, adamw)?;
                 zero.data_parallel = ddp_config;
-                let (model, sharded) = zero.init(model, batch_group)?;
+                let (model, sharded) = zero.init(model, grad_group)?;
                 Strategy::Zero(Box::new(model), sharded)
             }
             _ => {
