@@ -18,6 +18,8 @@ const TOLERANCE: f64 = 1e-5;
 mod activation_checkpointing;
 #[path = "equivalence/context_parallel.rs"]
 mod context_parallel;
+#[path = "equivalence/mixed_precision.rs"]
+mod mixed_precision;
 #[path = "equivalence/moe.rs"]
 mod moe;
 

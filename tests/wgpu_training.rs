@@ -79,3 +79,36 @@ fn context_expert_and_recomputation_on_wgpu_match_flex() {
     let report = flex_and_wgpu_agree(recompute);
     assert!(report.steps.iter().all(|s| s.recomputed_blocks == 2));
 }
+
+#[test]
+fn f16_compute_on_wgpu_tracks_flex_and_bf16_is_refused_where_unsupported() {
+    use flashover_parallel::precision::Precision;
+    // Mesa lavapipe has f16 shaders: the same f16 policy on both backends, within f16's
+    // rounding (the backends sum in different orders), with a fixed loss scale.
+    let mut c = tiny("dp=2,tp=2");
+    c.run.steps = 6;
+    c.precision.param_dtype = Precision::F16;
+    c.precision.loss_scale = "256".into();
+    let flex = train(&c, &|_| {}).unwrap();
+    let mut on_wgpu = c.clone();
+    on_wgpu.run.device = DeviceChoice::Wgpu;
+    let wgpu = train(&on_wgpu, &|_| {}).unwrap();
+    let cmp = compare(&flex, &wgpu, 2e-2);
+    assert!(cmp.max_rel_loss_diff <= 2e-3, "{cmp}");
+    assert!(cmp.max_rel_param_diff <= 2e-2, "{cmp}");
+    // bf16 only where the adapter has it; lavapipe does not: a clear error, not a crash.
+    let device = burn::tensor::Device::wgpu(Default::default());
+    on_wgpu.precision.param_dtype = Precision::BF16;
+    on_wgpu.precision.loss_scale = "auto".into();
+    if device.supports_dtype(burn::tensor::DType::BF16) {
+        let mut flex_bf16 = on_wgpu.clone();
+        flex_bf16.run.device = DeviceChoice::Flex;
+        let flex = train(&flex_bf16, &|_| {}).unwrap();
+        let wgpu = train(&on_wgpu, &|_| {}).unwrap();
+        let cmp = compare(&flex, &wgpu, 5e-2);
+        assert!(cmp.max_rel_loss_diff <= 2e-3, "bf16: {cmp}");
+    } else {
+        let err = train(&on_wgpu, &|_| {}).unwrap_err();
+        assert!(err.contains("does not support bf16 tensors"), "{err}");
+    }
+}

@@ -3,6 +3,7 @@
 use clap::Args;
 use flashover::DeviceChoice;
 use flashover::train::{StepRecord, TrainConfig};
+use flashover_parallel::precision::Precision;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 
@@ -81,6 +82,15 @@ pub struct JobArgs {
     /// With a cp axis: ring or all-to-all attention.
     #[arg(long)]
     cp_attention: Option<String>,
+    /// Compute dtype (mixed precision): f32, bf16 or f16; weights and AdamW state stay f32.
+    #[arg(long)]
+    precision: Option<Precision>,
+    /// Gradient reduction dtype: f32 (default), bf16 or f16.
+    #[arg(long)]
+    reduce_dtype: Option<Precision>,
+    /// Loss scaling: auto (dynamic for f16), none, dynamic, or a fixed factor.
+    #[arg(long)]
+    loss_scale: Option<String>,
     /// With a cp axis: one contiguous chunk per rank instead of a head and a tail chunk.
     #[arg(long)]
     no_cp_load_balance: bool,
@@ -176,6 +186,9 @@ impl JobArgs {
         set(&mut c.parallel.pp_schedule, self.pp_schedule.clone());
         set(&mut c.parallel.pp_chunks, self.pp_chunks);
         set(&mut c.parallel.cp_attention, self.cp_attention.clone());
+        set(&mut c.precision.param_dtype, self.precision);
+        set(&mut c.precision.reduce_dtype, self.reduce_dtype);
+        set(&mut c.precision.loss_scale, self.loss_scale.clone());
         set(
             &mut c.parallel.activation_checkpointing,
             self.activation_checkpointing.clone(),
@@ -352,6 +365,15 @@ pub fn train(args: &JobArgs, outputs: TrainOutputs) -> Result<(), String> {
         config.parallel.mesh,
         config.run.device
     );
+    let precision = &config.precision;
+    if precision.policy()?.is_full_precision() {
+        println!("precision: f32");
+    } else {
+        println!(
+            "precision: compute {}, gradient reduction {}, loss scale {}; weights and AdamW state f32",
+            precision.param_dtype, precision.reduce_dtype, precision.loss_scale
+        );
+    }
     let bar = ProgressBar::new(config.run.steps as u64);
     bar.set_style(
         ProgressStyle::with_template(
@@ -373,8 +395,13 @@ pub fn train(args: &JobArgs, outputs: TrainOutputs) -> Result<(), String> {
         // Not a terminal: print a line every tenth of the run instead.
         let every = (config.run.steps / 10).max(1);
         if r.step.is_multiple_of(every) || r.step + 1 == config.run.steps {
+            let scale = match (r.loss_scale, r.skipped) {
+                (Some(s), true) => format!("  loss scale {s} (overflow: step skipped)"),
+                (Some(s), false) => format!("  loss scale {s}"),
+                (None, _) => String::new(),
+            };
             println!(
-                "step {:>5}  loss {:.4}  lr {:.2e}  grad_norm {:.3}  {:.0} tok/s",
+                "step {:>5}  loss {:.4}  lr {:.2e}  grad_norm {:.3}  {:.0} tok/s{scale}",
                 r.step, r.loss, r.lr, r.grad_norm, r.tokens_per_s
             );
         }

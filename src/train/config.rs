@@ -5,6 +5,7 @@
 use flashover_models::TransformerConfig;
 use flashover_models::moe::{DropPolicy, MoeConfig, RouterKind};
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
+use flashover_parallel::precision::{LossScale, MixedPrecision, Precision};
 use flashover_runtime::{Axis, DeviceChoice, DeviceMesh};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -27,6 +28,66 @@ pub struct TrainConfig {
     pub checkpoint: CheckpointSection,
     /// Mixture of experts in place of the dense feed-forward.
     pub moe: MoeSection,
+    /// Mixed precision: compute dtype, gradient reduction dtype, loss scaling.
+    pub precision: PrecisionSection,
+}
+
+/// `[precision]`: what forward and backward compute in (parameters and AdamW state stay f32),
+/// what gradients are reduced in, and loss scaling (see `docs/mixed_precision.md`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PrecisionSection {
+    /// Compute dtype: `f32`, `bf16` or `f16`.
+    pub param_dtype: Precision,
+    /// Gradient reduction dtype: `f32` (the default), `bf16` or `f16`.
+    pub reduce_dtype: Precision,
+    /// `auto` (dynamic for f16, none otherwise), `none`, `dynamic`, or a fixed factor.
+    pub loss_scale: String,
+    /// The first dynamic loss scale.
+    pub initial_loss_scale: f64,
+    /// Overflow-free steps before a dynamic loss scale doubles.
+    pub loss_scale_growth_interval: usize,
+}
+
+impl Default for PrecisionSection {
+    fn default() -> Self {
+        PrecisionSection {
+            param_dtype: Precision::F32,
+            reduce_dtype: Precision::F32,
+            loss_scale: "auto".into(),
+            initial_loss_scale: 65536.0,
+            loss_scale_growth_interval: 2000,
+        }
+    }
+}
+
+impl PrecisionSection {
+    /// The policy these settings describe.
+    pub fn policy(&self) -> Result<MixedPrecision, String> {
+        let mut policy = MixedPrecision::new(self.param_dtype);
+        policy.reduce_dtype = self.reduce_dtype;
+        let dynamic = LossScale::Dynamic {
+            initial: self.initial_loss_scale as f32,
+            growth_interval: self.loss_scale_growth_interval,
+        };
+        policy.loss_scale = match self.loss_scale.as_str() {
+            "auto" if self.param_dtype == Precision::F16 => dynamic,
+            "auto" | "none" => LossScale::None,
+            "dynamic" => dynamic,
+            fixed => match fixed.parse::<f32>() {
+                Ok(s) => LossScale::Static(s),
+                Err(_) => {
+                    return Err(format!(
+                        "precision.loss_scale = `{fixed}`: expected auto, none, dynamic or a number"
+                    ));
+                }
+            },
+        };
+        policy
+            .check(&burn::tensor::Device::flex())
+            .map_err(|e| format!("precision: {e}"))?;
+        Ok(policy)
+    }
 }
 
 /// `[moe]`: a mixture-of-experts feed-forward in every block (see `docs/expert_parallel.md`).
@@ -483,6 +544,7 @@ impl TrainConfig {
                 errors.extend(self.moe_errors(&mesh));
                 errors.extend(self.cp_errors(&mesh));
                 errors.extend(self.recompute_errors());
+                errors.extend(self.precision_errors(&mesh));
                 let pp = mesh.degree(Axis::Pp);
                 if pp > 1 {
                     if self.parallel.zero > 0 || mesh.degree(Axis::Fsdp) > 1 {
@@ -618,6 +680,42 @@ impl TrainConfig {
             errors.push("run.steps must be at least 1".into());
         }
         errors
+    }
+
+    /// What is wrong with `[precision]`: unparsable settings, and reduced precision with the
+    /// strategies it does not compose with yet.
+    fn precision_errors(&self, mesh: &DeviceMesh) -> Vec<String> {
+        let policy = match self.precision.policy() {
+            Ok(p) => p,
+            Err(e) => return vec![e],
+        };
+        if policy.is_full_precision() {
+            return vec![];
+        }
+        let mut unsupported = vec![];
+        for axis in [Axis::Pp, Axis::Cp, Axis::Ep] {
+            if mesh.degree(axis) > 1 {
+                unsupported.push(format!("{axis}={}", mesh.degree(axis)));
+            }
+        }
+        if self.parallel.zero == 3 {
+            unsupported.push("ZeRO-3".into());
+        }
+        if self.moe.experts > 0 {
+            unsupported.push("mixture of experts".into());
+        }
+        if self.parallel.activation_checkpointing != "none" {
+            unsupported.push("activation checkpointing".into());
+        }
+        if unsupported.is_empty() {
+            return vec![];
+        }
+        vec![format!(
+            "precision (param_dtype {}, reduce_dtype {}) composes with dp, tp (and sequence parallelism) and ZeRO-1/2 so far, not with {}: use f32 for this layout",
+            self.precision.param_dtype,
+            self.precision.reduce_dtype,
+            unsupported.join(", ")
+        )]
     }
 
     /// What is wrong with a `cp` axis in `mesh`: sequence lengths that do not cut evenly, heads

@@ -76,6 +76,12 @@ pub struct StepRecord {
     /// Mixture of experts: routing over the global batch (absent for dense models).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub moe: Option<MoeRecord>,
+    /// Loss scaling: the scale this step's losses were multiplied by (absent without).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f32>,
+    /// Whether the optimizer step was skipped because a scaled gradient overflowed.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
 }
 
 /// One step's expert routing over the global batch and every micro-batch.

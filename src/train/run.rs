@@ -28,6 +28,7 @@ use flashover_parallel::pipeline::{
     Action, ActionKind, PipelineExecutor, Schedule, ScheduleKind, WeightGradStore,
     deferral_supported,
 };
+use flashover_parallel::precision::{LossScaler, MixedPrecision};
 use flashover_parallel::tensor_parallel::{TensorParallel, VocabShard};
 use flashover_parallel::zero::ShardLayout;
 use flashover_parallel::zero::{
@@ -393,6 +394,10 @@ struct StepOutcome {
     moe: Option<MoeRecord>,
     /// Mixture of experts: this rank's time in all-to-alls.
     a2a: Duration,
+    /// Loss scaling: the scale of this step (none without scaling).
+    loss_scale: Option<f32>,
+    /// The optimizer step was skipped (a scaled gradient overflowed).
+    skipped: bool,
 }
 
 /// A pipeline rank's chunks, schedule, optimizer and how to name its parameters.
@@ -432,6 +437,8 @@ impl StepOutcome {
             pipeline: Duration::ZERO,
             moe: None,
             a2a: Duration::ZERO,
+            loss_scale: None,
+            skipped: false,
         }
     }
 }
@@ -448,7 +455,8 @@ impl Strategy {
         let ddp_config = DataParallelConfig::new()
             .with_bucket_bytes((config.parallel.bucket_mb * (1 << 20) as f64) as usize)
             .with_overlap(config.parallel.overlap)
-            .with_average(config.parallel.gradient_reduction == "mean");
+            .with_average(config.parallel.gradient_reduction == "mean")
+            .with_reduce_dtype(config.precision.reduce_dtype);
         if let Some(moe) = &model_config.moe {
             // Replicas start equal: the seeded initialisation is the same on every rank.
             let ep = ctx.group(Axis::Ep);
@@ -605,6 +613,7 @@ impl Strategy {
         batches: &mut dyn FnMut(usize) -> (Tensor<2, Int>, Tensor<2, Int>, ForwardContext),
         micro_batches: usize,
         lr: f64,
+        precision: &mut Precisions,
     ) -> Result<(Self, StepOutcome), RankError> {
         let mut loss_sum = 0.0f64;
         let mut add_loss = |loss: &Tensor<1>| loss_sum += loss.clone().into_scalar::<f32>() as f64;
@@ -613,12 +622,22 @@ impl Strategy {
         };
         match self {
             Strategy::Ddp(model, mut ddp, mut optim) => {
-                let loss_sum =
-                    run_micro_batches(&mut ddp, &*model, batches, micro_batches, transformer_loss)?;
+                ddp.set_loss_scale(precision.scaler.scale());
+                let loss_sum = run_micro_batches(
+                    &mut ddp,
+                    &*model,
+                    batches,
+                    micro_batches,
+                    precision,
+                    transformer_loss,
+                )?;
                 let reduced = ddp.finish(&*model, clip)?;
                 let memory = replicated_memory(&ddp);
-                let model = Box::new(optim.step(lr, *model, &reduced.grads)?);
-                let outcome = StepOutcome::reduced(loss_sum, &reduced.report, memory);
+                let mut outcome = StepOutcome::reduced(loss_sum, &reduced.report, memory);
+                let model = match precision.apply(&mut outcome) {
+                    true => Box::new(optim.step(lr, *model, &reduced.grads)?),
+                    false => model,
+                };
                 Ok((Strategy::Ddp(model, ddp, optim), outcome))
             }
             Strategy::Pp(mut state) => {
@@ -648,8 +667,15 @@ impl Strategy {
                 let tp_loss = |m: &TpTransformer, inputs, targets, fwd: &ForwardContext| {
                     m.forward_loss(inputs, targets, fwd)
                 };
-                let loss_sum =
-                    run_micro_batches(&mut ddp, &*model, batches, micro_batches, tp_loss)?;
+                ddp.set_loss_scale(precision.scaler.scale());
+                let loss_sum = run_micro_batches(
+                    &mut ddp,
+                    &*model,
+                    batches,
+                    micro_batches,
+                    precision,
+                    tp_loss,
+                )?;
                 // The norm spans every tp rank's split weights; norms count once.
                 let reduced = ddp.finish(&*model, None)?;
                 let tp = ctx.group(Axis::Tp);
@@ -661,21 +687,30 @@ impl Strategy {
                     TpTransformer::is_replicated,
                 )?;
                 let memory = replicated_memory(&ddp);
-                let model = Box::new(optim.step(lr, *model, &grads)?);
                 let mut outcome = StepOutcome::reduced(loss_sum, &reduced.report, memory);
                 outcome.grad_norm = grad_norm;
+                let model = match precision.apply(&mut outcome) {
+                    true => Box::new(optim.step(lr, *model, &grads)?),
+                    false => model,
+                };
                 Ok((Strategy::Tp(model, ddp, optim), outcome))
             }
             Strategy::Zero(model, mut zero) => {
+                zero.data_parallel_mut()
+                    .set_loss_scale(precision.scaler.scale());
                 let loss_sum = run_micro_batches(
                     &mut zero,
                     &*model,
                     batches,
                     micro_batches,
+                    precision,
                     transformer_loss,
                 )?;
-                let (model, report) = zero.step(lr, *model, clip)?;
-                let outcome = StepOutcome::reduced(loss_sum, &report, zero.memory());
+                let report = zero.reduce(clip)?;
+                let mut outcome = StepOutcome::reduced(loss_sum, &report, Default::default());
+                let update = precision.apply(&mut outcome);
+                let model = zero.apply(lr, *model, update)?;
+                outcome.memory = zero.memory();
                 Ok((Strategy::Zero(Box::new(model), zero), outcome))
             }
             Strategy::Fsdp(model, mut optim, units) => {
@@ -713,6 +748,8 @@ impl Strategy {
                     },
                     moe: None,
                     a2a: Duration::ZERO,
+                    loss_scale: None,
+                    skipped: false,
                 };
                 Ok((Strategy::Fsdp(Box::new(model), optim, units), outcome))
             }
@@ -1000,13 +1037,26 @@ fn train_rank(
         None => model_config.init(config.run.seed, &device),
     };
     let mut strategy = Strategy::new(ctx, config, model_config, model, &grad_group)?;
+    let policy = config.precision.policy()?;
+    policy.check(&device)?;
+    let mut precision = Precisions {
+        scaler: policy.scaler(),
+        policy,
+    };
     let clip = config.optim.clip.filter(|&c| c > 0.0);
     let tokens_per_step = (config.run.global_batch * config.data.seq_len) as f64;
     let mut records = vec![];
     let world = ctx.world();
     let mut trace = Trace::new(origin);
     let first_step = match &config.checkpoint.resume {
-        Some(path) => resume(ctx, config, &mut strategy, &grad_group, path)?,
+        Some(path) => resume(
+            ctx,
+            config,
+            &mut strategy,
+            &mut precision.scaler,
+            &grad_group,
+            path,
+        )?,
         None => 0,
     };
     if let Some(path) = &config.checkpoint.init_from {
@@ -1030,7 +1080,11 @@ fn train_rank(
         )),
         _ => None,
     };
-    let save = |saver: &mut Saver, strategy: &Strategy, done: usize| -> Result<(), RankError> {
+    let save = |saver: &mut Saver,
+                strategy: &Strategy,
+                scaler: &LossScaler,
+                done: usize|
+     -> Result<(), RankError> {
         let (state, param_replicas, moment_replicas) = strategy.local_state(ctx, &grad_group);
         let pieces = state.pieces_for(param_replicas, moment_replicas);
         let run = serde_json::json!({
@@ -1041,6 +1095,7 @@ fn train_rank(
             "zero": config.parallel.zero,
             "config": config,
             "moe_bias": strategy.moe_bias(),
+            "loss_scale": scaler.is_active().then(|| scaler.state()),
         });
         saver
             .save(world, done as u64, run, pieces)
@@ -1054,7 +1109,7 @@ fn train_rank(
     if first_step >= last_step
         && let Some(saver) = saver.as_mut()
     {
-        save(saver, &strategy, first_step)?;
+        save(saver, &strategy, &precision.scaler, first_step)?;
     }
     for step in first_step..last_step {
         let stats_before = ctx.comm_stats();
@@ -1085,8 +1140,14 @@ fn train_rank(
         };
         let attention_before = context.as_ref().map(|cp| cp.work()).unwrap_or_default();
         let recomputed_before = block_recompute.as_ref().map_or(0, |r| r.recomputed());
-        let (next, mut outcome) =
-            strategy.step(ctx, clip, &mut batches, plan.micro_batches(), lr)?;
+        let (next, mut outcome) = strategy.step(
+            ctx,
+            clip,
+            &mut batches,
+            plan.micro_batches(),
+            lr,
+            &mut precision,
+        )?;
         strategy = next;
         if config.run.trace.is_some() {
             trace.record_step(
@@ -1177,6 +1238,8 @@ fn train_rank(
                     a2a_s: per.iter().map(|p| p[13]).fold(0.0, f64::max),
                     ..m
                 }),
+                loss_scale: outcome.loss_scale,
+                skipped: outcome.skipped,
             };
             emit(&record);
             records.push(record);
@@ -1185,7 +1248,7 @@ fn train_rank(
         if let Some(saver) = saver.as_mut()
             && (done.is_multiple_of(config.checkpoint.save_every) || done == last_step)
         {
-            save(saver, &strategy, done)?;
+            save(saver, &strategy, &precision.scaler, done)?;
         }
     }
     if let Some(saver) = saver.as_mut() {
@@ -1208,6 +1271,7 @@ fn resume(
     ctx: &RankContext,
     config: &TrainConfig,
     strategy: &mut Strategy,
+    scaler: &mut LossScaler,
     grad_group: &Group,
     path: &std::path::Path,
 ) -> Result<usize, RankError> {
@@ -1240,6 +1304,15 @@ fn resume(
             .map_err(|e| RankError::from(format!("{}: run.moe_bias: {e}", ckpt.dir().display())))?;
         strategy.set_moe_bias(&bias)?;
     }
+    // A run saved without loss scaling resumes at the policy's initial scale.
+    if let Some(state) = run.get("loss_scale").filter(|v| !v.is_null()) {
+        let state: (f32, usize) = serde_json::from_value(state.clone()).map_err(|e| {
+            RankError::from(format!("{}: run.loss_scale: {e}", ckpt.dir().display()))
+        })?;
+        if scaler.is_active() {
+            scaler.restore(state);
+        }
+    }
     Ok(step)
 }
 
@@ -1255,6 +1328,27 @@ fn replicated_memory(ddp: &DataParallel) -> MemoryReport {
     }
 }
 
+/// A job's precision policy and its running loss scale (equal on every rank).
+struct Precisions {
+    policy: MixedPrecision,
+    scaler: LossScaler,
+}
+
+impl Precisions {
+    /// After a step's gradients were reduced: records the loss scale and whether the step is
+    /// skipped (a scaled gradient overflowed: the global norm is not finite, the same on
+    /// every rank); returns whether to apply it.
+    fn apply(&mut self, outcome: &mut StepOutcome) -> bool {
+        if !self.scaler.is_active() {
+            return true;
+        }
+        outcome.loss_scale = Some(self.scaler.scale());
+        let apply = self.scaler.update(outcome.grad_norm.is_finite());
+        outcome.skipped = !apply;
+        apply
+    }
+}
+
 /// Every micro-batch of a step under a replicated strategy (DDP, ZeRO-1/2, TP + DDP): forward
 /// through `loss`, backward, gradients handed over. Returns the sum of the micro-batch losses.
 fn run_micro_batches<S, M, L>(
@@ -1262,6 +1356,7 @@ fn run_micro_batches<S, M, L>(
     model: &M,
     batches: &mut dyn FnMut(usize) -> (Tensor<2, Int>, Tensor<2, Int>, ForwardContext),
     micro_batches: usize,
+    precision: &Precisions,
     loss: L,
 ) -> Result<f64, RankError>
 where
@@ -1273,8 +1368,12 @@ where
     let mut loss_sum = 0.0;
     for micro in 0..micro_batches {
         let (inputs, targets, fwd) = batches(micro);
-        let l = loss(&sync.prepare(model), inputs, targets, &fwd);
+        // Under a reduced-precision policy the forward runs on a cast view of the f32
+        // parameters; backward brings their gradients back in f32.
+        let compute = precision.policy.compute_view(sync.prepare(model));
+        let l = loss(&compute, inputs, targets, &fwd);
         loss_sum += l.clone().into_scalar::<f32>() as f64;
+        let l = precision.scaler.scale_loss(l);
         let grads = GradientsParams::from_grads(l.backward(), model);
         sync.backward_done(model, grads)?;
     }
@@ -1395,6 +1494,8 @@ fn moe_step<M: Module + MoeBlocks>(
             a2a_s: 0.0,
         }),
         a2a: a2a.wait + a2a.transfer,
+        loss_scale: None,
+        skipped: false,
     })
 }
 
@@ -1532,6 +1633,8 @@ fn pipeline_step(
         },
         moe: None,
         a2a: Duration::ZERO,
+        loss_scale: None,
+        skipped: false,
     })
 }
 

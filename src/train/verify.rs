@@ -227,6 +227,8 @@ mod tests {
                     step_time_s: 1.0,
                     ranks: vec![],
                     moe: None,
+                    loss_scale: None,
+                    skipped: false,
                 })
                 .collect(),
             params: vec![("w".into(), param)],

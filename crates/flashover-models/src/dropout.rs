@@ -215,7 +215,8 @@ impl Dropout {
         let mask = Tensor::<D>::from_data(
             TensorData::new(mask, Shape::from(dims.to_vec())),
             &x.device(),
-        );
+        )
+        .cast(x.dtype());
         x * mask
     }
 }

@@ -4,6 +4,7 @@ use crate::dropout::{ForwardContext, Site};
 use crate::moe::Moe;
 use burn::module::Module;
 use burn::nn::{Linear, RmsNorm};
+use burn::tensor::FloatDType;
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::{Bool, Device, Tensor, TensorData};
 
@@ -56,8 +57,18 @@ fn apply_rope(x: Tensor<4>, cos: &Tensor<2>, sin: &Tensor<2>) -> Tensor<4> {
     let half = d / 2;
     let x1 = x.clone().narrow(3, 0, half);
     let x2 = x.narrow(3, half, half);
-    let cos = cos.clone().reshape([1, 1, t, half]).expand([b, h, t, half]);
-    let sin = sin.clone().reshape([1, 1, t, half]).expand([b, h, t, half]);
+    // The tables are built in f32; under a reduced-precision policy they follow `x`.
+    let dtype = x1.dtype();
+    let cos = cos
+        .clone()
+        .cast(dtype)
+        .reshape([1, 1, t, half])
+        .expand([b, h, t, half]);
+    let sin = sin
+        .clone()
+        .cast(dtype)
+        .reshape([1, 1, t, half])
+        .expand([b, h, t, half]);
     let r1 = x1.clone() * cos.clone() - x2.clone() * sin.clone();
     let r2 = x1 * sin + x2 * cos;
     Tensor::cat(vec![r1, r2], 3)
@@ -112,7 +123,12 @@ impl Attention {
         let mask = Tensor::<2, Bool>::tril_mask([t, t], 0, &scores.device())
             .reshape([1, 1, t, t])
             .expand([b, h, t, t]);
-        let probs = ctx.attention(softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 3), layer);
+        // The softmax runs in f32 under reduced precision (as Megatron's fp32 softmax option).
+        let dtype = scores.dtype();
+        let scores = scores
+            .cast(FloatDType::F32)
+            .mask_fill(mask, f32::NEG_INFINITY);
+        let probs = ctx.attention(softmax(scores, 3).cast(dtype), layer);
         let out = probs.matmul(v).swap_dims(1, 2).reshape([b, t, h * hd]);
         ctx.linear(&self.wo, out)
     }

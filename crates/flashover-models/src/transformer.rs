@@ -243,8 +243,11 @@ impl Transformer {
 }
 
 /// Mean next-token cross-entropy (nats): `logits: [batch, seq, vocab]`, `targets: [batch, seq]`.
+/// Computed in f32 whatever the logits' dtype (a reduced-precision softmax over a large
+/// vocabulary loses the loss's low digits).
 pub fn next_token_loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
     let [b, t, v] = logits.dims();
+    let logits = logits.cast(burn::tensor::FloatDType::F32);
     let logp = log_softmax(logits.reshape([b * t, v]), 1);
     let picked = logp.gather(1, targets.reshape([b * t, 1]));
     picked.mean().neg()

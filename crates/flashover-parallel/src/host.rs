@@ -19,11 +19,18 @@ pub(crate) fn write<B: Backend>(data: TensorData, device: &B::Device) -> FloatTe
     B::float_from_data(data, device)
 }
 
-/// `f` applied to `x`'s values, on `x`'s device.
+/// `f` applied to `x`'s values, on `x`'s device, in `x`'s dtype (host functions may work in
+/// f32 on a bf16 or f16 tensor: the result is cast back).
 pub(crate) fn map<B: Backend>(
     x: FloatTensor<B>,
     f: impl FnOnce(TensorData) -> TensorData,
 ) -> FloatTensor<B> {
-    let device = x.device();
-    write::<B>(f(read::<B>(x)), &device)
+    let (device, dtype) = (x.device(), x.dtype());
+    let out = f(read::<B>(x));
+    let out = if out.dtype() == dtype {
+        out
+    } else {
+        out.convert_dtype(dtype)
+    };
+    write::<B>(out, &device)
 }

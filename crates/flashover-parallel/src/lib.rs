@@ -20,6 +20,8 @@
 //!   attention.
 //! - [`expert_parallel`]: mixture-of-experts layers with experts split over `ep`, tokens sent
 //!   to them by all-to-all.
+//! - [`precision`]: mixed precision: compute in bf16 or f16 on f32 master weights, gradient
+//!   reduction dtype, loss scaling.
 //! - [`FlatAdamW`]: AdamW on a flat slice, matching Burn's AdamW, for sharded optimizers.
 #![warn(missing_docs)]
 
@@ -34,6 +36,7 @@ mod hook;
 mod host;
 pub mod params;
 pub mod pipeline;
+pub mod precision;
 pub mod tensor_parallel;
 pub mod zero;
 

@@ -44,6 +44,7 @@ use crate::error::ParallelError;
 use crate::grad_clip::{clip_global_norm, clip_global_norm_parts};
 use crate::hook::{grad_hook, hooks_supported};
 use crate::params::{ParamLayout, accumulate_grads, broadcast_module, grads_from_parts};
+use crate::precision::Precision;
 use crate::zero::ShardMap;
 use burn::config::Config;
 use burn::module::{Module, ModuleMapper, Param};
@@ -69,6 +70,10 @@ pub struct DataParallelConfig {
     /// (the usual case). `false` sums them, for losses that are sums over samples.
     #[config(default = true)]
     pub average: bool,
+    /// The dtype gradient buckets are summed in: f32, or bf16/f16 at half the bytes (the
+    /// buckets are rounded before the collective and widened after it).
+    #[config(default = "Precision::F32")]
+    pub reduce_dtype: Precision,
 }
 
 impl DataParallelConfig {
@@ -100,7 +105,14 @@ impl DataParallelConfig {
         let numels: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
         let reverse_layout: Vec<usize> = (0..numels.len()).rev().collect();
         let bucket_elems = self.bucket_bytes / 4;
-        let reducer = Reducer::new(group.clone(), &numels, &reverse_layout, bucket_elems, mode);
+        let reducer = Reducer::new(
+            group.clone(),
+            &numels,
+            &reverse_layout,
+            bucket_elems,
+            mode,
+            self.reduce_dtype,
+        );
         let device_ok = model_device(&model).is_some_and(|d| hooks_supported(&d));
         Ok((
             model,
@@ -111,6 +123,8 @@ impl DataParallelConfig {
                 reducer,
                 hooks: self.overlap && device_ok,
                 average: self.average,
+                reduce_dtype: self.reduce_dtype,
+                loss_scale: 1.0,
                 micro_batches: 0,
                 micro: 0,
                 backward_end: None,
@@ -193,6 +207,10 @@ pub struct DataParallel {
     shard: Vec<f32>,
     hooks: bool,
     average: bool,
+    reduce_dtype: Precision,
+    /// The factor the losses were multiplied by before backward (loss scaling); divided out
+    /// with the average.
+    loss_scale: f32,
     micro_batches: usize,
     micro: usize,
     backward_end: Option<Instant>,
@@ -394,7 +412,14 @@ impl DataParallel {
         let numels: Vec<usize> = self.layout.slots.iter().map(|s| s.numel).collect();
         let mode = self.reducer.mode();
         self.peak_elsewhere = self.peak_elsewhere.max(self.reducer.held_bytes().1);
-        self.reducer = Reducer::new(self.group.clone(), &numels, &order, self.bucket_elems, mode);
+        self.reducer = Reducer::new(
+            self.group.clone(),
+            &numels,
+            &order,
+            self.bucket_elems,
+            mode,
+            self.reduce_dtype,
+        );
         Ok(())
     }
 
@@ -405,13 +430,21 @@ impl DataParallel {
         );
     }
 
-    /// What gradient sums are divided by: ranks x micro-batches when averaging.
+    /// Sets the factor this step's losses are multiplied by before backward (loss scaling);
+    /// the reduced gradients are divided by it. 1 by default.
+    pub fn set_loss_scale(&mut self, scale: f32) {
+        self.loss_scale = scale;
+    }
+
+    /// What gradient sums are divided by: ranks x micro-batches when averaging, times the
+    /// loss scale.
     fn denominator(&self) -> f32 {
-        if self.average {
+        let ranks = if self.average {
             (self.group.size() * self.micro_batches) as f32
         } else {
             1.0
-        }
+        };
+        ranks * self.loss_scale
     }
 
     fn report(&self, t0: Instant, spans: reducer::Spans, grad_norm: f32) -> ReduceReport {

@@ -21,7 +21,9 @@
 //! can report measured memory rather than formulas.
 
 use crate::hook::GradCallback;
-use flashover_comm::{CommError, CommunicatorExt, Group, ReduceOp};
+use crate::precision::Precision;
+use burn::tensor::{bf16, f16};
+use flashover_comm::{CommError, CommunicatorExt, Element, Group, ReduceOp};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -98,6 +100,8 @@ struct State {
 struct Shared {
     group: Group,
     mode: Mode,
+    /// The dtype buckets travel and are summed in (f32, or rounded to bf16/f16).
+    wire: Precision,
     /// Per bucket: its chunk length (`ceil(len / size)`) and the chunk's offset in the shard.
     chunks: Vec<usize>,
     chunk_offsets: Vec<usize>,
@@ -208,6 +212,7 @@ impl Reducer {
         order: &[usize],
         bucket_elems: usize,
         mode: Mode,
+        wire: Precision,
     ) -> Self {
         let (buckets, location) = plan_buckets(numels, order, bucket_elems);
         let size = group.size();
@@ -230,6 +235,7 @@ impl Reducer {
         let shared = Arc::new(Shared {
             group,
             mode,
+            wire,
             chunk_offsets,
             shard: Mutex::new(vec![]),
             held: Mutex::new((0, 0)),
@@ -486,14 +492,14 @@ fn worker_loop(shared: &Shared) {
 fn reduce_bucket(shared: &Shared, b: usize) -> Result<(), CommError> {
     let mut data = lock(&shared.data[b]);
     match shared.mode {
-        Mode::AllReduce | Mode::AllReduceShard => shared.group.all_reduce(&mut data, ReduceOp::Sum),
+        Mode::AllReduce | Mode::AllReduceShard => {
+            all_reduce_in(&shared.group, &mut data, shared.wire)
+        }
         Mode::ReduceScatter => {
             let full = std::mem::take(&mut *data);
             drop(data);
             let mut chunk = vec![0.0f32; shared.chunks[b]];
-            shared
-                .group
-                .reduce_scatter(&full, &mut chunk, ReduceOp::Sum)?;
+            reduce_scatter_in(&shared.group, &full, &mut chunk, shared.wire)?;
             shared.release(full.len() * 4);
             drop(full);
             lock(&shared.state).buffers -= 1;
@@ -509,6 +515,54 @@ fn reduce_bucket(shared: &Shared, b: usize) -> Result<(), CommError> {
             }
             Ok(())
         }
+    }
+}
+
+/// Sums `data` over `group` in `wire` precision: f32 as it is; bf16 or f16 rounded first,
+/// summed at half the bytes, and widened back.
+fn all_reduce_in(group: &Group, data: &mut [f32], wire: Precision) -> Result<(), CommError> {
+    fn narrowed<T: Element>(
+        group: &Group,
+        data: &mut [f32],
+        to: fn(f32) -> T,
+        from: fn(T) -> f32,
+    ) -> Result<(), CommError> {
+        let mut wire: Vec<T> = data.iter().map(|&x| to(x)).collect();
+        group.all_reduce(&mut wire, ReduceOp::Sum)?;
+        data.iter_mut().zip(wire).for_each(|(d, w)| *d = from(w));
+        Ok(())
+    }
+    match wire {
+        Precision::F32 => group.all_reduce(data, ReduceOp::Sum),
+        Precision::BF16 => narrowed(group, data, bf16::from_f32, bf16::to_f32),
+        Precision::F16 => narrowed(group, data, f16::from_f32, f16::to_f32),
+    }
+}
+
+/// [`all_reduce_in`] for a reduce-scatter of `full` into `chunk`.
+fn reduce_scatter_in(
+    group: &Group,
+    full: &[f32],
+    chunk: &mut [f32],
+    wire: Precision,
+) -> Result<(), CommError> {
+    fn narrowed<T: Element + Default>(
+        group: &Group,
+        full: &[f32],
+        chunk: &mut [f32],
+        to: fn(f32) -> T,
+        from: fn(T) -> f32,
+    ) -> Result<(), CommError> {
+        let send: Vec<T> = full.iter().map(|&x| to(x)).collect();
+        let mut recv = vec![T::default(); chunk.len()];
+        group.reduce_scatter(&send, &mut recv, ReduceOp::Sum)?;
+        chunk.iter_mut().zip(recv).for_each(|(d, w)| *d = from(w));
+        Ok(())
+    }
+    match wire {
+        Precision::F32 => group.reduce_scatter(full, chunk, ReduceOp::Sum),
+        Precision::BF16 => narrowed(group, full, chunk, bf16::from_f32, bf16::to_f32),
+        Precision::F16 => narrowed(group, full, chunk, f16::from_f32, f16::to_f32),
     }
 }
 

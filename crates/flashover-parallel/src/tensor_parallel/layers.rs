@@ -13,7 +13,7 @@ use crate::error::ParallelError;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear};
 use burn::tensor::module::{embedding, linear};
-use burn::tensor::{Bool, Int, Tensor, TensorData};
+use burn::tensor::{Bool, FloatDType, Int, Tensor, TensorData};
 use flashover_comm::{Group, ReduceOp};
 use flashover_runtime::TensorCollectives;
 
@@ -249,6 +249,7 @@ pub fn vocab_parallel_embedding(
     tp: &TensorParallel,
 ) -> Tensor<3> {
     let (local, keep, _) = shard.localize(&tokens);
+    let keep = keep.cast(weight.dtype());
     tp.exit(embedding(weight, local) * keep)
 }
 
@@ -294,7 +295,8 @@ pub fn vocab_parallel_cross_entropy(
     let [b, t, v] = logits.dims();
     let n = b * t;
     let device = logits.device();
-    let mut logits = logits.reshape([n, v]);
+    // In f32 under any precision policy (as Megatron upcasts its vocab-parallel loss).
+    let mut logits = logits.reshape([n, v]).cast(FloatDType::F32);
     let real = shard.vocab.saturating_sub(shard.start).min(v);
     if real < v {
         let pad: Vec<bool> = (0..n)

@@ -169,15 +169,38 @@ impl ShardedDataParallel {
         model: M,
         max_norm: Option<f32>,
     ) -> Result<(M, ReduceReport), ParallelError> {
-        let report = self.ddp.finish_shard(max_norm)?;
-        let model = self.optimizer.step(lr, model, self.ddp.shard_grads())?;
+        let report = self.reduce(max_norm)?;
+        let model = self.apply(lr, model, true)?;
+        Ok((model, report))
+    }
+
+    /// The first half of [`ShardedDataParallel::step`]: waits for this rank's reduced
+    /// gradient shard and clips it; the report's norm says whether it is finite.
+    pub fn reduce(&mut self, max_norm: Option<f32>) -> Result<ReduceReport, ParallelError> {
+        self.ddp.finish_shard(max_norm)
+    }
+
+    /// The second half of [`ShardedDataParallel::step`]: AdamW on this rank's shard and the
+    /// updated parameters gathered, or with `update == false` (a skipped step: a loss-scaled
+    /// gradient overflowed) the model as it is.
+    pub fn apply<M: Module>(
+        &mut self,
+        lr: f64,
+        model: M,
+        update: bool,
+    ) -> Result<M, ParallelError> {
+        let model = if update {
+            self.optimizer.step(lr, model, self.ddp.shard_grads())?
+        } else {
+            model
+        };
         // After the first step the reducer re-plans its buckets in gradient order; the
         // optimizer state follows the new shards.
         let map = self.ddp.shard_map();
         if &map != self.optimizer.shard_map() {
             self.optimizer.reshard(map)?;
         }
-        Ok((model, report))
+        Ok(model)
     }
 
     /// The sharded optimizer (its shard map and state size).
@@ -193,6 +216,11 @@ impl ShardedDataParallel {
     /// The gradient reduction underneath (buckets, overlap).
     pub fn data_parallel(&self) -> &DataParallel {
         &self.ddp
+    }
+
+    /// The gradient reduction underneath, to set its loss scale.
+    pub fn data_parallel_mut(&mut self) -> &mut DataParallel {
+        &mut self.ddp
     }
 
     /// Measured bytes of this step (call after [`ShardedDataParallel::step`]).
