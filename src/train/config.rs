@@ -544,7 +544,7 @@ impl TrainConfig {
                 errors.extend(self.moe_errors(&mesh));
                 errors.extend(self.cp_errors(&mesh));
                 errors.extend(self.recompute_errors());
-                errors.extend(self.precision_errors(&mesh));
+                errors.extend(self.precision_errors());
                 let pp = mesh.degree(Axis::Pp);
                 if pp > 1 {
                     if self.parallel.zero > 0 || mesh.degree(Axis::Fsdp) > 1 {
@@ -682,40 +682,9 @@ impl TrainConfig {
         errors
     }
 
-    /// What is wrong with `[precision]`: unparsable settings, and reduced precision with the
-    /// strategies it does not compose with yet.
-    fn precision_errors(&self, mesh: &DeviceMesh) -> Vec<String> {
-        let policy = match self.precision.policy() {
-            Ok(p) => p,
-            Err(e) => return vec![e],
-        };
-        if policy.is_full_precision() {
-            return vec![];
-        }
-        let mut unsupported = vec![];
-        for axis in [Axis::Pp, Axis::Cp, Axis::Ep] {
-            if mesh.degree(axis) > 1 {
-                unsupported.push(format!("{axis}={}", mesh.degree(axis)));
-            }
-        }
-        if self.parallel.zero == 3 {
-            unsupported.push("ZeRO-3".into());
-        }
-        if self.moe.experts > 0 {
-            unsupported.push("mixture of experts".into());
-        }
-        if self.parallel.activation_checkpointing != "none" {
-            unsupported.push("activation checkpointing".into());
-        }
-        if unsupported.is_empty() {
-            return vec![];
-        }
-        vec![format!(
-            "precision (param_dtype {}, reduce_dtype {}) composes with dp, tp (and sequence parallelism) and ZeRO-1/2 so far, not with {}: use f32 for this layout",
-            self.precision.param_dtype,
-            self.precision.reduce_dtype,
-            unsupported.join(", ")
-        )]
+    /// What is wrong with `[precision]` (every strategy composes with any policy).
+    fn precision_errors(&self) -> Vec<String> {
+        self.precision.policy().err().into_iter().collect()
     }
 
     /// What is wrong with a `cp` axis in `mesh`: sequence lengths that do not cut evenly, heads
@@ -800,6 +769,13 @@ impl TrainConfig {
             errors.push(format!(
                 "parallel.activation_checkpointing names block {b}, but the model has {} (0..{})",
                 t.n_layers, t.n_layers
+            ));
+        }
+        // A recomputed block's forward would record its router's auxiliary losses a second
+        // time, inside backward, and the first forward's would carry no graph.
+        if policy.is_block_level() && self.moe.experts > 0 {
+            errors.push(format!(
+                "parallel.activation_checkpointing = {policy} recomputes whole blocks, which does not compose with mixture-of-experts blocks yet (their auxiliary losses): use selective or none"
             ));
         }
         errors

@@ -274,6 +274,39 @@ struct MoeState<M> {
     replicate_hot: usize,
 }
 
+/// A model a training step takes the next-token loss of (the whole model, or this rank's
+/// tensor-parallel part of it).
+trait NextTokenLoss: Module {
+    fn loss(
+        &self,
+        inputs: Tensor<2, Int>,
+        targets: Tensor<2, Int>,
+        fwd: &ForwardContext,
+    ) -> Tensor<1>;
+}
+
+impl NextTokenLoss for Transformer {
+    fn loss(
+        &self,
+        inputs: Tensor<2, Int>,
+        targets: Tensor<2, Int>,
+        fwd: &ForwardContext,
+    ) -> Tensor<1> {
+        next_token_loss(self.forward_with(inputs, fwd), targets)
+    }
+}
+
+impl NextTokenLoss for TpTransformer {
+    fn loss(
+        &self,
+        inputs: Tensor<2, Int>,
+        targets: Tensor<2, Int>,
+        fwd: &ForwardContext,
+    ) -> Tensor<1> {
+        self.forward_loss(inputs, targets, fwd)
+    }
+}
+
 /// A model whose blocks an expert-parallel step reaches between steps (routing biases).
 trait MoeBlocks {
     fn moe_blocks(&self) -> &[Block];
@@ -476,10 +509,16 @@ impl Strategy {
                 let split = |name: &str| !TpTransformer::is_replicated(name);
                 let mut state = MoeState::new(model, experts, groups, split, average, &adamw, d);
                 state.replicate_hot = hot;
+                state
+                    .gradients
+                    .set_reduce_dtype(config.precision.reduce_dtype);
                 return Ok(Strategy::TpMoe(Box::new(state)));
             }
             let mut state = MoeState::new(model, experts, groups, |_| false, average, &adamw, d);
             state.replicate_hot = hot;
+            state
+                .gradients
+                .set_reduce_dtype(config.precision.reduce_dtype);
             return Ok(Strategy::Moe(Box::new(state)));
         }
         let pp = ctx.group(Axis::Pp);
@@ -591,15 +630,20 @@ impl Strategy {
                 let replicas = ctx.group(Axis::Dp);
                 // Replicas must start equal: rank 0 of each shard group broadcasts within its
                 // group, and those ranks hold the same seeded initialisation.
-                let units = ShardGroup::new(shard_group);
+                let units = ShardGroup::with_precision(
+                    shard_group,
+                    config.precision.param_dtype,
+                    config.precision.reduce_dtype,
+                );
                 let model = ShardedTransformer::new(model, &fsdp, &units)?;
-                let optim = FullyShardedOptimizer::new(
+                let mut optim = FullyShardedOptimizer::new(
                     &model,
                     shard_group,
                     (replicas.size() > 1).then_some(replicas),
                     &adamw,
                     config.parallel.gradient_reduction == "mean",
                 );
+                optim.set_reduce_dtype(config.precision.reduce_dtype);
                 Strategy::Fsdp(Box::new(model), optim, units)
             }
         })
@@ -617,20 +661,11 @@ impl Strategy {
     ) -> Result<(Self, StepOutcome), RankError> {
         let mut loss_sum = 0.0f64;
         let mut add_loss = |loss: &Tensor<1>| loss_sum += loss.clone().into_scalar::<f32>() as f64;
-        let transformer_loss = |model: &Transformer, inputs, targets, fwd: &ForwardContext| {
-            next_token_loss(model.forward_with(inputs, fwd), targets)
-        };
         match self {
             Strategy::Ddp(model, mut ddp, mut optim) => {
                 ddp.set_loss_scale(precision.scaler.scale());
-                let loss_sum = run_micro_batches(
-                    &mut ddp,
-                    &*model,
-                    batches,
-                    micro_batches,
-                    precision,
-                    transformer_loss,
-                )?;
+                let loss_sum =
+                    run_micro_batches(&mut ddp, &*model, batches, micro_batches, precision)?;
                 let reduced = ddp.finish(&*model, clip)?;
                 let memory = replicated_memory(&ddp);
                 let mut outcome = StepOutcome::reduced(loss_sum, &reduced.report, memory);
@@ -641,41 +676,24 @@ impl Strategy {
                 Ok((Strategy::Ddp(model, ddp, optim), outcome))
             }
             Strategy::Pp(mut state) => {
-                let outcome = pipeline_step(ctx, &mut state, clip, batches, micro_batches, lr)?;
+                let outcome =
+                    pipeline_step(ctx, &mut state, clip, batches, micro_batches, lr, precision)?;
                 Ok((Strategy::Pp(state), outcome))
             }
             Strategy::Moe(mut state) => {
-                let outcome = moe_step(
-                    ctx,
-                    &mut state,
-                    clip,
-                    batches,
-                    micro_batches,
-                    lr,
-                    transformer_loss,
-                )?;
+                let outcome =
+                    moe_step(ctx, &mut state, clip, batches, micro_batches, lr, precision)?;
                 Ok((Strategy::Moe(state), outcome))
             }
             Strategy::TpMoe(mut state) => {
-                let tp_loss = |m: &TpTransformer, inputs, targets, fwd: &ForwardContext| {
-                    m.forward_loss(inputs, targets, fwd)
-                };
-                let outcome = moe_step(ctx, &mut state, clip, batches, micro_batches, lr, tp_loss)?;
+                let outcome =
+                    moe_step(ctx, &mut state, clip, batches, micro_batches, lr, precision)?;
                 Ok((Strategy::TpMoe(state), outcome))
             }
             Strategy::Tp(model, mut ddp, mut optim) => {
-                let tp_loss = |m: &TpTransformer, inputs, targets, fwd: &ForwardContext| {
-                    m.forward_loss(inputs, targets, fwd)
-                };
                 ddp.set_loss_scale(precision.scaler.scale());
-                let loss_sum = run_micro_batches(
-                    &mut ddp,
-                    &*model,
-                    batches,
-                    micro_batches,
-                    precision,
-                    tp_loss,
-                )?;
+                let loss_sum =
+                    run_micro_batches(&mut ddp, &*model, batches, micro_batches, precision)?;
                 // The norm spans every tp rank's split weights; norms count once.
                 let reduced = ddp.finish(&*model, None)?;
                 let tp = ctx.group(Axis::Tp);
@@ -698,14 +716,8 @@ impl Strategy {
             Strategy::Zero(model, mut zero) => {
                 zero.data_parallel_mut()
                     .set_loss_scale(precision.scaler.scale());
-                let loss_sum = run_micro_batches(
-                    &mut zero,
-                    &*model,
-                    batches,
-                    micro_batches,
-                    precision,
-                    transformer_loss,
-                )?;
+                let loss_sum =
+                    run_micro_batches(&mut zero, &*model, batches, micro_batches, precision)?;
                 let report = zero.reduce(clip)?;
                 let mut outcome = StepOutcome::reduced(loss_sum, &report, Default::default());
                 let update = precision.apply(&mut outcome);
@@ -715,17 +727,22 @@ impl Strategy {
             }
             Strategy::Fsdp(model, mut optim, units) => {
                 units.stats().reset_peak();
+                optim.set_loss_scale(precision.scaler.scale());
                 let before = ctx.comm_stats();
                 let waited_before = units.stats().snapshot().waited;
                 for micro in 0..micro_batches {
                     let (inputs, targets, fwd) = batches(micro);
-                    let loss = next_token_loss(model.forward(inputs, &fwd)?, targets);
+                    let logits = model.forward(inputs, &fwd, precision.policy)?;
+                    let loss = next_token_loss(logits, targets);
                     add_loss(&loss);
+                    let loss = precision.scaler.scale_loss(loss);
                     let grads = GradientsParams::from_grads(loss.backward(), &*model);
                     optim.accumulate(&*model, &grads);
                 }
                 let shard_bytes = ParamLayout::of(&*model).numel * 4;
-                let (model, grad_norm) = optim.step(lr, *model, clip)?;
+                let grad_norm = optim.reduce(clip)?;
+                let (update, loss_scale) = precision.decide(grad_norm);
+                let model = optim.apply(lr, *model, update);
                 // Collectives run on the shard group's thread; the training thread's waits for
                 // them are the exposed part, the rest overlapped compute (prefetches).
                 let comm = ctx.comm_stats().since(&before).total();
@@ -748,8 +765,8 @@ impl Strategy {
                     },
                     moe: None,
                     a2a: Duration::ZERO,
-                    loss_scale: None,
-                    skipped: false,
+                    loss_scale,
+                    skipped: !update,
                 };
                 Ok((Strategy::Fsdp(Box::new(model), optim, units), outcome))
             }
@@ -1339,31 +1356,32 @@ impl Precisions {
     /// skipped (a scaled gradient overflowed: the global norm is not finite, the same on
     /// every rank); returns whether to apply it.
     fn apply(&mut self, outcome: &mut StepOutcome) -> bool {
-        if !self.scaler.is_active() {
-            return true;
-        }
-        outcome.loss_scale = Some(self.scaler.scale());
-        let apply = self.scaler.update(outcome.grad_norm.is_finite());
+        let (apply, scale) = self.decide(outcome.grad_norm);
+        outcome.loss_scale = scale;
         outcome.skipped = !apply;
         apply
+    }
+
+    /// [`Precisions::apply`] from the step's global gradient norm: whether to apply the step,
+    /// and the loss scale it ran with (none without scaling).
+    fn decide(&mut self, grad_norm: f32) -> (bool, Option<f32>) {
+        if !self.scaler.is_active() {
+            return (true, None);
+        }
+        let scale = self.scaler.scale();
+        (self.scaler.update(grad_norm.is_finite()), Some(scale))
     }
 }
 
 /// Every micro-batch of a step under a replicated strategy (DDP, ZeRO-1/2, TP + DDP): forward
 /// through `loss`, backward, gradients handed over. Returns the sum of the micro-batch losses.
-fn run_micro_batches<S, M, L>(
+fn run_micro_batches<S: MicroBatches, M: NextTokenLoss>(
     sync: &mut S,
     model: &M,
     batches: &mut dyn FnMut(usize) -> (Tensor<2, Int>, Tensor<2, Int>, ForwardContext),
     micro_batches: usize,
     precision: &Precisions,
-    loss: L,
-) -> Result<f64, RankError>
-where
-    S: MicroBatches,
-    M: Module,
-    L: Fn(&M, Tensor<2, Int>, Tensor<2, Int>, &ForwardContext) -> Tensor<1>,
-{
+) -> Result<f64, RankError> {
     sync.begin_step(micro_batches);
     let mut loss_sum = 0.0;
     for micro in 0..micro_batches {
@@ -1371,7 +1389,7 @@ where
         // Under a reduced-precision policy the forward runs on a cast view of the f32
         // parameters; backward brings their gradients back in f32.
         let compute = precision.policy.compute_view(sync.prepare(model));
-        let l = loss(&compute, inputs, targets, &fwd);
+        let l = compute.loss(inputs, targets, &fwd);
         loss_sum += l.clone().into_scalar::<f32>() as f64;
         let l = precision.scaler.scale_loss(l);
         let grads = GradientsParams::from_grads(l.backward(), model);
@@ -1383,14 +1401,14 @@ where
 /// One expert-parallel step: every micro-batch's forward (tokens to their experts' ranks and
 /// back) and backward with the auxiliary losses, gradients reduced over the ranks that share
 /// each parameter, AdamW on this rank's parameters; routing statistics over the batch group.
-fn moe_step<M: Module + MoeBlocks>(
+fn moe_step<M: NextTokenLoss + MoeBlocks>(
     ctx: &RankContext,
     state: &mut MoeState<M>,
     clip: Option<f32>,
     batches: &mut dyn FnMut(usize) -> (Tensor<2, Int>, Tensor<2, Int>, ForwardContext),
     micro_batches: usize,
     lr: f64,
-    loss: impl Fn(&M, Tensor<2, Int>, Tensor<2, Int>, &ForwardContext) -> Tensor<1>,
+    precision: &mut Precisions,
 ) -> Result<StepOutcome, RankError> {
     let before = ctx.comm_stats();
     let a2a_before = state.experts.group().stats();
@@ -1403,13 +1421,14 @@ fn moe_step<M: Module + MoeBlocks>(
     for micro in 0..micro_batches {
         let (inputs, targets, mut fwd) = batches(micro);
         fwd.moe = Some(state.hook.clone());
-        let lm = loss(&state.model, inputs, targets, &fwd);
+        let compute = precision.policy.compute_view(state.model.clone());
+        let lm = compute.loss(inputs, targets, &fwd);
         loss_sum += lm.clone().into_scalar::<f32>() as f64;
         let total = match state.hook.take_aux_loss() {
             Some(aux) => lm + aux,
             None => lm,
         };
-        let mut raw = total.backward();
+        let mut raw = precision.scaler.scale_loss(total).backward();
         state.experts.take_replica_grads(&mut raw);
         let g = GradientsParams::from_grads(raw, &state.model);
         accumulate_grads(&state.model, &g, &mut grads, &[]);
@@ -1417,8 +1436,15 @@ fn moe_step<M: Module + MoeBlocks>(
     state
         .experts
         .fold_replica_grads(&state.model, state.model.moe_blocks(), &mut grads)?;
+    if precision.scaler.is_active() {
+        let scale = precision.scaler.scale();
+        grads.iter_mut().for_each(|g| *g /= scale);
+    }
     let grad_norm = state.gradients.reduce(&mut grads, micro_batches, clip)?;
-    state.model = state.optim.step_flat(lr, state.model.clone(), &grads)?;
+    let (update, loss_scale) = precision.decide(grad_norm);
+    if update {
+        state.model = state.optim.step_flat(lr, state.model.clone(), &grads)?;
+    }
     // Routing statistics and traffic over the whole batch group.
     let stats = state.hook.take_stats();
     let remote = state.experts.traffic().take();
@@ -1494,8 +1520,8 @@ fn moe_step<M: Module + MoeBlocks>(
             a2a_s: 0.0,
         }),
         a2a: a2a.wait + a2a.transfer,
-        loss_scale: None,
-        skipped: false,
+        loss_scale,
+        skipped: !update,
     })
 }
 
@@ -1523,12 +1549,16 @@ fn pipeline_step(
     batches: &mut dyn FnMut(usize) -> (Tensor<2, Int>, Tensor<2, Int>, ForwardContext),
     micro_batches: usize,
     lr: f64,
+    precision: &mut Precisions,
 ) -> Result<StepOutcome, RankError> {
     let (pp, dp) = (ctx.group(Axis::Pp), ctx.group(Axis::Dp));
     let before = ctx.comm_stats();
     let data: Vec<_> = (0..micro_batches).map(&mut *batches).collect();
     let device = data[0].0.device();
-    let mut executor = PipelineExecutor::new(&state.schedule, pp)?;
+    let policy = precision.policy;
+    let mut executor = PipelineExecutor::new(&state.schedule, pp)?
+        .with_activation_dtype(policy.param_dtype.float_dtype().into())
+        .with_loss_scale(precision.scaler.scale());
     let mut hook = None;
     if let Some((store, linear)) = &state.deferral {
         executor = executor.deferring_weight_grads(store.clone());
@@ -1541,7 +1571,9 @@ fn pipeline_step(
         |_, stage: &TransformerStage, input, micro| {
             let (tokens, targets, mut fwd) = data[micro].clone();
             fwd.linear = hook.clone();
-            stage.forward(input, tokens, targets, &fwd)
+            policy
+                .compute_view(stage.clone())
+                .forward(input, tokens, targets, &fwd)
         },
     )?;
     // One flat gradient over this rank's chunks, averaged over replicas.
@@ -1604,11 +1636,14 @@ fn pipeline_step(
     let mut sq = [split[0] + replicated];
     pp.all_reduce(&mut sq, ReduceOp::Sum)?;
     let grad_norm = sq[0].sqrt() as f32;
-    if let Some(scale) = clip_scale(grad_norm, clip)? {
-        flat.iter_mut().for_each(|g| *g *= scale);
+    let (update, loss_scale) = precision.decide(grad_norm);
+    if update {
+        if let Some(scale) = clip_scale(grad_norm, clip)? {
+            flat.iter_mut().for_each(|g| *g *= scale);
+        }
+        let chunks = std::mem::take(&mut state.chunks);
+        state.chunks = state.optim.step_flat(lr, chunks, &flat)?;
     }
-    let chunks = std::mem::take(&mut state.chunks);
-    state.chunks = state.optim.step_flat(lr, chunks, &flat)?;
     // Only the last stage computed losses: share them along the pipeline.
     let mut loss = [report.loss_sum];
     pp.all_reduce(&mut loss, ReduceOp::Sum)?;
@@ -1633,8 +1668,8 @@ fn pipeline_step(
         },
         moe: None,
         a2a: Duration::ZERO,
-        loss_scale: None,
-        skipped: false,
+        loss_scale,
+        skipped: !update,
     })
 }
 

@@ -11,6 +11,7 @@ use burn::module::Module;
 use burn::tensor::{Int, Tensor};
 use flashover_models::{Block, ForwardContext, Transformer};
 use flashover_parallel::ParallelError;
+use flashover_parallel::precision::MixedPrecision;
 use flashover_parallel::zero::{FullyShardConfig, FullyShardedUnit, ShardGroup};
 use std::sync::Arc;
 
@@ -76,11 +77,12 @@ impl ShardedTransformer {
         &self,
         tokens: Tensor<2, Int>,
         ctx: &ForwardContext,
+        precision: MixedPrecision,
     ) -> Result<Tensor<3>, ParallelError> {
         if let Some(first) = self.blocks.first() {
             first.prefetch();
         }
-        let root = self.root.gather()?;
+        let root = precision.compute_view(self.root.gather()?);
         let t = tokens.dims()[1];
         let h = root.embed_tokens(tokens);
         let rope = ctx.rope_tables(t, self.head_dim, root.rope_theta, &h.device());
@@ -99,7 +101,10 @@ impl ShardedTransformer {
             let forward = move |b: &Block, h| {
                 let inner = ctx.clone();
                 let rope = rope.clone();
-                ctx.block(i, b, h, move |b, h| b.forward_with(h, &rope, &inner, i))
+                // Each gathered block computes in the policy's dtype (its f32 gradient then
+                // goes to the reduce-scatter).
+                let b = precision.compute_view(b.clone());
+                ctx.block(i, &b, h, move |b, h| b.forward_with(h, &rope, &inner, i))
             };
             h = block.forward_prefetching(h, forward, before)?;
         }

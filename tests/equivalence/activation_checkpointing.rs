@@ -109,4 +109,14 @@ fn policies_the_job_cannot_run_are_refused_by_field() {
         e.contains("parallel.activation_checkpointing = `sometimes`"),
         "{e}"
     );
+    // Whole-block recomputation would record the routers' auxiliary losses twice.
+    let mut moe = recompute_job("ep=2", "full");
+    moe.moe.experts = 4;
+    let e = moe.validate().join("\n");
+    assert!(
+        e.contains("does not compose with mixture-of-experts blocks yet"),
+        "{e}"
+    );
+    moe.parallel.activation_checkpointing = "selective".into();
+    assert!(moe.validate().is_empty(), "{:?}", moe.validate());
 }

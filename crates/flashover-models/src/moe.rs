@@ -20,7 +20,7 @@ use crate::layers::SwiGlu;
 use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::activation::{sigmoid, softmax};
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 use std::sync::{Arc, Mutex};
 
@@ -469,7 +469,8 @@ impl Moe {
         let n = b * t;
         let k = self.config.top_k;
         let xf = x.reshape([n, d]);
-        let logits = self.router.forward(xf.clone()); // [n, e]
+        // Routing runs in f32 under any precision policy (scores, weights, auxiliary losses).
+        let logits = self.router.forward(xf.clone()).cast(FloatDType::F32); // [n, e]
         let host: Vec<f32> = logits
             .clone()
             .into_data()
@@ -501,8 +502,9 @@ impl Moe {
             }
         }
         let rows = routing.token.len();
+        let dtype = xf.dtype();
         let routed = if rows == 0 {
-            Tensor::zeros([n, d], &device)
+            Tensor::<2>::zeros([n, d], &device).cast(dtype)
         } else {
             let tokens = xf.clone().select(0, index(&routing.token));
             let out = match &ctx.moe {
@@ -512,13 +514,15 @@ impl Moe {
             let w = weights
                 .reshape([n * k])
                 .select(0, index(&routing.choice))
-                .reshape([rows, 1]);
+                .reshape([rows, 1])
+                .cast(dtype);
             // Back to [tokens, top_k] slots (dropped slots read the zero row), summed over k.
             let mut slot = vec![rows; n * k];
             for (row, &c) in routing.choice.iter().enumerate() {
                 slot[c] = row;
             }
-            let padded = Tensor::cat(vec![out * w, Tensor::zeros([1, d], &device)], 0);
+            let zero_row = Tensor::<2>::zeros([1, d], &device).cast(dtype);
+            let padded = Tensor::cat(vec![out * w, zero_row], 0);
             padded
                 .select(0, index(&slot))
                 .reshape([n, k, d])

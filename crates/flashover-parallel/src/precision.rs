@@ -30,7 +30,8 @@
 
 use crate::ParallelError;
 use burn::module::{Module, ModuleMapper, Param};
-use burn::tensor::{Device, FloatDType, Tensor};
+use burn::tensor::{Device, FloatDType, Tensor, bf16, f16};
+use flashover_comm::{CommError, CommunicatorExt, Element, Group, ReduceOp};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
@@ -199,13 +200,19 @@ impl MixedPrecision {
         if self.param_dtype == Precision::F32 {
             return model;
         }
-        model.map(&mut CastParams(self.param_dtype.float_dtype()))
+        cast_params(model, self.param_dtype.float_dtype())
     }
 
     /// A loss scaler for this policy.
     pub fn scaler(&self) -> LossScaler {
         LossScaler::new(self.loss_scale)
     }
+}
+
+/// `module` with every float parameter cast to `dtype` inside the autodiff graph (ids kept:
+/// gradients reach the original parameters in their own dtype). No-op casts cost nothing.
+pub fn cast_params<M: Module>(module: M, dtype: FloatDType) -> M {
+    module.map(&mut CastParams(dtype))
 }
 
 /// Casts every float parameter's value, keeping the parameter (its id) and the graph.
@@ -309,6 +316,81 @@ impl LossScaler {
     pub fn restore(&mut self, (scale, clean_steps): (f32, usize)) {
         self.scale = scale;
         self.clean_steps = clean_steps;
+    }
+}
+
+/// Sums `data` over `group` in `wire` precision: f32 as it is; bf16 or f16 rounded first,
+/// summed at half the bytes, and widened back.
+pub(crate) fn all_reduce_in(
+    group: &Group,
+    data: &mut [f32],
+    wire: Precision,
+) -> Result<(), CommError> {
+    fn narrowed<T: Element>(
+        group: &Group,
+        data: &mut [f32],
+        to: fn(f32) -> T,
+        from: fn(T) -> f32,
+    ) -> Result<(), CommError> {
+        let mut wire: Vec<T> = data.iter().map(|&x| to(x)).collect();
+        group.all_reduce(&mut wire, ReduceOp::Sum)?;
+        data.iter_mut().zip(wire).for_each(|(d, w)| *d = from(w));
+        Ok(())
+    }
+    match wire {
+        Precision::F32 => group.all_reduce(data, ReduceOp::Sum),
+        Precision::BF16 => narrowed(group, data, bf16::from_f32, bf16::to_f32),
+        Precision::F16 => narrowed(group, data, f16::from_f32, f16::to_f32),
+    }
+}
+
+/// Every rank's `own`, in rank order, gathered in `wire` precision (bf16/f16: rounded first,
+/// half the bytes, widened back).
+pub(crate) fn all_gather_in(
+    group: &Group,
+    own: &[f32],
+    wire: Precision,
+) -> Result<Vec<f32>, CommError> {
+    fn narrowed<T: Element>(
+        group: &Group,
+        own: &[f32],
+        to: fn(f32) -> T,
+        from: fn(T) -> f32,
+    ) -> Result<Vec<f32>, CommError> {
+        let own: Vec<T> = own.iter().map(|&x| to(x)).collect();
+        Ok(group.all_gather_vec(&own)?.into_iter().map(from).collect())
+    }
+    match wire {
+        Precision::F32 => group.all_gather_vec(own),
+        Precision::BF16 => narrowed(group, own, bf16::from_f32, bf16::to_f32),
+        Precision::F16 => narrowed(group, own, f16::from_f32, f16::to_f32),
+    }
+}
+
+/// [`all_reduce_in`] for a reduce-scatter of `full` into `chunk`.
+pub(crate) fn reduce_scatter_in(
+    group: &Group,
+    full: &[f32],
+    chunk: &mut [f32],
+    wire: Precision,
+) -> Result<(), CommError> {
+    fn narrowed<T: Element + Default>(
+        group: &Group,
+        full: &[f32],
+        chunk: &mut [f32],
+        to: fn(f32) -> T,
+        from: fn(T) -> f32,
+    ) -> Result<(), CommError> {
+        let send: Vec<T> = full.iter().map(|&x| to(x)).collect();
+        let mut recv = vec![T::default(); chunk.len()];
+        group.reduce_scatter(&send, &mut recv, ReduceOp::Sum)?;
+        chunk.iter_mut().zip(recv).for_each(|(d, w)| *d = from(w));
+        Ok(())
+    }
+    match wire {
+        Precision::F32 => group.reduce_scatter(full, chunk, ReduceOp::Sum),
+        Precision::BF16 => narrowed(group, full, chunk, bf16::from_f32, bf16::to_f32),
+        Precision::F16 => narrowed(group, full, chunk, f16::from_f32, f16::to_f32),
     }
 }
 

@@ -108,7 +108,8 @@ fn unstage<const D: usize>(
     dtype: BurnDType,
     device: &burn::tensor::Device,
 ) -> Tensor<D> {
-    Tensor::from_data(TensorData::from_bytes_vec(bytes, shape, dtype), device)
+    // `from_data` makes the device's default float dtype: keep the one that was sent.
+    Tensor::<D>::from_data(TensorData::from_bytes_vec(bytes, shape, dtype), device).cast(dtype)
 }
 
 impl<C: Communicator + ?Sized> TensorCollectives for C {

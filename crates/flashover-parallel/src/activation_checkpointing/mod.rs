@@ -229,17 +229,21 @@ where
     // Shares the parameters' storage: nothing is copied.
     let values = module.clone().map(&mut Detach);
     let y = forward(&values, untracked(x.clone()));
+    // `from_data` makes tensors of the device's default dtype: the recomputation casts them
+    // back to what the forward saw (bf16 or f16 under a mixed-precision policy).
+    let (x_dtype, y_dtype) = (x.dtype(), y.dtype());
     let hook = RecomputeHook(Arc::new(move |x: TensorData, grad_y: TensorData| {
         let module = values.clone().map(&mut Leaves);
-        let x = Tensor::<D>::from_data(x, &device).require_grad();
+        let x = Tensor::<D>::from_data(x, &device)
+            .cast(x_dtype)
+            .require_grad();
         let y = forward(&module, x.clone());
-        let grads = (y * Tensor::<E>::from_data(grad_y, &device))
-            .sum()
-            .backward();
-        let grad_x = x
-            .grad(&grads)
-            .map(|g| g.into_data())
-            .unwrap_or_else(|| Tensor::<D>::zeros(x.shape(), &device.clone().inner()).into_data());
+        let grad_y = Tensor::<E>::from_data(grad_y, &device).cast(y_dtype);
+        let grads = (y * grad_y).sum().backward();
+        let grad_x = x.grad(&grads).map(|g| g.into_data()).unwrap_or_else(|| {
+            let zeros = Tensor::<D>::zeros(x.shape(), &device.clone().inner());
+            zeros.cast(x.dtype()).into_data()
+        });
         let params = GradientsParams::from_grads(grads, &module);
         let mut flat = vec![0.0; numel];
         accumulate_grads(&module, &params, &mut flat, &[]);

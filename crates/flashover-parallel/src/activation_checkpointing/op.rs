@@ -15,7 +15,7 @@ use burn::backend::autodiff::{
     ops::{Backward, Ops, OpsKind},
 };
 use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 use std::sync::Arc;
 
 /// Host function of [`recompute`]'s backward: (input, output gradient) in, (input gradient,
@@ -71,26 +71,28 @@ impl RecomputeOps for Cube {
 struct RecomputeBackward;
 
 impl<B: Backend> Backward<B, 2> for RecomputeBackward {
-    type State = (RecomputeHook, FloatTensor<B>);
+    /// The hook, the input, and the parameters' dtype (their gradient is computed in f32).
+    type State = (RecomputeHook, FloatTensor<B>, DType);
 
     fn backward(
         self,
-        ops: Ops<(RecomputeHook, FloatTensor<B>), 2>,
+        ops: Ops<(RecomputeHook, FloatTensor<B>, DType), 2>,
         grads: &mut Gradients,
         _: &mut Checkpointer,
     ) {
-        let (hook, x) = ops.state;
-        let device = x.device();
+        let (hook, x, params_dtype) = ops.state;
+        let (device, x_dtype) = (x.device(), x.dtype());
         let grad_y = grads.consume::<B>(&ops.node);
         let (grad_x, grad_params) =
             (hook.0)(crate::host::read::<B>(x), crate::host::read::<B>(grad_y));
         let [x_node, params_node] = ops.parents;
         if let Some(node) = x_node {
+            let grad_x = grad_x.convert_dtype(x_dtype);
             grads.register::<B>(node.id, crate::host::write::<B>(grad_x, &device));
         }
         if let Some(node) = params_node {
             let len = grad_params.len();
-            let data = TensorData::new(grad_params, [len]);
+            let data = TensorData::new(grad_params, [len]).convert_dtype(params_dtype);
             grads.register::<B>(node.id, crate::host::write::<B>(data, &device));
         }
     }
@@ -104,12 +106,15 @@ impl<B: Backend, C: CheckpointStrategy> RecomputeOps for Autodiff<B, C> {
         hook: RecomputeHook,
     ) -> FloatTensor<Self> {
         let nodes = [x.node(), params.node()];
+        let params_dtype = params.dtype();
         match RecomputeBackward
             .prepare::<C>(nodes)
             .compute_bound()
             .stateful()
         {
-            OpsKind::Tracked(prep) => prep.finish((hook, x.into_primitive()), y.into_primitive()),
+            OpsKind::Tracked(prep) => {
+                prep.finish((hook, x.into_primitive(), params_dtype), y.into_primitive())
+            }
             OpsKind::UnTracked(prep) => prep.finish(y.into_primitive()),
         }
     }

@@ -18,6 +18,7 @@
 
 mod replicas;
 
+use crate::precision::{Precision, all_reduce_in, cast_params};
 use replicas::Replicas;
 
 use crate::error::ParallelError;
@@ -241,7 +242,11 @@ impl ExpertDispatch for ExpertParallel {
         let recv: Vec<usize> = incoming.chunks(slots).map(|c| c.iter().sum()).collect();
         let received = exchange_rows(tokens, send.clone(), recv.clone(), self);
         let total: usize = recv.iter().sum();
-        let experts: Vec<SwiGlu> = moe.experts.iter().chain(&copies).cloned().collect();
+        // The copies are f32 leaves of their own; under a precision policy they compute in the
+        // tokens' dtype like the experts of the (cast) model.
+        let dtype = received.dtype().into();
+        let copies = copies.into_iter().map(|c| cast_params(c, dtype));
+        let experts: Vec<SwiGlu> = moe.experts.iter().cloned().chain(copies).collect();
         let outputs = if total == 0 {
             // Nothing to compute, but the way back must still run (it is a collective).
             received
@@ -323,9 +328,16 @@ pub struct ExpertGradients {
     replicated: Vec<Range<usize>>,
     groups: ExpertGroups,
     average: bool,
+    /// The dtype gradients are summed in (f32 unless a precision policy says otherwise).
+    reduce_dtype: Precision,
 }
 
 impl ExpertGradients {
+    /// Sums gradients in `dtype` (bf16/f16 halve the bytes; see [`crate::precision`]).
+    pub fn set_reduce_dtype(&mut self, dtype: Precision) {
+        self.reduce_dtype = dtype;
+    }
+
     /// For `module` (this rank's, with its experts) on `groups`; `split(name)` says which
     /// parameters are split over `tp` (none without tensor parallelism). `average`: gradients
     /// are means over the batch group and the micro-batches (sums otherwise).
@@ -354,6 +366,7 @@ impl ExpertGradients {
             replicated,
             groups,
             average,
+            reduce_dtype: Precision::F32,
         }
     }
 
@@ -391,9 +404,9 @@ impl ExpertGradients {
         let dense: Vec<Range<usize>> = self.replicated.iter().chain(&self.split).cloned().collect();
         let mut shared = Self::gather(flat, &dense);
         let mut own = Self::gather(flat, &self.expert);
-        g.batch.all_reduce(&mut shared, ReduceOp::Sum)?;
+        all_reduce_in(&g.batch, &mut shared, self.reduce_dtype)?;
         if g.replicas.size() > 1 {
-            g.replicas.all_reduce(&mut own, ReduceOp::Sum)?;
+            all_reduce_in(&g.replicas, &mut own, self.reduce_dtype)?;
         }
         if self.average {
             let scale = 1.0 / (g.batch.size() * micro_batches) as f32;

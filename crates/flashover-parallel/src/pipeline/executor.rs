@@ -20,7 +20,7 @@ use crate::error::ParallelError;
 use crate::params::{ParamLayout, accumulate_grads, grads_from_flat};
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{DType, Device, Tensor};
 use flashover_comm::Group;
 use flashover_runtime::TensorCollectives;
 use std::collections::HashMap;
@@ -63,6 +63,10 @@ pub struct PipelineExecutor<'a> {
     schedule: &'a Schedule,
     group: &'a Group,
     weight_grads: Option<WeightGradStore>,
+    /// The dtype activations and their gradients travel in between stages.
+    activation_dtype: DType,
+    /// The factor the last stage's losses are multiplied by before backward.
+    loss_scale: f32,
 }
 
 impl<'a> PipelineExecutor<'a> {
@@ -80,7 +84,23 @@ impl<'a> PipelineExecutor<'a> {
             schedule,
             group,
             weight_grads: None,
+            activation_dtype: DType::F32,
+            loss_scale: 1.0,
         })
+    }
+
+    /// Activations (and their gradients) cross stages in `dtype`: the compute dtype of a
+    /// precision policy (f32 by default). Stages must produce activations of that dtype.
+    pub fn with_activation_dtype(mut self, dtype: DType) -> Self {
+        self.activation_dtype = dtype;
+        self
+    }
+
+    /// Multiplies the losses by `scale` before backward (loss scaling) and divides the
+    /// returned gradients by it.
+    pub fn with_loss_scale(mut self, scale: f32) -> Self {
+        self.loss_scale = scale;
+        self
     }
 
     /// Weight gradients deferred to `store` by [`super::deferred_linear`] during a backward
@@ -132,7 +152,7 @@ impl<'a> PipelineExecutor<'a> {
         let mut grads_in: HashMap<(usize, usize), Tensor<D>> = HashMap::new();
         let mut grads_out: HashMap<(usize, usize), Tensor<D>> = HashMap::new();
         let mut report = PipelineStepReport::default();
-        let dtype = burn::tensor::DType::F32;
+        let dtype = self.activation_dtype;
         let started = Instant::now();
         for a in &s.ranks[rank] {
             let key = (a.micro, a.chunk);
@@ -186,6 +206,9 @@ impl<'a> PipelineExecutor<'a> {
                     let t0 = Instant::now();
                     let (input, out) = outputs.remove(&key).expect("validated: forward first");
                     let grads = match out {
+                        StageOutput::Loss(loss) if self.loss_scale != 1.0 => {
+                            loss.mul_scalar(self.loss_scale).backward()
+                        }
                         StageOutput::Loss(loss) => loss.backward(),
                         StageOutput::Activation(y) => {
                             let g = grads_out.remove(&key).ok_or_else(|| {
@@ -194,7 +217,9 @@ impl<'a> PipelineExecutor<'a> {
                                     a.micro, a.chunk
                                 ))
                             })?;
-                            let g = Tensor::<D>::from_data(g.into_data(), device);
+                            // Into this graph's device, in the output's dtype (`from_data`
+                            // would make the device's default dtype).
+                            let g = Tensor::<D>::from_data(g.into_data(), device).cast(y.dtype());
                             (y * g).sum().backward()
                         }
                     };
@@ -242,7 +267,7 @@ impl<'a> PipelineExecutor<'a> {
             deferred.is_empty(),
             "validated: every input gradient has its weight's"
         );
-        let m = s.micro_batches as f32;
+        let m = s.micro_batches as f32 * self.loss_scale;
         let grads = chunks
             .iter()
             .zip(flats.iter_mut())

@@ -21,7 +21,7 @@ use burn::backend::{
 };
 use burn::module::ParamId;
 use burn::nn::Linear;
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 use std::sync::{Arc, Mutex};
 
 /// A weight gradient whose computation was deferred: the layer's input and output gradient.
@@ -119,7 +119,17 @@ impl Backward<Flex, 2> for DeferredMatmulBackward {
         let [input_node, weight_node] = ops.parents;
         let d = ops.state;
         let dy = grads.consume::<Flex>(&ops.node);
-        if weight_node.is_some() {
+        if let Some(node) = weight_node {
+            // Under a reduced-precision policy the weight is a cast of the f32 parameter, and
+            // the cast's backward needs a gradient to pass on: zero here, the real one is
+            // added from the store by parameter id.
+            if d.weight.dtype() != DType::F32 {
+                let zeros = Tensor::<2>::from_primitive::<Flex>(d.weight.clone())
+                    .zeros_like()
+                    .try_into_primitive::<Flex>()
+                    .expect("a Flex tensor stays one");
+                grads.register::<Flex>(node.id, zeros);
+            }
             d.store.push(DeferredWeightGrad {
                 param: d.param,
                 input: d.input,

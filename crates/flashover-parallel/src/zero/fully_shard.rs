@@ -340,6 +340,9 @@ impl<M: Module + Sync + 'static> FullyShardedUnit<M> {
         };
         self.spec.shard_group.stats().released(bytes);
         let spec = self.spec.clone();
+        // `from_data` makes tensors of the device's default dtype: cast back to what the
+        // forward saw (bf16/f16 under a precision policy).
+        let (x_dtype, y_dtype) = (x.dtype(), y.dtype());
         let hook = RecomputeHook(Arc::new(move |x: TensorData, grad_y: TensorData| {
             let full = spec.all_gather(&saved_shard);
             if let Some(next) = &backward_prefetch {
@@ -352,12 +355,15 @@ impl<M: Module + Sync + 'static> FullyShardedUnit<M> {
             };
             let module = spec.materialize(Source::Host(&full, true), &device);
             drop(full);
-            let x = Tensor::<D>::from_data(x, &device).require_grad();
+            let x = Tensor::<D>::from_data(x, &device)
+                .cast(x_dtype)
+                .require_grad();
             let y = f(&module, x.clone());
-            let grad_y = Tensor::<E>::from_data(grad_y, &device);
+            let grad_y = Tensor::<E>::from_data(grad_y, &device).cast(y_dtype);
             let grads = (y * grad_y).sum().backward();
             let grad_x = x.grad(&grads).map(|g| g.into_data()).unwrap_or_else(|| {
-                Tensor::<D>::zeros(x.shape(), &device.clone().inner()).into_data()
+                let zeros = Tensor::<D>::zeros(x.shape(), &device.clone().inner());
+                zeros.cast(x_dtype).into_data()
             });
             let params = GradientsParams::from_grads(grads, &module);
             let mut flat = vec![0.0; spec.shards.padded()];

@@ -6,9 +6,10 @@ use crate::error::ParallelError;
 use crate::flat_adamw::{FlatAdamW, FlatAdamWConfig};
 use crate::grad_clip::clip_global_norm;
 use crate::params::{ParamLayout, accumulate_grads, flatten_params, load_flat};
+use crate::precision::{Precision, all_reduce_in};
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use flashover_comm::{CommunicatorExt, Group, ReduceOp};
+use flashover_comm::{CommunicatorExt, Group};
 
 /// AdamW whose state is sharded over `group` as `map` says; see the [module docs](super).
 pub struct ZeroOptimizer {
@@ -137,6 +138,10 @@ pub struct FullyShardedOptimizer {
     grads: Vec<f32>,
     micro_batches: usize,
     average: bool,
+    /// The factor losses were multiplied by before backward (divided out with the average).
+    loss_scale: f32,
+    /// The dtype the HSDP all-reduce over replicas sums in.
+    reduce_dtype: Precision,
 }
 
 impl FullyShardedOptimizer {
@@ -157,7 +162,20 @@ impl FullyShardedOptimizer {
             grads: vec![0.0; numel],
             micro_batches: 0,
             average,
+            loss_scale: 1.0,
+            reduce_dtype: Precision::F32,
         }
+    }
+
+    /// Sums the HSDP replicas' gradients in `dtype` (the shard group's reduce-scatter has its
+    /// own, see [`super::ShardGroup::with_precision`]).
+    pub fn set_reduce_dtype(&mut self, dtype: Precision) {
+        self.reduce_dtype = dtype;
+    }
+
+    /// Sets the factor this step's losses were multiplied by (loss scaling; 1 by default).
+    pub fn set_loss_scale(&mut self, scale: f32) {
+        self.loss_scale = scale;
     }
 
     /// Bytes of optimizer state (moments of this rank's shards).
@@ -194,6 +212,13 @@ impl FullyShardedOptimizer {
         model: M,
         max_norm: Option<f32>,
     ) -> Result<(M, f32), ParallelError> {
+        let norm = self.reduce(max_norm)?;
+        Ok((self.apply(lr, model, true), norm))
+    }
+
+    /// The first half of [`FullyShardedOptimizer::step`]: reduces over replicas, averages,
+    /// unscales and clips; returns the global gradient norm before clipping.
+    pub fn reduce(&mut self, max_norm: Option<f32>) -> Result<f32, ParallelError> {
         if self.micro_batches == 0 {
             return Err(ParallelError::Invalid(
                 "FullyShardedOptimizer::step before any accumulate".into(),
@@ -201,18 +226,33 @@ impl FullyShardedOptimizer {
         }
         let mut ranks = self.shard_group.size();
         if let Some(replicas) = &self.replicate_group {
-            replicas.all_reduce(&mut self.grads, ReduceOp::Sum)?;
+            all_reduce_in(replicas, &mut self.grads, self.reduce_dtype)?;
             ranks *= replicas.size();
         }
-        if self.average {
-            let denom = (ranks * self.micro_batches) as f32;
+        let ranks = if self.average {
+            (ranks * self.micro_batches) as f32
+        } else {
+            1.0
+        };
+        let denom = ranks * self.loss_scale;
+        if denom != 1.0 {
             self.grads.iter_mut().for_each(|g| *g /= denom);
         }
-        let norm = clip_global_norm(&mut self.grads, max_norm, Some(&self.shard_group))?;
-        let mut flat = flatten_params(&model);
-        self.adam.step(lr, &mut flat, &self.grads);
+        clip_global_norm(&mut self.grads, max_norm, Some(&self.shard_group))
+    }
+
+    /// The second half of [`FullyShardedOptimizer::step`]: AdamW on the shards (unless
+    /// `update` is false: a skipped step), then the accumulated gradients are reset.
+    pub fn apply<M: Module>(&mut self, lr: f64, model: M, update: bool) -> M {
+        let model = if update {
+            let mut flat = flatten_params(&model);
+            self.adam.step(lr, &mut flat, &self.grads);
+            load_flat(model, &flat)
+        } else {
+            model
+        };
         self.grads.iter_mut().for_each(|g| *g = 0.0);
         self.micro_batches = 0;
-        Ok((load_flat(model, &flat), norm))
+        model
     }
 }

@@ -5,7 +5,8 @@
 //! the same program order, so they issue the same collectives in the same order, and an
 //! all-gather submitted early (a prefetch) runs while the training thread computes.
 
-use flashover_comm::{CommError, CommunicatorExt, Group, ReduceOp};
+use crate::precision::{Precision, all_gather_in, reduce_scatter_in};
+use flashover_comm::{CommError, Group};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -114,6 +115,12 @@ impl std::fmt::Debug for ShardGroup {
 impl ShardGroup {
     /// Units sharded over `group`, with their communication thread.
     pub fn new(group: &Group) -> Arc<Self> {
+        Self::with_precision(group, Precision::F32, Precision::F32)
+    }
+
+    /// [`ShardGroup::new`] with parameters all-gathered in `gather` (bf16/f16: rounded first,
+    /// half the bytes; FSDP2's `param_dtype`) and gradients reduce-scattered in `reduce`.
+    pub fn with_precision(group: &Group, gather: Precision, reduce: Precision) -> Arc<Self> {
         let (tx, rx) = channel::<(Job, Reply)>();
         let worker_group = group.clone();
         let worker = std::thread::Builder::new()
@@ -122,7 +129,7 @@ impl ShardGroup {
                 for (job, reply) in rx {
                     // A panic (a bug or an injected fault) must reach the waiting thread.
                     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        run(&worker_group, job)
+                        run(&worker_group, job, gather, reduce)
                     }))
                     .unwrap_or_else(|payload| {
                         Err(CommError::from_panic(
@@ -180,12 +187,17 @@ impl ShardGroup {
     }
 }
 
-fn run(group: &Group, job: Job) -> Result<Vec<f32>, CommError> {
+fn run(
+    group: &Group,
+    job: Job,
+    gather: Precision,
+    reduce: Precision,
+) -> Result<Vec<f32>, CommError> {
     match job {
-        Job::AllGather(own) => group.all_gather_vec(&own),
+        Job::AllGather(own) => all_gather_in(group, &own, gather),
         Job::ReduceScatter(full) => {
             let mut shard = vec![0.0; full.len() / group.size()];
-            group.reduce_scatter(&full, &mut shard, ReduceOp::Sum)?;
+            reduce_scatter_in(group, &full, &mut shard, reduce)?;
             Ok(shard)
         }
     }
