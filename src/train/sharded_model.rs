@@ -22,6 +22,7 @@ use std::sync::Arc;
 /// use flashover::train::ShardedTransformer;
 /// use flashover::{Axis, launch};
 /// use flashover_models::{ForwardContext, TransformerConfig, next_token_loss};
+/// use flashover_parallel::precision::MixedPrecision;
 /// use flashover_parallel::zero::{FullyShardConfig, ShardGroup};
 ///
 /// let config = TransformerConfig::tiny(16);
@@ -31,7 +32,8 @@ use std::sync::Arc;
 ///     let model = ShardedTransformer::new(config.init(3, &device), &FullyShardConfig::new(), &units)?;
 ///     assert!(model.largest_unit() > 0);
 ///     let tokens = Tensor::<2, Int>::from_ints([[1, 2, 3, 4, 5]], &device);
-///     let logits = model.forward(tokens.clone().narrow(1, 0, 4), &ForwardContext::default())?;
+///     let (fwd, f32_compute) = (ForwardContext::default(), MixedPrecision::default());
+///     let logits = model.forward(tokens.clone().narrow(1, 0, 4), &fwd, f32_compute)?;
 ///     let loss = next_token_loss(logits, tokens.narrow(1, 1, 4));
 ///     let whole = model.gather_full()?; // the whole model, outside any graph (collective)
 ///     assert_eq!(whole.blocks.len(), 2);
@@ -72,7 +74,8 @@ impl ShardedTransformer {
     }
 
     /// `tokens: [batch, seq]` -> logits `[batch, seq, vocab]`, with `ctx`'s dropout (replayed
-    /// exactly when a block is recomputed in backward).
+    /// exactly when a block is recomputed in backward), each gathered unit computing in
+    /// `precision`'s dtype.
     pub fn forward(
         &self,
         tokens: Tensor<2, Int>,

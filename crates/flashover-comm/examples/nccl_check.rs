@@ -1,7 +1,8 @@
 //! Every collective of the NCCL engine on CUDA device memory, world size 1 (one GPU): for the
 //! GPU machine (`scripts/gpu_check.sh`). Exits non-zero on the first wrong result.
 
-use flashover_comm::{CommunicatorExt, NcclWorld, ReduceOp};
+use cudarc::driver::{CudaContext, DevicePtrMut};
+use flashover_comm::{CommunicatorExt, DType, Group, NcclWorld, ReduceOp};
 use std::time::Duration;
 
 fn main() {
@@ -30,6 +31,41 @@ fn main() {
     let mut ints: Vec<i64> = (0..64).collect();
     g.all_reduce(&mut ints, ReduceOp::Sum).unwrap();
     assert_eq!(ints, (0..64).collect::<Vec<i64>>(), "i64 all_reduce");
+    let mut halves: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
+    let expected = halves.clone();
+    g.all_reduce(&mut halves, ReduceOp::Sum).unwrap();
+    assert_eq!(halves, expected, "bf16 all_reduce");
+    device_memory_in_place(&g, &x);
     g.barrier().unwrap();
     println!("nccl_check: every collective correct on one GPU (world size 1)");
+}
+
+/// The device-pointer path Burn's CUDA tensors take: memory the engine does not own (here
+/// allocated by cudarc directly), reduced and broadcast in place.
+fn device_memory_in_place(g: &Group, x: &[f32]) {
+    let device = g
+        .device_collectives()
+        .expect("the NCCL engine has device collectives");
+    let ctx = CudaContext::new(device.device_ordinal()).expect("CUDA context");
+    let stream = ctx.default_stream();
+    let mut buf = stream.clone_htod(x).expect("upload");
+    stream.synchronize().expect("upload done");
+    {
+        let (ptr, _written) = buf.device_ptr_mut(&stream);
+        // SAFETY: `buf` holds `x.len()` f32 on this GPU, its upload is complete, and nothing
+        // else touches it until the calls return.
+        unsafe {
+            device
+                .all_reduce_device(ptr, x.len(), DType::F32, ReduceOp::Sum)
+                .unwrap();
+            device
+                .broadcast_device(ptr, x.len(), DType::F32, 0)
+                .unwrap();
+        }
+    }
+    let back = stream.clone_dtoh(&buf).expect("download");
+    assert_eq!(
+        back, x,
+        "in-place device all_reduce and broadcast over one rank"
+    );
 }

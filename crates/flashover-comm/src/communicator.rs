@@ -66,6 +66,45 @@ pub trait Communicator: Send + Sync {
     fn split(&self, color: usize, key: usize, label: &str) -> CommResult<Group>;
     /// A snapshot of this communicator's counters.
     fn stats(&self) -> CommStats;
+    /// The engine's collectives on device memory, in place and without host copies, where it
+    /// has them (NCCL); `None` (the default) where buffers pass through host memory.
+    fn device_collectives(&self) -> Option<&dyn DeviceCollectives> {
+        None
+    }
+}
+
+/// Collectives on memory of the communicator's GPU, addressed by raw device pointer (what a
+/// tensor library hands out for its buffers). Each call is collective like its byte-level
+/// counterpart and returns once the result is in place on the device.
+pub trait DeviceCollectives {
+    /// The ordinal of the GPU whose memory the pointers must address.
+    fn device_ordinal(&self) -> usize;
+
+    /// In place: the `count` elements of `dtype` at `ptr` become their reduction over the group.
+    ///
+    /// # Safety
+    /// `ptr` must address at least `count` elements of `dtype` in this communicator's GPU's
+    /// memory, every earlier write to them must be complete (synchronise the stream that wrote
+    /// them), and nothing may read or write them until this returns.
+    unsafe fn all_reduce_device(
+        &self,
+        ptr: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> CommResult<()>;
+
+    /// In place: every rank's `count` elements at `ptr` become `root`'s.
+    ///
+    /// # Safety
+    /// As [`DeviceCollectives::all_reduce_device`].
+    unsafe fn broadcast_device(
+        &self,
+        ptr: u64,
+        count: usize,
+        dtype: DType,
+        root: usize,
+    ) -> CommResult<()>;
 }
 
 /// Typed convenience methods for every [`Communicator`].

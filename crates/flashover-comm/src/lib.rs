@@ -49,7 +49,7 @@ mod rendezvous;
 mod stats;
 mod thread;
 
-pub use communicator::{Communicator, CommunicatorExt, Group};
+pub use communicator::{Communicator, CommunicatorExt, DeviceCollectives, Group};
 pub use dtype::{DType, Element};
 pub use error::{CommError, CommResult, panic_message};
 pub use fault::{FaultAction, FaultPlan, FaultRule};

@@ -15,15 +15,21 @@
 //! `send` completes only with the matching `recv` (no buffering), so schedules that send
 //! before receiving in both directions (pipelines) need the thread or MPI engine for now.
 //!
+//! [`DeviceCollectives`] (through [`Communicator::device_collectives`]) runs all-reduce and
+//! broadcast in place on memory another library owns, addressed by raw device pointer: the path
+//! Burn's CUDA tensors take (flashover-runtime's `cuda` feature), with no host round trip.
+//!
 //! Not yet run on a GPU here (no GPU was available when it was written).
 
 use crate::args;
-use crate::communicator::{Communicator, CommunicatorExt, Group};
+use crate::communicator::{Communicator, CommunicatorExt, DeviceCollectives, Group};
 use crate::dtype::DType;
 use crate::error::{CommError, CommResult};
 use crate::op::{OpKind, ReduceOp};
 use crate::stats::{CommStats, StatsRecorder};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
+};
 use cudarc::nccl::{Comm, Id};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
@@ -109,6 +115,10 @@ enum Job {
     AllToAll(Vec<u8>, Vec<usize>, Vec<usize>),
     Send(Vec<u8>, usize),
     Recv(usize, usize),
+    /// In place on device memory: pointer, element count, dtype, and the reduction or the
+    /// broadcast root.
+    DeviceAllReduce(u64, usize, DType, ReduceOp),
+    DeviceBroadcast(u64, usize, DType, usize),
 }
 
 type Reply = mpsc::Sender<CommResult<Vec<u8>>>;
@@ -332,6 +342,12 @@ fn run(stream: &Arc<CudaStream>, comm: &Comm, world: usize, job: Job) -> Result<
             stream.synchronize().map_err(|e| err(&e))?;
             Ok(vec![])
         }
+        Job::DeviceAllReduce(ptr, count, dtype, op) => {
+            on_device(stream, comm, ptr, count, dtype, DeviceOp::AllReduce(op))
+        }
+        Job::DeviceBroadcast(ptr, count, dtype, root) => {
+            on_device(stream, comm, ptr, count, dtype, DeviceOp::Broadcast(root))
+        }
         Job::Recv(len, src) => {
             let mut recv: CudaSlice<u8> = stream.alloc_zeros(len.max(1)).map_err(|e| err(&e))?;
             comm.recv(&mut recv, src as i32).map_err(|e| err(&e))?;
@@ -339,6 +355,123 @@ fn run(stream: &Arc<CudaStream>, comm: &Comm, world: usize, job: Job) -> Result<
             out.truncate(len);
             Ok(out)
         }
+    }
+}
+
+/// Device memory this engine does not own (a tensor library's buffer), as cudarc's slice
+/// traits want it. The caller of [`DeviceCollectives`] vouches for the pointer; the engine's
+/// stream is the one NCCL runs on, and it is synchronised before the job replies.
+struct ForeignBuffer<'s, T> {
+    ptr: u64,
+    len: usize,
+    stream: &'s Arc<CudaStream>,
+    _element: std::marker::PhantomData<T>,
+}
+
+impl<T> DeviceSlice<T> for ForeignBuffer<'_, T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.stream
+    }
+}
+
+impl<T> DevicePtr<T> for ForeignBuffer<'_, T> {
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::sync_stream(stream))
+    }
+}
+
+impl<T> DevicePtrMut<T> for ForeignBuffer<'_, T> {
+    fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::sync_stream(stream))
+    }
+}
+
+/// What [`on_device`] runs.
+#[derive(Clone, Copy)]
+enum DeviceOp {
+    AllReduce(ReduceOp),
+    Broadcast(usize),
+}
+
+/// `op` in place on `count` elements of `T` at `ptr`, then waits for the stream.
+fn on_device_as<T: cudarc::nccl::NcclType>(
+    stream: &Arc<CudaStream>,
+    comm: &Comm,
+    ptr: u64,
+    count: usize,
+    op: DeviceOp,
+) -> Result<Vec<u8>, String> {
+    let mut buf = ForeignBuffer::<T> {
+        ptr,
+        len: count,
+        stream,
+        _element: std::marker::PhantomData,
+    };
+    let status = match op {
+        DeviceOp::AllReduce(op) => comm.all_reduce_in_place(&mut buf, &nccl_op(op)),
+        DeviceOp::Broadcast(root) => comm.broadcast_in_place(&mut buf, root as i32),
+    };
+    status.map_err(|e| format!("{e:?}"))?;
+    stream.synchronize().map_err(|e| format!("{e:?}"))?;
+    Ok(vec![])
+}
+
+/// [`on_device_as`] for the element type `dtype` names.
+fn on_device(
+    stream: &Arc<CudaStream>,
+    comm: &Comm,
+    ptr: u64,
+    count: usize,
+    dtype: DType,
+    op: DeviceOp,
+) -> Result<Vec<u8>, String> {
+    match dtype {
+        DType::F32 => on_device_as::<f32>(stream, comm, ptr, count, op),
+        DType::F64 => on_device_as::<f64>(stream, comm, ptr, count, op),
+        DType::F16 => on_device_as::<half::f16>(stream, comm, ptr, count, op),
+        DType::BF16 => on_device_as::<half::bf16>(stream, comm, ptr, count, op),
+        DType::I32 => on_device_as::<i32>(stream, comm, ptr, count, op),
+        DType::I64 => on_device_as::<i64>(stream, comm, ptr, count, op),
+        DType::U32 => on_device_as::<u32>(stream, comm, ptr, count, op),
+        DType::U64 => on_device_as::<u64>(stream, comm, ptr, count, op),
+        DType::U8 => on_device_as::<u8>(stream, comm, ptr, count, op),
+    }
+}
+
+impl DeviceCollectives for NcclComm {
+    fn device_ordinal(&self) -> usize {
+        self.device
+    }
+
+    unsafe fn all_reduce_device(
+        &self,
+        ptr: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        let bytes = count * dtype.size();
+        let job = Job::DeviceAllReduce(ptr, count, dtype, op);
+        self.call(OpKind::AllReduce, bytes, job).map(drop)
+    }
+
+    unsafe fn broadcast_device(
+        &self,
+        ptr: u64,
+        count: usize,
+        dtype: DType,
+        root: usize,
+    ) -> CommResult<()> {
+        if root >= self.size() {
+            let detail = format!("root {root} is not a rank of a group of {}", self.size());
+            return Err(self.invalid(OpKind::Broadcast, detail));
+        }
+        let bytes = count * dtype.size();
+        let job = Job::DeviceBroadcast(ptr, count, dtype, root);
+        self.call(OpKind::Broadcast, bytes, job).map(drop)
     }
 }
 
@@ -359,7 +492,8 @@ fn reduce_as(
         DType::U32 => reduce::<u32>(stream, comm, data, op, scatter),
         DType::U64 => reduce::<u64>(stream, comm, data, op, scatter),
         DType::U8 => reduce::<u8>(stream, comm, data, op, scatter),
-        other => Err(format!("{other} reductions are not supported on NCCL yet")),
+        DType::F16 => reduce::<half::f16>(stream, comm, data, op, scatter),
+        DType::BF16 => reduce::<half::bf16>(stream, comm, data, op, scatter),
     }
 }
 
@@ -514,5 +648,9 @@ impl Communicator for NcclComm {
 
     fn stats(&self) -> CommStats {
         self.stats.snapshot()
+    }
+
+    fn device_collectives(&self) -> Option<&dyn DeviceCollectives> {
+        Some(self)
     }
 }

@@ -22,6 +22,8 @@
 #![warn(missing_docs)]
 
 mod context;
+#[cfg(feature = "cuda")]
+mod cuda_memory;
 mod device;
 mod launch;
 mod process_env;

@@ -112,12 +112,29 @@ fn unstage<const D: usize>(
     Tensor::<D>::from_data(TensorData::from_bytes_vec(bytes, shape, dtype), device).cast(dtype)
 }
 
+/// `op` in place on the tensor's GPU memory where the engine has device collectives and the
+/// tensor is a CUDA tensor on its GPU; `None` otherwise (the host-staged path runs).
+#[cfg(feature = "cuda")]
+fn on_device<C: Communicator + ?Sized, const D: usize>(
+    comm: &C,
+    tensor: &Tensor<D>,
+    op: crate::cuda_memory::InPlace,
+) -> Option<CommResult<Tensor<D>>> {
+    let device = comm.device_collectives()?;
+    let dtype = comm_dtype(tensor.dtype())?;
+    crate::cuda_memory::in_place(device, tensor, dtype, op)
+}
+
 impl<C: Communicator + ?Sized> TensorCollectives for C {
     fn all_reduce_tensor<const D: usize>(
         &self,
         tensor: Tensor<D>,
         op: ReduceOp,
     ) -> CommResult<Tensor<D>> {
+        #[cfg(feature = "cuda")]
+        if let Some(done) = on_device(self, &tensor, crate::cuda_memory::InPlace::AllReduce(op)) {
+            return done;
+        }
         let mut s = stage(self, OpKind::AllReduce, &tensor)?;
         self.all_reduce_bytes(&mut s.bytes, s.dtype, op)?;
         Ok(unstage(s.bytes, s.shape, s.burn_dtype, &tensor.device()))
@@ -128,6 +145,10 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         tensor: Tensor<D>,
         root: usize,
     ) -> CommResult<Tensor<D>> {
+        #[cfg(feature = "cuda")]
+        if let Some(done) = on_device(self, &tensor, crate::cuda_memory::InPlace::Broadcast(root)) {
+            return done;
+        }
         let mut s = stage(self, OpKind::Broadcast, &tensor)?;
         self.broadcast_bytes(&mut s.bytes, s.dtype, root)?;
         Ok(unstage(s.bytes, s.shape, s.burn_dtype, &tensor.device()))
