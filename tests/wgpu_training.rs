@@ -23,6 +23,9 @@ fn tiny(mesh: &str) -> TrainConfig {
 }
 
 fn flex_and_wgpu_agree(c: TrainConfig) -> flashover::train::TrainReport {
+    // Lavapipe is a CPU adapter, where host reads are not packed by default: force the packed
+    // path (the one GPUs take), so every layout here runs it.
+    flashover_kernels::set_packing(flashover_kernels::Packing::Always);
     let what = format!(
         "{} zero={} recompute={}",
         c.parallel.mesh, c.parallel.zero, c.parallel.activation_checkpointing
@@ -39,7 +42,10 @@ fn flex_and_wgpu_agree(c: TrainConfig) -> flashover::train::TrainReport {
 
 #[test]
 fn ddp_on_wgpu_matches_flex_with_gradient_hooks() {
+    let launches = flashover_kernels::bucket_kernel_launches();
     let wgpu = flex_and_wgpu_agree(tiny("dp=2"));
+    // Parameters and gradients went to the host packed on the device.
+    assert!(flashover_kernels::bucket_kernel_launches() > launches);
     assert!(wgpu.overlap, "gradient hooks run on the CubeCL backend too");
     // The device's allocator reports what it holds; Flex reports nothing.
     for rank in &wgpu.steps.last().unwrap().ranks {

@@ -1,6 +1,7 @@
 //! The CubeCL kernels and their launches on Burn's CubeCL tensors (f32, made contiguous).
 
 use crate::adamw::AdamWScalars;
+use crate::bucket::PACK_GROUP;
 use burn::backend::TensorMetadata;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::kernel::into_contiguous;
@@ -314,4 +315,118 @@ pub(crate) fn unpermute_rows(
         k as u32,
     );
     out
+}
+
+/// Bucket pack: up to four sources into `out[base..base + end_d]`, times `scale[0]`; segment
+/// `k` covers `[end_{k-1}, end_k)` (unused sources are empty segments).
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+fn pack_kernel(
+    a: &[f32],
+    b: &[f32],
+    c: &[f32],
+    d: &[f32],
+    scale: &[f32],
+    out: &mut [f32],
+    base: u32,
+    end_a: u32,
+    end_b: u32,
+    end_c: u32,
+    end_d: u32,
+) {
+    let i = ABSOLUTE_POS;
+    let (ea, eb, ec, ed) = (
+        end_a as usize,
+        end_b as usize,
+        end_c as usize,
+        end_d as usize,
+    );
+    let o = base as usize + i;
+    let s = scale[0];
+    if i < ea {
+        out[o] = a[i] * s;
+    } else if i < eb {
+        out[o] = b[i - ea] * s;
+    } else if i < ec {
+        out[o] = c[i - eb] * s;
+    } else if i < ed {
+        out[o] = d[i - ec] * s;
+    }
+}
+
+/// Bucket unpack: `out[i] = flat[start + i] * scale[0]`.
+#[cube(launch)]
+fn unpack_kernel(flat: &[f32], scale: &[f32], out: &mut [f32], start: u32) {
+    let i = ABSOLUTE_POS;
+    if i < out.len() {
+        out[i] = flat[start as usize + i] * scale[0];
+    }
+}
+
+fn scale_buffer(like: &CubeTensor, scale: f32) -> BufferArg {
+    let handle = like.client.create_from_slice(f32::as_bytes(&[scale]));
+    // SAFETY: one f32 just written.
+    unsafe { BufferArg::from_raw_parts(handle, 1) }
+}
+
+pub(crate) fn pack_scaled(parts: Vec<CubeTensor>, scale: f32) -> CubeTensor {
+    let parts: Vec<CubeTensor> = parts
+        .into_iter()
+        .map(|p| f32_contiguous(p, "pack_scaled parts"))
+        .collect();
+    let lens: Vec<usize> = parts.iter().map(|p| p.shape().num_elements()).collect();
+    let total: usize = lens.iter().sum();
+    let out = empty(&parts[0], Shape::new([total]));
+    let mut base = 0;
+    for (group, group_lens) in parts.chunks(PACK_GROUP).zip(lens.chunks(PACK_GROUP)) {
+        // Segment ends within the group; missing sources repeat the first with an empty range.
+        let mut ends = [0usize; PACK_GROUP];
+        let mut at = 0;
+        for (k, end) in ends.iter_mut().enumerate() {
+            at += group_lens.get(k).copied().unwrap_or(0);
+            *end = at;
+        }
+        let source = |k: usize| buffer(group.get(k).unwrap_or(&group[0]));
+        pack_kernel::launch(
+            &out.client,
+            cubes(&out.client, at),
+            CubeDim::new_1d(UNITS as u32),
+            source(0),
+            source(1),
+            source(2),
+            source(3),
+            scale_buffer(&out, scale),
+            buffer(&out),
+            base as u32,
+            ends[0] as u32,
+            ends[1] as u32,
+            ends[2] as u32,
+            ends[3] as u32,
+        );
+        crate::bucket::count_launches(1);
+        base += at;
+    }
+    out
+}
+
+pub(crate) fn unpack_scaled(flat: CubeTensor, lens: &[usize], scale: f32) -> Vec<CubeTensor> {
+    let flat = f32_contiguous(flat, "unpack_scaled flat");
+    let mut start = 0;
+    lens.iter()
+        .map(|&len| {
+            let out = empty(&flat, Shape::new([len]));
+            unpack_kernel::launch(
+                &flat.client,
+                cubes(&flat.client, len),
+                CubeDim::new_1d(UNITS as u32),
+                buffer(&flat),
+                scale_buffer(&flat, scale),
+                buffer(&out),
+                start as u32,
+            );
+            crate::bucket::count_launches(1);
+            start += len;
+            out
+        })
+        .collect()
 }

@@ -11,6 +11,8 @@
 //!   and the update in one pass (ZeRO's sharded optimizer).
 //! - [`cross_entropy_pieces`]: per-row maximum, sum of exponentials and target logit over a
 //!   vocabulary shard (tensor parallelism's vocabulary-parallel loss).
+//! - [`pack_scaled`] / [`unpack_scaled`]: many tensors into one flat buffer and back, scaled on
+//!   the way (gradient and parameter buckets: every strategy's host transfers go through them).
 //! - [`permute_rows`] / [`unpermute_rows`]: tokens into per-expert order from the router's
 //!   choices, and expert outputs back per token weighted by the routing weights (expert
 //!   parallelism).
@@ -30,6 +32,7 @@
 #![warn(missing_docs)]
 
 mod adamw;
+mod bucket;
 mod cross_entropy;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod cube;
@@ -51,6 +54,10 @@ fn to_flex<const D: usize>(t: Tensor<D>) -> FloatTensor<Flex> {
 }
 
 pub use adamw::{AdamWScalars, adamw_step, adamw_step_reference};
+pub use bucket::{
+    PACK_GROUP, Packing, bucket_kernel_launches, pack_scaled, pack_scaled_reference, packs_on,
+    set_packing, unpack_scaled, unpack_scaled_reference,
+};
 pub use cross_entropy::{cross_entropy_pieces, cross_entropy_pieces_reference};
 pub use merge::{merge_partials, merge_partials_reference};
 pub use moe::{permute_rows, permute_rows_reference, unpermute_rows, unpermute_rows_reference};

@@ -193,3 +193,54 @@ fn moe_permute_kernels_match_the_reference_with_dropped_choices() {
         close(combined, combined_ref, &format!("{what}: combined"));
     }
 }
+
+#[test]
+fn bucket_pack_and_unpack_kernels_match_the_reference() {
+    use flashover_kernels::{
+        PACK_GROUP, bucket_kernel_launches, pack_scaled, pack_scaled_reference, unpack_scaled,
+        unpack_scaled_reference,
+    };
+    // Groups that fill PACK_GROUP and ones that do not, one-element and cube-crossing sizes,
+    // and a bucket past 65535 cubes.
+    let buckets: [&[usize]; 5] = [
+        &[1],
+        &[3, 257, 1, 64],
+        &[5, 7, 11, 13, 17, 19],
+        &[300; 9],
+        &[17_000_000, 3],
+    ];
+    for (b, lens) in buckets.iter().enumerate() {
+        let data: Vec<Vec<f32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| values(n, i as f32, 2.0))
+            .collect();
+        for scale in [1.0, 0.125] {
+            let parts = |device: &Device| -> Vec<Tensor<1>> {
+                data.iter()
+                    .map(|v| tensor(v.clone(), [v.len()], device))
+                    .collect()
+            };
+            let before = bucket_kernel_launches();
+            let packed = pack_scaled(parts(&wgpu()), scale);
+            let launches = bucket_kernel_launches() - before;
+            assert_eq!(
+                launches,
+                lens.len().div_ceil(PACK_GROUP),
+                "bucket {b}: pack launches"
+            );
+            let expected = pack_scaled_reference(parts(&Device::flex()), scale);
+            close(
+                packed.clone(),
+                expected.clone(),
+                &format!("pack bucket {b} x{scale}"),
+            );
+            let pieces = unpack_scaled(packed, lens, 1.0 / scale);
+            let reference = unpack_scaled_reference(expected, lens, 1.0 / scale);
+            assert_eq!(bucket_kernel_launches() - before, launches + lens.len());
+            for (i, (p, r)) in pieces.into_iter().zip(reference).enumerate() {
+                close(p, r, &format!("unpack bucket {b} piece {i}"));
+            }
+        }
+    }
+}

@@ -5,8 +5,9 @@
 use burn::tensor::{Device, Distribution, Tensor};
 use flashover_kernels::{
     AdamWScalars, adamw_step, adamw_step_reference, cross_entropy_pieces,
-    cross_entropy_pieces_reference, merge_partials, merge_partials_reference, permute_rows,
-    permute_rows_reference, unpermute_rows, unpermute_rows_reference,
+    cross_entropy_pieces_reference, merge_partials, merge_partials_reference, pack_scaled,
+    pack_scaled_reference, permute_rows, permute_rows_reference, unpermute_rows,
+    unpermute_rows_reference,
 };
 use serde::Serialize;
 use std::time::Instant;
@@ -165,6 +166,38 @@ pub fn run(device: &Device, repeats: usize) -> Result<Vec<KernelBenchRecord>, St
             || {
                 let _ =
                     unpermute_rows_reference(permuted.clone(), positions.clone(), weights.clone());
+            },
+        )?);
+    }
+    for (count, len) in [(32, 65536), (256, 4096)] {
+        let parts: Vec<Tensor<1>> = (0..count).map(|_| rand(vec![len])).collect();
+        let total = count * len;
+        out.push(compare(
+            (device, repeats),
+            "bucket pack x 1/N",
+            format!("{count} tensors x {len}"),
+            4.0 * 2.0 * total as f64,
+            || {
+                let _ = pack_scaled(parts.clone(), 0.5);
+            },
+            || {
+                let _ = pack_scaled_reference(parts.clone(), 0.5);
+            },
+        )?);
+        // What the strategies do with it: a module's gradients (or parameters) to the host as
+        // one packed read against one read per tensor.
+        out.push(compare(
+            (device, repeats),
+            "tensors to host: packed vs each",
+            format!("{count} tensors x {len}"),
+            4.0 * 2.0 * total as f64,
+            || {
+                let _ = pack_scaled(parts.clone(), 1.0).into_data();
+            },
+            || {
+                for p in &parts {
+                    let _ = p.clone().into_data();
+                }
             },
         )?);
     }

@@ -4,8 +4,9 @@
 use crate::error::ParallelError;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Device, Tensor, TensorData};
 use flashover_comm::{CommError, Group};
+use flashover_kernels::{pack_scaled, packs_on, unpack_scaled};
 use flashover_runtime::TensorCollectives;
 
 /// One float parameter's place in the flat layout.
@@ -92,17 +93,51 @@ pub fn to_f32<const D: usize>(t: Tensor<D>) -> Vec<f32> {
     }
 }
 
+/// `tensors` (outside any graph) read to the host as one f32 vector. On a CubeCL device they
+/// are packed into one device buffer first (`flashover_kernels::pack_scaled`): one transfer
+/// and one synchronisation instead of one per tensor. Elsewhere each is read in turn.
+fn read_concatenated(tensors: Vec<Tensor<1>>) -> Vec<f32> {
+    let Some(first) = tensors.first() else {
+        return vec![];
+    };
+    let device = first.device();
+    if packs_on(&device) && tensors.iter().all(|t| t.device() == device) {
+        return to_f32(pack_scaled(tensors, 1.0));
+    }
+    tensors.into_iter().flat_map(to_f32).collect()
+}
+
+/// `flat` cut into 1-D tensors of `lens` elements on `device` (not an autodiff device). On a
+/// CubeCL device `flat` is uploaded once and cut there (`flashover_kernels::unpack_scaled`):
+/// one transfer instead of one per tensor. Elsewhere each piece is uploaded in turn.
+fn write_split(flat: &[f32], lens: &[usize], device: &Device) -> Vec<Tensor<1>> {
+    if packs_on(device) && lens.len() > 1 {
+        let whole = Tensor::<1>::from_data(TensorData::new(flat.to_vec(), [flat.len()]), device);
+        return unpack_scaled(whole, lens, 1.0);
+    }
+    let mut at = 0;
+    lens.iter()
+        .map(|&numel| {
+            let data = TensorData::new(flat[at..at + numel].to_vec(), [numel]);
+            at += numel;
+            Tensor::from_data(data, device)
+        })
+        .collect()
+}
+
 /// Every float parameter's values, concatenated in layout order.
 pub fn flatten_params<M: Module>(module: &M) -> Vec<f32> {
-    struct V(Vec<f32>);
+    struct V(Vec<Tensor<1>>);
     impl ModuleVisitor for V {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0.extend(to_f32(param.val()));
+            let value = param.val().inner();
+            let numel = value.shape().num_elements();
+            self.0.push(value.reshape([numel]));
         }
     }
     let mut v = V(vec![]);
     module.visit(&mut v);
-    v.0
+    read_concatenated(v.0)
 }
 
 /// Adds each parameter's gradient in `grads` into `flat` at its layout offset; returns which
@@ -115,11 +150,13 @@ pub fn accumulate_grads<M: Module>(
 ) -> Vec<bool> {
     struct V<'a> {
         grads: &'a GradientsParams,
-        flat: &'a mut [f32],
         skip: &'a [bool],
         offset: usize,
         index: usize,
         found: Vec<bool>,
+        /// Offset and length of each gradient found, in order.
+        present: Vec<(usize, usize)>,
+        tensors: Vec<Tensor<1>>,
     }
     impl ModuleVisitor for V<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -127,12 +164,8 @@ pub fn accumulate_grads<M: Module>(
             let skip = self.skip.get(self.index).copied().unwrap_or(false);
             let mut found = false;
             if !skip && let Some(g) = self.grads.get::<D>(param.id) {
-                for (acc, x) in self.flat[self.offset..self.offset + numel]
-                    .iter_mut()
-                    .zip(to_f32(g))
-                {
-                    *acc += x;
-                }
+                self.present.push((self.offset, numel));
+                self.tensors.push(g.reshape([numel]));
                 found = true;
             }
             self.found.push(found);
@@ -142,39 +175,50 @@ pub fn accumulate_grads<M: Module>(
     }
     let mut v = V {
         grads,
-        flat,
         skip,
         offset: 0,
         index: 0,
         found: vec![],
+        present: vec![],
+        tensors: vec![],
     };
     module.visit(&mut v);
+    // All of this micro-batch's gradients in one read where the device packs them.
+    let values = read_concatenated(v.tensors);
+    let mut at = 0;
+    for (offset, numel) in v.present {
+        for (acc, x) in flat[offset..offset + numel]
+            .iter_mut()
+            .zip(&values[at..at + numel])
+        {
+            *acc += x;
+        }
+        at += numel;
+    }
     v.found
 }
 
 /// Gradients for every float parameter of `module`, read from `flat` in layout order, on the
 /// parameters' devices (outside any autodiff graph, as optimizers expect).
 pub fn grads_from_flat<M: Module>(module: &M, flat: &[f32]) -> GradientsParams {
-    struct V<'a> {
-        flat: &'a [f32],
-        offset: usize,
+    let layout = ParamLayout::of(module);
+    let Some(device) = module.devices().into_iter().next() else {
+        return GradientsParams::new();
+    };
+    let lens: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
+    struct V {
+        pieces: std::vec::IntoIter<Tensor<1>>,
         grads: GradientsParams,
     }
-    impl ModuleVisitor for V<'_> {
+    impl ModuleVisitor for V {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let value = param.val();
-            let dims = value.dims();
-            let numel: usize = dims.iter().product();
-            let device = value.device().inner();
-            let data = TensorData::new(self.flat[self.offset..self.offset + numel].to_vec(), dims);
-            self.grads
-                .register::<D>(param.id, Tensor::from_data(data, &device));
-            self.offset += numel;
+            let dims: [usize; D] = param.val().dims();
+            let piece = self.pieces.next().expect("one piece per parameter");
+            self.grads.register::<D>(param.id, piece.reshape(dims));
         }
     }
     let mut v = V {
-        flat,
-        offset: 0,
+        pieces: write_split(flat, &lens, &device.inner()).into_iter(),
         grads: GradientsParams::new(),
     };
     module.visit(&mut v);
