@@ -471,8 +471,10 @@ fn process_world(
 }
 
 /// `flashover verify`.
-pub fn verify(args: &JobArgs, tolerance: f64) -> Result<bool, String> {
+pub fn verify(args: &JobArgs, tolerance: Option<f64>) -> Result<bool, String> {
     let config = args.build()?;
+    let full_precision = config.precision.policy()?.is_full_precision();
+    let tolerance = tolerance.unwrap_or(if full_precision { 1e-5 } else { 5e-2 });
     println!(
         "verify: mesh {} (micro-batches {}) against one rank, {} steps, seed {}",
         config.parallel.mesh, config.run.micro_batches, config.run.steps, config.run.seed
