@@ -78,7 +78,7 @@ fn config_check_lists_every_problem_with_its_path() {
     let bad = dir.join("bad.toml");
     std::fs::write(
         &bad,
-        "[model]\nn_heads = 3\n[parallel]\nmesh = \"tp=2,cp=2\"\nactivation_checkpointing = \"sometimes\"\n[data]\nseq_len = 30\n",
+        "[model]\nn_heads = 3\n[parallel]\nmesh = \"tp=2,cp=2\"\nactivation_checkpointing = \"sometimes\"\n[data]\nseq_len = 30\n[precision]\nloss_scale = \"x\"\n",
     )
     .unwrap();
     let (ok, text) = flashover(&["config", "check", bad.to_str().unwrap()]);
@@ -87,6 +87,7 @@ fn config_check_lists_every_problem_with_its_path() {
         "model.n_heads = 3 does not divide model.d_model = 64",
         "data.seq_len = 30 does not divide by 4",
         "parallel.activation_checkpointing = `sometimes`",
+        "precision.loss_scale = `x`: expected auto, none, dynamic or a number",
     ] {
         assert!(text.contains(expected), "missing `{expected}`:\n{text}");
     }
@@ -97,5 +98,12 @@ fn config_check_lists_every_problem_with_its_path() {
         ok && text.contains("valid; mesh dp=2,cp=2 (4 ranks)"),
         "{text}"
     );
+    // The planner takes the job's precision: bf16 compute plans as mixed precision.
+    let bf16 = dir.join("bf16.toml");
+    std::fs::write(&bf16, "[precision]\nparam_dtype = \"bf16\"\n").unwrap();
+    let (ok, text) = flashover(&["plan", "--config", bf16.to_str().unwrap(), "--world", "8"]);
+    assert!(ok && text.contains("; Mixed precision"), "{text}");
+    let (ok, text) = flashover(&["plan", "--config", good.to_str().unwrap(), "--world", "8"]);
+    assert!(ok && text.contains("; Fp32 precision"), "{text}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

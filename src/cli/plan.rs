@@ -54,8 +54,8 @@ pub struct PlanArgs {
     /// Sequences per micro-batch.
     #[arg(long, default_value_t = 1)]
     micro_batch: usize,
-    /// mixed (bf16 with fp32 master weights) or fp32 (default: mixed; fp32 with --config or
-    /// --gpu cpu, as Flashover trains today).
+    /// mixed (bf16 with fp32 master weights) or fp32 (default: mixed; with --config, what the
+    /// job's `[precision] param_dtype` says; fp32 with --gpu cpu).
     #[arg(long)]
     precision: Option<String>,
     /// Fix the tensor-parallel degree.
@@ -166,8 +166,15 @@ fn request(args: &PlanArgs) -> Result<PlanRequest, String> {
         Some("mixed") => Precision::Mixed,
         Some("fp32") => Precision::Fp32,
         Some(other) => return Err(format!("--precision {other}: expected mixed or fp32")),
-        None if job.is_some() || args.gpu == "cpu" => Precision::Fp32,
-        None => Precision::Mixed,
+        // A job file says what it computes in (`[precision] param_dtype`).
+        None => match &job {
+            Some(j) if j.precision.param_dtype != flashover_parallel::precision::Precision::F32 => {
+                Precision::Mixed
+            }
+            Some(_) => Precision::Fp32,
+            None if args.gpu == "cpu" => Precision::Fp32,
+            None => Precision::Mixed,
+        },
     };
     let recompute = match args.recompute.as_deref() {
         None => None,
