@@ -60,28 +60,18 @@ pub fn set_packing(packing: Packing) {
 /// (default [`Packing::Auto`]). [`pack_scaled`] and [`unpack_scaled`] run their kernels on any
 /// CubeCL device either way; elsewhere they are plain tensor operations.
 pub fn packs_on(device: &Device) -> bool {
-    #[cfg(any(feature = "wgpu", feature = "cuda"))]
-    {
-        let device = device.clone().inner();
-        if !matches!(device.as_dispatch(), burn::backend::DispatchDevice::Cube(_)) {
-            return false;
-        }
-        match PACKING.load(Ordering::Relaxed) {
-            1 => true,
-            2 => false,
-            _ => is_card(&device),
-        }
+    if !crate::is_cube_device(device) {
+        return false;
     }
-    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
-    {
-        let _ = device;
-        false
+    match PACKING.load(Ordering::Relaxed) {
+        1 => true,
+        2 => false,
+        _ => is_card(&device.clone().inner()),
     }
 }
 
 /// Whether the CubeCL `device` is a card on a bus (its identity names one), remembered per
 /// device (asking opens the device).
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
 fn is_card(device: &Device) -> bool {
     static KNOWN: std::sync::Mutex<Vec<(Device, bool)>> = std::sync::Mutex::new(Vec::new());
     let mut known = KNOWN.lock().unwrap_or_else(|e| e.into_inner());

@@ -42,6 +42,23 @@ mod moe;
 use burn::backend::{Flex, tensor::FloatTensor};
 use burn::tensor::Tensor;
 
+/// Whether `device` (or the device under its autodiff) runs Burn's CubeCL backend, where the
+/// kernels launch (always `false` without the `wgpu` / `cuda` features).
+pub fn is_cube_device(device: &burn::tensor::Device) -> bool {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    {
+        matches!(
+            device.clone().inner().as_dispatch(),
+            burn::backend::DispatchDevice::Cube(_)
+        )
+    }
+    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+    {
+        let _ = device;
+        false
+    }
+}
+
 /// A Flex primitive as a tensor: the reference paths' way in.
 fn from_flex<const D: usize>(x: FloatTensor<Flex>) -> Tensor<D> {
     Tensor::from_primitive::<Flex>(x)
@@ -59,5 +76,5 @@ pub use bucket::{
     set_packing, unpack_scaled, unpack_scaled_reference,
 };
 pub use cross_entropy::{cross_entropy_pieces, cross_entropy_pieces_reference};
-pub use merge::{merge_partials, merge_partials_reference};
+pub use merge::{MergeOps, merge_partials, merge_partials_reference};
 pub use moe::{permute_rows, permute_rows_reference, unpermute_rows, unpermute_rows_reference};

@@ -6,6 +6,8 @@ use burn::backend::Cube;
 use burn::backend::{Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
 use burn::tensor::Tensor;
 
+/// The online-softmax merge on a backend's primitives (Flex: the reference; CubeCL: the
+/// kernel); the entry point is [`merge_partials`].
 #[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")))]
 pub trait MergeOps: Backend {
     /// `out_*: [rows, width]`, `lse_*: [rows]` -> the merged `(out, lse)`.

@@ -15,6 +15,7 @@ mod all_to_all;
 mod blocks;
 mod comm;
 mod layout;
+mod merge_op;
 mod ring;
 mod work;
 

@@ -3,6 +3,7 @@
 use super::blocks::{Partial, attend_block, merge};
 use super::comm::{ring_passed, ring_shift};
 use super::layout::{SequenceLayout, Visibility};
+use super::merge_op;
 use super::work::WorkCounter;
 use burn::tensor::Tensor;
 use flashover_comm::Group;
@@ -74,6 +75,7 @@ impl AttentionOp for RingAttention {
                         used = true;
                         partials[qi] = Some(match partials[qi].take() {
                             None => part,
+                            Some(acc) if merge_op::fuses(&acc) => merge_op::merge_fused(acc, part),
                             Some(acc) => merge(acc, part),
                         });
                     }
