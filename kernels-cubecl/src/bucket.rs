@@ -70,8 +70,14 @@ pub fn packs_on(device: &Device) -> bool {
     }
 }
 
+#[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+fn is_card(_: &Device) -> bool {
+    false
+}
+
 /// Whether the CubeCL `device` is a card on a bus (its identity names one), remembered per
 /// device (asking opens the device).
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 fn is_card(device: &Device) -> bool {
     static KNOWN: std::sync::Mutex<Vec<(Device, bool)>> = std::sync::Mutex::new(Vec::new());
     let mut known = KNOWN.lock().unwrap_or_else(|e| e.into_inner());
