@@ -298,12 +298,19 @@ pub fn vocab_parallel_cross_entropy(
     // In f32 under any precision policy (as Megatron upcasts its vocab-parallel loss).
     let mut logits = logits.reshape([n, v]).cast(FloatDType::F32);
     let real = shard.vocab.saturating_sub(shard.start).min(v);
+    let fused = super::loss_op::fuses(&logits);
     if real < v {
         let pad: Vec<bool> = (0..n)
             .flat_map(|_| (0..v).map(move |c| c >= real))
             .collect();
         let mask = Tensor::<2, Bool>::from_data(TensorData::new(pad, [n, v]), &device);
-        logits = logits.mask_fill(mask, f32::NEG_INFINITY);
+        // The kernel's per-rank maximum must stay finite on a rank holding only padding; its
+        // rows then weigh exp(-1e30 - max) = 0 in the sum over ranks.
+        let fill = if fused { -1e30 } else { f32::NEG_INFINITY };
+        logits = logits.mask_fill(mask, fill);
+    }
+    if fused {
+        return fused_cross_entropy(logits, &targets, shard, group);
     }
     // The maximum only stabilises the exponentials: a constant for the gradient.
     let max = logits.clone().detach().max_dim(1);
@@ -319,4 +326,28 @@ pub fn vocab_parallel_cross_entropy(
         .mask_fill(other, 0.0);
     let target_logit = reduce_from_tp(picked, group);
     (sum_exp.log() - target_logit).mean()
+}
+
+/// [`vocab_parallel_cross_entropy`] with each rank's maximum and sum of exponentials from the
+/// fused kernel (CubeCL devices): `loss = log Σ_r s_r exp(m_r - M) + M - logit[target]`, with
+/// `M` the maximum over ranks; equal to the unfused form.
+fn fused_cross_entropy(
+    logits: Tensor<2>,
+    targets: &Tensor<2, Int>,
+    shard: &VocabShard,
+    group: &Group,
+) -> Tensor<1> {
+    let n = logits.dims()[0];
+    let (max, sum) = super::loss_op::max_and_sum_exp(logits.clone());
+    let global = group
+        .all_reduce_tensor(max.clone().detach(), ReduceOp::Max)
+        .unwrap_or_else(|e| std::panic::panic_any(e));
+    let rescale = (max - global.clone()).exp().detach();
+    let sum_exp = reduce_from_tp((sum * rescale).reshape([n, 1]), group);
+    let (local, _, other) = shard.localize(targets);
+    let picked = logits
+        .gather(1, local.reshape([n, 1]))
+        .mask_fill(other, 0.0);
+    let target_logit = reduce_from_tp(picked, group);
+    (sum_exp.log() + global.reshape([n, 1]) - target_logit).mean()
 }

@@ -15,6 +15,7 @@
 
 pub mod comm;
 mod layers;
+mod loss_op;
 mod shard;
 
 pub use layers::{
