@@ -77,4 +77,6 @@ pub use bucket::{
 };
 pub use cross_entropy::{cross_entropy_pieces, cross_entropy_pieces_reference};
 pub use merge::{MergeOps, merge_partials, merge_partials_reference};
-pub use moe::{permute_rows, permute_rows_reference, unpermute_rows, unpermute_rows_reference};
+pub use moe::{
+    MoePermuteOps, permute_rows, permute_rows_reference, unpermute_rows, unpermute_rows_reference,
+};

@@ -7,6 +7,8 @@ use burn::backend::Cube;
 use burn::backend::{Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
 use burn::tensor::{Int, Tensor};
 
+/// The MoE permutations on a backend's primitives (Flex: the references; CubeCL: the kernels);
+/// the entry points are [`permute_rows`] and [`unpermute_rows`].
 #[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")))]
 pub trait MoePermuteOps: Backend {
     /// `tokens: [rows, d]`, `order: [n]` (source row as f32) -> `[n, d]`.

@@ -192,6 +192,16 @@ pub struct Routing {
 }
 
 impl Routing {
+    /// Per choice of the `[tokens, top_k]` slots (`choices` of them): the kept row holding it,
+    /// or the number of kept rows (one past the last) where it was dropped.
+    pub fn slots(&self, choices: usize) -> Vec<usize> {
+        let mut slot = vec![self.token.len(); choices];
+        for (row, &c) in self.choice.iter().enumerate() {
+            slot[c] = row;
+        }
+        slot
+    }
+
     /// Assignments dropped for want of capacity.
     pub fn dropped(&self) -> usize {
         self.routed.iter().sum::<usize>() - self.kept.iter().sum::<usize>()
@@ -331,6 +341,36 @@ pub trait ExpertDispatch: Send + Sync {
     /// `tokens: [rows, d_model]`, `counts[e]` rows for global expert `e` in expert order;
     /// returns each row's expert output in the same order. `moe` holds this rank's experts.
     fn dispatch(&self, moe: &Moe, tokens: Tensor<2>, counts: &[usize]) -> Tensor<2>;
+
+    /// The expert outputs back per token: `outputs: [rows, d]` (in `routing`'s kept order)
+    /// weighted by `weights: [tokens, top_k]` and summed over each token's kept choices, as
+    /// `[tokens, d]`. The default is plain tensor operations ([`combine`]); a dispatcher may
+    /// fuse it.
+    fn combine(&self, outputs: Tensor<2>, weights: Tensor<2>, routing: &Routing) -> Tensor<2> {
+        combine(outputs, weights, routing)
+    }
+}
+
+/// [`ExpertDispatch::combine`] in tensor operations: each kept row times its weight, rows put
+/// back in `[tokens, top_k]` slots (dropped slots read a zero row), summed over the slots.
+pub fn combine(outputs: Tensor<2>, weights: Tensor<2>, routing: &Routing) -> Tensor<2> {
+    let [rows, d] = outputs.dims();
+    let [n, k] = weights.dims();
+    let device = outputs.device();
+    let dtype = outputs.dtype();
+    let index = |v: &[usize]| index_tensor(v, [v.len()], &device);
+    let w = weights
+        .reshape([n * k])
+        .select(0, index(&routing.choice))
+        .reshape([rows, 1])
+        .cast(dtype);
+    let zero_row = Tensor::<2>::zeros([1, d], &device).cast(dtype);
+    let padded = Tensor::cat(vec![outputs * w, zero_row], 0);
+    padded
+        .select(0, index(&routing.slots(n * k)))
+        .reshape([n, k, d])
+        .sum_dim(1)
+        .reshape([n, d])
 }
 
 /// Every expert is local: each runs once on its rows.
@@ -507,27 +547,16 @@ impl Moe {
             Tensor::<2>::zeros([n, d], &device).cast(dtype)
         } else {
             let tokens = xf.clone().select(0, index(&routing.token));
-            let out = match &ctx.moe {
-                Some(hook) => hook.dispatch.dispatch(self, tokens, &routing.kept),
-                None => LocalExperts.dispatch(self, tokens, &routing.kept),
-            };
-            let w = weights
-                .reshape([n * k])
-                .select(0, index(&routing.choice))
-                .reshape([rows, 1])
-                .cast(dtype);
-            // Back to [tokens, top_k] slots (dropped slots read the zero row), summed over k.
-            let mut slot = vec![rows; n * k];
-            for (row, &c) in routing.choice.iter().enumerate() {
-                slot[c] = row;
+            match &ctx.moe {
+                Some(hook) => {
+                    let out = hook.dispatch.dispatch(self, tokens, &routing.kept);
+                    hook.dispatch.combine(out, weights, &routing)
+                }
+                None => {
+                    let out = LocalExperts.dispatch(self, tokens, &routing.kept);
+                    LocalExperts.combine(out, weights, &routing)
+                }
             }
-            let zero_row = Tensor::<2>::zeros([1, d], &device).cast(dtype);
-            let padded = Tensor::cat(vec![out * w, zero_row], 0);
-            padded
-                .select(0, index(&slot))
-                .reshape([n, k, d])
-                .sum_dim(1)
-                .reshape([n, d])
         };
         let out = match &self.shared {
             Some(shared) => routed + shared.forward(xf.reshape([1, n, d])).reshape([n, d]),

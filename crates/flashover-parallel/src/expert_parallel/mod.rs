@@ -16,6 +16,7 @@
 //! (they came back through the all-to-all's backward), so it is reduced over the `dp` replicas
 //! of that expert only, then scaled like the rest ([`ExpertGradients`]).
 
+mod combine_op;
 mod replicas;
 
 use crate::precision::{Precision, all_reduce_in, cast_params};
@@ -27,7 +28,7 @@ use crate::tensor_parallel::comm::{host, host_pair, ok, values};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Tensor, TensorData};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
-use flashover_models::moe::{ExpertDispatch, Moe, index_tensor, run_experts};
+use flashover_models::moe::{ExpertDispatch, Moe, Routing, index_tensor, run_experts};
 use flashover_models::{SwiGlu, Transformer};
 use flashover_runtime::{Axis, RankContext};
 use std::ops::Range;
@@ -195,6 +196,14 @@ fn all_to_all_rows(
 }
 
 impl ExpertDispatch for ExpertParallel {
+    fn combine(&self, outputs: Tensor<2>, weights: Tensor<2>, routing: &Routing) -> Tensor<2> {
+        if combine_op::fuses(&outputs, &weights) {
+            combine_op::combine_fused(outputs, weights, routing)
+        } else {
+            flashover_models::moe::combine(outputs, weights, routing)
+        }
+    }
+
     fn dispatch(&self, moe: &Moe, tokens: Tensor<2>, counts: &[usize]) -> Tensor<2> {
         let (p, per, me) = (self.group.size(), self.per_rank(), self.group.rank());
         // This step's replicated (hot) experts of this layer: every rank holds a copy and keeps
