@@ -42,6 +42,21 @@ mod moe;
 use burn::backend::{Flex, tensor::FloatTensor};
 use burn::tensor::Tensor;
 
+static FUSED_OPS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether the strategies use their fused differentiable ops (ring attention's merge, the
+/// vocabulary-parallel loss pieces, the MoE combine) on CubeCL devices; on by default. Off,
+/// they keep their tensor operations everywhere (benchmarks compare the two; it also helps
+/// bisect a numerical difference).
+pub fn set_fused_ops(on: bool) {
+    FUSED_OPS.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// See [`set_fused_ops`].
+pub fn fused_ops() -> bool {
+    FUSED_OPS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Whether `device` (or the device under its autodiff) runs Burn's CubeCL backend, where the
 /// kernels launch (always `false` without the `wgpu` / `cuda` features).
 pub fn is_cube_device(device: &burn::tensor::Device) -> bool {

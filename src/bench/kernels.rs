@@ -203,3 +203,56 @@ pub fn run(device: &Device, repeats: usize) -> Result<Vec<KernelBenchRecord>, St
     }
     Ok(out)
 }
+
+/// Training steps of the reference transformer on `device` through the layouts whose
+/// strategies use fused ops (ring attention's merge at cp=2, the vocabulary-parallel loss at
+/// tp=2, the MoE combine at ep=2), with the fused ops and with tensor operations, alternating
+/// `rounds` times; the median step time of each (first step of each run left out).
+pub fn run_training(
+    device: crate::DeviceChoice,
+    steps: usize,
+    rounds: usize,
+) -> Result<Vec<KernelBenchRecord>, String> {
+    let job = |mesh: &str| {
+        let mut c = crate::train::TrainConfig::default();
+        c.model.preset = "tiny".into();
+        c.data.seq_len = 64;
+        c.run.steps = steps.max(2);
+        c.run.global_batch = 8;
+        c.run.device = device;
+        c.parallel.mesh = mesh.into();
+        if mesh.contains("ep") {
+            c.moe.experts = 4;
+        }
+        c
+    };
+    let mut out = vec![];
+    for (mesh, what) in [
+        ("cp=2", "training step, ring merge fused vs tensor ops"),
+        ("tp=2", "training step, loss pieces fused vs tensor ops"),
+        ("ep=2", "training step, MoE combine fused vs tensor ops"),
+    ] {
+        let (mut fused, mut plain) = (vec![], vec![]);
+        for _ in 0..rounds.max(1) {
+            for (on, times) in [(true, &mut fused), (false, &mut plain)] {
+                flashover_kernels::set_fused_ops(on);
+                let report = crate::train::train(&job(mesh), &|_| {});
+                flashover_kernels::set_fused_ops(true);
+                let report = report?;
+                times.extend(report.steps.iter().skip(1).map(|s| s.step_time_s));
+            }
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        out.push(KernelBenchRecord {
+            op: what.into(),
+            size: format!("{mesh}, tiny model, 8 x 64 tokens"),
+            fused_s: median(&mut fused),
+            unfused_s: median(&mut plain),
+            bytes: 0.0,
+        });
+    }
+    Ok(out)
+}

@@ -251,21 +251,33 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
         }
         BenchCommand::Kernels(args) => {
             let device = args.device.device(0).map_err(|e| e.to_string())?;
-            let records = flashover::bench::kernels::run(&device, args.repeats)?;
+            let mut records = flashover::bench::kernels::run(&device, args.repeats)?;
+            if flashover_kernels::is_cube_device(&device) {
+                records.extend(flashover::bench::kernels::run_training(
+                    args.device,
+                    10,
+                    args.repeats.div_ceil(5),
+                )?);
+            }
             println!("device {device:?}");
             println!(
                 "| operation | size | fused ms | unfused ms | unfused / fused | fused GB/s (minimum traffic) |"
             );
             println!("|---|---|---:|---:|---:|---:|");
             for r in &records {
+                // Training steps have no minimum traffic to compare against.
+                let rate = if r.bytes > 0.0 {
+                    format!("{:.2}", r.bytes / r.fused_s / 1e9)
+                } else {
+                    "-".into()
+                };
                 println!(
-                    "| {} | {} | {:.3} | {:.3} | {:.2} | {:.2} |",
+                    "| {} | {} | {:.3} | {:.3} | {:.2} | {rate} |",
                     r.op,
                     r.size,
                     r.fused_s * 1e3,
                     r.unfused_s * 1e3,
                     r.unfused_s / r.fused_s,
-                    r.bytes / r.fused_s / 1e9
                 );
             }
             Ok(())

@@ -178,7 +178,9 @@ impl<B: Backend + MergeOps, C: CheckpointStrategy> MergeGradOps for Autodiff<B, 
 /// (with autodiff). Elsewhere — Flex, where the tensor operations are as fast, and bf16/f16,
 /// which the kernel does not take — the merge stays the composed tensor operations.
 pub(super) fn fuses(a: &Partial) -> bool {
-    a.out.dtype() == DType::F32 && flashover_kernels::is_cube_device(&a.out.device())
+    a.out.dtype() == DType::F32
+        && flashover_kernels::fused_ops()
+        && flashover_kernels::is_cube_device(&a.out.device())
 }
 
 /// The merge of [`super::blocks::merge`], as the fused differentiable op (see the module docs).

@@ -165,6 +165,7 @@ pub(crate) fn fuses(outputs: &Tensor<2>, weights: &Tensor<2>) -> bool {
     outputs.dtype() == DType::F32
         && weights.dtype() == DType::F32
         && outputs.dims()[0] > 0
+        && flashover_kernels::fused_ops()
         && flashover_kernels::is_cube_device(&outputs.device())
 }
 
