@@ -6,6 +6,19 @@ use burn::backend::Cube;
 use burn::backend::{Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
 use burn::tensor::Tensor;
 
+static CUBE_LAUNCHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many AdamW kernels this process has launched on the CubeCL backend (for tests that
+/// check a strategy's optimizer took the fused path).
+pub fn adamw_kernel_launches() -> usize {
+    CUBE_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+pub(crate) fn count_launch() {
+    CUBE_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// The step's hyper-parameters, as Flashover's `FlatAdamW` (and Burn's `AdamW`) use them.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamWScalars {

@@ -246,6 +246,7 @@ pub(crate) fn adamw_step(
         buffer(&outputs[2]),
         (s.lr as f64 * s.weight_decay as f64 != 0.0) as u32,
     );
+    crate::adamw::count_launch();
     let [p, m, v] = outputs;
     (p, m, v)
 }

@@ -85,7 +85,7 @@ fn to_flex<const D: usize>(t: Tensor<D>) -> FloatTensor<Flex> {
         .expect("a reference path on Flex tensors stays on Flex")
 }
 
-pub use adamw::{AdamWScalars, adamw_step, adamw_step_reference};
+pub use adamw::{AdamWScalars, adamw_kernel_launches, adamw_step, adamw_step_reference};
 pub use bucket::{
     PACK_GROUP, Packing, bucket_kernel_launches, pack_scaled, pack_scaled_reference, packs_on,
     set_packing, unpack_scaled, unpack_scaled_reference,

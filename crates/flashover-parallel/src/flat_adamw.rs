@@ -7,6 +7,9 @@
 //! single-device run that uses Burn's optimizer.
 
 use burn::config::Config;
+use burn::tensor::{Tensor, TensorData};
+use flashover_kernels::{AdamWScalars, adamw_step};
+use std::borrow::Cow;
 
 /// Hyper-parameters of [`FlatAdamW`], with Burn's `AdamWConfig` defaults.
 #[derive(Config, Debug, PartialEq)]
@@ -37,7 +40,11 @@ impl FlatAdamWConfig {
 }
 
 /// AdamW moments for one contiguous slice of parameters.
-#[derive(Debug, Clone, PartialEq)]
+///
+/// The moments live on the host, or, once [`FlatAdamW::step_on_device`] has run, on the
+/// parameters' device (the fused AdamW kernel's state); [`FlatAdamW::moments`] reads them back
+/// either way, and a host step first brings them home.
+#[derive(Debug, Clone)]
 pub struct FlatAdamW {
     beta_1: f32,
     beta_2: f32,
@@ -47,6 +54,8 @@ pub struct FlatAdamW {
     time: i32,
     moment_1: Vec<f32>,
     moment_2: Vec<f32>,
+    /// The moments on the device, when the last step ran there (the host ones are then stale).
+    on_device: Option<(Tensor<1>, Tensor<1>)>,
 }
 
 impl FlatAdamW {
@@ -60,18 +69,34 @@ impl FlatAdamW {
             time: 0,
             moment_1: vec![0.0; len],
             moment_2: vec![0.0; len],
+            on_device: None,
         }
     }
 
-    /// The first and second moments.
-    pub fn moments(&self) -> (&[f32], &[f32]) {
-        (&self.moment_1, &self.moment_2)
+    /// The first and second moments (read back from the device where they live there).
+    pub fn moments(&self) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
+        match &self.on_device {
+            Some((m, v)) => (
+                Cow::Owned(crate::params::to_f32(m.clone())),
+                Cow::Owned(crate::params::to_f32(v.clone())),
+            ),
+            None => (Cow::Borrowed(&self.moment_1), Cow::Borrowed(&self.moment_2)),
+        }
+    }
+
+    /// Brings device moments back to the host (before a host step).
+    fn moments_home(&mut self) {
+        if let Some((m, v)) = self.on_device.take() {
+            self.moment_1 = crate::params::to_f32(m);
+            self.moment_2 = crate::params::to_f32(v);
+        }
     }
 
     /// Replaces both moments (equal lengths: the new number of parameters), keeping the step
     /// count; for re-sharding the state over a new partition.
     pub fn replace_moments(&mut self, moment_1: Vec<f32>, moment_2: Vec<f32>) {
         assert_eq!(moment_1.len(), moment_2.len(), "moments of equal length");
+        self.on_device = None;
         self.moment_1 = moment_1;
         self.moment_2 = moment_2;
     }
@@ -97,6 +122,7 @@ impl FlatAdamW {
             ));
         }
         self.time = steps_taken;
+        self.on_device = None;
         self.moment_1 = moment_1;
         self.moment_2 = moment_2;
         Ok(())
@@ -109,6 +135,7 @@ impl FlatAdamW {
 
     /// One step: updates `params` in place from `grads` (same length as the moments).
     pub fn step(&mut self, lr: f64, params: &mut [f32], grads: &[f32]) {
+        self.moments_home();
         assert_eq!(params.len(), self.moment_1.len(), "parameter slice length");
         assert_eq!(grads.len(), self.moment_1.len(), "gradient slice length");
         let (b1, b2) = (self.beta_1, self.beta_2);
@@ -139,6 +166,41 @@ impl FlatAdamW {
             (false, true) => k.run::<false, true>(params, grads, m, v),
             (false, false) => k.run::<false, false>(params, grads, m, v),
         }
+    }
+}
+
+impl FlatAdamW {
+    /// One step with the fused AdamW kernel on the parameters' device (CubeCL): `params` and
+    /// `grads` are flat f32 tensors there; the moments move there on the first such step and
+    /// stay. Returns the updated parameters. The same arithmetic as [`FlatAdamW::step`].
+    pub fn step_on_device(&mut self, lr: f64, params: Tensor<1>, grads: Tensor<1>) -> Tensor<1> {
+        assert_eq!(params.dims()[0], self.moment_1.len(), "parameter length");
+        assert_eq!(grads.dims()[0], self.moment_1.len(), "gradient length");
+        let (m, v) = match self.on_device.take() {
+            Some(moments) => moments,
+            None => {
+                let device = params.device();
+                let upload = |values: &[f32]| {
+                    Tensor::<1>::from_data(
+                        TensorData::new(values.to_vec(), [values.len()]),
+                        &device,
+                    )
+                };
+                (upload(&self.moment_1), upload(&self.moment_2))
+            }
+        };
+        self.time += 1;
+        let scalars = AdamWScalars {
+            lr: lr as f32,
+            beta_1: self.beta_1,
+            beta_2: self.beta_2,
+            epsilon: self.epsilon,
+            weight_decay: self.weight_decay,
+            time: self.time,
+        };
+        let (params, m, v) = adamw_step(params, grads, m, v, scalars);
+        self.on_device = Some((m, v));
+        params
     }
 }
 
@@ -188,7 +250,7 @@ impl Kernel {
 /// ([`crate::params::ParamLayout`]): the replicated strategies' optimizer. Equal to Burn's
 /// `AdamW` bit for bit on Flex, with its state in the open, so checkpoints can save and reshard
 /// it.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct ModuleAdamW {
     adam: FlatAdamW,
 }
@@ -210,6 +272,18 @@ impl ModuleAdamW {
         module: M,
         grads: &burn::optim::GradientsParams,
     ) -> Result<M, crate::ParallelError> {
+        // On a CubeCL device with every gradient there: pack both on the device, no host.
+        if flashover_kernels::fused_ops()
+            && let Some(device) = module.devices().into_iter().next()
+            && flashover_kernels::is_cube_device(&device)
+            && let (Some(params), Some(flat_grads)) = (
+                crate::params::pack_params(&module),
+                crate::params::pack_grads(&module, grads),
+            )
+        {
+            let params = self.adam.step_on_device(lr, params, flat_grads);
+            return Ok(crate::params::load_packed(module, params));
+        }
         let params = crate::params::flatten_params(&module);
         let mut flat_grads = vec![0.0; params.len()];
         let found = crate::params::accumulate_grads(&module, grads, &mut flat_grads, &[]);
@@ -243,6 +317,9 @@ impl ModuleAdamW {
         mut params: Vec<f32>,
         flat_grads: &[f32],
     ) -> Result<M, crate::ParallelError> {
+        if let Some(module) = self.try_on_device(lr, &module, flat_grads) {
+            return Ok(module);
+        }
         if flat_grads.len() != params.len() {
             return Err(crate::ParallelError::Invalid(format!(
                 "{} gradient elements for {} parameters",
@@ -252,6 +329,28 @@ impl ModuleAdamW {
         }
         self.adam.step(lr, &mut params, flat_grads);
         Ok(crate::params::load_flat(module, &params))
+    }
+
+    /// On a CubeCL device (with the fused ops on): the parameters packed on the device, the
+    /// host gradient uploaded once, the fused AdamW kernel, the parameters cut back into the
+    /// module there; no parameter crosses to the host. `None` elsewhere.
+    fn try_on_device<M: burn::module::Module>(
+        &mut self,
+        lr: f64,
+        module: &M,
+        flat_grads: &[f32],
+    ) -> Option<M> {
+        let device = module.devices().into_iter().next()?;
+        if !(flashover_kernels::fused_ops() && flashover_kernels::is_cube_device(&device)) {
+            return None;
+        }
+        let params = crate::params::pack_params(module)?;
+        let grads = Tensor::<1>::from_data(
+            TensorData::new(flat_grads.to_vec(), [flat_grads.len()]),
+            &params.device(),
+        );
+        let params = self.adam.step_on_device(lr, params, grads);
+        Some(crate::params::load_packed(module.clone(), params))
     }
 
     /// The flat optimizer (moments in layout order, step count).
@@ -311,5 +410,40 @@ mod tests {
             );
         }
         assert_eq!(flat.state_bytes(), 96);
+    }
+
+    /// The fused kernel on the wgpu device against the host loop, several steps with and
+    /// without decay; the moments read back from the device equal the host's.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn the_device_step_matches_the_host_step() {
+        let device = burn::tensor::Device::wgpu(burn::tensor::DeviceKind::DefaultDevice);
+        for weight_decay in [0.0, 0.01] {
+            let config = FlatAdamWConfig::new().with_weight_decay(weight_decay);
+            let n = 1000;
+            let (mut host, mut dev) = (FlatAdamW::new(&config, n), FlatAdamW::new(&config, n));
+            let mut params: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let upload =
+                |v: &[f32]| Tensor::<1>::from_data(TensorData::new(v.to_vec(), [n]), &device);
+            let mut on_device = upload(&params);
+            for step in 0..4 {
+                let grads: Vec<f32> = (0..n).map(|i| ((i + step) as f32 * 0.11).cos()).collect();
+                host.step(1e-2, &mut params, &grads);
+                on_device = dev.step_on_device(1e-2, on_device, upload(&grads));
+            }
+            let close = |a: &[f32], b: &[f32], what: &str| {
+                for (x, y) in a.iter().zip(b) {
+                    assert!(
+                        (x - y).abs() <= 1e-6 * y.abs().max(1.0),
+                        "{what}: {x} vs {y}"
+                    );
+                }
+            };
+            close(&crate::params::to_f32(on_device), &params, "parameters");
+            let ((hm, hv), (dm, dv)) = (host.moments(), dev.moments());
+            close(&dm, &hm, "first moment");
+            close(&dv, &hv, "second moment");
+            assert_eq!(dev.steps_taken(), 4);
+        }
     }
 }

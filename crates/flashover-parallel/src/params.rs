@@ -125,6 +125,95 @@ fn write_split(flat: &[f32], lens: &[usize], device: &Device) -> Vec<Tensor<1>> 
         .collect()
 }
 
+/// Every float parameter of `module` packed into one flat tensor on their device (outside any
+/// graph; the pack kernel on a CubeCL device). `None` for a module without parameters, or
+/// whose parameters are not all f32 on one device.
+pub fn pack_params<M: Module>(module: &M) -> Option<Tensor<1>> {
+    struct V(Vec<Tensor<1>>);
+    impl ModuleVisitor for V {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let value = param.val().inner();
+            let numel = value.shape().num_elements();
+            self.0.push(value.reshape([numel]));
+        }
+    }
+    let mut v = V(vec![]);
+    module.visit(&mut v);
+    same_device_f32(&v.0).then(|| pack_scaled(v.0, 1.0))
+}
+
+/// Every float parameter's gradient in `grads`, packed into one flat tensor in layout order
+/// on their device. `None` if a parameter has no gradient, or they are not all f32 on one
+/// device.
+pub fn pack_grads<M: Module>(module: &M, grads: &GradientsParams) -> Option<Tensor<1>> {
+    struct V<'a> {
+        grads: &'a GradientsParams,
+        parts: Option<Vec<Tensor<1>>>,
+    }
+    impl ModuleVisitor for V<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let grad = self.grads.get::<D>(param.id);
+            match (grad, self.parts.as_mut()) {
+                (Some(g), Some(parts)) => {
+                    let numel = g.shape().num_elements();
+                    parts.push(g.reshape([numel]));
+                }
+                _ => self.parts = None,
+            }
+        }
+    }
+    let mut v = V {
+        grads,
+        parts: Some(vec![]),
+    };
+    module.visit(&mut v);
+    let parts = v.parts?;
+    same_device_f32(&parts).then(|| pack_scaled(parts, 1.0))
+}
+
+fn same_device_f32(parts: &[Tensor<1>]) -> bool {
+    let Some(first) = parts.first() else {
+        return false;
+    };
+    let device = first.device();
+    parts
+        .iter()
+        .all(|t| t.device() == device && t.dtype() == burn::tensor::DType::F32)
+}
+
+/// `module` with its float parameters replaced by the pieces of `flat` (layout order, on their
+/// device: cut there, no host copy), keeping ids, autodiff context and `require_grad`.
+pub fn load_packed<M: Module>(module: M, flat: Tensor<1>) -> M {
+    let lens: Vec<usize> = ParamLayout::of(&module)
+        .slots
+        .iter()
+        .map(|s| s.numel)
+        .collect();
+    struct Mapper {
+        pieces: std::vec::IntoIter<Tensor<1>>,
+    }
+    impl ModuleMapper for Mapper {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let piece = self.pieces.next().expect("one piece per parameter");
+            param.map(|t| {
+                let require_grad = t.is_require_grad();
+                let value = piece.reshape(t.dims());
+                let value = match t.gradient_checkpointing_strategy() {
+                    Some(strategy) => value
+                        .autodiff()
+                        .with_gradient_checkpointing_strategy(strategy),
+                    None => value,
+                };
+                value.set_require_grad(require_grad)
+            })
+        }
+    }
+    let pieces = unpack_scaled(flat, &lens, 1.0);
+    module.map(&mut Mapper {
+        pieces: pieces.into_iter(),
+    })
+}
+
 /// Every float parameter's values, concatenated in layout order.
 pub fn flatten_params<M: Module>(module: &M) -> Vec<f32> {
     struct V(Vec<Tensor<1>>);

@@ -5,11 +5,15 @@ use super::shard_map::ShardMap;
 use crate::error::ParallelError;
 use crate::flat_adamw::{FlatAdamW, FlatAdamWConfig};
 use crate::grad_clip::clip_global_norm;
-use crate::params::{ParamLayout, accumulate_grads, flatten_params, load_flat};
+use crate::params::{
+    ParamLayout, accumulate_grads, flatten_params, load_flat, load_packed, pack_params,
+};
 use crate::precision::{Precision, all_reduce_in};
 use burn::module::Module;
 use burn::optim::GradientsParams;
+use burn::tensor::{Tensor, TensorData};
 use flashover_comm::{CommunicatorExt, Group};
+use std::borrow::Cow;
 
 /// AdamW whose state is sharded over `group` as `map` says; see the [module docs](super).
 pub struct ZeroOptimizer {
@@ -57,7 +61,7 @@ impl ZeroOptimizer {
     }
 
     /// This rank's AdamW moments, in shard order.
-    pub fn moments(&self) -> (&[f32], &[f32]) {
+    pub fn moments(&self) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
         self.adam.moments()
     }
 
@@ -88,7 +92,7 @@ impl ZeroOptimizer {
         let (m1, m2) = self.adam.moments();
         let mut moved = vec![];
         for moment in [m1, m2] {
-            let gathered = self.group.all_gather_vec(moment)?;
+            let gathered = self.group.all_gather_vec(&moment)?;
             self.map.put_all(&gathered, &mut full);
             moved.push(map.take(rank, &full));
         }
@@ -216,6 +220,16 @@ impl FullyShardedOptimizer {
         Ok((self.apply(lr, model, true), norm))
     }
 
+    /// The model's shards packed on their device, where that is a CubeCL device and the fused
+    /// ops are on.
+    fn on_device<M: Module>(&self, model: &M) -> Option<Tensor<1>> {
+        let device = model.devices().into_iter().next()?;
+        if !(flashover_kernels::fused_ops() && flashover_kernels::is_cube_device(&device)) {
+            return None;
+        }
+        pack_params(model)
+    }
+
     /// The first half of [`FullyShardedOptimizer::step`]: reduces over replicas, averages,
     /// unscales and clips; returns the global gradient norm before clipping.
     pub fn reduce(&mut self, max_norm: Option<f32>) -> Result<f32, ParallelError> {
@@ -244,12 +258,21 @@ impl FullyShardedOptimizer {
     /// The second half of [`FullyShardedOptimizer::step`]: AdamW on the shards (unless
     /// `update` is false: a skipped step), then the accumulated gradients are reset.
     pub fn apply<M: Module>(&mut self, lr: f64, model: M, update: bool) -> M {
-        let model = if update {
-            let mut flat = flatten_params(&model);
-            self.adam.step(lr, &mut flat, &self.grads);
-            load_flat(model, &flat)
-        } else {
-            model
+        let model = match (update, self.on_device(&model)) {
+            // The shards stay on their CubeCL device: the fused AdamW kernel steps them there.
+            (true, Some(shards)) => {
+                let device = shards.device();
+                let data = TensorData::new(self.grads.clone(), [self.grads.len()]);
+                let grads = Tensor::<1>::from_data(data, &device);
+                let shards = self.adam.step_on_device(lr, shards, grads);
+                load_packed(model, shards)
+            }
+            (true, None) => {
+                let mut flat = flatten_params(&model);
+                self.adam.step(lr, &mut flat, &self.grads);
+                load_flat(model, &flat)
+            }
+            (false, _) => model,
         };
         self.grads.iter_mut().for_each(|g| *g = 0.0);
         self.micro_batches = 0;
