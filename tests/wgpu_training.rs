@@ -23,9 +23,9 @@ fn tiny(mesh: &str) -> TrainConfig {
 }
 
 fn flex_and_wgpu_agree(c: TrainConfig) -> flashover::train::TrainReport {
-    // Lavapipe is a CPU adapter, where host reads are not packed by default: force the packed
-    // path (the one GPUs take), so every layout here runs it.
-    flashover_kernels::set_packing(flashover_kernels::Packing::Always);
+    // Lavapipe is a CPU adapter, where the strategies do not use the kernels by default: force
+    // them (the path GPUs take), so every layout here runs through them.
+    flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Always);
     let what = format!(
         "{} zero={} recompute={}",
         c.parallel.mesh, c.parallel.zero, c.parallel.activation_checkpointing
@@ -124,6 +124,7 @@ fn optimizer_state_on_the_device_checkpoints_and_resumes_exactly() {
     // On wgpu AdamW's moments live on the device (the fused kernel's state); a checkpoint reads
     // them back and a resumed run uploads them again: the resumed steps equal the
     // uninterrupted run's bit for bit, for replicated (DDP) and sharded (ZeRO-3) state.
+    flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Always);
     for (mesh, zero) in [("dp=2", 0u8), ("fsdp=2", 3)] {
         let dir = std::env::temp_dir().join(format!(
             "flashover-wgpu-resume-{}-{}",

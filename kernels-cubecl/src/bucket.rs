@@ -11,7 +11,7 @@
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 use burn::backend::Cube;
-use burn::tensor::{Device, Tensor};
+use burn::tensor::Tensor;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Source tensors one pack launch reads on the CubeCL backend.
@@ -30,72 +30,11 @@ pub(crate) fn count_launches(n: usize) {
     CUBE_LAUNCHES.fetch_add(n, Ordering::Relaxed);
 }
 
-/// When callers that move many tensors to or from the host (the strategies' parameter and
-/// gradient reads) pack them on the device first; see [`packs_on`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Packing {
-    /// On a CubeCL device that is a card (a GPU). Not on a CPU adapter such as Mesa lavapipe:
-    /// its buffers already live in host memory, a read is a copy, and one read per tensor was
-    /// measured 25-38x faster than a pack kernel and one read (`bench kernels`).
-    Auto,
-    /// On every CubeCL device (tests use it to run the packed path on lavapipe).
-    Always,
-    /// Never: one transfer per tensor.
-    Never,
-}
-
-static PACKING: AtomicUsize = AtomicUsize::new(0);
-
-/// Sets when [`packs_on`] says yes, for the whole process.
-pub fn set_packing(packing: Packing) {
-    let code = match packing {
-        Packing::Auto => 0,
-        Packing::Always => 1,
-        Packing::Never => 2,
-    };
-    PACKING.store(code, Ordering::Relaxed);
-}
-
-/// Whether to pack f32 tensors on `device` before a host transfer, per [`set_packing`]
-/// (default [`Packing::Auto`]). [`pack_scaled`] and [`unpack_scaled`] run their kernels on any
-/// CubeCL device either way; elsewhere they are plain tensor operations.
-pub fn packs_on(device: &Device) -> bool {
-    if !crate::is_cube_device(device) {
-        return false;
-    }
-    match PACKING.load(Ordering::Relaxed) {
-        1 => true,
-        2 => false,
-        _ => is_card(&device.clone().inner()),
-    }
-}
-
-#[cfg(not(any(feature = "wgpu", feature = "cuda")))]
-fn is_card(_: &Device) -> bool {
-    false
-}
-
-/// Whether the CubeCL `device` is a card on a bus (its identity names one), remembered per
-/// device (asking opens the device).
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-fn is_card(device: &Device) -> bool {
-    static KNOWN: std::sync::Mutex<Vec<(Device, bool)>> = std::sync::Mutex::new(Vec::new());
-    let mut known = KNOWN.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((_, card)) = known.iter().find(|(d, _)| d == device) {
-        return *card;
-    }
-    let card = device
-        .identity()
-        .is_some_and(|identity| identity.physical.is_some());
-    known.push((device.clone(), card));
-    card
-}
-
 /// `parts` concatenated into one flat tensor, every element times `scale`. `parts` must not be
 /// empty; pass tensors outside any autodiff graph (`Tensor::inner`).
 ///
 /// ```
-/// use burn::tensor::{Device, Tensor};
+/// use burn::tensor::Tensor;
 /// use flashover_kernels::{pack_scaled, unpack_scaled};
 ///
 /// let device = Device::flex();

@@ -38,24 +38,10 @@ mod cross_entropy;
 mod cube;
 mod merge;
 mod moe;
+mod policy;
 
 use burn::backend::{Flex, tensor::FloatTensor};
 use burn::tensor::Tensor;
-
-static FUSED_OPS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Whether the strategies use their fused differentiable ops (ring attention's merge, the
-/// vocabulary-parallel loss pieces, the MoE combine) on CubeCL devices; on by default. Off,
-/// they keep their tensor operations everywhere (benchmarks compare the two; it also helps
-/// bisect a numerical difference).
-pub fn set_fused_ops(on: bool) {
-    FUSED_OPS.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// See [`set_fused_ops`].
-pub fn fused_ops() -> bool {
-    FUSED_OPS.load(std::sync::atomic::Ordering::Relaxed)
-}
 
 /// Whether `device` (or the device under its autodiff) runs Burn's CubeCL backend, where the
 /// kernels launch (always `false` without the `wgpu` / `cuda` features).
@@ -87,11 +73,12 @@ fn to_flex<const D: usize>(t: Tensor<D>) -> FloatTensor<Flex> {
 
 pub use adamw::{AdamWScalars, adamw_kernel_launches, adamw_step, adamw_step_reference};
 pub use bucket::{
-    PACK_GROUP, Packing, bucket_kernel_launches, pack_scaled, pack_scaled_reference, packs_on,
-    set_packing, unpack_scaled, unpack_scaled_reference,
+    PACK_GROUP, bucket_kernel_launches, pack_scaled, pack_scaled_reference, unpack_scaled,
+    unpack_scaled_reference,
 };
 pub use cross_entropy::{cross_entropy_pieces, cross_entropy_pieces_reference};
 pub use merge::{MergeOps, merge_partials, merge_partials_reference};
 pub use moe::{
     MoePermuteOps, permute_rows, permute_rows_reference, unpermute_rows, unpermute_rows_reference,
 };
+pub use policy::{KernelUse, set_kernel_use, uses_kernels};

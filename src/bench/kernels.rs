@@ -205,8 +205,9 @@ pub fn run(device: &Device, repeats: usize) -> Result<Vec<KernelBenchRecord>, St
 }
 
 /// Training steps of the reference transformer on `device` through the layouts whose
-/// strategies use fused ops (ring attention's merge at cp=2, the vocabulary-parallel loss at
-/// tp=2, the MoE combine at ep=2), with the fused ops and with tensor operations, alternating
+/// strategies use fused ops (AdamW everywhere, ring attention's merge at cp=2, the
+/// vocabulary-parallel loss at tp=2, the MoE combine at ep=2), with the fused ops and with
+/// tensor operations (`KernelUse::Always` against `Never`), alternating
 /// `rounds` times; the median step time of each (first step of each run left out).
 pub fn run_training(
     device: crate::DeviceChoice,
@@ -228,16 +229,21 @@ pub fn run_training(
     };
     let mut out = vec![];
     for (mesh, what) in [
-        ("cp=2", "training step, ring merge fused vs tensor ops"),
-        ("tp=2", "training step, loss pieces fused vs tensor ops"),
-        ("ep=2", "training step, MoE combine fused vs tensor ops"),
+        ("dp=2", "training step: fused AdamW"),
+        ("cp=2", "training step: ring merge + AdamW"),
+        ("tp=2", "training step: loss pieces + AdamW"),
+        ("ep=2", "training step: MoE combine + AdamW"),
     ] {
         let (mut fused, mut plain) = (vec![], vec![]);
         for _ in 0..rounds.max(1) {
             for (on, times) in [(true, &mut fused), (false, &mut plain)] {
-                flashover_kernels::set_fused_ops(on);
+                flashover_kernels::set_kernel_use(if on {
+                    flashover_kernels::KernelUse::Always
+                } else {
+                    flashover_kernels::KernelUse::Never
+                });
                 let report = crate::train::train(&job(mesh), &|_| {});
-                flashover_kernels::set_fused_ops(true);
+                flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Auto);
                 let report = report?;
                 times.extend(report.steps.iter().skip(1).map(|s| s.step_time_s));
             }

@@ -273,9 +273,8 @@ impl ModuleAdamW {
         grads: &burn::optim::GradientsParams,
     ) -> Result<M, crate::ParallelError> {
         // On a CubeCL device with every gradient there: pack both on the device, no host.
-        if flashover_kernels::fused_ops()
-            && let Some(device) = module.devices().into_iter().next()
-            && flashover_kernels::is_cube_device(&device)
+        if let Some(device) = module.devices().into_iter().next()
+            && flashover_kernels::uses_kernels(&device)
             && let (Some(params), Some(flat_grads)) = (
                 crate::params::pack_params(&module),
                 crate::params::pack_grads(&module, grads),
@@ -341,7 +340,7 @@ impl ModuleAdamW {
         flat_grads: &[f32],
     ) -> Option<M> {
         let device = module.devices().into_iter().next()?;
-        if !(flashover_kernels::fused_ops() && flashover_kernels::is_cube_device(&device)) {
+        if !flashover_kernels::uses_kernels(&device) {
             return None;
         }
         let params = crate::params::pack_params(module)?;

@@ -6,7 +6,7 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
 use flashover_comm::{CommError, Group};
-use flashover_kernels::{pack_scaled, packs_on, unpack_scaled};
+use flashover_kernels::{pack_scaled, unpack_scaled, uses_kernels};
 use flashover_runtime::TensorCollectives;
 
 /// One float parameter's place in the flat layout.
@@ -101,7 +101,7 @@ fn read_concatenated(tensors: Vec<Tensor<1>>) -> Vec<f32> {
         return vec![];
     };
     let device = first.device();
-    if packs_on(&device) && tensors.iter().all(|t| t.device() == device) {
+    if uses_kernels(&device) && tensors.iter().all(|t| t.device() == device) {
         return to_f32(pack_scaled(tensors, 1.0));
     }
     tensors.into_iter().flat_map(to_f32).collect()
@@ -111,7 +111,7 @@ fn read_concatenated(tensors: Vec<Tensor<1>>) -> Vec<f32> {
 /// CubeCL device `flat` is uploaded once and cut there (`flashover_kernels::unpack_scaled`):
 /// one transfer instead of one per tensor. Elsewhere each piece is uploaded in turn.
 fn write_split(flat: &[f32], lens: &[usize], device: &Device) -> Vec<Tensor<1>> {
-    if packs_on(device) && lens.len() > 1 {
+    if uses_kernels(device) && lens.len() > 1 {
         let whole = Tensor::<1>::from_data(TensorData::new(flat.to_vec(), [flat.len()]), device);
         return unpack_scaled(whole, lens, 1.0);
     }

@@ -178,9 +178,7 @@ impl<B: Backend + MergeOps, C: CheckpointStrategy> MergeGradOps for Autodiff<B, 
 /// (with autodiff). Elsewhere — Flex, where the tensor operations are as fast, and bf16/f16,
 /// which the kernel does not take — the merge stays the composed tensor operations.
 pub(super) fn fuses(a: &Partial) -> bool {
-    a.out.dtype() == DType::F32
-        && flashover_kernels::fused_ops()
-        && flashover_kernels::is_cube_device(&a.out.device())
+    a.out.dtype() == DType::F32 && flashover_kernels::uses_kernels(&a.out.device())
 }
 
 /// The merge of [`super::blocks::merge`], as the fused differentiable op (see the module docs).
@@ -215,6 +213,7 @@ mod tests {
     #[test]
     fn the_fused_merge_has_the_composed_merges_values_and_gradients() {
         let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
+        flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Always);
         assert!(crate::context_parallel::merge_op::fuses(&Partial {
             out: Tensor::zeros([1, 1, 1, 1], &device),
             lse: Tensor::zeros([1, 1, 1, 1], &device),

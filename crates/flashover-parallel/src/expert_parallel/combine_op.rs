@@ -165,8 +165,7 @@ pub(crate) fn fuses(outputs: &Tensor<2>, weights: &Tensor<2>) -> bool {
     outputs.dtype() == DType::F32
         && weights.dtype() == DType::F32
         && outputs.dims()[0] > 0
-        && flashover_kernels::fused_ops()
-        && flashover_kernels::is_cube_device(&outputs.device())
+        && flashover_kernels::uses_kernels(&outputs.device())
 }
 
 /// [`flashover_models::moe::combine`] as the fused differentiable op.
@@ -194,6 +193,7 @@ mod tests {
     #[test]
     fn the_fused_combine_has_the_tensor_combines_values_and_gradients() {
         let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
+        flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Always);
         let (tokens, top_k, d) = (5, 2, 6);
         // Kept choices in expert order; choices 3 and 8 are dropped.
         let choice = vec![4, 0, 9, 2, 6, 1, 5, 7];

@@ -92,9 +92,7 @@ impl<B: Backend, C: CheckpointStrategy> SumExpGradOps for Autodiff<B, C> {
 /// Whether [`max_and_sum_exp`] runs the fused kernel: f32 logits on a CubeCL device. Elsewhere
 /// (Flex, where the tensor operations are as fast) the loss keeps its tensor operations.
 pub(crate) fn fuses(logits: &Tensor<2>) -> bool {
-    logits.dtype() == DType::F32
-        && flashover_kernels::fused_ops()
-        && flashover_kernels::is_cube_device(&logits.device())
+    logits.dtype() == DType::F32 && flashover_kernels::uses_kernels(&logits.device())
 }
 
 /// Per row of `logits: [rows, v]` (pads already very negative, not `-inf`): the maximum (a

@@ -224,7 +224,7 @@ impl FullyShardedOptimizer {
     /// ops are on.
     fn on_device<M: Module>(&self, model: &M) -> Option<Tensor<1>> {
         let device = model.devices().into_iter().next()?;
-        if !(flashover_kernels::fused_ops() && flashover_kernels::is_cube_device(&device)) {
+        if !flashover_kernels::uses_kernels(&device) {
             return None;
         }
         pack_params(model)

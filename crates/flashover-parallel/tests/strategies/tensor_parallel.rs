@@ -129,6 +129,8 @@ fn tokens(vocab: usize, device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>) {
 fn rank_devices() -> Vec<Device> {
     let mut devices = vec![Device::flex().autodiff()];
     if cfg!(feature = "wgpu") {
+        // Lavapipe is a CPU adapter, where the kernels are off by default: force them.
+        flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Always);
         devices.push(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice).autodiff());
     }
     devices
