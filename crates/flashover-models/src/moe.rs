@@ -342,6 +342,13 @@ pub trait ExpertDispatch: Send + Sync {
     /// returns each row's expert output in the same order. `moe` holds this rank's experts.
     fn dispatch(&self, moe: &Moe, tokens: Tensor<2>, counts: &[usize]) -> Tensor<2>;
 
+    /// The rows of `x: [tokens, d]` that go to the experts, `rows[i]` for row `i` (tokens may
+    /// repeat, one row per kept choice). The default is a `select`; a dispatcher may fuse it.
+    fn gather(&self, x: Tensor<2>, rows: &[usize]) -> Tensor<2> {
+        let index = index_tensor(rows, [rows.len()], &x.device());
+        x.select(0, index)
+    }
+
     /// The expert outputs back per token: `outputs: [rows, d]` (in `routing`'s kept order)
     /// weighted by `weights: [tokens, top_k]` and summed over each token's kept choices, as
     /// `[tokens, d]`. The default is plain tensor operations ([`combine`]); a dispatcher may
@@ -520,7 +527,6 @@ impl Moe {
         let bias = (!self.expert_bias.is_empty()).then_some(self.expert_bias.as_slice());
         let routing = route(&host, t, &self.config, bias);
         let device = xf.device();
-        let index = |v: &[usize]| index_tensor(v, [v.len()], &device);
         let scores = match self.config.router {
             RouterKind::Softmax => softmax(logits.clone(), 1),
             RouterKind::Sigmoid => sigmoid(logits.clone()),
@@ -546,13 +552,14 @@ impl Moe {
         let routed = if rows == 0 {
             Tensor::<2>::zeros([n, d], &device).cast(dtype)
         } else {
-            let tokens = xf.clone().select(0, index(&routing.token));
             match &ctx.moe {
                 Some(hook) => {
+                    let tokens = hook.dispatch.gather(xf.clone(), &routing.token);
                     let out = hook.dispatch.dispatch(self, tokens, &routing.kept);
                     hook.dispatch.combine(out, weights, &routing)
                 }
                 None => {
+                    let tokens = LocalExperts.gather(xf.clone(), &routing.token);
                     let out = LocalExperts.dispatch(self, tokens, &routing.kept);
                     LocalExperts.combine(out, weights, &routing)
                 }

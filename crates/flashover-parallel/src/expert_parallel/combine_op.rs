@@ -15,7 +15,7 @@ use burn::backend::{
     Autodiff, Backend, Dispatch, Flex, TensorMetadata, backend_extension, tensor::FloatTensor,
     tensor::IntTensor,
 };
-use burn::tensor::{DType, IntDType, Shape, Tensor, TensorData};
+use burn::tensor::{DType, IndexingUpdateOp, IntDType, Shape, Tensor, TensorData};
 use flashover_kernels::MoePermuteOps;
 use flashover_models::moe::Routing;
 use std::sync::Arc;
@@ -183,10 +183,137 @@ pub(crate) fn combine_fused(
     ))
 }
 
+/// The source rows of a permutation (host indices and the kernel's f32 order).
+#[derive(Debug, Clone)]
+pub struct PermutePlan(Arc<(Vec<i64>, Vec<f32>)>);
+
+#[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")), Autodiff)]
+pub trait PermuteGradOps: Backend {
+    /// `x: [tokens, d]` -> `[rows, d]`, row `i` being `x[plan[i]]`, differentiable.
+    fn permute_with_grad(x: FloatTensor<Self>, plan: PermutePlan) -> FloatTensor<Self>;
+}
+
+/// The kernel's forward on a backend's primitives.
+fn permute_forward<B: Backend + MoePermuteOps>(
+    x: FloatTensor<B>,
+    plan: &PermutePlan,
+) -> FloatTensor<B> {
+    let order = &plan.0.1;
+    let data = TensorData::new(order.clone(), [order.len()]);
+    let order = B::float_from_data(data, &x.device());
+    B::permute_rows(x, order)
+}
+
+impl PermuteGradOps for Flex {
+    fn permute_with_grad(x: FloatTensor<Self>, plan: PermutePlan) -> FloatTensor<Self> {
+        permute_forward::<Self>(x, &plan)
+    }
+}
+
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+impl PermuteGradOps for Cube {
+    fn permute_with_grad(x: FloatTensor<Self>, plan: PermutePlan) -> FloatTensor<Self> {
+        permute_forward::<Self>(x, &plan)
+    }
+}
+
+#[derive(Debug)]
+struct PermuteBackward;
+
+impl<B: Backend> Backward<B, 1> for PermuteBackward {
+    /// The input's shape and the plan.
+    type State = (Shape, PermutePlan);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (shape, plan) = ops.state;
+        let d = grads.consume::<B>(&ops.node);
+        let [x_node] = ops.parents;
+        if let Some(node) = x_node {
+            // Each row's gradient added back to its token (a token may feed several rows).
+            let device = d.device();
+            let rows = &plan.0.0;
+            let data = TensorData::new(rows.clone(), [rows.len()]);
+            let index = B::int_cast(B::int_from_data(data, &device), IntDType::I64);
+            let zeros = B::float_zeros(shape, &device, d.dtype().into());
+            let grad = B::float_select_assign(zeros, 0, index, d, IndexingUpdateOp::Add);
+            grads.register::<B>(node.id, grad);
+        }
+    }
+}
+
+impl<B: Backend + MoePermuteOps, C: CheckpointStrategy> PermuteGradOps for Autodiff<B, C> {
+    fn permute_with_grad(x: FloatTensor<Self>, plan: PermutePlan) -> FloatTensor<Self> {
+        let nodes = [x.node()];
+        let x = x.into_primitive();
+        let shape = x.shape();
+        let y = permute_forward::<B>(x, &plan);
+        match PermuteBackward
+            .prepare::<C>(nodes)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((shape, plan), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+}
+
+/// Whether [`gather_fused`] runs the kernel: f32 `x` on a device where the strategies use the
+/// kernels, with at least one row to gather.
+pub(crate) fn gathers(x: &Tensor<2>, rows: &[usize]) -> bool {
+    x.dtype() == DType::F32 && !rows.is_empty() && flashover_kernels::uses_kernels(&x.device())
+}
+
+/// The dispatch gather (`select` in `ExpertDispatch::gather`) as the fused permute kernel.
+pub(crate) fn gather_fused(x: Tensor<2>, rows: &[usize]) -> Tensor<2> {
+    let plan = PermutePlan(Arc::new((
+        rows.iter().map(|&r| r as i64).collect(),
+        rows.iter().map(|&r| r as f32).collect(),
+    )));
+    Tensor::from_dispatch(<Dispatch as PermuteGradOps>::permute_with_grad(
+        x.into_dispatch(),
+        plan,
+    ))
+}
+
 #[cfg(all(test, feature = "wgpu"))]
 mod tests {
     use super::*;
     use burn::tensor::{Device, DeviceKind, Distribution};
+
+    /// The fused gather (the permute kernel) against `select`: values, and the input gradient
+    /// summed over repeated tokens.
+    #[test]
+    fn the_fused_gather_has_selects_values_and_gradient() {
+        let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
+        flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Always);
+        let x = Tensor::<2>::random([5, 6], Distribution::Uniform(-1.0, 1.0), &device).detach();
+        // Rows in expert order; tokens 0 and 3 go to two experts, token 4 to none.
+        let rows = [3, 0, 2, 3, 1, 0];
+        assert!(gathers(&x, &rows));
+        let r = Tensor::<2>::random([rows.len(), 6], Distribution::Default, &device);
+        let run = |fused: bool| {
+            let leaf = x.clone().require_grad();
+            let y = if fused {
+                gather_fused(leaf.clone(), &rows)
+            } else {
+                let index = flashover_models::moe::index_tensor(&rows, [rows.len()], &device);
+                leaf.clone().select(0, index)
+            };
+            let grads = (y.clone() * r.clone()).sum().backward();
+            let v = |t: Tensor<2>| t.inner().into_data().try_to_vec::<f32>().unwrap();
+            [v(y), v(leaf.grad(&grads).unwrap())]
+        };
+        let (fused, plain) = (run(true), run(false));
+        for ((f, p), name) in fused.iter().zip(&plain).zip(["y", "d x"]) {
+            for (a, b) in f.iter().zip(p) {
+                assert!(
+                    (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                    "{name}: {a} vs {b}"
+                );
+            }
+        }
+    }
 
     /// Values and both inputs' gradients of the fused combine (the kernel) against the tensor
     /// operations, on wgpu, with dropped choices and rows in expert (not token) order.

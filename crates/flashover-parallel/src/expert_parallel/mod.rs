@@ -196,6 +196,15 @@ fn all_to_all_rows(
 }
 
 impl ExpertDispatch for ExpertParallel {
+    fn gather(&self, x: Tensor<2>, rows: &[usize]) -> Tensor<2> {
+        if combine_op::gathers(&x, rows) {
+            combine_op::gather_fused(x, rows)
+        } else {
+            let index = index_tensor(rows, [rows.len()], &x.device());
+            x.select(0, index)
+        }
+    }
+
     fn combine(&self, outputs: Tensor<2>, weights: Tensor<2>, routing: &Routing) -> Tensor<2> {
         if combine_op::fuses(&outputs, &weights) {
             combine_op::combine_fused(outputs, weights, routing)
