@@ -34,7 +34,7 @@ pub(crate) fn count_launches(n: usize) {
 /// empty; pass tensors outside any autodiff graph (`Tensor::inner`).
 ///
 /// ```
-/// use burn::tensor::Tensor;
+/// use burn::tensor::{Device, Tensor};
 /// use flashover_kernels::{pack_scaled, unpack_scaled};
 ///
 /// let device = Device::flex();
