@@ -129,6 +129,12 @@ fn write_split(flat: &[f32], lens: &[usize], device: &Device) -> Vec<Tensor<1>> 
 /// graph; the pack kernel on a CubeCL device). `None` for a module without parameters, or
 /// whose parameters are not all f32 on one device.
 pub fn pack_params<M: Module>(module: &M) -> Option<Tensor<1>> {
+    let parts = flat_params(module);
+    same_device_f32(&parts).then(|| pack_scaled(parts, 1.0))
+}
+
+/// Every float parameter's values as a flat tensor outside any graph, in layout order.
+fn flat_params<M: Module>(module: &M) -> Vec<Tensor<1>> {
     struct V(Vec<Tensor<1>>);
     impl ModuleVisitor for V {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -139,7 +145,7 @@ pub fn pack_params<M: Module>(module: &M) -> Option<Tensor<1>> {
     }
     let mut v = V(vec![]);
     module.visit(&mut v);
-    same_device_f32(&v.0).then(|| pack_scaled(v.0, 1.0))
+    v.0
 }
 
 /// Every float parameter's gradient in `grads`, packed into one flat tensor in layout order
@@ -216,17 +222,7 @@ pub fn load_packed<M: Module>(module: M, flat: Tensor<1>) -> M {
 
 /// Every float parameter's values, concatenated in layout order.
 pub fn flatten_params<M: Module>(module: &M) -> Vec<f32> {
-    struct V(Vec<Tensor<1>>);
-    impl ModuleVisitor for V {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let value = param.val().inner();
-            let numel = value.shape().num_elements();
-            self.0.push(value.reshape([numel]));
-        }
-    }
-    let mut v = V(vec![]);
-    module.visit(&mut v);
-    read_concatenated(v.0)
+    read_concatenated(flat_params(module))
 }
 
 /// Adds each parameter's gradient in `grads` into `flat` at its layout offset; returns which
