@@ -28,7 +28,7 @@ use crate::hook::hooks_supported;
 use crate::params::accumulate_grads;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 use flashover_models::{Block, BlockCheckpoint, BlockFn, CheckpointHook};
 use std::fmt;
 use std::str::FromStr;
@@ -229,27 +229,45 @@ where
     // Shares the parameters' storage: nothing is copied.
     let values = module.clone().map(&mut Detach);
     let y = forward(&values, untracked(x.clone()));
-    // `from_data` makes tensors of the device's default dtype: the recomputation casts them
-    // back to what the forward saw (bf16 or f16 under a mixed-precision policy).
-    let (x_dtype, y_dtype) = (x.dtype(), y.dtype());
+    let dtypes = (x.dtype(), y.dtype());
     let hook = RecomputeHook(Arc::new(move |x: TensorData, grad_y: TensorData| {
         let module = values.clone().map(&mut Leaves);
-        let x = Tensor::<D>::from_data(x, &device)
-            .cast(x_dtype)
-            .require_grad();
-        let y = forward(&module, x.clone());
-        let grad_y = Tensor::<E>::from_data(grad_y, &device).cast(y_dtype);
-        let grads = (y * grad_y).sum().backward();
-        let grad_x = x.grad(&grads).map(|g| g.into_data()).unwrap_or_else(|| {
-            let zeros = Tensor::<D>::zeros(x.shape(), &device.clone().inner());
-            zeros.cast(x.dtype()).into_data()
-        });
-        let params = GradientsParams::from_grads(grads, &module);
-        let mut flat = vec![0.0; numel];
-        accumulate_grads(&module, &params, &mut flat, &[]);
-        (grad_x, flat)
+        regrad(&module, &forward, x, grad_y, dtypes, &device, numel)
     }));
     recompute(x, params, y, hook)
+}
+
+/// The body of a recomputation in backward: `forward(module, x)` run again with a graph from
+/// the saved input `x` and the output gradient `grad_y`, returning the input's gradient and the
+/// gradients of `module`'s parameters flattened into `len` elements (layout order, zero where a
+/// parameter got none). `dtypes` are the input's and output's dtypes in the forward: `from_data`
+/// makes the device's default dtype, so both are cast back (bf16/f16 under a precision policy).
+pub(crate) fn regrad<M, const D: usize, const E: usize>(
+    module: &M,
+    forward: &impl Fn(&M, Tensor<D>) -> Tensor<E>,
+    x: TensorData,
+    grad_y: TensorData,
+    (x_dtype, y_dtype): (DType, DType),
+    device: &Device,
+    len: usize,
+) -> (TensorData, Vec<f32>)
+where
+    M: Module,
+{
+    let x = Tensor::<D>::from_data(x, device)
+        .cast(x_dtype)
+        .require_grad();
+    let y = forward(module, x.clone());
+    let grad_y = Tensor::<E>::from_data(grad_y, device).cast(y_dtype);
+    let grads = (y * grad_y).sum().backward();
+    let grad_x = x.grad(&grads).map(|g| g.into_data()).unwrap_or_else(|| {
+        let zeros = Tensor::<D>::zeros(x.shape(), &device.clone().inner());
+        zeros.cast(x_dtype).into_data()
+    });
+    let params = GradientsParams::from_grads(grads, module);
+    let mut flat = vec![0.0; len];
+    accumulate_grads(module, &params, &mut flat, &[]);
+    (grad_x, flat)
 }
 
 #[cfg(test)]

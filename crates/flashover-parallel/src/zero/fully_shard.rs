@@ -29,13 +29,12 @@
 use super::ops::{ScatterHook, gather_shard};
 use super::shard_group::{Pending, ShardGroup};
 use super::shard_map::ShardLayout;
-use crate::activation_checkpointing::{RecomputeHook, recompute};
+use crate::activation_checkpointing::{RecomputeHook, recompute, regrad};
 use crate::error::ParallelError;
 use crate::hook::hooks_supported;
-use crate::params::{ParamLayout, accumulate_grads, broadcast_module, flatten_params, to_f32};
+use crate::params::{ParamLayout, broadcast_module, flatten_params, to_f32};
 use burn::config::Config;
 use burn::module::{Module, ModuleMapper, Param};
-use burn::optim::GradientsParams;
 use burn::tensor::{Device, Shape, Tensor, TensorData};
 use std::sync::{Arc, Mutex};
 
@@ -340,9 +339,7 @@ impl<M: Module + Sync + 'static> FullyShardedUnit<M> {
         };
         self.spec.shard_group.stats().released(bytes);
         let spec = self.spec.clone();
-        // `from_data` makes tensors of the device's default dtype: cast back to what the
-        // forward saw (bf16/f16 under a precision policy).
-        let (x_dtype, y_dtype) = (x.dtype(), y.dtype());
+        let dtypes = (x.dtype(), y.dtype());
         let hook = RecomputeHook(Arc::new(move |x: TensorData, grad_y: TensorData| {
             let full = spec.all_gather(&saved_shard);
             if let Some(next) = &backward_prefetch {
@@ -355,20 +352,16 @@ impl<M: Module + Sync + 'static> FullyShardedUnit<M> {
             };
             let module = spec.materialize(Source::Host(&full, true), &device);
             drop(full);
-            let x = Tensor::<D>::from_data(x, &device)
-                .cast(x_dtype)
-                .require_grad();
-            let y = f(&module, x.clone());
-            let grad_y = Tensor::<E>::from_data(grad_y, &device).cast(y_dtype);
-            let grads = (y * grad_y).sum().backward();
-            let grad_x = x.grad(&grads).map(|g| g.into_data()).unwrap_or_else(|| {
-                let zeros = Tensor::<D>::zeros(x.shape(), &device.clone().inner());
-                zeros.cast(x_dtype).into_data()
-            });
-            let params = GradientsParams::from_grads(grads, &module);
-            let mut flat = vec![0.0; spec.shards.padded()];
-            accumulate_grads(&module, &params, &mut flat, &[]);
-            drop((module, params));
+            let (grad_x, flat) = regrad(
+                &module,
+                &f,
+                x,
+                grad_y,
+                dtypes,
+                &device,
+                spec.shards.padded(),
+            );
+            drop(module);
             spec.shard_group.stats().released(bytes);
             (grad_x, spec.reduce_scatter(flat))
         }));
