@@ -7,7 +7,7 @@
 //! single-device run that uses Burn's optimizer.
 
 use burn::config::Config;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::Tensor;
 use flashover_kernels::{AdamWScalars, adamw_step};
 use std::borrow::Cow;
 
@@ -180,12 +180,7 @@ impl FlatAdamW {
             Some(moments) => moments,
             None => {
                 let device = params.device();
-                let upload = |values: &[f32]| {
-                    Tensor::<1>::from_data(
-                        TensorData::new(values.to_vec(), [values.len()]),
-                        &device,
-                    )
-                };
+                let upload = |values: &[f32]| crate::params::upload(values, &device);
                 (upload(&self.moment_1), upload(&self.moment_2))
             }
         };
@@ -272,13 +267,9 @@ impl ModuleAdamW {
         module: M,
         grads: &burn::optim::GradientsParams,
     ) -> Result<M, crate::ParallelError> {
-        // On a CubeCL device with every gradient there: pack both on the device, no host.
-        if let Some(device) = module.devices().into_iter().next()
-            && flashover_kernels::uses_kernels(&device)
-            && let (Some(params), Some(flat_grads)) = (
-                crate::params::pack_params(&module),
-                crate::params::pack_grads(&module, grads),
-            )
+        // Where the kernels run, with every gradient there: pack both on the device, no host.
+        if let Some(params) = crate::params::pack_params(&module)
+            && let Some(flat_grads) = crate::params::pack_grads(&module, grads)
         {
             let params = self.adam.step_on_device(lr, params, flat_grads);
             return Ok(crate::params::load_packed(module, params));
@@ -330,24 +321,17 @@ impl ModuleAdamW {
         Ok(crate::params::load_flat(module, &params))
     }
 
-    /// On a CubeCL device (with the fused ops on): the parameters packed on the device, the
-    /// host gradient uploaded once, the fused AdamW kernel, the parameters cut back into the
-    /// module there; no parameter crosses to the host. `None` elsewhere.
+    /// Where the strategies use the kernels: the parameters packed on the device, the host
+    /// gradient uploaded once, the fused AdamW kernel, the parameters cut back into the module
+    /// there; no parameter crosses to the host. `None` elsewhere.
     fn try_on_device<M: burn::module::Module>(
         &mut self,
         lr: f64,
         module: &M,
         flat_grads: &[f32],
     ) -> Option<M> {
-        let device = module.devices().into_iter().next()?;
-        if !flashover_kernels::uses_kernels(&device) {
-            return None;
-        }
         let params = crate::params::pack_params(module)?;
-        let grads = Tensor::<1>::from_data(
-            TensorData::new(flat_grads.to_vec(), [flat_grads.len()]),
-            &params.device(),
-        );
+        let grads = crate::params::upload(flat_grads, &params.device());
         let params = self.adam.step_on_device(lr, params, grads);
         Some(crate::params::load_packed(module.clone(), params))
     }
@@ -422,8 +406,7 @@ mod tests {
             let n = 1000;
             let (mut host, mut dev) = (FlatAdamW::new(&config, n), FlatAdamW::new(&config, n));
             let mut params: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
-            let upload =
-                |v: &[f32]| Tensor::<1>::from_data(TensorData::new(v.to_vec(), [n]), &device);
+            let upload = |v: &[f32]| crate::params::upload(v, &device);
             let mut on_device = upload(&params);
             for step in 0..4 {
                 let grads: Vec<f32> = (0..n).map(|i| ((i + step) as f32 * 0.11).cos()).collect();

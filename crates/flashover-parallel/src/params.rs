@@ -112,8 +112,7 @@ fn read_concatenated(tensors: Vec<Tensor<1>>) -> Vec<f32> {
 /// one transfer instead of one per tensor. Elsewhere each piece is uploaded in turn.
 fn write_split(flat: &[f32], lens: &[usize], device: &Device) -> Vec<Tensor<1>> {
     if uses_kernels(device) && lens.len() > 1 {
-        let whole = Tensor::<1>::from_data(TensorData::new(flat.to_vec(), [flat.len()]), device);
-        return unpack_scaled(whole, lens, 1.0);
+        return unpack_scaled(upload(flat, device), lens, 1.0);
     }
     let mut at = 0;
     lens.iter()
@@ -125,12 +124,13 @@ fn write_split(flat: &[f32], lens: &[usize], device: &Device) -> Vec<Tensor<1>> 
         .collect()
 }
 
-/// Every float parameter of `module` packed into one flat tensor on their device (outside any
-/// graph; the pack kernel on a CubeCL device). `None` for a module without parameters, or
+/// Every float parameter of `module` packed into one flat tensor on their device by the pack
+/// kernel (outside any graph), where the strategies use the kernels
+/// (`flashover_kernels::uses_kernels`). `None` elsewhere, for a module without parameters, or
 /// whose parameters are not all f32 on one device.
 pub fn pack_params<M: Module>(module: &M) -> Option<Tensor<1>> {
     let parts = flat_params(module);
-    same_device_f32(&parts).then(|| pack_scaled(parts, 1.0))
+    for_kernels(&parts).then(|| pack_scaled(parts, 1.0))
 }
 
 /// Every float parameter's values as a flat tensor outside any graph, in layout order.
@@ -149,8 +149,8 @@ fn flat_params<M: Module>(module: &M) -> Vec<Tensor<1>> {
 }
 
 /// Every float parameter's gradient in `grads`, packed into one flat tensor in layout order
-/// on their device. `None` if a parameter has no gradient, or they are not all f32 on one
-/// device.
+/// on their device, as [`pack_params`] packs the parameters. `None` as there, and if a
+/// parameter has no gradient.
 pub fn pack_grads<M: Module>(module: &M, grads: &GradientsParams) -> Option<Tensor<1>> {
     struct V<'a> {
         grads: &'a GradientsParams,
@@ -174,17 +174,39 @@ pub fn pack_grads<M: Module>(module: &M, grads: &GradientsParams) -> Option<Tens
     };
     module.visit(&mut v);
     let parts = v.parts?;
-    same_device_f32(&parts).then(|| pack_scaled(parts, 1.0))
+    for_kernels(&parts).then(|| pack_scaled(parts, 1.0))
 }
 
-fn same_device_f32(parts: &[Tensor<1>]) -> bool {
+/// Whether `parts` are f32 tensors on one device where the strategies use the kernels.
+fn for_kernels(parts: &[Tensor<1>]) -> bool {
     let Some(first) = parts.first() else {
         return false;
     };
     let device = first.device();
-    parts
-        .iter()
-        .all(|t| t.device() == device && t.dtype() == burn::tensor::DType::F32)
+    uses_kernels(&device)
+        && parts
+            .iter()
+            .all(|t| t.device() == device && t.dtype() == burn::tensor::DType::F32)
+}
+
+/// `value` (outside autodiff) in `reference`'s autodiff context: with autodiff and the same
+/// gradient-checkpointing strategy where `reference` has autodiff (combining tensors of two
+/// strategies panics), as it is where `reference` has none.
+pub(crate) fn in_context_of<const D: usize, const E: usize>(
+    value: Tensor<D>,
+    reference: &Tensor<E>,
+) -> Tensor<D> {
+    match reference.gradient_checkpointing_strategy() {
+        Some(strategy) => value
+            .autodiff()
+            .with_gradient_checkpointing_strategy(strategy),
+        None => value,
+    }
+}
+
+/// `values` as a flat tensor on `device`.
+pub fn upload(values: &[f32], device: &Device) -> Tensor<1> {
+    Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
 }
 
 /// `module` with its float parameters replaced by the pieces of `flat` (layout order, on their
@@ -203,14 +225,7 @@ pub fn load_packed<M: Module>(module: M, flat: Tensor<1>) -> M {
             let piece = self.pieces.next().expect("one piece per parameter");
             param.map(|t| {
                 let require_grad = t.is_require_grad();
-                let value = piece.reshape(t.dims());
-                let value = match t.gradient_checkpointing_strategy() {
-                    Some(strategy) => value
-                        .autodiff()
-                        .with_gradient_checkpointing_strategy(strategy),
-                    None => value,
-                };
-                value.set_require_grad(require_grad)
+                in_context_of(piece.reshape(t.dims()), &t).set_require_grad(require_grad)
             })
         }
     }

@@ -217,9 +217,9 @@ impl<'a> PipelineExecutor<'a> {
                                     a.micro, a.chunk
                                 ))
                             })?;
-                            // Into this graph's device, in the output's dtype (`from_data`
-                            // would make the device's default dtype).
-                            let g = Tensor::<D>::from_data(g.into_data(), device).cast(y.dtype());
+                            // Received in the output's dtype; into the graph's autodiff
+                            // context on the device, as a constant (no host round trip).
+                            let g = crate::params::in_context_of(g, &y);
                             (y * g).sum().backward()
                         }
                     };

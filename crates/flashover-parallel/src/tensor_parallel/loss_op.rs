@@ -101,14 +101,8 @@ pub(crate) fn max_and_sum_exp(logits: Tensor<2>) -> (Tensor<1>, Tensor<1>) {
     let rows = logits.dims()[0];
     let no_targets = Tensor::<1>::full([rows], -1.0, &logits.device().inner());
     let (max, sum, _) = flashover_kernels::cross_entropy_pieces(logits.clone().inner(), no_targets);
-    // Into the logits' autodiff context (same checkpointing strategy), as constants.
-    let like = |t: Tensor<1>| {
-        let t = t.autodiff();
-        match logits.gradient_checkpointing_strategy() {
-            Some(strategy) => t.with_gradient_checkpointing_strategy(strategy),
-            None => t,
-        }
-    };
+    // Into the logits' autodiff context, as constants.
+    let like = |t: Tensor<1>| crate::params::in_context_of(t, &logits);
     let (max, sum) = (like(max), like(sum));
     let sum = Tensor::from_dispatch(<Dispatch as SumExpGradOps>::with_sum_exp_grad(
         logits.into_dispatch(),

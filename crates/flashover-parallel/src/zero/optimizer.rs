@@ -6,12 +6,11 @@ use crate::error::ParallelError;
 use crate::flat_adamw::{FlatAdamW, FlatAdamWConfig};
 use crate::grad_clip::clip_global_norm;
 use crate::params::{
-    ParamLayout, accumulate_grads, flatten_params, load_flat, load_packed, pack_params,
+    ParamLayout, accumulate_grads, flatten_params, load_flat, load_packed, pack_params, upload,
 };
 use crate::precision::{Precision, all_reduce_in};
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::{Tensor, TensorData};
 use flashover_comm::{CommunicatorExt, Group};
 use std::borrow::Cow;
 
@@ -220,16 +219,6 @@ impl FullyShardedOptimizer {
         Ok((self.apply(lr, model, true), norm))
     }
 
-    /// The model's shards packed on their device, where that is a CubeCL device and the fused
-    /// ops are on.
-    fn on_device<M: Module>(&self, model: &M) -> Option<Tensor<1>> {
-        let device = model.devices().into_iter().next()?;
-        if !flashover_kernels::uses_kernels(&device) {
-            return None;
-        }
-        pack_params(model)
-    }
-
     /// The first half of [`FullyShardedOptimizer::step`]: reduces over replicas, averages,
     /// unscales and clips; returns the global gradient norm before clipping.
     pub fn reduce(&mut self, max_norm: Option<f32>) -> Result<f32, ParallelError> {
@@ -258,12 +247,12 @@ impl FullyShardedOptimizer {
     /// The second half of [`FullyShardedOptimizer::step`]: AdamW on the shards (unless
     /// `update` is false: a skipped step), then the accumulated gradients are reset.
     pub fn apply<M: Module>(&mut self, lr: f64, model: M, update: bool) -> M {
-        let model = match (update, self.on_device(&model)) {
-            // The shards stay on their CubeCL device: the fused AdamW kernel steps them there.
+        let shards = if update { pack_params(&model) } else { None };
+        let model = match (update, shards) {
+            // Where the kernels run the shards stay on their device: the fused AdamW kernel
+            // steps them there.
             (true, Some(shards)) => {
-                let device = shards.device();
-                let data = TensorData::new(self.grads.clone(), [self.grads.len()]);
-                let grads = Tensor::<1>::from_data(data, &device);
+                let grads = upload(&self.grads, &shards.device());
                 let shards = self.adam.step_on_device(lr, shards, grads);
                 load_packed(model, shards)
             }
