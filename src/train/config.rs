@@ -83,9 +83,7 @@ impl PrecisionSection {
                 }
             },
         };
-        policy
-            .check(&burn::tensor::Device::flex())
-            .map_err(|e| format!("precision: {e}"))?;
+        policy.validate().map_err(|e| format!("precision: {e}"))?;
         Ok(policy)
     }
 }

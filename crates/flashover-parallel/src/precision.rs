@@ -58,20 +58,6 @@ impl Precision {
             Precision::F16 => FloatDType::F16,
         }
     }
-
-    /// The collective layer's dtype for this precision.
-    pub fn comm_dtype(self) -> flashover_comm::DType {
-        match self {
-            Precision::F32 => flashover_comm::DType::F32,
-            Precision::BF16 => flashover_comm::DType::BF16,
-            Precision::F16 => flashover_comm::DType::F16,
-        }
-    }
-
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        self.comm_dtype().size()
-    }
 }
 
 impl fmt::Display for Precision {
@@ -166,7 +152,7 @@ impl MixedPrecision {
     }
 
     /// Fails, naming the device and dtype, where `device` cannot compute in the policy's
-    /// dtype, and for settings that cannot work (a non-positive loss scale).
+    /// dtype, and for settings that cannot work anywhere ([`MixedPrecision::validate`]).
     pub fn check(&self, device: &Device) -> Result<(), ParallelError> {
         let dtype = self.param_dtype.float_dtype();
         if !device.supports_dtype(dtype) {
@@ -176,6 +162,12 @@ impl MixedPrecision {
                 self.param_dtype, self.param_dtype
             )));
         }
+        self.validate()
+    }
+
+    /// Fails for settings that cannot work on any device: a loss scale that is not a positive
+    /// finite number, a dynamic scale that never grows.
+    pub fn validate(&self) -> Result<(), ParallelError> {
         match self.loss_scale {
             LossScale::Static(s) | LossScale::Dynamic { initial: s, .. }
                 if !(s.is_finite() && s > 0.0) =>
