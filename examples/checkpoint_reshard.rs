@@ -83,13 +83,7 @@ fn train_ddp(world: usize, from: usize, to: usize, dir: &Path) -> (Vec<f32>, Vec
                 .save(dp, to as u64, run, s.pieces_for(replicas, replicas))
                 .map_err(ParallelError::Invalid)?;
         }
-        let w = model
-            .l1
-            .weight
-            .val()
-            .into_data()
-            .try_to_vec::<f32>()
-            .unwrap();
+        let w = model.l1_weights();
         Ok::<_, ParallelError>((losses, w))
     })
     .expect("DDP training");

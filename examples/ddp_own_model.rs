@@ -39,13 +39,7 @@ fn train_ddp() -> (Vec<f32>, Vec<f32>) {
             let grads = ddp.finish(&model, None)?.grads; // +
             model = optim.step(1e-2, model, grads);
         }
-        let w = model
-            .l1
-            .weight
-            .val()
-            .into_data()
-            .try_to_vec::<f32>()
-            .unwrap();
+        let w = model.l1_weights();
         Ok::<_, flashover_parallel::ParallelError>((losses, w))
     })
     .expect("DDP training");

@@ -76,9 +76,9 @@ fn train_ddp_bf16(policy: &MixedPrecision) -> (Vec<f32>, Vec<f32>) {
 }
 
 fn weights(model: &Mlp) -> Vec<f32> {
-    let w = model.l1.weight.val();
-    assert_eq!(w.dtype(), burn::tensor::DType::F32, "the weights stay f32");
-    w.into_data().try_to_vec::<f32>().unwrap()
+    let dtype = model.l1.weight.val().dtype();
+    assert_eq!(dtype, burn::tensor::DType::F32, "the weights stay f32");
+    model.l1_weights()
 }
 
 fn main() {

@@ -40,13 +40,7 @@ fn train_rank(ctx: RankContext) -> Result<(Vec<f32>, Vec<f32>), ParallelError> {
         let grads = ddp.finish(&model, None)?.grads;
         model = optim.step(1e-2, model, grads);
     }
-    let w = model
-        .l1
-        .weight
-        .val()
-        .into_data()
-        .try_to_vec::<f32>()
-        .unwrap();
+    let w = model.l1_weights();
     Ok((losses, w))
 }
 

@@ -30,6 +30,16 @@ impl Mlp {
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         self.l2.forward(relu(self.l1.forward(x)))
     }
+
+    /// The first layer's weights: what the examples compare between layouts.
+    pub fn l1_weights(&self) -> Vec<f32> {
+        self.l1
+            .weight
+            .val()
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap()
+    }
 }
 
 /// Samples `range` of the data set: y = sum of x * w_true + noise-free curvature.
@@ -72,16 +82,7 @@ pub fn train_single() -> (Vec<f32>, Vec<f32>) {
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(1e-2, model, grads);
     }
-    (
-        losses,
-        model
-            .l1
-            .weight
-            .val()
-            .into_data()
-            .try_to_vec::<f32>()
-            .unwrap(),
-    )
+    (losses, model.l1_weights())
 }
 
 /// Largest relative differences of the loss curves (step by step) and of the weights (against
