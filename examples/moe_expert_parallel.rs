@@ -20,8 +20,10 @@ use common::{GLOBAL_BATCH, STEPS, batch, differences, mse};
 use flashover::{Axis, CommunicatorExt, ReduceOp, launch};
 use flashover_models::moe::{LocalExperts, Moe, MoeConfig, MoeHook};
 use flashover_models::{ForwardContext, SwiGlu, init};
-use flashover_parallel::expert_parallel::{ExpertGradients, ExpertGroups, ExpertParallel};
+use flashover_parallel::expert_parallel::{ExpertParallel, place_experts};
 use flashover_parallel::params::{ParamLayout, accumulate_grads};
+use flashover_parallel::placement::{GradientReducer, PlacementTable};
+use flashover_parallel::precision::Precision;
 use flashover_parallel::{FlatAdamWConfig, ModuleAdamW};
 use std::ops::Range;
 use std::sync::Arc;
@@ -108,10 +110,12 @@ fn train_expert_parallel() -> (Vec<f32>, Vec<f32>) {
         let device = Device::flex().autodiff();
         let ep = ctx.group(Axis::Ep);
         let experts = ExpertParallel::new(ep, EXPERTS)?; // +
+        let experts_first = experts.experts_of(ep.rank()).start; // +
         let mut model = MoeNet::new(experts.experts_of(ep.rank()), &device); // + own experts
         let hook = MoeHook::new(Arc::new(experts)); // + tokens travel by all-to-all
-        let groups = ExpertGroups::of(&ctx)?; // +
-        let reduce = ExpertGradients::new(&model, groups, |_| false, true); // +
+        let mut placements = PlacementTable::whole(&model); // + where each weight lives:
+        place_experts(&mut placements, &model, experts_first)?; // + experts are this rank's own
+        let reducer = GradientReducer::new(&ctx, Precision::F32)?; // +
         let mut optim = ModuleAdamW::new(&FlatAdamWConfig::new(), &model); // Burn's AdamW, flat
         let per_rank = GLOBAL_BATCH / ep.size();
         let mut losses = vec![];
@@ -125,7 +129,9 @@ fn train_expert_parallel() -> (Vec<f32>, Vec<f32>) {
             let grads = GradientsParams::from_grads(l.backward(), &model);
             let mut flat = vec![0.0; ParamLayout::of(&model).numel]; // +
             accumulate_grads(&model, &grads, &mut flat, &[]); // +
-            reduce.reduce(&mut flat, 1, None)?; // + shared weights averaged, experts kept
+            let entries = placements.entries_of(&model)?; // +
+            let mean = 1.0 / ep.size() as f32; // + shared weights averaged, experts kept
+            reducer.reduce(&entries, &mut flat, mean, None)?; // +
             model = optim.step_flat(1e-2, model, &flat)?;
         }
         Ok::<_, flashover_parallel::ParallelError>((losses, weights(&model)))

@@ -85,3 +85,75 @@ pub fn layout_of(config: &TrainConfig) -> Result<Layout, String> {
         recompute,
     })
 }
+
+/// `config` set to train `layout`: its mesh, ZeRO stage, sequence parallelism, pipeline
+/// schedule and recomputation (the inverse of [`layout_of`]).
+///
+/// ```
+/// use flashover::plan::{apply_layout, layout_of};
+/// use flashover::train::TrainConfig;
+///
+/// let mut planned = layout_of(&TrainConfig::default()).unwrap();
+/// (planned.dp, planned.tp, planned.sequence_parallel) = (1, 2, true);
+/// let mut job = TrainConfig::default();
+/// apply_layout(&mut job, &planned);
+/// assert_eq!(job.parallel.mesh, "tp=2");
+/// assert_eq!(layout_of(&job).unwrap(), planned);
+/// ```
+pub fn apply_layout(config: &mut TrainConfig, layout: &Layout) {
+    let p = &mut config.parallel;
+    p.mesh = layout.mesh_spec();
+    p.zero = layout.zero;
+    p.sequence_parallel = layout.sequence_parallel;
+    (p.pp_schedule, p.pp_chunks) = match layout.schedule {
+        PipelineSchedule::Gpipe => ("gpipe".into(), 1),
+        PipelineSchedule::OneFOneB => ("1f1b".into(), 1),
+        PipelineSchedule::Interleaved { chunks } => ("interleaved".into(), chunks),
+        PipelineSchedule::ZbH1 => ("zb-h1".into(), 1),
+    };
+    p.activation_checkpointing = match layout.recompute {
+        Recompute::None => "none",
+        Recompute::Selective => "selective",
+        Recompute::Full => "full",
+    }
+    .into();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whatever `plan` ranks, `train` accepts: both ask the one rule table, and this checks
+    /// the planner's layouts through the training job's own validation.
+    #[test]
+    fn plan_never_proposes_a_layout_that_train_refuses() {
+        for (world, experts) in [(8, 0), (16, 0), (8, 4), (16, 8)] {
+            let mut job = TrainConfig::default();
+            job.run.global_batch = 64;
+            job.run.micro_batches = 32; // one sample per micro-batch on the default dp=2
+            job.data.seq_len = 64;
+            job.moe.experts = experts;
+            let request = PlanRequest {
+                world,
+                hardware: Hardware::preset("cpu").unwrap(),
+                model: model_spec(&job).unwrap(),
+                workload: workload(&job).unwrap(),
+                precision: Precision::Fp32,
+                fixed: Fixed::default(),
+                include_unsupported: false,
+            };
+            let result = plan(&request).unwrap();
+            assert!(!result.plans.is_empty(), "world {world}, experts {experts}");
+            for proposed in &result.plans {
+                let mut candidate = job.clone();
+                apply_layout(&mut candidate, &proposed.layout);
+                let refused: Vec<_> = candidate
+                    .validate()
+                    .into_iter()
+                    .filter(|e| e.contains("(rule `"))
+                    .collect();
+                assert!(refused.is_empty(), "{}: {refused:?}", proposed.layout);
+            }
+        }
+    }
+}

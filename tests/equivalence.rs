@@ -16,6 +16,8 @@ const TOLERANCE: f64 = 1e-5;
 
 #[path = "equivalence/activation_checkpointing.rs"]
 mod activation_checkpointing;
+#[path = "equivalence/composition.rs"]
+mod composition;
 #[path = "equivalence/context_parallel.rs"]
 mod context_parallel;
 #[path = "equivalence/mixed_precision.rs"]
@@ -178,23 +180,11 @@ fn sharded_memory_shrinks_with_the_stage_and_follows_the_formula() {
 fn layouts_the_job_cannot_run_are_refused_up_front() {
     let refused = [
         ("dp=2", 4, "parallel.zero = 4: expected 0 (DDP), 1, 2 or 3"),
-        ("fsdp=2", 0, "shards over fsdp=2 but parallel.zero = 0"),
-        (
-            "dp=2",
-            3,
-            "parallel.zero = 3 shards parameters over the fsdp axis",
-        ),
-        (
-            "cp=2",
-            3,
-            "context parallelism composes with dp, tp and ZeRO-1/2 so far",
-        ),
-        ("ep=2", 0, "has ep=2 but the model has no experts"),
-        (
-            "dp=2,tp=2",
-            1,
-            "tensor parallelism composes with dp (DDP) so far",
-        ),
+        ("fsdp=2", 0, "rule `fsdp-needs-zero`"),
+        ("dp=2", 3, "ZeRO-3 shards parameters over the fsdp axis"),
+        ("cp=2", 3, "rule `cp-zero3`"),
+        ("ep=2", 0, "rule `ep-needs-experts`"),
+        ("dp=2,tp=2", 1, "rule `tp-zero`"),
         ("tp=3", 0, "model.n_heads = 4 does not divide by tp = 3"),
     ];
     for (mesh, zero, message) in refused {

@@ -528,30 +528,13 @@ impl TrainConfig {
         }
         match self.mesh() {
             Ok(mesh) => {
-                for axis in Axis::ALL {
-                    if !matches!(
-                        axis,
-                        Axis::Dp | Axis::Fsdp | Axis::Tp | Axis::Pp | Axis::Ep | Axis::Cp
-                    ) && mesh.degree(axis) > 1
-                    {
-                        errors.push(format!(
-                            "parallel.mesh: axis `{axis}` is not supported by `train` yet"
-                        ));
-                    }
-                }
+                errors.extend(self.composition_errors());
                 errors.extend(self.moe_errors(&mesh));
                 errors.extend(self.cp_errors(&mesh));
                 errors.extend(self.recompute_errors());
                 errors.extend(self.precision_errors());
                 let pp = mesh.degree(Axis::Pp);
                 if pp > 1 {
-                    if self.parallel.zero > 0 || mesh.degree(Axis::Fsdp) > 1 {
-                        errors.push(format!(
-                            "parallel.mesh `{}` with pp={pp}: pipeline parallelism composes with dp and tp so far, not with fsdp or ZeRO",
-                            self.parallel.mesh
-                        ));
-                    }
-
                     match self
                         .parallel
                         .pp_schedule
@@ -584,12 +567,6 @@ impl TrainConfig {
                 }
                 let tp = mesh.degree(Axis::Tp);
                 if tp > 1 {
-                    if self.parallel.zero > 0 || mesh.degree(Axis::Fsdp) > 1 {
-                        errors.push(format!(
-                            "parallel.mesh `{}` with tp={tp}: tensor parallelism composes with dp (DDP) so far, not with ZeRO or fsdp; use parallel.zero = 0 and no fsdp axis",
-                            self.parallel.mesh
-                        ));
-                    }
                     if let Ok(t) = self.transformer(self.vocab_size()) {
                         if !t.n_heads.is_multiple_of(tp) {
                             errors.push(format!(
@@ -610,21 +587,8 @@ impl TrainConfig {
                             self.data.seq_len
                         ));
                     }
-                } else if self.parallel.sequence_parallel {
-                    errors.push("parallel.sequence_parallel needs a tp axis in parallel.mesh (e.g. dp=2,tp=2)".into());
                 }
                 let fsdp = mesh.degree(Axis::Fsdp);
-                if fsdp > 1 && self.parallel.zero == 0 {
-                    errors.push(format!(
-                        "parallel.mesh shards over fsdp={fsdp} but parallel.zero = 0: choose --zero 1, 2 or 3 (3 shards parameters over fsdp)"
-                    ));
-                }
-                if self.parallel.zero == 3 && fsdp == 1 && mesh.degree(Axis::Dp) > 1 {
-                    errors.push(format!(
-                        "parallel.zero = 3 shards parameters over the fsdp axis, but the mesh `{}` has none: write fsdp=N (or dp=R,fsdp=N for HSDP)",
-                        self.parallel.mesh
-                    ));
-                }
                 let (dp, m, b) = (
                     mesh.degree(Axis::Dp) * fsdp * mesh.degree(Axis::Ep),
                     self.run.micro_batches,
@@ -685,9 +649,8 @@ impl TrainConfig {
         self.precision.policy().err().into_iter().collect()
     }
 
-    /// What is wrong with a `cp` axis in `mesh`: sequence lengths that do not cut evenly, heads
-    /// all-to-all attention cannot split, and the strategies context parallelism does not
-    /// compose with yet.
+    /// What is wrong with a `cp` axis in `mesh`: sequence lengths that do not cut evenly and
+    /// heads all-to-all attention cannot split.
     fn cp_errors(&self, mesh: &DeviceMesh) -> Vec<String> {
         let mut errors = vec![];
         let algorithm = self
@@ -730,22 +693,6 @@ impl TrainConfig {
                 ));
             }
         }
-        let others = [Axis::Pp, Axis::Fsdp, Axis::Ep]
-            .into_iter()
-            .filter(|&a| mesh.degree(a) > 1)
-            .map(|a| a.to_string())
-            .collect::<Vec<_>>();
-        if !others.is_empty() || self.parallel.zero == 3 || self.moe.experts > 0 {
-            errors.push(format!(
-                "parallel.mesh `{}` with cp={cp}: context parallelism composes with dp, tp and ZeRO-1/2 so far (not pp, fsdp, ZeRO-3 or mixture-of-experts models)",
-                self.parallel.mesh
-            ));
-        }
-        if self.parallel.sequence_parallel {
-            errors.push(
-                "parallel.sequence_parallel with a cp axis: the sequence is already split over cp; drop --sequence-parallel".into(),
-            );
-        }
         errors
     }
 
@@ -769,28 +716,15 @@ impl TrainConfig {
                 t.n_layers, t.n_layers
             ));
         }
-        // A recomputed block's forward would record its router's auxiliary losses a second
-        // time, inside backward, and the first forward's would carry no graph.
-        if policy.is_block_level() && self.moe.experts > 0 {
-            errors.push(format!(
-                "parallel.activation_checkpointing = {policy} recomputes whole blocks, which does not compose with mixture-of-experts blocks yet (their auxiliary losses): use selective or none"
-            ));
-        }
         errors
     }
 
-    /// What is wrong with `[moe]` on `mesh`: expert counts, and the strategies experts do not
-    /// compose with yet.
+    /// What is wrong with `[moe]` on `mesh`: expert counts that do not fit it.
     fn moe_errors(&self, mesh: &DeviceMesh) -> Vec<String> {
         let mut errors = vec![];
         let ep = mesh.degree(Axis::Ep);
         let e = &self.moe;
         if e.experts == 0 {
-            if ep > 1 {
-                errors.push(format!(
-                    "parallel.mesh has ep={ep} but the model has no experts: set moe.experts (--moe --experts N)"
-                ));
-            }
             return errors;
         }
         // The layer's own fields (top_k, capacity, weights) are checked with the model.
@@ -806,23 +740,26 @@ impl TrainConfig {
                 e.experts
             ));
         }
-        let others = [Axis::Pp, Axis::Fsdp]
-            .into_iter()
-            .filter(|&a| mesh.degree(a) > 1)
-            .map(|a| a.to_string())
-            .collect::<Vec<_>>();
-        if !others.is_empty() || self.parallel.zero > 0 {
-            errors.push(format!(
-                "moe.experts = {} with parallel.mesh `{}` and parallel.zero = {}: mixture-of-experts models train with dp, ep and tp so far (not pp, fsdp or ZeRO)",
-                e.experts, self.parallel.mesh, self.parallel.zero
-            ));
-        }
-        if self.parallel.sequence_parallel {
-            errors.push(
-                "moe.experts with parallel.sequence_parallel: capacity and the balancing loss are per whole sequence, which sequence parallelism splits; drop --sequence-parallel".into(),
-            );
-        }
         errors
+    }
+
+    /// Whether the strategies this job asks for compose: the rule table's refusals
+    /// ([`flashover_plan::rules`], shared with `plan`), each naming its rule.
+    fn composition_errors(&self) -> Vec<String> {
+        let Ok(layout) = crate::plan::layout_of(self) else {
+            return vec![];
+        };
+        let experts = self.moe.experts > 0;
+        let moe = if experts { " with experts" } else { "" };
+        flashover_plan::rules::refusals(&layout, experts)
+            .into_iter()
+            .map(|r| {
+                format!(
+                    "layout `{layout}`{moe}: {} (rule `{}`, docs/composition.md)",
+                    r.reason, r.rule
+                )
+            })
+            .collect()
     }
 
     /// Learning rate at `step`: linear warm-up, then cosine decay to `min_lr_ratio x lr`.

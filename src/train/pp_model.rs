@@ -28,7 +28,8 @@ use flashover_parallel::tensor_parallel::{
 ///     TransformerStage::cut(&model, 0, &[1, 1]).unwrap(),
 ///     TransformerStage::cut(&model, 1, &[1, 1]).unwrap(),
 /// );
-/// assert_eq!(last.global_name("blocks.0.attn.wq.weight"), "blocks.1.attn.wq.weight");
+/// // The stage keeps the whole model's parameters (their ids too): the placements name them.
+/// assert_eq!(last.blocks[0].attn.wq.weight.id, model.blocks[1].attn.wq.weight.id);
 /// assert!(first.tensor_parallel().is_none() && first.vocab_shard().is_none());
 /// let tokens = Tensor::<2, Int>::from_ints([[1, 2, 3, 4, 5]], &Device::flex());
 /// let (inputs, targets) = (tokens.clone().narrow(1, 0, 4), tokens.narrow(1, 1, 4));
@@ -278,18 +279,6 @@ impl TransformerStage {
     /// With tensor parallelism, this rank's vocabulary rows.
     pub fn vocab_shard(&self) -> Option<&VocabShard> {
         self.tp.as_ref().map(|(_, vocab)| vocab)
-    }
-
-    /// This stage's parameters with the whole model's names (`blocks.{global index}...`).
-    pub fn global_name(&self, local: &str) -> String {
-        match local.strip_prefix("blocks.") {
-            Some(rest) => {
-                let (index, tail) = rest.split_once('.').unwrap_or((rest, ""));
-                let index: usize = index.parse().unwrap_or(0);
-                format!("blocks.{}.{tail}", self.first_block + index)
-            }
-            None => local.to_string(),
-        }
     }
 }
 

@@ -1,6 +1,8 @@
 //! The training job: one closure per rank under the launcher, data parallel over the `dp` axis.
 
-use super::checkpoint::{LocalState, Saver, Segment, run_segments, tp_segment, whole_segments};
+use super::checkpoint::{
+    LocalState, Saver, Segment, placed_segments, run_segments, whole_segments,
+};
 use super::config::TrainConfig;
 use super::pp_model::{DeferWeightGrads, TransformerStage};
 use super::report::{DeviceMemory, MoeRecord, RankTimes, StepRecord, TrainReport};
@@ -20,16 +22,19 @@ use flashover_parallel::context_parallel::{AttentionWork, ContextParallel, CpAtt
 use flashover_parallel::data_parallel::{
     DataParallel, DataParallelConfig, MicroBatches, ReduceReport,
 };
-use flashover_parallel::expert_parallel::{
-    ExpertGradients, ExpertGroups, ExpertParallel, is_expert_param,
+use flashover_parallel::expert_parallel::{ExpertParallel, place_experts};
+use flashover_parallel::params::{
+    ParamLayout, ParamSlot, accumulate_grads, flatten_params, load_flat,
 };
-use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, load_flat};
 use flashover_parallel::pipeline::{
     Action, ActionKind, PipelineExecutor, Schedule, ScheduleKind, WeightGradStore,
     deferral_supported,
 };
+use flashover_parallel::placement::{
+    GradientReducer, ParamPlacement, PlacementTable, Tie, global_grad_norm,
+};
 use flashover_parallel::precision::{LossScaler, MixedPrecision};
-use flashover_parallel::tensor_parallel::{TensorParallel, VocabShard};
+use flashover_parallel::tensor_parallel::TensorParallel;
 use flashover_parallel::zero::ShardLayout;
 use flashover_parallel::zero::{
     FullyShardConfig, FullyShardedOptimizer, MemoryReport, ShardGroup, ShardedDataParallel,
@@ -233,6 +238,10 @@ fn run_job(
     }))
 }
 
+/// A rank's [`LocalState`] and, for its parameters and then its moments, `(index, count)` of
+/// the ranks holding the same data, which share writing it.
+type SharedState = (LocalState, (usize, usize), (usize, usize));
+
 /// What rank 0 hands back: its step records, the final parameters by name, buckets per step,
 /// and whether reduction overlapped backward.
 type RankOutput = Option<(Vec<StepRecord>, Vec<(String, Vec<f32>)>, usize, bool)>;
@@ -266,12 +275,23 @@ struct MoeState<M> {
     model: M,
     experts: ExpertParallel,
     hook: MoeHook,
-    gradients: ExpertGradients,
+    reduction: PlacedReduction,
     optim: ModuleAdamW,
     layout: ParamLayout,
     d_model: usize,
     /// Hot experts copied to every ep rank each step (`moe.replicate_hot`).
     replicate_hot: usize,
+}
+
+/// How an expert-parallel rank reduces its gradients: as its parameters' placements say.
+struct PlacedReduction {
+    /// Where each parameter lives (experts owned over ep, with tp its shares).
+    placements: PlacementTable,
+    reducer: GradientReducer,
+    /// Every rank reading its own samples (`dp x ep`): routing statistics are summed here.
+    batch: Group,
+    /// Gradients are means over the batch (sums otherwise).
+    average: bool,
 }
 
 /// A model a training step takes the next-token loss of (the whole model, or this rank's
@@ -361,20 +381,17 @@ impl<M: MoeBlocks> MoeState<M> {
 }
 
 impl<M: Module> MoeState<M> {
-    /// `model` (this rank's experts, and with tp its shares) with gradients reduced over
-    /// `groups`; `split(name)`: whether a parameter is split over tp.
+    /// `model` (this rank's experts, and with tp its shares) placed as `placements` says.
     fn new(
         model: M,
         experts: ExpertParallel,
-        groups: ExpertGroups,
-        split: impl Fn(&str) -> bool,
-        average: bool,
+        reduction: PlacedReduction,
         adamw: &FlatAdamWConfig,
         d_model: usize,
     ) -> Self {
         let layout = ParamLayout::of(&model);
         MoeState {
-            gradients: ExpertGradients::new(&model, groups, split, average),
+            reduction,
             optim: ModuleAdamW::new(adamw, &model),
             hook: MoeHook::new(Arc::new(experts.clone())),
             experts,
@@ -383,29 +400,6 @@ impl<M: Module> MoeState<M> {
             d_model,
             replicate_hot: 0,
         }
-    }
-
-    /// Checkpoint segments: experts named by global index, replicated parameters written by
-    /// the ranks holding the first experts; with tp, each weight's tp split.
-    fn segments(&self, tp: Option<(&Group, &VocabShard)>) -> Vec<Segment> {
-        let ep = self.experts.group();
-        let first = self.experts.experts_of(ep.rank()).start;
-        self.layout
-            .slots
-            .iter()
-            .map(|s| {
-                let local = s.name.strip_prefix("local.").unwrap_or(&s.name);
-                let name = global_expert_name(local, first);
-                let mut segment = match tp {
-                    Some((g, vocab)) => {
-                        tp_segment(&name, &s.shape, s.offset, (g.rank(), g.size()), vocab)
-                    }
-                    None => Segment::whole(&name, &s.shape, s.offset),
-                };
-                segment.write &= is_expert_param(&name) || ep.rank() == 0;
-                segment
-            })
-            .collect()
     }
 }
 
@@ -448,12 +442,59 @@ struct PipelineState {
     order: Vec<String>,
     shape: [usize; 3],
     average: bool,
+    /// Ranks whose gradients are summed (`dp x cp`): means divide by it.
+    data_ranks: usize,
+    /// Where each parameter of this rank's chunks lives.
+    placements: PlacementTable,
+    reducer: GradientReducer,
     /// Tied embeddings: the group of the ranks holding the first and the last stage, which sum
     /// the two copies' gradients (`None` for other ranks and untied models).
     tie: Option<Group>,
     /// Zero-bubble schedules on Flex without tensor parallelism: the blocks' weight gradients
     /// are deferred to this store and computed at the weight-gradient actions.
     deferral: Option<(WeightGradStore, LinearHook)>,
+}
+
+impl PipelineState {
+    /// Every chunk's parameters with their placements, laid end to end as in the step's flat
+    /// gradient.
+    fn entries(&self) -> Result<Vec<(ParamSlot, &ParamPlacement)>, RankError> {
+        let mut out = vec![];
+        let mut base = 0;
+        for (chunk, layout) in self.chunks.iter().zip(&self.layouts) {
+            for (mut slot, entry) in self.placements.entries_of(chunk)? {
+                slot.offset += base;
+                out.push((slot, entry));
+            }
+            base += layout.numel;
+        }
+        Ok(out)
+    }
+}
+
+/// Records that `chunk`'s parameters are this pipeline rank's own (other stages hold other
+/// blocks), and that a tied head is a copy of `local`'s embedding, which the first stage holds.
+fn place_stage(
+    placements: &mut PlacementTable,
+    chunk: &TransformerStage,
+    local: &Transformer,
+) -> Result<(), RankError> {
+    let embed = local.embed.weight.id;
+    if let Some(copy) = &chunk.tied_head {
+        let mut entry = placements
+            .get(embed)
+            .cloned()
+            .ok_or("the embedding has no placement")?;
+        entry.tie = Tie::Copy;
+        placements.insert(copy.id, entry);
+    }
+    for slot in ParamLayout::of(chunk).slots {
+        placements.own(slot.id, Axis::Pp)?;
+    }
+    if chunk.embed.is_some() && local.head.is_none() {
+        placements.tie(embed, Tie::Original)?;
+    }
+    Ok(())
 }
 
 impl StepOutcome {
@@ -494,31 +535,28 @@ impl Strategy {
             // Replicas start equal: the seeded initialisation is the same on every rank.
             let ep = ctx.group(Axis::Ep);
             let experts = ExpertParallel::new(ep, moe.n_experts)?;
-            let tp = ctx.group(Axis::Tp);
-            let groups = ExpertGroups {
+            let mut placements = PlacementTable::whole(&model);
+            place_experts(&mut placements, &model, experts.experts_of(ep.rank()).start)?;
+            let mut reduction = PlacedReduction {
+                placements,
+                reducer: GradientReducer::new(ctx, config.precision.reduce_dtype)?,
                 batch: grad_group.clone(),
-                replicas: ctx.group(Axis::Dp).clone(),
-                ep: ep.clone(),
-                tp: tp.clone(),
+                average: config.parallel.gradient_reduction == "mean",
             };
-            let average = config.parallel.gradient_reduction == "mean";
             let d = model_config.d_model;
             let hot = config.moe.replicate_hot;
+            let tp = ctx.group(Axis::Tp);
             if tp.size() > 1 {
-                let model = TpTransformer::shard(model, &TensorParallel::new(tp))?;
-                let split = |name: &str| !TpTransformer::is_replicated(name);
-                let mut state = MoeState::new(model, experts, groups, split, average, &adamw, d);
+                let placements = std::mem::take(&mut reduction.placements);
+                let model =
+                    TpTransformer::shard_placed(model, &TensorParallel::new(tp), placements)?;
+                reduction.placements = model.placements().clone();
+                let mut state = MoeState::new(model, experts, reduction, &adamw, d);
                 state.replicate_hot = hot;
-                state
-                    .gradients
-                    .set_reduce_dtype(config.precision.reduce_dtype);
                 return Ok(Strategy::TpMoe(Box::new(state)));
             }
-            let mut state = MoeState::new(model, experts, groups, |_| false, average, &adamw, d);
+            let mut state = MoeState::new(model, experts, reduction, &adamw, d);
             state.replicate_hot = hot;
-            state
-                .gradients
-                .set_reduce_dtype(config.precision.reduce_dtype);
             return Ok(Strategy::Moe(Box::new(state)));
         }
         let pp = ctx.group(Axis::Pp);
@@ -528,42 +566,50 @@ impl Strategy {
             let schedule = Schedule::build(kind, pp.size(), micro, config.parallel.pp_chunks)
                 .map_err(RankError::from)?;
             let counts = config.pipeline_blocks(model_config, schedule.stages())?;
-            let rows = config.run.global_batch / grad_group.size() / micro;
+            // Context-parallel ranks read the same samples: rows split over the others.
+            let batch_ranks = grad_group.size() / ctx.group(Axis::Cp).size();
+            let rows = config.run.global_batch / batch_ranks / micro;
             let d = model.embed.weight.val().dims()[1];
             let tied = model.head.is_none();
+            let whole = PlacementTable::whole(&model);
             let order = ParamLayout::of(&model)
                 .slots
                 .into_iter()
                 .map(|s| s.name)
                 .collect();
+            // Stages cut from the whole model keep its parameters' ids, so the whole model's
+            // table names them; the tied head's copy is a new parameter (reported once, as the
+            // embedding).
             let stage_params = (0..schedule.stages())
                 .map(|stage| {
-                    let whole = TransformerStage::cut(&model, stage, &counts)?;
-                    Ok(ParamLayout::of(&whole)
+                    let cut = TransformerStage::cut(&model, stage, &counts)?;
+                    Ok(ParamLayout::of(&cut)
                         .slots
                         .into_iter()
-                        .map(|s| {
-                            let name = (s.name != "tied_head").then(|| whole.global_name(&s.name));
-                            (name, s.numel)
-                        })
+                        .map(|s| (whole.get(s.id).map(|e| e.name.clone()), s.numel))
                         .collect())
                 })
                 .collect::<Result<Vec<_>, flashover_parallel::ParallelError>>()?;
             // With a tp axis each stage holds its tensor-parallel shares (dp x tp x pp).
             let tp = ctx.group(Axis::Tp);
-            let (local, split, seq) = if tp.size() > 1 {
+            let (local, split, seq, mut placements) = if tp.size() > 1 {
                 let plan = TensorParallel::new(tp)
                     .with_sequence_parallel(config.parallel.sequence_parallel);
                 let sharded = TpTransformer::shard(model, &plan)?;
+                // Context parallelism hands each rank a share of every sequence, sequence
+                // parallelism a share of that.
+                let local_seq = config.data.seq_len / ctx.group(Axis::Cp).size();
                 let seq = if plan.sequence_parallel {
-                    config.data.seq_len / tp.size()
+                    local_seq / tp.size()
                 } else {
-                    config.data.seq_len
+                    local_seq
                 };
                 let split = Some((plan, sharded.vocab()));
-                (sharded.local, split, seq)
+                let placements = sharded.placements().clone();
+                (sharded.local, split, seq, placements)
             } else {
-                (model, None, config.data.seq_len)
+                let local_seq = config.data.seq_len / ctx.group(Axis::Cp).size();
+                (model, None, local_seq, whole)
             };
             let chunks = (0..schedule.chunks)
                 .map(|c| {
@@ -571,6 +617,9 @@ impl Strategy {
                     TransformerStage::cut_split(&local, stage, &counts, split.clone())
                 })
                 .collect::<Result<Vec<_>, _>>()?;
+            for chunk in &chunks {
+                place_stage(&mut placements, chunk, &local)?;
+            }
             // Tied embeddings: the first and the last stage's ranks keep their copies in step.
             let (first, last) = (0, pp.size() - 1);
             let holds = pp.rank() == first || pp.rank() == last;
@@ -592,6 +641,8 @@ impl Strategy {
             return Ok(Strategy::Pp(Box::new(PipelineState {
                 tie,
                 deferral,
+                placements,
+                reducer: GradientReducer::new(ctx, config.precision.reduce_dtype)?,
                 schedule,
                 optim: ModuleAdamW::new(&adamw, &chunks),
                 layouts: chunks.iter().map(ParamLayout::of).collect(),
@@ -600,6 +651,7 @@ impl Strategy {
                 order,
                 shape: [rows, seq, d],
                 average: config.parallel.gradient_reduction == "mean",
+                data_ranks: grad_group.size(),
             })));
         }
         let tp = ctx.group(Axis::Tp);
@@ -696,14 +748,8 @@ impl Strategy {
                     run_micro_batches(&mut ddp, &*model, batches, micro_batches, precision)?;
                 // The norm spans every tp rank's split weights; norms count once.
                 let reduced = ddp.finish(&*model, None)?;
-                let tp = ctx.group(Axis::Tp);
-                let (grads, grad_norm) = clip_module_grads(
-                    &*model,
-                    reduced.grads,
-                    clip,
-                    tp,
-                    TpTransformer::is_replicated,
-                )?;
+                let (grads, grad_norm) =
+                    clip_module_grads(&*model, reduced.grads, clip, model.placements(), ctx)?;
                 let memory = replicated_memory(&ddp);
                 let mut outcome = StepOutcome::reduced(loss_sum, &reduced.report, memory);
                 outcome.grad_norm = grad_norm;
@@ -793,16 +839,14 @@ impl Strategy {
     /// This rank's parameters and optimizer state with where each part belongs in the whole
     /// model, and which ranks hold the same data: `(state, param replicas, moment replicas)`
     /// as `(index, count)` for sharing the writing.
-    fn local_state(
-        &self,
-        ctx: &RankContext,
-        grad_group: &Group,
-    ) -> (LocalState, (usize, usize), (usize, usize)) {
+    fn local_state(&self, ctx: &RankContext, grad_group: &Group) -> Result<SharedState, RankError> {
         let same = |name: &str| name.to_string();
         let everyone = (grad_group.rank(), grad_group.size());
         // Replicas of a split model: the dp ranks, and the cp ranks (which hold it whole).
         let (dp, cp) = (ctx.group(Axis::Dp), ctx.group(Axis::Cp));
         let replicas = (dp.rank() * cp.size() + cp.rank(), dp.size() * cp.size());
+        let coord = |a| ctx.coord(a);
+        let sharing = [Axis::Dp, Axis::Cp];
         let with_moments = |params: Vec<f32>, segments: Vec<Segment>, adam: &FlatAdamW| {
             let (m1, m2) = adam.moments();
             LocalState {
@@ -817,7 +861,7 @@ impl Strategy {
             Strategy::Ddp(model, _, optim) => {
                 let segments = whole_segments(&ParamLayout::of(&**model), same);
                 let state = with_moments(flatten_params(&**model), segments, optim.flat());
-                (state, everyone, everyone)
+                Ok((state, everyone, everyone))
             }
             Strategy::Zero(model, zero) => {
                 let layout = ParamLayout::of(&**model);
@@ -828,7 +872,7 @@ impl Strategy {
                 state.moment_segments =
                     run_segments(&layout, runs.iter().map(|r| (r.flat, r.len)), 0, same);
                 // Parameters are replicated; moments are this rank's own shard.
-                (state, everyone, (0, 1))
+                Ok((state, everyone, (0, 1)))
             }
             Strategy::Fsdp(model, optim, _) => {
                 let rank = ctx.group(Axis::Fsdp).rank();
@@ -847,69 +891,33 @@ impl Strategy {
                     unit(block.layout(), block.shards(), format!("blocks.{i}."));
                 }
                 let state = with_moments(flatten_params(&**model), segments, optim.flat());
-                (state, replicas, replicas)
+                Ok((state, replicas, replicas))
             }
             Strategy::Tp(model, _, optim) => {
-                let tp = ctx.group(Axis::Tp);
-                let vocab = model.vocab();
-                let segments = ParamLayout::of(&**model)
-                    .slots
-                    .iter()
-                    .map(|s| {
-                        let name = s.name.strip_prefix("local.").unwrap_or(&s.name);
-                        tp_segment(name, &s.shape, s.offset, (tp.rank(), tp.size()), &vocab)
-                    })
-                    .collect();
+                let entries = model.placements().entries_of(&**model)?;
+                let segments = placed_segments(&entries, 0, &coord, &sharing);
                 let state = with_moments(flatten_params(&**model), segments, optim.flat());
-                (state, replicas, replicas)
+                Ok((state, replicas, replicas))
             }
             Strategy::Moe(state) => {
-                let segments = state.segments(None);
+                let entries = state.reduction.placements.entries_of(&state.model)?;
+                let segments = placed_segments(&entries, 0, &coord, &sharing);
                 let local =
                     with_moments(flatten_params(&state.model), segments, state.optim.flat());
-                (local, replicas, replicas)
+                Ok((local, replicas, replicas))
             }
             Strategy::TpMoe(state) => {
-                let vocab = state.model.vocab();
-                let segments = state.segments(Some((ctx.group(Axis::Tp), &vocab)));
+                let entries = state.reduction.placements.entries_of(&state.model)?;
+                let segments = placed_segments(&entries, 0, &coord, &sharing);
                 let local =
                     with_moments(flatten_params(&state.model), segments, state.optim.flat());
-                (local, replicas, replicas)
+                Ok((local, replicas, replicas))
             }
             Strategy::Pp(state) => {
-                let mut segments = vec![];
-                let mut base = 0;
-                for (chunk, layout) in state.chunks.iter().zip(&state.layouts) {
-                    for s in &layout.slots {
-                        let tied = s.name == "tied_head";
-                        let name = if tied {
-                            "embed.weight".to_string()
-                        } else {
-                            chunk.global_name(&s.name)
-                        };
-                        let mut segment = match (chunk.tensor_parallel(), chunk.vocab_shard()) {
-                            (Some(tp), Some(vocab)) => {
-                                let g = &tp.group;
-                                tp_segment(
-                                    &name,
-                                    &s.shape,
-                                    base + s.offset,
-                                    (g.rank(), g.size()),
-                                    vocab,
-                                )
-                            }
-                            _ => Segment::whole(&name, &s.shape, base + s.offset),
-                        };
-                        // The last stage's copy of a tied embedding is read, not written: the
-                        // first stage writes the table.
-                        segment.write &= !tied;
-                        segments.push(segment);
-                    }
-                    base += layout.numel;
-                }
+                let segments = placed_segments(&state.entries()?, 0, &coord, &sharing);
                 let local =
                     with_moments(flatten_params(&state.chunks), segments, state.optim.flat());
-                (local, replicas, replicas)
+                Ok((local, replicas, replicas))
             }
         }
     }
@@ -1079,7 +1087,7 @@ fn train_rank(
     if let Some(path) = &config.checkpoint.init_from {
         let file = flashover_checkpoint::ModelFile::open(path)
             .map_err(|e| RankError::from(format!("checkpoint.init_from: {e}")))?;
-        let (mut state, _, _) = strategy.local_state(ctx, &grad_group);
+        let (mut state, _, _) = strategy.local_state(ctx, &grad_group)?;
         state
             .load_params(&file)
             .map_err(|e| RankError::from(format!("checkpoint.init_from: {e}")))?;
@@ -1102,7 +1110,7 @@ fn train_rank(
                 scaler: &LossScaler,
                 done: usize|
      -> Result<(), RankError> {
-        let (state, param_replicas, moment_replicas) = strategy.local_state(ctx, &grad_group);
+        let (state, param_replicas, moment_replicas) = strategy.local_state(ctx, &grad_group)?;
         let pieces = state.pieces_for(param_replicas, moment_replicas);
         let run = serde_json::json!({
             "step": done,
@@ -1311,7 +1319,7 @@ fn resume(
             config.run.steps
         )));
     }
-    let (mut state, _, _) = strategy.local_state(ctx, grad_group);
+    let (mut state, _, _) = strategy.local_state(ctx, grad_group)?;
     state
         .load(&ckpt)
         .map_err(|e| RankError::from(format!("resuming: {e}")))?;
@@ -1440,7 +1448,14 @@ fn moe_step<M: NextTokenLoss + MoeBlocks>(
         let scale = precision.scaler.scale();
         grads.iter_mut().for_each(|g| *g /= scale);
     }
-    let grad_norm = state.gradients.reduce(&mut grads, micro_batches, clip)?;
+    let r = &state.reduction;
+    let entries = r.placements.entries_of(&state.model)?;
+    let scale = match r.average {
+        true => 1.0 / (r.batch.size() * micro_batches) as f32,
+        false => 1.0,
+    };
+    r.reducer.reduce(&entries, &mut grads, scale, None)?;
+    let grad_norm = clip_placed(&entries, &mut grads, clip, ctx)?;
     let (update, loss_scale) = precision.decide(grad_norm);
     if update {
         state.model = state.optim.step_flat(lr, state.model.clone(), &grads)?;
@@ -1448,7 +1463,7 @@ fn moe_step<M: NextTokenLoss + MoeBlocks>(
     // Routing statistics and traffic over the whole batch group.
     let stats = state.hook.take_stats();
     let remote = state.experts.traffic().take();
-    let batch = &state.gradients.groups().batch;
+    let batch = &state.reduction.batch;
     let mut sums: Vec<f64> = stats
         .routed
         .iter()
@@ -1525,19 +1540,22 @@ fn moe_step<M: NextTokenLoss + MoeBlocks>(
     })
 }
 
-/// The whole model's name of parameter `name` of an expert-parallel rank whose first expert
-/// is `first`: `blocks.0.moe.experts.1.w_up.weight` is expert `first + 1`.
-fn global_expert_name(name: &str, first: usize) -> String {
-    const MARK: &str = ".moe.experts.";
-    let Some(at) = name.find(MARK) else {
-        return name.to_string();
-    };
-    let rest = &name[at + MARK.len()..];
-    let (index, tail) = rest.split_once('.').unwrap_or((rest, ""));
-    match index.parse::<usize>() {
-        Ok(local) => format!("{}{MARK}{}.{tail}", &name[..at], first + local),
-        Err(_) => name.to_string(),
+/// The global norm of a flat gradient laid out as `entries` say, clipped to `clip` in place;
+/// returns the norm before clipping.
+fn clip_placed(
+    entries: &[(ParamSlot, &ParamPlacement)],
+    flat: &mut [f32],
+    clip: Option<f32>,
+    ctx: &RankContext,
+) -> Result<f32, RankError> {
+    let parts = entries
+        .iter()
+        .map(|(slot, entry)| (*entry, &flat[slot.offset..slot.offset + slot.numel]));
+    let norm = global_grad_norm(parts, ctx)?;
+    if let Some(scale) = clip_scale(norm, clip)? {
+        flat.iter_mut().for_each(|g| *g *= scale);
     }
+    Ok(norm)
 }
 
 /// One pipeline step: the schedule over every micro-batch, gradients averaged over `dp`
@@ -1551,7 +1569,7 @@ fn pipeline_step(
     lr: f64,
     precision: &mut Precisions,
 ) -> Result<StepOutcome, RankError> {
-    let (pp, dp) = (ctx.group(Axis::Pp), ctx.group(Axis::Dp));
+    let pp = ctx.group(Axis::Pp);
     let before = ctx.comm_stats();
     let data: Vec<_> = (0..micro_batches).map(&mut *batches).collect();
     let device = data[0].0.device();
@@ -1584,63 +1602,19 @@ fn pipeline_step(
         at += layout.numel;
     }
     drop(grads);
-    if state.average {
-        dp.all_reduce(&mut flat, ReduceOp::Avg)?;
-    } else {
-        // The executor averaged over micro-batches; sums want them summed.
-        flat.iter_mut().for_each(|g| *g *= micro_batches as f32);
-        dp.all_reduce(&mut flat, ReduceOp::Sum)?;
-    }
-    // Tied embeddings: the first stage's table and the last stage's copy get the sum of both
-    // gradients, so the copies stay equal.
-    if let Some(tie) = &state.tie {
-        let mut at = 0;
-        for layout in &state.layouts {
-            for slot in &layout.slots {
-                if slot.name == "embed.weight" || slot.name == "tied_head" {
-                    tie.all_reduce(
-                        &mut flat[at + slot.offset..at + slot.offset + slot.numel],
-                        ReduceOp::Sum,
-                    )?;
-                }
-            }
-            at += layout.numel;
-        }
-    }
-    // Stages hold disjoint parameters: the squared norm sums over the pipeline. Within a
-    // stage split over tp, split weights sum over tp and replicated ones (norms) count once.
-    let mut split = 0.0f64;
-    let mut replicated = 0.0f64;
-    let mut at = 0;
-    for (chunk, layout) in state.chunks.iter().zip(&state.layouts) {
-        for slot in &layout.slots {
-            let sq: f64 = flat[at + slot.offset..at + slot.offset + slot.numel]
-                .iter()
-                .map(|&g| g as f64 * g as f64)
-                .sum();
-            if slot.name == "tied_head" {
-                // Counted once, with the first stage's table.
-            } else if chunk.tensor_parallel().is_some() && !TpTransformer::is_replicated(&slot.name)
-            {
-                split += sq;
-            } else {
-                replicated += sq;
-            }
-        }
-        at += layout.numel;
-    }
-    let mut split = [split];
-    if let Some(tp) = state.chunks.first().and_then(|c| c.tensor_parallel()) {
-        tp.group.all_reduce(&mut split, ReduceOp::Sum)?;
-    }
-    let mut sq = [split[0] + replicated];
-    pp.all_reduce(&mut sq, ReduceOp::Sum)?;
-    let grad_norm = sq[0].sqrt() as f32;
+    // Sum over the data-parallel replicas (and the tied copies over their stages); the
+    // executor averaged over micro-batches already.
+    let entries = state.entries()?;
+    let scale = match state.average {
+        true => 1.0 / state.data_ranks as f32,
+        false => micro_batches as f32,
+    };
+    state
+        .reducer
+        .reduce(&entries, &mut flat, scale, state.tie.as_ref())?;
+    let grad_norm = clip_placed(&entries, &mut flat, clip, ctx)?;
     let (update, loss_scale) = precision.decide(grad_norm);
     if update {
-        if let Some(scale) = clip_scale(grad_norm, clip)? {
-            flat.iter_mut().for_each(|g| *g *= scale);
-        }
         let chunks = std::mem::take(&mut state.chunks);
         state.chunks = state.optim.step_flat(lr, chunks, &flat)?;
     }

@@ -14,6 +14,7 @@ use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::tensor::{Int, Tensor};
 use flashover_models::{Block, ForwardContext, Site, Transformer};
 use flashover_parallel::ParallelError;
+use flashover_parallel::placement::PlacementTable;
 use flashover_parallel::tensor_parallel::comm::copy_to_tp;
 use flashover_parallel::tensor_parallel::{
     TensorParallel, VocabShard, gather_parts, split_dim, vocab_parallel_cross_entropy,
@@ -27,6 +28,7 @@ use flashover_parallel::tensor_parallel::{
 /// use flashover::train::TpTransformer;
 /// use flashover::{Axis, launch};
 /// use flashover_models::{ForwardContext, TransformerConfig, next_token_loss};
+/// use flashover_parallel::placement::Placement;
 /// use flashover_parallel::tensor_parallel::TensorParallel;
 ///
 /// let config = TransformerConfig::tiny(16);
@@ -37,7 +39,9 @@ use flashover_parallel::tensor_parallel::{
 /// let losses = launch("tp=2", |ctx| {
 ///     let plan = TensorParallel::new(ctx.group(Axis::Tp));
 ///     let model = TpTransformer::shard(config.init(3, &Device::flex().autodiff()), &plan)?;
-///     assert!(TpTransformer::is_replicated("blocks.0.attn_norm.gamma"));
+///     // Where each share sits in the whole model, recorded as it was cut.
+///     let norm = &model.local.blocks[0].attn_norm.gamma;
+///     assert_eq!(model.placements().get(norm.id).unwrap().on(Axis::Tp), Placement::Replicate);
 ///     assert_eq!(model.vocab().rows, 8);
 ///     let (inputs, targets) = (tokens().narrow(1, 0, 4), tokens().narrow(1, 1, 4));
 ///     let loss = model.forward_loss(inputs, targets, &ForwardContext::default());
@@ -58,6 +62,9 @@ pub struct TpTransformer {
     tp: TensorParallel,
     #[module(skip)]
     vocab: VocabShard,
+    /// Where every parameter's share sits in the whole model.
+    #[module(skip)]
+    placements: PlacementTable,
 }
 
 fn linear_from(weight: Tensor<2>) -> Linear {
@@ -67,10 +74,28 @@ fn linear_from(weight: Tensor<2>) -> Linear {
     }
 }
 
+/// `param` replaced by `share` (its rows or columns along `dim`), recorded in `table`.
+fn record_share(
+    table: &mut PlacementTable,
+    param: &Param<Tensor<2>>,
+    share: &Param<Tensor<2>>,
+    dim: usize,
+) -> Result<(), ParallelError> {
+    let shape = share.val().dims().to_vec();
+    table.shard(param.id, share.id, flashover_runtime::Axis::Tp, dim, &shape)
+}
+
 /// The columns (`dim = 1`) or rows (`dim = 0`) of `linear` this rank holds.
-fn split_linear(linear: &Linear, dim: usize, tp: &TensorParallel) -> Result<Linear, ParallelError> {
+fn split_linear(
+    linear: &Linear,
+    dim: usize,
+    tp: &TensorParallel,
+    table: &mut PlacementTable,
+) -> Result<Linear, ParallelError> {
     let (rank, n) = (tp.group.rank(), tp.group.size());
-    Ok(linear_from(split_dim(&linear.weight.val(), dim, rank, n)?))
+    let share = linear_from(split_dim(&linear.weight.val(), dim, rank, n)?);
+    record_share(table, &linear.weight, &share.weight, dim)?;
+    Ok(share)
 }
 
 /// Every rank's columns or rows of `linear`, concatenated (collective).
@@ -100,6 +125,17 @@ impl TpTransformer {
     /// This rank's shares of `full` (every rank passes the same full model). Fails, naming
     /// the sizes, when heads or the MLP width do not divide by `tp`.
     pub fn shard(full: Transformer, tp: &TensorParallel) -> Result<Self, ParallelError> {
+        let table = PlacementTable::whole(&full);
+        Self::shard_placed(full, tp, table)
+    }
+
+    /// [`TpTransformer::shard`] of a model whose placements other transforms have recorded
+    /// already (`table`: e.g. this rank's experts), extended with the tensor-parallel splits.
+    pub fn shard_placed(
+        full: Transformer,
+        tp: &TensorParallel,
+        mut table: PlacementTable,
+    ) -> Result<Self, ParallelError> {
         let (rank, n) = (tp.group.rank(), tp.group.size());
         let heads = full.blocks.first().map_or(0, |b| b.attn.n_heads);
         if !heads.is_multiple_of(n) {
@@ -111,42 +147,39 @@ impl TpTransformer {
         let head_dim = full.blocks.first().map_or(2, |b| b.attn.head_dim);
         let mut local = full;
         for block in &mut local.blocks {
-            shard_block(block, tp)?;
+            shard_block(block, tp, &mut table)?;
         }
-        let table = local.embed.weight.val();
-        let vocab = VocabShard::new(table.dims()[0], rank, n);
-        local.embed = Embedding {
-            weight: Param::from_tensor(vocab.take_rows(&table)),
+        let rows = local.embed.weight.val();
+        let vocab = VocabShard::new(rows.dims()[0], rank, n);
+        let embed = Embedding {
+            weight: Param::from_tensor(vocab.take_rows(&rows)),
         };
+        record_share(&mut table, &local.embed.weight, &embed.weight, 0)?;
+        local.embed = embed;
         if let Some(head) = &local.head {
             // The head is `[d, vocab]`: its vocabulary columns, padded like the embedding.
             let columns = vocab.take_rows(&head.weight.val().transpose());
-            local.head = Some(linear_from(columns.transpose()));
+            let split = linear_from(columns.transpose());
+            record_share(&mut table, &head.weight, &split.weight, 1)?;
+            local.head = Some(split);
         }
         Ok(TpTransformer {
             local,
             head_dim,
             tp: tp.clone(),
             vocab,
+            placements: table,
         })
+    }
+
+    /// Where every parameter's share sits in the whole model.
+    pub fn placements(&self) -> &PlacementTable {
+        &self.placements
     }
 
     /// The full model, gathered from every rank's shares (collective; values only).
     pub fn unshard(&self) -> Result<Transformer, ParallelError> {
-        let tp = &self.tp;
-        let mut full = self.local.clone().valid();
-        for block in &mut full.blocks {
-            unshard_block(block, tp)?;
-        }
-        let vocab = Some(self.vocab.vocab);
-        full.embed = Embedding {
-            weight: Param::from_tensor(gather_parts(full.embed.weight.val(), 0, &tp.group, vocab)?),
-        };
-        if let Some(head) = &full.head {
-            let columns = gather_parts(head.weight.val(), 1, &tp.group, vocab)?;
-            full.head = Some(linear_from(columns));
-        }
-        Ok(full)
+        unshard_model(self.local.clone(), &self.tp, &self.vocab)
     }
 
     /// Mean next-token loss of `tokens` against `targets` (both `[batch, seq]`, the same on
@@ -184,54 +217,15 @@ impl TpTransformer {
         &self.tp
     }
 
+    /// This rank's shares, the plan, the vocabulary rows and the placements, taken apart (to
+    /// wrap the shares in fully sharded units).
+    pub fn into_parts(self) -> (Transformer, TensorParallel, VocabShard, PlacementTable) {
+        (self.local, self.tp, self.vocab, self.placements)
+    }
+
     /// This rank's vocabulary rows.
     pub fn vocab(&self) -> VocabShard {
         self.vocab
-    }
-
-    /// Whether parameter `name` is replicated over `tp` (the norms, mixture-of-experts layers)
-    /// rather than split.
-    pub fn is_replicated(name: &str) -> bool {
-        name.contains("norm") || name.contains(".moe.")
-    }
-}
-
-/// How tensor parallelism splits a parameter of the reference transformer, by its name in the
-/// whole model: the one description that [`shard_block`], the vocabulary split and checkpoints
-/// agree on (a test checks [`TpTransformer::shard`] against it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TpSplit {
-    /// Split evenly along this dimension (column-parallel: dim 1; row-parallel: dim 0).
-    Dim(usize),
-    /// Split by vocabulary along this dimension, padded to a multiple of tp (embedding rows,
-    /// LM head columns).
-    Vocab(usize),
-    /// Whole on every rank (the norms).
-    Replicated,
-}
-
-/// The split of parameter `name` (whole-model name, e.g. `blocks.0.attn.wq.weight`).
-pub fn tp_split(name: &str) -> TpSplit {
-    let leaf = |suffixes: &[&str]| suffixes.iter().any(|s| name.ends_with(s));
-    if name.contains(".moe.") {
-        // Routers and experts are whole on every tp rank (experts split over ep instead).
-        TpSplit::Replicated
-    } else if leaf(&[
-        "wq.weight",
-        "wk.weight",
-        "wv.weight",
-        "w_gate.weight",
-        "w_up.weight",
-    ]) {
-        TpSplit::Dim(1)
-    } else if leaf(&["wo.weight", "w_down.weight"]) {
-        TpSplit::Dim(0)
-    } else if name == "embed.weight" {
-        TpSplit::Vocab(0)
-    } else if name == "head.weight" {
-        TpSplit::Vocab(1)
-    } else {
-        TpSplit::Replicated
     }
 }
 
@@ -302,20 +296,47 @@ pub(crate) fn tp_loss(
     vocab_parallel_cross_entropy(logits, targets, vocab, &tp.group)
 }
 
-/// `block` with its weights replaced by this rank's shares.
-pub(crate) fn shard_block(block: &mut Block, tp: &TensorParallel) -> Result<(), ParallelError> {
+/// `block` with its weights replaced by this rank's shares (recorded in `table`): q/k/v and
+/// gate/up by output columns, the attention output and down projection by input rows; norms and
+/// mixture-of-experts layers stay whole.
+pub(crate) fn shard_block(
+    block: &mut Block,
+    tp: &TensorParallel,
+    table: &mut PlacementTable,
+) -> Result<(), ParallelError> {
     let attn = &mut block.attn;
-    attn.wq = split_linear(&attn.wq, 1, tp)?;
-    attn.wk = split_linear(&attn.wk, 1, tp)?;
-    attn.wv = split_linear(&attn.wv, 1, tp)?;
-    attn.wo = split_linear(&attn.wo, 0, tp)?;
+    attn.wq = split_linear(&attn.wq, 1, tp, table)?;
+    attn.wk = split_linear(&attn.wk, 1, tp, table)?;
+    attn.wv = split_linear(&attn.wv, 1, tp, table)?;
+    attn.wo = split_linear(&attn.wo, 0, tp, table)?;
     attn.n_heads /= tp.group.size();
     if let Some(mlp) = block.mlp.as_mut() {
-        mlp.w_gate = split_linear(&mlp.w_gate, 1, tp)?;
-        mlp.w_up = split_linear(&mlp.w_up, 1, tp)?;
-        mlp.w_down = split_linear(&mlp.w_down, 0, tp)?;
+        mlp.w_gate = split_linear(&mlp.w_gate, 1, tp, table)?;
+        mlp.w_up = split_linear(&mlp.w_up, 1, tp, table)?;
+        mlp.w_down = split_linear(&mlp.w_down, 0, tp, table)?;
     }
     Ok(())
+}
+
+/// The whole model from this rank's shares `local` (collective over tp; values only).
+pub(crate) fn unshard_model(
+    local: Transformer,
+    tp: &TensorParallel,
+    vocab: &VocabShard,
+) -> Result<Transformer, ParallelError> {
+    let mut full = local.valid();
+    for block in &mut full.blocks {
+        unshard_block(block, tp)?;
+    }
+    let rows = Some(vocab.vocab);
+    full.embed = Embedding {
+        weight: Param::from_tensor(gather_parts(full.embed.weight.val(), 0, &tp.group, rows)?),
+    };
+    if let Some(head) = &full.head {
+        let columns = gather_parts(head.weight.val(), 1, &tp.group, rows)?;
+        full.head = Some(linear_from(columns));
+    }
+    Ok(full)
 }
 
 /// `block` with every rank's shares gathered back (collective).
@@ -340,9 +361,10 @@ mod tests {
     use crate::{Axis, launch};
     use flashover_models::TransformerConfig;
     use flashover_parallel::params::ParamLayout;
+    use flashover_parallel::placement::Placement;
 
     #[test]
-    fn tp_split_describes_what_sharding_does() {
+    fn the_placements_describe_what_sharding_does() {
         for tied in [true, false] {
             let mut config = TransformerConfig::new(31, 16, 2, 4, 24);
             config.tie_embeddings = tied;
@@ -350,17 +372,26 @@ mod tests {
                 let full = config.init(3, ctx.device());
                 let whole = ParamLayout::of(&full);
                 let plan = TensorParallel::new(ctx.group(Axis::Tp));
-                let local = ParamLayout::of(&TpTransformer::shard(full, &plan)?);
-                assert_eq!(whole.slots.len(), local.slots.len());
-                for (w, l) in whole.slots.iter().zip(&local.slots) {
-                    assert_eq!(l.name, format!("local.{}", w.name));
+                let model = TpTransformer::shard(full, &plan)?;
+                let entries = model.placements().entries_of(&model)?;
+                assert_eq!(whole.slots.len(), entries.len());
+                for (w, (local, entry)) in whole.slots.iter().zip(&entries) {
+                    assert_eq!(entry.name, w.name);
+                    assert_eq!(entry.global_shape, w.shape, "{}", w.name);
+                    assert_eq!(entry.local_shape, local.shape, "{}", w.name);
                     let mut expected = w.shape.clone();
-                    match tp_split(&w.name) {
-                        TpSplit::Dim(d) => expected[d] /= 2,
-                        TpSplit::Vocab(d) => expected[d] = 31usize.div_ceil(2),
-                        TpSplit::Replicated => {}
+                    if let Placement::Shard { dim, chunk } = entry.on(Axis::Tp) {
+                        assert_eq!(chunk, local.shape[dim]);
+                        expected[dim] = w.shape[dim].div_ceil(2);
                     }
-                    assert_eq!(l.shape, expected, "{}", w.name);
+                    assert_eq!(local.shape, expected, "{}", w.name);
+                    // Norms stay whole, every matrix is split.
+                    let split = entry.on(Axis::Tp) != Placement::Replicate;
+                    assert_eq!(split, w.shape.len() == 2, "{}", w.name);
+                    // The last rank's vocabulary rows stop at the real vocabulary.
+                    let held = entry.held(|a| ctx.coord(a));
+                    let ends = held.offsets.iter().zip(&held.extents).map(|(o, e)| o + e);
+                    assert!(ends.zip(&w.shape).all(|(e, s)| e <= *s), "{}", w.name);
                 }
                 Ok::<_, ParallelError>(())
             })

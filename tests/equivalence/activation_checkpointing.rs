@@ -113,10 +113,7 @@ fn policies_the_job_cannot_run_are_refused_by_field() {
     let mut moe = recompute_job("ep=2", "full");
     moe.moe.experts = 4;
     let e = moe.validate().join("\n");
-    assert!(
-        e.contains("does not compose with mixture-of-experts blocks yet"),
-        "{e}"
-    );
+    assert!(e.contains("rule `moe-block-recompute`"), "{e}");
     moe.parallel.activation_checkpointing = "selective".into();
     assert!(moe.validate().is_empty(), "{:?}", moe.validate());
 }

@@ -1,11 +1,13 @@
 //! Global-norm gradient clipping over (possibly sharded) flat gradients.
 
 use crate::error::ParallelError;
-use crate::params::{ParamLayout, to_f32};
+use crate::params::to_f32;
+use crate::placement::{PlacementTable, global_grad_norm};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
+use flashover_runtime::RankContext;
 
 /// The global L2 norm of a gradient whose pieces are spread over `shard_group` (each rank
 /// holds a disjoint part; `None` when every rank holds the whole gradient, as in DDP), and the
@@ -56,44 +58,38 @@ pub fn clip_scale(norm: f32, max_norm: Option<f32>) -> Result<Option<f32>, Paral
     }
 }
 
-/// Global-norm clipping of a module's gradients when some parameters are split over
-/// `split_group` (tensor parallel: each rank holds a disjoint part) and others replicated on it
-/// (`replicated(name)`, e.g. norms, counted once). Returns the clipped gradients and the norm
-/// before clipping.
+/// Global-norm clipping of a module's gradients (already reduced over the data axes) wherever
+/// its parameters live: the norm comes from their `placements`
+/// ([`crate::placement::global_grad_norm`]: tensor-parallel shares sum over tp, replicated
+/// parameters count once). Returns the clipped gradients and the norm before clipping.
 pub fn clip_module_grads<M: Module>(
     module: &M,
     mut grads: GradientsParams,
     max_norm: Option<f32>,
-    split_group: &Group,
-    replicated: impl Fn(&str) -> bool,
+    placements: &PlacementTable,
+    ctx: &RankContext,
 ) -> Result<(GradientsParams, f32), ParallelError> {
-    let layout = ParamLayout::of(module);
-    struct SumSquares<'a> {
+    let entries = placements.entries_of(module)?;
+    struct Read<'a> {
         grads: &'a GradientsParams,
-        /// (split, replicated) sums of squares.
-        sums: [f64; 2],
-        replicated: Vec<bool>,
-        index: usize,
+        values: Vec<Vec<f32>>,
     }
-    impl ModuleVisitor for SumSquares<'_> {
+    impl ModuleVisitor for Read<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if let Some(g) = self.grads.get::<D>(param.id) {
-                let sq: f64 = to_f32(g).iter().map(|&x| x as f64 * x as f64).sum();
-                self.sums[self.replicated[self.index] as usize] += sq;
-            }
-            self.index += 1;
+            let g = self.grads.get::<D>(param.id).map(to_f32);
+            self.values.push(g.unwrap_or_default());
         }
     }
-    let mut v = SumSquares {
+    let mut read = Read {
         grads: &grads,
-        sums: [0.0; 2],
-        replicated: layout.slots.iter().map(|s| replicated(&s.name)).collect(),
-        index: 0,
+        values: vec![],
     };
-    module.visit(&mut v);
-    let mut split = [v.sums[0]];
-    split_group.all_reduce(&mut split, ReduceOp::Sum)?;
-    let norm = (split[0] + v.sums[1]).sqrt() as f32;
+    module.visit(&mut read);
+    let parts = entries
+        .iter()
+        .zip(&read.values)
+        .map(|((_, entry), g)| (*entry, g.as_slice()));
+    let norm = global_grad_norm(parts, ctx)?;
     if let Some(scale) = clip_scale(norm, max_norm)? {
         struct Scale<'a> {
             grads: &'a mut GradientsParams,

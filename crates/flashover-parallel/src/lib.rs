@@ -36,6 +36,7 @@ mod hook;
 mod host;
 pub mod params;
 pub mod pipeline;
+pub mod placement;
 pub mod precision;
 pub mod tensor_parallel;
 pub mod zero;

@@ -400,18 +400,7 @@ mod tests {
     }
 
     fn layout() -> Layout {
-        Layout {
-            pp: 1,
-            dp: 1,
-            fsdp: 1,
-            ep: 1,
-            cp: 1,
-            tp: 1,
-            zero: 0,
-            sequence_parallel: false,
-            schedule: PipelineSchedule::OneFOneB,
-            recompute: Recompute::None,
-        }
+        Layout::single()
     }
 
     #[test]

@@ -90,6 +90,22 @@ pub struct Layout {
 }
 
 impl Layout {
+    /// One rank: every degree 1, DDP, no sequence parallelism, 1F1B, no recomputation.
+    pub fn single() -> Self {
+        Layout {
+            pp: 1,
+            dp: 1,
+            fsdp: 1,
+            ep: 1,
+            cp: 1,
+            tp: 1,
+            zero: 0,
+            sequence_parallel: false,
+            schedule: PipelineSchedule::OneFOneB,
+            recompute: Recompute::None,
+        }
+    }
+
     /// Degrees in mesh order (outermost first), as [`Axis::ALL`].
     pub fn degrees(&self) -> [(Axis, usize); 6] {
         [
@@ -246,26 +262,13 @@ impl Layout {
         p
     }
 
-    /// What Flashover cannot run yet for this layout (empty when it can): the compositions
-    /// its training job refuses today.
+    /// Why Flashover's training job refuses this layout for `model` (empty when it trains):
+    /// the reasons of [`crate::rules::refusals`].
     pub fn unsupported(&self, model: &ModelSpec) -> Vec<String> {
-        let mut u = vec![];
-        if self.pp > 1 && (self.zero > 0 || self.fsdp > 1 || self.cp > 1 || self.ep > 1) {
-            u.push("pipelines compose with dp and tp only".to_string());
-        }
-        if self.tp > 1 && self.zero > 0 {
-            u.push("tensor parallelism composes with DDP, not ZeRO".into());
-        }
-        if self.cp > 1 && (self.zero == 3 || model.experts > 0) {
-            u.push("context parallelism composes with dp, tp and ZeRO-1/2".into());
-        }
-        if model.experts > 0 && (self.zero > 0 || self.fsdp > 1 || self.pp > 1) {
-            u.push("mixture-of-experts models train with dp, ep and tp".into());
-        }
-        if self.sequence_parallel && self.cp > 1 {
-            u.push("sequence parallelism with cp".into());
-        }
-        u
+        crate::rules::refusals(self, model.experts > 0)
+            .into_iter()
+            .map(|r| r.reason.to_string())
+            .collect()
     }
 }
 

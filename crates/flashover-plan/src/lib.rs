@@ -31,6 +31,7 @@ pub mod explain;
 mod hardware;
 mod layout;
 mod model;
+pub mod rules;
 mod search;
 
 pub use hardware::Hardware;

@@ -81,6 +81,6 @@ mod saver;
 mod tools;
 
 pub use placement::{LocalState, Segment, whole_segments};
-pub(crate) use placement::{run_segments, tp_segment};
+pub(crate) use placement::{placed_segments, run_segments};
 pub use saver::Saver;
 pub use tools::{export, open, reshard};

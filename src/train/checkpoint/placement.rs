@@ -1,10 +1,10 @@
 //! Where each part of a rank's flat state belongs in the whole model ([`Segment`]), which
 //! pieces a rank writes, and reading its regions back.
 
-use crate::train::tp_model::{TpSplit, tp_split};
 use flashover_checkpoint::{Checkpoint, CheckpointError, PieceData, Region, TensorSource};
-use flashover_parallel::params::ParamLayout;
-use flashover_parallel::tensor_parallel::VocabShard;
+use flashover_parallel::params::{ParamLayout, ParamSlot};
+use flashover_parallel::placement::{ParamPlacement, Placement, Tie};
+use flashover_runtime::Axis;
 use std::ops::Range;
 
 /// Part of a local flat vector holding a region of a whole-model tensor.
@@ -155,53 +155,60 @@ pub(crate) fn run_segments(
     out
 }
 
-/// The placement of a tensor-parallel share: `name` is the whole-model name, `local_shape` the
-/// share's shape (vocabulary-split tensors padded), `tp = (rank, size)`. Norms are replicated
-/// and written by tp rank 0.
-pub(crate) fn tp_segment(
-    name: &str,
-    local_shape: &[usize],
+/// The segment of a parameter placed as `entry`, its local tensor at `local` of the flat
+/// vector, on the rank at coordinates `coord`. Ranks along the `sharing` axes split the writing
+/// of the elements they all hold ([`LocalState::pieces_for`]); along any other axis that
+/// replicates the parameter the first rank writes it, and a tied copy is never written.
+pub(crate) fn placed_segment(
+    entry: &ParamPlacement,
     local: usize,
-    tp: (usize, usize),
-    vocab: &VocabShard,
+    coord: &dyn Fn(Axis) -> usize,
+    sharing: &[Axis],
 ) -> Segment {
-    let (rank, size) = tp;
-    match tp_split(name) {
-        TpSplit::Dim(dim) => {
-            let mut shape = local_shape.to_vec();
-            shape[dim] *= size;
-            let region = Region::slice(&shape, dim, rank * local_shape[dim], local_shape[dim]);
-            Segment {
-                tensor: name.into(),
-                shape,
-                region,
-                local,
-                local_shape: local_shape.to_vec(),
-                local_region: Region::whole(local_shape),
-                write: true,
-            }
+    let held = entry.held(coord);
+    let region = if held.is_whole(&entry.global_shape) {
+        Region::whole(&entry.global_shape)
+    } else {
+        Region::Block {
+            offsets: held.offsets.iter().map(|&o| o as u64).collect(),
+            shape: held.extents.iter().map(|&e| e as u64).collect(),
         }
-        TpSplit::Vocab(dim) => {
-            // The last ranks' rows may be padding past the real vocabulary.
-            let mut shape = local_shape.to_vec();
-            shape[dim] = vocab.vocab;
-            let real = vocab.vocab.saturating_sub(vocab.start).min(vocab.rows);
-            Segment {
-                tensor: name.into(),
-                region: Region::slice(&shape, dim, vocab.start.min(vocab.vocab), real),
-                shape,
-                local,
-                local_shape: local_shape.to_vec(),
-                local_region: Region::slice(local_shape, dim, 0, real),
-                write: true,
-            }
+    };
+    // The real rows sit at the local tensor's start; the rest is padding.
+    let local_region = if held.extents == entry.local_shape {
+        Region::whole(&entry.local_shape)
+    } else {
+        Region::Block {
+            offsets: vec![0; held.extents.len()],
+            shape: held.extents.iter().map(|&e| e as u64).collect(),
         }
-        TpSplit::Replicated => {
-            let mut s = Segment::whole(name, local_shape, local);
-            s.write = rank == 0;
-            s
-        }
+    };
+    let first_replica = Axis::ALL
+        .iter()
+        .all(|&a| sharing.contains(&a) || entry.on(a) != Placement::Replicate || coord(a) == 0);
+    Segment {
+        tensor: entry.name.clone(),
+        shape: entry.global_shape.clone(),
+        region,
+        local,
+        local_shape: entry.local_shape.clone(),
+        local_region,
+        write: first_replica && entry.tie != Tie::Copy,
     }
+}
+
+/// [`placed_segment`] for every parameter of `entries` (a module's, from
+/// `PlacementTable::entries_of`), the module's flat vector starting at `base`.
+pub(crate) fn placed_segments(
+    entries: &[(ParamSlot, &ParamPlacement)],
+    base: usize,
+    coord: &dyn Fn(Axis) -> usize,
+    sharing: &[Axis],
+) -> Vec<Segment> {
+    entries
+        .iter()
+        .map(|(slot, entry)| placed_segment(entry, base + slot.offset, coord, sharing))
+        .collect()
 }
 
 /// The pieces this rank writes of `segments` over `flat`: the segments it is responsible for,

@@ -14,33 +14,28 @@
 //! **Gradients:** replicated parameters are averaged over the whole batch group, as in DDP.
 //! An expert's gradient on its owner already sums the contributions of every ep rank's tokens
 //! (they came back through the all-to-all's backward), so it is reduced over the `dp` replicas
-//! of that expert only, then scaled like the rest ([`ExpertGradients`]).
+//! of that expert only, then scaled like the rest. [`place_experts`] records that the experts
+//! are owned over `ep`, and the placements' [`crate::placement::GradientReducer`] does the rest.
 
 mod combine_op;
 mod replicas;
 
-use crate::precision::{Precision, all_reduce_in, cast_params};
+use crate::placement::PlacementTable;
+use crate::precision::cast_params;
 use replicas::Replicas;
 
 use crate::error::ParallelError;
-use crate::params::{ParamLayout, flatten_params, load_flat};
+use crate::params::{flatten_params, load_flat};
 use crate::tensor_parallel::comm::{host, host_pair, ok, values};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Tensor, TensorData};
-use flashover_comm::{CommunicatorExt, Group, ReduceOp};
+use flashover_comm::{CommunicatorExt, Group};
 use flashover_models::moe::{ExpertDispatch, Moe, Routing, index_tensor, run_experts};
 use flashover_models::{SwiGlu, Transformer};
-use flashover_runtime::{Axis, RankContext};
+use flashover_runtime::Axis;
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-
-/// Whether parameter `name` (a path in the reference transformer, e.g.
-/// `blocks.0.moe.experts.3.w_up.weight`) belongs to a routed expert. In any other model use
-/// [`expert_slots`], which does not depend on names.
-pub fn is_expert_param(name: &str) -> bool {
-    name.starts_with("moe.experts.") || name.contains(".moe.experts.")
-}
 
 /// Per float parameter of `module`, in visiting order: whether it sits in the `experts` of a
 /// [`Moe`] layer, wherever that layer is in the model and whatever its field is called.
@@ -68,6 +63,63 @@ pub fn expert_slots<M: Module>(module: &M) -> Vec<bool> {
     };
     module.visit(&mut v);
     v.slots
+}
+
+/// Records in `placements` that `module`'s routed experts (the `experts` of every [`Moe`]
+/// layer, found by type) are this expert-parallel rank's own: each owned over `ep` and named by
+/// its global index, `first` being the global index of this rank's first expert.
+pub fn place_experts<M: Module>(
+    placements: &mut PlacementTable,
+    module: &M,
+    first: usize,
+) -> Result<(), ParallelError> {
+    struct V<'a> {
+        /// The module path, each part with whether it is a `Moe`'s `experts`.
+        path: Vec<(String, bool)>,
+        first: usize,
+        placements: &'a mut PlacementTable,
+        result: Result<(), ParallelError>,
+    }
+    impl ModuleVisitor for V<'_> {
+        fn enter_module(&mut self, name: &str, container_type: &str) {
+            let experts = name == "experts" && container_type == "Struct:Moe";
+            self.path.push((name.to_string(), experts));
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(at) = self.path.iter().position(|(_, experts)| *experts) else {
+                return;
+            };
+            // The part after `experts` is the expert's index in this rank's list.
+            let name = self
+                .path
+                .iter()
+                .enumerate()
+                .filter(|(_, (part, _))| !part.is_empty())
+                .map(|(i, (part, _))| match part.parse::<usize>() {
+                    Ok(local) if i == at + 1 => (self.first + local).to_string(),
+                    _ => part.clone(),
+                })
+                .collect::<Vec<_>>()
+                .join(".");
+            if self.result.is_ok() {
+                self.result = self
+                    .placements
+                    .own(param.id, Axis::Ep)
+                    .and_then(|()| self.placements.rename(param.id, name));
+            }
+        }
+    }
+    let mut v = V {
+        path: vec![],
+        first,
+        placements,
+        result: Ok(()),
+    };
+    module.visit(&mut v);
+    v.result
 }
 
 /// Rows the token all-to-alls sent to other ranks, forward and backward, counted by the sender
@@ -307,151 +359,4 @@ fn inverse(order: &[usize]) -> Vec<usize> {
         inverse[row] = pos;
     }
     inverse
-}
-
-/// The groups an expert-parallel rank reduces gradients over.
-#[derive(Debug, Clone)]
-pub struct ExpertGroups {
-    /// Every rank reading its own data (`dp x ep`): replicated parameters are reduced here.
-    pub batch: Group,
-    /// The ranks holding the same experts (`dp`): experts are reduced here.
-    pub replicas: Group,
-    /// The ranks splitting the experts (`ep`).
-    pub ep: Group,
-    /// The ranks splitting other weights (`tp`; size 1 without tensor parallelism).
-    pub tp: Group,
-}
-
-impl ExpertGroups {
-    /// The groups of `ctx`'s mesh: the batch group spans `dp`, `fsdp` and `ep`.
-    pub fn of(ctx: &RankContext) -> Result<Self, ParallelError> {
-        Ok(ExpertGroups {
-            batch: ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep])?,
-            replicas: ctx.group(Axis::Dp).clone(),
-            ep: ctx.group(Axis::Ep).clone(),
-            tp: ctx.group(Axis::Tp).clone(),
-        })
-    }
-}
-
-/// Reduces and clips the flat gradients of an expert-parallel model: replicated parameters
-/// over the batch group (`dp x ep`), experts over their `dp` replicas only.
-#[derive(Debug, Clone)]
-pub struct ExpertGradients {
-    /// Where the routed experts' gradients are in the flat gradient.
-    expert: Vec<Range<usize>>,
-    /// Where the gradients of weights split over `tp` are.
-    split: Vec<Range<usize>>,
-    /// Where every other parameter's gradient is.
-    replicated: Vec<Range<usize>>,
-    groups: ExpertGroups,
-    average: bool,
-    /// The dtype gradients are summed in (f32 unless a precision policy says otherwise).
-    reduce_dtype: Precision,
-}
-
-impl ExpertGradients {
-    /// Sums gradients in `dtype` (bf16/f16 halve the bytes; see [`crate::precision`]).
-    pub fn set_reduce_dtype(&mut self, dtype: Precision) {
-        self.reduce_dtype = dtype;
-    }
-
-    /// For `module` (this rank's, with its experts) on `groups`; `split(name)` says which
-    /// parameters are split over `tp` (none without tensor parallelism). `average`: gradients
-    /// are means over the batch group and the micro-batches (sums otherwise).
-    pub fn new<M: Module>(
-        module: &M,
-        groups: ExpertGroups,
-        split: impl Fn(&str) -> bool,
-        average: bool,
-    ) -> Self {
-        let layout = ParamLayout::of(module);
-        let experts = expert_slots(module);
-        let (mut expert, mut split_ranges, mut replicated) = (vec![], vec![], vec![]);
-        for (s, is_expert) in layout.slots.iter().zip(experts) {
-            let range = s.offset..s.offset + s.numel;
-            if is_expert {
-                expert.push(range);
-            } else if split(&s.name) {
-                split_ranges.push(range);
-            } else {
-                replicated.push(range);
-            }
-        }
-        ExpertGradients {
-            expert,
-            split: split_ranges,
-            replicated,
-            groups,
-            average,
-            reduce_dtype: Precision::F32,
-        }
-    }
-
-    /// The groups gradients are reduced over.
-    pub fn groups(&self) -> &ExpertGroups {
-        &self.groups
-    }
-
-    fn gather(flat: &[f32], ranges: &[Range<usize>]) -> Vec<f32> {
-        ranges
-            .iter()
-            .flat_map(|r| flat[r.clone()].iter().copied())
-            .collect()
-    }
-
-    fn scatter(flat: &mut [f32], ranges: &[Range<usize>], values: &[f32]) {
-        let mut at = 0;
-        for r in ranges {
-            flat[r.clone()].copy_from_slice(&values[at..at + r.len()]);
-            at += r.len();
-        }
-    }
-
-    /// Sums `flat` (this rank's gradients, summed over `micro_batches` micro-batches) over the
-    /// ranks that share each parameter, averages if configured, and clips to `max_norm`.
-    /// Returns the global norm before clipping.
-    pub fn reduce(
-        &self,
-        flat: &mut [f32],
-        micro_batches: usize,
-        max_norm: Option<f32>,
-    ) -> Result<f32, ParallelError> {
-        let g = &self.groups;
-        // Replicated and tp-split weights are both shared by the batch group: one all-reduce.
-        let dense: Vec<Range<usize>> = self.replicated.iter().chain(&self.split).cloned().collect();
-        let mut shared = Self::gather(flat, &dense);
-        let mut own = Self::gather(flat, &self.expert);
-        all_reduce_in(&g.batch, &mut shared, self.reduce_dtype)?;
-        if g.replicas.size() > 1 {
-            all_reduce_in(&g.replicas, &mut own, self.reduce_dtype)?;
-        }
-        if self.average {
-            let scale = 1.0 / (g.batch.size() * micro_batches) as f32;
-            shared
-                .iter_mut()
-                .chain(own.iter_mut())
-                .for_each(|g| *g *= scale);
-        }
-        // Replicated gradients count once; tp-split ones sum over tp, experts over ep.
-        let squares = |v: &[f32]| v.iter().map(|&g| g as f64 * g as f64).sum::<f64>();
-        let replicated_len: usize = self.replicated.iter().map(|r| r.len()).sum();
-        let (replicated, split) = shared.split_at(replicated_len);
-        let mut split_sq = [squares(split)];
-        let mut expert_sq = [squares(&own)];
-        if g.tp.size() > 1 {
-            g.tp.all_reduce(&mut split_sq, ReduceOp::Sum)?;
-        }
-        g.ep.all_reduce(&mut expert_sq, ReduceOp::Sum)?;
-        let norm = (squares(replicated) + split_sq[0] + expert_sq[0]).sqrt() as f32;
-        if let Some(scale) = crate::clip_scale(norm, max_norm)? {
-            shared
-                .iter_mut()
-                .chain(own.iter_mut())
-                .for_each(|g| *g *= scale);
-        }
-        Self::scatter(flat, &dense, &shared);
-        Self::scatter(flat, &self.expert, &own);
-        Ok(norm)
-    }
 }

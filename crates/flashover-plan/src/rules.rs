@@ -1,0 +1,351 @@
+//! The one rule table: which compositions of strategies Flashover trains, and for each one it
+//! refuses, why.
+//!
+//! `flashover config check`, `train`, `verify` and `plan` all ask [`refusals`]; nothing else
+//! decides whether a layout composes. Sizes that do not divide (heads by tp, a sequence by cp)
+//! are checked where the sizes are known; this table is about which strategies go together.
+//! Each refusal says why the composition cannot work, or what it is waiting for.
+//! `docs/composition.md` is generated from this table ([`matrix_markdown`]) by a test, so the
+//! documented matrix cannot drift from what `train` does.
+//!
+//! ```
+//! use flashover_plan::rules::refusals;
+//! use flashover_plan::Layout;
+//!
+//! let mut layout = Layout::single();
+//! (layout.dp, layout.tp) = (2, 2);
+//! assert!(refusals(&layout, false).is_empty(), "dp x tp trains");
+//! layout.ep = 2;
+//! assert_eq!(refusals(&layout, false)[0].rule, "ep-needs-experts");
+//! ```
+
+use crate::layout::{Layout, PipelineSchedule, Recompute};
+use std::fmt::Write;
+
+/// A composition the table refuses: which rule, and the reason a user reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refusal {
+    /// Short, stable name of the rule (`pp-zero`).
+    pub rule: &'static str,
+    /// Why it cannot work, or what it waits for, and what to do instead.
+    pub reason: &'static str,
+}
+
+/// One row of the table: when it applies and why.
+struct Rule {
+    name: &'static str,
+    applies: fn(&Layout, bool) -> bool,
+    reason: &'static str,
+}
+
+fn sharded(l: &Layout) -> bool {
+    l.zero > 0 || l.fsdp > 1
+}
+
+/// The table. `applies(layout, experts)`: `experts` says the model has mixture-of-experts
+/// blocks.
+const RULES: &[Rule] = &[
+    Rule {
+        name: "sp-needs-tp",
+        applies: |l, _| l.sequence_parallel && l.tp == 1,
+        reason: "sequence parallelism splits the activations between the tensor-parallel \
+                 regions over tp, so it needs a tp axis (e.g. dp=2,tp=2)",
+    },
+    Rule {
+        name: "fsdp-needs-zero",
+        applies: |l, _| l.fsdp > 1 && l.zero == 0,
+        reason: "an fsdp axis shards over fsdp, but parallel.zero = 0 (DDP) shards nothing: \
+                 choose --zero 1, 2 or 3 (3 shards the parameters over fsdp)",
+    },
+    Rule {
+        name: "zero3-needs-fsdp",
+        applies: |l, _| l.zero == 3 && l.fsdp == 1 && l.world() > 1,
+        reason: "ZeRO-3 shards parameters over the fsdp axis and the mesh has none: write \
+                 fsdp=N (or dp=R,fsdp=N for HSDP)",
+    },
+    Rule {
+        name: "ep-needs-experts",
+        applies: |l, experts| l.ep > 1 && !experts,
+        reason: "an ep axis splits experts, but the model has none: set moe.experts \
+                 (--moe --experts N)",
+    },
+    Rule {
+        name: "pp-zero",
+        applies: |l, _| l.pp > 1 && sharded(l),
+        reason: "not yet: pipeline stages keep whole parameters and step them with a \
+                 replicated AdamW, and the ZeRO optimizers shard a whole model's flat \
+                 buffers; sharding each stage's parameters waits for per-parameter placements",
+    },
+    Rule {
+        name: "tp-zero",
+        applies: |l, _| l.tp > 1 && sharded(l),
+        reason: "not yet: the ZeRO optimizers and fully sharded units flatten a whole model, \
+                 while a tensor-parallel rank holds shares of each weight; sharding those \
+                 shares over the data-parallel ranks waits for per-parameter placements",
+    },
+    Rule {
+        name: "zb-tp",
+        applies: |l, _| l.pp > 1 && l.tp > 1 && l.schedule == PipelineSchedule::ZbH1,
+        reason: "not yet: zero-bubble schedules defer the weight gradients of the blocks' \
+                 linear layers through a hook that tensor-parallel stages bypass (their \
+                 linear layers sit inside the parallel operators); use 1f1b or interleaved",
+    },
+    Rule {
+        name: "cp-zero3",
+        applies: |l, _| l.cp > 1 && (l.zero == 3 || l.fsdp > 1),
+        reason: "not yet: ZeRO-3 reduce-scatters gradients over the fsdp axis only, and \
+                 context-parallel ranks' gradients must be reduced with them (TorchTitan \
+                 shards over fsdp x cp); waits for per-parameter placements",
+    },
+    Rule {
+        name: "cp-sp",
+        applies: |l, _| l.cp > 1 && l.sequence_parallel,
+        reason: "not yet: with cp each rank already holds chunks of the sequence, and the \
+                 tensor-parallel forward does not split those chunks again over tp; drop \
+                 --sequence-parallel",
+    },
+    Rule {
+        name: "moe-cp",
+        applies: |l, experts| experts && l.cp > 1,
+        reason: "not yet: expert capacity and the balancing loss are computed over whole \
+                 sequences, which context parallelism splits across ranks",
+    },
+    Rule {
+        name: "moe-sp",
+        applies: |l, experts| experts && l.sequence_parallel,
+        reason: "not yet: expert capacity and the balancing loss are computed over whole \
+                 sequences, which sequence parallelism splits; drop --sequence-parallel",
+    },
+    Rule {
+        name: "moe-pp",
+        applies: |l, experts| experts && l.pp > 1,
+        reason: "not yet: pipeline stages do not carry the routers' auxiliary losses and \
+                 routing statistics from stage to stage",
+    },
+    Rule {
+        name: "moe-zero",
+        applies: |l, experts| experts && sharded(l),
+        reason: "not yet: expert gradients are reduced over the ranks that share each expert, \
+                 which the ZeRO optimizers' flat buckets do not know; waits for per-parameter \
+                 placements",
+    },
+    Rule {
+        name: "moe-block-recompute",
+        applies: |l, experts| experts && l.recompute == Recompute::Full,
+        reason: "not yet: recomputing a whole block would record its router's auxiliary \
+                 losses a second time, inside backward; use selective or none",
+    },
+];
+
+/// Every rule of the table that refuses `layout` (empty: it trains). `experts`: the model has
+/// mixture-of-experts blocks.
+pub fn refusals(layout: &Layout, experts: bool) -> Vec<Refusal> {
+    RULES
+        .iter()
+        .filter(|r| (r.applies)(layout, experts))
+        .map(|r| Refusal {
+            rule: r.name,
+            reason: r.reason,
+        })
+        .collect()
+}
+
+/// One strategy as a column of the composition matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Feature {
+    /// Replicas over `dp` (DDP).
+    Dp,
+    /// ZeRO-1/2 over the data-parallel ranks.
+    Zero12,
+    /// ZeRO-3 / FSDP over `fsdp`.
+    Fsdp,
+    /// Tensor parallelism over `tp`.
+    Tp,
+    /// Sequence parallelism (with tp).
+    Sp,
+    /// Pipeline stages over `pp` (1F1B).
+    Pp,
+    /// The zero-bubble schedule ZB-H1 (with pp).
+    ZeroBubble,
+    /// Context parallelism over `cp`.
+    Cp,
+    /// A mixture-of-experts model, experts whole on every rank.
+    Moe,
+    /// Experts split over `ep`.
+    Ep,
+    /// Whole-block activation recomputation (full, every:K, blocks:I,J).
+    Recompute,
+}
+
+impl Feature {
+    /// Every column, in the matrix's order.
+    pub const ALL: [Feature; 11] = [
+        Feature::Dp,
+        Feature::Zero12,
+        Feature::Fsdp,
+        Feature::Tp,
+        Feature::Sp,
+        Feature::Pp,
+        Feature::ZeroBubble,
+        Feature::Cp,
+        Feature::Moe,
+        Feature::Ep,
+        Feature::Recompute,
+    ];
+
+    /// The column's heading.
+    pub fn label(self) -> &'static str {
+        match self {
+            Feature::Dp => "dp",
+            Feature::Zero12 => "ZeRO-1/2",
+            Feature::Fsdp => "fsdp (ZeRO-3)",
+            Feature::Tp => "tp",
+            Feature::Sp => "sp",
+            Feature::Pp => "pp",
+            Feature::ZeroBubble => "zb-h1",
+            Feature::Cp => "cp",
+            Feature::Moe => "MoE",
+            Feature::Ep => "ep",
+            Feature::Recompute => "full recompute",
+        }
+    }
+
+    /// Turns this strategy on in `layout` at degree 2 (and what it needs with it: sp a tp
+    /// axis, zb-h1 a pp axis, ep experts). Returns whether the model has experts.
+    fn enable(self, layout: &mut Layout) -> bool {
+        match self {
+            Feature::Dp => layout.dp = 2,
+            Feature::Zero12 => {
+                layout.zero = 1;
+                layout.dp = layout.dp.max(2);
+            }
+            Feature::Fsdp => {
+                layout.zero = 3;
+                layout.fsdp = 2;
+            }
+            Feature::Tp => layout.tp = 2,
+            Feature::Sp => {
+                layout.tp = 2;
+                layout.sequence_parallel = true;
+            }
+            Feature::Pp => layout.pp = 2,
+            Feature::ZeroBubble => {
+                layout.pp = 2;
+                layout.schedule = PipelineSchedule::ZbH1;
+            }
+            Feature::Cp => layout.cp = 2,
+            Feature::Moe => return true,
+            Feature::Ep => {
+                layout.ep = 2;
+                return true;
+            }
+            Feature::Recompute => layout.recompute = Recompute::Full,
+        }
+        false
+    }
+
+    /// Whether `self` and `other` are two choices of one setting (ZeRO-1/2 or 3), not a
+    /// composition.
+    fn exclusive(self, other: Feature) -> bool {
+        matches!(
+            (self, other),
+            (Feature::Zero12, Feature::Fsdp) | (Feature::Fsdp, Feature::Zero12)
+        )
+    }
+}
+
+/// The smallest layout with `features` on, and whether its model has experts.
+pub fn layout_with(features: &[Feature]) -> (Layout, bool) {
+    let mut layout = Layout::single();
+    let mut experts = false;
+    for f in features {
+        experts |= f.enable(&mut layout);
+    }
+    (layout, experts)
+}
+
+/// The composition matrix as Markdown: every pair of [`Feature`]s, `yes` or the rules that
+/// refuse it (numbered, with their reasons below the table).
+pub fn matrix_markdown() -> String {
+    let mut out = String::new();
+    let mut cited: Vec<&'static str> = vec![];
+    let header: Vec<&str> = Feature::ALL.iter().map(|f| f.label()).collect();
+    let _ = writeln!(out, "| | {} |", header.join(" | "));
+    let _ = writeln!(out, "|---|{}", "---|".repeat(header.len()));
+    for (i, row) in Feature::ALL.iter().enumerate() {
+        let mut cells = vec![];
+        for (j, column) in Feature::ALL.iter().enumerate() {
+            let cell = if j < i {
+                String::new()
+            } else if row.exclusive(*column) {
+                "-".to_string()
+            } else {
+                let (layout, experts) = layout_with(&[*row, *column]);
+                let refused = refusals(&layout, experts);
+                if refused.is_empty() {
+                    "yes".to_string()
+                } else {
+                    let notes: Vec<String> = refused
+                        .iter()
+                        .map(|r| {
+                            let n = match cited.iter().position(|c| *c == r.rule) {
+                                Some(n) => n,
+                                None => {
+                                    cited.push(r.rule);
+                                    cited.len() - 1
+                                }
+                            };
+                            format!("no ({})", n + 1)
+                        })
+                        .collect();
+                    notes.join(", ")
+                }
+            };
+            cells.push(cell);
+        }
+        let _ = writeln!(out, "| **{}** | {} |", row.label(), cells.join(" | "));
+    }
+    out.push('\n');
+    for (n, rule) in cited.iter().enumerate() {
+        let reason = RULES
+            .iter()
+            .find(|r| r.name == *rule)
+            .map_or("", |r| r.reason);
+        let _ = writeln!(out, "{}. `{rule}`: {reason}.", n + 1);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_single_strategy_trains_on_its_own() {
+        for f in Feature::ALL {
+            let needs = match f {
+                // A feature that needs another to mean anything is checked with it.
+                Feature::Sp => vec![Feature::Sp, Feature::Tp],
+                other => vec![other],
+            };
+            let (layout, experts) = layout_with(&needs);
+            assert_eq!(refusals(&layout, experts), vec![], "{f:?}");
+        }
+    }
+
+    #[test]
+    fn rule_names_are_unique() {
+        let mut names: Vec<_> = RULES.iter().map(|r| r.name).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), RULES.len());
+    }
+
+    #[test]
+    fn a_refused_pair_cites_its_rule_under_the_matrix() {
+        let text = matrix_markdown();
+        let (layout, experts) = layout_with(&[Feature::Pp, Feature::Fsdp]);
+        let rule = refusals(&layout, experts)[0].rule;
+        assert!(text.contains(&format!("`{rule}`")), "{text}");
+    }
+}
