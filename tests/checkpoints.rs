@@ -310,3 +310,38 @@ fn the_exported_model_is_the_trained_one_in_a_standard_safetensors_file() {
         "{err}"
     );
 }
+
+#[test]
+fn composed_layouts_resume_bitwise_and_continue_on_other_layouts() {
+    // Sharded tensor-parallel shares, sharded pipeline stages, ZeRO-1 across tp x pp, and
+    // pipelines over context-parallel ranks: their checkpoints come from the placements.
+    for (mesh, zero, micro) in [
+        ("fsdp=2,tp=2", 3, 1),
+        ("fsdp=2,pp=2", 3, 2),
+        ("dp=2,tp=2,pp=2", 1, 2),
+        ("pp=2,cp=2", 0, 2),
+    ] {
+        let s = Scratch::new(&format!("composed-{}-{zero}", mesh.replace([',', '='], "")));
+        let c = job(mesh, zero, micro);
+        let straight = second_half(run(&c));
+        let resumed = interrupted(&c, &c, &s.0);
+        assert_eq!(losses(&resumed), losses(&straight), "{mesh}: losses");
+        assert_eq!(resumed.params, straight.params, "{mesh}: parameters");
+    }
+    for (from, to) in [
+        (("fsdp=2,tp=2", 3, 1), ("dp=2", 0, 1)),
+        (("dp=2", 0, 2), ("fsdp=2,pp=2", 3, 2)),
+        (("fsdp=2,pp=2", 3, 2), ("dp=2,tp=2,pp=2", 1, 2)),
+        (("dp=2,tp=2,pp=2", 1, 2), ("fsdp=2,tp=2", 3, 1)),
+    ] {
+        let s = Scratch::new(&format!(
+            "composed-reshard-{}",
+            from.0.replace([',', '='], "")
+        ));
+        let (a, b) = (job(from.0, from.1, from.2), job(to.0, to.1, to.2));
+        let straight = second_half(run(&b));
+        let resumed = interrupted(&a, &b, &s.0);
+        let cmp = compare(&straight, &resumed, TOLERANCE);
+        assert!(cmp.pass, "{} -> {}: {cmp}", from.0, to.0);
+    }
+}

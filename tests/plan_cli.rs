@@ -40,7 +40,10 @@ fn plan_proposes_meshes_that_use_the_world_and_explains_the_best() {
         "--explain",
     ]);
     assert!(ok, "{text}");
-    assert!(text.contains("| 1 | pp=2,dp=4,tp=8"), "{text}");
+    // Sharded optimizer state inside pipeline stages is the best that fits, now that the rule
+    // table lets stages shard; FSDP over TP is among the runners-up.
+    assert!(text.contains("| 1 | pp=2,dp=4,tp=8 zero1"), "{text}");
+    assert!(text.contains("| 3 | pp=2,fsdp=4,tp=8 zero3"), "{text}");
     assert!(text.contains("tp   8 ranks, inside a node"), "{text}");
     assert!(text.contains("dp   4 ranks, across nodes"), "{text}");
     let (ok, json) = flashover(&[

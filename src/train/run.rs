@@ -24,7 +24,7 @@ use flashover_parallel::data_parallel::{
 };
 use flashover_parallel::expert_parallel::{ExpertParallel, place_experts};
 use flashover_parallel::params::{
-    ParamLayout, ParamSlot, accumulate_grads, flatten_params, load_flat,
+    ParamLayout, ParamSlot, accumulate_grads, flatten_params, load_flat, load_shaped, placeholders,
 };
 use flashover_parallel::pipeline::{
     Action, ActionKind, PipelineExecutor, Schedule, ScheduleKind, WeightGradStore,
@@ -35,10 +35,9 @@ use flashover_parallel::placement::{
 };
 use flashover_parallel::precision::{LossScaler, MixedPrecision};
 use flashover_parallel::tensor_parallel::TensorParallel;
-use flashover_parallel::zero::ShardLayout;
 use flashover_parallel::zero::{
     FullyShardConfig, FullyShardedOptimizer, MemoryReport, ShardGroup, ShardedDataParallel,
-    ZeroConfig,
+    UnitShards, ZeroConfig,
 };
 use flashover_parallel::{FlatAdamWConfig, ModuleAdamW};
 use flashover_parallel::{clip_module_grads, clip_scale};
@@ -431,7 +430,7 @@ struct StepOutcome {
 struct PipelineState {
     chunks: Vec<TransformerStage>,
     schedule: Schedule,
-    optim: ModuleAdamW,
+    optim: StageOptimizer,
     /// The parameter layout of each of this rank's chunks (fixed for the run).
     layouts: Vec<ParamLayout>,
     /// Per virtual stage, its whole (unsplit) parameters in layout order: the name they have
@@ -442,8 +441,10 @@ struct PipelineState {
     order: Vec<String>,
     shape: [usize; 3],
     average: bool,
-    /// Ranks whose gradients are summed (`dp x cp`): means divide by it.
+    /// Ranks whose gradients are summed (`dp x fsdp x cp`): means divide by it.
     data_ranks: usize,
+    /// The dtype gradients are summed in.
+    reduce_dtype: flashover_parallel::precision::Precision,
     /// Where each parameter of this rank's chunks lives.
     placements: PlacementTable,
     reducer: GradientReducer,
@@ -455,7 +456,90 @@ struct PipelineState {
     deferral: Option<(WeightGradStore, LinearHook)>,
 }
 
+/// How a pipeline rank steps its chunks' parameters.
+enum StageOptimizer {
+    /// Whole parameters, replicated over the data-parallel ranks, Burn's AdamW (flat).
+    Replicated(Box<ModuleAdamW>),
+    /// Rows of every parameter sharded over one data-parallel axis (ZeRO).
+    Sharded(Box<StageSharding>),
+}
+
+/// A pipeline rank's parameters cut by rows over `axis` (per parameter, as fully sharded units
+/// cut theirs), each rank stepping AdamW on its own rows. ZeRO-3 (`keep_params` false) keeps
+/// only the rows between steps and gathers the chunks at the start of each step, keeping them
+/// through every micro-batch (TorchTitan's default under pipelines); ZeRO-1/2 keep the chunks
+/// and all-gather the updated rows after the step. Either way gradients are reduce-scattered
+/// once per step.
+struct StageSharding {
+    axis: Axis,
+    group: Group,
+    /// The chunks' parameter layout (all chunks end to end).
+    layout: ParamLayout,
+    shards: UnitShards,
+    /// This rank's rows of every parameter.
+    own: Vec<f32>,
+    adam: FlatAdamW,
+    keep_params: bool,
+}
+
+impl StageSharding {
+    /// `chunks` cut over the fsdp axis (ZeRO-3, or any stage with an fsdp axis) or else `dp`.
+    fn new(
+        ctx: &RankContext,
+        chunks: &[TransformerStage],
+        zero: u8,
+        adamw: &FlatAdamWConfig,
+    ) -> Self {
+        let axis = match zero == 3 || ctx.group(Axis::Fsdp).size() > 1 {
+            true => Axis::Fsdp,
+            false => Axis::Dp,
+        };
+        let group = ctx.group(axis).clone();
+        let layout = ParamLayout::of(&chunks.to_vec());
+        let shards = UnitShards::new(&layout, group.size());
+        let own = shards.take(group.rank(), &flatten_params(&chunks.to_vec()));
+        StageSharding {
+            axis,
+            adam: FlatAdamW::new(adamw, shards.shard_len()),
+            group,
+            layout,
+            shards,
+            own,
+            keep_params: zero != 3,
+        }
+    }
+
+    /// The chunks with their whole parameters, from every rank's rows (collective).
+    fn gather(&self, skeleton: Vec<TransformerStage>) -> Result<Vec<TransformerStage>, RankError> {
+        let flat = self.shards.all_gather(&self.group, &self.own)?;
+        Ok(load_shaped(skeleton, &self.layout, &flat))
+    }
+}
+
 impl PipelineState {
+    /// The parameters this rank steps with their placements, laid end to end: every chunk's
+    /// whole parameters, or under ZeRO this rank's rows of each.
+    fn stepped_entries(&self) -> Result<Vec<(ParamSlot, ParamPlacement)>, RankError> {
+        match &self.optim {
+            StageOptimizer::Sharded(sh) => {
+                Ok(sh.shards.placed(&sh.layout, &self.placements, sh.axis, 0)?)
+            }
+            StageOptimizer::Replicated(_) => Ok(self
+                .entries()?
+                .into_iter()
+                .map(|(slot, entry)| (slot, entry.clone()))
+                .collect()),
+        }
+    }
+
+    /// The chunks with their parameters in place (gathered under ZeRO-3; collective there).
+    fn whole_chunks(&self) -> Result<Vec<TransformerStage>, RankError> {
+        match &self.optim {
+            StageOptimizer::Sharded(sh) if !sh.keep_params => sh.gather(self.chunks.clone()),
+            _ => Ok(self.chunks.clone()),
+        }
+    }
+
     /// Every chunk's parameters with their placements, laid end to end as in the step's flat
     /// gradient.
     fn entries(&self) -> Result<Vec<(ParamSlot, &ParamPlacement)>, RankError> {
@@ -638,20 +722,34 @@ impl Strategy {
                 let hook = LinearHook(Arc::new(DeferWeightGrads(store.clone())));
                 (store, hook)
             });
+            let optim = match config.parallel.zero {
+                0 => StageOptimizer::Replicated(Box::new(ModuleAdamW::new(&adamw, &chunks))),
+                zero => {
+                    let sharding = StageSharding::new(ctx, &chunks, zero, &adamw);
+                    StageOptimizer::Sharded(Box::new(sharding))
+                }
+            };
+            let layouts = chunks.iter().map(ParamLayout::of).collect();
+            // ZeRO-3 keeps only its rows between steps.
+            let chunks = match &optim {
+                StageOptimizer::Sharded(sh) if !sh.keep_params => placeholders(chunks),
+                _ => chunks,
+            };
             return Ok(Strategy::Pp(Box::new(PipelineState {
                 tie,
                 deferral,
                 placements,
                 reducer: GradientReducer::new(ctx, config.precision.reduce_dtype)?,
                 schedule,
-                optim: ModuleAdamW::new(&adamw, &chunks),
-                layouts: chunks.iter().map(ParamLayout::of).collect(),
+                optim,
+                layouts,
                 chunks,
                 stage_params,
                 order,
                 shape: [rows, seq, d],
                 average: config.parallel.gradient_reduction == "mean",
                 data_ranks: grad_group.size(),
+                reduce_dtype: config.precision.reduce_dtype,
             })));
         }
         let tp = ctx.group(Axis::Tp);
@@ -679,7 +777,12 @@ impl Strategy {
                 let fsdp = FullyShardConfig::new()
                     .with_reshard_after_forward(config.parallel.reshard_after_forward);
                 let shard_group = ctx.group(Axis::Fsdp);
-                let replicas = ctx.group(Axis::Dp);
+                // Replicas of a shard: the dp ranks (HSDP), and the cp ranks, which hold the
+                // same parameters and see other positions of the same samples.
+                let replicas = match ctx.group(Axis::Cp).size() {
+                    1 => ctx.group(Axis::Dp).clone(),
+                    _ => ctx.subgroup(&[Axis::Dp, Axis::Cp])?,
+                };
                 // Replicas must start equal: rank 0 of each shard group broadcasts within its
                 // group, and those ranks hold the same seeded initialisation.
                 let units = ShardGroup::with_precision(
@@ -687,11 +790,20 @@ impl Strategy {
                     config.precision.param_dtype,
                     config.precision.reduce_dtype,
                 );
-                let model = ShardedTransformer::new(model, &fsdp, &units)?;
+                // Under tensor parallelism each rank's units hold its shares (FSDP over TP).
+                let tp = ctx.group(Axis::Tp);
+                let model = if tp.size() > 1 {
+                    let plan = TensorParallel::new(tp)
+                        .with_sequence_parallel(config.parallel.sequence_parallel);
+                    let shares = TpTransformer::shard(model, &plan)?;
+                    ShardedTransformer::tensor_parallel(shares, &fsdp, &units)?
+                } else {
+                    ShardedTransformer::new(model, &fsdp, &units)?
+                };
                 let mut optim = FullyShardedOptimizer::new(
                     &model,
                     shard_group,
-                    (replicas.size() > 1).then_some(replicas),
+                    (replicas.size() > 1).then_some(&replicas),
                     &adamw,
                     config.parallel.gradient_reduction == "mean",
                 );
@@ -778,15 +890,16 @@ impl Strategy {
                 let waited_before = units.stats().snapshot().waited;
                 for micro in 0..micro_batches {
                     let (inputs, targets, fwd) = batches(micro);
-                    let logits = model.forward(inputs, &fwd, precision.policy)?;
-                    let loss = next_token_loss(logits, targets);
+                    let loss = model.forward_loss(inputs, targets, &fwd, precision.policy)?;
                     add_loss(&loss);
                     let loss = precision.scaler.scale_loss(loss);
                     let grads = GradientsParams::from_grads(loss.backward(), &*model);
                     optim.accumulate(&*model, &grads);
                 }
                 let shard_bytes = ParamLayout::of(&*model).numel * 4;
-                let grad_norm = optim.reduce(clip)?;
+                let entries = model.shard_entries()?;
+                let grads = optim.reduce_replicas()?;
+                let grad_norm = clip_placed(&borrowed(&entries), grads, clip, ctx)?;
                 let (update, loss_scale) = precision.decide(grad_norm);
                 let model = optim.apply(lr, *model, update);
                 // Collectives run on the shard group's thread; the training thread's waits for
@@ -843,10 +956,9 @@ impl Strategy {
         let same = |name: &str| name.to_string();
         let everyone = (grad_group.rank(), grad_group.size());
         // Replicas of a split model: the dp ranks, and the cp ranks (which hold it whole).
-        let (dp, cp) = (ctx.group(Axis::Dp), ctx.group(Axis::Cp));
-        let replicas = (dp.rank() * cp.size() + cp.rank(), dp.size() * cp.size());
-        let coord = |a| ctx.coord(a);
         let sharing = [Axis::Dp, Axis::Cp];
+        let replicas = replica_index(ctx, &sharing);
+        let coord = |a| ctx.coord(a);
         let with_moments = |params: Vec<f32>, segments: Vec<Segment>, adam: &FlatAdamW| {
             let (m1, m2) = adam.moments();
             LocalState {
@@ -875,21 +987,8 @@ impl Strategy {
                 Ok((state, everyone, (0, 1)))
             }
             Strategy::Fsdp(model, optim, _) => {
-                let rank = ctx.group(Axis::Fsdp).rank();
-                let mut segments = vec![];
-                let mut local = 0;
-                let mut unit = |layout: &ParamLayout, shards: ShardLayout, prefix: String| {
-                    let own = shards.real_range(rank);
-                    let runs = [(Some(own.start), own.len())];
-                    segments.extend(run_segments(layout, runs, local, |n| {
-                        format!("{prefix}{n}")
-                    }));
-                    local += shards.shard;
-                };
-                unit(model.root.layout(), model.root.shards(), String::new());
-                for (i, block) in model.blocks.iter().enumerate() {
-                    unit(block.layout(), block.shards(), format!("blocks.{i}."));
-                }
+                let entries = model.shard_entries()?;
+                let segments = placed_segments(&borrowed(&entries), 0, &coord, &sharing);
                 let state = with_moments(flatten_params(&**model), segments, optim.flat());
                 Ok((state, replicas, replicas))
             }
@@ -914,9 +1013,22 @@ impl Strategy {
                 Ok((local, replicas, replicas))
             }
             Strategy::Pp(state) => {
-                let segments = placed_segments(&state.entries()?, 0, &coord, &sharing);
-                let local =
-                    with_moments(flatten_params(&state.chunks), segments, state.optim.flat());
+                // Ranks along a ZeRO axis hold different rows: only the others share writing.
+                let sharing: Vec<Axis> = match &state.optim {
+                    StageOptimizer::Sharded(sh) => {
+                        sharing.into_iter().filter(|&a| a != sh.axis).collect()
+                    }
+                    StageOptimizer::Replicated(_) => sharing.to_vec(),
+                };
+                let replicas = replica_index(ctx, &sharing);
+                let entries = state.stepped_entries()?;
+                let segments = placed_segments(&borrowed(&entries), 0, &coord, &sharing);
+                let local = match &state.optim {
+                    StageOptimizer::Replicated(optim) => {
+                        with_moments(flatten_params(&state.chunks), segments, optim.flat())
+                    }
+                    StageOptimizer::Sharded(sh) => with_moments(sh.own.clone(), segments, &sh.adam),
+                };
                 Ok((local, replicas, replicas))
             }
         }
@@ -948,10 +1060,19 @@ impl Strategy {
                 **model = load_flat((**model).clone(), &params);
                 optim.flat_mut()
             }
-            Strategy::Pp(state) => {
-                state.chunks = load_flat(std::mem::take(&mut state.chunks), &params);
-                state.optim.flat_mut()
-            }
+            Strategy::Pp(state) => match &mut state.optim {
+                StageOptimizer::Replicated(optim) => {
+                    state.chunks = load_flat(std::mem::take(&mut state.chunks), &params);
+                    optim.flat_mut()
+                }
+                StageOptimizer::Sharded(sh) => {
+                    sh.own = params;
+                    if sh.keep_params {
+                        state.chunks = sh.gather(std::mem::take(&mut state.chunks))?;
+                    }
+                    &mut sh.adam
+                }
+            },
             Strategy::Moe(state) => {
                 state.model = load_flat(state.model.clone(), &params);
                 state.optim.flat_mut()
@@ -1540,6 +1661,20 @@ fn moe_step<M: NextTokenLoss + MoeBlocks>(
     })
 }
 
+/// This rank's index among the ranks that differ from it only along `axes` (row-major over
+/// `axes`), and their number: the ranks that hold the same data and share writing it.
+fn replica_index(ctx: &RankContext, axes: &[Axis]) -> (usize, usize) {
+    axes.iter().fold((0, 1), |(index, count), &axis| {
+        let group = ctx.group(axis);
+        (index * group.size() + group.rank(), count * group.size())
+    })
+}
+
+/// `entries` held by value, seen as `clip_placed` and `placed_segments` take them.
+fn borrowed(entries: &[(ParamSlot, ParamPlacement)]) -> Vec<(ParamSlot, &ParamPlacement)> {
+    entries.iter().map(|(s, e)| (s.clone(), e)).collect()
+}
+
 /// The global norm of a flat gradient laid out as `entries` say, clipped to `clip` in place;
 /// returns the norm before clipping.
 fn clip_placed(
@@ -1574,6 +1709,11 @@ fn pipeline_step(
     let data: Vec<_> = (0..micro_batches).map(&mut *batches).collect();
     let device = data[0].0.device();
     let policy = precision.policy;
+    if let StageOptimizer::Sharded(sh) = &state.optim
+        && !sh.keep_params
+    {
+        state.chunks = sh.gather(std::mem::take(&mut state.chunks))?;
+    }
     let mut executor = PipelineExecutor::new(&state.schedule, pp)?
         .with_activation_dtype(policy.param_dtype.float_dtype().into())
         .with_loss_scale(precision.scaler.scale());
@@ -1602,9 +1742,17 @@ fn pipeline_step(
         at += layout.numel;
     }
     drop(grads);
-    // Sum over the data-parallel replicas (and the tied copies over their stages); the
+    let numel = flat.len();
+    // Under ZeRO each rank keeps the sum of its own rows over the shard axis.
+    if let StageOptimizer::Sharded(sh) = &state.optim {
+        flat = sh
+            .shards
+            .reduce_scatter(&sh.group, &flat, state.reduce_dtype)?;
+    }
+    // Sum over the (other) data-parallel ranks and the tied copies over their stages; the
     // executor averaged over micro-batches already.
-    let entries = state.entries()?;
+    let entries = state.stepped_entries()?;
+    let entries = borrowed(&entries);
     let scale = match state.average {
         true => 1.0 / state.data_ranks as f32,
         false => micro_batches as f32,
@@ -1613,17 +1761,32 @@ fn pipeline_step(
         .reducer
         .reduce(&entries, &mut flat, scale, state.tie.as_ref())?;
     let grad_norm = clip_placed(&entries, &mut flat, clip, ctx)?;
+    drop(entries);
     let (update, loss_scale) = precision.decide(grad_norm);
-    if update {
-        let chunks = std::mem::take(&mut state.chunks);
-        state.chunks = state.optim.step_flat(lr, chunks, &flat)?;
-    }
+    let chunks = std::mem::take(&mut state.chunks);
+    state.chunks = match &mut state.optim {
+        StageOptimizer::Replicated(optim) if update => optim.step_flat(lr, chunks, &flat)?,
+        StageOptimizer::Replicated(_) => chunks,
+        StageOptimizer::Sharded(sh) => {
+            if update {
+                sh.adam.step(lr, &mut sh.own, &flat);
+            }
+            match sh.keep_params {
+                true => sh.gather(chunks)?,
+                false => placeholders(chunks),
+            }
+        }
+    };
     // Only the last stage computed losses: share them along the pipeline.
     let mut loss = [report.loss_sum];
     pp.all_reduce(&mut loss, ReduceOp::Sum)?;
     let comm = ctx.comm_stats().since(&before).total();
     let comm = comm.wait + comm.transfer;
-    let numel = flat.len();
+    let (params, held) = match &state.optim {
+        StageOptimizer::Sharded(sh) if !sh.keep_params => (sh.own.len(), sh.own.len()),
+        StageOptimizer::Sharded(sh) => (numel, sh.own.len()),
+        StageOptimizer::Replicated(_) => (numel, numel),
+    };
     Ok(StepOutcome {
         loss_sum: loss[0],
         grad_norm,
@@ -1635,10 +1798,11 @@ fn pipeline_step(
         in_flight: report.peak_in_flight,
         events: report.events,
         memory: MemoryReport {
-            params: numel * 4,
-            grads: numel * 4,
-            optimizer: numel * 8,
-            gathered_peak: 0,
+            params: params * 4,
+            grads: held * 4,
+            optimizer: held * 8,
+            // Under ZeRO-3 the chunks are gathered for the whole step.
+            gathered_peak: if params < numel { numel * 4 } else { 0 },
         },
         moe: None,
         a2a: Duration::ZERO,
@@ -1653,9 +1817,10 @@ fn gather_pipeline_params(
     state: &PipelineState,
 ) -> Result<Vec<(String, Vec<f32>)>, RankError> {
     let pp = ctx.group(Axis::Pp);
-    // Whole weights first (collective over tp when the stages are split).
+    // Whole weights first (collective over tp when the stages are split, and over the shard
+    // axis under ZeRO-3).
     let whole = state
-        .chunks
+        .whole_chunks()?
         .iter()
         .map(|c| c.unshard())
         .collect::<Result<Vec<_>, _>>()?;

@@ -6,13 +6,22 @@
 //! last); each block is gathered just before its forward and, with `reshard_after_forward`,
 //! released right after and gathered again for its backward. The next block's all-gather is
 //! prefetched while the current block computes, in forward and in backward.
+//!
+//! Under tensor parallelism ([`ShardedTransformer::tensor_parallel`]) the units hold this tp
+//! rank's shares, each cut again over fsdp by rows (FSDP over TP, TorchTitan's 2-D layout): the
+//! gathered shares run the tensor-parallel forward, and the placements record both splits.
 
+use super::tp_model::{TpTransformer, tp_block_forward, tp_context, tp_loss, unshard_model};
 use burn::module::Module;
 use burn::tensor::{Int, Tensor};
-use flashover_models::{Block, ForwardContext, Transformer};
+use flashover_models::{Block, ForwardContext, Transformer, next_token_loss};
 use flashover_parallel::ParallelError;
+use flashover_parallel::params::{ParamLayout, ParamSlot};
+use flashover_parallel::placement::{ParamPlacement, PlacementTable};
 use flashover_parallel::precision::MixedPrecision;
+use flashover_parallel::tensor_parallel::{TensorParallel, VocabShard, vocab_parallel_embedding};
 use flashover_parallel::zero::{FullyShardConfig, FullyShardedUnit, ShardGroup};
+use flashover_runtime::Axis;
 use std::sync::Arc;
 
 /// [`Transformer`] as fully sharded units; see the module docs.
@@ -50,16 +59,46 @@ pub struct ShardedTransformer {
     pub blocks: Vec<FullyShardedUnit<Block>>,
     /// Per-head dimension (for the rotary tables).
     pub head_dim: usize,
+    /// Attention heads each block holds (on this tp rank).
+    pub local_heads: usize,
+    /// Where every (unsharded) parameter lives before the fsdp split, by its original id.
+    #[module(skip)]
+    placements: PlacementTable,
+    /// With tensor parallelism: the plan and this rank's vocabulary rows.
+    #[module(skip)]
+    tp: Option<(TensorParallel, VocabShard)>,
 }
 
 impl ShardedTransformer {
     /// Shards `model` over `shard_group` (collective).
     pub fn new(
-        mut model: Transformer,
+        model: Transformer,
         config: &FullyShardConfig,
         shard_group: &Arc<ShardGroup>,
     ) -> Result<Self, ParallelError> {
+        let placements = PlacementTable::whole(&model);
+        Self::units(model, config, shard_group, placements, None)
+    }
+
+    /// A tensor-parallel rank's shares in units over `shard_group` (collective): FSDP over TP.
+    pub fn tensor_parallel(
+        model: TpTransformer,
+        config: &FullyShardConfig,
+        shard_group: &Arc<ShardGroup>,
+    ) -> Result<Self, ParallelError> {
+        let (local, tp, vocab, placements) = model.into_parts();
+        Self::units(local, config, shard_group, placements, Some((tp, vocab)))
+    }
+
+    fn units(
+        mut model: Transformer,
+        config: &FullyShardConfig,
+        shard_group: &Arc<ShardGroup>,
+        placements: PlacementTable,
+        tp: Option<(TensorParallel, VocabShard)>,
+    ) -> Result<Self, ParallelError> {
         let head_dim = model.blocks.first().map_or(2, |b| b.attn.head_dim);
+        let local_heads = model.blocks.first().map_or(0, |b| b.attn.n_heads);
         let blocks = std::mem::take(&mut model.blocks)
             .into_iter()
             .map(|block| config.init(block, shard_group))
@@ -70,7 +109,74 @@ impl ShardedTransformer {
             root: root_config.init(model, shard_group)?,
             blocks,
             head_dim,
+            local_heads,
+            placements,
+            tp,
         })
+    }
+
+    /// This rank's shards laid end to end (as the model's flat parameter vector) as pieces
+    /// of the whole model's parameters: each with its placement, rows split over fsdp.
+    pub fn shard_entries(&self) -> Result<Vec<(ParamSlot, ParamPlacement)>, ParallelError> {
+        let offsets: Vec<usize> = ParamLayout::of(self)
+            .slots
+            .iter()
+            .map(|s| s.offset)
+            .collect();
+        let table = &self.placements;
+        let mut entries = self.root.placed(table, Axis::Fsdp, offsets[0])?;
+        for (block, &base) in self.blocks.iter().zip(&offsets[1..]) {
+            entries.extend(block.placed(table, Axis::Fsdp, base)?);
+        }
+        Ok(entries)
+    }
+
+    /// The mean next-token loss of `tokens` against `targets` ([`ShardedTransformer::forward`]'s
+    /// logits, or with tensor parallelism the vocabulary-parallel loss).
+    pub fn forward_loss(
+        &self,
+        tokens: Tensor<2, Int>,
+        targets: Tensor<2, Int>,
+        ctx: &ForwardContext,
+        precision: MixedPrecision,
+    ) -> Result<Tensor<1>, ParallelError> {
+        let Some((tp, vocab)) = &self.tp else {
+            return Ok(next_token_loss(
+                self.forward(tokens, ctx, precision)?,
+                targets,
+            ));
+        };
+        if let Some(first) = self.blocks.first() {
+            first.prefetch();
+        }
+        let root = precision.compute_view(self.root.gather()?);
+        let t = tokens.dims()[1];
+        let ctx = tp_context(ctx, tp, self.local_heads, t);
+        let mut h = vocab_parallel_embedding(root.embed.weight.val(), tokens, vocab, tp);
+        let rope = ctx.rope_tables(t, self.head_dim, root.rope_theta, &h.device());
+        for (i, block) in self.blocks.iter().enumerate() {
+            if let Some(next) = self.blocks.get(i + 1) {
+                next.prefetch();
+            }
+            let before = i.checked_sub(1).map(|j| self.blocks[j].prefetch_handle());
+            let (rope, mut ctx, tp) = (rope.clone(), ctx.clone(), tp.clone());
+            if block.recomputes() {
+                ctx.checkpointing = None;
+            }
+            let forward = move |b: &Block, h| {
+                let (inner, rope, tp) = (ctx.clone(), rope.clone(), tp.clone());
+                let b = precision.compute_view(b.clone());
+                ctx.block(i, &b, h, move |b, h| {
+                    tp_block_forward(b, h, &rope, &inner, i, &tp)
+                })
+            };
+            h = block.forward_prefetching(h, forward, before)?;
+        }
+        let head = match &root.head {
+            Some(head) => head.weight.val(),
+            None => root.embed.weight.val().transpose(),
+        };
+        Ok(tp_loss(&root.norm, head, h, targets, vocab, tp))
     }
 
     /// `tokens: [batch, seq]` -> logits `[batch, seq, vocab]`, with `ctx`'s dropout (replayed
@@ -123,7 +229,10 @@ impl ShardedTransformer {
             .iter()
             .map(|b| b.gather())
             .collect::<Result<_, _>>()?;
-        Ok(model)
+        match &self.tp {
+            Some((tp, vocab)) => unshard_model(model, tp, vocab),
+            None => Ok(model),
+        }
     }
 
     /// Elements in the largest unit (unpadded).

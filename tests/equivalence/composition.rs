@@ -37,3 +37,50 @@ fn pipeline_stages_over_context_parallel_sequences_train_as_one_rank() {
         assert_matches_one_rank(&c, &format!("{mesh} {attention} {schedule} tied={tied}"));
     }
 }
+
+#[test]
+fn fully_sharded_tensor_parallel_shares_train_as_one_rank() {
+    for (mesh, sequence_parallel) in [
+        ("fsdp=2,tp=2", false),
+        ("fsdp=2,tp=2", true),
+        ("dp=2,fsdp=2,tp=2", false),
+    ] {
+        let mut c = composed(mesh, 8);
+        c.parallel.zero = 3;
+        c.parallel.sequence_parallel = sequence_parallel;
+        assert_matches_one_rank(&c, &format!("{mesh} --zero 3 sp={sequence_parallel}"));
+    }
+}
+
+#[test]
+fn fully_sharded_context_parallel_ranks_train_as_one_rank() {
+    let mut c = composed("fsdp=2,cp=2", 8);
+    c.parallel.zero = 3;
+    assert_matches_one_rank(&c, "fsdp=2,cp=2 --zero 3");
+}
+
+#[test]
+fn sharded_pipeline_stages_train_as_one_rank() {
+    for (mesh, zero, tied, schedule) in [
+        ("fsdp=2,pp=2", 3, false, "1f1b"),
+        ("fsdp=2,pp=2", 3, true, "1f1b"),
+        ("dp=2,fsdp=2,pp=2", 3, true, "gpipe"),
+        ("tp=2,pp=2", 1, true, "1f1b"),
+        ("dp=2,tp=2,pp=2", 1, false, "1f1b"),
+        ("dp=2,pp=2", 2, true, "zb-h1"),
+        ("fsdp=2,tp=2,pp=2", 3, true, "1f1b"),
+    ] {
+        let mut c = composed(mesh, 8);
+        c.parallel.zero = zero;
+        c.parallel.pp_schedule = schedule.into();
+        c.model.tie_embeddings = tied;
+        assert_matches_one_rank(&c, &format!("{mesh} --zero {zero} tied={tied} {schedule}"));
+    }
+}
+
+#[test]
+fn fully_sharded_pipeline_stages_over_context_parallel_sequences_train_as_one_rank() {
+    let mut c = composed("fsdp=2,pp=2,cp=2", 8);
+    c.parallel.zero = 3;
+    assert_matches_one_rank(&c, "fsdp=2,pp=2,cp=2 --zero 3");
+}

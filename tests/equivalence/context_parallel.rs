@@ -103,10 +103,8 @@ fn layouts_context_parallelism_cannot_run_fail_before_any_compute() {
         e.contains("model.n_heads = 4 does not divide by tp x cp = 3"),
         "{e}"
     );
-    let e = errors(cp_job("fsdp=2,cp=2", "ring", true), &|c| {
-        c.parallel.zero = 3
-    });
-    assert!(e.contains("rule `cp-zero3`"), "{e}");
+    let e = errors(cp_job("cp=2", "ring", true), &|c| c.moe.experts = 4);
+    assert!(e.contains("rule `moe-cp`"), "{e}");
     let e = errors(cp_job("cp=2", "rings", true), &|_| {});
     assert!(e.contains("parallel.cp_attention = `rings`"), "{e}");
     let e = errors(cp_job("tp=2,cp=2", "ring", true), &|c| {

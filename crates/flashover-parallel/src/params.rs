@@ -400,6 +400,49 @@ pub fn broadcast_module<M: Module>(
     }
 }
 
+/// `module`'s structure without its memory: every float parameter replaced by a one-element
+/// placeholder of the same rank (ids, devices and `require_grad` kept), to be filled again by
+/// [`load_shaped`].
+pub fn placeholders<M: Module>(module: M) -> M {
+    struct Placeholders;
+    impl ModuleMapper for Placeholders {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            param.map(|t| {
+                let require_grad = t.is_require_grad();
+                Tensor::zeros([1; D], &t.device()).set_require_grad(require_grad)
+            })
+        }
+    }
+    module.map(&mut Placeholders)
+}
+
+/// `module` (for example from [`placeholders`]) with every float parameter set to its values in
+/// `flat`, shaped as `layout` (the full module's) says; ids, devices and `require_grad` kept.
+pub fn load_shaped<M: Module>(module: M, layout: &ParamLayout, flat: &[f32]) -> M {
+    struct Mapper<'a> {
+        flat: &'a [f32],
+        layout: &'a ParamLayout,
+        index: usize,
+    }
+    impl ModuleMapper for Mapper<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let slot = &self.layout.slots[self.index];
+            self.index += 1;
+            let values = self.flat[slot.offset..slot.offset + slot.numel].to_vec();
+            param.map(|t| {
+                let data = TensorData::new(values, slot.shape.clone());
+                let require_grad = t.is_require_grad();
+                Tensor::from_data(data, &t.device()).set_require_grad(require_grad)
+            })
+        }
+    }
+    module.map(&mut Mapper {
+        flat,
+        layout,
+        index: 0,
+    })
+}
+
 /// `module` with every float parameter replaced by its values in `flat` (layout order), keeping
 /// ids, devices and `require_grad`.
 pub fn load_flat<M: Module>(module: M, flat: &[f32]) -> M {

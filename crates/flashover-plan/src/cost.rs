@@ -10,7 +10,7 @@ use serde::Serialize;
 /// Every assumption the estimates rest on, for `flashover plan` to print.
 pub const ASSUMPTIONS: &[&str] = &[
     "model state per parameter: mixed precision 2 (weights) + 2 (gradients) + 12 (fp32 master and Adam moments) bytes, fp32 4 + 4 + 8; ZeRO-1 shards the optimizer state, ZeRO-2 also gradients, ZeRO-3 everything (Rajbhandari et al. 2020)",
-    "ZeRO-3 also holds two gathered blocks (the one computing and the one prefetched)",
+    "ZeRO-3 also holds two gathered blocks (the one computing and the one prefetched); under pipelines, the whole stage's parameters and gradient for the step; pipelines reduce-scatter gradients once per step, so under them ZeRO-2 holds the whole gradient as ZeRO-1 does",
     "activations per block and micro-batch: s b h (10 + 24/t) + 5 a s S b / t bytes at 16 bits, s b h 34/t + 5 a s S b / t with sequence parallelism (Korthikanti et al. 2022; a GPT block, s the local and S the whole sequence, scores materialised); selective recomputation drops the score term, full recomputation keeps 2 s b h per block plus one block live again in backward; fp32 doubles them",
     "pipelines hold activations of min(m, pp) micro-batches on the first stage (1F1B, ZB-H1), m with GPipe, x (1 + (pp-1)/(pp v)) interleaved; the last stage also holds fp32 logits and their gradient",
     "compute: 6 N_active + 12 L h S FLOPs per token (PaLM), split evenly over the devices, at the hardware's efficiency x peak; full recomputation adds a forward of the blocks (1/3), selective the attention scores' forward",
@@ -135,12 +135,19 @@ pub fn memory(
     precision: Precision,
 ) -> MemoryEstimate {
     let p = params_per_device(model, layout);
-    let (w, _, _) = precision.state_bytes();
-    let (params, grads, optimizer) = model_state(p, precision, layout.zero, layout.shard_ranks());
-    let gathered = if layout.zero == 3 {
-        2.0 * block_params_per_device(model, layout) * w
-    } else {
-        0.0
+    let (w, g, _) = precision.state_bytes();
+    // Pipeline stages reduce-scatter gradients once per step, after the last micro-batch: the
+    // whole gradient is held until then, so ZeRO-2 holds what ZeRO-1 does.
+    let zero = match (layout.zero, layout.pp) {
+        (2, pp) if pp > 1 => 1,
+        (zero, _) => zero,
+    };
+    let (params, grads, optimizer) = model_state(p, precision, zero, layout.shard_ranks());
+    let gathered = match (layout.zero, layout.pp) {
+        // Pipeline stages are gathered for the whole step, with their whole gradient.
+        (3, pp) if pp > 1 => p * (w + g),
+        (3, _) => 2.0 * block_params_per_device(model, layout) * w,
+        _ => 0.0,
     };
     MemoryEstimate {
         params,

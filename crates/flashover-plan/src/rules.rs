@@ -70,18 +70,12 @@ const RULES: &[Rule] = &[
                  (--moe --experts N)",
     },
     Rule {
-        name: "pp-zero",
-        applies: |l, _| l.pp > 1 && sharded(l),
-        reason: "not yet: pipeline stages keep whole parameters and step them with a \
-                 replicated AdamW, and the ZeRO optimizers shard a whole model's flat \
-                 buffers; sharding each stage's parameters waits for per-parameter placements",
-    },
-    Rule {
-        name: "tp-zero",
-        applies: |l, _| l.tp > 1 && sharded(l),
-        reason: "not yet: the ZeRO optimizers and fully sharded units flatten a whole model, \
-                 while a tensor-parallel rank holds shares of each weight; sharding those \
-                 shares over the data-parallel ranks waits for per-parameter placements",
+        name: "tp-zero12",
+        applies: |l, _| l.tp > 1 && l.pp == 1 && (l.zero == 1 || l.zero == 2),
+        reason: "not yet: without pipeline stages, ZeRO-1/2 shard the flat gradient buckets of \
+                 data parallelism over whole replicated parameters, while a tensor-parallel \
+                 rank holds shares of each weight; use --zero 3 with an fsdp axis, which shards \
+                 each share by rows (pipeline stages shard theirs by rows at any stage)",
     },
     Rule {
         name: "zb-tp",
@@ -89,13 +83,6 @@ const RULES: &[Rule] = &[
         reason: "not yet: zero-bubble schedules defer the weight gradients of the blocks' \
                  linear layers through a hook that tensor-parallel stages bypass (their \
                  linear layers sit inside the parallel operators); use 1f1b or interleaved",
-    },
-    Rule {
-        name: "cp-zero3",
-        applies: |l, _| l.cp > 1 && (l.zero == 3 || l.fsdp > 1),
-        reason: "not yet: ZeRO-3 reduce-scatters gradients over the fsdp axis only, and \
-                 context-parallel ranks' gradients must be reduced with them (TorchTitan \
-                 shards over fsdp x cp); waits for per-parameter placements",
     },
     Rule {
         name: "cp-sp",
@@ -125,9 +112,9 @@ const RULES: &[Rule] = &[
     Rule {
         name: "moe-zero",
         applies: |l, experts| experts && sharded(l),
-        reason: "not yet: expert gradients are reduced over the ranks that share each expert, \
-                 which the ZeRO optimizers' flat buckets do not know; waits for per-parameter \
-                 placements",
+        reason: "not yet: an expert's gradient is summed over its dp replicas only and every \
+                 other gradient over dp x ep, while the ZeRO optimizers cut one flat buffer over \
+                 one group; sharding each by its own reduce group is not built yet",
     },
     Rule {
         name: "moe-block-recompute",
@@ -344,7 +331,7 @@ mod tests {
     #[test]
     fn a_refused_pair_cites_its_rule_under_the_matrix() {
         let text = matrix_markdown();
-        let (layout, experts) = layout_with(&[Feature::Pp, Feature::Fsdp]);
+        let (layout, experts) = layout_with(&[Feature::Pp, Feature::Moe]);
         let rule = refusals(&layout, experts)[0].rule;
         assert!(text.contains(&format!("`{rule}`")), "{text}");
     }

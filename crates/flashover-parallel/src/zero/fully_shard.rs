@@ -1,9 +1,9 @@
 //! ZeRO-3 / FSDP: a module whose parameters live as one flat shard per rank, gathered just
 //! before use and released after.
 //!
-//! [`FullyShardConfig::init`] turns any Burn module into a [`FullyShardedUnit`]: its float
-//! parameters are flattened (layout order), padded to a multiple of the shard group's size and
-//! cut into equal contiguous shards; a rank keeps only its shard, as the unit's one Burn
+//! [`FullyShardConfig::init`] turns any Burn module into a [`FullyShardedUnit`]: each of its
+//! float parameters is cut along its first dimension over the shard group, as FSDP2 does
+//! ([`UnitShards`]), and a rank keeps only its rows of each, packed into the unit's one Burn
 //! parameter, so a model made of units is itself a Burn module whose parameters are shards.
 //! Wrap each transformer block in its own unit (and the rest of the model in one more) to get
 //! the FSDP policy "every block".
@@ -28,14 +28,18 @@
 
 use super::ops::{ScatterHook, gather_shard};
 use super::shard_group::{Pending, ShardGroup};
-use super::shard_map::ShardLayout;
+use super::unit_shards::UnitShards;
 use crate::activation_checkpointing::{RecomputeHook, recompute, regrad};
 use crate::error::ParallelError;
 use crate::hook::hooks_supported;
-use crate::params::{ParamLayout, broadcast_module, flatten_params, to_f32};
+use crate::params::{
+    ParamLayout, ParamSlot, broadcast_module, flatten_params, placeholders, to_f32,
+};
+use crate::placement::{ParamPlacement, PlacementTable};
 use burn::config::Config;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{Device, Shape, Tensor, TensorData};
+use flashover_runtime::Axis;
 use std::sync::{Arc, Mutex};
 
 /// How a unit's parameters are gathered and released.
@@ -54,7 +58,7 @@ struct UnitSpec<M> {
     /// The module with placeholder parameters: only its structure is used.
     skeleton: Mutex<M>,
     layout: ParamLayout,
-    shards: ShardLayout,
+    shards: UnitShards,
     shard_group: Arc<ShardGroup>,
     reshard_after_forward: bool,
     /// An all-gather of this unit submitted ahead of use (a prefetch).
@@ -105,14 +109,10 @@ impl FullyShardConfig {
         }
         let module = broadcast_module(module, group, 0)?;
         let layout = ParamLayout::of(&module);
-        let shards = ShardLayout::new(layout.numel, group.size());
-        let mut own = vec![0.0; shards.shard];
-        let real = shards.real_range(group.rank());
-        let flat = flatten_params(&module);
-        own[..real.len()].copy_from_slice(&flat[real]);
-        drop(flat);
-        let shard = Param::from_data(TensorData::new(own, [shards.shard]), &device);
-        let skeleton = module.map(&mut Placeholders);
+        let shards = UnitShards::new(&layout, group.size());
+        let own = shards.take(group.rank(), &flatten_params(&module));
+        let shard = Param::from_data(TensorData::new(own, [shards.shard_len()]), &device);
+        let skeleton = placeholders(module);
         Ok(FullyShardedUnit {
             shard,
             spec: Arc::new(UnitSpec {
@@ -124,15 +124,6 @@ impl FullyShardConfig {
                 pending: Mutex::new(None),
             }),
         })
-    }
-}
-
-/// Replaces every float parameter with a one-element placeholder of the same rank.
-struct Placeholders;
-
-impl ModuleMapper for Placeholders {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        param.map(|t| Tensor::zeros([1; D], &t.device()))
     }
 }
 
@@ -196,7 +187,8 @@ impl<M: Module + Sync + 'static> UnitSpec<M> {
         }
     }
 
-    /// The padded full buffer: the prefetched all-gather's result, or a new all-gather.
+    /// The unit's parameters (parameter-major, unpadded) from the prefetched all-gather's
+    /// result, or a new all-gather.
     fn all_gather(&self, shard: &Tensor<1>) -> Result<Vec<f32>, ParallelError> {
         let pending = self
             .pending
@@ -208,16 +200,17 @@ impl<M: Module + Sync + 'static> UnitSpec<M> {
             self.shard_group.all_gather(to_f32(shard.clone()))
         });
         let t0 = std::time::Instant::now();
-        let full = pending.wait();
+        let gathered = pending.wait();
         self.shard_group.stats().waited(t0.elapsed());
-        Ok(full?)
+        Ok(self.shards.assemble(&gathered?))
     }
 
-    /// Reduce-scatters (sums) a padded full gradient: this rank's shard of it. Runs inside
-    /// Burn's backward, which cannot return errors: a failed collective panics with the
-    /// `CommError` as payload, which the launcher reports like a returned error.
-    fn reduce_scatter(&self, mut full: Vec<f32>) -> Vec<f32> {
-        full.resize(self.shards.padded(), 0.0);
+    /// Reduce-scatters (sums) the gradient of the unit's parameters (parameter-major): this
+    /// rank's shard of it. Runs inside Burn's backward, which cannot return errors: a failed
+    /// collective panics with the `CommError` as payload, which the launcher reports like a
+    /// returned error.
+    fn reduce_scatter(&self, full: Vec<f32>) -> Vec<f32> {
+        let full = self.shards.rank_major(&full);
         let t0 = std::time::Instant::now();
         let shard = self.shard_group.reduce_scatter(full).wait();
         self.shard_group.stats().waited(t0.elapsed());
@@ -250,9 +243,23 @@ impl<M: Module + Sync + 'static> FullyShardedUnit<M> {
         &self.spec.layout
     }
 
-    /// The shard layout over the group.
-    pub fn shards(&self) -> ShardLayout {
-        self.spec.shards
+    /// How the unit's parameters are cut over the group.
+    pub fn shards(&self) -> &UnitShards {
+        &self.spec.shards
+    }
+
+    /// The unit's shard as pieces of its parameters, for a flat vector in which the shard
+    /// starts at `base`: each parameter's entry in `placements` (found by the id it had before
+    /// sharding) with its rows split over `axis` ([`UnitShards::placed`]).
+    pub fn placed(
+        &self,
+        placements: &PlacementTable,
+        axis: Axis,
+        base: usize,
+    ) -> Result<Vec<(ParamSlot, ParamPlacement)>, ParallelError> {
+        self.spec
+            .shards
+            .placed(&self.spec.layout, placements, axis, base)
     }
 
     /// The full module, gathered now and differentiable with respect to the shard: its
@@ -352,15 +359,7 @@ impl<M: Module + Sync + 'static> FullyShardedUnit<M> {
             };
             let module = spec.materialize(Source::Host(&full, true), &device);
             drop(full);
-            let (grad_x, flat) = regrad(
-                &module,
-                &f,
-                x,
-                grad_y,
-                dtypes,
-                &device,
-                spec.shards.padded(),
-            );
+            let (grad_x, flat) = regrad(&module, &f, x, grad_y, dtypes, &device, spec.layout.numel);
             drop(module);
             spec.shard_group.stats().released(bytes);
             (grad_x, spec.reduce_scatter(flat))

@@ -6,7 +6,7 @@
 //! | DDP | full | full (all-reduced) | full | all-reduce of gradients |
 //! | ZeRO-1 | full | full, then shard kept | shard | all-reduce; all-gather of parameters |
 //! | ZeRO-2 | full | shard (reduce-scattered) | shard | reduce-scatter; all-gather of parameters |
-//! | ZeRO-3 | shard | shard | shard | per unit: all-gather before use, reduce-scatter of gradients |
+//! | ZeRO-3 | shard (rows of each parameter) | shard | shard | per unit: all-gather before use, reduce-scatter of gradients |
 //!
 //! **What a rank owns** (stages 1-2): chunk `r` of every gradient bucket of
 //! [`crate::data_parallel`] ([`ShardMap::bucketed`]), so the reduce-scatter of a bucket delivers
@@ -29,11 +29,13 @@ mod ops;
 mod optimizer;
 mod shard_group;
 mod shard_map;
+mod unit_shards;
 
 pub use fully_shard::{FullyShardConfig, FullyShardedUnit, Prefetch};
 pub use optimizer::{FullyShardedOptimizer, ZeroOptimizer};
 pub use shard_group::{GatherCounts, GatherStats, ShardGroup};
 pub use shard_map::{Run, ShardLayout, ShardMap};
+pub use unit_shards::UnitShards;
 
 use crate::data_parallel::{DataParallel, DataParallelConfig, Mode, ReduceReport};
 use crate::error::ParallelError;

@@ -220,8 +220,17 @@ impl FullyShardedOptimizer {
     }
 
     /// The first half of [`FullyShardedOptimizer::step`]: reduces over replicas, averages,
-    /// unscales and clips; returns the global gradient norm before clipping.
+    /// unscales and clips; returns the global gradient norm before clipping (every element of
+    /// the shards counted once: each rank's shard is disjoint, replicas are not added).
     pub fn reduce(&mut self, max_norm: Option<f32>) -> Result<f32, ParallelError> {
+        self.reduce_replicas()?;
+        clip_global_norm(&mut self.grads, max_norm, Some(&self.shard_group))
+    }
+
+    /// [`FullyShardedOptimizer::reduce`] without the norm: reduces over replicas, averages and
+    /// unscales, and hands back this rank's shard gradients, for a norm and clipping computed
+    /// from the parameters' placements (`crate::placement::global_grad_norm`).
+    pub fn reduce_replicas(&mut self) -> Result<&mut [f32], ParallelError> {
         if self.micro_batches == 0 {
             return Err(ParallelError::Invalid(
                 "FullyShardedOptimizer::step before any accumulate".into(),
@@ -241,7 +250,7 @@ impl FullyShardedOptimizer {
         if denom != 1.0 {
             self.grads.iter_mut().for_each(|g| *g /= denom);
         }
-        clip_global_norm(&mut self.grads, max_norm, Some(&self.shard_group))
+        Ok(&mut self.grads)
     }
 
     /// The second half of [`FullyShardedOptimizer::step`]: AdamW on the shards (unless
