@@ -2,6 +2,8 @@
 //! [`TrainConfig`] as the planner's model and workload.
 
 use crate::train::TrainConfig;
+use flashover_parallel::activation_checkpointing::CheckpointPolicy;
+use flashover_parallel::pipeline::ScheduleKind;
 pub use flashover_plan::*;
 
 /// The job's model (the reference transformer with its `[model]` and `[moe]` fields) as the
@@ -59,17 +61,17 @@ pub fn layout_of(config: &TrainConfig) -> Result<Layout, String> {
     use flashover_mesh::Axis;
     let mesh = config.mesh()?;
     let p = &config.parallel;
-    let schedule = match p.pp_schedule.as_str() {
-        "gpipe" => PipelineSchedule::Gpipe,
-        "interleaved" => PipelineSchedule::Interleaved {
+    let schedule = match p.pp_schedule {
+        ScheduleKind::GPipe => PipelineSchedule::Gpipe,
+        ScheduleKind::Interleaved1F1B => PipelineSchedule::Interleaved {
             chunks: p.pp_chunks.max(1),
         },
-        "zb-h1" => PipelineSchedule::ZbH1,
-        _ => PipelineSchedule::OneFOneB,
+        ScheduleKind::ZeroBubbleH1 => PipelineSchedule::ZbH1,
+        ScheduleKind::OneFOneB => PipelineSchedule::OneFOneB,
     };
-    let recompute = match p.activation_checkpointing.as_str() {
-        "none" => Recompute::None,
-        "selective" => Recompute::Selective,
+    let recompute = match &p.activation_checkpointing {
+        CheckpointPolicy::None => Recompute::None,
+        CheckpointPolicy::Selective => Recompute::Selective,
         _ => Recompute::Full,
     };
     Ok(Layout {
@@ -106,17 +108,16 @@ pub fn apply_layout(config: &mut TrainConfig, layout: &Layout) {
     p.zero = layout.zero;
     p.sequence_parallel = layout.sequence_parallel;
     (p.pp_schedule, p.pp_chunks) = match layout.schedule {
-        PipelineSchedule::Gpipe => ("gpipe".into(), 1),
-        PipelineSchedule::OneFOneB => ("1f1b".into(), 1),
-        PipelineSchedule::Interleaved { chunks } => ("interleaved".into(), chunks),
-        PipelineSchedule::ZbH1 => ("zb-h1".into(), 1),
+        PipelineSchedule::Gpipe => (ScheduleKind::GPipe, 1),
+        PipelineSchedule::OneFOneB => (ScheduleKind::OneFOneB, 1),
+        PipelineSchedule::Interleaved { chunks } => (ScheduleKind::Interleaved1F1B, chunks),
+        PipelineSchedule::ZbH1 => (ScheduleKind::ZeroBubbleH1, 1),
     };
     p.activation_checkpointing = match layout.recompute {
-        Recompute::None => "none",
-        Recompute::Selective => "selective",
-        Recompute::Full => "full",
-    }
-    .into();
+        Recompute::None => CheckpointPolicy::None,
+        Recompute::Selective => CheckpointPolicy::Selective,
+        Recompute::Full => CheckpointPolicy::Full,
+    };
 }
 
 #[cfg(test)]

@@ -71,7 +71,7 @@ fn a_wrong_reduction_is_caught() {
     // Summing gradients where the losses are means scales them by dp x micro-batches. AdamW's
     // update is almost blind to that, so the check must look at the gradient norm too.
     let mut wrong = job("dp=2", 8, 1);
-    wrong.parallel.gradient_reduction = "sum".into();
+    wrong.parallel.gradient_reduction = "sum".parse().unwrap();
     let (_, _, cmp) = verify(&wrong, TOLERANCE).unwrap();
     assert!(!cmp.pass, "summed gradients must fail verification: {cmp}");
     assert!(
@@ -322,7 +322,7 @@ fn pipeline_training_matches_one_rank_for_every_schedule() {
         let mut c = job(mesh, 24, micro);
         c.model.n_layers = Some(4);
         c.model.tie_embeddings = false;
-        c.parallel.pp_schedule = schedule.into();
+        c.parallel.pp_schedule = schedule.parse().unwrap();
         c.parallel.pp_chunks = chunks;
         c
     };

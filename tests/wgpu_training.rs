@@ -81,7 +81,7 @@ fn context_expert_and_recomputation_on_wgpu_match_flex() {
     moe.moe.d_expert = Some(16);
     flex_and_wgpu_agree(moe);
     let mut recompute = tiny("dp=2");
-    recompute.parallel.activation_checkpointing = "full".into();
+    recompute.parallel.activation_checkpointing = "full".parse().unwrap();
     let report = flex_and_wgpu_agree(recompute);
     assert!(report.steps.iter().all(|s| s.recomputed_blocks == 2));
 }

@@ -58,7 +58,7 @@ pub fn run(
                 };
                 let mut c = base.clone();
                 c.parallel.mesh = format!("pp={p}");
-                c.parallel.pp_schedule = name.clone();
+                c.parallel.pp_schedule = kind;
                 c.parallel.pp_chunks = chunks;
                 c.model.tie_embeddings = false;
                 c.run.micro_batches = m;

@@ -42,7 +42,7 @@ pub fn run(
             c.model.d_model = Some(d_model);
             c.model.n_layers = Some(n_layers);
             c.model.d_ff = Some(d_model * 8 / 3);
-            c.parallel.activation_checkpointing = policy.clone();
+            c.parallel.activation_checkpointing = policy.parse()?;
             let errors = c.validate();
             if !errors.is_empty() {
                 return Err(errors.join("; "));
@@ -65,7 +65,7 @@ pub fn run(
 /// Heap bytes that one forward of `config`'s batch (on one Flex rank) leaves held for
 /// backward, under `config`'s checkpointing policy.
 fn kept_after_forward(config: &TrainConfig) -> Result<usize, String> {
-    let policy: CheckpointPolicy = config.parallel.activation_checkpointing.parse()?;
+    let policy: CheckpointPolicy = config.parallel.activation_checkpointing.clone();
     let source = token_source(config)?;
     let model_config = config.transformer(source.vocab_size())?;
     let mut device = Device::flex().autodiff();

@@ -72,16 +72,17 @@ pub struct JobArgs {
     sequence_parallel: bool,
     /// With a pp axis: gpipe, 1f1b, interleaved or zb-h1.
     #[arg(long)]
-    pp_schedule: Option<String>,
+    pp_schedule: Option<flashover_parallel::pipeline::ScheduleKind>,
     /// With a pp axis and the interleaved schedule: model chunks per rank.
     #[arg(long)]
     pp_chunks: Option<usize>,
     /// Activation checkpointing: none, full, selective, every:K or blocks:I,J.
     #[arg(long)]
-    activation_checkpointing: Option<String>,
+    activation_checkpointing:
+        Option<flashover_parallel::activation_checkpointing::CheckpointPolicy>,
     /// With a cp axis: ring or all-to-all attention.
     #[arg(long)]
-    cp_attention: Option<String>,
+    cp_attention: Option<flashover_parallel::context_parallel::CpAttention>,
     /// Compute dtype (mixed precision): f32, bf16 or f16; weights and AdamW state stay f32.
     #[arg(long)]
     precision: Option<Precision>,
@@ -183,9 +184,9 @@ impl JobArgs {
         if self.sequence_parallel {
             c.parallel.sequence_parallel = true;
         }
-        set(&mut c.parallel.pp_schedule, self.pp_schedule.clone());
+        set(&mut c.parallel.pp_schedule, self.pp_schedule);
         set(&mut c.parallel.pp_chunks, self.pp_chunks);
-        set(&mut c.parallel.cp_attention, self.cp_attention.clone());
+        set(&mut c.parallel.cp_attention, self.cp_attention);
         set(&mut c.precision.param_dtype, self.precision);
         set(&mut c.precision.reduce_dtype, self.reduce_dtype);
         set(&mut c.precision.loss_scale, self.loss_scale.clone());

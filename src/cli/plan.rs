@@ -313,8 +313,10 @@ pub fn run(args: &PlanArgs) -> Result<(), String> {
 
 /// `flashover config check FILE`: every problem at once, each with its path.
 pub fn check(path: &PathBuf) -> Result<bool, String> {
-    let config = read_config(path)?;
-    let errors = config.validate();
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let (config, mut errors) =
+        TrainConfig::from_toml_lenient(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    errors.extend(config.validate());
     if errors.is_empty() {
         let mesh = config.mesh()?;
         let model = model_spec(&config)?;

@@ -5,6 +5,8 @@
 use flashover_models::TransformerConfig;
 use flashover_models::moe::{DropPolicy, MoeConfig, RouterKind};
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
+use flashover_parallel::context_parallel::CpAttention;
+use flashover_parallel::pipeline::ScheduleKind;
 use flashover_parallel::precision::{LossScale, MixedPrecision, Precision};
 use flashover_runtime::{Axis, DeviceChoice, DeviceMesh};
 use serde::{Deserialize, Serialize};
@@ -243,6 +245,56 @@ impl Default for DataSection {
     }
 }
 
+/// How per-rank gradients combine: a setting parsed once, with the job file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GradientReduction {
+    /// Losses are per-sample means: gradients are averaged over ranks and micro-batches.
+    #[default]
+    Mean,
+    /// Losses are sums: gradients are summed.
+    Sum,
+}
+
+impl std::str::FromStr for GradientReduction {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "mean" => Ok(GradientReduction::Mean),
+            "sum" => Ok(GradientReduction::Sum),
+            other => Err(format!("`{other}`: expected mean or sum")),
+        }
+    }
+}
+
+impl std::fmt::Display for GradientReduction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            GradientReduction::Mean => "mean",
+            GradientReduction::Sum => "sum",
+        })
+    }
+}
+
+/// Settings written as text in job files (`1f1b`, `every:2`) and held typed: serialised with
+/// `Display`, read with `FromStr`, so a bad value fails when the file is read, naming it.
+mod as_text {
+    use serde::{Deserialize, Deserializer, Serializer, de::Error};
+    use std::fmt::Display;
+    use std::str::FromStr;
+
+    pub fn serialize<T: Display, S: Serializer>(value: &T, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(value)
+    }
+
+    pub fn deserialize<'de, T, D>(d: D) -> Result<T, D::Error>
+    where
+        T: FromStr<Err = String>,
+        D: Deserializer<'de>,
+    {
+        String::deserialize(d)?.parse().map_err(D::Error::custom)
+    }
+}
+
 /// `[parallel]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -257,7 +309,8 @@ pub struct ParallelSection {
     pub timeout_s: f64,
     /// `mean` (losses are per-sample means: gradients averaged over ranks and micro-batches)
     /// or `sum` (losses are sums: gradients summed).
-    pub gradient_reduction: String,
+    #[serde(with = "as_text")]
+    pub gradient_reduction: GradientReduction,
     /// ZeRO stage: 0 (DDP), 1 (AdamW state sharded over the data-parallel ranks), 2 (and
     /// gradients), 3 (and parameters, sharded over the `fsdp` axis, replicated over `dp`: HSDP).
     pub zero: u8,
@@ -268,7 +321,8 @@ pub struct ParallelSection {
     /// sequence (Megatron's sequence parallelism).
     pub sequence_parallel: bool,
     /// With a `pp` axis: the schedule (gpipe, 1f1b, interleaved, zb-h1).
-    pub pp_schedule: String,
+    #[serde(with = "as_text")]
+    pub pp_schedule: ScheduleKind,
     /// With a `pp` axis and the interleaved schedule: model chunks per rank.
     pub pp_chunks: usize,
     /// With a `pp` axis: blocks per virtual stage (default: as `pp_split` says).
@@ -278,14 +332,16 @@ pub struct ParallelSection {
     pub pp_split: String,
     /// With a `cp` axis: how attention reaches other ranks' keys and values, `ring` or
     /// `all-to-all` (Ulysses; heads must divide by tp x cp).
-    pub cp_attention: String,
+    #[serde(with = "as_text")]
+    pub cp_attention: CpAttention,
     /// With a `cp` axis: each rank holds a head and a tail chunk of every sequence so causal
     /// attention work is even (`false`: one contiguous chunk per rank).
     pub cp_load_balance: bool,
     /// Activation checkpointing (recomputation in backward): `none`, `full` (every block),
     /// `every:K` (blocks 0, K, 2K, ...), `blocks:I,J` (those blocks) or `selective` (Burn's
     /// balanced checkpointing: keep matrix products, recompute the rest).
-    pub activation_checkpointing: String,
+    #[serde(with = "as_text")]
+    pub activation_checkpointing: CheckpointPolicy,
 }
 
 impl Default for ParallelSection {
@@ -295,17 +351,17 @@ impl Default for ParallelSection {
             bucket_mb: 1.0,
             overlap: true,
             timeout_s: 300.0,
-            gradient_reduction: "mean".into(),
+            gradient_reduction: GradientReduction::Mean,
             zero: 0,
             reshard_after_forward: true,
             sequence_parallel: false,
-            pp_schedule: "1f1b".into(),
+            pp_schedule: ScheduleKind::OneFOneB,
             pp_chunks: 1,
             pp_blocks: None,
             pp_split: "even".into(),
-            cp_attention: "ring".into(),
+            cp_attention: CpAttention::Ring,
             cp_load_balance: true,
-            activation_checkpointing: "none".into(),
+            activation_checkpointing: CheckpointPolicy::None,
         }
     }
 }
@@ -392,6 +448,50 @@ impl TrainConfig {
     /// ```
     pub fn from_toml(text: &str) -> Result<Self, String> {
         toml::from_str(text).map_err(|e| format!("invalid config: {e}"))
+    }
+
+    /// [`TrainConfig::from_toml`] that reads past bad values of the typed settings
+    /// (`parallel.pp_schedule`, `cp_attention`, `activation_checkpointing`,
+    /// `gradient_reduction`): each is reported and left at its default, so `config check` can
+    /// list it with every other problem. Syntax errors and unknown fields still fail.
+    ///
+    /// ```
+    /// use flashover::train::TrainConfig;
+    ///
+    /// let (config, errors) =
+    ///     TrainConfig::from_toml_lenient("[parallel]\npp_schedule = \"zz\"\nmesh = \"tp=3\"").unwrap();
+    /// assert!(errors[0].starts_with("parallel.pp_schedule = "));
+    /// assert!(config.validate().iter().any(|e| e.contains("tp = 3")));
+    /// ```
+    pub fn from_toml_lenient(text: &str) -> Result<(Self, Vec<String>), String> {
+        type Check = fn(&str) -> Result<(), String>;
+        const TYPED: [(&str, Check); 4] = [
+            ("gradient_reduction", |v| {
+                v.parse::<GradientReduction>().map(drop)
+            }),
+            ("pp_schedule", |v| v.parse::<ScheduleKind>().map(drop)),
+            ("cp_attention", |v| v.parse::<CpAttention>().map(drop)),
+            ("activation_checkpointing", |v| {
+                v.parse::<CheckpointPolicy>().map(drop)
+            }),
+        ];
+        let mut table: toml::Table =
+            toml::from_str(text).map_err(|e| format!("invalid config: {e}"))?;
+        let mut errors = vec![];
+        if let Some(toml::Value::Table(parallel)) = table.get_mut("parallel") {
+            for (key, check) in TYPED {
+                if let Some(toml::Value::String(value)) = parallel.get(key)
+                    && let Err(e) = check(value)
+                {
+                    errors.push(format!("parallel.{key} = {e}"));
+                    parallel.remove(key);
+                }
+            }
+        }
+        let config = table
+            .try_into()
+            .map_err(|e| format!("invalid config: {e}"))?;
+        Ok((config, errors))
     }
 
     /// The model configuration the sections describe (vocabulary from the data source).
@@ -535,34 +635,24 @@ impl TrainConfig {
                 errors.extend(self.precision_errors());
                 let pp = mesh.degree(Axis::Pp);
                 if pp > 1 {
-                    match self
-                        .parallel
-                        .pp_schedule
-                        .parse::<flashover_parallel::pipeline::ScheduleKind>()
+                    let kind = self.parallel.pp_schedule;
+                    let chunks = match kind {
+                        ScheduleKind::Interleaved1F1B => self.parallel.pp_chunks.max(1),
+                        _ => 1,
+                    };
+                    let built = flashover_parallel::pipeline::Schedule::build(
+                        kind,
+                        pp,
+                        self.run.micro_batches,
+                        chunks,
+                    );
+                    if let Err(e) = built {
+                        errors.push(format!("parallel.pp_schedule: {e}"));
+                    }
+                    if let Ok(t) = self.transformer(self.vocab_size())
+                        && let Err(e) = self.pipeline_blocks(&t, pp * chunks)
                     {
-                        Ok(kind) => {
-                            let chunks = if kind
-                                == flashover_parallel::pipeline::ScheduleKind::Interleaved1F1B
-                            {
-                                self.parallel.pp_chunks.max(1)
-                            } else {
-                                1
-                            };
-                            if let Err(e) = flashover_parallel::pipeline::Schedule::build(
-                                kind,
-                                pp,
-                                self.run.micro_batches,
-                                chunks,
-                            ) {
-                                errors.push(format!("parallel.pp_schedule: {e}"));
-                            }
-                            if let Ok(t) = self.transformer(self.vocab_size())
-                                && let Err(e) = self.pipeline_blocks(&t, pp * chunks)
-                            {
-                                errors.push(e);
-                            }
-                        }
-                        Err(e) => errors.push(format!("parallel.pp_schedule: {e}")),
+                        errors.push(e);
                     }
                 }
                 let tp = mesh.degree(Axis::Tp);
@@ -614,12 +704,6 @@ impl TrainConfig {
                 self.parallel.timeout_s
             ));
         }
-        if !matches!(self.parallel.gradient_reduction.as_str(), "mean" | "sum") {
-            errors.push(format!(
-                "parallel.gradient_reduction = `{}`: expected mean or sum",
-                self.parallel.gradient_reduction
-            ));
-        }
         if self.parallel.zero > 3 {
             errors.push(format!(
                 "parallel.zero = {}: expected 0 (DDP), 1, 2 or 3",
@@ -653,13 +737,7 @@ impl TrainConfig {
     /// heads all-to-all attention cannot split.
     fn cp_errors(&self, mesh: &DeviceMesh) -> Vec<String> {
         let mut errors = vec![];
-        let algorithm = self
-            .parallel
-            .cp_attention
-            .parse::<flashover_parallel::context_parallel::CpAttention>();
-        if let Err(e) = &algorithm {
-            errors.push(format!("parallel.cp_attention = {e}"));
-        }
+        let algorithm = self.parallel.cp_attention;
         let cp = mesh.degree(Axis::Cp);
         if cp == 1 {
             return errors;
@@ -681,7 +759,7 @@ impl TrainConfig {
                 self.data.seq_len.div_ceil(chunks) * chunks
             ));
         }
-        if algorithm == Ok(flashover_parallel::context_parallel::CpAttention::AllToAll)
+        if algorithm == CpAttention::AllToAll
             && let Ok(t) = self.transformer(self.vocab_size())
         {
             let tp = mesh.degree(Axis::Tp);
@@ -698,17 +776,10 @@ impl TrainConfig {
 
     /// What is wrong with `parallel.activation_checkpointing`.
     fn recompute_errors(&self) -> Vec<String> {
-        let policy = match self
-            .parallel
-            .activation_checkpointing
-            .parse::<CheckpointPolicy>()
-        {
-            Ok(policy) => policy,
-            Err(e) => return vec![format!("parallel.activation_checkpointing = {e}")],
-        };
+        let policy = &self.parallel.activation_checkpointing;
         let mut errors = vec![];
         if let (CheckpointPolicy::Blocks(blocks), Ok(t)) =
-            (&policy, self.transformer(self.vocab_size()))
+            (policy, self.transformer(self.vocab_size()))
             && let Some(b) = blocks.iter().find(|&&b| b >= t.n_layers)
         {
             errors.push(format!(

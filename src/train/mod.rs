@@ -37,6 +37,7 @@
 
 pub mod checkpoint;
 mod config;
+mod metrics;
 mod pp_model;
 mod report;
 mod run;
@@ -46,8 +47,8 @@ mod trace;
 mod verify;
 
 pub use config::{
-    CheckpointSection, DataSection, ModelSection, MoeSection, OptimSection, ParallelSection,
-    RunSection, TrainConfig,
+    CheckpointSection, DataSection, GradientReduction, ModelSection, MoeSection, OptimSection,
+    ParallelSection, RunSection, TrainConfig,
 };
 pub use pp_model::{TransformerStage, split_blocks, split_blocks_by_cost};
 pub use report::{DeviceMemory, MoeRecord, RankTimes, StepRecord, TrainReport, memory_formula};

@@ -3,9 +3,10 @@
 use super::checkpoint::{
     LocalState, Saver, Segment, placed_segments, run_segments, whole_segments,
 };
-use super::config::TrainConfig;
+use super::config::{GradientReduction, TrainConfig};
+use super::metrics::{RankMetrics, StepFacts, step_record};
 use super::pp_model::{DeferWeightGrads, TransformerStage};
-use super::report::{DeviceMemory, MoeRecord, RankTimes, StepRecord, TrainReport};
+use super::report::{DeviceMemory, MoeRecord, StepRecord, TrainReport};
 use super::sharded_model::ShardedTransformer;
 use super::tp_model::TpTransformer;
 use super::trace::Trace;
@@ -17,8 +18,7 @@ use flashover_models::{
     Block, Dropout, ForwardContext, LinearHook, MoeHook, Transformer, next_token_loss,
 };
 use flashover_parallel::FlatAdamW;
-use flashover_parallel::activation_checkpointing::CheckpointPolicy;
-use flashover_parallel::context_parallel::{AttentionWork, ContextParallel, CpAttention};
+use flashover_parallel::context_parallel::{AttentionWork, ContextParallel};
 use flashover_parallel::data_parallel::{
     DataParallel, DataParallelConfig, MicroBatches, ReduceReport,
 };
@@ -27,8 +27,7 @@ use flashover_parallel::params::{
     ParamLayout, ParamSlot, accumulate_grads, flatten_params, load_flat, load_shaped, placeholders,
 };
 use flashover_parallel::pipeline::{
-    Action, ActionKind, PipelineExecutor, Schedule, ScheduleKind, WeightGradStore,
-    deferral_supported,
+    Action, ActionKind, PipelineExecutor, Schedule, WeightGradStore, deferral_supported,
 };
 use flashover_parallel::placement::{
     GradientReducer, ParamPlacement, PlacementTable, Tie, global_grad_norm,
@@ -613,7 +612,7 @@ impl Strategy {
         let ddp_config = DataParallelConfig::new()
             .with_bucket_bytes((config.parallel.bucket_mb * (1 << 20) as f64) as usize)
             .with_overlap(config.parallel.overlap)
-            .with_average(config.parallel.gradient_reduction == "mean")
+            .with_average(config.parallel.gradient_reduction == GradientReduction::Mean)
             .with_reduce_dtype(config.precision.reduce_dtype);
         if let Some(moe) = &model_config.moe {
             // Replicas start equal: the seeded initialisation is the same on every rank.
@@ -625,7 +624,7 @@ impl Strategy {
                 placements,
                 reducer: GradientReducer::new(ctx, config.precision.reduce_dtype)?,
                 batch: grad_group.clone(),
-                average: config.parallel.gradient_reduction == "mean",
+                average: config.parallel.gradient_reduction == GradientReduction::Mean,
             };
             let d = model_config.d_model;
             let hot = config.moe.replicate_hot;
@@ -645,7 +644,7 @@ impl Strategy {
         }
         let pp = ctx.group(Axis::Pp);
         if pp.size() > 1 {
-            let kind: ScheduleKind = config.parallel.pp_schedule.parse()?;
+            let kind = config.parallel.pp_schedule;
             let micro = config.run.micro_batches;
             let schedule = Schedule::build(kind, pp.size(), micro, config.parallel.pp_chunks)
                 .map_err(RankError::from)?;
@@ -714,10 +713,18 @@ impl Strategy {
                 .iter()
                 .flatten()
                 .any(|a| a.kind == ActionKind::BackwardWeight);
-            let deferral = (splits_backward
-                && split.is_none()
-                && deferral_supported(&ctx.device().clone().autodiff()))
-            .then(|| {
+            // The rule table refuses zero-bubble schedules under tensor parallelism; on a device
+            // the deferral op is not built for, refuse too rather than run 1F1B silently.
+            let device = ctx.device().clone().autodiff();
+            if splits_backward && !deferral_supported(&device) {
+                return Err(RankError::from(format!(
+                    "parallel.pp_schedule = {}: zero-bubble schedules defer the blocks' weight \
+                     gradients through an op built for Flex only, not for {device:?}; use 1f1b \
+                     or interleaved there",
+                    config.parallel.pp_schedule
+                )));
+            }
+            let deferral = (splits_backward && split.is_none()).then(|| {
                 let store = WeightGradStore::default();
                 let hook = LinearHook(Arc::new(DeferWeightGrads(store.clone())));
                 (store, hook)
@@ -747,7 +754,7 @@ impl Strategy {
                 stage_params,
                 order,
                 shape: [rows, seq, d],
-                average: config.parallel.gradient_reduction == "mean",
+                average: config.parallel.gradient_reduction == GradientReduction::Mean,
                 data_ranks: grad_group.size(),
                 reduce_dtype: config.precision.reduce_dtype,
             })));
@@ -805,7 +812,7 @@ impl Strategy {
                     shard_group,
                     (replicas.size() > 1).then_some(&replicas),
                     &adamw,
-                    config.parallel.gradient_reduction == "mean",
+                    config.parallel.gradient_reduction == GradientReduction::Mean,
                 );
                 optim.set_reduce_dtype(config.precision.reduce_dtype);
                 Strategy::Fsdp(Box::new(model), optim, units)
@@ -1132,10 +1139,7 @@ fn train_rank(
     emit: &dyn Fn(&StepRecord),
     origin: Instant,
 ) -> Result<RankOutput, RankError> {
-    let recompute = config
-        .parallel
-        .activation_checkpointing
-        .parse::<CheckpointPolicy>()?;
+    let recompute = config.parallel.activation_checkpointing.clone();
     let device = if recompute.is_selective() {
         ctx.device().clone().autodiff().gradient_checkpointing()
     } else {
@@ -1154,7 +1158,7 @@ fn train_rank(
         batch_group.clone()
     };
     let context = if cp.size() > 1 {
-        let algorithm = config.parallel.cp_attention.parse::<CpAttention>()?;
+        let algorithm = config.parallel.cp_attention;
         let local_heads = model_config.n_heads / ctx.group(Axis::Tp).size();
         Some(ContextParallel::new(
             cp,
@@ -1319,74 +1323,42 @@ fn train_rank(
             .total()
             .wait
             .as_secs_f64();
-        let exposed = outcome.exposed.as_secs_f64();
-        let mine = [
-            outcome.loss_sum / plan.micro_batches() as f64,
+        let mine = RankMetrics {
+            loss: outcome.loss_sum / plan.micro_batches() as f64,
             step_s,
-            outcome.comm.as_secs_f64(),
-            outcome.overlapped.as_secs_f64(),
-            exposed,
-            idle,
-            outcome.grad_norm as f64,
-            outcome.memory.params as f64,
-            outcome.memory.grads as f64,
-            outcome.memory.optimizer as f64,
-            outcome.memory.gathered_peak as f64,
-            outcome.in_flight as f64,
-            outcome.pipeline.as_secs_f64(),
-            outcome.a2a.as_secs_f64(),
-            attention.compute.as_secs_f64(),
-            attention.score_elements as f64,
-            (block_recompute.as_ref().map_or(0, |r| r.recomputed()) - recomputed_before) as f64,
-            device_usage.map_or(-1.0, |u| u.bytes_in_use as f64),
-            device_usage.map_or(-1.0, |u| u.bytes_reserved as f64),
-        ];
-        let all = world.all_gather_vec(&mine)?;
+            comm_s: outcome.comm.as_secs_f64(),
+            overlapped_s: outcome.overlapped.as_secs_f64(),
+            exposed_s: outcome.exposed.as_secs_f64(),
+            idle_s: idle,
+            grad_norm: outcome.grad_norm as f64,
+            memory: outcome.memory,
+            in_flight: outcome.in_flight,
+            pipeline_s: outcome.pipeline.as_secs_f64(),
+            a2a_s: outcome.a2a.as_secs_f64(),
+            attention_s: attention.compute.as_secs_f64(),
+            attention_scores: attention.score_elements,
+            recomputed_blocks: (block_recompute.as_ref().map_or(0, |r| r.recomputed())
+                - recomputed_before) as u64,
+            device_memory: device_usage.map(|u| DeviceMemory {
+                in_use: u.bytes_in_use,
+                reserved: u.bytes_reserved,
+            }),
+        };
+        let all = world.all_gather_vec(&mine.to_wire())?;
         if ctx.rank() == 0 {
-            let per: Vec<&[f64]> = all.chunks(mine.len()).collect();
-            let step_time = per.iter().map(|p| p[1]).fold(0.0, f64::max);
-            let record = StepRecord {
+            let ranks: Vec<RankMetrics> = all
+                .chunks(RankMetrics::WIRE_LEN)
+                .map(RankMetrics::from_wire)
+                .collect();
+            let facts = StepFacts {
                 step,
-                loss: per.iter().map(|p| p[0]).sum::<f64>() / per.len() as f64,
                 lr,
-                grad_norm: per[0][6],
-                recomputed_blocks: per.iter().map(|p| p[16] as u64).max().unwrap_or(0),
-                tokens_per_s: tokens_per_step / step_time,
-                step_time_s: step_time,
-                ranks: per
-                    .iter()
-                    .enumerate()
-                    .map(|(rank, p)| RankTimes {
-                        rank,
-                        step_s: p[1],
-                        compute_s: (p[1] - p[4]).max(0.0),
-                        comm_s: p[2],
-                        overlapped_s: p[3],
-                        exposed_comm_s: p[4],
-                        idle_s: p[5],
-                        memory: MemoryReport {
-                            params: p[7] as usize,
-                            grads: p[8] as usize,
-                            optimizer: p[9] as usize,
-                            gathered_peak: p[10] as usize,
-                        },
-                        in_flight: p[11] as usize,
-                        pipeline_s: p[12],
-                        attention_s: p[14],
-                        attention_scores: p[15] as u64,
-                        device_memory: (p[17] >= 0.0).then(|| DeviceMemory {
-                            in_use: p[17] as u64,
-                            reserved: p[18] as u64,
-                        }),
-                    })
-                    .collect(),
-                moe: outcome.moe.take().map(|m| MoeRecord {
-                    a2a_s: per.iter().map(|p| p[13]).fold(0.0, f64::max),
-                    ..m
-                }),
+                tokens_per_step,
+                moe: outcome.moe.take(),
                 loss_scale: outcome.loss_scale,
                 skipped: outcome.skipped,
             };
+            let record = step_record(facts, &ranks);
             emit(&record);
             records.push(record);
         }

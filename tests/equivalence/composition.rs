@@ -31,8 +31,8 @@ fn pipeline_stages_over_context_parallel_sequences_train_as_one_rank() {
         ("tp=2,pp=2,cp=2", "ring", "1f1b", false),
     ] {
         let mut c = composed(mesh, 8);
-        c.parallel.cp_attention = attention.into();
-        c.parallel.pp_schedule = schedule.into();
+        c.parallel.cp_attention = attention.parse().unwrap();
+        c.parallel.pp_schedule = schedule.parse().unwrap();
         c.model.tie_embeddings = tied;
         assert_matches_one_rank(&c, &format!("{mesh} {attention} {schedule} tied={tied}"));
     }
@@ -72,7 +72,7 @@ fn sharded_pipeline_stages_train_as_one_rank() {
     ] {
         let mut c = composed(mesh, 8);
         c.parallel.zero = zero;
-        c.parallel.pp_schedule = schedule.into();
+        c.parallel.pp_schedule = schedule.parse().unwrap();
         c.model.tie_embeddings = tied;
         assert_matches_one_rank(&c, &format!("{mesh} --zero {zero} tied={tied} {schedule}"));
     }
@@ -83,4 +83,17 @@ fn fully_sharded_pipeline_stages_over_context_parallel_sequences_train_as_one_ra
     let mut c = composed("fsdp=2,pp=2,cp=2", 8);
     c.parallel.zero = 3;
     assert_matches_one_rank(&c, "fsdp=2,pp=2,cp=2 --zero 3");
+}
+
+/// The seed's topology scaled down (data x tensor x pipeline x context), and the same with
+/// fully sharded data parallelism: four mesh axes at once, sixteen ranks.
+#[test]
+fn four_axis_layouts_train_as_one_rank() {
+    for (mesh, zero) in [("dp=2,tp=2,pp=2,cp=2", 0), ("fsdp=2,tp=2,pp=2,cp=2", 3)] {
+        let mut c = composed(mesh, 8);
+        c.parallel.zero = zero;
+        c.run.steps = 10;
+        c.model.tie_embeddings = false;
+        assert_matches_one_rank(&c, &format!("{mesh} --zero {zero}"));
+    }
 }

@@ -63,9 +63,11 @@ fn bf16_compute_tracks_f32_in_every_layout() {
         ("dp=2,pp=2", 0, pipeline),
         ("tp=2,pp=2", 0, pipeline),
         ("cp=2", 0, |_| {}),
-        ("cp=2", 0, |c| c.parallel.cp_attention = "all-to-all".into()),
+        ("cp=2", 0, |c| {
+            c.parallel.cp_attention = "all-to-all".parse().unwrap()
+        }),
         ("dp=2", 0, |c| {
-            c.parallel.activation_checkpointing = "full".into()
+            c.parallel.activation_checkpointing = "full".parse().unwrap()
         }),
     ];
     for (mesh, zero, adjust) in layouts {
@@ -105,12 +107,12 @@ fn under_bf16_schedules_and_recomputation_stay_bitwise_equal() {
     let one_f_one_b = bf16("pp=2", &pipeline);
     let zero_bubble = bf16("pp=2", &|c| {
         pipeline(c);
-        c.parallel.pp_schedule = "zb-h1".into();
+        c.parallel.pp_schedule = "zb-h1".parse().unwrap();
     });
     assert_eq!(bits(&one_f_one_b), bits(&zero_bubble), "zb-h1 vs 1f1b");
     let plain = bf16("dp=2", &|_| {});
     let recomputed = bf16("dp=2", &|c| {
-        c.parallel.activation_checkpointing = "full".into()
+        c.parallel.activation_checkpointing = "full".parse().unwrap()
     });
     assert_eq!(bits(&plain), bits(&recomputed), "recomputation");
 }
@@ -146,9 +148,11 @@ fn bf16_layouts_agree_with_one_bf16_rank() {
         ("tp=2", 0, |c| c.parallel.sequence_parallel = true),
         ("dp=2,pp=2", 0, pipeline),
         ("cp=2", 0, |_| {}),
-        ("cp=2", 0, |c| c.parallel.cp_attention = "all-to-all".into()),
+        ("cp=2", 0, |c| {
+            c.parallel.cp_attention = "all-to-all".parse().unwrap()
+        }),
         ("dp=2", 0, |c| {
-            c.parallel.activation_checkpointing = "full".into()
+            c.parallel.activation_checkpointing = "full".parse().unwrap()
         }),
     ];
     for (mesh, zero, adjust) in layouts {
@@ -161,7 +165,7 @@ fn bf16_layouts_agree_with_one_bf16_rank() {
         single.parallel.mesh = "dp=1".into();
         single.parallel.zero = 0;
         single.parallel.sequence_parallel = false;
-        single.parallel.activation_checkpointing = "none".into();
+        single.parallel.activation_checkpointing = "none".parse().unwrap();
         let one = run(&single, "bf16 dp=1");
         let r = run(&c, &format!("bf16 {mesh} zero={zero}"));
         let cmp = compare(&one, &r, PARAM_TOLERANCE);

@@ -42,6 +42,16 @@ pub enum CpAttention {
     AllToAll,
 }
 
+impl std::fmt::Display for CpAttention {
+    /// The name [`CpAttention::from_str`] reads back.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CpAttention::Ring => "ring",
+            CpAttention::AllToAll => "all-to-all",
+        })
+    }
+}
+
 impl FromStr for CpAttention {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {

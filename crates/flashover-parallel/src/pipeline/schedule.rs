@@ -110,6 +110,18 @@ impl std::str::FromStr for ScheduleKind {
     }
 }
 
+impl fmt::Display for ScheduleKind {
+    /// The name [`ScheduleKind::from_str`](std::str::FromStr) reads back.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ScheduleKind::GPipe => "gpipe",
+            ScheduleKind::OneFOneB => "1f1b",
+            ScheduleKind::Interleaved1F1B => "interleaved",
+            ScheduleKind::ZeroBubbleH1 => "zb-h1",
+        })
+    }
+}
+
 /// A schedule: per rank, its actions in order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Schedule {
