@@ -1,0 +1,406 @@
+//! One rank's training loop: set up what the job asks (groups, context parallelism, the batch
+//! plan, the strategy, the precision policy), then for each step its batches, the strategy's
+//! step, the step record and the checkpoints.
+
+use super::checkpoint::Saver;
+use super::config::TrainConfig;
+use super::metrics::{RankMetrics, StepFacts, step_record};
+use super::report::{DeviceMemory, StepRecord};
+use super::run::make_batch;
+use super::strategy::{self, Precisions, RankStrategy, StepOutcome};
+use super::trace::Trace;
+use burn::tensor::{Device, Int, Tensor};
+use flashover_data::{BatchPlan, TokenSource};
+use flashover_models::{CheckpointHook, Dropout, ForwardContext, Transformer, TransformerConfig};
+use flashover_parallel::activation_checkpointing::BlockRecompute;
+use flashover_parallel::context_parallel::{AttentionWork, ContextParallel};
+use flashover_parallel::precision::LossScaler;
+use flashover_runtime::{Axis, CommunicatorExt, Group, RankContext, RankError};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// What rank 0 hands back: its step records, the final parameters by name, buckets per step,
+/// and whether reduction overlapped backward.
+pub(crate) type RankOutput = Option<(Vec<StepRecord>, Vec<(String, Vec<f32>)>, usize, bool)>;
+
+/// Everything a rank's steps read, set up once.
+struct Rank<'a> {
+    ctx: &'a RankContext,
+    config: &'a TrainConfig,
+    source: &'a dyn TokenSource,
+    /// The autodiff device (with Burn's balanced checkpointing under `selective`).
+    device: Device,
+    /// Which samples each micro-batch of each step holds on this rank.
+    plan: BatchPlan,
+    /// Context parallelism: this rank's share of every sequence.
+    context: Option<ContextParallel>,
+    /// Block-level recomputation and the hook that runs it.
+    recompute: Option<(Arc<BlockRecompute>, CheckpointHook)>,
+    /// The ranks whose gradients are averaged (`dp x fsdp x ep x cp`).
+    grad_group: Group,
+}
+
+impl<'a> Rank<'a> {
+    fn new(
+        ctx: &'a RankContext,
+        config: &'a TrainConfig,
+        model_config: &TransformerConfig,
+        source: &'a dyn TokenSource,
+    ) -> Result<Self, RankError> {
+        let policy = &config.parallel.activation_checkpointing;
+        let device = if policy.is_selective() {
+            ctx.device().clone().autodiff().gradient_checkpointing()
+        } else {
+            ctx.device().clone().autodiff()
+        };
+        let recompute = policy.block_recompute().map(|r| {
+            let hook = r.hook();
+            (r, hook)
+        });
+        // Every data-parallel rank (replica or shard) reads its own slice of the batch.
+        let batch_group = ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep])?;
+        // Context-parallel ranks read the same samples and keep different positions of them;
+        // their gradients are averaged together with the data-parallel ranks'.
+        let cp = ctx.group(Axis::Cp);
+        let (grad_group, context) = if cp.size() > 1 {
+            let local_heads = model_config.n_heads / ctx.group(Axis::Tp).size();
+            let context = ContextParallel::new(
+                cp,
+                config.data.seq_len,
+                config.parallel.cp_attention,
+                config.parallel.cp_load_balance,
+                local_heads,
+            )?;
+            let group = ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep, Axis::Cp])?;
+            (group, Some(context))
+        } else {
+            (batch_group.clone(), None)
+        };
+        let plan = BatchPlan::new(
+            config.run.global_batch,
+            batch_group.size(),
+            batch_group.rank(),
+            config.run.micro_batches,
+        )?;
+        Ok(Rank {
+            ctx,
+            config,
+            source,
+            device,
+            plan,
+            context,
+            recompute,
+            grad_group,
+        })
+    }
+
+    /// The seeded model (expert-parallel ranks build only their own experts).
+    fn model(&self, model_config: &TransformerConfig) -> Transformer {
+        let seed = self.config.run.seed;
+        match &model_config.moe {
+            Some(moe) => {
+                let ep = self.ctx.group(Axis::Ep);
+                let per = moe.n_experts / ep.size();
+                let experts = ep.rank() * per..(ep.rank() + 1) * per;
+                model_config.init_experts(seed, &self.device, experts)
+            }
+            None => model_config.init(seed, &self.device),
+        }
+    }
+
+    /// Micro-batch `micro` of step `step` on this rank: inputs, targets and the forward
+    /// context (dropout keyed by global sample index, so the same in every layout).
+    fn batch(&self, step: usize, micro: usize) -> (Tensor<2, Int>, Tensor<2, Int>, ForwardContext) {
+        let config = self.config;
+        let samples = self.plan.indices(step as u64, micro);
+        let fwd = ForwardContext {
+            dropout: (config.model.dropout > 0.0).then_some(Dropout {
+                p: config.model.dropout,
+                seed: config.run.seed,
+                step: step as u64,
+            }),
+            sample_offset: samples.start as usize,
+            checkpointing: self.recompute.as_ref().map(|(_, hook)| hook.clone()),
+            ..ForwardContext::default()
+        };
+        let seq_len = config.data.seq_len;
+        let (inputs, targets) = make_batch(self.source, samples, seq_len, &self.device);
+        match &self.context {
+            Some(cp) => (
+                cp.local_tokens(inputs),
+                cp.local_tokens(targets),
+                cp.forward_context(fwd),
+            ),
+            None => (inputs, targets, fwd),
+        }
+    }
+
+    fn recomputed(&self) -> usize {
+        self.recompute.as_ref().map_or(0, |(r, _)| r.recomputed())
+    }
+
+    /// One step of `strategy`, and what this rank measured of it.
+    fn step(
+        &self,
+        strategy: Box<dyn RankStrategy>,
+        step: usize,
+        precision: &mut Precisions,
+    ) -> Result<(Box<dyn RankStrategy>, StepOutcome, RankMetrics, Instant), RankError> {
+        let ctx = self.ctx;
+        let stats_before = ctx.comm_stats();
+        let t0 = Instant::now();
+        let attention_before = self
+            .context
+            .as_ref()
+            .map(|cp| cp.work())
+            .unwrap_or_default();
+        let recomputed_before = self.recomputed();
+        let clip = self.config.optim.clip.filter(|&c| c > 0.0);
+        let micro_batches = self.plan.micro_batches();
+        let mut batches = |micro| self.batch(step, micro);
+        let lr = self.config.lr_at(step);
+        let (strategy, outcome) =
+            strategy.step(ctx, clip, &mut batches, micro_batches, lr, precision)?;
+        let attention = self
+            .context
+            .as_ref()
+            .map_or(AttentionWork::default(), |cp| {
+                let now = cp.work();
+                AttentionWork {
+                    score_elements: now.score_elements - attention_before.score_elements,
+                    compute: now.compute - attention_before.compute,
+                }
+            });
+        let idle = ctx.comm_stats().since(&stats_before).total().wait;
+        // From the device's allocator where the backend reports it (not Flex).
+        let device_usage = ctx.device().memory_pool_usage();
+        let metrics = RankMetrics {
+            loss: outcome.loss_sum / micro_batches as f64,
+            step_s: t0.elapsed().as_secs_f64(),
+            comm_s: outcome.comm.as_secs_f64(),
+            overlapped_s: outcome.overlapped.as_secs_f64(),
+            exposed_s: outcome.exposed.as_secs_f64(),
+            idle_s: idle.as_secs_f64(),
+            grad_norm: outcome.grad_norm as f64,
+            memory: outcome.memory,
+            in_flight: outcome.in_flight,
+            pipeline_s: outcome.pipeline.as_secs_f64(),
+            a2a_s: outcome.a2a.as_secs_f64(),
+            attention_s: attention.compute.as_secs_f64(),
+            attention_scores: attention.score_elements,
+            recomputed_blocks: (self.recomputed() - recomputed_before) as u64,
+            device_memory: device_usage.map(|u| DeviceMemory {
+                in_use: u.bytes_in_use,
+                reserved: u.bytes_reserved,
+            }),
+        };
+        Ok((strategy, outcome, metrics, t0))
+    }
+
+    /// Saves the state after `done` steps (collective).
+    fn save(
+        &self,
+        saver: &mut Saver,
+        strategy: &dyn RankStrategy,
+        scaler: &LossScaler,
+        done: usize,
+    ) -> Result<(), RankError> {
+        let config = self.config;
+        let (state, param_replicas, moment_replicas) =
+            strategy.local_state(self.ctx, &self.grad_group)?;
+        let pieces = state.pieces_for(param_replicas, moment_replicas);
+        let run = serde_json::json!({
+            "step": done,
+            "adamw_steps": state.steps_taken,
+            "seed": config.run.seed,
+            "mesh": config.parallel.mesh,
+            "zero": config.parallel.zero,
+            "config": config,
+            "moe_bias": strategy.moe_bias(),
+            "loss_scale": scaler.is_active().then(|| scaler.state()),
+        });
+        saver
+            .save(self.ctx.world(), done as u64, run, pieces)
+            .map_err(RankError::from)
+    }
+
+    /// Where training starts: a resumed checkpoint's step, or 0 (after loading
+    /// `checkpoint.init_from`'s weights if set).
+    fn load_initial(
+        &self,
+        strategy: &mut dyn RankStrategy,
+        scaler: &mut LossScaler,
+    ) -> Result<usize, RankError> {
+        let ckpt = &self.config.checkpoint;
+        if let Some(path) = &ckpt.resume {
+            return resume(
+                self.ctx,
+                self.config,
+                strategy,
+                scaler,
+                &self.grad_group,
+                path,
+            );
+        }
+        if let Some(path) = &ckpt.init_from {
+            let file = flashover_checkpoint::ModelFile::open(path)
+                .map_err(|e| RankError::from(format!("checkpoint.init_from: {e}")))?;
+            let (mut state, _, _) = strategy.local_state(self.ctx, &self.grad_group)?;
+            state
+                .load_params(&file)
+                .map_err(|e| RankError::from(format!("checkpoint.init_from: {e}")))?;
+            strategy.restore(state)?;
+        }
+        Ok(0)
+    }
+
+    /// The checkpoint writer the job asks for, if any.
+    fn saver(&self) -> Option<Saver> {
+        let ckpt = &self.config.checkpoint;
+        match (&ckpt.dir, ckpt.save_every) {
+            (Some(dir), every) if every > 0 => Some(Saver::new(
+                dir,
+                ckpt.keep,
+                ckpt.async_save,
+                ckpt.fail_after_write
+                    .filter(|(rank, _)| *rank == self.ctx.rank())
+                    .map(|(_, step)| step as u64),
+            )),
+            _ => None,
+        }
+    }
+}
+
+/// Rank `ctx`'s whole job: `emit` sees every step's record on rank 0.
+pub(crate) fn train_rank(
+    ctx: &RankContext,
+    config: &TrainConfig,
+    model_config: &TransformerConfig,
+    source: &dyn TokenSource,
+    emit: &dyn Fn(&StepRecord),
+    origin: Instant,
+) -> Result<RankOutput, RankError> {
+    let rank = Rank::new(ctx, config, model_config, source)?;
+    let model = rank.model(model_config);
+    let mut strategy = strategy::build(ctx, config, model_config, model, &rank.grad_group)?;
+    let policy = config.precision.policy()?;
+    policy.check(&rank.device)?;
+    let mut precision = Precisions {
+        scaler: policy.scaler(),
+        policy,
+    };
+    let first_step = rank.load_initial(&mut *strategy, &mut precision.scaler)?;
+    let mut saver = rank.saver();
+    let last_step = config
+        .run
+        .exit_after
+        .map_or(config.run.steps, |e| e.min(config.run.steps));
+    // A resumed run with nothing left to train (offline resharding) saves what it loaded.
+    if first_step >= last_step
+        && let Some(saver) = saver.as_mut()
+    {
+        rank.save(saver, &*strategy, &precision.scaler, first_step)?;
+    }
+    let tokens_per_step = (config.run.global_batch * config.data.seq_len) as f64;
+    let mut records = vec![];
+    let mut trace = Trace::new(origin);
+    for step in first_step..last_step {
+        let (next, mut outcome, mine, t0) = rank.step(strategy, step, &mut precision)?;
+        strategy = next;
+        if config.run.trace.is_some() {
+            trace.record_step(
+                step,
+                t0,
+                Instant::now(),
+                std::mem::take(&mut outcome.events),
+            );
+        }
+        let all = ctx.world().all_gather_vec(&mine.to_wire())?;
+        if ctx.rank() == 0 {
+            let ranks: Vec<RankMetrics> = all
+                .chunks(RankMetrics::WIRE_LEN)
+                .map(RankMetrics::from_wire)
+                .collect();
+            let facts = StepFacts {
+                step,
+                lr: config.lr_at(step),
+                tokens_per_step,
+                moe: outcome.moe.take(),
+                loss_scale: outcome.loss_scale,
+                skipped: outcome.skipped,
+            };
+            let record = step_record(facts, &ranks);
+            emit(&record);
+            records.push(record);
+        }
+        let done = step + 1;
+        if let Some(saver) = saver.as_mut()
+            && (done.is_multiple_of(config.checkpoint.save_every) || done == last_step)
+        {
+            rank.save(saver, &*strategy, &precision.scaler, done)?;
+        }
+    }
+    if let Some(saver) = saver.as_mut() {
+        saver.finish(ctx.world()).map_err(RankError::from)?;
+    }
+    if let Some(path) = &config.run.trace {
+        trace.write(ctx, path)?;
+    }
+    let params = strategy.full_params(ctx)?;
+    if ctx.rank() != 0 {
+        return Ok(None);
+    }
+    let (buckets, overlap) = strategy.buckets();
+    Ok(Some((records, params, buckets, overlap)))
+}
+
+/// Loads the checkpoint at `path` into `strategy` (every rank reads the regions it holds, so
+/// any mesh can resume any checkpoint of the same model); returns the step to continue from.
+fn resume(
+    ctx: &RankContext,
+    config: &TrainConfig,
+    strategy: &mut dyn RankStrategy,
+    scaler: &mut LossScaler,
+    grad_group: &Group,
+    path: &std::path::Path,
+) -> Result<usize, RankError> {
+    let ckpt = super::checkpoint::open(path)?;
+    let run = &ckpt.index().run;
+    let seed = run.get("seed").and_then(|v| v.as_u64());
+    if seed != Some(config.run.seed) {
+        return Err(RankError::from(format!(
+            "{}: saved with seed {seed:?}, this job has run.seed = {}; batches and dropout follow the seed, so resume with --seed {}",
+            ckpt.dir().display(),
+            config.run.seed,
+            seed.map_or("?".into(), |s| s.to_string())
+        )));
+    }
+    let step = ckpt.step() as usize;
+    if step > config.run.steps {
+        return Err(RankError::from(format!(
+            "{}: the checkpoint is at step {step}, past run.steps = {}",
+            ckpt.dir().display(),
+            config.run.steps
+        )));
+    }
+    let (mut state, _, _) = strategy.local_state(ctx, grad_group)?;
+    state
+        .load(&ckpt)
+        .map_err(|e| RankError::from(format!("resuming: {e}")))?;
+    strategy.restore(state)?;
+    if let Some(bias) = run.get("moe_bias").filter(|v| !v.is_null()) {
+        let bias: Vec<Vec<f32>> = serde_json::from_value(bias.clone())
+            .map_err(|e| RankError::from(format!("{}: run.moe_bias: {e}", ckpt.dir().display())))?;
+        strategy.set_moe_bias(&bias)?;
+    }
+    // A run saved without loss scaling resumes at the policy's initial scale.
+    if let Some(state) = run.get("loss_scale").filter(|v| !v.is_null()) {
+        let state: (f32, usize) = serde_json::from_value(state.clone()).map_err(|e| {
+            RankError::from(format!("{}: run.loss_scale: {e}", ckpt.dir().display()))
+        })?;
+        if scaler.is_active() {
+            scaler.restore(state);
+        }
+    }
+    Ok(step)
+}

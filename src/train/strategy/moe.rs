@@ -1,0 +1,370 @@
+//! Mixture-of-experts models: experts split over `ep` (tokens reach them by all-to-all), the
+//! rest replicated over the data axes or split over `tp`. Where every parameter lives (experts
+//! owned over `ep` under their global index, tp shares) is in the placements, from which the
+//! gradient reduction (experts over `dp`, the rest over `dp x ep`) and the norm follow.
+
+use super::{
+    Batches, NextTokenLoss, Precisions, RankStrategy, SHARING, SharedState, StepOutcome,
+    clip_placed, named_params, replica_index, with_moments,
+};
+use crate::train::checkpoint::{LocalState, placed_segments};
+use crate::train::config::{GradientReduction, TrainConfig};
+use crate::train::report::MoeRecord;
+use crate::train::tp_model::TpTransformer;
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use flashover_models::moe::MoeConfig;
+use flashover_models::{Block, MoeHook, Transformer, TransformerConfig};
+use flashover_parallel::expert_parallel::{ExpertParallel, place_experts};
+use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, load_flat};
+use flashover_parallel::placement::{GradientReducer, PlacementTable};
+use flashover_parallel::tensor_parallel::TensorParallel;
+use flashover_parallel::zero::MemoryReport;
+use flashover_parallel::{FlatAdamWConfig, ModuleAdamW};
+use flashover_runtime::{Axis, CommunicatorExt, Group, RankContext, RankError, ReduceOp};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// An expert-parallel rank: its experts and the rest, how tokens reach the experts, how
+/// gradients are reduced.
+struct MoeState<M> {
+    model: M,
+    experts: ExpertParallel,
+    hook: MoeHook,
+    reduction: PlacedReduction,
+    optim: ModuleAdamW,
+    layout: ParamLayout,
+    d_model: usize,
+    /// Hot experts copied to every ep rank each step (`moe.replicate_hot`).
+    replicate_hot: usize,
+}
+
+/// How an expert-parallel rank reduces its gradients: as its parameters' placements say.
+struct PlacedReduction {
+    /// Where each parameter lives (experts owned over ep, with tp its shares).
+    placements: PlacementTable,
+    reducer: GradientReducer,
+    /// Every rank reading its own samples (`dp x ep`): routing statistics are summed here.
+    batch: Group,
+    /// Gradients are means over the batch (sums otherwise).
+    average: bool,
+}
+
+/// A model whose blocks an expert-parallel step reaches between steps (routing biases).
+trait MoeBlocks {
+    fn moe_blocks(&self) -> &[Block];
+    fn moe_blocks_mut(&mut self) -> &mut [Block];
+}
+
+impl MoeBlocks for Transformer {
+    fn moe_blocks(&self) -> &[Block] {
+        &self.blocks
+    }
+    fn moe_blocks_mut(&mut self) -> &mut [Block] {
+        &mut self.blocks
+    }
+}
+
+impl MoeBlocks for TpTransformer {
+    fn moe_blocks(&self) -> &[Block] {
+        &self.local.blocks
+    }
+    fn moe_blocks_mut(&mut self) -> &mut [Block] {
+        &mut self.local.blocks
+    }
+}
+
+impl<M: MoeBlocks> MoeState<M> {
+    /// Every MoE layer's routing bias (empty vectors where balancing by bias is off).
+    fn bias(&self) -> Vec<Vec<f32>> {
+        self.model
+            .moe_blocks()
+            .iter()
+            .map(|b| b.moe.as_ref().map_or(vec![], |m| m.expert_bias.clone()))
+            .collect()
+    }
+
+    /// Sets the routing biases from [`MoeState::bias`]'s output (a checkpoint's).
+    fn set_bias(&mut self, bias: &[Vec<f32>]) -> Result<(), RankError> {
+        let blocks = self.model.moe_blocks_mut();
+        if bias.len() != blocks.len() {
+            return Err(RankError::from(format!(
+                "the checkpoint has routing biases for {} layers, the model has {}",
+                bias.len(),
+                blocks.len()
+            )));
+        }
+        for (block, b) in blocks.iter_mut().zip(bias) {
+            if let Some(moe) = block.moe.as_mut() {
+                moe.expert_bias = b.clone();
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<M: Module> MoeState<M> {
+    /// `model` (this rank's experts, and with tp its shares) placed as `placements` says.
+    fn new(
+        model: M,
+        experts: ExpertParallel,
+        reduction: PlacedReduction,
+        adamw: &FlatAdamWConfig,
+        d_model: usize,
+    ) -> Self {
+        let layout = ParamLayout::of(&model);
+        MoeState {
+            reduction,
+            optim: ModuleAdamW::new(adamw, &model),
+            hook: MoeHook::new(Arc::new(experts.clone())),
+            experts,
+            layout,
+            model,
+            d_model,
+            replicate_hot: 0,
+        }
+    }
+}
+
+/// An expert-parallel rank of `model` (built with only its own experts), with tp shares when
+/// the mesh has a tp axis.
+pub(super) fn build(
+    ctx: &RankContext,
+    config: &TrainConfig,
+    model_config: &TransformerConfig,
+    moe: &MoeConfig,
+    model: Transformer,
+    grad_group: &Group,
+    adamw: &FlatAdamWConfig,
+) -> Result<Box<dyn RankStrategy>, RankError> {
+    // Replicas start equal: the seeded initialisation is the same on every rank.
+    let ep = ctx.group(Axis::Ep);
+    let experts = ExpertParallel::new(ep, moe.n_experts)?;
+    let mut placements = PlacementTable::whole(&model);
+    place_experts(&mut placements, &model, experts.experts_of(ep.rank()).start)?;
+    let mut reduction = PlacedReduction {
+        placements,
+        reducer: GradientReducer::new(ctx, config.precision.reduce_dtype)?,
+        batch: grad_group.clone(),
+        average: config.parallel.gradient_reduction == GradientReduction::Mean,
+    };
+    let d = model_config.d_model;
+    let hot = config.moe.replicate_hot;
+    let tp = ctx.group(Axis::Tp);
+    if tp.size() > 1 {
+        let placements = std::mem::take(&mut reduction.placements);
+        let model = TpTransformer::shard_placed(model, &TensorParallel::new(tp), placements)?;
+        reduction.placements = model.placements().clone();
+        let mut state = MoeState::new(model, experts, reduction, adamw, d);
+        state.replicate_hot = hot;
+        return Ok(Box::new(state));
+    }
+    let mut state = MoeState::new(model, experts, reduction, adamw, d);
+    state.replicate_hot = hot;
+    Ok(Box::new(state))
+}
+
+/// How an expert-parallel model turns back into the whole one (experts gathered by index).
+trait WholeMoe: NextTokenLoss + MoeBlocks + 'static {
+    fn whole(&self) -> Result<Transformer, RankError>;
+}
+
+impl WholeMoe for Transformer {
+    fn whole(&self) -> Result<Transformer, RankError> {
+        Ok(self.clone().valid())
+    }
+}
+
+impl WholeMoe for TpTransformer {
+    fn whole(&self) -> Result<Transformer, RankError> {
+        Ok(self.unshard()?)
+    }
+}
+
+impl<M: WholeMoe> RankStrategy for MoeState<M> {
+    fn step(
+        mut self: Box<Self>,
+        ctx: &RankContext,
+        clip: Option<f32>,
+        batches: Batches<'_>,
+        micro_batches: usize,
+        lr: f64,
+        precision: &mut Precisions,
+    ) -> Result<(Box<dyn RankStrategy>, StepOutcome), RankError> {
+        let outcome = moe_step(ctx, &mut self, clip, batches, micro_batches, lr, precision)?;
+        Ok((self, outcome))
+    }
+
+    fn local_state(
+        &self,
+        ctx: &RankContext,
+        _grad_group: &Group,
+    ) -> Result<SharedState, RankError> {
+        let replicas = replica_index(ctx, &SHARING);
+        let entries = self.reduction.placements.entries_of(&self.model)?;
+        let segments = placed_segments(&entries, 0, &|a| ctx.coord(a), &SHARING);
+        let state = with_moments(flatten_params(&self.model), segments, self.optim.flat());
+        Ok((state, replicas, replicas))
+    }
+
+    fn restore(&mut self, state: LocalState) -> Result<(), RankError> {
+        let LocalState {
+            params,
+            moments: [m1, m2],
+            steps_taken,
+            ..
+        } = state;
+        self.model = load_flat(self.model.clone(), &params);
+        self.optim
+            .flat_mut()
+            .restore(steps_taken, m1, m2)
+            .map_err(RankError::from)
+    }
+
+    fn moe_bias(&self) -> Option<Vec<Vec<f32>>> {
+        Some(self.bias())
+    }
+
+    fn set_moe_bias(&mut self, bias: &[Vec<f32>]) -> Result<(), RankError> {
+        self.set_bias(bias)
+    }
+
+    fn full_params(&self, _ctx: &RankContext) -> Result<Vec<(String, Vec<f32>)>, RankError> {
+        let whole = self.experts.gather_experts(self.model.whole()?)?;
+        Ok(named_params(&whole))
+    }
+}
+
+/// One expert-parallel step: every micro-batch's forward (tokens to their experts' ranks and
+/// back) and backward with the auxiliary losses, gradients reduced over the ranks that share
+/// each parameter, AdamW on this rank's parameters; routing statistics over the batch group.
+fn moe_step<M: NextTokenLoss + MoeBlocks>(
+    ctx: &RankContext,
+    state: &mut MoeState<M>,
+    clip: Option<f32>,
+    batches: Batches<'_>,
+    micro_batches: usize,
+    lr: f64,
+    precision: &mut Precisions,
+) -> Result<StepOutcome, RankError> {
+    let before = ctx.comm_stats();
+    let a2a_before = state.experts.group().stats();
+    state.experts.traffic().take();
+    state
+        .experts
+        .replicate_hot(state.model.moe_blocks(), state.replicate_hot)?;
+    let mut grads = vec![0.0f32; state.layout.numel];
+    let mut loss_sum = 0.0f64;
+    for micro in 0..micro_batches {
+        let (inputs, targets, mut fwd) = batches(micro);
+        fwd.moe = Some(state.hook.clone());
+        let compute = precision.policy.compute_view(state.model.clone());
+        let lm = compute.loss(inputs, targets, &fwd);
+        loss_sum += lm.clone().into_scalar::<f32>() as f64;
+        let total = match state.hook.take_aux_loss() {
+            Some(aux) => lm + aux,
+            None => lm,
+        };
+        let mut raw = precision.scaler.scale_loss(total).backward();
+        state.experts.take_replica_grads(&mut raw);
+        let g = GradientsParams::from_grads(raw, &state.model);
+        accumulate_grads(&state.model, &g, &mut grads, &[]);
+    }
+    state
+        .experts
+        .fold_replica_grads(&state.model, state.model.moe_blocks(), &mut grads)?;
+    if precision.scaler.is_active() {
+        let scale = precision.scaler.scale();
+        grads.iter_mut().for_each(|g| *g /= scale);
+    }
+    let r = &state.reduction;
+    let entries = r.placements.entries_of(&state.model)?;
+    let scale = match r.average {
+        true => 1.0 / (r.batch.size() * micro_batches) as f32,
+        false => 1.0,
+    };
+    r.reducer.reduce(&entries, &mut grads, scale, None)?;
+    let grad_norm = clip_placed(&entries, &mut grads, clip, ctx)?;
+    let (update, loss_scale) = precision.decide(grad_norm);
+    if update {
+        state.model = state.optim.step_flat(lr, state.model.clone(), &grads)?;
+    }
+    // Routing statistics and traffic over the whole batch group.
+    let stats = state.hook.take_stats();
+    let remote = state.experts.traffic().take();
+    let batch = &state.reduction.batch;
+    let mut sums: Vec<f64> = stats
+        .routed
+        .iter()
+        .chain(&stats.kept)
+        .flatten()
+        .map(|&c| c as f64)
+        .collect();
+    sums.extend([
+        stats.aux_loss,
+        stats.z_loss,
+        stats.forwards as f64,
+        remote as f64,
+    ]);
+    batch.all_reduce(&mut sums, ReduceOp::Sum)?;
+    let layers = stats.routed.len();
+    let experts = stats.routed.first().map_or(0, Vec::len);
+    let per_layer = |block: usize| -> Vec<Vec<u64>> {
+        sums[block * layers * experts..(block + 1) * layers * experts]
+            .chunks(experts.max(1))
+            .map(|c| c.iter().map(|&v| v as u64).collect())
+            .collect()
+    };
+    let (routed, kept) = (per_layer(0), per_layer(1));
+    state
+        .experts
+        .record_loads(state.model.moe_blocks(), &routed);
+    // Auxiliary-loss-free balancing: the global loads move every rank's biases alike.
+    for (block, counts) in state.model.moe_blocks_mut().iter_mut().zip(&routed) {
+        if let Some(moe) = block.moe.as_mut() {
+            moe.update_bias(counts);
+        }
+    }
+    let tail = &sums[2 * layers * experts..];
+    let total_routed: u64 = routed.iter().flatten().sum();
+    let total_kept: u64 = kept.iter().flatten().sum();
+    let imbalance = kept
+        .iter()
+        .map(|l| {
+            let mean = l.iter().sum::<u64>() as f64 / l.len().max(1) as f64;
+            l.iter().copied().max().unwrap_or(0) as f64 / mean.max(f64::MIN_POSITIVE)
+        })
+        .fold(0.0, f64::max);
+    let d = state.d_model;
+    let comm = ctx.comm_stats().since(&before).total();
+    let a2a = state.experts.group().stats().since(&a2a_before).total();
+    let numel = state.layout.numel;
+    Ok(StepOutcome {
+        loss_sum,
+        grad_norm,
+        comm: comm.wait + comm.transfer,
+        overlapped: Duration::ZERO,
+        exposed: comm.wait + comm.transfer,
+        memory: MemoryReport {
+            params: numel * 4,
+            grads: numel * 4,
+            optimizer: numel * 8,
+            gathered_peak: 0,
+        },
+        events: vec![],
+        in_flight: 0,
+        pipeline: Duration::ZERO,
+        moe: Some(MoeRecord {
+            tokens_per_expert: kept,
+            imbalance,
+            drop_rate: 1.0 - total_kept as f64 / (total_routed as f64).max(1.0),
+            aux_loss: tail[0] / tail[2].max(1.0),
+            z_loss: tail[1] / tail[2].max(1.0),
+            a2a_remote_bytes: tail[3] as u64 * d as u64 * 4,
+            a2a_s: 0.0,
+        }),
+        a2a: a2a.wait + a2a.transfer,
+        loss_scale,
+        skipped: !update,
+    })
+}

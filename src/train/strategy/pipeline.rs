@@ -1,0 +1,535 @@
+//! Pipeline parallelism: this rank's stages (virtual stages under interleaving) of the
+//! reference transformer run a schedule over the micro-batches; with a tp axis each stage holds
+//! its tensor-parallel shares, with a cp axis each rank a share of every sequence, and under
+//! ZeRO each rank its rows of every parameter. Gradients are reduced once per step through the
+//! placements (over the data axes, and the tied embedding's copies over their two stages).
+
+use super::{
+    Batches, Precisions, RankStrategy, SHARING, SharedState, StepOutcome, borrowed, clip_placed,
+    replica_index, with_moments,
+};
+use crate::train::checkpoint::{LocalState, placed_segments};
+use crate::train::config::{GradientReduction, TrainConfig};
+use crate::train::pp_model::{DeferWeightGrads, TransformerStage};
+use crate::train::tp_model::TpTransformer;
+use flashover_models::{LinearHook, Transformer, TransformerConfig};
+use flashover_parallel::params::{
+    ParamLayout, ParamSlot, accumulate_grads, flatten_params, load_flat, load_shaped, placeholders,
+};
+use flashover_parallel::pipeline::{
+    ActionKind, PipelineExecutor, Schedule, WeightGradStore, deferral_supported,
+};
+use flashover_parallel::placement::{GradientReducer, ParamPlacement, PlacementTable, Tie};
+use flashover_parallel::tensor_parallel::TensorParallel;
+use flashover_parallel::zero::{MemoryReport, UnitShards};
+use flashover_parallel::{FlatAdamW, FlatAdamWConfig, ModuleAdamW};
+use flashover_runtime::{Axis, CommunicatorExt, Group, RankContext, RankError, ReduceOp};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// This rank's stages of `model` as the schedule says, split over tp and sharded as the job
+/// says (collective).
+pub(super) fn build(
+    ctx: &RankContext,
+    config: &TrainConfig,
+    model_config: &TransformerConfig,
+    model: Transformer,
+    grad_group: &Group,
+    adamw: &FlatAdamWConfig,
+) -> Result<Box<dyn RankStrategy>, RankError> {
+    let pp = ctx.group(Axis::Pp);
+    let kind = config.parallel.pp_schedule;
+    let micro = config.run.micro_batches;
+    let schedule = Schedule::build(kind, pp.size(), micro, config.parallel.pp_chunks)
+        .map_err(RankError::from)?;
+    let counts = config.pipeline_blocks(model_config, schedule.stages())?;
+    // Context-parallel ranks read the same samples: rows split over the others.
+    let batch_ranks = grad_group.size() / ctx.group(Axis::Cp).size();
+    let rows = config.run.global_batch / batch_ranks / micro;
+    let d = model.embed.weight.val().dims()[1];
+    let tied = model.head.is_none();
+    let whole = PlacementTable::whole(&model);
+    let order = ParamLayout::of(&model)
+        .slots
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    // Stages cut from the whole model keep its parameters' ids, so the whole model's
+    // table names them; the tied head's copy is a new parameter (reported once, as the
+    // embedding).
+    let stage_params = (0..schedule.stages())
+        .map(|stage| {
+            let cut = TransformerStage::cut(&model, stage, &counts)?;
+            Ok(ParamLayout::of(&cut)
+                .slots
+                .into_iter()
+                .map(|s| (whole.get(s.id).map(|e| e.name.clone()), s.numel))
+                .collect())
+        })
+        .collect::<Result<Vec<_>, flashover_parallel::ParallelError>>()?;
+    // With a tp axis each stage holds its tensor-parallel shares (dp x tp x pp).
+    let tp = ctx.group(Axis::Tp);
+    let (local, split, seq, mut placements) = if tp.size() > 1 {
+        let plan =
+            TensorParallel::new(tp).with_sequence_parallel(config.parallel.sequence_parallel);
+        let sharded = TpTransformer::shard(model, &plan)?;
+        // Context parallelism hands each rank a share of every sequence, sequence
+        // parallelism a share of that.
+        let local_seq = config.data.seq_len / ctx.group(Axis::Cp).size();
+        let seq = if plan.sequence_parallel {
+            local_seq / tp.size()
+        } else {
+            local_seq
+        };
+        let split = Some((plan, sharded.vocab()));
+        let placements = sharded.placements().clone();
+        (sharded.local, split, seq, placements)
+    } else {
+        let local_seq = config.data.seq_len / ctx.group(Axis::Cp).size();
+        (model, None, local_seq, whole)
+    };
+    let chunks = (0..schedule.chunks)
+        .map(|c| {
+            let stage = schedule.stage_of(pp.rank(), c);
+            TransformerStage::cut_split(&local, stage, &counts, split.clone())
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    for chunk in &chunks {
+        place_stage(&mut placements, chunk, &local)?;
+    }
+    // Tied embeddings: the first and the last stage's ranks keep their copies in step.
+    let (first, last) = (0, pp.size() - 1);
+    let holds = pp.rank() == first || pp.rank() == last;
+    let tie_group = pp.split((!holds) as usize, pp.rank(), "embedding-tie")?;
+    let tie = (tied && holds).then_some(tie_group);
+    let splits_backward = schedule
+        .ranks
+        .iter()
+        .flatten()
+        .any(|a| a.kind == ActionKind::BackwardWeight);
+    // The rule table refuses zero-bubble schedules under tensor parallelism; on a device
+    // the deferral op is not built for, refuse too rather than run 1F1B silently.
+    let device = ctx.device().clone().autodiff();
+    if splits_backward && !deferral_supported(&device) {
+        return Err(RankError::from(format!(
+            "parallel.pp_schedule = {}: zero-bubble schedules defer the blocks' weight \
+                 gradients through an op built for Flex only, not for {device:?}; use 1f1b \
+                 or interleaved there",
+            config.parallel.pp_schedule
+        )));
+    }
+    let deferral = (splits_backward && split.is_none()).then(|| {
+        let store = WeightGradStore::default();
+        let hook = LinearHook(Arc::new(DeferWeightGrads(store.clone())));
+        (store, hook)
+    });
+    let optim = match config.parallel.zero {
+        0 => StageOptimizer::Replicated(Box::new(ModuleAdamW::new(adamw, &chunks))),
+        zero => {
+            let sharding = StageSharding::new(ctx, &chunks, zero, adamw);
+            StageOptimizer::Sharded(Box::new(sharding))
+        }
+    };
+    let layouts = chunks.iter().map(ParamLayout::of).collect();
+    // ZeRO-3 keeps only its rows between steps.
+    let chunks = match &optim {
+        StageOptimizer::Sharded(sh) if !sh.keep_params => placeholders(chunks),
+        _ => chunks,
+    };
+    Ok(Box::new(PipelineState {
+        tie,
+        deferral,
+        placements,
+        reducer: GradientReducer::new(ctx, config.precision.reduce_dtype)?,
+        schedule,
+        optim,
+        layouts,
+        chunks,
+        stage_params,
+        order,
+        shape: [rows, seq, d],
+        average: config.parallel.gradient_reduction == GradientReduction::Mean,
+        data_ranks: grad_group.size(),
+        reduce_dtype: config.precision.reduce_dtype,
+    }))
+}
+
+/// A pipeline rank's chunks, schedule, optimizer and how to name its parameters.
+struct PipelineState {
+    chunks: Vec<TransformerStage>,
+    schedule: Schedule,
+    optim: StageOptimizer,
+    /// The parameter layout of each of this rank's chunks (fixed for the run).
+    layouts: Vec<ParamLayout>,
+    /// Per virtual stage, its whole (unsplit) parameters in layout order: the name they have
+    /// in the whole model (`None` for the tied head's copy, reported as `embed.weight`) and
+    /// their length. With `order`, the whole model's names, this is all rank 0 needs to name
+    /// gathered parameters: no rank keeps a copy of the whole model.
+    stage_params: Vec<Vec<(Option<String>, usize)>>,
+    order: Vec<String>,
+    shape: [usize; 3],
+    average: bool,
+    /// Ranks whose gradients are summed (`dp x fsdp x cp`): means divide by it.
+    data_ranks: usize,
+    /// The dtype gradients are summed in.
+    reduce_dtype: flashover_parallel::precision::Precision,
+    /// Where each parameter of this rank's chunks lives.
+    placements: PlacementTable,
+    reducer: GradientReducer,
+    /// Tied embeddings: the group of the ranks holding the first and the last stage, which sum
+    /// the two copies' gradients (`None` for other ranks and untied models).
+    tie: Option<Group>,
+    /// Zero-bubble schedules on Flex without tensor parallelism: the blocks' weight gradients
+    /// are deferred to this store and computed at the weight-gradient actions.
+    deferral: Option<(WeightGradStore, LinearHook)>,
+}
+
+/// How a pipeline rank steps its chunks' parameters.
+enum StageOptimizer {
+    /// Whole parameters, replicated over the data-parallel ranks, Burn's AdamW (flat).
+    Replicated(Box<ModuleAdamW>),
+    /// Rows of every parameter sharded over one data-parallel axis (ZeRO).
+    Sharded(Box<StageSharding>),
+}
+
+/// A pipeline rank's parameters cut by rows over `axis` (per parameter, as fully sharded units
+/// cut theirs), each rank stepping AdamW on its own rows. ZeRO-3 (`keep_params` false) keeps
+/// only the rows between steps and gathers the chunks at the start of each step, keeping them
+/// through every micro-batch (TorchTitan's default under pipelines); ZeRO-1/2 keep the chunks
+/// and all-gather the updated rows after the step. Either way gradients are reduce-scattered
+/// once per step.
+struct StageSharding {
+    axis: Axis,
+    group: Group,
+    /// The chunks' parameter layout (all chunks end to end).
+    layout: ParamLayout,
+    shards: UnitShards,
+    /// This rank's rows of every parameter.
+    own: Vec<f32>,
+    adam: FlatAdamW,
+    keep_params: bool,
+}
+
+impl StageSharding {
+    /// `chunks` cut over the fsdp axis (ZeRO-3, or any stage with an fsdp axis) or else `dp`.
+    fn new(
+        ctx: &RankContext,
+        chunks: &[TransformerStage],
+        zero: u8,
+        adamw: &FlatAdamWConfig,
+    ) -> Self {
+        let axis = match zero == 3 || ctx.group(Axis::Fsdp).size() > 1 {
+            true => Axis::Fsdp,
+            false => Axis::Dp,
+        };
+        let group = ctx.group(axis).clone();
+        let layout = ParamLayout::of(&chunks.to_vec());
+        let shards = UnitShards::new(&layout, group.size());
+        let own = shards.take(group.rank(), &flatten_params(&chunks.to_vec()));
+        StageSharding {
+            axis,
+            adam: FlatAdamW::new(adamw, shards.shard_len()),
+            group,
+            layout,
+            shards,
+            own,
+            keep_params: zero != 3,
+        }
+    }
+
+    /// The chunks with their whole parameters, from every rank's rows (collective).
+    fn gather(&self, skeleton: Vec<TransformerStage>) -> Result<Vec<TransformerStage>, RankError> {
+        let flat = self.shards.all_gather(&self.group, &self.own)?;
+        Ok(load_shaped(skeleton, &self.layout, &flat))
+    }
+}
+
+impl PipelineState {
+    /// The parameters this rank steps with their placements, laid end to end: every chunk's
+    /// whole parameters, or under ZeRO this rank's rows of each.
+    fn stepped_entries(&self) -> Result<Vec<(ParamSlot, ParamPlacement)>, RankError> {
+        match &self.optim {
+            StageOptimizer::Sharded(sh) => {
+                Ok(sh.shards.placed(&sh.layout, &self.placements, sh.axis, 0)?)
+            }
+            StageOptimizer::Replicated(_) => Ok(self
+                .entries()?
+                .into_iter()
+                .map(|(slot, entry)| (slot, entry.clone()))
+                .collect()),
+        }
+    }
+
+    /// The chunks with their parameters in place (gathered under ZeRO-3; collective there).
+    fn whole_chunks(&self) -> Result<Vec<TransformerStage>, RankError> {
+        match &self.optim {
+            StageOptimizer::Sharded(sh) if !sh.keep_params => sh.gather(self.chunks.clone()),
+            _ => Ok(self.chunks.clone()),
+        }
+    }
+
+    /// Every chunk's parameters with their placements, laid end to end as in the step's flat
+    /// gradient.
+    fn entries(&self) -> Result<Vec<(ParamSlot, &ParamPlacement)>, RankError> {
+        let mut out = vec![];
+        let mut base = 0;
+        for (chunk, layout) in self.chunks.iter().zip(&self.layouts) {
+            for (mut slot, entry) in self.placements.entries_of(chunk)? {
+                slot.offset += base;
+                out.push((slot, entry));
+            }
+            base += layout.numel;
+        }
+        Ok(out)
+    }
+}
+
+/// Records that `chunk`'s parameters are this pipeline rank's own (other stages hold other
+/// blocks), and that a tied head is a copy of `local`'s embedding, which the first stage holds.
+fn place_stage(
+    placements: &mut PlacementTable,
+    chunk: &TransformerStage,
+    local: &Transformer,
+) -> Result<(), RankError> {
+    let embed = local.embed.weight.id;
+    if let Some(copy) = &chunk.tied_head {
+        let mut entry = placements
+            .get(embed)
+            .cloned()
+            .ok_or("the embedding has no placement")?;
+        entry.tie = Tie::Copy;
+        placements.insert(copy.id, entry);
+    }
+    for slot in ParamLayout::of(chunk).slots {
+        placements.own(slot.id, Axis::Pp)?;
+    }
+    if chunk.embed.is_some() && local.head.is_none() {
+        placements.tie(embed, Tie::Original)?;
+    }
+    Ok(())
+}
+
+impl RankStrategy for PipelineState {
+    fn step(
+        mut self: Box<Self>,
+        ctx: &RankContext,
+        clip: Option<f32>,
+        batches: Batches<'_>,
+        micro_batches: usize,
+        lr: f64,
+        precision: &mut Precisions,
+    ) -> Result<(Box<dyn RankStrategy>, StepOutcome), RankError> {
+        let outcome = pipeline_step(ctx, &mut self, clip, batches, micro_batches, lr, precision)?;
+        Ok((self, outcome))
+    }
+
+    fn local_state(
+        &self,
+        ctx: &RankContext,
+        _grad_group: &Group,
+    ) -> Result<SharedState, RankError> {
+        let coord = |a| ctx.coord(a);
+        // Ranks along a ZeRO axis hold different rows: only the others share writing.
+        let sharing: Vec<Axis> = match &self.optim {
+            StageOptimizer::Sharded(sh) => SHARING.into_iter().filter(|&a| a != sh.axis).collect(),
+            StageOptimizer::Replicated(_) => SHARING.to_vec(),
+        };
+        let replicas = replica_index(ctx, &sharing);
+        let entries = self.stepped_entries()?;
+        let segments = placed_segments(&borrowed(&entries), 0, &coord, &sharing);
+        let local = match &self.optim {
+            StageOptimizer::Replicated(optim) => {
+                with_moments(flatten_params(&self.chunks), segments, optim.flat())
+            }
+            StageOptimizer::Sharded(sh) => with_moments(sh.own.clone(), segments, &sh.adam),
+        };
+        Ok((local, replicas, replicas))
+    }
+
+    fn restore(&mut self, state: LocalState) -> Result<(), RankError> {
+        let LocalState {
+            params,
+            moments: [m1, m2],
+            steps_taken,
+            ..
+        } = state;
+        let adam = match &mut self.optim {
+            StageOptimizer::Replicated(optim) => {
+                self.chunks = load_flat(std::mem::take(&mut self.chunks), &params);
+                optim.flat_mut()
+            }
+            StageOptimizer::Sharded(sh) => {
+                sh.own = params;
+                if sh.keep_params {
+                    self.chunks = sh.gather(std::mem::take(&mut self.chunks))?;
+                }
+                &mut sh.adam
+            }
+        };
+        adam.restore(steps_taken, m1, m2).map_err(RankError::from)
+    }
+
+    fn full_params(&self, ctx: &RankContext) -> Result<Vec<(String, Vec<f32>)>, RankError> {
+        gather_pipeline_params(ctx, self)
+    }
+}
+
+/// One pipeline step: the schedule over every micro-batch, gradients averaged over `dp`
+/// replicas, clipped by the global norm over every stage, then AdamW on this rank's chunks.
+fn pipeline_step(
+    ctx: &RankContext,
+    state: &mut PipelineState,
+    clip: Option<f32>,
+    batches: Batches<'_>,
+    micro_batches: usize,
+    lr: f64,
+    precision: &mut Precisions,
+) -> Result<StepOutcome, RankError> {
+    let pp = ctx.group(Axis::Pp);
+    let before = ctx.comm_stats();
+    let data: Vec<_> = (0..micro_batches).map(&mut *batches).collect();
+    let device = data[0].0.device();
+    let policy = precision.policy;
+    if let StageOptimizer::Sharded(sh) = &state.optim
+        && !sh.keep_params
+    {
+        state.chunks = sh.gather(std::mem::take(&mut state.chunks))?;
+    }
+    let mut executor = PipelineExecutor::new(&state.schedule, pp)?
+        .with_activation_dtype(policy.param_dtype.float_dtype().into())
+        .with_loss_scale(precision.scaler.scale());
+    let mut hook = None;
+    if let Some((store, linear)) = &state.deferral {
+        executor = executor.deferring_weight_grads(store.clone());
+        hook = Some(linear.clone());
+    }
+    let (grads, report) = executor.step(
+        &state.chunks,
+        state.shape,
+        &device,
+        |_, stage: &TransformerStage, input, micro| {
+            let (tokens, targets, mut fwd) = data[micro].clone();
+            fwd.linear = hook.clone();
+            policy
+                .compute_view(stage.clone())
+                .forward(input, tokens, targets, &fwd)
+        },
+    )?;
+    // One flat gradient over this rank's chunks, averaged over replicas.
+    let mut flat = vec![0.0f32; state.layouts.iter().map(|l| l.numel).sum()];
+    let mut at = 0;
+    for ((chunk, g), layout) in state.chunks.iter().zip(&grads).zip(&state.layouts) {
+        accumulate_grads(chunk, g, &mut flat[at..at + layout.numel], &[]);
+        at += layout.numel;
+    }
+    drop(grads);
+    let numel = flat.len();
+    // Under ZeRO each rank keeps the sum of its own rows over the shard axis.
+    if let StageOptimizer::Sharded(sh) = &state.optim {
+        flat = sh
+            .shards
+            .reduce_scatter(&sh.group, &flat, state.reduce_dtype)?;
+    }
+    // Sum over the (other) data-parallel ranks and the tied copies over their stages; the
+    // executor averaged over micro-batches already.
+    let entries = state.stepped_entries()?;
+    let entries = borrowed(&entries);
+    let scale = match state.average {
+        true => 1.0 / state.data_ranks as f32,
+        false => micro_batches as f32,
+    };
+    state
+        .reducer
+        .reduce(&entries, &mut flat, scale, state.tie.as_ref())?;
+    let grad_norm = clip_placed(&entries, &mut flat, clip, ctx)?;
+    drop(entries);
+    let (update, loss_scale) = precision.decide(grad_norm);
+    let chunks = std::mem::take(&mut state.chunks);
+    state.chunks = match &mut state.optim {
+        StageOptimizer::Replicated(optim) if update => optim.step_flat(lr, chunks, &flat)?,
+        StageOptimizer::Replicated(_) => chunks,
+        StageOptimizer::Sharded(sh) => {
+            if update {
+                sh.adam.step(lr, &mut sh.own, &flat);
+            }
+            match sh.keep_params {
+                true => sh.gather(chunks)?,
+                false => placeholders(chunks),
+            }
+        }
+    };
+    // Only the last stage computed losses: share them along the pipeline.
+    let mut loss = [report.loss_sum];
+    pp.all_reduce(&mut loss, ReduceOp::Sum)?;
+    let comm = ctx.comm_stats().since(&before).total();
+    let comm = comm.wait + comm.transfer;
+    let (params, held) = match &state.optim {
+        StageOptimizer::Sharded(sh) if !sh.keep_params => (sh.own.len(), sh.own.len()),
+        StageOptimizer::Sharded(sh) => (numel, sh.own.len()),
+        StageOptimizer::Replicated(_) => (numel, numel),
+    };
+    Ok(StepOutcome {
+        loss_sum: loss[0],
+        grad_norm,
+        comm,
+        overlapped: Duration::ZERO,
+        // The schedule's idle time: its bubble (receive waits and hand-offs).
+        exposed: report.wall.saturating_sub(report.forward + report.backward),
+        pipeline: report.wall,
+        in_flight: report.peak_in_flight,
+        events: report.events,
+        memory: MemoryReport {
+            params: params * 4,
+            grads: held * 4,
+            optimizer: held * 8,
+            // Under ZeRO-3 the chunks are gathered for the whole step.
+            gathered_peak: if params < numel { numel * 4 } else { 0 },
+        },
+        moe: None,
+        a2a: Duration::ZERO,
+        loss_scale,
+        skipped: !update,
+    })
+}
+
+/// Every stage's parameters, named as in the whole model, gathered to world rank 0.
+fn gather_pipeline_params(
+    ctx: &RankContext,
+    state: &PipelineState,
+) -> Result<Vec<(String, Vec<f32>)>, RankError> {
+    let pp = ctx.group(Axis::Pp);
+    // Whole weights first (collective over tp when the stages are split, and over the shard
+    // axis under ZeRO-3).
+    let whole = state
+        .whole_chunks()?
+        .iter()
+        .map(|c| c.unshard())
+        .collect::<Result<Vec<_>, _>>()?;
+    let mine: Vec<f32> = whole.iter().flat_map(flatten_params).collect();
+    let mut longest = [mine.len() as u64];
+    pp.all_reduce(&mut longest, ReduceOp::Max)?;
+    let mut padded = mine;
+    padded.resize(longest[0] as usize, 0.0);
+    let all = pp.all_gather_vec(&padded)?;
+    if ctx.rank() != 0 {
+        return Ok(vec![]);
+    }
+    let s = &state.schedule;
+    let mut named = vec![];
+    for (rank, values) in all.chunks(longest[0] as usize).enumerate() {
+        let mut at = 0;
+        for chunk in 0..s.chunks {
+            for (name, numel) in &state.stage_params[s.stage_of(rank, chunk)] {
+                // The tied head's copy is the embedding: reported once, as `embed.weight`.
+                if let Some(name) = name {
+                    named.push((name.clone(), values[at..at + numel].to_vec()));
+                }
+                at += numel;
+            }
+        }
+    }
+    // In the whole model's order, so reports compare name by name.
+    let order = &state.order;
+    named.sort_by_key(|(name, _)| order.iter().position(|n| n == name).unwrap_or(usize::MAX));
+    Ok(named)
+}

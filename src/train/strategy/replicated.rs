@@ -1,0 +1,178 @@
+//! Whole replicas (DDP) or tensor-parallel shares replicated over the data axes: gradients are
+//! reduced in buckets on a communication thread while backward runs, then Burn's AdamW steps
+//! every parameter. Under tensor parallelism the norm comes from the placements (split weights
+//! summed over tp, replicated ones counted once).
+
+use super::{
+    Batches, NextTokenLoss, Precisions, RankStrategy, SHARING, SharedState, StepOutcome,
+    named_params, replica_index, replicated_memory, run_micro_batches, with_moments,
+};
+use crate::train::checkpoint::{LocalState, placed_segments, whole_segments};
+use crate::train::config::TrainConfig;
+use crate::train::tp_model::TpTransformer;
+use burn::module::Module;
+use flashover_models::Transformer;
+use flashover_parallel::data_parallel::{DataParallel, DataParallelConfig};
+use flashover_parallel::params::{ParamLayout, flatten_params, load_flat};
+use flashover_parallel::placement::PlacementTable;
+use flashover_parallel::tensor_parallel::TensorParallel;
+use flashover_parallel::{FlatAdamWConfig, ModuleAdamW, clip_module_grads};
+use flashover_runtime::{Axis, Group, RankContext, RankError};
+
+/// A replicated model and its bucketed reducer; see the module docs.
+struct Replicated<M: Module> {
+    model: Box<M>,
+    ddp: DataParallel,
+    optim: ModuleAdamW,
+    /// Under tensor parallelism: where each share lives (the norm and checkpoints read it).
+    placements: Option<PlacementTable>,
+}
+
+/// DDP over the data axes: `model` broadcast from rank 0, buckets planned.
+pub(super) fn data_parallel(
+    model: Transformer,
+    grad_group: &Group,
+    ddp: DataParallelConfig,
+    adamw: &FlatAdamWConfig,
+) -> Result<Box<dyn RankStrategy>, RankError> {
+    let (model, ddp) = ddp.init(model, grad_group)?;
+    let optim = ModuleAdamW::new(adamw, &model);
+    Ok(Box::new(Replicated {
+        model: Box::new(model),
+        ddp,
+        optim,
+        placements: None,
+    }))
+}
+
+/// This rank's tensor-parallel shares (Megatron), replicated over the data axes.
+pub(super) fn tensor_parallel(
+    ctx: &RankContext,
+    config: &TrainConfig,
+    model: Transformer,
+    grad_group: &Group,
+    ddp: DataParallelConfig,
+    adamw: &FlatAdamWConfig,
+) -> Result<Box<dyn RankStrategy>, RankError> {
+    let plan = TensorParallel::new(ctx.group(Axis::Tp))
+        .with_sequence_parallel(config.parallel.sequence_parallel);
+    let model = TpTransformer::shard(model, &plan)?;
+    let placements = model.placements().clone();
+    let (model, ddp) = ddp.init(model, grad_group)?;
+    let optim = ModuleAdamW::new(adamw, &model);
+    Ok(Box::new(Replicated {
+        model: Box::new(model),
+        ddp,
+        optim,
+        placements: Some(placements),
+    }))
+}
+
+/// How a replicated model turns back into the whole one.
+trait Whole: NextTokenLoss + 'static {
+    fn whole(&self) -> Result<Transformer, RankError>;
+}
+
+impl Whole for Transformer {
+    fn whole(&self) -> Result<Transformer, RankError> {
+        Ok(self.clone().valid())
+    }
+}
+
+impl Whole for TpTransformer {
+    fn whole(&self) -> Result<Transformer, RankError> {
+        Ok(self.unshard()?)
+    }
+}
+
+impl<M: Whole> RankStrategy for Replicated<M> {
+    fn step(
+        self: Box<Self>,
+        ctx: &RankContext,
+        clip: Option<f32>,
+        batches: Batches<'_>,
+        micro_batches: usize,
+        lr: f64,
+        precision: &mut Precisions,
+    ) -> Result<(Box<dyn RankStrategy>, StepOutcome), RankError> {
+        let Replicated {
+            model,
+            mut ddp,
+            mut optim,
+            placements,
+        } = *self;
+        ddp.set_loss_scale(precision.scaler.scale());
+        let loss_sum = run_micro_batches(&mut ddp, &*model, batches, micro_batches, precision)?;
+        let (grads, mut outcome) = match &placements {
+            None => {
+                let reduced = ddp.finish(&*model, clip)?;
+                let memory = replicated_memory(&ddp);
+                let outcome = StepOutcome::reduced(loss_sum, &reduced.report, memory);
+                (reduced.grads, outcome)
+            }
+            // The norm spans every tp rank's split weights; replicated ones count once.
+            Some(placements) => {
+                let reduced = ddp.finish(&*model, None)?;
+                let (grads, grad_norm) =
+                    clip_module_grads(&*model, reduced.grads, clip, placements, ctx)?;
+                let memory = replicated_memory(&ddp);
+                let mut outcome = StepOutcome::reduced(loss_sum, &reduced.report, memory);
+                outcome.grad_norm = grad_norm;
+                (grads, outcome)
+            }
+        };
+        let model = match precision.apply(&mut outcome) {
+            true => Box::new(optim.step(lr, *model, &grads)?),
+            false => model,
+        };
+        let next = Replicated {
+            model,
+            ddp,
+            optim,
+            placements,
+        };
+        Ok((Box::new(next), outcome))
+    }
+
+    fn buckets(&self) -> (usize, bool) {
+        (self.ddp.num_buckets(), self.ddp.overlaps())
+    }
+
+    fn local_state(&self, ctx: &RankContext, grad_group: &Group) -> Result<SharedState, RankError> {
+        let params = flatten_params(&*self.model);
+        match &self.placements {
+            None => {
+                let everyone = (grad_group.rank(), grad_group.size());
+                let layout = ParamLayout::of(&*self.model);
+                let segments = whole_segments(&layout, |name| name.to_string());
+                let state = with_moments(params, segments, self.optim.flat());
+                Ok((state, everyone, everyone))
+            }
+            Some(placements) => {
+                let replicas = replica_index(ctx, &SHARING);
+                let entries = placements.entries_of(&*self.model)?;
+                let segments = placed_segments(&entries, 0, &|a| ctx.coord(a), &SHARING);
+                let state = with_moments(params, segments, self.optim.flat());
+                Ok((state, replicas, replicas))
+            }
+        }
+    }
+
+    fn restore(&mut self, state: LocalState) -> Result<(), RankError> {
+        let LocalState {
+            params,
+            moments: [m1, m2],
+            steps_taken,
+            ..
+        } = state;
+        *self.model = load_flat((*self.model).clone(), &params);
+        self.optim
+            .flat_mut()
+            .restore(steps_taken, m1, m2)
+            .map_err(RankError::from)
+    }
+
+    fn full_params(&self, _ctx: &RankContext) -> Result<Vec<(String, Vec<f32>)>, RankError> {
+        Ok(named_params(&self.model.whole()?))
+    }
+}
