@@ -125,6 +125,21 @@ fn a_mixture_of_experts_resumes_bitwise_and_on_other_expert_layouts() {
     let resumed = interrupted(&c, &c, &s.0);
     assert_eq!(losses(&resumed), losses(&straight), "ep=2: losses");
     assert_eq!(resumed.params, straight.params, "ep=2: parameters");
+    // Sharded experts (each rank its rows of every parameter) resume bitwise too.
+    let s = Scratch::new("moe-zero3-resume");
+    let mut c = moe("fsdp=2,ep=2");
+    c.parallel.zero = 3;
+    let straight = second_half(run(&c));
+    let resumed = interrupted(&c, &c, &s.0);
+    assert_eq!(
+        losses(&resumed),
+        losses(&straight),
+        "fsdp=2,ep=2 zero 3: losses"
+    );
+    assert_eq!(
+        resumed.params, straight.params,
+        "fsdp=2,ep=2 zero 3: parameters"
+    );
     // Experts are saved by global index: any ep (and tp) layout reads them.
     for (from, to) in [("dp=2,ep=2", "ep=4"), ("ep=2,tp=2", "dp=1")] {
         let s = Scratch::new(&format!("moe-reshard-{}", from.replace([',', '='], "")));

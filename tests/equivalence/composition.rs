@@ -97,3 +97,29 @@ fn four_axis_layouts_train_as_one_rank() {
         assert_matches_one_rank(&c, &format!("{mesh} --zero {zero}"));
     }
 }
+
+/// Mixtures of experts with sharded optimizer state or parameters: expert gradients summed over
+/// their dp replicas, the rest over dp x ep, each rank stepping its own rows.
+#[test]
+fn sharded_mixtures_of_experts_train_as_one_rank() {
+    for (mesh, zero) in [
+        ("dp=2,ep=2", 1),
+        ("dp=2,ep=2", 2),
+        ("fsdp=2,ep=2", 3),
+        ("fsdp=2,ep=2,tp=2", 3),
+    ] {
+        let mut c = composed(mesh, 8);
+        c.parallel.zero = zero;
+        c.moe.experts = 4;
+        c.moe.top_k = 2;
+        c.moe.d_expert = Some(24);
+        c.moe.z_loss_coef = 1e-3;
+        let (reference, _, cmp) = verify(&c, TOLERANCE).unwrap();
+        assert!(cmp.pass, "MoE {mesh} --zero {zero}: {cmp}");
+        assert_eq!(cmp.max_routing_diff, Some(0), "MoE {mesh} --zero {zero}");
+        assert!(
+            reference.steps.iter().any(|s| s.grad_norm > 0.5),
+            "clipping active"
+        );
+    }
+}

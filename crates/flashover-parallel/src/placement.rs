@@ -311,6 +311,11 @@ impl GradientReducer {
         })
     }
 
+    /// The dtype gradients are summed in.
+    pub fn reduce_dtype(&self) -> Precision {
+        self.reduce_dtype
+    }
+
     /// Sums `flat` (gradients of the parameters `entries` describe, laid out as their slots
     /// say) over each parameter's reduce axes and then multiplies everything by `scale`;
     /// `tie`: the group that sums tied copies with their originals (the ranks of the first

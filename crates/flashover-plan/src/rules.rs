@@ -38,10 +38,6 @@ struct Rule {
     reason: &'static str,
 }
 
-fn sharded(l: &Layout) -> bool {
-    l.zero > 0 || l.fsdp > 1
-}
-
 /// The table. `applies(layout, experts)`: `experts` says the model has mixture-of-experts
 /// blocks.
 const RULES: &[Rule] = &[
@@ -108,13 +104,6 @@ const RULES: &[Rule] = &[
         applies: |l, experts| experts && l.pp > 1,
         reason: "not yet: pipeline stages do not carry the routers' auxiliary losses and \
                  routing statistics from stage to stage",
-    },
-    Rule {
-        name: "moe-zero",
-        applies: |l, experts| experts && sharded(l),
-        reason: "not yet: an expert's gradient is summed over its dp replicas only and every \
-                 other gradient over dp x ep, while the ZeRO optimizers cut one flat buffer over \
-                 one group; sharding each by its own reduce group is not built yet",
     },
     Rule {
         name: "moe-block-recompute",

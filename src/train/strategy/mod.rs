@@ -20,6 +20,7 @@ mod fsdp;
 mod moe;
 mod pipeline;
 mod replicated;
+mod rows;
 mod zero;
 
 use super::checkpoint::{LocalState, Segment};

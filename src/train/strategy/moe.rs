@@ -3,11 +3,12 @@
 //! owned over `ep` under their global index, tp shares) is in the placements, from which the
 //! gradient reduction (experts over `dp`, the rest over `dp x ep`) and the norm follow.
 
+use super::rows::FlatOptimizer;
 use super::{
-    Batches, NextTokenLoss, Precisions, RankStrategy, SHARING, SharedState, StepOutcome,
-    clip_placed, named_params, replica_index, with_moments,
+    Batches, NextTokenLoss, Precisions, RankStrategy, SharedState, StepOutcome, borrowed,
+    clip_placed, named_params,
 };
-use crate::train::checkpoint::{LocalState, placed_segments};
+use crate::train::checkpoint::LocalState;
 use crate::train::config::{GradientReduction, TrainConfig};
 use crate::train::report::MoeRecord;
 use crate::train::tp_model::TpTransformer;
@@ -15,12 +16,12 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use flashover_models::moe::MoeConfig;
 use flashover_models::{Block, MoeHook, Transformer, TransformerConfig};
+use flashover_parallel::FlatAdamWConfig;
 use flashover_parallel::expert_parallel::{ExpertParallel, place_experts};
-use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, load_flat};
+use flashover_parallel::params::{ParamLayout, accumulate_grads};
 use flashover_parallel::placement::{GradientReducer, PlacementTable};
 use flashover_parallel::tensor_parallel::TensorParallel;
 use flashover_parallel::zero::MemoryReport;
-use flashover_parallel::{FlatAdamWConfig, ModuleAdamW};
 use flashover_runtime::{Axis, CommunicatorExt, Group, RankContext, RankError, ReduceOp};
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,7 +33,8 @@ struct MoeState<M> {
     experts: ExpertParallel,
     hook: MoeHook,
     reduction: PlacedReduction,
-    optim: ModuleAdamW,
+    /// Replicated AdamW, or this rank's rows under ZeRO.
+    optim: FlatOptimizer,
     layout: ParamLayout,
     d_model: usize,
     /// Hot experts copied to every ep rank each step (`moe.replicate_hot`).
@@ -104,18 +106,21 @@ impl<M: MoeBlocks> MoeState<M> {
 }
 
 impl<M: Module> MoeState<M> {
-    /// `model` (this rank's experts, and with tp its shares) placed as `placements` says.
+    /// `model` (this rank's experts, and with tp its shares) placed as `reduction` says,
+    /// stepped by `optim`.
     fn new(
         model: M,
         experts: ExpertParallel,
         reduction: PlacedReduction,
-        adamw: &FlatAdamWConfig,
+        optim: FlatOptimizer,
         d_model: usize,
     ) -> Self {
         let layout = ParamLayout::of(&model);
+        // Under ZeRO-3 a rank keeps only its rows between steps.
+        let model = optim.between_steps(model);
         MoeState {
             reduction,
-            optim: ModuleAdamW::new(adamw, &model),
+            optim,
             hook: MoeHook::new(Arc::new(experts.clone())),
             experts,
             layout,
@@ -155,11 +160,13 @@ pub(super) fn build(
         let placements = std::mem::take(&mut reduction.placements);
         let model = TpTransformer::shard_placed(model, &TensorParallel::new(tp), placements)?;
         reduction.placements = model.placements().clone();
-        let mut state = MoeState::new(model, experts, reduction, adamw, d);
+        let optim = FlatOptimizer::new(ctx, &model, config.parallel.zero, adamw);
+        let mut state = MoeState::new(model, experts, reduction, optim, d);
         state.replicate_hot = hot;
         return Ok(Box::new(state));
     }
-    let mut state = MoeState::new(model, experts, reduction, adamw, d);
+    let optim = FlatOptimizer::new(ctx, &model, config.parallel.zero, adamw);
+    let mut state = MoeState::new(model, experts, reduction, optim, d);
     state.replicate_hot = hot;
     Ok(Box::new(state))
 }
@@ -200,25 +207,13 @@ impl<M: WholeMoe> RankStrategy for MoeState<M> {
         ctx: &RankContext,
         _grad_group: &Group,
     ) -> Result<SharedState, RankError> {
-        let replicas = replica_index(ctx, &SHARING);
-        let entries = self.reduction.placements.entries_of(&self.model)?;
-        let segments = placed_segments(&entries, 0, &|a| ctx.coord(a), &SHARING);
-        let state = with_moments(flatten_params(&self.model), segments, self.optim.flat());
-        Ok((state, replicas, replicas))
+        self.optim
+            .local_state(ctx, &self.model, &self.reduction.placements)
     }
 
     fn restore(&mut self, state: LocalState) -> Result<(), RankError> {
-        let LocalState {
-            params,
-            moments: [m1, m2],
-            steps_taken,
-            ..
-        } = state;
-        self.model = load_flat(self.model.clone(), &params);
-        self.optim
-            .flat_mut()
-            .restore(steps_taken, m1, m2)
-            .map_err(RankError::from)
+        self.model = self.optim.restore(state, self.model.clone())?;
+        Ok(())
     }
 
     fn moe_bias(&self) -> Option<Vec<Vec<f32>>> {
@@ -230,7 +225,8 @@ impl<M: WholeMoe> RankStrategy for MoeState<M> {
     }
 
     fn full_params(&self, _ctx: &RankContext) -> Result<Vec<(String, Vec<f32>)>, RankError> {
-        let whole = self.experts.gather_experts(self.model.whole()?)?;
+        let model = self.optim.whole(&self.model)?;
+        let whole = self.experts.gather_experts(model.whole()?)?;
         Ok(named_params(&whole))
     }
 }
@@ -250,6 +246,8 @@ fn moe_step<M: NextTokenLoss + MoeBlocks>(
     let before = ctx.comm_stats();
     let a2a_before = state.experts.group().stats();
     state.experts.traffic().take();
+    // Under ZeRO-3 the model is gathered for the step.
+    state.model = state.optim.for_step(state.model.clone())?;
     state
         .experts
         .replicate_hot(state.model.moe_blocks(), state.replicate_hot)?;
@@ -277,18 +275,21 @@ fn moe_step<M: NextTokenLoss + MoeBlocks>(
         let scale = precision.scaler.scale();
         grads.iter_mut().for_each(|g| *g /= scale);
     }
+    // Under ZeRO each rank keeps the sum of its own rows over the sharding axis; the
+    // placements' reducer sums the rest over the other data axes.
     let r = &state.reduction;
-    let entries = r.placements.entries_of(&state.model)?;
+    let mut grads = state.optim.own_grads(grads, r.reducer.reduce_dtype())?;
+    let entries = state.optim.entries(&r.placements, &state.model)?;
+    let entries = borrowed(&entries);
     let scale = match r.average {
         true => 1.0 / (r.batch.size() * micro_batches) as f32,
         false => 1.0,
     };
     r.reducer.reduce(&entries, &mut grads, scale, None)?;
     let grad_norm = clip_placed(&entries, &mut grads, clip, ctx)?;
+    drop(entries);
     let (update, loss_scale) = precision.decide(grad_norm);
-    if update {
-        state.model = state.optim.step_flat(lr, state.model.clone(), &grads)?;
-    }
+    state.model = state.optim.step(lr, state.model.clone(), &grads, update)?;
     // Routing statistics and traffic over the whole batch group.
     let stats = state.hook.take_stats();
     let remote = state.experts.traffic().take();
@@ -338,7 +339,7 @@ fn moe_step<M: NextTokenLoss + MoeBlocks>(
     let d = state.d_model;
     let comm = ctx.comm_stats().since(&before).total();
     let a2a = state.experts.group().stats().since(&a2a_before).total();
-    let numel = state.layout.numel;
+    let (params, held) = state.optim.held(state.layout.numel);
     Ok(StepOutcome {
         loss_sum,
         grad_norm,
@@ -346,9 +347,9 @@ fn moe_step<M: NextTokenLoss + MoeBlocks>(
         overlapped: Duration::ZERO,
         exposed: comm.wait + comm.transfer,
         memory: MemoryReport {
-            params: numel * 4,
-            grads: numel * 4,
-            optimizer: numel * 8,
+            params: params * 4,
+            grads: held * 4,
+            optimizer: held * 8,
             gathered_peak: 0,
         },
         events: vec![],

@@ -4,25 +4,21 @@
 //! ZeRO each rank its rows of every parameter. Gradients are reduced once per step through the
 //! placements (over the data axes, and the tied embedding's copies over their two stages).
 
-use super::{
-    Batches, Precisions, RankStrategy, SHARING, SharedState, StepOutcome, borrowed, clip_placed,
-    replica_index, with_moments,
-};
-use crate::train::checkpoint::{LocalState, placed_segments};
+use super::rows::FlatOptimizer;
+use super::{Batches, Precisions, RankStrategy, SharedState, StepOutcome, borrowed, clip_placed};
+use crate::train::checkpoint::LocalState;
 use crate::train::config::{GradientReduction, TrainConfig};
 use crate::train::pp_model::{DeferWeightGrads, TransformerStage};
 use crate::train::tp_model::TpTransformer;
 use flashover_models::{LinearHook, Transformer, TransformerConfig};
-use flashover_parallel::params::{
-    ParamLayout, ParamSlot, accumulate_grads, flatten_params, load_flat, load_shaped, placeholders,
-};
+use flashover_parallel::FlatAdamWConfig;
+use flashover_parallel::params::{ParamLayout, ParamSlot, accumulate_grads, flatten_params};
 use flashover_parallel::pipeline::{
     ActionKind, PipelineExecutor, Schedule, WeightGradStore, deferral_supported,
 };
 use flashover_parallel::placement::{GradientReducer, ParamPlacement, PlacementTable, Tie};
 use flashover_parallel::tensor_parallel::TensorParallel;
-use flashover_parallel::zero::{MemoryReport, UnitShards};
-use flashover_parallel::{FlatAdamW, FlatAdamWConfig, ModuleAdamW};
+use flashover_parallel::zero::MemoryReport;
 use flashover_runtime::{Axis, CommunicatorExt, Group, RankContext, RankError, ReduceOp};
 use std::sync::Arc;
 use std::time::Duration;
@@ -123,19 +119,10 @@ pub(super) fn build(
         let hook = LinearHook(Arc::new(DeferWeightGrads(store.clone())));
         (store, hook)
     });
-    let optim = match config.parallel.zero {
-        0 => StageOptimizer::Replicated(Box::new(ModuleAdamW::new(adamw, &chunks))),
-        zero => {
-            let sharding = StageSharding::new(ctx, &chunks, zero, adamw);
-            StageOptimizer::Sharded(Box::new(sharding))
-        }
-    };
+    let optim = FlatOptimizer::new(ctx, &chunks, config.parallel.zero, adamw);
     let layouts = chunks.iter().map(ParamLayout::of).collect();
     // ZeRO-3 keeps only its rows between steps.
-    let chunks = match &optim {
-        StageOptimizer::Sharded(sh) if !sh.keep_params => placeholders(chunks),
-        _ => chunks,
-    };
+    let chunks = optim.between_steps(chunks);
     Ok(Box::new(PipelineState {
         tie,
         deferral,
@@ -150,7 +137,6 @@ pub(super) fn build(
         shape: [rows, seq, d],
         average: config.parallel.gradient_reduction == GradientReduction::Mean,
         data_ranks: grad_group.size(),
-        reduce_dtype: config.precision.reduce_dtype,
     }))
 }
 
@@ -158,7 +144,7 @@ pub(super) fn build(
 struct PipelineState {
     chunks: Vec<TransformerStage>,
     schedule: Schedule,
-    optim: StageOptimizer,
+    optim: FlatOptimizer,
     /// The parameter layout of each of this rank's chunks (fixed for the run).
     layouts: Vec<ParamLayout>,
     /// Per virtual stage, its whole (unsplit) parameters in layout order: the name they have
@@ -171,8 +157,6 @@ struct PipelineState {
     average: bool,
     /// Ranks whose gradients are summed (`dp x fsdp x cp`): means divide by it.
     data_ranks: usize,
-    /// The dtype gradients are summed in.
-    reduce_dtype: flashover_parallel::precision::Precision,
     /// Where each parameter of this rank's chunks lives.
     placements: PlacementTable,
     reducer: GradientReducer,
@@ -184,103 +168,10 @@ struct PipelineState {
     deferral: Option<(WeightGradStore, LinearHook)>,
 }
 
-/// How a pipeline rank steps its chunks' parameters.
-enum StageOptimizer {
-    /// Whole parameters, replicated over the data-parallel ranks, Burn's AdamW (flat).
-    Replicated(Box<ModuleAdamW>),
-    /// Rows of every parameter sharded over one data-parallel axis (ZeRO).
-    Sharded(Box<StageSharding>),
-}
-
-/// A pipeline rank's parameters cut by rows over `axis` (per parameter, as fully sharded units
-/// cut theirs), each rank stepping AdamW on its own rows. ZeRO-3 (`keep_params` false) keeps
-/// only the rows between steps and gathers the chunks at the start of each step, keeping them
-/// through every micro-batch (TorchTitan's default under pipelines); ZeRO-1/2 keep the chunks
-/// and all-gather the updated rows after the step. Either way gradients are reduce-scattered
-/// once per step.
-struct StageSharding {
-    axis: Axis,
-    group: Group,
-    /// The chunks' parameter layout (all chunks end to end).
-    layout: ParamLayout,
-    shards: UnitShards,
-    /// This rank's rows of every parameter.
-    own: Vec<f32>,
-    adam: FlatAdamW,
-    keep_params: bool,
-}
-
-impl StageSharding {
-    /// `chunks` cut over the fsdp axis (ZeRO-3, or any stage with an fsdp axis) or else `dp`.
-    fn new(
-        ctx: &RankContext,
-        chunks: &[TransformerStage],
-        zero: u8,
-        adamw: &FlatAdamWConfig,
-    ) -> Self {
-        let axis = match zero == 3 || ctx.group(Axis::Fsdp).size() > 1 {
-            true => Axis::Fsdp,
-            false => Axis::Dp,
-        };
-        let group = ctx.group(axis).clone();
-        let layout = ParamLayout::of(&chunks.to_vec());
-        let shards = UnitShards::new(&layout, group.size());
-        let own = shards.take(group.rank(), &flatten_params(&chunks.to_vec()));
-        StageSharding {
-            axis,
-            adam: FlatAdamW::new(adamw, shards.shard_len()),
-            group,
-            layout,
-            shards,
-            own,
-            keep_params: zero != 3,
-        }
-    }
-
-    /// The chunks with their whole parameters, from every rank's rows (collective).
-    fn gather(&self, skeleton: Vec<TransformerStage>) -> Result<Vec<TransformerStage>, RankError> {
-        let flat = self.shards.all_gather(&self.group, &self.own)?;
-        Ok(load_shaped(skeleton, &self.layout, &flat))
-    }
-}
-
 impl PipelineState {
-    /// The parameters this rank steps with their placements, laid end to end: every chunk's
-    /// whole parameters, or under ZeRO this rank's rows of each.
+    /// The parameters this rank steps with their placements, laid out as its gradient.
     fn stepped_entries(&self) -> Result<Vec<(ParamSlot, ParamPlacement)>, RankError> {
-        match &self.optim {
-            StageOptimizer::Sharded(sh) => {
-                Ok(sh.shards.placed(&sh.layout, &self.placements, sh.axis, 0)?)
-            }
-            StageOptimizer::Replicated(_) => Ok(self
-                .entries()?
-                .into_iter()
-                .map(|(slot, entry)| (slot, entry.clone()))
-                .collect()),
-        }
-    }
-
-    /// The chunks with their parameters in place (gathered under ZeRO-3; collective there).
-    fn whole_chunks(&self) -> Result<Vec<TransformerStage>, RankError> {
-        match &self.optim {
-            StageOptimizer::Sharded(sh) if !sh.keep_params => sh.gather(self.chunks.clone()),
-            _ => Ok(self.chunks.clone()),
-        }
-    }
-
-    /// Every chunk's parameters with their placements, laid end to end as in the step's flat
-    /// gradient.
-    fn entries(&self) -> Result<Vec<(ParamSlot, &ParamPlacement)>, RankError> {
-        let mut out = vec![];
-        let mut base = 0;
-        for (chunk, layout) in self.chunks.iter().zip(&self.layouts) {
-            for (mut slot, entry) in self.placements.entries_of(chunk)? {
-                slot.offset += base;
-                out.push((slot, entry));
-            }
-            base += layout.numel;
-        }
-        Ok(out)
+        self.optim.entries(&self.placements, &self.chunks)
     }
 }
 
@@ -328,45 +219,13 @@ impl RankStrategy for PipelineState {
         ctx: &RankContext,
         _grad_group: &Group,
     ) -> Result<SharedState, RankError> {
-        let coord = |a| ctx.coord(a);
-        // Ranks along a ZeRO axis hold different rows: only the others share writing.
-        let sharing: Vec<Axis> = match &self.optim {
-            StageOptimizer::Sharded(sh) => SHARING.into_iter().filter(|&a| a != sh.axis).collect(),
-            StageOptimizer::Replicated(_) => SHARING.to_vec(),
-        };
-        let replicas = replica_index(ctx, &sharing);
-        let entries = self.stepped_entries()?;
-        let segments = placed_segments(&borrowed(&entries), 0, &coord, &sharing);
-        let local = match &self.optim {
-            StageOptimizer::Replicated(optim) => {
-                with_moments(flatten_params(&self.chunks), segments, optim.flat())
-            }
-            StageOptimizer::Sharded(sh) => with_moments(sh.own.clone(), segments, &sh.adam),
-        };
-        Ok((local, replicas, replicas))
+        self.optim.local_state(ctx, &self.chunks, &self.placements)
     }
 
     fn restore(&mut self, state: LocalState) -> Result<(), RankError> {
-        let LocalState {
-            params,
-            moments: [m1, m2],
-            steps_taken,
-            ..
-        } = state;
-        let adam = match &mut self.optim {
-            StageOptimizer::Replicated(optim) => {
-                self.chunks = load_flat(std::mem::take(&mut self.chunks), &params);
-                optim.flat_mut()
-            }
-            StageOptimizer::Sharded(sh) => {
-                sh.own = params;
-                if sh.keep_params {
-                    self.chunks = sh.gather(std::mem::take(&mut self.chunks))?;
-                }
-                &mut sh.adam
-            }
-        };
-        adam.restore(steps_taken, m1, m2).map_err(RankError::from)
+        let chunks = std::mem::take(&mut self.chunks);
+        self.chunks = self.optim.restore(state, chunks)?;
+        Ok(())
     }
 
     fn full_params(&self, ctx: &RankContext) -> Result<Vec<(String, Vec<f32>)>, RankError> {
@@ -390,11 +249,7 @@ fn pipeline_step(
     let data: Vec<_> = (0..micro_batches).map(&mut *batches).collect();
     let device = data[0].0.device();
     let policy = precision.policy;
-    if let StageOptimizer::Sharded(sh) = &state.optim
-        && !sh.keep_params
-    {
-        state.chunks = sh.gather(std::mem::take(&mut state.chunks))?;
-    }
+    state.chunks = state.optim.for_step(std::mem::take(&mut state.chunks))?;
     let mut executor = PipelineExecutor::new(&state.schedule, pp)?
         .with_activation_dtype(policy.param_dtype.float_dtype().into())
         .with_loss_scale(precision.scaler.scale());
@@ -425,11 +280,7 @@ fn pipeline_step(
     drop(grads);
     let numel = flat.len();
     // Under ZeRO each rank keeps the sum of its own rows over the shard axis.
-    if let StageOptimizer::Sharded(sh) = &state.optim {
-        flat = sh
-            .shards
-            .reduce_scatter(&sh.group, &flat, state.reduce_dtype)?;
-    }
+    let mut flat = state.optim.own_grads(flat, state.reducer.reduce_dtype())?;
     // Sum over the (other) data-parallel ranks and the tied copies over their stages; the
     // executor averaged over micro-batches already.
     let entries = state.stepped_entries()?;
@@ -445,29 +296,13 @@ fn pipeline_step(
     drop(entries);
     let (update, loss_scale) = precision.decide(grad_norm);
     let chunks = std::mem::take(&mut state.chunks);
-    state.chunks = match &mut state.optim {
-        StageOptimizer::Replicated(optim) if update => optim.step_flat(lr, chunks, &flat)?,
-        StageOptimizer::Replicated(_) => chunks,
-        StageOptimizer::Sharded(sh) => {
-            if update {
-                sh.adam.step(lr, &mut sh.own, &flat);
-            }
-            match sh.keep_params {
-                true => sh.gather(chunks)?,
-                false => placeholders(chunks),
-            }
-        }
-    };
+    state.chunks = state.optim.step(lr, chunks, &flat, update)?;
     // Only the last stage computed losses: share them along the pipeline.
     let mut loss = [report.loss_sum];
     pp.all_reduce(&mut loss, ReduceOp::Sum)?;
     let comm = ctx.comm_stats().since(&before).total();
     let comm = comm.wait + comm.transfer;
-    let (params, held) = match &state.optim {
-        StageOptimizer::Sharded(sh) if !sh.keep_params => (sh.own.len(), sh.own.len()),
-        StageOptimizer::Sharded(sh) => (numel, sh.own.len()),
-        StageOptimizer::Replicated(_) => (numel, numel),
-    };
+    let (params, held) = state.optim.held(numel);
     Ok(StepOutcome {
         loss_sum: loss[0],
         grad_norm,
@@ -501,7 +336,8 @@ fn gather_pipeline_params(
     // Whole weights first (collective over tp when the stages are split, and over the shard
     // axis under ZeRO-3).
     let whole = state
-        .whole_chunks()?
+        .optim
+        .whole(&state.chunks)?
         .iter()
         .map(|c| c.unshard())
         .collect::<Result<Vec<_>, _>>()?;

@@ -1,0 +1,278 @@
+//! ZeRO by rows for strategies that step one flat vector (pipelines, mixtures of experts): every
+//! parameter cut along its first dimension over one data axis, as fully sharded units cut
+//! theirs, each rank stepping AdamW on its own rows. ZeRO-3 keeps only the rows between steps
+//! and gathers the model at the start of each (TorchTitan's default under pipelines); ZeRO-1/2
+//! keep the model and all-gather the updated rows after the step. Gradients are
+//! reduce-scattered once per step, so ZeRO-2 holds what ZeRO-1 does until then.
+
+use super::{SHARING, SharedState, borrowed, replica_index, with_moments};
+use crate::train::checkpoint::{LocalState, placed_segments};
+use burn::module::Module;
+use flashover_parallel::params::{
+    ParamLayout, ParamSlot, flatten_params, load_flat, load_shaped, placeholders,
+};
+use flashover_parallel::placement::{ParamPlacement, PlacementTable};
+use flashover_parallel::precision::Precision;
+use flashover_parallel::zero::UnitShards;
+use flashover_parallel::{FlatAdamW, FlatAdamWConfig, ModuleAdamW};
+use flashover_runtime::{Axis, Group, RankContext, RankError};
+
+/// A module's parameters cut by rows over `axis`; see the module docs.
+pub(super) struct RowSharding {
+    /// The axis the rows are cut over.
+    pub axis: Axis,
+    group: Group,
+    /// The whole module's parameter layout.
+    layout: ParamLayout,
+    shards: UnitShards,
+    /// This rank's rows of every parameter.
+    pub own: Vec<f32>,
+    pub adam: FlatAdamW,
+    /// ZeRO-1/2: the whole module stays between steps (ZeRO-3 keeps only the rows).
+    pub keep_params: bool,
+}
+
+impl RowSharding {
+    /// `module` (every rank of the axis holds the same) cut over the fsdp axis (ZeRO-3, or
+    /// any stage with an fsdp axis) or else `dp`, for ZeRO stage `zero`.
+    pub fn new<M: Module>(
+        ctx: &RankContext,
+        module: &M,
+        zero: u8,
+        adamw: &FlatAdamWConfig,
+    ) -> Self {
+        let axis = match zero == 3 || ctx.group(Axis::Fsdp).size() > 1 {
+            true => Axis::Fsdp,
+            false => Axis::Dp,
+        };
+        let group = ctx.group(axis).clone();
+        let layout = ParamLayout::of(module);
+        let shards = UnitShards::new(&layout, group.size());
+        let own = shards.take(group.rank(), &flatten_params(module));
+        RowSharding {
+            axis,
+            adam: FlatAdamW::new(adamw, shards.shard_len()),
+            group,
+            layout,
+            shards,
+            own,
+            keep_params: zero != 3,
+        }
+    }
+
+    /// What the rank holds between steps: `module` itself (ZeRO-1/2) or its structure only.
+    pub fn between_steps<M: Module>(&self, module: M) -> M {
+        match self.keep_params {
+            true => module,
+            false => placeholders(module),
+        }
+    }
+
+    /// `skeleton` with its whole parameters, from every rank's rows (collective).
+    pub fn gather<M: Module>(&self, skeleton: M) -> Result<M, RankError> {
+        let flat = self.shards.all_gather(&self.group, &self.own)?;
+        Ok(load_shaped(skeleton, &self.layout, &flat))
+    }
+
+    /// The module for a step: gathered under ZeRO-3 (collective), as it is otherwise.
+    pub fn for_step<M: Module>(&self, module: M) -> Result<M, RankError> {
+        match self.keep_params {
+            true => Ok(module),
+            false => self.gather(module),
+        }
+    }
+
+    /// This rank's rows of the sum over the axis of every rank's `full` gradient.
+    pub fn reduce_scatter(&self, full: &[f32], dtype: Precision) -> Result<Vec<f32>, RankError> {
+        Ok(self.shards.reduce_scatter(&self.group, full, dtype)?)
+    }
+
+    /// This rank's rows as pieces of the parameters `placements` describes.
+    pub fn entries(
+        &self,
+        placements: &PlacementTable,
+    ) -> Result<Vec<(ParamSlot, ParamPlacement)>, RankError> {
+        Ok(self.shards.placed(&self.layout, placements, self.axis, 0)?)
+    }
+
+    /// AdamW on this rank's rows (when `update`), then the module as it is kept between
+    /// steps (the updated rows all-gathered under ZeRO-1/2).
+    pub fn step<M: Module>(
+        &mut self,
+        lr: f64,
+        module: M,
+        grads: &[f32],
+        update: bool,
+    ) -> Result<M, RankError> {
+        if update {
+            self.adam.step(lr, &mut self.own, grads);
+        }
+        match self.keep_params {
+            true => self.gather(module),
+            false => Ok(placeholders(module)),
+        }
+    }
+
+    /// This rank's state for a checkpoint: its rows and their moments, written by the ranks
+    /// that hold the same rows (not those along the axis).
+    pub fn local_state(
+        &self,
+        ctx: &RankContext,
+        placements: &PlacementTable,
+    ) -> Result<SharedState, RankError> {
+        let sharing: Vec<Axis> = SHARING.into_iter().filter(|&a| a != self.axis).collect();
+        let replicas = replica_index(ctx, &sharing);
+        let entries = self.entries(placements)?;
+        let segments = placed_segments(&borrowed(&entries), 0, &|a| ctx.coord(a), &sharing);
+        let state = with_moments(self.own.clone(), segments, &self.adam);
+        Ok((state, replicas, replicas))
+    }
+
+    /// Elements this rank holds between steps: (parameters, gradients and moments).
+    pub fn held(&self) -> (usize, usize) {
+        match self.keep_params {
+            true => (self.layout.numel, self.own.len()),
+            false => (self.own.len(), self.own.len()),
+        }
+    }
+
+    /// Puts checkpointed rows back; the module as it is kept between steps (collective under
+    /// ZeRO-1/2).
+    pub fn restore<M: Module>(&mut self, rows: Vec<f32>, module: M) -> Result<M, RankError> {
+        self.own = rows;
+        match self.keep_params {
+            true => self.gather(module),
+            false => Ok(module),
+        }
+    }
+}
+
+/// How a strategy that steps one flat vector updates it: whole replicas with Burn's AdamW, or
+/// rows per rank (ZeRO, [`RowSharding`]).
+pub(super) enum FlatOptimizer {
+    /// Whole parameters, replicated over the data axes.
+    Replicated(Box<ModuleAdamW>),
+    /// Rows of every parameter over one data axis.
+    Sharded(Box<RowSharding>),
+}
+
+impl FlatOptimizer {
+    /// ZeRO stage `zero` (0: replicated) for `module`.
+    pub fn new<M: Module>(
+        ctx: &RankContext,
+        module: &M,
+        zero: u8,
+        adamw: &FlatAdamWConfig,
+    ) -> Self {
+        match zero {
+            0 => FlatOptimizer::Replicated(Box::new(ModuleAdamW::new(adamw, module))),
+            zero => FlatOptimizer::Sharded(Box::new(RowSharding::new(ctx, module, zero, adamw))),
+        }
+    }
+
+    /// What the rank holds between steps (see [`RowSharding::between_steps`]).
+    pub fn between_steps<M: Module>(&self, module: M) -> M {
+        match self {
+            FlatOptimizer::Sharded(sh) => sh.between_steps(module),
+            FlatOptimizer::Replicated(_) => module,
+        }
+    }
+
+    /// The module for a step (gathered under ZeRO-3; collective there).
+    pub fn for_step<M: Module>(&self, module: M) -> Result<M, RankError> {
+        match self {
+            FlatOptimizer::Sharded(sh) => sh.for_step(module),
+            FlatOptimizer::Replicated(_) => Ok(module),
+        }
+    }
+
+    /// The whole module, for reports (gathered under ZeRO-3; collective there).
+    pub fn whole<M: Module>(&self, module: &M) -> Result<M, RankError> {
+        self.for_step(module.clone())
+    }
+
+    /// `flat`, the whole gradient, as this rank steps it: whole, or its rows summed over the
+    /// sharding axis.
+    pub fn own_grads(&self, flat: Vec<f32>, dtype: Precision) -> Result<Vec<f32>, RankError> {
+        match self {
+            FlatOptimizer::Sharded(sh) => sh.reduce_scatter(&flat, dtype),
+            FlatOptimizer::Replicated(_) => Ok(flat),
+        }
+    }
+
+    /// AdamW on what this rank steps (when `update`); the module as kept between steps.
+    pub fn step<M: Module>(
+        &mut self,
+        lr: f64,
+        module: M,
+        grads: &[f32],
+        update: bool,
+    ) -> Result<M, RankError> {
+        match self {
+            FlatOptimizer::Replicated(optim) if update => Ok(optim.step_flat(lr, module, grads)?),
+            FlatOptimizer::Replicated(_) => Ok(module),
+            FlatOptimizer::Sharded(sh) => sh.step(lr, module, grads, update),
+        }
+    }
+
+    /// The parameters this rank steps with their placements, laid out as its gradient: the
+    /// whole `module`'s, or under ZeRO this rank's rows of each.
+    pub fn entries<M: Module>(
+        &self,
+        placements: &PlacementTable,
+        module: &M,
+    ) -> Result<Vec<(ParamSlot, ParamPlacement)>, RankError> {
+        match self {
+            FlatOptimizer::Sharded(sh) => sh.entries(placements),
+            FlatOptimizer::Replicated(_) => Ok(placements
+                .entries_of(module)?
+                .into_iter()
+                .map(|(slot, entry)| (slot, entry.clone()))
+                .collect()),
+        }
+    }
+
+    /// This rank's state for a checkpoint (see [`RankStrategy::local_state`]).
+    ///
+    /// [`RankStrategy::local_state`]: super::RankStrategy::local_state
+    pub fn local_state<M: Module>(
+        &self,
+        ctx: &RankContext,
+        module: &M,
+        placements: &PlacementTable,
+    ) -> Result<SharedState, RankError> {
+        let optim = match self {
+            FlatOptimizer::Sharded(sh) => return sh.local_state(ctx, placements),
+            FlatOptimizer::Replicated(optim) => optim,
+        };
+        let replicas = replica_index(ctx, &SHARING);
+        let entries = placements.entries_of(module)?;
+        let segments = placed_segments(&entries, 0, &|a| ctx.coord(a), &SHARING);
+        let state = with_moments(flatten_params(module), segments, optim.flat());
+        Ok((state, replicas, replicas))
+    }
+
+    /// Puts a checkpointed state back; the module as kept between steps.
+    pub fn restore<M: Module>(&mut self, state: LocalState, module: M) -> Result<M, RankError> {
+        let LocalState {
+            params,
+            moments: [m1, m2],
+            steps_taken,
+            ..
+        } = state;
+        let (module, adam) = match self {
+            FlatOptimizer::Replicated(optim) => (load_flat(module, &params), optim.flat_mut()),
+            FlatOptimizer::Sharded(sh) => (sh.restore(params, module)?, &mut sh.adam),
+        };
+        adam.restore(steps_taken, m1, m2)?;
+        Ok(module)
+    }
+
+    /// Elements held between steps: (parameters, gradients and moments), `numel` the module's.
+    pub fn held(&self, numel: usize) -> (usize, usize) {
+        match self {
+            FlatOptimizer::Sharded(sh) => sh.held(),
+            FlatOptimizer::Replicated(_) => (numel, numel),
+        }
+    }
+}
