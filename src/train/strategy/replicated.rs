@@ -1,19 +1,19 @@
 //! Whole replicas (DDP) or tensor-parallel shares replicated over the data axes: gradients are
 //! reduced in buckets on a communication thread while backward runs, then Burn's AdamW steps
-//! every parameter. Under tensor parallelism the norm comes from the placements (split weights
-//! summed over tp, replicated ones counted once).
+//! every parameter. The norm and checkpoints come from the placements (split weights summed
+//! over tp, replicated ones counted once).
 
 use super::{
     Batches, NextTokenLoss, Precisions, RankStrategy, SHARING, SharedState, StepOutcome,
     named_params, replica_index, replicated_memory, run_micro_batches, with_moments,
 };
-use crate::train::checkpoint::{LocalState, placed_segments, whole_segments};
+use crate::train::checkpoint::{LocalState, placed_segments};
 use crate::train::config::TrainConfig;
 use crate::train::tp_model::TpTransformer;
 use burn::module::Module;
 use flashover_models::Transformer;
 use flashover_parallel::data_parallel::{DataParallel, DataParallelConfig};
-use flashover_parallel::params::{ParamLayout, flatten_params, load_flat};
+use flashover_parallel::params::{flatten_params, load_flat};
 use flashover_parallel::placement::PlacementTable;
 use flashover_parallel::tensor_parallel::TensorParallel;
 use flashover_parallel::{FlatAdamWConfig, ModuleAdamW, clip_module_grads};
@@ -24,8 +24,8 @@ struct Replicated<M: Module> {
     model: Box<M>,
     ddp: DataParallel,
     optim: ModuleAdamW,
-    /// Under tensor parallelism: where each share lives (the norm and checkpoints read it).
-    placements: Option<PlacementTable>,
+    /// Where each parameter (or tp share) lives: the norm and checkpoints read it.
+    placements: PlacementTable,
 }
 
 /// DDP over the data axes: `model` broadcast from rank 0, buckets planned.
@@ -35,13 +35,14 @@ pub(super) fn data_parallel(
     ddp: DataParallelConfig,
     adamw: &FlatAdamWConfig,
 ) -> Result<Box<dyn RankStrategy>, RankError> {
+    let placements = PlacementTable::whole(&model);
     let (model, ddp) = ddp.init(model, grad_group)?;
     let optim = ModuleAdamW::new(adamw, &model);
     Ok(Box::new(Replicated {
         model: Box::new(model),
         ddp,
         optim,
-        placements: None,
+        placements,
     }))
 }
 
@@ -64,7 +65,7 @@ pub(super) fn tensor_parallel(
         model: Box::new(model),
         ddp,
         optim,
-        placements: Some(placements),
+        placements,
     }))
 }
 
@@ -103,24 +104,12 @@ impl<M: Whole> RankStrategy for Replicated<M> {
         } = *self;
         ddp.set_loss_scale(precision.scaler.scale());
         let loss_sum = run_micro_batches(&mut ddp, &*model, batches, micro_batches, precision)?;
-        let (grads, mut outcome) = match &placements {
-            None => {
-                let reduced = ddp.finish(&*model, clip)?;
-                let memory = replicated_memory(&ddp);
-                let outcome = StepOutcome::reduced(loss_sum, &reduced.report, memory);
-                (reduced.grads, outcome)
-            }
-            // The norm spans every tp rank's split weights; replicated ones count once.
-            Some(placements) => {
-                let reduced = ddp.finish(&*model, None)?;
-                let (grads, grad_norm) =
-                    clip_module_grads(&*model, reduced.grads, clip, placements, ctx)?;
-                let memory = replicated_memory(&ddp);
-                let mut outcome = StepOutcome::reduced(loss_sum, &reduced.report, memory);
-                outcome.grad_norm = grad_norm;
-                (grads, outcome)
-            }
-        };
+        // The norm spans every tp rank's split weights; replicated ones count once.
+        let reduced = ddp.finish(&*model, None)?;
+        let (grads, grad_norm) = clip_module_grads(&*model, reduced.grads, clip, &placements, ctx)?;
+        let memory = replicated_memory(&ddp);
+        let mut outcome = StepOutcome::reduced(loss_sum, &reduced.report, memory);
+        outcome.grad_norm = grad_norm;
         let model = match precision.apply(&mut outcome) {
             true => Box::new(optim.step(lr, *model, &grads)?),
             false => model,
@@ -138,24 +127,16 @@ impl<M: Whole> RankStrategy for Replicated<M> {
         (self.ddp.num_buckets(), self.ddp.overlaps())
     }
 
-    fn local_state(&self, ctx: &RankContext, grad_group: &Group) -> Result<SharedState, RankError> {
-        let params = flatten_params(&*self.model);
-        match &self.placements {
-            None => {
-                let everyone = (grad_group.rank(), grad_group.size());
-                let layout = ParamLayout::of(&*self.model);
-                let segments = whole_segments(&layout, |name| name.to_string());
-                let state = with_moments(params, segments, self.optim.flat());
-                Ok((state, everyone, everyone))
-            }
-            Some(placements) => {
-                let replicas = replica_index(ctx, &SHARING);
-                let entries = placements.entries_of(&*self.model)?;
-                let segments = placed_segments(&entries, 0, &|a| ctx.coord(a), &SHARING);
-                let state = with_moments(params, segments, self.optim.flat());
-                Ok((state, replicas, replicas))
-            }
-        }
+    fn local_state(
+        &self,
+        ctx: &RankContext,
+        _grad_group: &Group,
+    ) -> Result<SharedState, RankError> {
+        let replicas = replica_index(ctx, &SHARING);
+        let entries = self.placements.entries_of(&*self.model)?;
+        let segments = placed_segments(&entries, 0, &|a| ctx.coord(a), &SHARING);
+        let state = with_moments(flatten_params(&*self.model), segments, self.optim.flat());
+        Ok((state, replicas, replicas))
     }
 
     fn restore(&mut self, state: LocalState) -> Result<(), RankError> {
