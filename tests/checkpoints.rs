@@ -335,6 +335,7 @@ fn composed_layouts_resume_bitwise_and_continue_on_other_layouts() {
         ("fsdp=2,pp=2", 3, 2),
         ("dp=2,tp=2,pp=2", 1, 2),
         ("pp=2,cp=2", 0, 2),
+        ("dp=2,tp=2", 2, 1),
     ] {
         let s = Scratch::new(&format!("composed-{}-{zero}", mesh.replace([',', '='], "")));
         let c = job(mesh, zero, micro);
@@ -348,6 +349,7 @@ fn composed_layouts_resume_bitwise_and_continue_on_other_layouts() {
         (("dp=2", 0, 2), ("fsdp=2,pp=2", 3, 2)),
         (("fsdp=2,pp=2", 3, 2), ("dp=2,tp=2,pp=2", 1, 2)),
         (("dp=2,tp=2,pp=2", 1, 2), ("fsdp=2,tp=2", 3, 1)),
+        (("dp=2,tp=2", 1, 1), ("fsdp=2,tp=2", 3, 1)),
     ] {
         let s = Scratch::new(&format!(
             "composed-reshard-{}",

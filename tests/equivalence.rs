@@ -184,7 +184,6 @@ fn layouts_the_job_cannot_run_are_refused_up_front() {
         ("dp=2", 3, "ZeRO-3 shards parameters over the fsdp axis"),
         ("cp=2", 3, "rule `zero3-needs-fsdp`"),
         ("ep=2", 0, "rule `ep-needs-experts`"),
-        ("dp=2,tp=2", 1, "rule `tp-zero12`"),
         ("tp=3", 0, "model.n_heads = 4 does not divide by tp = 3"),
     ];
     for (mesh, zero, message) in refused {

@@ -633,62 +633,9 @@ impl TrainConfig {
                 errors.extend(self.cp_errors(&mesh));
                 errors.extend(self.recompute_errors());
                 errors.extend(self.precision_errors());
-                let pp = mesh.degree(Axis::Pp);
-                if pp > 1 {
-                    let kind = self.parallel.pp_schedule;
-                    let chunks = match kind {
-                        ScheduleKind::Interleaved1F1B => self.parallel.pp_chunks.max(1),
-                        _ => 1,
-                    };
-                    let built = flashover_parallel::pipeline::Schedule::build(
-                        kind,
-                        pp,
-                        self.run.micro_batches,
-                        chunks,
-                    );
-                    if let Err(e) = built {
-                        errors.push(format!("parallel.pp_schedule: {e}"));
-                    }
-                    if let Ok(t) = self.transformer(self.vocab_size())
-                        && let Err(e) = self.pipeline_blocks(&t, pp * chunks)
-                    {
-                        errors.push(e);
-                    }
-                }
-                let tp = mesh.degree(Axis::Tp);
-                if tp > 1 {
-                    if let Ok(t) = self.transformer(self.vocab_size()) {
-                        if !t.n_heads.is_multiple_of(tp) {
-                            errors.push(format!(
-                                "model.n_heads = {} does not divide by tp = {tp}: attention is split by whole heads",
-                                t.n_heads
-                            ));
-                        }
-                        if !t.d_ff.is_multiple_of(tp) {
-                            errors.push(format!(
-                                "model.d_ff = {} does not divide by tp = {tp}: the MLP is split by columns",
-                                t.d_ff
-                            ));
-                        }
-                    }
-                    if self.parallel.sequence_parallel && !self.data.seq_len.is_multiple_of(tp) {
-                        errors.push(format!(
-                            "data.seq_len = {} does not divide by tp = {tp}: sequence parallelism splits the sequence",
-                            self.data.seq_len
-                        ));
-                    }
-                }
-                let fsdp = mesh.degree(Axis::Fsdp);
-                let (dp, m, b) = (
-                    mesh.degree(Axis::Dp) * fsdp * mesh.degree(Axis::Ep),
-                    self.run.micro_batches,
-                    self.run.global_batch,
-                );
-                if m == 0 || b == 0 || !b.is_multiple_of(dp * m) {
-                    errors.push(format!(
-                        "run.global_batch = {b} must be a positive multiple of the data-parallel ranks dp x fsdp x ep ({dp}) x run.micro_batches ({m})"
-                    ));
-                }
+                errors.extend(self.pipeline_errors(&mesh));
+                errors.extend(self.tensor_parallel_errors(&mesh));
+                errors.extend(self.batch_errors(&mesh));
             }
             Err(e) => errors.push(e),
         }
@@ -724,6 +671,81 @@ impl TrainConfig {
         }
         if self.run.steps == 0 {
             errors.push("run.steps must be at least 1".into());
+        }
+        errors
+    }
+
+    /// What is wrong with a `pp` axis: a schedule that cannot be built, blocks that do not
+    /// split into its stages.
+    fn pipeline_errors(&self, mesh: &DeviceMesh) -> Vec<String> {
+        let mut errors = vec![];
+        let pp = mesh.degree(Axis::Pp);
+        if pp > 1 {
+            let kind = self.parallel.pp_schedule;
+            let chunks = match kind {
+                ScheduleKind::Interleaved1F1B => self.parallel.pp_chunks.max(1),
+                _ => 1,
+            };
+            let built = flashover_parallel::pipeline::Schedule::build(
+                kind,
+                pp,
+                self.run.micro_batches,
+                chunks,
+            );
+            if let Err(e) = built {
+                errors.push(format!("parallel.pp_schedule: {e}"));
+            }
+            if let Ok(t) = self.transformer(self.vocab_size())
+                && let Err(e) = self.pipeline_blocks(&t, pp * chunks)
+            {
+                errors.push(e);
+            }
+        }
+        errors
+    }
+
+    /// What is wrong with a `tp` axis: sizes that do not split over it.
+    fn tensor_parallel_errors(&self, mesh: &DeviceMesh) -> Vec<String> {
+        let mut errors = vec![];
+        let tp = mesh.degree(Axis::Tp);
+        if tp > 1 {
+            if let Ok(t) = self.transformer(self.vocab_size()) {
+                if !t.n_heads.is_multiple_of(tp) {
+                    errors.push(format!(
+                        "model.n_heads = {} does not divide by tp = {tp}: attention is split by whole heads",
+                        t.n_heads
+                    ));
+                }
+                if !t.d_ff.is_multiple_of(tp) {
+                    errors.push(format!(
+                        "model.d_ff = {} does not divide by tp = {tp}: the MLP is split by columns",
+                        t.d_ff
+                    ));
+                }
+            }
+            if self.parallel.sequence_parallel && !self.data.seq_len.is_multiple_of(tp) {
+                errors.push(format!(
+                    "data.seq_len = {} does not divide by tp = {tp}: sequence parallelism splits the sequence",
+                    self.data.seq_len
+                ));
+            }
+        }
+        errors
+    }
+
+    /// Whether the global batch splits over the data-parallel ranks and micro-batches.
+    fn batch_errors(&self, mesh: &DeviceMesh) -> Vec<String> {
+        let mut errors = vec![];
+        let fsdp = mesh.degree(Axis::Fsdp);
+        let (dp, m, b) = (
+            mesh.degree(Axis::Dp) * fsdp * mesh.degree(Axis::Ep),
+            self.run.micro_batches,
+            self.run.global_batch,
+        );
+        if m == 0 || b == 0 || !b.is_multiple_of(dp * m) {
+            errors.push(format!(
+                "run.global_batch = {b} must be a positive multiple of the data-parallel ranks dp x fsdp x ep ({dp}) x run.micro_batches ({m})"
+            ));
         }
         errors
     }

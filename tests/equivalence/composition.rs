@@ -123,3 +123,74 @@ fn sharded_mixtures_of_experts_train_as_one_rank() {
         );
     }
 }
+
+/// Activation checkpointing inside the new compositions: recomputed blocks train as one rank.
+#[test]
+fn recomputation_inside_composed_layouts_trains_as_one_rank() {
+    for (mesh, zero, policy) in [
+        ("fsdp=2,tp=2", 3, "full"),
+        ("fsdp=2,pp=2", 3, "every:2"),
+        ("pp=2,cp=2", 0, "selective"),
+        ("dp=2,tp=2,pp=2", 1, "full"),
+    ] {
+        let mut c = composed(mesh, 8);
+        c.parallel.zero = zero;
+        c.parallel.activation_checkpointing = policy.parse().unwrap();
+        c.parallel.reshard_after_forward = false;
+        let (_, candidate, cmp) = verify(&c, TOLERANCE).unwrap();
+        assert!(cmp.pass, "{mesh} --zero {zero} {policy}: {cmp}");
+        if policy != "selective" {
+            assert!(
+                candidate.steps.iter().all(|s| s.recomputed_blocks > 0),
+                "{mesh} {policy}: blocks must be recomputed"
+            );
+        }
+    }
+}
+
+/// Each rank of a ZeRO-3 layout holds a shard of the parameters, not a replica: the report's
+/// parameter bytes per rank are below the whole model's, and parameters are gathered for use
+/// (which replicated layouts, tensor-parallel ones included, never report).
+#[test]
+fn fully_sharded_layouts_hold_shards_not_replicas() {
+    for mesh in [
+        "fsdp=2,tp=2",
+        "dp=2,fsdp=2,tp=2",
+        "fsdp=2,cp=2",
+        "fsdp=2,pp=2",
+    ] {
+        let mut c = composed(mesh, 8);
+        c.parallel.zero = 3;
+        c.run.steps = 2;
+        let report = flashover::train::train(&c, &|_| {}).unwrap();
+        let whole = report.num_params * 4;
+        for rank in &report.steps[1].ranks {
+            assert!(
+                rank.memory.params < whole,
+                "{mesh}: rank {} holds {} parameter bytes of {whole}",
+                rank.rank,
+                rank.memory.params
+            );
+            assert!(rank.memory.gathered_peak > 0, "{mesh}: nothing gathered");
+        }
+    }
+}
+
+/// ZeRO-1/2 over tensor-parallel shares without pipelines: the bucketed all-reduce stays, the
+/// AdamW state is cut by rows of each share.
+#[test]
+fn sharded_optimizer_state_over_tensor_parallel_shares_trains_as_one_rank() {
+    for (mesh, zero) in [("dp=2,tp=2", 1), ("dp=2,tp=2", 2), ("dp=2,tp=2,cp=2", 1)] {
+        let mut c = composed(mesh, 8);
+        c.parallel.zero = zero;
+        let (_, candidate, cmp) = verify(&c, TOLERANCE).unwrap();
+        assert!(cmp.pass, "{mesh} --zero {zero}: {cmp}");
+        // Each rank holds its rows' moments, not the share's.
+        let replicated = flashover::train::train(&composed(mesh, 8), &|_| {}).unwrap();
+        let (sharded, whole) = (
+            candidate.steps[0].ranks[0].memory.optimizer,
+            replicated.steps[0].ranks[0].memory.optimizer,
+        );
+        assert!(sharded * 2 <= whole + 64, "{mesh}: {sharded} vs {whole}");
+    }
+}

@@ -66,14 +66,6 @@ const RULES: &[Rule] = &[
                  (--moe --experts N)",
     },
     Rule {
-        name: "tp-zero12",
-        applies: |l, _| l.tp > 1 && l.pp == 1 && (l.zero == 1 || l.zero == 2),
-        reason: "not yet: without pipeline stages, ZeRO-1/2 shard the flat gradient buckets of \
-                 data parallelism over whole replicated parameters, while a tensor-parallel \
-                 rank holds shares of each weight; use --zero 3 with an fsdp axis, which shards \
-                 each share by rows (pipeline stages shard theirs by rows at any stage)",
-    },
-    Rule {
         name: "zb-tp",
         applies: |l, _| l.pp > 1 && l.tp > 1 && l.schedule == PipelineSchedule::ZbH1,
         reason: "not yet: zero-bubble schedules defer the weight gradients of the blocks' \

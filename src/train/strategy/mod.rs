@@ -114,13 +114,14 @@ pub(crate) fn build(
         .with_overlap(config.parallel.overlap)
         .with_average(config.parallel.gradient_reduction == GradientReduction::Mean)
         .with_reduce_dtype(config.precision.reduce_dtype);
-    if ctx.group(Axis::Tp).size() > 1 {
-        return replicated::tensor_parallel(ctx, config, model, grad_group, ddp, &adamw);
-    }
+    let tensor_parallel = ctx.group(Axis::Tp).size() > 1;
     match config.parallel.zero {
+        3 => fsdp::build(ctx, config, model, &adamw),
+        _ if tensor_parallel => {
+            replicated::tensor_parallel(ctx, config, model, grad_group, ddp, &adamw)
+        }
         0 => replicated::data_parallel(model, grad_group, ddp, &adamw),
-        1 | 2 => zero::build(config, model, grad_group, ddp, adamw),
-        _ => fsdp::build(ctx, config, model, &adamw),
+        _ => zero::build(config, model, grad_group, ddp, adamw),
     }
 }
 

@@ -290,53 +290,7 @@ fn moe_step<M: NextTokenLoss + MoeBlocks>(
     drop(entries);
     let (update, loss_scale) = precision.decide(grad_norm);
     state.model = state.optim.step(lr, state.model.clone(), &grads, update)?;
-    // Routing statistics and traffic over the whole batch group.
-    let stats = state.hook.take_stats();
-    let remote = state.experts.traffic().take();
-    let batch = &state.reduction.batch;
-    let mut sums: Vec<f64> = stats
-        .routed
-        .iter()
-        .chain(&stats.kept)
-        .flatten()
-        .map(|&c| c as f64)
-        .collect();
-    sums.extend([
-        stats.aux_loss,
-        stats.z_loss,
-        stats.forwards as f64,
-        remote as f64,
-    ]);
-    batch.all_reduce(&mut sums, ReduceOp::Sum)?;
-    let layers = stats.routed.len();
-    let experts = stats.routed.first().map_or(0, Vec::len);
-    let per_layer = |block: usize| -> Vec<Vec<u64>> {
-        sums[block * layers * experts..(block + 1) * layers * experts]
-            .chunks(experts.max(1))
-            .map(|c| c.iter().map(|&v| v as u64).collect())
-            .collect()
-    };
-    let (routed, kept) = (per_layer(0), per_layer(1));
-    state
-        .experts
-        .record_loads(state.model.moe_blocks(), &routed);
-    // Auxiliary-loss-free balancing: the global loads move every rank's biases alike.
-    for (block, counts) in state.model.moe_blocks_mut().iter_mut().zip(&routed) {
-        if let Some(moe) = block.moe.as_mut() {
-            moe.update_bias(counts);
-        }
-    }
-    let tail = &sums[2 * layers * experts..];
-    let total_routed: u64 = routed.iter().flatten().sum();
-    let total_kept: u64 = kept.iter().flatten().sum();
-    let imbalance = kept
-        .iter()
-        .map(|l| {
-            let mean = l.iter().sum::<u64>() as f64 / l.len().max(1) as f64;
-            l.iter().copied().max().unwrap_or(0) as f64 / mean.max(f64::MIN_POSITIVE)
-        })
-        .fold(0.0, f64::max);
-    let d = state.d_model;
+    let routing = routing_record(state)?;
     let comm = ctx.comm_stats().since(&before).total();
     let a2a = state.experts.group().stats().since(&a2a_before).total();
     let (params, held) = state.optim.held(state.layout.numel);
@@ -355,17 +309,66 @@ fn moe_step<M: NextTokenLoss + MoeBlocks>(
         events: vec![],
         in_flight: 0,
         pipeline: Duration::ZERO,
-        moe: Some(MoeRecord {
-            tokens_per_expert: kept,
-            imbalance,
-            drop_rate: 1.0 - total_kept as f64 / (total_routed as f64).max(1.0),
-            aux_loss: tail[0] / tail[2].max(1.0),
-            z_loss: tail[1] / tail[2].max(1.0),
-            a2a_remote_bytes: tail[3] as u64 * d as u64 * 4,
-            a2a_s: 0.0,
-        }),
+        moe: Some(routing),
         a2a: a2a.wait + a2a.transfer,
         loss_scale,
         skipped: !update,
+    })
+}
+
+/// The step's routing over the whole batch group (statistics and traffic summed over it), and
+/// the auxiliary-loss-free balancing that the global loads drive (every rank's biases alike).
+fn routing_record<M: MoeBlocks>(state: &mut MoeState<M>) -> Result<MoeRecord, RankError> {
+    let stats = state.hook.take_stats();
+    let remote = state.experts.traffic().take();
+    let mut sums: Vec<f64> = stats
+        .routed
+        .iter()
+        .chain(&stats.kept)
+        .flatten()
+        .map(|&c| c as f64)
+        .collect();
+    sums.extend([
+        stats.aux_loss,
+        stats.z_loss,
+        stats.forwards as f64,
+        remote as f64,
+    ]);
+    state.reduction.batch.all_reduce(&mut sums, ReduceOp::Sum)?;
+    let layers = stats.routed.len();
+    let experts = stats.routed.first().map_or(0, Vec::len);
+    let per_layer = |block: usize| -> Vec<Vec<u64>> {
+        sums[block * layers * experts..(block + 1) * layers * experts]
+            .chunks(experts.max(1))
+            .map(|c| c.iter().map(|&v| v as u64).collect())
+            .collect()
+    };
+    let (routed, kept) = (per_layer(0), per_layer(1));
+    state
+        .experts
+        .record_loads(state.model.moe_blocks(), &routed);
+    for (block, counts) in state.model.moe_blocks_mut().iter_mut().zip(&routed) {
+        if let Some(moe) = block.moe.as_mut() {
+            moe.update_bias(counts);
+        }
+    }
+    let tail = &sums[2 * layers * experts..];
+    let total_routed: u64 = routed.iter().flatten().sum();
+    let total_kept: u64 = kept.iter().flatten().sum();
+    let imbalance = kept
+        .iter()
+        .map(|l| {
+            let mean = l.iter().sum::<u64>() as f64 / l.len().max(1) as f64;
+            l.iter().copied().max().unwrap_or(0) as f64 / mean.max(f64::MIN_POSITIVE)
+        })
+        .fold(0.0, f64::max);
+    Ok(MoeRecord {
+        tokens_per_expert: kept,
+        imbalance,
+        drop_rate: 1.0 - total_kept as f64 / (total_routed as f64).max(1.0),
+        aux_loss: tail[0] / tail[2].max(1.0),
+        z_loss: tail[1] / tail[2].max(1.0),
+        a2a_remote_bytes: tail[3] as u64 * state.d_model as u64 * 4,
+        a2a_s: 0.0,
     })
 }

@@ -50,19 +50,7 @@ pub(super) fn build(
         .into_iter()
         .map(|s| s.name)
         .collect();
-    // Stages cut from the whole model keep its parameters' ids, so the whole model's
-    // table names them; the tied head's copy is a new parameter (reported once, as the
-    // embedding).
-    let stage_params = (0..schedule.stages())
-        .map(|stage| {
-            let cut = TransformerStage::cut(&model, stage, &counts)?;
-            Ok(ParamLayout::of(&cut)
-                .slots
-                .into_iter()
-                .map(|s| (whole.get(s.id).map(|e| e.name.clone()), s.numel))
-                .collect())
-        })
-        .collect::<Result<Vec<_>, flashover_parallel::ParallelError>>()?;
+    let stage_params = stage_names(&model, &whole, schedule.stages(), &counts)?;
     // With a tp axis each stage holds its tensor-parallel shares (dp x tp x pp).
     let tp = ctx.group(Axis::Tp);
     let (local, split, seq, mut placements) = if tp.size() > 1 {
@@ -151,7 +139,7 @@ struct PipelineState {
     /// in the whole model (`None` for the tied head's copy, reported as `embed.weight`) and
     /// their length. With `order`, the whole model's names, this is all rank 0 needs to name
     /// gathered parameters: no rank keeps a copy of the whole model.
-    stage_params: Vec<Vec<(Option<String>, usize)>>,
+    stage_params: Vec<StageNames>,
     order: Vec<String>,
     shape: [usize; 3],
     average: bool,
@@ -173,6 +161,31 @@ impl PipelineState {
     fn stepped_entries(&self) -> Result<Vec<(ParamSlot, ParamPlacement)>, RankError> {
         self.optim.entries(&self.placements, &self.chunks)
     }
+}
+
+/// A virtual stage's parameters in layout order: whole-model name (`None` for a tied copy)
+/// and length.
+type StageNames = Vec<(Option<String>, usize)>;
+
+/// Per virtual stage, its parameters' whole-model names and lengths. Stages cut from the whole
+/// model keep its parameters' ids, so the whole model's table names them; the tied head's copy
+/// is a new parameter (`None`: reported once, as the embedding).
+fn stage_names(
+    model: &Transformer,
+    whole: &PlacementTable,
+    stages: usize,
+    counts: &[usize],
+) -> Result<Vec<StageNames>, RankError> {
+    (0..stages)
+        .map(|stage| {
+            let cut = TransformerStage::cut(model, stage, counts)?;
+            Ok(ParamLayout::of(&cut)
+                .slots
+                .into_iter()
+                .map(|s| (whole.get(s.id).map(|e| e.name.clone()), s.numel))
+                .collect())
+        })
+        .collect()
 }
 
 /// Records that `chunk`'s parameters are this pipeline rank's own (other stages hold other

@@ -1,11 +1,14 @@
 //! Whole replicas (DDP) or tensor-parallel shares replicated over the data axes: gradients are
 //! reduced in buckets on a communication thread while backward runs, then Burn's AdamW steps
 //! every parameter. The norm and checkpoints come from the placements (split weights summed
-//! over tp, replicated ones counted once).
+//! over tp, replicated ones counted once). Tensor-parallel shares under ZeRO-1/2 keep the
+//! bucketed all-reduce and cut the optimizer state by rows ([`RowSharding`]): each rank steps
+//! its rows of the reduced gradient and the updated rows are all-gathered.
 
+use super::rows::RowSharding;
 use super::{
-    Batches, NextTokenLoss, Precisions, RankStrategy, SHARING, SharedState, StepOutcome,
-    named_params, replica_index, replicated_memory, run_micro_batches, with_moments,
+    Batches, NextTokenLoss, Precisions, RankStrategy, SHARING, SharedState, StepOutcome, borrowed,
+    clip_placed, named_params, replica_index, replicated_memory, run_micro_batches, with_moments,
 };
 use crate::train::checkpoint::{LocalState, placed_segments};
 use crate::train::config::TrainConfig;
@@ -13,7 +16,7 @@ use crate::train::tp_model::TpTransformer;
 use burn::module::Module;
 use flashover_models::Transformer;
 use flashover_parallel::data_parallel::{DataParallel, DataParallelConfig};
-use flashover_parallel::params::{flatten_params, load_flat};
+use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, load_flat};
 use flashover_parallel::placement::PlacementTable;
 use flashover_parallel::tensor_parallel::TensorParallel;
 use flashover_parallel::{FlatAdamWConfig, ModuleAdamW, clip_module_grads};
@@ -26,6 +29,8 @@ struct Replicated<M: Module> {
     optim: ModuleAdamW,
     /// Where each parameter (or tp share) lives: the norm and checkpoints read it.
     placements: PlacementTable,
+    /// ZeRO-1/2 over tensor-parallel shares: this rank's rows and their AdamW state.
+    rows: Option<RowSharding>,
 }
 
 /// DDP over the data axes: `model` broadcast from rank 0, buckets planned.
@@ -43,6 +48,7 @@ pub(super) fn data_parallel(
         ddp,
         optim,
         placements,
+        rows: None,
     }))
 }
 
@@ -60,12 +66,16 @@ pub(super) fn tensor_parallel(
     let model = TpTransformer::shard(model, &plan)?;
     let placements = model.placements().clone();
     let (model, ddp) = ddp.init(model, grad_group)?;
+    let zero = config.parallel.zero;
+    let rows = matches!(zero, 1 | 2).then(|| RowSharding::new(ctx, &model, zero, adamw));
+    // Under ZeRO the AdamW state is the rows'; the whole-model one stays empty.
     let optim = ModuleAdamW::new(adamw, &model);
     Ok(Box::new(Replicated {
         model: Box::new(model),
         ddp,
         optim,
         placements,
+        rows,
     }))
 }
 
@@ -101,24 +111,44 @@ impl<M: Whole> RankStrategy for Replicated<M> {
             mut ddp,
             mut optim,
             placements,
+            mut rows,
         } = *self;
         ddp.set_loss_scale(precision.scaler.scale());
         let loss_sum = run_micro_batches(&mut ddp, &*model, batches, micro_batches, precision)?;
-        // The norm spans every tp rank's split weights; replicated ones count once.
         let reduced = ddp.finish(&*model, None)?;
-        let (grads, grad_norm) = clip_module_grads(&*model, reduced.grads, clip, &placements, ctx)?;
         let memory = replicated_memory(&ddp);
         let mut outcome = StepOutcome::reduced(loss_sum, &reduced.report, memory);
-        outcome.grad_norm = grad_norm;
-        let model = match precision.apply(&mut outcome) {
-            true => Box::new(optim.step(lr, *model, &grads)?),
-            false => model,
+        let model = match rows.as_mut() {
+            // The norm spans every tp rank's split weights; replicated ones count once.
+            None => {
+                let (grads, grad_norm) =
+                    clip_module_grads(&*model, reduced.grads, clip, &placements, ctx)?;
+                outcome.grad_norm = grad_norm;
+                match precision.apply(&mut outcome) {
+                    true => Box::new(optim.step(lr, *model, &grads)?),
+                    false => model,
+                }
+            }
+            Some(rows) => {
+                let mut full = vec![0.0; ParamLayout::of(&*model).numel];
+                accumulate_grads(&*model, &reduced.grads, &mut full, &[]);
+                drop(reduced);
+                let mut own = rows.take(&full);
+                let entries = rows.entries(&placements)?;
+                outcome.grad_norm = clip_placed(&borrowed(&entries), &mut own, clip, ctx)?;
+                let update = precision.apply(&mut outcome);
+                let (params, held) = rows.held();
+                outcome.memory.params = params * 4;
+                outcome.memory.optimizer = held * 8;
+                Box::new(rows.step(lr, *model, &own, update)?)
+            }
         };
         let next = Replicated {
             model,
             ddp,
             optim,
             placements,
+            rows,
         };
         Ok((Box::new(next), outcome))
     }
@@ -132,6 +162,9 @@ impl<M: Whole> RankStrategy for Replicated<M> {
         ctx: &RankContext,
         _grad_group: &Group,
     ) -> Result<SharedState, RankError> {
+        if let Some(rows) = &self.rows {
+            return rows.local_state(ctx, &self.placements);
+        }
         let replicas = replica_index(ctx, &SHARING);
         let entries = self.placements.entries_of(&*self.model)?;
         let segments = placed_segments(&entries, 0, &|a| ctx.coord(a), &SHARING);
@@ -146,11 +179,17 @@ impl<M: Whole> RankStrategy for Replicated<M> {
             steps_taken,
             ..
         } = state;
-        *self.model = load_flat((*self.model).clone(), &params);
-        self.optim
-            .flat_mut()
-            .restore(steps_taken, m1, m2)
-            .map_err(RankError::from)
+        let adam = match &mut self.rows {
+            Some(rows) => {
+                *self.model = rows.restore(params, (*self.model).clone())?;
+                &mut rows.adam
+            }
+            None => {
+                *self.model = load_flat((*self.model).clone(), &params);
+                self.optim.flat_mut()
+            }
+        };
+        adam.restore(steps_taken, m1, m2).map_err(RankError::from)
     }
 
     fn full_params(&self, _ctx: &RankContext) -> Result<Vec<(String, Vec<f32>)>, RankError> {

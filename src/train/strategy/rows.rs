@@ -87,6 +87,12 @@ impl RowSharding {
         Ok(self.shards.reduce_scatter(&self.group, full, dtype)?)
     }
 
+    /// This rank's rows of `full`, a gradient already summed over the axis (a data-parallel
+    /// reducer's all-reduce: ZeRO-1 over DDP).
+    pub fn take(&self, full: &[f32]) -> Vec<f32> {
+        self.shards.take(self.group.rank(), full)
+    }
+
     /// This rank's rows as pieces of the parameters `placements` describes.
     pub fn entries(
         &self,
