@@ -6,7 +6,7 @@
 
 use super::{
     Batches, Precisions, RankStrategy, SHARING, SharedState, StepOutcome, borrowed, clip_placed,
-    named_params, replica_index, with_moments,
+    named_params, replica_index, restore_flat, with_moments,
 };
 use crate::train::checkpoint::{LocalState, placed_segments};
 use crate::train::config::{GradientReduction, TrainConfig};
@@ -15,7 +15,7 @@ use crate::train::tp_model::TpTransformer;
 use burn::optim::GradientsParams;
 use flashover_models::Transformer;
 use flashover_parallel::FlatAdamWConfig;
-use flashover_parallel::params::{ParamLayout, flatten_params, load_flat};
+use flashover_parallel::params::{ParamLayout, flatten_params};
 use flashover_parallel::tensor_parallel::TensorParallel;
 use flashover_parallel::zero::{FullyShardConfig, FullyShardedOptimizer, MemoryReport, ShardGroup};
 use flashover_runtime::{Axis, Group, RankContext, RankError};
@@ -152,17 +152,8 @@ impl RankStrategy for FullySharded {
     }
 
     fn restore(&mut self, state: LocalState) -> Result<(), RankError> {
-        let LocalState {
-            params,
-            moments: [m1, m2],
-            steps_taken,
-            ..
-        } = state;
-        *self.model = load_flat((*self.model).clone(), &params);
-        self.optim
-            .flat_mut()
-            .restore(steps_taken, m1, m2)
-            .map_err(RankError::from)
+        *self.model = restore_flat((*self.model).clone(), state, self.optim.flat_mut())?;
+        Ok(())
     }
 
     fn full_params(&self, _ctx: &RankContext) -> Result<Vec<(String, Vec<f32>)>, RankError> {

@@ -328,6 +328,40 @@ fn with_moments(params: Vec<f32>, segments: Vec<Segment>, adam: &FlatAdamW) -> L
     }
 }
 
+/// How a rank's model turns back into the whole one (values only; collective over tp).
+trait WholeModel: NextTokenLoss + 'static {
+    fn whole(&self) -> Result<Transformer, RankError>;
+}
+
+impl WholeModel for Transformer {
+    fn whole(&self) -> Result<Transformer, RankError> {
+        Ok(self.clone().valid())
+    }
+}
+
+impl WholeModel for TpTransformer {
+    fn whole(&self) -> Result<Transformer, RankError> {
+        Ok(self.unshard()?)
+    }
+}
+
+/// `module` with a checkpointed state's parameters, and `adam` with its moments and step
+/// count: the restore of a strategy that holds its parameters as one module.
+fn restore_flat<M: Module>(
+    module: M,
+    state: LocalState,
+    adam: &mut FlatAdamW,
+) -> Result<M, RankError> {
+    let LocalState {
+        params,
+        moments: [m1, m2],
+        steps_taken,
+        ..
+    } = state;
+    adam.restore(steps_taken, m1, m2)?;
+    Ok(flashover_parallel::params::load_flat(module, &params))
+}
+
 /// Named flat values of a whole model (world rank 0 reports them).
 fn named_params<M: Module>(full: &M) -> Vec<(String, Vec<f32>)> {
     let layout = flashover_parallel::params::ParamLayout::of(full);

@@ -5,8 +5,8 @@
 
 use super::rows::FlatOptimizer;
 use super::{
-    Batches, NextTokenLoss, Precisions, RankStrategy, SharedState, StepOutcome, borrowed,
-    clip_placed, named_params,
+    Batches, NextTokenLoss, Precisions, RankStrategy, SharedState, StepOutcome, WholeModel,
+    borrowed, clip_placed, named_params,
 };
 use crate::train::checkpoint::LocalState;
 use crate::train::config::{GradientReduction, TrainConfig};
@@ -171,24 +171,7 @@ pub(super) fn build(
     Ok(Box::new(state))
 }
 
-/// How an expert-parallel model turns back into the whole one (experts gathered by index).
-trait WholeMoe: NextTokenLoss + MoeBlocks + 'static {
-    fn whole(&self) -> Result<Transformer, RankError>;
-}
-
-impl WholeMoe for Transformer {
-    fn whole(&self) -> Result<Transformer, RankError> {
-        Ok(self.clone().valid())
-    }
-}
-
-impl WholeMoe for TpTransformer {
-    fn whole(&self) -> Result<Transformer, RankError> {
-        Ok(self.unshard()?)
-    }
-}
-
-impl<M: WholeMoe> RankStrategy for MoeState<M> {
+impl<M: WholeModel + MoeBlocks> RankStrategy for MoeState<M> {
     fn step(
         mut self: Box<Self>,
         ctx: &RankContext,

@@ -7,7 +7,7 @@
 
 use super::rows::RowSharding;
 use super::{
-    Batches, NextTokenLoss, Precisions, RankStrategy, SHARING, SharedState, StepOutcome, borrowed,
+    Batches, Precisions, RankStrategy, SHARING, SharedState, StepOutcome, WholeModel, borrowed,
     clip_placed, named_params, replica_index, replicated_memory, run_micro_batches, with_moments,
 };
 use crate::train::checkpoint::{LocalState, placed_segments};
@@ -79,24 +79,7 @@ pub(super) fn tensor_parallel(
     }))
 }
 
-/// How a replicated model turns back into the whole one.
-trait Whole: NextTokenLoss + 'static {
-    fn whole(&self) -> Result<Transformer, RankError>;
-}
-
-impl Whole for Transformer {
-    fn whole(&self) -> Result<Transformer, RankError> {
-        Ok(self.clone().valid())
-    }
-}
-
-impl Whole for TpTransformer {
-    fn whole(&self) -> Result<Transformer, RankError> {
-        Ok(self.unshard()?)
-    }
-}
-
-impl<M: Whole> RankStrategy for Replicated<M> {
+impl<M: WholeModel> RankStrategy for Replicated<M> {
     fn step(
         self: Box<Self>,
         ctx: &RankContext,

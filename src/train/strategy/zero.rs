@@ -2,8 +2,8 @@
 //! over the gradient buckets; after the step one all-gather refreshes the replicas.
 
 use super::{
-    Batches, Precisions, RankStrategy, SharedState, StepOutcome, named_params, run_micro_batches,
-    with_moments,
+    Batches, Precisions, RankStrategy, SharedState, StepOutcome, named_params, restore_flat,
+    run_micro_batches, with_moments,
 };
 use crate::train::checkpoint::{LocalState, run_segments, whole_segments};
 use crate::train::config::TrainConfig;
@@ -11,7 +11,7 @@ use burn::module::Module;
 use flashover_models::Transformer;
 use flashover_parallel::FlatAdamWConfig;
 use flashover_parallel::data_parallel::DataParallelConfig;
-use flashover_parallel::params::{ParamLayout, flatten_params, load_flat};
+use flashover_parallel::params::{ParamLayout, flatten_params};
 use flashover_parallel::zero::{ShardedDataParallel, ZeroConfig};
 use flashover_runtime::{Group, RankContext, RankError};
 
@@ -85,18 +85,12 @@ impl RankStrategy for Zero {
     }
 
     fn restore(&mut self, state: LocalState) -> Result<(), RankError> {
-        let LocalState {
-            params,
-            moments: [m1, m2],
-            steps_taken,
-            ..
-        } = state;
-        *self.model = load_flat((*self.model).clone(), &params);
-        self.sharded
-            .optimizer_mut()
-            .flat_mut()
-            .restore(steps_taken, m1, m2)
-            .map_err(RankError::from)
+        *self.model = restore_flat(
+            (*self.model).clone(),
+            state,
+            self.sharded.optimizer_mut().flat_mut(),
+        )?;
+        Ok(())
     }
 
     fn full_params(&self, _ctx: &RankContext) -> Result<Vec<(String, Vec<f32>)>, RankError> {
