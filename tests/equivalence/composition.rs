@@ -69,6 +69,8 @@ fn sharded_pipeline_stages_train_as_one_rank() {
         ("dp=2,tp=2,pp=2", 1, false, "1f1b"),
         ("dp=2,pp=2", 2, true, "zb-h1"),
         ("fsdp=2,tp=2,pp=2", 3, true, "1f1b"),
+        ("tp=2,pp=2", 0, false, "zb-h1"),
+        ("dp=2,tp=2,pp=2", 1, true, "zb-h1"),
     ] {
         let mut c = composed(mesh, 8);
         c.parallel.zero = zero;

@@ -66,13 +66,6 @@ const RULES: &[Rule] = &[
                  (--moe --experts N)",
     },
     Rule {
-        name: "zb-tp",
-        applies: |l, _| l.pp > 1 && l.tp > 1 && l.schedule == PipelineSchedule::ZbH1,
-        reason: "not yet: zero-bubble schedules defer the weight gradients of the blocks' \
-                 linear layers through a hook that tensor-parallel stages bypass (their \
-                 linear layers sit inside the parallel operators); use 1f1b or interleaved",
-    },
-    Rule {
         name: "cp-sp",
         applies: |l, _| l.cp > 1 && l.sequence_parallel,
         reason: "not yet: with cp each rank already holds chunks of the sequence, and the \

@@ -102,7 +102,7 @@ pub(super) fn build(
             config.parallel.pp_schedule
         )));
     }
-    let deferral = (splits_backward && split.is_none()).then(|| {
+    let deferral = splits_backward.then(|| {
         let store = WeightGradStore::default();
         let hook = LinearHook(Arc::new(DeferWeightGrads(store.clone())));
         (store, hook)
@@ -283,6 +283,13 @@ fn pipeline_step(
                 .forward(input, tokens, targets, &fwd)
         },
     )?;
+    // A zero-bubble schedule whose weight gradients were not deferred would silently be 1F1B.
+    if state.deferral.is_some() && report.deferred_weight_grads == 0 {
+        return Err(RankError::from(
+            "zero-bubble schedule: no weight gradient was deferred to the weight-gradient \
+             actions (the stages' linear layers bypassed the deferral hook)",
+        ));
+    }
     // One flat gradient over this rank's chunks, averaged over replicas.
     let mut flat = vec![0.0f32; state.layouts.iter().map(|l| l.numel).sum()];
     let mut at = 0;
