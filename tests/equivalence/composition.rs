@@ -196,3 +196,35 @@ fn sharded_optimizer_state_over_tensor_parallel_shares_trains_as_one_rank() {
         assert!(sharded * 2 <= whole + 64, "{mesh}: {sharded} vs {whole}");
     }
 }
+
+/// Every cell of `docs/composition.md` that says `yes` is a claim: each pair of strategies the
+/// rule table accepts trains as one rank does (a few steps, tiny model, up to 8 rank threads).
+#[test]
+fn every_pair_the_rule_table_accepts_trains_as_one_rank() {
+    use flashover::plan::apply_layout;
+    use flashover::plan::rules::{Feature, layout_with, refusals};
+    let mut checked = 0;
+    for (i, a) in Feature::ALL.iter().enumerate() {
+        for b in &Feature::ALL[i..] {
+            let (layout, experts) = layout_with(&[*a, *b]);
+            if !refusals(&layout, experts).is_empty()
+                || (a, b) == (&Feature::Zero12, &Feature::Fsdp)
+            {
+                continue;
+            }
+            let mut c = composed("dp=1", 8);
+            apply_layout(&mut c, &layout);
+            c.run.steps = 3;
+            if experts {
+                c.moe.experts = 4;
+                c.moe.top_k = 2;
+                c.moe.d_expert = Some(24);
+            }
+            let what = format!("{a:?} x {b:?}: {layout}");
+            let (_, _, cmp) = verify(&c, TOLERANCE).unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert!(cmp.pass, "{what}: {cmp}");
+            checked += 1;
+        }
+    }
+    assert!(checked >= 50, "only {checked} pairs checked");
+}
