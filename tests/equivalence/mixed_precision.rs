@@ -315,3 +315,34 @@ fn an_interrupted_f16_run_resumes_with_its_loss_scale_bit_for_bit() {
     // The scale moved during the first half, so restoring it mattered.
     assert_ne!(rest.steps[0].loss_scale, Some((1u64 << 18) as f32));
 }
+
+/// The composed layouts under bf16 compute agree with one bf16 rank within the bf16 bounds:
+/// fully sharded tp shares, sharded pipeline stages, pipelines over cp ranks, ZeRO-1 over tp.
+#[test]
+fn bf16_composed_layouts_agree_with_one_bf16_rank() {
+    for (mesh, zero, untie) in [
+        ("fsdp=2,tp=2", 3, false),
+        ("fsdp=2,pp=2", 3, true),
+        ("pp=2,cp=2", 0, true),
+        ("dp=2,tp=2", 1, false),
+    ] {
+        let mut c = precision_job(mesh, zero);
+        c.data.seq_len = 24;
+        c.model.tie_embeddings = !untie;
+        c.precision.param_dtype = Precision::BF16;
+        let mut single = c.clone();
+        single.parallel.mesh = "dp=1".into();
+        single.parallel.zero = 0;
+        let one = run(&single, "bf16 dp=1");
+        let r = run(&c, &format!("bf16 {mesh} zero={zero}"));
+        let cmp = compare(&one, &r, PARAM_TOLERANCE);
+        assert!(
+            cmp.max_rel_loss_diff <= LOSS_TOLERANCE,
+            "{mesh} zero={zero}: {cmp}"
+        );
+        assert!(
+            cmp.max_rel_param_diff <= PARAM_TOLERANCE,
+            "{mesh} zero={zero}: {cmp}"
+        );
+    }
+}
