@@ -8,8 +8,11 @@
 //!   rest of backward still runs (on Flex, through a gradient hook; elsewhere right after
 //!   backward); gradient accumulation reduces once per step; global-norm clipping.
 //! - [`params`]: walking a Burn module's parameters: layout, flattening, broadcasting.
-//! - [`zero`]: sharded data parallel: ZeRO-1/2 (optimizer state, gradients), ZeRO-3/FSDP units,
-//!   HSDP.
+//! - [`placement`]: where every parameter lives on the mesh (replicated, sharded along a
+//!   dimension, or owned by some ranks), recorded by the strategies that move it; the gradient
+//!   reduction, the global norm and checkpoint regions follow from it.
+//! - [`zero`]: sharded data parallel: ZeRO-1/2 (optimizer state, gradients), ZeRO-3/FSDP units
+//!   (each parameter cut by rows), HSDP.
 //! - [`pipeline`]: pipeline schedules as data (GPipe, 1F1B, interleaved, zero-bubble H1), checked
 //!   and timed before they run.
 //! - [`tensor_parallel`]: Megatron's column/row-parallel layers, vocabulary-parallel embedding and
