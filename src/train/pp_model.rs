@@ -30,7 +30,6 @@ use flashover_parallel::tensor_parallel::{
 /// );
 /// // The stage keeps the whole model's parameters (their ids too): the placements name them.
 /// assert_eq!(last.blocks[0].attn.wq.weight.id, model.blocks[1].attn.wq.weight.id);
-/// assert!(first.tensor_parallel().is_none() && first.vocab_shard().is_none());
 /// let tokens = Tensor::<2, Int>::from_ints([[1, 2, 3, 4, 5]], &Device::flex());
 /// let (inputs, targets) = (tokens.clone().narrow(1, 0, 4), tokens.narrow(1, 1, 4));
 /// let ctx = ForwardContext::default();
@@ -269,16 +268,6 @@ impl TransformerStage {
             full.tp = None;
         }
         Ok(full)
-    }
-
-    /// Whether the stage splits its weights over a tensor-parallel group.
-    pub fn tensor_parallel(&self) -> Option<&TensorParallel> {
-        self.tp.as_ref().map(|(tp, _)| tp)
-    }
-
-    /// With tensor parallelism, this rank's vocabulary rows.
-    pub fn vocab_shard(&self) -> Option<&VocabShard> {
-        self.tp.as_ref().map(|(_, vocab)| vocab)
     }
 }
 

@@ -154,24 +154,7 @@ impl ShardedTransformer {
         let ctx = tp_context(ctx, tp, self.local_heads, t);
         let mut h = vocab_parallel_embedding(root.embed.weight.val(), tokens, vocab, tp);
         let rope = ctx.rope_tables(t, self.head_dim, root.rope_theta, &h.device());
-        for (i, block) in self.blocks.iter().enumerate() {
-            if let Some(next) = self.blocks.get(i + 1) {
-                next.prefetch();
-            }
-            let before = i.checked_sub(1).map(|j| self.blocks[j].prefetch_handle());
-            let (rope, mut ctx, tp) = (rope.clone(), ctx.clone(), tp.clone());
-            if block.recomputes() {
-                ctx.checkpointing = None;
-            }
-            let forward = move |b: &Block, h| {
-                let (inner, rope, tp) = (ctx.clone(), rope.clone(), tp.clone());
-                let b = precision.compute_view(b.clone());
-                ctx.block(i, &b, h, move |b, h| {
-                    tp_block_forward(b, h, &rope, &inner, i, &tp)
-                })
-            };
-            h = block.forward_prefetching(h, forward, before)?;
-        }
+        h = self.blocks_forward(h, &ctx, rope, precision, Some(tp))?;
         let head = match &root.head {
             Some(head) => head.weight.val(),
             None => root.embed.weight.val().transpose(),
@@ -195,29 +178,45 @@ impl ShardedTransformer {
         let t = tokens.dims()[1];
         let h = root.embed_tokens(tokens);
         let rope = ctx.rope_tables(t, self.head_dim, root.rope_theta, &h.device());
-        let mut h = h;
+        let h = self.blocks_forward(h, ctx, rope, precision, None)?;
+        Ok(root.logits(h))
+    }
+
+    /// Every block unit in turn on `h`, each gathered just before use with the next one
+    /// prefetched, computing in `precision`'s dtype, through the tensor-parallel block forward
+    /// when `tp` is given.
+    fn blocks_forward(
+        &self,
+        mut h: Tensor<3>,
+        ctx: &ForwardContext,
+        rope: (Tensor<2>, Tensor<2>),
+        precision: MixedPrecision,
+        tp: Option<&TensorParallel>,
+    ) -> Result<Tensor<3>, ParallelError> {
         for (i, block) in self.blocks.iter().enumerate() {
             if let Some(next) = self.blocks.get(i + 1) {
                 next.prefetch();
             }
             // In backward, blocks run in reverse: this one's start prefetches the one before.
             let before = i.checked_sub(1).map(|j| self.blocks[j].prefetch_handle());
-            let (rope, mut ctx) = (rope.clone(), ctx.clone());
+            let (rope, mut ctx, tp) = (rope.clone(), ctx.clone(), tp.cloned());
             // A unit that reshards after forward recomputes its block in backward already.
             if block.recomputes() {
                 ctx.checkpointing = None;
             }
             let forward = move |b: &Block, h| {
-                let inner = ctx.clone();
-                let rope = rope.clone();
+                let (inner, rope, tp) = (ctx.clone(), rope.clone(), tp.clone());
                 // Each gathered block computes in the policy's dtype (its f32 gradient then
                 // goes to the reduce-scatter).
                 let b = precision.compute_view(b.clone());
-                ctx.block(i, &b, h, move |b, h| b.forward_with(h, &rope, &inner, i))
+                ctx.block(i, &b, h, move |b, h| match &tp {
+                    Some(tp) => tp_block_forward(b, h, &rope, &inner, i, tp),
+                    None => b.forward_with(h, &rope, &inner, i),
+                })
             };
             h = block.forward_prefetching(h, forward, before)?;
         }
-        Ok(root.logits(h))
+        Ok(h)
     }
 
     /// The whole model, gathered outside any graph (collective).

@@ -137,6 +137,21 @@ fn bf16_mixture_of_experts_tracks_the_f32_loss() {
     }
 }
 
+/// `c` (a bf16 job) against the same model on one bf16 rank (a pipeline's is untied and
+/// deeper) with none of the layout's parallel settings: within the bf16 bounds.
+fn agrees_with_one_bf16_rank(c: &TrainConfig, what: &str) {
+    let mut single = c.clone();
+    single.parallel.mesh = "dp=1".into();
+    single.parallel.zero = 0;
+    single.parallel.sequence_parallel = false;
+    single.parallel.activation_checkpointing = "none".parse().unwrap();
+    let one = run(&single, "bf16 dp=1");
+    let r = run(c, &format!("bf16 {what}"));
+    let cmp = compare(&one, &r, PARAM_TOLERANCE);
+    assert!(cmp.max_rel_loss_diff <= LOSS_TOLERANCE, "{what}: {cmp}");
+    assert!(cmp.max_rel_param_diff <= PARAM_TOLERANCE, "{what}: {cmp}");
+}
+
 #[test]
 fn bf16_layouts_agree_with_one_bf16_rank() {
     type Adjust = fn(&mut TrainConfig);
@@ -159,24 +174,7 @@ fn bf16_layouts_agree_with_one_bf16_rank() {
         let mut c = precision_job(mesh, zero);
         adjust(&mut c);
         c.precision.param_dtype = Precision::BF16;
-        // The single rank trains the same model (a pipeline's is untied and deeper) with none
-        // of the layout's parallel settings.
-        let mut single = c.clone();
-        single.parallel.mesh = "dp=1".into();
-        single.parallel.zero = 0;
-        single.parallel.sequence_parallel = false;
-        single.parallel.activation_checkpointing = "none".parse().unwrap();
-        let one = run(&single, "bf16 dp=1");
-        let r = run(&c, &format!("bf16 {mesh} zero={zero}"));
-        let cmp = compare(&one, &r, PARAM_TOLERANCE);
-        assert!(
-            cmp.max_rel_loss_diff <= LOSS_TOLERANCE,
-            "{mesh} zero={zero}: {cmp}"
-        );
-        assert!(
-            cmp.max_rel_param_diff <= PARAM_TOLERANCE,
-            "{mesh} zero={zero}: {cmp}"
-        );
+        agrees_with_one_bf16_rank(&c, &format!("{mesh} zero={zero}"));
     }
     // Mixture of experts: bf16 inputs can flip near-tied routing decisions between layouts, so
     // the losses are compared (as against f32 below), not the experts' weights.
@@ -330,19 +328,6 @@ fn bf16_composed_layouts_agree_with_one_bf16_rank() {
         c.data.seq_len = 24;
         c.model.tie_embeddings = !untie;
         c.precision.param_dtype = Precision::BF16;
-        let mut single = c.clone();
-        single.parallel.mesh = "dp=1".into();
-        single.parallel.zero = 0;
-        let one = run(&single, "bf16 dp=1");
-        let r = run(&c, &format!("bf16 {mesh} zero={zero}"));
-        let cmp = compare(&one, &r, PARAM_TOLERANCE);
-        assert!(
-            cmp.max_rel_loss_diff <= LOSS_TOLERANCE,
-            "{mesh} zero={zero}: {cmp}"
-        );
-        assert!(
-            cmp.max_rel_param_diff <= PARAM_TOLERANCE,
-            "{mesh} zero={zero}: {cmp}"
-        );
+        agrees_with_one_bf16_rank(&c, &format!("{mesh} zero={zero}"));
     }
 }

@@ -120,7 +120,7 @@ pub(crate) fn build(
         _ if tensor_parallel => {
             replicated::tensor_parallel(ctx, config, model, grad_group, ddp, &adamw)
         }
-        0 => replicated::data_parallel(model, grad_group, ddp, &adamw),
+        0 => replicated::data_parallel(ctx, model, grad_group, ddp, &adamw),
         _ => zero::build(config, model, grad_group, ddp, adamw),
     }
 }

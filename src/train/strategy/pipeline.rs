@@ -56,7 +56,7 @@ pub(super) fn build(
     let (local, split, seq, mut placements) = if tp.size() > 1 {
         let plan =
             TensorParallel::new(tp).with_sequence_parallel(config.parallel.sequence_parallel);
-        let sharded = TpTransformer::shard(model, &plan)?;
+        let sharded = TpTransformer::shard_placed(model, &plan, whole.clone())?;
         // Context parallelism hands each rank a share of every sequence, sequence
         // parallelism a share of that.
         let local_seq = config.data.seq_len / ctx.group(Axis::Cp).size();

@@ -2,39 +2,39 @@
 //! reduced in buckets on a communication thread while backward runs, then Burn's AdamW steps
 //! every parameter. The norm and checkpoints come from the placements (split weights summed
 //! over tp, replicated ones counted once). Tensor-parallel shares under ZeRO-1/2 keep the
-//! bucketed all-reduce and cut the optimizer state by rows ([`RowSharding`]): each rank steps
+//! bucketed all-reduce and cut the optimizer state by rows (`rows::RowSharding`): each rank steps
 //! its rows of the reduced gradient and the updated rows are all-gathered.
 
-use super::rows::RowSharding;
+use super::rows::FlatOptimizer;
 use super::{
-    Batches, Precisions, RankStrategy, SHARING, SharedState, StepOutcome, WholeModel, borrowed,
-    clip_placed, named_params, replica_index, replicated_memory, run_micro_batches, with_moments,
+    Batches, Precisions, RankStrategy, SharedState, StepOutcome, WholeModel, borrowed, clip_placed,
+    named_params, replicated_memory, run_micro_batches,
 };
-use crate::train::checkpoint::{LocalState, placed_segments};
+use crate::train::checkpoint::LocalState;
 use crate::train::config::TrainConfig;
 use crate::train::tp_model::TpTransformer;
 use burn::module::Module;
 use flashover_models::Transformer;
 use flashover_parallel::data_parallel::{DataParallel, DataParallelConfig};
-use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, load_flat};
+use flashover_parallel::params::{ParamLayout, accumulate_grads};
 use flashover_parallel::placement::PlacementTable;
 use flashover_parallel::tensor_parallel::TensorParallel;
-use flashover_parallel::{FlatAdamWConfig, ModuleAdamW, clip_module_grads};
+use flashover_parallel::{FlatAdamWConfig, clip_module_grads};
 use flashover_runtime::{Axis, Group, RankContext, RankError};
 
 /// A replicated model and its bucketed reducer; see the module docs.
 struct Replicated<M: Module> {
     model: Box<M>,
     ddp: DataParallel,
-    optim: ModuleAdamW,
+    /// Burn's AdamW on every parameter, or under ZeRO-1/2 (tp shares) on this rank's rows.
+    optim: FlatOptimizer,
     /// Where each parameter (or tp share) lives: the norm and checkpoints read it.
     placements: PlacementTable,
-    /// ZeRO-1/2 over tensor-parallel shares: this rank's rows and their AdamW state.
-    rows: Option<RowSharding>,
 }
 
 /// DDP over the data axes: `model` broadcast from rank 0, buckets planned.
 pub(super) fn data_parallel(
+    ctx: &RankContext,
     model: Transformer,
     grad_group: &Group,
     ddp: DataParallelConfig,
@@ -42,13 +42,12 @@ pub(super) fn data_parallel(
 ) -> Result<Box<dyn RankStrategy>, RankError> {
     let placements = PlacementTable::whole(&model);
     let (model, ddp) = ddp.init(model, grad_group)?;
-    let optim = ModuleAdamW::new(adamw, &model);
+    let optim = FlatOptimizer::new(ctx, &model, 0, adamw);
     Ok(Box::new(Replicated {
         model: Box::new(model),
         ddp,
         optim,
         placements,
-        rows: None,
     }))
 }
 
@@ -66,16 +65,15 @@ pub(super) fn tensor_parallel(
     let model = TpTransformer::shard(model, &plan)?;
     let placements = model.placements().clone();
     let (model, ddp) = ddp.init(model, grad_group)?;
+    // `build` hands ZeRO-3 to the fully sharded strategy; here only the optimizer state is cut.
     let zero = config.parallel.zero;
-    let rows = matches!(zero, 1 | 2).then(|| RowSharding::new(ctx, &model, zero, adamw));
-    // Under ZeRO the AdamW state is the rows'; the whole-model one stays empty.
-    let optim = ModuleAdamW::new(adamw, &model);
+    debug_assert!(zero < 3, "ZeRO-3 runs fully sharded units");
+    let optim = FlatOptimizer::new(ctx, &model, zero, adamw);
     Ok(Box::new(Replicated {
         model: Box::new(model),
         ddp,
         optim,
         placements,
-        rows,
     }))
 }
 
@@ -94,25 +92,24 @@ impl<M: WholeModel> RankStrategy for Replicated<M> {
             mut ddp,
             mut optim,
             placements,
-            mut rows,
         } = *self;
         ddp.set_loss_scale(precision.scaler.scale());
         let loss_sum = run_micro_batches(&mut ddp, &*model, batches, micro_batches, precision)?;
         let reduced = ddp.finish(&*model, None)?;
         let memory = replicated_memory(&ddp);
         let mut outcome = StepOutcome::reduced(loss_sum, &reduced.report, memory);
-        let model = match rows.as_mut() {
+        let model = match &mut optim {
             // The norm spans every tp rank's split weights; replicated ones count once.
-            None => {
+            FlatOptimizer::Replicated(adam) => {
                 let (grads, grad_norm) =
                     clip_module_grads(&*model, reduced.grads, clip, &placements, ctx)?;
                 outcome.grad_norm = grad_norm;
                 match precision.apply(&mut outcome) {
-                    true => Box::new(optim.step(lr, *model, &grads)?),
+                    true => Box::new(adam.step(lr, *model, &grads)?),
                     false => model,
                 }
             }
-            Some(rows) => {
+            FlatOptimizer::Sharded(rows) => {
                 let mut full = vec![0.0; ParamLayout::of(&*model).numel];
                 accumulate_grads(&*model, &reduced.grads, &mut full, &[]);
                 drop(reduced);
@@ -131,7 +128,6 @@ impl<M: WholeModel> RankStrategy for Replicated<M> {
             ddp,
             optim,
             placements,
-            rows,
         };
         Ok((Box::new(next), outcome))
     }
@@ -145,34 +141,12 @@ impl<M: WholeModel> RankStrategy for Replicated<M> {
         ctx: &RankContext,
         _grad_group: &Group,
     ) -> Result<SharedState, RankError> {
-        if let Some(rows) = &self.rows {
-            return rows.local_state(ctx, &self.placements);
-        }
-        let replicas = replica_index(ctx, &SHARING);
-        let entries = self.placements.entries_of(&*self.model)?;
-        let segments = placed_segments(&entries, 0, &|a| ctx.coord(a), &SHARING);
-        let state = with_moments(flatten_params(&*self.model), segments, self.optim.flat());
-        Ok((state, replicas, replicas))
+        self.optim.local_state(ctx, &*self.model, &self.placements)
     }
 
     fn restore(&mut self, state: LocalState) -> Result<(), RankError> {
-        let LocalState {
-            params,
-            moments: [m1, m2],
-            steps_taken,
-            ..
-        } = state;
-        let adam = match &mut self.rows {
-            Some(rows) => {
-                *self.model = rows.restore(params, (*self.model).clone())?;
-                &mut rows.adam
-            }
-            None => {
-                *self.model = load_flat((*self.model).clone(), &params);
-                self.optim.flat_mut()
-            }
-        };
-        adam.restore(steps_taken, m1, m2).map_err(RankError::from)
+        *self.model = self.optim.restore(state, (*self.model).clone())?;
+        Ok(())
     }
 
     fn full_params(&self, _ctx: &RankContext) -> Result<Vec<(String, Vec<f32>)>, RankError> {

@@ -20,16 +20,16 @@ use flashover_runtime::{Axis, Group, RankContext, RankError};
 /// A module's parameters cut by rows over `axis`; see the module docs.
 pub(super) struct RowSharding {
     /// The axis the rows are cut over.
-    pub axis: Axis,
+    axis: Axis,
     group: Group,
     /// The whole module's parameter layout.
     layout: ParamLayout,
     shards: UnitShards,
     /// This rank's rows of every parameter.
-    pub own: Vec<f32>,
-    pub adam: FlatAdamW,
+    own: Vec<f32>,
+    adam: FlatAdamW,
     /// ZeRO-1/2: the whole module stays between steps (ZeRO-3 keeps only the rows).
-    pub keep_params: bool,
+    keep_params: bool,
 }
 
 impl RowSharding {

@@ -27,7 +27,7 @@ use replicas::Replicas;
 use crate::error::ParallelError;
 use crate::params::{flatten_params, load_flat};
 use crate::tensor_parallel::comm::{host, host_pair, ok, values};
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{Tensor, TensorData};
 use flashover_comm::{CommunicatorExt, Group};
 use flashover_models::moe::{ExpertDispatch, Moe, Routing, index_tensor, run_experts};
@@ -40,29 +40,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// Per float parameter of `module`, in visiting order: whether it sits in the `experts` of a
 /// [`Moe`] layer, wherever that layer is in the model and whatever its field is called.
 pub fn expert_slots<M: Module>(module: &M) -> Vec<bool> {
-    struct V {
-        /// Per enclosing module: whether it is a `Moe`'s `experts`.
-        inside: Vec<bool>,
-        slots: Vec<bool>,
-    }
-    impl ModuleVisitor for V {
-        fn enter_module(&mut self, name: &str, container_type: &str) {
-            self.inside
-                .push(name == "experts" && container_type == "Struct:Moe");
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.inside.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, _: &Param<Tensor<D>>) {
-            self.slots.push(self.inside.iter().any(|&e| e));
-        }
-    }
-    let mut v = V {
-        inside: vec![],
-        slots: vec![],
-    };
-    module.visit(&mut v);
-    v.slots
+    expert_paths(module, 0)
+        .into_iter()
+        .map(|(_, global)| global.is_some())
+        .collect()
 }
 
 /// Records in `placements` that `module`'s routed experts (the `experts` of every [`Moe`]
@@ -73,14 +54,26 @@ pub fn place_experts<M: Module>(
     module: &M,
     first: usize,
 ) -> Result<(), ParallelError> {
-    struct V<'a> {
+    for (id, global) in expert_paths(module, first) {
+        if let Some(name) = global {
+            placements.own(id, Axis::Ep)?;
+            placements.rename(id, name)?;
+        }
+    }
+    Ok(())
+}
+
+/// Per float parameter of `module`, in visiting order: its id and, when it sits in the
+/// `experts` of a [`Moe`] layer, its path with the expert's local index shifted by `first` (its
+/// name in the whole model).
+fn expert_paths<M: Module>(module: &M, first: usize) -> Vec<(ParamId, Option<String>)> {
+    struct V {
         /// The module path, each part with whether it is a `Moe`'s `experts`.
         path: Vec<(String, bool)>,
         first: usize,
-        placements: &'a mut PlacementTable,
-        result: Result<(), ParallelError>,
+        params: Vec<(ParamId, Option<String>)>,
     }
-    impl ModuleVisitor for V<'_> {
+    impl ModuleVisitor for V {
         fn enter_module(&mut self, name: &str, container_type: &str) {
             let experts = name == "experts" && container_type == "Struct:Moe";
             self.path.push((name.to_string(), experts));
@@ -89,37 +82,33 @@ pub fn place_experts<M: Module>(
             self.path.pop();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let Some(at) = self.path.iter().position(|(_, experts)| *experts) else {
-                return;
-            };
-            // The part after `experts` is the expert's index in this rank's list.
-            let name = self
+            let global = self
                 .path
                 .iter()
-                .enumerate()
-                .filter(|(_, (part, _))| !part.is_empty())
-                .map(|(i, (part, _))| match part.parse::<usize>() {
-                    Ok(local) if i == at + 1 => (self.first + local).to_string(),
-                    _ => part.clone(),
-                })
-                .collect::<Vec<_>>()
-                .join(".");
-            if self.result.is_ok() {
-                self.result = self
-                    .placements
-                    .own(param.id, Axis::Ep)
-                    .and_then(|()| self.placements.rename(param.id, name));
-            }
+                .position(|(_, experts)| *experts)
+                .map(|at| {
+                    // The part after `experts` is the expert's index in this rank's list.
+                    self.path
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, (part, _))| !part.is_empty())
+                        .map(|(i, (part, _))| match part.parse::<usize>() {
+                            Ok(local) if i == at + 1 => (self.first + local).to_string(),
+                            _ => part.clone(),
+                        })
+                        .collect::<Vec<_>>()
+                        .join(".")
+                });
+            self.params.push((param.id, global));
         }
     }
     let mut v = V {
         path: vec![],
         first,
-        placements,
-        result: Ok(()),
+        params: vec![],
     };
     module.visit(&mut v);
-    v.result
+    v.params
 }
 
 /// Rows the token all-to-alls sent to other ranks, forward and backward, counted by the sender
