@@ -38,6 +38,7 @@
 pub mod checkpoint;
 mod config;
 mod metrics;
+mod parallelize;
 mod pp_model;
 mod rank;
 mod report;

@@ -5,18 +5,17 @@
 use super::checkpoint::Saver;
 use super::config::TrainConfig;
 use super::metrics::{RankMetrics, StepFacts, step_record};
+use super::parallelize::{self, Recompute};
 use super::report::{DeviceMemory, StepRecord};
 use super::run::make_batch;
 use super::strategy::{self, Precisions, RankStrategy, StepOutcome};
 use super::trace::Trace;
 use burn::tensor::{Device, Int, Tensor};
 use flashover_data::{BatchPlan, TokenSource};
-use flashover_models::{CheckpointHook, Dropout, ForwardContext, Transformer, TransformerConfig};
-use flashover_parallel::activation_checkpointing::BlockRecompute;
+use flashover_models::{Dropout, ForwardContext, Transformer, TransformerConfig};
 use flashover_parallel::context_parallel::{AttentionWork, ContextParallel};
 use flashover_parallel::precision::LossScaler;
 use flashover_runtime::{Axis, CommunicatorExt, Group, RankContext, RankError};
-use std::sync::Arc;
 use std::time::Instant;
 
 /// What rank 0 hands back: its step records, the final parameters by name, buckets per step,
@@ -35,7 +34,7 @@ struct Rank<'a> {
     /// Context parallelism: this rank's share of every sequence.
     context: Option<ContextParallel>,
     /// Block-level recomputation and the hook that runs it.
-    recompute: Option<(Arc<BlockRecompute>, CheckpointHook)>,
+    recompute: Option<Recompute>,
     /// The ranks whose gradients are averaged (`dp x fsdp x ep x cp`).
     grad_group: Group,
 }
@@ -47,34 +46,15 @@ impl<'a> Rank<'a> {
         model_config: &TransformerConfig,
         source: &'a dyn TokenSource,
     ) -> Result<Self, RankError> {
-        let policy = &config.parallel.activation_checkpointing;
-        let device = if policy.is_selective() {
-            ctx.device().clone().autodiff().gradient_checkpointing()
-        } else {
-            ctx.device().clone().autodiff()
-        };
-        let recompute = policy.block_recompute().map(|r| {
-            let hook = r.hook();
-            (r, hook)
-        });
+        let (device, recompute) = parallelize::activation_checkpointing(ctx, config);
         // Every data-parallel rank (replica or shard) reads its own slice of the batch.
         let batch_group = ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep])?;
+        let context = parallelize::context_parallel(ctx, config, model_config)?;
         // Context-parallel ranks read the same samples and keep different positions of them;
         // their gradients are averaged together with the data-parallel ranks'.
-        let cp = ctx.group(Axis::Cp);
-        let (grad_group, context) = if cp.size() > 1 {
-            let local_heads = model_config.n_heads / ctx.group(Axis::Tp).size();
-            let context = ContextParallel::new(
-                cp,
-                config.data.seq_len,
-                config.parallel.cp_attention,
-                config.parallel.cp_load_balance,
-                local_heads,
-            )?;
-            let group = ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep, Axis::Cp])?;
-            (group, Some(context))
-        } else {
-            (batch_group.clone(), None)
+        let grad_group = match context {
+            Some(_) => ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep, Axis::Cp])?,
+            None => batch_group.clone(),
         };
         let plan = BatchPlan::new(
             config.run.global_batch,
@@ -281,7 +261,7 @@ pub(crate) fn train_rank(
     origin: Instant,
 ) -> Result<RankOutput, RankError> {
     let rank = Rank::new(ctx, config, model_config, source)?;
-    let model = rank.model(model_config);
+    let model = parallelize::parallelize(ctx, config, model_config, rank.model(model_config))?;
     let mut strategy = strategy::build(ctx, config, model_config, model, &rank.grad_group)?;
     let policy = config.precision.policy()?;
     policy.check(&rank.device)?;

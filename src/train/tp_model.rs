@@ -177,6 +177,12 @@ impl TpTransformer {
         &self.placements
     }
 
+    /// The shares and their table, for a later transform that records what it does to them
+    /// (expert parallelism owning the experts).
+    pub(crate) fn local_and_placements_mut(&mut self) -> (&Transformer, &mut PlacementTable) {
+        (&self.local, &mut self.placements)
+    }
+
     /// The full model, gathered from every rank's shares (collective; values only).
     pub fn unshard(&self) -> Result<Transformer, ParallelError> {
         unshard_model(self.local.clone(), &self.tp, &self.vocab)

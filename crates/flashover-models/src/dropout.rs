@@ -8,11 +8,8 @@
 //! (replicated activations) match, masks of split activations differ where the elements
 //! differ, and every layout drops the same elements as one rank, reproducibly from the seed.
 
-use crate::layers::{Block, rope_tables_at};
-use burn::nn::Linear;
-use burn::tensor::{Device, Shape, Tensor, TensorData};
+use burn::tensor::{Shape, Tensor, TensorData};
 use flashover_data::SplitMix64;
-use std::sync::Arc;
 
 /// Dropout with probability `p` for optimizer step `step` of a run seeded `seed`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -23,94 +20,6 @@ pub struct Dropout {
     pub seed: u64,
     /// The optimizer step (masks change every step).
     pub step: u64,
-}
-
-/// Where a forward runs: its dropout, where its local tensors sit in the logical ones, and who
-/// computes its linear layers.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct ForwardContext {
-    /// Dropout, if any.
-    pub dropout: Option<Dropout>,
-    /// Global index of the first sample of the local batch.
-    pub sample_offset: usize,
-    /// First attention head held locally (tensor parallelism).
-    pub head_offset: usize,
-    /// First sequence position held locally in the residual stream (sequence parallelism).
-    pub seq_offset: usize,
-    /// The global sequence positions of the local sequence, when they are not `0..seq`
-    /// (context parallelism: a rank holds chunks of every sequence). Rotary embeddings and
-    /// dropout masks use them; `None` means `seq_offset..`.
-    pub positions: Option<Arc<[usize]>>,
-    /// Computes the blocks' linear layers in place of [`Linear::forward`] when set.
-    pub linear: Option<LinearHook>,
-    /// Runs mixture-of-experts layers' experts and collects their auxiliary losses when set
-    /// (without it, experts run locally and auxiliary losses are not added).
-    pub moe: Option<crate::moe::MoeHook>,
-    /// Computes attention's core (softmax of scores times values) in place of the local causal
-    /// attention when set: context parallelism, whose keys and values live on other ranks too.
-    pub core_attention: Option<AttentionHook>,
-    /// Runs the transformer blocks when set: activation checkpointing recomputes some of them
-    /// in backward instead of keeping their activations.
-    pub checkpointing: Option<CheckpointHook>,
-}
-
-/// A block's forward as a function of the block and its input (everything else captured).
-pub type BlockFn = Arc<dyn Fn(&Block, Tensor<3>) -> Tensor<3> + Send + Sync>;
-
-/// Runs transformer blocks: how a strategy changes what a block keeps for backward.
-pub trait BlockCheckpoint: Send + Sync {
-    /// `forward(block, x)` for block `layer`; may keep only `x` and run `forward` again in
-    /// backward.
-    fn run(&self, layer: usize, block: &Block, x: Tensor<3>, forward: BlockFn) -> Tensor<3>;
-}
-
-/// A shared [`BlockCheckpoint`]; two hooks are equal when they are the same object.
-#[derive(Clone)]
-pub struct CheckpointHook(pub Arc<dyn BlockCheckpoint>);
-
-impl std::fmt::Debug for CheckpointHook {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("CheckpointHook")
-    }
-}
-
-impl PartialEq for CheckpointHook {
-    fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
-    }
-}
-
-/// Computes causal attention over a sequence that is split across ranks.
-pub trait AttentionOp: Send + Sync {
-    /// `q`, `k`, `v`: `[batch, heads, seq, head_dim]` of this rank's positions
-    /// ([`ForwardContext::positions`]), rotary embeddings applied. Returns this rank's rows of
-    /// `softmax(q K^T / sqrt(head_dim) + causal mask) V` over the *whole* sequence's keys `K`
-    /// and values `V`, `[batch, heads, seq, head_dim]`, with `ctx`'s dropout on the
-    /// probabilities of layer `layer`.
-    fn attend(
-        &self,
-        q: Tensor<4>,
-        k: Tensor<4>,
-        v: Tensor<4>,
-        ctx: &ForwardContext,
-        layer: usize,
-    ) -> Tensor<4>;
-}
-
-/// A shared [`AttentionOp`]; two hooks are equal when they are the same object.
-#[derive(Clone)]
-pub struct AttentionHook(pub Arc<dyn AttentionOp>);
-
-impl std::fmt::Debug for AttentionHook {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("AttentionHook")
-    }
-}
-
-impl PartialEq for AttentionHook {
-    fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
-    }
 }
 
 /// Where a local tensor's elements sit along one dimension of the logical tensor.
@@ -128,29 +37,6 @@ impl Coords<'_> {
             Coords::From(start) => start + i,
             Coords::At(indices) => indices[i],
         }
-    }
-}
-
-/// Computes a linear layer in place of [`Linear::forward`]: how a strategy changes the way a
-/// weight's gradient is produced (a zero-bubble pipeline defers it to a later action).
-pub trait LinearOp: Send + Sync {
-    /// `linear` applied to `x: [batch, seq, d_in]`.
-    fn apply(&self, linear: &Linear, x: Tensor<3>) -> Tensor<3>;
-}
-
-/// A shared [`LinearOp`]; two hooks are equal when they are the same object.
-#[derive(Clone)]
-pub struct LinearHook(pub Arc<dyn LinearOp>);
-
-impl std::fmt::Debug for LinearHook {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("LinearHook")
-    }
-}
-
-impl PartialEq for LinearHook {
-    fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
     }
 }
 
@@ -218,101 +104,6 @@ impl Dropout {
         )
         .cast(x.dtype());
         x * mask
-    }
-}
-
-impl ForwardContext {
-    /// `linear` applied to `x`, by the context's [`LinearOp`] if it has one.
-    pub fn linear(&self, linear: &Linear, x: Tensor<3>) -> Tensor<3> {
-        match &self.linear {
-            Some(hook) => hook.0.apply(linear, x),
-            None => linear.forward(x),
-        }
-    }
-
-    /// Block `layer`'s forward, `forward(block, x)`, through the context's
-    /// [`BlockCheckpoint`] if it has one.
-    pub fn block(
-        &self,
-        layer: usize,
-        block: &Block,
-        x: Tensor<3>,
-        forward: impl Fn(&Block, Tensor<3>) -> Tensor<3> + Send + Sync + 'static,
-    ) -> Tensor<3> {
-        match &self.checkpointing {
-            Some(hook) => hook.0.run(layer, block, x, Arc::new(forward)),
-            None => forward(block, x),
-        }
-    }
-
-    /// Dropout at `(layer, site)` on a `[batch, seq, d]` residual-stream tensor.
-    pub fn hidden(&self, x: Tensor<3>, layer: usize, site: Site) -> Tensor<3> {
-        let Some(d) = &self.dropout else { return x };
-        let seq = match &self.positions {
-            Some(p) => Coords::At(&p[self.seq_offset..]),
-            None => Coords::From(self.seq_offset),
-        };
-        d.apply_at(
-            x,
-            layer,
-            site,
-            [Coords::From(self.sample_offset), seq, Coords::From(0)],
-        )
-    }
-
-    /// Rotary tables `(cos, sin)` for a local sequence of `len` positions: `0..len`, or
-    /// [`ForwardContext::positions`] when set.
-    pub fn rope_tables(
-        &self,
-        len: usize,
-        head_dim: usize,
-        theta: f64,
-        device: &Device,
-    ) -> (Tensor<2>, Tensor<2>) {
-        match &self.positions {
-            Some(p) => rope_tables_at(p, head_dim, theta, device),
-            None => rope_tables_at(&(0..len).collect::<Vec<_>>(), head_dim, theta, device),
-        }
-    }
-
-    /// Dropout on a block of attention probabilities `[batch, heads, q, k]` whose heads start
-    /// at `head_offset` (of the whole model's heads) and whose queries and keys sit at global
-    /// positions `q_positions` and `k_positions`.
-    pub fn attention_at(
-        &self,
-        probs: Tensor<4>,
-        layer: usize,
-        head_offset: usize,
-        q_positions: &[usize],
-        k_positions: &[usize],
-    ) -> Tensor<4> {
-        match &self.dropout {
-            Some(d) => d.apply_at(
-                probs,
-                layer,
-                Site::AttentionProbs,
-                [
-                    Coords::From(self.sample_offset),
-                    Coords::From(head_offset),
-                    Coords::At(q_positions),
-                    Coords::At(k_positions),
-                ],
-            ),
-            None => probs,
-        }
-    }
-
-    /// Dropout on `[batch, heads, seq, seq]` attention probabilities.
-    pub fn attention(&self, probs: Tensor<4>, layer: usize) -> Tensor<4> {
-        match &self.dropout {
-            Some(d) => d.apply(
-                probs,
-                layer,
-                Site::AttentionProbs,
-                [self.sample_offset, self.head_offset, 0, 0],
-            ),
-            None => probs,
-        }
     }
 }
 

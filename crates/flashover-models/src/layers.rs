@@ -1,6 +1,7 @@
 //! The transformer's layers: causal attention with RoPE, SwiGLU MLP, and the block.
 
-use crate::dropout::{ForwardContext, Site};
+use crate::dropout::Site;
+use crate::forward_context::ForwardContext;
 use crate::moe::Moe;
 use burn::module::Module;
 use burn::nn::{Linear, RmsNorm};

@@ -22,14 +22,16 @@
 #![warn(missing_docs)]
 
 mod dropout;
+mod forward_context;
 pub mod init;
 mod layers;
 pub mod moe;
 mod transformer;
 
-pub use dropout::{
-    AttentionHook, AttentionOp, BlockCheckpoint, BlockFn, CheckpointHook, Coords, Dropout,
-    ForwardContext, LinearHook, LinearOp, Site,
+pub use dropout::{Coords, Dropout, Site};
+pub use forward_context::{
+    AttentionHook, AttentionOp, BlockCheckpoint, BlockFn, CheckpointHook, ForwardContext,
+    LinearHook, LinearOp,
 };
 pub use layers::{Attention, Block, SwiGlu, rope_tables, rope_tables_at};
 pub use moe::{Moe, MoeConfig, MoeHook};

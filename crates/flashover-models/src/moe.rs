@@ -15,7 +15,7 @@
 //! its drops before sending anything. The load-balancing loss is computed per sequence too and
 //! averaged (as DeepSeek-V3's sequence-wise balance loss), for the same reason.
 
-use crate::dropout::ForwardContext;
+use crate::forward_context::ForwardContext;
 use crate::layers::SwiGlu;
 use burn::module::Module;
 use burn::nn::Linear;

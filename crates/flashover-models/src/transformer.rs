@@ -1,6 +1,6 @@
 //! The model: embedding, blocks, final norm, LM head; configuration and presets.
 
-use crate::dropout::ForwardContext;
+use crate::forward_context::ForwardContext;
 use crate::init;
 use crate::layers::{Attention, Block, SwiGlu, rope_tables};
 use crate::moe::{Moe, MoeConfig};

@@ -10,13 +10,11 @@ use super::{
 };
 use crate::train::checkpoint::{LocalState, placed_segments};
 use crate::train::config::{GradientReduction, TrainConfig};
+use crate::train::parallelize::Shares;
 use crate::train::sharded_model::ShardedTransformer;
-use crate::train::tp_model::TpTransformer;
 use burn::optim::GradientsParams;
-use flashover_models::Transformer;
 use flashover_parallel::FlatAdamWConfig;
 use flashover_parallel::params::{ParamLayout, flatten_params};
-use flashover_parallel::tensor_parallel::TensorParallel;
 use flashover_parallel::zero::{FullyShardConfig, FullyShardedOptimizer, MemoryReport, ShardGroup};
 use flashover_runtime::{Axis, Group, RankContext, RankError};
 use std::sync::Arc;
@@ -28,11 +26,11 @@ struct FullySharded {
     units: Arc<ShardGroup>,
 }
 
-/// `model` in units over the fsdp axis (collective).
+/// `shares` (the whole model or its tp shares) in units over the fsdp axis (collective).
 pub(super) fn build(
     ctx: &RankContext,
     config: &TrainConfig,
-    model: Transformer,
+    shares: Shares,
     adamw: &FlatAdamWConfig,
 ) -> Result<Box<dyn RankStrategy>, RankError> {
     let fsdp =
@@ -52,14 +50,9 @@ pub(super) fn build(
         config.precision.reduce_dtype,
     );
     // Under tensor parallelism each rank's units hold its shares (FSDP over TP).
-    let tp = ctx.group(Axis::Tp);
-    let model = if tp.size() > 1 {
-        let plan =
-            TensorParallel::new(tp).with_sequence_parallel(config.parallel.sequence_parallel);
-        let shares = TpTransformer::shard(model, &plan)?;
-        ShardedTransformer::tensor_parallel(shares, &fsdp, &units)?
-    } else {
-        ShardedTransformer::new(model, &fsdp, &units)?
+    let model = match shares {
+        Shares::Split(shares) => ShardedTransformer::tensor_parallel(*shares, &fsdp, &units)?,
+        Shares::Whole(model, _) => ShardedTransformer::new(*model, &fsdp, &units)?,
     };
     let mut optim = FullyShardedOptimizer::new(
         &model,

@@ -25,6 +25,7 @@ mod zero;
 
 use super::checkpoint::{LocalState, Segment};
 use super::config::{GradientReduction, TrainConfig};
+use super::parallelize::{RankModel, Shares};
 use super::report::MoeRecord;
 use super::tp_model::TpTransformer;
 use burn::module::Module;
@@ -93,35 +94,44 @@ pub(crate) trait RankStrategy {
     fn full_params(&self, ctx: &RankContext) -> Result<Vec<(String, Vec<f32>)>, RankError>;
 }
 
-/// The strategy for `model` (this rank's seeded initialisation) on `ctx`'s mesh as `config`
-/// says; `grad_group`: the ranks whose gradients are averaged (`dp x fsdp x ep x cp`).
+/// The strategy that executes `model` (the parameter transforms' output, see
+/// [`crate::train::parallelize`]) on `ctx`'s mesh as `config` says; `grad_group`: the ranks
+/// whose gradients are averaged (`dp x fsdp x ep x cp`).
 pub(crate) fn build(
     ctx: &RankContext,
     config: &TrainConfig,
     model_config: &TransformerConfig,
-    model: Transformer,
+    model: RankModel,
     grad_group: &Group,
 ) -> Result<Box<dyn RankStrategy>, RankError> {
     let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
-    if let Some(moe) = &model_config.moe {
-        return moe::build(ctx, config, model_config, moe, model, grad_group, &adamw);
+    let RankModel { shares, experts } = model;
+    if let Some(experts) = experts {
+        return moe::build(
+            ctx,
+            config,
+            model_config,
+            shares,
+            experts,
+            grad_group,
+            &adamw,
+        );
     }
     if ctx.group(Axis::Pp).size() > 1 {
-        return pipeline::build(ctx, config, model_config, model, grad_group, &adamw);
+        return pipeline::build(ctx, config, model_config, shares, grad_group, &adamw);
     }
     let ddp = DataParallelConfig::new()
         .with_bucket_bytes((config.parallel.bucket_mb * (1 << 20) as f64) as usize)
         .with_overlap(config.parallel.overlap)
         .with_average(config.parallel.gradient_reduction == GradientReduction::Mean)
         .with_reduce_dtype(config.precision.reduce_dtype);
-    let tensor_parallel = ctx.group(Axis::Tp).size() > 1;
-    match config.parallel.zero {
-        3 => fsdp::build(ctx, config, model, &adamw),
-        _ if tensor_parallel => {
-            replicated::tensor_parallel(ctx, config, model, grad_group, ddp, &adamw)
+    match (config.parallel.zero, shares) {
+        (3, shares) => fsdp::build(ctx, config, shares, &adamw),
+        // ZeRO-1/2 of tensor-parallel shares cuts the optimizer state by rows.
+        (0, shares) | (_, shares @ Shares::Split(_)) => {
+            replicated::build(ctx, config, shares, grad_group, ddp, &adamw)
         }
-        0 => replicated::data_parallel(ctx, model, grad_group, ddp, &adamw),
-        _ => zero::build(config, model, grad_group, ddp, adamw),
+        (_, Shares::Whole(model, _)) => zero::build(config, *model, grad_group, ddp, adamw),
     }
 }
 

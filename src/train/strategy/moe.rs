@@ -10,19 +10,18 @@ use super::{
 };
 use crate::train::checkpoint::LocalState;
 use crate::train::config::{GradientReduction, TrainConfig};
+use crate::train::parallelize::Shares;
 use crate::train::report::MoeRecord;
 use crate::train::tp_model::TpTransformer;
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use flashover_models::moe::MoeConfig;
 use flashover_models::{Block, MoeHook, Transformer, TransformerConfig};
 use flashover_parallel::FlatAdamWConfig;
-use flashover_parallel::expert_parallel::{ExpertParallel, place_experts};
+use flashover_parallel::expert_parallel::ExpertParallel;
 use flashover_parallel::params::{ParamLayout, accumulate_grads};
 use flashover_parallel::placement::{GradientReducer, PlacementTable};
-use flashover_parallel::tensor_parallel::TensorParallel;
 use flashover_parallel::zero::MemoryReport;
-use flashover_runtime::{Axis, CommunicatorExt, Group, RankContext, RankError, ReduceOp};
+use flashover_runtime::{CommunicatorExt, Group, RankContext, RankError, ReduceOp};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -107,13 +106,14 @@ impl<M: MoeBlocks> MoeState<M> {
 
 impl<M: Module> MoeState<M> {
     /// `model` (this rank's experts, and with tp its shares) placed as `reduction` says,
-    /// stepped by `optim`.
+    /// stepped by `optim`, copying the `replicate_hot` hottest experts to every ep rank.
     fn new(
         model: M,
         experts: ExpertParallel,
         reduction: PlacedReduction,
         optim: FlatOptimizer,
         d_model: usize,
+        replicate_hot: usize,
     ) -> Self {
         let layout = ParamLayout::of(&model);
         // Under ZeRO-3 a rank keeps only its rows between steps.
@@ -126,49 +126,41 @@ impl<M: Module> MoeState<M> {
             layout,
             model,
             d_model,
-            replicate_hot: 0,
+            replicate_hot,
         }
     }
 }
 
-/// An expert-parallel rank of `model` (built with only its own experts), with tp shares when
-/// the mesh has a tp axis.
+/// An expert-parallel rank of `shares` (built with only its own experts, placed by the
+/// expert-parallel transform; with tp its shares).
 pub(super) fn build(
     ctx: &RankContext,
     config: &TrainConfig,
     model_config: &TransformerConfig,
-    moe: &MoeConfig,
-    model: Transformer,
+    shares: Shares,
+    experts: ExpertParallel,
     grad_group: &Group,
     adamw: &FlatAdamWConfig,
 ) -> Result<Box<dyn RankStrategy>, RankError> {
     // Replicas start equal: the seeded initialisation is the same on every rank.
-    let ep = ctx.group(Axis::Ep);
-    let experts = ExpertParallel::new(ep, moe.n_experts)?;
-    let mut placements = PlacementTable::whole(&model);
-    place_experts(&mut placements, &model, experts.experts_of(ep.rank()).start)?;
-    let mut reduction = PlacedReduction {
-        placements,
+    let reduction = PlacedReduction {
+        placements: shares.placements().clone(),
         reducer: GradientReducer::new(ctx, config.precision.reduce_dtype)?,
         batch: grad_group.clone(),
         average: config.parallel.gradient_reduction == GradientReduction::Mean,
     };
-    let d = model_config.d_model;
-    let hot = config.moe.replicate_hot;
-    let tp = ctx.group(Axis::Tp);
-    if tp.size() > 1 {
-        let placements = std::mem::take(&mut reduction.placements);
-        let model = TpTransformer::shard_placed(model, &TensorParallel::new(tp), placements)?;
-        reduction.placements = model.placements().clone();
-        let optim = FlatOptimizer::new(ctx, &model, config.parallel.zero, adamw);
-        let mut state = MoeState::new(model, experts, reduction, optim, d);
-        state.replicate_hot = hot;
-        return Ok(Box::new(state));
-    }
-    let optim = FlatOptimizer::new(ctx, &model, config.parallel.zero, adamw);
-    let mut state = MoeState::new(model, experts, reduction, optim, d);
-    state.replicate_hot = hot;
-    Ok(Box::new(state))
+    let (d, hot) = (model_config.d_model, config.moe.replicate_hot);
+    let zero = config.parallel.zero;
+    Ok(match shares {
+        Shares::Split(model) => {
+            let optim = FlatOptimizer::new(ctx, &*model, zero, adamw);
+            Box::new(MoeState::new(*model, experts, reduction, optim, d, hot))
+        }
+        Shares::Whole(model, _) => {
+            let optim = FlatOptimizer::new(ctx, &*model, zero, adamw);
+            Box::new(MoeState::new(*model, experts, reduction, optim, d, hot))
+        }
+    })
 }
 
 impl<M: WholeModel + MoeBlocks> RankStrategy for MoeState<M> {

@@ -8,8 +8,8 @@ use super::rows::FlatOptimizer;
 use super::{Batches, Precisions, RankStrategy, SharedState, StepOutcome, borrowed, clip_placed};
 use crate::train::checkpoint::LocalState;
 use crate::train::config::{GradientReduction, TrainConfig};
+use crate::train::parallelize::Shares;
 use crate::train::pp_model::{DeferWeightGrads, TransformerStage};
-use crate::train::tp_model::TpTransformer;
 use flashover_models::{LinearHook, Transformer, TransformerConfig};
 use flashover_parallel::FlatAdamWConfig;
 use flashover_parallel::params::{ParamLayout, ParamSlot, accumulate_grads, flatten_params};
@@ -17,19 +17,18 @@ use flashover_parallel::pipeline::{
     ActionKind, PipelineExecutor, Schedule, WeightGradStore, deferral_supported,
 };
 use flashover_parallel::placement::{GradientReducer, ParamPlacement, PlacementTable, Tie};
-use flashover_parallel::tensor_parallel::TensorParallel;
 use flashover_parallel::zero::MemoryReport;
 use flashover_runtime::{Axis, CommunicatorExt, Group, RankContext, RankError, ReduceOp};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// This rank's stages of `model` as the schedule says, split over tp and sharded as the job
-/// says (collective).
+/// This rank's stages of `shares` (the whole model or its tp shares) as the schedule says,
+/// sharded as the job says (collective).
 pub(super) fn build(
     ctx: &RankContext,
     config: &TrainConfig,
     model_config: &TransformerConfig,
-    model: Transformer,
+    shares: Shares,
     grad_group: &Group,
     adamw: &FlatAdamWConfig,
 ) -> Result<Box<dyn RankStrategy>, RankError> {
@@ -39,39 +38,32 @@ pub(super) fn build(
     let schedule = Schedule::build(kind, pp.size(), micro, config.parallel.pp_chunks)
         .map_err(RankError::from)?;
     let counts = config.pipeline_blocks(model_config, schedule.stages())?;
-    // Context-parallel ranks read the same samples: rows split over the others.
+    // Context-parallel ranks read the same samples: rows split over the others; each holds a
+    // share of every sequence, and with sequence parallelism a tp rank a share of that.
     let batch_ranks = grad_group.size() / ctx.group(Axis::Cp).size();
     let rows = config.run.global_batch / batch_ranks / micro;
-    let d = model.embed.weight.val().dims()[1];
-    let tied = model.head.is_none();
-    let whole = PlacementTable::whole(&model);
-    let order = ParamLayout::of(&model)
-        .slots
-        .into_iter()
-        .map(|s| s.name)
-        .collect();
-    let stage_params = stage_names(&model, &whole, schedule.stages(), &counts)?;
-    // With a tp axis each stage holds its tensor-parallel shares (dp x tp x pp).
-    let tp = ctx.group(Axis::Tp);
-    let (local, split, seq, mut placements) = if tp.size() > 1 {
-        let plan =
-            TensorParallel::new(tp).with_sequence_parallel(config.parallel.sequence_parallel);
-        let sharded = TpTransformer::shard_placed(model, &plan, whole.clone())?;
-        // Context parallelism hands each rank a share of every sequence, sequence
-        // parallelism a share of that.
-        let local_seq = config.data.seq_len / ctx.group(Axis::Cp).size();
-        let seq = if plan.sequence_parallel {
-            local_seq / tp.size()
-        } else {
-            local_seq
-        };
-        let split = Some((plan, sharded.vocab()));
-        let placements = sharded.placements().clone();
-        (sharded.local, split, seq, placements)
-    } else {
-        let local_seq = config.data.seq_len / ctx.group(Axis::Cp).size();
-        (model, None, local_seq, whole)
+    let local_seq = config.data.seq_len / ctx.group(Axis::Cp).size();
+    let d = model_config.d_model;
+    let (local, split, seq, mut placements) = match shares {
+        Shares::Split(shares) => {
+            let split = Some((shares.plan().clone(), shares.vocab()));
+            let seq = match shares.plan().sequence_parallel {
+                true => local_seq / ctx.group(Axis::Tp).size(),
+                false => local_seq,
+            };
+            let (local, _, _, placements) = shares.into_parts();
+            (local, split, seq, placements)
+        }
+        Shares::Whole(model, placements) => (*model, None, local_seq, placements),
     };
+    let tied = local.head.is_none();
+    let order = ParamLayout::of(&local)
+        .slots
+        .iter()
+        .map(|s| placements.get(s.id).map(|e| e.name.clone()))
+        .collect::<Option<_>>()
+        .ok_or("a parameter of the model has no placement")?;
+    let stage_params = stage_names(&local, &placements, schedule.stages(), &counts)?;
     let chunks = (0..schedule.chunks)
         .map(|c| {
             let stage = schedule.stage_of(pp.rank(), c);
@@ -91,8 +83,7 @@ pub(super) fn build(
         .iter()
         .flatten()
         .any(|a| a.kind == ActionKind::BackwardWeight);
-    // The rule table refuses zero-bubble schedules under tensor parallelism; on a device
-    // the deferral op is not built for, refuse too rather than run 1F1B silently.
+    // On a device the deferral op is not built for, refuse rather than run 1F1B silently.
     let device = ctx.device().clone().autodiff();
     if splits_backward && !deferral_supported(&device) {
         return Err(RankError::from(format!(
@@ -167,22 +158,31 @@ impl PipelineState {
 /// and length.
 type StageNames = Vec<(Option<String>, usize)>;
 
-/// Per virtual stage, its parameters' whole-model names and lengths. Stages cut from the whole
-/// model keep its parameters' ids, so the whole model's table names them; the tied head's copy
-/// is a new parameter (`None`: reported once, as the embedding).
+/// Per virtual stage, its parameters' whole-model names and whole lengths. Stages are cut from
+/// `local` (the whole model or its tp shares) and keep its parameters' ids, so `placements`
+/// names them; the tied head's copy is a new parameter (`None`: reported once, as the
+/// embedding, whose length it has).
 fn stage_names(
-    model: &Transformer,
-    whole: &PlacementTable,
+    local: &Transformer,
+    placements: &PlacementTable,
     stages: usize,
     counts: &[usize],
 ) -> Result<Vec<StageNames>, RankError> {
+    let whole_len = |e: &ParamPlacement| e.global_shape.iter().product::<usize>();
+    let embed_len = placements
+        .get(local.embed.weight.id)
+        .map(whole_len)
+        .ok_or("the embedding has no placement")?;
     (0..stages)
         .map(|stage| {
-            let cut = TransformerStage::cut(model, stage, counts)?;
+            let cut = TransformerStage::cut(local, stage, counts)?;
             Ok(ParamLayout::of(&cut)
                 .slots
                 .into_iter()
-                .map(|s| (whole.get(s.id).map(|e| e.name.clone()), s.numel))
+                .map(|s| match placements.get(s.id) {
+                    Some(e) => (Some(e.name.clone()), whole_len(e)),
+                    None => (None, embed_len),
+                })
                 .collect())
         })
         .collect()

@@ -12,15 +12,13 @@ use super::{
 };
 use crate::train::checkpoint::LocalState;
 use crate::train::config::TrainConfig;
-use crate::train::tp_model::TpTransformer;
+use crate::train::parallelize::Shares;
 use burn::module::Module;
-use flashover_models::Transformer;
 use flashover_parallel::data_parallel::{DataParallel, DataParallelConfig};
 use flashover_parallel::params::{ParamLayout, accumulate_grads};
 use flashover_parallel::placement::PlacementTable;
-use flashover_parallel::tensor_parallel::TensorParallel;
 use flashover_parallel::{FlatAdamWConfig, clip_module_grads};
-use flashover_runtime::{Axis, Group, RankContext, RankError};
+use flashover_runtime::{Group, RankContext, RankError};
 
 /// A replicated model and its bucketed reducer; see the module docs.
 struct Replicated<M: Module> {
@@ -32,42 +30,42 @@ struct Replicated<M: Module> {
     placements: PlacementTable,
 }
 
-/// DDP over the data axes: `model` broadcast from rank 0, buckets planned.
-pub(super) fn data_parallel(
-    ctx: &RankContext,
-    model: Transformer,
-    grad_group: &Group,
-    ddp: DataParallelConfig,
-    adamw: &FlatAdamWConfig,
-) -> Result<Box<dyn RankStrategy>, RankError> {
-    let placements = PlacementTable::whole(&model);
-    let (model, ddp) = ddp.init(model, grad_group)?;
-    let optim = FlatOptimizer::new(ctx, &model, 0, adamw);
-    Ok(Box::new(Replicated {
-        model: Box::new(model),
-        ddp,
-        optim,
-        placements,
-    }))
-}
-
-/// This rank's tensor-parallel shares (Megatron), replicated over the data axes.
-pub(super) fn tensor_parallel(
+/// Whole replicas (DDP) or tensor-parallel shares, replicated over the data axes: the model
+/// broadcast from rank 0, buckets planned, the optimizer state cut by rows under ZeRO-1/2
+/// (shares only: `build` hands whole replicas under ZeRO-1/2 to the bucket-wise strategy).
+pub(super) fn build(
     ctx: &RankContext,
     config: &TrainConfig,
-    model: Transformer,
+    shares: Shares,
     grad_group: &Group,
     ddp: DataParallelConfig,
     adamw: &FlatAdamWConfig,
 ) -> Result<Box<dyn RankStrategy>, RankError> {
-    let plan = TensorParallel::new(ctx.group(Axis::Tp))
-        .with_sequence_parallel(config.parallel.sequence_parallel);
-    let model = TpTransformer::shard(model, &plan)?;
-    let placements = model.placements().clone();
-    let (model, ddp) = ddp.init(model, grad_group)?;
-    // `build` hands ZeRO-3 to the fully sharded strategy; here only the optimizer state is cut.
     let zero = config.parallel.zero;
     debug_assert!(zero < 3, "ZeRO-3 runs fully sharded units");
+    match shares {
+        Shares::Whole(model, placements) => {
+            replicate(ctx, *model, placements, grad_group, ddp, zero, adamw)
+        }
+        Shares::Split(model) => {
+            let placements = model.placements().clone();
+            replicate(ctx, *model, placements, grad_group, ddp, zero, adamw)
+        }
+    }
+}
+
+/// `model` replicated over `grad_group` (broadcast from its first rank), stepped as ZeRO
+/// stage `zero` says.
+fn replicate<M: WholeModel>(
+    ctx: &RankContext,
+    model: M,
+    placements: PlacementTable,
+    grad_group: &Group,
+    ddp: DataParallelConfig,
+    zero: u8,
+    adamw: &FlatAdamWConfig,
+) -> Result<Box<dyn RankStrategy>, RankError> {
+    let (model, ddp) = ddp.init(model, grad_group)?;
     let optim = FlatOptimizer::new(ctx, &model, zero, adamw);
     Ok(Box::new(Replicated {
         model: Box::new(model),

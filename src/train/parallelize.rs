@@ -1,0 +1,166 @@
+//! From one rank's seeded copy of the reference transformer to what the rank holds and runs:
+//! every model transform in one place, applied in one fixed order.
+//!
+//! Each transform reads the mesh and the job, changes the model or installs a hook at one of
+//! the forward's dispatch points (`flashover_models::ForwardContext`), and records in the
+//! placement table where each parameter it splits or owns now lives. None asks which others
+//! ran: the later ones read the table and the (possibly split) model they are handed.
+//!
+//! | # | transform | here | what it records or installs |
+//! |---|---|---|---|
+//! | 1 | tensor (+ sequence) parallel | [`tensor_parallel`] | `Shard` over tp |
+//! | 2 | expert parallel | [`expert_parallel`] | `Own` over ep, experts' global names |
+//! | 3 | pipeline split | `strategy::pipeline` | `Own` over pp, the tied head's copy |
+//! | 4 | context parallel | [`context_parallel`] | attention hook, sequence positions |
+//! | 5 | activation checkpointing | [`activation_checkpointing`] | block hook, or Burn's balanced checkpointing on the device |
+//! | 6 | mixed precision | `strategy::Precisions` | compute view of the parameters, loss scale |
+//! | 7 | fully sharded or replicated data parallel | `strategy::{fsdp, replicated, zero, rows}` | `Shard` rows over fsdp |
+//! | 8 | optimizer | with 7 | AdamW moments where their parameters' rows are |
+//!
+//! TorchTitan splits the pipeline first and then parallelizes each stage; here stages are cut
+//! from the tensor-parallel shares, so one cut serves split and whole models. The two orders
+//! give the same placements: pp owns whole blocks, tp splits inside them. Steps 3 and 7-8 are
+//! how a step executes (a schedule, unit gathers, bucket hooks), so they live with the
+//! `RankStrategy` that executes it.
+
+use super::config::TrainConfig;
+use super::tp_model::TpTransformer;
+use burn::tensor::Device;
+use flashover_models::{CheckpointHook, Transformer, TransformerConfig};
+use flashover_parallel::activation_checkpointing::BlockRecompute;
+use flashover_parallel::context_parallel::ContextParallel;
+use flashover_parallel::expert_parallel::{ExpertParallel, place_experts};
+use flashover_parallel::placement::PlacementTable;
+use flashover_parallel::tensor_parallel::TensorParallel;
+use flashover_runtime::{Axis, RankContext, RankError};
+use std::sync::Arc;
+
+/// What a rank holds of the model after the parameter transforms (1 and 2), with the table
+/// of where each parameter lives.
+pub(crate) enum Shares {
+    /// The whole model (no tp axis).
+    Whole(Box<Transformer>, PlacementTable),
+    /// This rank's tensor-parallel shares (they carry their table).
+    Split(Box<TpTransformer>),
+}
+
+impl Shares {
+    /// Where each parameter of the held model lives.
+    pub fn placements(&self) -> &PlacementTable {
+        match self {
+            Shares::Whole(_, table) => table,
+            Shares::Split(tp) => tp.placements(),
+        }
+    }
+}
+
+/// A rank's model after the parameter transforms, and what they set up to run it.
+pub(crate) struct RankModel {
+    pub shares: Shares,
+    /// Mixture-of-experts models: which experts this rank holds and how tokens reach them.
+    pub experts: Option<ExpertParallel>,
+}
+
+/// Transforms 1 and 2 on `model` (this rank's seeded initialisation; an expert-parallel rank
+/// builds only its own experts): tensor parallelism, then expert parallelism.
+pub(crate) fn parallelize(
+    ctx: &RankContext,
+    config: &TrainConfig,
+    model_config: &TransformerConfig,
+    model: Transformer,
+) -> Result<RankModel, RankError> {
+    let placements = PlacementTable::whole(&model);
+    let shares = tensor_parallel(ctx, config, model, placements)?;
+    expert_parallel(ctx, model_config, shares)
+}
+
+/// 1. Megatron's tensor parallelism over `tp` (attention by heads, the MLP by its hidden
+///    dimension, embedding and head by vocabulary), with sequence parallelism when the job
+///    asks; the model as it is without a tp axis.
+pub(crate) fn tensor_parallel(
+    ctx: &RankContext,
+    config: &TrainConfig,
+    model: Transformer,
+    placements: PlacementTable,
+) -> Result<Shares, RankError> {
+    let tp = ctx.group(Axis::Tp);
+    if tp.size() == 1 {
+        return Ok(Shares::Whole(Box::new(model), placements));
+    }
+    let plan = TensorParallel::new(tp).with_sequence_parallel(config.parallel.sequence_parallel);
+    let shares = TpTransformer::shard_placed(model, &plan, placements)?;
+    Ok(Shares::Split(Box::new(shares)))
+}
+
+/// 2. Expert parallelism over `ep` for mixture-of-experts models: the experts the rank was
+///    built with are its own, recorded under their global index.
+pub(crate) fn expert_parallel(
+    ctx: &RankContext,
+    model_config: &TransformerConfig,
+    mut shares: Shares,
+) -> Result<RankModel, RankError> {
+    let Some(moe) = &model_config.moe else {
+        return Ok(RankModel {
+            shares,
+            experts: None,
+        });
+    };
+    let ep = ctx.group(Axis::Ep);
+    let experts = ExpertParallel::new(ep, moe.n_experts)?;
+    let first = experts.experts_of(ep.rank()).start;
+    match &mut shares {
+        Shares::Whole(model, table) => place_experts(table, &**model, first)?,
+        Shares::Split(tp) => {
+            let (local, table) = tp.local_and_placements_mut();
+            place_experts(table, local, first)?
+        }
+    }
+    Ok(RankModel {
+        shares,
+        experts: Some(experts),
+    })
+}
+
+/// 4. Context parallelism over `cp`: which positions of every sequence this rank keeps and the
+///    attention that reaches the others' keys and values (installed per micro-batch in the
+///    forward context). `None` without a cp axis.
+pub(crate) fn context_parallel(
+    ctx: &RankContext,
+    config: &TrainConfig,
+    model_config: &TransformerConfig,
+) -> Result<Option<ContextParallel>, RankError> {
+    let cp = ctx.group(Axis::Cp);
+    if cp.size() == 1 {
+        return Ok(None);
+    }
+    let local_heads = model_config.n_heads / ctx.group(Axis::Tp).size();
+    Ok(Some(ContextParallel::new(
+        cp,
+        config.data.seq_len,
+        config.parallel.cp_attention,
+        config.parallel.cp_load_balance,
+        local_heads,
+    )?))
+}
+
+/// Block-level recomputation and the forward-context hook that runs it.
+pub(crate) type Recompute = (Arc<BlockRecompute>, CheckpointHook);
+
+/// 5. Activation checkpointing as the job's policy says: the autodiff device (with Burn's
+///    balanced checkpointing under `selective`) and, for block-level policies, the hook that
+///    recomputes the blocks it names.
+pub(crate) fn activation_checkpointing(
+    ctx: &RankContext,
+    config: &TrainConfig,
+) -> (Device, Option<Recompute>) {
+    let policy = &config.parallel.activation_checkpointing;
+    let device = match policy.is_selective() {
+        true => ctx.device().clone().autodiff().gradient_checkpointing(),
+        false => ctx.device().clone().autodiff(),
+    };
+    let recompute = policy.block_recompute().map(|r| {
+        let hook = r.hook();
+        (r, hook)
+    });
+    (device, recompute)
+}
