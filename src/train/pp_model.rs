@@ -208,16 +208,13 @@ impl TransformerStage {
             h = match &self.tp {
                 Some((tp, _)) => {
                     let (inner, tp) = (tp_context(ctx, tp, heads, t), tp.clone());
-                    ctx.block(layer, block, h, move |b, h| {
-                        tp_block_forward(b, h, &rope, &inner, layer, &tp)
+                    inner.block(layer, block, h, move |b, h, ctx| {
+                        tp_block_forward(b, h, &rope, ctx, layer, &tp)
                     })
                 }
-                None => {
-                    let inner = ctx.clone();
-                    ctx.block(layer, block, h, move |b, h| {
-                        b.forward_with(h, &rope, &inner, layer)
-                    })
-                }
+                None => ctx.block(layer, block, h, move |b, h, ctx| {
+                    b.forward_with(h, &rope, ctx, layer)
+                }),
             };
         }
         let head = match (&self.head, &self.tied_head) {

@@ -205,13 +205,13 @@ impl ShardedTransformer {
                 ctx.checkpointing = None;
             }
             let forward = move |b: &Block, h| {
-                let (inner, rope, tp) = (ctx.clone(), rope.clone(), tp.clone());
+                let (rope, tp) = (rope.clone(), tp.clone());
                 // Each gathered block computes in the policy's dtype (its f32 gradient then
                 // goes to the reduce-scatter).
                 let b = precision.compute_view(b.clone());
-                ctx.block(i, &b, h, move |b, h| match &tp {
-                    Some(tp) => tp_block_forward(b, h, &rope, &inner, i, tp),
-                    None => b.forward_with(h, &rope, &inner, i),
+                ctx.block(i, &b, h, move |b, h, ctx| match &tp {
+                    Some(tp) => tp_block_forward(b, h, &rope, ctx, i, tp),
+                    None => b.forward_with(h, &rope, ctx, i),
                 })
             };
             h = block.forward_prefetching(h, forward, before)?;

@@ -206,9 +206,9 @@ impl TpTransformer {
         let mut h = vocab_parallel_embedding(model.embed.weight.val(), tokens, &self.vocab, tp);
         let rope = ctx.rope_tables(t, self.head_dim, model.rope_theta, &h.device());
         for (layer, block) in model.blocks.iter().enumerate() {
-            let (rope, inner, tp) = (rope.clone(), ctx.clone(), tp.clone());
-            h = ctx.block(layer, block, h, move |b, h| {
-                tp_block_forward(b, h, &rope, &inner, layer, &tp)
+            let (rope, tp) = (rope.clone(), tp.clone());
+            h = ctx.block(layer, block, h, move |b, h, ctx| {
+                tp_block_forward(b, h, &rope, ctx, layer, &tp)
             });
         }
         let head = match &model.head {

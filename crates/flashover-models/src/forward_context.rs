@@ -44,14 +44,23 @@ pub struct ForwardContext {
     pub checkpointing: Option<CheckpointHook>,
 }
 
-/// A block's forward as a function of the block and its input (everything else captured).
-pub type BlockFn = Arc<dyn Fn(&Block, Tensor<3>) -> Tensor<3> + Send + Sync>;
+/// A block's forward as a function of the block, its input and the context it runs in
+/// (everything else captured). A [`BlockCheckpoint`] may run it in a context of its own: a
+/// recomputed mixture-of-experts block records its auxiliary losses elsewhere.
+pub type BlockFn = Arc<dyn Fn(&Block, Tensor<3>, &ForwardContext) -> Tensor<3> + Send + Sync>;
 
 /// Runs transformer blocks: how a strategy changes what a block keeps for backward.
 pub trait BlockCheckpoint: Send + Sync {
-    /// `forward(block, x)` for block `layer`; may keep only `x` and run `forward` again in
-    /// backward.
-    fn run(&self, layer: usize, block: &Block, x: Tensor<3>, forward: BlockFn) -> Tensor<3>;
+    /// `forward(block, x, ctx)` for block `layer`; may keep only `x` and run `forward` again
+    /// in backward.
+    fn run(
+        &self,
+        layer: usize,
+        block: &Block,
+        x: Tensor<3>,
+        ctx: &ForwardContext,
+        forward: BlockFn,
+    ) -> Tensor<3>;
 }
 
 /// A shared [`BlockCheckpoint`]; two hooks are equal when they are the same object.
@@ -135,18 +144,18 @@ impl ForwardContext {
         }
     }
 
-    /// Block `layer`'s forward, `forward(block, x)`, through the context's
+    /// Block `layer`'s forward, `forward(block, x, self)`, through the context's
     /// [`BlockCheckpoint`] if it has one.
     pub fn block(
         &self,
         layer: usize,
         block: &Block,
         x: Tensor<3>,
-        forward: impl Fn(&Block, Tensor<3>) -> Tensor<3> + Send + Sync + 'static,
+        forward: impl Fn(&Block, Tensor<3>, &ForwardContext) -> Tensor<3> + Send + Sync + 'static,
     ) -> Tensor<3> {
         match &self.checkpointing {
-            Some(hook) => hook.0.run(layer, block, x, Arc::new(forward)),
-            None => forward(block, x),
+            Some(hook) => hook.0.run(layer, block, x, self, Arc::new(forward)),
+            None => forward(block, x, self),
         }
     }
 

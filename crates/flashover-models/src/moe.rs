@@ -487,6 +487,30 @@ impl MoeHook {
     pub fn take_stats(&self) -> MoeStats {
         std::mem::take(&mut *self.stats.lock().expect("moe stats"))
     }
+
+    /// Adds a weighted auxiliary loss, as an MoE layer's forward does.
+    pub fn push_aux_loss(&self, aux: Tensor<1>) {
+        self.aux.lock().expect("aux losses").push(aux);
+    }
+
+    /// The same experts and statistics, with auxiliary losses collected apart (for a caller
+    /// that routes them itself: a recomputed block returns them with its output).
+    pub fn with_own_aux_losses(&self) -> Self {
+        MoeHook {
+            aux: Arc::default(),
+            ..self.clone()
+        }
+    }
+
+    /// The same experts, recording neither auxiliary losses nor statistics where this hook
+    /// does: a forward run a second time (recomputation in backward) must not count twice.
+    pub fn replaying(&self) -> Self {
+        MoeHook {
+            aux: Arc::default(),
+            stats: Arc::default(),
+            ..self.clone()
+        }
+    }
 }
 
 impl Moe {
@@ -544,7 +568,7 @@ impl Moe {
             stats.z_loss += values[1];
             stats.forwards += 1;
             if let Some(aux) = aux {
-                hook.aux.lock().expect("aux losses").push(aux);
+                hook.push_aux_loss(aux);
             }
         }
         let rows = routing.token.len();

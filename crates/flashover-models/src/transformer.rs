@@ -206,9 +206,9 @@ impl Transformer {
         let head_dim = self.blocks.first().map_or(2, |b| b.attn.head_dim);
         let rope = ctx.rope_tables(t, head_dim, self.rope_theta, &h.device());
         let h = self.blocks.iter().enumerate().fold(h, |h, (layer, block)| {
-            let (rope, inner) = (rope.clone(), ctx.clone());
-            ctx.block(layer, block, h, move |b, h| {
-                b.forward_with(h, &rope, &inner, layer)
+            let rope = rope.clone();
+            ctx.block(layer, block, h, move |b, h, ctx| {
+                b.forward_with(h, &rope, ctx, layer)
             })
         });
         self.logits(h)

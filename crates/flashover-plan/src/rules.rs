@@ -90,12 +90,6 @@ const RULES: &[Rule] = &[
         reason: "not yet: pipeline stages do not carry the routers' auxiliary losses and \
                  routing statistics from stage to stage",
     },
-    Rule {
-        name: "moe-block-recompute",
-        applies: |l, experts| experts && l.recompute == Recompute::Full,
-        reason: "not yet: recomputing a whole block would record its router's auxiliary \
-                 losses a second time, inside backward; use selective or none",
-    },
 ];
 
 /// Every rule of the table that refuses `layout` (empty: it trains). `experts`: the model has

@@ -28,8 +28,8 @@ use crate::hook::hooks_supported;
 use crate::params::accumulate_grads;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::{DType, Device, Tensor, TensorData};
-use flashover_models::{Block, BlockCheckpoint, BlockFn, CheckpointHook};
+use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
+use flashover_models::{Block, BlockCheckpoint, BlockFn, CheckpointHook, ForwardContext, MoeHook};
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
@@ -152,18 +152,77 @@ impl BlockRecompute {
 }
 
 impl BlockCheckpoint for BlockRecompute {
-    fn run(&self, layer: usize, block: &Block, x: Tensor<3>, forward: BlockFn) -> Tensor<3> {
+    fn run(
+        &self,
+        layer: usize,
+        block: &Block,
+        x: Tensor<3>,
+        ctx: &ForwardContext,
+        forward: BlockFn,
+    ) -> Tensor<3> {
         if !self.policy.recomputes_block(layer) {
-            return forward(block, x);
+            return forward(block, x, ctx);
+        }
+        if let (Some(moe), Some(_)) = (&ctx.moe, &block.moe) {
+            return self.run_with_aux_losses(block, x, ctx, moe, forward);
         }
         let recomputed = self.recomputed.clone();
+        let ctx = ctx.clone();
         checkpoint(block, x, move |b: &Block, x: Tensor<3>| {
             // The first run has no graph; the one in backward tracks its input.
             if x.is_tracked() {
                 recomputed.fetch_add(1, Ordering::Relaxed);
             }
-            forward(b, x)
+            forward(b, x, &ctx)
         })
+    }
+}
+
+impl BlockRecompute {
+    /// A mixture-of-experts block, recomputed. Its router's auxiliary losses are a second
+    /// output: they leave the checkpointed function as one more element after the block's
+    /// output (in f32), so their gradient reaches the router through the recomputation, as the
+    /// block output's does. The first run records the routing statistics; the run in backward
+    /// records nothing (it would count twice).
+    fn run_with_aux_losses(
+        &self,
+        block: &Block,
+        x: Tensor<3>,
+        ctx: &ForwardContext,
+        moe: &MoeHook,
+        forward: BlockFn,
+    ) -> Tensor<3> {
+        let (dims, dtype) = (x.dims(), x.dtype());
+        let numel = dims.iter().product();
+        let first = ForwardContext {
+            moe: Some(moe.with_own_aux_losses()),
+            ..ctx.clone()
+        };
+        let again = ForwardContext {
+            moe: Some(moe.replaying()),
+            ..ctx.clone()
+        };
+        let recomputed = self.recomputed.clone();
+        // Calls after the first are recomputations (whether or not the input is tracked: on a
+        // device without the recompute op the first call is the only one, with a graph).
+        let calls = Arc::new(AtomicUsize::new(0));
+        let output = checkpoint(block, x, move |b: &Block, x: Tensor<3>| {
+            let ctx = match calls.fetch_add(1, Ordering::Relaxed) {
+                0 => &first,
+                _ => {
+                    recomputed.fetch_add(1, Ordering::Relaxed);
+                    &again
+                }
+            };
+            let y = forward(b, x, ctx);
+            let device = y.device();
+            let aux = ctx.moe.as_ref().and_then(MoeHook::take_aux_loss);
+            let aux = aux.unwrap_or_else(|| Tensor::zeros([1], &device));
+            let y = y.cast(FloatDType::F32).reshape([numel]);
+            Tensor::cat(vec![y, aux.cast(FloatDType::F32).reshape([1])], 0)
+        });
+        moe.push_aux_loss(output.clone().narrow(0, numel, 1));
+        output.narrow(0, 0, numel).reshape(dims).cast(dtype)
     }
 }
 
