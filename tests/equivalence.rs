@@ -9,6 +9,7 @@ use flashover::train::{TpTransformer, TrainConfig, compare, memory_formula, trai
 use flashover::{Axis, OpKind, launch};
 use flashover_models::TransformerConfig;
 use flashover_parallel::ParallelError;
+use flashover_parallel::context_parallel::{ContextParallel, CpAttention};
 use flashover_parallel::params::flatten_params;
 use flashover_parallel::tensor_parallel::TensorParallel;
 
@@ -221,9 +222,10 @@ fn tensor_parallel_matches_one_rank_with_and_without_sequence_parallel_and_with_
 }
 
 /// (all-reduces, all-gathers, reduce-scatters) on the tp group for one forward and backward of
-/// the 2-layer test transformer at tp=2.
-fn tp_collectives(sequence_parallel: bool) -> (u64, u64, u64) {
-    let counts = launch("tp=2", |ctx| {
+/// the 2-layer test transformer at tp=2, and with `cp` > 1 on each rank's share of every
+/// sequence (ring attention over cp).
+fn tp_collectives(sequence_parallel: bool, cp: usize) -> (u64, u64, u64) {
+    let counts = launch(format!("tp=2,cp={cp}").as_str(), |ctx| {
         let device = Device::flex().autodiff();
         let full = TransformerConfig::new(32, 32, 2, 4, 64).init(7, &device);
         let tp = ctx.group(Axis::Tp);
@@ -233,10 +235,21 @@ fn tp_collectives(sequence_parallel: bool) -> (u64, u64, u64) {
             let v: Vec<i64> = (0..16).map(|i| (i * 7 + salt) % 32).collect();
             Tensor::from_data(TensorData::new(v, [2, 8]), &device)
         };
+        let (inputs, targets, fwd) = match cp {
+            1 => (ids(1), ids(2), Default::default()),
+            _ => {
+                let group = ctx.group(Axis::Cp);
+                let context = ContextParallel::new(group, 8, CpAttention::Ring, true, 2)?;
+                let fwd = context.forward_context(Default::default());
+                (
+                    context.local_tokens(ids(1)),
+                    context.local_tokens(ids(2)),
+                    fwd,
+                )
+            }
+        };
         let before = tp.stats();
-        let _ = model
-            .forward_loss(ids(1), ids(2), &Default::default())
-            .backward();
+        let _ = model.forward_loss(inputs, targets, &fwd).backward();
         let ops = tp.stats().since(&before).ops;
         let calls = |op| ops.get(&op).map_or(0, |s| s.calls);
         Ok::<_, ParallelError>((
@@ -255,15 +268,17 @@ fn tensor_parallel_issues_megatrons_collectives_and_no_more() {
     // Without sequence parallelism: 4 all-reduces per block (f and g around attention and the
     // MLP, forward and backward), 1 for the embedding (g), 1 for the head's input (f,
     // backward), 3 in the vocabulary-parallel loss (max, sum of exponentials, target logit).
-    assert_eq!(tp_collectives(false), (4 * layers + 5, 0, 0));
+    assert_eq!(tp_collectives(false, 1), (4 * layers + 5, 0, 0));
     // With it, each block's two all-reduces become all-gather / reduce-scatter pairs forward and
     // backward (4 + 4 per block), the embedding's a reduce-scatter (+ all-gather backward), the
     // head's input an all-gather (+ reduce-scatter backward); the norm weights' gradients are
     // all-reduced (2 per block + the final norm), plus the loss's 3.
-    assert_eq!(
-        tp_collectives(true),
-        (2 * layers + 1 + 3, 4 * layers + 2, 4 * layers + 2)
-    );
+    let sequence_parallel = (2 * layers + 1 + 3, 4 * layers + 2, 4 * layers + 2);
+    assert_eq!(tp_collectives(true, 1), sequence_parallel);
+    // Under context parallelism each rank's share of the sequence is split again over tp:
+    // the same collectives, on shorter sequences.
+    assert_eq!(tp_collectives(false, 2), (4 * layers + 5, 0, 0));
+    assert_eq!(tp_collectives(true, 2), sequence_parallel);
 }
 
 #[test]

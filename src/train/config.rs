@@ -723,9 +723,16 @@ impl TrainConfig {
                     ));
                 }
             }
-            if self.parallel.sequence_parallel && !self.data.seq_len.is_multiple_of(tp) {
+            // Under context parallelism, each cp rank's share of the sequence is split.
+            let cp = mesh.degree(Axis::Cp);
+            if self.parallel.sequence_parallel && !self.data.seq_len.is_multiple_of(tp * cp) {
+                let over = match cp {
+                    1 => format!("tp = {tp}"),
+                    _ => format!("cp x tp = {}", cp * tp),
+                };
                 errors.push(format!(
-                    "data.seq_len = {} does not divide by tp = {tp}: sequence parallelism splits the sequence",
+                    "data.seq_len = {} does not divide by {over}: sequence parallelism splits \
+                     each rank's share of the sequence over tp",
                     self.data.seq_len
                 ));
             }

@@ -47,20 +47,24 @@ fn all_to_all_attention_trains_as_one_rank_at_cp_2_3_and_4() {
 }
 
 #[test]
-fn context_parallel_composes_with_dp_tp_zero2_and_dropout() {
-    for (mesh, attention, zero, dropout) in [
-        ("dp=2,cp=2", "ring", 0, 0.1),
-        ("dp=2,tp=2,cp=2", "ring", 0, 0.0),
-        ("tp=2,cp=2", "all-to-all", 0, 0.1),
-        ("dp=2,cp=2", "all-to-all", 2, 0.0),
+fn context_parallel_composes_with_dp_tp_sequence_parallel_zero2_and_dropout() {
+    for (mesh, attention, zero, dropout, sp) in [
+        ("dp=2,cp=2", "ring", 0, 0.1, false),
+        ("dp=2,tp=2,cp=2", "ring", 0, 0.0, false),
+        ("tp=2,cp=2", "all-to-all", 0, 0.1, false),
+        ("dp=2,cp=2", "all-to-all", 2, 0.0, false),
+        // Sequence parallelism splits each rank's share of the sequence again over tp.
+        ("tp=2,cp=2", "ring", 0, 0.1, true),
+        ("dp=2,tp=2,cp=2", "all-to-all", 0, 0.0, true),
     ] {
         let mut c = cp_job(mesh, attention, true);
         c.parallel.zero = zero;
         c.model.dropout = dropout;
+        c.parallel.sequence_parallel = sp;
         let (_, _, cmp) = verify(&c, TOLERANCE).unwrap();
         assert!(
             cmp.pass,
-            "{mesh} {attention} zero={zero} dropout={dropout}: {cmp}"
+            "{mesh} {attention} zero={zero} dropout={dropout} sp={sp}: {cmp}"
         );
     }
 }
@@ -109,8 +113,14 @@ fn layouts_context_parallelism_cannot_run_fail_before_any_compute() {
         TrainConfig::from_toml_lenient("[parallel]\nmesh = \"cp=2\"\ncp_attention = \"rings\"\n")
             .unwrap();
     assert!(e[0].contains("parallel.cp_attention = `rings`"), "{e:?}");
-    let e = errors(cp_job("tp=2,cp=2", "ring", true), &|c| {
-        c.parallel.sequence_parallel = true
+    // Sequence parallelism splits each cp rank's share of the sequence again over tp: 18
+    // positions cut over cp = 2 (contiguous chunks), but not their 9 over tp = 2.
+    let e = errors(cp_job("tp=2,cp=2", "ring", false), &|c| {
+        c.parallel.sequence_parallel = true;
+        c.data.seq_len = 18;
     });
-    assert!(e.contains("drop --sequence-parallel"), "{e}");
+    assert!(
+        e.contains("data.seq_len = 18 does not divide by cp x tp = 4"),
+        "{e}"
+    );
 }

@@ -66,13 +66,6 @@ const RULES: &[Rule] = &[
                  (--moe --experts N)",
     },
     Rule {
-        name: "cp-sp",
-        applies: |l, _| l.cp > 1 && l.sequence_parallel,
-        reason: "not yet: with cp each rank already holds chunks of the sequence, and the \
-                 tensor-parallel forward does not split those chunks again over tp; drop \
-                 --sequence-parallel",
-    },
-    Rule {
         name: "moe-cp",
         applies: |l, experts| experts && l.cp > 1,
         reason: "not yet: expert capacity and the balancing loss are computed over whole \
