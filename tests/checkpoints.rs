@@ -362,3 +362,45 @@ fn composed_layouts_resume_bitwise_and_continue_on_other_layouts() {
         assert!(cmp.pass, "{} -> {}: {cmp}", from.0, to.0);
     }
 }
+
+#[test]
+fn four_and_five_axis_layouts_resume_bitwise_and_reshard_to_and_from_one_rank() {
+    // Data x tensor x pipeline x context (the seed's topology), the same fully sharded, HSDP x
+    // TP x PP, and all five dense axes at once (32 ranks): 4 layers, 2 micro-batches.
+    let layout = |mesh: &str, zero| {
+        let mut c = job(mesh, zero, 2);
+        c.run.global_batch = 8;
+        c
+    };
+    for (mesh, zero) in [
+        ("dp=2,tp=2,pp=2,cp=2", 0),
+        ("fsdp=2,tp=2,pp=2,cp=2", 3),
+        ("dp=2,fsdp=2,tp=2,pp=2", 3),
+        ("dp=2,fsdp=2,tp=2,pp=2,cp=2", 3),
+    ] {
+        let s = Scratch::new(&format!("axes-{}-{zero}", mesh.replace([',', '='], "")));
+        let c = layout(mesh, zero);
+        let straight = second_half(run(&c));
+        let resumed = interrupted(&c, &c, &s.0);
+        assert_eq!(losses(&resumed), losses(&straight), "{mesh}: losses");
+        assert_eq!(resumed.params, straight.params, "{mesh}: parameters");
+    }
+    let five = ("dp=2,fsdp=2,tp=2,pp=2,cp=2", 3);
+    for (from, to) in [
+        (five, ("dp=1", 0)),
+        (("dp=1", 0), five),
+        (("fsdp=2,tp=2,pp=2,cp=2", 3), ("dp=2,tp=2,pp=2,cp=2", 1)),
+        (five, ("dp=2,tp=2,pp=2,cp=2", 0)),
+    ] {
+        let s = Scratch::new(&format!(
+            "axes-reshard-{}-{}",
+            from.0.replace([',', '='], ""),
+            to.0.replace([',', '='], "")
+        ));
+        let (a, b) = (layout(from.0, from.1), layout(to.0, to.1));
+        let straight = second_half(run(&b));
+        let resumed = interrupted(&a, &b, &s.0);
+        let cmp = compare(&straight, &resumed, TOLERANCE);
+        assert!(cmp.pass, "{} -> {}: {cmp}", from.0, to.0);
+    }
+}

@@ -89,14 +89,15 @@ fn fully_sharded_pipeline_stages_over_context_parallel_sequences_train_as_one_ra
 
 /// The seed's topology scaled down (data x tensor x pipeline x context, with and without
 /// sequence parallelism), the same with fully sharded data parallelism, and HSDP x TP x PP:
-/// four mesh axes at once, sixteen ranks.
+/// four mesh axes at once, sixteen ranks; and all five dense axes, 32 ranks.
 #[test]
-fn four_axis_layouts_train_as_one_rank() {
+fn four_and_five_axis_layouts_train_as_one_rank() {
     for (mesh, zero, sp) in [
         ("dp=2,tp=2,pp=2,cp=2", 0, false),
         ("dp=2,tp=2,pp=2,cp=2", 0, true),
         ("fsdp=2,tp=2,pp=2,cp=2", 3, false),
         ("dp=2,fsdp=2,tp=2,pp=2", 3, false),
+        ("dp=2,fsdp=2,tp=2,pp=2,cp=2", 3, true),
     ] {
         let mut c = composed(mesh, 8);
         c.parallel.zero = zero;
