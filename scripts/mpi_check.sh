@@ -34,6 +34,18 @@ for job in "--mesh dp=2,tp=2" "--mesh dp=2,fsdp=2 --zero 3" "--mesh dp=2,pp=2 --
   echo "mpi_check: train $job: 6 steps, losses and gradient norms equal the threads' bit for bit"
 done
 
+# Four mesh axes, sixteen processes (the seed's data x tensor x pipeline x context topology).
+job="--mesh dp=2,tp=2,pp=2,cp=2 --micro-batches 2 --untie-embeddings"
+# shellcheck disable=SC2086
+run -np 16 "$flashover" train $job --steps 4 --log-jsonl "$scratch/mpi.jsonl" >/dev/null
+# shellcheck disable=SC2086
+"$flashover" train $job --steps 4 --log-jsonl "$scratch/threads.jsonl" >/dev/null
+if ! diff <(numbers "$scratch/mpi.jsonl") <(numbers "$scratch/threads.jsonl") >/dev/null \
+   || [ "$(numbers "$scratch/mpi.jsonl" | wc -l)" != 8 ]; then
+  echo "mpi_check: train $job under mpirun -np 16 differs from the thread launcher" >&2; exit 1
+fi
+echo "mpi_check: train $job: 16 processes, 4 steps, losses and gradient norms equal the threads' bit for bit"
+
 # flashover launch: N processes through mpirun, output tagged with the rank.
 out=$(OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "$flashover" launch -n 2 -- train --mesh dp=2 --steps 3)
 grep -q '\[1,0\]<stdout>:.*final loss' <<<"$out" || { echo "mpi_check: launch: no final report from rank 0:" >&2; echo "$out" >&2; exit 1; }
