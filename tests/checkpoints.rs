@@ -140,8 +140,22 @@ fn a_mixture_of_experts_resumes_bitwise_and_on_other_expert_layouts() {
         resumed.params, straight.params,
         "fsdp=2,ep=2 zero 3: parameters"
     );
-    // Experts are saved by global index: any ep (and tp) layout reads them.
-    for (from, to) in [("dp=2,ep=2", "ep=4"), ("ep=2,tp=2", "dp=1")] {
+    // Experts in pipeline stages: every rank keeps every layer's routing bias.
+    let s = Scratch::new("moe-pp-resume");
+    let mut c = moe("fsdp=2,ep=2,pp=2");
+    c.parallel.zero = 3;
+    c.run.micro_batches = 2;
+    c.run.global_batch = 8;
+    let straight = second_half(run(&c));
+    let resumed = interrupted(&c, &c, &s.0);
+    assert_eq!(losses(&resumed), losses(&straight), "MoE pp: losses");
+    assert_eq!(resumed.params, straight.params, "MoE pp: parameters");
+    // Experts are saved by global index: any ep (and tp, and pp) layout reads them.
+    for (from, to) in [
+        ("dp=2,ep=2", "ep=4"),
+        ("ep=2,tp=2", "dp=1"),
+        ("ep=2,pp=2", "dp=2,ep=2"),
+    ] {
         let s = Scratch::new(&format!("moe-reshard-{}", from.replace([',', '='], "")));
         let straight = second_half(run(&moe(to)));
         let resumed = interrupted(&moe(from), &moe(to), &s.0);

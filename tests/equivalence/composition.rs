@@ -207,6 +207,44 @@ fn sharded_optimizer_state_over_tensor_parallel_shares_trains_as_one_rank() {
     }
 }
 
+/// Mixtures of experts in pipeline stages: each stage's routers' auxiliary losses join that
+/// stage's backward, routing statistics are summed over the stages, experts over ep inside
+/// each stage, with ZeRO rows and tp shares; the routing biases (one table on every rank) move
+/// as one rank's do.
+#[test]
+fn mixtures_of_experts_in_pipeline_stages_train_as_one_rank() {
+    for (mesh, zero, schedule, tied) in [
+        ("ep=2,pp=2", 0, "1f1b", true),
+        ("fsdp=2,ep=2,pp=2", 3, "1f1b", false),
+        ("dp=2,ep=2,pp=2", 1, "zb-h1", false),
+        ("ep=2,tp=2,pp=2", 0, "interleaved", true),
+    ] {
+        let mut c = composed(mesh, 8);
+        c.parallel.zero = zero;
+        c.parallel.pp_schedule = schedule.parse().unwrap();
+        c.model.n_layers = Some(4);
+        c.model.tie_embeddings = tied;
+        c.moe.experts = 4;
+        c.moe.top_k = 2;
+        c.moe.d_expert = Some(24);
+        c.moe.z_loss_coef = 1e-3;
+        c.moe.capacity_factor = Some(1.25);
+        c.moe.bias_update_rate = 1e-3;
+        let what = format!("MoE {mesh} --zero {zero} {schedule} tied={tied}");
+        let (reference, candidate, cmp) = verify(&c, TOLERANCE).unwrap();
+        assert!(cmp.pass, "{what}: {cmp}");
+        assert_eq!(cmp.max_routing_diff, Some(0), "{what}");
+        assert!(
+            reference.steps.iter().any(|s| s.grad_norm > 0.5),
+            "{what}: clipping must be active"
+        );
+        // The routing record covers every layer, summed over the stages.
+        let record = candidate.steps[0].moe.as_ref().expect("a routing record");
+        assert_eq!(record.tokens_per_expert.len(), 4, "{what}");
+        assert!(record.aux_loss > 0.0, "{what}");
+    }
+}
+
 /// Every layout the rule table accepts that combines `n` of its features (each at degree 2),
 /// once each: features that only repeat another's effect (tp under sp, pp under zb-h1, dp
 /// under ZeRO-1/2, MoE under ep) give a layout already listed, and ZeRO-1/2 with ZeRO-3 is one

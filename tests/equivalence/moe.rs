@@ -144,8 +144,13 @@ fn moe_jobs_that_cannot_run_are_refused_naming_the_fields() {
         errors.contains("moe.experts = 6 does not divide by ep = 4"),
         "{errors}"
     );
-    let errors = moe_job("pp=2", 4, 2, 1).validate().join("\n");
-    assert!(errors.contains("rule `moe-pp`"), "{errors}");
+    let mut hot = moe_job("ep=2,pp=2", 4, 2, 2);
+    hot.moe.replicate_hot = 1;
+    let errors = hot.validate().join("\n");
+    assert!(
+        errors.contains("moe.replicate_hot = 1: hot-expert copies are not kept under pipeline"),
+        "{errors}"
+    );
     let mut sp = moe_job("tp=2", 4, 2, 1);
     sp.parallel.sequence_parallel = true;
     let errors = sp.validate().join("\n");

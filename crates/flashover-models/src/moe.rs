@@ -513,24 +513,30 @@ impl MoeHook {
     }
 }
 
+/// [`Moe::update_bias`] on a layer's routing bias `bias` held apart from its layer (a pipeline
+/// rank keeps every layer's, so that any rank can save them).
+pub fn update_expert_bias(bias: &mut Vec<f32>, routed: &[u64], config: &MoeConfig) {
+    let rate = config.bias_update_rate as f32;
+    if rate == 0.0 || routed.len() != config.n_experts {
+        return;
+    }
+    bias.resize(routed.len(), 0.0);
+    let mean = routed.iter().sum::<u64>() as f64 / routed.len() as f64;
+    for (b, &load) in bias.iter_mut().zip(routed) {
+        let gap = mean - load as f64;
+        if gap != 0.0 {
+            *b += rate * gap.signum() as f32;
+        }
+    }
+}
+
 impl Moe {
     /// Auxiliary-loss-free balancing after a step: `routed[e]` assignments went to expert `e`
     /// over the whole global batch; each bias moves by `bias_update_rate` towards the mean
     /// load (up for under-loaded experts, down for over-loaded ones). Every rank sees the same
     /// counts, so every rank's bias stays the same.
     pub fn update_bias(&mut self, routed: &[u64]) {
-        let rate = self.config.bias_update_rate as f32;
-        if rate == 0.0 || routed.len() != self.config.n_experts {
-            return;
-        }
-        self.expert_bias.resize(routed.len(), 0.0);
-        let mean = routed.iter().sum::<u64>() as f64 / routed.len() as f64;
-        for (b, &load) in self.expert_bias.iter_mut().zip(routed) {
-            let gap = mean - load as f64;
-            if gap != 0.0 {
-                *b += rate * gap.signum() as f32;
-            }
-        }
+        update_expert_bias(&mut self.expert_bias, routed, &self.config);
     }
 
     /// `x: [batch, seq, d_model]` -> same shape, as layer `layer`. Without an [`MoeHook`] in

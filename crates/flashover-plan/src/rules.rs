@@ -77,12 +77,6 @@ const RULES: &[Rule] = &[
         reason: "not yet: expert capacity and the balancing loss are computed over whole \
                  sequences, which sequence parallelism splits; drop --sequence-parallel",
     },
-    Rule {
-        name: "moe-pp",
-        applies: |l, experts| experts && l.pp > 1,
-        reason: "not yet: pipeline stages do not carry the routers' auxiliary losses and \
-                 routing statistics from stage to stage",
-    },
 ];
 
 /// Every rule of the table that refuses `layout` (empty: it trains). `experts`: the model has
@@ -292,7 +286,7 @@ mod tests {
     #[test]
     fn a_refused_pair_cites_its_rule_under_the_matrix() {
         let text = matrix_markdown();
-        let (layout, experts) = layout_with(&[Feature::Pp, Feature::Moe]);
+        let (layout, experts) = layout_with(&[Feature::Cp, Feature::Moe]);
         let rule = refusals(&layout, experts)[0].rule;
         assert!(text.contains(&format!("`{rule}`")), "{text}");
     }

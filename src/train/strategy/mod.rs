@@ -10,8 +10,9 @@
 //! - [`zero`]: the same with AdamW state and gradients sharded over the buckets (ZeRO-1/2);
 //! - [`fsdp`]: parameters cut by rows in units gathered just before use (ZeRO-3 / HSDP, over
 //!   tensor-parallel shares and context-parallel ranks too);
-//! - [`pipeline`]: stages over `pp`, any schedule, with tp, cp and any ZeRO stage inside;
-//! - [`moe`]: mixture-of-experts models, experts over `ep`.
+//! - [`pipeline`]: stages over `pp`, any schedule, with tp, cp, experts over ep and any ZeRO
+//!   stage inside;
+//! - [`moe`]: mixture-of-experts models without pipelines, experts over `ep`.
 //!
 //! What they share is here: the step's outcome, the precision policy's loss scale, the norm
 //! from placements and the checkpoint view of a rank's state.
@@ -106,6 +107,17 @@ pub(crate) fn build(
 ) -> Result<Box<dyn RankStrategy>, RankError> {
     let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
     let RankModel { shares, experts } = model;
+    if ctx.group(Axis::Pp).size() > 1 {
+        return pipeline::build(
+            ctx,
+            config,
+            model_config,
+            shares,
+            experts,
+            grad_group,
+            &adamw,
+        );
+    }
     if let Some(experts) = experts {
         return moe::build(
             ctx,
@@ -116,9 +128,6 @@ pub(crate) fn build(
             grad_group,
             &adamw,
         );
-    }
-    if ctx.group(Axis::Pp).size() > 1 {
-        return pipeline::build(ctx, config, model_config, shares, grad_group, &adamw);
     }
     let ddp = DataParallelConfig::new()
         .with_bucket_bytes((config.parallel.bucket_mb * (1 << 20) as f64) as usize)

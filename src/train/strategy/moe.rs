@@ -15,6 +15,7 @@ use crate::train::report::MoeRecord;
 use crate::train::tp_model::TpTransformer;
 use burn::module::Module;
 use burn::optim::GradientsParams;
+use flashover_models::moe::MoeStats;
 use flashover_models::{Block, MoeHook, Transformer, TransformerConfig};
 use flashover_parallel::FlatAdamWConfig;
 use flashover_parallel::expert_parallel::ExpertParallel;
@@ -294,56 +295,105 @@ fn moe_step<M: NextTokenLoss + MoeBlocks>(
 /// The step's routing over the whole batch group (statistics and traffic summed over it), and
 /// the auxiliary-loss-free balancing that the global loads drive (every rank's biases alike).
 fn routing_record<M: MoeBlocks>(state: &mut MoeState<M>) -> Result<MoeRecord, RankError> {
+    let layers = state.model.moe_blocks().len();
+    let n_experts = state.experts.per_rank() * state.experts.group().size();
     let stats = state.hook.take_stats();
     let remote = state.experts.traffic().take();
-    let mut sums: Vec<f64> = stats
-        .routed
-        .iter()
-        .chain(&stats.kept)
-        .flatten()
-        .map(|&c| c as f64)
-        .collect();
-    sums.extend([
-        stats.aux_loss,
-        stats.z_loss,
-        stats.forwards as f64,
-        remote as f64,
-    ]);
-    state.reduction.batch.all_reduce(&mut sums, ReduceOp::Sum)?;
-    let layers = stats.routed.len();
-    let experts = stats.routed.first().map_or(0, Vec::len);
-    let per_layer = |block: usize| -> Vec<Vec<u64>> {
-        sums[block * layers * experts..(block + 1) * layers * experts]
-            .chunks(experts.max(1))
-            .map(|c| c.iter().map(|&v| v as u64).collect())
-            .collect()
-    };
-    let (routed, kept) = (per_layer(0), per_layer(1));
+    let batch = &state.reduction.batch;
+    let routing = RoutingSums::over(stats, remote, [layers, n_experts], &[batch])?;
     state
         .experts
-        .record_loads(state.model.moe_blocks(), &routed);
-    for (block, counts) in state.model.moe_blocks_mut().iter_mut().zip(&routed) {
+        .record_loads(state.model.moe_blocks(), &routing.routed);
+    for (block, counts) in state.model.moe_blocks_mut().iter_mut().zip(&routing.routed) {
         if let Some(moe) = block.moe.as_mut() {
             moe.update_bias(counts);
         }
     }
-    let tail = &sums[2 * layers * experts..];
-    let total_routed: u64 = routed.iter().flatten().sum();
-    let total_kept: u64 = kept.iter().flatten().sum();
-    let imbalance = kept
-        .iter()
-        .map(|l| {
-            let mean = l.iter().sum::<u64>() as f64 / l.len().max(1) as f64;
-            l.iter().copied().max().unwrap_or(0) as f64 / mean.max(f64::MIN_POSITIVE)
+    Ok(routing.record(state.d_model))
+}
+
+/// A step's routing summed over the ranks that read different samples (and under pipelines
+/// over the stages, which route disjoint layers).
+pub(super) struct RoutingSums {
+    /// Per layer (global index) and expert: assignments before dropping.
+    pub routed: Vec<Vec<u64>>,
+    /// Per layer and expert: assignments kept.
+    kept: Vec<Vec<u64>>,
+    /// Sums of the unweighted auxiliary losses, and of the forwards they cover.
+    aux_loss: f64,
+    z_loss: f64,
+    forwards: f64,
+    /// Token rows sent to other ep ranks.
+    remote: f64,
+}
+
+impl RoutingSums {
+    /// This rank's `stats` (layers by global index) and `remote` rows, as `[layers, experts]`
+    /// counts, summed over each of `groups` in turn (collective).
+    pub fn over(
+        stats: MoeStats,
+        remote: u64,
+        [layers, experts]: [usize; 2],
+        groups: &[&Group],
+    ) -> Result<Self, RankError> {
+        let padded = |per_layer: &[Vec<u64>]| -> Vec<f64> {
+            (0..layers * experts)
+                .map(|i| {
+                    let counts = per_layer.get(i / experts.max(1));
+                    counts
+                        .and_then(|c| c.get(i % experts))
+                        .map_or(0.0, |&c| c as f64)
+                })
+                .collect()
+        };
+        let mut sums = padded(&stats.routed);
+        sums.extend(padded(&stats.kept));
+        sums.extend([
+            stats.aux_loss,
+            stats.z_loss,
+            stats.forwards as f64,
+            remote as f64,
+        ]);
+        for group in groups {
+            group.all_reduce(&mut sums, ReduceOp::Sum)?;
+        }
+        let per_layer = |part: usize| -> Vec<Vec<u64>> {
+            sums[part * layers * experts..(part + 1) * layers * experts]
+                .chunks(experts.max(1))
+                .map(|c| c.iter().map(|&v| v as u64).collect())
+                .collect()
+        };
+        let tail = &sums[2 * layers * experts..];
+        Ok(RoutingSums {
+            routed: per_layer(0),
+            kept: per_layer(1),
+            aux_loss: tail[0],
+            z_loss: tail[1],
+            forwards: tail[2],
+            remote: tail[3],
         })
-        .fold(0.0, f64::max);
-    Ok(MoeRecord {
-        tokens_per_expert: kept,
-        imbalance,
-        drop_rate: 1.0 - total_kept as f64 / (total_routed as f64).max(1.0),
-        aux_loss: tail[0] / tail[2].max(1.0),
-        z_loss: tail[1] / tail[2].max(1.0),
-        a2a_remote_bytes: tail[3] as u64 * state.d_model as u64 * 4,
-        a2a_s: 0.0,
-    })
+    }
+
+    /// The step's record (`d_model`: the width of a token row).
+    pub fn record(self, d_model: usize) -> MoeRecord {
+        let total_routed: u64 = self.routed.iter().flatten().sum();
+        let total_kept: u64 = self.kept.iter().flatten().sum();
+        let imbalance = self
+            .kept
+            .iter()
+            .map(|l| {
+                let mean = l.iter().sum::<u64>() as f64 / l.len().max(1) as f64;
+                l.iter().copied().max().unwrap_or(0) as f64 / mean.max(f64::MIN_POSITIVE)
+            })
+            .fold(0.0, f64::max);
+        MoeRecord {
+            tokens_per_expert: self.kept,
+            imbalance,
+            drop_rate: 1.0 - total_kept as f64 / (total_routed as f64).max(1.0),
+            aux_loss: self.aux_loss / self.forwards.max(1.0),
+            z_loss: self.z_loss / self.forwards.max(1.0),
+            a2a_remote_bytes: self.remote as u64 * d_model as u64 * 4,
+            a2a_s: 0.0,
+        }
+    }
 }

@@ -4,17 +4,21 @@
 //! ZeRO each rank its rows of every parameter. Gradients are reduced once per step through the
 //! placements (over the data axes, and the tied embedding's copies over their two stages).
 
+use super::moe::RoutingSums;
 use super::rows::FlatOptimizer;
 use super::{Batches, Precisions, RankStrategy, SharedState, StepOutcome, borrowed, clip_placed};
 use crate::train::checkpoint::LocalState;
 use crate::train::config::{GradientReduction, TrainConfig};
 use crate::train::parallelize::Shares;
 use crate::train::pp_model::{DeferWeightGrads, TransformerStage};
-use flashover_models::{LinearHook, Transformer, TransformerConfig};
+use crate::train::report::MoeRecord;
+use flashover_models::moe::update_expert_bias;
+use flashover_models::{LinearHook, MoeConfig, MoeHook, Transformer, TransformerConfig};
 use flashover_parallel::FlatAdamWConfig;
+use flashover_parallel::expert_parallel::ExpertParallel;
 use flashover_parallel::params::{ParamLayout, ParamSlot, accumulate_grads, flatten_params};
 use flashover_parallel::pipeline::{
-    ActionKind, PipelineExecutor, Schedule, WeightGradStore, deferral_supported,
+    ActionKind, PipelineExecutor, Schedule, StageOutput, WeightGradStore, deferral_supported,
 };
 use flashover_parallel::placement::{GradientReducer, ParamPlacement, PlacementTable, Tie};
 use flashover_parallel::zero::MemoryReport;
@@ -22,13 +26,15 @@ use flashover_runtime::{Axis, CommunicatorExt, Group, RankContext, RankError, Re
 use std::sync::Arc;
 use std::time::Duration;
 
-/// This rank's stages of `shares` (the whole model or its tp shares) as the schedule says,
-/// sharded as the job says (collective).
+/// This rank's stages of `shares` (the whole model or its tp shares; with `experts`, this
+/// rank's experts of a mixture-of-experts model) as the schedule says, sharded as the job
+/// says (collective).
 pub(super) fn build(
     ctx: &RankContext,
     config: &TrainConfig,
     model_config: &TransformerConfig,
     shares: Shares,
+    experts: Option<ExpertParallel>,
     grad_group: &Group,
     adamw: &FlatAdamWConfig,
 ) -> Result<Box<dyn RankStrategy>, RankError> {
@@ -57,13 +63,19 @@ pub(super) fn build(
         Shares::Whole(model, placements) => (*model, None, local_seq, placements),
     };
     let tied = local.head.is_none();
-    let order = ParamLayout::of(&local)
+    // What rank 0 names the gathered model by: the whole model's structure (every expert,
+    // when this rank holds only its own; collective over ep).
+    let skeleton = match &experts {
+        Some(experts) => experts.gather_experts(local.clone())?,
+        None => local.clone(),
+    };
+    let order = ParamLayout::of(&skeleton)
         .slots
-        .iter()
-        .map(|s| placements.get(s.id).map(|e| e.name.clone()))
-        .collect::<Option<_>>()
-        .ok_or("a parameter of the model has no placement")?;
-    let stage_params = stage_names(&local, &placements, schedule.stages(), &counts)?;
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    let stage_params = stage_names(&skeleton, &placements, schedule.stages(), &counts)?;
+    drop(skeleton);
     let chunks = (0..schedule.chunks)
         .map(|c| {
             let stage = schedule.stage_of(pp.rank(), c);
@@ -102,9 +114,20 @@ pub(super) fn build(
     let layouts = chunks.iter().map(ParamLayout::of).collect();
     // ZeRO-3 keeps only its rows between steps.
     let chunks = optim.between_steps(chunks);
+    let moe = match (experts, &model_config.moe) {
+        (Some(experts), Some(moe)) => Some(StageExperts {
+            hook: MoeHook::new(Arc::new(experts.clone())),
+            experts,
+            bias: vec![vec![]; model_config.n_layers],
+            config: moe.clone(),
+            batch: grad_group.clone(),
+        }),
+        _ => None,
+    };
     Ok(Box::new(PipelineState {
         tie,
         deferral,
+        moe,
         placements,
         reducer: GradientReducer::new(ctx, config.precision.reduce_dtype)?,
         schedule,
@@ -145,6 +168,53 @@ struct PipelineState {
     /// Zero-bubble schedules on Flex without tensor parallelism: the blocks' weight gradients
     /// are deferred to this store and computed at the weight-gradient actions.
     deferral: Option<(WeightGradStore, LinearHook)>,
+    /// Mixture-of-experts stages: experts over ep.
+    moe: Option<StageExperts>,
+}
+
+/// A pipeline rank's experts: how tokens reach them, and every layer's routing bias (all
+/// stages' layers, updated from the loads summed over the pipeline, so any rank can save
+/// them).
+struct StageExperts {
+    experts: ExpertParallel,
+    hook: MoeHook,
+    bias: Vec<Vec<f32>>,
+    config: MoeConfig,
+    /// The ranks reading different samples (`dp x fsdp x ep`): routing is summed over them.
+    batch: Group,
+}
+
+impl StageExperts {
+    /// The step's routing (summed over the samples and the stages) and the routing biases it
+    /// moves, set on this rank's `chunks`.
+    fn after_step(
+        &mut self,
+        pp: &Group,
+        chunks: &mut [TransformerStage],
+        d_model: usize,
+    ) -> Result<MoeRecord, RankError> {
+        let stats = self.hook.take_stats();
+        let remote = self.experts.traffic().take();
+        let shape = [self.bias.len(), self.config.n_experts];
+        let routing = RoutingSums::over(stats, remote, shape, &[&self.batch, pp])?;
+        for (bias, counts) in self.bias.iter_mut().zip(&routing.routed) {
+            update_expert_bias(bias, counts, &self.config);
+        }
+        self.set_bias(chunks);
+        Ok(routing.record(d_model))
+    }
+
+    /// Every MoE layer of `chunks` gets its routing bias from the table.
+    fn set_bias(&self, chunks: &mut [TransformerStage]) {
+        for chunk in chunks {
+            let first = chunk.first_block;
+            for (i, block) in chunk.blocks.iter_mut().enumerate() {
+                if let Some(moe) = block.moe.as_mut() {
+                    moe.expert_bias = self.bias[first + i].clone();
+                }
+            }
+        }
+    }
 }
 
 impl PipelineState {
@@ -159,28 +229,32 @@ impl PipelineState {
 type StageNames = Vec<(Option<String>, usize)>;
 
 /// Per virtual stage, its parameters' whole-model names and whole lengths. Stages are cut from
-/// `local` (the whole model or its tp shares) and keep its parameters' ids, so `placements`
-/// names them; the tied head's copy is a new parameter (`None`: reported once, as the
-/// embedding, whose length it has).
+/// `skeleton`, the model in its whole structure (tp shares, every expert): its structure names
+/// the parameters, and `placements` (by the ids the cut keeps) gives the whole length of a
+/// tensor-parallel share. The tied head's copy is a new parameter (`None`: reported once, as
+/// the embedding, whose length it has).
 fn stage_names(
-    local: &Transformer,
+    skeleton: &Transformer,
     placements: &PlacementTable,
     stages: usize,
     counts: &[usize],
 ) -> Result<Vec<StageNames>, RankError> {
-    let whole_len = |e: &ParamPlacement| e.global_shape.iter().product::<usize>();
-    let embed_len = placements
-        .get(local.embed.weight.id)
-        .map(whole_len)
-        .ok_or("the embedding has no placement")?;
+    let names = PlacementTable::whole(skeleton);
+    let whole_len = |id, numel| {
+        placements
+            .get(id)
+            .map_or(numel, |e| e.global_shape.iter().product::<usize>())
+    };
+    let embed = &skeleton.embed.weight;
+    let embed_len = whole_len(embed.id, embed.val().dims().iter().product());
     (0..stages)
         .map(|stage| {
-            let cut = TransformerStage::cut(local, stage, counts)?;
+            let cut = TransformerStage::cut(skeleton, stage, counts)?;
             Ok(ParamLayout::of(&cut)
                 .slots
                 .into_iter()
-                .map(|s| match placements.get(s.id) {
-                    Some(e) => (Some(e.name.clone()), whole_len(e)),
+                .map(|s| match names.get(s.id) {
+                    Some(e) => (Some(e.name.clone()), whole_len(s.id, s.numel)),
                     None => (None, embed_len),
                 })
                 .collect())
@@ -241,6 +315,26 @@ impl RankStrategy for PipelineState {
         Ok(())
     }
 
+    fn moe_bias(&self) -> Option<Vec<Vec<f32>>> {
+        self.moe.as_ref().map(|moe| moe.bias.clone())
+    }
+
+    fn set_moe_bias(&mut self, bias: &[Vec<f32>]) -> Result<(), RankError> {
+        let Some(moe) = self.moe.as_mut() else {
+            return Ok(());
+        };
+        if bias.len() != moe.bias.len() {
+            return Err(RankError::from(format!(
+                "the checkpoint has routing biases for {} layers, the model has {}",
+                bias.len(),
+                moe.bias.len()
+            )));
+        }
+        moe.bias = bias.to_vec();
+        moe.set_bias(&mut self.chunks);
+        Ok(())
+    }
+
     fn full_params(&self, ctx: &RankContext) -> Result<Vec<(String, Vec<f32>)>, RankError> {
         gather_pipeline_params(ctx, self)
     }
@@ -271,6 +365,8 @@ fn pipeline_step(
         executor = executor.deferring_weight_grads(store.clone());
         hook = Some(linear.clone());
     }
+    let moe = state.moe.as_ref().map(|m| m.hook.clone());
+    let a2a_before = state.moe.as_ref().map(|m| m.experts.group().stats());
     let (grads, report) = executor.step(
         &state.chunks,
         state.shape,
@@ -278,9 +374,12 @@ fn pipeline_step(
         |_, stage: &TransformerStage, input, micro| {
             let (tokens, targets, mut fwd) = data[micro].clone();
             fwd.linear = hook.clone();
-            policy
+            fwd.moe = moe.clone();
+            let out = policy
                 .compute_view(stage.clone())
-                .forward(input, tokens, targets, &fwd)
+                .forward(input, tokens, targets, &fwd);
+            // The routers' auxiliary losses of this forward stay with this stage's backward.
+            StageOutput::with_aux_loss(out, moe.as_ref().and_then(MoeHook::take_aux_loss))
         },
     )?;
     // A zero-bubble schedule whose weight gradients were not deferred would silently be 1F1B.
@@ -317,6 +416,14 @@ fn pipeline_step(
     let (update, loss_scale) = precision.decide(grad_norm);
     let chunks = std::mem::take(&mut state.chunks);
     state.chunks = state.optim.step(lr, chunks, &flat, update)?;
+    let (routing, a2a) = match (&mut state.moe, a2a_before) {
+        (Some(moe), Some(before)) => {
+            let record = moe.after_step(pp, &mut state.chunks, state.shape[2])?;
+            let a2a = moe.experts.group().stats().since(&before).total();
+            (Some(record), a2a.wait + a2a.transfer)
+        }
+        _ => (None, Duration::ZERO),
+    };
     // Only the last stage computed losses: share them along the pipeline.
     let mut loss = [report.loss_sum];
     pp.all_reduce(&mut loss, ReduceOp::Sum)?;
@@ -340,8 +447,8 @@ fn pipeline_step(
             // Under ZeRO-3 the chunks are gathered for the whole step.
             gathered_peak: if params < numel { numel * 4 } else { 0 },
         },
-        moe: None,
-        a2a: Duration::ZERO,
+        moe: routing,
+        a2a,
         loss_scale,
         skipped: !update,
     })
@@ -355,12 +462,18 @@ fn gather_pipeline_params(
     let pp = ctx.group(Axis::Pp);
     // Whole weights first (collective over tp when the stages are split, and over the shard
     // axis under ZeRO-3).
-    let whole = state
+    let mut whole = state
         .optim
         .whole(&state.chunks)?
         .iter()
         .map(|c| c.unshard())
         .collect::<Result<Vec<_>, _>>()?;
+    // Every expert (collective over ep).
+    if let Some(moe) = &state.moe {
+        for stage in &mut whole {
+            moe.experts.gather_block_experts(&mut stage.blocks)?;
+        }
+    }
     let mine: Vec<f32> = whole.iter().flat_map(flatten_params).collect();
     let mut longest = [mine.len() as u64];
     pp.all_reduce(&mut longest, ReduceOp::Max)?;

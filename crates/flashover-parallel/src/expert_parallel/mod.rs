@@ -25,13 +25,13 @@ use crate::precision::cast_params;
 use replicas::Replicas;
 
 use crate::error::ParallelError;
-use crate::params::{flatten_params, load_flat};
+use crate::params::flatten_params;
 use crate::tensor_parallel::comm::{host, host_pair, ok, values};
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{Tensor, TensorData};
 use flashover_comm::{CommunicatorExt, Group};
 use flashover_models::moe::{ExpertDispatch, Moe, Routing, index_tensor, run_experts};
-use flashover_models::{SwiGlu, Transformer};
+use flashover_models::{Block, SwiGlu, Transformer};
 use flashover_runtime::Axis;
 use std::ops::Range;
 use std::sync::Arc;
@@ -182,17 +182,29 @@ impl ExpertParallel {
     /// `model` with every MoE layer's experts gathered from the group (collective): the whole
     /// model, as one rank would hold it.
     pub fn gather_experts(&self, mut model: Transformer) -> Result<Transformer, ParallelError> {
-        for block in &mut model.blocks {
+        self.gather_block_experts(&mut model.blocks)?;
+        Ok(model)
+    }
+
+    /// [`ExpertParallel::gather_experts`] on some of a model's blocks (a pipeline stage's):
+    /// every layer's experts from every ep rank, in rank order, as new parameters (collective
+    /// over ep).
+    pub fn gather_block_experts(&self, blocks: &mut [Block]) -> Result<(), ParallelError> {
+        for block in blocks {
             if let Some(moe) = block.moe.as_mut() {
+                let Some(template) = moe.experts.first() else {
+                    continue;
+                };
                 let gathered = self.group.all_gather_vec(&flatten_params(&moe.experts))?;
-                let template: Vec<SwiGlu> = (0..self.group.size())
-                    .flat_map(|_| moe.experts.clone())
+                let numel = flatten_params(template).len();
+                moe.experts = gathered
+                    .chunks(numel)
+                    .map(|flat| replicas::fresh_copy(template, flat))
                     .collect();
-                moe.experts = load_flat(template, &gathered);
                 moe.first_expert = 0;
             }
         }
-        Ok(model)
+        Ok(())
     }
 }
 

@@ -50,9 +50,9 @@ impl Replicas {
     }
 }
 
-/// A copy of `template`'s shape holding `flat`, as new trainable parameters (new ids: the
-/// copy's gradients must not mix with the owner's).
-fn fresh_copy(template: &SwiGlu, flat: &[f32]) -> SwiGlu {
+/// A copy of `template`'s shape holding `flat`, as new parameters (new ids: the copy's
+/// gradients must not mix with the owner's), trainable where the template's are.
+pub(super) fn fresh_copy(template: &SwiGlu, flat: &[f32]) -> SwiGlu {
     let mut at = 0;
     let mut linear = |l: &Linear| {
         let w = l.weight.val();
@@ -60,8 +60,12 @@ fn fresh_copy(template: &SwiGlu, flat: &[f32]) -> SwiGlu {
         let n = dims[0] * dims[1];
         let t = Tensor::<2>::from_data(TensorData::new(flat[at..at + n].to_vec(), dims), &device);
         at += n;
+        let t = match w.is_require_grad() {
+            true => t.require_grad(),
+            false => t,
+        };
         Linear {
-            weight: Param::from_tensor(t.require_grad()),
+            weight: Param::from_tensor(t),
             bias: None,
         }
     };

@@ -33,6 +33,40 @@ pub enum StageOutput<const D: usize> {
     Activation(Tensor<D>),
     /// Mean loss of the micro-batch.
     Loss(Tensor<1>),
+    /// Either of the above and a loss of the chunk's own (a mixture-of-experts router's
+    /// auxiliary losses): its backward adds it to what it backpropagates, scaled as the
+    /// losses are, so its gradient stays on this stage (Megatron's auxiliary-loss scaler);
+    /// it is not part of the reported loss.
+    WithAuxLoss(Box<StageOutput<D>>, Tensor<1>),
+}
+
+impl<const D: usize> StageOutput<D> {
+    /// `output` with the auxiliary loss `aux`, if there is one.
+    pub fn with_aux_loss(output: StageOutput<D>, aux: Option<Tensor<1>>) -> Self {
+        match aux {
+            Some(aux) => StageOutput::WithAuxLoss(Box::new(output), aux),
+            None => output,
+        }
+    }
+
+    /// The activation or loss itself.
+    fn main(&self) -> &StageOutput<D> {
+        match self {
+            StageOutput::WithAuxLoss(main, _) => main.main(),
+            main => main,
+        }
+    }
+
+    /// The activation or loss, and the auxiliary losses (summed).
+    fn split(self) -> (StageOutput<D>, Option<Tensor<1>>) {
+        match self {
+            StageOutput::WithAuxLoss(main, aux) => match main.split() {
+                (main, Some(more)) => (main, Some(aux + more)),
+                (main, None) => (main, Some(aux)),
+            },
+            main => (main, None),
+        }
+    }
 }
 
 /// What one step measured on this rank.
@@ -180,7 +214,7 @@ impl<'a> PipelineExecutor<'a> {
                     let t0 = Instant::now();
                     let input = inputs.remove(&key);
                     let out = forward(a.chunk, &chunks[a.chunk], input.clone(), a.micro);
-                    if let StageOutput::Loss(loss) = &out {
+                    if let StageOutput::Loss(loss) = out.main() {
                         report.loss_sum += loss.clone().into_scalar::<f32>() as f64;
                     }
                     outputs.insert(key, (input, out));
@@ -190,8 +224,8 @@ impl<'a> PipelineExecutor<'a> {
                 }
                 ActionKind::SendActivation => {
                     let dst = s.place(stage + 1).0;
-                    match outputs.get(&key) {
-                        Some((_, StageOutput::Activation(y))) => {
+                    match outputs.get(&key).map(|(_, out)| out.main()) {
+                        Some(StageOutput::Activation(y)) => {
                             self.group.send_tensor(&y.clone().detach(), dst)?
                         }
                         _ => {
@@ -205,12 +239,18 @@ impl<'a> PipelineExecutor<'a> {
                 ActionKind::Backward | ActionKind::BackwardInput => {
                     let t0 = Instant::now();
                     let (input, out) = outputs.remove(&key).expect("validated: forward first");
-                    let grads = match out {
-                        StageOutput::Loss(loss) if self.loss_scale != 1.0 => {
+                    let (out, aux) = out.split();
+                    // A chunk's own loss, scaled as the losses are, in f32.
+                    let aux = aux.map(|aux| aux.cast(DType::F32).mul_scalar(self.loss_scale));
+                    let grads = match (out, aux) {
+                        (StageOutput::Loss(loss), None) if self.loss_scale != 1.0 => {
                             loss.mul_scalar(self.loss_scale).backward()
                         }
-                        StageOutput::Loss(loss) => loss.backward(),
-                        StageOutput::Activation(y) => {
+                        (StageOutput::Loss(loss), None) => loss.backward(),
+                        (StageOutput::Loss(loss), Some(aux)) => {
+                            (loss.cast(DType::F32).mul_scalar(self.loss_scale) + aux).backward()
+                        }
+                        (StageOutput::Activation(y), aux) => {
                             let g = grads_out.remove(&key).ok_or_else(|| {
                                 ParallelError::Invalid(format!(
                                     "rank {rank}: no output gradient for micro-batch {} chunk {}",
@@ -220,8 +260,12 @@ impl<'a> PipelineExecutor<'a> {
                             // Received in the output's dtype; into the graph's autodiff
                             // context on the device, as a constant (no host round trip).
                             let g = crate::params::in_context_of(g, &y);
-                            (y * g).sum().backward()
+                            match aux {
+                                Some(aux) => ((y * g).sum().cast(DType::F32) + aux).backward(),
+                                None => (y * g).sum().backward(),
+                            }
                         }
+                        (StageOutput::WithAuxLoss(..), _) => unreachable!("split"),
                     };
                     if let Some(x) = input
                         && let Some(gx) = x.grad(&grads)
