@@ -34,5 +34,5 @@ pub use forward_context::{
     LinearHook, LinearOp,
 };
 pub use layers::{Attention, Block, SwiGlu, rope_tables, rope_tables_at};
-pub use moe::{Moe, MoeConfig, MoeHook};
+pub use moe::{Moe, MoeConfig, MoeHook, SequenceShare};
 pub use transformer::{Transformer, TransformerConfig, next_token_loss};

@@ -202,6 +202,49 @@ impl Routing {
         slot
     }
 
+    /// This rank's part of a routing decided for whole sequences (`batch` of `seq_len`
+    /// tokens): the tokens at `positions` of each sequence, numbered as the rank holds them
+    /// (`[batch, positions.len()]`), in the same expert groups.
+    pub fn restrict(&self, batch: usize, seq_len: usize, positions: &[usize]) -> Routing {
+        let k = self.chosen.len() / (batch * seq_len).max(1);
+        let local = positions.len();
+        let mut local_of = vec![None; seq_len];
+        for (i, &p) in positions.iter().enumerate() {
+            local_of[p] = Some(i);
+        }
+        let renumber =
+            |token: usize| local_of[token % seq_len].map(|i| token / seq_len * local + i);
+        let mut chosen = Vec::with_capacity(batch * local * k);
+        for s in 0..batch {
+            for &p in positions {
+                let g = s * seq_len + p;
+                chosen.extend_from_slice(&self.chosen[g * k..(g + 1) * k]);
+            }
+        }
+        let mut routed = vec![0; self.routed.len()];
+        chosen.iter().for_each(|&x| routed[x] += 1);
+        let (mut token, mut choice) = (vec![], vec![]);
+        let mut kept = vec![0; self.kept.len()];
+        let mut at = 0;
+        for (x, &n) in self.kept.iter().enumerate() {
+            for row in at..at + n {
+                if let Some(t) = renumber(self.token[row]) {
+                    token.push(t);
+                    choice.push(t * k + self.choice[row] % k);
+                    kept[x] += 1;
+                }
+            }
+            at += n;
+        }
+        Routing {
+            token,
+            choice,
+            chosen,
+            kept,
+            routed,
+        }
+    }
+
     /// Assignments dropped for want of capacity.
     pub fn dropped(&self) -> usize {
         self.routed.iter().sum::<usize>() - self.kept.iter().sum::<usize>()
@@ -442,12 +485,32 @@ impl MoeStats {
     }
 }
 
+/// The routing of whole sequences split across ranks, their length, and the split.
+type WholeSequences = (Routing, usize, Arc<dyn SequenceShare>);
+
+/// Sequences split across ranks (context parallelism), seen from a mixture-of-experts layer:
+/// routing (Sinkhorn balancing, capacity, drops) and the load-balancing loss are defined per
+/// whole sequence, so each layer routes the whole sequences, as one rank would, and keeps its
+/// own tokens' part.
+pub trait SequenceShare: Send + Sync {
+    /// Ranks sharing each sequence.
+    fn ranks(&self) -> usize;
+    /// Every rank's `rows` (`[batch, local_seq, width]`, row-major: this rank's positions of
+    /// each sequence) as the whole sequences, `[batch, seq_len, width]` in position order
+    /// (collective).
+    fn gather(&self, rows: &[f32], batch: usize, width: usize) -> Vec<f32>;
+    /// `value` summed over the ranks (collective).
+    fn sum(&self, value: f64) -> f64;
+}
+
 /// What a forward through MoE layers needs besides the tokens: who runs the experts, and where
 /// the auxiliary losses and statistics go. Shared by a step's micro-batches.
 #[derive(Clone)]
 pub struct MoeHook {
     /// Runs the experts.
     pub dispatch: Arc<dyn ExpertDispatch>,
+    /// Context parallelism: how this rank's tokens sit in sequences split across ranks.
+    pub sequence: Option<Arc<dyn SequenceShare>>,
     /// The auxiliary losses of the forwards since the last [`MoeHook::take_aux_loss`].
     aux: Arc<Mutex<Vec<Tensor<1>>>>,
     /// Routing statistics since the last [`MoeHook::take_stats`].
@@ -471,6 +534,7 @@ impl MoeHook {
     pub fn new(dispatch: Arc<dyn ExpertDispatch>) -> Self {
         MoeHook {
             dispatch,
+            sequence: None,
             aux: Arc::default(),
             stats: Arc::default(),
         }
@@ -555,7 +619,18 @@ impl Moe {
             .try_into_vec::<f32>()
             .expect("router logits are f32");
         let bias = (!self.expert_bias.is_empty()).then_some(self.expert_bias.as_slice());
-        let routing = route(&host, t, &self.config, bias);
+        // Under context parallelism, the whole sequences are routed (on every rank alike).
+        let split = ctx.moe.as_ref().and_then(|h| h.sequence.as_ref());
+        let (routing, whole) = match (split, &ctx.positions) {
+            (Some(sequence), Some(positions)) if sequence.ranks() > 1 => {
+                let all = sequence.gather(&host, b, self.config.n_experts);
+                let seq_len = all.len() / (b * self.config.n_experts).max(1);
+                let whole = route(&all, seq_len, &self.config, bias);
+                let mine = whole.restrict(b, seq_len, &positions[ctx.seq_offset..][..t]);
+                (mine, Some((whole, seq_len, sequence.clone())))
+            }
+            _ => (route(&host, t, &self.config, bias), None),
+        };
         let device = xf.device();
         let scores = match self.config.router {
             RouterKind::Softmax => softmax(logits.clone(), 1),
@@ -567,7 +642,7 @@ impl Moe {
             weights = weights.clone() / weights.sum_dim(1);
         }
         if let Some(hook) = &ctx.moe {
-            let (aux, values) = self.aux_losses(logits, scores, &routing, b, t);
+            let (aux, values) = self.aux_losses(logits, scores, &routing, [b, t], whole);
             let mut stats = hook.stats.lock().expect("moe stats");
             stats.record(layer, &routing);
             stats.aux_loss += values[0];
@@ -603,31 +678,50 @@ impl Moe {
     }
 
     /// The weighted sum of the load-balancing and z-losses of one forward (`None` if both
-    /// weights are 0) and their unweighted values (0 where a weight is 0).
+    /// weights are 0) and their unweighted values (0 where a weight is 0). With `whole` (the
+    /// routing of the whole sequences, their length, and the ranks sharing them), the balancing
+    /// loss counts the whole sequences' choices and this rank's part of their mean scores; it
+    /// is weighted by the number of sharing ranks, whose gradients are averaged, and its value
+    /// is the whole one.
     fn aux_losses(
         &self,
         logits: Tensor<2>,
         scores: Tensor<2>,
         routing: &Routing,
-        b: usize,
-        t: usize,
+        [b, t]: [usize; 2],
+        whole: Option<WholeSequences>,
     ) -> (Option<Tensor<1>>, [f64; 2]) {
         let (e, k) = (self.config.n_experts, self.config.top_k);
         let mut total: Option<Tensor<1>> = None;
         let mut values = [0.0; 2];
         if self.config.aux_loss_coef > 0.0 {
+            let (chosen, seq_len) = match &whole {
+                Some((whole, seq_len, _)) => (&whole.chosen, *seq_len),
+                None => (&routing.chosen, t),
+            };
             // f[s, x]: the share of sequence s's choices that picked expert x (before drops).
             let mut f = vec![0f32; b * e];
-            for (c, &x) in routing.chosen.iter().enumerate() {
-                f[(c / k / t) * e + x] += 1.0 / (t * k) as f32;
+            for (c, &x) in chosen.iter().enumerate() {
+                f[(c / k / seq_len) * e + x] += 1.0 / (seq_len * k) as f32;
             }
             let f = Tensor::<2>::from_data(TensorData::new(f, [b, e]), &logits.device());
-            // P[s, x]: the mean normalised score of expert x over sequence s.
-            let p = scores.clone() / scores.sum_dim(1);
-            let p = p.reshape([b, t, e]).mean_dim(1).reshape([b, e]);
-            let aux = (f * p).sum().mul_scalar(e as f64 / b as f64);
-            values[0] = aux.clone().into_scalar::<f32>() as f64;
-            total = Some(aux.mul_scalar(self.config.aux_loss_coef));
+            // P[s, x]: the mean normalised score of expert x over sequence s (this rank's
+            // positions' part of it when the sequence is split).
+            let p = (scores.clone() / scores.sum_dim(1)).reshape([b, t, e]);
+            let p = match &whole {
+                Some(_) => p.sum_dim(1).div_scalar(seq_len as f64),
+                None => p.mean_dim(1),
+            };
+            let aux = (f * p.reshape([b, e]))
+                .sum()
+                .mul_scalar(e as f64 / b as f64);
+            let value = aux.clone().into_scalar::<f32>() as f64;
+            let (value, weight) = match &whole {
+                Some((_, _, sequence)) => (sequence.sum(value), sequence.ranks() as f64),
+                None => (value, 1.0),
+            };
+            values[0] = value;
+            total = Some(aux.mul_scalar(self.config.aux_loss_coef * weight));
         }
         if self.config.z_loss_coef > 0.0 {
             let max = logits.clone().max_dim(1).detach();

@@ -66,12 +66,6 @@ const RULES: &[Rule] = &[
                  (--moe --experts N)",
     },
     Rule {
-        name: "moe-cp",
-        applies: |l, experts| experts && l.cp > 1,
-        reason: "not yet: expert capacity and the balancing loss are computed over whole \
-                 sequences, which context parallelism splits across ranks",
-    },
-    Rule {
         name: "moe-sp",
         applies: |l, experts| experts && l.sequence_parallel,
         reason: "not yet: expert capacity and the balancing loss are computed over whole \
@@ -286,7 +280,7 @@ mod tests {
     #[test]
     fn a_refused_pair_cites_its_rule_under_the_matrix() {
         let text = matrix_markdown();
-        let (layout, experts) = layout_with(&[Feature::Cp, Feature::Moe]);
+        let (layout, experts) = layout_with(&[Feature::Sp, Feature::Moe]);
         let rule = refusals(&layout, experts)[0].rule;
         assert!(text.contains(&format!("`{rule}`")), "{text}");
     }

@@ -32,10 +32,12 @@ use super::tp_model::TpTransformer;
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{Int, Tensor};
-use flashover_models::{ForwardContext, Transformer, TransformerConfig, next_token_loss};
+use flashover_models::{ForwardContext, MoeHook, Transformer, TransformerConfig, next_token_loss};
+use flashover_parallel::context_parallel::{CpSequences, SequenceLayout};
 use flashover_parallel::data_parallel::{
     DataParallel, DataParallelConfig, MicroBatches, ReduceReport,
 };
+use flashover_parallel::expert_parallel::ExpertParallel;
 use flashover_parallel::params::ParamSlot;
 use flashover_parallel::pipeline::Action;
 use flashover_parallel::placement::{ParamPlacement, global_grad_norm};
@@ -142,6 +144,23 @@ pub(crate) fn build(
         }
         (_, Shares::Whole(model, _)) => zero::build(config, *model, grad_group, ddp, adamw),
     }
+}
+
+/// How this rank's mixture-of-experts layers reach their experts (through `experts`) and,
+/// under context parallelism, the whole sequences they route.
+fn moe_hook(
+    ctx: &RankContext,
+    config: &TrainConfig,
+    experts: &ExpertParallel,
+) -> Result<MoeHook, RankError> {
+    let mut hook = MoeHook::new(std::sync::Arc::new(experts.clone()));
+    let cp = ctx.group(Axis::Cp);
+    if cp.size() > 1 {
+        let parallel = &config.parallel;
+        let layout = SequenceLayout::new(config.data.seq_len, cp.size(), parallel.cp_load_balance)?;
+        hook.sequence = Some(std::sync::Arc::new(CpSequences::new(cp, layout)));
+    }
+    Ok(hook)
 }
 
 /// One step's outcome on one rank.

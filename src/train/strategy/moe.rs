@@ -23,7 +23,6 @@ use flashover_parallel::params::{ParamLayout, accumulate_grads};
 use flashover_parallel::placement::{GradientReducer, PlacementTable};
 use flashover_parallel::zero::MemoryReport;
 use flashover_runtime::{CommunicatorExt, Group, RankContext, RankError, ReduceOp};
-use std::sync::Arc;
 use std::time::Duration;
 
 /// An expert-parallel rank: its experts and the rest, how tokens reach the experts, how
@@ -106,11 +105,12 @@ impl<M: MoeBlocks> MoeState<M> {
 }
 
 impl<M: Module> MoeState<M> {
-    /// `model` (this rank's experts, and with tp its shares) placed as `reduction` says,
-    /// stepped by `optim`, copying the `replicate_hot` hottest experts to every ep rank.
+    /// `model` (this rank's experts, reached through the hook, and with tp its shares)
+    /// placed as `reduction` says, stepped by `optim`, copying the `replicate_hot` hottest
+    /// experts to every ep rank.
     fn new(
         model: M,
-        experts: ExpertParallel,
+        (experts, hook): (ExpertParallel, MoeHook),
         reduction: PlacedReduction,
         optim: FlatOptimizer,
         d_model: usize,
@@ -122,7 +122,7 @@ impl<M: Module> MoeState<M> {
         MoeState {
             reduction,
             optim,
-            hook: MoeHook::new(Arc::new(experts.clone())),
+            hook,
             experts,
             layout,
             model,
@@ -151,6 +151,8 @@ pub(super) fn build(
         average: config.parallel.gradient_reduction == GradientReduction::Mean,
     };
     let (d, hot) = (model_config.d_model, config.moe.replicate_hot);
+    let hook = super::moe_hook(ctx, config, &experts)?;
+    let experts = (experts, hook);
     let zero = config.parallel.zero;
     Ok(match shares {
         Shares::Split(model) => {

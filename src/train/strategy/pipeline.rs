@@ -116,7 +116,7 @@ pub(super) fn build(
     let chunks = optim.between_steps(chunks);
     let moe = match (experts, &model_config.moe) {
         (Some(experts), Some(moe)) => Some(StageExperts {
-            hook: MoeHook::new(Arc::new(experts.clone())),
+            hook: super::moe_hook(ctx, config, &experts)?,
             experts,
             bias: vec![vec![]; model_config.n_layers],
             config: moe.clone(),

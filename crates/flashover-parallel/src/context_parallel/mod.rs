@@ -17,6 +17,7 @@ mod comm;
 mod layout;
 mod merge_op;
 mod ring;
+mod sequence;
 mod work;
 
 pub use all_to_all::AllToAllAttention;
@@ -24,6 +25,7 @@ pub use blocks::{Partial, attend_block, attend_masked, attend_positions, causal_
 pub use comm::{heads_to_sequence, ring_pass, sequence_to_heads};
 pub use layout::{SequenceLayout, Visibility};
 pub use ring::RingAttention;
+pub use sequence::CpSequences;
 pub use work::{AttentionWork, WorkCounter};
 
 use crate::ParallelError;
