@@ -15,7 +15,7 @@ use burn::tensor::{Int, Tensor};
 use flashover_models::{Block, ForwardContext, Site, Transformer};
 use flashover_parallel::ParallelError;
 use flashover_parallel::placement::PlacementTable;
-use flashover_parallel::tensor_parallel::comm::copy_to_tp;
+use flashover_parallel::tensor_parallel::comm::{copy_to_tp, gather_from_tp, scatter_to_tp};
 use flashover_parallel::tensor_parallel::{
     TensorParallel, VocabShard, gather_parts, split_dim, vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
@@ -277,8 +277,19 @@ pub(crate) fn tp_block_forward(
     let h = h + ctx.hidden(attn, layer, Site::AttentionOut);
     let x = maybe_sp_norm(&block.mlp_norm, tp).forward(h.clone());
     // A mixture of experts is not split over tp: every tp rank routes the same (replicated)
-    // tokens through its ep group, so no operator surrounds it.
+    // tokens through its ep group, so no operator surrounds it. With sequence parallelism the
+    // tokens are gathered first (routing is per whole sequence), and each rank keeps its
+    // positions of the output; both ops' backward passes the gradient without summing, as
+    // every tp rank computed the same.
     let mlp = match &block.moe {
+        Some(moe) if tp.sequence_parallel => {
+            let whole = ForwardContext {
+                seq_offset: 0,
+                ..ctx.clone()
+            };
+            let x = gather_from_tp(x, 1, &tp.group);
+            scatter_to_tp(moe.forward_with(x, &whole, layer), 1, &tp.group)
+        }
         Some(moe) => moe.forward_with(x, ctx, layer),
         None => tp.exit(block.feed_forward(tp.enter(x), ctx, layer)),
     };

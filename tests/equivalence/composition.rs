@@ -207,6 +207,31 @@ fn sharded_optimizer_state_over_tensor_parallel_shares_trains_as_one_rank() {
     }
 }
 
+/// Mixtures of experts under sequence parallelism: the tokens are gathered over tp before the
+/// MoE layer (routing is per whole sequence) and each rank keeps its positions of the output,
+/// with cp, pipelines and ZeRO-3 too; capacity 1.0, so the drops must be one rank's.
+#[test]
+fn mixtures_of_experts_under_sequence_parallelism_train_as_one_rank() {
+    for (mesh, zero) in [
+        ("tp=2", 0),
+        ("ep=2,tp=2", 1),
+        ("tp=2,cp=2", 0),
+        ("fsdp=2,tp=2,pp=2", 3),
+    ] {
+        let mut c = composed(mesh, 8);
+        c.parallel.zero = zero;
+        c.parallel.sequence_parallel = true;
+        c.moe.experts = 4;
+        c.moe.top_k = 2;
+        c.moe.d_expert = Some(24);
+        c.moe.capacity_factor = Some(1.0);
+        let what = format!("MoE {mesh} --zero {zero} --sequence-parallel");
+        let (_, _, cmp) = verify(&c, TOLERANCE).unwrap();
+        assert!(cmp.pass, "{what}: {cmp}");
+        assert_eq!(cmp.max_routing_diff, Some(0), "{what}");
+    }
+}
+
 /// Mixtures of experts in pipeline stages: each stage's routers' auxiliary losses join that
 /// stage's backward, routing statistics are summed over the stages, experts over ep inside
 /// each stage, with ZeRO rows and tp shares; the routing biases (one table on every rank) move

@@ -151,10 +151,6 @@ fn moe_jobs_that_cannot_run_are_refused_naming_the_fields() {
         errors.contains("moe.replicate_hot = 1: hot-expert copies are not kept under pipeline"),
         "{errors}"
     );
-    let mut sp = moe_job("tp=2", 4, 2, 1);
-    sp.parallel.sequence_parallel = true;
-    let errors = sp.validate().join("\n");
-    assert!(errors.contains("drop --sequence-parallel"), "{errors}");
     let errors = moe_job("ep=2", 4, 5, 1).validate().join("\n");
     assert!(
         errors.contains("moe.top_k = 5 must be between 1 and moe.experts = 4"),
