@@ -122,31 +122,8 @@ pub fn split_blocks_by_cost(
     }
     let block = 2.0 * (4.0 * d * d + 3.0 * d * f) + 4.0 * t * d;
     let head = 2.0 * d * v;
-    // best[k][i]: the smallest possible maximum stage cost putting the first i blocks into k
-    // stages; the head is added to the stage that ends at block n.
-    let cost =
-        |from: usize, to: usize| (to - from) as f64 * block + if to == n { head } else { 0.0 };
-    let mut best = vec![vec![f64::INFINITY; n + 1]; stages + 1];
-    let mut cut = vec![vec![0usize; n + 1]; stages + 1];
-    best[0][0] = 0.0;
-    for k in 1..=stages {
-        for i in k..=n {
-            for j in (k - 1)..i {
-                let c = best[k - 1][j].max(cost(j, i));
-                if c < best[k][i] {
-                    best[k][i] = c;
-                    cut[k][i] = j;
-                }
-            }
-        }
-    }
-    let mut counts = vec![0; stages];
-    let mut i = n;
-    for k in (1..=stages).rev() {
-        let j = cut[k][i];
-        counts[k - 1] = i - j;
-        i = j;
-    }
+    let (counts, _) = flashover_plan::stages::balanced_stages(n, stages, block, head)
+        .ok_or_else(|| format!("model.n_layers = {n} cannot fill {stages} pipeline stages"))?;
     Ok(counts)
 }
 

@@ -4,6 +4,7 @@
 use crate::hardware::Hardware;
 use crate::layout::{Layout, PipelineSchedule, Precision, Recompute};
 use crate::model::{ModelSpec, Workload};
+use crate::stages::stage_imbalance;
 use flashover_mesh::Axis;
 use serde::Serialize;
 
@@ -15,6 +16,7 @@ pub const ASSUMPTIONS: &[&str] = &[
     "pipelines hold activations of min(m, pp) micro-batches on the first stage (1F1B, ZB-H1), m with GPipe, x (1 + (pp-1)/(pp v)) interleaved; the last stage also holds fp32 logits and their gradient",
     "compute: 6 N_active + 12 L h S FLOPs per token (PaLM), split evenly over the devices, at the hardware's efficiency x peak; full recomputation adds a forward of the blocks (1/3), selective the attention scores' forward",
     "pipeline bubble: (pp - 1)/m of the compute for GPipe and 1F1B, (pp - 1)/(v m) interleaved, a third of 1F1B's for ZB-H1",
+    "pipeline stage imbalance: stages hold whole blocks (6 N_block + 12 h S FLOPs per token) and the last also the LM head (6 h V), cut to balance them as the training job cuts them; the busiest stage's excess over the mean is added to the compute",
     "collectives: latency x steps + bytes x (nccl-tests busbw factor) / busbw of the link (intra-node if the group's ranks fit in one node given the rank order pp, dp, fsdp, ep, cp, tp from outermost), ring algorithms",
     "tensor-parallel all-reduces (4 per block and micro-batch, 6 with full recomputation) and expert all-to-alls are exposed; ring attention's key/value passes hide behind attention compute; gradient reduction (once per step) hides behind the last micro-batch's backward (2/3 of its compute); ZeRO-3 gathers and reduce-scatters hide behind the whole step's compute",
 ];
@@ -55,6 +57,9 @@ pub struct TimeEstimate {
     pub recompute: f64,
     /// Pipeline bubble.
     pub bubble: f64,
+    /// Pipeline stages holding whole blocks (and the last the LM head): the busiest stage's
+    /// compute beyond the mean stage's.
+    pub stage_imbalance: f64,
     /// Tensor-parallel collectives.
     pub tensor_parallel: f64,
     /// Context-parallel exchanges not hidden behind attention.
@@ -73,6 +78,7 @@ impl TimeEstimate {
         self.compute
             + self.recompute
             + self.bubble
+            + self.stage_imbalance
             + self.tensor_parallel
             + self.context_parallel
             + self.pipeline_comm
@@ -85,6 +91,7 @@ impl TimeEstimate {
         let mut v = vec![
             ("recomputation", self.recompute),
             ("pipeline bubble", self.bubble),
+            ("pipeline stage imbalance", self.stage_imbalance),
             ("tensor-parallel communication", self.tensor_parallel),
             ("context-parallel communication", self.context_parallel),
             ("pipeline sends", self.pipeline_comm),
@@ -299,6 +306,13 @@ pub fn step_time(
         }
     };
     let bubble = (compute + recompute) * bubble_fraction;
+    // Stages cut as the training job cuts them (`stages::balanced_stages`): per token a block
+    // costs 6 N_block + 12 h S, the LM head 6 h V.
+    let block_flops = 6.0 * model.active_block_params() + 12.0 * h * s_all;
+    let head_flops = 6.0 * h * model.vocab as f64;
+    let virtual_stages = layout.pp * chunks(layout);
+    let imbalance = stage_imbalance(model.layers, virtual_stages, block_flops, head_flops);
+    let stage_imbalance = (compute + recompute) * (imbalance - 1.0);
     let act = precision.activation_bytes();
     let s = s_all / layout.cp as f64;
     let b = work.micro_batch as f64;
@@ -383,6 +397,7 @@ pub fn step_time(
         compute,
         recompute,
         bubble,
+        stage_imbalance,
         tensor_parallel,
         context_parallel,
         pipeline_comm,

@@ -33,6 +33,7 @@ mod layout;
 mod model;
 pub mod rules;
 mod search;
+pub mod stages;
 
 pub use hardware::Hardware;
 pub use layout::{Layout, PipelineSchedule, Precision, Recompute};

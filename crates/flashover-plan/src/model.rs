@@ -107,15 +107,19 @@ impl ModelSpec {
 
     /// Parameters a token goes through (a mixture of experts uses `top_k` experts).
     pub fn active_params(&self) -> f64 {
+        self.layers as f64 * self.active_block_params() + self.embedding_params()
+    }
+
+    /// Parameters of one block that a token goes through.
+    pub fn active_block_params(&self) -> f64 {
         if self.experts == 0 {
-            return self.params();
+            return self.block_params();
         }
         let h = self.hidden as f64;
-        let block = self.attention_params()
+        self.attention_params()
             + self.top_k as f64 * self.mlp_params()
             + h * self.experts as f64
-            + 2.0 * h;
-        self.layers as f64 * block + self.embedding_params()
+            + 2.0 * h
     }
 
     /// Model FLOPs of one optimizer step over `tokens` tokens of sequences of `seq_len`:
