@@ -418,3 +418,32 @@ fn four_and_five_axis_layouts_resume_bitwise_and_reshard_to_and_from_one_rank() 
         assert!(cmp.pass, "{} -> {}: {cmp}", from.0, to.0);
     }
 }
+
+#[test]
+fn five_axis_mixtures_of_experts_resume_bitwise_and_reshard_between_five_axis_layouts() {
+    // A mixture of experts over all of dp/fsdp, ep, tp, pp and cp (32 ranks each): resume on
+    // the same layout, then continue on another five-axis layout.
+    let layout = |mesh: &str, zero| {
+        let mut c = job(mesh, zero, 2);
+        c.run.global_batch = 8;
+        c.moe.experts = 4;
+        c.moe.d_expert = Some(24);
+        c.moe.capacity_factor = Some(1.0);
+        c.moe.bias_update_rate = 0.05;
+        c
+    };
+    let from = ("fsdp=2,ep=2,tp=2,pp=2,cp=2", 3);
+    let to = ("dp=2,ep=2,tp=2,pp=2,cp=2", 1);
+    let s = Scratch::new("moe-five-resume");
+    let c = layout(from.0, from.1);
+    let straight = second_half(run(&c));
+    let resumed = interrupted(&c, &c, &s.0);
+    assert_eq!(losses(&resumed), losses(&straight), "{}: losses", from.0);
+    assert_eq!(resumed.params, straight.params, "{}: parameters", from.0);
+    let s = Scratch::new("moe-five-reshard");
+    let (a, b) = (layout(from.0, from.1), layout(to.0, to.1));
+    let straight = second_half(run(&b));
+    let resumed = interrupted(&a, &b, &s.0);
+    let cmp = compare(&straight, &resumed, TOLERANCE);
+    assert!(cmp.pass, "{} -> {}: {cmp}", from.0, to.0);
+}

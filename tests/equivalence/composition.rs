@@ -243,8 +243,10 @@ fn mixtures_of_experts_in_pipeline_stages_train_as_one_rank() {
         ("fsdp=2,ep=2,pp=2", 3, "1f1b", false),
         ("dp=2,ep=2,pp=2", 1, "zb-h1", false),
         ("ep=2,tp=2,pp=2", 0, "interleaved", true),
-        // Four axes, 16 ranks: experts over ep, stages over pp, sequences over cp.
+        // Four axes, 16 ranks: experts over ep, stages over pp, sequences over cp; and five,
+        // 32 ranks, with tp shares.
         ("fsdp=2,ep=2,pp=2,cp=2", 3, "1f1b", false),
+        ("fsdp=2,ep=2,tp=2,pp=2,cp=2", 3, "1f1b", false),
     ] {
         let mut c = composed(mesh, 8);
         c.parallel.zero = zero;
