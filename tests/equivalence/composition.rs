@@ -275,9 +275,9 @@ fn mixtures_of_experts_in_pipeline_stages_train_as_one_rank() {
 }
 
 /// Every layout the rule table accepts that combines `n` of its features (each at degree 2),
-/// once each: features that only repeat another's effect (tp under sp, pp under zb-h1, dp
-/// under ZeRO-1/2, MoE under ep) give a layout already listed, and ZeRO-1/2 with ZeRO-3 is one
-/// setting twice.
+/// once each: features that only repeat another's effect (tp under sp, pp under a schedule,
+/// dp under ZeRO-1/2, MoE under ep) give a layout already listed, and two ZeRO stages or two
+/// schedules are one setting twice.
 fn accepted_layouts(n: usize) -> Vec<(String, flashover::plan::Layout, bool)> {
     use flashover::plan::rules::{Feature, layout_with, refusals};
     fn choose(from: &[Feature], n: usize) -> Vec<Vec<Feature>> {
@@ -295,7 +295,10 @@ fn accepted_layouts(n: usize) -> Vec<(String, flashover::plan::Layout, bool)> {
     let mut seen = std::collections::BTreeSet::new();
     let mut layouts = vec![];
     for features in choose(&Feature::ALL, n) {
-        if features.contains(&Feature::Zero12) && features.contains(&Feature::Fsdp) {
+        let exclusive = features
+            .iter()
+            .any(|a| features.iter().any(|b| a.exclusive(*b)));
+        if exclusive {
             continue;
         }
         let (layout, experts) = layout_with(&features);
@@ -314,6 +317,8 @@ fn layout_trains_as_one_rank(what: &str, layout: &flashover::plan::Layout, exper
     let mut c = composed("dp=1", 4 * data_ranks.max(2));
     flashover::plan::apply_layout(&mut c, layout);
     c.run.steps = 3;
+    // Interleaving needs a block for each of its 2 x 2 virtual stages.
+    c.model.n_layers = Some(4);
     if experts {
         c.moe.experts = 4;
         c.moe.top_k = 2;

@@ -97,6 +97,10 @@ pub enum Feature {
     Pp,
     /// The zero-bubble schedule ZB-H1 (with pp).
     ZeroBubble,
+    /// The interleaved 1F1B schedule, two virtual stages per rank (with pp).
+    Interleaved,
+    /// The GPipe schedule (with pp).
+    Gpipe,
     /// Context parallelism over `cp`.
     Cp,
     /// A mixture-of-experts model, experts whole on every rank.
@@ -109,7 +113,7 @@ pub enum Feature {
 
 impl Feature {
     /// Every column, in the matrix's order.
-    pub const ALL: [Feature; 11] = [
+    pub const ALL: [Feature; 13] = [
         Feature::Dp,
         Feature::Zero12,
         Feature::Fsdp,
@@ -117,6 +121,8 @@ impl Feature {
         Feature::Sp,
         Feature::Pp,
         Feature::ZeroBubble,
+        Feature::Interleaved,
+        Feature::Gpipe,
         Feature::Cp,
         Feature::Moe,
         Feature::Ep,
@@ -133,6 +139,8 @@ impl Feature {
             Feature::Sp => "sp",
             Feature::Pp => "pp",
             Feature::ZeroBubble => "zb-h1",
+            Feature::Interleaved => "interleaved",
+            Feature::Gpipe => "gpipe",
             Feature::Cp => "cp",
             Feature::Moe => "MoE",
             Feature::Ep => "ep",
@@ -163,6 +171,14 @@ impl Feature {
                 layout.pp = 2;
                 layout.schedule = PipelineSchedule::ZbH1;
             }
+            Feature::Interleaved => {
+                layout.pp = 2;
+                layout.schedule = PipelineSchedule::Interleaved { chunks: 2 };
+            }
+            Feature::Gpipe => {
+                layout.pp = 2;
+                layout.schedule = PipelineSchedule::Gpipe;
+            }
             Feature::Cp => layout.cp = 2,
             Feature::Moe => return true,
             Feature::Ep => {
@@ -174,13 +190,13 @@ impl Feature {
         false
     }
 
-    /// Whether `self` and `other` are two choices of one setting (ZeRO-1/2 or 3), not a
-    /// composition.
-    fn exclusive(self, other: Feature) -> bool {
-        matches!(
-            (self, other),
-            (Feature::Zero12, Feature::Fsdp) | (Feature::Fsdp, Feature::Zero12)
-        )
+    /// Whether `self` and `other` are two choices of one setting (ZeRO-1/2 or 3; one pipeline
+    /// schedule or another), not a composition.
+    pub fn exclusive(self, other: Feature) -> bool {
+        use Feature::{Fsdp, Gpipe, Interleaved, Zero12, ZeroBubble};
+        let schedule = |f| matches!(f, ZeroBubble | Interleaved | Gpipe);
+        matches!((self, other), (Zero12, Fsdp) | (Fsdp, Zero12))
+            || (self != other && schedule(self) && schedule(other))
     }
 }
 
