@@ -315,7 +315,9 @@ fn an_interrupted_f16_run_resumes_with_its_loss_scale_bit_for_bit() {
 }
 
 /// The composed layouts under bf16 compute agree with one bf16 rank within the bf16 bounds:
-/// fully sharded tp shares, sharded pipeline stages, pipelines over cp ranks, ZeRO-1 over tp.
+/// fully sharded tp shares, sharded pipeline stages, pipelines over cp ranks, ZeRO-1 over tp,
+/// the four-axis topology; and mixtures of experts in pipeline stages, over cp sequences and
+/// under sequence parallelism (losses, as above: bf16 can flip near-tied routing).
 #[test]
 fn bf16_composed_layouts_agree_with_one_bf16_rank() {
     for (mesh, zero, untie) in [
@@ -323,11 +325,35 @@ fn bf16_composed_layouts_agree_with_one_bf16_rank() {
         ("fsdp=2,pp=2", 3, true),
         ("pp=2,cp=2", 0, true),
         ("dp=2,tp=2", 1, false),
+        ("dp=2,tp=2,pp=2,cp=2", 0, true),
     ] {
         let mut c = precision_job(mesh, zero);
         c.data.seq_len = 24;
         c.model.tie_embeddings = !untie;
         c.precision.param_dtype = Precision::BF16;
         agrees_with_one_bf16_rank(&c, &format!("{mesh} zero={zero}"));
+    }
+    for (mesh, zero, sp) in [
+        ("ep=2,pp=2", 0, false),
+        ("fsdp=2,ep=2,cp=2", 3, false),
+        ("ep=2,tp=2", 0, true),
+    ] {
+        let moe = |mesh: &str, zero: u8, sp: bool| {
+            let mut c = precision_job(mesh, zero);
+            c.data.seq_len = 24;
+            c.parallel.sequence_parallel = sp;
+            c.moe.experts = 4;
+            c.precision.param_dtype = Precision::BF16;
+            run(&c, &format!("bf16 moe {mesh}"))
+        };
+        let cmp = compare(
+            &moe("dp=1", 0, false),
+            &moe(mesh, zero, sp),
+            PARAM_TOLERANCE,
+        );
+        assert!(
+            cmp.max_rel_loss_diff <= 2.0 * LOSS_TOLERANCE,
+            "MoE {mesh} zero={zero} sp={sp}: {cmp}"
+        );
     }
 }
