@@ -834,14 +834,7 @@ impl TrainConfig {
                 e.replicate_hot, e.experts
             ));
         }
-        if e.replicate_hot > 0 && mesh.degree(Axis::Pp) > 1 {
-            errors.push(format!(
-                "moe.replicate_hot = {}: hot-expert copies are not kept under pipeline \
-                 parallelism yet (their gradients are taken from each micro-batch's backward, \
-                 which the pipeline executor runs); use 0 with pp",
-                e.replicate_hot
-            ));
-        }
+
         if !e.experts.is_multiple_of(ep) {
             errors.push(format!(
                 "moe.experts = {} does not divide by ep = {ep}: each expert-parallel rank holds experts / ep whole experts",

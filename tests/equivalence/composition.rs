@@ -235,11 +235,12 @@ fn mixtures_of_experts_under_sequence_parallelism_train_as_one_rank() {
 /// Mixtures of experts in pipeline stages: each stage's routers' auxiliary losses join that
 /// stage's backward, routing statistics are summed over the stages, experts over ep inside
 /// each stage, with ZeRO rows and tp shares; the routing biases (one table on every rank) move
-/// as one rank's do.
+/// as one rank's do; hot experts copied to every ep rank send their gradients home.
 #[test]
 fn mixtures_of_experts_in_pipeline_stages_train_as_one_rank() {
     for (mesh, zero, schedule, tied) in [
         ("ep=2,pp=2", 0, "1f1b", true),
+        ("ep=4,pp=2", 1, "zb-h1", false),
         ("fsdp=2,ep=2,pp=2", 3, "1f1b", false),
         ("dp=2,ep=2,pp=2", 1, "zb-h1", false),
         ("ep=2,tp=2,pp=2", 0, "interleaved", true),
@@ -259,6 +260,7 @@ fn mixtures_of_experts_in_pipeline_stages_train_as_one_rank() {
         c.moe.z_loss_coef = 1e-3;
         c.moe.capacity_factor = Some(1.25);
         c.moe.bias_update_rate = 1e-3;
+        c.moe.replicate_hot = usize::from(mesh.starts_with("ep=4"));
         let what = format!("MoE {mesh} --zero {zero} {schedule} tied={tied}");
         let (reference, candidate, cmp) = verify(&c, TOLERANCE).unwrap();
         assert!(cmp.pass, "{what}: {cmp}");

@@ -144,13 +144,6 @@ fn moe_jobs_that_cannot_run_are_refused_naming_the_fields() {
         errors.contains("moe.experts = 6 does not divide by ep = 4"),
         "{errors}"
     );
-    let mut hot = moe_job("ep=2,pp=2", 4, 2, 2);
-    hot.moe.replicate_hot = 1;
-    let errors = hot.validate().join("\n");
-    assert!(
-        errors.contains("moe.replicate_hot = 1: hot-expert copies are not kept under pipeline"),
-        "{errors}"
-    );
     let errors = moe_job("ep=2", 4, 5, 1).validate().join("\n");
     assert!(
         errors.contains("moe.top_k = 5 must be between 1 and moe.experts = 4"),

@@ -12,8 +12,9 @@ use crate::train::config::{GradientReduction, TrainConfig};
 use crate::train::parallelize::Shares;
 use crate::train::pp_model::{DeferWeightGrads, TransformerStage};
 use crate::train::report::MoeRecord;
+use burn::tensor::Gradients;
 use flashover_models::moe::update_expert_bias;
-use flashover_models::{LinearHook, MoeConfig, MoeHook, Transformer, TransformerConfig};
+use flashover_models::{Block, LinearHook, MoeConfig, MoeHook, Transformer, TransformerConfig};
 use flashover_parallel::FlatAdamWConfig;
 use flashover_parallel::expert_parallel::ExpertParallel;
 use flashover_parallel::params::{ParamLayout, ParamSlot, accumulate_grads, flatten_params};
@@ -120,6 +121,7 @@ pub(super) fn build(
             experts,
             bias: vec![vec![]; model_config.n_layers],
             config: moe.clone(),
+            replicate_hot: config.moe.replicate_hot,
             batch: grad_group.clone(),
         }),
         _ => None,
@@ -180,6 +182,8 @@ struct StageExperts {
     hook: MoeHook,
     bias: Vec<Vec<f32>>,
     config: MoeConfig,
+    /// Experts copied to every ep rank each step (`moe.replicate_hot`).
+    replicate_hot: usize,
     /// The ranks reading different samples (`dp x fsdp x ep`): routing is summed over them.
     batch: Group,
 }
@@ -199,6 +203,11 @@ impl StageExperts {
         let routing = RoutingSums::over(stats, remote, shape, &[&self.batch, pp])?;
         for (bias, counts) in self.bias.iter_mut().zip(&routing.routed) {
             update_expert_bias(bias, counts, &self.config);
+        }
+        for chunk in chunks.iter() {
+            let layers = chunk.first_block..chunk.first_block + chunk.blocks.len();
+            self.experts
+                .record_loads(&chunk.blocks, &routing.routed[layers]);
         }
         self.set_bias(chunks);
         Ok(routing.record(d_model))
@@ -222,6 +231,14 @@ impl PipelineState {
     fn stepped_entries(&self) -> Result<Vec<(ParamSlot, ParamPlacement)>, RankError> {
         self.optim.entries(&self.placements, &self.chunks)
     }
+}
+
+/// Every block of this rank's chunks (the hot-expert copies are keyed by their layer's router).
+fn stage_blocks(chunks: &[TransformerStage]) -> Vec<Block> {
+    chunks
+        .iter()
+        .flat_map(|c| c.blocks.iter().cloned())
+        .collect()
 }
 
 /// A virtual stage's parameters in layout order: whole-model name (`None` for a tied copy)
@@ -367,6 +384,19 @@ fn pipeline_step(
     }
     let moe = state.moe.as_ref().map(|m| m.hook.clone());
     let a2a_before = state.moe.as_ref().map(|m| m.experts.group().stats());
+    // Hot experts copied to every ep rank for this step; their copies' gradients are taken
+    // from each backward and folded into the owners' below.
+    let hot = state.moe.as_ref().filter(|m| m.replicate_hot > 0);
+    if let Some(moe) = hot {
+        let blocks = stage_blocks(&state.chunks);
+        moe.experts.replicate_hot(&blocks, moe.replicate_hot)?;
+    }
+    let take = |grads: &mut Gradients| {
+        if let Some(moe) = hot {
+            moe.experts.take_replica_grads(grads);
+        }
+    };
+    executor = executor.taking_gradients(&take);
     let (grads, report) = executor.step(
         &state.chunks,
         state.shape,
@@ -398,6 +428,18 @@ fn pipeline_step(
     }
     drop(grads);
     let numel = flat.len();
+    if let Some(moe) = hot {
+        // The copies' gradients are loss-scaled sums over micro-batches; the executor's are
+        // averaged and unscaled.
+        let mut replicas = vec![0.0f32; numel];
+        let blocks = stage_blocks(&state.chunks);
+        moe.experts
+            .fold_replica_grads(&state.chunks, &blocks, &mut replicas)?;
+        let k = 1.0 / (micro_batches as f32 * precision.scaler.scale());
+        flat.iter_mut()
+            .zip(&replicas)
+            .for_each(|(g, r)| *g += r * k);
+    }
     // Under ZeRO each rank keeps the sum of its own rows over the shard axis.
     let mut flat = state.optim.own_grads(flat, state.reducer.reduce_dtype())?;
     // Sum over the (other) data-parallel ranks and the tied copies over their stages; the

@@ -20,7 +20,7 @@ use crate::error::ParallelError;
 use crate::params::{ParamLayout, accumulate_grads, grads_from_flat};
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{DType, Device, Tensor};
+use burn::tensor::{DType, Device, Gradients, Tensor};
 use flashover_comm::Group;
 use flashover_runtime::TensorCollectives;
 use std::collections::HashMap;
@@ -97,6 +97,8 @@ pub struct PipelineExecutor<'a> {
     schedule: &'a Schedule,
     group: &'a Group,
     weight_grads: Option<WeightGradStore>,
+    /// Called with each backward's gradients before the chunk's are read.
+    take_gradients: Option<&'a (dyn Fn(&mut Gradients) + Sync)>,
     /// The dtype activations and their gradients travel in between stages.
     activation_dtype: DType,
     /// The factor the last stage's losses are multiplied by before backward.
@@ -118,6 +120,7 @@ impl<'a> PipelineExecutor<'a> {
             schedule,
             group,
             weight_grads: None,
+            take_gradients: None,
             activation_dtype: DType::F32,
             loss_scale: 1.0,
         })
@@ -134,6 +137,13 @@ impl<'a> PipelineExecutor<'a> {
     /// returned gradients by it.
     pub fn with_loss_scale(mut self, scale: f32) -> Self {
         self.loss_scale = scale;
+        self
+    }
+
+    /// Hands every backward's gradients to `take` before the chunk's own are read: for
+    /// parameters outside the chunks that the forward used (hot experts' copies).
+    pub fn taking_gradients(mut self, take: &'a (dyn Fn(&mut Gradients) + Sync)) -> Self {
+        self.take_gradients = Some(take);
         self
     }
 
@@ -267,6 +277,10 @@ impl<'a> PipelineExecutor<'a> {
                         }
                         (StageOutput::WithAuxLoss(..), _) => unreachable!("split"),
                     };
+                    let mut grads = grads;
+                    if let Some(take) = self.take_gradients {
+                        take(&mut grads);
+                    }
                     if let Some(x) = input
                         && let Some(gx) = x.grad(&grads)
                     {
