@@ -12,7 +12,7 @@ use serde::Serialize;
 pub const ASSUMPTIONS: &[&str] = &[
     "model state per parameter: mixed precision 2 (weights) + 2 (gradients) + 12 (fp32 master and Adam moments) bytes, fp32 4 + 4 + 8; ZeRO-1 shards the optimizer state, ZeRO-2 also gradients, ZeRO-3 everything (Rajbhandari et al. 2020)",
     "ZeRO-3 also holds two gathered blocks (the one computing and the one prefetched); under pipelines, the whole stage's parameters and gradient for the step; pipelines reduce-scatter gradients once per step, so under them ZeRO-2 holds the whole gradient as ZeRO-1 does",
-    "activations per block and micro-batch: s b h (10 + 24/t) + 5 a s S b / t bytes at 16 bits, s b h 34/t + 5 a s S b / t with sequence parallelism (Korthikanti et al. 2022; a GPT block, s the local and S the whole sequence, scores materialised); selective recomputation drops the score term, full recomputation keeps 2 s b h per block plus one block live again in backward; fp32 doubles them",
+    "activations per block and micro-batch: s b h (10 + 24/t) + 5 a s S b / t bytes at 16 bits, s b h 34/t + 5 a s S b / t with sequence parallelism (Korthikanti et al. 2022; a GPT block, s the local and S the whole sequence, scores materialised); selective recomputation (Burn's balanced checkpointing, which keeps matrix products' outputs) keeps the scores q k^T, 2 of the score term's 5 bytes, full recomputation keeps 2 s b h per block plus one block live again in backward; fp32 doubles them",
     "pipelines hold activations of min(m, pp) micro-batches on the first stage (1F1B, ZB-H1), m with GPipe, x (1 + (pp-1)/(pp v)) interleaved; the last stage also holds fp32 logits and their gradient",
     "compute: 6 N_active + 12 L h S FLOPs per token (PaLM), split evenly over the devices, at the hardware's efficiency x peak; full recomputation adds a forward of the blocks (1/3), selective the attention scores' forward",
     "pipeline bubble: (pp - 1)/m of the compute for GPipe and 1F1B, (pp - 1)/(v m) interleaved, a third of 1F1B's for ZB-H1",
@@ -201,7 +201,9 @@ fn block_activations(
     scale
         * match recompute {
             Recompute::None => linear + scores,
-            Recompute::Selective => linear,
+            // Burn's balanced checkpointing keeps the outputs of matrix products, the scores
+            // `q k^T` among them (2 of the 5 bytes); softmax and dropout are recomputed.
+            Recompute::Selective => linear + scores * 2.0 / 5.0,
             Recompute::Full => 2.0 * sbh / if layout.sequence_parallel { t } else { 1.0 },
         }
 }
