@@ -2,7 +2,8 @@
 //! bus bandwidth by nccl-tests' conventions, next to single-thread memcpy measured in the same run.
 
 use flashover_comm::{
-    Communicator, CommunicatorExt, OpKind, ReduceOp, ThreadWorld, bus_bandwidth_factor,
+    Communicator, CommunicatorExt, FlightRecorder, Group, OpKind, ReduceOp, ThreadWorld,
+    bus_bandwidth_factor,
 };
 use serde::Serialize;
 use std::time::{Duration, Instant};
@@ -29,6 +30,8 @@ pub struct CommBenchConfig {
     pub max_bytes: usize,
     /// Wall time to aim for per measurement.
     pub target: Duration,
+    /// Also time each thread-engine measurement with the flight recorder on.
+    pub flight: bool,
 }
 
 impl Default for CommBenchConfig {
@@ -39,6 +42,7 @@ impl Default for CommBenchConfig {
             min_bytes: 4 << 10,
             max_bytes: 256 << 20,
             target: Duration::from_millis(200),
+            flight: false,
         }
     }
 }
@@ -109,11 +113,31 @@ pub fn memcpy_gbps(bytes: usize, target: Duration) -> f64 {
 
 /// Runs `op` on a message of `bytes` on `world` thread ranks; returns seconds per call.
 pub fn time_collective(op: OpKind, world: usize, bytes: usize, target: Duration) -> f64 {
+    time_thread_collective(op, world, bytes, target, false)
+}
+
+/// [`time_collective`], with each rank's calls seen by a flight recorder when `flight`.
+fn time_thread_collective(
+    op: OpKind,
+    world: usize,
+    bytes: usize,
+    target: Duration,
+    flight: bool,
+) -> f64 {
     let times: Vec<f64> = std::thread::scope(|s| {
         let handles: Vec<_> = ThreadWorld::new(world)
             .build()
             .into_iter()
-            .map(|c| s.spawn(move || time_on_rank(&c, op, bytes, target)))
+            .enumerate()
+            .map(|(rank, c)| {
+                s.spawn(move || {
+                    let mut group = Group::new(std::sync::Arc::new(c));
+                    if flight {
+                        group = group.recorded(FlightRecorder::new(rank, 256));
+                    }
+                    time_on_rank(&*group, op, bytes, target)
+                })
+            })
             .collect();
         handles
             .into_iter()
@@ -210,17 +234,23 @@ pub fn run(config: &CommBenchConfig, mut emit: impl FnMut(&Record)) {
     for &world in &config.worlds {
         for &op in &config.ops {
             for bytes in sizes(config.min_bytes, config.max_bytes) {
-                let time_s = time_collective(op, world, bytes, config.target);
-                let algbw = bytes as f64 / time_s / 1e9;
-                emit(&Record::Collective {
-                    op: op.name(),
-                    backend: "thread",
-                    world,
-                    bytes,
-                    time_s,
-                    algbw_gbps: algbw,
-                    busbw_gbps: algbw * bus_bandwidth_factor(op, world),
-                });
+                let backends: &[(&str, bool)] = match config.flight {
+                    true => &[("thread", false), ("thread+flight", true)],
+                    false => &[("thread", false)],
+                };
+                for &(backend, flight) in backends {
+                    let time_s = time_thread_collective(op, world, bytes, config.target, flight);
+                    let algbw = bytes as f64 / time_s / 1e9;
+                    emit(&Record::Collective {
+                        op: op.name(),
+                        backend,
+                        world,
+                        bytes,
+                        time_s,
+                        algbw_gbps: algbw,
+                        busbw_gbps: algbw * bus_bandwidth_factor(op, world),
+                    });
+                }
             }
         }
     }

@@ -54,10 +54,11 @@
 //!     min_bytes: 4096,
 //!     max_bytes: 4096,
 //!     target: Duration::from_millis(10),
+//!     flight: true,
 //! };
 //! let mut records = 0;
 //! comm::run(&config, |_| records += 1);
-//! assert!(records > 0);
+//! assert_eq!(records, 1 + 2, "memcpy, then the collective without and with the recorder");
 //! // The memory benchmarks need the counting allocator the `flashover` binary installs.
 //! let counting = flashover::heap::counting();
 //! assert_eq!(context::run(&job, &[8], &[2]).is_ok(), counting);

@@ -200,6 +200,10 @@ pub struct CommArgs {
     /// Print one JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
+    /// Time each thread-engine measurement a second time with the flight recorder on
+    /// (backend `thread+flight`), side by side.
+    #[arg(long)]
+    flight: bool,
     /// `thread` (ranks as threads, --worlds) or `mpi` (one rank per process: run under
     /// `mpirun`; needs the `mpi` feature).
     #[arg(long, default_value = "thread")]
@@ -526,6 +530,7 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                 min_bytes: args.min_bytes,
                 max_bytes: args.max_bytes,
                 target: Duration::from_millis(args.target_ms),
+                flight: args.flight,
             };
             // The header comes with the first record: under MPI only rank 0 emits.
             let mut header = !args.json;

@@ -69,6 +69,9 @@ pub enum Command {
     /// Job files.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Read what a failed job left behind.
+    #[command(subcommand)]
+    Debug(DebugCommand),
     /// Print a pipeline schedule as a time x stage table, with its bubbles.
     PpSchedule {
         /// Pipeline ranks.
@@ -96,6 +99,17 @@ pub enum ConfigCommand {
     },
 }
 
+/// `flashover debug ...`.
+#[derive(Debug, Subcommand)]
+pub enum DebugCommand {
+    /// Which rank stopped at which collective, and which ranks were waiting for it, from the
+    /// flight records failing ranks wrote (`FLASHOVER_FLIGHT_DIR`).
+    Flight {
+        /// The directory holding the `flight-rank*.json` files.
+        dir: std::path::PathBuf,
+    },
+}
+
 /// `flashover mesh ...`.
 #[derive(Debug, Subcommand)]
 pub enum MeshCommand {
@@ -116,6 +130,23 @@ pub fn run(cli: Cli) -> Result<(), String> {
         Command::Bench(b) => bench::run(b),
         Command::Train { job, outputs } => job::train(&job, outputs),
         Command::Ckpt(c) => ckpt::run(c),
+        Command::Debug(DebugCommand::Flight { dir }) => {
+            let dumps =
+                flashover_comm::read_dumps(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            if dumps.is_empty() {
+                return Err(format!("{}: no flight-rank*.json files", dir.display()));
+            }
+            let ranks: Vec<String> = dumps.iter().map(|d| d.rank.to_string()).collect();
+            println!("flight records of ranks {}", ranks.join(", "));
+            let findings = flashover_comm::diagnose(&dumps);
+            if findings.is_empty() {
+                println!("every recorded call completed");
+            }
+            for line in findings {
+                println!("{line}");
+            }
+            Ok(())
+        }
         Command::Launch { n, engine, args } => launch::run(n, engine.as_deref(), &args),
         Command::Verify { job, tolerance } => {
             if !job::verify(&job, tolerance)? {

@@ -40,6 +40,7 @@ mod communicator;
 mod dtype;
 mod error;
 mod fault;
+mod flight;
 #[cfg(feature = "mpi")]
 mod mpi;
 #[cfg(feature = "nccl")]
@@ -53,6 +54,7 @@ pub use communicator::{Communicator, CommunicatorExt, DeviceCollectives, Group};
 pub use dtype::{DType, Element};
 pub use error::{CommError, CommResult, panic_message};
 pub use fault::{FaultAction, FaultPlan, FaultRule};
+pub use flight::{FlightDump, FlightEntry, FlightRecorder, FlightState, diagnose, read_dumps};
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, MpiWorld};
 #[cfg(feature = "nccl")]

@@ -2,10 +2,11 @@
 
 use crate::context::RankContext;
 use burn::tensor::Device;
-use flashover_comm::{CommError, FaultPlan, Group, ThreadWorld};
+use flashover_comm::{CommError, FaultPlan, FlightRecorder, Group, ThreadWorld};
 use flashover_mesh::{DeviceMesh, MeshError};
 use std::error::Error;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -99,7 +100,12 @@ pub struct Launch {
     device: Device,
     timeout: Duration,
     faults: FaultPlan,
+    /// Where a failing rank writes its flight record (none: not written).
+    flight_dir: Option<PathBuf>,
 }
+
+/// Calls each rank's flight recorder keeps (see [`flashover_comm::FlightRecorder`]).
+pub const FLIGHT_CAPACITY: usize = 256;
 
 impl Launch {
     /// A launch over `mesh` on the Flex (CPU) device with the default timeout.
@@ -109,7 +115,16 @@ impl Launch {
             device: Device::flex(),
             timeout: flashover_comm::DEFAULT_TIMEOUT,
             faults: FaultPlan::new(),
+            flight_dir: std::env::var_os("FLASHOVER_FLIGHT_DIR").map(PathBuf::from),
         })
+    }
+
+    /// Every rank records its last collectives; a rank whose work fails writes them to
+    /// `dir/flight-rank{r}.json` (`flashover debug flight DIR` reads them). Defaults to the
+    /// `FLASHOVER_FLIGHT_DIR` environment variable.
+    pub fn flight_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.flight_dir = Some(dir.into());
+        self
     }
 
     /// The device every rank computes on (each rank gets a clone).
@@ -149,6 +164,7 @@ impl Launch {
                 .enumerate()
                 .map(|(rank, comm)| {
                     let (body, mesh, device) = (&body, self.mesh.clone(), self.device.clone());
+                    let flight = self.flight_dir.as_deref();
                     std::thread::Builder::new()
                         .name(format!("rank-{rank}"))
                         // Autodiff graphs of deep models recurse; give each rank room.
@@ -156,7 +172,8 @@ impl Launch {
                         .spawn_scoped(s, move || {
                             let comm = Arc::new(comm);
                             let world = Group::new(comm.clone());
-                            run_rank(rank, world, mesh, device, body, |reason| comm.leave(reason))
+                            let leave = |reason: &str| comm.leave(reason);
+                            run_rank(rank, world, (mesh, device), flight, body, leave)
                         })
                         .expect("spawn rank thread")
                 })
@@ -216,22 +233,24 @@ impl Launch {
         }
         let rank = world.rank();
         // Peers in other processes learn of a departure from the engine (MPI ends the job).
-        run_rank(rank, world, self.mesh, self.device, &body, |_| {}).map_err(|failure| {
-            LaunchError::Rank {
-                cause: failure.clone(),
-                all: vec![failure],
-            }
+        let flight = self.flight_dir.as_deref();
+        let place = (self.mesh, self.device);
+        run_rank(rank, world, place, flight, &body, |_| {}).map_err(|failure| LaunchError::Rank {
+            cause: failure.clone(),
+            all: vec![failure],
         })
     }
 }
 
-/// Runs `body` as `rank`, turning errors and panics into a [`RankFailure`]; `leave` is told
-/// why the rank's work ended (so in-process peers can stop waiting for it).
+/// Runs `body` as `rank` on `mesh` and `device`, turning errors and panics into a
+/// [`RankFailure`]; `leave` is told why the rank's work ended (so in-process peers can stop
+/// waiting for it). Every call on `world` (and groups split from it) is flight-recorded; a
+/// failing rank writes its record into `flight` when set.
 fn run_rank<T, E, F>(
     rank: usize,
     world: Group,
-    mesh: DeviceMesh,
-    device: Device,
+    (mesh, device): (DeviceMesh, Device),
+    flight: Option<&Path>,
     body: &F,
     leave: impl FnOnce(&str),
 ) -> Result<T, RankFailure>
@@ -239,6 +258,8 @@ where
     E: Into<RankError>,
     F: Fn(RankContext) -> Result<T, E>,
 {
+    let recorder = FlightRecorder::new(world.rank(), FLIGHT_CAPACITY);
+    let world = world.recorded(recorder.clone());
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         let ctx =
             RankContext::new(rank, mesh, device, world).map_err(|e| Box::new(e) as RankError)?;
@@ -273,6 +294,15 @@ where
             })
         }
     };
+    let result = result.map_err(|mut failure| {
+        if let Some(dir) = flight {
+            match recorder.dump(dir) {
+                Ok(path) => failure.message += &format!(" [flight record: {}]", path.display()),
+                Err(e) => failure.message += &format!(" [flight record not written: {e}]"),
+            }
+        }
+        failure
+    });
     // Peers still waiting for this rank fail at once, naming it and why.
     let reason = match &result {
         Ok(_) => "returned from its work".to_string(),

@@ -120,3 +120,45 @@ fn a_rank_error_is_preferred_over_the_failures_it_causes() {
         "rank 1 failed: bad batch on rank one (2 ranks failed in all)"
     );
 }
+
+#[test]
+fn failing_ranks_write_flight_records_that_name_the_rank_everyone_waited_for() {
+    let dir = std::env::temp_dir().join(format!("flashover-flight-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let err = Launch::new("dp=4")
+        .unwrap()
+        .timeout(Duration::from_millis(2000))
+        .flight_dir(&dir)
+        .run(|ctx| {
+            let dp = ctx.group(Axis::Dp);
+            let mut x = [1.0f32];
+            dp.all_reduce(&mut x, ReduceOp::Sum)?;
+            if ctx.rank() == 3 {
+                panic!("rank 3 dies between two collectives");
+            }
+            dp.all_reduce(&mut x, ReduceOp::Sum)
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("[flight record: "), "{err}");
+    let dumps = flashover_comm::read_dumps(&dir).unwrap();
+    assert_eq!(dumps.len(), 4, "every failing rank writes its record");
+    let findings = flashover_comm::diagnose(&dumps);
+    assert_eq!(findings.len(), 3, "{findings:#?}");
+    for line in &findings {
+        assert!(line.contains("at #1 all_reduce"), "{line}");
+        assert!(
+            line.contains("waiting for rank 3 (last at #0 all_reduce, done)"),
+            "{line}"
+        );
+    }
+    // A process that died writes nothing: the others' records still name it.
+    std::fs::remove_file(dir.join("flight-rank3.json")).unwrap();
+    let findings = flashover_comm::diagnose(&flashover_comm::read_dumps(&dir).unwrap());
+    assert!(
+        findings
+            .iter()
+            .all(|l| l.contains("waiting for rank 3 (wrote no record: lost)")),
+        "{findings:#?}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
