@@ -18,7 +18,7 @@ pub const ASSUMPTIONS: &[&str] = &[
     "pipeline bubble: (pp - 1)/m of the compute for GPipe and 1F1B, (pp - 1)/(v m) interleaved, a third of 1F1B's for ZB-H1",
     "pipeline stage imbalance: stages hold whole blocks (6 N_block + 12 h S FLOPs per token) and the last also the LM head (6 h V), cut to balance them as the training job cuts them; the busiest stage's excess over the mean is added to the compute",
     "collectives: latency x steps + bytes x (nccl-tests busbw factor) / busbw of the link (intra-node if the group's ranks fit in one node given the rank order pp, dp, fsdp, ep, cp, tp from outermost), ring algorithms",
-    "tensor-parallel all-reduces (4 per block and micro-batch, 6 with full recomputation) and expert all-to-alls are exposed; ring attention's key/value passes hide behind attention compute; gradient reduction (once per step) hides behind the last micro-batch's backward (2/3 of its compute); ZeRO-3 gathers and reduce-scatters hide behind the whole step's compute",
+    "tensor-parallel all-reduces (4 per block and micro-batch, 6 with full recomputation) and expert all-to-alls are exposed; ring attention's key/value passes hide behind the forward's attention compute, their gradients' passes in backward are exposed; gradient reduction (once per step) hides behind the last micro-batch's backward (2/3 of its compute); ZeRO-3 gathers and reduce-scatters hide behind the whole step's compute",
 ];
 
 /// Per-device memory, bytes.
@@ -338,15 +338,15 @@ pub fn step_time(
             bw,
             lat,
         );
-    // Context parallelism: cp - 1 passes of the key/value block each way, per block, hidden
-    // behind the block's attention compute when shorter.
+    // Context parallelism: cp - 1 passes of the key/value block per block in forward, hidden
+    // behind the forward's attention compute when shorter (Flashover overlaps them), and as
+    // many passes of their gradients in backward, exposed (autodiff runs them in turn).
     let context_parallel = if layout.cp > 1 {
         let (bw, lat) = link(layout, &[Axis::Cp], hw);
         let kv = 2.0 * s * b * model.kv_width() / t as f64 * act;
-        let passes = 2.0 * (layout.cp - 1) as f64;
-        let comm = passes * (lat + kv / bw);
-        let attention = 12.0 * h * s * s_all * b / t as f64 / rate;
-        m * blocks * (comm - attention).max(0.0)
+        let passes = (layout.cp - 1) as f64 * (lat + kv / bw);
+        let forward_attention = 4.0 * h * s * s_all * b / t as f64 / rate;
+        m * blocks * ((passes - forward_attention).max(0.0) + passes)
     } else {
         0.0
     };
