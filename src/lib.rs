@@ -8,8 +8,12 @@
 //! This facade re-exports the pieces a model author uses:
 //! - [`launch`] / [`Launch`]: run one closure per rank (threads in one process) with its
 //!   [`RankContext`]: rank, mesh, device and a process [`Group`] per mesh axis.
-//! - [`comm`]: the collective layer ([`comm::Communicator`], the thread engine, fault injection).
+//! - [`comm`]: the collective layer ([`comm::Communicator`], the thread engine, fault injection,
+//!   the flight recorder).
 //! - [`mesh`]: the device mesh and its rank order.
+//! - [`parallel`]: the strategies as Burn modules and optimizers (data parallel, ZeRO, tensor,
+//!   pipeline, context and expert parallelism, recomputation, placements); [`models`]: the
+//!   reference transformer and its forward context; [`checkpoint`]: sharded checkpoints.
 //! - [`TensorCollectives`]: collectives on Burn tensors.
 //! - [`train`]: the training job behind `flashover train` and `flashover verify`.
 //! - [`check`]: comparing a layout's loss curve and weights with one rank's.
@@ -37,8 +41,11 @@ pub mod heap;
 pub mod plan;
 pub mod train;
 
+pub use flashover_checkpoint as checkpoint;
 pub use flashover_comm as comm;
 pub use flashover_mesh as mesh;
+pub use flashover_models as models;
+pub use flashover_parallel as parallel;
 pub use flashover_runtime::{
     Axis, CommError, CommStats, Communicator, CommunicatorExt, DeviceChoice, DeviceError,
     DeviceMesh, FaultPlan, Group, IntoMesh, Launch, LaunchError, Launcher, MeshError, OpKind,
