@@ -169,7 +169,7 @@ impl FlightRecorder {
     /// Writes the record to `dir/flight-rank{rank}.json` (the directory is created).
     pub fn dump(&self, dir: &Path) -> std::io::Result<PathBuf> {
         std::fs::create_dir_all(dir)?;
-        let path = dir.join(format!("flight-rank{}.json", self.rank));
+        let path = dir.join(dump_file(self.rank));
         let text =
             serde_json::to_string_pretty(&self.dump_data()).map_err(std::io::Error::other)?;
         std::fs::write(&path, text)?;
@@ -294,13 +294,25 @@ impl Communicator for Recorded {
     }
 }
 
-/// Reads every `flight-rank*.json` in `dir`.
+/// The file a rank's record is written to.
+fn dump_file(rank: usize) -> String {
+    format!("flight-rank{rank}.json")
+}
+
+/// Whether `file` is a rank's record ([`dump_file`] of some rank).
+fn is_dump_file(file: &str) -> bool {
+    file.strip_prefix("flight-rank")
+        .and_then(|rest| rest.strip_suffix(".json"))
+        .is_some_and(|rank| rank.parse::<usize>().is_ok())
+}
+
+/// Reads every rank's record in `dir`.
 pub fn read_dumps(dir: &Path) -> std::io::Result<Vec<FlightDump>> {
     let mut dumps = vec![];
     for entry in std::fs::read_dir(dir)? {
         let path = entry?.path();
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if name.starts_with("flight-rank") && name.ends_with(".json") {
+        if is_dump_file(name) {
             let text = std::fs::read_to_string(&path)?;
             let dump: FlightDump = serde_json::from_str(&text).map_err(|e| {
                 std::io::Error::other(format!("{}: not a flight record: {e}", path.display()))

@@ -6,8 +6,10 @@
 //! hold), so dropout masks and rotary tables are those of one rank. Its hooks are the places a
 //! strategy installs itself without the model knowing which strategies run: a linear layer
 //! ([`LinearOp`], zero-bubble weight-gradient deferral), attention's core ([`AttentionOp`],
-//! context parallelism), a block ([`BlockCheckpoint`], activation checkpointing) and a
-//! mixture-of-experts layer's experts ([`crate::MoeHook`], expert parallelism).
+//! context parallelism), a block ([`BlockCheckpoint`], activation checkpointing), a
+//! mixture-of-experts layer's experts ([`crate::MoeHook`], expert parallelism), and the
+//! sequences split across ranks that such a layer routes whole ([`SequenceShare`], context
+//! parallelism).
 
 use crate::dropout::{Coords, Dropout, Site};
 use crate::layers::{Block, rope_tables_at};
@@ -42,6 +44,39 @@ pub struct ForwardContext {
     /// Runs the transformer blocks when set: activation checkpointing recomputes some of them
     /// in backward instead of keeping their activations.
     pub checkpointing: Option<CheckpointHook>,
+    /// The sequences split across ranks when set (context parallelism, with
+    /// [`ForwardContext::positions`]): what a layer defined on whole sequences gathers over.
+    pub sequence: Option<SequenceHook>,
+}
+
+/// Sequences split across ranks (context parallelism), as a layer that needs whole sequences sees them (a mixture-of-experts layer:
+/// routing, capacity, drops and the load-balancing loss are defined per whole sequence, so it
+/// routes the whole sequences, as one rank would, and keeps its own tokens' part).
+pub trait SequenceShare: Send + Sync {
+    /// Ranks sharing each sequence.
+    fn ranks(&self) -> usize;
+    /// Every rank's `rows` (`[batch, local_seq, width]`, row-major: this rank's positions of
+    /// each sequence) as the whole sequences, `[batch, seq_len, width]` in position order
+    /// (collective).
+    fn gather(&self, rows: &[f32], batch: usize, width: usize) -> Vec<f32>;
+    /// `value` summed over the ranks (collective).
+    fn sum(&self, value: f64) -> f64;
+}
+
+/// A shared [`SequenceShare`]; two hooks are equal when they are the same object.
+#[derive(Clone)]
+pub struct SequenceHook(pub Arc<dyn SequenceShare>);
+
+impl std::fmt::Debug for SequenceHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SequenceHook")
+    }
+}
+
+impl PartialEq for SequenceHook {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 /// A block's forward as a function of the block, its input and the context it runs in

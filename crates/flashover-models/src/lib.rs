@@ -31,8 +31,8 @@ mod transformer;
 pub use dropout::{Coords, Dropout, Site};
 pub use forward_context::{
     AttentionHook, AttentionOp, BlockCheckpoint, BlockFn, CheckpointHook, ForwardContext,
-    LinearHook, LinearOp,
+    LinearHook, LinearOp, SequenceHook, SequenceShare,
 };
 pub use layers::{Attention, Block, SwiGlu, rope_tables, rope_tables_at};
-pub use moe::{Moe, MoeConfig, MoeHook, SequenceShare};
+pub use moe::{Moe, MoeConfig, MoeHook};
 pub use transformer::{Transformer, TransformerConfig, next_token_loss};

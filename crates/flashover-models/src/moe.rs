@@ -15,7 +15,7 @@
 //! its drops before sending anything. The load-balancing loss is computed per sequence too and
 //! averaged (as DeepSeek-V3's sequence-wise balance loss), for the same reason.
 
-use crate::forward_context::ForwardContext;
+use crate::forward_context::{ForwardContext, SequenceHook, SequenceShare};
 use crate::layers::SwiGlu;
 use burn::module::Module;
 use burn::nn::Linear;
@@ -488,29 +488,12 @@ impl MoeStats {
 /// The routing of whole sequences split across ranks, their length, and the split.
 type WholeSequences = (Routing, usize, Arc<dyn SequenceShare>);
 
-/// Sequences split across ranks (context parallelism), seen from a mixture-of-experts layer:
-/// routing (Sinkhorn balancing, capacity, drops) and the load-balancing loss are defined per
-/// whole sequence, so each layer routes the whole sequences, as one rank would, and keeps its
-/// own tokens' part.
-pub trait SequenceShare: Send + Sync {
-    /// Ranks sharing each sequence.
-    fn ranks(&self) -> usize;
-    /// Every rank's `rows` (`[batch, local_seq, width]`, row-major: this rank's positions of
-    /// each sequence) as the whole sequences, `[batch, seq_len, width]` in position order
-    /// (collective).
-    fn gather(&self, rows: &[f32], batch: usize, width: usize) -> Vec<f32>;
-    /// `value` summed over the ranks (collective).
-    fn sum(&self, value: f64) -> f64;
-}
-
 /// What a forward through MoE layers needs besides the tokens: who runs the experts, and where
 /// the auxiliary losses and statistics go. Shared by a step's micro-batches.
 #[derive(Clone)]
 pub struct MoeHook {
     /// Runs the experts.
     pub dispatch: Arc<dyn ExpertDispatch>,
-    /// Context parallelism: how this rank's tokens sit in sequences split across ranks.
-    pub sequence: Option<Arc<dyn SequenceShare>>,
     /// The auxiliary losses of the forwards since the last [`MoeHook::take_aux_loss`].
     aux: Arc<Mutex<Vec<Tensor<1>>>>,
     /// Routing statistics since the last [`MoeHook::take_stats`].
@@ -534,7 +517,6 @@ impl MoeHook {
     pub fn new(dispatch: Arc<dyn ExpertDispatch>) -> Self {
         MoeHook {
             dispatch,
-            sequence: None,
             aux: Arc::default(),
             stats: Arc::default(),
         }
@@ -620,9 +602,8 @@ impl Moe {
             .expect("router logits are f32");
         let bias = (!self.expert_bias.is_empty()).then_some(self.expert_bias.as_slice());
         // Under context parallelism, the whole sequences are routed (on every rank alike).
-        let split = ctx.moe.as_ref().and_then(|h| h.sequence.as_ref());
-        let (routing, whole) = match (split, &ctx.positions) {
-            (Some(sequence), Some(positions)) if sequence.ranks() > 1 => {
+        let (routing, whole) = match (&ctx.sequence, &ctx.positions) {
+            (Some(SequenceHook(sequence)), Some(positions)) if sequence.ranks() > 1 => {
                 let all = sequence.gather(&host, b, self.config.n_experts);
                 let seq_len = all.len() / (b * self.config.n_experts).max(1);
                 let whole = route(&all, seq_len, &self.config, bias);

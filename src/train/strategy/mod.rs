@@ -32,12 +32,10 @@ use super::tp_model::TpTransformer;
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{Int, Tensor};
-use flashover_models::{ForwardContext, MoeHook, Transformer, TransformerConfig, next_token_loss};
-use flashover_parallel::context_parallel::{CpSequences, SequenceLayout};
+use flashover_models::{ForwardContext, Transformer, TransformerConfig, next_token_loss};
 use flashover_parallel::data_parallel::{
     DataParallel, DataParallelConfig, MicroBatches, ReduceReport,
 };
-use flashover_parallel::expert_parallel::ExpertParallel;
 use flashover_parallel::params::ParamSlot;
 use flashover_parallel::pipeline::Action;
 use flashover_parallel::placement::{ParamPlacement, global_grad_norm};
@@ -146,21 +144,14 @@ pub(crate) fn build(
     }
 }
 
-/// How this rank's mixture-of-experts layers reach their experts (through `experts`) and,
-/// under context parallelism, the whole sequences they route.
-fn moe_hook(
-    ctx: &RankContext,
-    config: &TrainConfig,
-    experts: &ExpertParallel,
-) -> Result<MoeHook, RankError> {
-    let mut hook = MoeHook::new(std::sync::Arc::new(experts.clone()));
-    let cp = ctx.group(Axis::Cp);
-    if cp.size() > 1 {
-        let parallel = &config.parallel;
-        let layout = SequenceLayout::new(config.data.seq_len, cp.size(), parallel.cp_load_balance)?;
-        hook.sequence = Some(std::sync::Arc::new(CpSequences::new(cp, layout)));
+/// Whether a checkpoint's routing biases (`checkpoint` layers) fit the model (`model` layers).
+fn routing_bias_layers(checkpoint: usize, model: usize) -> Result<(), RankError> {
+    match checkpoint == model {
+        true => Ok(()),
+        false => Err(RankError::from(format!(
+            "the checkpoint has routing biases for {checkpoint} layers, the model has {model}"
+        ))),
     }
-    Ok(hook)
 }
 
 /// One step's outcome on one rank.

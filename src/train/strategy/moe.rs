@@ -88,13 +88,7 @@ impl<M: MoeBlocks> MoeState<M> {
     /// Sets the routing biases from [`MoeState::bias`]'s output (a checkpoint's).
     fn set_bias(&mut self, bias: &[Vec<f32>]) -> Result<(), RankError> {
         let blocks = self.model.moe_blocks_mut();
-        if bias.len() != blocks.len() {
-            return Err(RankError::from(format!(
-                "the checkpoint has routing biases for {} layers, the model has {}",
-                bias.len(),
-                blocks.len()
-            )));
-        }
+        super::routing_bias_layers(bias.len(), blocks.len())?;
         for (block, b) in blocks.iter_mut().zip(bias) {
             if let Some(moe) = block.moe.as_mut() {
                 moe.expert_bias = b.clone();
@@ -151,7 +145,7 @@ pub(super) fn build(
         average: config.parallel.gradient_reduction == GradientReduction::Mean,
     };
     let (d, hot) = (model_config.d_model, config.moe.replicate_hot);
-    let hook = super::moe_hook(ctx, config, &experts)?;
+    let hook = MoeHook::new(std::sync::Arc::new(experts.clone()));
     let experts = (experts, hook);
     let zero = config.parallel.zero;
     Ok(match shares {

@@ -117,7 +117,7 @@ pub(super) fn build(
     let chunks = optim.between_steps(chunks);
     let moe = match (experts, &model_config.moe) {
         (Some(experts), Some(moe)) => Some(StageExperts {
-            hook: super::moe_hook(ctx, config, &experts)?,
+            hook: MoeHook::new(Arc::new(experts.clone())),
             experts,
             bias: vec![vec![]; model_config.n_layers],
             config: moe.clone(),
@@ -340,13 +340,7 @@ impl RankStrategy for PipelineState {
         let Some(moe) = self.moe.as_mut() else {
             return Ok(());
         };
-        if bias.len() != moe.bias.len() {
-            return Err(RankError::from(format!(
-                "the checkpoint has routing biases for {} layers, the model has {}",
-                bias.len(),
-                moe.bias.len()
-            )));
-        }
+        super::routing_bias_layers(bias.len(), moe.bias.len())?;
         moe.bias = bias.to_vec();
         moe.set_bias(&mut self.chunks);
         Ok(())
@@ -387,9 +381,10 @@ fn pipeline_step(
     // Hot experts copied to every ep rank for this step; their copies' gradients are taken
     // from each backward and folded into the owners' below.
     let hot = state.moe.as_ref().filter(|m| m.replicate_hot > 0);
-    if let Some(moe) = hot {
-        let blocks = stage_blocks(&state.chunks);
-        moe.experts.replicate_hot(&blocks, moe.replicate_hot)?;
+    // The step's blocks (the chunks stay as they are until the optimizer step).
+    let hot_blocks = hot.map(|_| stage_blocks(&state.chunks));
+    if let (Some(moe), Some(blocks)) = (hot, &hot_blocks) {
+        moe.experts.replicate_hot(blocks, moe.replicate_hot)?;
     }
     let take = |grads: &mut Gradients| {
         if let Some(moe) = hot {
@@ -428,13 +423,12 @@ fn pipeline_step(
     }
     drop(grads);
     let numel = flat.len();
-    if let Some(moe) = hot {
+    if let (Some(moe), Some(blocks)) = (hot, &hot_blocks) {
         // The copies' gradients are loss-scaled sums over micro-batches; the executor's are
         // averaged and unscaled.
         let mut replicas = vec![0.0f32; numel];
-        let blocks = stage_blocks(&state.chunks);
         moe.experts
-            .fold_replica_grads(&state.chunks, &blocks, &mut replicas)?;
+            .fold_replica_grads(&state.chunks, blocks, &mut replicas)?;
         let k = 1.0 / (micro_batches as f32 * precision.scaler.scale());
         flat.iter_mut()
             .zip(&replicas)

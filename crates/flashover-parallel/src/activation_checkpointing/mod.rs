@@ -166,19 +166,43 @@ impl BlockCheckpoint for BlockRecompute {
         if let (Some(moe), Some(_)) = (&ctx.moe, &block.moe) {
             return self.run_with_aux_losses(block, x, ctx, moe, forward);
         }
-        let recomputed = self.recomputed.clone();
+        let replays = self.replays();
         let ctx = ctx.clone();
         checkpoint(block, x, move |b: &Block, x: Tensor<3>| {
-            // The first run has no graph; the one in backward tracks its input.
-            if x.is_tracked() {
-                recomputed.fetch_add(1, Ordering::Relaxed);
-            }
+            replays.next_is_replay();
             forward(b, x, &ctx)
         })
     }
 }
 
+/// Tells a checkpointed function's runs apart: the first (in forward) from the ones after it
+/// (recomputations in backward), which it counts. Not by whether the input is tracked: on a
+/// device without the recompute op the first call is the only one, with a graph.
+struct Replays {
+    calls: AtomicUsize,
+    recomputed: Arc<AtomicUsize>,
+}
+
+impl Replays {
+    /// Whether this call is a recomputation (counted if so).
+    fn next_is_replay(&self) -> bool {
+        let replay = self.calls.fetch_add(1, Ordering::Relaxed) > 0;
+        if replay {
+            self.recomputed.fetch_add(1, Ordering::Relaxed);
+        }
+        replay
+    }
+}
+
 impl BlockRecompute {
+    /// A counter of one checkpointed block's runs, adding its recomputations to this policy's.
+    fn replays(&self) -> Replays {
+        Replays {
+            calls: AtomicUsize::new(0),
+            recomputed: self.recomputed.clone(),
+        }
+    }
+
     /// A mixture-of-experts block, recomputed. Its router's auxiliary losses are a second
     /// output: they leave the checkpointed function as one more element after the block's
     /// output (in f32), so their gradient reaches the router through the recomputation, as the
@@ -202,17 +226,11 @@ impl BlockRecompute {
             moe: Some(moe.replaying()),
             ..ctx.clone()
         };
-        let recomputed = self.recomputed.clone();
-        // Calls after the first are recomputations (whether or not the input is tracked: on a
-        // device without the recompute op the first call is the only one, with a graph).
-        let calls = Arc::new(AtomicUsize::new(0));
+        let replays = self.replays();
         let output = checkpoint(block, x, move |b: &Block, x: Tensor<3>| {
-            let ctx = match calls.fetch_add(1, Ordering::Relaxed) {
-                0 => &first,
-                _ => {
-                    recomputed.fetch_add(1, Ordering::Relaxed);
-                    &again
-                }
+            let ctx = match replays.next_is_replay() {
+                false => &first,
+                true => &again,
             };
             let y = forward(b, x, ctx);
             let device = y.device();

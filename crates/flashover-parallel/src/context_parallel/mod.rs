@@ -31,7 +31,7 @@ pub use work::{AttentionWork, WorkCounter};
 use crate::ParallelError;
 use burn::tensor::{Int, Tensor, TensorData};
 use flashover_comm::Group;
-use flashover_models::{AttentionHook, ForwardContext};
+use flashover_models::{AttentionHook, ForwardContext, SequenceHook};
 use std::str::FromStr;
 use std::sync::Arc;
 
@@ -76,6 +76,8 @@ pub struct ContextParallel {
     pub algorithm: CpAttention,
     positions: Arc<[usize]>,
     hook: AttentionHook,
+    /// The split sequences, for layers that gather them (mixtures of experts route whole ones).
+    sequences: SequenceHook,
     work: Arc<WorkCounter>,
 }
 
@@ -133,6 +135,7 @@ impl ContextParallel {
             algorithm,
             positions: layout.positions(group.rank()).into(),
             hook,
+            sequences: SequenceHook(Arc::new(CpSequences::new(group, layout))),
             work,
         })
     }
@@ -152,11 +155,13 @@ impl ContextParallel {
         tokens.select(1, index)
     }
 
-    /// `ctx` for this rank's positions, with attention over the whole sequence.
+    /// `ctx` for this rank's positions, with attention over the whole sequence (and the
+    /// split sequences, for layers defined on whole ones).
     pub fn forward_context(&self, ctx: ForwardContext) -> ForwardContext {
         ForwardContext {
             positions: Some(self.positions.clone()),
             core_attention: Some(self.hook.clone()),
+            sequence: Some(self.sequences.clone()),
             ..ctx
         }
     }

@@ -14,7 +14,7 @@ pub struct CpSequences {
 }
 
 impl CpSequences {
-    /// Sequences of `seq_len` over `group`, laid out as context parallelism lays them out.
+    /// The sequences `layout` cuts over `group`.
     pub fn new(group: &Group, layout: SequenceLayout) -> Self {
         CpSequences {
             group: group.clone(),
