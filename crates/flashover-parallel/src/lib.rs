@@ -7,6 +7,8 @@
 //!   over the `dp` group in buckets, launched from a per-rank communication thread while the
 //!   rest of backward still runs (on Flex, through a gradient hook; elsewhere right after
 //!   backward); gradient accumulation reduces once per step; global-norm clipping.
+//! - [`parallelize`]: a user's own model parallelized by a plan (module paths to strategies),
+//!   unchanged: fully sharded through Burn's parameter reparameterization.
 //! - [`params`]: walking a Burn module's parameters: layout, flattening, broadcasting.
 //! - [`placement`]: where every parameter lives on the mesh (replicated, sharded along a
 //!   dimension, or owned by some ranks), recorded by the strategies that move it; the gradient
@@ -37,6 +39,7 @@ mod flat_adamw;
 mod grad_clip;
 mod hook;
 mod host;
+pub mod parallelize;
 pub mod params;
 pub mod pipeline;
 pub mod placement;

@@ -7,6 +7,7 @@ mod common;
 mod context_parallel;
 mod ddp_faults;
 mod expert_parallel;
+mod parallelize;
 mod pipeline;
 mod tensor_parallel;
 mod zero;

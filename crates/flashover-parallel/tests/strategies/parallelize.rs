@@ -1,0 +1,255 @@
+//! A user's own Burn model (an MLP classifier with biases and a LayerNorm, nothing from
+//! Flashover in it) parallelized by a plan, against the same model's plain single-rank Burn
+//! loop: losses, gradient norms (clipping active) and every weight within 1e-5.
+
+use burn::module::{Module, Param};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{LayerNorm, LayerNormConfig, Linear};
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::activation::gelu;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use flashover_parallel::ParallelError;
+use flashover_parallel::parallelize::{ParallelizePlan, parallelize};
+use flashover_parallel::params::{ParamLayout, flatten_params};
+use flashover_runtime::Launch;
+
+const FEATURES: usize = 6;
+/// Odd on purpose: the last layer's rows do not split evenly over two ranks.
+const HIDDEN: usize = 15;
+const CLASSES: usize = 5;
+const GLOBAL_BATCH: usize = 8;
+const STEPS: usize = 6;
+const LR: f64 = 2e-2;
+/// Small enough that clipping is active on most steps.
+const MAX_NORM: f32 = 0.5;
+
+#[derive(Module, Debug)]
+struct Classifier {
+    input: Linear,
+    norm: LayerNorm,
+    hidden: Linear,
+    head: Linear,
+}
+
+impl Classifier {
+    /// The same weights on every call (Burn's random init shares one generator between the
+    /// rank threads; `parallelize` would make the ranks agree, but not with the reference).
+    fn new(device: &Device) -> Self {
+        Classifier {
+            input: linear(FEATURES, HIDDEN, 0.1, device),
+            norm: LayerNormConfig::new(HIDDEN).init(device),
+            hidden: linear(HIDDEN, HIDDEN, 0.5, device),
+            head: linear(HIDDEN, CLASSES, 0.9, device),
+        }
+    }
+
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let h = self.norm.forward(gelu(self.input.forward(x)));
+        self.head.forward(gelu(self.hidden.forward(h)))
+    }
+}
+
+/// A biased linear layer with deterministic weights.
+fn linear(d_in: usize, d_out: usize, salt: f32, device: &Device) -> Linear {
+    let values = |n: usize, k: f32| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as f32 * 0.37 + salt) * k).sin() * 0.4)
+            .collect()
+    };
+    Linear {
+        weight: Param::from_data(
+            TensorData::new(values(d_in * d_out, 1.0), [d_in, d_out]),
+            device,
+        ),
+        bias: Some(Param::from_data(
+            TensorData::new(values(d_out, 1.7), [d_out]),
+            device,
+        )),
+    }
+}
+
+/// Samples `range` of an endless deterministic data set.
+fn batch(range: std::ops::Range<usize>, device: &Device) -> (Tensor<2>, Tensor<1, Int>) {
+    let n = range.len();
+    let x: Vec<f32> = range
+        .clone()
+        .flat_map(|s| (0..FEATURES).map(move |f| ((s * 7 + f * 3) as f32 * 0.41).sin()))
+        .collect();
+    let y: Vec<i64> = range.map(|s| ((s * 5 + 2) % CLASSES) as i64).collect();
+    (
+        Tensor::from_data(TensorData::new(x, [n, FEATURES]), device),
+        Tensor::from_data(TensorData::new(y, [n]), device),
+    )
+}
+
+fn loss(model: &Classifier, x: Tensor<2>, y: Tensor<1, Int>) -> Tensor<1> {
+    CrossEntropyLossConfig::new()
+        .init(&x.device())
+        .forward(model.forward(x), y)
+}
+
+/// Losses, gradient norms before clipping, and the final weights.
+type Run = (Vec<f32>, Vec<f32>, Vec<f32>);
+
+/// The plain Burn loop on one device, with global-norm clipping written out.
+fn single_rank() -> Run {
+    let device = Device::flex().autodiff();
+    let mut model = Classifier::new(&device);
+    let mut optim = AdamWConfig::new().init();
+    let (mut losses, mut norms) = (vec![], vec![]);
+    for step in 0..STEPS {
+        let (x, y) = batch(step * GLOBAL_BATCH..(step + 1) * GLOBAL_BATCH, &device);
+        let loss = loss(&model, x, y);
+        losses.push(loss.clone().into_scalar::<f32>());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let flat = flashover_parallel::params::pack_grads(&model, &grads);
+        let norm = match flat {
+            Some(g) => g.powi_scalar(2).sum().sqrt().into_scalar::<f32>(),
+            None => grad_norm(&model, &grads),
+        };
+        norms.push(norm);
+        let grads = if norm > MAX_NORM {
+            scale(&model, grads, MAX_NORM / (norm + 1e-6))
+        } else {
+            grads
+        };
+        model = optim.step(LR, model, grads);
+    }
+    (losses, norms, flatten_params(&model))
+}
+
+fn grad_norm(model: &Classifier, grads: &GradientsParams) -> f32 {
+    let layout = ParamLayout::of(model);
+    let mut flat = vec![0.0; layout.numel];
+    flashover_parallel::params::accumulate_grads(model, grads, &mut flat, &[]);
+    flat.iter().map(|g| (*g as f64).powi(2)).sum::<f64>().sqrt() as f32
+}
+
+fn scale(model: &Classifier, grads: GradientsParams, by: f32) -> GradientsParams {
+    let layout = ParamLayout::of(model);
+    let mut flat = vec![0.0; layout.numel];
+    flashover_parallel::params::accumulate_grads(model, &grads, &mut flat, &[]);
+    flat.iter_mut().for_each(|g| *g *= by);
+    flashover_parallel::params::grads_from_flat(model, &flat)
+}
+
+/// The same loop under `plan` on `mesh`: rank 0's run, and every rank's stored parameter
+/// elements.
+fn parallel(mesh: &str, plan: ParallelizePlan) -> (Run, Vec<usize>) {
+    let out = Launch::new(mesh)
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (mut model, par) = parallelize(Classifier::new(&device), &plan, &ctx)?;
+            let held = ParamLayout::of(&model).numel;
+            let mut optim = AdamWConfig::new().init();
+            let (mut losses, mut norms) = (vec![], vec![]);
+            for step in 0..STEPS {
+                let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
+                let loss = loss(&model, x, y);
+                losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+                let (grads, norm) = par.gradients(&model, loss.backward(), Some(MAX_NORM), &ctx)?;
+                norms.push(norm);
+                model = optim.step(LR, model, grads);
+            }
+            let whole = flatten_params(&par.whole(model));
+            Ok::<_, ParallelError>(((losses, norms, whole), held))
+        })
+        .unwrap();
+    let held = out.iter().map(|(_, h)| *h).collect();
+    (out.into_iter().next().unwrap().0, held)
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / y.abs().max(1e-3))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn a_users_model_fully_sharded_by_a_plan_trains_as_one_rank() {
+    let reference = single_rank();
+    assert!(
+        reference.1.iter().filter(|n| **n > MAX_NORM).count() >= STEPS / 2,
+        "clipping must be active: {:?}",
+        reference.1
+    );
+    let whole = reference.2.len();
+    let cases = [
+        ("fsdp=2", ParallelizePlan::new().fully_shard("")),
+        ("dp=2,fsdp=2", ParallelizePlan::new().fully_shard("")),
+        (
+            "fsdp=2",
+            ParallelizePlan::new()
+                .fully_shard("hidden")
+                .fully_shard("head"),
+        ),
+        ("dp=4", ParallelizePlan::new()),
+        ("fsdp=4", ParallelizePlan::new().fully_shard("")),
+    ];
+    for (mesh, plan) in cases {
+        let (run, held) = parallel(mesh, plan.clone());
+        let (loss, norm, weights) = (
+            max_rel(&run.0, &reference.0),
+            max_rel(&run.1, &reference.1),
+            max_rel(&run.2, &reference.2),
+        );
+        assert!(
+            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+            "{mesh} {plan:?}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+        );
+        // What each rank stores: whole parameters outside the plan's paths, its rows inside.
+        if plan == ParallelizePlan::new().fully_shard("") {
+            let fsdp: usize = mesh
+                .split(',')
+                .find_map(|a| a.strip_prefix("fsdp="))
+                .unwrap()
+                .parse()
+                .unwrap();
+            // Each parameter's rows split over fsdp, the last ranks padded to equal shares.
+            let shards: usize = ParamLayout::of(&Classifier::new(&Device::flex()))
+                .slots
+                .iter()
+                .map(|s| s.shape[0].div_ceil(fsdp) * s.numel / s.shape[0])
+                .sum();
+            assert!(
+                held.iter().all(|h| *h == shards),
+                "{mesh}: {held:?} vs {shards}"
+            );
+            assert!(
+                shards * fsdp < whole * 6 / 5,
+                "{shards} x {fsdp} vs {whole}"
+            );
+        } else if plan.fully_shard.is_empty() {
+            assert!(held.iter().all(|h| *h == whole));
+        } else {
+            assert!(
+                held.iter().all(|h| *h < whole && *h > whole / 2),
+                "{held:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn plans_that_do_not_fit_the_model_or_mesh_are_refused_with_the_reason() {
+    let refused = |mesh: &str, plan: ParallelizePlan| {
+        Launch::new(mesh)
+            .unwrap()
+            .run(|ctx| {
+                let device = Device::flex().autodiff();
+                parallelize(Classifier::new(&device), &plan, &ctx).map(|_| ())
+            })
+            .unwrap_err()
+            .to_string()
+    };
+    let err = refused("fsdp=2", ParallelizePlan::new().fully_shard("blocks"));
+    assert!(
+        err.contains("`blocks`") && err.contains("input.weight"),
+        "{err}"
+    );
+    let err = refused("dp=2,tp=2", ParallelizePlan::new());
+    assert!(err.contains("tp=2"), "{err}");
+}
