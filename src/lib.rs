@@ -5,7 +5,8 @@
 //! (`pp`, `dp`, `fsdp`, `ep`, `cp`, `tp`) and communicates just enough to compute exactly what
 //! one device would.
 //!
-//! This facade re-exports the pieces a model author uses:
+//! This facade re-exports the pieces a model author uses ([`prelude`] holds what a training
+//! loop on your own model needs):
 //! - [`launch`] / [`Launch`]: run one closure per rank (threads in one process) with its
 //!   [`RankContext`]: rank, mesh, device and a process [`Group`] per mesh axis.
 //! - [`comm`]: the collective layer ([`comm::Communicator`], the thread engine, fault injection,
@@ -40,6 +41,47 @@ pub mod check;
 pub mod heap;
 pub mod plan;
 pub mod train;
+
+/// What a training loop on your own Burn model needs from Flashover, in one import.
+///
+/// ```
+/// use burn::module::Module;
+/// use burn::nn::{Linear, LinearConfig};
+/// use burn::optim::AdamWConfig;
+/// use burn::tensor::{Device, Tensor};
+/// use flashover::prelude::*;
+///
+/// #[derive(Module, Debug)]
+/// struct Net {
+///     layer: Linear,
+/// }
+///
+/// // Two ranks, each holding half of every parameter (ZeRO-3), the model unchanged.
+/// let losses = launch("fsdp=2", |ctx| {
+///     let device = Device::flex().autodiff();
+///     let net = Net { layer: LinearConfig::new(4, 2).init(&device) };
+///     let (mut net, par) = parallelize(net, &ParallelizePlan::new().fully_shard(""), &ctx)?;
+///     let mut optim = AdamWConfig::new().init();
+///     let samples = par.batch_share(8, 0)?; // this rank's 4 of the step's 8 samples
+///     let x = Tensor::<2>::ones([samples.len(), 4], &device);
+///     let loss = net.layer.forward(x).square().mean();
+///     let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+///     let (grads, _norm) = par.gradients(&net, loss.backward(), Some(1.0), &ctx)?;
+///     net = optim.step(1e-3, net, grads);
+///     Ok::<_, ParallelError>(mean)
+/// })
+/// .unwrap();
+/// assert_eq!(losses[0], losses[1]);
+/// ```
+pub mod prelude {
+    pub use crate::{
+        Axis, CommunicatorExt, Launch, RankContext, ReduceOp, TensorCollectives, launch,
+    };
+    pub use flashover_parallel::ParallelError;
+    pub use flashover_parallel::parallelize::{
+        ModulePath, ParallelizePlan, Parallelized, parallelize,
+    };
+}
 
 pub use flashover_checkpoint as checkpoint;
 pub use flashover_comm as comm;

@@ -148,7 +148,7 @@ impl Parallelized {
         step: usize,
     ) -> Result<Range<usize>, ParallelError> {
         let n = self.data.size();
-        if global_batch % n != 0 {
+        if !global_batch.is_multiple_of(n) {
             return Err(ParallelError::Invalid(format!(
                 "a global batch of {global_batch} samples does not split over {n} data-parallel \
                  ranks (dp x fsdp): use a multiple of {n}"
