@@ -16,7 +16,8 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use flashover::models::init;
-use flashover::parallel::params::{ParamLayout, flatten_params};
+use flashover::parallel::clip_global_norm;
+use flashover::parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
 use flashover::prelude::*;
 
 const VOCAB: usize = 32;
@@ -149,16 +150,12 @@ fn single_rank() -> Run {
     (losses, flatten_params(&model))
 }
 
+/// Global-norm clipping on one device, as `Parallelized::gradients` clips over the ranks.
 fn clip(model: &Gpt2, grads: GradientsParams) -> GradientsParams {
-    let layout = ParamLayout::of(model);
-    let mut flat = vec![0.0; layout.numel];
-    flashover::parallel::params::accumulate_grads(model, &grads, &mut flat, &[]);
-    let norm = flat.iter().map(|g| (*g as f64).powi(2)).sum::<f64>().sqrt() as f32;
-    if norm > MAX_NORM {
-        let scale = MAX_NORM / (norm + 1e-6);
-        flat.iter_mut().for_each(|g| *g *= scale);
-    }
-    flashover::parallel::params::grads_from_flat(model, &flat)
+    let mut flat = vec![0.0; ParamLayout::of(model).numel];
+    accumulate_grads(model, &grads, &mut flat, &[]);
+    clip_global_norm(&mut flat, Some(MAX_NORM), None).expect("one device");
+    grads_from_flat(model, &flat)
 }
 
 /// The single-rank loop under `plan` on `mesh`: rank 0's run and every rank's stored elements.
@@ -166,7 +163,7 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> (Run, Vec<usize>) {
     let out = Launch::new(mesh)
         .expect("mesh")
         .run(|ctx| {
-            let device = Device::flex().autodiff();
+            let device = ctx.device().clone().autodiff();
             // The lines a plan adds to the loop are marked `+`.
             let (mut model, par) = parallelize(Gpt2::new(&device), plan, &ctx)?; // +
             let stored = ParamLayout::of(&model).numel;

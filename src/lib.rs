@@ -58,11 +58,12 @@ pub mod train;
 ///
 /// // Two ranks, each holding half of every parameter (ZeRO-3), the model unchanged.
 /// let losses = launch("fsdp=2", |ctx| {
-///     let device = Device::flex().autodiff();
+///     let device = ctx.device().clone().autodiff();
 ///     let net = Net { layer: LinearConfig::new(4, 2).init(&device) };
 ///     let (mut net, par) = parallelize(net, &ParallelizePlan::new().fully_shard(""), &ctx)?;
 ///     let mut optim = AdamWConfig::new().init();
-///     let samples = par.batch_share(8, 0)?; // this rank's 4 of the step's 8 samples
+///     // Step 0's batch is samples 0..8 of the data set; this rank's share is 4 of them.
+///     let samples = par.batch_share(8, 0)?;
 ///     let x = Tensor::<2>::ones([samples.len(), 4], &device);
 ///     let loss = net.layer.forward(x).square().mean();
 ///     let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;

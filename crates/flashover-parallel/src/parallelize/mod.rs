@@ -139,9 +139,10 @@ impl Parallelized {
         model.materialize()
     }
 
-    /// This rank's samples of step `step`'s global batch of `global_batch` samples numbered
-    /// from `step * global_batch`: a contiguous share per data rank (`dp` x `fsdp`). Fails
-    /// when the batch does not split evenly.
+    /// This rank's samples of step `step`, numbered over the whole run: step `s`'s batch is
+    /// samples `s * global_batch .. (s + 1) * global_batch` of the data set, and each data
+    /// rank (`dp` x `fsdp`) takes a contiguous share of it (rank 1 of 2 at step 1 of a batch
+    /// of 8: `12..16`). Fails when the batch does not split evenly.
     pub fn batch_share(
         &self,
         global_batch: usize,
@@ -171,9 +172,11 @@ impl Parallelized {
 
     /// The gradients of the whole batch's mean loss for this rank's parameters, from
     /// `backward` of this rank's mean loss: summed over the ranks that hold the same values
-    /// and read different samples (the placements say which), divided by the number of data
-    /// ranks, then clipped to `max_norm` by their global norm. Returns them with the norm
-    /// before clipping. Collective: every rank calls it once per step.
+    /// and read different samples (the placements say which) and divided by the number of
+    /// data ranks. Then, with `max_norm`, clipped by their global norm (every element of the
+    /// whole model counted once): scaled by `max_norm / (norm + 1e-6)` when `norm > max_norm`,
+    /// as [`crate::clip_global_norm`] does on one device. Returns them with the norm before
+    /// clipping. Collective: every rank calls it once per step.
     pub fn gradients<M: Module>(
         &self,
         model: &M,
