@@ -49,6 +49,28 @@ pub struct ForwardContext {
     pub sequence: Option<SequenceHook>,
 }
 
+/// `$hook`: a shared `$op` in the forward context; two hooks are equal when they are the same
+/// object (the context compares hooks, not what they compute).
+macro_rules! shared_hook {
+    ($hook:ident, $op:ident) => {
+        #[doc = concat!("A shared [`", stringify!($op), "`]; two hooks are equal when they are the same object.")]
+        #[derive(Clone)]
+        pub struct $hook(pub Arc<dyn $op>);
+
+        impl std::fmt::Debug for $hook {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(stringify!($hook))
+            }
+        }
+
+        impl PartialEq for $hook {
+            fn eq(&self, other: &Self) -> bool {
+                Arc::ptr_eq(&self.0, &other.0)
+            }
+        }
+    };
+}
+
 /// Sequences split across ranks (context parallelism), as a layer that needs whole sequences sees them (a mixture-of-experts layer:
 /// routing, capacity, drops and the load-balancing loss are defined per whole sequence, so it
 /// routes the whole sequences, as one rank would, and keeps its own tokens' part).
@@ -63,21 +85,7 @@ pub trait SequenceShare: Send + Sync {
     fn sum(&self, value: f64) -> f64;
 }
 
-/// A shared [`SequenceShare`]; two hooks are equal when they are the same object.
-#[derive(Clone)]
-pub struct SequenceHook(pub Arc<dyn SequenceShare>);
-
-impl std::fmt::Debug for SequenceHook {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("SequenceHook")
-    }
-}
-
-impl PartialEq for SequenceHook {
-    fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
-    }
-}
+shared_hook!(SequenceHook, SequenceShare);
 
 /// A block's forward as a function of the block, its input and the context it runs in
 /// (everything else captured). A [`BlockCheckpoint`] may run it in a context of its own: a
@@ -98,21 +106,7 @@ pub trait BlockCheckpoint: Send + Sync {
     ) -> Tensor<3>;
 }
 
-/// A shared [`BlockCheckpoint`]; two hooks are equal when they are the same object.
-#[derive(Clone)]
-pub struct CheckpointHook(pub Arc<dyn BlockCheckpoint>);
-
-impl std::fmt::Debug for CheckpointHook {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("CheckpointHook")
-    }
-}
-
-impl PartialEq for CheckpointHook {
-    fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
-    }
-}
+shared_hook!(CheckpointHook, BlockCheckpoint);
 
 /// Computes causal attention over a sequence that is split across ranks.
 pub trait AttentionOp: Send + Sync {
@@ -131,21 +125,7 @@ pub trait AttentionOp: Send + Sync {
     ) -> Tensor<4>;
 }
 
-/// A shared [`AttentionOp`]; two hooks are equal when they are the same object.
-#[derive(Clone)]
-pub struct AttentionHook(pub Arc<dyn AttentionOp>);
-
-impl std::fmt::Debug for AttentionHook {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("AttentionHook")
-    }
-}
-
-impl PartialEq for AttentionHook {
-    fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
-    }
-}
+shared_hook!(AttentionHook, AttentionOp);
 
 /// Computes a linear layer in place of [`Linear::forward`]: how a strategy changes the way a
 /// weight's gradient is produced (a zero-bubble pipeline defers it to a later action).
@@ -154,21 +134,7 @@ pub trait LinearOp: Send + Sync {
     fn apply(&self, linear: &Linear, x: Tensor<3>) -> Tensor<3>;
 }
 
-/// A shared [`LinearOp`]; two hooks are equal when they are the same object.
-#[derive(Clone)]
-pub struct LinearHook(pub Arc<dyn LinearOp>);
-
-impl std::fmt::Debug for LinearHook {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("LinearHook")
-    }
-}
-
-impl PartialEq for LinearHook {
-    fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
-    }
-}
+shared_hook!(LinearHook, LinearOp);
 
 impl ForwardContext {
     /// `linear` applied to `x`, by the context's [`LinearOp`] if it has one.

@@ -6,9 +6,9 @@
 //! for step in 0..steps {
 //!     let (x, y) = my_batch(par.batch_share(global_batch, step)?);   // this rank's samples
 //!     let loss = model.forward(x, y);                                // the unchanged forward
+//!     println!("{}", par.mean_loss(loss.clone().into_scalar())?);   // the same on every rank
 //!     let (grads, norm) = par.gradients(&model, loss.backward(), Some(1.0), &ctx)?;
 //!     model = optim.step(lr, model, grads);                          // any Burn optimizer
-//!     println!("{}", par.mean_loss(loss.into_scalar(), step)?);    // the same on every rank
 //! }
 //! ```
 //!
@@ -28,15 +28,14 @@ mod plan;
 
 pub use plan::{ModulePath, ParallelizePlan};
 
-use crate::clip_module_grads;
+use crate::clip_scale;
 use crate::error::ParallelError;
-use crate::params::{ParamLayout, broadcast_module, grads_from_flat, to_f32};
-use crate::placement::{GradientReducer, PlacementTable};
+use crate::params::{ParamLayout, accumulate_grads, broadcast_module, grads_from_flat};
+use crate::placement::{GradientReducer, PlacementTable, global_grad_norm};
 use crate::precision::Precision;
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::Gradients;
-use burn::tensor::Tensor;
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use flashover_runtime::{Axis, RankContext};
 use std::ops::Range;
@@ -186,36 +185,18 @@ impl Parallelized {
     ) -> Result<(GradientsParams, f32), ParallelError> {
         let grads = GradientsParams::from_grads(backward, model);
         let entries = self.placements.entries_of(model)?;
-        let mut flat = flat_grads(model, &grads);
+        // Parameters without a gradient contribute zeros: every rank reduces the same layout.
+        let mut flat = vec![0.0; entries.iter().map(|(slot, _)| slot.numel).sum()];
+        accumulate_grads(model, &grads, &mut flat, &[]);
         let scale = 1.0 / self.data.size() as f32;
         self.reducer.reduce(&entries, &mut flat, scale, None)?;
-        let grads = grads_from_flat(model, &flat);
-        clip_module_grads(model, grads, max_norm, &self.placements, ctx)
-    }
-}
-
-/// `module`'s gradients in `grads`, laid end to end in layout order; zeros for a parameter
-/// without one (it still takes part in the reduction, as on the other ranks).
-fn flat_grads<M: Module>(module: &M, grads: &GradientsParams) -> Vec<f32> {
-    struct Read<'a> {
-        grads: &'a GradientsParams,
-        flat: Vec<f32>,
-    }
-    impl ModuleVisitor for Read<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            match self.grads.get::<D>(param.id) {
-                Some(g) => self.flat.extend(to_f32(g)),
-                None => {
-                    let numel: usize = param.val().dims().iter().product();
-                    self.flat.extend(std::iter::repeat_n(0.0, numel));
-                }
-            }
+        let parts = entries
+            .iter()
+            .map(|(slot, entry)| (*entry, &flat[slot.offset..slot.offset + slot.numel]));
+        let norm = global_grad_norm(parts, ctx)?;
+        if let Some(clip) = clip_scale(norm, max_norm)? {
+            flat.iter_mut().for_each(|g| *g *= clip);
         }
+        Ok((grads_from_flat(model, &flat), norm))
     }
-    let mut read = Read {
-        grads,
-        flat: vec![],
-    };
-    module.visit(&mut read);
-    read.flat
 }

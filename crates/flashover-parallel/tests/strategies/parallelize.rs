@@ -10,7 +10,7 @@ use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_parallel::ParallelError;
 use flashover_parallel::parallelize::{ParallelizePlan, parallelize};
-use flashover_parallel::params::{ParamLayout, flatten_params};
+use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
 use flashover_runtime::Launch;
 
 const FEATURES: usize = 6;
@@ -102,35 +102,18 @@ fn single_rank() -> Run {
         let loss = loss(&model, x, y);
         losses.push(loss.clone().into_scalar::<f32>());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
-        let flat = flashover_parallel::params::pack_grads(&model, &grads);
-        let norm = match flat {
-            Some(g) => g.powi_scalar(2).sum().sqrt().into_scalar::<f32>(),
-            None => grad_norm(&model, &grads),
-        };
+        let mut flat = vec![0.0; ParamLayout::of(&model).numel];
+        accumulate_grads(&model, &grads, &mut flat, &[]);
+        let norm = flat.iter().map(|g| (*g as f64).powi(2)).sum::<f64>().sqrt() as f32;
         norms.push(norm);
-        let grads = if norm > MAX_NORM {
-            scale(&model, grads, MAX_NORM / (norm + 1e-6))
-        } else {
-            grads
-        };
+        if norm > MAX_NORM {
+            let by = MAX_NORM / (norm + 1e-6);
+            flat.iter_mut().for_each(|g| *g *= by);
+        }
+        let grads = grads_from_flat(&model, &flat);
         model = optim.step(LR, model, grads);
     }
     (losses, norms, flatten_params(&model))
-}
-
-fn grad_norm(model: &Classifier, grads: &GradientsParams) -> f32 {
-    let layout = ParamLayout::of(model);
-    let mut flat = vec![0.0; layout.numel];
-    flashover_parallel::params::accumulate_grads(model, grads, &mut flat, &[]);
-    flat.iter().map(|g| (*g as f64).powi(2)).sum::<f64>().sqrt() as f32
-}
-
-fn scale(model: &Classifier, grads: GradientsParams, by: f32) -> GradientsParams {
-    let layout = ParamLayout::of(model);
-    let mut flat = vec![0.0; layout.numel];
-    flashover_parallel::params::accumulate_grads(model, &grads, &mut flat, &[]);
-    flat.iter_mut().for_each(|g| *g *= by);
-    flashover_parallel::params::grads_from_flat(model, &flat)
 }
 
 /// The same loop under `plan` on `mesh`: rank 0's run, and every rank's stored parameter
