@@ -8,7 +8,9 @@
 //!   rest of backward still runs (on Flex, through a gradient hook; elsewhere right after
 //!   backward); gradient accumulation reduces once per step; global-norm clipping.
 //! - [`parallelize`]: a user's own model parallelized by a plan (module paths to strategies),
-//!   unchanged: fully sharded through Burn's parameter reparameterization.
+//!   unchanged: fully sharded through Burn's parameter reparameterization, linear layers split
+//!   over `tp` through [`nn::Linear`].
+//! - [`nn`]: drop-in replacements for Burn layers whose forward follows a plan's split.
 //! - [`params`]: walking a Burn module's parameters: layout, flattening, broadcasting.
 //! - [`placement`]: where every parameter lives on the mesh (replicated, sharded along a
 //!   dimension, or owned by some ranks), recorded by the strategies that move it; the gradient
@@ -39,6 +41,7 @@ mod flat_adamw;
 mod grad_clip;
 mod hook;
 mod host;
+pub mod nn;
 pub mod parallelize;
 pub mod params;
 pub mod pipeline;

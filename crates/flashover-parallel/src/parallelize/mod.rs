@@ -16,17 +16,24 @@
 //! - `dp`: replicas; each reads its share of the batch; gradients averaged.
 //! - `fsdp`: as `dp` for the batch; the plan's `fully_shard` modules keep `1/fsdp` of each
 //!   parameter per rank, gathered where the forward reads them (Burn's parameter
-//!   reparameterization, see [`fully_shard`]), so the model's code does not change and any
+//!   reparameterization, see [`placed`]), so the model's code does not change and any
 //!   Burn optimizer steps the shards.
+//! - `tp`: the plan's `tensor_parallel` linear layers hold their columns or rows
+//!   ([`TpStyle`]); the model declares them as [`crate::nn::Linear`] (Burn's `Linear` with the
+//!   collectives a split needs in its forward) and sizes its attention heads from the
+//!   projection's local width ([`crate::nn::Linear::d_output`]). Every `tp` rank reads the
+//!   same samples; the parameters outside the rules are computed identically on each.
 //!
-//! Other axes (`tp`, `pp`, `cp`, `ep`) split the model's computation, which needs their
-//! layers (`crate::tensor_parallel`, `crate::pipeline`, ...): a plan refuses a mesh that has
-//! them rather than running the model on them unsplit.
+//! Other axes (`pp`, `cp`, `ep`) split the model's computation in ways a plan does not yet
+//! describe (their layers are in `crate::pipeline`, `crate::context_parallel`, ...): a plan
+//! refuses a mesh that has them rather than running the model on them unsplit.
 
-pub mod fully_shard;
+pub mod placed;
 mod plan;
+mod validate;
 
-pub use plan::{ModulePath, ParallelizePlan};
+pub use placed::{Placed, TpSplit, local_value};
+pub use plan::{ModulePath, ParallelizePlan, TensorParallelRule, TpStyle};
 
 use crate::clip_scale;
 use crate::error::ParallelError;
@@ -38,10 +45,11 @@ use burn::optim::GradientsParams;
 use burn::tensor::Gradients;
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use flashover_runtime::{Axis, RankContext};
+use placed::WholeReads;
 use std::ops::Range;
 
-/// The axes a plan applies to: every rank along them reads different samples.
-const PLAN_AXES: [Axis; 2] = [Axis::Dp, Axis::Fsdp];
+/// The axes whose ranks read different samples.
+const DATA_AXES: [Axis; 2] = [Axis::Dp, Axis::Fsdp];
 
 /// What [`parallelize`] did to a model, and the per-step helpers that follow from it.
 pub struct Parallelized {
@@ -50,80 +58,70 @@ pub struct Parallelized {
     /// The ranks that read different samples (`dp` x `fsdp`), in which this rank is
     /// `data.rank()`.
     data: Group,
+    whole_reads: WholeReads,
 }
 
 /// Applies `plan` to `model` on this rank: the whole model as world rank 0 holds it
 /// (collective: every rank calls it with a model of the same structure), then each
-/// `fully_shard` module's parameters cut by rows over `fsdp`. Fails, naming the path or axis,
-/// when a plan path names no module of the model or the mesh has an axis plans do not split
-/// a model over.
+/// `tensor_parallel` layer cut to this rank's columns or rows over `tp`, then each
+/// `fully_shard` module's parameters cut by rows over `fsdp`. Fails, naming the path and the
+/// reason, when the plan does not fit the model (a path that names nothing, a
+/// tensor-parallel path that is not a linear layer, a width that does not divide), and,
+/// naming the axis, when the mesh has an axis the plan does not split the model over.
 pub fn parallelize<M: Module>(
     model: M,
     plan: &ParallelizePlan,
     ctx: &RankContext,
 ) -> Result<(M, Parallelized), ParallelError> {
-    for axis in Axis::ALL {
-        if !PLAN_AXES.contains(&axis) && ctx.mesh().degree(axis) > 1 {
-            return Err(ParallelError::Invalid(format!(
-                "the mesh has {}={}, but a parallelize plan splits a model over dp and fsdp \
-                 only: the model's own layers would run unsplit and repeat each other's work \
-                 on the {} ranks; use dp/fsdp, or Flashover's {} layers",
-                axis.name(),
-                ctx.mesh().degree(axis),
-                axis.name(),
-                axis.name()
-            )));
-        }
-    }
+    check_axes(plan, ctx)?;
+    let tp = ctx.group(Axis::Tp).clone();
+    validate::check_plan(plan, &ParamLayout::of(&model).slots, tp.size())?;
     let mut placements = PlacementTable::whole(&model);
-    let names: Vec<String> = ParamLayout::of(&model)
-        .slots
-        .into_iter()
-        .map(|s| s.name)
-        .collect();
-    for path in &plan.fully_shard {
-        if !names.iter().any(|n| path.contains(n)) {
-            return Err(ParallelError::Invalid(format!(
-                "plan path `{}` (fully_shard) names no module of the model; its parameters are: \
-                 {}",
-                path.as_str(),
-                preview(&names)
-            )));
-        }
-    }
     let model = broadcast_module(model, ctx.world(), 0)?;
-    let fsdp = ctx.group(Axis::Fsdp).clone();
-    let model = if fsdp.size() > 1 && !plan.fully_shard.is_empty() {
-        let mut error = None;
-        let shard = fully_shard::ShardRows {
-            paths: plan,
-            group: fsdp,
-            placements: &mut placements,
-            error: &mut error,
-        };
-        let model = model.apply_reparameterization(shard);
-        if let Some(e) = error {
-            return Err(e);
-        }
-        model
-    } else {
-        model
+    let whole_reads = WholeReads::default();
+    let mut error = None;
+    let place = placed::PlaceParams {
+        plan,
+        fsdp: ctx.group(Axis::Fsdp).clone(),
+        tp,
+        placements: &mut placements,
+        whole_reads: whole_reads.clone(),
+        error: &mut error,
     };
+    let model = model.apply_reparameterization(place);
+    if let Some(e) = error {
+        return Err(e);
+    }
     let par = Parallelized {
         placements,
         reducer: GradientReducer::new(ctx, Precision::F32)?,
-        data: ctx.subgroup(&PLAN_AXES)?,
+        data: ctx.subgroup(&DATA_AXES)?,
+        whole_reads,
     };
     Ok((model, par))
 }
 
-/// The first few names of `names`, for an error message.
-fn preview(names: &[String]) -> String {
-    let mut shown: Vec<&str> = names.iter().take(8).map(String::as_str).collect();
-    if names.len() > shown.len() {
-        shown.push("...");
+/// Refuses a mesh axis the plan does not split the model over: its ranks would run the model
+/// unsplit, repeating each other's work.
+fn check_axes(plan: &ParallelizePlan, ctx: &RankContext) -> Result<(), ParallelError> {
+    for axis in Axis::ALL {
+        let degree = ctx.mesh().degree(axis);
+        if degree == 1 || DATA_AXES.contains(&axis) {
+            continue;
+        }
+        let why = match axis {
+            Axis::Tp if !plan.tensor_parallel.is_empty() => continue,
+            Axis::Tp => "the plan splits no layer over tp (add tensor_parallel rules)",
+            _ => "parallelize plans split a model over dp, fsdp and tp only",
+        };
+        return Err(ParallelError::Invalid(format!(
+            "the mesh has {}={degree}, but {why}: the model would run unsplit on the {} ranks, \
+             each repeating the others' work",
+            axis.name(),
+            axis.name()
+        )));
     }
-    shown.join(", ")
+    Ok(())
 }
 
 impl Parallelized {
@@ -135,6 +133,7 @@ impl Parallelized {
     /// The whole model, every fully sharded parameter gathered (collective: every rank calls
     /// it): to read or export the weights.
     pub fn whole<M: Module>(&self, model: M) -> M {
+        let _allowed = self.whole_reads.allow();
         model.materialize()
     }
 

@@ -21,6 +21,15 @@ impl ModulePath {
         &self.0
     }
 
+    /// Segments in the path (0 for the whole model).
+    pub(crate) fn depth(&self) -> usize {
+        if self.0.is_empty() {
+            0
+        } else {
+            self.0.split('.').count()
+        }
+    }
+
     /// Whether the parameter at `param_path` lies inside the module this path names.
     pub fn contains(&self, param_path: &str) -> bool {
         if self.0.is_empty() {
@@ -33,15 +42,97 @@ impl ModulePath {
     }
 }
 
+/// How a tensor-parallel rule splits a linear layer (`y = x W + b`, `W: [d_in, d_out]`) over
+/// `tp`, as Megatron's column- and row-parallel layers do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TpStyle {
+    /// Split by output features: each rank holds `d_out / tp` columns of `W` and entries of
+    /// `b`, reads the whole input and returns its part of the output (the gradient of the
+    /// input is summed over `tp` in backward).
+    Colwise,
+    /// Split by input features: each rank holds `d_in / tp` rows of `W`, reads its part of the
+    /// input (a column-wise layer's output), and the partial products are summed over `tp`
+    /// before the whole bias is added.
+    Rowwise,
+}
+
+/// One tensor-parallel rule: the linear layers at `paths` split `style`-wise.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorParallelRule {
+    /// How the layers are split.
+    pub style: TpStyle,
+    /// The layers (each path must name a linear layer: one `[d_in, d_out]` weight and at most
+    /// one `[d_out]` bias).
+    pub paths: Vec<ModulePath>,
+    /// Features that must stay on one rank together (an attention head's width): the split
+    /// width must divide into `tp` parts of whole units. 1 by default.
+    #[serde(default = "one")]
+    pub unit: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+impl TensorParallelRule {
+    /// The linear layers at `paths` split by output features.
+    pub fn colwise(paths: &[&str]) -> Self {
+        Self::new(TpStyle::Colwise, paths)
+    }
+
+    /// The linear layers at `paths` split by input features.
+    pub fn rowwise(paths: &[&str]) -> Self {
+        Self::new(TpStyle::Rowwise, paths)
+    }
+
+    fn new(style: TpStyle, paths: &[&str]) -> Self {
+        TensorParallelRule {
+            style,
+            paths: paths.iter().map(|p| ModulePath::new(p)).collect(),
+            unit: 1,
+        }
+    }
+
+    /// Keep the split features in whole units of `unit` (an attention head's width, so each
+    /// rank holds whole heads).
+    pub fn in_units(mut self, unit: usize) -> Self {
+        self.unit = unit;
+        self
+    }
+}
+
 /// Which modules of a model each strategy transforms (see [`super::parallelize`]).
 ///
 /// ```
-/// use flashover_parallel::parallelize::ParallelizePlan;
+/// use flashover_parallel::parallelize::{ParallelizePlan, TensorParallelRule};
 ///
 /// // TOML, as in a job file's `[parallelize]` table ...
-/// let plan = ParallelizePlan::from_toml(r#"fully_shard = ["blocks", "embed"]"#).unwrap();
+/// let plan = ParallelizePlan::from_toml(
+///     r#"
+///     fully_shard = ["blocks", "embed"]
+///
+///     [[tensor_parallel]]
+///     style = "colwise"
+///     paths = ["blocks.*.attn.query", "blocks.*.attn.key", "blocks.*.attn.value"]
+///     unit = 16
+///
+///     [[tensor_parallel]]
+///     style = "rowwise"
+///     paths = ["blocks.*.attn.out"]
+///     unit = 16
+///     "#,
+/// )
+/// .unwrap();
 /// // ... or the same plan in Rust.
-/// assert_eq!(plan, ParallelizePlan::new().fully_shard("blocks").fully_shard("embed"));
+/// let heads = ["blocks.*.attn.query", "blocks.*.attn.key", "blocks.*.attn.value"];
+/// let rust = ParallelizePlan::new()
+///     .fully_shard("blocks")
+///     .fully_shard("embed")
+///     .tensor_parallel(TensorParallelRule::colwise(&heads).in_units(16))
+///     .tensor_parallel(TensorParallelRule::rowwise(&["blocks.*.attn.out"]).in_units(16));
+/// assert_eq!(plan, rust);
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -52,6 +143,11 @@ pub struct ParallelizePlan {
     /// over `fsdp` as over `dp`.
     #[serde(default)]
     pub fully_shard: Vec<ModulePath>,
+    /// Linear layers split over the `tp` axis (ignored on a mesh without `tp`). The layers
+    /// must be [`crate::nn::Linear`], whose forward adds the collectives a split needs; other
+    /// parameters stay whole on every `tp` rank, which computes them identically.
+    #[serde(default)]
+    pub tensor_parallel: Vec<TensorParallelRule>,
 }
 
 impl ParallelizePlan {
@@ -67,6 +163,12 @@ impl ParallelizePlan {
         self
     }
 
+    /// Also split the linear layers of `rule` over `tp`.
+    pub fn tensor_parallel(mut self, rule: TensorParallelRule) -> Self {
+        self.tensor_parallel.push(rule);
+        self
+    }
+
     /// A plan read from a TOML table (`fully_shard = ["blocks"]`); unknown keys are refused.
     pub fn from_toml(text: &str) -> Result<Self, ParallelError> {
         toml::from_str(text)
@@ -76,6 +178,18 @@ impl ParallelizePlan {
     /// The first `fully_shard` path that contains `param_path`, if any.
     pub(crate) fn shard_path(&self, param_path: &str) -> Option<&ModulePath> {
         self.fully_shard.iter().find(|p| p.contains(param_path))
+    }
+
+    /// The tensor-parallel rule and path naming the linear layer that holds `param_path`
+    /// directly (the path has one segment fewer than the parameter), if any.
+    pub(crate) fn tp_rule(&self, param_path: &str) -> Option<(&TensorParallelRule, &ModulePath)> {
+        let depth = param_path.split('.').count();
+        self.tensor_parallel.iter().find_map(|rule| {
+            rule.paths
+                .iter()
+                .find(|p| p.depth() + 1 == depth && p.contains(param_path))
+                .map(|p| (rule, p))
+        })
     }
 }
 

@@ -1,6 +1,7 @@
-//! A user's own Burn model (an MLP classifier with biases and a LayerNorm, nothing from
-//! Flashover in it) parallelized by a plan, against the same model's plain single-rank Burn
-//! loop: losses, gradient norms (clipping active) and every weight within 1e-5.
+//! A user's own Burn models parallelized by a plan, against the same model's plain
+//! single-rank Burn loop: losses, gradient norms (clipping active) and every weight within
+//! 1e-5. The classifier has nothing from Flashover in it (fully sharded, data parallel); the
+//! MLP declares its linear layers as `flashover_parallel::nn::Linear` (split over `tp`).
 
 use burn::module::{Module, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -9,7 +10,8 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_parallel::ParallelError;
-use flashover_parallel::parallelize::{ParallelizePlan, parallelize};
+use flashover_parallel::nn;
+use flashover_parallel::parallelize::{ParallelizePlan, TensorParallelRule, parallelize};
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
 use flashover_runtime::Launch;
 
@@ -23,6 +25,14 @@ const LR: f64 = 2e-2;
 /// Small enough that clipping is active on most steps.
 const MAX_NORM: f32 = 0.5;
 
+/// A model the tests train: deterministic weights, `[batch, FEATURES]` -> `[batch, CLASSES]`.
+trait Net: Module + Sized {
+    /// The same weights on every call (Burn's random init shares one generator between the
+    /// rank threads; `parallelize` would make the ranks agree, but not with the reference).
+    fn new(device: &Device) -> Self;
+    fn forward(&self, x: Tensor<2>) -> Tensor<2>;
+}
+
 #[derive(Module, Debug)]
 struct Classifier {
     input: Linear,
@@ -31,9 +41,7 @@ struct Classifier {
     head: Linear,
 }
 
-impl Classifier {
-    /// The same weights on every call (Burn's random init shares one generator between the
-    /// rank threads; `parallelize` would make the ranks agree, but not with the reference).
+impl Net for Classifier {
     fn new(device: &Device) -> Self {
         Classifier {
             input: linear(FEATURES, HIDDEN, 0.1, device),
@@ -47,6 +55,50 @@ impl Classifier {
         let h = self.norm.forward(gelu(self.input.forward(x)));
         self.head.forward(gelu(self.hidden.forward(h)))
     }
+}
+
+/// Two column-then-row pairs around a LayerNorm, the second pair without biases: the shape of
+/// a transformer's MLP and attention projections.
+#[derive(Module, Debug)]
+struct SplitMlp {
+    up: nn::Linear,
+    down: nn::Linear,
+    norm: LayerNorm,
+    gate: nn::Linear,
+    head: nn::Linear,
+}
+
+/// Widths of `SplitMlp`'s split layers: divisible by 2 and 4.
+const WIDE: usize = 12;
+const NARROW: usize = 8;
+
+impl Net for SplitMlp {
+    fn new(device: &Device) -> Self {
+        let unbiased = |d_in, d_out, salt, device| nn::Linear {
+            bias: None,
+            ..linear(d_in, d_out, salt, device).into()
+        };
+        SplitMlp {
+            up: linear(FEATURES, WIDE, 0.1, device).into(),
+            down: linear(WIDE, HIDDEN, 0.5, device).into(),
+            norm: LayerNormConfig::new(HIDDEN).init(device),
+            gate: unbiased(HIDDEN, NARROW, 0.7, device),
+            head: unbiased(NARROW, CLASSES, 0.9, device),
+        }
+    }
+
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let h = self.down.forward(gelu(self.up.forward(x)));
+        let h = self.norm.forward(h);
+        self.head.forward(gelu(self.gate.forward(h)))
+    }
+}
+
+/// `SplitMlp`'s tensor-parallel plan: each pair split column-wise, then row-wise.
+fn split_mlp_plan() -> ParallelizePlan {
+    ParallelizePlan::new()
+        .tensor_parallel(TensorParallelRule::colwise(&["up", "gate"]))
+        .tensor_parallel(TensorParallelRule::rowwise(&["down", "head"]))
 }
 
 /// A biased linear layer with deterministic weights.
@@ -82,7 +134,7 @@ fn batch(range: std::ops::Range<usize>, device: &Device) -> (Tensor<2>, Tensor<1
     )
 }
 
-fn loss(model: &Classifier, x: Tensor<2>, y: Tensor<1, Int>) -> Tensor<1> {
+fn loss<M: Net>(model: &M, x: Tensor<2>, y: Tensor<1, Int>) -> Tensor<1> {
     CrossEntropyLossConfig::new()
         .init(&x.device())
         .forward(model.forward(x), y)
@@ -92,9 +144,9 @@ fn loss(model: &Classifier, x: Tensor<2>, y: Tensor<1, Int>) -> Tensor<1> {
 type Run = (Vec<f32>, Vec<f32>, Vec<f32>);
 
 /// The plain Burn loop on one device, with global-norm clipping written out.
-fn single_rank() -> Run {
+fn single_rank<M: Net>() -> Run {
     let device = Device::flex().autodiff();
-    let mut model = Classifier::new(&device);
+    let mut model = M::new(&device);
     let mut optim = AdamWConfig::new().init();
     let (mut losses, mut norms) = (vec![], vec![]);
     for step in 0..STEPS {
@@ -118,12 +170,12 @@ fn single_rank() -> Run {
 
 /// The same loop under `plan` on `mesh`: rank 0's run, and every rank's stored parameter
 /// elements.
-fn parallel(mesh: &str, plan: ParallelizePlan) -> (Run, Vec<usize>) {
+fn parallel<M: Net>(mesh: &str, plan: ParallelizePlan) -> (Run, Vec<usize>) {
     let out = Launch::new(mesh)
         .unwrap()
         .run(|ctx| {
             let device = Device::flex().autodiff();
-            let (mut model, par) = parallelize(Classifier::new(&device), &plan, &ctx)?;
+            let (mut model, par) = parallelize(M::new(&device), &plan, &ctx)?;
             let held = ParamLayout::of(&model).numel;
             let mut optim = AdamWConfig::new().init();
             let (mut losses, mut norms) = (vec![], vec![]);
@@ -151,9 +203,21 @@ fn max_rel(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// The largest difference relative to the largest value: the row-parallel sums add the same
+/// products in another order, and Adam's normalised steps carry that rounding into weights
+/// near zero, where an element-wise relative difference would measure it against ~0.
+fn max_scaled(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / scale)
+        .fold(0.0, f32::max)
+}
+
 #[test]
 fn a_users_model_fully_sharded_by_a_plan_trains_as_one_rank() {
-    let reference = single_rank();
+    let reference = single_rank::<Classifier>();
     assert!(
         reference.1.iter().filter(|n| **n > MAX_NORM).count() >= STEPS / 2,
         "clipping must be active: {:?}",
@@ -173,7 +237,7 @@ fn a_users_model_fully_sharded_by_a_plan_trains_as_one_rank() {
         ("fsdp=4", ParallelizePlan::new().fully_shard("")),
     ];
     for (mesh, plan) in cases {
-        let (run, held) = parallel(mesh, plan.clone());
+        let (run, held) = parallel::<Classifier>(mesh, plan.clone());
         let (loss, norm, weights) = (
             max_rel(&run.0, &reference.0),
             max_rel(&run.1, &reference.1),
@@ -217,6 +281,65 @@ fn a_users_model_fully_sharded_by_a_plan_trains_as_one_rank() {
 }
 
 #[test]
+fn a_models_linear_layers_split_over_tp_by_a_plan_train_as_one_rank() {
+    let reference = single_rank::<SplitMlp>();
+    assert!(
+        reference.1.iter().filter(|n| **n > MAX_NORM).count() >= STEPS / 2,
+        "clipping must be active: {:?}",
+        reference.1
+    );
+    // SplitMlp's parameters: shape, and the dimension the plan splits over tp.
+    let params: [(&[usize], Option<usize>); 8] = [
+        (&[FEATURES, WIDE], Some(1)), // up: columns
+        (&[WIDE], Some(0)),           // up's bias, with its columns
+        (&[WIDE, HIDDEN], Some(0)),   // down: rows
+        (&[HIDDEN], None),            // down's bias: whole, added after the sum
+        (&[HIDDEN], None),            // norm
+        (&[HIDDEN], None),
+        (&[HIDDEN, NARROW], Some(1)),  // gate: columns
+        (&[NARROW, CLASSES], Some(0)), // head: rows
+    ];
+    let stored = |tp: usize, fsdp: usize| -> usize {
+        params
+            .iter()
+            .map(|(shape, dim)| {
+                let mut local = shape.to_vec();
+                if let Some(d) = dim {
+                    local[*d] /= tp;
+                }
+                local[0] = local[0].div_ceil(fsdp);
+                local.iter().product::<usize>()
+            })
+            .sum()
+    };
+    assert_eq!(stored(1, 1), reference.2.len());
+    let cases = [
+        ("tp=2", split_mlp_plan(), 2, 1),
+        ("tp=4", split_mlp_plan(), 4, 1),
+        ("dp=2,tp=2", split_mlp_plan(), 2, 1),
+        ("fsdp=2,tp=2", split_mlp_plan().fully_shard(""), 2, 2),
+        ("dp=2,fsdp=2,tp=2", split_mlp_plan().fully_shard(""), 2, 2),
+    ];
+    for (mesh, plan, tp, fsdp) in cases {
+        let (run, held) = parallel::<SplitMlp>(mesh, plan.clone());
+        let (loss, norm, weights) = (
+            max_rel(&run.0, &reference.0),
+            max_rel(&run.1, &reference.1),
+            max_scaled(&run.2, &reference.2),
+        );
+        assert!(
+            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+            "{mesh}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+        );
+        assert!(
+            held.iter().all(|h| *h == stored(tp, fsdp)),
+            "{mesh}: stored {held:?}, expected {}",
+            stored(tp, fsdp)
+        );
+    }
+}
+
+#[test]
 fn plans_that_do_not_fit_the_model_or_mesh_are_refused_with_the_reason() {
     let refused = |mesh: &str, plan: ParallelizePlan| {
         Launch::new(mesh)
@@ -234,5 +357,67 @@ fn plans_that_do_not_fit_the_model_or_mesh_are_refused_with_the_reason() {
         "{err}"
     );
     let err = refused("dp=2,tp=2", ParallelizePlan::new());
-    assert!(err.contains("tp=2"), "{err}");
+    assert!(err.contains("tp=2") && err.contains("no layer"), "{err}");
+}
+
+#[test]
+fn tensor_parallel_rules_that_do_not_fit_the_model_are_refused_with_the_path() {
+    let refused = |plan: ParallelizePlan| {
+        Launch::new("tp=2")
+            .unwrap()
+            .run(|ctx| {
+                let device = Device::flex().autodiff();
+                parallelize(SplitMlp::new(&device), &plan, &ctx).map(|_| ())
+            })
+            .unwrap_err()
+            .to_string()
+    };
+    let colwise =
+        |paths: &[&str]| ParallelizePlan::new().tensor_parallel(TensorParallelRule::colwise(paths));
+    let cases = [
+        (
+            colwise(&["norm"]),
+            vec!["`norm` (colwise)", "not a linear layer", "norm.gamma"],
+        ),
+        (
+            colwise(&["upp"]),
+            vec!["`upp`", "names no module", "up.weight"],
+        ),
+        (colwise(&[""]), vec!["not a linear layer", "up.weight"]),
+        (
+            ParallelizePlan::new()
+                .tensor_parallel(TensorParallelRule::colwise(&["up"]).in_units(5)),
+            vec!["`up` (colwise)", "12 output features", "units of 5"],
+        ),
+        (
+            colwise(&["up"]).tensor_parallel(TensorParallelRule::rowwise(&["up"])),
+            vec!["`up` (rowwise)", "already splits"],
+        ),
+    ];
+    for (plan, want) in cases {
+        let err = refused(plan);
+        assert!(want.iter().all(|w| err.contains(w)), "{want:?}: {err}");
+    }
+}
+
+#[test]
+fn a_split_weight_read_by_burns_own_linear_fails_naming_it() {
+    // The classifier keeps Burn's Linear, which reads its weight whole: under a split it
+    // would run the unsplit layer on every tp rank, so the read panics instead.
+    let plan = ParallelizePlan::new().tensor_parallel(TensorParallelRule::rowwise(&["input"]));
+    let err = Launch::new("tp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (model, _) = parallelize(Classifier::new(&device), &plan, &ctx)?;
+            let (x, _) = batch(0..2, &device);
+            model.forward(x);
+            Ok::<_, ParallelError>(())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`input.weight`") && err.contains("flashover::nn::Linear"),
+        "{err}"
+    );
 }

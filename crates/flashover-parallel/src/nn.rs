@@ -1,0 +1,112 @@
+//! Drop-in replacements for Burn layers that a [`crate::parallelize`] plan can split.
+//!
+//! Burn has no forward hooks, so a layer split over `tp` needs a forward that knows it holds a
+//! part: [`Linear`] is Burn's `Linear` (same fields, same initialisation, same record) whose
+//! forward adds Megatron's collectives when the plan split its weight, and is Burn's forward
+//! otherwise. Swapping `burn::nn::{Linear, LinearConfig}` for these is the only change a model
+//! needs for column- and row-wise splits; attention sizes its heads from
+//! [`Linear::d_output`].
+
+use crate::parallelize::{TpStyle, local_value};
+use crate::tensor_parallel::TensorParallel;
+use burn::config::Config;
+use burn::module::{Module, Param};
+use burn::nn::Initializer;
+use burn::tensor::module::linear;
+use burn::tensor::{Device, Tensor};
+
+/// Burn's [`burn::nn::Linear`] (`y = x W + b`, `W: [d_in, d_out]`), splittable by a plan.
+#[derive(Module, Debug)]
+pub struct Linear {
+    /// `[d_in, d_out]`, or this rank's columns (column-wise) or rows (row-wise) of it.
+    pub weight: Param<Tensor<2>>,
+    /// `[d_out]`, or this rank's entries (column-wise).
+    pub bias: Option<Param<Tensor<1>>>,
+}
+
+/// [`burn::nn::LinearConfig`] for [`Linear`]: the same fields, defaults and initialisation.
+#[derive(Config, Debug)]
+pub struct LinearConfig {
+    /// Input features.
+    pub d_input: usize,
+    /// Output features.
+    pub d_output: usize,
+    /// Whether the layer adds a bias.
+    #[config(default = true)]
+    pub bias: bool,
+    /// How the weight and bias are initialised (Burn's default).
+    #[config(
+        default = "Initializer::KaimingUniform { gain: 1.0 / 3.0f64.sqrt(), fan_out_only: false }"
+    )]
+    pub initializer: Initializer,
+}
+
+impl LinearConfig {
+    /// A new layer, initialised as Burn's `LinearConfig::init` does.
+    pub fn init(&self, device: &Device) -> Linear {
+        burn::nn::LinearConfig::new(self.d_input, self.d_output)
+            .with_bias(self.bias)
+            .with_initializer(self.initializer.clone())
+            .init(device)
+            .into()
+    }
+}
+
+impl From<burn::nn::Linear> for Linear {
+    fn from(layer: burn::nn::Linear) -> Self {
+        Linear {
+            weight: layer.weight,
+            bias: layer.bias,
+        }
+    }
+}
+
+impl Linear {
+    /// `x: [.., d_in]` -> `[.., d_out]`. Split column-wise, `x` is whole and the output this
+    /// rank's [`Self::d_output`] features (the gradient of `x` summed over `tp`); split
+    /// row-wise, `x` is this rank's [`Self::d_input`] features and the output whole (partial
+    /// products summed over `tp`, then the bias added).
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        let (weight, split) = local_value(&self.weight);
+        let Some(split) = split else {
+            return linear(x, weight, self.bias.as_ref().map(|b| local_value(b).0));
+        };
+        let tp = TensorParallel::new(&split.group);
+        match split.style {
+            TpStyle::Colwise => {
+                let bias = self.bias.as_ref().map(|b| local_value(b).0);
+                linear(tp.enter(x), weight, bias)
+            }
+            TpStyle::Rowwise => {
+                let y = tp.exit(linear(x, weight, None));
+                match &self.bias {
+                    Some(b) => y + b.val().unsqueeze(),
+                    None => y,
+                }
+            }
+        }
+    }
+
+    /// Input features this rank's part reads (`d_in / tp` when split row-wise).
+    pub fn d_input(&self) -> usize {
+        self.local_dims()[0]
+    }
+
+    /// Output features this rank's part computes (`d_out / tp` when split column-wise): size
+    /// attention heads from it (`heads = query.d_output() / head_dim`) so a split layer
+    /// yields `heads / tp` of them.
+    pub fn d_output(&self) -> usize {
+        self.local_dims()[1]
+    }
+
+    fn local_dims(&self) -> [usize; 2] {
+        let stored = self.weight.base().dims();
+        match self
+            .weight
+            .reparameterization::<crate::parallelize::Placed>()
+        {
+            Some(placed) => placed.local_dims(stored),
+            None => stored,
+        }
+    }
+}

@@ -1,0 +1,265 @@
+//! How a plan moves parameters without changing the model: Burn's parameter
+//! reparameterization. The stored parameter (its *base*) is this rank's part of the whole
+//! tensor, and a [`Placed`] reparameterization attached to it says how to get the value a layer
+//! computes with:
+//! - **fully sharded** (`fsdp`): the base is this rank's rows of dimension 0, and
+//!   [`Param::val`], which every Burn layer calls in its forward, all-gathers them. The gather
+//!   is differentiable: its backward reduce-scatters (sums) the gradient over `fsdp`, so each
+//!   rank's base receives the gradient of its own rows and any optimizer steps the shard.
+//! - **tensor parallel** (`tp`): the base is this rank's columns or rows of a linear layer,
+//!   and [`crate::nn::Linear`] computes with that part (gathered over `fsdp` first when both
+//!   apply), putting the collectives of Megatron's column- and row-parallel layers around it.
+//!   `Param::val` would gather it whole, which only [`super::Parallelized::whole`] may do: a
+//!   layer that read the whole weight in its forward would silently run unsplit, so
+//!   `Param::val` of a tensor-parallel weight panics elsewhere, naming the parameter.
+//!
+//! Burn's autodiff keeps a gathered weight until its backward has used it (as FSDP's
+//! `reshard_after_forward = false`): between steps a rank holds `1/fsdp` of the parameters,
+//! gradients and optimizer state, during forward and backward also the gathered parameters.
+
+use super::plan::{ParallelizePlan, TpStyle};
+use crate::error::ParallelError;
+use crate::placement::PlacementTable;
+use crate::tensor_parallel::comm::{gather_from_sp, gather_from_tp};
+use crate::tensor_parallel::split_dim;
+use burn::module::{Module, Param, Reparameterization, Reparameterizer};
+use burn::tensor::Tensor;
+use flashover_comm::Group;
+use flashover_runtime::Axis;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// The reparameterization of a parameter a plan moved (see the module docs).
+#[derive(Module, Debug)]
+pub struct Placed {
+    /// The parameter's path in the model, for messages.
+    #[module(skip)]
+    name: String,
+    #[module(skip)]
+    fsdp: Option<RowShard>,
+    #[module(skip)]
+    tp: Option<TpSplit>,
+    #[module(skip)]
+    whole_reads: WholeReads,
+}
+
+/// Rows of dimension 0 split over `group`; `rows` of them are real, the rest padding.
+#[derive(Debug, Clone)]
+struct RowShard {
+    group: Group,
+    rows: usize,
+}
+
+/// A linear layer's parameter split `style`-wise over the `tp` group, along `dim`.
+#[derive(Debug, Clone)]
+pub struct TpSplit {
+    /// Column- or row-wise.
+    pub style: TpStyle,
+    /// The dimension of this parameter the split cuts.
+    pub dim: usize,
+    /// The `tp` group.
+    pub group: Group,
+}
+
+/// Whether `Param::val` may gather tensor-parallel parameters whole: only while
+/// [`super::Parallelized::whole`] runs (one flag per rank, shared by its parameters).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct WholeReads(Arc<AtomicBool>);
+
+impl WholeReads {
+    /// Allows whole reads until the returned guard drops.
+    pub(crate) fn allow(&self) -> impl Drop + '_ {
+        struct Reset<'a>(&'a AtomicBool);
+        impl Drop for Reset<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::SeqCst);
+            }
+        }
+        self.0.store(true, Ordering::SeqCst);
+        Reset(&self.0)
+    }
+
+    fn allowed(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+impl Placed {
+    /// How the parameter is split over `tp`, if it is.
+    pub fn tp(&self) -> Option<&TpSplit> {
+        self.tp.as_ref()
+    }
+
+    /// The shape of this rank's `tp` part ([`Self::local`]) of a parameter stored as `stored`.
+    pub fn local_dims<const D: usize>(&self, stored: [usize; D]) -> [usize; D] {
+        let mut dims = stored;
+        if let Some(shard) = &self.fsdp {
+            dims[0] = shard.rows;
+        }
+        dims
+    }
+
+    /// This rank's `tp` part of the parameter from its stored `base`: gathered over `fsdp`
+    /// (differentiably) when it is fully sharded.
+    pub fn local<const D: usize>(&self, base: Tensor<D>) -> Tensor<D> {
+        match &self.fsdp {
+            None => base,
+            Some(shard) => {
+                let whole = gather_from_sp(base, 0, &shard.group);
+                if whole.dims()[0] == shard.rows {
+                    whole
+                } else {
+                    whole.narrow(0, 0, shard.rows)
+                }
+            }
+        }
+    }
+}
+
+impl Reparameterization for Placed {
+    const NAME: &'static str = "placed";
+
+    fn apply<const D: usize>(&self, base: Tensor<D>) -> Tensor<D> {
+        let local = self.local(base);
+        match &self.tp {
+            None => local,
+            Some(split) if self.whole_reads.allowed() => {
+                gather_from_tp(local, split.dim, &split.group)
+            }
+            Some(split) => panic!(
+                "`{}` is split {:?} over tp by the parallelize plan, but a layer read it \
+                 whole (Param::val): the layers a plan splits must be flashover::nn::Linear, \
+                 whose forward computes with this rank's part (Burn's Linear would run the \
+                 unsplit layer on every tp rank)",
+                self.name, split.style
+            ),
+        }
+    }
+}
+
+/// The value a layer computes with: this rank's `tp` part of `param` when the plan split it
+/// over `tp` (with the split), otherwise the whole value.
+pub fn local_value<const D: usize>(param: &Param<Tensor<D>>) -> (Tensor<D>, Option<&TpSplit>) {
+    match param.reparameterization::<Placed>() {
+        Some(placed) if placed.tp.is_some() => (placed.local(param.base()), placed.tp()),
+        _ => (param.val(), None),
+    }
+}
+
+/// Rows `rank * chunk .. (rank + 1) * chunk` of `t`'s first dimension, `chunk = ceil(rows /
+/// n)`, zero rows past the end (so every rank's shard has the same shape).
+fn own_rows<const D: usize>(t: Tensor<D>, rank: usize, n: usize) -> Tensor<D> {
+    let rows = t.dims()[0];
+    let chunk = rows.div_ceil(n);
+    let start = (rank * chunk).min(rows);
+    let end = ((rank + 1) * chunk).min(rows);
+    let mut dims = t.dims();
+    let mut parts = vec![];
+    if end > start {
+        parts.push(t.clone().narrow(0, start, end - start));
+    }
+    if end - start < chunk {
+        dims[0] = chunk - (end - start);
+        parts.push(Tensor::zeros(dims, &t.device()));
+    }
+    Tensor::cat(parts, 0)
+}
+
+/// Cuts every parameter the plan moves to this rank's part, `tp` split first, then `fsdp`
+/// rows of what is left, and records each cut in `placements`. The plan was checked against
+/// the model first (widths divide, paths name linear layers).
+pub(super) struct PlaceParams<'a> {
+    pub(super) plan: &'a ParallelizePlan,
+    pub(super) fsdp: Group,
+    pub(super) tp: Group,
+    pub(super) placements: &'a mut PlacementTable,
+    pub(super) whole_reads: WholeReads,
+    pub(super) error: &'a mut Option<ParallelError>,
+}
+
+impl PlaceParams<'_> {
+    /// The dimension of a `D`-dimensional parameter of a linear layer the plan splits over
+    /// `tp`: a column-wise layer's weight `[d_in, d_out]` by columns and its bias with them; a
+    /// row-wise layer's weight by rows, its bias whole (added once, after the sum).
+    fn tp_dim<const D: usize>(&self, path: &str) -> Option<(TpStyle, usize)> {
+        if self.tp.size() == 1 {
+            return None;
+        }
+        let (rule, _) = self.plan.tp_rule(path)?;
+        match (rule.style, D) {
+            (TpStyle::Colwise, 2) => Some((TpStyle::Colwise, 1)),
+            (TpStyle::Colwise, 1) => Some((TpStyle::Colwise, 0)),
+            (TpStyle::Rowwise, 2) => Some((TpStyle::Rowwise, 0)),
+            _ => None,
+        }
+    }
+}
+
+/// `t` as a new leaf with `t`'s gradient requirement.
+fn leaf<const D: usize>(t: Tensor<D>, f: impl FnOnce(Tensor<D>) -> Tensor<D>) -> Tensor<D> {
+    let require_grad = t.is_require_grad();
+    f(t.detach()).detach().set_require_grad(require_grad)
+}
+
+impl Reparameterizer for PlaceParams<'_> {
+    type Reparam = Placed;
+
+    fn reparameterize<const D: usize>(
+        &mut self,
+        path: &str,
+        param: Param<Tensor<D>>,
+    ) -> (Param<Tensor<D>>, Option<Placed>) {
+        let path = path
+            .split('.')
+            .filter(|s| !s.is_empty())
+            .collect::<Vec<_>>()
+            .join(".");
+        let tp = self.tp_dim::<D>(&path);
+        let fully_shard = self.fsdp.size() > 1 && self.plan.shard_path(&path).is_some();
+        if self.error.is_some() || (tp.is_none() && !fully_shard) {
+            return (param, None);
+        }
+        let id = param.id;
+        let mut param = param;
+        let mut split = None;
+        if let Some((style, dim)) = tp {
+            let (rank, n) = (self.tp.rank(), self.tp.size());
+            param = param.map(|t| {
+                leaf(t, |t| {
+                    split_dim(&t, dim, rank, n).expect("the plan was checked against the model")
+                })
+            });
+            let local = param.val().dims().to_vec();
+            if let Err(e) = self.placements.shard(id, id, Axis::Tp, dim, &local) {
+                *self.error = Some(e);
+            }
+            split = Some(TpSplit {
+                style,
+                dim,
+                group: self.tp.clone(),
+            });
+        }
+        let mut rows = None;
+        if fully_shard {
+            let (rank, n) = (self.fsdp.rank(), self.fsdp.size());
+            param = param.map(|t| {
+                rows = Some(RowShard {
+                    group: self.fsdp.clone(),
+                    rows: t.dims()[0],
+                });
+                leaf(t, |t| own_rows(t, rank, n))
+            });
+            let local = param.val().dims().to_vec();
+            if let Err(e) = self.placements.shard(id, id, Axis::Fsdp, 0, &local) {
+                *self.error = Some(e);
+            }
+        }
+        let placed = Placed {
+            name: path,
+            fsdp: rows,
+            tp: split,
+            whole_reads: self.whole_reads.clone(),
+        };
+        (param, Some(placed))
+    }
+}

@@ -1,0 +1,199 @@
+//! A plan checked against a model's parameters before anything moves: every path names
+//! something, every tensor-parallel path names a linear layer, and every split width divides.
+//! Each refusal names the path and the reason.
+
+use super::plan::{ModulePath, ParallelizePlan, TensorParallelRule, TpStyle};
+use crate::error::ParallelError;
+use crate::params::ParamSlot;
+
+/// Checks `plan` against the parameters `slots` of a model to be split over `tp` ranks.
+pub(super) fn check_plan(
+    plan: &ParallelizePlan,
+    slots: &[ParamSlot],
+    tp: usize,
+) -> Result<(), ParallelError> {
+    let names: Vec<&str> = slots.iter().map(|s| s.name.as_str()).collect();
+    for path in &plan.fully_shard {
+        if !names.iter().any(|n| path.contains(n)) {
+            return Err(refuse(
+                path,
+                "fully_shard",
+                format!(
+                    "names no module of the model; its parameters are: {}",
+                    preview(&names)
+                ),
+            ));
+        }
+    }
+    let mut claimed: Vec<(&ModulePath, &str)> = vec![];
+    for rule in &plan.tensor_parallel {
+        let style = style_name(rule.style);
+        for path in &rule.paths {
+            if rule.unit == 0 {
+                return Err(refuse(path, style, "has unit = 0; use 1 or more".into()));
+            }
+            for layer in linear_layers(path, style, slots, &names)? {
+                if let Some((other, _)) = claimed.iter().find(|(_, l)| *l == layer.path) {
+                    return Err(refuse(
+                        path,
+                        style,
+                        format!(
+                            "names `{}`, which `{}` already splits: give each layer one style",
+                            layer.path,
+                            other.as_str()
+                        ),
+                    ));
+                }
+                claimed.push((path, layer.path));
+                check_width(rule, path, &layer, tp)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A linear layer a tensor-parallel path names: its path, `[d_in, d_out]`.
+struct LinearLayer<'a> {
+    path: &'a str,
+    d_in: usize,
+    d_out: usize,
+}
+
+/// The linear layers `path` names: modules whose parameters are one `[d_in, d_out]` weight
+/// and at most one `[d_out]` bias, held directly.
+fn linear_layers<'a>(
+    path: &ModulePath,
+    style: &str,
+    slots: &'a [ParamSlot],
+    names: &[&str],
+) -> Result<Vec<LinearLayer<'a>>, ParallelError> {
+    let inside: Vec<&ParamSlot> = slots.iter().filter(|s| path.contains(&s.name)).collect();
+    if inside.is_empty() {
+        return Err(refuse(
+            path,
+            style,
+            format!(
+                "names no module of the model; its parameters are: {}",
+                preview(names)
+            ),
+        ));
+    }
+    if let Some(deep) = inside
+        .iter()
+        .find(|s| s.name.split('.').count() != path.depth() + 1)
+    {
+        return Err(refuse(
+            path,
+            style,
+            format!(
+                "names a module that is not a linear layer (it holds `{}`): name the linear \
+                 layers inside it",
+                deep.name
+            ),
+        ));
+    }
+    let mut layers: Vec<(&str, Vec<&ParamSlot>)> = vec![];
+    for slot in inside {
+        let module = slot.name.rsplit_once('.').map_or("", |(m, _)| m);
+        match layers.iter_mut().find(|(m, _)| *m == module) {
+            Some((_, params)) => params.push(slot),
+            None => layers.push((module, vec![slot])),
+        }
+    }
+    layers
+        .into_iter()
+        .map(|(module, params)| {
+            let weights: Vec<&&ParamSlot> = params.iter().filter(|p| p.shape.len() == 2).collect();
+            let [weight] = weights[..] else {
+                return Err(not_linear(path, style, module, &params));
+            };
+            let (d_in, d_out) = (weight.shape[0], weight.shape[1]);
+            let others_are_one_bias = params.len() <= 2
+                && params
+                    .iter()
+                    .filter(|p| p.shape.len() != 2)
+                    .all(|p| p.shape == [d_out]);
+            if !others_are_one_bias {
+                return Err(not_linear(path, style, module, &params));
+            }
+            Ok(LinearLayer {
+                path: module,
+                d_in,
+                d_out,
+            })
+        })
+        .collect()
+}
+
+fn not_linear(
+    path: &ModulePath,
+    style: &str,
+    module: &str,
+    params: &[&ParamSlot],
+) -> ParallelError {
+    let shapes: Vec<String> = params
+        .iter()
+        .map(|p| format!("{} {:?}", p.name, p.shape))
+        .collect();
+    refuse(
+        path,
+        style,
+        format!(
+            "names `{module}`, which is not a linear layer (one [d_in, d_out] weight and at \
+             most a [d_out] bias); it holds {}",
+            shapes.join(", ")
+        ),
+    )
+}
+
+/// The split width divides into `tp` parts of whole units.
+fn check_width(
+    rule: &TensorParallelRule,
+    path: &ModulePath,
+    layer: &LinearLayer,
+    tp: usize,
+) -> Result<(), ParallelError> {
+    let (what, width) = match rule.style {
+        TpStyle::Colwise => ("output features", layer.d_out),
+        TpStyle::Rowwise => ("input features", layer.d_in),
+    };
+    let parts = tp * rule.unit;
+    if width.is_multiple_of(parts) {
+        return Ok(());
+    }
+    let units = if rule.unit > 1 {
+        format!(" units of {} (unit = {})", rule.unit, rule.unit)
+    } else {
+        String::new()
+    };
+    Err(refuse(
+        path,
+        style_name(rule.style),
+        format!(
+            "splits `{}` over tp={tp}, but its {width} {what} do not divide into {tp} parts of \
+             whole{units}: use a tp that divides {}",
+            layer.path,
+            width / rule.unit.max(1)
+        ),
+    ))
+}
+
+fn style_name(style: TpStyle) -> &'static str {
+    match style {
+        TpStyle::Colwise => "colwise",
+        TpStyle::Rowwise => "rowwise",
+    }
+}
+
+fn refuse(path: &ModulePath, style: &str, why: String) -> ParallelError {
+    ParallelError::Invalid(format!("plan path `{}` ({style}) {why}", path.as_str()))
+}
+
+/// The first few names of `names`, for an error message.
+fn preview(names: &[&str]) -> String {
+    let mut shown: Vec<&str> = names.iter().take(8).copied().collect();
+    if names.len() > shown.len() {
+        shown.push("...");
+    }
+    shown.join(", ")
+}
