@@ -1,21 +1,27 @@
 //! A GPT-2-style model written in plain Burn (learned absolute positions, LayerNorm with bias,
 //! GELU MLP, biased linear layers, the embedding tied to the output head), parallelized by a
-//! plan without changing a line of it.
+//! plan. Two things in it are for tensor parallelism, both also right on one device: its
+//! linear layers are `flashover::nn::Linear` (Burn's `Linear`, whose forward follows a split),
+//! and attention counts its heads from the query projection's width (a split one holds
+//! `heads / tp`). Query, key and value are separate layers: a fused `[d, 3d]` projection split
+//! by columns would hand rank 0 all of the queries and none of the values.
 //!
 //! It trains on one rank with a plain Burn loop, then fully sharded at `fsdp=2` (the whole
-//! model), `dp=2,fsdp=2` (HSDP: two replicas of a two-way sharded model) and `fsdp=2` with
-//! only the blocks sharded. Losses and every final weight match the single rank within 1e-5
+//! model), `dp=2,fsdp=2` (HSDP: two replicas of a two-way sharded model), `fsdp=2` with only
+//! the blocks sharded, `tp=2` (Megatron's column/row split of attention and MLP) and
+//! `fsdp=2,tp=2` (both). Losses and every final weight match the single rank within 1e-5
 //! (fp32), and each rank stores its share of the parameters.
 //!
 //! Run: `cargo run --example parallelize_gpt2`
 
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::{Embedding, LayerNorm, LayerNormConfig, Linear};
+use burn::nn::{Embedding, LayerNorm, LayerNormConfig};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use flashover::models::init;
+use flashover::nn::Linear; // tp: Burn's Linear, whose forward follows a split
 use flashover::parallel::clip_global_norm;
 use flashover::parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
 use flashover::prelude::*;
@@ -23,6 +29,7 @@ use flashover::prelude::*;
 const VOCAB: usize = 32;
 const WIDTH: usize = 16;
 const HEADS: usize = 4;
+const HEAD_DIM: usize = WIDTH / HEADS;
 const LAYERS: usize = 2;
 const SEQ: usize = 8;
 const GLOBAL_BATCH: usize = 8;
@@ -30,12 +37,14 @@ const STEPS: usize = 12;
 const LR: f64 = 3e-3;
 const MAX_NORM: f32 = 1.0;
 
-// ---- The user's model: plain Burn, nothing from Flashover. ----
+// ---- The user's model: plain Burn, its linear layers flashover::nn::Linear. ----
 
 #[derive(Module, Debug)]
 struct Block {
     ln_1: LayerNorm,
-    qkv: Linear,
+    query: Linear,
+    key: Linear,
+    value: Linear,
     proj: Linear,
     ln_2: LayerNorm,
     fc: Linear,
@@ -57,7 +66,7 @@ fn linear(name: &str, d_in: usize, d_out: usize, device: &Device) -> Linear {
         [d_out],
         device,
     )));
-    layer
+    layer.into()
 }
 
 impl Gpt2 {
@@ -66,7 +75,9 @@ impl Gpt2 {
     fn new(device: &Device) -> Self {
         let block = |i: usize| Block {
             ln_1: LayerNormConfig::new(WIDTH).init(device),
-            qkv: linear(&format!("b{i}.qkv"), WIDTH, 3 * WIDTH, device),
+            query: linear(&format!("b{i}.query"), WIDTH, WIDTH, device),
+            key: linear(&format!("b{i}.key"), WIDTH, WIDTH, device),
+            value: linear(&format!("b{i}.value"), WIDTH, WIDTH, device),
             proj: linear(&format!("b{i}.proj"), WIDTH, WIDTH, device),
             ln_2: LayerNormConfig::new(WIDTH).init(device),
             fc: linear(&format!("b{i}.fc"), WIDTH, 4 * WIDTH, device),
@@ -88,15 +99,14 @@ impl Gpt2 {
         let mut x = self.wte.forward(tokens) + self.wpe.forward(positions);
         let mask = Tensor::<2, Bool>::tril_mask([seq, seq], 0, &device).reshape([1, 1, seq, seq]);
         for b in &self.blocks {
-            let qkv = b.qkv.forward(b.ln_1.forward(x.clone()));
-            let heads = |t: Tensor<3>| {
-                t.reshape([batch, seq, HEADS, WIDTH / HEADS])
-                    .swap_dims(1, 2)
-            };
-            let [q, k, v] = [0, 1, 2].map(|i| heads(qkv.clone().narrow(2, i * WIDTH, WIDTH)));
-            let scores = q.matmul(k.swap_dims(2, 3)) / ((WIDTH / HEADS) as f64).sqrt();
+            let h = b.ln_1.forward(x.clone());
+            // tp: HEADS on one device, HEADS / tp on a rank of a column-wise split.
+            let heads = b.query.d_output() / HEAD_DIM;
+            let split = |t: Tensor<3>| t.reshape([batch, seq, heads, HEAD_DIM]).swap_dims(1, 2);
+            let [q, k, v] = [&b.query, &b.key, &b.value].map(|l| split(l.forward(h.clone())));
+            let scores = q.matmul(k.swap_dims(2, 3)) / (HEAD_DIM as f64).sqrt();
             let attn = softmax(scores.mask_fill(mask.clone(), -1e9), 3).matmul(v);
-            let attn = attn.swap_dims(1, 2).reshape([batch, seq, WIDTH]);
+            let attn = attn.swap_dims(1, 2).reshape([batch, seq, heads * HEAD_DIM]); // tp: not WIDTH
             x = x + b.proj.forward(attn);
             x = x.clone() + b.out.forward(gelu(b.fc.forward(b.ln_2.forward(x))));
         }
@@ -192,10 +202,22 @@ fn main() {
         reference.0[0],
         reference.0[STEPS - 1]
     );
+    // Megatron's split: attention heads and the MLP's hidden features by columns, the
+    // projections back to the residual by rows; everything else whole on every tp rank.
+    let tp_plan = ParallelizePlan::new()
+        .tensor_parallel(
+            TensorParallelRule::colwise(&["blocks.*.query", "blocks.*.key", "blocks.*.value"])
+                .in_units(HEAD_DIM),
+        )
+        .tensor_parallel(TensorParallelRule::rowwise(&["blocks.*.proj"]).in_units(HEAD_DIM))
+        .tensor_parallel(TensorParallelRule::colwise(&["blocks.*.fc"]))
+        .tensor_parallel(TensorParallelRule::rowwise(&["blocks.*.out"]));
     let layouts = [
         ("fsdp=2", ParallelizePlan::new().fully_shard("")),
         ("dp=2,fsdp=2", ParallelizePlan::new().fully_shard("")),
         ("fsdp=2", ParallelizePlan::new().fully_shard("blocks")),
+        ("tp=2", tp_plan.clone()),
+        ("fsdp=2,tp=2", tp_plan.fully_shard("")),
     ];
     for (mesh, plan) in &layouts {
         let (run, stored) = parallel(mesh, plan);
@@ -208,8 +230,13 @@ fn main() {
             .fold(0.0, f32::max);
         let weights = flashover::check::relative_difference(&reference.1, &run.1);
         let paths: Vec<&str> = plan.fully_shard.iter().map(|p| p.as_str()).collect();
+        let split = if plan.tensor_parallel.is_empty() {
+            ""
+        } else {
+            ", attention and MLP split over tp"
+        };
         println!(
-            "{mesh:<12} fully_shard {paths:?}: stores {stored:?} of {whole} parameters per rank; max relative difference: losses {loss:.2e}, weights {weights:.2e}"
+            "{mesh:<12} fully_shard {paths:?}{split}: stores {stored:?} of {whole} parameters per rank; max relative difference: losses {loss:.2e}, weights {weights:.2e}"
         );
         assert!(loss < 1e-5 && weights < 1e-5, "{mesh} must match one rank");
         assert!(

@@ -80,7 +80,7 @@ pub mod prelude {
     };
     pub use flashover_parallel::ParallelError;
     pub use flashover_parallel::parallelize::{
-        ModulePath, ParallelizePlan, Parallelized, parallelize,
+        ModulePath, ParallelizePlan, Parallelized, TensorParallelRule, TpStyle, parallelize,
     };
 }
 
@@ -89,6 +89,7 @@ pub use flashover_comm as comm;
 pub use flashover_mesh as mesh;
 pub use flashover_models as models;
 pub use flashover_parallel as parallel;
+pub use flashover_parallel::nn;
 pub use flashover_runtime::{
     Axis, CommError, CommStats, Communicator, CommunicatorExt, DeviceChoice, DeviceError,
     DeviceMesh, FaultPlan, Group, IntoMesh, Launch, LaunchError, Launcher, MeshError, OpKind,
