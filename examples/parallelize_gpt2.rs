@@ -186,7 +186,7 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> (Run, Vec<usize>) {
                 let (grads, _) = par.gradients(&model, loss.backward(), Some(MAX_NORM), &ctx)?; // +
                 model = optim.step(LR, model, grads);
             }
-            let weights = flatten_params(&par.whole(model)); // + (gathers the shards)
+            let weights = flatten_params(&par.whole(model)?); // + (gathers the shards)
             Ok::<_, ParallelError>(((losses, weights), stored))
         })
         .expect("parallel training");

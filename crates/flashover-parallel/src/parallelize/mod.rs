@@ -28,16 +28,21 @@
 //! describe (their layers are in `crate::pipeline`, `crate::context_parallel`, ...): a plan
 //! refuses a mesh that has them rather than running the model on them unsplit.
 
+pub mod pipeline;
 pub mod placed;
 mod plan;
 mod validate;
 
+pub use pipeline::PipelineModel;
 pub use placed::{Placed, TpSplit, local_value};
-pub use plan::{ModulePath, ParallelizePlan, TensorParallelRule, TpStyle};
+pub use plan::{ModulePath, ParallelizePlan, PipelineRule, TensorParallelRule, TpStyle};
 
 use crate::clip_scale;
 use crate::error::ParallelError;
-use crate::params::{ParamLayout, accumulate_grads, broadcast_module, grads_from_flat};
+use crate::params::{
+    ParamLayout, accumulate_grads, broadcast_module, flatten_params, grads_from_flat, load_shaped,
+};
+use crate::pipeline::PipelineStepReport;
 use crate::placement::{GradientReducer, PlacementTable, global_grad_norm};
 use crate::precision::Precision;
 use burn::module::Module;
@@ -45,6 +50,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::Gradients;
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use flashover_runtime::{Axis, RankContext};
+use pipeline::Stages;
 use placed::WholeReads;
 use std::ops::Range;
 
@@ -59,6 +65,20 @@ pub struct Parallelized {
     /// `data.rank()`.
     data: Group,
     whole_reads: WholeReads,
+    /// The pipeline's stages, when the plan has one.
+    stages: Option<Stages>,
+}
+
+/// What one [`Parallelized::pipeline_step`] computed.
+pub struct PipelineStep {
+    /// This rank's gradients, reduced and clipped as [`Parallelized::gradients`] returns them.
+    pub grads: GradientsParams,
+    /// The whole batch's mean loss, the same on every rank.
+    pub loss: f32,
+    /// The global gradient norm before clipping.
+    pub norm: f32,
+    /// What the schedule measured on this rank (time in forwards, backwards and waits).
+    pub report: PipelineStepReport,
 }
 
 /// Applies `plan` to `model` on this rank: the whole model as world rank 0 holds it
@@ -75,9 +95,21 @@ pub fn parallelize<M: Module>(
 ) -> Result<(M, Parallelized), ParallelError> {
     check_axes(plan, ctx)?;
     let tp = ctx.group(Axis::Tp).clone();
-    validate::check_plan(plan, &ParamLayout::of(&model).slots, tp.size())?;
+    let layout = ParamLayout::of(&model);
+    validate::check_plan(plan, &layout.slots, tp.size())?;
+    let stages = match &plan.pipeline {
+        Some(rule) => Some(Stages::new(rule, layout, ctx.group(Axis::Pp))?),
+        None => None,
+    };
     let mut placements = PlacementTable::whole(&model);
     let model = broadcast_module(model, ctx.world(), 0)?;
+    let model = match &stages {
+        Some(stages) => {
+            stages.place(&mut placements)?;
+            stages.cut(model)
+        }
+        None => model,
+    };
     let whole_reads = WholeReads::default();
     let mut error = None;
     let place = placed::PlaceParams {
@@ -86,6 +118,7 @@ pub fn parallelize<M: Module>(
         tp,
         placements: &mut placements,
         whole_reads: whole_reads.clone(),
+        absent: stages.as_ref().map(|s| &s.absent),
         error: &mut error,
     };
     let model = model.apply_reparameterization(place);
@@ -97,6 +130,7 @@ pub fn parallelize<M: Module>(
         reducer: GradientReducer::new(ctx, Precision::F32)?,
         data: ctx.subgroup(&DATA_AXES)?,
         whole_reads,
+        stages,
     };
     Ok((model, par))
 }
@@ -112,7 +146,9 @@ fn check_axes(plan: &ParallelizePlan, ctx: &RankContext) -> Result<(), ParallelE
         let why = match axis {
             Axis::Tp if !plan.tensor_parallel.is_empty() => continue,
             Axis::Tp => "the plan splits no layer over tp (add tensor_parallel rules)",
-            _ => "parallelize plans split a model over dp, fsdp and tp only",
+            Axis::Pp if plan.pipeline.is_some() => continue,
+            Axis::Pp => "the plan has no pipeline (add a pipeline rule)",
+            _ => "parallelize plans split a model over dp, fsdp, tp and pp only",
         };
         return Err(ParallelError::Invalid(format!(
             "the mesh has {}={degree}, but {why}: the model would run unsplit on the {} ranks, \
@@ -130,11 +166,21 @@ impl Parallelized {
         &self.placements
     }
 
-    /// The whole model, every fully sharded parameter gathered (collective: every rank calls
-    /// it): to read or export the weights.
-    pub fn whole<M: Module>(&self, model: M) -> M {
-        let _allowed = self.whole_reads.allow();
-        model.materialize()
+    /// The whole model on every rank: each split or sharded parameter gathered, each
+    /// pipeline stage's parameters from the rank that holds them (collective: every rank
+    /// calls it). To read or export the weights, or to evaluate on one rank.
+    pub fn whole<M: Module>(&self, model: M) -> Result<M, ParallelError> {
+        let model = {
+            let _allowed = self.whole_reads.allow();
+            model.materialize()
+        };
+        match &self.stages {
+            Some(stages) => {
+                let values = stages.gather(&flatten_params(&model), &ParamLayout::of(&model))?;
+                Ok(load_shaped(model, &stages.whole, &values))
+            }
+            None => Ok(model),
+        }
     }
 
     /// This rank's samples of step `step`, numbered over the whole run: step `s`'s batch is
@@ -182,13 +228,76 @@ impl Parallelized {
         max_norm: Option<f32>,
         ctx: &RankContext,
     ) -> Result<(GradientsParams, f32), ParallelError> {
+        if let Some(stages) = &self.stages
+            && stages.schedule.pp > 1
+        {
+            return Err(ParallelError::Invalid(
+                "the plan cuts the model into pipeline stages: a rank's forward is a stage's, \
+                 so train with Parallelized::pipeline_step, which runs the schedule"
+                    .into(),
+            ));
+        }
         let grads = GradientsParams::from_grads(backward, model);
-        let entries = self.placements.entries_of(model)?;
         // Parameters without a gradient contribute zeros: every rank reduces the same layout.
-        let mut flat = vec![0.0; entries.iter().map(|(slot, _)| slot.numel).sum()];
+        let mut flat = vec![0.0; ParamLayout::of(model).numel];
         accumulate_grads(model, &grads, &mut flat, &[]);
+        self.reduce_and_clip(model, flat, max_norm, ctx)
+    }
+
+    /// One training step of a pipelined plan: this rank's samples of step `step` of batches of
+    /// `global_batch` (as [`Self::batch_share`]) cut into the plan's micro-batches, each
+    /// built by `micro_batch(samples)` on the first and last stage, run through the plan's
+    /// schedule over this rank's stages of `model` ([`PipelineModel`]). `activation` is the
+    /// shape of what a layer takes for one micro-batch (`[batch / micro-batches, seq,
+    /// width]`). The gradients are reduced and clipped as [`Self::gradients`] does; tied
+    /// copies (an embedding the first and the last stage both hold) summed. Collective.
+    #[allow(clippy::too_many_arguments)]
+    pub fn pipeline_step<M, const D: usize>(
+        &self,
+        model: &M,
+        global_batch: usize,
+        step: usize,
+        activation: [usize; D],
+        micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
+        max_norm: Option<f32>,
+        ctx: &RankContext,
+    ) -> Result<PipelineStep, ParallelError>
+    where
+        M: PipelineModel<D>,
+    {
+        let stages = self.stages.as_ref().ok_or_else(|| {
+            ParallelError::Invalid(
+                "pipeline_step needs a plan with a pipeline rule (ParallelizePlan::pipeline)"
+                    .into(),
+            )
+        })?;
+        let share = self.batch_share(global_batch, step)?;
+        let device = ctx.device().clone().autodiff();
+        let (flat, loss, report) = stages.step(model, share, activation, &device, micro_batch)?;
+        let loss = self.mean_loss(loss)?;
+        let (grads, norm) = self.reduce_and_clip(model, flat, max_norm, ctx)?;
+        Ok(PipelineStep {
+            grads,
+            loss,
+            norm,
+            report,
+        })
+    }
+
+    /// `flat` (this rank's summed gradients in `model`'s layout) summed over the ranks that
+    /// hold the same values and read different samples, divided by the data ranks, clipped by
+    /// the global norm; with the norm before clipping.
+    fn reduce_and_clip<M: Module>(
+        &self,
+        model: &M,
+        mut flat: Vec<f32>,
+        max_norm: Option<f32>,
+        ctx: &RankContext,
+    ) -> Result<(GradientsParams, f32), ParallelError> {
+        let entries = self.placements.entries_of(model)?;
         let scale = 1.0 / self.data.size() as f32;
-        self.reducer.reduce(&entries, &mut flat, scale, None)?;
+        let tie = self.stages.as_ref().and_then(Stages::tie_group);
+        self.reducer.reduce(&entries, &mut flat, scale, tie)?;
         let parts = entries
             .iter()
             .map(|(slot, entry)| (*entry, &flat[slot.offset..slot.offset + slot.numel]));

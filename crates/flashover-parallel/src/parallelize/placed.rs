@@ -174,6 +174,8 @@ pub(super) struct PlaceParams<'a> {
     pub(super) tp: Group,
     pub(super) placements: &'a mut PlacementTable,
     pub(super) whole_reads: WholeReads,
+    /// Parameters of other pipeline ranks' stages (placeholders), by path: left as they are.
+    pub(super) absent: Option<&'a std::collections::HashSet<String>>,
     pub(super) error: &'a mut Option<ParallelError>,
 }
 
@@ -214,6 +216,9 @@ impl Reparameterizer for PlaceParams<'_> {
             .filter(|s| !s.is_empty())
             .collect::<Vec<_>>()
             .join(".");
+        if self.absent.is_some_and(|absent| absent.contains(&path)) {
+            return (param, None);
+        }
         let tp = self.tp_dim::<D>(&path);
         let fully_shard = self.fsdp.size() > 1 && self.plan.shard_path(&path).is_some();
         if self.error.is_some() || (tp.is_none() && !fully_shard) {

@@ -2,7 +2,8 @@
 //! their paths in the model (`blocks.*.attn`), as a Rust value or a TOML table.
 
 use crate::error::ParallelError;
-use serde::{Deserialize, Serialize};
+use crate::pipeline::ScheduleKind;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// A dotted module path (`blocks.3.attn.wq`) naming a module and everything inside it. A `*`
 /// segment matches any one segment (`blocks.*.mlp`); the empty path names the whole model.
@@ -103,6 +104,79 @@ impl TensorParallelRule {
     }
 }
 
+/// How a pipeline plan cuts a model into stages over `pp`: the repeated `layers` split into
+/// consecutive runs, one per stage, the `first` modules on the first stage and the `last` on
+/// the last (a module in both, a tied embedding and head, is held by both and kept in step).
+/// The model runs its stage through [`super::PipelineModel`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PipelineRule {
+    /// The repeated layers, a `Vec` of modules (`blocks`): `blocks.0`, `blocks.1`, ...
+    pub layers: ModulePath,
+    /// Modules the first stage runs before the layers (embeddings).
+    #[serde(default)]
+    pub first: Vec<ModulePath>,
+    /// Modules the last stage runs after the layers (final norm, head).
+    #[serde(default)]
+    pub last: Vec<ModulePath>,
+    /// The schedule: `gpipe`, `1f1b` or `interleaved`.
+    #[serde(with = "schedule_name")]
+    pub schedule: ScheduleKind,
+    /// Micro-batches per step (each data rank's share of the batch is cut into this many).
+    pub micro_batches: usize,
+    /// Stages per pipeline rank (`interleaved` only: rank `r` runs stages `r`, `r + pp`, ...).
+    #[serde(default = "one")]
+    pub chunks: usize,
+}
+
+impl PipelineRule {
+    /// `layers` cut into stages, `schedule` over `micro_batches` micro-batches, one stage per
+    /// rank; nothing before or after the layers until [`Self::first`] and [`Self::last`] say.
+    pub fn new(layers: &str, schedule: ScheduleKind, micro_batches: usize) -> Self {
+        PipelineRule {
+            layers: ModulePath::new(layers),
+            first: vec![],
+            last: vec![],
+            schedule,
+            micro_batches,
+            chunks: 1,
+        }
+    }
+
+    /// The modules the first stage runs before the layers.
+    pub fn first(mut self, paths: &[&str]) -> Self {
+        self.first = paths.iter().map(|p| ModulePath::new(p)).collect();
+        self
+    }
+
+    /// The modules the last stage runs after the layers.
+    pub fn last(mut self, paths: &[&str]) -> Self {
+        self.last = paths.iter().map(|p| ModulePath::new(p)).collect();
+        self
+    }
+
+    /// `chunks` stages per rank (the interleaved schedule).
+    pub fn chunks(mut self, chunks: usize) -> Self {
+        self.chunks = chunks;
+        self
+    }
+}
+
+/// A schedule by the name `ScheduleKind`'s `FromStr` reads (`1f1b`).
+mod schedule_name {
+    use super::*;
+
+    pub fn serialize<S: Serializer>(kind: &ScheduleKind, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&kind.to_string())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<ScheduleKind, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
 /// Which modules of a model each strategy transforms (see [`super::parallelize`]).
 ///
 /// ```
@@ -148,6 +222,10 @@ pub struct ParallelizePlan {
     /// parameters stay whole on every `tp` rank, which computes them identically.
     #[serde(default)]
     pub tensor_parallel: Vec<TensorParallelRule>,
+    /// How the model is cut into pipeline stages over `pp` (on a mesh without `pp`, one stage
+    /// runs every micro-batch).
+    #[serde(default)]
+    pub pipeline: Option<PipelineRule>,
 }
 
 impl ParallelizePlan {
@@ -166,6 +244,12 @@ impl ParallelizePlan {
     /// Also split the linear layers of `rule` over `tp`.
     pub fn tensor_parallel(mut self, rule: TensorParallelRule) -> Self {
         self.tensor_parallel.push(rule);
+        self
+    }
+
+    /// Also cut the model into pipeline stages as `rule` says.
+    pub fn pipeline(mut self, rule: PipelineRule) -> Self {
+        self.pipeline = Some(rule);
         self
     }
 

@@ -11,8 +11,11 @@ use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_parallel::ParallelError;
 use flashover_parallel::nn;
-use flashover_parallel::parallelize::{ParallelizePlan, TensorParallelRule, parallelize};
+use flashover_parallel::parallelize::{
+    ParallelizePlan, PipelineModel, PipelineRule, TensorParallelRule, parallelize,
+};
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
+use flashover_parallel::pipeline::ScheduleKind;
 use flashover_runtime::Launch;
 
 const FEATURES: usize = 6;
@@ -187,7 +190,7 @@ fn parallel<M: Net>(mesh: &str, plan: ParallelizePlan) -> (Run, Vec<usize>) {
                 norms.push(norm);
                 model = optim.step(LR, model, grads);
             }
-            let whole = flatten_params(&par.whole(model));
+            let whole = flatten_params(&par.whole(model)?);
             Ok::<_, ParallelError>(((losses, norms, whole), held))
         })
         .unwrap();
@@ -339,6 +342,188 @@ fn a_models_linear_layers_split_over_tp_by_a_plan_train_as_one_rank() {
     }
 }
 
+/// A residual stack for pipelines: an input projection whose weight is also the output
+/// head (tied, as an embedding and LM head are), four layers (LayerNorm, a column-then-row
+/// pair), a final norm.
+#[derive(Module, Debug)]
+struct Stack {
+    input: nn::Linear,
+    layers: Vec<StackLayer>,
+    norm: LayerNorm,
+}
+
+#[derive(Module, Debug)]
+struct StackLayer {
+    norm: LayerNorm,
+    up: nn::Linear,
+    down: nn::Linear,
+}
+
+const LAYERS: usize = 4;
+
+impl Stack {
+    fn new(device: &Device) -> Self {
+        let layer = |i: usize| StackLayer {
+            norm: LayerNormConfig::new(NARROW).init(device),
+            up: linear(NARROW, WIDE, 0.3 + i as f32, device).into(),
+            down: linear(WIDE, NARROW, 0.6 + i as f32, device).into(),
+        };
+        Stack {
+            input: linear(FEATURES, NARROW, 0.2, device).into(),
+            layers: (0..LAYERS).map(layer).collect(),
+            norm: LayerNormConfig::new(NARROW).init(device),
+        }
+    }
+
+    /// The single-device loss: the pipeline's three parts in a row.
+    fn loss(&self, batch: &(Tensor<2>, Tensor<1, Int>)) -> Tensor<1> {
+        let x = (0..LAYERS).fold(self.embed(batch), |x, i| self.layer(i, x));
+        self.head_loss(x, batch)
+    }
+}
+
+impl PipelineModel<2> for Stack {
+    type Batch = (Tensor<2>, Tensor<1, Int>);
+
+    fn embed(&self, (x, _): &Self::Batch) -> Tensor<2> {
+        self.input.forward(x.clone())
+    }
+
+    fn layer(&self, index: usize, x: Tensor<2>) -> Tensor<2> {
+        let l = &self.layers[index];
+        x.clone() + l.down.forward(gelu(l.up.forward(l.norm.forward(x))))
+    }
+
+    fn head_loss(&self, x: Tensor<2>, (_, y): &Self::Batch) -> Tensor<1> {
+        // The input projection transposed: logits over FEATURES >= CLASSES classes.
+        let logits = self
+            .norm
+            .forward(x)
+            .matmul(self.input.weight.val().transpose());
+        CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits, y.clone())
+    }
+}
+
+/// `Stack`'s plain single-rank loop.
+fn stack_single_rank() -> Run {
+    let device = Device::flex().autodiff();
+    let mut model = Stack::new(&device);
+    let mut optim = AdamWConfig::new().init();
+    let (mut losses, mut norms) = (vec![], vec![]);
+    for step in 0..STEPS {
+        let loss = model.loss(&batch(
+            step * GLOBAL_BATCH..(step + 1) * GLOBAL_BATCH,
+            &device,
+        ));
+        losses.push(loss.clone().into_scalar::<f32>());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let mut flat = vec![0.0; ParamLayout::of(&model).numel];
+        accumulate_grads(&model, &grads, &mut flat, &[]);
+        let norm = flat.iter().map(|g| (*g as f64).powi(2)).sum::<f64>().sqrt() as f32;
+        norms.push(norm);
+        if norm > MAX_NORM {
+            let by = MAX_NORM / (norm + 1e-6);
+            flat.iter_mut().for_each(|g| *g *= by);
+        }
+        let grads = grads_from_flat(&model, &flat);
+        model = optim.step(LR, model, grads);
+    }
+    (losses, norms, flatten_params(&model))
+}
+
+/// `Stack` under a pipelined `plan` on `mesh`: rank 0's run and every rank's stored elements.
+fn stack_pipelined(mesh: &str, plan: ParallelizePlan) -> (Run, Vec<usize>) {
+    let micro = plan.pipeline.as_ref().unwrap().micro_batches;
+    let out = Launch::new(mesh)
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (mut model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
+            let held = ParamLayout::of(&model).numel;
+            let data = ctx.mesh().degree(flashover_runtime::Axis::Dp)
+                * ctx.mesh().degree(flashover_runtime::Axis::Fsdp);
+            let shape = [GLOBAL_BATCH / data / micro, NARROW];
+            let mut optim = AdamWConfig::new().init();
+            let (mut losses, mut norms) = (vec![], vec![]);
+            let micro_batch = |samples| batch(samples, &device);
+            for step in 0..STEPS {
+                let out = par.pipeline_step(
+                    &model,
+                    GLOBAL_BATCH,
+                    step,
+                    shape,
+                    &micro_batch,
+                    Some(MAX_NORM),
+                    &ctx,
+                )?;
+                losses.push(out.loss);
+                norms.push(out.norm);
+                model = optim.step(LR, model, out.grads);
+            }
+            let whole = flatten_params(&par.whole(model)?);
+            Ok::<_, ParallelError>(((losses, norms, whole), held))
+        })
+        .unwrap();
+    let held = out.iter().map(|(_, h)| *h).collect();
+    (out.into_iter().next().unwrap().0, held)
+}
+
+#[test]
+fn a_models_layers_cut_into_pipeline_stages_by_a_plan_train_as_one_rank() {
+    let reference = stack_single_rank();
+    assert!(
+        reference.1.iter().filter(|n| **n > MAX_NORM).count() >= STEPS / 2,
+        "clipping must be active: {:?}",
+        reference.1
+    );
+    let whole = reference.2.len();
+    let rule = |kind, micro| {
+        PipelineRule::new("layers", kind, micro)
+            .first(&["input"])
+            .last(&["norm", "input"])
+    };
+    let plan = |rule| ParallelizePlan::new().pipeline(rule);
+    let split = |rule| {
+        plan(rule)
+            .tensor_parallel(TensorParallelRule::colwise(&["layers.*.up"]))
+            .tensor_parallel(TensorParallelRule::rowwise(&["layers.*.down"]))
+            .fully_shard("")
+    };
+    let cases = [
+        ("pp=2", plan(rule(ScheduleKind::OneFOneB, 4))),
+        ("pp=2", plan(rule(ScheduleKind::GPipe, 2))),
+        ("pp=4", plan(rule(ScheduleKind::OneFOneB, 4))),
+        ("dp=2,pp=2", plan(rule(ScheduleKind::OneFOneB, 4))),
+        (
+            "pp=2",
+            plan(rule(ScheduleKind::Interleaved1F1B, 4).chunks(2)),
+        ),
+        ("pp=1", plan(rule(ScheduleKind::OneFOneB, 2))),
+        ("fsdp=2,tp=2,pp=2", split(rule(ScheduleKind::OneFOneB, 2))),
+    ];
+    for (mesh, plan) in cases {
+        let (run, held) = stack_pipelined(mesh, plan.clone());
+        let (loss, norm, weights) = (
+            max_rel(&run.0, &reference.0),
+            max_rel(&run.1, &reference.1),
+            max_scaled(&run.2, &reference.2),
+        );
+        let schedule = plan.pipeline.as_ref().unwrap().schedule;
+        assert!(
+            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+            "{mesh} {schedule}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+        );
+        if mesh != "pp=1" {
+            assert!(
+                held.iter().all(|h| *h < whole * 3 / 4),
+                "{mesh} {schedule}: every rank holds only its stages: {held:?} of {whole}"
+            );
+        }
+    }
+}
+
 #[test]
 fn plans_that_do_not_fit_the_model_or_mesh_are_refused_with_the_reason() {
     let refused = |mesh: &str, plan: ParallelizePlan| {
@@ -420,4 +605,70 @@ fn a_split_weight_read_by_burns_own_linear_fails_naming_it() {
         err.contains("`input.weight`") && err.contains("flashover::nn::Linear"),
         "{err}"
     );
+}
+
+#[test]
+fn pipeline_rules_that_do_not_fit_are_refused_with_the_reason() {
+    let refused = |mesh: &str, plan: ParallelizePlan| {
+        Launch::new(mesh)
+            .unwrap()
+            .run(|ctx| {
+                let device = Device::flex().autodiff();
+                parallelize(Stack::new(&device), &plan, &ctx).map(|_| ())
+            })
+            .unwrap_err()
+            .to_string()
+    };
+    let rule = |kind| {
+        PipelineRule::new("layers", kind, 4)
+            .first(&["input"])
+            .last(&["norm", "input"])
+    };
+    let plan = |rule| ParallelizePlan::new().pipeline(rule);
+    let cases = [
+        ("pp=2", ParallelizePlan::new(), vec!["pp=2", "no pipeline"]),
+        (
+            "pp=2",
+            plan(rule(ScheduleKind::ZeroBubbleH1)),
+            vec!["zb-h1", "use 1f1b"],
+        ),
+        (
+            "pp=2",
+            plan(rule(ScheduleKind::OneFOneB).chunks(2)),
+            vec!["chunks = 2", "interleaved"],
+        ),
+        (
+            "pp=4",
+            plan(rule(ScheduleKind::Interleaved1F1B).chunks(2)),
+            vec!["4 layers cannot fill 8 stages"],
+        ),
+        (
+            "pp=2",
+            plan(rule(ScheduleKind::OneFOneB).last(&["input"])),
+            vec!["`norm.gamma` is in no pipeline stage"],
+        ),
+        (
+            "pp=2",
+            plan(PipelineRule::new("norm", ScheduleKind::OneFOneB, 4)),
+            vec!["`norm` must name a Vec of layers", "norm.gamma"],
+        ),
+    ];
+    for (mesh, plan, want) in cases {
+        let err = refused(mesh, plan);
+        assert!(want.iter().all(|w| err.contains(w)), "{want:?}: {err}");
+    }
+    // A pipelined model's forward is a stage's: the whole-model gradient call is refused.
+    let err = Launch::new("pp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (model, par) =
+                parallelize(Stack::new(&device), &plan(rule(ScheduleKind::GPipe)), &ctx)?;
+            let loss = Tensor::<1>::ones([1], &device).require_grad();
+            par.gradients(&model, loss.backward(), None, &ctx)
+                .map(|_| ())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("pipeline_step"), "{err}");
 }

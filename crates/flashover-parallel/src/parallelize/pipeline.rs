@@ -1,0 +1,309 @@
+//! A user's model cut into pipeline stages by a plan's [`PipelineRule`], and one training
+//! step of it through the pipeline executor.
+//!
+//! Every rank keeps the model's whole structure, but holds only the parameters of its stages:
+//! the others become one-element placeholders (so a stage's memory is its share). The model
+//! runs a stage through [`PipelineModel`]: the first stage embeds the micro-batch, each stage
+//! runs its layers, the last computes the loss. A module the first and the last stage both
+//! run (an embedding tied to the head) is held by both; their gradients are summed so the
+//! copies stay equal, and the first stage's copy is the one counted and gathered.
+
+use super::plan::PipelineRule;
+use crate::error::ParallelError;
+use crate::params::{ParamLayout, ParamSlot, placeholders};
+use crate::pipeline::{PipelineExecutor, PipelineStepReport, Schedule, ScheduleKind, StageOutput};
+use crate::placement::{PlacementTable, Tie};
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::{Device, Tensor};
+use flashover_comm::{CommunicatorExt, Group, ReduceOp};
+use flashover_runtime::Axis;
+use std::collections::HashSet;
+use std::ops::Range;
+
+/// A model a pipeline plan can cut into stages: its forward in three parts, each a few lines
+/// of what the model's own forward does (and the single-device loss is
+/// `head_loss(layers(embed(batch)), batch)`, so there is one forward).
+///
+/// `D` is the rank of the activations between layers (3 for `[batch, seq, width]`).
+pub trait PipelineModel<const D: usize>: Module {
+    /// One micro-batch: the inputs the first stage reads and the targets the last one does.
+    type Batch;
+
+    /// The first stage's part before the layers: the micro-batch's input activation.
+    fn embed(&self, batch: &Self::Batch) -> Tensor<D>;
+
+    /// Layer `index` of the plan's `layers` (`self.blocks[index].forward(x)`).
+    fn layer(&self, index: usize, x: Tensor<D>) -> Tensor<D>;
+
+    /// The last stage's part after the layers: the micro-batch's mean loss.
+    fn head_loss(&self, x: Tensor<D>, batch: &Self::Batch) -> Tensor<1>;
+}
+
+/// Where a plan's pipeline puts each layer and parameter, seen from one rank.
+pub(super) struct Stages {
+    pub(super) schedule: Schedule,
+    /// Layers of each stage, in order.
+    layers: Vec<Range<usize>>,
+    /// Per parameter (layout order): whether this rank holds it.
+    held: Vec<bool>,
+    /// The parameters this rank does not hold, by path.
+    pub(super) absent: HashSet<String>,
+    /// The parameters held by two pipeline ranks, and whether this rank's copy is the first
+    /// stage's.
+    tied: Vec<(usize, Tie)>,
+    /// The whole model's parameters (global shapes).
+    pub(super) whole: ParamLayout,
+    pp: Group,
+    /// The ranks of the first and last stage, which sum tied copies (on both of them).
+    tie: Option<Group>,
+}
+
+impl Stages {
+    /// `rule` applied to a model of parameters `whole`, for pipeline rank `pp.rank()`
+    /// (collective over `pp`: the tie group is made here). Fails naming what does not fit.
+    pub(super) fn new(
+        rule: &PipelineRule,
+        whole: ParamLayout,
+        pp: &Group,
+    ) -> Result<Self, ParallelError> {
+        let schedule = schedule(rule, pp.size())?;
+        let stages = schedule.stages();
+        let layer_of: Vec<Option<usize>> = whole
+            .slots
+            .iter()
+            .map(|s| layer_index(rule, s))
+            .collect::<Result<_, _>>()?;
+        let count = layer_of.iter().flatten().max().map_or(0, |i| i + 1);
+        if count < stages {
+            return Err(ParallelError::Invalid(format!(
+                "pipeline layers `{}`: {count} layers cannot fill {stages} stages (pp = {} x \
+                 chunks = {}); every stage runs at least one layer",
+                rule.layers.as_str(),
+                pp.size(),
+                schedule.chunks
+            )));
+        }
+        // As even as can be, the first stages taking the remainder.
+        let mut layers = vec![];
+        let mut start = 0;
+        for s in 0..stages {
+            let n = count / stages + usize::from(s < count % stages);
+            layers.push(start..start + n);
+            start += n;
+        }
+        let last = stages - 1;
+        let mine: Vec<usize> = (0..schedule.chunks)
+            .map(|c| schedule.stage_of(pp.rank(), c))
+            .collect();
+        let (mut held, mut absent, mut tied) = (vec![], HashSet::new(), vec![]);
+        for (index, (slot, layer)) in whole.slots.iter().zip(&layer_of).enumerate() {
+            let in_first = rule.first.iter().any(|p| p.contains(&slot.name));
+            let in_last = rule.last.iter().any(|p| p.contains(&slot.name));
+            let stages_of: Vec<usize> = match layer {
+                Some(i) => vec![layers.iter().position(|r| r.contains(i)).expect("covered")],
+                None => [(in_first, 0), (in_last, last)]
+                    .into_iter()
+                    .filter_map(|(is, stage)| is.then_some(stage))
+                    .collect(),
+            };
+            if stages_of.is_empty() {
+                return Err(ParallelError::Invalid(format!(
+                    "parameter `{}` is in no pipeline stage: it is not under `{}` (the \
+                     layers); name its module in the pipeline's `first` (run before the \
+                     layers) or `last` (after them)",
+                    slot.name,
+                    rule.layers.as_str()
+                )));
+            }
+            let holds = stages_of.iter().any(|s| mine.contains(s));
+            held.push(holds);
+            if !holds {
+                absent.insert(slot.name.clone());
+            }
+            let ranks: HashSet<usize> = stages_of.iter().map(|&s| schedule.place(s).0).collect();
+            if holds && ranks.len() > 1 {
+                let original = schedule.place(0).0 == pp.rank();
+                tied.push((index, if original { Tie::Original } else { Tie::Copy }));
+            }
+        }
+        let (first_rank, last_rank) = (schedule.place(0).0, schedule.place(last).0);
+        let ends = pp.rank() == first_rank || pp.rank() == last_rank;
+        let tie = if pp.size() > 1 {
+            let group = pp.split(usize::from(!ends), pp.rank(), "pipeline-tie")?;
+            (ends && !tied.is_empty()).then_some(group)
+        } else {
+            None
+        };
+        Ok(Stages {
+            schedule,
+            layers,
+            held,
+            absent,
+            tied,
+            whole,
+            pp: pp.clone(),
+            tie,
+        })
+    }
+
+    /// `model` with the parameters of other ranks' stages replaced by placeholders.
+    pub(super) fn cut<M: Module>(&self, model: M) -> M {
+        struct Cut<'a> {
+            held: &'a [bool],
+            index: usize,
+        }
+        impl ModuleMapper for Cut<'_> {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                let holds = self.held[self.index];
+                self.index += 1;
+                if holds { param } else { placeholders(param) }
+            }
+        }
+        model.map(&mut Cut {
+            held: &self.held,
+            index: 0,
+        })
+    }
+
+    /// Records that this rank's parameters are its own over `pp` and which are tied copies.
+    pub(super) fn place(&self, placements: &mut PlacementTable) -> Result<(), ParallelError> {
+        if self.pp.size() == 1 {
+            return Ok(());
+        }
+        for slot in &self.whole.slots {
+            placements.own(slot.id, Axis::Pp)?;
+        }
+        for (index, tie) in &self.tied {
+            placements.tie(self.whole.slots[*index].id, *tie)?;
+        }
+        Ok(())
+    }
+
+    /// The group tied copies are summed over, on the ranks that hold one.
+    pub(super) fn tie_group(&self) -> Option<&Group> {
+        self.tie.as_ref()
+    }
+
+    /// The whole model's parameter values in layout order, from this rank's `local` ones (its
+    /// held parameters gathered whole over `tp` and `fsdp` already): summed over `pp`, each
+    /// parameter from the one rank that counts it (collective over `pp`).
+    pub(super) fn gather(
+        &self,
+        local: &[f32],
+        local_layout: &ParamLayout,
+    ) -> Result<Vec<f32>, ParallelError> {
+        let mut whole = vec![0.0; self.whole.numel];
+        for (i, (slot, mine)) in self.whole.slots.iter().zip(&local_layout.slots).enumerate() {
+            let copy = self
+                .tied
+                .iter()
+                .any(|(t, tie)| *t == i && *tie == Tie::Copy);
+            if self.held[i] && !copy {
+                whole[slot.offset..slot.offset + slot.numel]
+                    .copy_from_slice(&local[mine.offset..mine.offset + mine.numel]);
+            }
+        }
+        if self.pp.size() > 1 {
+            self.pp.all_reduce(&mut whole, ReduceOp::Sum)?;
+        }
+        Ok(whole)
+    }
+
+    /// One step's forwards and backwards of this rank's stages over `share` (this rank's
+    /// samples, cut into the rule's micro-batches): the gradients summed over its chunks and
+    /// averaged over micro-batches, in `model`'s layout, and the mean loss of the share (the
+    /// same on every rank of `pp`).
+    pub(super) fn step<M, const D: usize>(
+        &self,
+        model: &M,
+        share: Range<usize>,
+        activation: [usize; D],
+        device: &Device,
+        micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
+    ) -> Result<(Vec<f32>, f32, PipelineStepReport), ParallelError>
+    where
+        M: PipelineModel<D>,
+    {
+        let m = self.schedule.micro_batches;
+        if !share.len().is_multiple_of(m) {
+            return Err(ParallelError::Invalid(format!(
+                "this rank's {} samples do not split into {m} micro-batches: use a global \
+                 batch that is a multiple of {m} x the data-parallel ranks",
+                share.len()
+            )));
+        }
+        let per = share.len() / m;
+        let micro = |k: usize| share.start + k * per..share.start + (k + 1) * per;
+        let last = self.schedule.stages() - 1;
+        let rank = self.pp.rank();
+        let forward = |chunk: usize, m: &M, input: Option<Tensor<D>>, k: usize| {
+            let stage = self.schedule.stage_of(rank, chunk);
+            let batch = (stage == 0 || stage == last).then(|| micro_batch(micro(k)));
+            let mut x = match input {
+                Some(x) => x,
+                None => m.embed(batch.as_ref().expect("the first stage reads its batch")),
+            };
+            for i in self.layers[stage].clone() {
+                x = m.layer(i, x);
+            }
+            match batch {
+                Some(batch) if stage == last => StageOutput::Loss(m.head_loss(x, &batch)),
+                _ => StageOutput::Activation(x),
+            }
+        };
+        let chunks = vec![model.clone(); self.schedule.chunks];
+        let executor = PipelineExecutor::new(&self.schedule, &self.pp)?;
+        let (grads, report) = executor.step(&chunks, activation, device, forward)?;
+        let mut flat = vec![0.0; ParamLayout::of(model).numel];
+        for g in &grads {
+            crate::params::accumulate_grads(model, g, &mut flat, &[]);
+        }
+        let mut loss = [report.loss_sum as f32 / m as f32];
+        if self.pp.size() > 1 {
+            self.pp.all_reduce(&mut loss, ReduceOp::Sum)?;
+        }
+        Ok((flat, loss[0], report))
+    }
+}
+
+/// The rule's schedule for `pp` ranks; refuses what a plan cannot run as asked.
+fn schedule(rule: &PipelineRule, pp: usize) -> Result<Schedule, ParallelError> {
+    let refuse = |why: String| ParallelError::Invalid(format!("pipeline schedule: {why}"));
+    match rule.schedule {
+        ScheduleKind::ZeroBubbleH1 => {
+            return Err(refuse(
+                "zb-h1 moves weight gradients into the bubbles only for layers that compute \
+                 them through `pipeline::deferred_linear`; a plan's layers compute them with \
+                 the input gradients, so it would run as 1f1b: use 1f1b"
+                    .into(),
+            ));
+        }
+        ScheduleKind::Interleaved1F1B => {}
+        _ if rule.chunks != 1 => {
+            return Err(refuse(format!(
+                "chunks = {} puts several stages on each rank, which only the interleaved \
+                 schedule runs; use schedule = \"interleaved\" or chunks = 1",
+                rule.chunks
+            )));
+        }
+        _ => {}
+    }
+    Schedule::build(rule.schedule, pp, rule.micro_batches, rule.chunks).map_err(refuse)
+}
+
+/// The index of the layer `slot` belongs to, if it is under the rule's layers.
+fn layer_index(rule: &PipelineRule, slot: &ParamSlot) -> Result<Option<usize>, ParallelError> {
+    if !rule.layers.contains(&slot.name) {
+        return Ok(None);
+    }
+    let depth = rule.layers.depth();
+    match slot.name.split('.').nth(depth).map(str::parse::<usize>) {
+        Some(Ok(i)) if slot.name.split('.').count() > depth + 1 => Ok(Some(i)),
+        _ => Err(ParallelError::Invalid(format!(
+            "pipeline layers `{}` must name a Vec of layers (`{0}.0`, `{0}.1`, ...), but it \
+             holds `{}`",
+            rule.layers.as_str(),
+            slot.name
+        ))),
+    }
+}
