@@ -6,10 +6,14 @@
 //! `heads / tp`). Query, key and value are separate layers: a fused `[d, 3d]` projection split
 //! by columns would hand rank 0 all of the queries and none of the values.
 //!
+//! For pipelines its forward is written in three parts (`PipelineModel`: embed, one block,
+//! head and loss), which its single-device loss composes.
+//!
 //! It trains on one rank with a plain Burn loop, then fully sharded at `fsdp=2` (the whole
 //! model), `dp=2,fsdp=2` (HSDP: two replicas of a two-way sharded model), `fsdp=2` with only
-//! the blocks sharded, `tp=2` (Megatron's column/row split of attention and MLP) and
-//! `fsdp=2,tp=2` (both). Losses and every final weight match the single rank within 1e-5
+//! the blocks sharded, `tp=2` (Megatron's column/row split of attention and MLP),
+//! `fsdp=2,tp=2` (both), `dp=2,pp=2` (two stages, 1F1B over 4 micro-batches, the tied
+//! embedding on both ends) and `fsdp=2,tp=2,pp=2` (all three). Losses and every final weight match the single rank within 1e-5
 //! (fp32), and each rank stores its share of the parameters.
 //!
 //! Run: `cargo run --example parallelize_gpt2`
@@ -36,6 +40,7 @@ const GLOBAL_BATCH: usize = 8;
 const STEPS: usize = 12;
 const LR: f64 = 3e-3;
 const MAX_NORM: f32 = 1.0;
+const MICRO_BATCHES: usize = 4;
 
 // ---- The user's model: plain Burn, its linear layers flashover::nn::Linear. ----
 
@@ -91,36 +96,56 @@ impl Gpt2 {
         }
     }
 
-    /// Next-token logits `[batch, seq, vocab]`.
-    fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        let [batch, seq] = tokens.dims();
-        let device = tokens.device();
-        let positions = Tensor::<1, Int>::arange(0..seq as i64, &device).reshape([1, seq]);
-        let mut x = self.wte.forward(tokens) + self.wpe.forward(positions);
-        let mask = Tensor::<2, Bool>::tril_mask([seq, seq], 0, &device).reshape([1, 1, seq, seq]);
-        for b in &self.blocks {
-            let h = b.ln_1.forward(x.clone());
-            // tp: HEADS on one device, HEADS / tp on a rank of a column-wise split.
-            let heads = b.query.d_output() / HEAD_DIM;
-            let split = |t: Tensor<3>| t.reshape([batch, seq, heads, HEAD_DIM]).swap_dims(1, 2);
-            let [q, k, v] = [&b.query, &b.key, &b.value].map(|l| split(l.forward(h.clone())));
-            let scores = q.matmul(k.swap_dims(2, 3)) / (HEAD_DIM as f64).sqrt();
-            let attn = softmax(scores.mask_fill(mask.clone(), -1e9), 3).matmul(v);
-            let attn = attn.swap_dims(1, 2).reshape([batch, seq, heads * HEAD_DIM]); // tp: not WIDTH
-            x = x + b.proj.forward(attn);
-            x = x.clone() + b.out.forward(gelu(b.fc.forward(b.ln_2.forward(x))));
-        }
-        // The head is the token embedding, transposed (tied weights).
-        let head = self.wte.weight.val().transpose().unsqueeze::<3>();
-        self.ln_f.forward(x).matmul(head)
+    /// The mean next-token loss of `(tokens, targets)`: the model's forward, written as the
+    /// three parts a pipeline runs on different stages.
+    fn loss(&self, batch: &(Tensor<2, Int>, Tensor<2, Int>)) -> Tensor<1> {
+        let x = (0..LAYERS).fold(self.embed(batch), |x, i| self.layer(i, x));
+        self.head_loss(x, batch)
+    }
+}
+
+/// pp: the forward in three parts, so a pipeline stage can run its share of it.
+impl PipelineModel<3> for Gpt2 {
+    /// Tokens and next tokens, `[batch, seq]` each.
+    type Batch = (Tensor<2, Int>, Tensor<2, Int>);
+
+    /// Token and position embeddings, `[batch, seq, width]`.
+    fn embed(&self, (tokens, _): &Self::Batch) -> Tensor<3> {
+        let seq = tokens.dims()[1];
+        let positions = Tensor::<1, Int>::arange(0..seq as i64, &tokens.device()).reshape([1, seq]);
+        self.wte.forward(tokens.clone()) + self.wpe.forward(positions)
     }
 
-    fn loss(&self, tokens: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
-        let [batch, seq] = tokens.dims();
-        let logits = self.forward(tokens).reshape([batch * seq, VOCAB]);
+    /// Block `index`: causal self-attention and the MLP, each with a residual.
+    fn layer(&self, index: usize, x: Tensor<3>) -> Tensor<3> {
+        let b = &self.blocks[index];
+        let [batch, seq, _] = x.dims();
+        let mask =
+            Tensor::<2, Bool>::tril_mask([seq, seq], 0, &x.device()).reshape([1, 1, seq, seq]);
+        let h = b.ln_1.forward(x.clone());
+        // tp: HEADS on one device, HEADS / tp on a rank of a column-wise split.
+        let heads = b.query.d_output() / HEAD_DIM;
+        let split = |t: Tensor<3>| t.reshape([batch, seq, heads, HEAD_DIM]).swap_dims(1, 2);
+        let [q, k, v] = [&b.query, &b.key, &b.value].map(|l| split(l.forward(h.clone())));
+        let scores = q.matmul(k.swap_dims(2, 3)) / (HEAD_DIM as f64).sqrt();
+        let attn = softmax(scores.mask_fill(mask, -1e9), 3).matmul(v);
+        let attn = attn.swap_dims(1, 2).reshape([batch, seq, heads * HEAD_DIM]); // tp: not WIDTH
+        let x = x + b.proj.forward(attn);
+        x.clone() + b.out.forward(gelu(b.fc.forward(b.ln_2.forward(x))))
+    }
+
+    /// The final norm, the head (the token embedding transposed: tied weights), the loss.
+    fn head_loss(&self, x: Tensor<3>, (_, targets): &Self::Batch) -> Tensor<1> {
+        let [batch, seq, _] = x.dims();
+        let head = self.wte.weight.val().transpose().unsqueeze::<3>();
+        let logits = self
+            .ln_f
+            .forward(x)
+            .matmul(head)
+            .reshape([batch * seq, VOCAB]);
         CrossEntropyLossConfig::new()
             .init(&logits.device())
-            .forward(logits, targets.reshape([batch * seq]))
+            .forward(logits, targets.clone().reshape([batch * seq]))
     }
 }
 
@@ -151,7 +176,7 @@ fn single_rank() -> Run {
     let mut losses = vec![];
     for step in 0..STEPS {
         let (x, y) = batch(step * GLOBAL_BATCH..(step + 1) * GLOBAL_BATCH, &device);
-        let loss = model.loss(x, y);
+        let loss = model.loss(&(x, y));
         losses.push(loss.clone().into_scalar::<f32>());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         let grads = clip(&model, grads);
@@ -177,13 +202,33 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> (Run, Vec<usize>) {
             // The lines a plan adds to the loop are marked `+`.
             let (mut model, par) = parallelize(Gpt2::new(&device), plan, &ctx)?; // +
             let stored = ParamLayout::of(&model).numel;
+            // pp: what a block takes for one micro-batch of this rank's share.
+            let data = ctx.mesh().degree(Axis::Dp) * ctx.mesh().degree(Axis::Fsdp);
+            let activation = [GLOBAL_BATCH / data / MICRO_BATCHES, SEQ, WIDTH]; // pp
             let mut optim = AdamWConfig::new().init();
             let mut losses = vec![];
             for step in 0..STEPS {
-                let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device); // +
-                let loss = model.loss(x, y);
-                losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?); // +
-                let (grads, _) = par.gradients(&model, loss.backward(), Some(MAX_NORM), &ctx)?; // +
+                let grads = if plan.pipeline.is_none() {
+                    let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device); // +
+                    let loss = model.loss(&(x, y));
+                    losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?); // +
+                    par.gradients(&model, loss.backward(), Some(MAX_NORM), &ctx)?
+                        .0 // +
+                } else {
+                    // pp: the schedule runs this rank's stages over the micro-batches.
+                    let micro_batch = |samples| batch(samples, &device); // pp
+                    let out = par.pipeline_step(
+                        &model,
+                        GLOBAL_BATCH,
+                        step,
+                        activation,
+                        &micro_batch,
+                        Some(MAX_NORM),
+                        &ctx,
+                    )?; // pp
+                    losses.push(out.loss); // pp
+                    out.grads // pp
+                };
                 model = optim.step(LR, model, grads);
             }
             let weights = flatten_params(&par.whole(model)?); // + (gathers the shards)
@@ -212,12 +257,25 @@ fn main() {
         .tensor_parallel(TensorParallelRule::rowwise(&["blocks.*.proj"]).in_units(HEAD_DIM))
         .tensor_parallel(TensorParallelRule::colwise(&["blocks.*.fc"]))
         .tensor_parallel(TensorParallelRule::rowwise(&["blocks.*.out"]));
+    // One block per stage of two; the token embedding on the first and (as the head) the
+    // last stage, which keep their copies in step.
+    let pipeline = PipelineRule::new("blocks", ScheduleKind::OneFOneB, MICRO_BATCHES)
+        .first(&["wte", "wpe"])
+        .last(&["ln_f", "wte"]);
     let layouts = [
         ("fsdp=2", ParallelizePlan::new().fully_shard("")),
         ("dp=2,fsdp=2", ParallelizePlan::new().fully_shard("")),
         ("fsdp=2", ParallelizePlan::new().fully_shard("blocks")),
         ("tp=2", tp_plan.clone()),
-        ("fsdp=2,tp=2", tp_plan.fully_shard("")),
+        ("fsdp=2,tp=2", tp_plan.clone().fully_shard("")),
+        (
+            "dp=2,pp=2",
+            ParallelizePlan::new().pipeline(pipeline.clone()),
+        ),
+        (
+            "fsdp=2,tp=2,pp=2",
+            tp_plan.fully_shard("").pipeline(pipeline),
+        ),
     ];
     for (mesh, plan) in &layouts {
         let (run, stored) = parallel(mesh, plan);
@@ -230,13 +288,15 @@ fn main() {
             .fold(0.0, f32::max);
         let weights = flashover::check::relative_difference(&reference.1, &run.1);
         let paths: Vec<&str> = plan.fully_shard.iter().map(|p| p.as_str()).collect();
-        let split = if plan.tensor_parallel.is_empty() {
-            ""
-        } else {
-            ", attention and MLP split over tp"
-        };
+        let mut split = String::new();
+        if !plan.tensor_parallel.is_empty() {
+            split += ", attention and MLP split over tp";
+        }
+        if let Some(p) = &plan.pipeline {
+            split += &format!(", {} over {} micro-batches", p.schedule, p.micro_batches);
+        }
         println!(
-            "{mesh:<12} fully_shard {paths:?}{split}: stores {stored:?} of {whole} parameters per rank; max relative difference: losses {loss:.2e}, weights {weights:.2e}"
+            "{mesh:<16} fully_shard {paths:?}{split}: stores {stored:?} of {whole} parameters per rank; max relative difference: losses {loss:.2e}, weights {weights:.2e}"
         );
         assert!(loss < 1e-5 && weights < 1e-5, "{mesh} must match one rank");
         assert!(

@@ -80,8 +80,10 @@ pub mod prelude {
     };
     pub use flashover_parallel::ParallelError;
     pub use flashover_parallel::parallelize::{
-        ModulePath, ParallelizePlan, Parallelized, TensorParallelRule, TpStyle, parallelize,
+        ModulePath, ParallelizePlan, Parallelized, PipelineModel, PipelineRule, PipelineStep,
+        TensorParallelRule, TpStyle, parallelize,
     };
+    pub use flashover_parallel::pipeline::ScheduleKind;
 }
 
 pub use flashover_checkpoint as checkpoint;
