@@ -249,11 +249,9 @@ fn main() {
     );
     // Megatron's split: attention heads and the MLP's hidden features by columns, the
     // projections back to the residual by rows; everything else whole on every tp rank.
+    let heads = TensorParallelRule::colwise(&["blocks.*.query", "blocks.*.key", "blocks.*.value"]);
     let tp_plan = ParallelizePlan::new()
-        .tensor_parallel(
-            TensorParallelRule::colwise(&["blocks.*.query", "blocks.*.key", "blocks.*.value"])
-                .in_units(HEAD_DIM),
-        )
+        .tensor_parallel(heads.in_units(HEAD_DIM))
         .tensor_parallel(TensorParallelRule::rowwise(&["blocks.*.proj"]).in_units(HEAD_DIM))
         .tensor_parallel(TensorParallelRule::colwise(&["blocks.*.fc"]))
         .tensor_parallel(TensorParallelRule::rowwise(&["blocks.*.out"]));
