@@ -40,6 +40,7 @@ pub mod bench;
 pub mod check;
 pub mod heap;
 pub mod plan;
+pub mod plan_checkpoint;
 pub mod train;
 
 /// What a training loop on your own Burn model needs from Flashover, in one import.
@@ -75,6 +76,7 @@ pub mod train;
 /// assert_eq!(losses[0], losses[1]);
 /// ```
 pub mod prelude {
+    pub use crate::plan_checkpoint::{Checkpoints, RunState};
     pub use crate::{
         Axis, CommunicatorExt, Launch, RankContext, ReduceOp, TensorCollectives, launch,
     };

@@ -11,6 +11,9 @@ use flashover_checkpoint::Checkpoint;
 use flashover_parallel::params::{ParamLayout, flatten_params};
 use std::path::{Path, PathBuf};
 
+#[path = "checkpoints/plan.rs"]
+mod plan;
+
 const TOLERANCE: f64 = 1e-5;
 const STEPS: usize = 8;
 const HALF: usize = 4;

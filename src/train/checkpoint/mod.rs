@@ -81,6 +81,6 @@ mod saver;
 mod tools;
 
 pub use placement::{LocalState, Segment, whole_segments};
-pub(crate) use placement::{placed_segments, run_segments};
+pub(crate) use placement::{pieces_to_write, placed_segment, placed_segments, run_segments};
 pub use saver::Saver;
 pub use tools::{export, open, reshard};

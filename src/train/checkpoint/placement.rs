@@ -76,7 +76,7 @@ impl Segment {
     }
 
     /// Puts the region's `values` (region order) into `flat`.
-    fn scatter(&self, values: &[f32], flat: &mut [f32]) {
+    pub(crate) fn scatter(&self, values: &[f32], flat: &mut [f32]) {
         for run in self.local_region.runs(&self.local_shape) {
             let at = self.local + run.global;
             flat[at..at + run.len].copy_from_slice(&values[run.local..run.local + run.len]);

@@ -40,10 +40,11 @@ pub use plan::{ModulePath, ParallelizePlan, PipelineRule, TensorParallelRule, Tp
 use crate::clip_scale;
 use crate::error::ParallelError;
 use crate::params::{
-    ParamLayout, accumulate_grads, broadcast_module, flatten_params, grads_from_flat, load_shaped,
+    ParamLayout, ParamSlot, accumulate_grads, broadcast_module, flatten_params, grads_from_flat,
+    load_shaped,
 };
 use crate::pipeline::PipelineStepReport;
-use crate::placement::{GradientReducer, PlacementTable, global_grad_norm};
+use crate::placement::{GradientReducer, ParamPlacement, PlacementTable, global_grad_norm};
 use crate::precision::Precision;
 use burn::module::Module;
 use burn::optim::GradientsParams;
@@ -164,6 +165,22 @@ impl Parallelized {
     /// Where every parameter of the parallelized model lives (for norms, checkpoints).
     pub fn placements(&self) -> &PlacementTable {
         &self.placements
+    }
+
+    /// The parameters of `model` this rank holds (all but other pipeline stages'
+    /// placeholders), each with its slot in `model`'s flat layout and its placement: what a
+    /// checkpoint saves and restores on this rank.
+    pub fn held_entries<'a, M: Module>(
+        &'a self,
+        model: &M,
+    ) -> Result<Vec<(ParamSlot, &'a ParamPlacement)>, ParallelError> {
+        let absent = self.stages.as_ref().map(|s| &s.absent);
+        Ok(self
+            .placements
+            .entries_of(model)?
+            .into_iter()
+            .filter(|(slot, _)| !absent.is_some_and(|a| a.contains(&slot.name)))
+            .collect())
     }
 
     /// The whole model on every rank: each split or sharded parameter gathered, each
