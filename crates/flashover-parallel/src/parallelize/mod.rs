@@ -15,7 +15,7 @@
 //! What each mesh axis does to the model:
 //! - `dp`: replicas; each reads its share of the batch; gradients averaged.
 //! - `fsdp`: as `dp` for the batch; the plan's `fully_shard` modules keep `1/fsdp` of each
-//!   parameter per rank, gathered where the forward reads them (Burn's parameter
+//!   parameter per rank (but see [`Parallelized::kept_whole`]), gathered where the forward reads them (Burn's parameter
 //!   reparameterization, see [`placed`]), so the model's code does not change and any
 //!   Burn optimizer steps the shards.
 //! - `tp`: the plan's `tensor_parallel` linear layers hold their columns or rows
@@ -24,9 +24,14 @@
 //!   projection's local width ([`crate::nn::Linear::d_output`]). Every `tp` rank reads the
 //!   same samples; the parameters outside the rules are computed identically on each.
 //!
-//! Other axes (`pp`, `cp`, `ep`) split the model's computation in ways a plan does not yet
-//! describe (their layers are in `crate::pipeline`, `crate::context_parallel`, ...): a plan
-//! refuses a mesh that has them rather than running the model on them unsplit.
+//! - `pp`: the plan's `pipeline` cuts the model's repeated layers into stages; each rank keeps
+//!   its stages' parameters (placeholders for the rest) and trains through
+//!   [`Parallelized::pipeline_step`], running its part of the forward ([`PipelineModel`]).
+//!
+//! The `cp` and `ep` axes split a model's computation in ways a plan has no rule for (their
+//! layers are in `crate::context_parallel` and `crate::expert_parallel`): a plan refuses a
+//! mesh that has them rather than running the model on them unsplit. So does a mesh with
+//! `tp` or `pp` when the plan has no rule for that axis.
 
 pub mod pipeline;
 pub mod placed;
@@ -53,6 +58,7 @@ use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use flashover_runtime::{Axis, RankContext};
 use pipeline::Stages;
 use placed::WholeReads;
+use std::collections::BTreeMap;
 use std::ops::Range;
 
 /// The axes whose ranks read different samples.
@@ -68,6 +74,8 @@ pub struct Parallelized {
     whole_reads: WholeReads,
     /// The pipeline's stages, when the plan has one.
     stages: Option<Stages>,
+    /// Parameters under `fully_shard` paths left whole, with the layer type that needs it.
+    kept_whole: BTreeMap<String, &'static str>,
 }
 
 /// What one [`Parallelized::pipeline_step`] computed.
@@ -112,6 +120,11 @@ pub fn parallelize<M: Module>(
         None => model,
     };
     let whole_reads = WholeReads::default();
+    let kept_whole = if plan.fully_shard.is_empty() {
+        Default::default()
+    } else {
+        placed::reads_stored_shape(&model)
+    };
     let mut error = None;
     let place = placed::PlaceParams {
         plan,
@@ -120,6 +133,7 @@ pub fn parallelize<M: Module>(
         placements: &mut placements,
         whole_reads: whole_reads.clone(),
         absent: stages.as_ref().map(|s| &s.absent),
+        kept_whole: &kept_whole,
         error: &mut error,
     };
     let model = model.apply_reparameterization(place);
@@ -132,6 +146,7 @@ pub fn parallelize<M: Module>(
         data: ctx.subgroup(&DATA_AXES)?,
         whole_reads,
         stages,
+        kept_whole,
     };
     Ok((model, par))
 }
@@ -165,6 +180,14 @@ impl Parallelized {
     /// Where every parameter of the parallelized model lives (for norms, checkpoints).
     pub fn placements(&self) -> &PlacementTable {
         &self.placements
+    }
+
+    /// The parameters under the plan's `fully_shard` paths that stay whole, each with the Burn
+    /// layer it belongs to: layers whose forward reads the parameter's stored shape
+    /// (`RmsNorm`, `BatchNorm`, `PositionWiseFeedForward` in Burn 0.22.1), which a shard would
+    /// answer wrongly. Empty for most models.
+    pub fn kept_whole(&self) -> &BTreeMap<String, &'static str> {
+        &self.kept_whole
     }
 
     /// The parameters of `model` this rank holds (all but other pipeline stages'

@@ -233,6 +233,13 @@ impl Stages {
             )));
         }
         let per = share.len() / m;
+        if activation[0] != per {
+            return Err(ParallelError::Invalid(format!(
+                "pipeline_step: the activation shape {activation:?} must start with the \
+                 micro-batch's size, {per} (this rank's {} samples over {m} micro-batches)",
+                share.len()
+            )));
+        }
         let micro = |k: usize| share.start + k * per..share.start + (k + 1) * per;
         let last = self.schedule.stages() - 1;
         let rank = self.pp.rank();

@@ -22,10 +22,11 @@ use crate::error::ParallelError;
 use crate::placement::PlacementTable;
 use crate::tensor_parallel::comm::{gather_from_sp, gather_from_tp};
 use crate::tensor_parallel::split_dim;
-use burn::module::{Module, Param, Reparameterization, Reparameterizer};
+use burn::module::{Module, ModuleVisitor, Param, Reparameterization, Reparameterizer};
 use burn::tensor::Tensor;
 use flashover_comm::Group;
 use flashover_runtime::Axis;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -39,6 +40,9 @@ pub struct Placed {
     fsdp: Option<RowShard>,
     #[module(skip)]
     tp: Option<TpSplit>,
+    /// A placeholder for a parameter another pipeline rank holds.
+    #[module(skip)]
+    on_other_stage: bool,
     #[module(skip)]
     whole_reads: WholeReads,
 }
@@ -120,6 +124,17 @@ impl Reparameterization for Placed {
     const NAME: &'static str = "placed";
 
     fn apply<const D: usize>(&self, base: Tensor<D>) -> Tensor<D> {
+        if self.on_other_stage {
+            // Gathered over `pp` by `Parallelized::whole`; read nowhere else.
+            assert!(
+                self.whole_reads.allowed(),
+                "`{}` belongs to a pipeline stage another rank holds (this rank keeps a \
+                 placeholder): a model cut into stages trains through \
+                 Parallelized::pipeline_step, which runs only this rank's stages",
+                self.name
+            );
+            return base;
+        }
         let local = self.local(base);
         match &self.tp {
             None => local,
@@ -144,6 +159,51 @@ pub fn local_value<const D: usize>(param: &Param<Tensor<D>>) -> (Tensor<D>, Opti
         Some(placed) if placed.tp.is_some() => (placed.local(param.base()), placed.tp()),
         _ => (param.val(), None),
     }
+}
+
+/// Burn 0.22.1 layers whose forward reads a parameter's *stored* shape (`Param::shape()`,
+/// which a fully sharded parameter's shard answers) before calling `Param::val`: their
+/// parameters stay whole under `fully_shard`.
+const READS_STORED_SHAPE: [&str; 3] = ["RmsNorm", "BatchNorm", "PositionWiseFeedForward"];
+
+/// The parameters of `model` inside a layer of [`READS_STORED_SHAPE`], by path, with the
+/// layer's type.
+pub(super) fn reads_stored_shape<M: Module>(model: &M) -> BTreeMap<String, &'static str> {
+    #[derive(Default)]
+    struct Find {
+        path: Vec<String>,
+        /// The innermost enclosing layer of the list, per depth.
+        layers: Vec<Option<&'static str>>,
+        found: BTreeMap<String, &'static str>,
+    }
+    impl ModuleVisitor for Find {
+        fn enter_module(&mut self, name: &str, container_type: &str) {
+            let this = READS_STORED_SHAPE
+                .into_iter()
+                .find(|t| container_type.strip_prefix("Struct:") == Some(*t));
+            let outer = self.layers.last().copied().flatten();
+            self.path.push(name.to_string());
+            self.layers.push(this.or(outer));
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+            self.layers.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, _param: &Param<Tensor<D>>) {
+            if let Some(layer) = self.layers.last().copied().flatten() {
+                let path: Vec<&str> = self
+                    .path
+                    .iter()
+                    .map(String::as_str)
+                    .filter(|s| !s.is_empty())
+                    .collect();
+                self.found.insert(path.join("."), layer);
+            }
+        }
+    }
+    let mut find = Find::default();
+    model.visit(&mut find);
+    find.found
 }
 
 /// Rows `rank * chunk .. (rank + 1) * chunk` of `t`'s first dimension, `chunk = ceil(rows /
@@ -174,8 +234,10 @@ pub(super) struct PlaceParams<'a> {
     pub(super) tp: Group,
     pub(super) placements: &'a mut PlacementTable,
     pub(super) whole_reads: WholeReads,
-    /// Parameters of other pipeline ranks' stages (placeholders), by path: left as they are.
-    pub(super) absent: Option<&'a std::collections::HashSet<String>>,
+    /// Parameters of other pipeline ranks' stages (placeholders), by path: reading them panics.
+    pub(super) absent: Option<&'a HashSet<String>>,
+    /// Parameters `fully_shard` leaves whole ([`reads_stored_shape`]), by path.
+    pub(super) kept_whole: &'a BTreeMap<String, &'static str>,
     pub(super) error: &'a mut Option<ParallelError>,
 }
 
@@ -217,10 +279,19 @@ impl Reparameterizer for PlaceParams<'_> {
             .collect::<Vec<_>>()
             .join(".");
         if self.absent.is_some_and(|absent| absent.contains(&path)) {
-            return (param, None);
+            let placeholder = Placed {
+                name: path,
+                fsdp: None,
+                tp: None,
+                on_other_stage: true,
+                whole_reads: self.whole_reads.clone(),
+            };
+            return (param, Some(placeholder));
         }
         let tp = self.tp_dim::<D>(&path);
-        let fully_shard = self.fsdp.size() > 1 && self.plan.shard_path(&path).is_some();
+        let fully_shard = self.fsdp.size() > 1
+            && self.plan.shard_path(&path).is_some()
+            && !self.kept_whole.contains_key(&path);
         if self.error.is_some() || (tp.is_none() && !fully_shard) {
             return (param, None);
         }
@@ -263,6 +334,7 @@ impl Reparameterizer for PlaceParams<'_> {
             name: path,
             fsdp: rows,
             tp: split,
+            on_other_stage: false,
             whole_reads: self.whole_reads.clone(),
         };
         (param, Some(placed))

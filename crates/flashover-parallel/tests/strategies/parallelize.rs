@@ -657,6 +657,22 @@ fn pipeline_rules_that_do_not_fit_are_refused_with_the_reason() {
         let err = refused(mesh, plan);
         assert!(want.iter().all(|w| err.contains(w)), "{want:?}: {err}");
     }
+    // Its plain forward reads other stages' placeholders: refused naming one and the way.
+    let err = Launch::new("pp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let plan = plan(rule(ScheduleKind::GPipe));
+            let (model, _) = parallelize(Stack::new(&device), &plan, &ctx)?;
+            model.loss(&batch(0..2, &device));
+            Ok::<_, ParallelError>(())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("another rank holds") && err.contains("pipeline_step"),
+        "{err}"
+    );
     // A pipelined model's forward is a stage's: the whole-model gradient call is refused.
     let err = Launch::new("pp=2")
         .unwrap()
@@ -671,4 +687,57 @@ fn pipeline_rules_that_do_not_fit_are_refused_with_the_reason() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("pipeline_step"), "{err}");
+}
+
+/// A model with Burn's RmsNorm, whose forward reads its scale's stored shape.
+#[derive(Module, Debug)]
+struct RmsNormed {
+    input: Linear,
+    norm: burn::nn::RmsNorm,
+    head: Linear,
+}
+
+impl Net for RmsNormed {
+    fn new(device: &Device) -> Self {
+        RmsNormed {
+            input: linear(FEATURES, HIDDEN, 0.2, device),
+            norm: burn::nn::RmsNormConfig::new(HIDDEN).init(device),
+            head: linear(HIDDEN, CLASSES, 0.4, device),
+        }
+    }
+
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        self.head
+            .forward(self.norm.forward(gelu(self.input.forward(x))))
+    }
+}
+
+#[test]
+fn layers_that_read_their_stored_shape_stay_whole_under_fully_shard() {
+    let reference = single_rank::<RmsNormed>();
+    let (run, _) = parallel::<RmsNormed>("fsdp=2", ParallelizePlan::new().fully_shard(""));
+    let (loss, weights) = (
+        max_rel(&run.0, &reference.0),
+        max_scaled(&run.2, &reference.2),
+    );
+    assert!(
+        loss < 1e-5 && weights < 1e-5,
+        "losses {loss:e}, weights {weights:e}"
+    );
+    let kept = Launch::new("fsdp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let plan = ParallelizePlan::new().fully_shard("");
+            let (_, par) = parallelize(RmsNormed::new(&device), &plan, &ctx)?;
+            Ok::<_, ParallelError>(par.kept_whole().clone())
+        })
+        .unwrap();
+    assert_eq!(
+        kept[0]
+            .iter()
+            .map(|(p, t)| (p.as_str(), *t))
+            .collect::<Vec<_>>(),
+        [("norm.gamma", "RmsNorm")]
+    );
 }
