@@ -1,9 +1,11 @@
 //! A GPT-2-style model written in plain Burn (learned absolute positions, LayerNorm with bias,
 //! GELU MLP, biased linear layers, the embedding tied to the output head), parallelized by a
-//! plan. Two things in it are for tensor parallelism, both also right on one device: its
-//! linear layers are `flashover::nn::Linear` (Burn's `Linear`, whose forward follows a split),
-//! and attention counts its heads from the query projection's width (a split one holds
-//! `heads / tp`). Query, key and value are separate layers: a fused `[d, 3d]` projection split
+//! plan. Three things in it are for tensor parallelism, all also right on one device: its
+//! linear layers and embeddings are `flashover::nn`'s (Burn's `Linear` and `Embedding`, whose
+//! forward follows a split), attention counts its heads from the query projection's width (a
+//! split one holds `heads / tp`), and the tied head and its loss come from the token
+//! embedding (`logits`, `cross_entropy`: a table split by vocabulary computes its rows'
+//! logits and reduces the loss over `tp` without gathering them). Query, key and value are separate layers: a fused `[d, 3d]` projection split
 //! by columns would hand rank 0 all of the queries and none of the values.
 //!
 //! For pipelines its forward is written in three parts (`PipelineModel`: embed, one block,
@@ -11,7 +13,8 @@
 //!
 //! It trains on one rank with a plain Burn loop, then fully sharded at `fsdp=2` (the whole
 //! model), `dp=2,fsdp=2` (HSDP: two replicas of a two-way sharded model), `fsdp=2` with only
-//! the blocks sharded, `tp=2` (Megatron's column/row split of attention and MLP),
+//! the blocks sharded, `tp=2` (Megatron's column/row split of attention and MLP, and the
+//! vocabulary-parallel embedding, head and loss),
 //! `fsdp=2,tp=2` (both), `dp=2,pp=2` (two stages, 1F1B over 4 micro-batches, the tied
 //! embedding on both ends) and `fsdp=2,tp=2,pp=2` (all three). Losses and every final weight match the single rank within 1e-5
 //! (fp32), and each rank stores its share of the parameters.
@@ -19,13 +22,12 @@
 //! Run: `cargo run --example parallelize_gpt2`
 
 use burn::module::Module;
-use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::{Embedding, LayerNorm, LayerNormConfig};
+use burn::nn::{LayerNorm, LayerNormConfig};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use flashover::models::init;
-use flashover::nn::Linear; // tp: Burn's Linear, whose forward follows a split
+use flashover::nn::{Embedding, Linear}; // tp: Burn's layers, whose forward follows a split
 use flashover::parallel::clip_global_norm;
 use flashover::parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
 use flashover::prelude::*;
@@ -42,7 +44,7 @@ const LR: f64 = 3e-3;
 const MAX_NORM: f32 = 1.0;
 const MICRO_BATCHES: usize = 4;
 
-// ---- The user's model: plain Burn, its linear layers flashover::nn::Linear. ----
+// ---- The user's model: plain Burn, its linear layers and embeddings flashover::nn's. ----
 
 #[derive(Module, Debug)]
 struct Block {
@@ -89,8 +91,8 @@ impl Gpt2 {
             out: linear(&format!("b{i}.out"), 4 * WIDTH, WIDTH, device),
         };
         Gpt2 {
-            wte: init::embedding(1, "wte", VOCAB, WIDTH, 0.02, device),
-            wpe: init::embedding(1, "wpe", SEQ, WIDTH, 0.01, device),
+            wte: init::embedding(1, "wte", VOCAB, WIDTH, 0.02, device).into(),
+            wpe: init::embedding(1, "wpe", SEQ, WIDTH, 0.01, device).into(),
             blocks: (0..LAYERS).map(block).collect(),
             ln_f: LayerNormConfig::new(WIDTH).init(device),
         }
@@ -136,16 +138,9 @@ impl PipelineModel<3> for Gpt2 {
 
     /// The final norm, the head (the token embedding transposed: tied weights), the loss.
     fn head_loss(&self, x: Tensor<3>, (_, targets): &Self::Batch) -> Tensor<1> {
-        let [batch, seq, _] = x.dims();
-        let head = self.wte.weight.val().transpose().unsqueeze::<3>();
-        let logits = self
-            .ln_f
-            .forward(x)
-            .matmul(head)
-            .reshape([batch * seq, VOCAB]);
-        CrossEntropyLossConfig::new()
-            .init(&logits.device())
-            .forward(logits, targets.clone().reshape([batch * seq]))
+        // tp: the table computes its (rows' of the) logits and their loss.
+        let logits = self.wte.logits(self.ln_f.forward(x));
+        self.wte.cross_entropy(logits, targets.clone())
     }
 }
 
@@ -254,7 +249,8 @@ fn main() {
         .tensor_parallel(heads.in_units(HEAD_DIM))
         .tensor_parallel(TensorParallelRule::rowwise(&["blocks.*.proj"]).in_units(HEAD_DIM))
         .tensor_parallel(TensorParallelRule::colwise(&["blocks.*.fc"]))
-        .tensor_parallel(TensorParallelRule::rowwise(&["blocks.*.out"]));
+        .tensor_parallel(TensorParallelRule::rowwise(&["blocks.*.out"]))
+        .tensor_parallel(TensorParallelRule::vocab(&["wte"]));
     // One block per stage of two; the token embedding on the first and (as the head) the
     // last stage, which keep their copies in step.
     let pipeline = PipelineRule::new("blocks", ScheduleKind::OneFOneB, MICRO_BATCHES)
@@ -288,7 +284,7 @@ fn main() {
         let paths: Vec<&str> = plan.fully_shard.iter().map(|p| p.as_str()).collect();
         let mut split = String::new();
         if !plan.tensor_parallel.is_empty() {
-            split += ", attention and MLP split over tp";
+            split += ", attention, MLP and vocabulary split over tp";
         }
         if let Some(p) = &plan.pipeline {
             split += &format!(", {} over {} micro-batches", p.schedule, p.micro_batches);

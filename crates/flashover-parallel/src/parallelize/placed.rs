@@ -61,6 +61,8 @@ pub struct TpSplit {
     pub style: TpStyle,
     /// The dimension of this parameter the split cuts.
     pub dim: usize,
+    /// That dimension's extent in the whole parameter (the vocabulary, for `vocab`).
+    pub rows: usize,
     /// The `tp` group.
     pub group: Group,
 }
@@ -139,13 +141,16 @@ impl Reparameterization for Placed {
         match &self.tp {
             None => local,
             Some(split) if self.whole_reads.allowed() => {
-                gather_from_tp(local, split.dim, &split.group)
+                let whole = gather_from_tp(local, split.dim, &split.group);
+                // Without the padding a vocabulary split adds.
+                whole.narrow(split.dim, 0, split.rows)
             }
             Some(split) => panic!(
                 "`{}` is split {:?} over tp by the parallelize plan, but a layer read it \
-                 whole (Param::val): the layers a plan splits must be flashover::nn::Linear, \
-                 whose forward computes with this rank's part (Burn's Linear would run the \
-                 unsplit layer on every tp rank)",
+                 whole (Param::val): the layers a plan splits must be flashover::nn::Linear \
+                 or flashover::nn::Embedding, whose forward computes with this rank's part \
+                 (Burn's would run the unsplit layer on every tp rank; a tied head reads the \
+                 table through Embedding::logits)",
                 self.name, split.style
             ),
         }
@@ -254,6 +259,7 @@ impl PlaceParams<'_> {
             (TpStyle::Colwise, 2) => Some((TpStyle::Colwise, 1)),
             (TpStyle::Colwise, 1) => Some((TpStyle::Colwise, 0)),
             (TpStyle::Rowwise, 2) => Some((TpStyle::Rowwise, 0)),
+            (TpStyle::Vocab, 2) => Some((TpStyle::Vocab, 0)),
             _ => None,
         }
     }
@@ -300,9 +306,15 @@ impl Reparameterizer for PlaceParams<'_> {
         let mut split = None;
         if let Some((style, dim)) = tp {
             let (rank, n) = (self.tp.rank(), self.tp.size());
+            let mut rows = 0;
             param = param.map(|t| {
-                leaf(t, |t| {
-                    split_dim(&t, dim, rank, n).expect("the plan was checked against the model")
+                rows = t.dims()[dim];
+                leaf(t, |t| match style {
+                    // Padded to ceil(vocab / tp) rows, as `VocabShard` numbers them.
+                    TpStyle::Vocab => own_rows(t, rank, n),
+                    _ => {
+                        split_dim(&t, dim, rank, n).expect("the plan was checked against the model")
+                    }
                 })
             });
             let local = param.val().dims().to_vec();
@@ -312,6 +324,7 @@ impl Reparameterizer for PlaceParams<'_> {
             split = Some(TpSplit {
                 style,
                 dim,
+                rows,
                 group: self.tp.clone(),
             });
         }

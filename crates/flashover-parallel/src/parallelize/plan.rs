@@ -56,9 +56,15 @@ pub enum TpStyle {
     /// input (a column-wise layer's output), and the partial products are summed over `tp`
     /// before the whole bias is added.
     Rowwise,
+    /// An embedding table `[vocab, d]` split by rows (the vocabulary, padded to a multiple of
+    /// `tp`): each rank looks up the tokens it holds and the lookups are summed over `tp`; as
+    /// a tied head it computes its rows' logits, and its loss reduces over `tp` without
+    /// gathering them ([`crate::nn::Embedding`]).
+    Vocab,
 }
 
-/// One tensor-parallel rule: the linear layers at `paths` split `style`-wise.
+/// One tensor-parallel rule: the linear layers (or, `vocab`, embedding tables) at `paths`
+/// split `style`-wise.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TensorParallelRule {
@@ -86,6 +92,11 @@ impl TensorParallelRule {
     /// The linear layers at `paths` split by input features.
     pub fn rowwise(paths: &[&str]) -> Self {
         Self::new(TpStyle::Rowwise, paths)
+    }
+
+    /// The embedding tables at `paths` split by vocabulary rows.
+    pub fn vocab(paths: &[&str]) -> Self {
+        Self::new(TpStyle::Vocab, paths)
     }
 
     fn new(style: TpStyle, paths: &[&str]) -> Self {

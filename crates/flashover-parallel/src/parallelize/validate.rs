@@ -33,6 +33,17 @@ pub(super) fn check_plan(
                 return Err(refuse(path, style, "has unit = 0; use 1 or more".into()));
             }
             for layer in linear_layers(path, style, slots, &names)? {
+                if rule.style == TpStyle::Vocab && layer.has_bias {
+                    return Err(refuse(
+                        path,
+                        style,
+                        format!(
+                            "names `{}`, which is not an embedding table (one [vocab, d] \
+                             weight): it has a bias",
+                            layer.path
+                        ),
+                    ));
+                }
                 if let Some((other, _)) = claimed.iter().find(|(_, l)| *l == layer.path) {
                     return Err(refuse(
                         path,
@@ -52,11 +63,13 @@ pub(super) fn check_plan(
     Ok(())
 }
 
-/// A linear layer a tensor-parallel path names: its path, `[d_in, d_out]`.
+/// A linear layer (or embedding table) a tensor-parallel path names: its path, `[d_in,
+/// d_out]` (`[vocab, d]`), whether it has a bias.
 struct LinearLayer<'a> {
     path: &'a str,
     d_in: usize,
     d_out: usize,
+    has_bias: bool,
 }
 
 /// The linear layers `path` names: modules whose parameters are one `[d_in, d_out]` weight
@@ -120,6 +133,7 @@ fn linear_layers<'a>(
                 path: module,
                 d_in,
                 d_out,
+                has_bias: params.len() == 2,
             })
         })
         .collect()
@@ -156,6 +170,8 @@ fn check_width(
     let (what, width) = match rule.style {
         TpStyle::Colwise => ("output features", layer.d_out),
         TpStyle::Rowwise => ("input features", layer.d_in),
+        // Padded to a multiple of tp: any vocabulary splits.
+        TpStyle::Vocab => return Ok(()),
     };
     let parts = tp * rule.unit;
     if width.is_multiple_of(parts) {
@@ -182,6 +198,7 @@ fn style_name(style: TpStyle) -> &'static str {
     match style {
         TpStyle::Colwise => "colwise",
         TpStyle::Rowwise => "rowwise",
+        TpStyle::Vocab => "vocab",
     }
 }
 

@@ -578,6 +578,10 @@ fn tensor_parallel_rules_that_do_not_fit_the_model_are_refused_with_the_path() {
             colwise(&["up"]).tensor_parallel(TensorParallelRule::rowwise(&["up"])),
             vec!["`up` (rowwise)", "already splits"],
         ),
+        (
+            ParallelizePlan::new().tensor_parallel(TensorParallelRule::vocab(&["up"])),
+            vec!["`up` (vocab)", "not an embedding table", "bias"],
+        ),
     ];
     for (plan, want) in cases {
         let err = refused(plan);
@@ -740,4 +744,145 @@ fn layers_that_read_their_stored_shape_stay_whole_under_fully_shard() {
             .collect::<Vec<_>>(),
         [("norm.gamma", "RmsNorm")]
     );
+}
+
+/// A language model whose token table (7 rows: not a multiple of tp) is also its output head.
+#[derive(Module, Debug)]
+struct TiedLm {
+    embed: nn::Embedding,
+    mix: nn::Linear,
+}
+
+const TOKENS: usize = 7;
+
+/// A next-token model of `[batch, 4]` token sequences.
+trait Lm: Module + Sized {
+    fn new(device: &Device) -> Self;
+    fn loss(&self, tokens: Tensor<2, Int>) -> Tensor<1>;
+}
+
+/// Inputs and next tokens of `[batch, 4]` sequences.
+fn shifted(tokens: Tensor<2, Int>) -> (Tensor<2, Int>, Tensor<2, Int>) {
+    let seq = tokens.dims()[1];
+    (
+        tokens.clone().narrow(1, 0, seq - 1),
+        tokens.narrow(1, 1, seq - 1),
+    )
+}
+
+impl Lm for TiedLm {
+    fn new(device: &Device) -> Self {
+        let table = linear(TOKENS, NARROW, 0.8, device).weight;
+        TiedLm {
+            embed: nn::Embedding { weight: table },
+            mix: linear(NARROW, NARROW, 0.4, device).into(),
+        }
+    }
+
+    fn loss(&self, tokens: Tensor<2, Int>) -> Tensor<1> {
+        let (inputs, targets) = shifted(tokens);
+        let x = self.embed.forward(inputs);
+        let x = x.clone() + gelu(self.mix.forward(x));
+        self.embed.cross_entropy(self.embed.logits(x), targets)
+    }
+}
+
+fn token_batch(samples: std::ops::Range<usize>, device: &Device) -> Tensor<2, Int> {
+    let n = samples.len();
+    let t: Vec<i64> = samples
+        .flat_map(|s| (0..4).map(move |p| ((s * 3 + p * p + p) % TOKENS) as i64))
+        .collect();
+    Tensor::from_data(TensorData::new(t, [n, 4]), device)
+}
+
+/// An output head of its own (8 outputs: split column-wise over tp), fed by the table.
+#[derive(Module, Debug)]
+struct UntiedLm {
+    embed: nn::Embedding,
+    head: nn::Linear,
+}
+
+impl Lm for UntiedLm {
+    fn new(device: &Device) -> Self {
+        UntiedLm {
+            embed: nn::Embedding {
+                weight: linear(TOKENS, NARROW, 0.8, device).weight,
+            },
+            head: linear(NARROW, NARROW, 0.6, device).into(),
+        }
+    }
+
+    fn loss(&self, tokens: Tensor<2, Int>) -> Tensor<1> {
+        let (inputs, targets) = shifted(tokens);
+        let logits = self.head.forward(self.embed.forward(inputs));
+        self.head.cross_entropy(logits, targets)
+    }
+}
+
+/// `M`'s losses and final weights, on one device (`mesh` None) or under `plan`.
+fn train_lm<M: Lm>(mesh: Option<&str>, plan: &ParallelizePlan) -> (Vec<f32>, Vec<f32>) {
+    let Some(mesh) = mesh else {
+        let device = Device::flex().autodiff();
+        let mut model = M::new(&device);
+        let mut optim = AdamWConfig::new().init();
+        let mut losses = vec![];
+        for step in 0..STEPS {
+            let loss = model.loss(token_batch(
+                step * GLOBAL_BATCH..(step + 1) * GLOBAL_BATCH,
+                &device,
+            ));
+            losses.push(loss.clone().into_scalar::<f32>());
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optim.step(LR, model, grads);
+        }
+        return (losses, flatten_params(&model));
+    };
+    let out = Launch::new(mesh)
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (mut model, par) = parallelize(M::new(&device), plan, &ctx)?;
+            let mut optim = AdamWConfig::new().init();
+            let mut losses = vec![];
+            for step in 0..STEPS {
+                let loss = model.loss(token_batch(par.batch_share(GLOBAL_BATCH, step)?, &device));
+                losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+                let (grads, _) = par.gradients(&model, loss.backward(), None, &ctx)?;
+                model = optim.step(LR, model, grads);
+            }
+            Ok::<_, ParallelError>((losses, flatten_params(&par.whole(model)?)))
+        })
+        .unwrap();
+    out.into_iter().next().unwrap()
+}
+
+#[test]
+fn an_embedding_and_a_head_split_by_vocabulary_train_as_one_rank() {
+    let vocab = ParallelizePlan::new().tensor_parallel(TensorParallelRule::vocab(&["embed"]));
+    let head = vocab
+        .clone()
+        .tensor_parallel(TensorParallelRule::colwise(&["head"]));
+    let tied = train_lm::<TiedLm>(None, &ParallelizePlan::new());
+    let untied = train_lm::<UntiedLm>(None, &ParallelizePlan::new());
+    for (mesh, plan, reference) in [
+        ("tp=2", vocab.clone(), &tied),
+        ("tp=4", vocab.clone(), &tied),
+        ("dp=2,fsdp=2,tp=2", vocab.fully_shard(""), &tied),
+        ("tp=2", head.clone(), &untied),
+        ("fsdp=2,tp=2", head.fully_shard(""), &untied),
+    ] {
+        let run = if std::ptr::eq(reference, &tied) {
+            train_lm::<TiedLm>(Some(mesh), &plan)
+        } else {
+            train_lm::<UntiedLm>(Some(mesh), &plan)
+        };
+        let (loss, weights) = (
+            max_rel(&run.0, &reference.0),
+            max_scaled(&run.1, &reference.1),
+        );
+        assert!(
+            loss < 1e-5 && weights < 1e-5,
+            "{mesh}: losses {loss:e}, weights {weights:e}"
+        );
+    }
 }

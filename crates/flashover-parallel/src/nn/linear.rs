@@ -1,19 +1,12 @@
-//! Drop-in replacements for Burn layers that a [`crate::parallelize`] plan can split.
-//!
-//! Burn has no forward hooks, so a layer split over `tp` needs a forward that knows it holds a
-//! part: [`Linear`] is Burn's `Linear` (same fields, same initialisation, same record) whose
-//! forward adds Megatron's collectives when the plan split its weight, and is Burn's forward
-//! otherwise. Swapping `burn::nn::{Linear, LinearConfig}` for these is the only change a model
-//! needs for column- and row-wise splits; attention sizes its heads from
-//! [`Linear::d_output`].
+//! Burn's `Linear`, splittable column- or row-wise.
 
 use crate::parallelize::{TpStyle, local_value};
-use crate::tensor_parallel::TensorParallel;
+use crate::tensor_parallel::{TensorParallel, VocabShard};
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::Initializer;
 use burn::tensor::module::linear;
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Device, Int, Tensor};
 
 /// Burn's [`burn::nn::Linear`] (`y = x W + b`, `W: [d_in, d_out]`), splittable by a plan.
 #[derive(Module, Debug)]
@@ -84,7 +77,29 @@ impl Linear {
                     None => y,
                 }
             }
+            TpStyle::Vocab => panic!(
+                "a `vocab` rule names a Linear: vocab rules split embedding tables \
+                 (flashover::nn::Embedding); split an output head column-wise"
+            ),
         }
+    }
+
+    /// The mean cross-entropy of this layer's output `logits: [batch, seq, d_out]` (an output
+    /// head) against `targets: [batch, seq]`; split column-wise (a vocabulary-parallel head),
+    /// computed from each rank's part of the logits without gathering them.
+    pub fn cross_entropy(&self, logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+        let split = local_value(&self.weight).1.map(|s| {
+            assert_eq!(
+                s.style,
+                TpStyle::Colwise,
+                "a row-wise layer's output is whole"
+            );
+            (
+                VocabShard::new(s.rows, s.group.rank(), s.group.size()),
+                s.group.clone(),
+            )
+        });
+        super::cross_entropy(logits, targets, split)
     }
 
     /// Input features this rank's part reads (`d_in / tp` when split row-wise).

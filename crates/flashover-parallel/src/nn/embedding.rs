@@ -1,0 +1,96 @@
+//! Burn's `Embedding`, splittable by vocabulary, with the tied head and the loss that go with a
+//! split table.
+
+use crate::parallelize::{TpStyle, local_value};
+use crate::tensor_parallel::comm::copy_to_tp;
+use crate::tensor_parallel::{TensorParallel, VocabShard, vocab_parallel_embedding};
+use burn::config::Config;
+use burn::module::{Module, Param};
+use burn::nn::Initializer;
+use burn::tensor::module::embedding;
+use burn::tensor::{Device, Int, Tensor};
+
+/// Burn's [`burn::nn::Embedding`] (`weight: [vocab, d]`), splittable by a plan's `vocab` rule:
+/// each `tp` rank then holds `ceil(vocab / tp)` rows (padded), looks up the tokens it holds
+/// and the lookups are summed over `tp`.
+#[derive(Module, Debug)]
+pub struct Embedding {
+    /// `[vocab, d]`, or this rank's rows of it.
+    pub weight: Param<Tensor<2>>,
+}
+
+/// [`burn::nn::EmbeddingConfig`] for [`Embedding`]: the same fields, defaults and
+/// initialisation.
+#[derive(Config, Debug)]
+pub struct EmbeddingConfig {
+    /// Rows of the table (the vocabulary).
+    pub n_embedding: usize,
+    /// Width of each row.
+    pub d_model: usize,
+    /// How the table is initialised (Burn's default).
+    #[config(default = "Initializer::Normal { mean: 0.0, std: 1.0 }")]
+    pub initializer: Initializer,
+}
+
+impl EmbeddingConfig {
+    /// A new table, initialised as Burn's `EmbeddingConfig::init` does.
+    pub fn init(&self, device: &Device) -> Embedding {
+        burn::nn::EmbeddingConfig::new(self.n_embedding, self.d_model)
+            .with_initializer(self.initializer.clone())
+            .init(device)
+            .into()
+    }
+}
+
+impl From<burn::nn::Embedding> for Embedding {
+    fn from(layer: burn::nn::Embedding) -> Self {
+        Embedding {
+            weight: layer.weight,
+        }
+    }
+}
+
+impl Embedding {
+    /// This rank's rows and the split, when a `vocab` rule split the table.
+    fn split(&self) -> (Tensor<2>, Option<(VocabShard, TensorParallel)>) {
+        let (weight, split) = local_value(&self.weight);
+        let split = split.map(|s| {
+            assert_eq!(
+                s.style,
+                TpStyle::Vocab,
+                "an Embedding is split by `vocab` rules only"
+            );
+            let shard = VocabShard::new(s.rows, s.group.rank(), s.group.size());
+            (shard, TensorParallel::new(&s.group))
+        });
+        (weight, split)
+    }
+
+    /// `tokens: [batch, seq]` -> `[batch, seq, d]`.
+    pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        match self.split() {
+            (weight, Some((shard, tp))) => vocab_parallel_embedding(weight, tokens, &shard, &tp),
+            (weight, None) => embedding(weight, tokens),
+        }
+    }
+
+    /// The table as a tied output head: `x: [batch, seq, d]` -> logits `x W^T`, `[batch, seq,
+    /// vocab]`, or this rank's `ceil(vocab / tp)` of them when split (the gradient of `x`
+    /// summed over `tp`). Pass them to [`Self::cross_entropy`].
+    pub fn logits(&self, x: Tensor<3>) -> Tensor<3> {
+        let (weight, split) = self.split();
+        let x = match &split {
+            Some((_, tp)) => copy_to_tp(x, &tp.group),
+            None => x,
+        };
+        x.matmul(weight.transpose().unsqueeze::<3>())
+    }
+
+    /// The mean next-token cross-entropy of [`Self::logits`] against `targets: [batch, seq]`;
+    /// with a split table computed from each rank's part of the logits without gathering them
+    /// (Megatron's vocabulary-parallel cross-entropy), the same on every `tp` rank.
+    pub fn cross_entropy(&self, logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+        let split = self.split().1.map(|(shard, tp)| (shard, tp.group));
+        super::cross_entropy(logits, targets, split)
+    }
+}

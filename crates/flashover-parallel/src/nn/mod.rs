@@ -1,0 +1,42 @@
+//! Drop-in replacements for Burn layers that a [`crate::parallelize`] plan can split.
+//!
+//! Burn has no forward hooks, so a layer split over `tp` needs a forward that knows it holds a
+//! part: [`Linear`] is Burn's `Linear` (same fields, same initialisation, same record) whose
+//! forward adds Megatron's collectives when the plan split its weight, and is Burn's forward
+//! otherwise; [`Embedding`] is Burn's `Embedding`, split by vocabulary under a `vocab` rule,
+//! with the tied head ([`Embedding::logits`]) and the loss ([`Embedding::cross_entropy`]) that
+//! a split table needs. Swapping Burn's layers for these is the only change a model needs for
+//! tensor parallelism, besides sizing attention heads from [`Linear::d_output`].
+
+mod embedding;
+mod linear;
+
+pub use embedding::{Embedding, EmbeddingConfig};
+pub use linear::{Linear, LinearConfig};
+
+use crate::tensor_parallel::{VocabShard, vocab_parallel_cross_entropy};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::tensor::{Int, Tensor};
+use flashover_comm::Group;
+
+/// The mean cross-entropy of `logits: [batch, seq, vocab]` against `targets: [batch, seq]`:
+/// Burn's, or, when the logits are this rank's `shard` of the vocabulary over `group`,
+/// Megatron's vocabulary-parallel one (the same value on every rank of `group`).
+fn cross_entropy(
+    logits: Tensor<3>,
+    targets: Tensor<2, Int>,
+    split: Option<(VocabShard, Group)>,
+) -> Tensor<1> {
+    match split {
+        Some((shard, group)) => vocab_parallel_cross_entropy(logits, targets, &shard, &group),
+        None => {
+            let [batch, seq, vocab] = logits.dims();
+            CrossEntropyLossConfig::new()
+                .init(&logits.device())
+                .forward(
+                    logits.reshape([batch * seq, vocab]),
+                    targets.reshape([batch * seq]),
+                )
+        }
+    }
+}
