@@ -16,7 +16,10 @@
 //! the blocks sharded, `tp=2` (Megatron's column/row split of attention and MLP, and the
 //! vocabulary-parallel embedding, head and loss),
 //! `fsdp=2,tp=2` (both), `dp=2,pp=2` (two stages, 1F1B over 4 micro-batches, the tied
-//! embedding on both ends) and `fsdp=2,tp=2,pp=2` (all three). Losses and every final weight match the single rank within 1e-5
+//! embedding on both ends), `fsdp=2,tp=2,pp=2` (all three), and `tp=2` and
+//! `fsdp=2,tp=2,pp=2` with sequence parallelism (norms and the position embedding on 1/tp of
+//! the positions; two lines of the model read positions and the sequence length where they
+//! are, marked `sp`). Losses and every final weight match the single rank within 1e-5
 //! (fp32), and each rank stores its share of the parameters.
 //!
 //! Run: `cargo run --example parallelize_gpt2`
@@ -113,22 +116,25 @@ impl PipelineModel<3> for Gpt2 {
 
     /// Token and position embeddings, `[batch, seq, width]`.
     fn embed(&self, (tokens, _): &Self::Batch) -> Tensor<3> {
-        let seq = tokens.dims()[1];
-        let positions = Tensor::<1, Int>::arange(0..seq as i64, &tokens.device()).reshape([1, seq]);
-        self.wte.forward(tokens.clone()) + self.wpe.forward(positions)
+        // sp: the positions the token lookups hold (this rank's 1/tp of them, or all).
+        let at = self.wte.local_positions(tokens.dims()[1]);
+        let positions = Tensor::<1, Int>::arange(at.start as i64..at.end as i64, &tokens.device());
+        self.wte.forward(tokens.clone()) + self.wpe.forward(positions.unsqueeze())
     }
 
     /// Block `index`: causal self-attention and the MLP, each with a residual.
     fn layer(&self, index: usize, x: Tensor<3>) -> Tensor<3> {
         let b = &self.blocks[index];
-        let [batch, seq, _] = x.dims();
+        let h = b.ln_1.forward(x.clone());
+        let [q, k, v] = [&b.query, &b.key, &b.value].map(|l| l.forward(h.clone()));
+        // sp: the sequence length from the projections, which hold every position.
+        let [batch, seq, _] = q.dims();
         let mask =
             Tensor::<2, Bool>::tril_mask([seq, seq], 0, &x.device()).reshape([1, 1, seq, seq]);
-        let h = b.ln_1.forward(x.clone());
         // tp: HEADS on one device, HEADS / tp on a rank of a column-wise split.
         let heads = b.query.d_output() / HEAD_DIM;
         let split = |t: Tensor<3>| t.reshape([batch, seq, heads, HEAD_DIM]).swap_dims(1, 2);
-        let [q, k, v] = [&b.query, &b.key, &b.value].map(|l| split(l.forward(h.clone())));
+        let [q, k, v] = [q, k, v].map(split);
         let scores = q.matmul(k.swap_dims(2, 3)) / (HEAD_DIM as f64).sqrt();
         let attn = softmax(scores.mask_fill(mask, -1e9), 3).matmul(v);
         let attn = attn.swap_dims(1, 2).reshape([batch, seq, heads * HEAD_DIM]); // tp: not WIDTH
@@ -199,7 +205,12 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> (Run, Vec<usize>) {
             let stored = ParamLayout::of(&model).numel;
             // pp: what a block takes for one micro-batch of this rank's share.
             let data = ctx.mesh().degree(Axis::Dp) * ctx.mesh().degree(Axis::Fsdp);
-            let activation = [GLOBAL_BATCH / data / MICRO_BATCHES, SEQ, WIDTH]; // pp
+            // sp: a rank's 1/tp of the positions travel between stages.
+            let seq = match plan.sequence_parallel.is_empty() {
+                true => SEQ,
+                false => SEQ / ctx.mesh().degree(Axis::Tp),
+            };
+            let activation = [GLOBAL_BATCH / data / MICRO_BATCHES, seq, WIDTH]; // pp
             let mut optim = AdamWConfig::new().init();
             let mut losses = vec![];
             for step in 0..STEPS {
@@ -251,6 +262,11 @@ fn main() {
         .tensor_parallel(TensorParallelRule::colwise(&["blocks.*.fc"]))
         .tensor_parallel(TensorParallelRule::rowwise(&["blocks.*.out"]))
         .tensor_parallel(TensorParallelRule::vocab(&["wte"]));
+    // Sequence parallel: what runs whole between the split layers runs on 1/tp of the
+    // positions (norms, and the position embedding added to the token lookups).
+    let sequence = ["wpe", "blocks.*.ln_1", "blocks.*.ln_2", "ln_f"]
+        .into_iter()
+        .fold(tp_plan.clone(), |plan, path| plan.sequence_parallel(path));
     // One block per stage of two; the token embedding on the first and (as the head) the
     // last stage, which keep their copies in step.
     let pipeline = PipelineRule::new("blocks", ScheduleKind::OneFOneB, MICRO_BATCHES)
@@ -268,7 +284,12 @@ fn main() {
         ),
         (
             "fsdp=2,tp=2,pp=2",
-            tp_plan.fully_shard("").pipeline(pipeline),
+            tp_plan.fully_shard("").pipeline(pipeline.clone()),
+        ),
+        ("tp=2", sequence.clone()),
+        (
+            "fsdp=2,tp=2,pp=2",
+            sequence.fully_shard("").pipeline(pipeline),
         ),
     ];
     for (mesh, plan) in &layouts {
@@ -285,6 +306,9 @@ fn main() {
         let mut split = String::new();
         if !plan.tensor_parallel.is_empty() {
             split += ", attention, MLP and vocabulary split over tp";
+        }
+        if !plan.sequence_parallel.is_empty() {
+            split += ", sequence parallel";
         }
         if let Some(p) = &plan.pipeline {
             split += &format!(", {} over {} micro-batches", p.schedule, p.micro_batches);

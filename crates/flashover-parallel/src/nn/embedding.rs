@@ -2,7 +2,7 @@
 //! split table.
 
 use crate::parallelize::{TpStyle, local_value};
-use crate::tensor_parallel::comm::copy_to_tp;
+use crate::tensor_parallel::comm::{copy_to_tp, gather_from_sp};
 use crate::tensor_parallel::{TensorParallel, VocabShard, vocab_parallel_embedding};
 use burn::config::Config;
 use burn::module::{Module, Param};
@@ -61,16 +61,31 @@ impl Embedding {
                 "an Embedding is split by `vocab` rules only"
             );
             let shard = VocabShard::new(s.rows, s.group.rank(), s.group.size());
-            (shard, TensorParallel::new(&s.group))
+            let tp = TensorParallel::new(&s.group).with_sequence_parallel(s.sequence_parallel);
+            (shard, tp)
         });
         (weight, split)
     }
 
-    /// `tokens: [batch, seq]` -> `[batch, seq, d]`.
+    /// `tokens: [batch, seq]` -> `[batch, seq, d]`; under sequence parallelism `[batch, seq /
+    /// tp, d]`, this rank's positions ([`Self::local_positions`]).
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
         match self.split() {
             (weight, Some((shard, tp))) => vocab_parallel_embedding(weight, tokens, &shard, &tp),
             (weight, None) => embedding(weight, tokens),
+        }
+    }
+
+    /// The positions of a `seq`-long sequence that [`Self::forward`]'s output holds: all of
+    /// them, or under sequence parallelism this rank's `seq / tp` (for position embeddings
+    /// added to it).
+    pub fn local_positions(&self, seq: usize) -> std::ops::Range<usize> {
+        match self.split().1 {
+            Some((_, tp)) if tp.sequence_parallel => {
+                let part = seq / tp.group.size();
+                tp.group.rank() * part..(tp.group.rank() + 1) * part
+            }
+            _ => 0..seq,
         }
     }
 
@@ -80,6 +95,8 @@ impl Embedding {
     pub fn logits(&self, x: Tensor<3>) -> Tensor<3> {
         let (weight, split) = self.split();
         let x = match &split {
+            // Sequence parallel: `x` holds this rank's positions; all of them enter the head.
+            Some((_, tp)) if tp.sequence_parallel => gather_from_sp(x, 1, &tp.group),
             Some((_, tp)) => copy_to_tp(x, &tp.group),
             None => x,
         };

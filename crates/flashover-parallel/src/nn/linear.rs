@@ -64,7 +64,7 @@ impl Linear {
         let Some(split) = split else {
             return linear(x, weight, self.bias.as_ref().map(|b| local_value(b).0));
         };
-        let tp = TensorParallel::new(&split.group);
+        let tp = TensorParallel::new(&split.group).with_sequence_parallel(split.sequence_parallel);
         match split.style {
             TpStyle::Colwise => {
                 let bias = self.bias.as_ref().map(|b| local_value(b).0);
@@ -72,6 +72,8 @@ impl Linear {
             }
             TpStyle::Rowwise => {
                 let y = tp.exit(linear(x, weight, None));
+                // The bias's gradient is summed over tp under sequence parallelism (its value
+                // carries that).
                 match &self.bias {
                     Some(b) => y + b.val().unsqueeze(),
                     None => y,

@@ -20,7 +20,7 @@
 use super::plan::{ParallelizePlan, TpStyle};
 use crate::error::ParallelError;
 use crate::placement::PlacementTable;
-use crate::tensor_parallel::comm::{gather_from_sp, gather_from_tp};
+use crate::tensor_parallel::comm::{copy_to_tp, gather_from_sp, gather_from_tp};
 use crate::tensor_parallel::split_dim;
 use burn::module::{Module, ModuleVisitor, Param, Reparameterization, Reparameterizer};
 use burn::tensor::Tensor;
@@ -43,6 +43,10 @@ pub struct Placed {
     /// A placeholder for a parameter another pipeline rank holds.
     #[module(skip)]
     on_other_stage: bool,
+    /// Under sequence parallelism, a whole parameter used on this rank's positions only: its
+    /// gradient is summed over this `tp` group in backward.
+    #[module(skip)]
+    sequence_partial: Option<Group>,
     #[module(skip)]
     whole_reads: WholeReads,
 }
@@ -61,6 +65,8 @@ pub struct TpSplit {
     pub style: TpStyle,
     /// The dimension of this parameter the split cuts.
     pub dim: usize,
+    /// Whether activations outside the tensor-parallel regions are split by sequence.
+    pub sequence_parallel: bool,
     /// That dimension's extent in the whole parameter (the vocabulary, for `vocab`).
     pub rows: usize,
     /// The `tp` group.
@@ -108,7 +114,7 @@ impl Placed {
     /// This rank's `tp` part of the parameter from its stored `base`: gathered over `fsdp`
     /// (differentiably) when it is fully sharded.
     pub fn local<const D: usize>(&self, base: Tensor<D>) -> Tensor<D> {
-        match &self.fsdp {
+        let value = match &self.fsdp {
             None => base,
             Some(shard) => {
                 let whole = gather_from_sp(base, 0, &shard.group);
@@ -118,6 +124,11 @@ impl Placed {
                     whole.narrow(0, 0, shard.rows)
                 }
             }
+        };
+        match &self.sequence_partial {
+            // Identity forward; backward sums the rank's partial gradient over `tp`.
+            Some(tp) => copy_to_tp(value, tp),
+            None => value,
         }
     }
 }
@@ -247,6 +258,24 @@ pub(super) struct PlaceParams<'a> {
 }
 
 impl PlaceParams<'_> {
+    /// Whether the plan runs sequence parallelism on this mesh.
+    fn sequence_parallel(&self) -> bool {
+        self.tp.size() > 1 && !self.plan.sequence_parallel.is_empty()
+    }
+
+    /// Whether a whole parameter sees only this rank's positions under sequence parallelism:
+    /// one of a `sequence_parallel` module's, or a row-wise layer's bias (added after the
+    /// reduce-scatter).
+    fn sequence_partial<const D: usize>(&self, path: &str) -> bool {
+        let rowwise_bias = D == 1
+            && self
+                .plan
+                .tp_rule(path)
+                .is_some_and(|(rule, _)| rule.style == TpStyle::Rowwise);
+        let in_region = self.plan.sequence_parallel.iter().any(|p| p.contains(path));
+        self.sequence_parallel() && (rowwise_bias || in_region)
+    }
+
     /// The dimension of a `D`-dimensional parameter of a linear layer the plan splits over
     /// `tp`: a column-wise layer's weight `[d_in, d_out]` by columns and its bias with them; a
     /// row-wise layer's weight by rows, its bias whole (added once, after the sum).
@@ -290,15 +319,17 @@ impl Reparameterizer for PlaceParams<'_> {
                 fsdp: None,
                 tp: None,
                 on_other_stage: true,
+                sequence_partial: None,
                 whole_reads: self.whole_reads.clone(),
             };
             return (param, Some(placeholder));
         }
         let tp = self.tp_dim::<D>(&path);
+        let sequence_partial = self.sequence_partial::<D>(&path).then(|| self.tp.clone());
         let fully_shard = self.fsdp.size() > 1
             && self.plan.shard_path(&path).is_some()
             && !self.kept_whole.contains_key(&path);
-        if self.error.is_some() || (tp.is_none() && !fully_shard) {
+        if self.error.is_some() || (tp.is_none() && !fully_shard && sequence_partial.is_none()) {
             return (param, None);
         }
         let id = param.id;
@@ -324,6 +355,7 @@ impl Reparameterizer for PlaceParams<'_> {
             split = Some(TpSplit {
                 style,
                 dim,
+                sequence_parallel: self.sequence_parallel(),
                 rows,
                 group: self.tp.clone(),
             });
@@ -348,6 +380,7 @@ impl Reparameterizer for PlaceParams<'_> {
             fsdp: rows,
             tp: split,
             on_other_stage: false,
+            sequence_partial,
             whole_reads: self.whole_reads.clone(),
         };
         (param, Some(placed))

@@ -233,6 +233,15 @@ pub struct ParallelizePlan {
     /// parameters stay whole on every `tp` rank, which computes them identically.
     #[serde(default)]
     pub tensor_parallel: Vec<TensorParallelRule>,
+    /// Sequence parallelism (with `tp`): the modules between the tensor-parallel regions
+    /// (norms) run on this rank's `1/tp` of the sequence, so their activations are split too.
+    /// Non-empty turns it on: column-wise layers all-gather their input along the sequence
+    /// and row-wise ones reduce-scatter their output; the parameters of these modules and
+    /// row-wise biases see only their rank's positions, so their gradients are summed over
+    /// `tp`. The token embedding must be split by a `vocab` rule (its lookups leave it split
+    /// by sequence).
+    #[serde(default)]
+    pub sequence_parallel: Vec<ModulePath>,
     /// How the model is cut into pipeline stages over `pp` (on a mesh without `pp`, one stage
     /// runs every micro-batch).
     #[serde(default)]
@@ -255,6 +264,12 @@ impl ParallelizePlan {
     /// Also split the linear layers of `rule` over `tp`.
     pub fn tensor_parallel(mut self, rule: TensorParallelRule) -> Self {
         self.tensor_parallel.push(rule);
+        self
+    }
+
+    /// Also run the module at `path` on sequence shards (see the field's docs).
+    pub fn sequence_parallel(mut self, path: &str) -> Self {
+        self.sequence_parallel.push(ModulePath::new(path));
         self
     }
 

@@ -25,6 +25,43 @@ pub(super) fn check_plan(
             ));
         }
     }
+    for path in &plan.sequence_parallel {
+        if !names.iter().any(|n| path.contains(n)) {
+            return Err(refuse(
+                path,
+                "sequence_parallel",
+                format!(
+                    "names no module of the model; its parameters are: {}",
+                    preview(&names)
+                ),
+            ));
+        }
+        if let Some(split) = names
+            .iter()
+            .find(|n| path.contains(n) && plan.tp_rule(n).is_some())
+        {
+            return Err(refuse(
+                path,
+                "sequence_parallel",
+                format!(
+                    "holds `{split}`, which a tensor_parallel rule splits: sequence-parallel \
+                     modules are the whole ones between the split layers (norms)"
+                ),
+            ));
+        }
+    }
+    let vocab = plan
+        .tensor_parallel
+        .iter()
+        .any(|r| r.style == TpStyle::Vocab);
+    if tp > 1 && !plan.sequence_parallel.is_empty() && !vocab {
+        return Err(ParallelError::Invalid(
+            "sequence_parallel: activations must reach the blocks split by sequence, which a \
+             vocabulary-parallel token embedding does (its lookups are reduce-scattered along \
+             the sequence): add a `vocab` rule for the token embedding"
+                .into(),
+        ));
+    }
     let mut claimed: Vec<(&ModulePath, &str)> = vec![];
     for rule in &plan.tensor_parallel {
         let style = style_name(rule.style);

@@ -582,6 +582,14 @@ fn tensor_parallel_rules_that_do_not_fit_the_model_are_refused_with_the_path() {
             ParallelizePlan::new().tensor_parallel(TensorParallelRule::vocab(&["up"])),
             vec!["`up` (vocab)", "not an embedding table", "bias"],
         ),
+        (
+            split_mlp_plan().sequence_parallel("norm"),
+            vec!["sequence_parallel", "add a `vocab` rule"],
+        ),
+        (
+            split_mlp_plan().sequence_parallel("up"),
+            vec!["`up` (sequence_parallel)", "up.weight", "splits"],
+        ),
     ];
     for (plan, want) in cases {
         let err = refused(plan);
@@ -746,22 +754,25 @@ fn layers_that_read_their_stored_shape_stay_whole_under_fully_shard() {
     );
 }
 
-/// A language model whose token table (7 rows: not a multiple of tp) is also its output head.
+/// A language model whose token table (7 rows: not a multiple of tp) is also its output head,
+/// with a normed residual MLP between.
 #[derive(Module, Debug)]
 struct TiedLm {
     embed: nn::Embedding,
-    mix: nn::Linear,
+    norm: LayerNorm,
+    up: nn::Linear,
+    down: nn::Linear,
 }
 
 const TOKENS: usize = 7;
 
-/// A next-token model of `[batch, 4]` token sequences.
+/// A next-token model of `[batch, 5]` token sequences.
 trait Lm: Module + Sized {
     fn new(device: &Device) -> Self;
     fn loss(&self, tokens: Tensor<2, Int>) -> Tensor<1>;
 }
 
-/// Inputs and next tokens of `[batch, 4]` sequences.
+/// Inputs and next tokens of `[batch, 5]` sequences (4 positions each).
 fn shifted(tokens: Tensor<2, Int>) -> (Tensor<2, Int>, Tensor<2, Int>) {
     let seq = tokens.dims()[1];
     (
@@ -772,17 +783,23 @@ fn shifted(tokens: Tensor<2, Int>) -> (Tensor<2, Int>, Tensor<2, Int>) {
 
 impl Lm for TiedLm {
     fn new(device: &Device) -> Self {
-        let table = linear(TOKENS, NARROW, 0.8, device).weight;
         TiedLm {
-            embed: nn::Embedding { weight: table },
-            mix: linear(NARROW, NARROW, 0.4, device).into(),
+            embed: nn::Embedding {
+                weight: linear(TOKENS, NARROW, 0.8, device).weight,
+            },
+            norm: LayerNormConfig::new(NARROW).init(device),
+            up: linear(NARROW, WIDE, 0.4, device).into(),
+            down: linear(WIDE, NARROW, 0.5, device).into(),
         }
     }
 
     fn loss(&self, tokens: Tensor<2, Int>) -> Tensor<1> {
         let (inputs, targets) = shifted(tokens);
         let x = self.embed.forward(inputs);
-        let x = x.clone() + gelu(self.mix.forward(x));
+        let x = x.clone()
+            + self
+                .down
+                .forward(gelu(self.up.forward(self.norm.forward(x))));
         self.embed.cross_entropy(self.embed.logits(x), targets)
     }
 }
@@ -790,9 +807,9 @@ impl Lm for TiedLm {
 fn token_batch(samples: std::ops::Range<usize>, device: &Device) -> Tensor<2, Int> {
     let n = samples.len();
     let t: Vec<i64> = samples
-        .flat_map(|s| (0..4).map(move |p| ((s * 3 + p * p + p) % TOKENS) as i64))
+        .flat_map(|s| (0..5).map(move |p| ((s * 3 + p * p + p) % TOKENS) as i64))
         .collect();
-    Tensor::from_data(TensorData::new(t, [n, 4]), device)
+    Tensor::from_data(TensorData::new(t, [n, 5]), device)
 }
 
 /// An output head of its own (8 outputs: split column-wise over tp), fed by the table.
@@ -857,17 +874,27 @@ fn train_lm<M: Lm>(mesh: Option<&str>, plan: &ParallelizePlan) -> (Vec<f32>, Vec
 }
 
 #[test]
-fn an_embedding_and_a_head_split_by_vocabulary_train_as_one_rank() {
+fn vocabulary_and_sequence_parallel_models_train_as_one_rank() {
     let vocab = ParallelizePlan::new().tensor_parallel(TensorParallelRule::vocab(&["embed"]));
     let head = vocab
         .clone()
         .tensor_parallel(TensorParallelRule::colwise(&["head"]));
+    let mlp = vocab
+        .clone()
+        .tensor_parallel(TensorParallelRule::colwise(&["up"]))
+        .tensor_parallel(TensorParallelRule::rowwise(&["down"]));
+    // Sequence parallel: the norm (and the row-wise bias) on this rank's positions.
+    let sequence = mlp.clone().sequence_parallel("norm");
     let tied = train_lm::<TiedLm>(None, &ParallelizePlan::new());
     let untied = train_lm::<UntiedLm>(None, &ParallelizePlan::new());
     for (mesh, plan, reference) in [
         ("tp=2", vocab.clone(), &tied),
         ("tp=4", vocab.clone(), &tied),
         ("dp=2,fsdp=2,tp=2", vocab.fully_shard(""), &tied),
+        ("tp=2", mlp, &tied),
+        ("tp=2", sequence.clone(), &tied),
+        ("tp=4", sequence.clone(), &tied),
+        ("dp=2,fsdp=2,tp=2", sequence.fully_shard(""), &tied),
         ("tp=2", head.clone(), &untied),
         ("fsdp=2,tp=2", head.fully_shard(""), &untied),
     ] {
