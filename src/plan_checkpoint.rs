@@ -50,6 +50,13 @@ pub struct RunState {
     optimizer: BTreeMap<String, ParamState>,
 }
 
+impl RunState {
+    /// Whether this records no optimizer state (a fresh run, or not a plan checkpoint's).
+    pub fn is_empty(&self) -> bool {
+        self.optimizer.is_empty()
+    }
+}
+
 /// One parameter's optimizer state: the fields of its tensors (saved as
 /// `optim.FIELD.PARAMETER`) and its scalars.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -245,4 +245,8 @@ fn a_plan_checkpoint_of_another_model_is_refused_naming_the_parameter() {
     let exported = flashover::train::checkpoint::export(&ckpt, &dir.0.join("model.safetensors"));
     let params = flashover_parallel::params::ParamLayout::of(&Tower::new(&Device::flex()));
     assert_eq!(exported, Ok(params.slots.len()));
+    // Offline resharding needs the job; a plan checkpoint reshards when resumed, and says so.
+    let err =
+        flashover::train::checkpoint::reshard(&saved, "dp=2", None, &dir.0.join("r")).unwrap_err();
+    assert!(err.contains("Checkpoints::resume"), "{err}");
 }

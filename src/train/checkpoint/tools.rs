@@ -37,10 +37,22 @@ pub fn reshard(
 ) -> Result<std::path::PathBuf, String> {
     let ckpt = open(src)?;
     let saved = ckpt.index().run.get("config").cloned().ok_or_else(|| {
-        format!(
-            "{}: the run state has no job configuration",
-            ckpt.dir().display()
-        )
+        if serde_json::from_value::<crate::plan_checkpoint::RunState>(ckpt.index().run.clone())
+            .is_ok_and(|run| !run.is_empty())
+        {
+            // Offline resharding would need the model; resuming reads any layout's regions.
+            format!(
+                "{}: a checkpoint of your own model under a parallelize plan reshards when \
+                 it is resumed: Checkpoints::resume on the new mesh and plan reads its parts \
+                 (`ckpt export` writes it whole)",
+                ckpt.dir().display()
+            )
+        } else {
+            format!(
+                "{}: the run state has no job configuration",
+                ckpt.dir().display()
+            )
+        }
     })?;
     let mut config: crate::train::TrainConfig = serde_json::from_value(saved)
         .map_err(|e| format!("{}: the saved configuration: {e}", ckpt.dir().display()))?;
