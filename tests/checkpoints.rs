@@ -11,6 +11,8 @@ use flashover_checkpoint::Checkpoint;
 use flashover_parallel::params::{ParamLayout, flatten_params};
 use std::path::{Path, PathBuf};
 
+#[path = "checkpoints/elastic.rs"]
+mod elastic;
 #[path = "checkpoints/plan.rs"]
 mod plan;
 

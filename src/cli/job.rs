@@ -310,6 +310,20 @@ pub struct TrainOutputs {
     /// still spans --steps.
     #[arg(long)]
     exit_after: Option<usize>,
+    /// Elastic: when a rank fails, continue on the survivors (a mesh chosen for them),
+    /// resumed from the newest committed checkpoint. Needs --ckpt-dir and --save-every.
+    #[arg(long)]
+    pub(crate) elastic: bool,
+    /// Elastic: give up when fewer ranks than this survive.
+    #[arg(long, default_value_t = 1)]
+    min_ranks: usize,
+    /// Elastic: give up after this many restarts.
+    #[arg(long, default_value_t = 3)]
+    max_restarts: usize,
+    /// Fault drill: kill rank RANK as step STEP starts (`RANK@STEP`, repeatable; each fires
+    /// once per run, so a restarted run is not killed again by it).
+    #[arg(long = "kill", value_name = "RANK@STEP")]
+    kills: Vec<String>,
 }
 
 /// `flashover train`.
@@ -336,6 +350,12 @@ pub fn train(args: &JobArgs, outputs: TrainOutputs) -> Result<(), String> {
     }
     if outputs.exit_after.is_some() {
         config.run.exit_after = outputs.exit_after;
+    }
+    for kill in &outputs.kills {
+        config
+            .run
+            .kills
+            .push(flashover::train::KillDrill::parse(kill)?);
     }
     let errors = config.validate();
     if !errors.is_empty() {
@@ -408,9 +428,36 @@ pub fn train(args: &JobArgs, outputs: TrainOutputs) -> Result<(), String> {
         }
     };
     let report = match world {
+        Some(_) if outputs.elastic => {
+            return Err(
+                "--elastic restarts ranks that are threads of this process; under a \
+                        process launcher the launcher restarts processes (flashover launch \
+                        --elastic runs the threads engine)"
+                    .into(),
+            );
+        }
         Some((world, local_rank)) => {
             flashover::train::train_process(&config, &on_step, world, local_rank)?
                 .ok_or("rank 0 gave no report")?
+        }
+        None if outputs.elastic => {
+            let options = flashover::train::ElasticOptions {
+                min_ranks: outputs.min_ranks,
+                max_restarts: outputs.max_restarts,
+            };
+            let on_restart = |r: &flashover::train::Restart| {
+                bar.println(format!("elastic {r}"));
+                if bar.is_hidden() {
+                    println!("elastic {r}");
+                }
+            };
+            let elastic = flashover::train::train_elastic(&config, options, &on_step, &on_restart)?;
+            println!(
+                "elastic: {} restart(s); finished on {}",
+                elastic.restarts.len(),
+                elastic.report.mesh
+            );
+            elastic.report
         }
         None => flashover::train::train(&config, &on_step)?,
     };

@@ -6,23 +6,57 @@
 //!   `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR=127.0.0.1`, a free `MASTER_PORT`) and a fresh
 //!   job token (`FLASHOVER_RDZV_TOKEN`) for the TCP rendezvous, prefixes every output line
 //!   with its rank, and stops all processes as soon as one fails.
+//! - `threads`: the ranks as threads of this process (`train` only); with `--elastic` a failed
+//!   rank's job continues on the survivors (`flashover::train::train_elastic`).
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::Duration;
 
-/// Runs the launch; `engine` defaults to `mpi` when built with it, else `nccl`.
-pub fn run(n: usize, engine: Option<&str>, args: &[String]) -> Result<(), String> {
+/// Runs the launch; `engine` defaults to `threads` with `elastic`, else to `mpi` when built
+/// with it, else `nccl`.
+pub fn run(n: usize, engine: Option<&str>, elastic: bool, args: &[String]) -> Result<(), String> {
     if n == 0 {
         return Err("-n must be at least 1".into());
     }
-    let engine = engine.unwrap_or(if cfg!(feature = "mpi") { "mpi" } else { "nccl" });
+    let default = match (elastic, cfg!(feature = "mpi")) {
+        (true, _) => "threads",
+        (false, true) => "mpi",
+        (false, false) => "nccl",
+    };
+    let engine = engine.unwrap_or(default);
+    if elastic && engine != "threads" {
+        return Err(format!(
+            "--elastic --engine {engine}: a lost process ends every process of the job here; \
+             elastic restarts run on --engine threads, where the survivors' ranks restart in \
+             this process"
+        ));
+    }
     let exe = std::env::current_exe().map_err(|e| format!("finding this program: {e}"))?;
     match engine {
         "mpi" => through_mpirun(n, &exe, args),
         "nccl" => spawn_ranks(n, &exe, args),
-        other => Err(format!("--engine `{other}`: expected mpi or nccl")),
+        "threads" => in_threads(n, elastic, args),
+        other => Err(format!("--engine `{other}`: expected mpi, nccl or threads")),
     }
+}
+
+/// `train ARGS` with its ranks as threads here, checked to use `n` ranks.
+fn in_threads(n: usize, elastic: bool, args: &[String]) -> Result<(), String> {
+    use clap::Parser;
+    let argv = std::iter::once("flashover").chain(args.iter().map(String::as_str));
+    let cli = super::Cli::try_parse_from(argv).map_err(|e| e.to_string())?;
+    let super::Command::Train { job, mut outputs } = cli.command else {
+        return Err("--engine threads runs `train` (flashover launch -n N -- train ...)".into());
+    };
+    let world = job.build()?.mesh()?.world_size();
+    if world != n {
+        return Err(format!(
+            "-n {n}, but the job's mesh has {world} ranks: give a mesh of {n} ranks (--mesh)"
+        ));
+    }
+    outputs.elastic |= elastic;
+    super::job::train(&job, outputs)
 }
 
 fn through_mpirun(n: usize, exe: &std::path::Path, args: &[String]) -> Result<(), String> {

@@ -39,10 +39,16 @@ pub enum Command {
         /// Number of processes.
         #[arg(short = 'n', long)]
         n: usize,
-        /// `mpi` (through mpirun; the default when built with the `mpi` feature) or `nccl`
-        /// (torchrun-style variables and the TCP rendezvous).
+        /// `mpi` (through mpirun; the default when built with the `mpi` feature), `nccl`
+        /// (torchrun-style variables and the TCP rendezvous) or `threads` (the ranks as
+        /// threads of this process; the default with --elastic).
         #[arg(long)]
         engine: Option<String>,
+        /// Keep training when a rank fails: continue on the survivors, on a mesh chosen for
+        /// them, from the newest committed checkpoint (`train` with --ckpt-dir and
+        /// --save-every; --min-ranks and --max-restarts after `--` bound it).
+        #[arg(long)]
+        elastic: bool,
         /// The command line for every process (after `--`).
         #[arg(last = true, required = true)]
         args: Vec<String>,
@@ -147,7 +153,12 @@ pub fn run(cli: Cli) -> Result<(), String> {
             }
             Ok(())
         }
-        Command::Launch { n, engine, args } => launch::run(n, engine.as_deref(), &args),
+        Command::Launch {
+            n,
+            engine,
+            elastic,
+            args,
+        } => launch::run(n, engine.as_deref(), elastic, &args),
         Command::Verify { job, tolerance } => {
             if !job::verify(&job, tolerance)? {
                 // The last line printed is the verdict; the exit code says it too.

@@ -417,6 +417,55 @@ pub struct RunSection {
     /// interrupted job would; the learning-rate schedule still spans `steps`. A checkpoint is
     /// saved on exit when saving is on.
     pub exit_after: Option<usize>,
+    /// Fault drills (tests, `--kill RANK@STEP`): each kills its rank (a panic) as that step
+    /// starts, once per elastic run.
+    #[serde(skip)]
+    pub kills: Vec<KillDrill>,
+}
+
+/// Kill rank `rank` as step `step` starts, once (a restarted run on the survivors may have a
+/// rank of that number again; the drill does not repeat).
+#[derive(Debug, Clone, Default)]
+pub struct KillDrill {
+    /// Global rank of the world the drill fires in.
+    pub rank: usize,
+    /// The step at whose start it fires.
+    pub step: usize,
+    fired: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl KillDrill {
+    /// Kill `rank` at the start of `step`.
+    pub fn new(rank: usize, step: usize) -> Self {
+        KillDrill {
+            rank,
+            step,
+            fired: Default::default(),
+        }
+    }
+
+    /// `RANK@STEP`.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let bad = || format!("--kill `{text}`: expected RANK@STEP, e.g. 1@25");
+        let (rank, step) = text.split_once('@').ok_or_else(bad)?;
+        Ok(KillDrill::new(
+            rank.trim().parse().map_err(|_| bad())?,
+            step.trim().parse().map_err(|_| bad())?,
+        ))
+    }
+
+    /// Whether it fires now, on `rank` at `step` (at most once).
+    pub(crate) fn fires(&self, rank: usize, step: usize) -> bool {
+        rank == self.rank
+            && step == self.step
+            && !self.fired.swap(true, std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl PartialEq for KillDrill {
+    fn eq(&self, other: &Self) -> bool {
+        (self.rank, self.step) == (other.rank, other.step)
+    }
 }
 
 impl Default for RunSection {
@@ -430,6 +479,7 @@ impl Default for RunSection {
             log_jsonl: None,
             trace: None,
             exit_after: None,
+            kills: vec![],
         }
     }
 }

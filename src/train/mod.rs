@@ -37,6 +37,7 @@
 
 pub mod checkpoint;
 mod config;
+mod elastic;
 mod metrics;
 mod parallelize;
 mod pp_model;
@@ -50,9 +51,10 @@ mod trace;
 mod verify;
 
 pub use config::{
-    CheckpointSection, DataSection, GradientReduction, ModelSection, MoeSection, OptimSection,
-    ParallelSection, RunSection, TrainConfig,
+    CheckpointSection, DataSection, GradientReduction, KillDrill, ModelSection, MoeSection,
+    OptimSection, ParallelSection, RunSection, TrainConfig,
 };
+pub use elastic::{ElasticOptions, ElasticReport, Restart, survivor_mesh, train_elastic};
 pub use pp_model::{TransformerStage, split_blocks, split_blocks_by_cost};
 pub use report::{DeviceMemory, MoeRecord, RankTimes, StepRecord, TrainReport, memory_formula};
 pub use run::{make_batch, token_source, train, train_process};

@@ -6,7 +6,7 @@ use super::config::TrainConfig;
 use super::report::{StepRecord, TrainReport};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_data::{MarkovSource, TextSource, TokenSource};
-use flashover_runtime::{Axis, Group, Launch, RankContext};
+use flashover_runtime::{Axis, Group, Launch, LaunchError, RankContext};
 use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -70,7 +70,9 @@ pub fn train(
     config: &TrainConfig,
     on_step: &(dyn Fn(&StepRecord) + Sync),
 ) -> Result<TrainReport, String> {
-    run_job(config, on_step, None)?.ok_or_else(|| "rank 0 gave no report".into())
+    run_job(config, on_step, None)
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| "rank 0 gave no report".into())
 }
 
 /// Runs the job as rank `world.rank()` of a job whose ranks are processes (under `mpirun`,
@@ -107,17 +109,44 @@ pub fn train_process(
     world: Group,
     local_rank: usize,
 ) -> Result<Option<TrainReport>, String> {
-    run_job(config, on_step, Some((world, local_rank)))
+    run_job(config, on_step, Some((world, local_rank))).map_err(|e| e.to_string())
 }
 
-fn run_job(
+/// Why a job stopped: a rank failed (the likeliest root cause among the failed ranks), or
+/// anything else.
+#[derive(Debug)]
+pub(crate) enum JobFailure {
+    /// Rank `rank` failed first; `message` says how (and how many failed).
+    Rank { rank: usize, message: String },
+    /// The job could not run.
+    Other(String),
+}
+
+impl From<String> for JobFailure {
+    fn from(message: String) -> Self {
+        JobFailure::Other(message)
+    }
+}
+
+impl std::fmt::Display for JobFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            JobFailure::Rank { message, .. } | JobFailure::Other(message) => f.write_str(message),
+        }
+    }
+}
+
+/// The output of rank 0 of a finished job.
+pub(crate) type JobOutput = Option<TrainReport>;
+
+pub(crate) fn run_job(
     config: &TrainConfig,
     on_step: &(dyn Fn(&StepRecord) + Sync),
     process: Option<(Group, usize)>,
-) -> Result<Option<TrainReport>, String> {
+) -> Result<JobOutput, JobFailure> {
     let errors = config.validate();
     if !errors.is_empty() {
-        return Err(format!("invalid configuration:\n  {}", errors.join("\n  ")));
+        return Err(format!("invalid configuration:\n  {}", errors.join("\n  ")).into());
     }
     let mesh = config.mesh()?;
     let source = token_source(config)?;
@@ -158,17 +187,24 @@ fn run_job(
         };
         super::rank::train_rank(&ctx, config, &model_config, source.as_ref(), &emit, started)
     };
+    let failure = |e: LaunchError| match &e {
+        LaunchError::Rank { cause, .. } => JobFailure::Rank {
+            rank: cause.rank,
+            message: e.to_string(),
+        },
+        LaunchError::Mesh(_) => JobFailure::Other(e.to_string()),
+    };
     let output = match process {
         None => launch
             .run(body)
-            .map_err(|e| e.to_string())?
+            .map_err(failure)?
             .into_iter()
             .next()
             .flatten(),
-        Some((world, _)) => launch.run_process(world, body).map_err(|e| e.to_string())?,
+        Some((world, _)) => launch.run_process(world, body).map_err(failure)?,
     };
     if let Some(e) = log_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        return Err(format!("writing run.log_jsonl: {e}"));
+        return Err(format!("writing run.log_jsonl: {e}").into());
     }
     let Some((steps, params, buckets, overlap)) = output else {
         return Ok(None);
