@@ -51,6 +51,24 @@ out=$(OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "$flashover" lau
 grep -q '\[1,0\]<stdout>:.*final loss' <<<"$out" || { echo "mpi_check: launch: no final report from rank 0:" >&2; echo "$out" >&2; exit 1; }
 echo "mpi_check: launch -n 2 -- train --mesh dp=2: ran, rank 0 reported"
 
+# Elastic: rank 1 of four processes is killed as step 5 starts; the launcher restarts the job
+# on the three survivors (dp=3) from the step-4 checkpoint, whose losses and gradient norms
+# then equal an uninterrupted run on dp=3 resumed from that checkpoint, bit for bit.
+ckpt="$scratch/elastic"
+out=$(OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 300 "$flashover" launch -n 4 \
+  --engine mpi --elastic -- train --mesh dp=2,tp=2 --steps 8 --save-every 2 --ckpt-dir "$ckpt" \
+  --global-batch 12 --kill 1@5 --log-jsonl "$scratch/elastic.jsonl" 2>&1) \
+  || { echo "mpi_check: elastic launch failed:" >&2; echo "$out" >&2; exit 1; }
+grep -q '^elastic restart: .*dp=2,tp=2 -> dp=3; resuming from step 4' <<<"$out" \
+  || { echo "mpi_check: elastic launch: no restart onto dp=3 from step 4:" >&2; echo "$out" >&2; exit 1; }
+"$flashover" train --mesh dp=3 --steps 8 --global-batch 12 --resume "$ckpt/step-00000004" \
+  --log-jsonl "$scratch/straight.jsonl" >/dev/null
+if ! diff <(numbers "$scratch/elastic.jsonl") <(numbers "$scratch/straight.jsonl") >/dev/null \
+   || [ "$(numbers "$scratch/elastic.jsonl" | wc -l)" != 8 ]; then
+  echo "mpi_check: elastic launch: the survivors' steps differ from a resumed run on dp=3" >&2; exit 1
+fi
+echo "mpi_check: launch --elastic: rank killed at step 5, restarted on dp=3 from step 4, bit for bit"
+
 # The multi_process example: the same script as threads and under mpirun.
 cargo build --quiet --features mpi,wgpu --example multi_process
 example="${CARGO_TARGET_DIR:-target}/debug/examples/multi_process"

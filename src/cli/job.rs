@@ -326,6 +326,28 @@ pub struct TrainOutputs {
     kills: Vec<String>,
 }
 
+impl TrainOutputs {
+    /// Where checkpoints go: `--ckpt-dir`, else the job file's, when saving is on.
+    pub(crate) fn checkpoint_dir(&self, config: &TrainConfig) -> Option<PathBuf> {
+        let every = self.save_every.unwrap_or(config.checkpoint.save_every);
+        let dir = self
+            .ckpt_dir
+            .clone()
+            .or_else(|| config.checkpoint.dir.clone());
+        dir.filter(|_| every > 0)
+    }
+
+    /// `--min-ranks`.
+    pub(crate) fn min_ranks(&self) -> usize {
+        self.min_ranks
+    }
+
+    /// `--max-restarts`.
+    pub(crate) fn max_restarts(&self) -> usize {
+        self.max_restarts
+    }
+}
+
 /// `flashover train`.
 pub fn train(args: &JobArgs, outputs: TrainOutputs) -> Result<(), String> {
     let mut config = args.build()?;

@@ -8,6 +8,8 @@
 //!   with its rank, and stops all processes as soon as one fails.
 //! - `threads`: the ranks as threads of this process (`train` only); with `--elastic` a failed
 //!   rank's job continues on the survivors (`flashover::train::train_elastic`).
+//!
+//! `--elastic` with `mpi` starts `mpirun` again on the survivors when it fails.
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -25,15 +27,16 @@ pub fn run(n: usize, engine: Option<&str>, elastic: bool, args: &[String]) -> Re
         (false, false) => "nccl",
     };
     let engine = engine.unwrap_or(default);
-    if elastic && engine != "threads" {
-        return Err(format!(
-            "--elastic --engine {engine}: a lost process ends every process of the job here; \
-             elastic restarts run on --engine threads, where the survivors' ranks restart in \
-             this process"
-        ));
+    if elastic && engine == "nccl" {
+        return Err(
+            "--elastic --engine nccl: use --engine mpi (processes restarted through \
+                    mpirun) or threads"
+                .into(),
+        );
     }
     let exe = std::env::current_exe().map_err(|e| format!("finding this program: {e}"))?;
     match engine {
+        "mpi" if elastic => elastic_mpirun(n, &exe, args),
         "mpi" => through_mpirun(n, &exe, args),
         "nccl" => spawn_ranks(n, &exe, args),
         "threads" => in_threads(n, elastic, args),
@@ -75,6 +78,85 @@ fn through_mpirun(n: usize, exe: &std::path::Path, args: &[String]) -> Result<()
     } else {
         Err(format!("the job failed ({status})"))
     }
+}
+
+/// `mpirun` of `train ARGS` on `n` processes; when it fails (a process died, so mpirun
+/// stopped the others), again on the survivors: a mesh chosen for them
+/// (`flashover::train::survivor_mesh`), resumed from the newest committed checkpoint, without
+/// the `--kill` drills (they fired), each restart printed.
+fn elastic_mpirun(n: usize, exe: &std::path::Path, args: &[String]) -> Result<(), String> {
+    use clap::Parser;
+    let argv = std::iter::once("flashover").chain(args.iter().map(String::as_str));
+    let cli = super::Cli::try_parse_from(argv).map_err(|e| e.to_string())?;
+    let super::Command::Train { job, outputs } = cli.command else {
+        return Err("--elastic runs `train` (flashover launch -n N --elastic -- train ...)".into());
+    };
+    let config = job.build()?;
+    let dir = outputs
+        .checkpoint_dir(&config)
+        .ok_or("--elastic resumes from checkpoints: give train --ckpt-dir and --save-every")?;
+    let (mut world, mut args, mut config) = (n, args.to_vec(), config);
+    for restart in 0.. {
+        match through_mpirun(world, exe, &args) {
+            Ok(()) => return Ok(()),
+            Err(e) if restart >= outputs.max_restarts() => {
+                return Err(format!("{e}; not restarting: {restart} restart(s) already"));
+            }
+            Err(e) => {
+                let survivors = world - 1;
+                if survivors < outputs.min_ranks().max(1) {
+                    return Err(format!(
+                        "{e}; not restarting: {survivors} process(es) survive"
+                    ));
+                }
+                let (mesh, reason) =
+                    flashover::train::survivor_mesh(&config, survivors, outputs.min_ranks())
+                        .map_err(|why| format!("{e}; not restarting: {why}"))?;
+                let resumed = flashover_checkpoint::committed(&dir)
+                    .map_err(|e| e.to_string())?
+                    .into_iter()
+                    .map(|(step, _)| step)
+                    .max();
+                println!(
+                    "elastic restart: {e} (the failed rank's error is above); {} -> {mesh}; \
+                     resuming from step {}{}",
+                    config.parallel.mesh,
+                    resumed.unwrap_or(0),
+                    reason.map_or(String::new(), |r| format!("; {r}"))
+                );
+                world = mesh
+                    .parse::<flashover::DeviceMesh>()
+                    .map_err(|e| e.to_string())?
+                    .world_size();
+                args = relaunch_args(&args, &mesh, resumed.map(|_| dir.as_path()));
+                config.parallel.mesh = mesh;
+            }
+        }
+    }
+    unreachable!("the loop returns")
+}
+
+/// `args` with `--mesh mesh`, `--resume dir` (when given) and no `--kill` drills or `--resume`
+/// of their own.
+fn relaunch_args(args: &[String], mesh: &str, resume: Option<&std::path::Path>) -> Vec<String> {
+    let mut out = vec![];
+    let mut skip_value = false;
+    for arg in args {
+        if std::mem::take(&mut skip_value) {
+            continue;
+        }
+        let flag = arg.split('=').next().unwrap_or("");
+        if ["--mesh", "--kill", "--resume"].contains(&flag) {
+            skip_value = !arg.contains('=');
+            continue;
+        }
+        out.push(arg.clone());
+    }
+    out.extend(["--mesh".to_string(), mesh.to_string()]);
+    if let Some(dir) = resume {
+        out.extend(["--resume".to_string(), dir.display().to_string()]);
+    }
+    out
 }
 
 /// A secret for this job's rendezvous: 16 random bytes, hex.

@@ -46,7 +46,8 @@ pub enum Command {
         engine: Option<String>,
         /// Keep training when a rank fails: continue on the survivors, on a mesh chosen for
         /// them, from the newest committed checkpoint (`train` with --ckpt-dir and
-        /// --save-every; --min-ranks and --max-restarts after `--` bound it).
+        /// --save-every; --min-ranks and --max-restarts after `--` bound it). With
+        /// `--engine mpi`, mpirun is started again on the survivors.
         #[arg(long)]
         elastic: bool,
         /// The command line for every process (after `--`).

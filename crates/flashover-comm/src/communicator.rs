@@ -71,6 +71,13 @@ pub trait Communicator: Send + Sync {
     fn device_collectives(&self) -> Option<&dyn DeviceCollectives> {
         None
     }
+    /// This process's rank failed (`why`) and will not call the group's collectives again:
+    /// end the job for its peers in other processes now (MPI aborts the job), rather than
+    /// leave them waiting until their deadlines. In-process peers learn it from the launcher;
+    /// the default does nothing.
+    fn abandon(&self, why: &str) {
+        let _ = why;
+    }
 }
 
 /// Collectives on memory of the communicator's GPU, addressed by raw device pointer (what a

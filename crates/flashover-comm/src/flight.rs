@@ -292,6 +292,9 @@ impl Communicator for Recorded {
     fn device_collectives(&self) -> Option<&dyn DeviceCollectives> {
         self.inner.device_collectives()
     }
+    fn abandon(&self, why: &str) {
+        self.inner.abandon(why)
+    }
 }
 
 /// The file a rank's record is written to.

@@ -513,4 +513,12 @@ impl Communicator for MpiComm {
     fn stats(&self) -> CommStats {
         self.stats.snapshot()
     }
+
+    fn abandon(&self, why: &str) {
+        eprintln!(
+            "flashover: rank {} failed ({why}); aborting the MPI job so its peers stop now",
+            self.env.rank()
+        );
+        SimpleCommunicator::world().abort(4);
+    }
 }

@@ -232,12 +232,19 @@ impl Launch {
             });
         }
         let rank = world.rank();
-        // Peers in other processes learn of a departure from the engine (MPI ends the job).
         let flight = self.flight_dir.as_deref();
         let place = (self.mesh, self.device);
-        run_rank(rank, world, place, flight, &body, |_| {}).map_err(|failure| LaunchError::Rank {
-            cause: failure.clone(),
-            all: vec![failure],
+        let abandon = world.clone();
+        run_rank(rank, world, place, flight, &body, |_| {}).map_err(|failure| {
+            // Peers in other processes would wait for this rank until their deadlines (and
+            // MPI's finalisation would wait for them): end the job for them now.
+            if abandon.size() > 1 {
+                abandon.abandon(&failure.message);
+            }
+            LaunchError::Rank {
+                cause: failure.clone(),
+                all: vec![failure],
+            }
         })
     }
 }
