@@ -324,6 +324,10 @@ pub struct TrainOutputs {
     /// once per run, so a restarted run is not killed again by it).
     #[arg(long = "kill", value_name = "RANK@STEP")]
     kills: Vec<String>,
+    /// Fault drill: stall rank RANK as step STEP starts, for twice the collective timeout
+    /// (`RANK@STEP`, repeatable, once per run): its peers' collectives time out.
+    #[arg(long = "stall", value_name = "RANK@STEP")]
+    stalls: Vec<String>,
 }
 
 impl TrainOutputs {
@@ -374,10 +378,16 @@ pub fn train(args: &JobArgs, outputs: TrainOutputs) -> Result<(), String> {
         config.run.exit_after = outputs.exit_after;
     }
     for kill in &outputs.kills {
+        let drill = flashover::train::KillDrill::parse(kill).map_err(|e| format!("--kill {e}"))?;
+        config.run.kills.push(drill);
+    }
+    let stall = std::time::Duration::from_secs_f64(2.0 * config.parallel.timeout_s);
+    for text in &outputs.stalls {
+        let at = flashover::train::KillDrill::parse(text).map_err(|e| format!("--stall {e}"))?;
         config
             .run
             .kills
-            .push(flashover::train::KillDrill::parse(kill)?);
+            .push(flashover::train::KillDrill::stall(at.rank, at.step, stall));
     }
     let errors = config.validate();
     if !errors.is_empty() {

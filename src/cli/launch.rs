@@ -136,8 +136,8 @@ fn elastic_mpirun(n: usize, exe: &std::path::Path, args: &[String]) -> Result<()
     unreachable!("the loop returns")
 }
 
-/// `args` with `--mesh mesh`, `--resume dir` (when given) and no `--kill` drills or `--resume`
-/// of their own.
+/// `args` with `--mesh mesh`, `--resume dir` (when given) and no `--kill` or `--stall` drills
+/// or `--resume` of their own.
 fn relaunch_args(args: &[String], mesh: &str, resume: Option<&std::path::Path>) -> Vec<String> {
     let mut out = vec![];
     let mut skip_value = false;
@@ -146,7 +146,7 @@ fn relaunch_args(args: &[String], mesh: &str, resume: Option<&std::path::Path>) 
             continue;
         }
         let flag = arg.split('=').next().unwrap_or("");
-        if ["--mesh", "--kill", "--resume"].contains(&flag) {
+        if ["--mesh", "--kill", "--stall", "--resume"].contains(&flag) {
             skip_value = !arg.contains('=');
             continue;
         }

@@ -417,20 +417,22 @@ pub struct RunSection {
     /// interrupted job would; the learning-rate schedule still spans `steps`. A checkpoint is
     /// saved on exit when saving is on.
     pub exit_after: Option<usize>,
-    /// Fault drills (tests, `--kill RANK@STEP`): each kills its rank (a panic) as that step
-    /// starts, once per elastic run.
+    /// Fault drills (tests, `--kill RANK@STEP`, `--stall RANK@STEP`): each kills (a panic) or
+    /// stalls its rank as that step starts, once per elastic run.
     #[serde(skip)]
     pub kills: Vec<KillDrill>,
 }
 
-/// Kill rank `rank` as step `step` starts, once (a restarted run on the survivors may have a
-/// rank of that number again; the drill does not repeat).
+/// Kill rank `rank` as step `step` starts (or stall it there), once: a restarted run on the
+/// survivors may have a rank of that number again; the drill does not repeat.
 #[derive(Debug, Clone, Default)]
 pub struct KillDrill {
     /// Global rank of the world the drill fires in.
     pub rank: usize,
     /// The step at whose start it fires.
     pub step: usize,
+    /// Stall this long instead of dying (its peers' collectives time out meanwhile).
+    pub stall: Option<std::time::Duration>,
     fired: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
@@ -440,13 +442,22 @@ impl KillDrill {
         KillDrill {
             rank,
             step,
+            stall: None,
             fired: Default::default(),
+        }
+    }
+
+    /// Stall `rank` for `duration` at the start of `step`.
+    pub fn stall(rank: usize, step: usize, duration: std::time::Duration) -> Self {
+        KillDrill {
+            stall: Some(duration),
+            ..KillDrill::new(rank, step)
         }
     }
 
     /// `RANK@STEP`.
     pub fn parse(text: &str) -> Result<Self, String> {
-        let bad = || format!("--kill `{text}`: expected RANK@STEP, e.g. 1@25");
+        let bad = || format!("`{text}`: expected RANK@STEP, e.g. 1@25");
         let (rank, step) = text.split_once('@').ok_or_else(bad)?;
         Ok(KillDrill::new(
             rank.trim().parse().map_err(|_| bad())?,
@@ -464,7 +475,7 @@ impl KillDrill {
 
 impl PartialEq for KillDrill {
     fn eq(&self, other: &Self) -> bool {
-        (self.rank, self.step) == (other.rank, other.step)
+        (self.rank, self.step, self.stall) == (other.rank, other.step, other.stall)
     }
 }
 

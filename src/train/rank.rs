@@ -285,11 +285,19 @@ pub(crate) fn train_rank(
     let mut records = vec![];
     let mut trace = Trace::new(origin);
     for step in first_step..last_step {
-        if config.run.kills.iter().any(|k| k.fires(ctx.rank(), step)) {
-            panic!(
-                "fault drill: rank {} killed at the start of step {step}",
-                ctx.rank()
-            );
+        for drill in config
+            .run
+            .kills
+            .iter()
+            .filter(|k| k.fires(ctx.rank(), step))
+        {
+            match drill.stall {
+                Some(time) => std::thread::sleep(time),
+                None => panic!(
+                    "fault drill: rank {} killed at the start of step {step}",
+                    ctx.rank()
+                ),
+            }
         }
         let (next, mut outcome, mine, t0) = rank.step(strategy, step, &mut precision)?;
         strategy = next;

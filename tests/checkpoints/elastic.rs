@@ -125,6 +125,31 @@ fn two_ranks_killed_in_a_row_and_one_killed_while_saving_lose_no_committed_step(
 }
 
 #[test]
+fn a_stalled_rank_is_timed_out_and_the_job_continues_on_the_survivors() {
+    let dir = Scratch::new("elastic-stall");
+    let mut c = saving("dp=4", &dir.0);
+    c.parallel.timeout_s = 1.0;
+    c.run.kills = vec![KillDrill::stall(2, 5, std::time::Duration::from_secs(2))];
+    let told = Mutex::new(vec![]);
+    let on_restart = |r: &Restart| told.lock().unwrap().push(r.clone());
+    let out = train_elastic(&c, ElasticOptions::default(), &|_| {}, &on_restart).unwrap();
+    let [restart] = &out.restarts[..] else {
+        panic!("one restart expected: {:?}", out.restarts);
+    };
+    // The peers' collective gave up on the stalled rank and says so.
+    assert!(restart.cause.contains("timed out"), "{restart}");
+    assert!(
+        restart.cause.contains('2'),
+        "names the stalled rank: {restart}"
+    );
+    assert_eq!(
+        (restart.new_mesh.as_str(), restart.resumed_from),
+        ("dp=3", 4)
+    );
+    assert_eq!(losses(&out.report), losses(&resumed("dp=3", &dir.0, 4)));
+}
+
+#[test]
 fn an_elastic_run_refuses_what_it_cannot_survive_with_the_reason() {
     let dir = Scratch::new("elastic-refused");
     let mut c = saving("dp=2", &dir.0);
