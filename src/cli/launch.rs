@@ -59,7 +59,7 @@ fn in_threads(n: usize, elastic: bool, args: &[String]) -> Result<(), String> {
         ));
     }
     outputs.elastic |= elastic;
-    super::job::train(&job, outputs)
+    super::job::train(&job, *outputs)
 }
 
 fn through_mpirun(n: usize, exe: &std::path::Path, args: &[String]) -> Result<(), String> {

@@ -30,7 +30,7 @@ pub enum Command {
         job: job::JobArgs,
         /// Logs, traces and checkpoints.
         #[command(flatten)]
-        outputs: job::TrainOutputs,
+        outputs: Box<job::TrainOutputs>,
     },
     /// Start N local processes of this program, one rank each:
     /// `flashover launch -n 4 -- train --mesh dp=2,tp=2`. Output lines carry the rank; if one
@@ -135,7 +135,7 @@ pub enum MeshCommand {
 pub fn run(cli: Cli) -> Result<(), String> {
     match cli.command {
         Command::Bench(b) => bench::run(b),
-        Command::Train { job, outputs } => job::train(&job, outputs),
+        Command::Train { job, outputs } => job::train(&job, *outputs),
         Command::Ckpt(c) => ckpt::run(c),
         Command::Debug(DebugCommand::Flight { dir }) => {
             let dumps =
