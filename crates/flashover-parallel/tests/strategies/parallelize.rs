@@ -149,12 +149,22 @@ type Run = (Vec<f32>, Vec<f32>, Vec<f32>);
 /// The plain Burn loop on one device, with global-norm clipping written out.
 fn single_rank<M: Net>() -> Run {
     let device = Device::flex().autodiff();
-    let mut model = M::new(&device);
+    reference_loop(M::new(&device), |model, samples| {
+        let (x, y) = batch(samples, &device);
+        loss(model, x, y)
+    })
+}
+
+/// The plain Burn loop on one device over `model`, `loss(model, samples)` the loss of step
+/// `s`'s samples `s * GLOBAL_BATCH..`, with global-norm clipping written out.
+fn reference_loop<M: Module>(
+    mut model: M,
+    loss: impl Fn(&M, std::ops::Range<usize>) -> Tensor<1>,
+) -> Run {
     let mut optim = AdamWConfig::new().init();
     let (mut losses, mut norms) = (vec![], vec![]);
     for step in 0..STEPS {
-        let (x, y) = batch(step * GLOBAL_BATCH..(step + 1) * GLOBAL_BATCH, &device);
-        let loss = loss(&model, x, y);
+        let loss = loss(&model, step * GLOBAL_BATCH..(step + 1) * GLOBAL_BATCH);
         losses.push(loss.clone().into_scalar::<f32>());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         let mut flat = vec![0.0; ParamLayout::of(&model).numel];
@@ -409,28 +419,9 @@ impl PipelineModel<2> for Stack {
 /// `Stack`'s plain single-rank loop.
 fn stack_single_rank() -> Run {
     let device = Device::flex().autodiff();
-    let mut model = Stack::new(&device);
-    let mut optim = AdamWConfig::new().init();
-    let (mut losses, mut norms) = (vec![], vec![]);
-    for step in 0..STEPS {
-        let loss = model.loss(&batch(
-            step * GLOBAL_BATCH..(step + 1) * GLOBAL_BATCH,
-            &device,
-        ));
-        losses.push(loss.clone().into_scalar::<f32>());
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        let mut flat = vec![0.0; ParamLayout::of(&model).numel];
-        accumulate_grads(&model, &grads, &mut flat, &[]);
-        let norm = flat.iter().map(|g| (*g as f64).powi(2)).sum::<f64>().sqrt() as f32;
-        norms.push(norm);
-        if norm > MAX_NORM {
-            let by = MAX_NORM / (norm + 1e-6);
-            flat.iter_mut().for_each(|g| *g *= by);
-        }
-        let grads = grads_from_flat(&model, &flat);
-        model = optim.step(LR, model, grads);
-    }
-    (losses, norms, flatten_params(&model))
+    reference_loop(Stack::new(&device), |model, samples| {
+        model.loss(&batch(samples, &device))
+    })
 }
 
 /// `Stack` under a pipelined `plan` on `mesh`: rank 0's run and every rank's stored elements.
