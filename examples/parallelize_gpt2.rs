@@ -203,35 +203,19 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> (Run, Vec<usize>) {
             // The lines a plan adds to the loop are marked `+`.
             let (mut model, par) = parallelize(Gpt2::new(&device), plan, &ctx)?; // +
             let stored = ParamLayout::of(&model).numel;
-            // pp: what a block takes for one micro-batch of this rank's share.
-            let data = ctx.mesh().degree(Axis::Dp) * ctx.mesh().degree(Axis::Fsdp);
-            // sp: a rank's 1/tp of the positions travel between stages.
-            let seq = match plan.sequence_parallel.is_empty() {
-                true => SEQ,
-                false => SEQ / ctx.mesh().degree(Axis::Tp),
-            };
-            let activation = [GLOBAL_BATCH / data / MICRO_BATCHES, seq, WIDTH]; // pp
             let mut optim = AdamWConfig::new().init();
             let mut losses = vec![];
+            let clip = Some(MAX_NORM);
             for step in 0..STEPS {
                 let grads = if plan.pipeline.is_none() {
                     let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device); // +
                     let loss = model.loss(&(x, y));
                     losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?); // +
-                    par.gradients(&model, loss.backward(), Some(MAX_NORM), &ctx)?
-                        .0 // +
+                    par.gradients(&model, loss.backward(), clip, &ctx)?.0 // +
                 } else {
                     // pp: the schedule runs this rank's stages over the micro-batches.
-                    let micro_batch = |samples| batch(samples, &device); // pp
-                    let out = par.pipeline_step(
-                        &model,
-                        GLOBAL_BATCH,
-                        step,
-                        activation,
-                        &micro_batch,
-                        Some(MAX_NORM),
-                        &ctx,
-                    )?; // pp
+                    let micro = |samples| batch(samples, &device); // pp
+                    let out = par.pipeline_step(&model, GLOBAL_BATCH, step, &micro, clip, &ctx)?; // pp
                     losses.push(out.loss); // pp
                     out.grads // pp
                 };

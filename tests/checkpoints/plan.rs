@@ -143,7 +143,6 @@ fn span(
             state.step as usize, steps.start,
             "resumed at the saved step"
         );
-        let data = ctx.mesh().degree(Axis::Dp) * ctx.mesh().degree(Axis::Fsdp);
         let mut losses = vec![];
         for step in steps.clone() {
             let grads = match &plan.pipeline {
@@ -152,10 +151,9 @@ fn span(
                     losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
                     par.gradients(&model, loss.backward(), None, &ctx)?.0
                 }
-                Some(rule) => {
-                    let shape = [BATCH / data / rule.micro_batches, WIDTH];
+                Some(_) => {
                     let micro = |samples| batch(samples, &device);
-                    let out = par.pipeline_step(&model, BATCH, step, shape, &micro, None, &ctx)?;
+                    let out = par.pipeline_step(&model, BATCH, step, &micro, None, &ctx)?;
                     losses.push(out.loss);
                     out.grads
                 }

@@ -287,17 +287,16 @@ impl Parallelized {
     /// One training step of a pipelined plan: this rank's samples of step `step` of batches of
     /// `global_batch` (as [`Self::batch_share`]) cut into the plan's micro-batches, each
     /// built by `micro_batch(samples)` on the first and last stage, run through the plan's
-    /// schedule over this rank's stages of `model` ([`PipelineModel`]). `activation` is the
-    /// shape of what a layer takes for one micro-batch (`[batch / micro-batches, seq,
-    /// width]`). The gradients are reduced and clipped as [`Self::gradients`] does; tied
-    /// copies (an embedding the first and the last stage both hold) summed. Collective.
-    #[allow(clippy::too_many_arguments)]
+    /// schedule over this rank's stages of `model` ([`PipelineModel`]). What travels between
+    /// stages has the shape of the first stage's `embed` output, learned on the first step
+    /// (every micro-batch of a run has one shape). The gradients are reduced and clipped as
+    /// [`Self::gradients`] does; tied copies (an embedding the first and the last stage both
+    /// hold) summed. Collective.
     pub fn pipeline_step<M, const D: usize>(
         &self,
         model: &M,
         global_batch: usize,
         step: usize,
-        activation: [usize; D],
         micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
         max_norm: Option<f32>,
         ctx: &RankContext,
@@ -313,7 +312,7 @@ impl Parallelized {
         })?;
         let share = self.batch_share(global_batch, step)?;
         let device = ctx.device().clone().autodiff();
-        let (flat, loss, report) = stages.step(model, share, activation, &device, micro_batch)?;
+        let (flat, loss, report) = stages.step(model, share, &device, micro_batch)?;
         let loss = self.mean_loss(loss)?;
         let (grads, norm) = self.reduce_and_clip(model, flat, max_norm, ctx)?;
         Ok(PipelineStep {

@@ -56,6 +56,8 @@ pub(super) struct Stages {
     pp: Group,
     /// The ranks of the first and last stage, which sum tied copies (on both of them).
     tie: Option<Group>,
+    /// What the layers take for one micro-batch, once known ([`Stages::activation_shape`]).
+    activation: std::sync::Mutex<Option<Vec<usize>>>,
 }
 
 impl Stages {
@@ -143,6 +145,7 @@ impl Stages {
             whole,
             pp: pp.clone(),
             tie,
+            activation: Default::default(),
         })
     }
 
@@ -217,7 +220,6 @@ impl Stages {
         &self,
         model: &M,
         share: Range<usize>,
-        activation: [usize; D],
         device: &Device,
         micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
     ) -> Result<(Vec<f32>, f32, PipelineStepReport), ParallelError>
@@ -233,14 +235,8 @@ impl Stages {
             )));
         }
         let per = share.len() / m;
-        if activation[0] != per {
-            return Err(ParallelError::Invalid(format!(
-                "pipeline_step: the activation shape {activation:?} must start with the \
-                 micro-batch's size, {per} (this rank's {} samples over {m} micro-batches)",
-                share.len()
-            )));
-        }
         let micro = |k: usize| share.start + k * per..share.start + (k + 1) * per;
+        let activation = self.activation_shape(model, micro(0), micro_batch)?;
         let last = self.schedule.stages() - 1;
         let rank = self.pp.rank();
         let forward = |chunk: usize, m: &M, input: Option<Tensor<D>>, k: usize| {
@@ -270,6 +266,41 @@ impl Stages {
             self.pp.all_reduce(&mut loss, ReduceOp::Sum)?;
         }
         Ok((flat, loss[0], report))
+    }
+}
+
+impl Stages {
+    /// The shape of what the layers take for one micro-batch: the first stage's `embed` of
+    /// `first`'s samples, broadcast over `pp` on the first step and kept (the micro-batches
+    /// of a run have one shape). Collective over `pp`.
+    fn activation_shape<M, const D: usize>(
+        &self,
+        model: &M,
+        first: Range<usize>,
+        micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
+    ) -> Result<[usize; D], ParallelError>
+    where
+        M: PipelineModel<D>,
+    {
+        let mut known = self.activation.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(dims) = known
+            .as_ref()
+            .and_then(|d| <[usize; D]>::try_from(&d[..]).ok())
+        {
+            return Ok(dims);
+        }
+        let root = self.schedule.place(0).0;
+        let mut dims = [0u64; D];
+        if self.pp.rank() == root {
+            let x = model.embed(&micro_batch(first));
+            dims = x.dims().map(|d| d as u64);
+        }
+        if self.pp.size() > 1 {
+            self.pp.broadcast(&mut dims, root)?;
+        }
+        let dims = dims.map(|d| d as usize);
+        *known = Some(dims.to_vec());
+        Ok(dims)
     }
 }
 

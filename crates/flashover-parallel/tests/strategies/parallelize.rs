@@ -426,16 +426,12 @@ fn stack_single_rank() -> Run {
 
 /// `Stack` under a pipelined `plan` on `mesh`: rank 0's run and every rank's stored elements.
 fn stack_pipelined(mesh: &str, plan: ParallelizePlan) -> (Run, Vec<usize>) {
-    let micro = plan.pipeline.as_ref().unwrap().micro_batches;
     let out = Launch::new(mesh)
         .unwrap()
         .run(|ctx| {
             let device = Device::flex().autodiff();
             let (mut model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
             let held = ParamLayout::of(&model).numel;
-            let data = ctx.mesh().degree(flashover_runtime::Axis::Dp)
-                * ctx.mesh().degree(flashover_runtime::Axis::Fsdp);
-            let shape = [GLOBAL_BATCH / data / micro, NARROW];
             let mut optim = AdamWConfig::new().init();
             let (mut losses, mut norms) = (vec![], vec![]);
             let micro_batch = |samples| batch(samples, &device);
@@ -444,7 +440,6 @@ fn stack_pipelined(mesh: &str, plan: ParallelizePlan) -> (Run, Vec<usize>) {
                     &model,
                     GLOBAL_BATCH,
                     step,
-                    shape,
                     &micro_batch,
                     Some(MAX_NORM),
                     &ctx,
