@@ -56,8 +56,9 @@ pub(super) struct Stages {
     pp: Group,
     /// The ranks of the first and last stage, which sum tied copies (on both of them).
     tie: Option<Group>,
-    /// What the layers take for one micro-batch, once known ([`Stages::activation_shape`]).
-    activation: std::sync::Mutex<Option<Vec<usize>>>,
+    /// What the layers take for a micro-batch of so many samples, once known
+    /// ([`Stages::activation_shape`]).
+    activation: std::sync::Mutex<Option<(usize, Vec<usize>)>>,
 }
 
 impl Stages {
@@ -271,8 +272,9 @@ impl Stages {
 
 impl Stages {
     /// The shape of what the layers take for one micro-batch: the first stage's `embed` of
-    /// `first`'s samples, broadcast over `pp` on the first step and kept (the micro-batches
-    /// of a run have one shape). Collective over `pp`.
+    /// `first`'s samples, broadcast over `pp` on the first step and kept while micro-batches
+    /// keep that many samples (the micro-batches of a run have one shape). Collective over
+    /// `pp`.
     fn activation_shape<M, const D: usize>(
         &self,
         model: &M,
@@ -283,9 +285,11 @@ impl Stages {
         M: PipelineModel<D>,
     {
         let mut known = self.activation.lock().unwrap_or_else(|p| p.into_inner());
+        let samples = first.len();
         if let Some(dims) = known
             .as_ref()
-            .and_then(|d| <[usize; D]>::try_from(&d[..]).ok())
+            .filter(|(n, _)| *n == samples)
+            .and_then(|(_, d)| <[usize; D]>::try_from(&d[..]).ok())
         {
             return Ok(dims);
         }
@@ -299,7 +303,7 @@ impl Stages {
             self.pp.broadcast(&mut dims, root)?;
         }
         let dims = dims.map(|d| d as usize);
-        *known = Some(dims.to_vec());
+        *known = Some((samples, dims.to_vec()));
         Ok(dims)
     }
 }
