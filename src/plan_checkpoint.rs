@@ -16,9 +16,9 @@
 //!     Some(saved) => Checkpoints::resume(&par, &ctx, &saved, model, optim)?,
 //!     None => (model, optim, RunState::default()),
 //! };
-//! for step in state.step..steps {
+//! for step in state.step as usize..steps {
 //!     // ... train ...
-//!     checkpoints.save(&par, &ctx, step + 1, &model, &optim, serde_json::Value::Null)?;
+//!     checkpoints.save(&par, &ctx, step as u64 + 1, &model, &optim, serde_json::Value::Null)?;
 //! }
 //! ```
 

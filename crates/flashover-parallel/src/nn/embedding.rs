@@ -70,7 +70,17 @@ impl Embedding {
     /// `tokens: [batch, seq]` -> `[batch, seq, d]`; under sequence parallelism `[batch, seq /
     /// tp, d]`, this rank's positions ([`Self::local_positions`]).
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        match self.split() {
+        let split = self.split();
+        if let Some((_, tp)) = split.1.as_ref().filter(|(_, tp)| tp.sequence_parallel) {
+            let (seq, n) = (tokens.dims()[1], tp.group.size());
+            assert!(
+                seq.is_multiple_of(n),
+                "sequence parallelism over tp={n} splits the sequence into {n} parts: a \
+                 sequence of {seq} tokens does not divide; use a length that is a multiple of \
+                 {n}"
+            );
+        }
+        match split {
             (weight, Some((shard, tp))) => vocab_parallel_embedding(weight, tokens, &shard, &tp),
             (weight, None) => embedding(weight, tokens),
         }

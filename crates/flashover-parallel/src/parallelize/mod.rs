@@ -36,6 +36,7 @@
 pub mod pipeline;
 pub mod placed;
 mod plan;
+mod sequence_check;
 mod validate;
 
 pub use pipeline::PipelineModel;
@@ -76,6 +77,9 @@ pub struct Parallelized {
     stages: Option<Stages>,
     /// Parameters under `fully_shard` paths left whole, with the layer type that needs it.
     kept_whole: BTreeMap<String, &'static str>,
+    /// Under sequence parallelism, the first step's check that every whole parameter that runs
+    /// on sequence shards is named.
+    sequence_check: Option<sequence_check::SequenceCheck>,
 }
 
 /// What one [`Parallelized::pipeline_step`] computed.
@@ -126,14 +130,16 @@ pub fn parallelize<M: Module>(
         placed::reads_stored_shape(&model)
     };
     let mut error = None;
+    let mut sequence_partial = std::collections::HashSet::new();
     let place = placed::PlaceParams {
         plan,
         fsdp: ctx.group(Axis::Fsdp).clone(),
-        tp,
+        tp: tp.clone(),
         placements: &mut placements,
         whole_reads: whole_reads.clone(),
         absent: stages.as_ref().map(|s| &s.absent),
         kept_whole: &kept_whole,
+        sequence_partials: &mut sequence_partial,
         error: &mut error,
     };
     let model = model.apply_reparameterization(place);
@@ -147,6 +153,8 @@ pub fn parallelize<M: Module>(
         whole_reads,
         stages,
         kept_whole,
+        sequence_check: (tp.size() > 1 && !plan.sequence_parallel.is_empty())
+            .then(|| sequence_check::SequenceCheck::new(tp.clone(), sequence_partial)),
     };
     Ok((model, par))
 }
@@ -226,12 +234,32 @@ impl Parallelized {
     /// This rank's samples of step `step`, numbered over the whole run: step `s`'s batch is
     /// samples `s * global_batch .. (s + 1) * global_batch` of the data set, and each data
     /// rank (`dp` x `fsdp`) takes a contiguous share of it (rank 1 of 2 at step 1 of a batch
-    /// of 8: `12..16`). Fails when the batch does not split evenly.
+    /// of 8: `12..16`). Fails when the batch does not split evenly, and when the plan cuts the
+    /// model into pipeline stages (a rank's forward is then a stage's:
+    /// [`Self::pipeline_step`] reads the batch and runs the schedule).
     pub fn batch_share(
         &self,
         global_batch: usize,
         step: usize,
     ) -> Result<Range<usize>, ParallelError> {
+        if self.pipelined() {
+            return Err(ParallelError::Invalid(
+                "the plan cuts the model into pipeline stages: a rank's forward is a stage's, \
+                 so train with Parallelized::pipeline_step, which reads each micro-batch and \
+                 runs the schedule"
+                    .into(),
+            ));
+        }
+        self.share(global_batch, step)
+    }
+
+    /// Whether the plan cuts the model into stages on this mesh.
+    fn pipelined(&self) -> bool {
+        self.stages.as_ref().is_some_and(|s| s.schedule.pp > 1)
+    }
+
+    /// [`Self::batch_share`], pipelined or not.
+    fn share(&self, global_batch: usize, step: usize) -> Result<Range<usize>, ParallelError> {
         let n = self.data.size();
         if !global_batch.is_multiple_of(n) {
             return Err(ParallelError::Invalid(format!(
@@ -268,9 +296,7 @@ impl Parallelized {
         max_norm: Option<f32>,
         ctx: &RankContext,
     ) -> Result<(GradientsParams, f32), ParallelError> {
-        if let Some(stages) = &self.stages
-            && stages.schedule.pp > 1
-        {
+        if self.pipelined() {
             return Err(ParallelError::Invalid(
                 "the plan cuts the model into pipeline stages: a rank's forward is a stage's, \
                  so train with Parallelized::pipeline_step, which runs the schedule"
@@ -310,7 +336,7 @@ impl Parallelized {
                     .into(),
             )
         })?;
-        let share = self.batch_share(global_batch, step)?;
+        let share = self.share(global_batch, step)?;
         let device = ctx.device().clone().autodiff();
         let (flat, loss, report) = stages.step(model, share, &device, micro_batch)?;
         let loss = self.mean_loss(loss)?;
@@ -334,6 +360,9 @@ impl Parallelized {
         ctx: &RankContext,
     ) -> Result<(GradientsParams, f32), ParallelError> {
         let entries = self.placements.entries_of(model)?;
+        if let Some(check) = &self.sequence_check {
+            check.first_step(&entries, &flat)?;
+        }
         let scale = 1.0 / self.data.size() as f32;
         let tie = self.stages.as_ref().and_then(Stages::tie_group);
         self.reducer.reduce(&entries, &mut flat, scale, tie)?;

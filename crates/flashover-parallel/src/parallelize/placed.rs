@@ -143,7 +143,9 @@ impl Reparameterization for Placed {
                 self.whole_reads.allowed(),
                 "`{}` belongs to a pipeline stage another rank holds (this rank keeps a \
                  placeholder): a model cut into stages trains through \
-                 Parallelized::pipeline_step, which runs only this rank's stages",
+                 Parallelized::pipeline_step, whose stages read only their own parameters; \
+                 if this rank's stage uses it (a head tied to the embedding), name its module \
+                 in the pipeline rule's `first` or `last` (both, for a tied one)",
                 self.name
             );
             return base;
@@ -254,6 +256,8 @@ pub(super) struct PlaceParams<'a> {
     pub(super) absent: Option<&'a HashSet<String>>,
     /// Parameters `fully_shard` leaves whole ([`reads_stored_shape`]), by path.
     pub(super) kept_whole: &'a BTreeMap<String, &'static str>,
+    /// The parameters marked as running on sequence shards, as they are placed.
+    pub(super) sequence_partials: &'a mut HashSet<burn::module::ParamId>,
     pub(super) error: &'a mut Option<ParallelError>,
 }
 
@@ -326,6 +330,9 @@ impl Reparameterizer for PlaceParams<'_> {
         }
         let tp = self.tp_dim::<D>(&path);
         let sequence_partial = self.sequence_partial::<D>(&path).then(|| self.tp.clone());
+        if sequence_partial.is_some() {
+            self.sequence_partials.insert(param.id);
+        }
         let fully_shard = self.fsdp.size() > 1
             && self.plan.shard_path(&path).is_some()
             && !self.kept_whole.contains_key(&path);

@@ -671,7 +671,18 @@ fn pipeline_rules_that_do_not_fit_are_refused_with_the_reason() {
         err.contains("another rank holds") && err.contains("pipeline_step"),
         "{err}"
     );
-    // A pipelined model's forward is a stage's: the whole-model gradient call is refused.
+    // A pipelined model's forward is a stage's: the plain loop's calls are refused.
+    let err = Launch::new("pp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let plan = plan(rule(ScheduleKind::GPipe));
+            let (_, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
+            par.batch_share(GLOBAL_BATCH, 0).map(|_| ())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("pipeline_step"), "{err}");
     let err = Launch::new("pp=2")
         .unwrap()
         .run(|ctx| {
@@ -748,6 +759,7 @@ struct TiedLm {
     norm: LayerNorm,
     up: nn::Linear,
     down: nn::Linear,
+    out_norm: LayerNorm,
 }
 
 const TOKENS: usize = 7;
@@ -776,6 +788,7 @@ impl Lm for TiedLm {
             norm: LayerNormConfig::new(NARROW).init(device),
             up: linear(NARROW, WIDE, 0.4, device).into(),
             down: linear(WIDE, NARROW, 0.5, device).into(),
+            out_norm: LayerNormConfig::new(NARROW).init(device),
         }
     }
 
@@ -786,6 +799,7 @@ impl Lm for TiedLm {
             + self
                 .down
                 .forward(gelu(self.up.forward(self.norm.forward(x))));
+        let x = self.out_norm.forward(x);
         self.embed.cross_entropy(self.embed.logits(x), targets)
     }
 }
@@ -869,8 +883,11 @@ fn vocabulary_and_sequence_parallel_models_train_as_one_rank() {
         .clone()
         .tensor_parallel(TensorParallelRule::colwise(&["up"]))
         .tensor_parallel(TensorParallelRule::rowwise(&["down"]));
-    // Sequence parallel: the norm (and the row-wise bias) on this rank's positions.
-    let sequence = mlp.clone().sequence_parallel("norm");
+    // Sequence parallel: the norms (and the row-wise bias) on this rank's positions.
+    let sequence = mlp
+        .clone()
+        .sequence_parallel("norm")
+        .sequence_parallel("out_norm");
     let tied = train_lm::<TiedLm>(None, &ParallelizePlan::new());
     let untied = train_lm::<UntiedLm>(None, &ParallelizePlan::new());
     for (mesh, plan, reference) in [
@@ -898,4 +915,28 @@ fn vocabulary_and_sequence_parallel_models_train_as_one_rank() {
             "{mesh}: losses {loss:e}, weights {weights:e}"
         );
     }
+}
+
+#[test]
+fn a_whole_module_left_out_of_sequence_parallel_is_named_on_the_first_step() {
+    let plan = ParallelizePlan::new()
+        .tensor_parallel(TensorParallelRule::vocab(&["embed"]))
+        .tensor_parallel(TensorParallelRule::colwise(&["up"]))
+        .tensor_parallel(TensorParallelRule::rowwise(&["down"]))
+        .sequence_parallel("norm");
+    let err = Launch::new("tp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (model, par) = parallelize(TiedLm::new(&device), &plan, &ctx)?;
+            let loss = model.loss(token_batch(par.batch_share(GLOBAL_BATCH, 0)?, &device));
+            par.gradients(&model, loss.backward(), None, &ctx)
+                .map(|_| ())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`out_norm.") && err.contains("sequence_parallel"),
+        "{err}"
+    );
 }
