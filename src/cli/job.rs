@@ -330,6 +330,12 @@ pub struct TrainOutputs {
     stalls: Vec<String>,
 }
 
+/// Where an elastic run without `--ckpt-dir` keeps its checkpoints: a directory of this
+/// launch in the system's temporary directory (a launcher passes its own down to its ranks).
+pub(crate) fn elastic_checkpoint_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("flashover-elastic-{}", std::process::id()))
+}
+
 impl TrainOutputs {
     /// Where checkpoints go: `--ckpt-dir`, else the job file's, when saving is on.
     pub(crate) fn checkpoint_dir(&self, config: &TrainConfig) -> Option<PathBuf> {
@@ -339,6 +345,11 @@ impl TrainOutputs {
             .clone()
             .or_else(|| config.checkpoint.dir.clone());
         dir.filter(|_| every > 0)
+    }
+
+    /// Whether saving is on (`--save-every`, else the job file's).
+    pub(crate) fn saves(&self, config: &TrainConfig) -> bool {
+        self.save_every.unwrap_or(config.checkpoint.save_every) > 0
     }
 
     /// `--min-ranks`.
@@ -371,6 +382,15 @@ pub fn train(args: &JobArgs, outputs: TrainOutputs) -> Result<(), String> {
         ckpt.resume = outputs.resume;
     }
     ckpt.async_save |= outputs.async_save;
+    if outputs.elastic && ckpt.dir.is_none() && ckpt.save_every > 0 {
+        // Elastic restarts resume from checkpoints: somewhere to keep them when not told.
+        let dir = elastic_checkpoint_dir();
+        println!(
+            "elastic: checkpoints in {} (--ckpt-dir to choose)",
+            dir.display()
+        );
+        ckpt.dir = Some(dir);
+    }
     if outputs.init_from.is_some() {
         ckpt.init_from = outputs.init_from;
     }

@@ -92,10 +92,24 @@ fn elastic_mpirun(n: usize, exe: &std::path::Path, args: &[String]) -> Result<()
         return Err("--elastic runs `train` (flashover launch -n N --elastic -- train ...)".into());
     };
     let config = job.build()?;
-    let dir = outputs
-        .checkpoint_dir(&config)
-        .ok_or("--elastic resumes from checkpoints: give train --ckpt-dir and --save-every")?;
-    let (mut world, mut args, mut config) = (n, args.to_vec(), config);
+    let mut args = args.to_vec();
+    let dir = match outputs.checkpoint_dir(&config) {
+        Some(dir) => dir,
+        None if outputs.saves(&config) => {
+            // Every process must write to the same place: the launcher chooses it.
+            let dir = super::job::elastic_checkpoint_dir();
+            println!(
+                "elastic: checkpoints in {} (--ckpt-dir to choose)",
+                dir.display()
+            );
+            args.extend(["--ckpt-dir".to_string(), dir.display().to_string()]);
+            dir
+        }
+        None => {
+            return Err("--elastic resumes from checkpoints: give train --save-every".into());
+        }
+    };
+    let (mut world, mut config) = (n, config);
     for restart in 0.. {
         match through_mpirun(world, exe, &args) {
             Ok(()) => return Ok(()),
