@@ -45,11 +45,16 @@ pub enum Command {
         #[arg(long)]
         engine: Option<String>,
         /// Keep training when a rank fails: continue on the survivors, on a mesh chosen for
-        /// them, from the newest committed checkpoint (`train` with --ckpt-dir and
-        /// --save-every; --min-ranks and --max-restarts after `--` bound it). With
+        /// them, from the newest committed checkpoint (`train` with --save-every). With
         /// `--engine mpi`, mpirun is started again on the survivors.
         #[arg(long)]
         elastic: bool,
+        /// Elastic: give up when fewer ranks than this survive (passed to `train`).
+        #[arg(long, requires = "elastic")]
+        min_ranks: Option<usize>,
+        /// Elastic: give up after this many restarts (passed to `train`).
+        #[arg(long, requires = "elastic")]
+        max_restarts: Option<usize>,
         /// The command line for every process (after `--`).
         #[arg(last = true, required = true)]
         args: Vec<String>,
@@ -158,8 +163,17 @@ pub fn run(cli: Cli) -> Result<(), String> {
             n,
             engine,
             elastic,
-            args,
-        } => launch::run(n, engine.as_deref(), elastic, &args),
+            min_ranks,
+            max_restarts,
+            mut args,
+        } => {
+            for (flag, value) in [("--min-ranks", min_ranks), ("--max-restarts", max_restarts)] {
+                if let Some(value) = value {
+                    args.extend([flag.to_string(), value.to_string()]);
+                }
+            }
+            launch::run(n, engine.as_deref(), elastic, &args)
+        }
         Command::Verify { job, tolerance } => {
             if !job::verify(&job, tolerance)? {
                 // The last line printed is the verdict; the exit code says it too.
