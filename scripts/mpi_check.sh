@@ -59,7 +59,7 @@ out=$(OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 timeout 300 "$fl
   --engine mpi --elastic -- train --mesh dp=2,tp=2 --steps 8 --save-every 2 --ckpt-dir "$ckpt" \
   --global-batch 12 --kill 1@5 --log-jsonl "$scratch/elastic.jsonl" 2>&1) \
   || { echo "mpi_check: elastic launch failed:" >&2; echo "$out" >&2; exit 1; }
-grep -q '^elastic restart: .*dp=2,tp=2 -> dp=3; resuming from step 4' <<<"$out" \
+grep -q '^elastic restart: rank 1 failed (fault drill: rank 1 killed at the start of step 5).*dp=2,tp=2 -> dp=3; resuming from step 4' <<<"$out" \
   || { echo "mpi_check: elastic launch: no restart onto dp=3 from step 4:" >&2; echo "$out" >&2; exit 1; }
 "$flashover" train --mesh dp=3 --steps 8 --global-batch 12 --resume "$ckpt/step-00000004" \
   --log-jsonl "$scratch/straight.jsonl" >/dev/null

@@ -67,16 +67,37 @@ fn through_mpirun(n: usize, exe: &std::path::Path, args: &[String]) -> Result<()
         return Err("--engine mpi: this build has no MPI engine: build with --features mpi".into());
     }
     // --oversubscribe: a laptop may have fewer cores than ranks.
-    let status = Command::new("mpirun")
+    let mut child = Command::new("mpirun")
         .args(["--oversubscribe", "--tag-output", "-np", &n.to_string()])
         .arg(exe)
         .args(args)
-        .status()
+        .stderr(Stdio::piped())
+        .spawn()
         .map_err(|e| format!("starting mpirun (is Open MPI installed?): {e}"))?;
+    // Passed through as it comes; the first rank to fail says so on it (the MPI engine's
+    // abandon), which names the job's failure.
+    let stderr = child.stderr.take().expect("piped");
+    let cause = std::thread::spawn(move || {
+        let mut cause = None;
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("{line}");
+            if cause.is_none()
+                && let Some(at) = line.find("flashover: rank ")
+                && line.contains(" failed (")
+            {
+                cause = Some(line[at + "flashover: ".len()..].to_string());
+            }
+        }
+        cause
+    });
+    let status = child
+        .wait()
+        .map_err(|e| format!("waiting for mpirun: {e}"))?;
+    let cause = cause.join().ok().flatten();
     if status.success() {
         Ok(())
     } else {
-        Err(format!("the job failed ({status})"))
+        Err(cause.unwrap_or_else(|| format!("the job failed ({status})")))
     }
 }
 
@@ -132,8 +153,7 @@ fn elastic_mpirun(n: usize, exe: &std::path::Path, args: &[String]) -> Result<()
                     .map(|(step, _)| step)
                     .max();
                 println!(
-                    "elastic restart: {e} (the failed rank's error is above); {} -> {mesh}; \
-                     resuming from step {}{}",
+                    "elastic restart: {e}; {} -> {mesh}; resuming from step {}{}",
                     config.parallel.mesh,
                     resumed.unwrap_or(0),
                     reason.map_or(String::new(), |r| format!("; {r}"))
