@@ -515,10 +515,12 @@ impl Communicator for MpiComm {
     }
 
     fn abandon(&self, why: &str) {
-        eprintln!(
-            "flashover: rank {} failed ({why}); aborting the MPI job so its peers stop now",
+        // One write: mpirun tags every write it forwards, so pieces would split the line.
+        let line = format!(
+            "flashover: rank {} failed ({why}); aborting the MPI job so its peers stop now\n",
             self.env.rank()
         );
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
         SimpleCommunicator::world().abort(4);
     }
 }
