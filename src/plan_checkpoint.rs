@@ -22,12 +22,12 @@
 //! }
 //! ```
 
-use crate::train::checkpoint::{Saver, Segment, pieces_to_write, placed_segment};
+use crate::train::checkpoint::{Saver, Segment, all_gather_json, pieces_to_write, placed_segment};
 use burn::module::Module;
 use burn::optim::{ModuleOptimizer, OptimizerRecord};
 use burn::tensor::{DType, TensorData};
 use flashover_checkpoint::{Checkpoint, PieceData, committed};
-use flashover_comm::{CommunicatorExt, Group, ReduceOp};
+use flashover_comm::Group;
 use flashover_parallel::ParallelError;
 use flashover_parallel::parallelize::Parallelized;
 use flashover_parallel::params::{ParamSlot, flatten_params, load_flat};
@@ -198,18 +198,8 @@ fn union_over(
     world: &Group,
     map: &BTreeMap<String, ParamState>,
 ) -> Result<BTreeMap<String, ParamState>, ParallelError> {
-    let bytes = serde_json::to_vec(map).map_err(fail)?;
-    let mut longest = [bytes.len() as u64];
-    world.all_reduce(&mut longest, ReduceOp::Max)?;
-    let mut padded = bytes;
-    padded.resize(longest[0] as usize, b' ');
-    let all = world.all_gather_vec(&padded)?;
-    let mut union = BTreeMap::new();
-    for part in all.chunks(longest[0].max(1) as usize) {
-        let part: BTreeMap<String, ParamState> = serde_json::from_slice(part).map_err(fail)?;
-        union.extend(part);
-    }
-    Ok(union)
+    let parts = all_gather_json(world, map).map_err(fail)?;
+    Ok(parts.into_iter().flatten().collect())
 }
 
 /// Reads `segment`'s region from `ckpt` into `flat` (which keeps its length: padding stays).

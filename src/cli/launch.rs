@@ -46,12 +46,7 @@ pub fn run(n: usize, engine: Option<&str>, elastic: bool, args: &[String]) -> Re
 
 /// `train ARGS` with its ranks as threads here, checked to use `n` ranks.
 fn in_threads(n: usize, elastic: bool, args: &[String]) -> Result<(), String> {
-    use clap::Parser;
-    let argv = std::iter::once("flashover").chain(args.iter().map(String::as_str));
-    let cli = super::Cli::try_parse_from(argv).map_err(|e| e.to_string())?;
-    let super::Command::Train { job, mut outputs } = cli.command else {
-        return Err("--engine threads runs `train` (flashover launch -n N -- train ...)".into());
-    };
+    let (job, mut outputs) = parse_train(args, "--engine threads")?;
     let world = job.build()?.mesh()?.world_size();
     if world != n {
         return Err(format!(
@@ -60,6 +55,24 @@ fn in_threads(n: usize, elastic: bool, args: &[String]) -> Result<(), String> {
     }
     outputs.elastic |= elastic;
     super::job::train(&job, *outputs)
+}
+
+/// `args` as the `train` command line (`what` needs one).
+fn parse_train(
+    args: &[String],
+    what: &str,
+) -> Result<(super::job::JobArgs, Box<super::job::TrainOutputs>), String> {
+    use clap::Parser;
+    let argv = std::iter::once("flashover").chain(args.iter().map(String::as_str));
+    match super::Cli::try_parse_from(argv)
+        .map_err(|e| e.to_string())?
+        .command
+    {
+        super::Command::Train { job, outputs } => Ok((job, outputs)),
+        _ => Err(format!(
+            "{what} runs `train` (flashover launch -n N -- train ...)"
+        )),
+    }
 }
 
 fn through_mpirun(n: usize, exe: &std::path::Path, args: &[String]) -> Result<(), String> {
@@ -106,12 +119,7 @@ fn through_mpirun(n: usize, exe: &std::path::Path, args: &[String]) -> Result<()
 /// (`flashover::train::survivor_mesh`), resumed from the newest committed checkpoint, without
 /// the `--kill` drills (they fired), each restart printed.
 fn elastic_mpirun(n: usize, exe: &std::path::Path, args: &[String]) -> Result<(), String> {
-    use clap::Parser;
-    let argv = std::iter::once("flashover").chain(args.iter().map(String::as_str));
-    let cli = super::Cli::try_parse_from(argv).map_err(|e| e.to_string())?;
-    let super::Command::Train { job, outputs } = cli.command else {
-        return Err("--elastic runs `train` (flashover launch -n N --elastic -- train ...)".into());
-    };
+    let (job, outputs) = parse_train(args, "--elastic")?;
     let config = job.build()?;
     let mut args = args.to_vec();
     let dir = match outputs.checkpoint_dir(&config) {
@@ -134,24 +142,14 @@ fn elastic_mpirun(n: usize, exe: &std::path::Path, args: &[String]) -> Result<()
     for restart in 0.. {
         match through_mpirun(world, exe, &args) {
             Ok(()) => return Ok(()),
-            Err(e) if restart >= outputs.max_restarts() => {
-                return Err(format!("{e}; not restarting: {restart} restart(s) already"));
-            }
             Err(e) => {
-                let survivors = world - 1;
-                if survivors < outputs.min_ranks().max(1) {
-                    return Err(format!(
-                        "{e}; not restarting: {survivors} process(es) survive"
-                    ));
-                }
-                let (mesh, reason) =
-                    flashover::train::survivor_mesh(&config, survivors, outputs.min_ranks())
-                        .map_err(|why| format!("{e}; not restarting: {why}"))?;
-                let resumed = flashover_checkpoint::committed(&dir)
-                    .map_err(|e| e.to_string())?
-                    .into_iter()
-                    .map(|(step, _)| step)
-                    .max();
+                let options = flashover::train::ElasticOptions {
+                    min_ranks: outputs.min_ranks(),
+                    max_restarts: outputs.max_restarts(),
+                };
+                let next = flashover::train::next_attempt(&config, options, restart, &e, &dir)?;
+                let (mesh, reason) = (next.mesh, next.reason);
+                let resumed = next.checkpoint.map(|(step, _)| step);
                 println!(
                     "elastic restart: {e}; {} -> {mesh}; resuming from step {}{}",
                     config.parallel.mesh,

@@ -17,6 +17,7 @@ use super::report::{StepRecord, TrainReport};
 use super::run::{JobFailure, run_job};
 use flashover_runtime::{Axis, DeviceMesh};
 use std::fmt;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// How far an elastic run may shrink and how often it may restart.
@@ -117,38 +118,20 @@ pub fn train_elastic(
             Err(JobFailure::Other(message)) => return Err(message),
             Err(JobFailure::Rank { rank, message }) => (rank, message),
         };
-        if restarts.len() >= options.max_restarts {
-            return Err(format!(
-                "{cause}; not restarting: {} restart(s) already (max_restarts)",
-                restarts.len()
-            ));
-        }
-        let world = config.mesh()?.world_size();
-        let survivors = world - 1;
-        if survivors < options.min_ranks {
-            return Err(format!(
-                "{cause}; not restarting: {survivors} rank(s) survive, fewer than min_ranks = {}",
-                options.min_ranks
-            ));
-        }
-        let (new_mesh, reason) = survivor_mesh(&config, survivors, options.min_ranks)
-            .map_err(|why| format!("{cause}; not restarting: {why}"))?;
-        let latest = flashover_checkpoint::committed(&dir)
-            .map_err(|e| e.to_string())?
-            .into_iter()
-            .max_by_key(|(step, _)| *step);
+        let next = next_attempt(&config, options, restarts.len(), &cause, &dir)?;
+        let latest = next.checkpoint;
         let restart = Restart {
             failed_rank: rank,
             cause,
             old_mesh: config.parallel.mesh.clone(),
-            new_mesh: new_mesh.clone(),
-            reason,
+            new_mesh: next.mesh.clone(),
+            reason: next.reason,
             completed: completed.load(Ordering::SeqCst),
             resumed_from: latest.as_ref().map_or(0, |(step, _)| *step as usize),
         };
         on_restart(&restart);
         restarts.push(restart);
-        config.parallel.mesh = new_mesh;
+        config.parallel.mesh = next.mesh;
         // The save drill (tests) fires in the first attempt only, as the kill drills do.
         config.checkpoint.fail_after_write = None;
         if let Some((_, step_dir)) = latest {
@@ -156,6 +139,54 @@ pub fn train_elastic(
             config.checkpoint.init_from = None;
         }
     }
+}
+
+/// Where a run continues after its job failed: the survivors' mesh and the newest committed
+/// checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NextAttempt {
+    /// The mesh of the survivors ([`survivor_mesh`]).
+    pub mesh: String,
+    /// Why it idles survivors or changes a model-parallel degree, if it does.
+    pub reason: Option<String>,
+    /// The newest committed checkpoint under the run's directory (step and directory), if any.
+    pub checkpoint: Option<(u64, PathBuf)>,
+}
+
+/// What follows a failure (`cause`) of `config`'s job after `restarts` restarts, one rank
+/// lost: the next attempt, or why there is none (no restarts left, too few survivors, no
+/// layout fits them). `dir` holds the run's checkpoints. The in-process driver
+/// ([`train_elastic`]) and a process launcher decide it here alike.
+pub fn next_attempt(
+    config: &TrainConfig,
+    options: ElasticOptions,
+    restarts: usize,
+    cause: &str,
+    dir: &Path,
+) -> Result<NextAttempt, String> {
+    if restarts >= options.max_restarts {
+        return Err(format!(
+            "{cause}; not restarting: {restarts} restart(s) already (max_restarts)"
+        ));
+    }
+    let survivors = config.mesh()?.world_size() - 1;
+    if survivors < options.min_ranks {
+        return Err(format!(
+            "{cause}; not restarting: {survivors} rank(s) survive, fewer than min_ranks = {}",
+            options.min_ranks
+        ));
+    }
+    let (mesh, reason) = survivor_mesh(config, survivors, options.min_ranks)
+        .map_err(|why| format!("{cause}; not restarting: {why}"))?;
+    let checkpoint = flashover_checkpoint::committed(dir)
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .max_by_key(|(step, _)| *step);
+    Ok(NextAttempt {
+        mesh,
+        reason,
+        checkpoint,
+    })
 }
 
 /// The mesh training continues on with `survivors` ranks: every survivor if a layout fits

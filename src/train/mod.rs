@@ -54,7 +54,9 @@ pub use config::{
     CheckpointSection, DataSection, GradientReduction, KillDrill, ModelSection, MoeSection,
     OptimSection, ParallelSection, RunSection, TrainConfig,
 };
-pub use elastic::{ElasticOptions, ElasticReport, Restart, survivor_mesh, train_elastic};
+pub use elastic::{
+    ElasticOptions, ElasticReport, NextAttempt, Restart, next_attempt, survivor_mesh, train_elastic,
+};
 pub use pp_model::{TransformerStage, split_blocks, split_blocks_by_cost};
 pub use report::{DeviceMemory, MoeRecord, RankTimes, StepRecord, TrainReport, memory_formula};
 pub use run::{make_batch, token_source, train, train_process};

@@ -5,13 +5,13 @@ use flashover_checkpoint::{CheckpointError, PieceData, ShardManifest};
 use flashover_comm::{CommunicatorExt, Group};
 use std::path::Path;
 
-/// Gathers every rank's manifest at rank 0 of `world` (collective; JSON bytes padded to the
-/// longest).
-pub(crate) fn gather_manifests(
+/// Every rank's `value` of `world`, in rank order (collective; JSON bytes padded to the
+/// longest): the shard manifests, or any small state each rank holds part of.
+pub(crate) fn all_gather_json<T: serde::Serialize + serde::de::DeserializeOwned>(
     world: &Group,
-    manifest: &ShardManifest,
-) -> Result<Vec<ShardManifest>, String> {
-    let bytes = serde_json::to_vec(manifest).map_err(|e| e.to_string())?;
+    value: &T,
+) -> Result<Vec<T>, String> {
+    let bytes = serde_json::to_vec(value).map_err(|e| e.to_string())?;
     let mut longest = [bytes.len() as u64];
     world
         .all_reduce(&mut longest, flashover_comm::ReduceOp::Max)
@@ -113,7 +113,7 @@ impl Saver {
             (Ok(()), Ok(m)) => m,
             (Err(e), _) | (_, Err(e)) => return Err(e),
         };
-        let manifests = gather_manifests(world, &manifest)?;
+        let manifests = all_gather_json(world, &manifest)?;
         let committed = if world.rank() == 0 {
             flashover_checkpoint::commit(&self.root, p.step, p.run, manifests)
                 .and_then(|_| flashover_checkpoint::prune(&self.root, self.keep))

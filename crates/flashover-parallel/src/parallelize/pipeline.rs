@@ -257,10 +257,11 @@ impl Stages {
         };
         let chunks = vec![model.clone(); self.schedule.chunks];
         let executor = PipelineExecutor::new(&self.schedule, &self.pp)?;
-        let (grads, report) = executor.step(&chunks, activation, device, forward)?;
+        // Every chunk is the same model (its own stages' parameters): sum them in place.
+        let (flats, report) = executor.step_flat(&chunks, activation, device, forward)?;
         let mut flat = vec![0.0; ParamLayout::of(model).numel];
-        for g in &grads {
-            crate::params::accumulate_grads(model, g, &mut flat, &[]);
+        for chunk in &flats {
+            flat.iter_mut().zip(chunk).for_each(|(sum, g)| *sum += g);
         }
         let mut loss = [report.loss_sum as f32 / m as f32];
         if self.pp.size() > 1 {

@@ -14,28 +14,10 @@ pub(super) fn check_plan(
 ) -> Result<(), ParallelError> {
     let names: Vec<&str> = slots.iter().map(|s| s.name.as_str()).collect();
     for path in &plan.fully_shard {
-        if !names.iter().any(|n| path.contains(n)) {
-            return Err(refuse(
-                path,
-                "fully_shard",
-                format!(
-                    "names no module of the model; its parameters are: {}",
-                    preview(&names)
-                ),
-            ));
-        }
+        names_a_module(path, "fully_shard", &names)?;
     }
     for path in &plan.sequence_parallel {
-        if !names.iter().any(|n| path.contains(n)) {
-            return Err(refuse(
-                path,
-                "sequence_parallel",
-                format!(
-                    "names no module of the model; its parameters are: {}",
-                    preview(&names)
-                ),
-            ));
-        }
+        names_a_module(path, "sequence_parallel", &names)?;
         if let Some(split) = names
             .iter()
             .find(|n| path.contains(n) && plan.tp_rule(n).is_some())
@@ -117,17 +99,8 @@ fn linear_layers<'a>(
     slots: &'a [ParamSlot],
     names: &[&str],
 ) -> Result<Vec<LinearLayer<'a>>, ParallelError> {
+    names_a_module(path, style, names)?;
     let inside: Vec<&ParamSlot> = slots.iter().filter(|s| path.contains(&s.name)).collect();
-    if inside.is_empty() {
-        return Err(refuse(
-            path,
-            style,
-            format!(
-                "names no module of the model; its parameters are: {}",
-                preview(names)
-            ),
-        ));
-    }
     if let Some(deep) = inside
         .iter()
         .find(|s| s.name.split('.').count() != path.depth() + 1)
@@ -237,6 +210,21 @@ fn style_name(style: TpStyle) -> &'static str {
         TpStyle::Rowwise => "rowwise",
         TpStyle::Vocab => "vocab",
     }
+}
+
+/// Fails, listing the model's parameters, when `path` (of a `kind` entry) names none of them.
+fn names_a_module(path: &ModulePath, kind: &str, names: &[&str]) -> Result<(), ParallelError> {
+    if names.iter().any(|n| path.contains(n)) {
+        return Ok(());
+    }
+    Err(refuse(
+        path,
+        kind,
+        format!(
+            "names no module of the model; its parameters are: {}",
+            preview(names)
+        ),
+    ))
 }
 
 fn refuse(path: &ModulePath, style: &str, why: String) -> ParallelError {

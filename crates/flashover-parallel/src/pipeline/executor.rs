@@ -171,6 +171,28 @@ impl<'a> PipelineExecutor<'a> {
         M: Module,
         F: Fn(usize, &M, Option<Tensor<D>>, usize) -> StageOutput<D>,
     {
+        let (flats, report) = self.step_flat(chunks, shape, device, forward)?;
+        let grads = chunks
+            .iter()
+            .zip(&flats)
+            .map(|(chunk, flat)| grads_from_flat(chunk, flat))
+            .collect();
+        Ok((grads, report))
+    }
+
+    /// [`Self::step`] with each chunk's gradients left in its flat layout
+    /// ([`ParamLayout`]), for a caller that reduces them there.
+    pub fn step_flat<M, F, const D: usize>(
+        &self,
+        chunks: &[M],
+        shape: [usize; D],
+        device: &Device,
+        forward: F,
+    ) -> Result<(Vec<Vec<f32>>, PipelineStepReport), ParallelError>
+    where
+        M: Module,
+        F: Fn(usize, &M, Option<Tensor<D>>, usize) -> StageOutput<D>,
+    {
         let s = self.schedule;
         let rank = self.group.rank();
         if chunks.len() != s.chunks {
@@ -326,15 +348,10 @@ impl<'a> PipelineExecutor<'a> {
             "validated: every input gradient has its weight's"
         );
         let m = s.micro_batches as f32 * self.loss_scale;
-        let grads = chunks
-            .iter()
-            .zip(flats.iter_mut())
-            .map(|(chunk, flat)| {
-                flat.iter_mut().for_each(|g| *g /= m);
-                grads_from_flat(chunk, flat)
-            })
-            .collect();
-        Ok((grads, report))
+        for flat in &mut flats {
+            flat.iter_mut().for_each(|g| *g /= m);
+        }
+        Ok((flats, report))
     }
 }
 
