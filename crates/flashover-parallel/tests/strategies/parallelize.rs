@@ -510,18 +510,21 @@ fn a_models_layers_cut_into_pipeline_stages_by_a_plan_train_as_one_rank() {
     }
 }
 
+/// The error `parallelize` refuses `plan` with on `mesh`, for the model `new` builds.
+fn refusal<M: Module>(mesh: &str, plan: &ParallelizePlan, new: fn(&Device) -> M) -> String {
+    Launch::new(mesh)
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            parallelize(new(&device), plan, &ctx).map(|_| ())
+        })
+        .unwrap_err()
+        .to_string()
+}
+
 #[test]
 fn plans_that_do_not_fit_the_model_or_mesh_are_refused_with_the_reason() {
-    let refused = |mesh: &str, plan: ParallelizePlan| {
-        Launch::new(mesh)
-            .unwrap()
-            .run(|ctx| {
-                let device = Device::flex().autodiff();
-                parallelize(Classifier::new(&device), &plan, &ctx).map(|_| ())
-            })
-            .unwrap_err()
-            .to_string()
-    };
+    let refused = |mesh: &str, plan: ParallelizePlan| refusal(mesh, &plan, Classifier::new);
     let err = refused("fsdp=2", ParallelizePlan::new().fully_shard("blocks"));
     assert!(
         err.contains("`blocks`") && err.contains("input.weight"),
@@ -533,16 +536,7 @@ fn plans_that_do_not_fit_the_model_or_mesh_are_refused_with_the_reason() {
 
 #[test]
 fn tensor_parallel_rules_that_do_not_fit_the_model_are_refused_with_the_path() {
-    let refused = |plan: ParallelizePlan| {
-        Launch::new("tp=2")
-            .unwrap()
-            .run(|ctx| {
-                let device = Device::flex().autodiff();
-                parallelize(SplitMlp::new(&device), &plan, &ctx).map(|_| ())
-            })
-            .unwrap_err()
-            .to_string()
-    };
+    let refused = |plan: ParallelizePlan| refusal("tp=2", &plan, SplitMlp::new);
     let colwise =
         |paths: &[&str]| ParallelizePlan::new().tensor_parallel(TensorParallelRule::colwise(paths));
     let cases = [
@@ -607,16 +601,7 @@ fn a_split_weight_read_by_burns_own_linear_fails_naming_it() {
 
 #[test]
 fn pipeline_rules_that_do_not_fit_are_refused_with_the_reason() {
-    let refused = |mesh: &str, plan: ParallelizePlan| {
-        Launch::new(mesh)
-            .unwrap()
-            .run(|ctx| {
-                let device = Device::flex().autodiff();
-                parallelize(Stack::new(&device), &plan, &ctx).map(|_| ())
-            })
-            .unwrap_err()
-            .to_string()
-    };
+    let refused = |mesh: &str, plan: ParallelizePlan| refusal(mesh, &plan, Stack::new);
     let rule = |kind| {
         PipelineRule::new("layers", kind, 4)
             .first(&["input"])
