@@ -7,10 +7,15 @@
 //! with the tied head ([`Embedding::logits`]) and the loss ([`Embedding::cross_entropy`]) that
 //! a split table needs. Swapping Burn's layers for these is the only change a model needs for
 //! tensor parallelism, besides sizing attention heads from [`Linear::d_output`].
+//! [`CausalAttention`] is attention's core (`softmax(q k^T / sqrt(d) + mask) v`), which a
+//! plan's `context_parallel` rule makes attend across the ranks that hold a sequence's other
+//! positions.
 
+mod attention;
 mod embedding;
 mod linear;
 
+pub use attention::CausalAttention;
 pub use embedding::{Embedding, EmbeddingConfig};
 pub use linear::{Linear, LinearConfig};
 

@@ -28,10 +28,16 @@
 //!   its stages' parameters (placeholders for the rest) and trains through
 //!   [`Parallelized::pipeline_step`], running its part of the forward ([`PipelineModel`]).
 //!
-//! The `cp` and `ep` axes split a model's computation in ways a plan has no rule for (their
-//! layers are in `crate::context_parallel` and `crate::expert_parallel`): a plan refuses a
-//! mesh that has them rather than running the model on them unsplit. So does a mesh with
-//! `tp` or `pp` when the plan has no rule for that axis.
+//! - `cp`: the plan's `context_parallel` rule splits every sequence: each rank holds some of
+//!   its positions ([`Parallelized::sequence_share`], [`Parallelized::positions`]) for the
+//!   whole model, and the attention cores it names ([`crate::nn::CausalAttention`]) attend
+//!   over the other ranks' keys and values. Losses and gradients are averaged over `cp` as
+//!   over the data axes.
+//!
+//! The `ep` axis splits a model's computation in a way a plan has no rule for (expert layers
+//! are in `crate::expert_parallel`): a plan refuses a mesh that has it rather than running the
+//! model on it unsplit. So does a mesh with `tp`, `pp` or `cp` when the plan has no rule for
+//! that axis.
 
 pub mod pipeline;
 pub mod placed;
@@ -40,8 +46,10 @@ mod sequence_check;
 mod validate;
 
 pub use pipeline::PipelineModel;
-pub use placed::{Placed, TpSplit, local_value};
-pub use plan::{ModulePath, ParallelizePlan, PipelineRule, TensorParallelRule, TpStyle};
+pub use placed::{ContextSplit, Placed, TpSplit, local_value};
+pub use plan::{
+    ContextParallelRule, ModulePath, ParallelizePlan, PipelineRule, TensorParallelRule, TpStyle,
+};
 
 use crate::clip_scale;
 use crate::error::ParallelError;
@@ -54,7 +62,7 @@ use crate::placement::{GradientReducer, ParamPlacement, PlacementTable, global_g
 use crate::precision::Precision;
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::Gradients;
+use burn::tensor::{Gradients, Int, Tensor, TensorData};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use flashover_runtime::{Axis, RankContext};
 use pipeline::Stages;
@@ -72,6 +80,11 @@ pub struct Parallelized {
     /// The ranks that read different samples (`dp` x `fsdp`), in which this rank is
     /// `data.rank()`.
     data: Group,
+    /// The ranks whose mean losses make the whole batch's (`dp` x `fsdp` x `cp`): each holds
+    /// as many of the batch's positions.
+    averaged: Group,
+    /// The sequence split, when the plan splits sequences over `cp` on this mesh.
+    context: Option<ContextSplit>,
     whole_reads: WholeReads,
     /// The pipeline's stages, when the plan has one.
     stages: Option<Stages>,
@@ -135,6 +148,7 @@ pub fn parallelize<M: Module>(
         plan,
         fsdp: ctx.group(Axis::Fsdp).clone(),
         tp: tp.clone(),
+        cp: ctx.group(Axis::Cp).clone(),
         placements: &mut placements,
         whole_reads: whole_reads.clone(),
         absent: stages.as_ref().map(|s| &s.absent),
@@ -150,6 +164,16 @@ pub fn parallelize<M: Module>(
         placements,
         reducer: GradientReducer::new(ctx, Precision::F32)?,
         data: ctx.subgroup(&DATA_AXES)?,
+        averaged: ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Cp])?,
+        context: plan
+            .context_parallel
+            .as_ref()
+            .filter(|_| ctx.group(Axis::Cp).size() > 1)
+            .map(|rule| ContextSplit {
+                group: ctx.group(Axis::Cp).clone(),
+                algorithm: rule.algorithm,
+                load_balance: rule.load_balance,
+            }),
         whole_reads,
         stages,
         kept_whole,
@@ -172,7 +196,12 @@ fn check_axes(plan: &ParallelizePlan, ctx: &RankContext) -> Result<(), ParallelE
             Axis::Tp => "the plan splits no layer over tp (add tensor_parallel rules)",
             Axis::Pp if plan.pipeline.is_some() => continue,
             Axis::Pp => "the plan has no pipeline (add a pipeline rule)",
-            _ => "parallelize plans split a model over dp, fsdp, tp and pp only",
+            Axis::Cp if plan.context_parallel.is_some() => continue,
+            Axis::Cp => {
+                "the plan splits no sequence over cp (add a context_parallel rule naming the \
+                 attention cores)"
+            }
+            _ => "parallelize plans split a model over dp, fsdp, tp, pp and cp only",
         };
         return Err(ParallelError::Invalid(format!(
             "the mesh has {}={degree}, but {why}: the model would run unsplit on the {} ranks, \
@@ -272,14 +301,53 @@ impl Parallelized {
         Ok(start..start + per)
     }
 
-    /// The mean over the data ranks of each rank's mean `loss`: the loss of the whole batch,
-    /// the same on every rank (collective over `dp` x `fsdp`).
+    /// The mean over the data ranks (and, with context parallelism, the `cp` ranks) of each
+    /// rank's mean `loss`: the loss of the whole batch, the same on every rank (collective
+    /// over `dp` x `fsdp` x `cp`).
     pub fn mean_loss(&self, loss: f32) -> Result<f32, ParallelError> {
         let mut value = [loss];
-        if self.data.size() > 1 {
-            self.data.all_reduce(&mut value, ReduceOp::Avg)?;
+        if self.averaged.size() > 1 {
+            self.averaged.all_reduce(&mut value, ReduceOp::Avg)?;
         }
         Ok(value[0])
+    }
+
+    /// This rank's positions of `x`'s sequences along dimension `dim` (`x: [batch, seq]`
+    /// tokens or targets, `dim = 1`): all of them, or, when the plan splits sequences over
+    /// `cp`, the positions [`Self::positions`] lists, in that order. Fails when the sequence
+    /// does not cut into the rank's chunks.
+    pub fn sequence_share<const D: usize, K>(
+        &self,
+        x: Tensor<D, K>,
+        dim: usize,
+    ) -> Result<Tensor<D, K>, ParallelError>
+    where
+        K: burn::tensor::kind::Basic,
+    {
+        if self.context.is_none() {
+            return Ok(x);
+        }
+        let positions: Vec<i64> = self
+            .positions(x.dims()[dim])?
+            .into_iter()
+            .map(|p| p as i64)
+            .collect();
+        let index = Tensor::<1, Int>::from_data(
+            TensorData::new(positions.clone(), [positions.len()]),
+            &x.device(),
+        );
+        Ok(x.select(dim, index))
+    }
+
+    /// The positions of a `seq`-long sequence this rank computes, in the order its share
+    /// holds them ([`Self::sequence_share`]): `0..seq`, or with context parallelism this
+    /// rank's chunks (for position embeddings and rotary tables). Fails when `seq` does not cut
+    /// into `cp` equal shares (`2 x cp` chunks when load-balanced).
+    pub fn positions(&self, seq: usize) -> Result<Vec<usize>, ParallelError> {
+        match &self.context {
+            None => Ok((0..seq).collect()),
+            Some(split) => Ok(split.layout(seq)?.positions(split.group.rank())),
+        }
     }
 
     /// The gradients of the whole batch's mean loss for this rank's parameters, from
@@ -363,7 +431,7 @@ impl Parallelized {
         if let Some(check) = &self.sequence_check {
             check.first_step(&entries, &flat)?;
         }
-        let scale = 1.0 / self.data.size() as f32;
+        let scale = 1.0 / self.averaged.size() as f32;
         let tie = self.stages.as_ref().and_then(Stages::tie_group);
         self.reducer.reduce(&entries, &mut flat, scale, tie)?;
         let parts = entries

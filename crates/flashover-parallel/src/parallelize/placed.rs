@@ -18,6 +18,7 @@
 //! gradients and optimizer state, during forward and backward also the gathered parameters.
 
 use super::plan::{ParallelizePlan, TpStyle};
+use crate::context_parallel::{CpAttention, SequenceLayout};
 use crate::error::ParallelError;
 use crate::placement::PlacementTable;
 use crate::tensor_parallel::comm::{copy_to_tp, gather_from_sp, gather_from_tp};
@@ -47,8 +48,23 @@ pub struct Placed {
     /// gradient is summed over this `tp` group in backward.
     #[module(skip)]
     sequence_partial: Option<Group>,
+    /// An attention core's sequence split over `cp` (its parameter has no elements).
+    #[module(skip)]
+    context: Option<ContextSplit>,
     #[module(skip)]
     whole_reads: WholeReads,
+}
+
+/// How a plan splits sequences over the `cp` group, as an attention core
+/// ([`crate::nn::CausalAttention`]) reads it.
+#[derive(Debug, Clone)]
+pub struct ContextSplit {
+    /// The `cp` group.
+    pub group: Group,
+    /// Ring or all-to-all attention.
+    pub algorithm: CpAttention,
+    /// Two chunks of every sequence per rank (from the start and the end) or one.
+    pub load_balance: bool,
 }
 
 /// Rows of dimension 0 split over `group`; `rows` of them are real, the rest padding.
@@ -96,10 +112,23 @@ impl WholeReads {
     }
 }
 
+impl ContextSplit {
+    /// Which positions of a `seq`-long sequence each rank holds (fails naming the sizes when
+    /// it does not cut evenly).
+    pub fn layout(&self, seq: usize) -> Result<SequenceLayout, ParallelError> {
+        SequenceLayout::new(seq, self.group.size(), self.load_balance)
+    }
+}
+
 impl Placed {
     /// How the parameter is split over `tp`, if it is.
     pub fn tp(&self) -> Option<&TpSplit> {
         self.tp.as_ref()
+    }
+
+    /// How sequences are split over `cp`, when this is an attention core's parameter.
+    pub fn context(&self) -> Option<&ContextSplit> {
+        self.context.as_ref()
     }
 
     /// The shape of this rank's `tp` part ([`Self::local`]) of a parameter stored as `stored`.
@@ -250,6 +279,7 @@ pub(super) struct PlaceParams<'a> {
     pub(super) plan: &'a ParallelizePlan,
     pub(super) fsdp: Group,
     pub(super) tp: Group,
+    pub(super) cp: Group,
     pub(super) placements: &'a mut PlacementTable,
     pub(super) whole_reads: WholeReads,
     /// Parameters of other pipeline ranks' stages (placeholders), by path: reading them panics.
@@ -324,6 +354,7 @@ impl Reparameterizer for PlaceParams<'_> {
                 tp: None,
                 on_other_stage: true,
                 sequence_partial: None,
+                context: None,
                 whole_reads: self.whole_reads.clone(),
             };
             return (param, Some(placeholder));
@@ -333,10 +364,21 @@ impl Reparameterizer for PlaceParams<'_> {
         if sequence_partial.is_some() {
             self.sequence_partials.insert(param.id);
         }
+        // A parameter without elements (an attention core's) has no rows to shard.
         let fully_shard = self.fsdp.size() > 1
             && self.plan.shard_path(&path).is_some()
-            && !self.kept_whole.contains_key(&path);
-        if self.error.is_some() || (tp.is_none() && !fully_shard && sequence_partial.is_none()) {
+            && !self.kept_whole.contains_key(&path)
+            && param.shape().num_elements() > 0;
+        let context = (self.cp.size() > 1 && self.plan.attention_core(&path))
+            .then(|| self.plan.context_parallel.as_ref())
+            .flatten()
+            .map(|rule| ContextSplit {
+                group: self.cp.clone(),
+                algorithm: rule.algorithm,
+                load_balance: rule.load_balance,
+            });
+        let moved = tp.is_some() || fully_shard || sequence_partial.is_some() || context.is_some();
+        if self.error.is_some() || !moved {
             return (param, None);
         }
         let id = param.id;
@@ -388,6 +430,7 @@ impl Reparameterizer for PlaceParams<'_> {
             tp: split,
             on_other_stage: false,
             sequence_partial,
+            context,
             whole_reads: self.whole_reads.clone(),
         };
         (param, Some(placed))

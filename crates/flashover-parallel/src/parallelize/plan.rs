@@ -1,6 +1,7 @@
 //! A parallelization plan as data: which modules of a model each strategy transforms, named by
 //! their paths in the model (`blocks.*.attn`), as a Rust value or a TOML table.
 
+use crate::context_parallel::CpAttention;
 use crate::error::ParallelError;
 use crate::pipeline::ScheduleKind;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -173,6 +174,69 @@ impl PipelineRule {
     }
 }
 
+/// How a plan splits sequences over `cp` (context parallelism): every rank holds some
+/// positions of every sequence for the whole model, and the causal attention cores at
+/// `attention` ([`crate::nn::CausalAttention`]) reach the other ranks' keys and values.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ContextParallelRule {
+    /// The attention cores, each a [`crate::nn::CausalAttention`] (`blocks.*.attn.core`).
+    pub attention: Vec<ModulePath>,
+    /// `ring` (key/value blocks passed around the ring, any head count) or `all-to-all`
+    /// (Ulysses: heads swapped for positions, heads per rank divisible by `cp`).
+    #[serde(with = "attention_name")]
+    pub algorithm: CpAttention,
+    /// Give each rank a chunk from the start and one from the end of every sequence, so each
+    /// does the same causal work (otherwise one contiguous chunk each). On by default.
+    #[serde(default = "yes")]
+    pub load_balance: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl ContextParallelRule {
+    /// Ring attention at the cores `attention`, load-balanced.
+    pub fn ring(attention: &[&str]) -> Self {
+        Self::new(CpAttention::Ring, attention)
+    }
+
+    /// All-to-all (Ulysses) attention at the cores `attention`, load-balanced.
+    pub fn all_to_all(attention: &[&str]) -> Self {
+        Self::new(CpAttention::AllToAll, attention)
+    }
+
+    fn new(algorithm: CpAttention, attention: &[&str]) -> Self {
+        ContextParallelRule {
+            attention: attention.iter().map(|p| ModulePath::new(p)).collect(),
+            algorithm,
+            load_balance: true,
+        }
+    }
+
+    /// One contiguous chunk of every sequence per rank instead of the balanced two.
+    pub fn contiguous(mut self) -> Self {
+        self.load_balance = false;
+        self
+    }
+}
+
+/// A context-parallel attention by the name `CpAttention`'s `FromStr` reads (`ring`).
+mod attention_name {
+    use super::*;
+
+    pub fn serialize<S: Serializer>(kind: &CpAttention, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&kind.to_string())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<CpAttention, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
 /// A schedule by the name `ScheduleKind`'s `FromStr` reads (`1f1b`).
 mod schedule_name {
     use super::*;
@@ -246,6 +310,10 @@ pub struct ParallelizePlan {
     /// runs every micro-batch).
     #[serde(default)]
     pub pipeline: Option<PipelineRule>,
+    /// How sequences are split over `cp` (on a mesh without `cp`, the attention cores attend
+    /// locally).
+    #[serde(default)]
+    pub context_parallel: Option<ContextParallelRule>,
 }
 
 impl ParallelizePlan {
@@ -279,6 +347,12 @@ impl ParallelizePlan {
         self
     }
 
+    /// Also split sequences over `cp` as `rule` says.
+    pub fn context_parallel(mut self, rule: ContextParallelRule) -> Self {
+        self.context_parallel = Some(rule);
+        self
+    }
+
     /// A plan read from a TOML table (`fully_shard = ["blocks"]`); unknown keys are refused.
     pub fn from_toml(text: &str) -> Result<Self, ParallelError> {
         toml::from_str(text)
@@ -288,6 +362,17 @@ impl ParallelizePlan {
     /// The first `fully_shard` path that contains `param_path`, if any.
     pub(crate) fn shard_path(&self, param_path: &str) -> Option<&ModulePath> {
         self.fully_shard.iter().find(|p| p.contains(param_path))
+    }
+
+    /// Whether `param_path` is the parameter of an attention core the `context_parallel` rule
+    /// names (held directly by the named module).
+    pub(crate) fn attention_core(&self, param_path: &str) -> bool {
+        let depth = param_path.split('.').count();
+        self.context_parallel.as_ref().is_some_and(|rule| {
+            rule.attention
+                .iter()
+                .any(|p| p.depth() + 1 == depth && p.contains(param_path))
+        })
     }
 
     /// The tensor-parallel rule and path naming the linear layer that holds `param_path`

@@ -44,6 +44,11 @@ pub(super) fn check_plan(
                 .into(),
         ));
     }
+    if let Some(rule) = &plan.context_parallel {
+        for path in &rule.attention {
+            check_attention_core(path, slots, &names)?;
+        }
+    }
     let mut claimed: Vec<(&ModulePath, &str)> = vec![];
     for rule in &plan.tensor_parallel {
         let style = style_name(rule.style);
@@ -80,6 +85,31 @@ pub(super) fn check_plan(
         }
     }
     Ok(())
+}
+
+/// `path` names attention cores: modules whose one parameter, held directly, has no elements
+/// ([`crate::nn::CausalAttention`]'s, which carries the sequence split to its forward).
+fn check_attention_core(
+    path: &ModulePath,
+    slots: &[ParamSlot],
+    names: &[&str],
+) -> Result<(), ParallelError> {
+    names_a_module(path, "context_parallel", names)?;
+    let not_a_core = slots.iter().find(|s| {
+        path.contains(&s.name) && (s.numel > 0 || s.name.split('.').count() != path.depth() + 1)
+    });
+    match not_a_core {
+        None => Ok(()),
+        Some(slot) => Err(refuse(
+            path,
+            "context_parallel",
+            format!(
+                "names a module that is not a flashover::nn::CausalAttention (it holds `{}`, \
+                 {:?}): name the attention cores, whose forward attends across the ranks",
+                slot.name, slot.shape
+            ),
+        )),
+    }
 }
 
 /// A linear layer (or embedding table) a tensor-parallel path names: its path, `[d_in,

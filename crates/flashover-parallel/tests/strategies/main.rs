@@ -8,6 +8,7 @@ mod context_parallel;
 mod ddp_faults;
 mod expert_parallel;
 mod parallelize;
+mod parallelize_context;
 mod pipeline;
 mod tensor_parallel;
 mod zero;

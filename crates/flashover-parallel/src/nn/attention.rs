@@ -1,0 +1,73 @@
+//! Causal attention's core, splittable over `cp` by a plan's `context_parallel` rule.
+
+use crate::context_parallel::ContextParallel;
+use crate::parallelize::Placed;
+use burn::module::{Module, Param};
+use burn::tensor::activation::softmax;
+use burn::tensor::{Bool, Device, Tensor};
+use flashover_models::ForwardContext;
+
+/// `softmax(q k^T / sqrt(head_dim) + causal mask) v`, the part of self-attention where
+/// sequence positions meet. Under a plan's `context_parallel` rule each rank holds some
+/// positions of every sequence ([`crate::parallelize::Parallelized::sequence_share`]), and this
+/// core attends over the whole sequence's keys and values: ring attention passes key/value
+/// blocks around the `cp` ranks, all-to-all attention swaps the sequence split for a head
+/// split. Without the rule (or the axis) it attends locally, as one device does.
+///
+/// It holds one parameter with no elements, `context`: the plan attaches the sequence split
+/// to it, the way it attaches a tensor-parallel split to a [`super::Linear`]'s weight.
+#[derive(Module, Debug)]
+pub struct CausalAttention {
+    /// No elements: carries the plan's sequence split to the forward.
+    pub context: Param<Tensor<1>>,
+}
+
+impl CausalAttention {
+    /// A core on `device`.
+    pub fn new(device: &Device) -> Self {
+        CausalAttention {
+            context: Param::from_tensor(Tensor::zeros([0], device)),
+        }
+    }
+
+    /// `q`, `k`, `v`: `[batch, heads, seq, head_dim]` of this rank's positions (rotary
+    /// embeddings applied, if any) -> `[batch, heads, seq, head_dim]`: each query's average
+    /// of the values at its own and earlier positions of the whole sequence, weighted by
+    /// `softmax(q k^T / sqrt(head_dim))`.
+    pub fn forward(&self, q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
+        let split = self
+            .context
+            .reparameterization::<Placed>()
+            .and_then(Placed::context);
+        let Some(split) = split else {
+            return local_causal_attention(q, k, v);
+        };
+        let [_, heads, local, _] = q.dims();
+        let seq = local * split.group.size();
+        let cp = ContextParallel::new(
+            &split.group,
+            seq,
+            split.algorithm,
+            split.load_balance,
+            heads,
+        )
+        .unwrap_or_else(|e| panic!("context-parallel attention: {e}"));
+        let ctx = cp.forward_context(ForwardContext::default());
+        let core = ctx
+            .core_attention
+            .clone()
+            .expect("a context-parallel forward context has an attention core");
+        core.0.attend(q, k, v, &ctx, 0)
+    }
+}
+
+/// Causal attention over positions all held here.
+fn local_causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
+    let [b, h, t, d] = q.dims();
+    let scores = q.matmul(k.swap_dims(2, 3)).div_scalar((d as f64).sqrt());
+    // `tril_mask` is true strictly above the diagonal: the future positions to hide.
+    let future = Tensor::<2, Bool>::tril_mask([t, t], 0, &scores.device())
+        .reshape([1, 1, t, t])
+        .expand([b, h, t, t]);
+    softmax(scores.mask_fill(future, f32::NEG_INFINITY), 3).matmul(v)
+}

@@ -1,0 +1,244 @@
+//! A user's causal language model whose sequences a plan splits over `cp` (context
+//! parallelism), alone and with dp, fsdp and tp, against the same model's plain single-rank
+//! Burn loop: losses and every weight within 1e-5.
+
+use burn::module::{Module, Param};
+use burn::nn::{LayerNorm, LayerNormConfig};
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use flashover_parallel::ParallelError;
+use flashover_parallel::nn;
+use flashover_parallel::parallelize::{
+    ContextParallelRule, ParallelizePlan, TensorParallelRule, parallelize,
+};
+use flashover_parallel::params::flatten_params;
+use flashover_runtime::Launch;
+
+const VOCAB: usize = 11;
+const WIDTH: usize = 8;
+const HEADS: usize = 2;
+const HEAD_DIM: usize = WIDTH / HEADS;
+/// Positions per input sequence: cuts into 2 x cp chunks for cp = 2 and 4.
+const SEQ: usize = 8;
+const GLOBAL_BATCH: usize = 4;
+const STEPS: usize = 5;
+const LR: f64 = 2e-2;
+
+/// Token and learned position embeddings, one pre-norm attention layer, a head tied to the
+/// token table.
+#[derive(Module, Debug)]
+struct AttentionLm {
+    embed: nn::Embedding,
+    positions: nn::Embedding,
+    norm: LayerNorm,
+    attn: SelfAttention,
+    out_norm: LayerNorm,
+}
+
+#[derive(Module, Debug)]
+struct SelfAttention {
+    query: nn::Linear,
+    key: nn::Linear,
+    value: nn::Linear,
+    core: nn::CausalAttention,
+    out: nn::Linear,
+}
+
+fn table(rows: usize, cols: usize, salt: f32, device: &Device) -> Param<Tensor<2>> {
+    let values: Vec<f32> = (0..rows * cols)
+        .map(|i| ((i as f32 * 0.37 + salt) * 1.3).sin() * 0.4)
+        .collect();
+    Param::from_data(TensorData::new(values, [rows, cols]), device)
+}
+
+fn linear(salt: f32, device: &Device) -> nn::Linear {
+    let bias: Vec<f32> = (0..WIDTH).map(|i| (i as f32 + salt).cos() * 0.1).collect();
+    nn::Linear {
+        weight: table(WIDTH, WIDTH, salt, device),
+        bias: Some(Param::from_data(TensorData::new(bias, [WIDTH]), device)),
+    }
+}
+
+impl AttentionLm {
+    fn new(device: &Device) -> Self {
+        AttentionLm {
+            embed: nn::Embedding {
+                weight: table(VOCAB, WIDTH, 0.8, device),
+            },
+            positions: nn::Embedding {
+                weight: table(SEQ, WIDTH, 0.3, device),
+            },
+            norm: LayerNormConfig::new(WIDTH).init(device),
+            attn: SelfAttention {
+                query: linear(0.1, device),
+                // No key bias: its gradient is zero in exact arithmetic (it shifts every
+                // score of a query alike), so Adam would amplify rounding noise.
+                key: nn::Linear {
+                    bias: None,
+                    ..linear(0.2, device)
+                },
+                value: linear(0.5, device),
+                core: nn::CausalAttention::new(device),
+                out: linear(0.9, device),
+            },
+            out_norm: LayerNormConfig::new(WIDTH).init(device),
+        }
+    }
+
+    /// The mean next-token loss of `inputs` (`[batch, seq]`, at the global `positions`)
+    /// against `targets`.
+    fn loss(
+        &self,
+        inputs: Tensor<2, Int>,
+        positions: &[usize],
+        targets: Tensor<2, Int>,
+    ) -> Tensor<1> {
+        let [batch, seq] = inputs.dims();
+        let device = inputs.device();
+        let at: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
+        let at = Tensor::<2, Int>::from_data(TensorData::new(at, [1, seq]), &device);
+        let x = self.embed.forward(inputs) + self.positions.forward(at);
+        let x = x.clone() + self.attn.forward(self.norm.forward(x), batch, seq);
+        let x = self.out_norm.forward(x);
+        self.embed.cross_entropy(self.embed.logits(x), targets)
+    }
+}
+
+impl SelfAttention {
+    fn forward(&self, x: Tensor<3>, batch: usize, seq: usize) -> Tensor<3> {
+        // Heads from the projection's width: a tensor-parallel rank holds HEADS / tp of them.
+        let heads = self.query.d_output() / HEAD_DIM;
+        let split = |y: Tensor<3>| y.reshape([batch, seq, heads, HEAD_DIM]).swap_dims(1, 2);
+        let q = split(self.query.forward(x.clone()));
+        let k = split(self.key.forward(x.clone()));
+        let v = split(self.value.forward(x));
+        let y = self.core.forward(q, k, v).swap_dims(1, 2);
+        self.out.forward(y.reshape([batch, seq, heads * HEAD_DIM]))
+    }
+}
+
+/// `[batch, SEQ + 1]` token sequences of samples `samples`.
+fn tokens(samples: std::ops::Range<usize>, device: &Device) -> Tensor<2, Int> {
+    let n = samples.len();
+    let t: Vec<i64> = samples
+        .flat_map(|s| (0..=SEQ).map(move |p| ((s * 5 + p * p + 2 * p) % VOCAB) as i64))
+        .collect();
+    Tensor::from_data(TensorData::new(t, [n, SEQ + 1]), device)
+}
+
+fn shifted(tokens: Tensor<2, Int>) -> (Tensor<2, Int>, Tensor<2, Int>) {
+    (tokens.clone().narrow(1, 0, SEQ), tokens.narrow(1, 1, SEQ))
+}
+
+/// Losses and final weights on one device, in plain Burn.
+fn single_rank() -> (Vec<f32>, Vec<f32>) {
+    let device = Device::flex().autodiff();
+    let mut model = AttentionLm::new(&device);
+    let mut optim = AdamWConfig::new().init();
+    let mut losses = vec![];
+    let positions: Vec<usize> = (0..SEQ).collect();
+    for step in 0..STEPS {
+        let samples = step * GLOBAL_BATCH..(step + 1) * GLOBAL_BATCH;
+        let (inputs, targets) = shifted(tokens(samples, &device));
+        let loss = model.loss(inputs, &positions, targets);
+        losses.push(loss.clone().into_scalar::<f32>());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(LR, model, grads);
+    }
+    (losses, flatten_params(&model))
+}
+
+/// The same loop under `plan` on `mesh` (rank 0's losses and the gathered weights).
+fn parallel(mesh: &str, plan: &ParallelizePlan) -> Result<(Vec<f32>, Vec<f32>), String> {
+    let out = Launch::new(mesh)
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (mut model, par) = parallelize(AttentionLm::new(&device), plan, &ctx)?;
+            let mut optim = AdamWConfig::new().init();
+            let mut losses = vec![];
+            let positions = par.positions(SEQ)?;
+            for step in 0..STEPS {
+                let (inputs, targets) =
+                    shifted(tokens(par.batch_share(GLOBAL_BATCH, step)?, &device));
+                let inputs = par.sequence_share(inputs, 1)?;
+                let targets = par.sequence_share(targets, 1)?;
+                let loss = model.loss(inputs, &positions, targets);
+                losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+                let (grads, _) = par.gradients(&model, loss.backward(), None, &ctx)?;
+                model = optim.step(LR, model, grads);
+            }
+            Ok::<_, ParallelError>((losses, flatten_params(&par.whole(model)?)))
+        })
+        .map_err(|e| e.to_string())?;
+    Ok(out.into_iter().next().unwrap())
+}
+
+fn max_scaled(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / scale)
+        .fold(0.0, f32::max)
+}
+
+fn ring() -> ParallelizePlan {
+    ParallelizePlan::new().context_parallel(ContextParallelRule::ring(&["attn.core"]))
+}
+
+fn with_tp(plan: ParallelizePlan) -> ParallelizePlan {
+    plan.tensor_parallel(TensorParallelRule::vocab(&["embed"]))
+        .tensor_parallel(
+            TensorParallelRule::colwise(&["attn.query", "attn.key", "attn.value"])
+                .in_units(HEAD_DIM),
+        )
+        .tensor_parallel(TensorParallelRule::rowwise(&["attn.out"]).in_units(HEAD_DIM))
+}
+
+#[test]
+fn sequences_split_over_cp_by_a_plan_train_as_one_rank() {
+    let reference = single_rank();
+    let all_to_all =
+        ParallelizePlan::new().context_parallel(ContextParallelRule::all_to_all(&["attn.core"]));
+    let contiguous = ParallelizePlan::new()
+        .context_parallel(ContextParallelRule::ring(&["attn.core"]).contiguous());
+    for (mesh, plan) in [
+        ("cp=2", ring()),
+        ("cp=4", ring()),
+        ("cp=2", all_to_all),
+        ("cp=2", contiguous),
+        ("dp=2,cp=2", ring()),
+        ("fsdp=2,cp=2", ring().fully_shard("")),
+        ("tp=2,cp=2", with_tp(ring())),
+        ("fsdp=2,tp=2,cp=2", with_tp(ring()).fully_shard("")),
+    ] {
+        let run = parallel(mesh, &plan).unwrap_or_else(|e| panic!("{mesh}: {e}"));
+        let losses = max_scaled(&run.0, &reference.0);
+        let weights = max_scaled(&run.1, &reference.1);
+        assert!(
+            losses < 1e-5 && weights < 1e-5,
+            "{mesh} {:?}: losses {losses:e}, weights {weights:e}",
+            plan.context_parallel
+        );
+    }
+}
+
+#[test]
+fn context_parallel_plans_that_do_not_fit_are_refused_with_the_reason() {
+    let no_rule = parallel("cp=2", &ParallelizePlan::new()).unwrap_err();
+    assert!(
+        no_rule.contains("cp=2") && no_rule.contains("context_parallel rule"),
+        "{no_rule}"
+    );
+    let not_a_core =
+        ParallelizePlan::new().context_parallel(ContextParallelRule::ring(&["attn.query"]));
+    let err = parallel("cp=2", &not_a_core).unwrap_err();
+    assert!(
+        err.contains("`attn.query`") && err.contains("not a flashover::nn::CausalAttention"),
+        "{err}"
+    );
+    // A sequence of 8 does not cut into 2 x cp = 6 chunks.
+    let err = parallel("cp=3", &ring()).unwrap_err();
+    assert!(err.contains("sequence length 8"), "{err}");
+}
