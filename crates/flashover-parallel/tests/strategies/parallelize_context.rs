@@ -9,9 +9,11 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_parallel::ParallelError;
 use flashover_parallel::nn;
 use flashover_parallel::parallelize::{
-    ContextParallelRule, ParallelizePlan, TensorParallelRule, parallelize,
+    ContextParallelRule, ParallelizePlan, PipelineModel, PipelineRule, TensorParallelRule,
+    parallelize,
 };
 use flashover_parallel::params::flatten_params;
+use flashover_parallel::pipeline::ScheduleKind;
 use flashover_runtime::Launch;
 
 const VOCAB: usize = 11;
@@ -24,15 +26,20 @@ const GLOBAL_BATCH: usize = 4;
 const STEPS: usize = 5;
 const LR: f64 = 2e-2;
 
-/// Token and learned position embeddings, one pre-norm attention layer, a head tied to the
+/// Token and learned position embeddings, two pre-norm attention layers, a head tied to the
 /// token table.
 #[derive(Module, Debug)]
 struct AttentionLm {
     embed: nn::Embedding,
     positions: nn::Embedding,
+    layers: Vec<AttentionLayer>,
+    out_norm: LayerNorm,
+}
+
+#[derive(Module, Debug)]
+struct AttentionLayer {
     norm: LayerNorm,
     attn: SelfAttention,
-    out_norm: LayerNorm,
 }
 
 #[derive(Module, Debug)]
@@ -43,6 +50,8 @@ struct SelfAttention {
     core: nn::CausalAttention,
     out: nn::Linear,
 }
+
+const LAYERS: usize = 2;
 
 fn table(rows: usize, cols: usize, salt: f32, device: &Device) -> Param<Tensor<2>> {
     let values: Vec<f32> = (0..rows * cols)
@@ -59,8 +68,29 @@ fn linear(salt: f32, device: &Device) -> nn::Linear {
     }
 }
 
+/// Inputs at their global positions, and their next tokens.
+type Batch = (Tensor<2, Int>, Vec<usize>, Tensor<2, Int>);
+
 impl AttentionLm {
     fn new(device: &Device) -> Self {
+        let layer = |i: usize| {
+            let salt = i as f32;
+            AttentionLayer {
+                norm: LayerNormConfig::new(WIDTH).init(device),
+                attn: SelfAttention {
+                    query: linear(0.1 + salt, device),
+                    // No key bias: its gradient is zero in exact arithmetic (it shifts every
+                    // score of a query alike), so Adam would amplify rounding noise.
+                    key: nn::Linear {
+                        bias: None,
+                        ..linear(0.2 + salt, device)
+                    },
+                    value: linear(0.5 + salt, device),
+                    core: nn::CausalAttention::new(device),
+                    out: linear(0.9 + salt, device),
+                },
+            }
+        };
         AttentionLm {
             embed: nn::Embedding {
                 weight: table(VOCAB, WIDTH, 0.8, device),
@@ -68,52 +98,58 @@ impl AttentionLm {
             positions: nn::Embedding {
                 weight: table(SEQ, WIDTH, 0.3, device),
             },
-            norm: LayerNormConfig::new(WIDTH).init(device),
-            attn: SelfAttention {
-                query: linear(0.1, device),
-                // No key bias: its gradient is zero in exact arithmetic (it shifts every
-                // score of a query alike), so Adam would amplify rounding noise.
-                key: nn::Linear {
-                    bias: None,
-                    ..linear(0.2, device)
-                },
-                value: linear(0.5, device),
-                core: nn::CausalAttention::new(device),
-                out: linear(0.9, device),
-            },
+            layers: (0..LAYERS).map(layer).collect(),
             out_norm: LayerNormConfig::new(WIDTH).init(device),
         }
     }
 
-    /// The mean next-token loss of `inputs` (`[batch, seq]`, at the global `positions`)
-    /// against `targets`.
-    fn loss(
-        &self,
-        inputs: Tensor<2, Int>,
-        positions: &[usize],
-        targets: Tensor<2, Int>,
-    ) -> Tensor<1> {
-        let [batch, seq] = inputs.dims();
-        let device = inputs.device();
-        let at: Vec<i64> = positions.iter().map(|&p| p as i64).collect();
-        let at = Tensor::<2, Int>::from_data(TensorData::new(at, [1, seq]), &device);
-        let x = self.embed.forward(inputs) + self.positions.forward(at);
-        let x = x.clone() + self.attn.forward(self.norm.forward(x), batch, seq);
+    /// The single-device loss: the pipeline's three parts in a row.
+    fn loss(&self, batch: &Batch) -> Tensor<1> {
+        let x = (0..LAYERS).fold(self.embed(batch), |x, i| self.layer(i, x));
+        self.head_loss(x, batch)
+    }
+}
+
+impl PipelineModel<3> for AttentionLm {
+    type Batch = Batch;
+
+    fn embed(&self, (inputs, positions, _): &Batch) -> Tensor<3> {
+        let seq = inputs.dims()[1];
+        // Under sequence parallelism the token embedding returns this tp rank's part.
+        let at: Vec<i64> = positions[self.embed.local_positions(seq)]
+            .iter()
+            .map(|&p| p as i64)
+            .collect();
+        let at = Tensor::<2, Int>::from_data(
+            TensorData::new(at.clone(), [1, at.len()]),
+            &inputs.device(),
+        );
+        self.embed.forward(inputs.clone()) + self.positions.forward(at)
+    }
+
+    fn layer(&self, index: usize, x: Tensor<3>) -> Tensor<3> {
+        let layer = &self.layers[index];
+        x.clone() + layer.attn.forward(layer.norm.forward(x))
+    }
+
+    fn head_loss(&self, x: Tensor<3>, (_, _, targets): &Batch) -> Tensor<1> {
         let x = self.out_norm.forward(x);
-        self.embed.cross_entropy(self.embed.logits(x), targets)
+        self.embed
+            .cross_entropy(self.embed.logits(x), targets.clone())
     }
 }
 
 impl SelfAttention {
-    fn forward(&self, x: Tensor<3>, batch: usize, seq: usize) -> Tensor<3> {
+    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let q = self.query.forward(x.clone());
         // Heads from the projection's width: a tensor-parallel rank holds HEADS / tp of them.
-        let heads = self.query.d_output() / HEAD_DIM;
+        let [batch, seq, width] = q.dims();
+        let heads = width / HEAD_DIM;
         let split = |y: Tensor<3>| y.reshape([batch, seq, heads, HEAD_DIM]).swap_dims(1, 2);
-        let q = split(self.query.forward(x.clone()));
         let k = split(self.key.forward(x.clone()));
         let v = split(self.value.forward(x));
-        let y = self.core.forward(q, k, v).swap_dims(1, 2);
-        self.out.forward(y.reshape([batch, seq, heads * HEAD_DIM]))
+        let y = self.core.forward(split(q), k, v).swap_dims(1, 2);
+        self.out.forward(y.reshape([batch, seq, width]))
     }
 }
 
@@ -140,7 +176,7 @@ fn single_rank() -> (Vec<f32>, Vec<f32>) {
     for step in 0..STEPS {
         let samples = step * GLOBAL_BATCH..(step + 1) * GLOBAL_BATCH;
         let (inputs, targets) = shifted(tokens(samples, &device));
-        let loss = model.loss(inputs, &positions, targets);
+        let loss = model.loss(&(inputs, positions.clone(), targets));
         losses.push(loss.clone().into_scalar::<f32>());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(LR, model, grads);
@@ -158,14 +194,22 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> Result<(Vec<f32>, Vec<f32>), 
             let mut optim = AdamWConfig::new().init();
             let mut losses = vec![];
             let positions = par.positions(SEQ)?;
+            let micro_batch = |samples| -> Batch {
+                let (inputs, targets) = shifted(tokens(samples, &device));
+                let share = |t| par.sequence_share(t, 1).expect("SEQ cuts into cp chunks");
+                (share(inputs), positions.clone(), share(targets))
+            };
             for step in 0..STEPS {
-                let (inputs, targets) =
-                    shifted(tokens(par.batch_share(GLOBAL_BATCH, step)?, &device));
-                let inputs = par.sequence_share(inputs, 1)?;
-                let targets = par.sequence_share(targets, 1)?;
-                let loss = model.loss(inputs, &positions, targets);
-                losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
-                let (grads, _) = par.gradients(&model, loss.backward(), None, &ctx)?;
+                let (loss, grads) = if plan.pipeline.is_some() {
+                    let out =
+                        par.pipeline_step(&model, GLOBAL_BATCH, step, &micro_batch, None, &ctx)?;
+                    (out.loss, out.grads)
+                } else {
+                    let loss = model.loss(&micro_batch(par.batch_share(GLOBAL_BATCH, step)?));
+                    let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+                    (mean, par.gradients(&model, loss.backward(), None, &ctx)?.0)
+                };
+                losses.push(loss);
                 model = optim.step(LR, model, grads);
             }
             Ok::<_, ParallelError>((losses, flatten_params(&par.whole(model)?)))
@@ -184,42 +228,75 @@ fn max_scaled(a: &[f32], b: &[f32]) -> f32 {
 }
 
 fn ring() -> ParallelizePlan {
-    ParallelizePlan::new().context_parallel(ContextParallelRule::ring(&["attn.core"]))
+    ParallelizePlan::new().context_parallel(ContextParallelRule::ring(&["layers.*.attn.core"]))
 }
 
 fn with_tp(plan: ParallelizePlan) -> ParallelizePlan {
     plan.tensor_parallel(TensorParallelRule::vocab(&["embed"]))
         .tensor_parallel(
-            TensorParallelRule::colwise(&["attn.query", "attn.key", "attn.value"])
-                .in_units(HEAD_DIM),
+            TensorParallelRule::colwise(&[
+                "layers.*.attn.query",
+                "layers.*.attn.key",
+                "layers.*.attn.value",
+            ])
+            .in_units(HEAD_DIM),
         )
-        .tensor_parallel(TensorParallelRule::rowwise(&["attn.out"]).in_units(HEAD_DIM))
+        .tensor_parallel(TensorParallelRule::rowwise(&["layers.*.attn.out"]).in_units(HEAD_DIM))
+}
+
+/// `plan` with the layers cut into stages (1F1B over two micro-batches), the token table
+/// tied to the head.
+fn pipelined(plan: ParallelizePlan) -> ParallelizePlan {
+    plan.pipeline(
+        PipelineRule::new("layers", ScheduleKind::OneFOneB, 2)
+            .first(&["embed", "positions"])
+            .last(&["out_norm", "embed"]),
+    )
+}
+
+/// `plan` with sequence parallelism: the norms and the position table on tp's positions.
+fn sequence_parallel(plan: ParallelizePlan) -> ParallelizePlan {
+    plan.sequence_parallel("layers.*.norm")
+        .sequence_parallel("out_norm")
+        .sequence_parallel("positions")
 }
 
 #[test]
 fn sequences_split_over_cp_by_a_plan_train_as_one_rank() {
     let reference = single_rank();
-    let all_to_all =
-        ParallelizePlan::new().context_parallel(ContextParallelRule::all_to_all(&["attn.core"]));
+    let all_to_all = ParallelizePlan::new()
+        .context_parallel(ContextParallelRule::all_to_all(&["layers.*.attn.core"]));
     let contiguous = ParallelizePlan::new()
-        .context_parallel(ContextParallelRule::ring(&["attn.core"]).contiguous());
-    for (mesh, plan) in [
-        ("cp=2", ring()),
-        ("cp=4", ring()),
-        ("cp=2", all_to_all),
-        ("cp=2", contiguous),
-        ("dp=2,cp=2", ring()),
-        ("fsdp=2,cp=2", ring().fully_shard("")),
-        ("tp=2,cp=2", with_tp(ring())),
-        ("fsdp=2,tp=2,cp=2", with_tp(ring()).fully_shard("")),
+        .context_parallel(ContextParallelRule::ring(&["layers.*.attn.core"]).contiguous());
+    for (mesh, what, plan) in [
+        ("cp=2", "ring", ring()),
+        ("cp=4", "ring", ring()),
+        ("cp=2", "all-to-all", all_to_all),
+        ("cp=2", "ring, contiguous chunks", contiguous),
+        ("dp=2,cp=2", "ring", ring()),
+        ("fsdp=2,cp=2", "ring", ring().fully_shard("")),
+        ("tp=2,cp=2", "ring", with_tp(ring())),
+        ("fsdp=2,tp=2,cp=2", "ring", with_tp(ring()).fully_shard("")),
+        (
+            "tp=2,cp=2",
+            "ring, sequence parallel",
+            sequence_parallel(with_tp(ring())),
+        ),
+        ("pp=2,cp=2", "ring, 1F1B", pipelined(ring())),
+        ("dp=2,pp=2,cp=2", "ring, 1F1B", pipelined(ring())),
+        (
+            "tp=2,pp=2,cp=2",
+            "ring, sequence parallel, 1F1B",
+            pipelined(sequence_parallel(with_tp(ring()))),
+        ),
     ] {
-        let run = parallel(mesh, &plan).unwrap_or_else(|e| panic!("{mesh}: {e}"));
+        let run = parallel(mesh, &plan).unwrap_or_else(|e| panic!("{mesh} ({what}): {e}"));
         let losses = max_scaled(&run.0, &reference.0);
         let weights = max_scaled(&run.1, &reference.1);
+        println!("{mesh} ({what}): losses {losses:.1e}, weights {weights:.1e}");
         assert!(
             losses < 1e-5 && weights < 1e-5,
-            "{mesh} {:?}: losses {losses:e}, weights {weights:e}",
-            plan.context_parallel
+            "{mesh} ({what}): losses {losses:e}, weights {weights:e}"
         );
     }
 }
@@ -231,11 +308,12 @@ fn context_parallel_plans_that_do_not_fit_are_refused_with_the_reason() {
         no_rule.contains("cp=2") && no_rule.contains("context_parallel rule"),
         "{no_rule}"
     );
-    let not_a_core =
-        ParallelizePlan::new().context_parallel(ContextParallelRule::ring(&["attn.query"]));
+    let not_a_core = ParallelizePlan::new()
+        .context_parallel(ContextParallelRule::ring(&["layers.*.attn.query"]));
     let err = parallel("cp=2", &not_a_core).unwrap_err();
     assert!(
-        err.contains("`attn.query`") && err.contains("not a flashover::nn::CausalAttention"),
+        err.contains("`layers.*.attn.query`")
+            && err.contains("not a flashover::nn::CausalAttention"),
         "{err}"
     );
     // A sequence of 8 does not cut into 2 x cp = 6 chunks.
