@@ -34,6 +34,10 @@ struct Tower {
 struct Block {
     up: Linear,
     down: Linear,
+    /// Unused by this sequence-free forward: its parameter has no elements, and must travel
+    /// through save, resume and export like any other (a context-parallel model has one per
+    /// attention layer).
+    core: flashover::nn::CausalAttention,
 }
 
 fn linear(d_in: usize, d_out: usize, salt: f32, device: &Device) -> Linear {
@@ -56,6 +60,7 @@ impl Tower {
         let block = |i: usize| Block {
             up: linear(WIDTH, HIDDEN, 1.0 + i as f32, device),
             down: linear(HIDDEN, WIDTH, 2.5 + i as f32, device),
+            core: flashover::nn::CausalAttention::new(device),
         };
         Tower {
             input: linear(VOCAB, WIDTH, 0.3, device),

@@ -230,6 +230,19 @@ pub(crate) fn pieces_to_write(
     let mut seen = 0;
     let mut out = vec![];
     for s in segments.iter().filter(|s| s.write) {
+        // A parameter with no elements (an attention core's) is written too, empty, so a
+        // resume or an export finds every parameter of the model.
+        if s.shape.contains(&0) {
+            if index == 0 {
+                out.push(PieceData {
+                    tensor: s.tensor.clone(),
+                    shape: s.shape.clone(),
+                    region: s.region.clone(),
+                    values: vec![],
+                });
+            }
+            continue;
+        }
         match s.contiguous() {
             Some((start, local, len)) => {
                 // This segment is positions seen..seen + len of the splittable data.

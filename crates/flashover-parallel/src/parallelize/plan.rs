@@ -255,12 +255,16 @@ mod schedule_name {
 /// Which modules of a model each strategy transforms (see [`super::parallelize`]).
 ///
 /// ```
-/// use flashover_parallel::parallelize::{ParallelizePlan, TensorParallelRule};
+/// use flashover_parallel::parallelize::{ContextParallelRule, ParallelizePlan, TensorParallelRule};
 ///
-/// // TOML, as in a job file's `[parallelize]` table ...
+/// // TOML, for a table of your own configuration file ...
 /// let plan = ParallelizePlan::from_toml(
 ///     r#"
 ///     fully_shard = ["blocks", "embed"]
+///
+///     [context_parallel]
+///     attention = ["blocks.*.attn.core"]
+///     algorithm = "ring"
 ///
 ///     [[tensor_parallel]]
 ///     style = "colwise"
@@ -280,7 +284,8 @@ mod schedule_name {
 ///     .fully_shard("blocks")
 ///     .fully_shard("embed")
 ///     .tensor_parallel(TensorParallelRule::colwise(&heads).in_units(16))
-///     .tensor_parallel(TensorParallelRule::rowwise(&["blocks.*.attn.out"]).in_units(16));
+///     .tensor_parallel(TensorParallelRule::rowwise(&["blocks.*.attn.out"]).in_units(16))
+///     .context_parallel(ContextParallelRule::ring(&["blocks.*.attn.core"]));
 /// assert_eq!(plan, rust);
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
