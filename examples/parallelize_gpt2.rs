@@ -19,18 +19,21 @@
 //! embedding on both ends), `fsdp=2,tp=2,pp=2` (all three), and `tp=2` and
 //! `fsdp=2,tp=2,pp=2` with sequence parallelism (norms and the position embedding on 1/tp of
 //! the positions; two lines of the model read positions and the sequence length where they
-//! are, marked `sp`). Losses and every final weight match the single rank within 1e-5
-//! (fp32), and each rank stores its share of the parameters.
+//! are, marked `sp`), and `fsdp=2,cp=2`, `fsdp=2,tp=2,cp=2` and `dp=2,pp=2,cp=2` with every
+//! sequence split over `cp` (context parallelism: the model's attention core is
+//! `flashover::nn::CausalAttention`, and its batch carries the positions it holds, marked
+//! `cp`). Losses and every final weight match the single rank within 1e-5 (fp32), and each
+//! rank stores its share of the parameters.
 //!
 //! Run: `cargo run --example parallelize_gpt2`
 
 use burn::module::Module;
 use burn::nn::{LayerNorm, LayerNormConfig};
 use burn::optim::{AdamWConfig, GradientsParams};
-use burn::tensor::activation::{gelu, softmax};
-use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn::tensor::activation::gelu;
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover::models::init;
-use flashover::nn::{Embedding, Linear}; // tp: Burn's layers, whose forward follows a split
+use flashover::nn::{CausalAttention, Embedding, Linear}; // tp, cp: layers that follow a split
 use flashover::parallel::clip_global_norm;
 use flashover::parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
 use flashover::prelude::*;
@@ -56,6 +59,7 @@ struct Block {
     key: Linear,
     value: Linear,
     proj: Linear,
+    core: CausalAttention, // cp: attention's core, which attends across the cp ranks
     ln_2: LayerNorm,
     fc: Linear,
     out: Linear,
@@ -89,6 +93,7 @@ impl Gpt2 {
             key: linear(&format!("b{i}.key"), WIDTH, WIDTH, device),
             value: linear(&format!("b{i}.value"), WIDTH, WIDTH, device),
             proj: linear(&format!("b{i}.proj"), WIDTH, WIDTH, device),
+            core: CausalAttention::new(device),
             ln_2: LayerNormConfig::new(WIDTH).init(device),
             fc: linear(&format!("b{i}.fc"), WIDTH, 4 * WIDTH, device),
             out: linear(&format!("b{i}.out"), 4 * WIDTH, WIDTH, device),
@@ -101,24 +106,27 @@ impl Gpt2 {
         }
     }
 
-    /// The mean next-token loss of `(tokens, targets)`: the model's forward, written as the
-    /// three parts a pipeline runs on different stages.
-    fn loss(&self, batch: &(Tensor<2, Int>, Tensor<2, Int>)) -> Tensor<1> {
+    /// The mean next-token loss of a batch: the model's forward, written as the three parts a
+    /// pipeline runs on different stages.
+    fn loss(&self, batch: &Batch) -> Tensor<1> {
         let x = (0..LAYERS).fold(self.embed(batch), |x, i| self.layer(i, x));
         self.head_loss(x, batch)
     }
 }
 
+/// Tokens `[batch, seq]`, their positions in the sequence `[seq]` (cp: a rank holds some
+/// positions of every sequence), and the next tokens `[batch, seq]`.
+type Batch = (Tensor<2, Int>, Tensor<1, Int>, Tensor<2, Int>);
+
 /// pp: the forward in three parts, so a pipeline stage can run its share of it.
 impl PipelineModel<3> for Gpt2 {
-    /// Tokens and next tokens, `[batch, seq]` each.
-    type Batch = (Tensor<2, Int>, Tensor<2, Int>);
+    type Batch = Batch;
 
     /// Token and position embeddings, `[batch, seq, width]`.
-    fn embed(&self, (tokens, _): &Self::Batch) -> Tensor<3> {
+    fn embed(&self, (tokens, positions, _): &Batch) -> Tensor<3> {
         // sp: the positions the token lookups hold (this rank's 1/tp of them, or all).
         let at = self.wte.local_positions(tokens.dims()[1]);
-        let positions = Tensor::<1, Int>::arange(at.start as i64..at.end as i64, &tokens.device());
+        let positions = positions.clone().narrow(0, at.start, at.len());
         self.wte.forward(tokens.clone()) + self.wpe.forward(positions.unsqueeze())
     }
 
@@ -129,29 +137,27 @@ impl PipelineModel<3> for Gpt2 {
         let [q, k, v] = [&b.query, &b.key, &b.value].map(|l| l.forward(h.clone()));
         // sp: the sequence length from the projections, which hold every position.
         let [batch, seq, _] = q.dims();
-        let mask =
-            Tensor::<2, Bool>::tril_mask([seq, seq], 0, &x.device()).reshape([1, 1, seq, seq]);
         // tp: HEADS on one device, HEADS / tp on a rank of a column-wise split.
         let heads = b.query.d_output() / HEAD_DIM;
         let split = |t: Tensor<3>| t.reshape([batch, seq, heads, HEAD_DIM]).swap_dims(1, 2);
         let [q, k, v] = [q, k, v].map(split);
-        let scores = q.matmul(k.swap_dims(2, 3)) / (HEAD_DIM as f64).sqrt();
-        let attn = softmax(scores.mask_fill(mask, -1e9), 3).matmul(v);
+        // softmax(q k^T / sqrt(HEAD_DIM) + causal mask) v, over every position of the sequence.
+        let attn = b.core.forward(q, k, v);
         let attn = attn.swap_dims(1, 2).reshape([batch, seq, heads * HEAD_DIM]); // tp: not WIDTH
         let x = x + b.proj.forward(attn);
         x.clone() + b.out.forward(gelu(b.fc.forward(b.ln_2.forward(x))))
     }
 
     /// The final norm, the head (the token embedding transposed: tied weights), the loss.
-    fn head_loss(&self, x: Tensor<3>, (_, targets): &Self::Batch) -> Tensor<1> {
+    fn head_loss(&self, x: Tensor<3>, (_, _, targets): &Batch) -> Tensor<1> {
         // tp: the table computes its (rows' of the) logits and their loss.
         let logits = self.wte.logits(self.ln_f.forward(x));
         self.wte.cross_entropy(logits, targets.clone())
     }
 }
 
-/// Sequences `range` of an endless text: inputs and next tokens, `[n, SEQ]` each.
-fn batch(range: std::ops::Range<usize>, device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>) {
+/// Sequences `range` of an endless text: inputs, their positions and next tokens.
+fn batch(range: std::ops::Range<usize>, device: &Device) -> Batch {
     let n = range.len();
     let token = |s: usize, t: usize| ((s * 5 + t * t * 3 + t) % VOCAB) as i64;
     let seqs = |shift: usize| -> Vec<i64> {
@@ -161,7 +167,8 @@ fn batch(range: std::ops::Range<usize>, device: &Device) -> (Tensor<2, Int>, Ten
             .collect()
     };
     let tensor = |v: Vec<i64>| Tensor::from_data(TensorData::new(v, [n, SEQ]), device);
-    (tensor(seqs(0)), tensor(seqs(1)))
+    let positions = Tensor::arange(0..SEQ as i64, device);
+    (tensor(seqs(0)), positions, tensor(seqs(1)))
 }
 
 // ---- Training: the plain single-rank loop, and the same loop under a plan. ----
@@ -176,8 +183,10 @@ fn single_rank() -> Run {
     let mut optim = AdamWConfig::new().init();
     let mut losses = vec![];
     for step in 0..STEPS {
-        let (x, y) = batch(step * GLOBAL_BATCH..(step + 1) * GLOBAL_BATCH, &device);
-        let loss = model.loss(&(x, y));
+        let loss = model.loss(&batch(
+            step * GLOBAL_BATCH..(step + 1) * GLOBAL_BATCH,
+            &device,
+        ));
         losses.push(loss.clone().into_scalar::<f32>());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         let grads = clip(&model, grads);
@@ -206,15 +215,25 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> (Run, Vec<usize>) {
             let mut optim = AdamWConfig::new().init();
             let mut losses = vec![];
             let clip = Some(MAX_NORM);
+            // cp: this rank's positions of each sequence (all of them without cp).
+            let share = |(x, _, y): Batch| -> Result<Batch, ParallelError> {
+                let at: Vec<i64> = par.positions(SEQ)?.into_iter().map(|p| p as i64).collect();
+                let positions = Tensor::from_data(TensorData::new(at.clone(), [at.len()]), &device);
+                Ok((
+                    par.sequence_share(x, 1)?,
+                    positions,
+                    par.sequence_share(y, 1)?,
+                ))
+            };
             for step in 0..STEPS {
                 let grads = if plan.pipeline.is_none() {
-                    let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device); // +
-                    let loss = model.loss(&(x, y));
+                    let samples = batch(par.batch_share(GLOBAL_BATCH, step)?, &device); // +
+                    let loss = model.loss(&share(samples)?); // cp: share(..)
                     losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?); // +
                     par.gradients(&model, loss.backward(), clip, &ctx)?.0 // +
                 } else {
                     // pp: the schedule runs this rank's stages over the micro-batches.
-                    let micro = |samples| batch(samples, &device); // pp
+                    let micro = |samples| share(batch(samples, &device)).expect("SEQ splits"); // pp
                     let out = par.pipeline_step(&model, GLOBAL_BATCH, step, &micro, clip, &ctx)?; // pp
                     losses.push(out.loss); // pp
                     out.grads // pp
@@ -256,6 +275,9 @@ fn main() {
     let pipeline = PipelineRule::new("blocks", ScheduleKind::OneFOneB, MICRO_BATCHES)
         .first(&["wte", "wpe"])
         .last(&["ln_f", "wte"]);
+    // Context parallel: each rank holds a quarter of every sequence's positions from the start
+    // and one from the end; each block's attention core reaches the others' keys and values.
+    let context = ContextParallelRule::ring(&["blocks.*.core"]);
     let layouts = [
         ("fsdp=2", ParallelizePlan::new().fully_shard("")),
         ("dp=2,fsdp=2", ParallelizePlan::new().fully_shard("")),
@@ -268,7 +290,26 @@ fn main() {
         ),
         (
             "fsdp=2,tp=2,pp=2",
-            tp_plan.fully_shard("").pipeline(pipeline.clone()),
+            tp_plan.clone().fully_shard("").pipeline(pipeline.clone()),
+        ),
+        (
+            "fsdp=2,cp=2",
+            ParallelizePlan::new()
+                .fully_shard("")
+                .context_parallel(context.clone()),
+        ),
+        (
+            "fsdp=2,tp=2,cp=2",
+            tp_plan
+                .clone()
+                .fully_shard("")
+                .context_parallel(context.clone()),
+        ),
+        (
+            "dp=2,pp=2,cp=2",
+            ParallelizePlan::new()
+                .pipeline(pipeline.clone())
+                .context_parallel(context),
         ),
         ("tp=2", sequence.clone()),
         (
@@ -293,6 +334,9 @@ fn main() {
         }
         if !plan.sequence_parallel.is_empty() {
             split += ", sequence parallel";
+        }
+        if let Some(c) = &plan.context_parallel {
+            split += &format!(", sequences split over cp ({} attention)", c.algorithm);
         }
         if let Some(p) = &plan.pipeline {
             split += &format!(", {} over {} micro-batches", p.schedule, p.micro_batches);

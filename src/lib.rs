@@ -81,9 +81,10 @@ pub mod prelude {
         Axis, CommunicatorExt, Launch, RankContext, ReduceOp, TensorCollectives, launch,
     };
     pub use flashover_parallel::ParallelError;
+    pub use flashover_parallel::context_parallel::CpAttention;
     pub use flashover_parallel::parallelize::{
-        ModulePath, ParallelizePlan, Parallelized, PipelineModel, PipelineRule, PipelineStep,
-        TensorParallelRule, TpStyle, parallelize,
+        ContextParallelRule, ModulePath, ParallelizePlan, Parallelized, PipelineModel,
+        PipelineRule, PipelineStep, TensorParallelRule, TpStyle, parallelize,
     };
     pub use flashover_parallel::pipeline::ScheduleKind;
 }
