@@ -216,14 +216,9 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> (Run, Vec<usize>) {
             let mut losses = vec![];
             let clip = Some(MAX_NORM);
             // cp: this rank's positions of each sequence (all of them without cp).
-            let share = |(x, _, y): Batch| -> Result<Batch, ParallelError> {
-                let at: Vec<i64> = par.positions(SEQ)?.into_iter().map(|p| p as i64).collect();
-                let positions = Tensor::from_data(TensorData::new(at.clone(), [at.len()]), &device);
-                Ok((
-                    par.sequence_share(x, 1)?,
-                    positions,
-                    par.sequence_share(y, 1)?,
-                ))
+            let share = |(x, p, y): Batch| -> Result<Batch, ParallelError> {
+                let (x, y) = (par.sequence_share(x, 1)?, par.sequence_share(y, 1)?);
+                Ok((x, par.sequence_share(p, 0)?, y))
             };
             for step in 0..STEPS {
                 let grads = if plan.pipeline.is_none() {
