@@ -316,6 +316,12 @@ fn context_parallel_plans_that_do_not_fit_are_refused_with_the_reason() {
             && err.contains("not a flashover::nn::CausalAttention"),
         "{err}"
     );
+    // All-to-all attention swaps positions for heads: one head per tp rank does not split
+    // over cp = 2 (the heads are known once attention runs).
+    let all_to_all = ParallelizePlan::new()
+        .context_parallel(ContextParallelRule::all_to_all(&["layers.*.attn.core"]));
+    let err = parallel("tp=2,cp=2", &with_tp(all_to_all)).unwrap_err();
+    assert!(err.contains("a rank holds 1 heads"), "{err}");
     // A sequence of 8 does not cut into 2 x cp = 6 chunks.
     let err = parallel("cp=3", &ring()).unwrap_err();
     assert!(err.contains("sequence length 8"), "{err}");
