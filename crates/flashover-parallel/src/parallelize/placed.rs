@@ -369,9 +369,11 @@ impl Reparameterizer for PlaceParams<'_> {
             && self.plan.shard_path(&path).is_some()
             && !self.kept_whole.contains_key(&path)
             && param.shape().num_elements() > 0;
-        let context = (self.cp.size() > 1 && self.plan.attention_core(&path))
-            .then(|| self.plan.context_parallel.as_ref())
-            .flatten()
+        let context = self
+            .plan
+            .context_parallel
+            .as_ref()
+            .filter(|_| self.cp.size() > 1 && self.plan.attention_core(&path))
             .map(|rule| ContextSplit {
                 group: self.cp.clone(),
                 algorithm: rule.algorithm,
