@@ -25,7 +25,7 @@ mod op;
 pub use op::{RecomputeHook, recompute};
 
 use crate::hook::hooks_supported;
-use crate::params::accumulate_grads;
+use crate::params::{ParamLayout, accumulate_grads};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
@@ -36,9 +36,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Which activations to recompute.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub enum CheckpointPolicy {
     /// Keep everything.
+    #[default]
     None,
     /// Recompute every block.
     Full,
@@ -178,14 +179,22 @@ impl BlockCheckpoint for BlockRecompute {
 /// Tells a checkpointed function's runs apart: the first (in forward) from the ones after it
 /// (recomputations in backward), which it counts. Not by whether the input is tracked: on a
 /// device without the recompute op the first call is the only one, with a graph.
-struct Replays {
+pub(crate) struct Replays {
     calls: AtomicUsize,
     recomputed: Arc<AtomicUsize>,
 }
 
 impl Replays {
+    /// Counts one checkpointed function's recomputations into `recomputed`.
+    pub(crate) fn new(recomputed: Arc<AtomicUsize>) -> Self {
+        Replays {
+            calls: AtomicUsize::new(0),
+            recomputed,
+        }
+    }
+
     /// Whether this call is a recomputation (counted if so).
-    fn next_is_replay(&self) -> bool {
+    pub(crate) fn next_is_replay(&self) -> bool {
         let replay = self.calls.fetch_add(1, Ordering::Relaxed) > 0;
         if replay {
             self.recomputed.fetch_add(1, Ordering::Relaxed);
@@ -197,10 +206,7 @@ impl Replays {
 impl BlockRecompute {
     /// A counter of one checkpointed block's runs, adding its recomputations to this policy's.
     fn replays(&self) -> Replays {
-        Replays {
-            calls: AtomicUsize::new(0),
-            recomputed: self.recomputed.clone(),
-        }
+        Replays::new(self.recomputed.clone())
     }
 
     /// A mixture-of-experts block, recomputed. Its router's auxiliary losses are a second
@@ -267,25 +273,14 @@ impl ModuleMapper for Leaves {
     }
 }
 
-/// Every float parameter of `module`, flattened in layout order, as one tracked vector (`None`
-/// for a module without parameters).
-fn flat_params<M: Module>(module: &M) -> Option<Tensor<1>> {
-    struct Collect(Vec<Tensor<1>>);
-    impl ModuleVisitor for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let t = param.val();
-            let numel = t.shape().num_elements();
-            self.0.push(t.reshape([numel]));
-        }
-    }
-    let mut c = Collect(vec![]);
-    module.visit(&mut c);
-    (!c.0.is_empty()).then(|| Tensor::cat(c.0, 0))
-}
-
 /// `forward(module, x)`, keeping only `x` for backward and running `forward` again there (see
 /// the [module docs](self)). Falls back to a plain call when nothing needs a gradient or the
 /// device has no recompute op (not an autodiff device of a backend it is built for).
+///
+/// Parameters a `parallelize` plan placed work too: the recomputation reads them through their
+/// reparameterization again (a fully sharded unit is gathered again in backward, so between
+/// its forward and backward a rank keeps its shard, not the gathered weights), and their
+/// gradients reach the stored parts.
 pub fn checkpoint<M, const D: usize, const E: usize, F>(
     module: &M,
     x: Tensor<D>,
@@ -295,30 +290,55 @@ where
     M: Module + Send + Sync + 'static,
     F: Fn(&M, Tensor<D>) -> Tensor<E> + Send + Sync + 'static,
 {
+    checkpoint_part(module, x, forward, None)
+}
+
+/// [`checkpoint`] that carries into backward only the parameters of `module` that `part`
+/// marks (one flag per parameter, in layout order; `None`: all of them), so a layer of a whole
+/// model costs its own parameters. `forward` must read no other parameter: in backward a
+/// gradient reaching one fails, naming it (it would otherwise be lost).
+pub(crate) fn checkpoint_part<M, const D: usize, const E: usize, F>(
+    module: &M,
+    x: Tensor<D>,
+    forward: F,
+    part: Option<Arc<[bool]>>,
+) -> Tensor<E>
+where
+    M: Module + Send + Sync + 'static,
+    F: Fn(&M, Tensor<D>) -> Tensor<E> + Send + Sync + 'static,
+{
     let device = x.device();
-    let params = flat_params(module);
+    let params = flat_params(module, part.as_deref());
     let tracked = x.is_tracked() || params.as_ref().is_some_and(|p| p.is_tracked());
     if !tracked || !hooks_supported(&device) {
         return forward(module, x);
     }
     let params = params.unwrap_or_else(|| Tensor::<1>::zeros([0], &device));
-    let numel = params.dims()[0];
     // Shares the parameters' storage: nothing is copied.
     let values = module.clone().map(&mut Detach);
     let y = forward(&values, untracked(x.clone()));
     let dtypes = (x.dtype(), y.dtype());
     let hook = RecomputeHook(Arc::new(move |x: TensorData, grad_y: TensorData| {
         let module = values.clone().map(&mut Leaves);
-        regrad(&module, &forward, x, grad_y, dtypes, &device, numel)
+        regrad(
+            &module,
+            &forward,
+            x,
+            grad_y,
+            dtypes,
+            &device,
+            part.as_deref(),
+        )
     }));
     recompute(x, params, y, hook)
 }
 
 /// The body of a recomputation in backward: `forward(module, x)` run again with a graph from
 /// the saved input `x` and the output gradient `grad_y`, returning the input's gradient and the
-/// gradients of `module`'s parameters flattened into `len` elements (layout order, zero where a
-/// parameter got none). `dtypes` are the input's and output's dtypes in the forward: `from_data`
-/// makes the device's default dtype, so both are cast back (bf16/f16 under a precision policy).
+/// gradients of `module`'s parameters that `part` marks (all without it), flattened in layout
+/// order (zero where a parameter got none). `dtypes` are the input's and output's dtypes in
+/// the forward: `from_data` makes the device's default dtype, so both are cast back (bf16/f16
+/// under a precision policy).
 pub(crate) fn regrad<M, const D: usize, const E: usize>(
     module: &M,
     forward: &impl Fn(&M, Tensor<D>) -> Tensor<E>,
@@ -326,7 +346,7 @@ pub(crate) fn regrad<M, const D: usize, const E: usize>(
     grad_y: TensorData,
     (x_dtype, y_dtype): (DType, DType),
     device: &Device,
-    len: usize,
+    part: Option<&[bool]>,
 ) -> (TensorData, Vec<f32>)
 where
     M: Module,
@@ -342,9 +362,65 @@ where
         zeros.cast(x_dtype).into_data()
     });
     let params = GradientsParams::from_grads(grads, module);
-    let mut flat = vec![0.0; len];
-    accumulate_grads(module, &params, &mut flat, &[]);
+    let layout = ParamLayout::of(module);
+    let Some(part) = part else {
+        let mut flat = vec![0.0; layout.numel];
+        accumulate_grads(module, &params, &mut flat, &[]);
+        return (grad_x, flat);
+    };
+    let outside: Vec<bool> = part.iter().map(|held| !held).collect();
+    let mut whole = vec![0.0; layout.numel];
+    let found = accumulate_grads(module, &params, &mut whole, &[]);
+    if let Some(read) = layout
+        .slots
+        .iter()
+        .zip(&found)
+        .zip(&outside)
+        .find(|((_, f), o)| **f && **o)
+    {
+        panic!(
+            "a recomputed layer read `{}`, a parameter outside it: name the layers so that each \
+             reads only its own parameters (its gradient would be lost)",
+            read.0.0.name
+        );
+    }
+    let flat = layout
+        .slots
+        .iter()
+        .zip(part)
+        .filter(|(_, held)| **held)
+        .flat_map(|(slot, _)| whole[slot.offset..slot.offset + slot.numel].iter().copied())
+        .collect();
     (grad_x, flat)
+}
+
+/// The float parameters of `module` that `part` marks (all without it), flattened in layout
+/// order, as one tracked vector (`None` when there are none).
+fn flat_params<M: Module>(module: &M, part: Option<&[bool]>) -> Option<Tensor<1>> {
+    struct Collect<'a> {
+        part: Option<&'a [bool]>,
+        index: usize,
+        tensors: Vec<Tensor<1>>,
+    }
+    impl ModuleVisitor for Collect<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let held = self.part.is_none_or(|p| p[self.index]);
+            self.index += 1;
+            if held {
+                // The stored value: a visitor sees a parameter without its reparameterization.
+                let t = param.val();
+                let numel = t.shape().num_elements();
+                self.tensors.push(t.reshape([numel]));
+            }
+        }
+    }
+    let mut c = Collect {
+        part,
+        index: 0,
+        tensors: vec![],
+    };
+    module.visit(&mut c);
+    (!c.tensors.is_empty()).then(|| Tensor::cat(c.tensors, 0))
 }
 
 #[cfg(test)]

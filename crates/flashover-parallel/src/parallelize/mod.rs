@@ -105,6 +105,8 @@ pub struct PipelineStep {
     pub norm: f32,
     /// What the schedule measured on this rank (time in forwards, backwards and waits).
     pub report: PipelineStepReport,
+    /// Layer forwards this rank ran again in backward (the plan's activation checkpointing).
+    pub recomputed: usize,
 }
 
 /// Applies `plan` to `model` on this rank: the whole model as world rank 0 holds it
@@ -124,7 +126,12 @@ pub fn parallelize<M: Module>(
     let layout = ParamLayout::of(&model);
     validate::check_plan(plan, &layout.slots, tp.size())?;
     let stages = match &plan.pipeline {
-        Some(rule) => Some(Stages::new(rule, layout, ctx.group(Axis::Pp))?),
+        Some(rule) => Some(Stages::new(
+            rule,
+            &plan.activation_checkpointing,
+            layout,
+            ctx.group(Axis::Pp),
+        )?),
         None => None,
     };
     let mut placements = PlacementTable::whole(&model);
@@ -396,7 +403,7 @@ impl Parallelized {
         ctx: &RankContext,
     ) -> Result<PipelineStep, ParallelError>
     where
-        M: PipelineModel<D>,
+        M: PipelineModel<D> + Sync + 'static,
     {
         let stages = self.stages.as_ref().ok_or_else(|| {
             ParallelError::Invalid(
@@ -406,7 +413,9 @@ impl Parallelized {
         })?;
         let share = self.share(global_batch, step)?;
         let device = ctx.device().clone().autodiff();
+        let before = stages.recomputed();
         let (flat, loss, report) = stages.step(model, share, &device, micro_batch)?;
+        let recomputed = stages.recomputed() - before;
         let loss = self.mean_loss(loss)?;
         let (grads, norm) = self.reduce_and_clip(model, flat, max_norm, ctx)?;
         Ok(PipelineStep {
@@ -414,6 +423,7 @@ impl Parallelized {
             loss,
             norm,
             report,
+            recomputed,
         })
     }
 

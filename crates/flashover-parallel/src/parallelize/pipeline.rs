@@ -9,6 +9,7 @@
 //! copies stay equal, and the first stage's copy is the one counted and gathered.
 
 use super::plan::PipelineRule;
+use crate::activation_checkpointing::{CheckpointPolicy, Replays, checkpoint_part};
 use crate::error::ParallelError;
 use crate::params::{ParamLayout, ParamSlot, placeholders};
 use crate::pipeline::{PipelineExecutor, PipelineStepReport, Schedule, ScheduleKind, StageOutput};
@@ -19,6 +20,8 @@ use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use flashover_runtime::Axis;
 use std::collections::HashSet;
 use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// A model a pipeline plan can cut into stages: its forward in three parts, each a few lines
 /// of what the model's own forward does (and the single-device loss is
@@ -59,6 +62,12 @@ pub(super) struct Stages {
     /// What the layers take for a micro-batch of so many samples, once known
     /// ([`Stages::activation_shape`]).
     activation: std::sync::Mutex<Option<(usize, Vec<usize>)>>,
+    /// Which layers are recomputed in backward.
+    recompute: CheckpointPolicy,
+    /// Per layer, which parameters (layout order) are its own: what its recomputation carries.
+    parts: Vec<Arc<[bool]>>,
+    /// Layer forwards run again in backward so far.
+    recomputed: Arc<AtomicUsize>,
 }
 
 impl Stages {
@@ -66,6 +75,7 @@ impl Stages {
     /// (collective over `pp`: the tie group is made here). Fails naming what does not fit.
     pub(super) fn new(
         rule: &PipelineRule,
+        recompute: &CheckpointPolicy,
         whole: ParamLayout,
         pp: &Group,
     ) -> Result<Self, ParallelError> {
@@ -86,6 +96,18 @@ impl Stages {
                 schedule.chunks
             )));
         }
+        if let CheckpointPolicy::Blocks(list) = recompute
+            && let Some(beyond) = list.iter().find(|&&i| i >= count)
+        {
+            return Err(ParallelError::Invalid(format!(
+                "activation_checkpointing `{recompute}` names layer {beyond}, but `{}` has \
+                 {count} layers (0..{count})",
+                rule.layers.as_str()
+            )));
+        }
+        let parts = (0..count)
+            .map(|i| layer_of.iter().map(|l| *l == Some(i)).collect())
+            .collect();
         // As even as can be, the first stages taking the remainder.
         let mut layers = vec![];
         let mut start = 0;
@@ -147,6 +169,9 @@ impl Stages {
             pp: pp.clone(),
             tie,
             activation: Default::default(),
+            recompute: recompute.clone(),
+            parts,
+            recomputed: Default::default(),
         })
     }
 
@@ -225,7 +250,7 @@ impl Stages {
         micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
     ) -> Result<(Vec<f32>, f32, PipelineStepReport), ParallelError>
     where
-        M: PipelineModel<D>,
+        M: PipelineModel<D> + Sync + 'static,
     {
         let m = self.schedule.micro_batches;
         if !share.len().is_multiple_of(m) {
@@ -248,7 +273,7 @@ impl Stages {
                 None => m.embed(batch.as_ref().expect("the first stage reads its batch")),
             };
             for i in self.layers[stage].clone() {
-                x = m.layer(i, x);
+                x = self.layer(m, i, x);
             }
             match batch {
                 Some(batch) if stage == last => StageOutput::Loss(m.head_loss(x, &batch)),
@@ -272,6 +297,28 @@ impl Stages {
 }
 
 impl Stages {
+    /// Layer `index` of `model` on `x`: recomputed in backward when the plan's policy names
+    /// it (carrying only the layer's own parameters), plainly otherwise.
+    fn layer<M, const D: usize>(&self, model: &M, index: usize, x: Tensor<D>) -> Tensor<D>
+    where
+        M: PipelineModel<D> + Sync + 'static,
+    {
+        if !self.recompute.recomputes_block(index) {
+            return model.layer(index, x);
+        }
+        let replays = Replays::new(self.recomputed.clone());
+        let forward = move |m: &M, x: Tensor<D>| {
+            replays.next_is_replay();
+            m.layer(index, x)
+        };
+        checkpoint_part(model, x, forward, Some(self.parts[index].clone()))
+    }
+
+    /// Layer forwards run again in backward so far.
+    pub(super) fn recomputed(&self) -> usize {
+        self.recomputed.load(Ordering::Relaxed)
+    }
+
     /// The shape of what the layers take for one micro-batch: the first stage's `embed` of
     /// `first`'s samples, broadcast over `pp` on the first step and kept while micro-batches
     /// keep that many samples (the micro-batches of a run have one shape). Collective over

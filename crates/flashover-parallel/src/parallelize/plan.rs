@@ -1,6 +1,7 @@
 //! A parallelization plan as data: which modules of a model each strategy transforms, named by
 //! their paths in the model (`blocks.*.attn`), as a Rust value or a TOML table.
 
+use crate::activation_checkpointing::CheckpointPolicy;
 use crate::context_parallel::CpAttention;
 use crate::error::ParallelError;
 use crate::pipeline::ScheduleKind;
@@ -319,6 +320,29 @@ pub struct ParallelizePlan {
     /// locally).
     #[serde(default)]
     pub context_parallel: Option<ContextParallelRule>,
+    /// Which of the pipeline rule's layers are recomputed in backward (activation
+    /// checkpointing): `full`, `every:K` (layers `0, K, 2K, ...`), `blocks:I,J` or `none` (the
+    /// default). A recomputed layer keeps only its input for backward and runs its forward
+    /// again there; its fully sharded parameters are gathered again too, so between forward
+    /// and backward a rank holds their shards only. Needs a pipeline rule (which names the
+    /// layers and runs on a mesh without `pp` too).
+    #[serde(default, with = "policy_name")]
+    pub activation_checkpointing: CheckpointPolicy,
+}
+
+/// A checkpoint policy by the name `CheckpointPolicy`'s `FromStr` reads (`every:2`).
+mod policy_name {
+    use super::*;
+
+    pub fn serialize<S: Serializer>(policy: &CheckpointPolicy, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&policy.to_string())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<CheckpointPolicy, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
 }
 
 impl ParallelizePlan {
@@ -355,6 +379,12 @@ impl ParallelizePlan {
     /// Also split sequences over `cp` as `rule` says.
     pub fn context_parallel(mut self, rule: ContextParallelRule) -> Self {
         self.context_parallel = Some(rule);
+        self
+    }
+
+    /// Also recompute the pipeline rule's layers that `policy` names in backward.
+    pub fn activation_checkpointing(mut self, policy: CheckpointPolicy) -> Self {
+        self.activation_checkpointing = policy;
         self
     }
 

@@ -3,6 +3,7 @@
 //! Each refusal names the path and the reason.
 
 use super::plan::{ModulePath, ParallelizePlan, TensorParallelRule, TpStyle};
+use crate::activation_checkpointing::CheckpointPolicy;
 use crate::error::ParallelError;
 use crate::params::ParamSlot;
 
@@ -43,6 +44,26 @@ pub(super) fn check_plan(
              the sequence): add a `vocab` rule for the token embedding"
                 .into(),
         ));
+    }
+    match &plan.activation_checkpointing {
+        CheckpointPolicy::None => {}
+        CheckpointPolicy::Selective => {
+            return Err(ParallelError::Invalid(
+                "activation_checkpointing = \"selective\" is Burn's balanced checkpointing, a \
+                 property of the autodiff device, not of layers: build the model on \
+                 `device.autodiff().gradient_checkpointing()` instead"
+                    .into(),
+            ));
+        }
+        policy if plan.pipeline.is_none() => {
+            return Err(ParallelError::Invalid(format!(
+                "activation_checkpointing = \"{policy}\" recomputes the layers a pipeline rule \
+                 names, and the plan has none: add one (on a mesh without pp it runs every \
+                 layer on each rank) or call flashover::parallel::activation_checkpointing::\
+                 checkpoint in your forward"
+            )));
+        }
+        _ => {}
     }
     if let Some(rule) = &plan.context_parallel {
         for path in &rule.attention {

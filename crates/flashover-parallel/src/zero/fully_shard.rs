@@ -359,7 +359,7 @@ impl<M: Module + Sync + 'static> FullyShardedUnit<M> {
             };
             let module = spec.materialize(Source::Host(&full, true), &device);
             drop(full);
-            let (grad_x, flat) = regrad(&module, &f, x, grad_y, dtypes, &device, spec.layout.numel);
+            let (grad_x, flat) = regrad(&module, &f, x, grad_y, dtypes, &device, None);
             drop(module);
             spec.shard_group.stats().released(bytes);
             (grad_x, spec.reduce_scatter(flat))

@@ -10,6 +10,7 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_parallel::ParallelError;
+use flashover_parallel::activation_checkpointing::{CheckpointPolicy, checkpoint};
 use flashover_parallel::nn;
 use flashover_parallel::parallelize::{
     ParallelizePlan, PipelineModel, PipelineRule, TensorParallelRule, parallelize,
@@ -94,6 +95,68 @@ impl Net for SplitMlp {
         let h = self.down.forward(gelu(self.up.forward(x)));
         let h = self.norm.forward(h);
         self.head.forward(gelu(self.gate.forward(h)))
+    }
+}
+
+/// `SplitMlp` with its first pair recomputed in backward by the user's own `checkpoint` call.
+#[derive(Module, Debug)]
+struct RecomputedMlp {
+    pair: Pair,
+    norm: LayerNorm,
+    gate: nn::Linear,
+    head: nn::Linear,
+}
+
+#[derive(Module, Debug)]
+struct Pair {
+    up: nn::Linear,
+    down: nn::Linear,
+}
+
+impl Net for RecomputedMlp {
+    fn new(device: &Device) -> Self {
+        let SplitMlp {
+            up,
+            down,
+            norm,
+            gate,
+            head,
+        } = SplitMlp::new(device);
+        RecomputedMlp {
+            pair: Pair { up, down },
+            norm,
+            gate,
+            head,
+        }
+    }
+
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let h = checkpoint(&self.pair, x, |p: &Pair, x| {
+            p.down.forward(gelu(p.up.forward(x)))
+        });
+        let h = self.norm.forward(h);
+        self.head.forward(gelu(self.gate.forward(h)))
+    }
+}
+
+#[test]
+fn a_users_own_checkpoint_call_recomputes_placed_parameters() {
+    let reference = single_rank::<RecomputedMlp>();
+    let plan = ParallelizePlan::new()
+        .tensor_parallel(TensorParallelRule::colwise(&["pair.up", "gate"]))
+        .tensor_parallel(TensorParallelRule::rowwise(&["pair.down", "head"]))
+        .fully_shard("");
+    for mesh in ["fsdp=2", "tp=2", "fsdp=2,tp=2"] {
+        let (run, _) = parallel::<RecomputedMlp>(mesh, plan.clone());
+        let (loss, norm, weights) = (
+            max_rel(&run.0, &reference.0),
+            max_rel(&run.1, &reference.1),
+            max_scaled(&run.2, &reference.2),
+        );
+        assert!(
+            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+            "{mesh}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+        );
     }
 }
 
@@ -424,8 +487,9 @@ fn stack_single_rank() -> Run {
     })
 }
 
-/// `Stack` under a pipelined `plan` on `mesh`: rank 0's run and every rank's stored elements.
-fn stack_pipelined(mesh: &str, plan: ParallelizePlan) -> (Run, Vec<usize>) {
+/// `Stack` under a pipelined `plan` on `mesh`: rank 0's run, every rank's stored elements and
+/// the layer forwards each rank ran again in backward.
+fn stack_pipelined(mesh: &str, plan: ParallelizePlan) -> (Run, Vec<usize>, Vec<usize>) {
     let out = Launch::new(mesh)
         .unwrap()
         .run(|ctx| {
@@ -433,7 +497,7 @@ fn stack_pipelined(mesh: &str, plan: ParallelizePlan) -> (Run, Vec<usize>) {
             let (mut model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
             let held = ParamLayout::of(&model).numel;
             let mut optim = AdamWConfig::new().init();
-            let (mut losses, mut norms) = (vec![], vec![]);
+            let (mut losses, mut norms, mut recomputed) = (vec![], vec![], 0);
             let micro_batch = |samples| batch(samples, &device);
             for step in 0..STEPS {
                 let out = par.pipeline_step(
@@ -446,14 +510,16 @@ fn stack_pipelined(mesh: &str, plan: ParallelizePlan) -> (Run, Vec<usize>) {
                 )?;
                 losses.push(out.loss);
                 norms.push(out.norm);
+                recomputed += out.recomputed;
                 model = optim.step(LR, model, out.grads);
             }
             let whole = flatten_params(&par.whole(model)?);
-            Ok::<_, ParallelError>(((losses, norms, whole), held))
+            Ok::<_, ParallelError>(((losses, norms, whole), held, recomputed))
         })
         .unwrap();
-    let held = out.iter().map(|(_, h)| *h).collect();
-    (out.into_iter().next().unwrap().0, held)
+    let held = out.iter().map(|(_, h, _)| *h).collect();
+    let recomputed = out.iter().map(|(_, _, r)| *r).collect();
+    (out.into_iter().next().unwrap().0, held, recomputed)
 }
 
 #[test]
@@ -490,7 +556,7 @@ fn a_models_layers_cut_into_pipeline_stages_by_a_plan_train_as_one_rank() {
         ("fsdp=2,tp=2,pp=2", split(rule(ScheduleKind::OneFOneB, 2))),
     ];
     for (mesh, plan) in cases {
-        let (run, held) = stack_pipelined(mesh, plan.clone());
+        let (run, held, _) = stack_pipelined(mesh, plan.clone());
         let (loss, norm, weights) = (
             max_rel(&run.0, &reference.0),
             max_rel(&run.1, &reference.1),
@@ -507,6 +573,68 @@ fn a_models_layers_cut_into_pipeline_stages_by_a_plan_train_as_one_rank() {
                 "{mesh} {schedule}: every rank holds only its stages: {held:?} of {whole}"
             );
         }
+    }
+}
+
+#[test]
+fn layers_a_plan_recomputes_in_backward_train_as_one_rank() {
+    let reference = stack_single_rank();
+    let rule = |micro| {
+        PipelineRule::new("layers", ScheduleKind::OneFOneB, micro)
+            .first(&["input"])
+            .last(&["norm", "input"])
+    };
+    let split = ParallelizePlan::new()
+        .tensor_parallel(TensorParallelRule::colwise(&["layers.*.up"]))
+        .tensor_parallel(TensorParallelRule::rowwise(&["layers.*.down"]))
+        .fully_shard("");
+    let policy = |p: &str| p.parse::<CheckpointPolicy>().unwrap();
+    // (mesh, plan, layer forwards each rank runs again per step)
+    let cases = [
+        // 2 layers per stage x 4 micro-batches.
+        (
+            "pp=2",
+            ParallelizePlan::new().pipeline(rule(4)),
+            policy("full"),
+            8,
+        ),
+        // Layers 0 and 2 of the 4, each over 2 micro-batches, on every rank.
+        (
+            "dp=2",
+            ParallelizePlan::new().pipeline(rule(2)),
+            policy("every:2"),
+            4,
+        ),
+        (
+            "fsdp=2,tp=2",
+            split.clone().pipeline(rule(2)),
+            policy("blocks:3"),
+            2,
+        ),
+        (
+            "fsdp=2,tp=2,pp=2",
+            split.pipeline(rule(2)),
+            policy("full"),
+            4,
+        ),
+    ];
+    for (mesh, plan, policy, per_step) in cases {
+        let plan = plan.activation_checkpointing(policy.clone());
+        let (run, _, recomputed) = stack_pipelined(mesh, plan);
+        let (loss, norm, weights) = (
+            max_rel(&run.0, &reference.0),
+            max_rel(&run.1, &reference.1),
+            max_scaled(&run.2, &reference.2),
+        );
+        assert!(
+            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+            "{mesh} {policy}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+        );
+        assert!(
+            recomputed.iter().all(|r| *r == per_step * STEPS),
+            "{mesh} {policy}: layers recomputed per rank {recomputed:?}, expected {}",
+            per_step * STEPS
+        );
     }
 }
 
@@ -532,6 +660,19 @@ fn plans_that_do_not_fit_the_model_or_mesh_are_refused_with_the_reason() {
     );
     let err = refused("dp=2,tp=2", ParallelizePlan::new());
     assert!(err.contains("tp=2") && err.contains("no layer"), "{err}");
+    let recompute = |p: &str| ParallelizePlan::new().activation_checkpointing(p.parse().unwrap());
+    let err = refused("dp=2", recompute("full"));
+    assert!(err.contains("no") && err.contains("pipeline rule"), "{err}");
+    let err = refused("dp=2", recompute("selective"));
+    assert!(err.contains("gradient_checkpointing()"), "{err}");
+    let stack = PipelineRule::new("layers", ScheduleKind::OneFOneB, 2)
+        .first(&["input"])
+        .last(&["norm", "input"]);
+    let err = refusal("dp=2", &recompute("blocks:1,4").pipeline(stack), Stack::new);
+    assert!(
+        err.contains("names layer 4") && err.contains("has 4 layers"),
+        "{err}"
+    );
 }
 
 #[test]
