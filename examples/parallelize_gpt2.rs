@@ -23,7 +23,9 @@
 //! sequence split over `cp` (context parallelism: the model's attention core is
 //! `flashover::nn::CausalAttention`, and its batch carries the positions it holds, marked
 //! `cp`). Losses and every final weight match the single rank within 1e-5 (fp32), and each
-//! rank stores its share of the parameters.
+//! rank stores its share of the parameters. `fsdp=2,tp=2` runs once more with every block
+//! recomputed in backward (the plan's `activation_checkpointing`, through `pipeline_step` on a
+//! mesh without `pp`).
 //!
 //! Run: `cargo run --example parallelize_gpt2`
 
@@ -203,8 +205,9 @@ fn clip(model: &Gpt2, grads: GradientsParams) -> GradientsParams {
     grads_from_flat(model, &flat)
 }
 
-/// The single-rank loop under `plan` on `mesh`: rank 0's run and every rank's stored elements.
-fn parallel(mesh: &str, plan: &ParallelizePlan) -> (Run, Vec<usize>) {
+/// The single-rank loop under `plan` on `mesh`: rank 0's run, every rank's stored elements and
+/// the layer forwards rank 0 ran again in backward.
+fn parallel(mesh: &str, plan: &ParallelizePlan) -> (Run, Vec<usize>, usize) {
     let out = Launch::new(mesh)
         .expect("mesh")
         .run(|ctx| {
@@ -213,7 +216,7 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> (Run, Vec<usize>) {
             let (mut model, par) = parallelize(Gpt2::new(&device), plan, &ctx)?; // +
             let stored = ParamLayout::of(&model).numel;
             let mut optim = AdamWConfig::new().init();
-            let mut losses = vec![];
+            let (mut losses, mut recomputed) = (vec![], 0);
             let clip = Some(MAX_NORM);
             // cp: this rank's positions of each sequence (all of them without cp).
             let share = |(x, p, y): Batch| -> Result<Batch, ParallelError> {
@@ -231,16 +234,18 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> (Run, Vec<usize>) {
                     let micro = |samples| share(batch(samples, &device)).expect("SEQ splits"); // pp
                     let out = par.pipeline_step(&model, GLOBAL_BATCH, step, &micro, clip, &ctx)?; // pp
                     losses.push(out.loss); // pp
+                    recomputed += out.recomputed;
                     out.grads // pp
                 };
                 model = optim.step(LR, model, grads);
             }
             let weights = flatten_params(&par.whole(model)?); // + (gathers the shards)
-            Ok::<_, ParallelError>(((losses, weights), stored))
+            Ok::<_, ParallelError>(((losses, weights), stored, recomputed))
         })
         .expect("parallel training");
-    let stored = out.iter().map(|(_, s)| *s).collect();
-    (out.into_iter().next().unwrap().0, stored)
+    let stored = out.iter().map(|(_, s, _)| *s).collect();
+    let (run, _, recomputed) = out.into_iter().next().unwrap();
+    (run, stored, recomputed)
 }
 
 fn main() {
@@ -306,6 +311,14 @@ fn main() {
                 .pipeline(pipeline.clone())
                 .context_parallel(context),
         ),
+        (
+            "fsdp=2,tp=2",
+            tp_plan
+                .clone()
+                .fully_shard("")
+                .pipeline(pipeline.clone())
+                .activation_checkpointing(CheckpointPolicy::Full),
+        ),
         ("tp=2", sequence.clone()),
         (
             "fsdp=2,tp=2,pp=2",
@@ -313,7 +326,7 @@ fn main() {
         ),
     ];
     for (mesh, plan) in &layouts {
-        let (run, stored) = parallel(mesh, plan);
+        let (run, stored, recomputed) = parallel(mesh, plan);
         let rel = |a: f32, b: f32| (a - b).abs() / b.abs().max(1e-12);
         let loss = run
             .0
@@ -330,6 +343,10 @@ fn main() {
         if !plan.sequence_parallel.is_empty() {
             split += ", sequence parallel";
         }
+        if plan.activation_checkpointing != CheckpointPolicy::None {
+            let policy = &plan.activation_checkpointing;
+            split += &format!(", {recomputed} block forwards recomputed ({policy})");
+        }
         if let Some(c) = &plan.context_parallel {
             split += &format!(", sequences split over cp ({} attention)", c.algorithm);
         }
@@ -340,6 +357,12 @@ fn main() {
             "{mesh:<16} fully_shard {paths:?}{split}: stores {stored:?} of {whole} parameters per rank; max relative difference: losses {loss:.2e}, weights {weights:.2e}"
         );
         assert!(loss < 1e-5 && weights < 1e-5, "{mesh} must match one rank");
+        let recomputes = plan.activation_checkpointing.recomputes_block(0);
+        assert_eq!(
+            recomputes,
+            recomputed > 0,
+            "{mesh}: recomputed {recomputed} blocks"
+        );
         assert!(
             stored.iter().all(|s| *s < whole),
             "{mesh}: every rank stores a share"

@@ -81,6 +81,7 @@ pub mod prelude {
         Axis, CommunicatorExt, Launch, RankContext, ReduceOp, TensorCollectives, launch,
     };
     pub use flashover_parallel::ParallelError;
+    pub use flashover_parallel::activation_checkpointing::CheckpointPolicy;
     pub use flashover_parallel::context_parallel::CpAttention;
     pub use flashover_parallel::parallelize::{
         ContextParallelRule, ModulePath, ParallelizePlan, Parallelized, PipelineModel,
