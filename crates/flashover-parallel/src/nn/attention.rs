@@ -30,6 +30,25 @@ impl CausalAttention {
         }
     }
 
+    /// The positions in the whole sequence of a `seq`-long local sequence this core attends
+    /// over: `0..seq`, or under the plan's `context_parallel` rule this rank's chunks of a
+    /// sequence `cp` times as long. For rotary embeddings inside a layer, where the batch's
+    /// positions do not reach (a pipeline stage's layers see only activations). Panics, naming
+    /// the sizes, when `seq` does not make equal chunks.
+    pub fn positions(&self, seq: usize) -> Vec<usize> {
+        let split = self
+            .context
+            .reparameterization::<Placed>()
+            .and_then(Placed::context);
+        match split {
+            None => (0..seq).collect(),
+            Some(split) => split
+                .layout(seq * split.group.size())
+                .unwrap_or_else(|e| panic!("context-parallel positions: {e}"))
+                .positions(split.group.rank()),
+        }
+    }
+
     /// `q`, `k`, `v`: `[batch, heads, seq, head_dim]` of this rank's positions (rotary
     /// embeddings applied, if any) -> `[batch, heads, seq, head_dim]`: each query's average
     /// of the values at its own and earlier positions of the whole sequence, weighted by

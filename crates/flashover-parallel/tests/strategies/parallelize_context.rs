@@ -1,11 +1,13 @@
-//! A user's causal language model whose sequences a plan splits over `cp` (context
-//! parallelism), alone and with dp, fsdp and tp, against the same model's plain single-rank
-//! Burn loop: losses and every weight within 1e-5.
+//! A user's causal language model (learned and rotary positions) whose sequences a plan
+//! splits over `cp` (context parallelism), alone and with dp, fsdp, tp, sequence parallelism
+//! and pipelines, against the same model's plain single-rank Burn loop: losses and every
+//! weight within 1e-5.
 
 use burn::module::{Module, Param};
 use burn::nn::{LayerNorm, LayerNormConfig};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use flashover_models::rope_tables_at;
 use flashover_parallel::ParallelError;
 use flashover_parallel::nn;
 use flashover_parallel::parallelize::{
@@ -146,11 +148,31 @@ impl SelfAttention {
         let [batch, seq, width] = q.dims();
         let heads = width / HEAD_DIM;
         let split = |y: Tensor<3>| y.reshape([batch, seq, heads, HEAD_DIM]).swap_dims(1, 2);
-        let k = split(self.key.forward(x.clone()));
+        // Rotary embeddings at the positions the core holds (a pipeline stage's layer sees
+        // only activations, so they come from the core, not the batch).
+        let (cos, sin) = rope_tables_at(&self.core.positions(seq), HEAD_DIM, 10_000.0, &x.device());
+        let q = rotate(split(q), &cos, &sin);
+        let k = rotate(split(self.key.forward(x.clone())), &cos, &sin);
         let v = split(self.value.forward(x));
-        let y = self.core.forward(split(q), k, v).swap_dims(1, 2);
+        let y = self.core.forward(q, k, v).swap_dims(1, 2);
         self.out.forward(y.reshape([batch, seq, width]))
     }
+}
+
+/// `x: [batch, heads, seq, head_dim]` rotated by the tables' angles ("rotate half").
+fn rotate(x: Tensor<4>, cos: &Tensor<2>, sin: &Tensor<2>) -> Tensor<4> {
+    let [b, h, t, d] = x.dims();
+    let half = d / 2;
+    let (x1, x2) = (x.clone().narrow(3, 0, half), x.narrow(3, half, half));
+    let table = |t2: &Tensor<2>| t2.clone().reshape([1, 1, t, half]).expand([b, h, t, half]);
+    let (cos, sin) = (table(cos), table(sin));
+    Tensor::cat(
+        vec![
+            x1.clone() * cos.clone() - x2.clone() * sin.clone(),
+            x1 * sin + x2 * cos,
+        ],
+        3,
+    )
 }
 
 /// `[batch, SEQ + 1]` token sequences of samples `samples`.
