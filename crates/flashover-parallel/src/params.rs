@@ -416,6 +416,23 @@ pub fn placeholders<M: Module>(module: M) -> M {
     module.map(&mut Placeholders)
 }
 
+/// `model` with the parameters `held` does not mark (layout order) replaced by one-element
+/// placeholders.
+pub fn placeholders_except<M: Module>(model: M, held: &[bool]) -> M {
+    struct Cut<'a> {
+        held: &'a [bool],
+        index: usize,
+    }
+    impl ModuleMapper for Cut<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let holds = self.held[self.index];
+            self.index += 1;
+            if holds { param } else { placeholders(param) }
+        }
+    }
+    model.map(&mut Cut { held, index: 0 })
+}
+
 /// `module` (for example from [`placeholders`]) with every float parameter set to its values in
 /// `flat`, shaped as `layout` (the full module's) says; ids, devices and `require_grad` kept.
 pub fn load_shaped<M: Module>(module: M, layout: &ParamLayout, flat: &[f32]) -> M {

@@ -9,15 +9,18 @@
 //! tensor parallelism, besides sizing attention heads from [`Linear::d_output`].
 //! [`CausalAttention`] is attention's core (`softmax(q k^T / sqrt(d) + mask) v`), which a
 //! plan's `context_parallel` rule makes attend across the ranks that hold a sequence's other
-//! positions.
+//! positions. [`MoeForward`] runs a mixture-of-experts layer (`flashover::models::Moe`) whose
+//! experts a plan's `expert_parallel` rule spreads over `ep`.
 
 mod attention;
 mod embedding;
 mod linear;
+mod moe;
 
 pub use attention::CausalAttention;
 pub use embedding::{Embedding, EmbeddingConfig};
 pub use linear::{Linear, LinearConfig};
+pub use moe::MoeForward;
 
 use crate::tensor_parallel::{VocabShard, vocab_parallel_cross_entropy};
 use burn::nn::loss::CrossEntropyLossConfig;

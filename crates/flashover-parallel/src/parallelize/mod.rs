@@ -39,6 +39,7 @@
 //! model on it unsplit. So does a mesh with `tp`, `pp` or `cp` when the plan has no rule for
 //! that axis.
 
+mod experts;
 pub mod pipeline;
 pub mod placed;
 mod plan;
@@ -46,7 +47,7 @@ mod sequence_check;
 mod validate;
 
 pub use pipeline::PipelineModel;
-pub use placed::{ContextSplit, Placed, TpSplit, local_value};
+pub use placed::{ContextSplit, ExpertSplit, Placed, TpSplit, local_value};
 pub use plan::{
     ContextParallelRule, ModulePath, ParallelizePlan, PipelineRule, TensorParallelRule, TpStyle,
 };
@@ -63,21 +64,25 @@ use crate::precision::Precision;
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{Gradients, Int, Tensor, TensorData};
+use experts::ExpertShares;
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use flashover_runtime::{Axis, RankContext};
 use pipeline::Stages;
-use placed::WholeReads;
-use std::collections::BTreeMap;
+use placed::{Elsewhere, WholeReads};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 
 /// The axes whose ranks read different samples.
-const DATA_AXES: [Axis; 2] = [Axis::Dp, Axis::Fsdp];
+const DATA_AXES: [Axis; 3] = [Axis::Dp, Axis::Fsdp, Axis::Ep];
+
+/// How [`Parallelized::kept_whole`] names a mixture-of-experts layer's routed experts.
+const ROUTED_EXPERT: &str = "Moe (routed expert)";
 
 /// What [`parallelize`] did to a model, and the per-step helpers that follow from it.
 pub struct Parallelized {
     placements: PlacementTable,
     reducer: GradientReducer,
-    /// The ranks that read different samples (`dp` x `fsdp`), in which this rank is
+    /// The ranks that read different samples (`dp` x `fsdp` x `ep`), in which this rank is
     /// `data.rank()`.
     data: Group,
     /// The ranks whose mean losses make the whole batch's (`dp` x `fsdp` x `cp`): each holds
@@ -88,6 +93,8 @@ pub struct Parallelized {
     whole_reads: WholeReads,
     /// The pipeline's stages, when the plan has one.
     stages: Option<Stages>,
+    /// Which experts this rank holds, when the plan spreads them over `ep`.
+    experts: Option<ExpertShares>,
     /// Parameters under `fully_shard` paths left whole, with the layer type that needs it.
     kept_whole: BTreeMap<String, &'static str>,
     /// Under sequence parallelism, the first step's check that every whole parameter that runs
@@ -125,6 +132,30 @@ pub fn parallelize<M: Module>(
     let tp = ctx.group(Axis::Tp).clone();
     let layout = ParamLayout::of(&model);
     validate::check_plan(plan, &layout.slots, tp.size())?;
+    let moe_layers = experts::moe_layers(&model);
+    if !moe_layers.is_empty() && tp.size() > 1 && !plan.sequence_parallel.is_empty() {
+        return Err(ParallelError::Invalid(format!(
+            "`{}` is a mixture-of-experts layer, which routes whole sequences (capacity and \
+             drops are per sequence), and under sequence parallelism a tp rank holds part of \
+             each; plans do not gather them for it: drop sequence_parallel",
+            moe_layers[0].path
+        )));
+    }
+    let ep = ctx.group(Axis::Ep).clone();
+    let spread = experts::named_layers(&plan.expert_parallel, &moe_layers, ep.size())?;
+    let expert_shares = (ep.size() > 1).then(|| ExpertShares::new(&spread, layout.clone(), &ep));
+    let routers: HashMap<String, ExpertSplit> = spread
+        .iter()
+        .filter(|_| ep.size() > 1)
+        .flat_map(|l| {
+            let split = ExpertSplit {
+                group: ep.clone(),
+                n_experts: l.n_experts,
+            };
+            l.router.iter().map(move |p| (p.clone(), split.clone()))
+        })
+        .collect();
+    let all_routers: HashSet<String> = moe_layers.iter().flat_map(|l| l.router.clone()).collect();
     let stages = match &plan.pipeline {
         Some(rule) => Some(Stages::new(
             rule,
@@ -136,18 +167,33 @@ pub fn parallelize<M: Module>(
     };
     let mut placements = PlacementTable::whole(&model);
     let model = broadcast_module(model, ctx.world(), 0)?;
-    let model = match &stages {
-        Some(stages) => {
+    let model = match (&stages, &expert_shares) {
+        (Some(stages), _) => {
             stages.place(&mut placements)?;
             stages.cut(model)
         }
-        None => model,
+        (None, Some(shares)) => {
+            shares.place(&mut placements)?;
+            shares.cut(model)
+        }
+        (None, None) => model,
+    };
+    let absent = match (&stages, &expert_shares) {
+        (Some(stages), _) => Some((&stages.absent, Elsewhere::Stage)),
+        (None, Some(shares)) => Some((&shares.absent, Elsewhere::Expert)),
+        (None, None) => None,
     };
     let whole_reads = WholeReads::default();
     let kept_whole = if plan.fully_shard.is_empty() {
         Default::default()
     } else {
-        placed::reads_stored_shape(&model)
+        let mut kept = placed::reads_stored_shape(&model);
+        // A routed expert runs only on the tokens routed to it, so the ranks sharing its rows
+        // would not read it together, and each read of a sharded parameter is a collective.
+        for layer in &moe_layers {
+            kept.extend(layer.expert_of.keys().map(|p| (p.clone(), ROUTED_EXPERT)));
+        }
+        kept
     };
     let mut error = None;
     let mut sequence_partial = std::collections::HashSet::new();
@@ -156,9 +202,11 @@ pub fn parallelize<M: Module>(
         fsdp: ctx.group(Axis::Fsdp).clone(),
         tp: tp.clone(),
         cp: ctx.group(Axis::Cp).clone(),
+        routers: &routers,
+        all_routers: &all_routers,
         placements: &mut placements,
         whole_reads: whole_reads.clone(),
-        absent: stages.as_ref().map(|s| &s.absent),
+        absent,
         kept_whole: &kept_whole,
         sequence_partials: &mut sequence_partial,
         error: &mut error,
@@ -171,7 +219,7 @@ pub fn parallelize<M: Module>(
         placements,
         reducer: GradientReducer::new(ctx, Precision::F32)?,
         data: ctx.subgroup(&DATA_AXES)?,
-        averaged: ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Cp])?,
+        averaged: ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep, Axis::Cp])?,
         context: plan
             .context_parallel
             .as_ref()
@@ -183,6 +231,7 @@ pub fn parallelize<M: Module>(
             }),
         whole_reads,
         stages,
+        experts: expert_shares,
         kept_whole,
         sequence_check: (tp.size() > 1 && !plan.sequence_parallel.is_empty())
             .then(|| sequence_check::SequenceCheck::new(tp.clone(), sequence_partial)),
@@ -195,7 +244,7 @@ pub fn parallelize<M: Module>(
 fn check_axes(plan: &ParallelizePlan, ctx: &RankContext) -> Result<(), ParallelError> {
     for axis in Axis::ALL {
         let degree = ctx.mesh().degree(axis);
-        if degree == 1 || DATA_AXES.contains(&axis) {
+        if degree == 1 || [Axis::Dp, Axis::Fsdp].contains(&axis) {
             continue;
         }
         let why = match axis {
@@ -204,11 +253,16 @@ fn check_axes(plan: &ParallelizePlan, ctx: &RankContext) -> Result<(), ParallelE
             Axis::Pp if plan.pipeline.is_some() => continue,
             Axis::Pp => "the plan has no pipeline (add a pipeline rule)",
             Axis::Cp if plan.context_parallel.is_some() => continue,
+            Axis::Ep if !plan.expert_parallel.is_empty() => continue,
+            Axis::Ep => {
+                "the plan spreads no experts over ep (add expert_parallel naming the \
+                 mixture-of-experts layers)"
+            }
             Axis::Cp => {
                 "the plan splits no sequence over cp (add a context_parallel rule naming the \
                  attention cores)"
             }
-            _ => "parallelize plans split a model over dp, fsdp, tp, pp and cp only",
+            _ => "parallelize plans split a model over dp, fsdp, tp, pp, cp and ep only",
         };
         return Err(ParallelError::Invalid(format!(
             "the mesh has {}={degree}, but {why}: the model would run unsplit on the {} ranks, \
@@ -229,7 +283,10 @@ impl Parallelized {
     /// The parameters under the plan's `fully_shard` paths that stay whole, each with the Burn
     /// layer it belongs to: layers whose forward reads the parameter's stored shape
     /// (`RmsNorm`, `BatchNorm`, `PositionWiseFeedForward` in Burn 0.22.1), which a shard would
-    /// answer wrongly. Empty for most models.
+    /// answer wrongly, and mixture-of-experts layers' routed experts (`Moe (routed expert)`),
+    /// which each rank reads only when tokens are routed to them, so the ranks sharing their
+    /// rows would not gather them together (`expert_parallel` spreads them instead). Empty for
+    /// most models.
     pub fn kept_whole(&self) -> &BTreeMap<String, &'static str> {
         &self.kept_whole
     }
@@ -241,7 +298,11 @@ impl Parallelized {
         &'a self,
         model: &M,
     ) -> Result<Vec<(ParamSlot, &'a ParamPlacement)>, ParallelError> {
-        let absent = self.stages.as_ref().map(|s| &s.absent);
+        let absent = match (&self.stages, &self.experts) {
+            (Some(stages), _) => Some(&stages.absent),
+            (None, Some(shares)) => Some(&shares.absent),
+            (None, None) => None,
+        };
         Ok(self
             .placements
             .entries_of(model)?
@@ -258,18 +319,25 @@ impl Parallelized {
             let _allowed = self.whole_reads.allow();
             model.materialize()
         };
-        match &self.stages {
-            Some(stages) => {
-                let values = stages.gather(&flatten_params(&model), &ParamLayout::of(&model))?;
+        let local = || (flatten_params(&model), ParamLayout::of(&model));
+        match (&self.stages, &self.experts) {
+            (Some(stages), _) => {
+                let (values, layout) = local();
+                let values = stages.gather(&values, &layout)?;
                 Ok(load_shaped(model, &stages.whole, &values))
             }
-            None => Ok(model),
+            (None, Some(shares)) => {
+                let (values, layout) = local();
+                let values = shares.gather(&values, &layout)?;
+                Ok(load_shaped(model, shares.whole(), &values))
+            }
+            (None, None) => Ok(model),
         }
     }
 
     /// This rank's samples of step `step`, numbered over the whole run: step `s`'s batch is
     /// samples `s * global_batch .. (s + 1) * global_batch` of the data set, and each data
-    /// rank (`dp` x `fsdp`) takes a contiguous share of it (rank 1 of 2 at step 1 of a batch
+    /// rank (`dp` x `fsdp` x `ep`) takes a contiguous share of it (rank 1 of 2 at step 1 of a batch
     /// of 8: `12..16`). Fails when the batch does not split evenly, and when the plan cuts the
     /// model into pipeline stages (a rank's forward is then a stage's:
     /// [`Self::pipeline_step`] reads the batch and runs the schedule).
@@ -300,7 +368,7 @@ impl Parallelized {
         if !global_batch.is_multiple_of(n) {
             return Err(ParallelError::Invalid(format!(
                 "a global batch of {global_batch} samples does not split over {n} data-parallel \
-                 ranks (dp x fsdp): use a multiple of {n}"
+                 ranks (dp x fsdp x ep): use a multiple of {n}"
             )));
         }
         let per = global_batch / n;

@@ -11,10 +11,10 @@
 use super::plan::PipelineRule;
 use crate::activation_checkpointing::{CheckpointPolicy, Replays, checkpoint_part};
 use crate::error::ParallelError;
-use crate::params::{ParamLayout, ParamSlot, placeholders};
+use crate::params::{ParamLayout, ParamSlot, placeholders_except};
 use crate::pipeline::{PipelineExecutor, PipelineStepReport, Schedule, ScheduleKind, StageOutput};
 use crate::placement::{PlacementTable, Tie};
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::Module;
 use burn::tensor::{Device, Tensor};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use flashover_runtime::Axis;
@@ -177,21 +177,7 @@ impl Stages {
 
     /// `model` with the parameters of other ranks' stages replaced by placeholders.
     pub(super) fn cut<M: Module>(&self, model: M) -> M {
-        struct Cut<'a> {
-            held: &'a [bool],
-            index: usize,
-        }
-        impl ModuleMapper for Cut<'_> {
-            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-                let holds = self.held[self.index];
-                self.index += 1;
-                if holds { param } else { placeholders(param) }
-            }
-        }
-        model.map(&mut Cut {
-            held: &self.held,
-            index: 0,
-        })
+        placeholders_except(model, &self.held)
     }
 
     /// Records that this rank's parameters are its own over `pp` and which are tied copies.

@@ -27,7 +27,7 @@ use burn::module::{Module, ModuleVisitor, Param, Reparameterization, Reparameter
 use burn::tensor::Tensor;
 use flashover_comm::Group;
 use flashover_runtime::Axis;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -41,16 +41,19 @@ pub struct Placed {
     fsdp: Option<RowShard>,
     #[module(skip)]
     tp: Option<TpSplit>,
-    /// A placeholder for a parameter another pipeline rank holds.
+    /// A placeholder for a parameter another rank holds (its pipeline stage or its expert).
     #[module(skip)]
-    on_other_stage: bool,
+    held_elsewhere: Option<Elsewhere>,
     /// Under sequence parallelism, a whole parameter used on this rank's positions only: its
     /// gradient is summed over this `tp` group in backward.
     #[module(skip)]
     sequence_partial: Option<Group>,
-    /// An attention core's sequence split over `cp` (its parameter has no elements).
+    /// An attention core's (or a mixture-of-experts router's) sequence split over `cp`.
     #[module(skip)]
     context: Option<ContextSplit>,
+    /// A mixture-of-experts router's: its layer's experts spread over `ep`.
+    #[module(skip)]
+    experts: Option<ExpertSplit>,
     #[module(skip)]
     whole_reads: WholeReads,
 }
@@ -65,6 +68,15 @@ pub struct ContextSplit {
     pub algorithm: CpAttention,
     /// Two chunks of every sequence per rank (from the start and the end) or one.
     pub load_balance: bool,
+}
+
+/// Why a rank keeps a placeholder for a parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Elsewhere {
+    /// It belongs to another rank's pipeline stage.
+    Stage,
+    /// It is a routed expert another `ep` rank holds.
+    Expert,
 }
 
 /// Rows of dimension 0 split over `group`; `rows` of them are real, the rest padding.
@@ -112,6 +124,16 @@ impl WholeReads {
     }
 }
 
+/// How a plan spreads a mixture-of-experts layer's routed experts over the `ep` group, as the
+/// layer's forward ([`crate::nn::MoeForward`]) reads it from its router.
+#[derive(Debug, Clone)]
+pub struct ExpertSplit {
+    /// The `ep` group.
+    pub group: Group,
+    /// The layer's routed experts.
+    pub n_experts: usize,
+}
+
 impl ContextSplit {
     /// Which positions of a `seq`-long sequence each rank holds (fails naming the sizes when
     /// it does not cut evenly).
@@ -126,9 +148,16 @@ impl Placed {
         self.tp.as_ref()
     }
 
-    /// How sequences are split over `cp`, when this is an attention core's parameter.
+    /// How sequences are split over `cp`, when this is an attention core's parameter (or a
+    /// mixture-of-experts router's).
     pub fn context(&self) -> Option<&ContextSplit> {
         self.context.as_ref()
+    }
+
+    /// How a mixture-of-experts layer's experts are spread over `ep`, when this is its
+    /// router's parameter.
+    pub fn experts(&self) -> Option<&ExpertSplit> {
+        self.experts.as_ref()
     }
 
     /// The shape of this rank's `tp` part ([`Self::local`]) of a parameter stored as `stored`.
@@ -166,18 +195,24 @@ impl Reparameterization for Placed {
     const NAME: &'static str = "placed";
 
     fn apply<const D: usize>(&self, base: Tensor<D>) -> Tensor<D> {
-        if self.on_other_stage {
-            // Gathered over `pp` by `Parallelized::whole`; read nowhere else.
-            assert!(
-                self.whole_reads.allowed(),
+        match self.held_elsewhere {
+            // Gathered by `Parallelized::whole`; read nowhere else.
+            _ if self.whole_reads.allowed() && self.held_elsewhere.is_some() => return base,
+            Some(Elsewhere::Stage) => panic!(
                 "`{}` belongs to a pipeline stage another rank holds (this rank keeps a \
                  placeholder): a model cut into stages trains through \
                  Parallelized::pipeline_step, whose stages read only their own parameters; \
                  if this rank's stage uses it (a head tied to the embedding), name its module \
                  in the pipeline rule's `first` or `last` (both, for a tied one)",
                 self.name
-            );
-            return base;
+            ),
+            Some(Elsewhere::Expert) => panic!(
+                "`{}` is a routed expert another ep rank holds (this rank keeps a \
+                 placeholder): run its layer with flashover::nn::MoeForward::forward, which \
+                 sends each token to the rank holding its expert",
+                self.name
+            ),
+            None => {}
         }
         let local = self.local(base);
         match &self.tp {
@@ -280,10 +315,14 @@ pub(super) struct PlaceParams<'a> {
     pub(super) fsdp: Group,
     pub(super) tp: Group,
     pub(super) cp: Group,
+    /// Per router parameter path of an `expert_parallel` layer, its experts' split.
+    pub(super) routers: &'a HashMap<String, ExpertSplit>,
+    /// Router parameter paths of every mixture-of-experts layer (they route whole sequences).
+    pub(super) all_routers: &'a HashSet<String>,
     pub(super) placements: &'a mut PlacementTable,
     pub(super) whole_reads: WholeReads,
-    /// Parameters of other pipeline ranks' stages (placeholders), by path: reading them panics.
-    pub(super) absent: Option<&'a HashSet<String>>,
+    /// Parameters other ranks hold (placeholders here), by path, and why: reading them panics.
+    pub(super) absent: Option<(&'a HashSet<String>, Elsewhere)>,
     /// Parameters `fully_shard` leaves whole ([`reads_stored_shape`]), by path.
     pub(super) kept_whole: &'a BTreeMap<String, &'static str>,
     /// The parameters marked as running on sequence shards, as they are placed.
@@ -347,14 +386,17 @@ impl Reparameterizer for PlaceParams<'_> {
             .filter(|s| !s.is_empty())
             .collect::<Vec<_>>()
             .join(".");
-        if self.absent.is_some_and(|absent| absent.contains(&path)) {
+        if let Some((absent, why)) = self.absent
+            && absent.contains(&path)
+        {
             let placeholder = Placed {
                 name: path,
                 fsdp: None,
                 tp: None,
-                on_other_stage: true,
+                held_elsewhere: Some(why),
                 sequence_partial: None,
                 context: None,
+                experts: None,
                 whole_reads: self.whole_reads.clone(),
             };
             return (param, Some(placeholder));
@@ -373,13 +415,21 @@ impl Reparameterizer for PlaceParams<'_> {
             .plan
             .context_parallel
             .as_ref()
-            .filter(|_| self.cp.size() > 1 && self.plan.attention_core(&path))
+            .filter(|_| {
+                let routes_whole_sequences = self.all_routers.contains(&path);
+                self.cp.size() > 1 && (self.plan.attention_core(&path) || routes_whole_sequences)
+            })
             .map(|rule| ContextSplit {
                 group: self.cp.clone(),
                 algorithm: rule.algorithm,
                 load_balance: rule.load_balance,
             });
-        let moved = tp.is_some() || fully_shard || sequence_partial.is_some() || context.is_some();
+        let experts = self.routers.get(&path).cloned();
+        let moved = tp.is_some()
+            || fully_shard
+            || sequence_partial.is_some()
+            || context.is_some()
+            || experts.is_some();
         if self.error.is_some() || !moved {
             return (param, None);
         }
@@ -430,9 +480,10 @@ impl Reparameterizer for PlaceParams<'_> {
             name: path,
             fsdp: rows,
             tp: split,
-            on_other_stage: false,
+            held_elsewhere: None,
             sequence_partial,
             context,
+            experts,
             whole_reads: self.whole_reads.clone(),
         };
         (param, Some(placed))

@@ -328,6 +328,12 @@ pub struct ParallelizePlan {
     /// layers and runs on a mesh without `pp` too).
     #[serde(default, with = "policy_name")]
     pub activation_checkpointing: CheckpointPolicy,
+    /// Mixture-of-experts layers ([`flashover_models::Moe`]) whose routed experts are spread
+    /// over `ep`: each rank holds `n_experts / ep` of every layer's and runs the tokens of every
+    /// `ep` rank that chose them; the router and shared expert stay whole. The layer's forward is
+    /// [`crate::nn::MoeForward::forward`]. `ep` ranks read different samples, as `dp` ranks do.
+    #[serde(default)]
+    pub expert_parallel: Vec<ModulePath>,
 }
 
 /// A checkpoint policy by the name `CheckpointPolicy`'s `FromStr` reads (`every:2`).
@@ -385,6 +391,12 @@ impl ParallelizePlan {
     /// Also recompute the pipeline rule's layers that `policy` names in backward.
     pub fn activation_checkpointing(mut self, policy: CheckpointPolicy) -> Self {
         self.activation_checkpointing = policy;
+        self
+    }
+
+    /// Also spread the experts of the mixture-of-experts layer at `path` over `ep`.
+    pub fn expert_parallel(mut self, path: &str) -> Self {
+        self.expert_parallel.push(ModulePath::new(path));
         self
     }
 

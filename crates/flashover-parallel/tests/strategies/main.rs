@@ -9,6 +9,7 @@ mod ddp_faults;
 mod expert_parallel;
 mod parallelize;
 mod parallelize_context;
+mod parallelize_experts;
 mod pipeline;
 mod tensor_parallel;
 mod zero;

@@ -1,0 +1,60 @@
+//! A mixture-of-experts layer's forward under a plan: experts spread over `ep` by an
+//! `expert_parallel` rule, whole sequences routed under context parallelism.
+
+use crate::context_parallel::CpSequences;
+use crate::expert_parallel::ExpertParallel;
+use crate::parallelize::Placed;
+use burn::tensor::Tensor;
+use flashover_models::moe::{ExpertDispatch, LocalExperts, Moe};
+use flashover_models::{ForwardContext, MoeHook, SequenceHook};
+use std::sync::Arc;
+
+/// The forward of a [`flashover_models::Moe`] layer in a model of your own: on one device, or
+/// with its routed experts spread over `ep` by a plan's `expert_parallel` rule (each token
+/// goes to the rank holding its expert and back, two all-to-alls each way), and routing whole
+/// sequences under context parallelism, as one device does.
+pub trait MoeForward {
+    /// `x: [batch, seq, d_model]` -> the layer's output (same shape) and the weighted sum of
+    /// its auxiliary losses (load balancing, z-loss), `None` when both weights are 0: add it to
+    /// the loss. Routing biases (`bias_update_rate`) are not moved: that needs the whole
+    /// batch's expert loads.
+    fn forward(&self, x: Tensor<3>) -> (Tensor<3>, Option<Tensor<1>>);
+}
+
+impl MoeForward for Moe {
+    fn forward(&self, x: Tensor<3>) -> (Tensor<3>, Option<Tensor<1>>) {
+        let placed = self.router.weight.reparameterization::<Placed>();
+        let mut ctx = ForwardContext::default();
+        if let Some(split) = placed.and_then(Placed::context) {
+            // Routing, capacity and the balancing loss are per whole sequence: the layer
+            // gathers the other cp ranks' router logits (at its positions).
+            let seq = x.dims()[1] * split.group.size();
+            let layout = split
+                .layout(seq)
+                .unwrap_or_else(|e| panic!("mixture-of-experts routing: {e}"));
+            let sequences = CpSequences::new(&split.group, layout);
+            ctx.positions = Some(layout.positions(split.group.rank()).into());
+            ctx.sequence = Some(SequenceHook(Arc::new(sequences)));
+        }
+        let (layer, dispatch): (std::borrow::Cow<Moe>, Arc<dyn ExpertDispatch>) =
+            match placed.and_then(Placed::experts) {
+                None => (std::borrow::Cow::Borrowed(self), Arc::new(LocalExperts)),
+                Some(split) => {
+                    let ep = ExpertParallel::new(&split.group, split.n_experts)
+                        .unwrap_or_else(|e| panic!("expert parallelism: {e}"));
+                    let mine = ep.experts_of(split.group.rank());
+                    // This rank's experts only (the others are placeholders here).
+                    let held = Moe {
+                        experts: self.experts[mine.clone()].to_vec(),
+                        first_expert: mine.start,
+                        ..self.clone()
+                    };
+                    (std::borrow::Cow::Owned(held), Arc::new(ep))
+                }
+            };
+        let hook = MoeHook::new(dispatch);
+        ctx.moe = Some(hook.clone());
+        let y = layer.forward_with(x, &ctx, 0);
+        (y, hook.take_aux_loss())
+    }
+}

@@ -1,0 +1,218 @@
+//! A plan's `expert_parallel` layers: each `ep` rank holds `n_experts / ep` of the experts of
+//! every named mixture-of-experts layer ([`flashover_models::Moe`], found by type), and the
+//! others become placeholders; the layer's forward ([`crate::nn::MoeForward`]) sends each
+//! token to the rank that holds its expert and back.
+
+use super::plan::ModulePath;
+use crate::error::ParallelError;
+use crate::params::{ParamLayout, placeholders_except};
+use crate::placement::PlacementTable;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::Tensor;
+use flashover_comm::{CommunicatorExt, Group, ReduceOp};
+use flashover_runtime::Axis;
+use std::collections::{HashMap, HashSet};
+
+/// A mixture-of-experts layer of a model, as its parameters show it.
+#[derive(Debug, Clone)]
+pub(super) struct MoeLayer {
+    /// Its module path (`blocks.1.moe`).
+    pub(super) path: String,
+    /// Routed experts (the router's output width).
+    pub(super) n_experts: usize,
+    /// Its router's parameter paths.
+    pub(super) router: Vec<String>,
+    /// Per routed-expert parameter path, the expert's index.
+    pub(super) expert_of: HashMap<String, usize>,
+}
+
+/// Every [`flashover_models::Moe`] layer of `model`, found by type.
+pub(super) fn moe_layers<M: Module>(model: &M) -> Vec<MoeLayer> {
+    #[derive(Default)]
+    struct Find {
+        path: Vec<String>,
+        /// Depth (in `path`) of the Moe layer being visited, if any.
+        inside: Option<usize>,
+        layers: Vec<MoeLayer>,
+    }
+    impl ModuleVisitor for Find {
+        // `container_type` is the type of the module holding the field `name`: a Moe's own
+        // path is the path when its first field is entered.
+        fn enter_module(&mut self, name: &str, container_type: &str) {
+            if self.inside.is_none() && container_type == "Struct:Moe" {
+                self.inside = Some(self.path.len());
+                self.layers.push(MoeLayer {
+                    path: joined(&self.path),
+                    n_experts: 0,
+                    router: vec![],
+                    expert_of: HashMap::new(),
+                });
+            }
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+            if self.inside.is_some_and(|depth| self.path.len() < depth) {
+                self.inside = None;
+            }
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(depth) = self.inside else { return };
+            let path = joined(&self.path);
+            let within: Vec<&str> = self.path[depth..]
+                .iter()
+                .map(String::as_str)
+                .filter(|s| !s.is_empty())
+                .collect();
+            let layer = self.layers.last_mut().expect("entered");
+            match within.as_slice() {
+                ["router", "weight"] => {
+                    layer.n_experts = param.val().dims()[D - 1];
+                    layer.router.push(path);
+                }
+                ["router", ..] => layer.router.push(path),
+                ["experts", index, ..] => {
+                    let index = index.parse().expect("a Vec's entries are numbered");
+                    layer.expert_of.insert(path, index);
+                }
+                _ => {}
+            }
+        }
+    }
+    let mut find = Find::default();
+    model.visit(&mut find);
+    find.layers
+}
+
+fn joined(path: &[String]) -> String {
+    path.iter()
+        .map(String::as_str)
+        .filter(|s| !s.is_empty())
+        .collect::<Vec<_>>()
+        .join(".")
+}
+
+/// The `expert_parallel` layers of a plan among `layers`: each path must name mixture-of-experts
+/// layers whose experts divide over `ep` ranks.
+pub(super) fn named_layers<'a>(
+    paths: &[ModulePath],
+    layers: &'a [MoeLayer],
+    ep: usize,
+) -> Result<Vec<&'a MoeLayer>, ParallelError> {
+    let mut named = vec![];
+    for path in paths {
+        let found: Vec<&MoeLayer> = layers
+            .iter()
+            .filter(|l| path.contains(&l.path) && path.depth() == l.path.split('.').count())
+            .collect();
+        if found.is_empty() {
+            let all: Vec<&str> = layers.iter().map(|l| l.path.as_str()).collect();
+            return Err(ParallelError::Invalid(format!(
+                "plan path `{}` (expert_parallel) names no mixture-of-experts layer \
+                 (flashover::models::Moe); the model's are: [{}]",
+                path.as_str(),
+                all.join(", ")
+            )));
+        }
+        for layer in found {
+            if !layer.n_experts.is_multiple_of(ep) {
+                return Err(ParallelError::Invalid(format!(
+                    "plan path `{}` (expert_parallel): `{}` has {} experts, which do not divide \
+                     over ep = {ep}; use an ep that divides {}",
+                    path.as_str(),
+                    layer.path,
+                    layer.n_experts,
+                    layer.n_experts
+                )));
+            }
+            named.push(layer);
+        }
+    }
+    Ok(named)
+}
+
+/// Which experts this `ep` rank holds, and the gather that makes the whole model again.
+pub(super) struct ExpertShares {
+    ep: Group,
+    /// Per parameter (layout order): whether this rank holds it.
+    held: Vec<bool>,
+    /// The routed-expert parameters (layout order) whatever rank holds them.
+    routed: Vec<bool>,
+    /// The parameters this rank does not hold, by path.
+    pub(super) absent: HashSet<String>,
+    /// The whole model's parameters (global shapes).
+    whole: ParamLayout,
+}
+
+impl ExpertShares {
+    /// The experts of `layers` spread over `ep` (rank `r` holds each layer's experts
+    /// `r * n / ep ..`), for a model of parameters `whole`.
+    pub(super) fn new(layers: &[&MoeLayer], whole: ParamLayout, ep: &Group) -> Self {
+        let (rank, n) = (ep.rank(), ep.size());
+        let expert_of = |name: &str| {
+            layers
+                .iter()
+                .find_map(|l| l.expert_of.get(name).map(|&e| (e, l.n_experts / n)))
+        };
+        let mut held = vec![];
+        let mut routed = vec![];
+        let mut absent = HashSet::new();
+        for slot in &whole.slots {
+            let owner = expert_of(&slot.name).map(|(e, per)| e / per);
+            routed.push(owner.is_some());
+            let holds = owner.is_none_or(|o| o == rank);
+            if !holds {
+                absent.insert(slot.name.clone());
+            }
+            held.push(holds);
+        }
+        ExpertShares {
+            ep: ep.clone(),
+            held,
+            routed,
+            absent,
+            whole,
+        }
+    }
+
+    /// Records that each routed expert's parameters are their holder's own over `ep`.
+    pub(super) fn place(&self, placements: &mut PlacementTable) -> Result<(), ParallelError> {
+        for (slot, routed) in self.whole.slots.iter().zip(&self.routed) {
+            if *routed {
+                placements.own(slot.id, Axis::Ep)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `model` with the experts other ranks hold replaced by one-element placeholders.
+    pub(super) fn cut<M: Module>(&self, model: M) -> M {
+        placeholders_except(model, &self.held)
+    }
+
+    /// The whole model's parameter values in layout order from this rank's `local` ones
+    /// (gathered whole over `tp` and `fsdp` already): each expert from the rank that holds it
+    /// (collective over `ep`).
+    pub(super) fn gather(
+        &self,
+        local: &[f32],
+        local_layout: &ParamLayout,
+    ) -> Result<Vec<f32>, ParallelError> {
+        let mut whole = vec![0.0; self.whole.numel];
+        let mine = self.whole.slots.iter().zip(&local_layout.slots);
+        for ((slot, here), (held, routed)) in mine.zip(self.held.iter().zip(&self.routed)) {
+            // Whole parameters from rank 0 only, so the sum over ep is their value.
+            if *held && (*routed || self.ep.rank() == 0) {
+                whole[slot.offset..slot.offset + slot.numel]
+                    .copy_from_slice(&local[here.offset..here.offset + here.numel]);
+            }
+        }
+        self.ep.all_reduce(&mut whole, ReduceOp::Sum)?;
+        Ok(whole)
+    }
+
+    /// The whole model's layout.
+    pub(super) fn whole(&self) -> &ParamLayout {
+        &self.whole
+    }
+}

@@ -1,0 +1,271 @@
+//! A user's mixture-of-experts language model (`flashover_models::Moe` layers: 4 experts, top-2,
+//! capacity-limited, with load-balancing and z-losses) whose experts a plan spreads over `ep`,
+//! alone and with dp, fsdp, tp and cp, against the same model's plain single-rank Burn loop:
+//! losses and every weight within 1e-5.
+
+use burn::module::{Module, Param};
+use burn::nn::{LayerNorm, LayerNormConfig, Linear};
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use flashover_models::moe::Moe;
+use flashover_models::{MoeConfig, SwiGlu};
+use flashover_parallel::ParallelError;
+use flashover_parallel::nn::{self, MoeForward};
+use flashover_parallel::parallelize::{
+    ContextParallelRule, ParallelizePlan, TensorParallelRule, parallelize,
+};
+use flashover_parallel::params::flatten_params;
+use flashover_runtime::Launch;
+
+const VOCAB: usize = 11;
+const WIDTH: usize = 8;
+const HEADS: usize = 2;
+const HEAD_DIM: usize = WIDTH / HEADS;
+const EXPERTS: usize = 4;
+const SEQ: usize = 8;
+const GLOBAL_BATCH: usize = 4;
+const STEPS: usize = 5;
+const LR: f64 = 1e-2;
+
+/// Token embedding (tied head), two blocks of causal attention and a mixture of experts.
+#[derive(Module, Debug)]
+struct MoeLm {
+    embed: nn::Embedding,
+    blocks: Vec<MoeBlock>,
+    out_norm: LayerNorm,
+}
+
+#[derive(Module, Debug)]
+struct MoeBlock {
+    attn_norm: LayerNorm,
+    query: nn::Linear,
+    key: nn::Linear,
+    value: nn::Linear,
+    core: nn::CausalAttention,
+    out: nn::Linear,
+    moe_norm: LayerNorm,
+    moe: Moe,
+}
+
+/// Deterministic values, well spread (a hash of the index), scaled by `scale`.
+fn values(n: usize, salt: f32, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let h = ((i as f32 * 12.9898 + salt * 78.233).sin() * 43758.547).fract();
+            (h - 0.5) * 2.0 * scale
+        })
+        .collect()
+}
+
+fn matrix(rows: usize, cols: usize, salt: f32, device: &Device) -> Param<Tensor<2>> {
+    Param::from_data(
+        TensorData::new(values(rows * cols, salt, 0.3), [rows, cols]),
+        device,
+    )
+}
+
+fn burn_linear(d_in: usize, d_out: usize, salt: f32, device: &Device) -> Linear {
+    Linear {
+        weight: matrix(d_in, d_out, salt, device),
+        bias: None,
+    }
+}
+
+fn linear(salt: f32, device: &Device) -> nn::Linear {
+    burn_linear(WIDTH, WIDTH, salt, device).into()
+}
+
+impl MoeLm {
+    fn new(device: &Device) -> Self {
+        let mut config = MoeConfig::new(EXPERTS, 2, 6);
+        config.capacity_factor = Some(1.0);
+        config.z_loss_coef = 1e-3;
+        let block = |i: usize| {
+            let salt = 10.0 * i as f32;
+            let expert = |e: usize| {
+                let salt = salt + 1.0 + e as f32;
+                SwiGlu {
+                    w_gate: burn_linear(WIDTH, 6, salt + 0.1, device),
+                    w_up: burn_linear(WIDTH, 6, salt + 0.2, device),
+                    w_down: burn_linear(6, WIDTH, salt + 0.3, device),
+                }
+            };
+            MoeBlock {
+                attn_norm: LayerNormConfig::new(WIDTH).init(device),
+                query: linear(salt + 0.1, device),
+                key: linear(salt + 0.2, device),
+                value: linear(salt + 0.3, device),
+                core: nn::CausalAttention::new(device),
+                out: linear(salt + 0.4, device),
+                moe_norm: LayerNormConfig::new(WIDTH).init(device),
+                moe: Moe {
+                    router: burn_linear(WIDTH, EXPERTS, salt + 0.5, device),
+                    experts: (0..EXPERTS).map(expert).collect(),
+                    shared: None,
+                    first_expert: 0,
+                    config: config.clone(),
+                    expert_bias: vec![],
+                },
+            }
+        };
+        MoeLm {
+            embed: nn::Embedding {
+                weight: matrix(VOCAB, WIDTH, 0.7, device),
+            },
+            blocks: (0..2).map(block).collect(),
+            out_norm: LayerNormConfig::new(WIDTH).init(device),
+        }
+    }
+
+    /// Next-token loss plus the experts' auxiliary losses.
+    fn loss(&self, inputs: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
+        let mut x = self.embed.forward(inputs);
+        let mut aux = vec![];
+        for block in &self.blocks {
+            x = x.clone() + block.attention(block.attn_norm.forward(x));
+            let (y, loss) = block.moe.forward(block.moe_norm.forward(x.clone()));
+            x = x + y;
+            aux.extend(loss);
+        }
+        let logits = self.embed.logits(self.out_norm.forward(x));
+        let loss = self.embed.cross_entropy(logits, targets);
+        aux.into_iter().fold(loss, |l, a| l + a)
+    }
+}
+
+impl MoeBlock {
+    fn attention(&self, x: Tensor<3>) -> Tensor<3> {
+        let q = self.query.forward(x.clone());
+        let [batch, seq, width] = q.dims();
+        let heads = width / HEAD_DIM;
+        let split = |y: Tensor<3>| y.reshape([batch, seq, heads, HEAD_DIM]).swap_dims(1, 2);
+        let k = split(self.key.forward(x.clone()));
+        let v = split(self.value.forward(x));
+        let y = self.core.forward(split(q), k, v).swap_dims(1, 2);
+        self.out.forward(y.reshape([batch, seq, width]))
+    }
+}
+
+/// `[batch, SEQ + 1]` token sequences of samples `samples`, as inputs and next tokens.
+fn batch(samples: std::ops::Range<usize>, device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>) {
+    let n = samples.len();
+    let t: Vec<i64> = samples
+        .flat_map(|s| (0..=SEQ).map(move |p| ((s * 5 + p * p + 2 * p) % VOCAB) as i64))
+        .collect();
+    let tokens = Tensor::<2, Int>::from_data(TensorData::new(t, [n, SEQ + 1]), device);
+    (tokens.clone().narrow(1, 0, SEQ), tokens.narrow(1, 1, SEQ))
+}
+
+fn single_rank() -> (Vec<f32>, Vec<f32>) {
+    let device = Device::flex().autodiff();
+    let mut model = MoeLm::new(&device);
+    let mut optim = AdamWConfig::new().init();
+    let mut losses = vec![];
+    for step in 0..STEPS {
+        let (x, y) = batch(step * GLOBAL_BATCH..(step + 1) * GLOBAL_BATCH, &device);
+        let loss = model.loss(x, y);
+        losses.push(loss.clone().into_scalar::<f32>());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(LR, model, grads);
+    }
+    (losses, flatten_params(&model))
+}
+
+/// The loop under `plan` on `mesh`: rank 0's losses and the gathered weights.
+fn parallel(mesh: &str, plan: &ParallelizePlan) -> Result<(Vec<f32>, Vec<f32>), String> {
+    let out = Launch::new(mesh)
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (mut model, par) = parallelize(MoeLm::new(&device), plan, &ctx)?;
+            let mut optim = AdamWConfig::new().init();
+            let mut losses = vec![];
+            for step in 0..STEPS {
+                let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
+                let (x, y) = (par.sequence_share(x, 1)?, par.sequence_share(y, 1)?);
+                let loss = model.loss(x, y);
+                losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+                let (grads, _) = par.gradients(&model, loss.backward(), None, &ctx)?;
+                model = optim.step(LR, model, grads);
+            }
+            Ok::<_, ParallelError>((losses, flatten_params(&par.whole(model)?)))
+        })
+        .map_err(|e| e.to_string())?;
+    Ok(out.into_iter().next().unwrap())
+}
+
+fn max_scaled(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / scale)
+        .fold(0.0, f32::max)
+}
+
+fn experts() -> ParallelizePlan {
+    ParallelizePlan::new().expert_parallel("blocks.*.moe")
+}
+
+fn with_tp(plan: ParallelizePlan) -> ParallelizePlan {
+    plan.tensor_parallel(TensorParallelRule::vocab(&["embed"]))
+        .tensor_parallel(
+            TensorParallelRule::colwise(&["blocks.*.query", "blocks.*.key", "blocks.*.value"])
+                .in_units(HEAD_DIM),
+        )
+        .tensor_parallel(TensorParallelRule::rowwise(&["blocks.*.out"]).in_units(HEAD_DIM))
+}
+
+fn with_cp(plan: ParallelizePlan) -> ParallelizePlan {
+    plan.context_parallel(ContextParallelRule::ring(&["blocks.*.core"]))
+}
+
+#[test]
+fn experts_spread_over_ep_by_a_plan_train_as_one_rank() {
+    let reference = single_rank();
+    for (mesh, plan) in [
+        ("ep=2", experts()),
+        ("ep=4", experts()),
+        ("dp=2,ep=2", experts()),
+        ("fsdp=2,ep=2", experts().fully_shard("")),
+        ("ep=2,tp=2", with_tp(experts())),
+        ("cp=2", with_cp(ParallelizePlan::new())),
+        ("ep=2,cp=2", with_cp(experts())),
+        ("fsdp=2,ep=2,cp=2", with_cp(experts()).fully_shard("")),
+    ] {
+        let run = parallel(mesh, &plan).unwrap_or_else(|e| panic!("{mesh}: {e}"));
+        let losses = max_scaled(&run.0, &reference.0);
+        let weights = max_scaled(&run.1, &reference.1);
+        println!("{mesh}: losses {losses:.1e}, weights {weights:.1e}");
+        assert!(
+            losses < 1e-5 && weights < 1e-5,
+            "{mesh}: losses {losses:e}, weights {weights:e}"
+        );
+    }
+}
+
+#[test]
+fn expert_parallel_plans_that_do_not_fit_are_refused_with_the_reason() {
+    let err = parallel("ep=2", &ParallelizePlan::new()).unwrap_err();
+    assert!(
+        err.contains("ep=2") && err.contains("expert_parallel"),
+        "{err}"
+    );
+    let err = parallel(
+        "ep=2",
+        &ParallelizePlan::new().expert_parallel("blocks.*.query"),
+    )
+    .unwrap_err();
+    assert!(
+        err.contains("`blocks.*.query`") && err.contains("names no mixture-of-experts layer"),
+        "{err}"
+    );
+    let err = parallel("ep=8", &experts()).unwrap_err();
+    assert!(
+        err.contains("4 experts, which do not divide over ep = 8"),
+        "{err}"
+    );
+    let sp = with_tp(experts()).sequence_parallel("blocks.*.attn_norm");
+    let err = parallel("tp=2", &sp).unwrap_err();
+    assert!(err.contains("routes whole sequences"), "{err}");
+}
