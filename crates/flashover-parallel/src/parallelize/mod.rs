@@ -34,10 +34,13 @@
 //!   over the other ranks' keys and values. Losses and gradients are averaged over `cp` as
 //!   over the data axes.
 //!
-//! The `ep` axis splits a model's computation in a way a plan has no rule for (expert layers
-//! are in `crate::expert_parallel`): a plan refuses a mesh that has it rather than running the
-//! model on it unsplit. So does a mesh with `tp`, `pp` or `cp` when the plan has no rule for
-//! that axis.
+//! - `ep`: the plan's `expert_parallel` layers ([`flashover_models::Moe`]) keep `1/ep` of their
+//!   routed experts per rank (placeholders for the rest), and their forward
+//!   ([`crate::nn::MoeForward`]) sends each token to the rank holding its expert and back.
+//!   `ep` ranks read different samples, as `dp` ranks do.
+//!
+//! A mesh with `tp`, `pp`, `cp` or `ep` is refused when the plan has no rule for that axis: the
+//! model would run unsplit on its ranks, each repeating the others' work.
 
 mod experts;
 pub mod pipeline;
