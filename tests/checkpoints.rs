@@ -15,6 +15,8 @@ use std::path::{Path, PathBuf};
 mod elastic;
 #[path = "checkpoints/plan.rs"]
 mod plan;
+#[path = "checkpoints/plan_experts.rs"]
+mod plan_experts;
 
 const TOLERANCE: f64 = 1e-5;
 const STEPS: usize = 8;
