@@ -21,7 +21,7 @@ const BLOCKS: usize = 2;
 const BATCH: usize = 8;
 const STEPS: usize = 6;
 const SAVED_AT: usize = 3;
-const LR: f64 = 2e-2;
+pub(super) const LR: f64 = 2e-2;
 
 /// Residual blocks between an input projection whose weight is also the output head (tied).
 #[derive(Module, Debug)]
@@ -135,9 +135,48 @@ fn span(
     steps: std::ops::Range<usize>,
     dir: &std::path::Path,
 ) -> Run {
+    span_of(
+        mesh,
+        plan,
+        steps,
+        dir,
+        Tower::new,
+        |model, par, step, ctx| {
+            let device = ctx.device().clone().autodiff();
+            match &plan.pipeline {
+                None => {
+                    let loss = model.loss(&batch(par.batch_share(BATCH, step)?, &device));
+                    let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+                    Ok((mean, par.gradients(model, loss.backward(), None, ctx)?.0))
+                }
+                Some(_) => {
+                    let micro = |samples| batch(samples, &device);
+                    let out = par.pipeline_step(model, BATCH, step, &micro, None, ctx)?;
+                    Ok((out.loss, out.grads))
+                }
+            }
+        },
+    )
+}
+
+/// What one step computes: the whole batch's mean loss and this rank's reduced gradients.
+pub(super) type Step = (f32, GradientsParams);
+
+/// Steps `steps` of the model `new` builds, parallelized by `plan` on `mesh`, each computed by
+/// `step(model, par, step, ctx)` and taken by AdamW; resumed from the newest checkpoint in
+/// `dir` if there is one, saved there after the last step: rank 0's losses and the whole final
+/// weights.
+pub(super) fn span_of<M: Module + 'static>(
+    mesh: &str,
+    plan: &ParallelizePlan,
+    steps: std::ops::Range<usize>,
+    dir: &std::path::Path,
+    new: fn(&Device) -> M,
+    step: impl Fn(&M, &Parallelized, usize, &RankContext) -> Result<Step, ParallelError> + Sync,
+) -> Run {
     let out = launch(mesh, |ctx| {
         let device = ctx.device().clone().autodiff();
-        let (model, par) = parallelize(Tower::new(&device), plan, &ctx)?;
+        let (model, par) = parallelize(new(&device), plan, &ctx)?;
         let optim: ModuleOptimizer = AdamWConfig::new().init();
         let mut checkpoints = Checkpoints::new(dir, 2);
         let (mut model, mut optim, state) = match checkpoints.latest()? {
@@ -149,20 +188,9 @@ fn span(
             "resumed at the saved step"
         );
         let mut losses = vec![];
-        for step in steps.clone() {
-            let grads = match &plan.pipeline {
-                None => {
-                    let loss = model.loss(&batch(par.batch_share(BATCH, step)?, &device));
-                    losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
-                    par.gradients(&model, loss.backward(), None, &ctx)?.0
-                }
-                Some(_) => {
-                    let micro = |samples| batch(samples, &device);
-                    let out = par.pipeline_step(&model, BATCH, step, &micro, None, &ctx)?;
-                    losses.push(out.loss);
-                    out.grads
-                }
-            };
+        for s in steps.clone() {
+            let (loss, grads) = step(&model, &par, s, &ctx)?;
+            losses.push(loss);
             model = optim.step(LR, model, grads);
         }
         let user = serde_json::json!({ "mesh": mesh });

@@ -4,15 +4,15 @@
 //! (fp32, 1e-5).
 
 use super::Scratch;
+use super::plan::span_of;
 use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
+use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover::models::moe::Moe;
 use flashover::models::{MoeConfig, SwiGlu};
 use flashover::nn::MoeForward;
-use flashover::plan_checkpoint::Checkpoints;
 use flashover::prelude::*;
 use flashover_parallel::params::flatten_params;
 
@@ -23,7 +23,8 @@ const SEQ: usize = 4;
 const BATCH: usize = 4;
 const STEPS: usize = 6;
 const SAVED_AT: usize = 3;
-const LR: f64 = 1e-2;
+/// As `plan::span_of` steps.
+const LR: f64 = super::plan::LR;
 
 /// An input projection (also the tied output head) around one mixture-of-experts layer.
 #[derive(Module, Debug)]
@@ -109,46 +110,26 @@ fn single_rank() -> Run {
     (losses, flatten_params(&model))
 }
 
-/// Steps `steps` under `plan` on `mesh`, resumed from the newest checkpoint in `dir` if any,
-/// saving there after the last: rank 0's losses and the whole final weights.
+/// Steps `steps` under `plan` on `mesh` (see `plan::span_of`).
 fn span(
     mesh: &str,
     plan: &ParallelizePlan,
     steps: std::ops::Range<usize>,
     dir: &std::path::Path,
 ) -> Run {
-    let out = launch(mesh, |ctx| {
-        let device = ctx.device().clone().autodiff();
-        let (model, par) = parallelize(MoeNet::new(&device), plan, &ctx)?;
-        let optim: ModuleOptimizer = AdamWConfig::new().init();
-        let mut checkpoints = Checkpoints::new(dir, 2);
-        let (mut model, mut optim, state) = match checkpoints.latest()? {
-            Some(saved) => Checkpoints::resume(&par, &ctx, &saved, model, optim)?,
-            None => (model, optim, RunState::default()),
-        };
-        assert_eq!(
-            state.step as usize, steps.start,
-            "resumed at the saved step"
-        );
-        let mut losses = vec![];
-        for step in steps.clone() {
+    span_of(
+        mesh,
+        plan,
+        steps,
+        dir,
+        MoeNet::new,
+        |model, par, step, ctx| {
+            let device = ctx.device().clone().autodiff();
             let loss = model.loss(&batch(par.batch_share(BATCH, step)?, &device));
-            losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
-            let grads = par.gradients(&model, loss.backward(), None, &ctx)?.0;
-            model = optim.step(LR, model, grads);
-        }
-        checkpoints.save(
-            &par,
-            &ctx,
-            steps.end as u64,
-            &model,
-            &optim,
-            serde_json::Value::Null,
-        )?;
-        Ok::<_, ParallelError>((losses, flatten_params(&par.whole(model)?)))
-    })
-    .expect("training span");
-    out.into_iter().next().unwrap()
+            let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+            Ok((mean, par.gradients(model, loss.backward(), None, ctx)?.0))
+        },
+    )
 }
 
 #[test]

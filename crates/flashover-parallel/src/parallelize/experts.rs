@@ -9,7 +9,7 @@ use crate::params::{ParamLayout, placeholders_except};
 use crate::placement::PlacementTable;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::Tensor;
-use flashover_comm::{CommunicatorExt, Group, ReduceOp};
+use flashover_comm::Group;
 use flashover_runtime::Axis;
 use std::collections::{HashMap, HashSet};
 
@@ -198,17 +198,9 @@ impl ExpertShares {
         local: &[f32],
         local_layout: &ParamLayout,
     ) -> Result<Vec<f32>, ParallelError> {
-        let mut whole = vec![0.0; self.whole.numel];
-        let mine = self.whole.slots.iter().zip(&local_layout.slots);
-        for ((slot, here), (held, routed)) in mine.zip(self.held.iter().zip(&self.routed)) {
-            // Whole parameters from rank 0 only, so the sum over ep is their value.
-            if *held && (*routed || self.ep.rank() == 0) {
-                whole[slot.offset..slot.offset + slot.numel]
-                    .copy_from_slice(&local[here.offset..here.offset + here.numel]);
-            }
-        }
-        self.ep.all_reduce(&mut whole, ReduceOp::Sum)?;
-        Ok(whole)
+        // Whole parameters from rank 0 only, so the sum over ep is their value.
+        let counted = |i: usize| self.held[i] && (self.routed[i] || self.ep.rank() == 0);
+        super::sum_counted(&self.whole, local, local_layout, counted, &self.ep)
     }
 
     /// The whole model's layout.

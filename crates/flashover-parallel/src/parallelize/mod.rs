@@ -525,3 +525,27 @@ impl Parallelized {
         Ok((grads_from_flat(model, &flat), norm))
     }
 }
+
+/// The whole model's parameter values in `whole`'s layout, from this rank's `local` ones (laid
+/// out as `local_layout`, parameter for parameter, each gathered whole over `tp` and `fsdp`
+/// already): the parameters `counted` marks (by index) copied, the rest zero, summed over
+/// `group`. Each parameter must be counted by exactly one rank of the group (collective).
+fn sum_counted(
+    whole: &ParamLayout,
+    local: &[f32],
+    local_layout: &ParamLayout,
+    counted: impl Fn(usize) -> bool,
+    group: &Group,
+) -> Result<Vec<f32>, ParallelError> {
+    let mut values = vec![0.0; whole.numel];
+    for (i, (slot, here)) in whole.slots.iter().zip(&local_layout.slots).enumerate() {
+        if counted(i) {
+            values[slot.offset..slot.offset + slot.numel]
+                .copy_from_slice(&local[here.offset..here.offset + here.numel]);
+        }
+    }
+    if group.size() > 1 {
+        group.all_reduce(&mut values, ReduceOp::Sum)?;
+    }
+    Ok(values)
+}

@@ -207,21 +207,14 @@ impl Stages {
         local: &[f32],
         local_layout: &ParamLayout,
     ) -> Result<Vec<f32>, ParallelError> {
-        let mut whole = vec![0.0; self.whole.numel];
-        for (i, (slot, mine)) in self.whole.slots.iter().zip(&local_layout.slots).enumerate() {
+        let counted = |i: usize| {
             let copy = self
                 .tied
                 .iter()
                 .any(|(t, tie)| *t == i && *tie == Tie::Copy);
-            if self.held[i] && !copy {
-                whole[slot.offset..slot.offset + slot.numel]
-                    .copy_from_slice(&local[mine.offset..mine.offset + mine.numel]);
-            }
-        }
-        if self.pp.size() > 1 {
-            self.pp.all_reduce(&mut whole, ReduceOp::Sum)?;
-        }
-        Ok(whole)
+            self.held[i] && !copy
+        };
+        super::sum_counted(&self.whole, local, local_layout, counted, &self.pp)
     }
 
     /// One step's forwards and backwards of this rank's stages over `share` (this rank's

@@ -62,3 +62,15 @@ pub fn assert_caused_by(
         other => panic!("{other}"),
     }
 }
+
+/// The largest difference between `a` and `b` relative to `b`'s largest value: layouts add the
+/// same products in another order, and Adam's normalised steps carry that rounding into weights
+/// near zero, where an element-wise relative difference would measure it against ~0.
+pub fn max_scaled(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / scale)
+        .fold(0.0, f32::max)
+}

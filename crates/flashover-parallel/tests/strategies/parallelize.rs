@@ -3,6 +3,7 @@
 //! 1e-5. The classifier has nothing from Flashover in it (fully sharded, data parallel); the
 //! MLP declares its linear layers as `flashover_parallel::nn::Linear` (split over `tp`).
 
+use crate::common::max_scaled;
 use burn::module::{Module, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{LayerNorm, LayerNormConfig, Linear};
@@ -148,11 +149,7 @@ fn a_users_own_checkpoint_call_recomputes_placed_parameters() {
         .fully_shard("");
     for mesh in ["fsdp=2", "tp=2", "fsdp=2,tp=2"] {
         let (run, _) = parallel::<RecomputedMlp>(mesh, plan.clone());
-        let (loss, norm, weights) = (
-            max_rel(&run.0, &reference.0),
-            max_rel(&run.1, &reference.1),
-            max_scaled(&run.2, &reference.2),
-        );
+        let (loss, norm, weights) = differences(&run, &reference);
         assert!(
             loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
             "{mesh}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
@@ -271,23 +268,21 @@ fn parallel<M: Net>(mesh: &str, plan: ParallelizePlan) -> (Run, Vec<usize>) {
     (out.into_iter().next().unwrap().0, held)
 }
 
+/// The largest relative differences of `run` from `reference`: losses, gradient norms, and
+/// weights (relative to the largest weight, see [`max_scaled`]).
+fn differences(run: &Run, reference: &Run) -> (f32, f32, f32) {
+    (
+        max_rel(&run.0, &reference.0),
+        max_rel(&run.1, &reference.1),
+        max_scaled(&run.2, &reference.2),
+    )
+}
+
 fn max_rel(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
         .zip(b)
         .map(|(x, y)| (x - y).abs() / y.abs().max(1e-3))
-        .fold(0.0, f32::max)
-}
-
-/// The largest difference relative to the largest value: the row-parallel sums add the same
-/// products in another order, and Adam's normalised steps carry that rounding into weights
-/// near zero, where an element-wise relative difference would measure it against ~0.
-fn max_scaled(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs() / scale)
         .fold(0.0, f32::max)
 }
 
@@ -398,11 +393,7 @@ fn a_models_linear_layers_split_over_tp_by_a_plan_train_as_one_rank() {
     ];
     for (mesh, plan, tp, fsdp) in cases {
         let (run, held) = parallel::<SplitMlp>(mesh, plan.clone());
-        let (loss, norm, weights) = (
-            max_rel(&run.0, &reference.0),
-            max_rel(&run.1, &reference.1),
-            max_scaled(&run.2, &reference.2),
-        );
+        let (loss, norm, weights) = differences(&run, &reference);
         assert!(
             loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
             "{mesh}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
@@ -557,11 +548,7 @@ fn a_models_layers_cut_into_pipeline_stages_by_a_plan_train_as_one_rank() {
     ];
     for (mesh, plan) in cases {
         let (run, held, _) = stack_pipelined(mesh, plan.clone());
-        let (loss, norm, weights) = (
-            max_rel(&run.0, &reference.0),
-            max_rel(&run.1, &reference.1),
-            max_scaled(&run.2, &reference.2),
-        );
+        let (loss, norm, weights) = differences(&run, &reference);
         let schedule = plan.pipeline.as_ref().unwrap().schedule;
         assert!(
             loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
@@ -621,11 +608,7 @@ fn layers_a_plan_recomputes_in_backward_train_as_one_rank() {
     for (mesh, plan, policy, per_step) in cases {
         let plan = plan.activation_checkpointing(policy.clone());
         let (run, _, recomputed) = stack_pipelined(mesh, plan);
-        let (loss, norm, weights) = (
-            max_rel(&run.0, &reference.0),
-            max_rel(&run.1, &reference.1),
-            max_scaled(&run.2, &reference.2),
-        );
+        let (loss, norm, weights) = differences(&run, &reference);
         assert!(
             loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
             "{mesh} {policy}: losses {loss:e}, norms {norm:e}, weights {weights:e}"

@@ -3,6 +3,7 @@
 //! and pipelines, against the same model's plain single-rank Burn loop: losses and every
 //! weight within 1e-5.
 
+use crate::common::max_scaled;
 use burn::module::{Module, Param};
 use burn::nn::{LayerNorm, LayerNormConfig};
 use burn::optim::{AdamWConfig, GradientsParams};
@@ -238,15 +239,6 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> Result<(Vec<f32>, Vec<f32>), 
         })
         .map_err(|e| e.to_string())?;
     Ok(out.into_iter().next().unwrap())
-}
-
-fn max_scaled(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs() / scale)
-        .fold(0.0, f32::max)
 }
 
 fn ring() -> ParallelizePlan {
