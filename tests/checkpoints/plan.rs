@@ -18,10 +18,10 @@ const WIDTH: usize = 8;
 const HIDDEN: usize = 12;
 const VOCAB: usize = 6;
 const BLOCKS: usize = 2;
-const BATCH: usize = 8;
-const STEPS: usize = 6;
-const SAVED_AT: usize = 3;
-pub(super) const LR: f64 = 2e-2;
+pub(super) const BATCH: usize = 8;
+pub(super) const STEPS: usize = 6;
+pub(super) const SAVED_AT: usize = 3;
+const LR: f64 = 2e-2;
 
 /// Residual blocks between an input projection whose weight is also the output head (tied).
 #[derive(Module, Debug)]
@@ -110,16 +110,27 @@ fn batch(samples: std::ops::Range<usize>, device: &Device) -> Batch {
 }
 
 /// Losses and final weights.
-type Run = (Vec<f32>, Vec<f32>);
+pub(super) type Run = (Vec<f32>, Vec<f32>);
 
 /// The uninterrupted plain loop on one device (no clipping).
 fn single_rank() -> Run {
+    single_rank_of(Tower::new, |model, samples, device| {
+        model.loss(&batch(samples, device))
+    })
+}
+
+/// `STEPS` steps of AdamW on one device of the model `new` builds, `loss(model, samples,
+/// device)` the mean loss of step `s`'s samples `s * BATCH..`: the losses and final weights.
+pub(super) fn single_rank_of<M: Module>(
+    new: fn(&Device) -> M,
+    loss: impl Fn(&M, std::ops::Range<usize>, &Device) -> Tensor<1>,
+) -> Run {
     let device = Device::flex().autodiff();
-    let mut model = Tower::new(&device);
+    let mut model = new(&device);
     let mut optim = AdamWConfig::new().init();
     let mut losses = vec![];
     for step in 0..STEPS {
-        let loss = model.loss(&batch(step * BATCH..(step + 1) * BATCH, &device));
+        let loss = loss(&model, step * BATCH..(step + 1) * BATCH, &device);
         losses.push(loss.clone().into_scalar::<f32>());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(LR, model, grads);

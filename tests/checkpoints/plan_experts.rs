@@ -4,27 +4,20 @@
 //! (fp32, 1e-5).
 
 use super::Scratch;
-use super::plan::span_of;
+use super::plan::{BATCH, Run, SAVED_AT, STEPS, single_rank_of, span_of};
 use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover::models::moe::Moe;
 use flashover::models::{MoeConfig, SwiGlu};
 use flashover::nn::MoeForward;
 use flashover::prelude::*;
-use flashover_parallel::params::flatten_params;
 
 const VOCAB: usize = 6;
 const WIDTH: usize = 8;
 const EXPERTS: usize = 4;
 const SEQ: usize = 4;
-const BATCH: usize = 4;
-const STEPS: usize = 6;
-const SAVED_AT: usize = 3;
-/// As `plan::span_of` steps.
-const LR: f64 = super::plan::LR;
 
 /// An input projection (also the tied output head) around one mixture-of-experts layer.
 #[derive(Module, Debug)]
@@ -93,21 +86,10 @@ fn batch(samples: std::ops::Range<usize>, device: &Device) -> (Tensor<3>, Tensor
     )
 }
 
-/// Losses and final weights.
-type Run = (Vec<f32>, Vec<f32>);
-
 fn single_rank() -> Run {
-    let device = Device::flex().autodiff();
-    let mut model = MoeNet::new(&device);
-    let mut optim = AdamWConfig::new().init();
-    let mut losses = vec![];
-    for step in 0..STEPS {
-        let loss = model.loss(&batch(step * BATCH..(step + 1) * BATCH, &device));
-        losses.push(loss.clone().into_scalar::<f32>());
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optim.step(LR, model, grads);
-    }
-    (losses, flatten_params(&model))
+    single_rank_of(MoeNet::new, |model, samples, device| {
+        model.loss(&batch(samples, device))
+    })
 }
 
 /// Steps `steps` under `plan` on `mesh` (see `plan::span_of`).

@@ -74,3 +74,15 @@ pub fn max_scaled(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs() / scale)
         .fold(0.0, f32::max)
 }
+
+/// Asserts that `run` (losses, final weights) matches `reference` within 1e-5 ([`max_scaled`]),
+/// printing both differences for `what` (shown with `--nocapture`).
+pub fn assert_matches(what: &str, run: &(Vec<f32>, Vec<f32>), reference: &(Vec<f32>, Vec<f32>)) {
+    let losses = max_scaled(&run.0, &reference.0);
+    let weights = max_scaled(&run.1, &reference.1);
+    println!("{what}: losses {losses:.1e}, weights {weights:.1e}");
+    assert!(
+        losses < 1e-5 && weights < 1e-5,
+        "{what}: losses {losses:e}, weights {weights:e}"
+    );
+}

@@ -3,7 +3,7 @@
 //! alone and with dp, fsdp, tp and cp, against the same model's plain single-rank Burn loop:
 //! losses and every weight within 1e-5.
 
-use crate::common::max_scaled;
+use crate::common::assert_matches;
 use burn::module::{Module, Param};
 use burn::nn::{LayerNorm, LayerNormConfig, Linear};
 use burn::optim::{AdamWConfig, GradientsParams};
@@ -226,13 +226,7 @@ fn experts_spread_over_ep_by_a_plan_train_as_one_rank() {
         ("fsdp=2,ep=2,cp=2", with_cp(experts()).fully_shard("")),
     ] {
         let run = parallel(mesh, &plan).unwrap_or_else(|e| panic!("{mesh}: {e}"));
-        let losses = max_scaled(&run.0, &reference.0);
-        let weights = max_scaled(&run.1, &reference.1);
-        println!("{mesh}: losses {losses:.1e}, weights {weights:.1e}");
-        assert!(
-            losses < 1e-5 && weights < 1e-5,
-            "{mesh}: losses {losses:e}, weights {weights:e}"
-        );
+        assert_matches(mesh, &run, &reference);
     }
 }
 
