@@ -136,7 +136,8 @@ impl PipelineModel<3> for Gpt2 {
     fn layer(&self, index: usize, x: Tensor<3>) -> Tensor<3> {
         let b = &self.blocks[index];
         let h = b.ln_1.forward(x.clone());
-        let [q, k, v] = [&b.query, &b.key, &b.value].map(|l| l.forward(h.clone()));
+        // tp: the three column-wise layers enter the tensor-parallel region once.
+        let [q, k, v] = Linear::forward_shared([&b.query, &b.key, &b.value], h);
         // sp: the sequence length from the projections, which hold every position.
         let [batch, seq, _] = q.dims();
         // tp: HEADS on one device, HEADS / tp on a rank of a column-wise split.

@@ -86,6 +86,41 @@ impl Linear {
         }
     }
 
+    /// `layers` applied to one input `x`, as `layers.map(|l| l.forward(x.clone()))` computes
+    /// it, but with one entry into the tensor-parallel region for all of them when they are
+    /// column-wise splits over one `tp` group (attention's query, key and value; SwiGLU's gate
+    /// and up): one all-reduce of `x`'s gradient in backward (one all-gather of `x` under
+    /// sequence parallelism) instead of one per layer, as Megatron's fused QKV projection
+    /// has. Layers split otherwise, or not at all, run one by one.
+    pub fn forward_shared<const D: usize, const N: usize>(
+        layers: [&Linear; N],
+        x: Tensor<D>,
+    ) -> [Tensor<D>; N] {
+        let splits = layers.map(|l| local_value(&l.weight).1.cloned());
+        let shared = splits[0].as_ref().filter(|first| {
+            first.style == TpStyle::Colwise
+                && splits.iter().all(|s| {
+                    s.as_ref().is_some_and(|s| {
+                        s.style == TpStyle::Colwise
+                            && s.sequence_parallel == first.sequence_parallel
+                            && std::sync::Arc::ptr_eq(
+                                s.group.communicator(),
+                                first.group.communicator(),
+                            )
+                    })
+                })
+        });
+        let Some(split) = shared else {
+            return layers.map(|l| l.forward(x.clone()));
+        };
+        let tp = TensorParallel::new(&split.group).with_sequence_parallel(split.sequence_parallel);
+        let x = tp.enter(x);
+        layers.map(|l| {
+            let bias = l.bias.as_ref().map(|b| local_value(b).0);
+            linear(x.clone(), local_value(&l.weight).0, bias)
+        })
+    }
+
     /// The mean cross-entropy of this layer's output `logits: [batch, seq, d_out]` (an output
     /// head) against `targets: [batch, seq]`; split column-wise (a vocabulary-parallel head),
     /// computed from each rank's part of the logits without gathering them.

@@ -157,6 +157,80 @@ fn a_users_own_checkpoint_call_recomputes_placed_parameters() {
     }
 }
 
+/// Three column-wise layers reading one input, into a row-wise one: attention's shape.
+#[derive(Module, Debug)]
+struct SharedInput {
+    query: nn::Linear,
+    key: nn::Linear,
+    value: nn::Linear,
+    out: nn::Linear,
+}
+
+impl SharedInput {
+    fn forward_with(&self, x: Tensor<2>, shared: bool) -> Tensor<2> {
+        let [q, k, v] = if shared {
+            nn::Linear::forward_shared([&self.query, &self.key, &self.value], x)
+        } else {
+            [&self.query, &self.key, &self.value].map(|l| l.forward(x.clone()))
+        };
+        self.out.forward(gelu(q) * k + v)
+    }
+}
+
+impl Net for SharedInput {
+    fn new(device: &Device) -> Self {
+        SharedInput {
+            query: linear(FEATURES, WIDE, 0.1, device).into(),
+            key: linear(FEATURES, WIDE, 0.2, device).into(),
+            value: linear(FEATURES, WIDE, 0.3, device).into(),
+            out: linear(WIDE, CLASSES, 0.4, device).into(),
+        }
+    }
+
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        self.forward_with(x, true)
+    }
+}
+
+#[test]
+fn column_wise_layers_sharing_an_input_enter_the_region_once() {
+    let plan = ParallelizePlan::new()
+        .tensor_parallel(TensorParallelRule::colwise(&["query", "key", "value"]))
+        .tensor_parallel(TensorParallelRule::rowwise(&["out"]));
+    let reference = single_rank::<SharedInput>();
+    for mesh in ["tp=2", "fsdp=2,tp=2"] {
+        let plan = plan.clone().fully_shard("");
+        let (run, _) = parallel::<SharedInput>(mesh, plan);
+        let (loss, norm, weights) = differences(&run, &reference);
+        assert!(
+            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+            "{mesh}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+        );
+    }
+    // One step's collectives over tp: backward all-reduces x's gradient once per region entry,
+    // forward all-reduces `out`'s partial products once.
+    for (shared, expected) in [(false, 4), (true, 2)] {
+        let calls = Launch::new("tp=2")
+            .unwrap()
+            .run(|ctx| {
+                let device = Device::flex().autodiff();
+                let (model, _) = parallelize(SharedInput::new(&device), &plan, &ctx)?;
+                let tp = ctx.group(flashover_runtime::Axis::Tp);
+                let before = tp.stats();
+                let (x, y) = batch(0..GLOBAL_BATCH, &device);
+                // An activation, as a normed hidden state is: its gradient is computed.
+                let x = x.require_grad();
+                let loss = CrossEntropyLossConfig::new()
+                    .init(&device)
+                    .forward(model.forward_with(x, shared), y);
+                let _ = loss.backward();
+                Ok::<_, ParallelError>(tp.stats().since(&before).total().calls)
+            })
+            .unwrap();
+        assert_eq!(calls[0], expected, "shared {shared}");
+    }
+}
+
 /// `SplitMlp`'s tensor-parallel plan: each pair split column-wise, then row-wise.
 fn split_mlp_plan() -> ParallelizePlan {
     ParallelizePlan::new()

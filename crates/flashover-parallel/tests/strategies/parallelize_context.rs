@@ -144,17 +144,17 @@ impl PipelineModel<3> for AttentionLm {
 
 impl SelfAttention {
     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let q = self.query.forward(x.clone());
+        let [q, k, v] = nn::Linear::forward_shared([&self.query, &self.key, &self.value], x);
         // Heads from the projection's width: a tensor-parallel rank holds HEADS / tp of them.
         let [batch, seq, width] = q.dims();
         let heads = width / HEAD_DIM;
         let split = |y: Tensor<3>| y.reshape([batch, seq, heads, HEAD_DIM]).swap_dims(1, 2);
         // Rotary embeddings at the positions the core holds (a pipeline stage's layer sees
         // only activations, so they come from the core, not the batch).
-        let (cos, sin) = rope_tables_at(&self.core.positions(seq), HEAD_DIM, 10_000.0, &x.device());
+        let (cos, sin) = rope_tables_at(&self.core.positions(seq), HEAD_DIM, 10_000.0, &q.device());
         let q = rotate(split(q), &cos, &sin);
-        let k = rotate(split(self.key.forward(x.clone())), &cos, &sin);
-        let v = split(self.value.forward(x));
+        let k = rotate(split(k), &cos, &sin);
+        let v = split(v);
         let y = self.core.forward(q, k, v).swap_dims(1, 2);
         self.out.forward(y.reshape([batch, seq, width]))
     }
