@@ -4,6 +4,7 @@
 use crate::context_parallel::CpSequences;
 use crate::expert_parallel::ExpertParallel;
 use crate::parallelize::Placed;
+use crate::tensor_parallel::comm::{gather_from_tp, scatter_to_tp};
 use burn::tensor::Tensor;
 use flashover_models::moe::{ExpertDispatch, LocalExperts, Moe};
 use flashover_models::{ForwardContext, MoeHook, SequenceHook};
@@ -12,7 +13,7 @@ use std::sync::Arc;
 /// The forward of a [`flashover_models::Moe`] layer in a model of your own: on one device, or
 /// with its routed experts spread over `ep` by a plan's `expert_parallel` rule (each token
 /// goes to the rank holding its expert and back, two all-to-alls each way), and routing whole
-/// sequences under context parallelism, as one device does.
+/// sequences under context and sequence parallelism, as one device does.
 pub trait MoeForward {
     /// `x: [batch, seq, d_model]` -> the layer's output (same shape) and the weighted sum of
     /// its auxiliary losses (load balancing, z-loss), `None` when both weights are 0: add it to
@@ -24,37 +25,56 @@ pub trait MoeForward {
 impl MoeForward for Moe {
     fn forward(&self, x: Tensor<3>) -> (Tensor<3>, Option<Tensor<1>>) {
         let placed = self.router.weight.reparameterization::<Placed>();
-        let mut ctx = ForwardContext::default();
-        if let Some(split) = placed.and_then(Placed::context) {
-            // Routing, capacity and the balancing loss are per whole sequence: the layer
-            // gathers the other cp ranks' router logits (at its positions).
-            let seq = x.dims()[1] * split.group.size();
-            let layout = split
-                .layout(seq)
-                .unwrap_or_else(|e| panic!("mixture-of-experts routing: {e}"));
-            let sequences = CpSequences::new(&split.group, layout);
-            ctx.positions = Some(layout.positions(split.group.rank()).into());
-            ctx.sequence = Some(SequenceHook(Arc::new(sequences)));
+        // Under sequence parallelism each tp rank holds part of every sequence, and routing is
+        // per whole sequence: every tp rank routes the gathered sequences alike and keeps its
+        // part of the output (both backward passes keep the gradient as it is: every tp rank
+        // computed the same).
+        if let Some(tp) = placed.and_then(Placed::sequence_tp) {
+            let x = gather_from_tp(x, 1, tp);
+            let (y, aux) = forward_routed(self, x, placed);
+            return (scatter_to_tp(y, 1, tp), aux);
         }
-        let (layer, dispatch): (std::borrow::Cow<Moe>, Arc<dyn ExpertDispatch>) =
-            match placed.and_then(Placed::experts) {
-                None => (std::borrow::Cow::Borrowed(self), Arc::new(LocalExperts)),
-                Some(split) => {
-                    let ep = ExpertParallel::new(&split.group, split.n_experts)
-                        .unwrap_or_else(|e| panic!("expert parallelism: {e}"));
-                    let mine = ep.experts_of(split.group.rank());
-                    // This rank's experts only (the others are placeholders here).
-                    let held = Moe {
-                        experts: self.experts[mine.clone()].to_vec(),
-                        first_expert: mine.start,
-                        ..self.clone()
-                    };
-                    (std::borrow::Cow::Owned(held), Arc::new(ep))
-                }
-            };
-        let hook = MoeHook::new(dispatch);
-        ctx.moe = Some(hook.clone());
-        let y = layer.forward_with(x, &ctx, 0);
-        (y, hook.take_aux_loss())
+        forward_routed(self, x, placed)
     }
+}
+
+/// [`MoeForward::forward`] of `moe` on whole sequences (of this rank's `cp` positions),
+/// `placed` its router's placement.
+fn forward_routed(
+    moe: &Moe,
+    x: Tensor<3>,
+    placed: Option<&Placed>,
+) -> (Tensor<3>, Option<Tensor<1>>) {
+    let mut ctx = ForwardContext::default();
+    if let Some(split) = placed.and_then(Placed::context) {
+        // Routing, capacity and the balancing loss are per whole sequence: the layer
+        // gathers the other cp ranks' router logits (at its positions).
+        let seq = x.dims()[1] * split.group.size();
+        let layout = split
+            .layout(seq)
+            .unwrap_or_else(|e| panic!("mixture-of-experts routing: {e}"));
+        let sequences = CpSequences::new(&split.group, layout);
+        ctx.positions = Some(layout.positions(split.group.rank()).into());
+        ctx.sequence = Some(SequenceHook(Arc::new(sequences)));
+    }
+    let (layer, dispatch): (std::borrow::Cow<Moe>, Arc<dyn ExpertDispatch>) =
+        match placed.and_then(Placed::experts) {
+            None => (std::borrow::Cow::Borrowed(moe), Arc::new(LocalExperts)),
+            Some(split) => {
+                let ep = ExpertParallel::new(&split.group, split.n_experts)
+                    .unwrap_or_else(|e| panic!("expert parallelism: {e}"));
+                let mine = ep.experts_of(split.group.rank());
+                // This rank's experts only (the others are placeholders here).
+                let held = Moe {
+                    experts: moe.experts[mine.clone()].to_vec(),
+                    first_expert: mine.start,
+                    ..moe.clone()
+                };
+                (std::borrow::Cow::Owned(held), Arc::new(ep))
+            }
+        };
+    let hook = MoeHook::new(dispatch);
+    ctx.moe = Some(hook.clone());
+    let y = layer.forward_with(x, &ctx, 0);
+    (y, hook.take_aux_loss())
 }

@@ -136,14 +136,6 @@ pub fn parallelize<M: Module>(
     let layout = ParamLayout::of(&model);
     validate::check_plan(plan, &layout.slots, tp.size())?;
     let moe_layers = experts::moe_layers(&model);
-    if !moe_layers.is_empty() && tp.size() > 1 && !plan.sequence_parallel.is_empty() {
-        return Err(ParallelError::Invalid(format!(
-            "`{}` is a mixture-of-experts layer, which routes whole sequences (capacity and \
-             drops are per sequence), and under sequence parallelism a tp rank holds part of \
-             each; plans do not gather them for it: drop sequence_parallel",
-            moe_layers[0].path
-        )));
-    }
     let ep = ctx.group(Axis::Ep).clone();
     let spread = experts::named_layers(&plan.expert_parallel, &moe_layers, ep.size())?;
     let expert_shares = (ep.size() > 1).then(|| ExpertShares::new(&spread, layout.clone(), &ep));

@@ -54,6 +54,10 @@ pub struct Placed {
     /// A mixture-of-experts router's: its layer's experts spread over `ep`.
     #[module(skip)]
     experts: Option<ExpertSplit>,
+    /// A mixture-of-experts router's under sequence parallelism: the `tp` group over whose
+    /// ranks the layer's input sequences are split (the layer routes them whole).
+    #[module(skip)]
+    sequence_tp: Option<Group>,
     #[module(skip)]
     whole_reads: WholeReads,
 }
@@ -158,6 +162,12 @@ impl Placed {
     /// router's parameter.
     pub fn experts(&self) -> Option<&ExpertSplit> {
         self.experts.as_ref()
+    }
+
+    /// The `tp` group whose ranks hold parts of a mixture-of-experts layer's input sequences
+    /// under sequence parallelism, when this is the layer's router's parameter.
+    pub fn sequence_tp(&self) -> Option<&Group> {
+        self.sequence_tp.as_ref()
     }
 
     /// The shape of this rank's `tp` part ([`Self::local`]) of a parameter stored as `stored`.
@@ -397,6 +407,7 @@ impl Reparameterizer for PlaceParams<'_> {
                 sequence_partial: None,
                 context: None,
                 experts: None,
+                sequence_tp: None,
                 whole_reads: self.whole_reads.clone(),
             };
             return (param, Some(placeholder));
@@ -425,11 +436,14 @@ impl Reparameterizer for PlaceParams<'_> {
                 load_balance: rule.load_balance,
             });
         let experts = self.routers.get(&path).cloned();
+        let sequence_tp =
+            (self.sequence_parallel() && self.all_routers.contains(&path)).then(|| self.tp.clone());
         let moved = tp.is_some()
             || fully_shard
             || sequence_partial.is_some()
             || context.is_some()
-            || experts.is_some();
+            || experts.is_some()
+            || sequence_tp.is_some();
         if self.error.is_some() || !moved {
             return (param, None);
         }
@@ -484,6 +498,7 @@ impl Reparameterizer for PlaceParams<'_> {
             sequence_partial,
             context,
             experts,
+            sequence_tp,
             whole_reads: self.whole_reads.clone(),
         };
         (param, Some(placed))

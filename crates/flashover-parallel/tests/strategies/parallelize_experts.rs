@@ -1,7 +1,7 @@
 //! A user's mixture-of-experts language model (`flashover_models::Moe` layers: 4 experts, top-2,
 //! capacity-limited, with load-balancing and z-losses) whose experts a plan spreads over `ep`,
-//! alone and with dp, fsdp, tp and cp, against the same model's plain single-rank Burn loop:
-//! losses and every weight within 1e-5.
+//! alone and with dp, fsdp, tp (with and without sequence parallelism) and cp, against the
+//! same model's plain single-rank Burn loop: losses and every weight within 1e-5.
 
 use crate::common::assert_matches;
 use burn::module::{Module, Param};
@@ -208,6 +208,14 @@ fn with_tp(plan: ParallelizePlan) -> ParallelizePlan {
         .tensor_parallel(TensorParallelRule::rowwise(&["blocks.*.out"]).in_units(HEAD_DIM))
 }
 
+/// `plan` with sequence parallelism: the norms on tp's positions; the experts route the
+/// gathered sequences.
+fn sequence_parallel(plan: ParallelizePlan) -> ParallelizePlan {
+    plan.sequence_parallel("blocks.*.attn_norm")
+        .sequence_parallel("blocks.*.moe_norm")
+        .sequence_parallel("out_norm")
+}
+
 fn with_cp(plan: ParallelizePlan) -> ParallelizePlan {
     plan.context_parallel(ContextParallelRule::ring(&["blocks.*.core"]))
 }
@@ -221,6 +229,11 @@ fn experts_spread_over_ep_by_a_plan_train_as_one_rank() {
         ("dp=2,ep=2", experts()),
         ("fsdp=2,ep=2", experts().fully_shard("")),
         ("ep=2,tp=2", with_tp(experts())),
+        ("ep=2,tp=2", sequence_parallel(with_tp(experts()))),
+        (
+            "ep=2,tp=2,cp=2",
+            with_cp(sequence_parallel(with_tp(experts()))),
+        ),
         ("cp=2", with_cp(ParallelizePlan::new())),
         ("ep=2,cp=2", with_cp(experts())),
         ("fsdp=2,ep=2,cp=2", with_cp(experts()).fully_shard("")),
@@ -251,7 +264,4 @@ fn expert_parallel_plans_that_do_not_fit_are_refused_with_the_reason() {
         err.contains("4 experts, which do not divide over ep = 8"),
         "{err}"
     );
-    let sp = with_tp(experts()).sequence_parallel("blocks.*.attn_norm");
-    let err = parallel("tp=2", &sp).unwrap_err();
-    assert!(err.contains("routes whole sequences"), "{err}");
 }
