@@ -5,7 +5,7 @@
 
 use super::plan::ModulePath;
 use crate::error::ParallelError;
-use crate::params::{ParamLayout, placeholders_except};
+use crate::params::ParamLayout;
 use crate::placement::PlacementTable;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::Tensor;
@@ -135,7 +135,7 @@ pub(super) fn named_layers<'a>(
 pub(super) struct ExpertShares {
     ep: Group,
     /// Per parameter (layout order): whether this rank holds it.
-    held: Vec<bool>,
+    pub(super) held: Vec<bool>,
     /// The routed-expert parameters (layout order) whatever rank holds them.
     routed: Vec<bool>,
     /// The parameters this rank does not hold, by path.
@@ -185,22 +185,11 @@ impl ExpertShares {
         Ok(())
     }
 
-    /// `model` with the experts other ranks hold replaced by one-element placeholders.
-    pub(super) fn cut<M: Module>(&self, model: M) -> M {
-        placeholders_except(model, &self.held)
-    }
-
-    /// The whole model's parameter values in layout order from this rank's `local` ones
-    /// (gathered whole over `tp` and `fsdp` already): each expert from the rank that holds it
-    /// (collective over `ep`).
-    pub(super) fn gather(
-        &self,
-        local: &[f32],
-        local_layout: &ParamLayout,
-    ) -> Result<Vec<f32>, ParallelError> {
-        // Whole parameters from rank 0 only, so the sum over ep is their value.
-        let counted = |i: usize| self.held[i] && (self.routed[i] || self.ep.rank() == 0);
-        super::sum_counted(&self.whole, local, local_layout, counted, &self.ep)
+    /// Whether this rank's value of parameter `index` (layout order) is the one counted when
+    /// the whole model is gathered over `ep`: a routed expert it holds, or, on `ep` rank 0, a
+    /// parameter every `ep` rank holds.
+    pub(super) fn counts(&self, index: usize) -> bool {
+        self.held[index] && (self.routed[index] || self.ep.rank() == 0)
     }
 
     /// The whole model's layout.

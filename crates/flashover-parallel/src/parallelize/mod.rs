@@ -59,7 +59,7 @@ use crate::clip_scale;
 use crate::error::ParallelError;
 use crate::params::{
     ParamLayout, ParamSlot, accumulate_grads, broadcast_module, flatten_params, grads_from_flat,
-    load_shaped,
+    load_shaped, placeholders_except,
 };
 use crate::pipeline::PipelineStepReport;
 use crate::placement::{GradientReducer, ParamPlacement, PlacementTable, global_grad_norm};
@@ -98,6 +98,12 @@ pub struct Parallelized {
     stages: Option<Stages>,
     /// Which experts this rank holds, when the plan spreads them over `ep`.
     experts: Option<ExpertShares>,
+    /// The parameters this rank keeps placeholders for (other stages', other ep ranks'
+    /// experts), by path.
+    absent: HashSet<String>,
+    /// The ranks that hold the other parts of a model cut into stages or experts (`pp` x
+    /// `ep`): what `whole` gathers over.
+    held_elsewhere: Option<Group>,
     /// Parameters under `fully_shard` paths left whole, with the layer type that needs it.
     kept_whole: BTreeMap<String, &'static str>,
     /// Under sequence parallelism, the first step's check that every whole parameter that runs
@@ -134,6 +140,7 @@ pub fn parallelize<M: Module>(
     check_axes(plan, ctx)?;
     let tp = ctx.group(Axis::Tp).clone();
     let layout = ParamLayout::of(&model);
+    let layout_len = layout.slots.len();
     validate::check_plan(plan, &layout.slots, tp.size())?;
     let moe_layers = experts::moe_layers(&model);
     let ep = ctx.group(Axis::Ep).clone();
@@ -162,22 +169,22 @@ pub fn parallelize<M: Module>(
     };
     let mut placements = PlacementTable::whole(&model);
     let model = broadcast_module(model, ctx.world(), 0)?;
-    let model = match (&stages, &expert_shares) {
-        (Some(stages), _) => {
-            stages.place(&mut placements)?;
-            stages.cut(model)
+    // What other ranks hold: other pipeline stages' parameters, other ep ranks' experts.
+    let mut absent = HashMap::new();
+    let mut held = vec![true; layout_len];
+    if let Some(stages) = &stages {
+        stages.place(&mut placements)?;
+        absent.extend(stages.absent.iter().map(|p| (p.clone(), Elsewhere::Stage)));
+        held.iter_mut().zip(&stages.held).for_each(|(h, s)| *h &= s);
+    }
+    if let Some(shares) = &expert_shares {
+        shares.place(&mut placements)?;
+        for path in &shares.absent {
+            absent.entry(path.clone()).or_insert(Elsewhere::Expert);
         }
-        (None, Some(shares)) => {
-            shares.place(&mut placements)?;
-            shares.cut(model)
-        }
-        (None, None) => model,
-    };
-    let absent = match (&stages, &expert_shares) {
-        (Some(stages), _) => Some((&stages.absent, Elsewhere::Stage)),
-        (None, Some(shares)) => Some((&shares.absent, Elsewhere::Expert)),
-        (None, None) => None,
-    };
+        held.iter_mut().zip(&shares.held).for_each(|(h, s)| *h &= s);
+    }
+    let model = placeholders_except(model, &held);
     let whole_reads = WholeReads::default();
     let kept_whole = if plan.fully_shard.is_empty() {
         Default::default()
@@ -201,7 +208,7 @@ pub fn parallelize<M: Module>(
         all_routers: &all_routers,
         placements: &mut placements,
         whole_reads: whole_reads.clone(),
-        absent,
+        absent: &absent,
         kept_whole: &kept_whole,
         sequence_partials: &mut sequence_partial,
         error: &mut error,
@@ -225,6 +232,10 @@ pub fn parallelize<M: Module>(
                 load_balance: rule.load_balance,
             }),
         whole_reads,
+        held_elsewhere: (stages.is_some() || expert_shares.is_some())
+            .then(|| ctx.subgroup(&[Axis::Pp, Axis::Ep]))
+            .transpose()?,
+        absent: absent.into_keys().collect(),
         stages,
         experts: expert_shares,
         kept_whole,
@@ -293,16 +304,11 @@ impl Parallelized {
         &'a self,
         model: &M,
     ) -> Result<Vec<(ParamSlot, &'a ParamPlacement)>, ParallelError> {
-        let absent = match (&self.stages, &self.experts) {
-            (Some(stages), _) => Some(&stages.absent),
-            (None, Some(shares)) => Some(&shares.absent),
-            (None, None) => None,
-        };
         Ok(self
             .placements
             .entries_of(model)?
             .into_iter()
-            .filter(|(slot, _)| !absent.is_some_and(|a| a.contains(&slot.name)))
+            .filter(|(slot, _)| !self.absent.contains(&slot.name))
             .collect())
     }
 
@@ -314,20 +320,22 @@ impl Parallelized {
             let _allowed = self.whole_reads.allow();
             model.materialize()
         };
-        let local = || (flatten_params(&model), ParamLayout::of(&model));
-        match (&self.stages, &self.experts) {
-            (Some(stages), _) => {
-                let (values, layout) = local();
-                let values = stages.gather(&values, &layout)?;
-                Ok(load_shaped(model, &stages.whole, &values))
-            }
-            (None, Some(shares)) => {
-                let (values, layout) = local();
-                let values = shares.gather(&values, &layout)?;
-                Ok(load_shaped(model, shares.whole(), &values))
-            }
-            (None, None) => Ok(model),
-        }
+        let Some(group) = &self.held_elsewhere else {
+            return Ok(model);
+        };
+        let whole = match (&self.stages, &self.experts) {
+            (Some(stages), _) => &stages.whole,
+            (None, Some(shares)) => shares.whole(),
+            (None, None) => unreachable!("a model held in parts has stages or experts"),
+        };
+        // Each parameter counted on one rank of pp x ep: its stage's, its expert's holder.
+        let counted = |i: usize| {
+            self.stages.as_ref().is_none_or(|s| s.counts(i))
+                && self.experts.as_ref().is_none_or(|e| e.counts(i))
+        };
+        let local = ParamLayout::of(&model);
+        let values = sum_counted(whole, &flatten_params(&model), &local, counted, group)?;
+        Ok(load_shaped(model, whole, &values))
     }
 
     /// This rank's samples of step `step`, numbered over the whole run: step `s`'s batch is

@@ -11,7 +11,7 @@
 use super::plan::PipelineRule;
 use crate::activation_checkpointing::{CheckpointPolicy, Replays, checkpoint_part};
 use crate::error::ParallelError;
-use crate::params::{ParamLayout, ParamSlot, placeholders_except};
+use crate::params::{ParamLayout, ParamSlot};
 use crate::pipeline::{PipelineExecutor, PipelineStepReport, Schedule, ScheduleKind, StageOutput};
 use crate::placement::{PlacementTable, Tie};
 use burn::module::Module;
@@ -48,7 +48,7 @@ pub(super) struct Stages {
     /// Layers of each stage, in order.
     layers: Vec<Range<usize>>,
     /// Per parameter (layout order): whether this rank holds it.
-    held: Vec<bool>,
+    pub(super) held: Vec<bool>,
     /// The parameters this rank does not hold, by path.
     pub(super) absent: HashSet<String>,
     /// The parameters held by two pipeline ranks, and whether this rank's copy is the first
@@ -175,11 +175,6 @@ impl Stages {
         })
     }
 
-    /// `model` with the parameters of other ranks' stages replaced by placeholders.
-    pub(super) fn cut<M: Module>(&self, model: M) -> M {
-        placeholders_except(model, &self.held)
-    }
-
     /// Records that this rank's parameters are its own over `pp` and which are tied copies.
     pub(super) fn place(&self, placements: &mut PlacementTable) -> Result<(), ParallelError> {
         if self.pp.size() == 1 {
@@ -199,22 +194,14 @@ impl Stages {
         self.tie.as_ref()
     }
 
-    /// The whole model's parameter values in layout order, from this rank's `local` ones (its
-    /// held parameters gathered whole over `tp` and `fsdp` already): summed over `pp`, each
-    /// parameter from the one rank that counts it (collective over `pp`).
-    pub(super) fn gather(
-        &self,
-        local: &[f32],
-        local_layout: &ParamLayout,
-    ) -> Result<Vec<f32>, ParallelError> {
-        let counted = |i: usize| {
-            let copy = self
-                .tied
-                .iter()
-                .any(|(t, tie)| *t == i && *tie == Tie::Copy);
-            self.held[i] && !copy
-        };
-        super::sum_counted(&self.whole, local, local_layout, counted, &self.pp)
+    /// Whether this rank's value of parameter `index` (layout order) is the one counted when
+    /// the whole model is gathered: it holds the parameter, and not as a tied copy.
+    pub(super) fn counts(&self, index: usize) -> bool {
+        let copy = self
+            .tied
+            .iter()
+            .any(|(t, tie)| *t == index && *tie == Tie::Copy);
+        self.held[index] && !copy
     }
 
     /// One step's forwards and backwards of this rank's stages over `share` (this rank's

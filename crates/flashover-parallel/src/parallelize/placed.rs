@@ -332,7 +332,7 @@ pub(super) struct PlaceParams<'a> {
     pub(super) placements: &'a mut PlacementTable,
     pub(super) whole_reads: WholeReads,
     /// Parameters other ranks hold (placeholders here), by path, and why: reading them panics.
-    pub(super) absent: Option<(&'a HashSet<String>, Elsewhere)>,
+    pub(super) absent: &'a HashMap<String, Elsewhere>,
     /// Parameters `fully_shard` leaves whole ([`reads_stored_shape`]), by path.
     pub(super) kept_whole: &'a BTreeMap<String, &'static str>,
     /// The parameters marked as running on sequence shards, as they are placed.
@@ -396,9 +396,7 @@ impl Reparameterizer for PlaceParams<'_> {
             .filter(|s| !s.is_empty())
             .collect::<Vec<_>>()
             .join(".");
-        if let Some((absent, why)) = self.absent
-            && absent.contains(&path)
-        {
+        if let Some(&why) = self.absent.get(&path) {
             let placeholder = Placed {
                 name: path,
                 fsdp: None,
