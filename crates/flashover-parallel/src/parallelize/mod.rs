@@ -115,7 +115,8 @@ pub struct Parallelized {
 pub struct PipelineStep {
     /// This rank's gradients, reduced and clipped as [`Parallelized::gradients`] returns them.
     pub grads: GradientsParams,
-    /// The whole batch's mean loss, the same on every rank.
+    /// The whole batch's mean loss (of `head_loss`: layers' auxiliary losses are left out),
+    /// the same on every rank.
     pub loss: f32,
     /// The global gradient norm before clipping.
     pub norm: f32,

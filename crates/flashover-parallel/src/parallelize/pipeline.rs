@@ -38,6 +38,15 @@ pub trait PipelineModel<const D: usize>: Module {
     /// Layer `index` of the plan's `layers` (`self.blocks[index].forward(x)`).
     fn layer(&self, index: usize, x: Tensor<D>) -> Tensor<D>;
 
+    /// Layer `index` and the auxiliary loss it adds to the micro-batch's (a mixture-of-experts
+    /// layer's, from `flashover::nn::MoeForward`): the pipeline adds it to the loss that the
+    /// layer's stage backpropagates, so its gradient stays on that stage, and leaves it out of
+    /// the reported loss. By default [`Self::layer`] with none; a model whose layers have one
+    /// implements this and writes `layer` as its first part.
+    fn layer_with_aux(&self, index: usize, x: Tensor<D>) -> (Tensor<D>, Option<Tensor<1>>) {
+        (self.layer(index, x), None)
+    }
+
     /// The last stage's part after the layers: the micro-batch's mean loss.
     fn head_loss(&self, x: Tensor<D>, batch: &Self::Batch) -> Tensor<1>;
 }
@@ -238,13 +247,20 @@ impl Stages {
                 Some(x) => x,
                 None => m.embed(batch.as_ref().expect("the first stage reads its batch")),
             };
+            let mut aux: Option<Tensor<1>> = None;
             for i in self.layers[stage].clone() {
-                x = self.layer(m, i, x);
+                let (y, layer_aux) = self.layer(m, i, x);
+                x = y;
+                aux = match (aux, layer_aux) {
+                    (Some(sum), Some(more)) => Some(sum + more),
+                    (sum, more) => sum.or(more),
+                };
             }
-            match batch {
+            let output = match batch {
                 Some(batch) if stage == last => StageOutput::Loss(m.head_loss(x, &batch)),
                 _ => StageOutput::Activation(x),
-            }
+            };
+            StageOutput::with_aux_loss(output, aux)
         };
         let chunks = vec![model.clone(); self.schedule.chunks];
         let executor = PipelineExecutor::new(&self.schedule, &self.pp)?;
@@ -263,21 +279,36 @@ impl Stages {
 }
 
 impl Stages {
-    /// Layer `index` of `model` on `x`: recomputed in backward when the plan's policy names
-    /// it (carrying only the layer's own parameters), plainly otherwise.
-    fn layer<M, const D: usize>(&self, model: &M, index: usize, x: Tensor<D>) -> Tensor<D>
+    /// Layer `index` of `model` on `x` and its auxiliary loss: recomputed in backward when the
+    /// plan's policy names it (carrying only the layer's own parameters), plainly otherwise.
+    fn layer<M, const D: usize>(
+        &self,
+        model: &M,
+        index: usize,
+        x: Tensor<D>,
+    ) -> (Tensor<D>, Option<Tensor<1>>)
     where
         M: PipelineModel<D> + Sync + 'static,
     {
         if !self.recompute.recomputes_block(index) {
-            return model.layer(index, x);
+            return model.layer_with_aux(index, x);
         }
+        // The auxiliary loss leaves the recomputed function as one more element after the
+        // output, so its gradient reaches the layer through the recomputation too (a layer
+        // keeps its activation's shape, as every stage's input and output have one).
+        let dims = x.dims();
+        let numel: usize = dims.iter().product();
         let replays = Replays::new(self.recomputed.clone());
         let forward = move |m: &M, x: Tensor<D>| {
             replays.next_is_replay();
-            m.layer(index, x)
+            let (y, aux) = m.layer_with_aux(index, x);
+            let aux = aux.unwrap_or_else(|| Tensor::zeros([1], &y.device()));
+            let dtype = y.dtype();
+            Tensor::cat(vec![y.reshape([numel]), aux.cast(dtype).reshape([1])], 0)
         };
-        checkpoint_part(model, x, forward, Some(self.parts[index].clone()))
+        let output = checkpoint_part(model, x, forward, Some(self.parts[index].clone()));
+        let aux = output.clone().narrow(0, numel, 1);
+        (output.narrow(0, 0, numel).reshape(dims), Some(aux))
     }
 
     /// Layer forwards run again in backward so far.

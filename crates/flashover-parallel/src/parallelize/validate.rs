@@ -65,14 +65,6 @@ pub(super) fn check_plan(
         }
         _ => {}
     }
-    if !plan.expert_parallel.is_empty() && plan.pipeline.is_some() {
-        return Err(ParallelError::Invalid(
-            "expert_parallel with a pipeline: a pipeline stage's layers return activations only \
-             (PipelineModel::layer), so a mixture-of-experts layer's auxiliary loss could not \
-             reach the loss; train expert-parallel models without a pipeline rule"
-                .into(),
-        ));
-    }
     if let Some(rule) = &plan.context_parallel {
         for path in &rule.attention {
             check_attention_core(path, slots, &names)?;

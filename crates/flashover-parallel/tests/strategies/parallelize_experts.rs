@@ -11,11 +11,14 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_models::moe::Moe;
 use flashover_models::{MoeConfig, SwiGlu};
 use flashover_parallel::ParallelError;
+use flashover_parallel::activation_checkpointing::CheckpointPolicy;
 use flashover_parallel::nn::{self, MoeForward};
 use flashover_parallel::parallelize::{
-    ContextParallelRule, ParallelizePlan, TensorParallelRule, parallelize,
+    ContextParallelRule, ParallelizePlan, PipelineModel, PipelineRule, TensorParallelRule,
+    parallelize,
 };
 use flashover_parallel::params::flatten_params;
+use flashover_parallel::pipeline::ScheduleKind;
 use flashover_runtime::Launch;
 
 const VOCAB: usize = 11;
@@ -118,19 +121,53 @@ impl MoeLm {
         }
     }
 
-    /// Next-token loss plus the experts' auxiliary losses.
-    fn loss(&self, inputs: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
-        let mut x = self.embed.forward(inputs);
+    /// The next-token loss and the experts' auxiliary losses: the pipeline's parts in a row.
+    fn losses(&self, batch: &Batch) -> (Tensor<1>, Tensor<1>) {
+        let mut x = self.embed(batch);
         let mut aux = vec![];
-        for block in &self.blocks {
-            x = x.clone() + block.attention(block.attn_norm.forward(x));
-            let (y, loss) = block.moe.forward(block.moe_norm.forward(x.clone()));
-            x = x + y;
-            aux.extend(loss);
+        for i in 0..self.blocks.len() {
+            let (y, layer_aux) = self.layer_with_aux(i, x);
+            x = y;
+            aux.extend(layer_aux);
         }
+        let aux = aux
+            .into_iter()
+            .reduce(|a, b| a + b)
+            .expect("two MoE layers");
+        (self.head_loss(x, batch), aux)
+    }
+
+    /// Next-token loss plus the experts' auxiliary losses.
+    fn loss(&self, batch: &Batch) -> Tensor<1> {
+        let (loss, aux) = self.losses(batch);
+        loss + aux
+    }
+}
+
+/// Inputs and next tokens, `[batch, SEQ]` each.
+type Batch = (Tensor<2, Int>, Tensor<2, Int>);
+
+impl PipelineModel<3> for MoeLm {
+    type Batch = Batch;
+
+    fn embed(&self, (inputs, _): &Batch) -> Tensor<3> {
+        self.embed.forward(inputs.clone())
+    }
+
+    fn layer(&self, index: usize, x: Tensor<3>) -> Tensor<3> {
+        self.layer_with_aux(index, x).0
+    }
+
+    fn layer_with_aux(&self, index: usize, x: Tensor<3>) -> (Tensor<3>, Option<Tensor<1>>) {
+        let block = &self.blocks[index];
+        let x = x.clone() + block.attention(block.attn_norm.forward(x));
+        let (y, aux) = block.moe.forward(block.moe_norm.forward(x.clone()));
+        (x + y, aux)
+    }
+
+    fn head_loss(&self, x: Tensor<3>, (_, targets): &Batch) -> Tensor<1> {
         let logits = self.embed.logits(self.out_norm.forward(x));
-        let loss = self.embed.cross_entropy(logits, targets);
-        aux.into_iter().fold(loss, |l, a| l + a)
+        self.embed.cross_entropy(logits, targets.clone())
     }
 }
 
@@ -148,7 +185,7 @@ impl MoeBlock {
 }
 
 /// `[batch, SEQ + 1]` token sequences of samples `samples`, as inputs and next tokens.
-fn batch(samples: std::ops::Range<usize>, device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>) {
+fn batch(samples: std::ops::Range<usize>, device: &Device) -> Batch {
     let n = samples.len();
     let t: Vec<i64> = samples
         .flat_map(|s| (0..=SEQ).map(move |p| ((s * 5 + p * p + 2 * p) % VOCAB) as i64))
@@ -157,19 +194,25 @@ fn batch(samples: std::ops::Range<usize>, device: &Device) -> (Tensor<2, Int>, T
     (tokens.clone().narrow(1, 0, SEQ), tokens.narrow(1, 1, SEQ))
 }
 
-fn single_rank() -> (Vec<f32>, Vec<f32>) {
+/// One device: losses with the auxiliary losses, final weights, and the next-token losses
+/// alone (what a pipeline reports).
+fn single_rank() -> ((Vec<f32>, Vec<f32>), Vec<f32>) {
     let device = Device::flex().autodiff();
     let mut model = MoeLm::new(&device);
     let mut optim = AdamWConfig::new().init();
-    let mut losses = vec![];
+    let (mut losses, mut next_token) = (vec![], vec![]);
     for step in 0..STEPS {
-        let (x, y) = batch(step * GLOBAL_BATCH..(step + 1) * GLOBAL_BATCH, &device);
-        let loss = model.loss(x, y);
+        let (loss, aux) = model.losses(&batch(
+            step * GLOBAL_BATCH..(step + 1) * GLOBAL_BATCH,
+            &device,
+        ));
+        next_token.push(loss.clone().into_scalar::<f32>());
+        let loss = loss + aux;
         losses.push(loss.clone().into_scalar::<f32>());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(LR, model, grads);
     }
-    (losses, flatten_params(&model))
+    ((losses, flatten_params(&model)), next_token)
 }
 
 /// The loop under `plan` on `mesh`: rank 0's losses and the gathered weights.
@@ -181,12 +224,22 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> Result<(Vec<f32>, Vec<f32>), 
             let (mut model, par) = parallelize(MoeLm::new(&device), plan, &ctx)?;
             let mut optim = AdamWConfig::new().init();
             let mut losses = vec![];
+            let share = |(x, y): Batch| -> Batch {
+                let share = |t| par.sequence_share(t, 1).expect("SEQ cuts into cp chunks");
+                (share(x), share(y))
+            };
             for step in 0..STEPS {
-                let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
-                let (x, y) = (par.sequence_share(x, 1)?, par.sequence_share(y, 1)?);
-                let loss = model.loss(x, y);
-                losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
-                let (grads, _) = par.gradients(&model, loss.backward(), None, &ctx)?;
+                let grads = if plan.pipeline.is_some() {
+                    let micro = |samples| share(batch(samples, &device));
+                    let out = par.pipeline_step(&model, GLOBAL_BATCH, step, &micro, None, &ctx)?;
+                    losses.push(out.loss);
+                    out.grads
+                } else {
+                    let loss =
+                        model.loss(&share(batch(par.batch_share(GLOBAL_BATCH, step)?, &device)));
+                    losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+                    par.gradients(&model, loss.backward(), None, &ctx)?.0
+                };
                 model = optim.step(LR, model, grads);
             }
             Ok::<_, ParallelError>((losses, flatten_params(&par.whole(model)?)))
@@ -220,9 +273,19 @@ fn with_cp(plan: ParallelizePlan) -> ParallelizePlan {
     plan.context_parallel(ContextParallelRule::ring(&["blocks.*.core"]))
 }
 
+/// `plan` with the blocks cut into stages (1F1B over two micro-batches), the token table
+/// tied to the head.
+fn pipelined(plan: ParallelizePlan) -> ParallelizePlan {
+    plan.pipeline(
+        PipelineRule::new("blocks", ScheduleKind::OneFOneB, 2)
+            .first(&["embed"])
+            .last(&["out_norm", "embed"]),
+    )
+}
+
 #[test]
 fn experts_spread_over_ep_by_a_plan_train_as_one_rank() {
-    let reference = single_rank();
+    let (reference, next_token) = single_rank();
     for (mesh, plan) in [
         ("ep=2", experts()),
         ("ep=4", experts()),
@@ -237,9 +300,22 @@ fn experts_spread_over_ep_by_a_plan_train_as_one_rank() {
         ("cp=2", with_cp(ParallelizePlan::new())),
         ("ep=2,cp=2", with_cp(experts())),
         ("fsdp=2,ep=2,cp=2", with_cp(experts()).fully_shard("")),
+        ("pp=2,ep=2", pipelined(experts())),
+        ("dp=2,pp=2", pipelined(experts())),
+        (
+            "pp=2,ep=2",
+            pipelined(experts()).activation_checkpointing(CheckpointPolicy::Full),
+        ),
+        ("pp=2,ep=2,cp=2", with_cp(pipelined(experts()))),
     ] {
         let run = parallel(mesh, &plan).unwrap_or_else(|e| panic!("{mesh}: {e}"));
-        assert_matches(mesh, &run, &reference);
+        if plan.pipeline.is_some() {
+            // A pipeline reports the next-token loss; the auxiliary losses train alike.
+            let what = format!("{mesh} ({})", plan.activation_checkpointing);
+            assert_matches(&what, &run, &(next_token.clone(), reference.1.clone()));
+        } else {
+            assert_matches(mesh, &run, &reference);
+        }
     }
 }
 
