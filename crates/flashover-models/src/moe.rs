@@ -135,6 +135,42 @@ impl MoeConfig {
         }
     }
 
+    /// A new layer for `d_model`-wide tokens holding every expert, its weights drawn by Burn's
+    /// default initialiser for linear layers (without biases, as the reference model's). Every
+    /// field after construction is public: replace the weights with your own (deterministic
+    /// ones, to compare with a single-device run) as for any Burn module. Panics, naming the
+    /// fields, when the configuration is invalid.
+    ///
+    /// ```
+    /// use flashover_models::MoeConfig;
+    /// let moe = MoeConfig::new(4, 2, 16).init(8, &burn::tensor::Device::flex());
+    /// assert_eq!((moe.experts.len(), moe.first_expert), (4, 0));
+    /// assert_eq!(moe.router.weight.val().dims(), [8, 4]);
+    /// ```
+    pub fn init(&self, d_model: usize, device: &Device) -> Moe {
+        if let Err(e) = self.validate() {
+            panic!("invalid mixture-of-experts config: {e}");
+        }
+        let linear = |d_in, d_out| {
+            burn::nn::LinearConfig::new(d_in, d_out)
+                .with_bias(false)
+                .init(device)
+        };
+        let swiglu = || SwiGlu {
+            w_gate: linear(d_model, self.d_expert),
+            w_up: linear(d_model, self.d_expert),
+            w_down: linear(self.d_expert, d_model),
+        };
+        Moe {
+            router: linear(d_model, self.n_experts),
+            experts: (0..self.n_experts).map(|_| swiglu()).collect(),
+            shared: self.shared_expert.then(swiglu),
+            first_expert: 0,
+            config: self.clone(),
+            expert_bias: vec![],
+        }
+    }
+
     /// Most assignments an expert takes from one sequence of `seq_len` tokens (`None`: no limit).
     pub fn capacity(&self, seq_len: usize) -> Option<usize> {
         self.capacity_factor.map(|f| {

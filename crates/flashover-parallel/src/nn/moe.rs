@@ -17,8 +17,12 @@ use std::sync::Arc;
 pub trait MoeForward {
     /// `x: [batch, seq, d_model]` -> the layer's output (same shape) and the weighted sum of
     /// its auxiliary losses (load balancing, z-loss), `None` when both weights are 0: add it to
-    /// the loss. Routing biases (`bias_update_rate`) are not moved: that needs the whole
-    /// batch's expert loads.
+    /// your loss. Every layout gives each rank a value whose mean over the ranks
+    /// (`Parallelized::mean_loss` of `loss + aux`) is the one-device value: with `ep` and `dp`
+    /// each rank's is its samples' (a mean over sequences), with `cp` each rank's part is
+    /// weighted so. Nothing else changes between layouts: the plan's rules (`expert_parallel`,
+    /// `context_parallel`, sequence parallelism) reach the layer through its router. Routing
+    /// biases (`bias_update_rate`) are not moved: that needs the whole batch's expert loads.
     fn forward(&self, x: Tensor<3>) -> (Tensor<3>, Option<Tensor<1>>);
 }
 

@@ -41,8 +41,12 @@ pub trait PipelineModel<const D: usize>: Module {
     /// Layer `index` and the auxiliary loss it adds to the micro-batch's (a mixture-of-experts
     /// layer's, from `flashover::nn::MoeForward`): the pipeline adds it to the loss that the
     /// layer's stage backpropagates, so its gradient stays on that stage, and leaves it out of
-    /// the reported loss. By default [`Self::layer`] with none; a model whose layers have one
-    /// implements this and writes `layer` as its first part.
+    /// the reported loss. By default [`Self::layer`] with none.
+    ///
+    /// **A model whose layers have auxiliary losses must implement this**, and write `layer`
+    /// as `self.layer_with_aux(index, x).0`: the pipeline calls only this one, and nothing can
+    /// tell a default that drops a loss from a layer without one, so a `layer` that drops it
+    /// trains without its gradient, silently.
     fn layer_with_aux(&self, index: usize, x: Tensor<D>) -> (Tensor<D>, Option<Tensor<1>>) {
         (self.layer(index, x), None)
     }
