@@ -3,7 +3,8 @@
 //! others become placeholders; the layer's forward ([`crate::nn::MoeForward`]) sends each
 //! token to the rank that holds its expert and back.
 
-use super::plan::ModulePath;
+use super::placed::ExpertSplit;
+use super::plan::{ModulePath, ParallelizePlan};
 use crate::error::ParallelError;
 use crate::params::ParamLayout;
 use crate::placement::PlacementTable;
@@ -15,19 +16,19 @@ use std::collections::{HashMap, HashSet};
 
 /// A mixture-of-experts layer of a model, as its parameters show it.
 #[derive(Debug, Clone)]
-pub(super) struct MoeLayer {
+struct MoeLayer {
     /// Its module path (`blocks.1.moe`).
-    pub(super) path: String,
+    path: String,
     /// Routed experts (the router's output width).
-    pub(super) n_experts: usize,
+    n_experts: usize,
     /// Its router's parameter paths.
-    pub(super) router: Vec<String>,
+    router: Vec<String>,
     /// Per routed-expert parameter path, the expert's index.
-    pub(super) expert_of: HashMap<String, usize>,
+    expert_of: HashMap<String, usize>,
 }
 
 /// Every [`flashover_models::Moe`] layer of `model`, found by type.
-pub(super) fn moe_layers<M: Module>(model: &M) -> Vec<MoeLayer> {
+fn moe_layers<M: Module>(model: &M) -> Vec<MoeLayer> {
     #[derive(Default)]
     struct Find {
         path: Vec<String>,
@@ -94,7 +95,7 @@ fn joined(path: &[String]) -> String {
 
 /// The `expert_parallel` layers of a plan among `layers`: each path must name mixture-of-experts
 /// layers whose experts divide over `ep` ranks.
-pub(super) fn named_layers<'a>(
+fn named_layers<'a>(
     paths: &[ModulePath],
     layers: &'a [MoeLayer],
     ep: usize,
@@ -131,6 +132,60 @@ pub(super) fn named_layers<'a>(
     Ok(named)
 }
 
+/// A model's mixture-of-experts layers under a plan, seen from one rank.
+pub(super) struct Experts {
+    /// Every `Moe` layer of the model.
+    layers: Vec<MoeLayer>,
+    /// Which experts this rank holds, when the plan spreads them over more than one `ep` rank.
+    pub(super) shares: Option<ExpertShares>,
+    /// The routers of the `expert_parallel` layers, by parameter path, with their split.
+    pub(super) routers: HashMap<String, ExpertSplit>,
+    /// The routers of every `Moe` layer, by parameter path (they route whole sequences).
+    pub(super) all_routers: HashSet<String>,
+}
+
+impl Experts {
+    /// The `Moe` layers of `model` (of parameters `layout`), and the `expert_parallel` ones of
+    /// `plan` spread over `ep`. Fails naming a path that names no `Moe` layer, or a layer
+    /// whose experts do not divide over `ep`.
+    pub(super) fn of<M: Module>(
+        model: &M,
+        plan: &ParallelizePlan,
+        layout: &ParamLayout,
+        ep: &Group,
+    ) -> Result<Self, ParallelError> {
+        let layers = moe_layers(model);
+        let spread = named_layers(&plan.expert_parallel, &layers, ep.size())?;
+        let split = ep.size() > 1;
+        let shares = split.then(|| ExpertShares::new(&spread, layout.clone(), ep));
+        let routers = spread
+            .iter()
+            .filter(|_| split)
+            .flat_map(|l| {
+                let split = ExpertSplit {
+                    group: ep.clone(),
+                    n_experts: l.n_experts,
+                };
+                l.router.iter().map(move |p| (p.clone(), split.clone()))
+            })
+            .collect();
+        let all_routers = layers.iter().flat_map(|l| l.router.clone()).collect();
+        Ok(Experts {
+            layers,
+            shares,
+            routers,
+            all_routers,
+        })
+    }
+
+    /// The parameter paths of every `Moe` layer's routed experts.
+    pub(super) fn routed(&self) -> impl Iterator<Item = &str> {
+        self.layers
+            .iter()
+            .flat_map(|l| l.expert_of.keys().map(String::as_str))
+    }
+}
+
 /// Which experts this `ep` rank holds, and the gather that makes the whole model again.
 pub(super) struct ExpertShares {
     ep: Group,
@@ -147,7 +202,7 @@ pub(super) struct ExpertShares {
 impl ExpertShares {
     /// The experts of `layers` spread over `ep` (rank `r` holds each layer's experts
     /// `r * n / ep ..`), for a model of parameters `whole`.
-    pub(super) fn new(layers: &[&MoeLayer], whole: ParamLayout, ep: &Group) -> Self {
+    fn new(layers: &[&MoeLayer], whole: ParamLayout, ep: &Group) -> Self {
         let (rank, n) = (ep.rank(), ep.size());
         let expert_of = |name: &str| {
             layers

@@ -67,7 +67,7 @@ use crate::precision::Precision;
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{Gradients, Int, Tensor, TensorData};
-use experts::ExpertShares;
+use experts::{ExpertShares, Experts};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use flashover_runtime::{Axis, RankContext};
 use pipeline::Stages;
@@ -88,8 +88,8 @@ pub struct Parallelized {
     /// The ranks that read different samples (`dp` x `fsdp` x `ep`), in which this rank is
     /// `data.rank()`.
     data: Group,
-    /// The ranks whose mean losses make the whole batch's (`dp` x `fsdp` x `cp`): each holds
-    /// as many of the batch's positions.
+    /// The ranks whose mean losses make the whole batch's (`dp` x `fsdp` x `ep` x `cp`): each
+    /// holds as many of the batch's tokens.
     averaged: Group,
     /// The sequence split, when the plan splits sequences over `cp` on this mesh.
     context: Option<ContextSplit>,
@@ -143,22 +143,7 @@ pub fn parallelize<M: Module>(
     let layout = ParamLayout::of(&model);
     let layout_len = layout.slots.len();
     validate::check_plan(plan, &layout.slots, tp.size())?;
-    let moe_layers = experts::moe_layers(&model);
-    let ep = ctx.group(Axis::Ep).clone();
-    let spread = experts::named_layers(&plan.expert_parallel, &moe_layers, ep.size())?;
-    let expert_shares = (ep.size() > 1).then(|| ExpertShares::new(&spread, layout.clone(), &ep));
-    let routers: HashMap<String, ExpertSplit> = spread
-        .iter()
-        .filter(|_| ep.size() > 1)
-        .flat_map(|l| {
-            let split = ExpertSplit {
-                group: ep.clone(),
-                n_experts: l.n_experts,
-            };
-            l.router.iter().map(move |p| (p.clone(), split.clone()))
-        })
-        .collect();
-    let all_routers: HashSet<String> = moe_layers.iter().flat_map(|l| l.router.clone()).collect();
+    let experts = Experts::of(&model, plan, &layout, ctx.group(Axis::Ep))?;
     let stages = match &plan.pipeline {
         Some(rule) => Some(Stages::new(
             rule,
@@ -170,22 +155,13 @@ pub fn parallelize<M: Module>(
     };
     let mut placements = PlacementTable::whole(&model);
     let model = broadcast_module(model, ctx.world(), 0)?;
-    // What other ranks hold: other pipeline stages' parameters, other ep ranks' experts.
-    let mut absent = HashMap::new();
-    let mut held = vec![true; layout_len];
-    if let Some(stages) = &stages {
-        stages.place(&mut placements)?;
-        absent.extend(stages.absent.iter().map(|p| (p.clone(), Elsewhere::Stage)));
-        held.iter_mut().zip(&stages.held).for_each(|(h, s)| *h &= s);
-    }
-    if let Some(shares) = &expert_shares {
-        shares.place(&mut placements)?;
-        for path in &shares.absent {
-            absent.entry(path.clone()).or_insert(Elsewhere::Expert);
-        }
-        held.iter_mut().zip(&shares.held).for_each(|(h, s)| *h &= s);
-    }
-    let model = placeholders_except(model, &held);
+    let absent = held_elsewhere(
+        stages.as_ref(),
+        experts.shares.as_ref(),
+        layout_len,
+        &mut placements,
+    )?;
+    let model = placeholders_except(model, &absent.held);
     let whole_reads = WholeReads::default();
     let kept_whole = if plan.fully_shard.is_empty() {
         Default::default()
@@ -193,9 +169,7 @@ pub fn parallelize<M: Module>(
         let mut kept = placed::reads_stored_shape(&model);
         // A routed expert runs only on the tokens routed to it, so the ranks sharing its rows
         // would not read it together, and each read of a sharded parameter is a collective.
-        for layer in &moe_layers {
-            kept.extend(layer.expert_of.keys().map(|p| (p.clone(), ROUTED_EXPERT)));
-        }
+        kept.extend(experts.routed().map(|p| (p.to_string(), ROUTED_EXPERT)));
         kept
     };
     let mut error = None;
@@ -205,11 +179,11 @@ pub fn parallelize<M: Module>(
         fsdp: ctx.group(Axis::Fsdp).clone(),
         tp: tp.clone(),
         cp: ctx.group(Axis::Cp).clone(),
-        routers: &routers,
-        all_routers: &all_routers,
+        routers: &experts.routers,
+        all_routers: &experts.all_routers,
         placements: &mut placements,
         whole_reads: whole_reads.clone(),
-        absent: &absent,
+        absent: &absent.by_path,
         kept_whole: &kept_whole,
         sequence_partials: &mut sequence_partial,
         error: &mut error,
@@ -233,17 +207,63 @@ pub fn parallelize<M: Module>(
                 load_balance: rule.load_balance,
             }),
         whole_reads,
-        held_elsewhere: (stages.is_some() || expert_shares.is_some())
+        held_elsewhere: (stages.is_some() || experts.shares.is_some())
             .then(|| ctx.subgroup(&[Axis::Pp, Axis::Ep]))
             .transpose()?,
-        absent: absent.into_keys().collect(),
+        absent: absent.by_path.into_keys().collect(),
         stages,
-        experts: expert_shares,
+        experts: experts.shares,
         kept_whole,
         sequence_check: (tp.size() > 1 && !plan.sequence_parallel.is_empty())
             .then(|| sequence_check::SequenceCheck::new(tp.clone(), sequence_partial)),
     };
     Ok((model, par))
+}
+
+/// The parameters other ranks hold: by path with why, and per parameter (layout order)
+/// whether this rank holds it.
+struct Absent {
+    by_path: HashMap<String, Elsewhere>,
+    held: Vec<bool>,
+}
+
+/// What other ranks hold of a model of `len` parameters (other pipeline stages' parameters,
+/// other ep ranks' experts), recorded in `placements` as owned over `pp` and `ep`.
+fn held_elsewhere(
+    stages: Option<&Stages>,
+    shares: Option<&ExpertShares>,
+    len: usize,
+    placements: &mut PlacementTable,
+) -> Result<Absent, ParallelError> {
+    let mut absent = Absent {
+        by_path: HashMap::new(),
+        held: vec![true; len],
+    };
+    if let Some(stages) = stages {
+        stages.place(placements)?;
+        let paths = stages.absent.iter().map(|p| (p.clone(), Elsewhere::Stage));
+        absent.by_path.extend(paths);
+        absent
+            .held
+            .iter_mut()
+            .zip(&stages.held)
+            .for_each(|(h, s)| *h &= s);
+    }
+    if let Some(shares) = shares {
+        shares.place(placements)?;
+        for path in &shares.absent {
+            absent
+                .by_path
+                .entry(path.clone())
+                .or_insert(Elsewhere::Expert);
+        }
+        absent
+            .held
+            .iter_mut()
+            .zip(&shares.held)
+            .for_each(|(h, s)| *h &= s);
+    }
+    Ok(absent)
 }
 
 /// Refuses a mesh axis the plan does not split the model over: its ranks would run the model
