@@ -1,6 +1,5 @@
 //! Causal attention's core, splittable over `cp` by a plan's `context_parallel` rule.
 
-use crate::context_parallel::ContextParallel;
 use crate::parallelize::Placed;
 use burn::module::{Module, Param};
 use burn::tensor::activation::softmax;
@@ -62,15 +61,9 @@ impl CausalAttention {
             return local_causal_attention(q, k, v);
         };
         let [_, heads, local, _] = q.dims();
-        let seq = local * split.group.size();
-        let cp = ContextParallel::new(
-            &split.group,
-            seq,
-            split.algorithm,
-            split.load_balance,
-            heads,
-        )
-        .unwrap_or_else(|e| panic!("context-parallel attention: {e}"));
+        let cp = split
+            .attention(local * split.group.size(), heads)
+            .unwrap_or_else(|e| panic!("context-parallel attention: {e}"));
         let ctx = cp.forward_context(ForwardContext::default());
         let core = ctx
             .core_attention

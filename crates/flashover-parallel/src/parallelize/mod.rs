@@ -172,13 +172,18 @@ pub fn parallelize<M: Module>(
         kept.extend(experts.routed().map(|p| (p.to_string(), ROUTED_EXPERT)));
         kept
     };
+    let context = plan
+        .context_parallel
+        .as_ref()
+        .filter(|_| ctx.group(Axis::Cp).size() > 1)
+        .map(|rule| ContextSplit::new(ctx.group(Axis::Cp), rule));
     let mut error = None;
     let mut sequence_partial = std::collections::HashSet::new();
     let place = placed::PlaceParams {
         plan,
         fsdp: ctx.group(Axis::Fsdp).clone(),
         tp: tp.clone(),
-        cp: ctx.group(Axis::Cp).clone(),
+        context: context.as_ref(),
         routers: &experts.routers,
         all_routers: &experts.all_routers,
         placements: &mut placements,
@@ -197,15 +202,7 @@ pub fn parallelize<M: Module>(
         reducer: GradientReducer::new(ctx, Precision::F32)?,
         data: ctx.subgroup(&DATA_AXES)?,
         averaged: ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep, Axis::Cp])?,
-        context: plan
-            .context_parallel
-            .as_ref()
-            .filter(|_| ctx.group(Axis::Cp).size() > 1)
-            .map(|rule| ContextSplit {
-                group: ctx.group(Axis::Cp).clone(),
-                algorithm: rule.algorithm,
-                load_balance: rule.load_balance,
-            }),
+        context,
         whole_reads,
         held_elsewhere: (stages.is_some() || experts.shares.is_some())
             .then(|| ctx.subgroup(&[Axis::Pp, Axis::Ep]))

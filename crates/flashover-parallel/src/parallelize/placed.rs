@@ -17,8 +17,8 @@
 //! `reshard_after_forward = false`): between steps a rank holds `1/fsdp` of the parameters,
 //! gradients and optimizer state, during forward and backward also the gathered parameters.
 
-use super::plan::{ParallelizePlan, TpStyle};
-use crate::context_parallel::{CpAttention, SequenceLayout};
+use super::plan::{ContextParallelRule, ParallelizePlan, TpStyle};
+use crate::context_parallel::{ContextParallel, CpAttention, SequenceLayout};
 use crate::error::ParallelError;
 use crate::placement::PlacementTable;
 use crate::tensor_parallel::comm::{copy_to_tp, gather_from_sp, gather_from_tp};
@@ -28,8 +28,8 @@ use burn::tensor::Tensor;
 use flashover_comm::Group;
 use flashover_runtime::Axis;
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// The reparameterization of a parameter a plan moved (see the module docs).
 #[derive(Module, Debug)]
@@ -72,6 +72,9 @@ pub struct ContextSplit {
     pub algorithm: CpAttention,
     /// Two chunks of every sequence per rank (from the start and the end) or one.
     pub load_balance: bool,
+    /// The attention of the last sequence length and head count asked for (every core of a
+    /// model shares it: building one lays out the sequence, and all-to-all's mask).
+    attention: Arc<Mutex<Option<(usize, usize, ContextParallel)>>>,
 }
 
 /// Why a rank keeps a placeholder for a parameter.
@@ -139,6 +142,31 @@ pub struct ExpertSplit {
 }
 
 impl ContextSplit {
+    /// Sequences split over `group` as `rule` says.
+    pub(super) fn new(group: &Group, rule: &ContextParallelRule) -> Self {
+        ContextSplit {
+            group: group.clone(),
+            algorithm: rule.algorithm,
+            load_balance: rule.load_balance,
+            attention: Default::default(),
+        }
+    }
+
+    /// The attention over sequences of `seq` positions (`seq / cp` on this rank) with `heads`
+    /// heads per rank. Fails naming the sizes when the sequence does not cut evenly or
+    /// all-to-all's heads do not divide by `cp`.
+    pub fn attention(&self, seq: usize, heads: usize) -> Result<ContextParallel, ParallelError> {
+        let mut known = self.attention.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((s, h, cp)) = known.as_ref()
+            && (*s, *h) == (seq, heads)
+        {
+            return Ok(cp.clone());
+        }
+        let cp = ContextParallel::new(&self.group, seq, self.algorithm, self.load_balance, heads)?;
+        *known = Some((seq, heads, cp.clone()));
+        Ok(cp)
+    }
+
     /// Which positions of a `seq`-long sequence each rank holds (fails naming the sizes when
     /// it does not cut evenly).
     pub fn layout(&self, seq: usize) -> Result<SequenceLayout, ParallelError> {
@@ -324,7 +352,8 @@ pub(super) struct PlaceParams<'a> {
     pub(super) plan: &'a ParallelizePlan,
     pub(super) fsdp: Group,
     pub(super) tp: Group,
-    pub(super) cp: Group,
+    /// The sequence split, when the plan splits sequences over `cp` on this mesh.
+    pub(super) context: Option<&'a ContextSplit>,
     /// Per router parameter path of an `expert_parallel` layer, its experts' split.
     pub(super) routers: &'a HashMap<String, ExpertSplit>,
     /// Router parameter paths of every mixture-of-experts layer (they route whole sequences).
@@ -420,19 +449,11 @@ impl Reparameterizer for PlaceParams<'_> {
             && self.plan.shard_path(&path).is_some()
             && !self.kept_whole.contains_key(&path)
             && param.shape().num_elements() > 0;
+        let routes_whole_sequences = self.all_routers.contains(&path);
         let context = self
-            .plan
-            .context_parallel
-            .as_ref()
-            .filter(|_| {
-                let routes_whole_sequences = self.all_routers.contains(&path);
-                self.cp.size() > 1 && (self.plan.attention_core(&path) || routes_whole_sequences)
-            })
-            .map(|rule| ContextSplit {
-                group: self.cp.clone(),
-                algorithm: rule.algorithm,
-                load_balance: rule.load_balance,
-            });
+            .context
+            .filter(|_| self.plan.attention_core(&path) || routes_whole_sequences)
+            .cloned();
         let experts = self.routers.get(&path).cloned();
         let sequence_tp =
             (self.sequence_parallel() && self.all_routers.contains(&path)).then(|| self.tp.clone());
