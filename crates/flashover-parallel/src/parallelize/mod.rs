@@ -501,7 +501,12 @@ impl Parallelized {
             )
         })?;
         let share = self.share(global_batch, step)?;
-        let device = ctx.device().clone().autodiff();
+        // The model's own autodiff device (with Burn's balanced checkpointing, if it chose it).
+        let device = model
+            .devices()
+            .into_iter()
+            .next()
+            .unwrap_or_else(|| ctx.device().clone().autodiff());
         let before = stages.recomputed();
         let (flat, loss, report) = stages.step(model, share, &device, micro_batch)?;
         let recomputed = stages.recomputed() - before;

@@ -555,10 +555,19 @@ fn stack_single_rank() -> Run {
 /// `Stack` under a pipelined `plan` on `mesh`: rank 0's run, every rank's stored elements and
 /// the layer forwards each rank ran again in backward.
 fn stack_pipelined(mesh: &str, plan: ParallelizePlan) -> (Run, Vec<usize>, Vec<usize>) {
+    stack_pipelined_on(mesh, plan, || Device::flex().autodiff())
+}
+
+/// [`stack_pipelined`] with the model on the autodiff device `device` makes.
+fn stack_pipelined_on(
+    mesh: &str,
+    plan: ParallelizePlan,
+    device: impl Fn() -> Device + Sync,
+) -> (Run, Vec<usize>, Vec<usize>) {
     let out = Launch::new(mesh)
         .unwrap()
         .run(|ctx| {
-            let device = Device::flex().autodiff();
+            let device = device();
             let (mut model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
             let held = ParamLayout::of(&model).numel;
             let mut optim = AdamWConfig::new().init();
@@ -679,6 +688,15 @@ fn layers_a_plan_recomputes_in_backward_train_as_one_rank() {
             4,
         ),
     ];
+    // Burn's balanced checkpointing: a property of the model's device, which the step uses.
+    let selective = || Device::flex().autodiff().gradient_checkpointing();
+    let (run, _, _) =
+        stack_pipelined_on("pp=2", ParallelizePlan::new().pipeline(rule(4)), selective);
+    let (loss, norm, weights) = differences(&run, &reference);
+    assert!(
+        loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+        "pp=2 selective: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+    );
     for (mesh, plan, policy, per_step) in cases {
         let plan = plan.activation_checkpointing(policy.clone());
         let (run, _, recomputed) = stack_pipelined(mesh, plan);
