@@ -118,6 +118,9 @@ pub struct PipelineStep {
     /// The whole batch's mean loss (of `head_loss`: layers' auxiliary losses are left out),
     /// the same on every rank.
     pub loss: f32,
+    /// The whole batch's mean of the layers' auxiliary losses ([`PipelineModel::layer_with_aux`];
+    /// 0 without any): `loss + aux_loss` is the objective trained.
+    pub aux_loss: f32,
     /// The global gradient norm before clipping.
     pub norm: f32,
     /// What the schedule measured on this rank (time in forwards, backwards and waits).
@@ -402,10 +405,16 @@ impl Parallelized {
     /// over `dp` x `fsdp` x `cp`).
     pub fn mean_loss(&self, loss: f32) -> Result<f32, ParallelError> {
         let mut value = [loss];
-        if self.averaged.size() > 1 {
-            self.averaged.all_reduce(&mut value, ReduceOp::Avg)?;
-        }
+        self.mean_over_ranks(&mut value)?;
         Ok(value[0])
+    }
+
+    /// [`Self::mean_loss`] of several values at once.
+    fn mean_over_ranks(&self, values: &mut [f32]) -> Result<(), ParallelError> {
+        if self.averaged.size() > 1 {
+            self.averaged.all_reduce(values, ReduceOp::Avg)?;
+        }
+        Ok(())
     }
 
     /// This rank's positions of `x`'s sequences along dimension `dim` (`x: [batch, seq]`
@@ -508,13 +517,15 @@ impl Parallelized {
             .next()
             .unwrap_or_else(|| ctx.device().clone().autodiff());
         let before = stages.recomputed();
-        let (flat, loss, report) = stages.step(model, share, &device, micro_batch)?;
+        let (flat, mut losses, report) = stages.step(model, share, &device, micro_batch)?;
         let recomputed = stages.recomputed() - before;
-        let loss = self.mean_loss(loss)?;
+        self.mean_over_ranks(&mut losses)?;
+        let [loss, aux_loss] = losses;
         let (grads, norm) = self.reduce_and_clip(model, flat, max_norm, ctx)?;
         Ok(PipelineStep {
             grads,
             loss,
+            aux_loss,
             norm,
             report,
             recomputed,

@@ -219,15 +219,15 @@ impl Stages {
 
     /// One step's forwards and backwards of this rank's stages over `share` (this rank's
     /// samples, cut into the rule's micro-batches): the gradients summed over its chunks and
-    /// averaged over micro-batches, in `model`'s layout, and the mean loss of the share (the
-    /// same on every rank of `pp`).
+    /// averaged over micro-batches, in `model`'s layout, and the mean loss and auxiliary loss of
+    /// the share (the same on every rank of `pp`).
     pub(super) fn step<M, const D: usize>(
         &self,
         model: &M,
         share: Range<usize>,
         device: &Device,
         micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
-    ) -> Result<(Vec<f32>, f32, PipelineStepReport), ParallelError>
+    ) -> Result<(Vec<f32>, [f32; 2], PipelineStepReport), ParallelError>
     where
         M: PipelineModel<D> + Sync + 'static,
     {
@@ -274,11 +274,12 @@ impl Stages {
         for chunk in &flats {
             flat.iter_mut().zip(chunk).for_each(|(sum, g)| *sum += g);
         }
-        let mut loss = [report.loss_sum as f32 / m as f32];
+        // The mean loss (the last stage's) and the mean of every stage's auxiliary losses.
+        let mut losses = [report.loss_sum, report.aux_loss_sum].map(|l| l as f32 / m as f32);
         if self.pp.size() > 1 {
-            self.pp.all_reduce(&mut loss, ReduceOp::Sum)?;
+            self.pp.all_reduce(&mut losses, ReduceOp::Sum)?;
         }
-        Ok((flat, loss[0], report))
+        Ok((flat, losses, report))
     }
 }
 

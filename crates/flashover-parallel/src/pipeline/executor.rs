@@ -57,6 +57,16 @@ impl<const D: usize> StageOutput<D> {
         }
     }
 
+    /// The sum of its auxiliary losses' values (0 without any).
+    fn aux_value(&self) -> f64 {
+        match self {
+            StageOutput::WithAuxLoss(main, aux) => {
+                aux.clone().into_scalar::<f32>() as f64 + main.aux_value()
+            }
+            _ => 0.0,
+        }
+    }
+
     /// The activation or loss, and the auxiliary losses (summed).
     fn split(self) -> (StageOutput<D>, Option<Tensor<1>>) {
         match self {
@@ -74,6 +84,8 @@ impl<const D: usize> StageOutput<D> {
 pub struct PipelineStepReport {
     /// Sum of the micro-batch losses (last virtual stage; 0 elsewhere).
     pub loss_sum: f64,
+    /// Sum over micro-batches of this rank's stages' auxiliary losses (not in `loss_sum`).
+    pub aux_loss_sum: f64,
     /// Time in forwards.
     pub forward: Duration,
     /// Time in backwards (input- and weight-gradient actions included).
@@ -249,6 +261,7 @@ impl<'a> PipelineExecutor<'a> {
                     if let StageOutput::Loss(loss) = out.main() {
                         report.loss_sum += loss.clone().into_scalar::<f32>() as f64;
                     }
+                    report.aux_loss_sum += out.aux_value();
                     outputs.insert(key, (input, out));
                     report.forward += t0.elapsed();
                     report.events.push((*a, t0, Instant::now()));
