@@ -1,6 +1,6 @@
 //! Causal attention's core, splittable over `cp` by a plan's `context_parallel` rule.
 
-use crate::parallelize::Placed;
+use crate::parallelize::{ContextSplit, Placed};
 use burn::module::{Module, Param};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Device, Tensor};
@@ -29,17 +29,20 @@ impl CausalAttention {
         }
     }
 
+    /// The plan's sequence split, if it made one.
+    fn split(&self) -> Option<&ContextSplit> {
+        self.context
+            .reparameterization::<Placed>()
+            .and_then(Placed::context)
+    }
+
     /// The positions in the whole sequence of a `seq`-long local sequence this core attends
     /// over: `0..seq`, or under the plan's `context_parallel` rule this rank's chunks of a
     /// sequence `cp` times as long. For rotary embeddings inside a layer, where the batch's
     /// positions do not reach (a pipeline stage's layers see only activations). Panics, naming
     /// the sizes, when `seq` does not make equal chunks.
     pub fn positions(&self, seq: usize) -> Vec<usize> {
-        let split = self
-            .context
-            .reparameterization::<Placed>()
-            .and_then(Placed::context);
-        match split {
+        match self.split() {
             None => (0..seq).collect(),
             Some(split) => split
                 .layout(seq * split.group.size())
@@ -53,11 +56,7 @@ impl CausalAttention {
     /// of the values at its own and earlier positions of the whole sequence, weighted by
     /// `softmax(q k^T / sqrt(head_dim))`.
     pub fn forward(&self, q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
-        let split = self
-            .context
-            .reparameterization::<Placed>()
-            .and_then(Placed::context);
-        let Some(split) = split else {
+        let Some(split) = self.split() else {
             return local_causal_attention(q, k, v);
         };
         let [_, heads, local, _] = q.dims();
