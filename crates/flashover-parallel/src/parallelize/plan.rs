@@ -256,12 +256,25 @@ mod schedule_name {
 /// Which modules of a model each strategy transforms (see [`super::parallelize`]).
 ///
 /// ```
-/// use flashover_parallel::parallelize::{ContextParallelRule, ParallelizePlan, TensorParallelRule};
+/// use flashover_parallel::activation_checkpointing::CheckpointPolicy;
+/// use flashover_parallel::parallelize::{
+///     ContextParallelRule, ParallelizePlan, PipelineRule, TensorParallelRule,
+/// };
+/// use flashover_parallel::pipeline::ScheduleKind;
 ///
 /// // TOML, for a table of your own configuration file ...
 /// let plan = ParallelizePlan::from_toml(
 ///     r#"
 ///     fully_shard = ["blocks", "embed"]
+///     expert_parallel = ["blocks.*.moe"]
+///     activation_checkpointing = "every:2"
+///
+///     [pipeline]
+///     layers = "blocks"
+///     first = ["embed"]
+///     last = ["norm", "embed"]
+///     schedule = "1f1b"
+///     micro_batches = 4
 ///
 ///     [context_parallel]
 ///     attention = ["blocks.*.attn.core"]
@@ -286,7 +299,14 @@ mod schedule_name {
 ///     .fully_shard("embed")
 ///     .tensor_parallel(TensorParallelRule::colwise(&heads).in_units(16))
 ///     .tensor_parallel(TensorParallelRule::rowwise(&["blocks.*.attn.out"]).in_units(16))
-///     .context_parallel(ContextParallelRule::ring(&["blocks.*.attn.core"]));
+///     .context_parallel(ContextParallelRule::ring(&["blocks.*.attn.core"]))
+///     .expert_parallel("blocks.*.moe")
+///     .activation_checkpointing(CheckpointPolicy::Every(2))
+///     .pipeline(
+///         PipelineRule::new("blocks", ScheduleKind::OneFOneB, 4)
+///             .first(&["embed"])
+///             .last(&["norm", "embed"]),
+///     );
 /// assert_eq!(plan, rust);
 /// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
