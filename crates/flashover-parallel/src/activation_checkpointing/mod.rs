@@ -17,7 +17,7 @@
 //! coordinates) (`flashover_models::Dropout`), not a stream: a recomputed forward draws exactly
 //! the masks the first one drew, so gradients equal those without recomputation.
 //!
-//! Block-level recomputation is a custom autodiff op with host code in its backward ([`op`]),
+//! Block-level recomputation is a custom autodiff op with host code in its backward (module `op`),
 //! implemented for Flex and, with the `wgpu` / `cuda` features, the CubeCL backend.
 
 mod op;
@@ -108,7 +108,7 @@ impl CheckpointPolicy {
         }
     }
 
-    /// Whether the policy recomputes whole blocks (needs [`CheckpointPolicy::hook`]).
+    /// Whether the policy recomputes whole blocks (needs [`CheckpointPolicy::block_recompute`]).
     pub fn is_block_level(&self) -> bool {
         matches!(
             self,

@@ -22,7 +22,7 @@ use std::sync::Arc;
 /// flat parameter gradient) out.
 pub type RecomputeFn = dyn Fn(TensorData, TensorData) -> (TensorData, Vec<f32>) + Send + Sync;
 
-/// [`RecomputeFn`] as an op state (states must be `Debug`).
+/// `RecomputeFn` as an op state (states must be `Debug`).
 #[derive(Clone)]
 pub struct RecomputeHook(pub Arc<RecomputeFn>);
 

@@ -15,7 +15,7 @@
 //! Sequence parallelism uses the last two pairs along the sequence dim; the plain all-reduce of
 //! Burn is not a correct *g* (its backward would all-reduce again).
 //!
-//! The ops run host code on the tensor's values ([`crate::host`]): on Flex, and on the CubeCL
+//! The ops run host code on the tensor's values (`crate::host`): on Flex, and on the CubeCL
 //! backend (wgpu, CUDA) with the `wgpu` / `cuda` features. A failed collective inside backward
 //! panics with its `CommError` (the launcher reports it like a returned error).
 

@@ -76,7 +76,7 @@ impl<M> std::fmt::Debug for UnitSpec<M> {
     }
 }
 
-/// One fully sharded unit; see the [module docs](self). Its only Burn parameter is this rank's
+/// One fully sharded unit; see [`FullyShardConfig`]. Its only Burn parameter is this rank's
 /// shard of the unit's flattened parameters.
 #[derive(Module, Debug)]
 pub struct FullyShardedUnit<M: Send + Sync + 'static> {
@@ -307,7 +307,7 @@ impl<M: Module + Sync + 'static> FullyShardedUnit<M> {
     }
 
     /// Runs `f` (the unit's forward) on `x` with the unit's parameters gathered, as the
-    /// configuration says (see the [module docs](self)).
+    /// configuration says (see [`FullyShardConfig`]).
     pub fn forward<const D: usize, const E: usize, F>(
         &self,
         x: Tensor<D>,

@@ -96,7 +96,10 @@ impl Pending {
     }
 }
 
-/// See the [module docs](self).
+/// One communication thread per rank that runs the units' all-gathers and reduce-scatters in
+/// submission order (ranks submit in the same program order, so they issue the same
+/// collectives in the same order, and an all-gather submitted early, a prefetch, runs while
+/// the training thread computes), and the gathered-memory counters.
 pub struct ShardGroup {
     group: Group,
     stats: GatherStats,
