@@ -19,7 +19,7 @@
 //! - [`train`]: the training job behind `flashover train` and `flashover verify`.
 //! - [`check`]: comparing a layout's loss curve and weights with one rank's.
 //! - [`plan`]: the planner behind `flashover plan` (memory and step-time model, mesh search).
-//! - [`bench`]: the measurements behind `flashover bench`; [`heap`]: the counting allocator
+//! - [`bench`](mod@bench): the measurements behind `flashover bench`; [`heap`]: the counting allocator
 //!   they measure memory with.
 //!
 //! ```

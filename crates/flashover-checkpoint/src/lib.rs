@@ -6,7 +6,7 @@
 //! state. Because regions are described in global coordinates, any rank of any layout can
 //! read exactly the elements it needs ([`Checkpoint::read`]): that is resharding.
 //!
-//! - [`write`]: the save protocol ([`begin`], [`write_shard`] per rank, [`commit`] once, then
+//! - [`write`](mod@write): the save protocol ([`begin`], [`write_shard`] per rank, [`commit`] once, then
 //!   [`prune`]); atomic: nothing is visible until the index is in place and the directory
 //!   renamed.
 //! - [`ModelFile`]: a consolidated safetensors file of whole tensors (`ckpt export`, or
