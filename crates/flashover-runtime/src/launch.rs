@@ -354,7 +354,9 @@ fn severity(e: &(dyn Error + 'static)) -> u8 {
 }
 
 /// Runs `body` on every rank of `mesh` (a [`DeviceMesh`], a mesh string or a rank count) on
-/// the Flex device with default settings. See [`Launch`] for the options.
+/// the Flex device with default settings, and returns the results in world-rank order. A mesh
+/// string's axes may be written in any order (`ep=2,pp=2` is `pp=2,ep=2`): ranks are laid out
+/// in the canonical axis order. See [`Launch`] for the options.
 pub fn launch<T, E, F>(mesh: impl IntoMesh, body: F) -> Result<Vec<T>, LaunchError>
 where
     T: Send,
