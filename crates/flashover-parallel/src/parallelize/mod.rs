@@ -62,7 +62,9 @@ use crate::params::{
     load_shaped, placeholders_except,
 };
 use crate::pipeline::PipelineStepReport;
-use crate::placement::{GradientReducer, ParamPlacement, PlacementTable, global_grad_norm};
+use crate::placement::{
+    GradientReducer, ParamPlacement, Placement, PlacementTable, global_grad_norm,
+};
 use crate::precision::Precision;
 use burn::module::Module;
 use burn::optim::GradientsParams;
@@ -71,7 +73,7 @@ use experts::{ExpertShares, Experts};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use flashover_runtime::{Axis, RankContext};
 use pipeline::Stages;
-use placed::{Elsewhere, WholeReads};
+use placed::{Elsewhere, UnitGathers, WholeReads};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 
@@ -147,7 +149,7 @@ pub fn parallelize<M: Module>(
     let layout_len = layout.slots.len();
     validate::check_plan(plan, &layout.slots, tp.size())?;
     let experts = Experts::of(&model, plan, &layout, ctx.group(Axis::Ep))?;
-    let stages = match &plan.pipeline {
+    let mut stages = match &plan.pipeline {
         Some(rule) => Some(Stages::new(
             rule,
             &plan.activation_checkpointing,
@@ -166,6 +168,7 @@ pub fn parallelize<M: Module>(
     )?;
     let model = placeholders_except(model, &absent.held);
     let whole_reads = WholeReads::default();
+    let units = UnitGathers::default();
     let kept_whole = if plan.fully_shard.is_empty() {
         Default::default()
     } else {
@@ -191,6 +194,7 @@ pub fn parallelize<M: Module>(
         all_routers: &experts.all_routers,
         placements: &mut placements,
         whole_reads: whole_reads.clone(),
+        units: units.clone(),
         absent: &absent.by_path,
         kept_whole: &kept_whole,
         sequence_partials: &mut sequence_partial,
@@ -199,6 +203,20 @@ pub fn parallelize<M: Module>(
     let model = model.apply_reparameterization(place);
     if let Some(e) = error {
         return Err(e);
+    }
+    if let Some(stages) = &mut stages {
+        // A pipeline's layers are units: each gathers its sharded parameters at once.
+        let sharded = stages
+            .whole
+            .slots
+            .iter()
+            .map(|s| {
+                placements
+                    .get(s.id)
+                    .is_some_and(|e| e.on(Axis::Fsdp) != Placement::Replicate)
+            })
+            .collect();
+        stages.gather_layers(units, ctx.group(Axis::Fsdp), sharded);
     }
     let par = Parallelized {
         placements,

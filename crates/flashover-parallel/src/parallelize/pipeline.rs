@@ -8,13 +8,14 @@
 //! run (an embedding tied to the head) is held by both; their gradients are summed so the
 //! copies stay equal, and the first stage's copy is the one counted and gathered.
 
+use super::placed::UnitGathers;
 use super::plan::PipelineRule;
 use crate::activation_checkpointing::{CheckpointPolicy, Replays, checkpoint_part};
 use crate::error::ParallelError;
 use crate::params::{ParamLayout, ParamSlot};
 use crate::pipeline::{PipelineExecutor, PipelineStepReport, Schedule, ScheduleKind, StageOutput};
 use crate::placement::{PlacementTable, Tie};
-use burn::module::Module;
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Device, Tensor};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use flashover_runtime::Axis;
@@ -81,6 +82,9 @@ pub(super) struct Stages {
     parts: Vec<Arc<[bool]>>,
     /// Layer forwards run again in backward so far.
     recomputed: Arc<AtomicUsize>,
+    /// With fully sharded layers: where a layer's gathered parameters go, the `fsdp` group, and
+    /// per parameter (layout order) whether it is fully sharded.
+    units: Option<(UnitGathers, Group, Arc<[bool]>)>,
 }
 
 impl Stages {
@@ -185,6 +189,7 @@ impl Stages {
             recompute: recompute.clone(),
             parts,
             recomputed: Default::default(),
+            units: None,
         })
     }
 
@@ -284,6 +289,15 @@ impl Stages {
 }
 
 impl Stages {
+    /// Gathers each layer's fully sharded parameters (`sharded`, layout order) in one
+    /// collective over `group` before the layer runs, instead of one per parameter as it reads
+    /// them.
+    pub(super) fn gather_layers(&mut self, units: UnitGathers, group: &Group, sharded: Vec<bool>) {
+        if group.size() > 1 && sharded.iter().any(|s| *s) {
+            self.units = Some((units, group.clone(), sharded.into()));
+        }
+    }
+
     /// Layer `index` of `model` on `x` and its auxiliary loss: recomputed in backward when the
     /// plan's policy names it (carrying only the layer's own parameters), plainly otherwise.
     fn layer<M, const D: usize>(
@@ -295,8 +309,21 @@ impl Stages {
     where
         M: PipelineModel<D> + Sync + 'static,
     {
+        let unit = self.units.clone().map(|(units, group, sharded)| {
+            let part = self.parts[index].clone();
+            (units, group, sharded, part)
+        });
+        let run = move |m: &M, x: Tensor<D>| match &unit {
+            None => m.layer_with_aux(index, x),
+            Some((units, group, sharded, part)) => {
+                units.gather(layer_shards(m, part, sharded), group);
+                let out = m.layer_with_aux(index, x);
+                units.clear();
+                out
+            }
+        };
         if !self.recompute.recomputes_block(index) {
-            return model.layer_with_aux(index, x);
+            return run(model, x);
         }
         // The auxiliary loss leaves the recomputed function as one more element after the
         // output, so its gradient reaches the layer through the recomputation too (a layer
@@ -306,7 +333,7 @@ impl Stages {
         let replays = Replays::new(self.recomputed.clone());
         let forward = move |m: &M, x: Tensor<D>| {
             replays.next_is_replay();
-            let (y, aux) = m.layer_with_aux(index, x);
+            let (y, aux) = run(m, x);
             let aux = aux.unwrap_or_else(|| Tensor::zeros([1], &y.device()));
             let dtype = y.dtype();
             Tensor::cat(vec![y.reshape([numel]), aux.cast(dtype).reshape([1])], 0)
@@ -398,4 +425,46 @@ fn layer_index(rule: &PipelineRule, slot: &ParamSlot) -> Result<Option<usize>, P
             slot.name
         ))),
     }
+}
+
+/// The stored rows of `model`'s parameters that both `part` and `sharded` mark (layout order),
+/// each with its path, flattened.
+fn layer_shards<M: Module>(model: &M, part: &[bool], sharded: &[bool]) -> Vec<(String, Tensor<1>)> {
+    struct Collect {
+        wanted: Vec<bool>,
+        path: Vec<String>,
+        index: usize,
+        found: Vec<(String, Tensor<1>)>,
+    }
+    impl ModuleVisitor for Collect {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.wanted[self.index] {
+                // A visitor sees the stored value: this rank's rows.
+                let rows = param.val();
+                let numel = rows.shape().num_elements();
+                let path: Vec<&str> = self
+                    .path
+                    .iter()
+                    .map(String::as_str)
+                    .filter(|s| !s.is_empty())
+                    .collect();
+                self.found.push((path.join("."), rows.reshape([numel])));
+            }
+            self.index += 1;
+        }
+    }
+    let mut collect = Collect {
+        wanted: part.iter().zip(sharded).map(|(p, s)| *p && *s).collect(),
+        path: vec![],
+        index: 0,
+        found: vec![],
+    };
+    model.visit(&mut collect);
+    collect.found
 }

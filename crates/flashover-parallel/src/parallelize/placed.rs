@@ -5,7 +5,9 @@
 //! - **fully sharded** (`fsdp`): the base is this rank's rows of dimension 0, and
 //!   [`Param::val`], which every Burn layer calls in its forward, all-gathers them. The gather
 //!   is differentiable: its backward reduce-scatters (sums) the gradient over `fsdp`, so each
-//!   rank's base receives the gradient of its own rows and any optimizer steps the shard.
+//!   rank's base receives the gradient of its own rows and any optimizer steps the shard. A
+//!   pipeline rule's layer is gathered whole before it runs, one collective for all its
+//!   parameters (`UnitGathers`), and its parameters' reads take their part of it.
 //! - **tensor parallel** (`tp`): the base is this rank's columns or rows of a linear layer,
 //!   and [`crate::nn::Linear`] computes with that part (gathered over `fsdp` first when both
 //!   apply), putting the collectives of Megatron's column- and row-parallel layers around it.
@@ -60,6 +62,9 @@ pub struct Placed {
     sequence_tp: Option<Group>,
     #[module(skip)]
     whole_reads: WholeReads,
+    /// Fully sharded parameters gathered ahead of their reads, a layer at a time.
+    #[module(skip)]
+    units: UnitGathers,
 }
 
 /// How a plan splits sequences over the `cp` group, as an attention core
@@ -106,6 +111,47 @@ pub struct TpSplit {
     pub rows: usize,
     /// The `tp` group.
     pub group: Group,
+}
+
+/// Fully sharded parameters gathered ahead of their reads, with one collective for a whole
+/// layer ([`UnitGathers::gather`]): by parameter path, the gathered rows flattened. One per
+/// rank, shared by its parameters.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct UnitGathers(Arc<Mutex<HashMap<String, Tensor<1>>>>);
+
+impl UnitGathers {
+    /// Gathers the shards `shards` (each a fully sharded parameter's path and stored rows,
+    /// flattened) over `group` in one all-gather (whose backward reduce-scatters their
+    /// gradients in one collective too), for the parameters' reads until [`Self::clear`].
+    pub(crate) fn gather(&self, shards: Vec<(String, Tensor<1>)>, group: &Group) {
+        if shards.is_empty() {
+            return;
+        }
+        let lens: Vec<usize> = shards.iter().map(|(_, t)| t.dims()[0]).collect();
+        let total: usize = lens.iter().sum();
+        let (names, tensors): (Vec<String>, Vec<Tensor<1>>) = shards.into_iter().unzip();
+        let gathered = gather_from_sp(Tensor::cat(tensors, 0), 0, group);
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut offset = 0;
+        for (name, len) in names.into_iter().zip(lens) {
+            // Rank r's rows of this parameter sit at r * total + offset.
+            let rows = (0..group.size())
+                .map(|r| gathered.clone().narrow(0, r * total + offset, len))
+                .collect();
+            map.insert(name, Tensor::cat(rows, 0));
+            offset += len;
+        }
+    }
+
+    /// Forgets the gathered parameters (their next reads gather them one by one again).
+    pub(crate) fn clear(&self) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+
+    fn get(&self, name: &str) -> Option<Tensor<1>> {
+        let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        map.get(name).cloned()
+    }
 }
 
 /// Whether `Param::val` may gather tensor-parallel parameters whole: only while
@@ -213,7 +259,15 @@ impl Placed {
         let value = match &self.fsdp {
             None => base,
             Some(shard) => {
-                let whole = gather_from_sp(base, 0, &shard.group);
+                let whole = match self.units.get(&self.name) {
+                    // Gathered with the rest of its layer (rows of every rank, in rank order).
+                    Some(flat) => {
+                        let mut dims = base.dims();
+                        dims[0] *= shard.group.size();
+                        flat.reshape(dims)
+                    }
+                    None => gather_from_sp(base, 0, &shard.group),
+                };
                 if whole.dims()[0] == shard.rows {
                     whole
                 } else {
@@ -360,6 +414,7 @@ pub(super) struct PlaceParams<'a> {
     pub(super) all_routers: &'a HashSet<String>,
     pub(super) placements: &'a mut PlacementTable,
     pub(super) whole_reads: WholeReads,
+    pub(super) units: UnitGathers,
     /// Parameters other ranks hold (placeholders here), by path, and why: reading them panics.
     pub(super) absent: &'a HashMap<String, Elsewhere>,
     /// Parameters `fully_shard` leaves whole ([`reads_stored_shape`]), by path.
@@ -436,6 +491,7 @@ impl Reparameterizer for PlaceParams<'_> {
                 experts: None,
                 sequence_tp: None,
                 whole_reads: self.whole_reads.clone(),
+                units: self.units.clone(),
             };
             return (param, Some(placeholder));
         }
@@ -519,6 +575,7 @@ impl Reparameterizer for PlaceParams<'_> {
             experts,
             sequence_tp,
             whole_reads: self.whole_reads.clone(),
+            units: self.units.clone(),
         };
         (param, Some(placed))
     }

@@ -18,7 +18,7 @@ use flashover_parallel::parallelize::{
 };
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
 use flashover_parallel::pipeline::ScheduleKind;
-use flashover_runtime::Launch;
+use flashover_runtime::{Launch, OpKind};
 
 const FEATURES: usize = 6;
 /// Odd on purpose: the last layer's rows do not split evenly over two ranks.
@@ -711,6 +711,38 @@ fn layers_a_plan_recomputes_in_backward_train_as_one_rank() {
             per_step * STEPS
         );
     }
+}
+
+#[test]
+fn a_pipelines_fully_sharded_layers_gather_once_per_layer() {
+    // The stack at fsdp=2 with a pipeline rule (on a mesh without pp): its layers are units.
+    let plan = ParallelizePlan::new().fully_shard("").pipeline(
+        PipelineRule::new("layers", ScheduleKind::OneFOneB, 2)
+            .first(&["input"])
+            .last(&["norm", "input"]),
+    );
+    let counts = Launch::new("fsdp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
+            let fsdp = ctx.group(flashover_runtime::Axis::Fsdp);
+            let micro_batch = |samples| batch(samples, &device);
+            // The first step also runs the first stage's embed once, to learn the shape.
+            par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
+            let before = fsdp.stats();
+            par.pipeline_step(&model, GLOBAL_BATCH, 1, &micro_batch, None, &ctx)?;
+            let ops = fsdp.stats().since(&before).ops;
+            let calls = |op| ops.get(&op).map_or(0, |s| s.calls);
+            Ok::<_, ParallelError>((calls(OpKind::AllGather), calls(OpKind::ReduceScatter)))
+        })
+        .unwrap();
+    // Per micro-batch (2): one all-gather per layer (4; each has 6 parameters, which read one by
+    // one would make 24), and one per
+    // read outside the layers (the input projection's weight and bias, the final norm's two
+    // parameters, the tied head's weight: 5). The reduce-scatters pair with them.
+    let expected = 2 * (LAYERS as u64 + 5);
+    assert_eq!(counts[0], (expected, expected));
 }
 
 /// The error `parallelize` refuses `plan` with on `mesh`, for the model `new` builds.
