@@ -3,6 +3,7 @@
 //! others become placeholders; the layer's forward ([`crate::nn::MoeForward`]) sends each
 //! token to the rank that holds its expert and back.
 
+use super::dotted;
 use super::placed::ExpertSplit;
 use super::plan::{ModulePath, ParallelizePlan};
 use crate::error::ParallelError;
@@ -43,7 +44,7 @@ fn moe_layers<M: Module>(model: &M) -> Vec<MoeLayer> {
             if self.inside.is_none() && container_type == "Struct:Moe" {
                 self.inside = Some(self.path.len());
                 self.layers.push(MoeLayer {
-                    path: joined(&self.path),
+                    path: dotted(&self.path),
                     n_experts: 0,
                     router: vec![],
                     expert_of: HashMap::new(),
@@ -59,7 +60,7 @@ fn moe_layers<M: Module>(model: &M) -> Vec<MoeLayer> {
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let Some(depth) = self.inside else { return };
-            let path = joined(&self.path);
+            let path = dotted(&self.path);
             let within: Vec<&str> = self.path[depth..]
                 .iter()
                 .map(String::as_str)
@@ -83,14 +84,6 @@ fn moe_layers<M: Module>(model: &M) -> Vec<MoeLayer> {
     let mut find = Find::default();
     model.visit(&mut find);
     find.layers
-}
-
-fn joined(path: &[String]) -> String {
-    path.iter()
-        .map(String::as_str)
-        .filter(|s| !s.is_empty())
-        .collect::<Vec<_>>()
-        .join(".")
 }
 
 /// The `expert_parallel` layers of a plan among `layers`: each path must name mixture-of-experts

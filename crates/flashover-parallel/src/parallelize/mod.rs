@@ -601,3 +601,13 @@ fn sum_counted(
     }
     Ok(values)
 }
+
+/// A module visitor's path (one name per level entered; the root's is empty) as a dotted
+/// parameter path (`blocks.0.attn.weight`).
+fn dotted(path: &[String]) -> String {
+    path.iter()
+        .map(String::as_str)
+        .filter(|s| !s.is_empty())
+        .collect::<Vec<_>>()
+        .join(".")
+}

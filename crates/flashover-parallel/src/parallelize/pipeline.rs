@@ -448,13 +448,8 @@ fn layer_shards<M: Module>(model: &M, part: &[bool], sharded: &[bool]) -> Vec<(S
                 // A visitor sees the stored value: this rank's rows.
                 let rows = param.val();
                 let numel = rows.shape().num_elements();
-                let path: Vec<&str> = self
-                    .path
-                    .iter()
-                    .map(String::as_str)
-                    .filter(|s| !s.is_empty())
-                    .collect();
-                self.found.push((path.join("."), rows.reshape([numel])));
+                self.found
+                    .push((super::dotted(&self.path), rows.reshape([numel])));
             }
             self.index += 1;
         }

@@ -365,13 +365,7 @@ pub(super) fn reads_stored_shape<M: Module>(model: &M) -> BTreeMap<String, &'sta
         }
         fn visit_float<const D: usize>(&mut self, _param: &Param<Tensor<D>>) {
             if let Some(layer) = self.layers.last().copied().flatten() {
-                let path: Vec<&str> = self
-                    .path
-                    .iter()
-                    .map(String::as_str)
-                    .filter(|s| !s.is_empty())
-                    .collect();
-                self.found.insert(path.join("."), layer);
+                self.found.insert(super::dotted(&self.path), layer);
             }
         }
     }
