@@ -363,25 +363,22 @@ where
     });
     let params = GradientsParams::from_grads(grads, module);
     let layout = ParamLayout::of(module);
-    let Some(part) = part else {
-        let mut flat = vec![0.0; layout.numel];
-        accumulate_grads(module, &params, &mut flat, &[]);
-        return (grad_x, flat);
-    };
-    let outside: Vec<bool> = part.iter().map(|held| !held).collect();
     let mut whole = vec![0.0; layout.numel];
     let found = accumulate_grads(module, &params, &mut whole, &[]);
-    if let Some(read) = layout
+    let Some(part) = part else {
+        return (grad_x, whole);
+    };
+    if let Some(((read, _), _)) = layout
         .slots
         .iter()
         .zip(&found)
-        .zip(&outside)
-        .find(|((_, f), o)| **f && **o)
+        .zip(part)
+        .find(|((_, found), held)| **found && !**held)
     {
         panic!(
             "a recomputed layer read `{}`, a parameter outside it: name the layers so that each \
              reads only its own parameters (its gradient would be lost)",
-            read.0.0.name
+            read.name
         );
     }
     let flat = layout

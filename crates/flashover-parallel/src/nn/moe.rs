@@ -70,9 +70,12 @@ fn forward_routed(
                 let mine = ep.experts_of(split.group.rank());
                 // This rank's experts only (the others are placeholders here).
                 let held = Moe {
+                    router: moe.router.clone(),
                     experts: moe.experts[mine.clone()].to_vec(),
+                    shared: moe.shared.clone(),
                     first_expert: mine.start,
-                    ..moe.clone()
+                    config: moe.config.clone(),
+                    expert_bias: moe.expert_bias.clone(),
                 };
                 (std::borrow::Cow::Owned(held), Arc::new(ep))
             }

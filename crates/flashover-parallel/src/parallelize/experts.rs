@@ -150,7 +150,7 @@ impl Experts {
         let layers = moe_layers(model);
         let spread = named_layers(&plan.expert_parallel, &layers, ep.size())?;
         let split = ep.size() > 1;
-        let shares = split.then(|| ExpertShares::new(&spread, layout.clone(), ep));
+        let shares = split.then(|| ExpertShares::new(&spread, layout, ep));
         let routers = spread
             .iter()
             .filter(|_| split)
@@ -186,46 +186,38 @@ pub(super) struct ExpertShares {
     pub(super) held: Vec<bool>,
     /// The routed-expert parameters (layout order) whatever rank holds them.
     routed: Vec<bool>,
-    /// The parameters this rank does not hold, by path.
-    pub(super) absent: HashSet<String>,
-    /// The whole model's parameters (global shapes).
-    whole: ParamLayout,
 }
 
 impl ExpertShares {
     /// The experts of `layers` spread over `ep` (rank `r` holds each layer's experts
     /// `r * n / ep ..`), for a model of parameters `whole`.
-    fn new(layers: &[&MoeLayer], whole: ParamLayout, ep: &Group) -> Self {
+    fn new(layers: &[&MoeLayer], whole: &ParamLayout, ep: &Group) -> Self {
         let (rank, n) = (ep.rank(), ep.size());
         let expert_of = |name: &str| {
             layers
                 .iter()
                 .find_map(|l| l.expert_of.get(name).map(|&e| (e, l.n_experts / n)))
         };
-        let mut held = vec![];
-        let mut routed = vec![];
-        let mut absent = HashSet::new();
-        for slot in &whole.slots {
-            let owner = expert_of(&slot.name).map(|(e, per)| e / per);
-            routed.push(owner.is_some());
-            let holds = owner.is_none_or(|o| o == rank);
-            if !holds {
-                absent.insert(slot.name.clone());
-            }
-            held.push(holds);
-        }
+        let owners: Vec<Option<usize>> = whole
+            .slots
+            .iter()
+            .map(|slot| expert_of(&slot.name).map(|(e, per)| e / per))
+            .collect();
         ExpertShares {
             ep: ep.clone(),
-            held,
-            routed,
-            absent,
-            whole,
+            held: owners.iter().map(|o| o.is_none_or(|o| o == rank)).collect(),
+            routed: owners.iter().map(Option::is_some).collect(),
         }
     }
 
-    /// Records that each routed expert's parameters are their holder's own over `ep`.
-    pub(super) fn place(&self, placements: &mut PlacementTable) -> Result<(), ParallelError> {
-        for (slot, routed) in self.whole.slots.iter().zip(&self.routed) {
+    /// Records that each routed expert's parameters (of the model of parameters `whole`) are
+    /// their holder's own over `ep`.
+    pub(super) fn place(
+        &self,
+        whole: &ParamLayout,
+        placements: &mut PlacementTable,
+    ) -> Result<(), ParallelError> {
+        for (slot, routed) in whole.slots.iter().zip(&self.routed) {
             if *routed {
                 placements.own(slot.id, Axis::Ep)?;
             }
@@ -238,10 +230,5 @@ impl ExpertShares {
     /// parameter every `ep` rank holds.
     pub(super) fn counts(&self, index: usize) -> bool {
         self.held[index] && (self.routed[index] || self.ep.rank() == 0)
-    }
-
-    /// The whole model's layout.
-    pub(super) fn whole(&self) -> &ParamLayout {
-        &self.whole
     }
 }

@@ -103,9 +103,9 @@ pub struct Parallelized {
     /// The parameters this rank keeps placeholders for (other stages', other ep ranks'
     /// experts), by path.
     absent: HashSet<String>,
-    /// The ranks that hold the other parts of a model cut into stages or experts (`pp` x
-    /// `ep`): what `whole` gathers over.
-    held_elsewhere: Option<Group>,
+    /// For a model cut into stages or experts: the ranks that hold its other parts (`pp` x
+    /// `ep`), which `whole` gathers over, and the whole model's parameters.
+    held_elsewhere: Option<(Group, ParamLayout)>,
     /// Parameters under `fully_shard` paths left whole, with the layer type that needs it.
     kept_whole: BTreeMap<String, &'static str>,
     /// Under sequence parallelism, the first step's check that every whole parameter that runs
@@ -146,14 +146,13 @@ pub fn parallelize<M: Module>(
     check_axes(plan, ctx)?;
     let tp = ctx.group(Axis::Tp).clone();
     let layout = ParamLayout::of(&model);
-    let layout_len = layout.slots.len();
     validate::check_plan(plan, &layout.slots, tp.size())?;
     let experts = Experts::of(&model, plan, &layout, ctx.group(Axis::Ep))?;
     let mut stages = match &plan.pipeline {
         Some(rule) => Some(Stages::new(
             rule,
             &plan.activation_checkpointing,
-            layout,
+            layout.clone(),
             ctx.group(Axis::Pp),
         )?),
         None => None,
@@ -163,7 +162,7 @@ pub fn parallelize<M: Module>(
     let absent = held_elsewhere(
         stages.as_ref(),
         experts.shares.as_ref(),
-        layout_len,
+        &layout,
         &mut placements,
     )?;
     let model = placeholders_except(model, &absent.held);
@@ -206,8 +205,7 @@ pub fn parallelize<M: Module>(
     }
     if let Some(stages) = &mut stages {
         // A pipeline's layers are units: each gathers its sharded parameters at once.
-        let sharded = stages
-            .whole
+        let sharded: Vec<bool> = layout
             .slots
             .iter()
             .map(|s| {
@@ -216,7 +214,7 @@ pub fn parallelize<M: Module>(
                     .is_some_and(|e| e.on(Axis::Fsdp) != Placement::Replicate)
             })
             .collect();
-        stages.gather_layers(units, ctx.group(Axis::Fsdp), sharded);
+        stages.gather_layers(units, ctx.group(Axis::Fsdp), &sharded);
     }
     let par = Parallelized {
         placements,
@@ -225,9 +223,10 @@ pub fn parallelize<M: Module>(
         averaged: ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep, Axis::Cp])?,
         context,
         whole_reads,
-        held_elsewhere: (stages.is_some() || experts.shares.is_some())
-            .then(|| ctx.subgroup(&[Axis::Pp, Axis::Ep]))
-            .transpose()?,
+        held_elsewhere: match stages.is_some() || experts.shares.is_some() {
+            true => Some((ctx.subgroup(&[Axis::Pp, Axis::Ep])?, layout)),
+            false => None,
+        },
         absent: absent.by_path.into_keys().collect(),
         stages,
         experts: experts.shares,
@@ -245,41 +244,34 @@ struct Absent {
     held: Vec<bool>,
 }
 
-/// What other ranks hold of a model of `len` parameters (other pipeline stages' parameters,
-/// other ep ranks' experts), recorded in `placements` as owned over `pp` and `ep`.
+/// What other ranks hold of a model of parameters `whole` (other pipeline stages'
+/// parameters, other ep ranks' experts), recorded in `placements` as owned over `pp` and `ep`.
 fn held_elsewhere(
     stages: Option<&Stages>,
     shares: Option<&ExpertShares>,
-    len: usize,
+    whole: &ParamLayout,
     placements: &mut PlacementTable,
 ) -> Result<Absent, ParallelError> {
-    let mut absent = Absent {
-        by_path: HashMap::new(),
-        held: vec![true; len],
-    };
     if let Some(stages) = stages {
         stages.place(placements)?;
-        let paths = stages.absent.iter().map(|p| (p.clone(), Elsewhere::Stage));
-        absent.by_path.extend(paths);
-        absent
-            .held
-            .iter_mut()
-            .zip(&stages.held)
-            .for_each(|(h, s)| *h &= s);
     }
     if let Some(shares) = shares {
-        shares.place(placements)?;
-        for path in &shares.absent {
-            absent
-                .by_path
-                .entry(path.clone())
-                .or_insert(Elsewhere::Expert);
-        }
-        absent
-            .held
-            .iter_mut()
-            .zip(&shares.held)
-            .for_each(|(h, s)| *h &= s);
+        shares.place(whole, placements)?;
+    }
+    let mut absent = Absent {
+        by_path: HashMap::new(),
+        held: vec![true; whole.slots.len()],
+    };
+    for (i, slot) in whole.slots.iter().enumerate() {
+        let why = if stages.is_some_and(|s| !s.held[i]) {
+            Elsewhere::Stage
+        } else if shares.is_some_and(|e| !e.held[i]) {
+            Elsewhere::Expert
+        } else {
+            continue;
+        };
+        absent.held[i] = false;
+        absent.by_path.insert(slot.name.clone(), why);
     }
     Ok(absent)
 }
@@ -359,13 +351,8 @@ impl Parallelized {
             let _allowed = self.whole_reads.allow();
             model.materialize()
         };
-        let Some(group) = &self.held_elsewhere else {
+        let Some((group, whole)) = &self.held_elsewhere else {
             return Ok(model);
-        };
-        let whole = match (&self.stages, &self.experts) {
-            (Some(stages), _) => &stages.whole,
-            (None, Some(shares)) => shares.whole(),
-            (None, None) => unreachable!("a model held in parts has stages or experts"),
         };
         // Each parameter counted on one rank of pp x ep: its stage's, its expert's holder.
         let counted = |i: usize| {
@@ -420,7 +407,7 @@ impl Parallelized {
 
     /// The mean over the data ranks (and, with context parallelism, the `cp` ranks) of each
     /// rank's mean `loss`: the loss of the whole batch, the same on every rank (collective
-    /// over `dp` x `fsdp` x `cp`).
+    /// over `dp` x `fsdp` x `ep` x `cp`).
     pub fn mean_loss(&self, loss: f32) -> Result<f32, ParallelError> {
         let mut value = [loss];
         self.mean_over_ranks(&mut value)?;
@@ -455,10 +442,8 @@ impl Parallelized {
             .into_iter()
             .map(|p| p as i64)
             .collect();
-        let index = Tensor::<1, Int>::from_data(
-            TensorData::new(positions.clone(), [positions.len()]),
-            &x.device(),
-        );
+        let len = positions.len();
+        let index = Tensor::<1, Int>::from_data(TensorData::new(positions, [len]), &x.device());
         Ok(x.select(dim, index))
     }
 

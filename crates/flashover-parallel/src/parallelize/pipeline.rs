@@ -63,8 +63,6 @@ pub(super) struct Stages {
     layers: Vec<Range<usize>>,
     /// Per parameter (layout order): whether this rank holds it.
     pub(super) held: Vec<bool>,
-    /// The parameters this rank does not hold, by path.
-    pub(super) absent: HashSet<String>,
     /// The parameters held by two pipeline ranks, and whether this rank's copy is the first
     /// stage's.
     tied: Vec<(usize, Tie)>,
@@ -82,9 +80,20 @@ pub(super) struct Stages {
     parts: Vec<Arc<[bool]>>,
     /// Layer forwards run again in backward so far.
     recomputed: Arc<AtomicUsize>,
-    /// With fully sharded layers: where a layer's gathered parameters go, the `fsdp` group, and
-    /// per parameter (layout order) whether it is fully sharded.
-    units: Option<(UnitGathers, Group, Arc<[bool]>)>,
+    /// With fully sharded layers: how each layer gathers its sharded parameters at once.
+    units: Option<Arc<LayerUnits>>,
+}
+
+/// A pipeline's layers as fully sharded units.
+struct LayerUnits {
+    /// Where a layer's gathered parameters go for their reads.
+    gathers: UnitGathers,
+    /// The `fsdp` group.
+    group: Group,
+    /// Per layer, which parameters (layout order) are its fully sharded ones.
+    sharded: Vec<Arc<[bool]>>,
+    /// Every parameter's name (layout order).
+    names: Arc<[String]>,
 }
 
 impl Stages {
@@ -137,7 +146,7 @@ impl Stages {
         let mine: Vec<usize> = (0..schedule.chunks)
             .map(|c| schedule.stage_of(pp.rank(), c))
             .collect();
-        let (mut held, mut absent, mut tied) = (vec![], HashSet::new(), vec![]);
+        let (mut held, mut tied) = (vec![], vec![]);
         for (index, (slot, layer)) in whole.slots.iter().zip(&layer_of).enumerate() {
             let in_first = rule.first.iter().any(|p| p.contains(&slot.name));
             let in_last = rule.last.iter().any(|p| p.contains(&slot.name));
@@ -159,9 +168,6 @@ impl Stages {
             }
             let holds = stages_of.iter().any(|s| mine.contains(s));
             held.push(holds);
-            if !holds {
-                absent.insert(slot.name.clone());
-            }
             let ranks: HashSet<usize> = stages_of.iter().map(|&s| schedule.place(s).0).collect();
             if holds && ranks.len() > 1 {
                 let original = schedule.place(0).0 == pp.rank();
@@ -180,7 +186,6 @@ impl Stages {
             schedule,
             layers,
             held,
-            absent,
             tied,
             whole,
             pp: pp.clone(),
@@ -292,9 +297,18 @@ impl Stages {
     /// Gathers each layer's fully sharded parameters (`sharded`, layout order) in one
     /// collective over `group` before the layer runs, instead of one per parameter as it reads
     /// them.
-    pub(super) fn gather_layers(&mut self, units: UnitGathers, group: &Group, sharded: Vec<bool>) {
+    pub(super) fn gather_layers(&mut self, units: UnitGathers, group: &Group, sharded: &[bool]) {
         if group.size() > 1 && sharded.iter().any(|s| *s) {
-            self.units = Some((units, group.clone(), sharded.into()));
+            self.units = Some(Arc::new(LayerUnits {
+                gathers: units,
+                group: group.clone(),
+                sharded: self
+                    .parts
+                    .iter()
+                    .map(|part| part.iter().zip(sharded).map(|(p, s)| *p && *s).collect())
+                    .collect(),
+                names: self.whole.slots.iter().map(|s| s.name.clone()).collect(),
+            }));
         }
     }
 
@@ -309,16 +323,14 @@ impl Stages {
     where
         M: PipelineModel<D> + Sync + 'static,
     {
-        let unit = self.units.clone().map(|(units, group, sharded)| {
-            let part = self.parts[index].clone();
-            (units, group, sharded, part)
-        });
-        let run = move |m: &M, x: Tensor<D>| match &unit {
+        let units = self.units.clone();
+        let run = move |m: &M, x: Tensor<D>| match &units {
             None => m.layer_with_aux(index, x),
-            Some((units, group, sharded, part)) => {
-                units.gather(layer_shards(m, part, sharded), group);
+            Some(u) => {
+                let shards = layer_shards(m, &u.sharded[index], &u.names);
+                u.gathers.gather(shards, &u.group);
                 let out = m.layer_with_aux(index, x);
-                units.clear();
+                u.gathers.clear();
                 out
             }
         };
@@ -427,36 +439,34 @@ fn layer_index(rule: &PipelineRule, slot: &ParamSlot) -> Result<Option<usize>, P
     }
 }
 
-/// The stored rows of `model`'s parameters that both `part` and `sharded` mark (layout order),
-/// each with its path, flattened.
-fn layer_shards<M: Module>(model: &M, part: &[bool], sharded: &[bool]) -> Vec<(String, Tensor<1>)> {
-    struct Collect {
-        wanted: Vec<bool>,
-        path: Vec<String>,
+/// The stored rows of `model`'s parameters that `wanted` marks (layout order), each with its
+/// name from `names` (layout order), flattened.
+fn layer_shards<M: Module>(
+    model: &M,
+    wanted: &[bool],
+    names: &[String],
+) -> Vec<(String, Tensor<1>)> {
+    struct Collect<'a> {
+        wanted: &'a [bool],
+        names: &'a [String],
         index: usize,
         found: Vec<(String, Tensor<1>)>,
     }
-    impl ModuleVisitor for Collect {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
+    impl ModuleVisitor for Collect<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             if self.wanted[self.index] {
                 // A visitor sees the stored value: this rank's rows.
                 let rows = param.val();
                 let numel = rows.shape().num_elements();
-                self.found
-                    .push((super::dotted(&self.path), rows.reshape([numel])));
+                let name = self.names[self.index].clone();
+                self.found.push((name, rows.reshape([numel])));
             }
             self.index += 1;
         }
     }
     let mut collect = Collect {
-        wanted: part.iter().zip(sharded).map(|(p, s)| *p && *s).collect(),
-        path: vec![],
+        wanted,
+        names,
         index: 0,
         found: vec![],
     };

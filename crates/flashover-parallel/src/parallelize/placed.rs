@@ -506,7 +506,7 @@ impl Reparameterizer for PlaceParams<'_> {
             .cloned();
         let experts = self.routers.get(&path).cloned();
         let sequence_tp =
-            (self.sequence_parallel() && self.all_routers.contains(&path)).then(|| self.tp.clone());
+            (self.sequence_parallel() && routes_whole_sequences).then(|| self.tp.clone());
         let moved = tp.is_some()
             || fully_shard
             || sequence_partial.is_some()
