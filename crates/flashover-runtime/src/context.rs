@@ -18,6 +18,21 @@ pub struct RankContext {
     extra: Mutex<Vec<Group>>,
 }
 
+/// A second handle to the same rank: its groups are shared, not split again (for what keeps
+/// the context beyond the rank's closure, such as a burn-train strategy).
+impl Clone for RankContext {
+    fn clone(&self) -> Self {
+        RankContext {
+            rank: self.rank,
+            mesh: self.mesh.clone(),
+            device: self.device.clone(),
+            world: self.world.clone(),
+            axes: self.axes.clone(),
+            extra: Mutex::new(self.extra.lock().unwrap_or_else(|e| e.into_inner()).clone()),
+        }
+    }
+}
+
 impl RankContext {
     /// Builds the context of `rank`: splits `world` into one group per mesh axis.
     /// Collective: every rank of `world` must call it, in the same order.

@@ -472,6 +472,23 @@ impl Parallelized {
         max_norm: Option<f32>,
         ctx: &RankContext,
     ) -> Result<(GradientsParams, f32), ParallelError> {
+        self.reduce_gradients(
+            model,
+            GradientsParams::from_grads(backward, model),
+            max_norm,
+            ctx,
+        )
+    }
+
+    /// [`Self::gradients`] of gradients already taken from the backward pass (what a
+    /// burn-train `TrainStep` returns, or several passes' accumulated). Collective.
+    pub fn reduce_gradients<M: Module>(
+        &self,
+        model: &M,
+        grads: GradientsParams,
+        max_norm: Option<f32>,
+        ctx: &RankContext,
+    ) -> Result<(GradientsParams, f32), ParallelError> {
         if self.pipelined() {
             return Err(ParallelError::Invalid(
                 "the plan cuts the model into pipeline stages: a rank's forward is a stage's, \
@@ -479,11 +496,28 @@ impl Parallelized {
                     .into(),
             ));
         }
-        let grads = GradientsParams::from_grads(backward, model);
         // Parameters without a gradient contribute zeros: every rank reduces the same layout.
         let mut flat = vec![0.0; ParamLayout::of(model).numel];
         accumulate_grads(model, &grads, &mut flat, &[]);
         self.reduce_and_clip(model, flat, max_norm, ctx)
+    }
+
+    /// The ranks that read different samples (`dp` x `fsdp` x `ep`): a global batch is cut
+    /// into `data_ranks().size()` equal shares, this rank's is share `data_ranks().rank()`.
+    pub fn data_ranks(&self) -> &Group {
+        &self.data
+    }
+
+    /// Whether the plan cuts the model into pipeline stages on this mesh (a rank then trains
+    /// through [`Self::pipeline_step`]).
+    pub fn is_pipelined(&self) -> bool {
+        self.pipelined()
+    }
+
+    /// Whether the plan splits sequences over `cp` on this mesh (a rank then computes its
+    /// positions of every sequence: [`Self::sequence_share`]).
+    pub fn splits_sequences(&self) -> bool {
+        self.context.is_some()
     }
 
     /// One training step of a pipelined plan: this rank's samples of step `step` of batches of

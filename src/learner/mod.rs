@@ -1,0 +1,415 @@
+//! Flashover inside burn-train's `Learner`: a model parallelized by a plan, trained by burn-train
+//! with its metrics, dashboard, learning-rate scheduler, gradient accumulation and early stopping.
+//!
+//! Each rank builds the same training set-up inside [`crate::launch`] (threads here, one process
+//! per rank under `mpirun` with the same code): its model through
+//! [`parallelize`](crate::prelude::parallelize), its `Learner` around that model, and
+//! [`ParallelLearning`] as the training strategy. Every rank iterates its own data loader, built
+//! the same way, so every rank sees the same global batches; [`BatchSlice`] cuts each into the
+//! data-parallel ranks' shares. After each step the ranks' outputs are put together
+//! ([`GatherOutput`]) and rank 0 alone reports them, so the metrics are the whole batch's: the
+//! loss is the global mean and accuracy counts every sample once.
+//!
+//! ```no_run
+//! # use burn::tensor::Device;
+//! # fn set_up(device: &Device) -> (() , ()) { ((), ()) }
+//! use flashover::learner::ParallelLearning;
+//! use flashover::prelude::*;
+//!
+//! launch("fsdp=2,tp=2", |ctx| {
+//!     // let model = MyModelConfig::new().init(&ctx.device().clone().autodiff());
+//!     // let (model, par) = parallelize(model, &plan, &ctx)?;
+//!     // let learner = Learner::new(model, AdamWConfig::new().init(), 1e-3);
+//!     // let training = SupervisedTraining::new(dir, train_loader, valid_loader)
+//!     //     .metrics((AccuracyMetric::new(), LossMetric::new()))
+//!     //     .with_training_strategy(ParallelLearning::new(&ctx, par)?.into());
+//!     // let result = training.launch(learner);
+//!     Ok::<_, ParallelError>(())
+//! })
+//! .unwrap();
+//! ```
+//!
+//! What differs from one device, and why:
+//! - Gradients are averaged over the data-parallel ranks and, with
+//!   [`ParallelLearning::clip_grad_norm`], clipped by the norm of the whole model's gradient.
+//!   A Burn optimizer's own `with_grad_clipping(Norm)` clips each parameter by the norm of the
+//!   part this rank holds, which is not one device's clipping when a plan splits parameters.
+//! - burn-train's checkpointer saves the `Learner`'s model record, which holds this rank's part of
+//!   each split parameter; it is refused under a layout, with the reason.
+//! - Pipeline stages and context parallelism are refused: a `TrainStep` runs the whole forward
+//!   on whole sequences.
+
+mod batch;
+mod output;
+
+pub use batch::{BatchSlice, sample_rows};
+pub use output::{GatherOutput, gather_sample_ints, gather_samples, mean_over};
+
+use burn::optim::GradientsAccumulator;
+use burn_train::train::WorkerFailure;
+use burn_train::{
+    EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel,
+    LearningResult, SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader,
+    TrainStep, TrainingComponents, TrainingError, TrainingItem, TrainingStrategy, ValidLoader,
+};
+use flashover_comm::CommunicatorExt;
+use flashover_parallel::ParallelError;
+use flashover_parallel::parallelize::Parallelized;
+use flashover_runtime::RankContext;
+use std::sync::Arc;
+
+/// burn-train's training strategy for one rank of a model parallelized by a plan; see the
+/// module docs. `.into()` makes it the `TrainingStrategy` that
+/// `SupervisedTraining::with_training_strategy` takes.
+pub struct ParallelLearning {
+    ctx: RankContext,
+    par: Arc<Parallelized>,
+    max_norm: Option<f32>,
+}
+
+impl ParallelLearning {
+    /// The strategy of this rank (`ctx`) for a model `parallelize` returned with `par`. Fails
+    /// when the plan cuts the model into pipeline stages or splits sequences over `cp`: a
+    /// burn-train `TrainStep` runs the whole forward on whole sequences.
+    pub fn new(ctx: &RankContext, par: Parallelized) -> Result<Self, ParallelError> {
+        if par.is_pipelined() {
+            return Err(ParallelError::Invalid(
+                "the plan cuts the model into pipeline stages, but a Learner's TrainStep runs \
+                 the whole model's forward and backward on every rank: train pipelined plans \
+                 with Parallelized::pipeline_step in a loop of your own"
+                    .into(),
+            ));
+        }
+        if par.splits_sequences() {
+            return Err(ParallelError::Invalid(
+                "the plan splits sequences over cp, but a Learner's TrainStep computes on the \
+                 batch it is given, whole sequences: train context-parallel plans in a loop of \
+                 your own with Parallelized::sequence_share"
+                    .into(),
+            ));
+        }
+        Ok(ParallelLearning {
+            ctx: ctx.clone(),
+            par: Arc::new(par),
+            max_norm: None,
+        })
+    }
+
+    /// Clips gradients by the global norm of the whole model's gradient (every element
+    /// counted once, whatever the layout), scaled by `max_norm / (norm + 1e-6)` when the norm
+    /// exceeds `max_norm`.
+    pub fn clip_grad_norm(mut self, max_norm: f32) -> Self {
+        self.max_norm = Some(max_norm);
+        self
+    }
+
+    /// Whether this rank reports to burn-train's event processor (world rank 0).
+    fn reports(&self) -> bool {
+        self.ctx.rank() == 0
+    }
+
+    /// Rank 0's decision, the same on every rank (collective over the world).
+    fn agreed(&self, decision: bool) -> Result<bool, ParallelError> {
+        let mut flag = [decision as u8];
+        if self.ctx.world_size() > 1 {
+            self.ctx.world().broadcast(&mut flag, 0)?;
+        }
+        Ok(flag[0] != 0)
+    }
+
+    /// This data-parallel rank's share of `batch`. Fails when the batch does not split evenly.
+    fn share<B: BatchSlice>(&self, batch: B) -> Result<B, ParallelError> {
+        let data = self.par.data_ranks();
+        let (n, total) = (data.size(), batch.samples());
+        if !total.is_multiple_of(n) {
+            return Err(ParallelError::Invalid(format!(
+                "a batch of {total} samples does not split over {n} data-parallel ranks (dp x \
+                 fsdp x ep): use a batch size that is a multiple of {n}, for the last batch of \
+                 an epoch too (a data set whose size is a multiple of it)"
+            )));
+        }
+        let per = total / n;
+        Ok(batch.slice(data.rank() * per, per))
+    }
+
+    fn failure(&self, error: impl std::fmt::Display) -> TrainingError {
+        TrainingError::Workers(vec![WorkerFailure {
+            device_id: self.ctx.rank(),
+            message: error.to_string(),
+        }])
+    }
+}
+
+impl<M> From<ParallelLearning> for TrainingStrategy<M>
+where
+    M: LearnerModel,
+    <M as TrainStep>::Input: BatchSlice,
+    <M as TrainStep>::Output: GatherOutput,
+    <M as InferenceStep>::Input: BatchSlice,
+    <M as InferenceStep>::Output: GatherOutput,
+{
+    fn from(strategy: ParallelLearning) -> Self {
+        TrainingStrategy::Custom(Arc::new(strategy))
+    }
+}
+
+/// What one rank's epochs need besides the learner.
+struct Epochs<'a, M: LearnerModel> {
+    strategy: &'a ParallelLearning,
+    events: &'a mut SupervisedTrainingEventProcessor<M>,
+    interrupter: &'a Interrupter,
+    accumulation: Option<usize>,
+}
+
+impl<M> Epochs<'_, M>
+where
+    M: LearnerModel,
+    <M as TrainStep>::Input: BatchSlice,
+    <M as TrainStep>::Output: GatherOutput,
+    <M as InferenceStep>::Input: BatchSlice,
+    <M as InferenceStep>::Output: GatherOutput,
+{
+    /// Epoch `epoch`: training, then validation, with burn-train's split events (rank 0).
+    /// Returns whether to stop.
+    fn epoch(
+        &mut self,
+        epoch: usize,
+        learner: &mut Learner<M>,
+        (train, train_items): (&TrainLoader<M>, usize),
+        (valid, valid_items): (&ValidLoader<M>, usize),
+    ) -> Result<bool, String> {
+        let reports = self.strategy.reports();
+        let start = |total_items| LearnerEvent::StartSplit {
+            epoch_number: epoch,
+            total_items,
+        };
+        if reports {
+            self.report(|e| e.process_train(start(train_items)));
+        }
+        let stop = self.train(learner, train)?;
+        if reports {
+            self.report(|e| e.process_train(LearnerEvent::EndSplit(epoch)));
+        }
+        if stop {
+            return Ok(true);
+        }
+        if reports {
+            self.report(|e| {
+                e.process_valid(LearnerEvent::StartSplit {
+                    epoch_number: epoch,
+                    total_items: valid_items,
+                })
+            });
+        }
+        let stop = self.valid(learner, valid)?;
+        if reports {
+            self.report(|e| e.process_valid(LearnerEvent::EndSplit(epoch)));
+            self.report(|e| e.process_train(LearnerEvent::EndEpoch(epoch)));
+            // Early stopping reads the event store: every event of the epoch in it first.
+            self.report(|e| e.flush());
+        }
+        Ok(stop)
+    }
+
+    /// `send` to the event processor; its failure stops training.
+    fn report(
+        &mut self,
+        send: impl FnOnce(
+            &mut SupervisedTrainingEventProcessor<M>,
+        ) -> Result<(), burn_train::EventProcessorError>,
+    ) {
+        self.interrupter.fail_on_error(send(self.events));
+    }
+
+    /// One training epoch over `loader`: each step on this rank's share, gradients reduced over
+    /// the layout, the whole batch's output reported by rank 0. Returns whether to stop.
+    fn train(&mut self, learner: &mut Learner<M>, loader: &TrainLoader<M>) -> Result<bool, String> {
+        let s = self.strategy;
+        let mut batches = loader.iter();
+        let (mut iteration, mut pending) = (0, 0);
+        let mut accumulator = GradientsAccumulator::new();
+        while let Some(batch) = batches.next() {
+            let batch = batch.map_err(|e| e.to_string())?;
+            iteration += 1;
+            let progress = batches.progress();
+            let output = learner.train_step(s.share(batch).map_err(|e| e.to_string())?);
+            accumulator.accumulate(&learner.model(), output.grads);
+            pending += 1;
+            // burn-train's rule: step every `accumulation` batches and at the epoch's end.
+            let due = self.accumulation.is_none_or(|n| pending >= n) || progress.is_completed();
+            if due {
+                pending = 0;
+                let model = learner.model();
+                let (grads, _norm) = s
+                    .par
+                    .reduce_gradients(&model, accumulator.grads(), s.max_norm, &s.ctx)
+                    .map_err(|e| e.to_string())?;
+                learner.lr_step();
+                learner.optimizer_step(grads);
+            }
+            let item = output
+                .item
+                .gather(s.par.data_ranks())
+                .map_err(|e| e.to_string())?;
+            if s.reports() {
+                let item =
+                    TrainingItem::new(item, progress, Some(iteration), Some(learner.lr_current()));
+                self.interrupter
+                    .fail_on_error(self.events.process_train(LearnerEvent::ProcessedItem(item)));
+            }
+            if s.agreed(self.interrupter.should_stop())
+                .map_err(|e| e.to_string())?
+            {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// One validation epoch: each rank evaluates its share, rank 0 reports the whole batch's.
+    fn valid(&mut self, learner: &Learner<M>, loader: &ValidLoader<M>) -> Result<bool, String> {
+        let s = self.strategy;
+        let model = learner.model().valid();
+        let mut batches = loader.iter();
+        let mut iteration = 0;
+        while let Some(batch) = batches.next() {
+            let batch = batch.map_err(|e| e.to_string())?;
+            iteration += 1;
+            let progress = batches.progress();
+            let output = InferenceStep::step(&model, s.share(batch).map_err(|e| e.to_string())?);
+            let item = output
+                .gather(s.par.data_ranks())
+                .map_err(|e| e.to_string())?;
+            if s.reports() {
+                let item = TrainingItem::new(item, progress, Some(iteration), None);
+                self.interrupter
+                    .fail_on_error(self.events.process_valid(LearnerEvent::ProcessedItem(item)));
+            }
+            if s.agreed(self.interrupter.should_stop())
+                .map_err(|e| e.to_string())?
+            {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+}
+
+impl<M> SupervisedLearningStrategy<M> for ParallelLearning
+where
+    M: LearnerModel,
+    <M as TrainStep>::Input: BatchSlice,
+    <M as TrainStep>::Output: GatherOutput,
+    <M as InferenceStep>::Input: BatchSlice,
+    <M as InferenceStep>::Output: GatherOutput,
+{
+    /// burn-train's own `train`, with the start and end events sent by rank 0 only (the
+    /// others' renderers stay silent).
+    fn train(
+        &self,
+        learner: Learner<M>,
+        dataloader_train: TrainLoader<M>,
+        dataloader_valid: ValidLoader<M>,
+        mut components: TrainingComponents<M>,
+    ) -> LearningResult<M> {
+        let starting_epoch = components.checkpoint.unwrap_or(0) + 1;
+        let summary = components.summary.clone();
+        let interrupter = components.interrupter.clone();
+        if self.reports() {
+            let start = LearnerEvent::Start {
+                total_epochs: components.num_epochs,
+                starting_epoch,
+                label: components.label.clone(),
+            };
+            interrupter.fail_on_error(components.event_processor.process_train(start));
+        }
+        let (model, mut events) = self.fit(
+            components,
+            learner,
+            dataloader_train,
+            dataloader_valid,
+            starting_epoch,
+        );
+        if self.reports() {
+            let summary = summary.and_then(|s| s.init().ok());
+            interrupter.fail_on_error(events.process_train(LearnerEvent::End(summary)));
+        }
+        let model = model.valid();
+        interrupter.fail_on_error(events.flush());
+        LearningResult {
+            model,
+            renderer: events.renderer(),
+            interrupted: interrupter.interruption(),
+            error: interrupter.error(),
+        }
+    }
+
+    /// The epochs, on this rank; returns the whole trained model (gathered on every rank).
+    fn fit(
+        &self,
+        components: TrainingComponents<M>,
+        mut learner: Learner<M>,
+        dataloader_train: TrainLoader<M>,
+        dataloader_valid: ValidLoader<M>,
+        starting_epoch: usize,
+    ) -> (M, SupervisedTrainingEventProcessor<M>) {
+        let mut events = components.event_processor;
+        let interrupter = components.interrupter;
+        if components.checkpointer.is_some() {
+            interrupter.fail(self.failure(
+                "burn-train's checkpointer saves the Learner's model record, which holds only \
+                 this rank's part of each parameter the plan splits: build the SupervisedTraining \
+                 without checkpointers under a parallelize plan",
+            ));
+            return (learner.model(), events);
+        }
+        let device = learner.model().devices().into_iter().next();
+        let (train, valid) = match &device {
+            Some(device) => (
+                dataloader_train.to_device(device),
+                dataloader_valid.to_device(&device.clone().inner()),
+            ),
+            None => (dataloader_train, dataloader_valid),
+        };
+        let (train_items, valid_items) = (train.num_items(), valid.num_items());
+        let mut early_stopping = components.early_stopping;
+        let mut epochs = Epochs {
+            strategy: self,
+            events: &mut events,
+            interrupter: &interrupter,
+            accumulation: components.grad_accumulation,
+        };
+        for epoch in starting_epoch..=components.num_epochs {
+            let stop = epochs.epoch(
+                epoch,
+                &mut learner,
+                (&train, train_items),
+                (&valid, valid_items),
+            );
+            // Rank 0's event store holds the metrics: it decides for every rank.
+            let stop = stop.and_then(|stop| {
+                let early = self.reports()
+                    && early_stopping
+                        .as_mut()
+                        .is_some_and(|s| s.should_stop(epoch, &components.event_store));
+                self.agreed(stop || early).map_err(|e| e.to_string())
+            });
+            match stop {
+                Ok(false) => {}
+                Ok(true) => break,
+                Err(e) => {
+                    interrupter.fail(self.failure(e));
+                    break;
+                }
+            }
+        }
+        let model = match self.par.whole(learner.model()) {
+            Ok(model) => model,
+            Err(e) => {
+                interrupter.fail(self.failure(e));
+                learner.model()
+            }
+        };
+        (model, events)
+    }
+}

@@ -1,0 +1,110 @@
+//! A step's output (loss, predictions, targets) for the whole batch, from every data-parallel
+//! rank's output for its share, so that burn-train's metrics see what one device would.
+
+use burn::tensor::{Int, Tensor, TensorData};
+use burn_train::{
+    ClassificationOutput, MultiLabelClassificationOutput, RegressionOutput, SequenceOutput,
+};
+use flashover_comm::{CommunicatorExt, Group, ReduceOp};
+use flashover_parallel::ParallelError;
+use flashover_runtime::TensorCollectives;
+
+/// A `TrainStep` or `InferenceStep` output that can be put together from the data-parallel
+/// ranks' outputs for their equal shares of a batch. Implemented for burn-train's
+/// [`ClassificationOutput`], [`MultiLabelClassificationOutput`], [`RegressionOutput`] and
+/// [`SequenceOutput`]; for an output of your own, gather each per-sample tensor with
+/// [`gather_samples`] / [`gather_sample_ints`] and each mean with [`mean_over`].
+pub trait GatherOutput: Sized {
+    /// The output of the whole batch (collective over `data`: every rank calls it with the
+    /// output of its share, shares in rank order).
+    fn gather(self, data: &Group) -> Result<Self, ParallelError>;
+}
+
+/// Every rank's `tensor` (rows of its samples) concatenated along the first dimension, in
+/// rank order; a value, outside any autodiff graph (collective).
+pub fn gather_samples<const D: usize>(
+    tensor: Tensor<D>,
+    data: &Group,
+) -> Result<Tensor<D>, ParallelError> {
+    let tensor = tensor.detach();
+    if data.size() == 1 {
+        return Ok(tensor);
+    }
+    Ok(data.all_gather_tensor(tensor, 0)?)
+}
+
+/// [`gather_samples`] for integer tensors (class indices, token ids), moved exactly as `i64`.
+pub fn gather_sample_ints<const D: usize>(
+    tensor: Tensor<D, Int>,
+    data: &Group,
+) -> Result<Tensor<D, Int>, ParallelError> {
+    if data.size() == 1 {
+        return Ok(tensor);
+    }
+    let device = tensor.device();
+    let mut shape = tensor.dims();
+    let values = tensor
+        .into_data()
+        .convert::<i64>()
+        .try_into_vec::<i64>()
+        .map_err(|e| ParallelError::Invalid(format!("integer tensor: {e:?}")))?;
+    let all = data.all_gather_vec(&values)?;
+    shape[0] *= data.size();
+    Ok(Tensor::from_data(TensorData::new(all, shape), &device))
+}
+
+/// The mean over the ranks of each rank's mean `loss` (one element): the whole batch's mean
+/// when the shares are equal (collective).
+pub fn mean_over(loss: Tensor<1>, data: &Group) -> Result<Tensor<1>, ParallelError> {
+    let loss = loss.detach();
+    if data.size() == 1 {
+        return Ok(loss);
+    }
+    Ok(data.all_reduce_tensor(loss, ReduceOp::Avg)?)
+}
+
+impl GatherOutput for ClassificationOutput {
+    fn gather(self, data: &Group) -> Result<Self, ParallelError> {
+        Ok(ClassificationOutput {
+            loss: mean_over(self.loss, data)?,
+            output: gather_samples(self.output, data)?,
+            targets: gather_sample_ints(self.targets, data)?,
+        })
+    }
+}
+
+impl GatherOutput for MultiLabelClassificationOutput {
+    fn gather(self, data: &Group) -> Result<Self, ParallelError> {
+        Ok(MultiLabelClassificationOutput {
+            loss: mean_over(self.loss, data)?,
+            output: gather_samples(self.output, data)?,
+            targets: gather_sample_ints(self.targets, data)?,
+        })
+    }
+}
+
+impl GatherOutput for RegressionOutput {
+    fn gather(self, data: &Group) -> Result<Self, ParallelError> {
+        Ok(RegressionOutput {
+            loss: mean_over(self.loss, data)?,
+            output: gather_samples(self.output, data)?,
+            targets: gather_samples(self.targets, data)?,
+        })
+    }
+}
+
+impl GatherOutput for SequenceOutput {
+    fn gather(self, data: &Group) -> Result<Self, ParallelError> {
+        // Every rank has predictions or none does (the same step on every rank).
+        let predictions = match self.predictions {
+            Some(p) => Some(gather_sample_ints(p, data)?),
+            None => None,
+        };
+        Ok(SequenceOutput {
+            loss: mean_over(self.loss, data)?,
+            logits: gather_samples(self.logits, data)?,
+            predictions,
+            targets: gather_sample_ints(self.targets, data)?,
+        })
+    }
+}
