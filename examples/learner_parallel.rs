@@ -4,6 +4,9 @@
 //! `fsdp=2,tp=2` and at `dp=2`. Each layout's final weights, and every validation metric
 //! burn-train logged, match the same `Learner` on one device within 1e-5 (fp32).
 //!
+//! The `fsdp=2,tp=2` run saves Flashover checkpoints every epoch; a `dp=2` run resumes from its
+//! first epoch's and finishes within 1e-5 of the uninterrupted single-device run.
+//!
 //! The lines a layout adds to the single-device set-up are marked `+`.
 //!
 //! Run: `cargo run --example learner_parallel`
@@ -28,6 +31,7 @@ use flashover::parallel::params::{flatten_params, load_flat};
 use flashover::prelude::*;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 const FEATURES: usize = 12;
 const CLASSES: usize = 4;
@@ -59,11 +63,15 @@ impl Classifier {
     }
 }
 
+/// The largest batch a training step was given (the check that each rank trains on its share).
+static LARGEST_STEP: AtomicUsize = AtomicUsize::new(0);
+
 impl TrainStep for Classifier {
     type Input = SampleBatch;
     type Output = ClassificationOutput;
 
     fn step(&self, batch: SampleBatch) -> TrainOutput<ClassificationOutput> {
+        LARGEST_STEP.fetch_max(batch.samples(), Ordering::SeqCst);
         let item = self.classify(batch);
         TrainOutput::new(self, item.loss.backward(), item)
     }
@@ -143,19 +151,12 @@ fn loader(samples: Vec<Sample>) -> Arc<dyn DataLoader<SampleBatch>> {
 
 /// The user's burn-train set-up: metrics, schedule, accumulation, epochs; headless (this
 /// build of burn-train has no terminal dashboard).
-fn training(
-    dir: &Path,
-    strategy: Option<TrainingStrategy<Classifier>>,
-) -> SupervisedTraining<Classifier> {
-    let training = SupervisedTraining::new(dir, loader(samples(0, 64)), loader(samples(1000, 32)))
+fn training(dir: &Path) -> SupervisedTraining<Classifier> {
+    SupervisedTraining::new(dir, loader(samples(0, 64)), loader(samples(1000, 32)))
         .metrics((AccuracyMetric::new(), LossMetric::new()))
         .grads_accumulation(2)
         .num_epochs(EPOCHS)
-        .with_application_logger(None);
-    match strategy {
-        Some(strategy) => training.with_training_strategy(strategy),
-        None => training,
-    }
+        .with_application_logger(None)
 }
 
 fn learner(model: Classifier) -> Learner<Classifier> {
@@ -170,17 +171,40 @@ fn learner(model: Classifier) -> Learner<Classifier> {
 fn single_device(dir: &Path, initial: &[f32]) -> Vec<f32> {
     let device = Device::flex().autodiff();
     let model = load_flat(Classifier::new(&device), initial);
-    let result = training(dir, None).launch(learner(model));
+    let result = training(dir).launch(learner(model));
     flatten_params(&result.model)
 }
 
-fn parallel(dir: &Path, mesh: &str, plan: &ParallelizePlan, initial: &[f32]) -> Vec<f32> {
+/// Checkpoints of a run: saved every epoch under `save`; resumed after epoch `resume.1` from
+/// those another run saved under `resume.0`.
+#[derive(Default)]
+struct Checkpointing {
+    save: Option<PathBuf>,
+    resume: Option<(PathBuf, usize)>,
+}
+
+fn parallel(
+    dir: &Path,
+    mesh: &str,
+    plan: &ParallelizePlan,
+    initial: &[f32],
+    checkpointing: &Checkpointing,
+) -> Vec<f32> {
     let weights = launch(mesh, |ctx| {
         let device = ctx.device().clone().autodiff();
         let model = load_flat(Classifier::new(&device), initial);
         let (model, par) = parallelize(model, plan, &ctx)?; // +
-        let strategy = ParallelLearning::new(&ctx, par)?.into(); // +
-        let result = training(dir, Some(strategy)).launch(learner(model)); // + (the strategy)
+        let mut strategy = ParallelLearning::new(&ctx, par)?; // +
+        let mut training = training(dir);
+        if let Some(save) = &checkpointing.save {
+            strategy = strategy.checkpoints(save, EPOCHS);
+        }
+        if let Some((from, epoch)) = &checkpointing.resume {
+            strategy = strategy.resume_from(from);
+            training = training.checkpoint(*epoch);
+        }
+        let training = training.with_training_strategy(strategy.into()); // +
+        let result = training.launch(learner(model));
         if let Some(error) = result.error {
             return Err(ParallelError::Invalid(error.to_string()));
         }
@@ -190,9 +214,9 @@ fn parallel(dir: &Path, mesh: &str, plan: &ParallelizePlan, initial: &[f32]) -> 
     weights.into_iter().next().expect("rank 0")
 }
 
-/// Every value burn-train logged for validation metric `name`, epoch by epoch.
-fn logged(dir: &Path, name: &str) -> Vec<f64> {
-    (1..=EPOCHS)
+/// Every value burn-train logged for validation metric `name` in `epochs`, in order.
+fn logged(dir: &Path, name: &str, epochs: std::ops::RangeInclusive<usize>) -> Vec<f64> {
+    epochs
         .flat_map(|epoch| {
             let file = dir.join(format!("valid/epoch-{epoch}/{name}.log"));
             let text = std::fs::read_to_string(&file)
@@ -219,8 +243,11 @@ fn main() {
     let _ = std::fs::remove_dir_all(&root);
     let initial = flatten_params(&Classifier::new(&Device::flex()));
     let reference_dir = root.join("one-device");
-    let reference = single_device(&reference_dir, &initial);
-    let reference_weights: Vec<f64> = reference.iter().map(|&w| w as f64).collect();
+    let reference: Vec<f64> = single_device(&reference_dir, &initial)
+        .into_iter()
+        .map(f64::from)
+        .collect();
+    assert_eq!(LARGEST_STEP.swap(0, Ordering::SeqCst), BATCH);
     println!(
         "one device: {} parameters, {EPOCHS} epochs",
         reference.len()
@@ -231,25 +258,51 @@ fn main() {
         .tensor_parallel(TensorParallelRule::colwise(&["hidden"]))
         .tensor_parallel(TensorParallelRule::rowwise(&["head"]))
         .fully_shard("");
-    let layouts = [("fsdp=2,tp=2", tp_fsdp), ("dp=2", ParallelizePlan::new())];
-    for (mesh, plan) in &layouts {
-        let dir = root.join(mesh.replace([',', '='], "-"));
-        let weights: Vec<f64> = parallel(&dir, mesh, plan, &initial)
+    let saved = root.join("checkpoints");
+    let runs = [
+        (
+            "fsdp=2,tp=2",
+            tp_fsdp,
+            Checkpointing {
+                save: Some(saved.clone()),
+                ..Default::default()
+            },
+        ),
+        ("dp=2", ParallelizePlan::new(), Checkpointing::default()),
+        (
+            "dp=2, resumed after epoch 1 of fsdp=2,tp=2",
+            ParallelizePlan::new(),
+            Checkpointing {
+                resume: Some((saved, 1)),
+                ..Default::default()
+            },
+        ),
+    ];
+    for (name, plan, checkpointing) in &runs {
+        let mesh = name.split(' ').next().unwrap().trim_end_matches(',');
+        let dir = root.join(name.replace([',', '=', ' '], "-"));
+        let weights: Vec<f64> = parallel(&dir, mesh, plan, &initial, checkpointing)
             .into_iter()
             .map(f64::from)
             .collect();
-        let weights = max_difference(&reference_weights, &weights);
-        let loss = max_difference(&logged(&reference_dir, "Loss"), &logged(&dir, "Loss"));
-        let accuracy = max_difference(
-            &logged(&reference_dir, "Accuracy"),
-            &logged(&dir, "Accuracy"),
-        );
+        let weights = max_difference(&reference, &weights);
+        let epochs = checkpointing.resume.as_ref().map_or(1, |(_, e)| e + 1)..=EPOCHS;
+        let metric = |name| {
+            let one = logged(&reference_dir, name, epochs.clone());
+            max_difference(&one, &logged(&dir, name, epochs.clone()))
+        };
+        let (loss, accuracy) = (metric("Loss"), metric("Accuracy"));
         println!(
-            "{mesh:<12} max relative difference to one device: weights {weights:.2e}, validation loss {loss:.2e}, accuracy {accuracy:.2e}"
+            "{name:<44} max relative difference to one device: weights {weights:.2e}, validation loss {loss:.2e}, accuracy {accuracy:.2e}"
         );
         assert!(
             weights < 1e-5 && loss < 1e-5 && accuracy < 1e-5,
-            "{mesh} must match one device"
+            "{name} must match one device"
+        );
+        assert_eq!(
+            LARGEST_STEP.swap(0, Ordering::SeqCst),
+            BATCH / 2,
+            "{name}: each of the two data-parallel ranks trains on half of every batch"
         );
     }
     println!("match: every layout trains the same model as one device's Learner");

@@ -127,6 +127,20 @@ impl Checkpoints {
             .map(|(_, dir)| dir))
     }
 
+    /// The committed checkpoint of `step`'s directory, if there is one.
+    pub fn of_step(&self, step: u64) -> Result<Option<PathBuf>, ParallelError> {
+        let all = committed(&self.root).map_err(fail)?;
+        Ok(all
+            .into_iter()
+            .find(|(s, _)| *s == step)
+            .map(|(_, dir)| dir))
+    }
+
+    /// The directory the checkpoints live under.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
     /// Saves `model` and `optim` as the checkpoint of `step` (collective: every rank calls it;
     /// nothing is visible until every rank has written its part). `user`: state of your own to
     /// keep with it.
@@ -137,6 +151,19 @@ impl Checkpoints {
         step: u64,
         model: &M,
         optim: &ModuleOptimizer,
+        user: serde_json::Value,
+    ) -> Result<(), ParallelError> {
+        self.save_record(par, ctx, step, model, optim.to_record(), user)
+    }
+
+    /// [`Self::save`] of an optimizer's record (what a burn-train `Learner`'s optimizer gives).
+    pub fn save_record<M: Module>(
+        &mut self,
+        par: &Parallelized,
+        ctx: &RankContext,
+        step: u64,
+        model: &M,
+        optim: OptimizerRecord,
         user: serde_json::Value,
     ) -> Result<(), ParallelError> {
         let entries = par.held_entries(model)?;
@@ -173,6 +200,18 @@ impl Checkpoints {
         model: M,
         optim: ModuleOptimizer,
     ) -> Result<(M, ModuleOptimizer, RunState), ParallelError> {
+        let (model, record, run) = Self::resume_record(par, ctx, dir, model)?;
+        Ok((model, optim.load_record(record), run))
+    }
+
+    /// [`Self::resume`] with the optimizer's state as a record (what a burn-train `Learner`
+    /// loads).
+    pub fn resume_record<M: Module>(
+        par: &Parallelized,
+        ctx: &RankContext,
+        dir: &Path,
+        model: M,
+    ) -> Result<(M, OptimizerRecord, RunState), ParallelError> {
         let ckpt = Checkpoint::open(dir).map_err(fail)?;
         let run: RunState = serde_json::from_value(ckpt.index().run.clone()).map_err(|e| {
             fail(format!(
@@ -187,7 +226,7 @@ impl Checkpoints {
             let segment = placed_segment(entry, slot.offset, &coord, &[]);
             read_into(&ckpt, &segment, &mut params)?;
         }
-        let optim = load_optimizer(&ckpt, &run, &entries, &coord, optim)?;
+        let optim = optimizer_record(&ckpt, &run, &entries, &coord)?;
         let model = load_flat(model, &params);
         Ok((model, optim, run))
     }
@@ -220,11 +259,11 @@ fn state_name(field: &str, param: &str) -> String {
 /// and the pieces of its tensors this rank writes (placed as their parameters). Fails naming
 /// the field when a state tensor is not shaped like its parameter.
 fn optimizer_pieces(
-    optim: &ModuleOptimizer,
+    optim: OptimizerRecord,
     entries: &[(ParamSlot, &ParamPlacement)],
     coord: &dyn Fn(Axis) -> usize,
 ) -> Result<(BTreeMap<String, ParamState>, Vec<PieceData>), ParallelError> {
-    let bytes = optim.to_record().into_bytes().map_err(fail)?;
+    let bytes = optim.into_bytes().map_err(fail)?;
     let reader = burn_pack::Reader::from_bytes(bytes).map_err(|e| fail(format!("{e:?}")))?;
     let by_id: BTreeMap<u64, &(ParamSlot, &ParamPlacement)> =
         entries.iter().map(|e| (e.0.id.val(), e)).collect();
@@ -278,15 +317,14 @@ fn optimizer_pieces(
     Ok((states, pieces))
 }
 
-/// `optim` with the saved state of the parameters `entries` (this rank's parts of it), under
-/// this rank's parameter ids.
-fn load_optimizer(
+/// The optimizer record of the saved state of the parameters `entries` (this rank's parts of
+/// it), under this rank's parameter ids.
+fn optimizer_record(
     ckpt: &Checkpoint,
     run: &RunState,
     entries: &[(ParamSlot, &ParamPlacement)],
     coord: &dyn Fn(Axis) -> usize,
-    optim: ModuleOptimizer,
-) -> Result<ModuleOptimizer, ParallelError> {
+) -> Result<OptimizerRecord, ParallelError> {
     let mut tensors = vec![];
     let mut scalars = vec![];
     let mut paths = vec![];
@@ -325,6 +363,5 @@ fn load_optimizer(
         writer = writer.with_metadata(&key, &path);
     }
     let bytes = writer.into_bytes().map_err(|e| fail(format!("{e:?}")))?;
-    let record = OptimizerRecord::from_bytes(bytes).map_err(fail)?;
-    Ok(optim.load_record(record))
+    OptimizerRecord::from_bytes(bytes).map_err(fail)
 }

@@ -40,6 +40,7 @@
 //!   on whole sequences.
 
 mod batch;
+mod checkpoint;
 mod output;
 
 pub use batch::{BatchSlice, sample_rows};
@@ -52,11 +53,13 @@ use burn_train::{
     LearningResult, SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader,
     TrainStep, TrainingComponents, TrainingError, TrainingItem, TrainingStrategy, ValidLoader,
 };
+use checkpoint::LearnerCheckpoints;
 use flashover_comm::CommunicatorExt;
 use flashover_parallel::ParallelError;
 use flashover_parallel::parallelize::Parallelized;
 use flashover_runtime::RankContext;
-use std::sync::Arc;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 /// burn-train's training strategy for one rank of a model parallelized by a plan; see the
 /// module docs. `.into()` makes it the `TrainingStrategy` that
@@ -65,6 +68,7 @@ pub struct ParallelLearning {
     ctx: RankContext,
     par: Arc<Parallelized>,
     max_norm: Option<f32>,
+    checkpoints: Mutex<LearnerCheckpoints>,
 }
 
 impl ParallelLearning {
@@ -92,6 +96,7 @@ impl ParallelLearning {
             ctx: ctx.clone(),
             par: Arc::new(par),
             max_norm: None,
+            checkpoints: Mutex::new(LearnerCheckpoints::none()),
         })
     }
 
@@ -101,6 +106,27 @@ impl ParallelLearning {
     pub fn clip_grad_norm(mut self, max_norm: f32) -> Self {
         self.max_norm = Some(max_norm);
         self
+    }
+
+    /// Saves a checkpoint under `dir` at the end of every epoch (`dir/step-0000000E`, the
+    /// newest `keep` kept): the model as each rank holds it, the optimizer's state placed as
+    /// its parameters are, and the learning-rate scheduler. `SupervisedTraining::checkpoint(e)`
+    /// resumes from epoch `e`'s, on any mesh and plan. burn-train's own checkpointer cannot be
+    /// used under a plan (it records this rank's parts as if they were the model).
+    pub fn checkpoints(self, dir: impl AsRef<Path>, keep: usize) -> Self {
+        self.checkpoints_mut().save_to(dir.as_ref(), keep);
+        self
+    }
+
+    /// Resumes (`SupervisedTraining::checkpoint(e)`) from the checkpoints another run saved
+    /// under `dir`, on any mesh and plan.
+    pub fn resume_from(self, dir: impl AsRef<Path>) -> Self {
+        self.checkpoints_mut().resume_from(dir.as_ref());
+        self
+    }
+
+    fn checkpoints_mut(&self) -> std::sync::MutexGuard<'_, LearnerCheckpoints> {
+        self.checkpoints.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Whether this rank reports to burn-train's event processor (world rank 0).
@@ -371,6 +397,21 @@ where
             ),
             None => (dataloader_train, dataloader_valid),
         };
+        if let Some(epoch) = components.checkpoint {
+            if let Err(e) = self
+                .checkpoints_mut()
+                .resume(&self.par, &self.ctx, epoch, &mut learner)
+            {
+                interrupter.fail(self.failure(e));
+                return (learner.model(), events);
+            }
+            // The epochs before it drew their shuffles from the loaders: draw them again, so the
+            // resumed epochs see the batches an uninterrupted run would.
+            for _ in 0..epoch {
+                drop(train.iter());
+                drop(valid.iter());
+            }
+        }
         let (train_items, valid_items) = (train.num_items(), valid.num_items());
         let mut early_stopping = components.early_stopping;
         let mut epochs = Epochs {
@@ -386,6 +427,21 @@ where
                 (&train, train_items),
                 (&valid, valid_items),
             );
+            // A completed epoch is saved (before early stopping decides, as burn-train does).
+            let stop = stop.and_then(|stop| match stop {
+                true => Ok(true),
+                false => self
+                    .checkpoints_mut()
+                    .save(
+                        &self.par,
+                        &self.ctx,
+                        epoch,
+                        &learner,
+                        &components.event_store,
+                    )
+                    .map(|()| false)
+                    .map_err(|e| e.to_string()),
+            });
             // Rank 0's event store holds the metrics: it decides for every rank.
             let stop = stop.and_then(|stop| {
                 let early = self.reports()

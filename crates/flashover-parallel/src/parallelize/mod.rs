@@ -364,6 +364,15 @@ impl Parallelized {
         Ok(load_shaped(model, whole, &values))
     }
 
+    /// `f` run with every parameter of the parallelized model reading as what this rank
+    /// stores (its shard or split part, a placeholder's zeros) through `Param::val`, with no
+    /// collective: for code that records a module's parameters as they are stored, such as
+    /// Burn's `Module::into_record` of this rank's part. Not for a forward.
+    pub fn with_stored_reads<T>(&self, f: impl FnOnce() -> T) -> T {
+        let _stored = self.whole_reads.stored_parts();
+        f()
+    }
+
     /// This rank's samples of step `step`, numbered over the whole run: step `s`'s batch is
     /// samples `s * global_batch .. (s + 1) * global_batch` of the data set, and each data
     /// rank (`dp` x `fsdp` x `ep`) takes a contiguous share of it (rank 1 of 2 at step 1 of a batch

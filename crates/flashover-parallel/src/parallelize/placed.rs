@@ -30,7 +30,7 @@ use burn::tensor::Tensor;
 use flashover_comm::Group;
 use flashover_runtime::Axis;
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// The reparameterization of a parameter a plan moved (see the module docs).
@@ -154,26 +154,46 @@ impl UnitGathers {
     }
 }
 
-/// Whether `Param::val` may gather tensor-parallel parameters whole: only while
-/// [`super::Parallelized::whole`] runs (one flag per rank, shared by its parameters).
+/// What `Param::val` answers besides the value a layer computes with (one mode per rank,
+/// shared by its parameters): while [`super::Parallelized::whole`] runs, tensor-parallel
+/// parameters gathered whole; while [`super::Parallelized::with_stored_reads`] runs, every
+/// parameter's stored part, untouched.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct WholeReads(Arc<AtomicBool>);
+pub(crate) struct WholeReads(Arc<AtomicU8>);
+
+/// [`WholeReads`] modes.
+const COMPUTE: u8 = 0;
+const WHOLE: u8 = 1;
+const STORED: u8 = 2;
 
 impl WholeReads {
     /// Allows whole reads until the returned guard drops.
     pub(crate) fn allow(&self) -> impl Drop + '_ {
-        struct Reset<'a>(&'a AtomicBool);
+        self.set(WHOLE)
+    }
+
+    /// Makes reads answer the stored parts until the returned guard drops.
+    pub(crate) fn stored_parts(&self) -> impl Drop + '_ {
+        self.set(STORED)
+    }
+
+    fn set(&self, mode: u8) -> impl Drop + '_ {
+        struct Reset<'a>(&'a AtomicU8);
         impl Drop for Reset<'_> {
             fn drop(&mut self) {
-                self.0.store(false, Ordering::SeqCst);
+                self.0.store(COMPUTE, Ordering::SeqCst);
             }
         }
-        self.0.store(true, Ordering::SeqCst);
+        self.0.store(mode, Ordering::SeqCst);
         Reset(&self.0)
     }
 
     fn allowed(&self) -> bool {
-        self.0.load(Ordering::SeqCst)
+        self.0.load(Ordering::SeqCst) == WHOLE
+    }
+
+    fn stored(&self) -> bool {
+        self.0.load(Ordering::SeqCst) == STORED
     }
 }
 
@@ -287,6 +307,9 @@ impl Reparameterization for Placed {
     const NAME: &'static str = "placed";
 
     fn apply<const D: usize>(&self, base: Tensor<D>) -> Tensor<D> {
+        if self.whole_reads.stored() {
+            return base;
+        }
         match self.held_elsewhere {
             // Gathered by `Parallelized::whole`; read nowhere else.
             _ if self.whole_reads.allowed() && self.held_elsewhere.is_some() => return base,
