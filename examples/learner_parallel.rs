@@ -25,7 +25,7 @@ use burn_train::{
     ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
     TrainingStrategy,
 };
-use flashover::learner::{BatchSlice, ParallelLearning, sample_rows};
+use flashover::learner::{ParallelLearning, ShareBatcher};
 use flashover::nn::{Linear, LinearConfig}; // tp: Burn's Linear, whose forward follows a split
 use flashover::parallel::params::{flatten_params, load_flat};
 use flashover::prelude::*;
@@ -71,7 +71,7 @@ impl TrainStep for Classifier {
     type Output = ClassificationOutput;
 
     fn step(&self, batch: SampleBatch) -> TrainOutput<ClassificationOutput> {
-        LARGEST_STEP.fetch_max(batch.samples(), Ordering::SeqCst);
+        LARGEST_STEP.fetch_max(batch.labels.dims()[0], Ordering::SeqCst);
         let item = self.classify(batch);
         TrainOutput::new(self, item.loss.backward(), item)
     }
@@ -96,19 +96,6 @@ struct Sample {
 struct SampleBatch {
     features: Tensor<2>,
     labels: Tensor<1, Int>,
-}
-
-/// + A data-parallel rank's share of a batch: its samples.
-impl BatchSlice for SampleBatch {
-    fn samples(&self) -> usize {
-        self.labels.dims()[0]
-    }
-    fn slice(self, start: usize, len: usize) -> Self {
-        SampleBatch {
-            features: sample_rows(self.features, start, len),
-            labels: sample_rows(self.labels, start, len),
-        }
-    }
 }
 
 #[derive(Clone)]
@@ -142,17 +129,24 @@ fn samples(first: usize, n: usize) -> Vec<Sample> {
         .collect()
 }
 
-fn loader(samples: Vec<Sample>) -> Arc<dyn DataLoader<SampleBatch>> {
-    DataLoaderBuilder::new(SampleBatcher)
+fn loader<B>(batcher: B, samples: Vec<Sample>) -> Arc<dyn DataLoader<SampleBatch>>
+where
+    B: Batcher<Sample, SampleBatch> + Clone + 'static,
+{
+    DataLoaderBuilder::new(batcher)
         .batch_size(BATCH)
         .shuffle(7)
         .build(InMemDataset::new(samples))
 }
 
-/// The user's burn-train set-up: metrics, schedule, accumulation, epochs; headless (this
+/// The user's burn-train set-up: data, metrics, schedule, accumulation, epochs; headless (this
 /// build of burn-train has no terminal dashboard).
-fn training(dir: &Path) -> SupervisedTraining<Classifier> {
-    SupervisedTraining::new(dir, loader(samples(0, 64)), loader(samples(1000, 32)))
+fn training<B>(dir: &Path, batcher: B) -> SupervisedTraining<Classifier>
+where
+    B: Batcher<Sample, SampleBatch> + Clone + 'static,
+{
+    let (train, valid) = (samples(0, 64), samples(1000, 32));
+    SupervisedTraining::new(dir, loader(batcher.clone(), train), loader(batcher, valid))
         .metrics((AccuracyMetric::new(), LossMetric::new()))
         .grads_accumulation(2)
         .num_epochs(EPOCHS)
@@ -171,7 +165,7 @@ fn learner(model: Classifier) -> Learner<Classifier> {
 fn single_device(dir: &Path, initial: &[f32]) -> Vec<f32> {
     let device = Device::flex().autodiff();
     let model = load_flat(Classifier::new(&device), initial);
-    let result = training(dir).launch(learner(model));
+    let result = training(dir, SampleBatcher).launch(learner(model));
     flatten_params(&result.model)
 }
 
@@ -194,8 +188,8 @@ fn parallel(
         let device = ctx.device().clone().autodiff();
         let model = load_flat(Classifier::new(&device), initial);
         let (model, par) = parallelize(model, plan, &ctx)?; // +
+        let mut training = training(dir, ShareBatcher::new(SampleBatcher, &par)); // + (the wrapper)
         let mut strategy = ParallelLearning::new(&ctx, par)?; // +
-        let mut training = training(dir);
         if let Some(save) = &checkpointing.save {
             strategy = strategy.checkpoints(save, EPOCHS);
         }

@@ -1,46 +1,54 @@
-//! Cutting a data loader's global batch into the data-parallel ranks' shares.
+//! Each data-parallel rank's share of a data loader's batches, cut before they are batched.
 
-use burn::tensor::Tensor;
-use burn::tensor::kind::Basic;
+use burn::data::dataloader::batcher::Batcher;
+use burn::tensor::Device;
+use flashover_parallel::parallelize::Parallelized;
 
-/// A batch that a data-parallel rank can take its share of: the samples `start..start + len`
-/// of it, in order. Implement it for the type your `Batcher` produces (usually a
-/// [`Tensor::narrow`] of each field along the batch dimension, [`sample_rows`] below):
+/// Your `Batcher`, batching only this data-parallel rank's share of each batch's items: of a
+/// batch of `n` items, the `n / ranks` consecutive ones at `rank * n / ranks` (`dp` x `fsdp` x
+/// `ep` ranks; `tp` peers batch the same share). Every rank builds its data loaders the same way
+/// (same data set, batch size and shuffle seed), so each sees the same global batches and
+/// batches its own part of them: what one device's batch would be, cut in equal shares.
 ///
+/// ```text
+/// let loader = DataLoaderBuilder::new(ShareBatcher::new(MyBatcher, &par))   // was MyBatcher
+///     .batch_size(32)
+///     .shuffle(seed)
+///     .build(dataset);
 /// ```
-/// use burn::tensor::{Int, Tensor};
-/// use flashover::learner::{BatchSlice, sample_rows};
 ///
-/// #[derive(Clone, Debug)]
-/// struct ImageBatch {
-///     images: Tensor<3>,
-///     targets: Tensor<1, Int>,
-/// }
-///
-/// impl BatchSlice for ImageBatch {
-///     fn samples(&self) -> usize {
-///         self.targets.dims()[0]
-///     }
-///     fn slice(self, start: usize, len: usize) -> Self {
-///         ImageBatch {
-///             images: sample_rows(self.images, start, len),
-///             targets: sample_rows(self.targets, start, len),
-///         }
-///     }
-/// }
-/// ```
-pub trait BatchSlice: Sized {
-    /// How many samples the batch holds.
-    fn samples(&self) -> usize;
-    /// Samples `start..start + len` of the batch, as a batch of `len` samples.
-    fn slice(self, start: usize, len: usize) -> Self;
+/// Panics, naming the sizes, when a batch's items do not split evenly (the last batch of an
+/// epoch too: use a data set whose size is a multiple of the batch size).
+#[derive(Clone, Debug)]
+pub struct ShareBatcher<B> {
+    inner: B,
+    rank: usize,
+    ranks: usize,
 }
 
-/// Rows `start..start + len` of `tensor`'s first (batch) dimension.
-pub fn sample_rows<const D: usize, K: Basic>(
-    tensor: Tensor<D, K>,
-    start: usize,
-    len: usize,
-) -> Tensor<D, K> {
-    tensor.narrow(0, start, len)
+impl<B> ShareBatcher<B> {
+    /// `inner` batching this rank's share, for the ranks `par` reads different samples on.
+    pub fn new(inner: B, par: &Parallelized) -> Self {
+        let data = par.data_ranks();
+        ShareBatcher {
+            inner,
+            rank: data.rank(),
+            ranks: data.size(),
+        }
+    }
+}
+
+impl<I, O, B: Batcher<I, O>> Batcher<I, O> for ShareBatcher<B> {
+    fn batch(&self, items: Vec<I>, device: &Device) -> O {
+        let (n, ranks) = (items.len(), self.ranks);
+        assert!(
+            n.is_multiple_of(ranks),
+            "a batch of {n} samples does not split over {ranks} data-parallel ranks (dp x fsdp \
+             x ep): use a batch size that is a multiple of {ranks}, for the last batch of an \
+             epoch too (a data set whose size is a multiple of it)"
+        );
+        let per = n / ranks;
+        let share = items.into_iter().skip(self.rank * per).take(per).collect();
+        self.inner.batch(share, device)
+    }
 }

@@ -43,7 +43,7 @@ mod batch;
 mod checkpoint;
 mod output;
 
-pub use batch::{BatchSlice, sample_rows};
+pub use batch::ShareBatcher;
 pub use output::{GatherOutput, gather_sample_ints, gather_samples, mean_over};
 
 use burn::optim::GradientsAccumulator;
@@ -143,19 +143,21 @@ impl ParallelLearning {
         Ok(flag[0] != 0)
     }
 
-    /// This data-parallel rank's share of `batch`. Fails when the batch does not split evenly.
-    fn share<B: BatchSlice>(&self, batch: B) -> Result<B, ParallelError> {
+    /// The whole batch's output from this rank's `output`, after checking that it is of this
+    /// rank's share of a `batch`-sample batch (collective).
+    fn whole_batch<O: GatherOutput>(&self, output: O, batch: usize) -> Result<O, String> {
         let data = self.par.data_ranks();
-        let (n, total) = (data.size(), batch.samples());
-        if !total.is_multiple_of(n) {
-            return Err(ParallelError::Invalid(format!(
-                "a batch of {total} samples does not split over {n} data-parallel ranks (dp x \
-                 fsdp x ep): use a batch size that is a multiple of {n}, for the last batch of \
-                 an epoch too (a data set whose size is a multiple of it)"
-            )));
+        let share = output.samples();
+        if share * data.size() != batch {
+            return Err(format!(
+                "a step of a {batch}-sample batch computed {share} samples on this rank, not its \
+                 share of {} over {} data-parallel ranks (dp x fsdp x ep): build the data loaders \
+                 with flashover::learner::ShareBatcher::new(your_batcher, &par)",
+                batch / data.size(),
+                data.size()
+            ));
         }
-        let per = total / n;
-        Ok(batch.slice(data.rank() * per, per))
+        output.gather(data).map_err(|e| e.to_string())
     }
 
     fn failure(&self, error: impl std::fmt::Display) -> TrainingError {
@@ -169,9 +171,7 @@ impl ParallelLearning {
 impl<M> From<ParallelLearning> for TrainingStrategy<M>
 where
     M: LearnerModel,
-    <M as TrainStep>::Input: BatchSlice,
     <M as TrainStep>::Output: GatherOutput,
-    <M as InferenceStep>::Input: BatchSlice,
     <M as InferenceStep>::Output: GatherOutput,
 {
     fn from(strategy: ParallelLearning) -> Self {
@@ -190,9 +190,7 @@ struct Epochs<'a, M: LearnerModel> {
 impl<M> Epochs<'_, M>
 where
     M: LearnerModel,
-    <M as TrainStep>::Input: BatchSlice,
     <M as TrainStep>::Output: GatherOutput,
-    <M as InferenceStep>::Input: BatchSlice,
     <M as InferenceStep>::Output: GatherOutput,
 {
     /// Epoch `epoch`: training, then validation, with burn-train's split events (rank 0).
@@ -252,13 +250,16 @@ where
     fn train(&mut self, learner: &mut Learner<M>, loader: &TrainLoader<M>) -> Result<bool, String> {
         let s = self.strategy;
         let mut batches = loader.iter();
-        let (mut iteration, mut pending) = (0, 0);
+        let (mut iteration, mut pending, mut seen) = (0, 0, 0);
         let mut accumulator = GradientsAccumulator::new();
         while let Some(batch) = batches.next() {
             let batch = batch.map_err(|e| e.to_string())?;
             iteration += 1;
             let progress = batches.progress();
-            let output = learner.train_step(s.share(batch).map_err(|e| e.to_string())?);
+            // The loader's progress counts the global batch's samples.
+            let samples =
+                progress.items_processed - std::mem::replace(&mut seen, progress.items_processed);
+            let output = learner.train_step(batch);
             accumulator.accumulate(&learner.model(), output.grads);
             pending += 1;
             // burn-train's rule: step every `accumulation` batches and at the epoch's end.
@@ -273,10 +274,7 @@ where
                 learner.lr_step();
                 learner.optimizer_step(grads);
             }
-            let item = output
-                .item
-                .gather(s.par.data_ranks())
-                .map_err(|e| e.to_string())?;
+            let item = s.whole_batch(output.item, samples)?;
             if s.reports() {
                 let item =
                     TrainingItem::new(item, progress, Some(iteration), Some(learner.lr_current()));
@@ -297,15 +295,15 @@ where
         let s = self.strategy;
         let model = learner.model().valid();
         let mut batches = loader.iter();
-        let mut iteration = 0;
+        let (mut iteration, mut seen) = (0, 0);
         while let Some(batch) = batches.next() {
             let batch = batch.map_err(|e| e.to_string())?;
             iteration += 1;
             let progress = batches.progress();
-            let output = InferenceStep::step(&model, s.share(batch).map_err(|e| e.to_string())?);
-            let item = output
-                .gather(s.par.data_ranks())
-                .map_err(|e| e.to_string())?;
+            let samples =
+                progress.items_processed - std::mem::replace(&mut seen, progress.items_processed);
+            let output = InferenceStep::step(&model, batch);
+            let item = s.whole_batch(output, samples)?;
             if s.reports() {
                 let item = TrainingItem::new(item, progress, Some(iteration), None);
                 self.interrupter
@@ -324,9 +322,7 @@ where
 impl<M> SupervisedLearningStrategy<M> for ParallelLearning
 where
     M: LearnerModel,
-    <M as TrainStep>::Input: BatchSlice,
     <M as TrainStep>::Output: GatherOutput,
-    <M as InferenceStep>::Input: BatchSlice,
     <M as InferenceStep>::Output: GatherOutput,
 {
     /// burn-train's own `train`, with the start and end events sent by rank 0 only (the

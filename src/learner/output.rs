@@ -15,6 +15,8 @@ use flashover_runtime::TensorCollectives;
 /// [`SequenceOutput`]; for an output of your own, gather each per-sample tensor with
 /// [`gather_samples`] / [`gather_sample_ints`] and each mean with [`mean_over`].
 pub trait GatherOutput: Sized {
+    /// How many samples the output is of.
+    fn samples(&self) -> usize;
     /// The output of the whole batch (collective over `data`: every rank calls it with the
     /// output of its share, shares in rank order).
     fn gather(self, data: &Group) -> Result<Self, ParallelError>;
@@ -64,6 +66,10 @@ pub fn mean_over(loss: Tensor<1>, data: &Group) -> Result<Tensor<1>, ParallelErr
 }
 
 impl GatherOutput for ClassificationOutput {
+    fn samples(&self) -> usize {
+        self.targets.dims()[0]
+    }
+
     fn gather(self, data: &Group) -> Result<Self, ParallelError> {
         Ok(ClassificationOutput {
             loss: mean_over(self.loss, data)?,
@@ -74,6 +80,10 @@ impl GatherOutput for ClassificationOutput {
 }
 
 impl GatherOutput for MultiLabelClassificationOutput {
+    fn samples(&self) -> usize {
+        self.targets.dims()[0]
+    }
+
     fn gather(self, data: &Group) -> Result<Self, ParallelError> {
         Ok(MultiLabelClassificationOutput {
             loss: mean_over(self.loss, data)?,
@@ -84,6 +94,10 @@ impl GatherOutput for MultiLabelClassificationOutput {
 }
 
 impl GatherOutput for RegressionOutput {
+    fn samples(&self) -> usize {
+        self.targets.dims()[0]
+    }
+
     fn gather(self, data: &Group) -> Result<Self, ParallelError> {
         Ok(RegressionOutput {
             loss: mean_over(self.loss, data)?,
@@ -94,6 +108,10 @@ impl GatherOutput for RegressionOutput {
 }
 
 impl GatherOutput for SequenceOutput {
+    fn samples(&self) -> usize {
+        self.targets.dims()[0]
+    }
+
     fn gather(self, data: &Group) -> Result<Self, ParallelError> {
         // Every rank has predictions or none does (the same step on every rank).
         let predictions = match self.predictions {
