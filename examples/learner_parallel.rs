@@ -23,7 +23,6 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_train::metric::{AccuracyMetric, LossMetric};
 use burn_train::{
     ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
-    TrainingStrategy,
 };
 use flashover::learner::{ParallelLearning, ShareBatcher};
 use flashover::nn::{Linear, LinearConfig}; // tp: Burn's Linear, whose forward follows a split

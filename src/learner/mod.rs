@@ -1,43 +1,44 @@
 //! Flashover inside burn-train's `Learner`: a model parallelized by a plan, trained by burn-train
-//! with its metrics, dashboard, learning-rate scheduler, gradient accumulation and early stopping.
+//! with its metrics, learning-rate scheduler, gradient accumulation and early stopping.
 //!
 //! Each rank builds the same training set-up inside [`crate::launch`] (threads here, one process
 //! per rank under `mpirun` with the same code): its model through
-//! [`parallelize`](crate::prelude::parallelize), its `Learner` around that model, and
-//! [`ParallelLearning`] as the training strategy. Every rank iterates its own data loader, built
-//! the same way, so every rank sees the same global batches; [`BatchSlice`] cuts each into the
-//! data-parallel ranks' shares. After each step the ranks' outputs are put together
-//! ([`GatherOutput`]) and rank 0 alone reports them, so the metrics are the whole batch's: the
-//! loss is the global mean and accuracy counts every sample once.
+//! [`parallelize`](crate::prelude::parallelize), its data loaders around [`ShareBatcher`], its
+//! `Learner` around the model, and [`ParallelLearning`] as the training strategy. Every rank
+//! iterates the same global batches and batches its own share of them. After each step the
+//! ranks' outputs are put together ([`GatherOutput`]) and rank 0 alone reports them, so the
+//! metrics are the whole batch's: the loss is the global mean and accuracy counts every sample
+//! once. The set-up, with the lines a layout adds marked (`examples/learner_parallel.rs` runs
+//! it):
 //!
-//! ```no_run
-//! # use burn::tensor::Device;
-//! # fn set_up(device: &Device) -> (() , ()) { ((), ()) }
-//! use flashover::learner::ParallelLearning;
-//! use flashover::prelude::*;
-//!
-//! launch("fsdp=2,tp=2", |ctx| {
-//!     // let model = MyModelConfig::new().init(&ctx.device().clone().autodiff());
-//!     // let (model, par) = parallelize(model, &plan, &ctx)?;
-//!     // let learner = Learner::new(model, AdamWConfig::new().init(), 1e-3);
-//!     // let training = SupervisedTraining::new(dir, train_loader, valid_loader)
-//!     //     .metrics((AccuracyMetric::new(), LossMetric::new()))
-//!     //     .with_training_strategy(ParallelLearning::new(&ctx, par)?.into());
-//!     // let result = training.launch(learner);
-//!     Ok::<_, ParallelError>(())
-//! })
-//! .unwrap();
+//! ```text
+//! launch("fsdp=2,tp=2", |ctx| {                                                    // +
+//!     let device = ctx.device().clone().autodiff();
+//!     let (model, par) = parallelize(MyModel::new(&device), &plan, &ctx)?;         // +
+//!     let batcher = ShareBatcher::new(MyBatcher, &par);                    // (was MyBatcher)
+//!     let train = DataLoaderBuilder::new(batcher.clone()).batch_size(32).shuffle(7).build(train_set);
+//!     let valid = DataLoaderBuilder::new(batcher).batch_size(32).build(valid_set);
+//!     let strategy = ParallelLearning::new(&ctx, par)?.checkpoints(&dir, 2);      // +
+//!     let result = SupervisedTraining::new(&dir, train, valid)
+//!         .metrics((AccuracyMetric::new(), LossMetric::new()))
+//!         .with_training_strategy(strategy.into())                                // +
+//!         .launch(Learner::new(model, AdamWConfig::new().init(), 1e-3));
+//!     Ok::<_, ParallelError>(result.model)        // the whole trained model, on every rank  // +
+//! })?;                                                                             // +
 //! ```
 //!
 //! What differs from one device, and why:
 //! - Gradients are averaged over the data-parallel ranks and, with
 //!   [`ParallelLearning::clip_grad_norm`], clipped by the norm of the whole model's gradient.
 //!   A Burn optimizer's own `with_grad_clipping(Norm)` clips each parameter by the norm of the
-//!   part this rank holds, which is not one device's clipping when a plan splits parameters.
-//! - burn-train's checkpointer saves the `Learner`'s model record, which holds this rank's part of
-//!   each split parameter; it is refused under a layout, with the reason.
+//!   part this rank holds, which is not one device's clipping when a plan splits parameters;
+//!   the strategy cannot see the `Learner`'s optimizer to refuse it, so do not combine them.
+//! - burn-train's checkpointer records the `Learner`'s model as this rank holds it, parts of
+//!   split parameters under the whole parameters' names: it is refused. Flashover's
+//!   ([`ParallelLearning::checkpoints`]) replace it, and resume on any mesh.
+//! - Only rank 0 renders and logs metrics, and decides early stopping for every rank.
 //! - Pipeline stages and context parallelism are refused: a `TrainStep` runs the whole forward
-//!   on whole sequences.
+//!   on the whole sequences it is given.
 
 mod batch;
 mod checkpoint;
