@@ -31,6 +31,11 @@ fi
 export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
 cargo test --workspace --features wgpu "$@"
 
+# burn-train's Learner on a mesh (feature `learner`: burn-train turns on Flex's SIMD and rayon
+# kernels, so this is a build of its own, without wgpu).
+cargo test -p flashover --features learner --test learner
+cargo run --quiet --features learner --example learner_parallel | grep -v 'ProgressSnapshot'
+
 # The MPI engine, one rank per process under mpirun.
 scripts/mpi_check.sh
 
@@ -39,7 +44,7 @@ cargo test -p flashover-comm --features nccl --test nccl_engine
 
 # Examples run as a user would run them (same features as the tests: no second build;
 # multi_process needs MPI and runs in scripts/mpi_check.sh).
-for example in ddp_own_model zero3_own_model parallelize_gpt2 parallelize_classifier learner_parallel checkpoint_reshard \
+for example in ddp_own_model zero3_own_model parallelize_gpt2 parallelize_classifier checkpoint_reshard \
     tensor_parallel pipeline \
     moe_expert_parallel context_parallel_long_sequence activation_checkpointing mixed_precision; do
   cargo run --quiet --features wgpu --example "$example"

@@ -17,8 +17,8 @@
 //!   reference transformer and its forward context; [`checkpoint`]: sharded checkpoints.
 //! - [`TensorCollectives`]: collectives on Burn tensors.
 //! - [`train`]: the training job behind `flashover train` and `flashover verify`.
-//! - [`learner`]: burn-train's `Learner` training a plan-parallelized model (a custom
-//!   training strategy).
+//! - `learner` (feature `learner`): burn-train's `Learner` training a plan-parallelized model
+//!   (a custom training strategy).
 //! - [`check`]: comparing a layout's loss curve and weights with one rank's.
 //! - [`plan`]: the planner behind `flashover plan` (memory and step-time model, mesh search).
 //! - [`bench`](mod@bench): the measurements behind `flashover bench`; [`heap`]: the counting allocator
@@ -41,6 +41,7 @@
 pub mod bench;
 pub mod check;
 pub mod heap;
+#[cfg(feature = "learner")]
 pub mod learner;
 pub mod plan;
 pub mod plan_checkpoint;

@@ -47,7 +47,9 @@ mod output;
 pub use batch::ShareBatcher;
 pub use output::{GatherOutput, gather_sample_ints, gather_samples, mean_over};
 
+use burn::data::dataloader::{DataLoader, Progress};
 use burn::optim::GradientsAccumulator;
+use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn_train::train::WorkerFailure;
 use burn_train::{
     EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel,
@@ -249,10 +251,54 @@ where
     /// One training epoch over `loader`: each step on this rank's share, gradients reduced over
     /// the layout, the whole batch's output reported by rank 0. Returns whether to stop.
     fn train(&mut self, learner: &mut Learner<M>, loader: &TrainLoader<M>) -> Result<bool, String> {
+        let (s, accumulation) = (self.strategy, self.accumulation);
+        let mut pending = 0;
+        let mut accumulator = GradientsAccumulator::new();
+        let step = |batch, progress: &Progress| {
+            let output = learner.train_step(batch);
+            accumulator.accumulate(&learner.model(), output.grads);
+            pending += 1;
+            // burn-train's rule: step every `accumulation` batches and at the epoch's end.
+            if accumulation.is_none_or(|n| pending >= n) || progress.is_completed() {
+                pending = 0;
+                let (grads, _norm) = s
+                    .par
+                    .reduce_gradients(&learner.model(), accumulator.grads(), s.max_norm, &s.ctx)
+                    .map_err(|e| e.to_string())?;
+                learner.lr_step();
+                learner.optimizer_step(grads);
+            }
+            Ok((output.item, Some(learner.lr_current())))
+        };
+        self.batches(loader, step, |events, item| {
+            events.process_train(LearnerEvent::ProcessedItem(item))
+        })
+    }
+
+    /// One validation epoch: each rank evaluates its share, rank 0 reports the whole batch's.
+    fn valid(&mut self, learner: &Learner<M>, loader: &ValidLoader<M>) -> Result<bool, String> {
+        let model = learner.model().valid();
+        let step = |batch, _: &Progress| Ok((InferenceStep::step(&model, batch), None));
+        self.batches(loader, step, |events, item| {
+            events.process_valid(LearnerEvent::ProcessedItem(item))
+        })
+    }
+
+    /// `step` on every batch of `loader` (this rank's share of it), its output gathered for the
+    /// whole batch and `report`ed by rank 0; stops early on rank 0's word. Returns whether to
+    /// stop.
+    fn batches<I, O: GatherOutput>(
+        &mut self,
+        loader: &Arc<dyn DataLoader<I>>,
+        mut step: impl FnMut(I, &Progress) -> Result<(O, Option<ModuleLearningRate>), String>,
+        report: impl Fn(
+            &mut SupervisedTrainingEventProcessor<M>,
+            TrainingItem<O>,
+        ) -> Result<(), burn_train::EventProcessorError>,
+    ) -> Result<bool, String> {
         let s = self.strategy;
         let mut batches = loader.iter();
-        let (mut iteration, mut pending, mut seen) = (0, 0, 0);
-        let mut accumulator = GradientsAccumulator::new();
+        let (mut iteration, mut seen) = (0, 0);
         while let Some(batch) = batches.next() {
             let batch = batch.map_err(|e| e.to_string())?;
             iteration += 1;
@@ -260,55 +306,11 @@ where
             // The loader's progress counts the global batch's samples.
             let samples =
                 progress.items_processed - std::mem::replace(&mut seen, progress.items_processed);
-            let output = learner.train_step(batch);
-            accumulator.accumulate(&learner.model(), output.grads);
-            pending += 1;
-            // burn-train's rule: step every `accumulation` batches and at the epoch's end.
-            let due = self.accumulation.is_none_or(|n| pending >= n) || progress.is_completed();
-            if due {
-                pending = 0;
-                let model = learner.model();
-                let (grads, _norm) = s
-                    .par
-                    .reduce_gradients(&model, accumulator.grads(), s.max_norm, &s.ctx)
-                    .map_err(|e| e.to_string())?;
-                learner.lr_step();
-                learner.optimizer_step(grads);
-            }
-            let item = s.whole_batch(output.item, samples)?;
-            if s.reports() {
-                let item =
-                    TrainingItem::new(item, progress, Some(iteration), Some(learner.lr_current()));
-                self.interrupter
-                    .fail_on_error(self.events.process_train(LearnerEvent::ProcessedItem(item)));
-            }
-            if s.agreed(self.interrupter.should_stop())
-                .map_err(|e| e.to_string())?
-            {
-                return Ok(true);
-            }
-        }
-        Ok(false)
-    }
-
-    /// One validation epoch: each rank evaluates its share, rank 0 reports the whole batch's.
-    fn valid(&mut self, learner: &Learner<M>, loader: &ValidLoader<M>) -> Result<bool, String> {
-        let s = self.strategy;
-        let model = learner.model().valid();
-        let mut batches = loader.iter();
-        let (mut iteration, mut seen) = (0, 0);
-        while let Some(batch) = batches.next() {
-            let batch = batch.map_err(|e| e.to_string())?;
-            iteration += 1;
-            let progress = batches.progress();
-            let samples =
-                progress.items_processed - std::mem::replace(&mut seen, progress.items_processed);
-            let output = InferenceStep::step(&model, batch);
+            let (output, lr) = step(batch, &progress)?;
             let item = s.whole_batch(output, samples)?;
             if s.reports() {
-                let item = TrainingItem::new(item, progress, Some(iteration), None);
-                self.interrupter
-                    .fail_on_error(self.events.process_valid(LearnerEvent::ProcessedItem(item)));
+                let item = TrainingItem::new(item, progress, Some(iteration), lr);
+                self.report(|events| report(events, item));
             }
             if s.agreed(self.interrupter.should_stop())
                 .map_err(|e| e.to_string())?
