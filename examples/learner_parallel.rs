@@ -9,7 +9,9 @@
 //!
 //! The lines a layout adds to the single-device set-up are marked `+`.
 //!
-//! Run: `cargo run --example learner_parallel`
+//! Run: `cargo run --features learner --example learner_parallel`; one rank per process:
+//! `cargo build --features mpi,learner --example learner_parallel && mpirun -np 4
+//! target/debug/examples/learner_parallel` (the `fsdp=2,tp=2` run).
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
@@ -176,6 +178,36 @@ struct Checkpointing {
     resume: Option<(PathBuf, usize)>,
 }
 
+/// One rank's run under `plan` (as threads or one rank per process: nothing here depends on
+/// how the ranks were started): the whole trained model's weights.
+fn train_rank(
+    ctx: RankContext,
+    dir: &Path,
+    plan: &ParallelizePlan,
+    initial: &[f32],
+    checkpointing: &Checkpointing,
+) -> Result<Vec<f32>, ParallelError> {
+    let device = ctx.device().clone().autodiff();
+    let model = load_flat(Classifier::new(&device), initial);
+    let (model, par) = parallelize(model, plan, &ctx)?; // +
+    let mut training = training(dir, ShareBatcher::new(SampleBatcher, &par)); // + (the wrapper)
+    let mut strategy = ParallelLearning::new(&ctx, par)?; // +
+    if let Some(save) = &checkpointing.save {
+        strategy = strategy.checkpoints(save, EPOCHS);
+    }
+    if let Some((from, epoch)) = &checkpointing.resume {
+        strategy = strategy.resume_from(from);
+        training = training.checkpoint(*epoch);
+    }
+    let training = training.with_training_strategy(strategy.into()); // +
+    let result = training.launch(learner(model));
+    if let Some(error) = result.error {
+        return Err(ParallelError::Invalid(error.to_string()));
+    }
+    Ok(flatten_params(&result.model))
+}
+
+/// [`train_rank`] on every rank of `mesh`, as threads of this process: rank 0's weights.
 fn parallel(
     dir: &Path,
     mesh: &str,
@@ -184,24 +216,7 @@ fn parallel(
     checkpointing: &Checkpointing,
 ) -> Vec<f32> {
     let weights = launch(mesh, |ctx| {
-        let device = ctx.device().clone().autodiff();
-        let model = load_flat(Classifier::new(&device), initial);
-        let (model, par) = parallelize(model, plan, &ctx)?; // +
-        let mut training = training(dir, ShareBatcher::new(SampleBatcher, &par)); // + (the wrapper)
-        let mut strategy = ParallelLearning::new(&ctx, par)?; // +
-        if let Some(save) = &checkpointing.save {
-            strategy = strategy.checkpoints(save, EPOCHS);
-        }
-        if let Some((from, epoch)) = &checkpointing.resume {
-            strategy = strategy.resume_from(from);
-            training = training.checkpoint(*epoch);
-        }
-        let training = training.with_training_strategy(strategy.into()); // +
-        let result = training.launch(learner(model));
-        if let Some(error) = result.error {
-            return Err(ParallelError::Invalid(error.to_string()));
-        }
-        Ok::<_, ParallelError>(flatten_params(&result.model))
+        train_rank(ctx, dir, plan, initial, checkpointing)
     })
     .expect("parallel training");
     weights.into_iter().next().expect("rank 0")
@@ -231,7 +246,20 @@ fn max_difference(a: &[f64], b: &[f64]) -> f64 {
         / scale
 }
 
+fn tp_fsdp() -> ParallelizePlan {
+    // Megatron's MLP split: hidden features by columns, then back by rows; every weight
+    // sharded over fsdp too.
+    ParallelizePlan::new()
+        .tensor_parallel(TensorParallelRule::colwise(&["hidden"]))
+        .tensor_parallel(TensorParallelRule::rowwise(&["head"]))
+        .fully_shard("")
+}
+
 fn main() {
+    #[cfg(feature = "mpi")]
+    if let Some(env) = flashover::ProcessEnv::detect().expect("launcher variables") {
+        return under_mpirun(env);
+    }
     let root: PathBuf = std::env::temp_dir().join("flashover-learner-parallel");
     let _ = std::fs::remove_dir_all(&root);
     let initial = flatten_params(&Classifier::new(&Device::flex()));
@@ -245,17 +273,11 @@ fn main() {
         "one device: {} parameters, {EPOCHS} epochs",
         reference.len()
     );
-    // Megatron's MLP split: hidden features by columns, then back by rows; every weight
-    // sharded over fsdp too.
-    let tp_fsdp = ParallelizePlan::new()
-        .tensor_parallel(TensorParallelRule::colwise(&["hidden"]))
-        .tensor_parallel(TensorParallelRule::rowwise(&["head"]))
-        .fully_shard("");
     let saved = root.join("checkpoints");
     let runs = [
         (
             "fsdp=2,tp=2",
-            tp_fsdp,
+            tp_fsdp(),
             Checkpointing {
                 save: Some(saved.clone()),
                 ..Default::default()
@@ -299,4 +321,48 @@ fn main() {
         );
     }
     println!("match: every layout trains the same model as one device's Learner");
+}
+
+/// One rank per process (`mpirun -np 4 target/debug/examples/learner_parallel`, built with
+/// `--features mpi,learner`): the `fsdp=2,tp=2` run through the same [`train_rank`], against one
+/// device. Each process draws the same initial weights from a seeded generator.
+#[cfg(feature = "mpi")]
+fn under_mpirun(env: flashover::ProcessEnv) {
+    Device::flex().seed(17);
+    let initial = flatten_params(&Classifier::new(&Device::flex()));
+    let root = std::env::temp_dir().join("flashover-learner-mpirun");
+    let reference_dir = root.join(format!("one-device-{}", env.rank));
+    let _ = std::fs::remove_dir_all(&reference_dir);
+    let reference: Vec<f64> = single_device(&reference_dir, &initial)
+        .into_iter()
+        .map(f64::from)
+        .collect();
+    let dir = root.join("fsdp-2-tp-2");
+    if env.rank == 0 {
+        let _ = std::fs::remove_dir_all(&dir); // only rank 0 writes there (its metrics)
+    }
+    let weights: Vec<f64> = {
+        let mpi = flashover::comm::MpiWorld::init().expect("MPI");
+        let world = mpi.group(std::time::Duration::from_secs(60));
+        flashover::Launch::new("fsdp=2,tp=2")
+            .expect("mesh")
+            .run_process(world, |ctx| {
+                train_rank(ctx, &dir, &tp_fsdp(), &initial, &Checkpointing::default())
+            })
+            .expect("parallel training")
+    }
+    .into_iter()
+    .map(f64::from)
+    .collect();
+    let weights = max_difference(&reference, &weights);
+    assert!(weights < 1e-5, "rank {}: weights {weights:.2e}", env.rank);
+    if env.rank == 0 {
+        let one = logged(&reference_dir, "Loss", 1..=EPOCHS);
+        let loss = max_difference(&one, &logged(&dir, "Loss", 1..=EPOCHS));
+        assert!(loss < 1e-5, "validation loss {loss:.2e}");
+        println!(
+            "fsdp=2,tp=2 under mpirun, one rank per process: weights {weights:.2e}, validation loss {loss:.2e} from one device"
+        );
+        println!("match: the Learner under mpirun trains the same model as one device's");
+    }
 }

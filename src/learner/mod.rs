@@ -23,6 +23,9 @@
 //!         .metrics((AccuracyMetric::new(), LossMetric::new()))
 //!         .with_training_strategy(strategy.into())                                // +
 //!         .launch(Learner::new(model, AdamWConfig::new().init(), 1e-3));
+//!     if let Some(error) = result.error {     // burn-train's way to end a failed run
+//!         return Err(ParallelError::Invalid(error.to_string()));
+//!     }
 //!     Ok::<_, ParallelError>(result.model)        // the whole trained model, on every rank  // +
 //! })?;                                                                             // +
 //! ```
@@ -146,9 +149,8 @@ impl ParallelLearning {
         Ok(flag[0] != 0)
     }
 
-    /// The whole batch's output from this rank's `output`, after checking that it is of this
-    /// rank's share of a `batch`-sample batch (collective).
-    fn whole_batch<O: GatherOutput>(&self, output: O, batch: usize) -> Result<O, String> {
+    /// Checks that `output` is of this rank's share of a `batch`-sample batch.
+    fn check_share<O: GatherOutput>(&self, output: &O, batch: usize) -> Result<(), String> {
         let data = self.par.data_ranks();
         let share = output.samples();
         if share * data.size() != batch {
@@ -160,10 +162,13 @@ impl ParallelLearning {
                 data.size()
             ));
         }
-        output.gather(data).map_err(|e| e.to_string())
+        Ok(())
     }
 
+    /// burn-train's error for a failure on this rank, also printed: burn-train only logs it to
+    /// the experiment log and returns it in `LearningResult::error`.
     fn failure(&self, error: impl std::fmt::Display) -> TrainingError {
+        eprintln!("flashover::learner: rank {}: {error}", self.ctx.rank());
         TrainingError::Workers(vec![WorkerFailure {
             device_id: self.ctx.rank(),
             message: error.to_string(),
@@ -254,8 +259,10 @@ where
         let (s, accumulation) = (self.strategy, self.accumulation);
         let mut pending = 0;
         let mut accumulator = GradientsAccumulator::new();
-        let step = |batch, progress: &Progress| {
+        let step = |batch, progress: &Progress, samples| {
             let output = learner.train_step(batch);
+            // Before the optimizer sees gradients of the wrong samples.
+            s.check_share(&output.item, samples)?;
             accumulator.accumulate(&learner.model(), output.grads);
             pending += 1;
             // burn-train's rule: step every `accumulation` batches and at the epoch's end.
@@ -278,19 +285,24 @@ where
     /// One validation epoch: each rank evaluates its share, rank 0 reports the whole batch's.
     fn valid(&mut self, learner: &Learner<M>, loader: &ValidLoader<M>) -> Result<bool, String> {
         let model = learner.model().valid();
-        let step = |batch, _: &Progress| Ok((InferenceStep::step(&model, batch), None));
+        let s = self.strategy;
+        let step = |batch, _: &Progress, samples| {
+            let output = InferenceStep::step(&model, batch);
+            s.check_share(&output, samples)?;
+            Ok((output, None))
+        };
         self.batches(loader, step, |events, item| {
             events.process_valid(LearnerEvent::ProcessedItem(item))
         })
     }
 
-    /// `step` on every batch of `loader` (this rank's share of it), its output gathered for the
-    /// whole batch and `report`ed by rank 0; stops early on rank 0's word. Returns whether to
+    /// `step` on every batch of `loader` (this rank's share of it, and the global batch's sample
+    /// count), its output gathered for the whole batch and `report`ed by rank 0; stops early on rank 0's word. Returns whether to
     /// stop.
     fn batches<I, O: GatherOutput>(
         &mut self,
         loader: &Arc<dyn DataLoader<I>>,
-        mut step: impl FnMut(I, &Progress) -> Result<(O, Option<ModuleLearningRate>), String>,
+        mut step: impl FnMut(I, &Progress, usize) -> Result<(O, Option<ModuleLearningRate>), String>,
         report: impl Fn(
             &mut SupervisedTrainingEventProcessor<M>,
             TrainingItem<O>,
@@ -306,8 +318,10 @@ where
             // The loader's progress counts the global batch's samples.
             let samples =
                 progress.items_processed - std::mem::replace(&mut seen, progress.items_processed);
-            let (output, lr) = step(batch, &progress)?;
-            let item = s.whole_batch(output, samples)?;
+            let (output, lr) = step(batch, &progress, samples)?;
+            let item = output
+                .gather(s.par.data_ranks())
+                .map_err(|e| e.to_string())?;
             if s.reports() {
                 let item = TrainingItem::new(item, progress, Some(iteration), lr);
                 self.report(|events| report(events, item));
@@ -458,7 +472,7 @@ where
                 }
             }
         }
-        let model = match self.par.whole(learner.model()) {
+        let model = match self.par.whole(learner.model().valid()) {
             Ok(model) => model,
             Err(e) => {
                 interrupter.fail(self.failure(e));
