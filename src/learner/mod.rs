@@ -472,7 +472,7 @@ where
                 }
             }
         }
-        let model = match self.par.whole(learner.model().valid()) {
+        let model = match self.par.whole(learner.model()) {
             Ok(model) => model,
             Err(e) => {
                 interrupter.fail(self.failure(e));

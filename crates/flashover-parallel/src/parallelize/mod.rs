@@ -345,7 +345,9 @@ impl Parallelized {
 
     /// The whole model on every rank: each split or sharded parameter gathered, each
     /// pipeline stage's parameters from the rank that holds them (collective: every rank
-    /// calls it). To read or export the weights, or to evaluate on one rank.
+    /// calls it). To read or export the weights, or to evaluate on one rank. The parameters
+    /// are new leaves (their gradient requirement kept): nothing differentiates through the
+    /// gathers.
     pub fn whole<M: Module>(&self, model: M) -> Result<M, ParallelError> {
         let model = {
             let _allowed = self.whole_reads.allow();

@@ -329,14 +329,12 @@ impl Reparameterization for Placed {
             ),
             None => {}
         }
+        if self.whole_reads.allowed() {
+            return self.whole(base);
+        }
         let local = self.local(base);
         match &self.tp {
             None => local,
-            Some(split) if self.whole_reads.allowed() => {
-                let whole = gather_from_tp(local, split.dim, &split.group);
-                // Without the padding a vocabulary split adds.
-                whole.narrow(split.dim, 0, split.rows)
-            }
             Some(split) => panic!(
                 "`{}` is split {:?} over tp by the parallelize plan, but a layer read it \
                  whole (Param::val): the layers a plan splits must be flashover::nn::Linear \
@@ -345,6 +343,33 @@ impl Reparameterization for Placed {
                  table through Embedding::logits)",
                 self.name, split.style
             ),
+        }
+    }
+}
+
+impl Placed {
+    /// The whole parameter from its stored `base`, gathered over `fsdp` and `tp` as values: a
+    /// leaf with `base`'s gradient requirement and no autodiff nodes (the gathers' backward
+    /// steps hold their groups for as long as the graph keeps them, which, never
+    /// backpropagated, is the process's life: under MPI, past the end of the run).
+    fn whole<const D: usize>(&self, base: Tensor<D>) -> Tensor<D> {
+        let require_grad = base.is_require_grad();
+        let strategy = base.gradient_checkpointing_strategy();
+        // On the inner backend: a detached autodiff tensor's gathers would still record nodes.
+        let local = self.local(base.without_autodiff());
+        let whole = match &self.tp {
+            None => local,
+            // Without the padding a vocabulary split adds.
+            Some(split) => {
+                gather_from_tp(local, split.dim, &split.group).narrow(split.dim, 0, split.rows)
+            }
+        };
+        match strategy {
+            Some(strategy) => whole
+                .autodiff()
+                .with_gradient_checkpointing_strategy(strategy)
+                .set_require_grad(require_grad),
+            None => whole,
         }
     }
 }
