@@ -39,7 +39,10 @@
 //! - burn-train's checkpointer records the `Learner`'s model as this rank holds it, parts of
 //!   split parameters under the whole parameters' names: it is refused. Flashover's
 //!   ([`ParallelLearning::checkpoints`]) replace it, and resume on any mesh.
-//! - Only rank 0 renders and logs metrics, and decides early stopping for every rank.
+//! - Only rank 0 renders and logs metrics, and decides early stopping for every rank. With
+//!   burn-train's `tui` feature, every rank's `SupervisedTraining` builds a terminal dashboard
+//!   that takes over the terminal: give the other ranks burn-train's `CliMetricsRenderer`
+//!   (`.renderer(..)`), silent when it receives no events.
 //! - Pipeline stages and context parallelism are refused: a `TrainStep` runs the whole forward
 //!   on the whole sequences it is given.
 
