@@ -21,37 +21,27 @@ use burn_train::{Learner, LearnerModel, LearningCheckpointer};
 use flashover_parallel::ParallelError;
 use flashover_parallel::parallelize::Parallelized;
 use flashover_runtime::RankContext;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 /// Where a `Learner`'s checkpoints go and come from.
+#[derive(Default)]
 pub(super) struct LearnerCheckpoints {
     /// Saved at the end of every epoch, when set.
     save: Option<Checkpoints>,
-    /// Resumed from (the epoch `SupervisedTraining::checkpoint` names), when set.
-    resume: Option<Checkpoints>,
+    /// Another run's checkpoints to resume from, when set (otherwise `save`'s).
+    resume_from: Option<PathBuf>,
 }
 
 impl LearnerCheckpoints {
-    pub(super) fn none() -> Self {
-        LearnerCheckpoints {
-            save: None,
-            resume: None,
-        }
-    }
-
-    /// Saves under `root` (and resumes from there unless [`Self::resume_from`] says otherwise),
-    /// keeping the newest `keep`.
+    /// Saves under `root`, keeping the newest `keep`.
     pub(super) fn save_to(&mut self, root: &Path, keep: usize) {
         self.save = Some(Checkpoints::new(root, keep));
-        if self.resume.is_none() {
-            self.resume = Some(Checkpoints::new(root, keep));
-        }
     }
 
     /// Resumes from the checkpoints under `root` (another run's).
     pub(super) fn resume_from(&mut self, root: &Path) {
-        self.resume = Some(Checkpoints::new(root, 1));
+        self.resume_from = Some(root.to_path_buf());
     }
 
     /// Saves the state after `epoch` (collective).
@@ -84,18 +74,21 @@ impl LearnerCheckpoints {
         epoch: usize,
         learner: &mut Learner<M>,
     ) -> Result<(), ParallelError> {
-        let Some(checkpoints) = &self.resume else {
+        let saved = self.save.as_ref().map(Checkpoints::root);
+        let Some(root) = self.resume_from.as_deref().or(saved) else {
             return Err(fail(format!(
                 "SupervisedTraining::checkpoint({epoch}) resumes from Flashover's checkpoints: \
                  give ParallelLearning::checkpoints(dir, keep) or resume_from(dir)"
             )));
         };
-        let dir = checkpoints.of_step(epoch as u64)?.ok_or_else(|| {
-            fail(format!(
-                "no committed checkpoint of epoch {epoch} under {}",
-                checkpoints.root().display()
-            ))
-        })?;
+        let dir = Checkpoints::new(root, 1)
+            .of_step(epoch as u64)?
+            .ok_or_else(|| {
+                fail(format!(
+                    "no committed checkpoint of epoch {epoch} under {}",
+                    root.display()
+                ))
+            })?;
         let (model, optim, run) = Checkpoints::resume_record(par, ctx, &dir, learner.model())?;
         learner.load_model(par.with_stored_reads(|| model.into_record()));
         learner.load_optim(optim);

@@ -105,7 +105,7 @@ impl ParallelLearning {
             ctx: ctx.clone(),
             par: Arc::new(par),
             max_norm: None,
-            checkpoints: Mutex::new(LearnerCheckpoints::none()),
+            checkpoints: Mutex::default(),
         })
     }
 
@@ -213,47 +213,42 @@ where
         (train, train_items): (&TrainLoader<M>, usize),
         (valid, valid_items): (&ValidLoader<M>, usize),
     ) -> Result<bool, String> {
-        let reports = self.strategy.reports();
-        let start = |total_items| LearnerEvent::StartSplit {
-            epoch_number: epoch,
-            total_items,
-        };
-        if reports {
-            self.report(|e| e.process_train(start(train_items)));
-        }
+        self.report(|e| {
+            e.process_train(LearnerEvent::StartSplit {
+                epoch_number: epoch,
+                total_items: train_items,
+            })
+        });
         let stop = self.train(learner, train)?;
-        if reports {
-            self.report(|e| e.process_train(LearnerEvent::EndSplit(epoch)));
-        }
+        self.report(|e| e.process_train(LearnerEvent::EndSplit(epoch)));
         if stop {
             return Ok(true);
         }
-        if reports {
-            self.report(|e| {
-                e.process_valid(LearnerEvent::StartSplit {
-                    epoch_number: epoch,
-                    total_items: valid_items,
-                })
-            });
-        }
+        self.report(|e| {
+            e.process_valid(LearnerEvent::StartSplit {
+                epoch_number: epoch,
+                total_items: valid_items,
+            })
+        });
         let stop = self.valid(learner, valid)?;
-        if reports {
-            self.report(|e| e.process_valid(LearnerEvent::EndSplit(epoch)));
-            self.report(|e| e.process_train(LearnerEvent::EndEpoch(epoch)));
-            // Early stopping reads the event store: every event of the epoch in it first.
-            self.report(|e| e.flush());
-        }
+        self.report(|e| e.process_valid(LearnerEvent::EndSplit(epoch)));
+        self.report(|e| e.process_train(LearnerEvent::EndEpoch(epoch)));
+        // Early stopping reads the event store: every event of the epoch in it first.
+        self.report(|e| e.flush());
         Ok(stop)
     }
 
-    /// `send` to the event processor; its failure stops training.
+    /// `send` to the event processor on the reporting rank (rank 0; the others send nothing);
+    /// its failure stops training.
     fn report(
         &mut self,
         send: impl FnOnce(
             &mut SupervisedTrainingEventProcessor<M>,
         ) -> Result<(), burn_train::EventProcessorError>,
     ) {
-        self.interrupter.fail_on_error(send(self.events));
+        if self.strategy.reports() {
+            self.interrupter.fail_on_error(send(self.events));
+        }
     }
 
     /// One training epoch over `loader`: each step on this rank's share, gradients reduced over
@@ -325,10 +320,8 @@ where
             let item = output
                 .gather(s.par.data_ranks())
                 .map_err(|e| e.to_string())?;
-            if s.reports() {
-                let item = TrainingItem::new(item, progress, Some(iteration), lr);
-                self.report(|events| report(events, item));
-            }
+            let item = TrainingItem::new(item, progress, Some(iteration), lr);
+            self.report(|events| report(events, item));
             if s.agreed(self.interrupter.should_stop())
                 .map_err(|e| e.to_string())?
             {
