@@ -1,8 +1,9 @@
 //! burn-train's `Learner` on a device mesh: a classifier written in plain Burn, with its own
 //! `TrainStep` and `InferenceStep`, a Burn dataset and `DataLoader` (shuffled), accuracy and
 //! loss metrics, a learning-rate schedule and gradient accumulation, trained by burn-train at
-//! `fsdp=2,tp=2` and at `dp=2`. Each layout's final weights, and every validation metric
-//! burn-train logged, match the same `Learner` on one device within 1e-5 (fp32).
+//! `fsdp=2,tp=2`, `dp=2` and `dp=2,pp=2` (1F1B, 2 micro-batches per rank). Each layout's final
+//! weights, and every validation metric burn-train logged, match the same `Learner` on one
+//! device within 1e-5 (fp32).
 //!
 //! The `fsdp=2,tp=2` run saves Flashover checkpoints every epoch; a `dp=2` run resumes from its
 //! first epoch's and finishes within 1e-5 of the uninterrupted single-device run.
@@ -25,42 +26,73 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_train::metric::{AccuracyMetric, LossMetric};
 use burn_train::{
     ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
+    TrainingStrategy,
 };
-use flashover::learner::{ParallelLearning, ShareBatcher};
+use flashover::learner::{ParallelLearning, PipelineLearnerModel, ShareBatcher};
 use flashover::nn::{Linear, LinearConfig}; // tp: Burn's Linear, whose forward follows a split
 use flashover::parallel::params::{flatten_params, load_flat};
 use flashover::prelude::*;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 const FEATURES: usize = 12;
+const WIDTH: usize = 16;
 const CLASSES: usize = 4;
 const BATCH: usize = 8;
 const EPOCHS: usize = 3;
 
 // ---- The user's model, data and steps: plain Burn and burn-train. ----
 
+/// An input projection, residual MLP blocks, a classification head.
 #[derive(Module, Debug)]
 struct Classifier {
-    hidden: Linear,
+    input: Linear,
+    blocks: Vec<Block>,
     head: Linear,
+}
+
+#[derive(Module, Debug)]
+struct Block {
+    up: Linear,
+    down: Linear,
+}
+
+impl Block {
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        x.clone() + self.down.forward(gelu(self.up.forward(x)))
+    }
 }
 
 impl Classifier {
     fn new(device: &Device) -> Self {
+        let block = || Block {
+            up: LinearConfig::new(WIDTH, 2 * WIDTH).init(device),
+            down: LinearConfig::new(2 * WIDTH, WIDTH).init(device),
+        };
         Classifier {
-            hidden: LinearConfig::new(FEATURES, 32).init(device),
-            head: LinearConfig::new(32, CLASSES).init(device),
+            input: LinearConfig::new(FEATURES, WIDTH).init(device),
+            blocks: vec![block(), block()],
+            head: LinearConfig::new(WIDTH, CLASSES).init(device),
         }
     }
 
-    fn classify(&self, batch: SampleBatch) -> ClassificationOutput {
-        let logits = self.head.forward(gelu(self.hidden.forward(batch.features)));
+    fn classify(&self, batch: &SampleBatch) -> ClassificationOutput {
+        let mut x = self.input.forward(batch.features.clone());
+        for block in &self.blocks {
+            x = block.forward(x);
+        }
+        self.classify_features(x, batch)
+    }
+
+    /// The head on the blocks' output.
+    fn classify_features(&self, x: Tensor<2>, batch: &SampleBatch) -> ClassificationOutput {
+        let logits = self.head.forward(x);
         let loss = CrossEntropyLossConfig::new()
             .init(&logits.device())
             .forward(logits.clone(), batch.labels.clone());
-        ClassificationOutput::new(loss, logits, batch.labels)
+        ClassificationOutput::new(loss, logits, batch.labels.clone())
     }
 }
 
@@ -73,7 +105,7 @@ impl TrainStep for Classifier {
 
     fn step(&self, batch: SampleBatch) -> TrainOutput<ClassificationOutput> {
         LARGEST_STEP.fetch_max(batch.labels.dims()[0], Ordering::SeqCst);
-        let item = self.classify(batch);
+        let item = self.classify(&batch);
         TrainOutput::new(self, item.loss.backward(), item)
     }
 }
@@ -83,7 +115,50 @@ impl InferenceStep for Classifier {
     type Output = ClassificationOutput;
 
     fn step(&self, batch: SampleBatch) -> ClassificationOutput {
-        self.classify(batch)
+        self.classify(&batch)
+    }
+}
+
+// ---- What a pipelined plan adds: the forward in parts (`classify` cut at the blocks). ----
+
+impl PipelineModel<2> for Classifier {
+    type Batch = SampleBatch;
+
+    fn embed(&self, batch: &SampleBatch) -> Tensor<2> {
+        self.input.forward(batch.features.clone())
+    }
+
+    fn layer(&self, index: usize, x: Tensor<2>) -> Tensor<2> {
+        LARGEST_STEP.fetch_max(x.dims()[0], Ordering::SeqCst);
+        self.blocks[index].forward(x)
+    }
+
+    fn head_loss(&self, x: Tensor<2>, batch: &SampleBatch) -> Tensor<1> {
+        self.classify_features(x, batch).loss
+    }
+}
+
+impl PipelineLearnerModel<2> for Classifier {
+    fn samples(batch: &SampleBatch) -> usize {
+        batch.labels.dims()[0]
+    }
+
+    fn micro_batch(batch: &SampleBatch, samples: Range<usize>) -> SampleBatch {
+        SampleBatch {
+            features: batch
+                .features
+                .clone()
+                .narrow(0, samples.start, samples.len()),
+            labels: batch.labels.clone().narrow(0, samples.start, samples.len()),
+        }
+    }
+
+    fn train_head(&self, x: Tensor<2>, batch: &SampleBatch) -> ClassificationOutput {
+        self.classify_features(x, batch)
+    }
+
+    fn inference_head(&self, x: Tensor<2>, batch: &SampleBatch) -> ClassificationOutput {
+        self.classify_features(x, batch)
     }
 }
 
@@ -191,20 +266,35 @@ fn train_rank(
     let model = load_flat(Classifier::new(&device), initial);
     let (model, par) = parallelize(model, plan, &ctx)?; // +
     let mut training = training(dir, ShareBatcher::new(SampleBatcher, &par)); // + (the wrapper)
-    let mut strategy = ParallelLearning::new(&ctx, par)?; // +
-    if let Some(save) = &checkpointing.save {
-        strategy = strategy.checkpoints(save, EPOCHS);
-    }
-    if let Some((from, epoch)) = &checkpointing.resume {
-        strategy = strategy.resume_from(from);
+    let strategy: TrainingStrategy<Classifier> = if par.has_pipeline() {
+        let strategy = ParallelLearning::pipelined::<2>(&ctx, par)?; // + (pipelined plans)
+        with_checkpoints(strategy, checkpointing).into()
+    } else {
+        with_checkpoints(ParallelLearning::new(&ctx, par)?, checkpointing).into() // +
+    };
+    if let Some((_, epoch)) = &checkpointing.resume {
         training = training.checkpoint(*epoch);
     }
-    let training = training.with_training_strategy(strategy.into()); // +
+    let training = training.with_training_strategy(strategy); // +
     let result = training.launch(learner(model));
     if let Some(error) = result.error {
         return Err(ParallelError::Invalid(error.to_string()));
     }
     Ok(flatten_params(&result.model))
+}
+
+/// `strategy` saving or resuming checkpoints as `checkpointing` asks.
+fn with_checkpoints<S>(
+    mut strategy: ParallelLearning<S>,
+    checkpointing: &Checkpointing,
+) -> ParallelLearning<S> {
+    if let Some(save) = &checkpointing.save {
+        strategy = strategy.checkpoints(save, EPOCHS);
+    }
+    if let Some((from, _)) = &checkpointing.resume {
+        strategy = strategy.resume_from(from);
+    }
+    strategy
 }
 
 /// [`train_rank`] on every rank of `mesh`, as threads of this process: rank 0's weights.
@@ -247,12 +337,20 @@ fn max_difference(a: &[f64], b: &[f64]) -> f64 {
 }
 
 fn tp_fsdp() -> ParallelizePlan {
-    // Megatron's MLP split: hidden features by columns, then back by rows; every weight
-    // sharded over fsdp too.
+    // Megatron's MLP split: each block's hidden features by columns, then back by rows;
+    // every weight sharded over fsdp too.
     ParallelizePlan::new()
-        .tensor_parallel(TensorParallelRule::colwise(&["hidden"]))
-        .tensor_parallel(TensorParallelRule::rowwise(&["head"]))
+        .tensor_parallel(TensorParallelRule::colwise(&["blocks.*.up"]))
+        .tensor_parallel(TensorParallelRule::rowwise(&["blocks.*.down"]))
         .fully_shard("")
+}
+
+fn pipeline() -> ParallelizePlan {
+    // One block per stage; the input projection runs before them, the head after.
+    let stages = PipelineRule::new("blocks", ScheduleKind::OneFOneB, 2)
+        .first(&["input"])
+        .last(&["head"]);
+    ParallelizePlan::new().pipeline(stages)
 }
 
 fn main() {
@@ -284,6 +382,7 @@ fn main() {
             },
         ),
         ("dp=2", ParallelizePlan::new(), Checkpointing::default()),
+        ("dp=2,pp=2", pipeline(), Checkpointing::default()),
         (
             "dp=2, resumed after epoch 1 of fsdp=2,tp=2",
             ParallelizePlan::new(),
@@ -314,10 +413,12 @@ fn main() {
             weights < 1e-5 && loss < 1e-5 && accuracy < 1e-5,
             "{name} must match one device"
         );
+        // A pipeline's blocks run micro-batches of a rank's share in training (validation
+        // runs the whole share).
         assert_eq!(
             LARGEST_STEP.swap(0, Ordering::SeqCst),
             BATCH / 2,
-            "{name}: each of the two data-parallel ranks trains on half of every batch"
+            "{name}: each of the two data-parallel ranks computes half of every batch"
         );
     }
     println!("match: every layout trains the same model as one device's Learner");

@@ -1,7 +1,8 @@
 //! burn-train's `Learner` under `flashover::learner::ParallelLearning`: global-norm clipping
-//! and early stopping as one device has them, and the layouts and set-ups it refuses, each with
-//! its reason. (`examples/learner_parallel.rs` checks weights, validation metrics and resumed
-//! checkpoints against one device's `Learner`.)
+//! and early stopping as one device has them (pipelined plans too, where another rank than 0
+//! reports and decides), checkpoints resumed onto a pipeline, and the layouts and set-ups it
+//! refuses, each with its reason. (`examples/learner_parallel.rs` checks weights, validation
+//! metrics and resumed checkpoints against one device's `Learner`.)
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
@@ -10,16 +11,18 @@ use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::AdamWConfig;
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_train::TrainingStrategy;
 use burn_train::metric::LossMetric;
 use burn_train::metric::store::EventStoreClient;
 use burn_train::{
     ClassificationOutput, EarlyStoppingStrategy, InferenceStep, Learner, SupervisedTraining,
     TrainOutput, TrainStep,
 };
-use flashover::learner::{ParallelLearning, ShareBatcher};
+use flashover::learner::{ParallelLearning, PipelineLearnerModel, ShareBatcher};
 use flashover::nn::{Linear, LinearConfig};
 use flashover::parallel::params::{flatten_params, load_flat};
 use flashover::prelude::*;
+use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -45,15 +48,46 @@ impl Net {
     }
 
     fn classify(&self, batch: Rows) -> ClassificationOutput {
-        let mut h = self.input.forward(batch.x).tanh();
-        for block in &self.blocks {
-            h = block.forward(h).tanh();
+        let mut h = self.embed(&batch);
+        for i in 0..self.blocks.len() {
+            h = self.layer(i, h);
         }
-        let logits = self.head.forward(h);
+        self.train_head(h, &batch)
+    }
+}
+
+impl PipelineModel<2> for Net {
+    type Batch = Rows;
+    fn embed(&self, batch: &Rows) -> Tensor<2> {
+        self.input.forward(batch.x.clone()).tanh()
+    }
+    fn layer(&self, index: usize, x: Tensor<2>) -> Tensor<2> {
+        self.blocks[index].forward(x).tanh()
+    }
+    fn head_loss(&self, x: Tensor<2>, batch: &Rows) -> Tensor<1> {
+        self.train_head(x, batch).loss
+    }
+}
+
+impl PipelineLearnerModel<2> for Net {
+    fn samples(batch: &Rows) -> usize {
+        batch.y.dims()[0]
+    }
+    fn micro_batch(batch: &Rows, samples: Range<usize>) -> Rows {
+        Rows {
+            x: batch.x.clone().narrow(0, samples.start, samples.len()),
+            y: batch.y.clone().narrow(0, samples.start, samples.len()),
+        }
+    }
+    fn train_head(&self, x: Tensor<2>, batch: &Rows) -> ClassificationOutput {
+        let logits = self.head.forward(x);
         let loss = CrossEntropyLossConfig::new()
             .init(&logits.device())
             .forward(logits.clone(), batch.y.clone());
-        ClassificationOutput::new(loss, logits, batch.y)
+        ClassificationOutput::new(loss, logits, batch.y.clone())
+    }
+    fn inference_head(&self, x: Tensor<2>, batch: &Rows) -> ClassificationOutput {
+        self.train_head(x, batch)
     }
 }
 
@@ -134,6 +168,10 @@ struct Run<'a> {
     burn_checkpointer: bool,
     resume_epoch: Option<usize>,
     unsharded_loader: bool,
+    /// Train through `ParallelLearning::pipelined` rather than `new`.
+    pipelined: bool,
+    save_to: Option<PathBuf>,
+    resume_from: Option<PathBuf>,
 }
 
 impl Default for Run<'_> {
@@ -148,6 +186,9 @@ impl Default for Run<'_> {
             burn_checkpointer: false,
             resume_epoch: None,
             unsharded_loader: false,
+            pipelined: false,
+            save_to: None,
+            resume_from: None,
         }
     }
 }
@@ -166,15 +207,15 @@ fn train(run: Run, initial: &[f32], name: &str) -> Result<Vec<f32>, String> {
                 loader(batcher, run.batch),
             ),
         };
-        let mut strategy = ParallelLearning::new(&ctx, par)?;
-        if let Some(clip) = run.clip {
-            strategy = strategy.clip_grad_norm(clip);
-        }
+        let strategy: TrainingStrategy<Net> = match run.pipelined {
+            true => configured(ParallelLearning::pipelined::<2>(&ctx, par)?, &run).into(),
+            false => configured(ParallelLearning::new(&ctx, par)?, &run).into(),
+        };
         let mut training = SupervisedTraining::new(dir(name), train_loader, valid_loader)
             .metric_valid_numeric(LossMetric::new())
             .num_epochs(run.epochs)
             .with_application_logger(None)
-            .with_training_strategy(strategy.into());
+            .with_training_strategy(strategy);
         if let Some(epoch) = run.stop_after {
             training = training.early_stopping(StopAfter(epoch));
         }
@@ -196,6 +237,20 @@ fn train(run: Run, initial: &[f32], name: &str) -> Result<Vec<f32>, String> {
     }
 }
 
+/// `strategy` with the run's clipping and checkpoints.
+fn configured<S>(mut strategy: ParallelLearning<S>, run: &Run) -> ParallelLearning<S> {
+    if let Some(clip) = run.clip {
+        strategy = strategy.clip_grad_norm(clip);
+    }
+    if let Some(to) = &run.save_to {
+        strategy = strategy.checkpoints(to, 4);
+    }
+    if let Some(from) = &run.resume_from {
+        strategy = strategy.resume_from(from);
+    }
+    strategy
+}
+
 fn initial() -> Vec<f32> {
     flatten_params(&Net::new(&Device::flex()))
 }
@@ -208,6 +263,15 @@ fn max_scaled(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
         / scale
+}
+
+/// Two stages of one block each; `micro_batches` per rank's share.
+fn pipeline(schedule: ScheduleKind, micro_batches: usize) -> ParallelizePlan {
+    ParallelizePlan::new().pipeline(
+        PipelineRule::new("blocks", schedule, micro_batches)
+            .first(&["input"])
+            .last(&["head"]),
+    )
 }
 
 fn tp_fsdp() -> ParallelizePlan {
@@ -236,6 +300,17 @@ fn gradients_are_clipped_by_the_whole_models_norm_in_every_layout() {
     assert!(max_scaled(&one, &unclipped) > 1e-3);
     let diff = max_scaled(&one, &split);
     assert!(diff < 1e-5, "fsdp=2,tp=2 clipped {diff:.2e} from one rank");
+    // Stages hold different parameters: the norm is summed over them.
+    let run = Run {
+        mesh: "dp=2,pp=2",
+        plan: pipeline(ScheduleKind::OneFOneB, 2),
+        pipelined: true,
+        clip: Some(0.05),
+        ..Run::default()
+    };
+    let staged = train(run, &initial, "clip-dp2-pp2").unwrap();
+    let diff = max_scaled(&one, &staged);
+    assert!(diff < 1e-5, "dp=2,pp=2 clipped {diff:.2e} from one rank");
 }
 
 #[test]
@@ -260,6 +335,45 @@ fn early_stopping_is_decided_once_for_every_rank() {
         diff < 1e-5,
         "stopped after one epoch: {diff:.2e} from one epoch"
     );
+    // Under a pipeline the last stage's first rank (rank 1 of pp=2) reports and decides.
+    let staged = Run {
+        pipelined: true,
+        ..run("pp=2", pipeline(ScheduleKind::GPipe, 4), Some(1), 3)
+    };
+    let stopped = train(staged, &initial, "stop-pp2").unwrap();
+    let diff = max_scaled(&one_epoch, &stopped);
+    assert!(diff < 1e-5, "pp=2 stopped: {diff:.2e} from one epoch");
+}
+
+#[test]
+fn checkpoints_of_fsdp_tp_resume_onto_a_pipeline() {
+    let initial = initial();
+    let saved = dir("checkpoints-fsdp2-tp2");
+    let run = Run {
+        mesh: "fsdp=2,tp=2",
+        plan: tp_fsdp(),
+        epochs: 3,
+        save_to: Some(saved.clone()),
+        ..Run::default()
+    };
+    let uninterrupted = train(run, &initial, "save").unwrap();
+    let resumed = Run {
+        mesh: "dp=2,pp=2",
+        plan: pipeline(ScheduleKind::OneFOneB, 2),
+        pipelined: true,
+        epochs: 3,
+        resume_epoch: Some(1),
+        resume_from: Some(saved),
+        ..Run::default()
+    };
+    let resumed = train(resumed, &initial, "resume-dp2-pp2").unwrap();
+    let diff = max_scaled(&uninterrupted, &resumed);
+    assert!(
+        diff < 1e-5,
+        "resumed at dp=2,pp=2: {diff:.2e} from uninterrupted"
+    );
+    // Resuming from nothing is not an uninterrupted run: the check can fail.
+    assert!(max_scaled(&uninterrupted, &initial) > 1e-3);
 }
 
 #[test]
@@ -290,10 +404,29 @@ fn what_the_strategy_cannot_run_is_refused_with_the_reason() {
         (
             Run {
                 mesh: "pp=2",
-                plan: pipelined,
+                plan: pipelined.clone(),
                 ..Run::default()
             },
-            "the plan cuts the model into pipeline stages, but a Learner's TrainStep",
+            "implement flashover::learner::PipelineLearnerModel for the model and build the \
+             strategy with ParallelLearning::pipelined",
+        ),
+        (
+            Run {
+                mesh: "dp=2",
+                pipelined: true,
+                ..Run::default()
+            },
+            "ParallelLearning::pipelined needs a plan with a pipeline rule",
+        ),
+        (
+            Run {
+                mesh: "dp=2,pp=2",
+                plan: pipelined,
+                pipelined: true,
+                unsharded_loader: true,
+                ..Run::default()
+            },
+            "gave this rank a batch of 8 samples, not its share of 4",
         ),
         (
             Run {

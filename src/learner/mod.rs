@@ -6,7 +6,7 @@
 //! [`parallelize`](crate::prelude::parallelize), its data loaders around [`ShareBatcher`], its
 //! `Learner` around the model, and [`ParallelLearning`] as the training strategy. Every rank
 //! iterates the same global batches and batches its own share of them. After each step the
-//! ranks' outputs are put together ([`GatherOutput`]) and rank 0 alone reports them, so the
+//! ranks' outputs are put together ([`GatherOutput`]) and one rank alone reports them, so the
 //! metrics are the whole batch's: the loss is the global mean and accuracy counts every sample
 //! once. The set-up, with the lines a layout adds marked (`examples/learner_parallel.rs` runs
 //! it):
@@ -39,19 +39,28 @@
 //! - burn-train's checkpointer records the `Learner`'s model as this rank holds it, parts of
 //!   split parameters under the whole parameters' names: it is refused. Flashover's
 //!   ([`ParallelLearning::checkpoints`]) replace it, and resume on any mesh.
-//! - Only rank 0 renders and logs metrics, and decides early stopping for every rank. With
-//!   burn-train's `tui` feature, every rank's `SupervisedTraining` builds a terminal dashboard
-//!   that takes over the terminal: give the other ranks burn-train's `CliMetricsRenderer`
-//!   (`.renderer(..)`), silent when it receives no events.
-//! - Pipeline stages and context parallelism are refused: a `TrainStep` runs the whole forward
-//!   on the whole sequences it is given.
+//! - Only one rank renders and logs metrics, and decides early stopping for every rank
+//!   ([`ParallelLearning::reporting_rank`]: rank 0, or the first rank of the last pipeline
+//!   stage). With burn-train's `tui` feature, every rank's `SupervisedTraining` builds a
+//!   terminal dashboard that takes over the terminal: give the other ranks burn-train's
+//!   `CliMetricsRenderer` (`.renderer(..)`), silent when it receives no events.
+//! - A plan that cuts the model into pipeline stages trains through
+//!   [`ParallelLearning::pipelined`]: each rank runs its stages over micro-batches of its share
+//!   (the model implements [`PipelineLearnerModel`], its forward in parts, instead of being run
+//!   by its `TrainStep`), and the metrics are reported by the first rank of the last stage,
+//!   where the outputs are (TorchTitan logs from there too).
+//! - Context parallelism is refused: a `TrainStep` computes on the whole sequences it is given.
 
 mod batch;
 mod checkpoint;
 mod output;
+mod steps;
 
 pub use batch::ShareBatcher;
-pub use output::{GatherOutput, gather_sample_ints, gather_samples, mean_over};
+pub use output::{
+    GatherOutput, MicroBatchOutput, concat_samples, gather_sample_ints, gather_samples, mean_over,
+};
+pub use steps::{PipelineLearnerModel, RankSteps, StagedForward, WholeForward};
 
 use burn::data::dataloader::{DataLoader, Progress};
 use burn::optim::GradientsAccumulator;
@@ -69,30 +78,66 @@ use flashover_parallel::parallelize::Parallelized;
 use flashover_runtime::RankContext;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
+use steps::check_output;
 
 /// burn-train's training strategy for one rank of a model parallelized by a plan; see the
 /// module docs. `.into()` makes it the `TrainingStrategy` that
-/// `SupervisedTraining::with_training_strategy` takes.
-pub struct ParallelLearning {
+/// `SupervisedTraining::with_training_strategy` takes. `S` is how the rank computes a step:
+/// the model's whole `TrainStep` ([`ParallelLearning::new`]) or its pipeline stages
+/// ([`ParallelLearning::pipelined`]).
+pub struct ParallelLearning<S = WholeForward> {
     ctx: RankContext,
     par: Arc<Parallelized>,
     max_norm: Option<f32>,
     checkpoints: Mutex<LearnerCheckpoints>,
+    /// The world rank that reports to burn-train and decides when to stop: the first one that
+    /// computes the model's outputs (rank 0, or the first rank of the last pipeline stage).
+    reporter: usize,
+    steps: S,
 }
 
 impl ParallelLearning {
-    /// The strategy of this rank (`ctx`) for a model `parallelize` returned with `par`. Fails
-    /// when the plan cuts the model into pipeline stages or splits sequences over `cp`: a
-    /// burn-train `TrainStep` runs the whole forward on whole sequences.
+    /// The strategy of this rank (`ctx`) for a model `parallelize` returned with `par`, each
+    /// step the model's `TrainStep` on this rank's share. Fails when the plan cuts the model
+    /// into pipeline stages (use [`Self::pipelined`]) or splits sequences over `cp` (a
+    /// burn-train `TrainStep` computes on whole sequences). Collective over the world.
     pub fn new(ctx: &RankContext, par: Parallelized) -> Result<Self, ParallelError> {
         if par.is_pipelined() {
             return Err(ParallelError::Invalid(
                 "the plan cuts the model into pipeline stages, but a Learner's TrainStep runs \
-                 the whole model's forward and backward on every rank: train pipelined plans \
-                 with Parallelized::pipeline_step in a loop of your own"
+                 the whole model's forward and backward on every rank: implement \
+                 flashover::learner::PipelineLearnerModel for the model and build the strategy \
+                 with ParallelLearning::pipelined"
                     .into(),
             ));
         }
+        Self::with_steps(ctx, par, WholeForward)
+    }
+
+    /// The strategy of this rank for a model a pipelined plan cuts into stages (activations of
+    /// rank `D` between them, as in its `PipelineModel<D>`): each training step runs the plan's
+    /// schedule over micro-batches of this rank's share, each validation step runs the stages
+    /// forward; the model implements [`PipelineLearnerModel`]. Fails when the plan has no
+    /// pipeline rule or splits sequences over `cp`. Collective over the world.
+    pub fn pipelined<const D: usize>(
+        ctx: &RankContext,
+        par: Parallelized,
+    ) -> Result<ParallelLearning<StagedForward<D>>, ParallelError> {
+        if !par.has_pipeline() {
+            return Err(ParallelError::Invalid(
+                "ParallelLearning::pipelined needs a plan with a pipeline rule \
+                 (ParallelizePlan::pipeline); for other plans use ParallelLearning::new"
+                    .into(),
+            ));
+        }
+        ParallelLearning::with_steps(ctx, par, StagedForward::default())
+    }
+}
+
+impl<S> ParallelLearning<S> {
+    /// The strategy computing steps as `steps` (collective over the world: the ranks agree on
+    /// the reporting one).
+    fn with_steps(ctx: &RankContext, par: Parallelized, steps: S) -> Result<Self, ParallelError> {
         if par.splits_sequences() {
             return Err(ParallelError::Invalid(
                 "the plan splits sequences over cp, but a Learner's TrainStep computes on the \
@@ -101,11 +146,23 @@ impl ParallelLearning {
                     .into(),
             ));
         }
+        let computes_outputs = [u8::from(par.runs_last_stage())];
+        let reporter = match ctx.world_size() {
+            1 => 0,
+            _ => ctx
+                .world()
+                .all_gather_vec(&computes_outputs)?
+                .iter()
+                .position(|&c| c == 1)
+                .expect("some rank runs the last stage"),
+        };
         Ok(ParallelLearning {
             ctx: ctx.clone(),
             par: Arc::new(par),
             max_norm: None,
             checkpoints: Mutex::default(),
+            reporter,
+            steps,
         })
     }
 
@@ -138,34 +195,37 @@ impl ParallelLearning {
         self.checkpoints.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Whether this rank reports to burn-train's event processor (world rank 0).
-    fn reports(&self) -> bool {
-        self.ctx.rank() == 0
+    /// The world rank whose burn-train event processor is fed (the others' receive nothing):
+    /// rank 0, or under a pipeline the first rank of the last stage, where the outputs are.
+    /// Give the other ranks a silent renderer (see the module docs).
+    pub fn reporting_rank(&self) -> usize {
+        self.reporter
     }
 
-    /// Rank 0's decision, the same on every rank (collective over the world).
+    /// Whether this rank reports to burn-train's event processor.
+    fn reports(&self) -> bool {
+        self.ctx.rank() == self.reporter
+    }
+
+    /// The reporting rank's decision, the same on every rank (collective over the world).
     fn agreed(&self, decision: bool) -> Result<bool, ParallelError> {
         let mut flag = [decision as u8];
         if self.ctx.world_size() > 1 {
-            self.ctx.world().broadcast(&mut flag, 0)?;
+            self.ctx.world().broadcast(&mut flag, self.reporter)?;
         }
         Ok(flag[0] != 0)
     }
 
-    /// Checks that `output` is of this rank's share of a `batch`-sample batch.
-    fn check_share<O: GatherOutput>(&self, output: &O, batch: usize) -> Result<(), String> {
-        let data = self.par.data_ranks();
-        let share = output.samples();
-        if share * data.size() != batch {
+    /// This rank's share of a `batch`-sample batch.
+    fn share_of(&self, batch: usize) -> Result<usize, String> {
+        let ranks = self.par.data_ranks().size();
+        if !batch.is_multiple_of(ranks) {
             return Err(format!(
-                "a step of a {batch}-sample batch computed {share} samples on this rank, not its \
-                 share of {} over {} data-parallel ranks (dp x fsdp x ep): build the data loaders \
-                 with flashover::learner::ShareBatcher::new(your_batcher, &par)",
-                batch / data.size(),
-                data.size()
+                "a batch of {batch} samples does not split over {ranks} data-parallel ranks (dp \
+                 x fsdp x ep): use a batch size that is a multiple of {ranks}"
             ));
         }
-        Ok(())
+        Ok(batch / ranks)
     }
 
     /// burn-train's error for a failure on this rank, also printed: burn-train only logs it to
@@ -179,28 +239,30 @@ impl ParallelLearning {
     }
 }
 
-impl<M> From<ParallelLearning> for TrainingStrategy<M>
+impl<M, S> From<ParallelLearning<S>> for TrainingStrategy<M>
 where
     M: LearnerModel,
+    S: RankSteps<M>,
     <M as TrainStep>::Output: GatherOutput,
     <M as InferenceStep>::Output: GatherOutput,
 {
-    fn from(strategy: ParallelLearning) -> Self {
+    fn from(strategy: ParallelLearning<S>) -> Self {
         TrainingStrategy::Custom(Arc::new(strategy))
     }
 }
 
 /// What one rank's epochs need besides the learner.
-struct Epochs<'a, M: LearnerModel> {
-    strategy: &'a ParallelLearning,
+struct Epochs<'a, M: LearnerModel, S> {
+    strategy: &'a ParallelLearning<S>,
     events: &'a mut SupervisedTrainingEventProcessor<M>,
     interrupter: &'a Interrupter,
     accumulation: Option<usize>,
 }
 
-impl<M> Epochs<'_, M>
+impl<M, S> Epochs<'_, M, S>
 where
     M: LearnerModel,
+    S: RankSteps<M>,
     <M as TrainStep>::Output: GatherOutput,
     <M as InferenceStep>::Output: GatherOutput,
 {
@@ -258,10 +320,16 @@ where
         let mut pending = 0;
         let mut accumulator = GradientsAccumulator::new();
         let step = |batch, progress: &Progress, samples| {
-            let output = learner.train_step(batch);
+            let share = s.share_of(samples)?;
+            let (output, grads) = s
+                .steps
+                .train(&s.par, &s.ctx, &learner.model(), batch, share)
+                .map_err(|e| e.to_string())?;
             // Before the optimizer sees gradients of the wrong samples.
-            s.check_share(&output.item, samples)?;
-            accumulator.accumulate(&learner.model(), output.grads);
+            if let Some(output) = &output {
+                check_output(output, share, s.par.data_ranks().size())?;
+            }
+            accumulator.accumulate(&learner.model(), grads);
             pending += 1;
             // burn-train's rule: step every `accumulation` batches and at the epoch's end.
             if accumulation.is_none_or(|n| pending >= n) || progress.is_completed() {
@@ -273,7 +341,7 @@ where
                 learner.lr_step();
                 learner.optimizer_step(grads);
             }
-            Ok((output.item, Some(learner.lr_current())))
+            Ok((output, Some(learner.lr_current())))
         };
         self.batches(loader, step, |events, item| {
             events.process_train(LearnerEvent::ProcessedItem(item))
@@ -285,8 +353,14 @@ where
         let model = learner.model().valid();
         let s = self.strategy;
         let step = |batch, _: &Progress, samples| {
-            let output = InferenceStep::step(&model, batch);
-            s.check_share(&output, samples)?;
+            let share = s.share_of(samples)?;
+            let output = s
+                .steps
+                .valid(&s.par, &model, batch, share)
+                .map_err(|e| e.to_string())?;
+            if let Some(output) = &output {
+                check_output(output, share, s.par.data_ranks().size())?;
+            }
             Ok((output, None))
         };
         self.batches(loader, step, |events, item| {
@@ -294,13 +368,18 @@ where
         })
     }
 
-    /// `step` on every batch of `loader` (this rank's share of it, and the global batch's sample
-    /// count), its output gathered for the whole batch and `report`ed by rank 0; stops early on rank 0's word. Returns whether to
-    /// stop.
+    /// `step` on every batch of `loader` (this rank's share of it, and the global batch's
+    /// sample count), its output (on the ranks that compute one) gathered for the whole batch
+    /// and `report`ed by the reporting rank; stops early on that rank's word. Returns whether
+    /// to stop.
     fn batches<I, O: GatherOutput>(
         &mut self,
         loader: &Arc<dyn DataLoader<I>>,
-        mut step: impl FnMut(I, &Progress, usize) -> Result<(O, Option<ModuleLearningRate>), String>,
+        mut step: impl FnMut(
+            I,
+            &Progress,
+            usize,
+        ) -> Result<(Option<O>, Option<ModuleLearningRate>), String>,
         report: impl Fn(
             &mut SupervisedTrainingEventProcessor<M>,
             TrainingItem<O>,
@@ -317,11 +396,26 @@ where
             let samples =
                 progress.items_processed - std::mem::replace(&mut seen, progress.items_processed);
             let (output, lr) = step(batch, &progress, samples)?;
-            let item = output
-                .gather(s.par.data_ranks())
-                .map_err(|e| e.to_string())?;
-            let item = TrainingItem::new(item, progress, Some(iteration), lr);
-            self.report(|events| report(events, item));
+            // The ranks of one data group all compute outputs (they run the same stages) or
+            // none does.
+            let item = match output {
+                Some(output) => Some(
+                    output
+                        .gather(s.par.data_ranks())
+                        .map_err(|e| e.to_string())?,
+                ),
+                None => None,
+            };
+            match item {
+                Some(item) => {
+                    let item = TrainingItem::new(item, progress, Some(iteration), lr);
+                    self.report(|events| report(events, item));
+                }
+                None if s.reports() => {
+                    return Err("the reporting rank computed no output".into());
+                }
+                None => {}
+            }
             if s.agreed(self.interrupter.should_stop())
                 .map_err(|e| e.to_string())?
             {
@@ -332,9 +426,10 @@ where
     }
 }
 
-impl<M> SupervisedLearningStrategy<M> for ParallelLearning
+impl<M, S> SupervisedLearningStrategy<M> for ParallelLearning<S>
 where
     M: LearnerModel,
+    S: RankSteps<M>,
     <M as TrainStep>::Output: GatherOutput,
     <M as InferenceStep>::Output: GatherOutput,
 {

@@ -126,3 +126,116 @@ impl GatherOutput for SequenceOutput {
         })
     }
 }
+
+/// A training output that a pipeline computes a micro-batch at a time on its last stage, and
+/// puts together for the metrics: needed by [`super::PipelineLearnerModel`]. Implemented for
+/// burn-train's outputs; for your own, concatenate per-sample tensors with
+/// [`concat_samples`].
+pub trait MicroBatchOutput: GatherOutput {
+    /// The micro-batch's mean loss: what the pipeline backpropagates.
+    fn loss(&self) -> Tensor<1>;
+
+    /// The output of a batch from its equal, consecutive micro-batches' (in order): each
+    /// per-sample tensor concatenated, the loss their mean; values outside any autodiff graph.
+    fn concat(parts: Vec<Self>) -> Self;
+}
+
+/// The micro-batches' per-sample `tensors` (rows of their samples, in order) as one, outside
+/// any autodiff graph.
+pub fn concat_samples<const D: usize, K>(tensors: Vec<Tensor<D, K>>) -> Tensor<D, K>
+where
+    K: burn::tensor::kind::Basic,
+{
+    Tensor::cat(tensors, 0)
+}
+
+/// The mean of equal micro-batches' mean losses, outside any autodiff graph.
+fn mean_loss(losses: Vec<Tensor<1>>) -> Tensor<1> {
+    Tensor::cat(losses.into_iter().map(Tensor::detach).collect(), 0)
+        .mean()
+        .reshape([1])
+}
+
+impl MicroBatchOutput for ClassificationOutput {
+    fn loss(&self) -> Tensor<1> {
+        self.loss.clone()
+    }
+
+    fn concat(parts: Vec<Self>) -> Self {
+        let (mut loss, mut output, mut targets) = (vec![], vec![], vec![]);
+        for part in parts {
+            loss.push(part.loss);
+            output.push(part.output.detach());
+            targets.push(part.targets);
+        }
+        ClassificationOutput {
+            loss: mean_loss(loss),
+            output: concat_samples(output),
+            targets: concat_samples(targets),
+        }
+    }
+}
+
+impl MicroBatchOutput for MultiLabelClassificationOutput {
+    fn loss(&self) -> Tensor<1> {
+        self.loss.clone()
+    }
+
+    fn concat(parts: Vec<Self>) -> Self {
+        let (mut loss, mut output, mut targets) = (vec![], vec![], vec![]);
+        for part in parts {
+            loss.push(part.loss);
+            output.push(part.output.detach());
+            targets.push(part.targets);
+        }
+        MultiLabelClassificationOutput {
+            loss: mean_loss(loss),
+            output: concat_samples(output),
+            targets: concat_samples(targets),
+        }
+    }
+}
+
+impl MicroBatchOutput for RegressionOutput {
+    fn loss(&self) -> Tensor<1> {
+        self.loss.clone()
+    }
+
+    fn concat(parts: Vec<Self>) -> Self {
+        let (mut loss, mut output, mut targets) = (vec![], vec![], vec![]);
+        for part in parts {
+            loss.push(part.loss);
+            output.push(part.output.detach());
+            targets.push(part.targets.detach());
+        }
+        RegressionOutput {
+            loss: mean_loss(loss),
+            output: concat_samples(output),
+            targets: concat_samples(targets),
+        }
+    }
+}
+
+impl MicroBatchOutput for SequenceOutput {
+    fn loss(&self) -> Tensor<1> {
+        self.loss.clone()
+    }
+
+    fn concat(parts: Vec<Self>) -> Self {
+        let (mut loss, mut logits, mut predictions, mut targets) = (vec![], vec![], vec![], vec![]);
+        for part in parts {
+            loss.push(part.loss);
+            logits.push(part.logits.detach());
+            predictions.extend(part.predictions);
+            targets.push(part.targets);
+        }
+        // Every micro-batch has predictions or none has (the same step on each).
+        let predictions = (!predictions.is_empty()).then(|| concat_samples(predictions));
+        SequenceOutput {
+            loss: mean_loss(loss),
+            logits: concat_samples(logits),
+            predictions,
+            targets: concat_samples(targets),
+        }
+    }
+}

@@ -113,7 +113,18 @@ pub struct Parallelized {
     sequence_check: Option<sequence_check::SequenceCheck>,
 }
 
-/// What one [`Parallelized::pipeline_step`] computed.
+/// What one run of a rank's pipeline stages computed.
+struct StagesRun {
+    /// This rank's gradients in the model's layout, not yet reduced.
+    flat: Vec<f32>,
+    /// The share's mean loss and auxiliary loss (the same on every rank of `pp`).
+    losses: [f32; 2],
+    report: PipelineStepReport,
+    recomputed: usize,
+}
+
+/// What one [`Parallelized::pipeline_step`] (or [`Parallelized::pipeline_gradients`])
+/// computed.
 pub struct PipelineStep {
     /// This rank's gradients, reduced and clipped as [`Parallelized::gradients`] returns them.
     pub grads: GradientsParams,
@@ -123,7 +134,8 @@ pub struct PipelineStep {
     /// The whole batch's mean of the layers' auxiliary losses ([`PipelineModel::layer_with_aux`];
     /// 0 without any): `loss + aux_loss` is the objective trained.
     pub aux_loss: f32,
-    /// The global gradient norm before clipping.
+    /// The global gradient norm before clipping (NaN from
+    /// [`Parallelized::pipeline_gradients`], which does not reduce them).
     pub norm: f32,
     /// What the schedule measured on this rank (time in forwards, backwards and waits).
     pub report: PipelineStepReport,
@@ -483,6 +495,13 @@ impl Parallelized {
         max_norm: Option<f32>,
         ctx: &RankContext,
     ) -> Result<(GradientsParams, f32), ParallelError> {
+        if self.pipelined() {
+            return Err(ParallelError::Invalid(
+                "the plan cuts the model into pipeline stages: a rank's forward is a stage's, \
+                 so train with Parallelized::pipeline_step, which runs the schedule"
+                    .into(),
+            ));
+        }
         self.reduce_gradients(
             model,
             GradientsParams::from_grads(backward, model),
@@ -492,7 +511,8 @@ impl Parallelized {
     }
 
     /// [`Self::gradients`] of gradients already taken from the backward pass (what a
-    /// burn-train `TrainStep` returns, or several passes' accumulated). Collective.
+    /// burn-train `TrainStep` returns, or several passes' accumulated); under a pipelined
+    /// plan, of [`Self::pipeline_gradients`] (tied copies summed too). Collective.
     pub fn reduce_gradients<M: Module>(
         &self,
         model: &M,
@@ -500,13 +520,6 @@ impl Parallelized {
         max_norm: Option<f32>,
         ctx: &RankContext,
     ) -> Result<(GradientsParams, f32), ParallelError> {
-        if self.pipelined() {
-            return Err(ParallelError::Invalid(
-                "the plan cuts the model into pipeline stages: a rank's forward is a stage's, \
-                 so train with Parallelized::pipeline_step, which runs the schedule"
-                    .into(),
-            ));
-        }
         // Parameters without a gradient contribute zeros: every rank reduces the same layout.
         let mut flat = vec![0.0; ParamLayout::of(model).numel];
         accumulate_grads(model, &grads, &mut flat, &[]);
@@ -523,6 +536,11 @@ impl Parallelized {
     /// through [`Self::pipeline_step`]).
     pub fn is_pipelined(&self) -> bool {
         self.pipelined()
+    }
+
+    /// Whether the plan has a pipeline rule (its stages may be one, on a mesh without `pp`).
+    pub fn has_pipeline(&self) -> bool {
+        self.stages.is_some()
     }
 
     /// Whether the plan splits sequences over `cp` on this mesh (a rank then computes its
@@ -551,13 +569,67 @@ impl Parallelized {
     where
         M: PipelineModel<D> + Sync + 'static,
     {
-        let stages = self.stages.as_ref().ok_or_else(|| {
-            ParallelError::Invalid(
-                "pipeline_step needs a plan with a pipeline rule (ParallelizePlan::pipeline)"
-                    .into(),
-            )
-        })?;
         let share = self.share(global_batch, step)?;
+        let head = |m: &M, x, batch: &M::Batch, _| m.head_loss(x, batch);
+        let mut run = self.run_stages(model, share, micro_batch, &head, ctx)?;
+        self.mean_over_ranks(&mut run.losses)?;
+        let [loss, aux_loss] = run.losses;
+        let (grads, norm) = self.reduce_and_clip(model, run.flat, max_norm, ctx)?;
+        Ok(PipelineStep {
+            grads,
+            loss,
+            aux_loss,
+            norm,
+            report: run.report,
+            recomputed: run.recomputed,
+        })
+    }
+
+    /// One step's gradients of a pipelined plan over the `samples` samples this rank reads
+    /// (its share of the global batch, as a data loader that batches each data rank's share
+    /// gives it: `flashover::learner` does), cut into the plan's micro-batches: micro-batch
+    /// `k` is `micro_batch(k * n..(k + 1) * n)` of them (`n = samples / micro-batches`), and
+    /// its loss on the last stage is `head(model, x, &micro_batch, k)` of the layers' output
+    /// `x` (`PipelineModel::head_loss`, or a head that also keeps what metrics read). Unlike
+    /// [`Self::pipeline_step`], the gradients are this rank's, not yet reduced: sum several
+    /// steps' to accumulate, then reduce them with [`Self::reduce_gradients`]. The losses are
+    /// this rank's share's means. Collective over `pp`.
+    pub fn pipeline_gradients<M, const D: usize>(
+        &self,
+        model: &M,
+        samples: usize,
+        micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
+        head: &pipeline::HeadLoss<'_, M, D>,
+        ctx: &RankContext,
+    ) -> Result<PipelineStep, ParallelError>
+    where
+        M: PipelineModel<D> + Sync + 'static,
+    {
+        let run = self.run_stages(model, 0..samples, micro_batch, head, ctx)?;
+        let [loss, aux_loss] = run.losses;
+        Ok(PipelineStep {
+            grads: grads_from_flat(model, &run.flat),
+            loss,
+            aux_loss,
+            norm: f32::NAN,
+            report: run.report,
+            recomputed: run.recomputed,
+        })
+    }
+
+    /// The forwards and backwards of this rank's stages over `share`.
+    fn run_stages<M, const D: usize>(
+        &self,
+        model: &M,
+        share: Range<usize>,
+        micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
+        head: &pipeline::HeadLoss<'_, M, D>,
+        ctx: &RankContext,
+    ) -> Result<StagesRun, ParallelError>
+    where
+        M: PipelineModel<D> + Sync + 'static,
+    {
+        let stages = self.pipeline_stages()?;
         // The model's own autodiff device (with Burn's balanced checkpointing, if it chose it).
         let device = model
             .devices()
@@ -565,19 +637,45 @@ impl Parallelized {
             .next()
             .unwrap_or_else(|| ctx.device().clone().autodiff());
         let before = stages.recomputed();
-        let (flat, mut losses, report) = stages.step(model, share, &device, micro_batch)?;
-        let recomputed = stages.recomputed() - before;
-        self.mean_over_ranks(&mut losses)?;
-        let [loss, aux_loss] = losses;
-        let (grads, norm) = self.reduce_and_clip(model, flat, max_norm, ctx)?;
-        Ok(PipelineStep {
-            grads,
-            loss,
-            aux_loss,
-            norm,
+        let (flat, losses, report) = stages.step(model, share, &device, micro_batch, head)?;
+        Ok(StagesRun {
+            flat,
+            losses,
             report,
-            recomputed,
+            recomputed: stages.recomputed() - before,
         })
+    }
+
+    /// The plan's pipeline stages, or why there are none.
+    fn pipeline_stages(&self) -> Result<&Stages, ParallelError> {
+        self.stages.as_ref().ok_or_else(|| {
+            ParallelError::Invalid(
+                "a pipeline step needs a plan with a pipeline rule (ParallelizePlan::pipeline)"
+                    .into(),
+            )
+        })
+    }
+
+    /// The layers' output of `batch` through the plan's pipeline, forward only (validation,
+    /// inference; `model` on a plain device): `Some` on the ranks that run the last stage,
+    /// where the model's head reads it, `None` on the others. The first stage embeds `batch`
+    /// (its whole samples, no micro-batches); each stage's output travels to the next one's
+    /// rank in f32. Collective over `pp`.
+    pub fn pipeline_forward<M, const D: usize>(
+        &self,
+        model: &M,
+        batch: &M::Batch,
+    ) -> Result<Option<Tensor<D>>, ParallelError>
+    where
+        M: PipelineModel<D>,
+    {
+        self.pipeline_stages()?.forward(model, batch)
+    }
+
+    /// Whether this rank runs the last pipeline stage, where the loss and the model's
+    /// outputs are computed (every rank does without a pipeline).
+    pub fn runs_last_stage(&self) -> bool {
+        self.stages.as_ref().is_none_or(Stages::runs_last_stage)
     }
 
     /// `flat` (this rank's summed gradients in `model`'s layout) summed over the ranks that

@@ -16,9 +16,9 @@ use crate::params::{ParamLayout, ParamSlot};
 use crate::pipeline::{PipelineExecutor, PipelineStepReport, Schedule, ScheduleKind, StageOutput};
 use crate::placement::{PlacementTable, Tie};
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{DType, Device, Tensor};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
-use flashover_runtime::Axis;
+use flashover_runtime::{Axis, TensorCollectives};
 use std::collections::HashSet;
 use std::ops::Range;
 use std::sync::Arc;
@@ -228,15 +228,17 @@ impl Stages {
     }
 
     /// One step's forwards and backwards of this rank's stages over `share` (this rank's
-    /// samples, cut into the rule's micro-batches): the gradients summed over its chunks and
-    /// averaged over micro-batches, in `model`'s layout, and the mean loss and auxiliary loss of
-    /// the share (the same on every rank of `pp`).
+    /// samples, cut into the rule's micro-batches, micro-batch `k`'s loss `head(model, x,
+    /// batch, k)` on the last stage): the gradients summed over its chunks and averaged over
+    /// micro-batches, in `model`'s layout, and the mean loss and auxiliary loss of the share
+    /// (the same on every rank of `pp`).
     pub(super) fn step<M, const D: usize>(
         &self,
         model: &M,
         share: Range<usize>,
         device: &Device,
         micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
+        head: &HeadLoss<'_, M, D>,
     ) -> Result<(Vec<f32>, [f32; 2], PipelineStepReport), ParallelError>
     where
         M: PipelineModel<D> + Sync + 'static,
@@ -271,7 +273,7 @@ impl Stages {
                 };
             }
             let output = match batch {
-                Some(batch) if stage == last => StageOutput::Loss(m.head_loss(x, &batch)),
+                Some(batch) if stage == last => StageOutput::Loss(head(m, x, &batch, k)),
                 _ => StageOutput::Activation(x),
             };
             StageOutput::with_aux_loss(output, aux)
@@ -324,16 +326,7 @@ impl Stages {
         M: PipelineModel<D> + Sync + 'static,
     {
         let units = self.units.clone();
-        let run = move |m: &M, x: Tensor<D>| match &units {
-            None => m.layer_with_aux(index, x),
-            Some(u) => {
-                let shards = layer_shards(m, &u.sharded[index], &u.names);
-                u.gathers.gather(shards, &u.group);
-                let out = m.layer_with_aux(index, x);
-                u.gathers.clear();
-                out
-            }
-        };
+        let run = move |m: &M, x: Tensor<D>| run_layer(units.as_deref(), m, index, x);
         if !self.recompute.recomputes_block(index) {
             return run(model, x);
         }
@@ -353,6 +346,59 @@ impl Stages {
         let output = checkpoint_part(model, x, forward, Some(self.parts[index].clone()));
         let aux = output.clone().narrow(0, numel, 1);
         (output.narrow(0, 0, numel).reshape(dims), Some(aux))
+    }
+
+    /// `batch` forward through every stage, without gradients (validation, inference): the
+    /// layers' output on the rank that runs the last stage, `None` on the others. Each stage's
+    /// output travels to the next stage's rank in f32, its shape first. Collective over `pp`.
+    pub(super) fn forward<M, const D: usize>(
+        &self,
+        model: &M,
+        batch: &M::Batch,
+    ) -> Result<Option<Tensor<D>>, ParallelError>
+    where
+        M: PipelineModel<D>,
+    {
+        let (rank, last) = (self.pp.rank(), self.schedule.stages() - 1);
+        let mut carried: Option<Tensor<D>> = None;
+        for stage in 0..=last {
+            if self.schedule.place(stage).0 != rank {
+                continue;
+            }
+            let mut x = match (stage, carried.take()) {
+                (0, _) => model.embed(batch),
+                (_, Some(x)) => x, // the previous stage ran here too
+                (_, None) => {
+                    let src = self.schedule.place(stage - 1).0;
+                    let mut dims = [0u64; D];
+                    self.pp.recv(&mut dims, src)?;
+                    let device = model.devices().into_iter().next().ok_or_else(|| {
+                        ParallelError::Invalid("a pipeline stage with no parameters".into())
+                    })?;
+                    let shape = dims.map(|d| d as usize);
+                    self.pp.recv_tensor(shape, DType::F32, src, &device)?
+                }
+            };
+            for i in self.layers[stage].clone() {
+                x = run_layer(self.units.as_deref(), model, i, x).0;
+            }
+            if stage == last {
+                return Ok(Some(x));
+            }
+            let dst = self.schedule.place(stage + 1).0;
+            if dst == rank {
+                carried = Some(x);
+            } else {
+                self.pp.send(&x.dims().map(|d| d as u64), dst)?;
+                self.pp.send_tensor(&x.cast(DType::F32), dst)?;
+            }
+        }
+        Ok(None)
+    }
+
+    /// Whether this rank runs the pipeline's last stage (where the loss is computed).
+    pub(super) fn runs_last_stage(&self) -> bool {
+        self.schedule.place(self.schedule.stages() - 1).0 == self.pp.rank()
     }
 
     /// Layer forwards run again in backward so far.
@@ -394,6 +440,35 @@ impl Stages {
         let dims = dims.map(|d| d as usize);
         *known = Some((samples, dims.to_vec()));
         Ok(dims)
+    }
+}
+
+/// The last stage's loss of a micro-batch: `head(model, x, batch, k)` of micro-batch `k`'s
+/// layers' output `x` (`PipelineModel::head_loss`, or a head that also keeps the micro-batch's
+/// outputs).
+pub type HeadLoss<'a, M, const D: usize> =
+    dyn Fn(&M, Tensor<D>, &<M as PipelineModel<D>>::Batch, usize) -> Tensor<1> + Sync + 'a;
+
+/// Layer `index` of `model` on `x` and its auxiliary loss, its fully sharded parameters
+/// gathered at once first when the layers are `units`.
+fn run_layer<M, const D: usize>(
+    units: Option<&LayerUnits>,
+    model: &M,
+    index: usize,
+    x: Tensor<D>,
+) -> (Tensor<D>, Option<Tensor<1>>)
+where
+    M: PipelineModel<D>,
+{
+    match units {
+        None => model.layer_with_aux(index, x),
+        Some(u) => {
+            let shards = layer_shards(model, &u.sharded[index], &u.names);
+            u.gathers.gather(shards, &u.group);
+            let out = model.layer_with_aux(index, x);
+            u.gathers.clear();
+            out
+        }
     }
 }
 

@@ -1,0 +1,204 @@
+//! How a rank computes a `Learner` step under a plan: the user's whole `TrainStep` on its share
+//! of the batch ([`WholeForward`]), or its pipeline stages over micro-batches of it
+//! ([`StagedForward`], for plans that cut the model into stages).
+
+use super::output::{GatherOutput, MicroBatchOutput};
+use burn::optim::GradientsParams;
+use burn::tensor::Tensor;
+use burn_train::{InferenceStep, LearnerModel, TrainStep};
+use flashover_parallel::ParallelError;
+use flashover_parallel::parallelize::{Parallelized, PipelineModel};
+use flashover_runtime::RankContext;
+use std::marker::PhantomData;
+use std::ops::Range;
+use std::sync::Mutex;
+
+/// What a `TrainStep` returns as its output item.
+pub type TrainItem<M> = <M as TrainStep>::Output;
+/// What an `InferenceStep` returns.
+pub type InferenceItem<M> = <M as InferenceStep>::Output;
+
+/// How a rank computes steps of a `Learner` model `M` under a plan: [`WholeForward`] or
+/// [`StagedForward`] (the two [`super::ParallelLearning`] runs).
+pub trait RankSteps<M: LearnerModel>: Send + Sync + 'static {
+    /// A training step on this rank's share of a batch (`share` samples): the output of the
+    /// share where this rank computes one (`None` on pipeline stages before the last), and
+    /// this rank's gradients, not yet reduced over the layout.
+    fn train(
+        &self,
+        par: &Parallelized,
+        ctx: &RankContext,
+        model: &M,
+        batch: <M as TrainStep>::Input,
+        share: usize,
+    ) -> Result<(Option<TrainItem<M>>, GradientsParams), ParallelError>;
+
+    /// A validation step on this rank's share of a batch: its output where this rank
+    /// computes one.
+    fn valid(
+        &self,
+        par: &Parallelized,
+        model: &M,
+        batch: <M as InferenceStep>::Input,
+        share: usize,
+    ) -> Result<Option<InferenceItem<M>>, ParallelError>;
+}
+
+/// Every rank runs the user's whole `TrainStep` and `InferenceStep` on its share of the batch
+/// (plans without pipeline stages).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct WholeForward;
+
+impl<M: LearnerModel> RankSteps<M> for WholeForward {
+    fn train(
+        &self,
+        _: &Parallelized,
+        _: &RankContext,
+        model: &M,
+        batch: <M as TrainStep>::Input,
+        _share: usize,
+    ) -> Result<(Option<TrainItem<M>>, GradientsParams), ParallelError> {
+        let output = TrainStep::step(model, batch);
+        Ok((Some(output.item), output.grads))
+    }
+
+    fn valid(
+        &self,
+        _: &Parallelized,
+        model: &M,
+        batch: <M as InferenceStep>::Input,
+        _share: usize,
+    ) -> Result<Option<InferenceItem<M>>, ParallelError> {
+        Ok(Some(InferenceStep::step(model, batch)))
+    }
+}
+
+/// A `Learner` model a pipelined plan trains in stages: its forward in the parts of a
+/// [`PipelineModel`] (what its `TrainStep` computes is `train_head(layers(embed(batch)),
+/// batch)`), with the loader's batches cut into micro-batches and the last stage's outputs for
+/// the metrics. The pipeline's `Batch` is the loader's batch type, for training and
+/// validation.
+///
+/// ```text
+/// impl PipelineLearnerModel<2> for MyModel {
+///     fn samples(batch: &MyBatch) -> usize { batch.labels.dims()[0] }
+///     fn micro_batch(batch: &MyBatch, samples: Range<usize>) -> MyBatch {
+///         MyBatch {
+///             features: batch.features.clone().narrow(0, samples.start, samples.len()),
+///             labels: batch.labels.clone().narrow(0, samples.start, samples.len()),
+///         }
+///     }
+///     fn train_head(&self, x: Tensor<2>, batch: &MyBatch) -> ClassificationOutput {
+///         self.classify(x, batch)           // what TrainStep::step computes after the layers
+///     }
+///     fn inference_head(&self, x: Tensor<2>, batch: &MyBatch) -> ClassificationOutput {
+///         self.classify(x, batch)
+///     }
+/// }
+/// ```
+pub trait PipelineLearnerModel<const D: usize>:
+    LearnerModel
+    + PipelineModel<D, Batch = <Self as TrainStep>::Input>
+    + InferenceStep<Input = <Self as TrainStep>::Input>
+    + Sync
+{
+    /// How many samples `batch` holds.
+    fn samples(batch: &Self::Batch) -> usize;
+
+    /// Samples `samples` of `batch` (each per-sample tensor narrowed along its first
+    /// dimension): one micro-batch.
+    fn micro_batch(batch: &Self::Batch, samples: Range<usize>) -> Self::Batch;
+
+    /// What the model's `TrainStep` computes after the layers, from their output `x`: the
+    /// micro-batch's output item, whose loss ([`MicroBatchOutput::loss`]) the pipeline
+    /// backpropagates.
+    fn train_head(&self, x: Tensor<D>, batch: &Self::Batch) -> <Self as TrainStep>::Output;
+
+    /// What the model's `InferenceStep` computes after the layers, from their output `x`.
+    fn inference_head(&self, x: Tensor<D>, batch: &Self::Batch) -> <Self as InferenceStep>::Output;
+}
+
+/// Each rank runs its pipeline stages ([`PipelineLearnerModel`], activations of rank `D`
+/// between stages): training through the plan's schedule over micro-batches of the rank's
+/// share, validation forward only over the whole share; the last stage's ranks hold the
+/// outputs.
+#[derive(Debug, Default)]
+pub struct StagedForward<const D: usize>(PhantomData<()>);
+
+impl<M, const D: usize> RankSteps<M> for StagedForward<D>
+where
+    M: PipelineLearnerModel<D>,
+    <M as TrainStep>::Input: Sync,
+    TrainItem<M>: MicroBatchOutput + Send,
+{
+    fn train(
+        &self,
+        par: &Parallelized,
+        ctx: &RankContext,
+        model: &M,
+        batch: <M as TrainStep>::Input,
+        share: usize,
+    ) -> Result<(Option<TrainItem<M>>, GradientsParams), ParallelError> {
+        check_batch(M::samples(&batch), share)?;
+        // The last stage's outputs, by micro-batch.
+        let outputs: Mutex<Vec<(usize, TrainItem<M>)>> = Mutex::default();
+        let micro_batch = |samples: Range<usize>| M::micro_batch(&batch, samples);
+        let head = |m: &M, x: Tensor<D>, micro: &M::Batch, k: usize| {
+            let output = m.train_head(x, micro);
+            let loss = output.loss();
+            outputs
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((k, output));
+            loss
+        };
+        let step = par.pipeline_gradients(model, share, &micro_batch, &head, ctx)?;
+        let mut outputs = outputs.into_inner().unwrap_or_else(|e| e.into_inner());
+        outputs.sort_by_key(|(k, _)| *k);
+        let output = (!outputs.is_empty())
+            .then(|| MicroBatchOutput::concat(outputs.into_iter().map(|(_, o)| o).collect()));
+        Ok((output, step.grads))
+    }
+
+    fn valid(
+        &self,
+        par: &Parallelized,
+        model: &M,
+        batch: <M as InferenceStep>::Input,
+        share: usize,
+    ) -> Result<Option<InferenceItem<M>>, ParallelError> {
+        check_batch(M::samples(&batch), share)?;
+        let x = par.pipeline_forward(model, &batch)?;
+        Ok(x.map(|x| model.inference_head(x, &batch)))
+    }
+}
+
+/// Refuses a batch that is not this rank's share: the pipeline cuts micro-batches by sample
+/// ranges, so a whole batch would train on its first samples only, silently.
+fn check_batch(samples: usize, share: usize) -> Result<(), ParallelError> {
+    if samples != share {
+        return Err(ParallelError::Invalid(format!(
+            "the data loader gave this rank a batch of {samples} samples, not its share of \
+             {share}: build the data loaders with flashover::learner::ShareBatcher::new(your_batcher, &par)"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks that `output` is of this rank's share of a `batch`-sample batch.
+pub(super) fn check_output<O: GatherOutput>(
+    output: &O,
+    share: usize,
+    ranks: usize,
+) -> Result<(), String> {
+    let samples = output.samples();
+    if samples != share {
+        return Err(format!(
+            "a step of a {}-sample batch computed {samples} samples on this rank, not its \
+             share of {share} over {ranks} data-parallel ranks (dp x fsdp x ep): build the data \
+             loaders with flashover::learner::ShareBatcher::new(your_batcher, &par)",
+            share * ranks
+        ));
+    }
+    Ok(())
+}
