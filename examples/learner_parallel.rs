@@ -12,7 +12,7 @@
 //!
 //! Run: `cargo run --features learner --example learner_parallel`; one rank per process:
 //! `cargo build --features mpi,learner --example learner_parallel && mpirun -np 4
-//! target/debug/examples/learner_parallel` (the `fsdp=2,tp=2` run).
+//! target/debug/examples/learner_parallel` (the `fsdp=2,tp=2` and `dp=2,pp=2` runs).
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
@@ -425,8 +425,9 @@ fn main() {
 }
 
 /// One rank per process (`mpirun -np 4 target/debug/examples/learner_parallel`, built with
-/// `--features mpi,learner`): the `fsdp=2,tp=2` run through the same [`train_rank`], against one
-/// device. Each process draws the same initial weights from a seeded generator.
+/// `--features mpi,learner`): the `fsdp=2,tp=2` and `dp=2,pp=2` runs through the same
+/// [`train_rank`], against one device. Each process draws the same initial weights from a
+/// seeded generator.
 #[cfg(feature = "mpi")]
 fn under_mpirun(env: flashover::ProcessEnv) {
     Device::flex().seed(17);
@@ -438,32 +439,42 @@ fn under_mpirun(env: flashover::ProcessEnv) {
         .into_iter()
         .map(f64::from)
         .collect();
-    let dir = root.join("fsdp-2-tp-2");
+    let mpi = flashover::comm::MpiWorld::init().expect("MPI");
+    let world = mpi.group(std::time::Duration::from_secs(60));
+    let layouts = root.join("layouts");
     if env.rank == 0 {
-        let _ = std::fs::remove_dir_all(&dir); // only rank 0 writes there (its metrics)
+        let _ = std::fs::remove_dir_all(&layouts);
     }
-    let weights: Vec<f64> = {
-        let mpi = flashover::comm::MpiWorld::init().expect("MPI");
-        let world = mpi.group(std::time::Duration::from_secs(60));
-        flashover::Launch::new("fsdp=2,tp=2")
+    world.barrier().expect("barrier");
+    for (mesh, plan) in [("fsdp=2,tp=2", tp_fsdp()), ("dp=2,pp=2", pipeline())] {
+        let dir = layouts.join(mesh.replace([',', '='], "-"));
+        let weights: Vec<f64> = flashover::Launch::new(mesh)
             .expect("mesh")
-            .run_process(world, |ctx| {
-                train_rank(ctx, &dir, &tp_fsdp(), &initial, &Checkpointing::default())
+            .run_process(world.clone(), |ctx| {
+                train_rank(ctx, &dir, &plan, &initial, &Checkpointing::default())
             })
             .expect("parallel training")
-    }
-    .into_iter()
-    .map(f64::from)
-    .collect();
-    let weights = max_difference(&reference, &weights);
-    assert!(weights < 1e-5, "rank {}: weights {weights:.2e}", env.rank);
-    if env.rank == 0 {
-        let one = logged(&reference_dir, "Loss", 1..=EPOCHS);
-        let loss = max_difference(&one, &logged(&dir, "Loss", 1..=EPOCHS));
-        assert!(loss < 1e-5, "validation loss {loss:.2e}");
-        println!(
-            "fsdp=2,tp=2 under mpirun, one rank per process: weights {weights:.2e}, validation loss {loss:.2e} from one device"
+            .into_iter()
+            .map(f64::from)
+            .collect();
+        let weights = max_difference(&reference, &weights);
+        assert!(
+            weights < 1e-5,
+            "{mesh}, rank {}: weights {weights:.2e}",
+            env.rank
         );
+        // The reporting rank (not 0 under the pipeline) has written its metrics.
+        world.barrier().expect("barrier");
+        if env.rank == 0 {
+            let one = logged(&reference_dir, "Loss", 1..=EPOCHS);
+            let loss = max_difference(&one, &logged(&dir, "Loss", 1..=EPOCHS));
+            assert!(loss < 1e-5, "{mesh}: validation loss {loss:.2e}");
+            println!(
+                "{mesh} under mpirun, one rank per process: weights {weights:.2e}, validation loss {loss:.2e} from one device"
+            );
+        }
+    }
+    if env.rank == 0 {
         println!("match: the Learner under mpirun trains the same model as one device's");
     }
 }

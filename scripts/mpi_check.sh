@@ -46,11 +46,11 @@ if ! diff <(numbers "$scratch/mpi.jsonl") <(numbers "$scratch/threads.jsonl") >/
 fi
 echo "mpi_check: train $job: 16 processes, 4 steps, losses and gradient norms equal the threads' bit for bit"
 
-# burn-train's Learner, one rank per process: the learner example's fsdp=2,tp=2 run.
+# burn-train's Learner, one rank per process: the learner example's fsdp=2,tp=2 and dp=2,pp=2 runs.
 cargo build --quiet --features mpi,learner --example learner_parallel
 learner="${CARGO_TARGET_DIR:-target}/debug/examples/learner_parallel"
 run -np 4 "$learner" | grep -q "^match" || { echo "mpi_check: learner_parallel under mpirun -np 4 failed" >&2; exit 1; }
-echo "mpi_check: examples/learner_parallel: the Learner at fsdp=2,tp=2 under mpirun -np 4 matches one device"
+echo "mpi_check: examples/learner_parallel: the Learner at fsdp=2,tp=2 and dp=2,pp=2 under mpirun -np 4 matches one device"
 
 # flashover launch: N processes through mpirun, output tagged with the rank.
 out=$(OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "$flashover" launch -n 2 -- train --mesh dp=2 --steps 3)
