@@ -9,17 +9,19 @@ use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
 use burn::data::dataset::InMemDataset;
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::optim::AdamWConfig;
+use burn::nn::{Embedding, EmbeddingConfig};
+use burn::optim::{AdamWConfig, SgdConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use burn_train::TrainingStrategy;
 use burn_train::metric::LossMetric;
 use burn_train::metric::store::EventStoreClient;
 use burn_train::{
-    ClassificationOutput, EarlyStoppingStrategy, InferenceStep, Learner, SupervisedTraining,
-    TrainOutput, TrainStep,
+    ClassificationOutput, EarlyStoppingStrategy, InferenceStep, Learner, SequenceOutput,
+    SupervisedTraining, TrainOutput, TrainStep, TrainingStrategy,
 };
-use flashover::learner::{ParallelLearning, PipelineLearnerModel, ShareBatcher};
-use flashover::nn::{Linear, LinearConfig};
+use flashover::learner::{
+    GatherOutput, ParallelLearning, PipelineLearnerModel, SequenceBatch, ShareBatcher,
+};
+use flashover::nn::{CausalAttention, Linear, LinearConfig};
 use flashover::parallel::params::{flatten_params, load_flat};
 use flashover::prelude::*;
 use std::ops::Range;
@@ -448,5 +450,281 @@ fn what_the_strategy_cannot_run_is_refused_with_the_reason() {
         let mesh = run.mesh.to_string();
         let err = train(run, &initial, &format!("refused-{i}")).unwrap_err();
         assert!(err.contains(reason), "{mesh}: {err}");
+    }
+}
+
+// ---- Context parallelism: a small causal language model, its sequences split over `cp`. ----
+
+const VOCAB: usize = 11;
+const SEQ: usize = 8;
+const WIDTH: usize = 8;
+const HEADS: usize = 2;
+
+/// Token and position embeddings, one causal self-attention with a residual, a head.
+#[derive(Module, Debug)]
+struct Lm {
+    tokens: Embedding,
+    positions: Embedding,
+    query: Linear,
+    key: Linear,
+    value: Linear,
+    core: CausalAttention,
+    head: Linear,
+}
+
+/// Token ids `[batch, seq]`, their positions `[seq]` (a cp rank holds some of them), the next
+/// tokens `[batch, seq]`.
+#[derive(Clone, Debug)]
+struct TextBatch {
+    tokens: Tensor<2, Int>,
+    positions: Tensor<1, Int>,
+    targets: Tensor<2, Int>,
+}
+
+impl SequenceBatch for TextBatch {
+    fn sequence_share(self, par: &Parallelized) -> Result<Self, ParallelError> {
+        Ok(TextBatch {
+            tokens: par.sequence_share(self.tokens, 1)?,
+            positions: par.sequence_share(self.positions, 0)?,
+            targets: par.sequence_share(self.targets, 1)?,
+        })
+    }
+}
+
+impl Lm {
+    fn new(device: &Device) -> Self {
+        let linear = |d_out| LinearConfig::new(WIDTH, d_out).init(device);
+        Lm {
+            tokens: EmbeddingConfig::new(VOCAB, WIDTH).init(device),
+            positions: EmbeddingConfig::new(SEQ, WIDTH).init(device),
+            query: linear(WIDTH),
+            key: linear(WIDTH),
+            value: linear(WIDTH),
+            core: CausalAttention::new(device),
+            head: linear(VOCAB),
+        }
+    }
+
+    fn predict(&self, batch: TextBatch) -> SequenceOutput {
+        let x = self.tokens.forward(batch.tokens)
+            + self.positions.forward(batch.positions.unsqueeze::<2>());
+        let [b, s, _] = x.dims();
+        let heads = |t: Tensor<3>| t.reshape([b, s, HEADS, WIDTH / HEADS]).swap_dims(1, 2);
+        let (q, k, v) = (
+            heads(self.query.forward(x.clone())),
+            heads(self.key.forward(x.clone())),
+            heads(self.value.forward(x.clone())),
+        );
+        let attended = self
+            .core
+            .forward(q, k, v)
+            .swap_dims(1, 2)
+            .reshape([b, s, WIDTH]);
+        let logits = self.head.forward(x + attended);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(
+                logits.clone().reshape([b * s, VOCAB]),
+                batch.targets.clone().reshape([b * s]),
+            );
+        SequenceOutput {
+            loss,
+            logits,
+            predictions: None,
+            targets: batch.targets,
+        }
+    }
+}
+
+impl TrainStep for Lm {
+    type Input = TextBatch;
+    type Output = SequenceOutput;
+    fn step(&self, batch: TextBatch) -> TrainOutput<SequenceOutput> {
+        let item = self.predict(batch);
+        TrainOutput::new(self, item.loss.backward(), item)
+    }
+}
+
+impl InferenceStep for Lm {
+    type Input = TextBatch;
+    type Output = SequenceOutput;
+    fn step(&self, batch: TextBatch) -> SequenceOutput {
+        self.predict(batch)
+    }
+}
+
+#[derive(Clone)]
+struct TextBatcher;
+
+impl Batcher<usize, TextBatch> for TextBatcher {
+    fn batch(&self, items: Vec<usize>, device: &Device) -> TextBatch {
+        let n = items.len();
+        let token = |s: usize, t: usize| ((s * 5 + t * t * 3 + t) % VOCAB) as i64;
+        let sequences = |shift: usize| -> Vec<i64> {
+            items
+                .iter()
+                .flat_map(|&s| (0..SEQ).map(move |t| token(s, t + shift)))
+                .collect()
+        };
+        let ids = |v: Vec<i64>| Tensor::from_data(TensorData::new(v, [n, SEQ]), device);
+        TextBatch {
+            tokens: ids(sequences(0)),
+            positions: Tensor::arange(0..SEQ as i64, device),
+            targets: ids(sequences(1)),
+        }
+    }
+}
+
+fn text_loader<B>(batcher: B) -> Arc<dyn DataLoader<TextBatch>>
+where
+    B: Batcher<usize, TextBatch> + Clone + 'static,
+{
+    DataLoaderBuilder::new(batcher)
+        .batch_size(4)
+        .build(InMemDataset::new((0..16).collect::<Vec<usize>>()))
+}
+
+fn context_parallel() -> ParallelizePlan {
+    ParallelizePlan::new().context_parallel(ContextParallelRule::ring(&["core"]))
+}
+
+/// The language model trained for two epochs on `mesh` under `plan` (its steps on split
+/// sequences when `split`): rank 0's final weights and the validation losses burn-train
+/// logged, or the first rank's error.
+fn train_lm(
+    mesh: &str,
+    plan: &ParallelizePlan,
+    split: bool,
+    initial: &[f32],
+) -> Result<(Vec<f32>, Vec<f64>), String> {
+    let name = format!("lm-{}", mesh.replace([',', '='], "-"));
+    let out = launch(mesh, |ctx| {
+        let device = ctx.device().clone().autodiff();
+        let (lm, par) = parallelize(load_flat(Lm::new(&device), initial), plan, &ctx)?;
+        let batcher = ShareBatcher::new(TextBatcher, &par);
+        let strategy = ParallelLearning::new(&ctx, par)?;
+        let strategy: TrainingStrategy<Lm> = match split {
+            true => strategy.split_sequences().into(),
+            false => strategy.into(),
+        };
+        let reports = ctx.rank() == 0;
+        let directory = dir(&format!("{name}-{}", ctx.rank()));
+        let result = SupervisedTraining::new(
+            &directory,
+            text_loader(batcher.clone()),
+            text_loader(batcher),
+        )
+        .metric_valid_numeric(LossMetric::new())
+        .num_epochs(2)
+        .with_application_logger(None)
+        .with_training_strategy(strategy)
+        // SGD: its update is proportional to the gradient, so a mis-scaled reduction over cp
+        // shows (AdamW normalizes scale away, and amplifies the rounding of gradients that are
+        // zero in exact arithmetic, such as the key bias's under softmax).
+        .launch(Learner::new(lm, SgdConfig::new().init(), 2e-1));
+        if let Some(e) = result.error {
+            return Err(ParallelError::Invalid(e.to_string()));
+        }
+        let losses = match reports {
+            true => (1..=2).flat_map(|e| logged_losses(&directory, e)).collect(),
+            false => vec![],
+        };
+        Ok((flatten_params(&result.model), losses))
+    });
+    match out {
+        Ok(runs) => Ok(runs.into_iter().next().unwrap()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// The validation losses burn-train logged in `epoch` under `dir`.
+fn logged_losses(dir: &std::path::Path, epoch: usize) -> Vec<f64> {
+    let file = dir.join(format!("valid/epoch-{epoch}/Loss.log"));
+    std::fs::read_to_string(&file)
+        .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+        .lines()
+        .map(|line| line.split(',').next().unwrap().parse().unwrap())
+        .collect()
+}
+
+#[test]
+fn sequences_split_over_cp_train_as_one_device_and_report_whole_sequences() {
+    let initial = flatten_params(&Lm::new(&Device::flex()));
+    let (one, one_losses) = train_lm("dp=1", &ParallelizePlan::new(), false, &initial).unwrap();
+    // Four validation batches an epoch and the epoch's mean, two epochs.
+    assert_eq!(one_losses.len(), 10);
+    for mesh in ["cp=2", "dp=2,cp=2"] {
+        let (weights, losses) = train_lm(mesh, &context_parallel(), true, &initial).unwrap();
+        assert_eq!(
+            losses.len(),
+            one_losses.len(),
+            "{mesh}: as many validation losses"
+        );
+        let diff = max_scaled(&one, &weights);
+        assert!(diff < 1e-5, "{mesh}: weights {diff:.2e} from one device");
+        let scale = one_losses.iter().fold(0.0_f64, |m, l| m.max(l.abs()));
+        let worst = one_losses
+            .iter()
+            .zip(&losses)
+            .map(|(a, b)| (a - b).abs() / scale)
+            .fold(0.0, f64::max);
+        assert!(
+            worst < 1e-5,
+            "{mesh}: validation loss {worst:.2e} from one device"
+        );
+    }
+    // Whole sequences given to a step under a cp plan: refused, not attended twice.
+    let err = train_lm("cp=2", &context_parallel(), false, &initial).unwrap_err();
+    assert!(err.contains("call .split_sequences()"), "{err}");
+}
+
+#[test]
+fn outputs_of_split_sequences_are_put_back_in_position_order() {
+    let device = Device::flex();
+    let lm = Lm::new(&device);
+    let initial = flatten_params(&lm);
+    let batch = TextBatcher.batch(vec![3, 4], &device);
+    let whole = InferenceStep::step(&lm, batch.clone());
+    let gathered = launch("cp=2", |ctx| {
+        let lm = load_flat(Lm::new(ctx.device()), &initial);
+        let (lm, par) = parallelize(lm, &context_parallel(), &ctx)?;
+        let batch = TextBatcher.batch(vec![3, 4], ctx.device());
+        let output = InferenceStep::step(&lm, batch.sequence_share(&par)?);
+        GatherOutput::gather_sequences(output, &par)
+    })
+    .unwrap();
+    for output in gathered {
+        let targets: Vec<i64> = output
+            .targets
+            .into_data()
+            .convert::<i64>()
+            .try_to_vec()
+            .unwrap();
+        let expected: Vec<i64> = whole
+            .targets
+            .clone()
+            .into_data()
+            .convert::<i64>()
+            .try_to_vec()
+            .unwrap();
+        assert_eq!(targets, expected, "targets in position order");
+        let logits: Vec<f32> = output
+            .logits
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec()
+            .unwrap();
+        let expected: Vec<f32> = whole
+            .logits
+            .clone()
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec()
+            .unwrap();
+        let diff = max_scaled(&expected, &logits);
+        assert!(diff < 1e-5, "logits {diff:.2e} from one device's");
+        let loss =
+            (output.loss.into_scalar::<f32>() - whole.loss.clone().into_scalar::<f32>()).abs();
+        assert!(loss < 1e-5, "loss {loss:.2e} from one device's");
     }
 }

@@ -49,7 +49,10 @@
 //!   (the model implements [`PipelineLearnerModel`], its forward in parts, instead of being run
 //!   by its `TrainStep`), and the metrics are reported by the first rank of the last stage,
 //!   where the outputs are (TorchTitan logs from there too).
-//! - Context parallelism is refused: a `TrainStep` computes on the whole sequences it is given.
+//! - A plan that splits sequences over `cp` needs [`ParallelLearning::split_sequences`]: the
+//!   strategy gives each step this rank's positions of every sequence ([`SequenceBatch`]) and
+//!   puts the outputs back together in position order for the metrics
+//!   ([`GatherOutput::gather_sequences`]).
 
 mod batch;
 mod checkpoint;
@@ -58,9 +61,12 @@ mod steps;
 
 pub use batch::ShareBatcher;
 pub use output::{
-    GatherOutput, MicroBatchOutput, concat_samples, gather_sample_ints, gather_samples, mean_over,
+    GatherOutput, MicroBatchOutput, concat_samples, gather_position_ints, gather_positions,
+    gather_sample_ints, gather_samples, mean_over,
 };
-pub use steps::{PipelineLearnerModel, RankSteps, StagedForward, WholeForward};
+pub use steps::{
+    PipelineLearnerModel, RankSteps, SequenceBatch, SplitSequences, StagedForward, WholeForward,
+};
 
 use burn::data::dataloader::{DataLoader, Progress};
 use burn::optim::GradientsAccumulator;
@@ -99,8 +105,7 @@ pub struct ParallelLearning<S = WholeForward> {
 impl ParallelLearning {
     /// The strategy of this rank (`ctx`) for a model `parallelize` returned with `par`, each
     /// step the model's `TrainStep` on this rank's share. Fails when the plan cuts the model
-    /// into pipeline stages (use [`Self::pipelined`]) or splits sequences over `cp` (a
-    /// burn-train `TrainStep` computes on whole sequences). Collective over the world.
+    /// into pipeline stages (use [`Self::pipelined`]). Collective over the world.
     pub fn new(ctx: &RankContext, par: Parallelized) -> Result<Self, ParallelError> {
         if par.is_pipelined() {
             return Err(ParallelError::Invalid(
@@ -118,7 +123,7 @@ impl ParallelLearning {
     /// rank `D` between them, as in its `PipelineModel<D>`): each training step runs the plan's
     /// schedule over micro-batches of this rank's share, each validation step runs the stages
     /// forward; the model implements [`PipelineLearnerModel`]. Fails when the plan has no
-    /// pipeline rule or splits sequences over `cp`. Collective over the world.
+    /// pipeline rule. Collective over the world.
     pub fn pipelined<const D: usize>(
         ctx: &RankContext,
         par: Parallelized,
@@ -138,14 +143,6 @@ impl<S> ParallelLearning<S> {
     /// The strategy computing steps as `steps` (collective over the world: the ranks agree on
     /// the reporting one).
     fn with_steps(ctx: &RankContext, par: Parallelized, steps: S) -> Result<Self, ParallelError> {
-        if par.splits_sequences() {
-            return Err(ParallelError::Invalid(
-                "the plan splits sequences over cp, but a Learner's TrainStep computes on the \
-                 batch it is given, whole sequences: train context-parallel plans in a loop of \
-                 your own with Parallelized::sequence_share"
-                    .into(),
-            ));
-        }
         let computes_outputs = [u8::from(par.runs_last_stage())];
         let reporter = match ctx.world_size() {
             1 => 0,
@@ -164,6 +161,21 @@ impl<S> ParallelLearning<S> {
             reporter,
             steps,
         })
+    }
+
+    /// Each step on this rank's positions of every sequence of its share, for plans that split
+    /// sequences over `cp` (harmless under others): the batch type implements
+    /// [`SequenceBatch`], and the outputs are put back together in position order for the
+    /// metrics ([`GatherOutput::gather_sequences`]: burn-train's `SequenceOutput` has it).
+    pub fn split_sequences(self) -> ParallelLearning<SplitSequences<S>> {
+        ParallelLearning {
+            ctx: self.ctx,
+            par: self.par,
+            max_norm: self.max_norm,
+            checkpoints: self.checkpoints,
+            reporter: self.reporter,
+            steps: SplitSequences(self.steps),
+        }
     }
 
     /// Clips gradients by the global norm of the whole model's gradient (every element
@@ -485,6 +497,14 @@ where
     ) -> (M, SupervisedTrainingEventProcessor<M>) {
         let mut events = components.event_processor;
         let interrupter = components.interrupter;
+        if self.par.splits_sequences() && !self.steps.splits_sequences() {
+            interrupter.fail(self.failure(
+                "the plan splits sequences over cp, but the strategy gives each step whole \
+                 sequences: implement flashover::learner::SequenceBatch for the batch type and \
+                 call .split_sequences() on the ParallelLearning",
+            ));
+            return (learner.model(), events);
+        }
         if components.checkpointer.is_some() {
             interrupter.fail(self.failure(
                 "burn-train's checkpointer saves the Learner's model record, which holds only \

@@ -1,12 +1,13 @@
 //! A step's output (loss, predictions, targets) for the whole batch, from every data-parallel
 //! rank's output for its share, so that burn-train's metrics see what one device would.
 
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_train::{
     ClassificationOutput, MultiLabelClassificationOutput, RegressionOutput, SequenceOutput,
 };
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use flashover_parallel::ParallelError;
+use flashover_parallel::parallelize::Parallelized;
 use flashover_runtime::TensorCollectives;
 
 /// A `TrainStep` or `InferenceStep` output that can be put together from the data-parallel
@@ -20,6 +21,83 @@ pub trait GatherOutput: Sized {
     /// The output of the whole batch (collective over `data`: every rank calls it with the
     /// output of its share, shares in rank order).
     fn gather(self, data: &Group) -> Result<Self, ParallelError>;
+
+    /// The output of whole sequences from this rank's positions of them, when `par`'s plan
+    /// splits sequences over `cp` (collective over [`Parallelized::sequence_ranks`]; the output
+    /// itself otherwise): per-position tensors gathered in position order
+    /// ([`gather_positions`], [`gather_position_ints`]), means averaged ([`mean_over`]).
+    /// Implemented for burn-train's [`SequenceOutput`]. By default refused: an output of
+    /// per-sample tensors (a class per sequence) has no positions to put together, and whether
+    /// each `cp` rank's is partial or whole depends on the model.
+    fn gather_sequences(self, par: &Parallelized) -> Result<Self, ParallelError> {
+        match par.sequence_ranks() {
+            None => Ok(self),
+            Some(_) => Err(ParallelError::Invalid(format!(
+                "the plan splits sequences over cp, and {} has no per-position tensors to put \
+                 back together: implement GatherOutput::gather_sequences for it",
+                std::any::type_name::<Self>()
+            ))),
+        }
+    }
+}
+
+/// Every `cp` rank's `tensor`, this rank's positions of each sequence along `dim`, put
+/// together in position order: the whole sequences (collective over `par`'s sequence ranks;
+/// the tensor itself, detached, when the plan does not split sequences).
+pub fn gather_positions<const D: usize>(
+    tensor: Tensor<D>,
+    dim: usize,
+    par: &Parallelized,
+) -> Result<Tensor<D>, ParallelError> {
+    let tensor = tensor.detach();
+    let Some(cp) = par.sequence_ranks() else {
+        return Ok(tensor);
+    };
+    let order = position_order(par, cp, tensor.dims()[dim], &tensor.device())?;
+    Ok(cp.all_gather_tensor(tensor, dim)?.select(dim, order))
+}
+
+/// [`gather_positions`] for integer tensors (token ids), moved exactly as `i64`.
+pub fn gather_position_ints<const D: usize>(
+    tensor: Tensor<D, Int>,
+    dim: usize,
+    par: &Parallelized,
+) -> Result<Tensor<D, Int>, ParallelError> {
+    let Some(cp) = par.sequence_ranks() else {
+        return Ok(tensor);
+    };
+    let (device, shape) = (tensor.device(), tensor.dims());
+    let order = position_order(par, cp, shape[dim], &device)?;
+    let values = tensor
+        .into_data()
+        .convert::<i64>()
+        .try_into_vec::<i64>()
+        .map_err(|e| ParallelError::Invalid(format!("integer tensor: {e:?}")))?;
+    let all = cp.all_gather_vec(&values)?;
+    let pieces = all
+        .chunks(values.len().max(1))
+        .take(cp.size())
+        .map(|piece| Tensor::from_data(TensorData::new(piece.to_vec(), shape), &device))
+        .collect();
+    Ok(Tensor::cat(pieces, dim).select(dim, order))
+}
+
+/// For each position of a sequence `cp` x `local` long, where it is among the `cp` ranks'
+/// local positions laid end to end in rank order (collective).
+fn position_order(
+    par: &Parallelized,
+    cp: &Group,
+    local: usize,
+    device: &Device,
+) -> Result<Tensor<1, Int>, ParallelError> {
+    let seq = local * cp.size();
+    let mine: Vec<u64> = par.positions(seq)?.into_iter().map(|p| p as u64).collect();
+    let all = cp.all_gather_vec(&mine)?;
+    let mut order = vec![0i64; seq];
+    for (at, &position) in all.iter().enumerate() {
+        order[position as usize] = at as i64;
+    }
+    Ok(Tensor::from_data(TensorData::new(order, [seq]), device))
 }
 
 /// Every rank's `tensor` (rows of its samples) concatenated along the first dimension, in
@@ -123,6 +201,22 @@ impl GatherOutput for SequenceOutput {
             logits: gather_samples(self.logits, data)?,
             predictions,
             targets: gather_sample_ints(self.targets, data)?,
+        })
+    }
+
+    fn gather_sequences(self, par: &Parallelized) -> Result<Self, ParallelError> {
+        let Some(cp) = par.sequence_ranks() else {
+            return Ok(self);
+        };
+        let predictions = match self.predictions {
+            Some(p) => Some(gather_position_ints(p, 1, par)?),
+            None => None,
+        };
+        Ok(SequenceOutput {
+            loss: mean_over(self.loss, cp)?,
+            logits: gather_positions(self.logits, 1, par)?,
+            predictions,
+            targets: gather_position_ints(self.targets, 1, par)?,
         })
     }
 }

@@ -1,6 +1,7 @@
 //! How a rank computes a `Learner` step under a plan: the user's whole `TrainStep` on its share
 //! of the batch ([`WholeForward`]), or its pipeline stages over micro-batches of it
-//! ([`StagedForward`], for plans that cut the model into stages).
+//! ([`StagedForward`], for plans that cut the model into stages); either on this rank's
+//! positions of every sequence ([`SplitSequences`], for plans that split sequences over `cp`).
 
 use super::output::{GatherOutput, MicroBatchOutput};
 use burn::optim::GradientsParams;
@@ -42,6 +43,12 @@ pub trait RankSteps<M: LearnerModel>: Send + Sync + 'static {
         batch: <M as InferenceStep>::Input,
         share: usize,
     ) -> Result<Option<InferenceItem<M>>, ParallelError>;
+
+    /// Whether the steps compute on this rank's positions of each sequence (what a plan that
+    /// splits sequences over `cp` needs).
+    fn splits_sequences(&self) -> bool {
+        false
+    }
 }
 
 /// Every rank runs the user's whole `TrainStep` and `InferenceStep` on its share of the batch
@@ -170,6 +177,73 @@ where
         check_batch(M::samples(&batch), share)?;
         let x = par.pipeline_forward(model, &batch)?;
         Ok(x.map(|x| model.inference_head(x, &batch)))
+    }
+}
+
+/// A batch whose sequences a plan's `context_parallel` rule splits over `cp`: what
+/// [`SplitSequences`] needs. Keep this rank's positions of every per-position tensor,
+/// `par.sequence_share(tensor, dim)` with `dim` its sequence dimension, positions included
+/// (the model's position embeddings read them):
+///
+/// ```text
+/// impl SequenceBatch for TextBatch {
+///     fn sequence_share(self, par: &Parallelized) -> Result<Self, ParallelError> {
+///         Ok(TextBatch {
+///             tokens: par.sequence_share(self.tokens, 1)?,
+///             positions: par.sequence_share(self.positions, 0)?,
+///             targets: par.sequence_share(self.targets, 1)?,
+///         })
+///     }
+/// }
+/// ```
+pub trait SequenceBatch: Sized {
+    /// This rank's positions of every sequence in the batch.
+    fn sequence_share(self, par: &Parallelized) -> Result<Self, ParallelError>;
+}
+
+/// `S`'s steps on this rank's positions of every sequence ([`SequenceBatch`]), their outputs
+/// put back together over `cp` ([`GatherOutput::gather_sequences`]) for the metrics. Under a
+/// plan that does not split sequences, `S`'s steps as they are.
+#[derive(Debug, Default)]
+pub struct SplitSequences<S>(pub(super) S);
+
+impl<M, S> RankSteps<M> for SplitSequences<S>
+where
+    M: LearnerModel,
+    S: RankSteps<M>,
+    <M as TrainStep>::Input: SequenceBatch,
+    <M as InferenceStep>::Input: SequenceBatch,
+    TrainItem<M>: GatherOutput,
+    InferenceItem<M>: GatherOutput,
+{
+    fn train(
+        &self,
+        par: &Parallelized,
+        ctx: &RankContext,
+        model: &M,
+        batch: <M as TrainStep>::Input,
+        share: usize,
+    ) -> Result<(Option<TrainItem<M>>, GradientsParams), ParallelError> {
+        let batch = batch.sequence_share(par)?;
+        let (output, grads) = self.0.train(par, ctx, model, batch, share)?;
+        let output = output.map(|o| o.gather_sequences(par)).transpose()?;
+        Ok((output, grads))
+    }
+
+    fn valid(
+        &self,
+        par: &Parallelized,
+        model: &M,
+        batch: <M as InferenceStep>::Input,
+        share: usize,
+    ) -> Result<Option<InferenceItem<M>>, ParallelError> {
+        let batch = batch.sequence_share(par)?;
+        let output = self.0.valid(par, model, batch, share)?;
+        output.map(|o| o.gather_sequences(par)).transpose()
+    }
+
+    fn splits_sequences(&self) -> bool {
+        true
     }
 }
 

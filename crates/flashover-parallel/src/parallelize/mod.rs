@@ -538,6 +538,12 @@ impl Parallelized {
         self.pipelined()
     }
 
+    /// The `cp` ranks that hold the other positions of this rank's sequences, when the plan
+    /// splits sequences on this mesh (to put per-position outputs back together).
+    pub fn sequence_ranks(&self) -> Option<&Group> {
+        self.context.as_ref().map(|split| &split.group)
+    }
+
     /// Whether the plan has a pipeline rule (its stages may be one, on a mesh without `pp`).
     pub fn has_pipeline(&self) -> bool {
         self.stages.is_some()
