@@ -27,6 +27,7 @@ use flashover::prelude::*;
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 const FEATURES: usize = 6;
 const CLASSES: usize = 3;
@@ -42,7 +43,7 @@ impl Net {
     fn new(device: &Device) -> Self {
         Net {
             input: LinearConfig::new(FEATURES, 8).init(device),
-            blocks: (0..2)
+            blocks: (0..4)
                 .map(|_| LinearConfig::new(8, 8).init(device))
                 .collect(),
             head: LinearConfig::new(8, CLASSES).init(device),
@@ -197,7 +198,11 @@ impl Default for Run<'_> {
 
 /// Rank 0's final weights, or the first rank's error.
 fn train(run: Run, initial: &[f32], name: &str) -> Result<Vec<f32>, String> {
-    let out = launch(run.mesh, |ctx| {
+    // A minute for any collective: these runs take well under a second.
+    let launcher = Launch::new(run.mesh)
+        .unwrap()
+        .timeout(Duration::from_secs(60));
+    let out = launcher.run(|ctx| {
         let device = ctx.device().clone().autodiff();
         let (net, par) = parallelize(load_flat(Net::new(&device), initial), &run.plan, &ctx)?;
         let batcher = ShareBatcher::new(RowBatcher, &par);
@@ -267,7 +272,7 @@ fn max_scaled(a: &[f32], b: &[f32]) -> f32 {
         / scale
 }
 
-/// Two stages of one block each; `micro_batches` per rank's share.
+/// Two stages of two blocks each; `micro_batches` per rank's share.
 fn pipeline(schedule: ScheduleKind, micro_batches: usize) -> ParallelizePlan {
     ParallelizePlan::new().pipeline(
         PipelineRule::new("blocks", schedule, micro_batches)
@@ -276,10 +281,12 @@ fn pipeline(schedule: ScheduleKind, micro_batches: usize) -> ParallelizePlan {
     )
 }
 
+/// Megatron's pairs, each inside one pipeline stage of [`pipeline`]: blocks 0 and 2 split by
+/// columns, 1 and 3 back by rows; every weight sharded over fsdp too.
 fn tp_fsdp() -> ParallelizePlan {
     ParallelizePlan::new()
-        .tensor_parallel(TensorParallelRule::colwise(&["input"]))
-        .tensor_parallel(TensorParallelRule::rowwise(&["blocks.0"]))
+        .tensor_parallel(TensorParallelRule::colwise(&["blocks.0", "blocks.2"]))
+        .tensor_parallel(TensorParallelRule::rowwise(&["blocks.1", "blocks.3"]))
         .fully_shard("")
 }
 
@@ -313,6 +320,22 @@ fn gradients_are_clipped_by_the_whole_models_norm_in_every_layout() {
     let staged = train(run, &initial, "clip-dp2-pp2").unwrap();
     let diff = max_scaled(&one, &staged);
     assert!(diff < 1e-5, "dp=2,pp=2 clipped {diff:.2e} from one rank");
+    // Three axes: each stage's layers split over tp and sharded over fsdp.
+    let mut plan = tp_fsdp();
+    plan.pipeline = pipeline(ScheduleKind::OneFOneB, 2).pipeline;
+    let run = Run {
+        mesh: "pp=2,fsdp=2,tp=2",
+        plan,
+        pipelined: true,
+        clip: Some(0.05),
+        ..Run::default()
+    };
+    let composed = train(run, &initial, "clip-pp2-fsdp2-tp2").unwrap();
+    let diff = max_scaled(&one, &composed);
+    assert!(
+        diff < 1e-5,
+        "pp=2,fsdp=2,tp=2 clipped {diff:.2e} from one rank"
+    );
 }
 
 #[test]
@@ -423,12 +446,28 @@ fn what_the_strategy_cannot_run_is_refused_with_the_reason() {
         (
             Run {
                 mesh: "dp=2,pp=2",
-                plan: pipelined,
+                plan: pipelined.clone(),
                 pipelined: true,
                 unsharded_loader: true,
                 ..Run::default()
             },
             "gave this rank a batch of 8 samples, not its share of 4",
+        ),
+        (
+            // The input split by columns, gathered back by the first block: what stage 0
+            // returns is wider than what `embed` gives it.
+            Run {
+                mesh: "pp=2,tp=2",
+                plan: ParallelizePlan {
+                    pipeline: pipelined.pipeline.clone(),
+                    ..ParallelizePlan::new()
+                        .tensor_parallel(TensorParallelRule::colwise(&["input"]))
+                        .tensor_parallel(TensorParallelRule::rowwise(&["blocks.0"]))
+                },
+                pipelined: true,
+                ..Run::default()
+            },
+            "every stage must return the shape it is given",
         ),
         (
             Run {

@@ -566,7 +566,7 @@ where
                     .map(|()| false)
                     .map_err(|e| e.to_string()),
             });
-            // Rank 0's event store holds the metrics: it decides for every rank.
+            // The reporting rank's event store holds the metrics: it decides for every rank.
             let stop = stop.and_then(|stop| {
                 let early = self.reports()
                     && early_stopping
@@ -582,6 +582,12 @@ where
                     break;
                 }
             }
+        }
+        // After a failure the ranks are out of step: a collective would wait for peers that
+        // will not come. Returning ends this rank's work, which tells its peers to stop
+        // waiting for it.
+        if interrupter.error().is_some() {
+            return (learner.model(), events);
         }
         let model = match self.par.whole(learner.model()) {
             Ok(model) => model,

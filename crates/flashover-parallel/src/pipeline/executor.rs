@@ -270,6 +270,16 @@ impl<'a> PipelineExecutor<'a> {
                 ActionKind::SendActivation => {
                     let dst = s.place(stage + 1).0;
                     match outputs.get(&key).map(|(_, out)| out.main()) {
+                        Some(StageOutput::Activation(y)) if y.dims() != shape => {
+                            return Err(ParallelError::Invalid(format!(
+                                "rank {rank}: stage {stage} produced an activation of shape \
+                                 {:?}, but activations travel between stages as {shape:?} (under \
+                                 a plan: the first stage's `embed` output; every stage must \
+                                 return the shape it is given, so a tensor-parallel pair cannot \
+                                 be split between `embed` and a layer, or between stages)",
+                                y.dims()
+                            )));
+                        }
                         Some(StageOutput::Activation(y)) => {
                             self.group.send_tensor(&y.clone().detach(), dst)?
                         }
