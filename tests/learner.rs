@@ -21,7 +21,8 @@ use burn_train::{
 use flashover::learner::{
     GatherOutput, ParallelLearning, PipelineLearnerModel, SequenceBatch, ShareBatcher,
 };
-use flashover::nn::{CausalAttention, Linear, LinearConfig};
+use flashover::models::{Moe, MoeConfig};
+use flashover::nn::{CausalAttention, Linear, LinearConfig, MoeForward};
 use flashover::parallel::params::{flatten_params, load_flat};
 use flashover::prelude::*;
 use std::ops::Range;
@@ -492,14 +493,16 @@ fn what_the_strategy_cannot_run_is_refused_with_the_reason() {
     }
 }
 
-// ---- Context parallelism: a small causal language model, its sequences split over `cp`. ----
+// ---- Context and expert parallelism: a small causal language model with a mixture of
+// experts, its sequences split over `cp`, its experts spread over `ep`. ----
 
 const VOCAB: usize = 11;
 const SEQ: usize = 8;
 const WIDTH: usize = 8;
 const HEADS: usize = 2;
 
-/// Token and position embeddings, one causal self-attention with a residual, a head.
+/// Token and position embeddings, one causal self-attention and a mixture of experts (4
+/// experts, top 2), each with a residual, a head.
 #[derive(Module, Debug)]
 struct Lm {
     tokens: Embedding,
@@ -508,6 +511,7 @@ struct Lm {
     key: Linear,
     value: Linear,
     core: CausalAttention,
+    moe: Moe,
     head: Linear,
 }
 
@@ -540,6 +544,7 @@ impl Lm {
             key: linear(WIDTH),
             value: linear(WIDTH),
             core: CausalAttention::new(device),
+            moe: MoeConfig::new(4, 2, 6).init(WIDTH, device),
             head: linear(VOCAB),
         }
     }
@@ -559,7 +564,9 @@ impl Lm {
             .forward(q, k, v)
             .swap_dims(1, 2)
             .reshape([b, s, WIDTH]);
-        let logits = self.head.forward(x + attended);
+        let x = x + attended;
+        let (experts, aux) = MoeForward::forward(&self.moe, x.clone());
+        let logits = self.head.forward(x + experts);
         let loss = CrossEntropyLossConfig::new()
             .init(&logits.device())
             .forward(
@@ -567,7 +574,8 @@ impl Lm {
                 batch.targets.clone().reshape([b * s]),
             );
         SequenceOutput {
-            loss,
+            // The objective: the next-token loss and the experts' load-balancing loss.
+            loss: loss + aux.expect("a load-balancing loss"),
             logits,
             predictions: None,
             targets: batch.targets,
@@ -623,8 +631,12 @@ where
         .build(InMemDataset::new((0..16).collect::<Vec<usize>>()))
 }
 
+/// Sequences split over `cp` (ring attention), experts spread over `ep`, on the meshes that
+/// have those axes.
 fn context_parallel() -> ParallelizePlan {
-    ParallelizePlan::new().context_parallel(ContextParallelRule::ring(&["core"]))
+    ParallelizePlan::new()
+        .context_parallel(ContextParallelRule::ring(&["core"]))
+        .expert_parallel("moe")
 }
 
 /// The language model trained for two epochs on `mesh` under `plan` (its steps on split
@@ -687,12 +699,12 @@ fn logged_losses(dir: &std::path::Path, epoch: usize) -> Vec<f64> {
 }
 
 #[test]
-fn sequences_split_over_cp_train_as_one_device_and_report_whole_sequences() {
+fn sequences_over_cp_and_experts_over_ep_train_as_one_device() {
     let initial = flatten_params(&Lm::new(&Device::flex()));
     let (one, one_losses) = train_lm("dp=1", &ParallelizePlan::new(), false, &initial).unwrap();
     // Four validation batches an epoch and the epoch's mean, two epochs.
     assert_eq!(one_losses.len(), 10);
-    for mesh in ["cp=2", "dp=2,cp=2"] {
+    for mesh in ["cp=2", "dp=2,cp=2", "ep=2", "ep=2,cp=2"] {
         let (weights, losses) = train_lm(mesh, &context_parallel(), true, &initial).unwrap();
         assert_eq!(
             losses.len(),
@@ -711,6 +723,7 @@ fn sequences_split_over_cp_train_as_one_device_and_report_whole_sequences() {
             worst < 1e-5,
             "{mesh}: validation loss {worst:.2e} from one device"
         );
+        println!("{mesh}: weights {diff:.2e}, validation losses {worst:.2e} from one device");
     }
     // Whole sequences given to a step under a cp plan: refused, not attended twice.
     let err = train_lm("cp=2", &context_parallel(), false, &initial).unwrap_err();
