@@ -1,8 +1,10 @@
 //! burn-train's `Learner` under `flashover::learner::ParallelLearning`: global-norm clipping
 //! and early stopping as one device has them (pipelined plans too, where another rank than 0
-//! reports and decides), checkpoints resumed onto a pipeline, and the layouts and set-ups it
-//! refuses, each with its reason. (`examples/learner_parallel.rs` checks weights, validation
-//! metrics and resumed checkpoints against one device's `Learner`.)
+//! reports and decides), checkpoints resumed onto a pipeline, a language model with a mixture
+//! of experts whose sequences are split over `cp` and experts over `ep`, with and without
+//! pipeline stages (weights and validation losses against one device's `Learner`), and the
+//! layouts and set-ups it refuses, each with its reason. (`examples/learner_parallel.rs`
+//! checks weights, validation metrics and resumed checkpoints against one device's `Learner`.)
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
@@ -19,7 +21,7 @@ use burn_train::{
     SupervisedTraining, TrainOutput, TrainStep, TrainingStrategy,
 };
 use flashover::learner::{
-    GatherOutput, ParallelLearning, PipelineLearnerModel, SequenceBatch, ShareBatcher,
+    GatherOutput, ParallelLearning, PipelineLearnerModel, RankSteps, SequenceBatch, ShareBatcher,
 };
 use flashover::models::{Moe, MoeConfig};
 use flashover::nn::{CausalAttention, Linear, LinearConfig, MoeForward};
@@ -501,18 +503,23 @@ const SEQ: usize = 8;
 const WIDTH: usize = 8;
 const HEADS: usize = 2;
 
-/// Token and position embeddings, one causal self-attention and a mixture of experts (4
-/// experts, top 2), each with a residual, a head.
+/// Token and position embeddings, two blocks (causal self-attention and a mixture of experts
+/// of 4, top 2, each with a residual), a head.
 #[derive(Module, Debug)]
 struct Lm {
     tokens: Embedding,
     positions: Embedding,
+    blocks: Vec<LmBlock>,
+    head: Linear,
+}
+
+#[derive(Module, Debug)]
+struct LmBlock {
     query: Linear,
     key: Linear,
     value: Linear,
     core: CausalAttention,
     moe: Moe,
-    head: Linear,
 }
 
 /// Token ids `[batch, seq]`, their positions `[seq]` (a cp rank holds some of them), the next
@@ -537,21 +544,41 @@ impl SequenceBatch for TextBatch {
 impl Lm {
     fn new(device: &Device) -> Self {
         let linear = |d_out| LinearConfig::new(WIDTH, d_out).init(device);
-        Lm {
-            tokens: EmbeddingConfig::new(VOCAB, WIDTH).init(device),
-            positions: EmbeddingConfig::new(SEQ, WIDTH).init(device),
+        let block = || LmBlock {
             query: linear(WIDTH),
             key: linear(WIDTH),
             value: linear(WIDTH),
             core: CausalAttention::new(device),
             moe: MoeConfig::new(4, 2, 6).init(WIDTH, device),
+        };
+        Lm {
+            tokens: EmbeddingConfig::new(VOCAB, WIDTH).init(device),
+            positions: EmbeddingConfig::new(SEQ, WIDTH).init(device),
+            blocks: vec![block(), block()],
             head: linear(VOCAB),
         }
     }
 
-    fn predict(&self, batch: TextBatch) -> SequenceOutput {
-        let x = self.tokens.forward(batch.tokens)
-            + self.positions.forward(batch.positions.unsqueeze::<2>());
+    /// The output (its loss the next-token loss) and the experts' load-balancing losses: the
+    /// objective is their sum.
+    fn predict(&self, batch: &TextBatch) -> (SequenceOutput, Tensor<1>) {
+        let mut x = self.embed(batch);
+        let mut aux = vec![];
+        for i in 0..self.blocks.len() {
+            let (y, more) = self.layer_with_aux(i, x);
+            x = y;
+            aux.extend(more);
+        }
+        let aux = aux
+            .into_iter()
+            .reduce(|a, b| a + b)
+            .expect("two MoE layers");
+        (self.train_head(x, batch), aux)
+    }
+}
+
+impl LmBlock {
+    fn forward(&self, x: Tensor<3>) -> (Tensor<3>, Option<Tensor<1>>) {
         let [b, s, _] = x.dims();
         let heads = |t: Tensor<3>| t.reshape([b, s, HEADS, WIDTH / HEADS]).swap_dims(1, 2);
         let (q, k, v) = (
@@ -566,20 +593,7 @@ impl Lm {
             .reshape([b, s, WIDTH]);
         let x = x + attended;
         let (experts, aux) = MoeForward::forward(&self.moe, x.clone());
-        let logits = self.head.forward(x + experts);
-        let loss = CrossEntropyLossConfig::new()
-            .init(&logits.device())
-            .forward(
-                logits.clone().reshape([b * s, VOCAB]),
-                batch.targets.clone().reshape([b * s]),
-            );
-        SequenceOutput {
-            // The objective: the next-token loss and the experts' load-balancing loss.
-            loss: loss + aux.expect("a load-balancing loss"),
-            logits,
-            predictions: None,
-            targets: batch.targets,
-        }
+        (x + experts, aux)
     }
 }
 
@@ -587,8 +601,8 @@ impl TrainStep for Lm {
     type Input = TextBatch;
     type Output = SequenceOutput;
     fn step(&self, batch: TextBatch) -> TrainOutput<SequenceOutput> {
-        let item = self.predict(batch);
-        TrainOutput::new(self, item.loss.backward(), item)
+        let (item, aux) = self.predict(&batch);
+        TrainOutput::new(self, (item.loss.clone() + aux).backward(), item)
     }
 }
 
@@ -596,7 +610,61 @@ impl InferenceStep for Lm {
     type Input = TextBatch;
     type Output = SequenceOutput;
     fn step(&self, batch: TextBatch) -> SequenceOutput {
-        self.predict(batch)
+        self.predict(&batch).0
+    }
+}
+
+impl PipelineModel<3> for Lm {
+    type Batch = TextBatch;
+    fn embed(&self, batch: &TextBatch) -> Tensor<3> {
+        self.tokens.forward(batch.tokens.clone())
+            + self
+                .positions
+                .forward(batch.positions.clone().unsqueeze::<2>())
+    }
+    fn layer(&self, index: usize, x: Tensor<3>) -> Tensor<3> {
+        self.layer_with_aux(index, x).0
+    }
+    fn layer_with_aux(&self, index: usize, x: Tensor<3>) -> (Tensor<3>, Option<Tensor<1>>) {
+        self.blocks[index].forward(x)
+    }
+    fn head_loss(&self, x: Tensor<3>, batch: &TextBatch) -> Tensor<1> {
+        self.train_head(x, batch).loss
+    }
+}
+
+impl PipelineLearnerModel<3> for Lm {
+    fn samples(batch: &TextBatch) -> usize {
+        batch.tokens.dims()[0]
+    }
+    fn micro_batch(batch: &TextBatch, samples: Range<usize>) -> TextBatch {
+        TextBatch {
+            tokens: batch.tokens.clone().narrow(0, samples.start, samples.len()),
+            positions: batch.positions.clone(),
+            targets: batch
+                .targets
+                .clone()
+                .narrow(0, samples.start, samples.len()),
+        }
+    }
+    fn train_head(&self, x: Tensor<3>, batch: &TextBatch) -> SequenceOutput {
+        let logits = self.head.forward(x);
+        let [b, s, _] = logits.dims();
+        let loss = CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(
+                logits.clone().reshape([b * s, VOCAB]),
+                batch.targets.clone().reshape([b * s]),
+            );
+        SequenceOutput {
+            loss,
+            logits,
+            predictions: None,
+            targets: batch.targets.clone(),
+        }
+    }
+    fn inference_head(&self, x: Tensor<3>, batch: &TextBatch) -> SequenceOutput {
+        self.train_head(x, batch)
     }
 }
 
@@ -635,8 +703,16 @@ where
 /// have those axes.
 fn context_parallel() -> ParallelizePlan {
     ParallelizePlan::new()
-        .context_parallel(ContextParallelRule::ring(&["core"]))
-        .expert_parallel("moe")
+        .context_parallel(ContextParallelRule::ring(&["blocks.*.core"]))
+        .expert_parallel("blocks.*.moe")
+}
+
+/// [`context_parallel`] with one block per pipeline stage (1F1B, 2 micro-batches).
+fn staged_context_parallel() -> ParallelizePlan {
+    let stages = PipelineRule::new("blocks", ScheduleKind::OneFOneB, 2)
+        .first(&["tokens", "positions"])
+        .last(&["head"]);
+    context_parallel().pipeline(stages)
 }
 
 /// The language model trained for two epochs on `mesh` under `plan` (its steps on split
@@ -653,12 +729,17 @@ fn train_lm(
         let device = ctx.device().clone().autodiff();
         let (lm, par) = parallelize(load_flat(Lm::new(&device), initial), plan, &ctx)?;
         let batcher = ShareBatcher::new(TextBatcher, &par);
-        let strategy = ParallelLearning::new(&ctx, par)?;
-        let strategy: TrainingStrategy<Lm> = match split {
-            true => strategy.split_sequences().into(),
-            false => strategy.into(),
-        };
-        let reports = ctx.rank() == 0;
+        // Pipelined plans run the stages; cp plans need the sequences split.
+        let (strategy, reporter): (TrainingStrategy<Lm>, usize) =
+            match (plan.pipeline.is_some(), split) {
+                (false, false) => reported(ParallelLearning::new(&ctx, par)?),
+                (false, true) => reported(ParallelLearning::new(&ctx, par)?.split_sequences()),
+                (true, false) => reported(ParallelLearning::pipelined::<3>(&ctx, par)?),
+                (true, true) => {
+                    reported(ParallelLearning::pipelined::<3>(&ctx, par)?.split_sequences())
+                }
+            };
+        let reports = ctx.rank() == reporter;
         let directory = dir(&format!("{name}-{}", ctx.rank()));
         let result = SupervisedTraining::new(
             &directory,
@@ -683,9 +764,20 @@ fn train_lm(
         Ok((flatten_params(&result.model), losses))
     });
     match out {
-        Ok(runs) => Ok(runs.into_iter().next().unwrap()),
+        // Rank 0's weights (every rank has the whole model), the reporting rank's losses.
+        Ok(runs) => {
+            let weights = runs[0].0.clone();
+            let losses = runs.into_iter().map(|r| r.1).find(|l| !l.is_empty());
+            Ok((weights, losses.unwrap_or_default()))
+        }
         Err(e) => Err(e.to_string()),
     }
+}
+
+/// The strategy as burn-train takes it, and the rank that reports.
+fn reported<S: RankSteps<Lm>>(strategy: ParallelLearning<S>) -> (TrainingStrategy<Lm>, usize) {
+    let reporter = strategy.reporting_rank();
+    (strategy.into(), reporter)
 }
 
 /// The validation losses burn-train logged in `epoch` under `dir`.
@@ -704,8 +796,17 @@ fn sequences_over_cp_and_experts_over_ep_train_as_one_device() {
     let (one, one_losses) = train_lm("dp=1", &ParallelizePlan::new(), false, &initial).unwrap();
     // Four validation batches an epoch and the epoch's mean, two epochs.
     assert_eq!(one_losses.len(), 10);
-    for mesh in ["cp=2", "dp=2,cp=2", "ep=2", "ep=2,cp=2"] {
-        let (weights, losses) = train_lm(mesh, &context_parallel(), true, &initial).unwrap();
+    let layouts = [
+        ("cp=2", context_parallel()),
+        ("dp=2,cp=2", context_parallel()),
+        ("ep=2", context_parallel()),
+        ("ep=2,cp=2", context_parallel()),
+        ("pp=2", staged_context_parallel()),
+        ("pp=2,cp=2", staged_context_parallel()),
+        ("pp=2,ep=2", staged_context_parallel()),
+    ];
+    for (mesh, plan) in layouts {
+        let (weights, losses) = train_lm(mesh, &plan, true, &initial).unwrap();
         assert_eq!(
             losses.len(),
             one_losses.len(),
