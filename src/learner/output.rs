@@ -143,33 +143,48 @@ pub fn mean_over(loss: Tensor<1>, data: &Group) -> Result<Tensor<1>, ParallelErr
     Ok(data.all_reduce_tensor(loss, ReduceOp::Avg)?)
 }
 
-impl GatherOutput for ClassificationOutput {
-    fn samples(&self) -> usize {
-        self.targets.dims()[0]
-    }
+/// [`GatherOutput`] and [`MicroBatchOutput`] for burn-train's outputs of a mean loss,
+/// per-sample predictions and integer targets (class indices or label masks).
+macro_rules! per_sample_output {
+    ($output:ident) => {
+        impl GatherOutput for $output {
+            fn samples(&self) -> usize {
+                self.targets.dims()[0]
+            }
 
-    fn gather(self, data: &Group) -> Result<Self, ParallelError> {
-        Ok(ClassificationOutput {
-            loss: mean_over(self.loss, data)?,
-            output: gather_samples(self.output, data)?,
-            targets: gather_sample_ints(self.targets, data)?,
-        })
-    }
+            fn gather(self, data: &Group) -> Result<Self, ParallelError> {
+                Ok($output {
+                    loss: mean_over(self.loss, data)?,
+                    output: gather_samples(self.output, data)?,
+                    targets: gather_sample_ints(self.targets, data)?,
+                })
+            }
+        }
+
+        impl MicroBatchOutput for $output {
+            fn loss(&self) -> Tensor<1> {
+                self.loss.clone()
+            }
+
+            fn concat(parts: Vec<Self>) -> Self {
+                let (mut loss, mut output, mut targets) = (vec![], vec![], vec![]);
+                for part in parts {
+                    loss.push(part.loss);
+                    output.push(part.output.detach());
+                    targets.push(part.targets);
+                }
+                $output {
+                    loss: mean_loss(loss),
+                    output: concat_samples(output),
+                    targets: concat_samples(targets),
+                }
+            }
+        }
+    };
 }
 
-impl GatherOutput for MultiLabelClassificationOutput {
-    fn samples(&self) -> usize {
-        self.targets.dims()[0]
-    }
-
-    fn gather(self, data: &Group) -> Result<Self, ParallelError> {
-        Ok(MultiLabelClassificationOutput {
-            loss: mean_over(self.loss, data)?,
-            output: gather_samples(self.output, data)?,
-            targets: gather_sample_ints(self.targets, data)?,
-        })
-    }
-}
+per_sample_output!(ClassificationOutput);
+per_sample_output!(MultiLabelClassificationOutput);
 
 impl GatherOutput for RegressionOutput {
     fn samples(&self) -> usize {
@@ -248,46 +263,6 @@ fn mean_loss(losses: Vec<Tensor<1>>) -> Tensor<1> {
     Tensor::cat(losses.into_iter().map(Tensor::detach).collect(), 0)
         .mean()
         .reshape([1])
-}
-
-impl MicroBatchOutput for ClassificationOutput {
-    fn loss(&self) -> Tensor<1> {
-        self.loss.clone()
-    }
-
-    fn concat(parts: Vec<Self>) -> Self {
-        let (mut loss, mut output, mut targets) = (vec![], vec![], vec![]);
-        for part in parts {
-            loss.push(part.loss);
-            output.push(part.output.detach());
-            targets.push(part.targets);
-        }
-        ClassificationOutput {
-            loss: mean_loss(loss),
-            output: concat_samples(output),
-            targets: concat_samples(targets),
-        }
-    }
-}
-
-impl MicroBatchOutput for MultiLabelClassificationOutput {
-    fn loss(&self) -> Tensor<1> {
-        self.loss.clone()
-    }
-
-    fn concat(parts: Vec<Self>) -> Self {
-        let (mut loss, mut output, mut targets) = (vec![], vec![], vec![]);
-        for part in parts {
-            loss.push(part.loss);
-            output.push(part.output.detach());
-            targets.push(part.targets);
-        }
-        MultiLabelClassificationOutput {
-            loss: mean_loss(loss),
-            output: concat_samples(output),
-            targets: concat_samples(targets),
-        }
-    }
 }
 
 impl MicroBatchOutput for RegressionOutput {
