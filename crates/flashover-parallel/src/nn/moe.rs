@@ -4,10 +4,12 @@
 use crate::context_parallel::CpSequences;
 use crate::expert_parallel::ExpertParallel;
 use crate::parallelize::Placed;
+use crate::parallelize::placed::UnitGathers;
 use crate::tensor_parallel::comm::{gather_from_tp, scatter_to_tp};
 use burn::tensor::Tensor;
+use flashover_comm::Group;
 use flashover_models::moe::{ExpertDispatch, LocalExperts, Moe};
-use flashover_models::{ForwardContext, MoeHook, SequenceHook};
+use flashover_models::{ForwardContext, MoeHook, SequenceHook, SwiGlu};
 use std::sync::Arc;
 
 /// The forward of a [`flashover_models::Moe`] layer in a model of your own: on one device, or
@@ -21,7 +23,9 @@ pub trait MoeForward {
     /// (`Parallelized::mean_loss` of `loss + aux`) is the one-device value: with `ep` and `dp`
     /// each rank's is its samples' (a mean over sequences), with `cp` each rank's part is
     /// weighted so. Nothing else changes between layouts: the plan's rules (`expert_parallel`,
-    /// `context_parallel`, sequence parallelism) reach the layer through its router. Routing
+    /// `context_parallel`, sequence parallelism) reach the layer through its router, and
+    /// under `fully_shard` its sharded routed experts are gathered in one collective before
+    /// routing, on every rank (a rank's tokens may choose none of some). Routing
     /// biases (`bias_update_rate`) are not moved: that needs the whole batch's expert loads.
     fn forward(&self, x: Tensor<3>) -> (Tensor<3>, Option<Tensor<1>>);
 }
@@ -82,6 +86,49 @@ fn forward_routed(
         };
     let hook = MoeHook::new(dispatch);
     ctx.moe = Some(hook.clone());
-    let y = layer.forward_with(x, &ctx, 0);
+    // Fully sharded experts: gathered together before routing, on every rank of their
+    // `fsdp` group, since which experts run depends on this rank's tokens.
+    let gathered = gather_experts(&layer.experts);
+    let mut y = layer.forward_with(x, &ctx, 0);
+    if let Some((units, gathered)) = gathered {
+        units.clear();
+        // A rank whose tokens reached none of its experts still joins their gradients'
+        // reduce-scatter in backward: the gather must be on its graph.
+        y = y + (gathered.sum() * 0.0).reshape([1, 1, 1]);
+    }
     (y, hook.take_aux_loss())
+}
+
+/// Gathers the fully sharded parameters of `experts` over their `fsdp` group in one
+/// collective, for the experts' reads until the returned [`UnitGathers`] is cleared; with the
+/// gathered tensor. `None` when none is sharded, or when they are gathered already (with
+/// their pipeline layer, on every rank).
+fn gather_experts(experts: &[SwiGlu]) -> Option<(UnitGathers, Tensor<1>)> {
+    let mut shards = vec![];
+    let mut unit: Option<(UnitGathers, Group)> = None;
+    let mut take = |placed: Option<&Placed>, base: Tensor<1>| {
+        if let Some(placed) = placed
+            && let Some(group) = placed.fsdp_group()
+            && !placed.unit_gathers().holds(placed.name())
+        {
+            unit.get_or_insert_with(|| (placed.unit_gathers().clone(), group.clone()));
+            shards.push((placed.name().to_string(), base));
+        }
+    };
+    for expert in experts {
+        for linear in [&expert.w_gate, &expert.w_up, &expert.w_down] {
+            let weight = &linear.weight;
+            let numel = weight.base().shape().num_elements();
+            take(
+                weight.reparameterization::<Placed>(),
+                weight.base().reshape([numel]),
+            );
+            if let Some(bias) = &linear.bias {
+                take(bias.reparameterization::<Placed>(), bias.base());
+            }
+        }
+    }
+    let (units, group) = unit?;
+    let gathered = units.gather(shards, &group)?;
+    Some((units, gathered))
 }

@@ -127,8 +127,6 @@ fn named_layers<'a>(
 
 /// A model's mixture-of-experts layers under a plan, seen from one rank.
 pub(super) struct Experts {
-    /// Every `Moe` layer of the model.
-    layers: Vec<MoeLayer>,
     /// Which experts this rank holds, when the plan spreads them over more than one `ep` rank.
     pub(super) shares: Option<ExpertShares>,
     /// The routers of the `expert_parallel` layers, by parameter path, with their split.
@@ -164,18 +162,10 @@ impl Experts {
             .collect();
         let all_routers = layers.iter().flat_map(|l| l.router.clone()).collect();
         Ok(Experts {
-            layers,
             shares,
             routers,
             all_routers,
         })
-    }
-
-    /// The parameter paths of every `Moe` layer's routed experts.
-    pub(super) fn routed(&self) -> impl Iterator<Item = &str> {
-        self.layers
-            .iter()
-            .flat_map(|l| l.expert_of.keys().map(String::as_str))
     }
 }
 

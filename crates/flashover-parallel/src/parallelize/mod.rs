@@ -80,9 +80,6 @@ use std::ops::Range;
 /// The axes whose ranks read different samples.
 const DATA_AXES: [Axis; 3] = [Axis::Dp, Axis::Fsdp, Axis::Ep];
 
-/// How [`Parallelized::kept_whole`] names a mixture-of-experts layer's routed experts.
-const ROUTED_EXPERT: &str = "Moe (routed expert)";
-
 /// What [`parallelize`] did to a model, and the per-step helpers that follow from it.
 pub struct Parallelized {
     placements: PlacementTable,
@@ -180,14 +177,12 @@ pub fn parallelize<M: Module>(
     let model = placeholders_except(model, &absent.held);
     let whole_reads = WholeReads::default();
     let units = UnitGathers::default();
+    // Routed experts are sharded too: their layer gathers them all at once on every rank,
+    // whatever the routing (`nn::MoeForward`).
     let kept_whole = if plan.fully_shard.is_empty() {
         Default::default()
     } else {
-        let mut kept = placed::reads_stored_shape(&model);
-        // A routed expert runs only on the tokens routed to it, so the ranks sharing its rows
-        // would not read it together, and each read of a sharded parameter is a collective.
-        kept.extend(experts.routed().map(|p| (p.to_string(), ROUTED_EXPERT)));
-        kept
+        placed::reads_stored_shape(&model)
     };
     let context = plan
         .context_parallel
@@ -332,10 +327,8 @@ impl Parallelized {
     /// The parameters under the plan's `fully_shard` paths that stay whole, each with the Burn
     /// layer it belongs to: layers whose forward reads the parameter's stored shape
     /// (`RmsNorm`, `BatchNorm`, `PositionWiseFeedForward` in Burn 0.22.1), which a shard would
-    /// answer wrongly, and mixture-of-experts layers' routed experts (`Moe (routed expert)`),
-    /// which each rank reads only when tokens are routed to them, so the ranks sharing their
-    /// rows would not gather them together (`expert_parallel` spreads them instead). Empty for
-    /// most models.
+    /// answer wrongly. Empty for most models. (Mixture-of-experts layers' routed experts are
+    /// sharded: `nn::MoeForward` gathers them all before routing, on every rank.)
     pub fn kept_whole(&self) -> &BTreeMap<String, &'static str> {
         &self.kept_whole
     }

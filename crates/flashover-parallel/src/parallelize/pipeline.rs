@@ -464,7 +464,7 @@ where
         None => model.layer_with_aux(index, x),
         Some(u) => {
             let shards = layer_shards(model, &u.sharded[index], &u.names);
-            u.gathers.gather(shards, &u.group);
+            let _gathered = u.gathers.gather(shards, &u.group);
             let out = model.layer_with_aux(index, x);
             u.gathers.clear();
             out

@@ -123,9 +123,14 @@ impl UnitGathers {
     /// Gathers the shards `shards` (each a fully sharded parameter's path and stored rows,
     /// flattened) over `group` in one all-gather (whose backward reduce-scatters their
     /// gradients in one collective too), for the parameters' reads until [`Self::clear`].
-    pub(crate) fn gather(&self, shards: Vec<(String, Tensor<1>)>, group: &Group) {
+    /// Returns the gathered tensor (every rank's rows of them all), `None` for no shards.
+    pub(crate) fn gather(
+        &self,
+        shards: Vec<(String, Tensor<1>)>,
+        group: &Group,
+    ) -> Option<Tensor<1>> {
         if shards.is_empty() {
-            return;
+            return None;
         }
         let lens: Vec<usize> = shards.iter().map(|(_, t)| t.dims()[0]).collect();
         let total: usize = lens.iter().sum();
@@ -141,11 +146,18 @@ impl UnitGathers {
             map.insert(name, Tensor::cat(rows, 0));
             offset += len;
         }
+        Some(gathered)
     }
 
     /// Forgets the gathered parameters (their next reads gather them one by one again).
     pub(crate) fn clear(&self) {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+
+    /// Whether parameter `name` is gathered already.
+    pub(crate) fn holds(&self, name: &str) -> bool {
+        let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        map.contains_key(name)
     }
 
     fn get(&self, name: &str) -> Option<Tensor<1>> {
@@ -241,6 +253,21 @@ impl ContextSplit {
 }
 
 impl Placed {
+    /// The parameter's path in the model.
+    pub(crate) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The `fsdp` group the parameter's rows are sharded over, when it is fully sharded.
+    pub(crate) fn fsdp_group(&self) -> Option<&Group> {
+        self.fsdp.as_ref().map(|shard| &shard.group)
+    }
+
+    /// Where this rank's fully sharded parameters gathered ahead of their reads are kept.
+    pub(crate) fn unit_gathers(&self) -> &UnitGathers {
+        &self.units
+    }
+
     /// How the parameter is split over `tp`, if it is.
     pub fn tp(&self) -> Option<&TpSplit> {
         self.tp.as_ref()

@@ -288,6 +288,7 @@ fn experts_spread_over_ep_by_a_plan_train_as_one_rank() {
         ("ep=2", experts()),
         ("ep=4", experts()),
         ("dp=2,ep=2", experts()),
+        ("fsdp=2", experts().fully_shard("")),
         ("fsdp=2,ep=2", experts().fully_shard("")),
         ("ep=2,tp=2", with_tp(experts())),
         ("ep=2,tp=2", sequence_parallel(with_tp(experts()))),
@@ -305,6 +306,7 @@ fn experts_spread_over_ep_by_a_plan_train_as_one_rank() {
             pipelined(experts()).activation_checkpointing(CheckpointPolicy::Full),
         ),
         ("pp=2,ep=2,cp=2", with_cp(pipelined(experts()))),
+        ("pp=2,fsdp=2", pipelined(experts()).fully_shard("")),
     ] {
         let run = parallel(mesh, &plan).unwrap_or_else(|e| panic!("{mesh}: {e}"));
         let what = match plan.pipeline {
@@ -313,6 +315,27 @@ fn experts_spread_over_ep_by_a_plan_train_as_one_rank() {
         };
         assert_matches(&what, &run, &reference);
     }
+}
+
+#[test]
+fn routed_experts_are_sharded_over_fsdp_within_their_ep_rank() {
+    // An expert's gate is [WIDTH, 6] whole: each of ep rank 0's two experts keeps half its
+    // rows on each fsdp rank; the other ep rank's are one-element placeholders.
+    let gates = Launch::new("fsdp=2,ep=2")
+        .unwrap()
+        .run(|ctx| {
+            let plan = experts().fully_shard("");
+            let (model, _) = parallelize(MoeLm::new(&Device::flex().autodiff()), &plan, &ctx)?;
+            let experts = &model.blocks[0].moe.experts;
+            Ok::<_, ParallelError>(
+                experts
+                    .iter()
+                    .map(|e| e.w_gate.weight.base().dims())
+                    .collect::<Vec<_>>(),
+            )
+        })
+        .unwrap();
+    assert_eq!(gates[0], [[WIDTH / 2, 6], [WIDTH / 2, 6], [1, 1], [1, 1]]);
 }
 
 #[test]
