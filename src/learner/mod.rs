@@ -90,7 +90,8 @@ use steps::check_output;
 /// module docs. `.into()` makes it the `TrainingStrategy` that
 /// `SupervisedTraining::with_training_strategy` takes. `S` is how the rank computes a step:
 /// the model's whole `TrainStep` ([`ParallelLearning::new`]) or its pipeline stages
-/// ([`ParallelLearning::pipelined`]).
+/// ([`ParallelLearning::pipelined`]), either on this rank's positions of every sequence
+/// ([`ParallelLearning::split_sequences`]).
 pub struct ParallelLearning<S = WholeForward> {
     ctx: RankContext,
     par: Arc<Parallelized>,
@@ -119,8 +120,9 @@ impl ParallelLearning {
         Self::with_steps(ctx, par, WholeForward)
     }
 
-    /// The strategy of this rank for a model a pipelined plan cuts into stages (activations of
-    /// rank `D` between them, as in its `PipelineModel<D>`): each training step runs the plan's
+    /// The strategy of this rank for a model a pipelined plan cuts into stages (`D`: the number
+    /// of dimensions of the activations between them, as in its `PipelineModel<D>`, 3 for
+    /// `[batch, seq, width]`): each training step runs the plan's
     /// schedule over micro-batches of this rank's share, each validation step runs the stages
     /// forward; the model implements [`PipelineLearnerModel`]. Fails when the plan has no
     /// pipeline rule. Collective over the world.

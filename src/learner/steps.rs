@@ -125,7 +125,7 @@ pub trait PipelineLearnerModel<const D: usize>:
     fn inference_head(&self, x: Tensor<D>, batch: &Self::Batch) -> <Self as InferenceStep>::Output;
 }
 
-/// Each rank runs its pipeline stages ([`PipelineLearnerModel`], activations of rank `D`
+/// Each rank runs its pipeline stages ([`PipelineLearnerModel`], `D`-dimensional activations
 /// between stages): training through the plan's schedule over micro-batches of the rank's
 /// share, validation forward only over the whole share; the last stage's ranks hold the
 /// outputs.
