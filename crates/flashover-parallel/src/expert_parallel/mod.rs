@@ -319,8 +319,19 @@ impl ExpertDispatch for ExpertParallel {
         let copies = copies.into_iter().map(|c| cast_params(c, dtype));
         let experts: Vec<SwiGlu> = moe.experts.iter().cloned().chain(copies).collect();
         let outputs = if total == 0 {
-            // Nothing to compute, but the way back must still run (it is a collective).
-            received
+            // Nothing to compute, but the way back must still run (it is a collective), in
+            // backward too: the ranks that ran experts track it through their parameters, so
+            // it is tracked here as well when the experts train, even if the layer's input is
+            // not (a layer reading the data directly). An empty leaf carries the tracking; the
+            // received rows stay on the graph beside it.
+            let experts_train = experts
+                .iter()
+                .any(|e| e.w_gate.weight.base().is_require_grad());
+            if experts_train {
+                received.clone() + received.detach().require_grad()
+            } else {
+                received
+            }
         } else if slots == 1 {
             run_experts(&experts, received, &[total])
         } else {

@@ -360,3 +360,104 @@ fn expert_parallel_plans_that_do_not_fit_are_refused_with_the_reason() {
         "{err}"
     );
 }
+
+/// A single mixture-of-experts layer of two experts (top 1) whose router reads the first two
+/// features as the experts' scores: a token `[1, -1, ..]` goes to expert 0, `[-1, 1, ..]` to
+/// expert 1.
+#[derive(Module, Debug)]
+struct Routed {
+    moe: Moe,
+}
+
+impl Routed {
+    fn new(device: &Device) -> Self {
+        let mut router = vec![0.0; 4 * 2];
+        (router[0], router[3]) = (1.0, 1.0);
+        let expert = |salt: f32| SwiGlu {
+            w_gate: burn_linear(4, 3, salt + 0.1, device),
+            w_up: burn_linear(4, 3, salt + 0.2, device),
+            w_down: burn_linear(3, 4, salt + 0.3, device),
+        };
+        Routed {
+            moe: Moe {
+                router: Linear {
+                    weight: Param::from_data(TensorData::new(router, [4, 2]), device),
+                    bias: None,
+                },
+                experts: vec![expert(1.0), expert(2.0)],
+                shared: None,
+                first_expert: 0,
+                config: MoeConfig::new(2, 1, 3),
+                expert_bias: vec![],
+            },
+        }
+    }
+
+    /// The mean output plus the balancing loss.
+    fn loss(&self, x: Tensor<3>) -> Tensor<1> {
+        let (y, aux) = self.moe.forward(x);
+        y.mean() + aux.expect("a balancing loss")
+    }
+}
+
+/// Samples `range` of `[batch, 4 tokens, 4 features]`: samples 0 and 1 send every token to
+/// expert 0, samples 2 and 3 half their tokens to each.
+fn routed_batch(range: std::ops::Range<usize>, device: &Device) -> Tensor<3> {
+    let n = range.len();
+    let token = |s: usize, t: usize| {
+        let to_one = s >= 2 && t % 2 == 1;
+        let (a, b) = if to_one { (-1.0, 1.0) } else { (1.0, -1.0) };
+        [a, b, 0.1 * (s + t) as f32, -0.2 * t as f32]
+    };
+    let values: Vec<f32> = range
+        .flat_map(|s| (0..4).flat_map(move |t| token(s, t)))
+        .collect();
+    Tensor::from_data(TensorData::new(values, [n, 4, 4]), device)
+}
+
+/// At `dp=2,ep=2` and `fsdp=2,ep=2`, the samples of one `ep` group send every token to
+/// expert 0, so its other rank runs no expert: the way back from the experts must still run
+/// in backward there (the layer reads the data directly, so its input is not tracked), and
+/// under `fsdp` the experts' gather too, whose rows that rank shares with a rank of the other
+/// group that does run expert 1. Both once hung until the collective deadline.
+#[test]
+fn a_rank_whose_tokens_reach_none_of_its_experts_still_joins_their_collectives() {
+    let device = Device::flex().autodiff();
+    let mut reference = Routed::new(&device);
+    let mut optim = AdamWConfig::new().init();
+    for _ in 0..2 {
+        let loss = reference.loss(routed_batch(0..4, &device));
+        let grads = GradientsParams::from_grads(loss.backward(), &reference);
+        reference = optim.step(LR, reference, grads);
+    }
+    let reference = flatten_params(&reference);
+    let spread = ParallelizePlan::new().expert_parallel("moe");
+    for (mesh, plan) in [
+        ("dp=2,ep=2", spread.clone()),
+        ("fsdp=2,ep=2", spread.fully_shard("")),
+    ] {
+        let weights = Launch::new(mesh)
+            .unwrap()
+            .timeout(std::time::Duration::from_secs(20))
+            .run(|ctx| {
+                let device = Device::flex().autodiff();
+                let (mut model, par) = parallelize(Routed::new(&device), &plan, &ctx)?;
+                let mut optim = AdamWConfig::new().init();
+                for _ in 0..2 {
+                    let loss = model.loss(routed_batch(par.batch_share(4, 0)?, &device));
+                    let (grads, _) = par.gradients(&model, loss.backward(), None, &ctx)?;
+                    model = optim.step(LR, model, grads);
+                }
+                Ok::<_, ParallelError>(flatten_params(&par.whole(model)?))
+            })
+            .unwrap_or_else(|e| panic!("{mesh}: {e}"));
+        let scale = reference.iter().fold(0.0_f32, |m, w| m.max(w.abs()));
+        let diff = reference
+            .iter()
+            .zip(&weights[0])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max)
+            / scale;
+        assert!(diff < 1e-5, "{mesh}: weights {diff:.2e} from one rank");
+    }
+}
