@@ -174,6 +174,8 @@ struct Run<'a> {
     burn_checkpointer: bool,
     resume_epoch: Option<usize>,
     unsharded_loader: bool,
+    /// Data loaders with two worker threads.
+    workers: bool,
     /// Train through `ParallelLearning::pipelined` rather than `new`.
     pipelined: bool,
     save_to: Option<PathBuf>,
@@ -192,6 +194,7 @@ impl Default for Run<'_> {
             burn_checkpointer: false,
             resume_epoch: None,
             unsharded_loader: false,
+            workers: false,
             pipelined: false,
             save_to: None,
             resume_from: None,
@@ -209,10 +212,20 @@ fn train(run: Run, initial: &[f32], name: &str) -> Result<Vec<f32>, String> {
         let device = ctx.device().clone().autodiff();
         let (net, par) = parallelize(load_flat(Net::new(&device), initial), &run.plan, &ctx)?;
         let batcher = ShareBatcher::new(RowBatcher, &par);
-        let (train_loader, valid_loader) = match run.unsharded_loader {
+        let (train_loader, valid_loader) = match (run.unsharded_loader, run.workers) {
             // Every rank batching the whole batch: refused, not silently repeated.
-            true => (loader(RowBatcher, run.batch), loader(batcher, run.batch)),
-            false => (
+            (true, _) => (loader(RowBatcher, run.batch), loader(batcher, run.batch)),
+            // Batches in the order worker threads finish them: refused, not mixed up.
+            (_, true) => {
+                let with_workers = || {
+                    DataLoaderBuilder::new(batcher.clone())
+                        .batch_size(run.batch)
+                        .num_workers(2)
+                        .build(InMemDataset::new((0..24).collect::<Vec<usize>>()))
+                };
+                (with_workers(), with_workers())
+            }
+            (false, false) => (
                 loader(batcher.clone(), run.batch),
                 loader(batcher, run.batch),
             ),
@@ -454,7 +467,15 @@ fn what_the_strategy_cannot_run_is_refused_with_the_reason() {
                 unsharded_loader: true,
                 ..Run::default()
             },
-            "gave this rank a batch of 8 samples, not its share of 4",
+            "not made by a ShareBatcher on the rank's own thread",
+        ),
+        (
+            Run {
+                mesh: "dp=2",
+                workers: true,
+                ..Run::default()
+            },
+            "without num_workers",
         ),
         (
             // The input split by columns, gathered back by the first block: what stage 0

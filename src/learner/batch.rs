@@ -3,6 +3,18 @@
 use burn::data::dataloader::batcher::Batcher;
 use burn::tensor::Device;
 use flashover_parallel::parallelize::Parallelized;
+use std::cell::Cell;
+
+thread_local! {
+    /// Batches a [`ShareBatcher`] made on this thread.
+    static BATCHED_HERE: Cell<u64> = const { Cell::new(0) };
+}
+
+/// How many batches a [`ShareBatcher`] has made on this thread: a data loader without worker
+/// threads batches inside its iterator's `next`, on the rank's own thread.
+pub(super) fn batched_here() -> u64 {
+    BATCHED_HERE.with(Cell::get)
+}
 
 /// Your `Batcher`, batching only this data-parallel rank's share of each batch's items: of a
 /// batch of `n` items, the `n / ranks` consecutive ones at `rank * n / ranks` (`dp` x `fsdp` x
@@ -19,6 +31,10 @@ use flashover_parallel::parallelize::Parallelized;
 ///
 /// Panics, naming the sizes, when a batch's items do not split evenly (the last batch of an
 /// epoch too: use a data set whose size is a multiple of the batch size).
+///
+/// Build the loaders without `num_workers`: worker threads deliver batches in the order they
+/// finish them, which differs between ranks, so ranks would take their shares of different
+/// batches. The strategy refuses batches not made on the rank's own thread.
 #[derive(Clone, Debug)]
 pub struct ShareBatcher<B> {
     inner: B,
@@ -47,6 +63,7 @@ impl<I, O, B: Batcher<I, O>> Batcher<I, O> for ShareBatcher<B> {
              x ep): use a batch size that is a multiple of {ranks}, for the last batch of an \
              epoch too (a data set whose size is a multiple of it)"
         );
+        BATCHED_HERE.with(|c| c.set(c.get() + 1));
         let per = n / ranks;
         let share = items.into_iter().skip(self.rank * per).take(per).collect();
         self.inner.batch(share, device)

@@ -402,8 +402,22 @@ where
         let s = self.strategy;
         let mut batches = loader.iter();
         let (mut iteration, mut seen) = (0, 0);
+        let mut batched = batch::batched_here();
         while let Some(batch) = batches.next() {
             let batch = batch.map_err(|e| e.to_string())?;
+            // Before the step: a batch from a worker thread may be another global batch than
+            // the other ranks' (workers deliver in the order they finish).
+            if batch::batched_here() == std::mem::replace(&mut batched, batch::batched_here()) {
+                return Err(
+                    "this rank's batch was not made by a ShareBatcher on the rank's own \
+                     thread: build the data loaders with \
+                     flashover::learner::ShareBatcher::new(your_batcher, &par), without \
+                     num_workers (worker threads \
+                     deliver batches in an order that differs between ranks, so each rank \
+                     would take its share of a different batch)"
+                        .into(),
+                );
+            }
             iteration += 1;
             let progress = batches.progress();
             // The loader's progress counts the global batch's samples.
