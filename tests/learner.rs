@@ -204,6 +204,8 @@ impl Default for Run<'_> {
 
 /// Rank 0's final weights, or the first rank's error.
 fn train(run: Run, initial: &[f32], name: &str) -> Result<Vec<f32>, String> {
+    // Emptied once, before any rank writes there (the reporting one does).
+    let directory = dir(name);
     // A minute for any collective: these runs take well under a second.
     let launcher = Launch::new(run.mesh)
         .unwrap()
@@ -234,7 +236,7 @@ fn train(run: Run, initial: &[f32], name: &str) -> Result<Vec<f32>, String> {
             true => configured(ParallelLearning::pipelined::<2>(&ctx, par)?, &run).into(),
             false => configured(ParallelLearning::new(&ctx, par)?, &run).into(),
         };
-        let mut training = SupervisedTraining::new(dir(name), train_loader, valid_loader)
+        let mut training = SupervisedTraining::new(&directory, train_loader, valid_loader)
             .metric_valid_numeric(LossMetric::new())
             .num_epochs(run.epochs)
             .with_application_logger(None)
@@ -351,6 +353,41 @@ fn gradients_are_clipped_by_the_whole_models_norm_in_every_layout() {
     assert!(
         diff < 1e-5,
         "pp=2,fsdp=2,tp=2 clipped {diff:.2e} from one rank"
+    );
+    // Two stages per rank (one block each): validation's forward passes the activation
+    // from rank 0 to 1 and back.
+    let interleaved = ParallelizePlan::new().pipeline(
+        PipelineRule::new("blocks", ScheduleKind::Interleaved1F1B, 2)
+            .chunks(2)
+            .first(&["input"])
+            .last(&["head"]),
+    );
+    let run = Run {
+        mesh: "pp=2",
+        plan: interleaved,
+        pipelined: true,
+        clip: Some(0.05),
+        ..Run::default()
+    };
+    let staged = train(run, &initial, "clip-pp2-interleaved").unwrap();
+    let diff = max_scaled(&one, &staged);
+    assert!(
+        diff < 1e-5,
+        "pp=2 interleaved clipped {diff:.2e} from one rank"
+    );
+    let logs = |name: &str| -> Vec<f32> {
+        let dir = std::env::temp_dir().join(format!("flashover-learner-test-{name}"));
+        (1..=2)
+            .flat_map(|e| logged_losses(&dir, e))
+            .map(|l| l as f32)
+            .collect()
+    };
+    let (one_losses, staged_losses) = (logs("clip-dp=1"), logs("clip-pp2-interleaved"));
+    assert_eq!(one_losses.len(), staged_losses.len());
+    let diff = max_scaled(&one_losses, &staged_losses);
+    assert!(
+        diff < 1e-5,
+        "pp=2 interleaved validation losses {diff:.2e} from one rank"
     );
 }
 
