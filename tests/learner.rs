@@ -338,6 +338,20 @@ fn gradients_are_clipped_by_the_whole_models_norm_in_every_layout() {
     let staged = train(run, &initial, "clip-dp2-pp2").unwrap();
     let diff = max_scaled(&one, &staged);
     assert!(diff < 1e-5, "dp=2,pp=2 clipped {diff:.2e} from one rank");
+    // Each block's forward run again in backward: the same gradients.
+    let run = Run {
+        mesh: "dp=2,pp=2",
+        plan: pipeline(ScheduleKind::OneFOneB, 2).activation_checkpointing(CheckpointPolicy::Full),
+        pipelined: true,
+        clip: Some(0.05),
+        ..Run::default()
+    };
+    let recomputed = train(run, &initial, "clip-dp2-pp2-recompute").unwrap();
+    let diff = max_scaled(&one, &recomputed);
+    assert!(
+        diff < 1e-5,
+        "dp=2,pp=2 recomputed, clipped {diff:.2e} from one rank"
+    );
     // Three axes: each stage's layers split over tp and sharded over fsdp.
     let mut plan = tp_fsdp();
     plan.pipeline = pipeline(ScheduleKind::OneFOneB, 2).pipeline;
