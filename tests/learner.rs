@@ -876,6 +876,7 @@ fn sequences_over_cp_and_experts_over_ep_train_as_one_device() {
         ("pp=2", staged_context_parallel()),
         ("pp=2,cp=2", staged_context_parallel()),
         ("pp=2,ep=2", staged_context_parallel()),
+        ("fsdp=2,ep=2", context_parallel().fully_shard("")),
     ];
     for (mesh, plan) in layouts {
         let (weights, losses) = train_lm(mesh, &plan, true, &initial).unwrap();
