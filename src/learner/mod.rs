@@ -84,7 +84,7 @@ use flashover_parallel::parallelize::Parallelized;
 use flashover_runtime::RankContext;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use steps::check_output;
+use steps::check_share;
 
 /// burn-train's training strategy for one rank of a model parallelized by a plan; see the
 /// module docs. `.into()` makes it the `TrainingStrategy` that
@@ -280,7 +280,8 @@ where
     <M as TrainStep>::Output: GatherOutput,
     <M as InferenceStep>::Output: GatherOutput,
 {
-    /// Epoch `epoch`: training, then validation, with burn-train's split events (rank 0).
+    /// Epoch `epoch`: training, then validation, with burn-train's split events (sent by the
+    /// reporting rank).
     /// Returns whether to stop.
     fn epoch(
         &mut self,
@@ -314,7 +315,7 @@ where
         Ok(stop)
     }
 
-    /// `send` to the event processor on the reporting rank (rank 0; the others send nothing);
+    /// `send` to the event processor on the reporting rank (the others send nothing);
     /// its failure stops training.
     fn report(
         &mut self,
@@ -328,20 +329,20 @@ where
     }
 
     /// One training epoch over `loader`: each step on this rank's share, gradients reduced over
-    /// the layout, the whole batch's output reported by rank 0. Returns whether to stop.
+    /// the layout, the whole batch's output reported by the reporting rank. Returns whether to
+    /// stop.
     fn train(&mut self, learner: &mut Learner<M>, loader: &TrainLoader<M>) -> Result<bool, String> {
         let (s, accumulation) = (self.strategy, self.accumulation);
         let mut pending = 0;
         let mut accumulator = GradientsAccumulator::new();
-        let step = |batch, progress: &Progress, samples| {
-            let share = s.share_of(samples)?;
+        let step = |batch, progress: &Progress, share| {
             let (output, grads) = s
                 .steps
                 .train(&s.par, &s.ctx, &learner.model(), batch, share)
                 .map_err(|e| e.to_string())?;
             // Before the optimizer sees gradients of the wrong samples.
             if let Some(output) = &output {
-                check_output(output, share, s.par.data_ranks().size())?;
+                check_share(output.samples(), share, &s.par)?;
             }
             accumulator.accumulate(&learner.model(), grads);
             pending += 1;
@@ -362,18 +363,18 @@ where
         })
     }
 
-    /// One validation epoch: each rank evaluates its share, rank 0 reports the whole batch's.
+    /// One validation epoch: each rank evaluates its share, the reporting rank reports the
+    /// whole batch's.
     fn valid(&mut self, learner: &Learner<M>, loader: &ValidLoader<M>) -> Result<bool, String> {
         let model = learner.model().valid();
         let s = self.strategy;
-        let step = |batch, _: &Progress, samples| {
-            let share = s.share_of(samples)?;
+        let step = |batch, _: &Progress, share| {
             let output = s
                 .steps
                 .valid(&s.par, &model, batch, share)
                 .map_err(|e| e.to_string())?;
             if let Some(output) = &output {
-                check_output(output, share, s.par.data_ranks().size())?;
+                check_share(output.samples(), share, &s.par)?;
             }
             Ok((output, None))
         };
@@ -382,8 +383,8 @@ where
         })
     }
 
-    /// `step` on every batch of `loader` (this rank's share of it, and the global batch's
-    /// sample count), its output (on the ranks that compute one) gathered for the whole batch
+    /// `step` on every batch of `loader` (this rank's share of it, and the share's sample
+    /// count), its output (on the ranks that compute one) gathered for the whole batch
     /// and `report`ed by the reporting rank; stops early on that rank's word. Returns whether
     /// to stop.
     fn batches<I, O: GatherOutput>(
@@ -407,7 +408,8 @@ where
             let batch = batch.map_err(|e| e.to_string())?;
             // Before the step: a batch from a worker thread may be another global batch than
             // the other ranks' (workers deliver in the order they finish).
-            if batch::batched_here() == std::mem::replace(&mut batched, batch::batched_here()) {
+            let now = batch::batched_here();
+            if now == std::mem::replace(&mut batched, now) {
                 return Err(
                     "this rank's batch was not made by a ShareBatcher on the rank's own \
                      thread: build the data loaders with \
@@ -423,18 +425,11 @@ where
             // The loader's progress counts the global batch's samples.
             let samples =
                 progress.items_processed - std::mem::replace(&mut seen, progress.items_processed);
-            let (output, lr) = step(batch, &progress, samples)?;
+            let (output, lr) = step(batch, &progress, s.share_of(samples)?)?;
             // The ranks of one data group all compute outputs (they run the same stages) or
             // none does.
-            let item = match output {
-                Some(output) => Some(
-                    output
-                        .gather(s.par.data_ranks())
-                        .map_err(|e| e.to_string())?,
-                ),
-                None => None,
-            };
-            match item {
+            let item = output.map(|o| o.gather(s.par.data_ranks()));
+            match item.transpose().map_err(|e| e.to_string())? {
                 Some(item) => {
                     let item = TrainingItem::new(item, progress, Some(iteration), lr);
                     self.report(|events| report(events, item));
@@ -461,8 +456,8 @@ where
     <M as TrainStep>::Output: GatherOutput,
     <M as InferenceStep>::Output: GatherOutput,
 {
-    /// burn-train's own `train`, with the start and end events sent by rank 0 only (the
-    /// others' renderers stay silent).
+    /// burn-train's own `train`, with the start and end events sent by the reporting rank
+    /// only (the others' renderers stay silent).
     fn train(
         &self,
         learner: Learner<M>,

@@ -66,20 +66,30 @@ pub fn gather_position_ints<const D: usize>(
     let Some(cp) = par.sequence_ranks() else {
         return Ok(tensor);
     };
+    let order = position_order(par, cp, tensor.dims()[dim], &tensor.device())?;
+    Ok(all_gather_ints(tensor, dim, cp)?.select(dim, order))
+}
+
+/// Every rank's integer `tensor` concatenated along `dim`, in rank order, moved exactly as
+/// `i64` (collective).
+fn all_gather_ints<const D: usize>(
+    tensor: Tensor<D, Int>,
+    dim: usize,
+    group: &Group,
+) -> Result<Tensor<D, Int>, ParallelError> {
     let (device, shape) = (tensor.device(), tensor.dims());
-    let order = position_order(par, cp, shape[dim], &device)?;
     let values = tensor
         .into_data()
         .convert::<i64>()
         .try_into_vec::<i64>()
         .map_err(|e| ParallelError::Invalid(format!("integer tensor: {e:?}")))?;
-    let all = cp.all_gather_vec(&values)?;
+    let all = group.all_gather_vec(&values)?;
     let pieces = all
         .chunks(values.len().max(1))
-        .take(cp.size())
+        .take(group.size())
         .map(|piece| Tensor::from_data(TensorData::new(piece.to_vec(), shape), &device))
         .collect();
-    Ok(Tensor::cat(pieces, dim).select(dim, order))
+    Ok(Tensor::cat(pieces, dim))
 }
 
 /// For each position of a sequence `cp` x `local` long, where it is among the `cp` ranks'
@@ -121,16 +131,7 @@ pub fn gather_sample_ints<const D: usize>(
     if data.size() == 1 {
         return Ok(tensor);
     }
-    let device = tensor.device();
-    let mut shape = tensor.dims();
-    let values = tensor
-        .into_data()
-        .convert::<i64>()
-        .try_into_vec::<i64>()
-        .map_err(|e| ParallelError::Invalid(format!("integer tensor: {e:?}")))?;
-    let all = data.all_gather_vec(&values)?;
-    shape[0] *= data.size();
-    Ok(Tensor::from_data(TensorData::new(all, shape), &device))
+    all_gather_ints(tensor, 0, data)
 }
 
 /// The mean over the ranks of each rank's mean `loss` (one element): the whole batch's mean
@@ -207,14 +208,11 @@ impl GatherOutput for SequenceOutput {
 
     fn gather(self, data: &Group) -> Result<Self, ParallelError> {
         // Every rank has predictions or none does (the same step on every rank).
-        let predictions = match self.predictions {
-            Some(p) => Some(gather_sample_ints(p, data)?),
-            None => None,
-        };
+        let predictions = self.predictions.map(|p| gather_sample_ints(p, data));
         Ok(SequenceOutput {
             loss: mean_over(self.loss, data)?,
             logits: gather_samples(self.logits, data)?,
-            predictions,
+            predictions: predictions.transpose()?,
             targets: gather_sample_ints(self.targets, data)?,
         })
     }
@@ -223,14 +221,11 @@ impl GatherOutput for SequenceOutput {
         let Some(cp) = par.sequence_ranks() else {
             return Ok(self);
         };
-        let predictions = match self.predictions {
-            Some(p) => Some(gather_position_ints(p, 1, par)?),
-            None => None,
-        };
+        let predictions = self.predictions.map(|p| gather_position_ints(p, 1, par));
         Ok(SequenceOutput {
             loss: mean_over(self.loss, cp)?,
             logits: gather_positions(self.logits, 1, par)?,
-            predictions,
+            predictions: predictions.transpose()?,
             targets: gather_position_ints(self.targets, 1, par)?,
         })
     }
@@ -249,8 +244,8 @@ pub trait MicroBatchOutput: GatherOutput {
     fn concat(parts: Vec<Self>) -> Self;
 }
 
-/// The micro-batches' per-sample `tensors` (rows of their samples, in order) as one, outside
-/// any autodiff graph.
+/// The micro-batches' per-sample `tensors` (rows of their samples, in order) as one (detach
+/// float tensors first, as [`MicroBatchOutput::concat`] promises values).
 pub fn concat_samples<const D: usize, K>(tensors: Vec<Tensor<D, K>>) -> Tensor<D, K>
 where
     K: burn::tensor::kind::Basic,

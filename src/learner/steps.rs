@@ -20,7 +20,8 @@ pub type TrainItem<M> = <M as TrainStep>::Output;
 pub type InferenceItem<M> = <M as InferenceStep>::Output;
 
 /// How a rank computes steps of a `Learner` model `M` under a plan: [`WholeForward`] or
-/// [`StagedForward`] (the two [`super::ParallelLearning`] runs).
+/// [`StagedForward`], either wrapped in [`SplitSequences`] (what [`super::ParallelLearning`]
+/// runs).
 pub trait RankSteps<M: LearnerModel>: Send + Sync + 'static {
     /// A training step on this rank's share of a batch (`share` samples): the output of the
     /// share where this rank computes one (`None` on pipeline stages before the last), and
@@ -146,7 +147,9 @@ where
         batch: <M as TrainStep>::Input,
         share: usize,
     ) -> Result<(Option<TrainItem<M>>, GradientsParams), ParallelError> {
-        check_batch(M::samples(&batch), share)?;
+        // Micro-batches are cut by sample ranges: a whole batch would train on its first
+        // samples only, silently.
+        check_share(M::samples(&batch), share, par).map_err(ParallelError::Invalid)?;
         // The last stage's outputs, by micro-batch.
         let outputs: Mutex<Vec<(usize, TrainItem<M>)>> = Mutex::default();
         let micro_batch = |samples: Range<usize>| M::micro_batch(&batch, samples);
@@ -174,7 +177,7 @@ where
         batch: <M as InferenceStep>::Input,
         share: usize,
     ) -> Result<Option<InferenceItem<M>>, ParallelError> {
-        check_batch(M::samples(&batch), share)?;
+        check_share(M::samples(&batch), share, par).map_err(ParallelError::Invalid)?;
         let x = par.pipeline_forward(model, &batch)?;
         Ok(x.map(|x| model.inference_head(x, &batch)))
     }
@@ -247,30 +250,15 @@ where
     }
 }
 
-/// Refuses a batch that is not this rank's share: the pipeline cuts micro-batches by sample
-/// ranges, so a whole batch would train on its first samples only, silently.
-fn check_batch(samples: usize, share: usize) -> Result<(), ParallelError> {
+/// Refuses a step of `samples` samples on this rank (its batch's, or its output's) where its
+/// share of the batch is `share` samples.
+pub(super) fn check_share(samples: usize, share: usize, par: &Parallelized) -> Result<(), String> {
     if samples != share {
-        return Err(ParallelError::Invalid(format!(
-            "the data loader gave this rank a batch of {samples} samples, not its share of \
-             {share}: build the data loaders with flashover::learner::ShareBatcher::new(your_batcher, &par)"
-        )));
-    }
-    Ok(())
-}
-
-/// Checks that `output` is of this rank's share of a `batch`-sample batch.
-pub(super) fn check_output<O: GatherOutput>(
-    output: &O,
-    share: usize,
-    ranks: usize,
-) -> Result<(), String> {
-    let samples = output.samples();
-    if samples != share {
+        let ranks = par.data_ranks().size();
         return Err(format!(
-            "a step of a {}-sample batch computed {samples} samples on this rank, not its \
-             share of {share} over {ranks} data-parallel ranks (dp x fsdp x ep): build the data \
-             loaders with flashover::learner::ShareBatcher::new(your_batcher, &par)",
+            "a step of a {}-sample batch had {samples} samples on this rank, not its share of \
+             {share} over {ranks} data-parallel ranks (dp x fsdp x ep): build the data loaders \
+             with flashover::learner::ShareBatcher::new(your_batcher, &par)",
             share * ranks
         ));
     }

@@ -117,12 +117,9 @@ fn gather_experts(experts: &[SwiGlu]) -> Option<(UnitGathers, Tensor<1>)> {
     };
     for expert in experts {
         for linear in [&expert.w_gate, &expert.w_up, &expert.w_down] {
-            let weight = &linear.weight;
-            let numel = weight.base().shape().num_elements();
-            take(
-                weight.reparameterization::<Placed>(),
-                weight.base().reshape([numel]),
-            );
+            let (weight, base) = (&linear.weight, linear.weight.base());
+            let numel = base.shape().num_elements();
+            take(weight.reparameterization::<Placed>(), base.reshape([numel]));
             if let Some(bias) = &linear.bias {
                 take(bias.reparameterization::<Placed>(), bias.base());
             }

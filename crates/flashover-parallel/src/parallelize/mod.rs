@@ -391,7 +391,7 @@ impl Parallelized {
         global_batch: usize,
         step: usize,
     ) -> Result<Range<usize>, ParallelError> {
-        if self.pipelined() {
+        if self.is_pipelined() {
             return Err(ParallelError::Invalid(
                 "the plan cuts the model into pipeline stages: a rank's forward is a stage's, \
                  so train with Parallelized::pipeline_step, which reads each micro-batch and \
@@ -400,11 +400,6 @@ impl Parallelized {
             ));
         }
         self.share(global_batch, step)
-    }
-
-    /// Whether the plan cuts the model into stages on this mesh.
-    fn pipelined(&self) -> bool {
-        self.stages.as_ref().is_some_and(|s| s.schedule.pp > 1)
     }
 
     /// [`Self::batch_share`], pipelined or not.
@@ -488,7 +483,7 @@ impl Parallelized {
         max_norm: Option<f32>,
         ctx: &RankContext,
     ) -> Result<(GradientsParams, f32), ParallelError> {
-        if self.pipelined() {
+        if self.is_pipelined() {
             return Err(ParallelError::Invalid(
                 "the plan cuts the model into pipeline stages: a rank's forward is a stage's, \
                  so train with Parallelized::pipeline_step, which runs the schedule"
@@ -528,7 +523,7 @@ impl Parallelized {
     /// Whether the plan cuts the model into pipeline stages on this mesh (a rank then trains
     /// through [`Self::pipeline_step`]).
     pub fn is_pipelined(&self) -> bool {
-        self.pipelined()
+        self.stages.as_ref().is_some_and(|s| s.schedule.pp > 1)
     }
 
     /// The `cp` ranks that hold the other positions of this rank's sequences, when the plan
