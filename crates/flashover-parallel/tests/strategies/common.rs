@@ -68,6 +68,11 @@ pub fn assert_caused_by(
 /// near zero, where an element-wise relative difference would measure it against ~0.
 pub fn max_scaled(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
+    // `f32::max` passes over NaN: a diverged run would compare as equal.
+    assert!(
+        a.iter().chain(b).all(|x| x.is_finite()),
+        "non-finite values"
+    );
     let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
     a.iter()
         .zip(b)

@@ -3,7 +3,7 @@
 //! alone and with dp, fsdp, tp (with and without sequence parallelism) and cp, against the
 //! same model's plain single-rank Burn loop: losses and every weight within 1e-5.
 
-use crate::common::assert_matches;
+use crate::common::{assert_matches, max_scaled};
 use burn::module::{Module, Param};
 use burn::nn::{LayerNorm, LayerNormConfig, Linear};
 use burn::optim::{AdamWConfig, GradientsParams};
@@ -451,13 +451,7 @@ fn a_rank_whose_tokens_reach_none_of_its_experts_still_joins_their_collectives()
                 Ok::<_, ParallelError>(flatten_params(&par.whole(model)?))
             })
             .unwrap_or_else(|e| panic!("{mesh}: {e}"));
-        let scale = reference.iter().fold(0.0_f32, |m, w| m.max(w.abs()));
-        let diff = reference
-            .iter()
-            .zip(&weights[0])
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f32::max)
-            / scale;
+        let diff = max_scaled(&weights[0], &reference);
         assert!(diff < 1e-5, "{mesh}: weights {diff:.2e} from one rank");
     }
 }
