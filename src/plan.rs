@@ -45,14 +45,11 @@ pub fn model_spec(config: &TrainConfig) -> Result<ModelSpec, String> {
     })
 }
 
-/// The job's batch: sequence length, global batch, and the micro-batch that
-/// `run.micro_batches` makes on each data-parallel rank of its mesh.
+/// The job's batch: sequence length and global batch.
 pub fn workload(config: &TrainConfig) -> Result<Workload, String> {
-    let ranks = layout_of(config)?.batch_ranks();
     Ok(Workload {
         seq_len: config.data.seq_len,
         global_batch: config.run.global_batch,
-        micro_batch: (config.run.global_batch / ranks / config.run.micro_batches.max(1)).max(1),
     })
 }
 
@@ -74,7 +71,13 @@ pub fn layout_of(config: &TrainConfig) -> Result<Layout, String> {
         CheckpointPolicy::Selective => Recompute::Selective,
         _ => Recompute::Full,
     };
+    let batch_ranks = mesh.degree(Axis::Dp) * mesh.degree(Axis::Fsdp) * mesh.degree(Axis::Ep);
     Ok(Layout {
+        // The samples `run.micro_batches` makes of each data-parallel rank's share.
+        micro_batch: (config.run.global_batch
+            / batch_ranks.max(1)
+            / config.run.micro_batches.max(1))
+        .max(1),
         pp: mesh.degree(Axis::Pp),
         dp: mesh.degree(Axis::Dp),
         fsdp: mesh.degree(Axis::Fsdp),
@@ -89,7 +92,8 @@ pub fn layout_of(config: &TrainConfig) -> Result<Layout, String> {
 }
 
 /// `config` set to train `layout`: its mesh, ZeRO stage, sequence parallelism, pipeline
-/// schedule and recomputation (the inverse of [`layout_of`]).
+/// schedule and stage cut, recomputation and micro-batches (the inverse of [`layout_of`]).
+/// Pipelines are cut by cost (`pp_split = "cost"`), as the planner's estimates assume.
 ///
 /// ```
 /// use flashover::plan::{apply_layout, layout_of};
@@ -118,6 +122,12 @@ pub fn apply_layout(config: &mut TrainConfig, layout: &Layout) {
         Recompute::Selective => CheckpointPolicy::Selective,
         Recompute::Full => CheckpointPolicy::Full,
     };
+    if layout.pp > 1 {
+        p.pp_split = "cost".into();
+        p.pp_blocks = None;
+    }
+    let share = config.run.global_batch / layout.batch_ranks().max(1);
+    config.run.micro_batches = (share / layout.micro_batch.max(1)).max(1);
 }
 
 #[cfg(test)]

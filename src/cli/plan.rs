@@ -51,9 +51,10 @@ pub struct PlanArgs {
     /// Sequences per step (default 256, or the job's).
     #[arg(long)]
     global_batch: Option<usize>,
-    /// Sequences per micro-batch.
-    #[arg(long, default_value_t = 1)]
-    micro_batch: usize,
+    /// Fix the sequences per micro-batch (default: search powers of two dividing each rank's
+    /// share of the global batch).
+    #[arg(long)]
+    micro_batch: Option<usize>,
     /// mixed (bf16 with fp32 master weights) or fp32 (default: mixed; with --config, what the
     /// job's `[precision] param_dtype` says; fp32 with --gpu cpu).
     #[arg(long)]
@@ -160,7 +161,6 @@ fn request(args: &PlanArgs) -> Result<PlanRequest, String> {
             .global_batch
             .or(job.as_ref().map(|j| j.run.global_batch))
             .unwrap_or(256),
-        micro_batch: args.micro_batch,
     };
     let precision = match args.precision.as_deref() {
         Some("mixed") => Precision::Mixed,
@@ -202,6 +202,7 @@ fn request(args: &PlanArgs) -> Result<PlanRequest, String> {
             fsdp: args.fsdp,
             zero: args.zero,
             recompute,
+            micro_batch: args.micro_batch,
         },
         include_unsupported: args.include_unsupported,
     })
@@ -226,6 +227,7 @@ pub fn run(args: &PlanArgs) -> Result<(), String> {
             "too_big": result.too_big,
             "unsupported": result.unsupported,
             "plans": shown,
+            "choices": result.choices,
             "assumptions": cost::ASSUMPTIONS,
         });
         println!(
@@ -235,7 +237,7 @@ pub fn run(args: &PlanArgs) -> Result<(), String> {
     } else {
         let m = &req.model;
         println!(
-            "{} devices ({}, {} per node, {:.0} GB, {:.0} TFLOP/s); {} ({:.2}B parameters, {} layers, hidden {}, {} heads); {} x {} tokens per step, micro-batch {}; {:?} precision",
+            "{} devices ({}, {} per node, {:.0} GB, {:.0} TFLOP/s); {} ({:.2}B parameters, {} layers, hidden {}, {} heads); {} x {} tokens per step; {:?} precision",
             req.world,
             req.hardware.name,
             req.hardware.devices_per_node,
@@ -248,7 +250,6 @@ pub fn run(args: &PlanArgs) -> Result<(), String> {
             m.heads,
             req.workload.global_batch,
             req.workload.seq_len,
-            req.workload.micro_batch,
             req.precision
         );
         println!(
@@ -269,11 +270,13 @@ pub fn run(args: &PlanArgs) -> Result<(), String> {
                 result.smallest_memory / GB
             );
         }
-        println!("| # | layout | GB/device (state + act) | step s | tokens/s | MFU | why |");
-        println!("|---:|---|---|---:|---:|---:|---|");
+        println!(
+            "| # | layout | micro-batch | GB/device (state + act) | step s | tokens/s | MFU | why |"
+        );
+        println!("|---:|---|---:|---|---:|---:|---:|---|");
         for (i, p) in result.plans.iter().take(args.top).enumerate() {
             println!(
-                "| {} | {}{} | {:.1} ({:.1} + {:.1}) | {:.3} | {:.0} | {:.2} | {} |",
+                "| {} | {}{} | {} | {:.1} ({:.1} + {:.1}) | {:.3} | {:.0} | {:.2} | {} |",
                 i + 1,
                 p.layout,
                 if p.unsupported.is_empty() {
@@ -281,6 +284,7 @@ pub fn run(args: &PlanArgs) -> Result<(), String> {
                 } else {
                     format!(" (not runnable yet: {})", p.unsupported.join("; "))
                 },
+                p.layout.micro_batch,
                 p.memory.total() / GB,
                 (p.memory.model_state() + p.memory.gathered) / GB,
                 p.memory.activations / GB,
@@ -289,6 +293,31 @@ pub fn run(args: &PlanArgs) -> Result<(), String> {
                 p.mfu,
                 p.why
             );
+        }
+        if !result.choices.is_empty() {
+            println!("why #1 chose what it did (the best plan with each other value):");
+            for choice in &result.choices {
+                let others: Vec<String> = choice
+                    .alternatives
+                    .iter()
+                    .map(|a| match a.relative_throughput {
+                        Some(r) if r >= 0.99 => format!("{} within 1% ({})", a.value, a.why),
+                        Some(r) => format!(
+                            "{} {:.0}% slower ({})",
+                            a.value,
+                            100.0 * (1.0 / r - 1.0),
+                            a.why
+                        ),
+                        None => format!("{} {}", a.value, a.why),
+                    })
+                    .collect();
+                println!(
+                    "  {} = {}: {}",
+                    choice.knob,
+                    choice.chosen,
+                    others.join("; ")
+                );
+            }
         }
         println!("assumptions:");
         for a in cost::ASSUMPTIONS {
@@ -299,7 +328,7 @@ pub fn run(args: &PlanArgs) -> Result<(), String> {
         if args.explain {
             print!(
                 "{}",
-                explain::placement(&best.layout, &req.model, &req.hardware)
+                explain::placement(&best.layout, &req.model, &req.workload, &req.hardware)
             );
         }
         if let Some(path) = &args.svg {

@@ -317,7 +317,11 @@ fn accepted_layouts(n: usize) -> Vec<(String, flashover::plan::Layout, bool)> {
 fn layout_trains_as_one_rank(what: &str, layout: &flashover::plan::Layout, experts: bool) {
     let data_ranks = layout.dp * layout.fsdp * layout.ep;
     let mut c = composed("dp=1", 4 * data_ranks.max(2));
-    flashover::plan::apply_layout(&mut c, layout);
+    let layout = flashover::plan::Layout {
+        micro_batch: c.run.global_batch / data_ranks.max(1) / c.run.micro_batches,
+        ..layout.clone()
+    };
+    flashover::plan::apply_layout(&mut c, &layout);
     c.run.steps = 3;
     // Interleaving needs a block for each of its 2 x 2 virtual stages.
     c.model.n_layers = Some(4);

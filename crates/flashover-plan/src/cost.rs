@@ -4,7 +4,7 @@
 use crate::hardware::Hardware;
 use crate::layout::{Layout, PipelineSchedule, Precision, Recompute};
 use crate::model::{ModelSpec, Workload};
-use crate::stages::stage_imbalance;
+use crate::stages::{blocks_per_rank, stage_imbalance};
 use flashover_mesh::Axis;
 use serde::Serialize;
 
@@ -13,7 +13,8 @@ pub const ASSUMPTIONS: &[&str] = &[
     "model state per parameter: mixed precision 2 (weights) + 2 (gradients) + 12 (fp32 master and Adam moments) bytes, fp32 4 + 4 + 8; ZeRO-1 shards the optimizer state, ZeRO-2 also gradients, ZeRO-3 everything (Rajbhandari et al. 2020)",
     "ZeRO-3 also holds two gathered blocks (the one computing and the one prefetched); under pipelines, the whole stage's parameters and gradient for the step; pipelines reduce-scatter gradients once per step, so under them ZeRO-2 holds the whole gradient as ZeRO-1 does",
     "activations per block and micro-batch: s b h (10 + 24/t) + 5 a s S b / t bytes at 16 bits, s b h 34/t + 5 a s S b / t with sequence parallelism (Korthikanti et al. 2022; a GPT block, s the local and S the whole sequence, scores materialised); selective recomputation (Burn's balanced checkpointing, which keeps matrix products' outputs) keeps the scores q k^T, 2 of the score term's 5 bytes, full recomputation keeps 2 s b h per block plus one block live again in backward; fp32 doubles them",
-    "pipelines hold activations of min(m, pp) micro-batches on the first stage (1F1B, ZB-H1), m with GPipe, x (1 + (pp-1)/(pp v)) interleaved; the last stage also holds fp32 logits and their gradient",
+    "pipelines hold activations of min(m, pp - i) micro-batches on stage i (1F1B, ZB-H1), m with GPipe, x (1 + (pp-1)/(pp v)) interleaved; the last stage also holds fp32 logits and their gradient; stages hold the blocks the training job's cost split gives them (pp_split = \"cost\"; any number of blocks, at least one per virtual stage), memory is the busiest stage's",
+    "micro-batch size: searched over powers of two dividing each rank's share of the global batch (unless fixed); a rank runs share / size micro-batches per step",
     "compute: 6 N_active + 12 L h S FLOPs per token (PaLM), split evenly over the devices, at the hardware's efficiency x peak; full recomputation adds a forward of the blocks (1/3), selective the attention scores' forward",
     "pipeline bubble: (pp - 1)/m of the compute for GPipe and 1F1B, (pp - 1)/(v m) interleaved, a third of 1F1B's for ZB-H1",
     "pipeline stage imbalance: stages hold whole blocks (6 N_block + 12 h S FLOPs per token) and the last also the LM head (6 h V), cut to balance them as the training job cuts them; the busiest stage's excess over the mean is added to the compute",
@@ -103,11 +104,53 @@ impl TimeEstimate {
     }
 }
 
+/// FLOPs per token of one block (`6 N_block + 12 h S`) and of the LM head (`6 h V`): what the
+/// training job's cost split balances between stages.
+fn block_and_head_flops(model: &ModelSpec, work: &Workload) -> (f64, f64) {
+    let h = model.hidden as f64;
+    (
+        6.0 * model.active_block_params() + 12.0 * h * work.seq_len as f64,
+        6.0 * h * model.vocab as f64,
+    )
+}
+
+/// Blocks each pipeline rank holds (one entry without a pipeline), cut as the training job's
+/// `pp_split = "cost"` cuts them.
+pub fn stage_blocks(model: &ModelSpec, work: &Workload, layout: &Layout) -> Vec<usize> {
+    type Key = (usize, usize, usize, u64, u64);
+    thread_local! {
+        // The cut is a dynamic programme over stages x blocks^2, asked for thousands of
+        // layouts that share a few (pp, chunks) pairs: remember it.
+        static CUTS: std::cell::RefCell<std::collections::HashMap<Key, Vec<usize>>> =
+            Default::default();
+    }
+    let (block, head) = block_and_head_flops(model, work);
+    let (ranks, chunks) = (layout.pp.max(1), chunks(layout));
+    let key = (model.layers, ranks, chunks, block.to_bits(), head.to_bits());
+    CUTS.with(|cuts| {
+        cuts.borrow_mut()
+            .entry(key)
+            .or_insert_with(|| {
+                blocks_per_rank(model.layers, ranks, chunks, block, head)
+                    // Fewer blocks than stages is refused by `Layout::problems`; spread what
+                    // there is.
+                    .unwrap_or_else(|| vec![model.layers.div_ceil(ranks); ranks])
+            })
+            .clone()
+    })
+}
+
 /// Parameters on the busiest device: its stage's blocks (split over tp, experts over ep) and
 /// the embedding or LM head its stage holds.
-pub fn params_per_device(model: &ModelSpec, layout: &Layout) -> f64 {
-    block_params_per_device(model, layout) * (model.layers / layout.pp.max(1)) as f64
-        + edge_params_per_device(model, layout)
+pub fn params_per_device(model: &ModelSpec, work: &Workload, layout: &Layout) -> f64 {
+    let block = block_params_per_device(model, layout);
+    let blocks = stage_blocks(model, work, layout);
+    let last = blocks.len() - 1;
+    blocks
+        .iter()
+        .enumerate()
+        .map(|(rank, &n)| n as f64 * block + edge_params_per_device(model, layout, rank, last))
+        .fold(0.0, f64::max)
 }
 
 /// One block's parameters on a device.
@@ -122,15 +165,20 @@ pub fn block_params_per_device(model: &ModelSpec, layout: &Layout) -> f64 {
     model.attention_params() / t + ffn + 2.0 * h
 }
 
-/// The embedding and LM head on the busiest stage (both on one stage without a pipeline).
-fn edge_params_per_device(model: &ModelSpec, layout: &Layout) -> f64 {
+/// The embedding and LM head pipeline rank `rank` of `0..=last` holds (both on one rank
+/// without a pipeline).
+fn edge_params_per_device(model: &ModelSpec, layout: &Layout, rank: usize, last: usize) -> f64 {
     let table = (model.vocab * model.hidden) as f64 / layout.tp as f64;
     let norm = model.hidden as f64;
-    if layout.pp == 1 {
+    if last == 0 {
         table * if model.tied_embeddings { 1.0 } else { 2.0 } + norm
-    } else {
-        // First stage: the embedding; last: the head (a tied table is copied there).
+    } else if rank == 0 {
+        table
+    } else if rank == last {
+        // The head and final norm (a tied table is copied there).
         table + norm
+    } else {
+        0.0
     }
 }
 
@@ -141,7 +189,7 @@ pub fn memory(
     layout: &Layout,
     precision: Precision,
 ) -> MemoryEstimate {
-    let p = params_per_device(model, layout);
+    let p = params_per_device(model, work, layout);
     let (w, g, _) = precision.state_bytes();
     // Pipeline stages reduce-scatter gradients once per step, after the last micro-batch: the
     // whole gradient is held until then, so ZeRO-2 holds what ZeRO-1 does.
@@ -189,7 +237,7 @@ fn block_activations(
     let (h, a, t) = (model.hidden as f64, model.heads as f64, layout.tp as f64);
     let s_all = work.seq_len as f64;
     let s = s_all / layout.cp as f64;
-    let b = work.micro_batch as f64;
+    let b = layout.micro_batch as f64;
     let scale = precision.activation_bytes() / 2.0;
     let sbh = s * b * h;
     let linear = if layout.sequence_parallel {
@@ -215,17 +263,20 @@ fn chunks(layout: &Layout) -> usize {
     }
 }
 
-/// Micro-batches whose activations the busiest stage holds at once.
-pub fn in_flight(layout: &Layout, micro_batches: usize) -> f64 {
+/// Micro-batches whose activations pipeline rank `stage` holds at once (the first stage holds
+/// the most).
+pub fn in_flight(layout: &Layout, micro_batches: usize, stage: usize) -> f64 {
     let (pp, m) = (layout.pp, micro_batches.max(1));
     if pp == 1 {
         return 1.0;
     }
+    // 1F1B's warm-up: stage i runs pp - i forwards before its first backward.
+    let warm_up = m.min(pp - stage.min(pp - 1)) as f64;
     match layout.schedule {
         PipelineSchedule::Gpipe => m as f64,
-        PipelineSchedule::OneFOneB | PipelineSchedule::ZbH1 => m.min(pp) as f64,
+        PipelineSchedule::OneFOneB | PipelineSchedule::ZbH1 => warm_up,
         PipelineSchedule::Interleaved { chunks } => {
-            m.min(pp) as f64 * (1.0 + (pp as f64 - 1.0) / (pp * chunks) as f64)
+            warm_up * (1.0 + (pp as f64 - 1.0) / (pp * chunks) as f64)
         }
     }
 }
@@ -237,7 +288,6 @@ fn activation_bytes(
     precision: Precision,
 ) -> f64 {
     let per_block = block_activations(model, work, layout, precision, layout.recompute);
-    let blocks = (model.layers / layout.pp.max(1)) as f64;
     let m = layout.micro_batches(work);
     // Full recomputation brings one block's activations back during its backward.
     let live_again = if layout.recompute == Recompute::Full {
@@ -245,15 +295,19 @@ fn activation_bytes(
     } else {
         0.0
     };
-    let tokens = (work.seq_len / layout.cp * work.micro_batch) as f64;
+    let tokens = (work.seq_len / layout.cp * layout.micro_batch) as f64;
     let logits = 2.0 * 4.0 * tokens * model.vocab as f64 / layout.tp as f64;
-    let first = blocks * per_block * in_flight(layout, m) + live_again;
-    let last = blocks * per_block + live_again + logits;
-    if layout.pp == 1 {
-        last
-    } else {
-        first.max(last)
-    }
+    let blocks = stage_blocks(model, work, layout);
+    let last = blocks.len() - 1;
+    blocks
+        .iter()
+        .enumerate()
+        .map(|(stage, &n)| {
+            n as f64 * per_block * in_flight(layout, m, stage)
+                + live_again
+                + if stage == last { logits } else { 0.0 }
+        })
+        .fold(0.0, f64::max)
 }
 
 /// Time of one ring collective over `n` ranks moving `bytes` per rank with nccl-tests'
@@ -308,17 +362,19 @@ pub fn step_time(
         }
     };
     let bubble = (compute + recompute) * bubble_fraction;
-    // Stages cut as the training job cuts them (`stages::balanced_stages`): per token a block
-    // costs 6 N_block + 12 h S, the LM head 6 h V.
-    let block_flops = 6.0 * model.active_block_params() + 12.0 * h * s_all;
-    let head_flops = 6.0 * h * model.vocab as f64;
+    // Stages cut as the training job cuts them (`stages::balanced_stages`).
+    let (block_flops, head_flops) = block_and_head_flops(model, work);
     let virtual_stages = layout.pp * chunks(layout);
     let imbalance = stage_imbalance(model.layers, virtual_stages, block_flops, head_flops);
     let stage_imbalance = (compute + recompute) * (imbalance - 1.0);
     let act = precision.activation_bytes();
     let s = s_all / layout.cp as f64;
-    let b = work.micro_batch as f64;
-    let blocks = (model.layers / layout.pp.max(1)) as f64;
+    let b = layout.micro_batch as f64;
+    // The busiest pipeline rank sets the pace.
+    let blocks = stage_blocks(model, work, layout)
+        .into_iter()
+        .max()
+        .unwrap_or(0) as f64;
     let t = layout.tp;
     // Tensor parallelism: all-reduces of the block's activations (or their all-gather /
     // reduce-scatter halves with sequence parallelism: the same bytes).
@@ -362,7 +418,7 @@ pub fn step_time(
     } else {
         0.0
     };
-    let p = params_per_device(model, layout);
+    let p = params_per_device(model, work, layout);
     let (w, g, _) = precision.state_bytes();
     let data_parallel = if layout.zero == 3 {
         let n = layout.fsdp;
@@ -431,10 +487,12 @@ mod tests {
     fn in_flight_micro_batches_follow_the_schedule() {
         let mut layout = layout();
         layout.pp = 4;
-        assert_eq!(in_flight(&layout, 8), 4.0);
+        assert_eq!(in_flight(&layout, 8, 0), 4.0);
+        assert_eq!(in_flight(&layout, 8, 3), 1.0);
+        assert_eq!(in_flight(&layout, 2, 0), 2.0);
         layout.schedule = PipelineSchedule::Gpipe;
-        assert_eq!(in_flight(&layout, 8), 8.0);
+        assert_eq!(in_flight(&layout, 8, 3), 8.0);
         layout.schedule = PipelineSchedule::Interleaved { chunks: 2 };
-        assert_eq!(in_flight(&layout, 8), 4.0 * (1.0 + 3.0 / 8.0));
+        assert_eq!(in_flight(&layout, 8, 0), 4.0 * (1.0 + 3.0 / 8.0));
     }
 }

@@ -3,7 +3,7 @@
 
 use crate::hardware::Hardware;
 use crate::layout::Layout;
-use crate::model::ModelSpec;
+use crate::model::{ModelSpec, Workload};
 use flashover_mesh::{Axis, DeviceMesh};
 use std::fmt::Write;
 
@@ -26,7 +26,7 @@ fn coords(mesh: &DeviceMesh, layout: &Layout, rank: usize) -> String {
 
 /// The terminal picture: ranks by node with their coordinates, the groups of every axis in
 /// use (and whether they stay inside a node), and what each rank holds.
-pub fn placement(layout: &Layout, model: &ModelSpec, hw: &Hardware) -> String {
+pub fn placement(layout: &Layout, model: &ModelSpec, work: &Workload, hw: &Hardware) -> String {
     let mesh = mesh_of(layout);
     let world = layout.world();
     let per_node = hw.devices_per_node.min(world).max(1);
@@ -72,7 +72,11 @@ pub fn placement(layout: &Layout, model: &ModelSpec, hw: &Hardware) -> String {
         );
     }
     let _ = writeln!(out, "state on each rank:");
-    let stage_blocks = model.layers / layout.pp;
+    let blocks = crate::cost::stage_blocks(model, work, layout);
+    let (fewest, most) = (
+        blocks.iter().min().copied().unwrap_or(0),
+        blocks.iter().max().copied().unwrap_or(0),
+    );
     let split = if layout.tp > 1 {
         format!(", 1/{} of each matrix (tp)", layout.tp)
     } else {
@@ -87,8 +91,13 @@ pub fn placement(layout: &Layout, model: &ModelSpec, hw: &Hardware) -> String {
     } else {
         String::new()
     };
-    let stage = if layout.pp > 1 {
-        format!("{stage_blocks} of {} blocks (its pp stage)", model.layers)
+    let stage = if layout.pp > 1 && fewest == most {
+        format!("{most} of {} blocks (its pp stage)", model.layers)
+    } else if layout.pp > 1 {
+        format!(
+            "{fewest} to {most} of {} blocks (its pp stage; stages cut to balance compute, the LM head's included)",
+            model.layers
+        )
     } else {
         format!("all {} blocks", model.layers)
     };

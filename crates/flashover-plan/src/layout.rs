@@ -87,6 +87,9 @@ pub struct Layout {
     pub schedule: PipelineSchedule,
     /// Activation recomputation.
     pub recompute: Recompute,
+    /// Sequences per micro-batch on one rank (the rank's share of the global batch is cut into
+    /// micro-batches of this size, accumulated before the optimizer steps).
+    pub micro_batch: usize,
 }
 
 impl Layout {
@@ -103,6 +106,7 @@ impl Layout {
             sequence_parallel: false,
             schedule: PipelineSchedule::OneFOneB,
             recompute: Recompute::None,
+            micro_batch: 1,
         }
     }
 
@@ -154,7 +158,7 @@ impl Layout {
 
     /// Micro-batches per step on one rank.
     pub fn micro_batches(&self, work: &Workload) -> usize {
-        work.global_batch / self.batch_ranks() / work.micro_batch.max(1)
+        work.global_batch / self.batch_ranks() / self.micro_batch.max(1)
     }
 
     /// Number of parallel dimensions in use (axes of degree > 1).
@@ -210,9 +214,11 @@ impl Layout {
             PipelineSchedule::Interleaved { chunks } if self.pp > 1 => chunks,
             _ => 1,
         };
-        if !model.layers.is_multiple_of(self.pp * chunks) {
+        // Stages may hold different numbers of blocks (the training job cuts them to balance
+        // their compute), but every virtual stage needs one.
+        if model.layers < self.pp * chunks {
             p.push(format!(
-                "pp = {} x {chunks} chunks does not divide model.layers = {}",
+                "pp = {} x {chunks} chunks needs at least as many blocks, model.layers = {}",
                 self.pp, model.layers
             ));
         }
@@ -234,13 +240,13 @@ impl Layout {
                 self.ep, model.experts
             ));
         }
-        let batch = self.batch_ranks() * work.micro_batch.max(1);
+        let batch = self.batch_ranks() * self.micro_batch.max(1);
         if work.global_batch == 0 || !work.global_batch.is_multiple_of(batch) {
             p.push(format!(
                 "global batch {} does not divide by the batch ranks dp x fsdp x ep ({}) x micro-batch size ({})",
                 work.global_batch,
                 self.batch_ranks(),
-                work.micro_batch
+                self.micro_batch
             ));
         }
         let m = self.micro_batches(work);

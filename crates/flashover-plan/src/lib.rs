@@ -16,7 +16,7 @@
 //!     world: 64,
 //!     hardware: Hardware::preset("h100").unwrap(),
 //!     model: ModelSpec::preset("llama-8b").unwrap(),
-//!     workload: Workload { seq_len: 8192, global_batch: 512, micro_batch: 1 },
+//!     workload: Workload { seq_len: 8192, global_batch: 512 },
 //!     precision: Precision::Mixed,
 //!     fixed: Fixed { tp: Some(8), pp: Some(2), ..Fixed::default() },
 //!     include_unsupported: false,
@@ -38,4 +38,4 @@ pub mod stages;
 pub use hardware::Hardware;
 pub use layout::{Layout, PipelineSchedule, Precision, Recompute};
 pub use model::{ModelSpec, Workload};
-pub use search::{Fixed, Plan, PlanRequest, PlanResult, enumerate, plan};
+pub use search::{Alternative, Choice, Fixed, Plan, PlanRequest, PlanResult, enumerate, plan};

@@ -28,15 +28,14 @@ pub struct ModelSpec {
     pub top_k: usize,
 }
 
-/// The batch: sequences per optimizer step and their length.
+/// The batch: sequences per optimizer step and their length (how each rank's share is cut into
+/// micro-batches is part of the [`crate::Layout`]).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Workload {
     /// Tokens per sequence.
     pub seq_len: usize,
     /// Sequences per optimizer step, over all data-parallel ranks.
     pub global_batch: usize,
-    /// Sequences per micro-batch on one rank.
-    pub micro_batch: usize,
 }
 
 impl ModelSpec {

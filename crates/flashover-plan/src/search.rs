@@ -6,6 +6,7 @@ use crate::hardware::Hardware;
 use crate::layout::{Layout, PipelineSchedule, Precision, Recompute};
 use crate::model::{ModelSpec, Workload};
 use serde::Serialize;
+use std::collections::HashMap;
 
 /// Axes or options the user fixed (`None`: search over them).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -26,6 +27,8 @@ pub struct Fixed {
     pub zero: Option<u8>,
     /// Recomputation.
     pub recompute: Option<Recompute>,
+    /// Sequences per micro-batch.
+    pub micro_batch: Option<usize>,
 }
 
 /// What to plan for.
@@ -82,10 +85,51 @@ pub struct PlanResult {
     /// The smallest per-device memory any valid layout needs (bytes), to say by how much
     /// nothing fits.
     pub smallest_memory: f64,
+    /// Why the best plan's every choice (each mesh axis, the ZeRO stage, recomputation, the
+    /// micro-batch size) is what it is: the best plan with each other value of that choice.
+    pub choices: Vec<Choice>,
+}
+
+/// One choice of the best plan set against its alternatives.
+#[derive(Debug, Clone, Serialize)]
+pub struct Choice {
+    /// What was chosen: `tp`, `zero`, `recompute`, `micro-batch`, ...
+    pub knob: &'static str,
+    /// The best plan's value.
+    pub chosen: String,
+    /// Every other value the search met, best first: what the best layout with it costs.
+    pub alternatives: Vec<Alternative>,
+}
+
+/// The best layout with another value of a [`Choice`].
+#[derive(Debug, Clone, Serialize)]
+pub struct Alternative {
+    /// The value.
+    pub value: String,
+    /// Its best layout, when one fits.
+    pub mesh: Option<String>,
+    /// Throughput relative to the best plan (1.0: as fast), when one fits.
+    pub relative_throughput: Option<f64>,
+    /// Why: the overhead it pays beyond the best plan, or that it does not fit.
+    pub why: String,
+    /// The per-device memory its smallest layout needs (bytes).
+    pub smallest_memory: f64,
 }
 
 fn divisors(n: usize) -> Vec<usize> {
     (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
+}
+
+/// Micro-batch sizes for a rank's share of `share` sequences: the fixed one, or every power of
+/// two that divides the share.
+fn micro_batch_sizes(fixed: Option<usize>, share: usize) -> Vec<usize> {
+    match fixed {
+        Some(size) => vec![size],
+        None => std::iter::successors(Some(1usize), |s| s.checked_mul(2))
+            .take_while(|s| *s <= share)
+            .filter(|s| share.is_multiple_of(*s))
+            .collect(),
+    }
 }
 
 fn pick(fixed: Option<usize>, n: usize) -> Vec<usize> {
@@ -134,22 +178,27 @@ pub fn enumerate(req: &PlanRequest) -> Vec<Layout> {
                             Some(r) => vec![r],
                             None => vec![Recompute::None, Recompute::Selective, Recompute::Full],
                         };
+                        let share = req.workload.global_batch / (dp * fsdp * ep).max(1);
+                        let sizes = micro_batch_sizes(f.micro_batch, share);
                         for schedule in schedules {
                             for &recompute in &recomputes {
-                                out.push(Layout {
-                                    pp,
-                                    dp,
-                                    fsdp,
-                                    ep,
-                                    cp,
-                                    tp,
-                                    zero,
-                                    // Sequence parallelism only saves memory with tp (Flashover
-                                    // does not combine it with cp).
-                                    sequence_parallel: tp > 1 && cp == 1,
-                                    schedule,
-                                    recompute,
-                                });
+                                for &micro_batch in &sizes {
+                                    out.push(Layout {
+                                        pp,
+                                        dp,
+                                        fsdp,
+                                        ep,
+                                        cp,
+                                        tp,
+                                        zero,
+                                        // Sequence parallelism only saves memory with tp
+                                        // (Flashover does not combine it with cp).
+                                        sequence_parallel: tp > 1 && cp == 1,
+                                        schedule,
+                                        recompute,
+                                        micro_batch,
+                                    });
+                                }
                             }
                         }
                     }
@@ -168,7 +217,9 @@ pub fn plan(req: &PlanRequest) -> Result<PlanResult, String> {
     if req.world == 0 {
         errors.push("world must be at least 1".into());
     }
-    if req.workload.seq_len == 0 || req.workload.global_batch == 0 || req.workload.micro_batch == 0
+    if req.workload.seq_len == 0
+        || req.workload.global_batch == 0
+        || req.fixed.micro_batch == Some(0)
     {
         errors.push("sequence length, global batch and micro-batch size must be at least 1".into());
     }
@@ -179,6 +230,9 @@ pub fn plan(req: &PlanRequest) -> Result<PlanResult, String> {
     let mut smallest = f64::INFINITY;
     let mut plans = vec![];
     let limit = req.hardware.usable_bytes();
+    // The smallest memory any layout with each value of each choice needs, for saying why a
+    // value no plan has is out.
+    let mut smallest_by_choice: HashMap<(&'static str, String), f64> = HashMap::new();
     for layout in enumerate(req) {
         if !layout
             .problems(&req.model, &req.workload, &req.hardware, req.world)
@@ -195,6 +249,12 @@ pub fn plan(req: &PlanRequest) -> Result<PlanResult, String> {
             if !req.include_unsupported {
                 continue;
             }
+        }
+        for (knob, value) in choices_of(&layout) {
+            let need = smallest_by_choice
+                .entry((knob, value))
+                .or_insert(f64::INFINITY);
+            *need = need.min(mem.total());
         }
         if mem.total() > limit {
             too_big += 1;
@@ -229,13 +289,137 @@ pub fn plan(req: &PlanRequest) -> Result<PlanResult, String> {
             .then(a.memory.total().total_cmp(&b.memory.total()))
     });
     explain_ranking(&mut plans, limit);
+    let choices = explain_choices(&plans, &smallest_by_choice);
     Ok(PlanResult {
         plans,
         considered,
         too_big,
         unsupported,
         smallest_memory: smallest,
+        choices,
     })
+}
+
+/// Every choice a layout makes, as `(knob, value)`: the degree of each mesh axis, the ZeRO
+/// stage, recomputation, the micro-batch size and, with a pipeline, its schedule.
+fn choices_of(layout: &Layout) -> Vec<(&'static str, String)> {
+    let mut out: Vec<(&'static str, String)> = layout
+        .degrees()
+        .iter()
+        .map(|(axis, degree)| (axis.name(), degree.to_string()))
+        .collect();
+    out.push(("zero", layout.zero.to_string()));
+    out.push((
+        "recompute",
+        match layout.recompute {
+            Recompute::None => "none",
+            Recompute::Selective => "selective",
+            Recompute::Full => "full",
+        }
+        .to_string(),
+    ));
+    out.push(("micro-batch", layout.micro_batch.to_string()));
+    if layout.pp > 1 {
+        out.push((
+            "schedule",
+            match layout.schedule {
+                PipelineSchedule::Gpipe => "gpipe".to_string(),
+                PipelineSchedule::OneFOneB => "1f1b".to_string(),
+                PipelineSchedule::Interleaved { chunks } => format!("interleaved x{chunks}"),
+                PipelineSchedule::ZbH1 => "zb-h1".to_string(),
+            },
+        ));
+    }
+    out
+}
+
+/// For each of the best plan's choices, the best plan with each other value (`plans` ranked
+/// best first), or, when no layout with that value fits, the memory its smallest one needs.
+fn explain_choices(
+    plans: &[Plan],
+    smallest_by_choice: &HashMap<(&'static str, String), f64>,
+) -> Vec<Choice> {
+    let Some(best) = plans.first() else {
+        return vec![];
+    };
+    let value_of = |layout: &Layout, knob: &str| {
+        choices_of(layout)
+            .into_iter()
+            .find(|(k, _)| *k == knob)
+            .map(|(_, v)| v)
+    };
+    let mut choices = vec![];
+    for (knob, chosen) in choices_of(&best.layout) {
+        let mut values: Vec<&String> = smallest_by_choice
+            .keys()
+            .filter(|(k, v)| *k == knob && *v != chosen)
+            .map(|(_, v)| v)
+            .collect();
+        values.sort();
+        let mut alternatives: Vec<Alternative> = values
+            .into_iter()
+            .map(|value| {
+                let rival = plans
+                    .iter()
+                    .find(|p| value_of(&p.layout, knob).as_ref() == Some(value));
+                let smallest_memory = smallest_by_choice[&(knob, value.clone())];
+                match rival {
+                    Some(p) => Alternative {
+                        value: value.clone(),
+                        mesh: Some(format!("{} micro-batch {}", p.layout, p.layout.micro_batch)),
+                        relative_throughput: Some(p.tokens_per_s / best.tokens_per_s),
+                        why: match extra_overhead(&p.time, &best.time) {
+                            Some(name) => format!("more {name}"),
+                            None => "no overhead larger than #1's".into(),
+                        },
+                        smallest_memory,
+                    },
+                    None => Alternative {
+                        value: value.clone(),
+                        mesh: None,
+                        relative_throughput: None,
+                        why: format!(
+                            "does not fit: its smallest layout needs {:.1} GB per device",
+                            smallest_memory / 1e9
+                        ),
+                        smallest_memory,
+                    },
+                }
+            })
+            .collect();
+        // Those that fit, fastest first; then those that do not, smallest first.
+        alternatives.sort_by(|a, b| {
+            let rate = |x: &Alternative| x.relative_throughput.unwrap_or(-1.0);
+            rate(b)
+                .total_cmp(&rate(a))
+                .then(a.smallest_memory.total_cmp(&b.smallest_memory))
+        });
+        if !alternatives.is_empty() {
+            choices.push(Choice {
+                knob,
+                chosen,
+                alternatives,
+            });
+        }
+    }
+    choices
+}
+
+/// The overhead `plan` pays most beyond `best`, if any.
+fn extra_overhead(plan: &TimeEstimate, best: &TimeEstimate) -> Option<&'static str> {
+    let theirs = best.overheads();
+    plan.overheads()
+        .into_iter()
+        .map(|(name, secs)| {
+            let base = theirs
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map_or(0.0, |(_, v)| *v);
+            (name, secs - base)
+        })
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .filter(|(_, extra)| *extra > 0.0)
+        .map(|(name, _)| name)
 }
 
 fn explain_ranking(plans: &mut [Plan], limit: f64) {
@@ -264,23 +448,8 @@ fn explain_ranking(plans: &mut [Plan], limit: f64) {
                 format!("{slower:.0}% slower than #1")
             };
             // What this layout pays that the best does not.
-            let worse = plan
-                .time
-                .overheads()
-                .into_iter()
-                .zip(std::iter::repeat(best.time))
-                .map(|((name, s), b)| {
-                    let theirs = b
-                        .overheads()
-                        .into_iter()
-                        .find(|(n, _)| *n == name)
-                        .map_or(0.0, |(_, v)| v);
-                    (name, s - theirs)
-                })
-                .max_by(|a, b| a.1.total_cmp(&b.1))
-                .filter(|(_, d)| *d > 0.0);
-            match worse {
-                Some((name, _)) => format!("{slower}: more {name}; {largest}"),
+            match extra_overhead(&plan.time, &best.time) {
+                Some(name) => format!("{slower}: more {name}; {largest}"),
                 None => format!("{slower}; {largest}"),
             }
         };

@@ -54,6 +54,25 @@ pub fn stage_imbalance(blocks: usize, stages: usize, block: f64, head: f64) -> f
     balanced_stages(blocks, stages, block, head).map_or(1.0, |(_, busiest)| busiest / mean)
 }
 
+/// Blocks each pipeline rank holds when [`balanced_stages`] cuts `blocks` blocks into
+/// `ranks x chunks` virtual stages, rank `r` holding virtual stages `r`, `r + ranks`, ... (the
+/// interleaved schedule's assignment; one stage per rank when `chunks` is 1). `None` if there
+/// are fewer blocks than virtual stages.
+pub fn blocks_per_rank(
+    blocks: usize,
+    ranks: usize,
+    chunks: usize,
+    block: f64,
+    head: f64,
+) -> Option<Vec<usize>> {
+    let (counts, _) = balanced_stages(blocks, ranks * chunks, block, head)?;
+    let mut per_rank = vec![0; ranks];
+    for (stage, count) in counts.into_iter().enumerate() {
+        per_rank[stage % ranks] += count;
+    }
+    Some(per_rank)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -72,5 +91,18 @@ mod tests {
         let f = stage_imbalance(80, 16, 1.0, 0.95);
         assert!((f - 5.95 / (80.95 / 16.0)).abs() < 1e-12, "{f}");
         assert_eq!(balanced_stages(3, 4, 1.0, 0.0), None);
+    }
+
+    #[test]
+    fn uneven_blocks_go_to_the_stages_without_the_head() {
+        // Llama 3 405B's 126 blocks over 8 stages: none holds more than 16.
+        let counts = blocks_per_rank(126, 8, 1, 1.0, 0.0).unwrap();
+        assert_eq!(
+            (counts.iter().sum::<usize>(), counts.iter().max()),
+            (126, Some(&16))
+        );
+        // Interleaved: rank r sums its virtual stages r and r + ranks.
+        assert_eq!(blocks_per_rank(8, 2, 2, 1.0, 0.0).unwrap(), vec![4, 4]);
+        assert_eq!(blocks_per_rank(3, 2, 2, 1.0, 0.0), None);
     }
 }

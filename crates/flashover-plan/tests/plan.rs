@@ -15,7 +15,6 @@ fn request(world: usize, gpu: &str, model: &str, seq: usize, batch: usize) -> Pl
         workload: Workload {
             seq_len: seq,
             global_batch: batch,
-            micro_batch: 1,
         },
         precision: Precision::Mixed,
         fixed: Fixed::default(),
@@ -117,4 +116,80 @@ fn invalid_descriptions_are_refused_by_field() {
         "{e}"
     );
     assert!(e.contains("hardware.efficiency = 1.5"), "{e}");
+}
+
+/// The layouts TorchTitan and Megatron Core run these models with: Llama 3 70B on 256 H100s
+/// at 8k tokens is fully sharded with tensor parallelism (TorchTitan: FSDP x TP), and 405B on
+/// 512 needs a pipeline. Flashover's attention materialises its scores, so cp and recomputation
+/// trade places with those choices; the shape of the answer is what this checks.
+#[test]
+fn llama_70b_on_256_gpus_is_fully_sharded_with_tp_and_405b_on_512_is_pipelined() {
+    let mut req = request(256, "h100", "llama-70b", 8192, 1024);
+    req.include_unsupported = false;
+    let best = plan(&req).unwrap().plans[0].layout.clone();
+    assert!(
+        best.zero == 3 && best.fsdp > 1 && best.tp > 1,
+        "70B on 256: {best}"
+    );
+    let mut req = request(512, "h100", "llama-405b", 8192, 1024);
+    req.include_unsupported = false;
+    let best = plan(&req).unwrap().plans[0].layout.clone();
+    assert!(best.pp > 1, "405B on 512: {best}");
+    // 126 blocks: no power of two above 2 divides them, so the stages hold unequal counts.
+    assert_ne!(126 % best.pp, 0, "{best}");
+}
+
+#[test]
+fn every_choice_of_the_best_plan_is_set_against_its_alternatives() {
+    let req = request(64, "h100", "llama-8b", 8192, 512);
+    let result = plan(&req).unwrap();
+    let best = &result.plans[0];
+    let knobs: Vec<&str> = result.choices.iter().map(|c| c.knob).collect();
+    for knob in [
+        "pp",
+        "dp",
+        "fsdp",
+        "cp",
+        "tp",
+        "zero",
+        "recompute",
+        "micro-batch",
+    ] {
+        assert!(knobs.contains(&knob), "{knob} not explained: {knobs:?}");
+    }
+    for choice in &result.choices {
+        for alt in &choice.alternatives {
+            assert_ne!(alt.value, choice.chosen);
+            match alt.relative_throughput {
+                // Nothing the best plan beat is faster than it.
+                Some(rate) => assert!(rate <= 1.0 + 1e-12, "{}={}: {rate}", choice.knob, alt.value),
+                None => assert!(
+                    alt.smallest_memory > req.hardware.usable_bytes(),
+                    "{}={} fits but has no plan",
+                    choice.knob,
+                    alt.value
+                ),
+            }
+        }
+    }
+    let micro = result
+        .choices
+        .iter()
+        .find(|c| c.knob == "micro-batch")
+        .unwrap();
+    assert_eq!(micro.chosen, best.layout.micro_batch.to_string());
+}
+
+#[test]
+fn a_fixed_micro_batch_is_kept_and_a_free_one_divides_each_share() {
+    let mut req = request(64, "h100", "llama-8b", 8192, 512);
+    for p in &plan(&req).unwrap().plans {
+        let share = 512 / p.layout.batch_ranks();
+        assert!(p.layout.micro_batch.is_power_of_two(), "{}", p.mesh);
+        assert_eq!(share % p.layout.micro_batch, 0, "{}", p.mesh);
+    }
+    req.fixed.micro_batch = Some(2);
+    let result = plan(&req).unwrap();
+    assert!(!result.plans.is_empty());
+    assert!(result.plans.iter().all(|p| p.layout.micro_batch == 2));
 }
