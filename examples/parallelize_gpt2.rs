@@ -328,13 +328,7 @@ fn main() {
     ];
     for (mesh, plan) in &layouts {
         let (run, stored, recomputed) = parallel(mesh, plan);
-        let rel = |a: f32, b: f32| (a - b).abs() / b.abs().max(1e-12);
-        let loss = run
-            .0
-            .iter()
-            .zip(&reference.0)
-            .map(|(a, b)| rel(*a, *b))
-            .fold(0.0, f32::max);
+        let loss = flashover::check::stepwise_relative_difference(&reference.0, &run.0);
         let weights = flashover::check::relative_difference(&reference.1, &run.1);
         let paths: Vec<&str> = plan.fully_shard.iter().map(|p| p.as_str()).collect();
         let mut split = String::new();

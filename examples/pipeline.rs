@@ -153,11 +153,7 @@ fn main() {
     for (i, (a, b)) in single.iter().zip(&pipelined).enumerate() {
         println!("{i:>4}  {a:>12.6}  {b:>11.6}");
     }
-    let worst = single
-        .iter()
-        .zip(&pipelined)
-        .map(|(a, b)| (a - b).abs() / a.abs())
-        .fold(0.0, f32::max);
+    let worst = flashover::check::stepwise_relative_difference(&single, &pipelined);
     println!("max relative loss difference {worst:.2e}");
     assert!(worst < 1e-5, "the pipeline must train as one rank");
     assert!(single[STEPS - 1] < single[0], "the model must learn");

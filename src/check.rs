@@ -30,6 +30,31 @@ pub fn relative_difference(reference: &[f32], candidate: &[f32]) -> f32 {
     }
 }
 
+/// Largest `|candidate[i] - reference[i]| / |reference[i]|`: each value against itself, as
+/// loss curves are compared step by step; infinite when the lengths differ or any value is not
+/// finite (a NaN never passes).
+///
+/// ```
+/// use flashover::check::stepwise_relative_difference;
+/// assert!(stepwise_relative_difference(&[2.0, 0.5], &[2.0, 0.5000001]) < 1e-6);
+/// assert!(stepwise_relative_difference(&[2.0, 0.5], &[2.0, f32::NAN]).is_infinite());
+/// ```
+pub fn stepwise_relative_difference(reference: &[f32], candidate: &[f32]) -> f32 {
+    if reference.len() != candidate.len()
+        || reference.iter().chain(candidate).any(|v| !v.is_finite())
+    {
+        return f32::INFINITY;
+    }
+    reference
+        .iter()
+        .zip(candidate)
+        .map(|(a, b)| match (a - b).abs() {
+            0.0 => 0.0,
+            d => d / a.abs().max(f32::MIN_POSITIVE),
+        })
+        .fold(0.0, f32::max)
+}
+
 /// Panics, naming `what` and the difference, when `candidate` is not within `tolerance` of
 /// `reference` ([`relative_difference`]).
 pub fn assert_close(what: &str, reference: &[f32], candidate: &[f32], tolerance: f32) {

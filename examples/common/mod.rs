@@ -88,14 +88,8 @@ pub fn train_single() -> (Vec<f32>, Vec<f32>) {
 /// Largest relative differences of the loss curves (step by step) and of the weights (against
 /// their largest value) with the reference.
 pub fn differences(single: &(Vec<f32>, Vec<f32>), other: &(Vec<f32>, Vec<f32>)) -> (f32, f32) {
-    let rel = |a: f32, b: f32| (a - b).abs() / b.abs().max(1e-12);
-    let loss = single
-        .0
-        .iter()
-        .zip(&other.0)
-        .map(|(a, b)| rel(*b, *a))
-        .fold(0.0, f32::max);
-    // Weights relative to their own scale (flashover::check); each loss relative to itself.
+    // Each loss relative to itself; weights relative to their own scale (both NaN-safe).
+    let loss = flashover::check::stepwise_relative_difference(&single.0, &other.0);
     let weights = flashover::check::relative_difference(&single.1, &other.1);
     (loss, weights)
 }
