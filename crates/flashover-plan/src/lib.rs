@@ -2,11 +2,12 @@
 //!
 //! Given the devices ([`Hardware`]), the model ([`ModelSpec`]) and the batch ([`Workload`]),
 //! [`plan`] enumerates every layout of the world (tp within a node, pp, cp, ep, dp, ZeRO
-//! stage and fsdp, pipeline schedule, recomputation), discards those that are invalid or do
-//! not fit in memory, and ranks the rest by the step time the cost model ([`cost`]) estimates:
-//! compute at the hardware's efficiency, plus exposed communication per collective and link,
-//! plus the pipeline bubble. Every assumption is listed in [`cost::ASSUMPTIONS`].
-//! [`explain`] draws where a layout's ranks and state live.
+//! stage and fsdp, pipeline schedule, recomputation, micro-batch size), discards those that are
+//! invalid or do not fit in memory, and ranks the rest by the step time the cost model
+//! ([`cost`]) estimates: compute at the hardware's efficiency, plus exposed communication per
+//! collective and link, plus the pipeline bubble. Every assumption is listed in [`cost::ASSUMPTIONS`].
+//! [`PlanResult::choices`] sets each choice of the best plan against the other values the
+//! search met; [`explain`] draws where a layout's ranks and state live.
 //!
 //! ```
 //! use flashover_plan::{Fixed, Hardware, ModelSpec, PlanRequest, Precision, Workload, plan};
