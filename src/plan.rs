@@ -72,7 +72,24 @@ pub fn layout_of(config: &TrainConfig) -> Result<Layout, String> {
         _ => Recompute::Full,
     };
     let batch_ranks = mesh.degree(Axis::Dp) * mesh.degree(Axis::Fsdp) * mesh.degree(Axis::Ep);
+    let pp = mesh.degree(Axis::Pp);
+    let chunks = match schedule {
+        PipelineSchedule::Interleaved { chunks } => chunks,
+        _ => 1,
+    };
+    // The job's own cut; `None` (the planner's cost cut) when the job asks for that one. A
+    // cut the job cannot make is `validate`'s error to report; the estimate then uses the cost
+    // cut.
+    let stage_blocks = match p.pp_split.as_str() {
+        "cost" if p.pp_blocks.is_none() => None,
+        _ if pp > 1 => config
+            .transformer(config.vocab_size())
+            .and_then(|model| config.pipeline_blocks(&model, pp * chunks))
+            .ok(),
+        _ => None,
+    };
     Ok(Layout {
+        stage_blocks,
         // The samples `run.micro_batches` makes of each data-parallel rank's share.
         micro_batch: (config.run.global_batch
             / batch_ranks.max(1)
@@ -93,7 +110,8 @@ pub fn layout_of(config: &TrainConfig) -> Result<Layout, String> {
 
 /// `config` set to train `layout`: its mesh, ZeRO stage, sequence parallelism, pipeline
 /// schedule and stage cut, recomputation and micro-batches (the inverse of [`layout_of`]).
-/// Pipelines are cut by cost (`pp_split = "cost"`), as the planner's estimates assume.
+/// Pipelines are cut as the layout says: its `stage_blocks`, or by cost (`pp_split = "cost"`),
+/// as the planner's search assumes.
 ///
 /// ```
 /// use flashover::plan::{apply_layout, layout_of};
@@ -124,7 +142,7 @@ pub fn apply_layout(config: &mut TrainConfig, layout: &Layout) {
     };
     if layout.pp > 1 {
         p.pp_split = "cost".into();
-        p.pp_blocks = None;
+        p.pp_blocks = layout.stage_blocks.clone();
     }
     let share = config.run.global_batch / layout.batch_ranks().max(1);
     config.run.micro_batches = (share / layout.micro_batch.max(1)).max(1);
@@ -133,6 +151,29 @@ pub fn apply_layout(config: &mut TrainConfig, layout: &Layout) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A job's pipeline is estimated with the blocks its stages hold: its own list, its even
+    /// cut, or the cost cut (the planner's default); `apply_layout` writes the cut back.
+    #[test]
+    fn a_jobs_own_stage_cut_is_what_the_planner_estimates() {
+        let mut job = TrainConfig::default();
+        job.parallel.mesh = "pp=2".into();
+        job.model.n_layers = Some(4);
+        job.parallel.pp_blocks = Some(vec![3, 1]);
+        let layout = layout_of(&job).unwrap();
+        assert_eq!(layout.stage_blocks, Some(vec![3, 1]));
+        let (model, work) = (model_spec(&job).unwrap(), workload(&job).unwrap());
+        let held = flashover_plan::cost::stage_blocks(&model, &work, &layout);
+        assert_eq!(held, vec![3, 1]);
+        let mut written = TrainConfig::default();
+        apply_layout(&mut written, &layout);
+        assert_eq!(written.parallel.pp_blocks, Some(vec![3, 1]));
+        job.parallel.pp_blocks = None;
+        job.parallel.pp_split = "even".into();
+        assert_eq!(layout_of(&job).unwrap().stage_blocks, Some(vec![2, 2]));
+        job.parallel.pp_split = "cost".into();
+        assert_eq!(layout_of(&job).unwrap().stage_blocks, None);
+    }
 
     /// Whatever `plan` ranks, `train` accepts: both ask the one rule table, and this checks
     /// the planner's layouts through the training job's own validation.

@@ -114,9 +114,18 @@ fn block_and_head_flops(model: &ModelSpec, work: &Workload) -> (f64, f64) {
     )
 }
 
-/// Blocks each pipeline rank holds (one entry without a pipeline), cut as the training job's
-/// `pp_split = "cost"` cuts them.
+/// Blocks each pipeline rank holds (one entry without a pipeline): the layout's own cut when
+/// it has one, otherwise cut as the training job's `pp_split = "cost"` cuts them.
 pub fn stage_blocks(model: &ModelSpec, work: &Workload, layout: &Layout) -> Vec<usize> {
+    let ranks = layout.pp.max(1);
+    if let Some(virtual_stages) = &layout.stage_blocks {
+        // Rank r holds virtual stages r, r + pp, ... (the interleaved assignment).
+        let mut per_rank = vec![0; ranks];
+        for (stage, count) in virtual_stages.iter().enumerate() {
+            per_rank[stage % ranks] += count;
+        }
+        return per_rank;
+    }
     type Key = (usize, usize, usize, u64, u64);
     thread_local! {
         // The cut is a dynamic programme over stages x blocks^2, asked for thousands of
@@ -125,7 +134,7 @@ pub fn stage_blocks(model: &ModelSpec, work: &Workload, layout: &Layout) -> Vec<
             Default::default();
     }
     let (block, head) = block_and_head_flops(model, work);
-    let (ranks, chunks) = (layout.pp.max(1), chunks(layout));
+    let chunks = chunks(layout);
     let key = (model.layers, ranks, chunks, block.to_bits(), head.to_bits());
     CUTS.with(|cuts| {
         cuts.borrow_mut()

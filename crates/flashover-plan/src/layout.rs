@@ -90,6 +90,10 @@ pub struct Layout {
     /// Sequences per micro-batch on one rank (the rank's share of the global batch is cut into
     /// micro-batches of this size, accumulated before the optimizer steps).
     pub micro_batch: usize,
+    /// With a pipeline: blocks per virtual stage, when a job fixes them (`parallel.pp_blocks`
+    /// or `pp_split = "even"`); `None` cuts them to balance compute, as `pp_split = "cost"`
+    /// does (what the search assumes).
+    pub stage_blocks: Option<Vec<usize>>,
 }
 
 impl Layout {
@@ -107,6 +111,7 @@ impl Layout {
             schedule: PipelineSchedule::OneFOneB,
             recompute: Recompute::None,
             micro_batch: 1,
+            stage_blocks: None,
         }
     }
 

@@ -197,6 +197,7 @@ pub fn enumerate(req: &PlanRequest) -> Vec<Layout> {
                                         schedule,
                                         recompute,
                                         micro_batch,
+                                        stage_blocks: None,
                                     });
                                 }
                             }
