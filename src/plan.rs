@@ -71,30 +71,7 @@ pub fn layout_of(config: &TrainConfig) -> Result<Layout, String> {
         CheckpointPolicy::Selective => Recompute::Selective,
         _ => Recompute::Full,
     };
-    let batch_ranks = mesh.degree(Axis::Dp) * mesh.degree(Axis::Fsdp) * mesh.degree(Axis::Ep);
-    let pp = mesh.degree(Axis::Pp);
-    let chunks = match schedule {
-        PipelineSchedule::Interleaved { chunks } => chunks,
-        _ => 1,
-    };
-    // The job's own cut; `None` (the planner's cost cut) when the job asks for that one. A
-    // cut the job cannot make is `validate`'s error to report; the estimate then uses the cost
-    // cut.
-    let stage_blocks = match p.pp_split.as_str() {
-        "cost" if p.pp_blocks.is_none() => None,
-        _ if pp > 1 => config
-            .transformer(config.vocab_size())
-            .and_then(|model| config.pipeline_blocks(&model, pp * chunks))
-            .ok(),
-        _ => None,
-    };
-    Ok(Layout {
-        stage_blocks,
-        // The samples `run.micro_batches` makes of each data-parallel rank's share.
-        micro_batch: (config.run.global_batch
-            / batch_ranks.max(1)
-            / config.run.micro_batches.max(1))
-        .max(1),
+    let mut layout = Layout {
         pp: mesh.degree(Axis::Pp),
         dp: mesh.degree(Axis::Dp),
         fsdp: mesh.degree(Axis::Fsdp),
@@ -105,7 +82,24 @@ pub fn layout_of(config: &TrainConfig) -> Result<Layout, String> {
         sequence_parallel: p.sequence_parallel,
         schedule,
         recompute,
-    })
+        micro_batch: 1,
+        stage_blocks: None,
+    };
+    // The samples `run.micro_batches` makes of each data-parallel rank's share.
+    layout.micro_batch =
+        (config.run.global_batch / layout.batch_ranks().max(1) / config.run.micro_batches.max(1))
+            .max(1);
+    // The job's own cut; `None` (the planner's cost cut) when the job asks for that one. A
+    // cut the job cannot make is `validate`'s error to report; the estimate then uses the cost
+    // cut.
+    let own_cut = p.pp_split != "cost" || p.pp_blocks.is_some();
+    if layout.pp > 1 && own_cut {
+        layout.stage_blocks = config
+            .transformer(config.vocab_size())
+            .and_then(|model| config.pipeline_blocks(&model, layout.pp * layout.chunks()))
+            .ok();
+    }
+    Ok(layout)
 }
 
 /// `config` set to train `layout`: its mesh, ZeRO stage, sequence parallelism, pipeline
@@ -144,8 +138,11 @@ pub fn apply_layout(config: &mut TrainConfig, layout: &Layout) {
         p.pp_split = "cost".into();
         p.pp_blocks = layout.stage_blocks.clone();
     }
-    let share = config.run.global_batch / layout.batch_ranks().max(1);
-    config.run.micro_batches = (share / layout.micro_batch.max(1)).max(1);
+    let batch = Workload {
+        seq_len: config.data.seq_len,
+        global_batch: config.run.global_batch,
+    };
+    config.run.micro_batches = layout.micro_batches(&batch).max(1);
 }
 
 #[cfg(test)]

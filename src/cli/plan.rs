@@ -297,20 +297,7 @@ pub fn run(args: &PlanArgs) -> Result<(), String> {
         if !result.choices.is_empty() {
             println!("why #1 chose what it did (the best plan with each other value):");
             for choice in &result.choices {
-                let others: Vec<String> = choice
-                    .alternatives
-                    .iter()
-                    .map(|a| match a.relative_throughput {
-                        Some(r) if r >= 0.99 => format!("{} within 1% ({})", a.value, a.why),
-                        Some(r) => format!(
-                            "{} {:.0}% slower ({})",
-                            a.value,
-                            100.0 * (1.0 / r - 1.0),
-                            a.why
-                        ),
-                        None => format!("{} {}", a.value, a.why),
-                    })
-                    .collect();
+                let others: Vec<String> = choice.alternatives.iter().map(|a| a.summary()).collect();
                 println!(
                     "  {} = {}: {}",
                     choice.knob,

@@ -4,7 +4,7 @@
 use crate::hardware::Hardware;
 use crate::layout::{Layout, PipelineSchedule, Precision, Recompute};
 use crate::model::{ModelSpec, Workload};
-use crate::stages::{blocks_per_rank, stage_imbalance};
+use crate::stages::{balanced_stages, cut_imbalance, per_rank};
 use flashover_mesh::Axis;
 use serde::Serialize;
 
@@ -114,19 +114,13 @@ fn block_and_head_flops(model: &ModelSpec, work: &Workload) -> (f64, f64) {
     )
 }
 
-/// Blocks each pipeline rank holds (one entry without a pipeline): the layout's own cut when
-/// it has one, otherwise cut as the training job's `pp_split = "cost"` cuts them.
-pub fn stage_blocks(model: &ModelSpec, work: &Workload, layout: &Layout) -> Vec<usize> {
-    let ranks = layout.pp.max(1);
-    if let Some(virtual_stages) = &layout.stage_blocks {
-        // Rank r holds virtual stages r, r + pp, ... (the interleaved assignment).
-        let mut per_rank = vec![0; ranks];
-        for (stage, count) in virtual_stages.iter().enumerate() {
-            per_rank[stage % ranks] += count;
-        }
-        return per_rank;
+/// Blocks per virtual stage (`pp x chunks` of them; one without a pipeline): the layout's own
+/// cut when it has one, otherwise cut as the training job's `pp_split = "cost"` cuts them.
+fn virtual_stage_blocks(model: &ModelSpec, work: &Workload, layout: &Layout) -> Vec<usize> {
+    if let Some(counts) = &layout.stage_blocks {
+        return counts.clone();
     }
-    type Key = (usize, usize, usize, u64, u64);
+    type Key = (usize, usize, u64, u64);
     thread_local! {
         // The cut is a dynamic programme over stages x blocks^2, asked for thousands of
         // layouts that share a few (pp, chunks) pairs: remember it.
@@ -134,19 +128,26 @@ pub fn stage_blocks(model: &ModelSpec, work: &Workload, layout: &Layout) -> Vec<
             Default::default();
     }
     let (block, head) = block_and_head_flops(model, work);
-    let chunks = chunks(layout);
-    let key = (model.layers, ranks, chunks, block.to_bits(), head.to_bits());
+    let stages = layout.pp.max(1) * layout.chunks();
+    let key = (model.layers, stages, block.to_bits(), head.to_bits());
     CUTS.with(|cuts| {
         cuts.borrow_mut()
             .entry(key)
             .or_insert_with(|| {
-                blocks_per_rank(model.layers, ranks, chunks, block, head)
+                balanced_stages(model.layers, stages, block, head)
+                    .map(|(counts, _)| counts)
                     // Fewer blocks than stages is refused by `Layout::problems`; spread what
                     // there is.
-                    .unwrap_or_else(|| vec![model.layers.div_ceil(ranks); ranks])
+                    .unwrap_or_else(|| vec![model.layers.div_ceil(stages); stages])
             })
             .clone()
     })
+}
+
+/// Blocks each pipeline rank holds (one entry without a pipeline): the layout's own cut when
+/// it has one, otherwise cut as the training job's `pp_split = "cost"` cuts them.
+pub fn stage_blocks(model: &ModelSpec, work: &Workload, layout: &Layout) -> Vec<usize> {
+    per_rank(&virtual_stage_blocks(model, work, layout), layout.pp.max(1))
 }
 
 /// Parameters on the busiest device: its stage's blocks (split over tp, experts over ep) and
@@ -265,13 +266,6 @@ fn block_activations(
         }
 }
 
-fn chunks(layout: &Layout) -> usize {
-    match layout.schedule {
-        PipelineSchedule::Interleaved { chunks } if layout.pp > 1 => chunks,
-        _ => 1,
-    }
-}
-
 /// Micro-batches whose activations pipeline rank `stage` holds at once (the first stage holds
 /// the most).
 pub fn in_flight(layout: &Layout, micro_batches: usize, stage: usize) -> f64 {
@@ -371,10 +365,13 @@ pub fn step_time(
         }
     };
     let bubble = (compute + recompute) * bubble_fraction;
-    // Stages cut as the training job cuts them (`stages::balanced_stages`).
+    // Stages cut as the layout (or the training job's cost split) cuts them.
     let (block_flops, head_flops) = block_and_head_flops(model, work);
-    let virtual_stages = layout.pp * chunks(layout);
-    let imbalance = stage_imbalance(model.layers, virtual_stages, block_flops, head_flops);
+    let imbalance = cut_imbalance(
+        &virtual_stage_blocks(model, work, layout),
+        block_flops,
+        head_flops,
+    );
     let stage_imbalance = (compute + recompute) * (imbalance - 1.0);
     let act = precision.activation_bytes();
     let s = s_all / layout.cp as f64;
@@ -423,7 +420,7 @@ pub fn step_time(
         } else {
             1.0
         };
-        2.0 * m * chunks(layout) as f64 * (lat + s * b * h / sp * act / bw)
+        2.0 * m * layout.chunks() as f64 * (lat + s * b * h / sp * act / bw)
     } else {
         0.0
     };

@@ -161,6 +161,14 @@ impl Layout {
         }
     }
 
+    /// Model chunks per pipeline rank: the interleaved schedule's, otherwise 1.
+    pub fn chunks(&self) -> usize {
+        match self.schedule {
+            PipelineSchedule::Interleaved { chunks } if self.pp > 1 => chunks,
+            _ => 1,
+        }
+    }
+
     /// Micro-batches per step on one rank.
     pub fn micro_batches(&self, work: &Workload) -> usize {
         work.global_batch / self.batch_ranks() / self.micro_batch.max(1)
@@ -215,10 +223,7 @@ impl Layout {
                 p.push(format!("tp = {tp} does not divide {what} = {n}"));
             }
         }
-        let chunks = match self.schedule {
-            PipelineSchedule::Interleaved { chunks } if self.pp > 1 => chunks,
-            _ => 1,
-        };
+        let chunks = self.chunks();
         // Stages may hold different numbers of blocks (the training job cuts them to balance
         // their compute), but every virtual stage needs one.
         if model.layers < self.pp * chunks {

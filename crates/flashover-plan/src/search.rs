@@ -343,12 +343,13 @@ fn explain_choices(
     let Some(best) = plans.first() else {
         return vec![];
     };
-    let value_of = |layout: &Layout, knob: &str| {
-        choices_of(layout)
-            .into_iter()
-            .find(|(k, _)| *k == knob)
-            .map(|(_, v)| v)
-    };
+    // The best plan with each value of each choice: the first met, plans being ranked.
+    let mut best_with: HashMap<(&'static str, String), &Plan> = HashMap::new();
+    for plan in plans {
+        for key in choices_of(&plan.layout) {
+            best_with.entry(key).or_insert(plan);
+        }
+    }
     let mut choices = vec![];
     for (knob, chosen) in choices_of(&best.layout) {
         let mut values: Vec<&String> = smallest_by_choice
@@ -360,11 +361,9 @@ fn explain_choices(
         let mut alternatives: Vec<Alternative> = values
             .into_iter()
             .map(|value| {
-                let rival = plans
-                    .iter()
-                    .find(|p| value_of(&p.layout, knob).as_ref() == Some(value));
-                let smallest_memory = smallest_by_choice[&(knob, value.clone())];
-                match rival {
+                let key = (knob, value.clone());
+                let smallest_memory = smallest_by_choice[&key];
+                match best_with.get(&key) {
                     Some(p) => Alternative {
                         value: value.clone(),
                         mesh: Some(format!("{} micro-batch {}", p.layout, p.layout.micro_batch)),
@@ -406,6 +405,23 @@ fn explain_choices(
     choices
 }
 
+/// How much slower than the best plan one at `relative` of its throughput is, in percent
+/// (below 1 reads "within 1%").
+fn percent_slower(relative: f64) -> f64 {
+    100.0 * (1.0 / relative - 1.0)
+}
+
+impl Alternative {
+    /// One line: the value, how it compares with the best plan and why.
+    pub fn summary(&self) -> String {
+        match self.relative_throughput.map(percent_slower) {
+            Some(slower) if slower < 1.0 => format!("{} within 1% ({})", self.value, self.why),
+            Some(slower) => format!("{} {slower:.0}% slower ({})", self.value, self.why),
+            None => format!("{} {}", self.value, self.why),
+        }
+    }
+}
+
 /// The overhead `plan` pays most beyond `best`, if any.
 fn extra_overhead(plan: &TimeEstimate, best: &TimeEstimate) -> Option<&'static str> {
     let theirs = best.overheads();
@@ -442,7 +458,7 @@ fn explain_ranking(plans: &mut [Plan], limit: f64) {
                 100.0 * plan.time.compute / step
             )
         } else {
-            let slower = 100.0 * (best.tokens_per_s / plan.tokens_per_s - 1.0);
+            let slower = percent_slower(plan.tokens_per_s / best.tokens_per_s);
             let slower = if slower < 1.0 {
                 "within 1% of #1".to_string()
             } else {

@@ -50,27 +50,31 @@ pub fn stage_imbalance(blocks: usize, stages: usize, block: f64, head: f64) -> f
     if stages <= 1 {
         return 1.0;
     }
-    let mean = (blocks as f64 * block + head) / stages as f64;
-    balanced_stages(blocks, stages, block, head).map_or(1.0, |(_, busiest)| busiest / mean)
+    balanced_stages(blocks, stages, block, head)
+        .map_or(1.0, |(counts, _)| cut_imbalance(&counts, block, head))
 }
 
-/// Blocks each pipeline rank holds when [`balanced_stages`] cuts `blocks` blocks into
-/// `ranks x chunks` virtual stages, rank `r` holding virtual stages `r`, `r + ranks`, ... (the
-/// interleaved schedule's assignment; one stage per rank when `chunks` is 1). `None` if there
-/// are fewer blocks than virtual stages.
-pub fn blocks_per_rank(
-    blocks: usize,
-    ranks: usize,
-    chunks: usize,
-    block: f64,
-    head: f64,
-) -> Option<Vec<usize>> {
-    let (counts, _) = balanced_stages(blocks, ranks * chunks, block, head)?;
-    let mut per_rank = vec![0; ranks];
-    for (stage, count) in counts.into_iter().enumerate() {
-        per_rank[stage % ranks] += count;
+/// The busiest stage's cost over the mean stage's for stages holding `counts` blocks of cost
+/// `block` each, the last also paying `head` (1 for one stage): any cut, balanced or not.
+pub fn cut_imbalance(counts: &[usize], block: f64, head: f64) -> f64 {
+    let Some(last) = counts.len().checked_sub(1).filter(|&last| last > 0) else {
+        return 1.0;
+    };
+    let cost = |stage: usize| counts[stage] as f64 * block + if stage == last { head } else { 0.0 };
+    let total = counts.iter().sum::<usize>() as f64 * block + head;
+    let busiest = (0..=last).map(cost).fold(0.0, f64::max);
+    busiest / (total / counts.len() as f64)
+}
+
+/// Blocks each pipeline rank holds when the virtual stages hold `counts` blocks, rank `r`
+/// holding virtual stages `r`, `r + ranks`, ... (the interleaved schedule's assignment; one
+/// stage per rank when there are `ranks` of them).
+pub fn per_rank(counts: &[usize], ranks: usize) -> Vec<usize> {
+    let mut held = vec![0; ranks];
+    for (stage, count) in counts.iter().enumerate() {
+        held[stage % ranks] += count;
     }
-    Some(per_rank)
+    held
 }
 
 #[cfg(test)]
@@ -96,13 +100,22 @@ mod tests {
     #[test]
     fn uneven_blocks_go_to_the_stages_without_the_head() {
         // Llama 3 405B's 126 blocks over 8 stages: none holds more than 16.
-        let counts = blocks_per_rank(126, 8, 1, 1.0, 0.0).unwrap();
+        let (counts, _) = balanced_stages(126, 8, 1.0, 0.0).unwrap();
         assert_eq!(
             (counts.iter().sum::<usize>(), counts.iter().max()),
             (126, Some(&16))
         );
         // Interleaved: rank r sums its virtual stages r and r + ranks.
-        assert_eq!(blocks_per_rank(8, 2, 2, 1.0, 0.0).unwrap(), vec![4, 4]);
-        assert_eq!(blocks_per_rank(3, 2, 2, 1.0, 0.0), None);
+        let (virtual_stages, _) = balanced_stages(8, 4, 1.0, 0.0).unwrap();
+        assert_eq!(per_rank(&virtual_stages, 2), vec![4, 4]);
+        assert_eq!(per_rank(&[1, 2, 3, 4], 2), vec![4, 6]);
+        assert_eq!(balanced_stages(3, 4, 1.0, 0.0), None);
+    }
+
+    #[test]
+    fn any_cut_is_charged_its_busiest_stage() {
+        // An even cut of 4 blocks with a head worth one: the last stage costs 3 of a mean 2.5.
+        assert_eq!(cut_imbalance(&[2, 2], 1.0, 1.0), 3.0 / 2.5);
+        assert_eq!(cut_imbalance(&[4], 1.0, 1.0), 1.0);
     }
 }
