@@ -5,7 +5,8 @@
 //! positions say where this rank's tensors sit in the logical ones (what a single rank would
 //! hold), so dropout masks and rotary tables are those of one rank. Its hooks are the places a
 //! strategy installs itself without the model knowing which strategies run: a linear layer
-//! ([`LinearOp`], zero-bubble weight-gradient deferral), attention's core ([`AttentionOp`],
+//! ([`LinearOp`], zero-bubble weight-gradient deferral, a plan's tensor-parallel layers), the
+//! embedding and loss ([`VocabOp`], a table split by vocabulary), attention's core ([`AttentionOp`],
 //! context parallelism), a block ([`BlockCheckpoint`], activation checkpointing), a
 //! mixture-of-experts layer's experts ([`crate::MoeHook`], expert parallelism), and the
 //! sequences split across ranks that such a layer routes whole ([`SequenceShare`], context
@@ -13,8 +14,9 @@
 
 use crate::dropout::{Coords, Dropout, Site};
 use crate::layers::{Block, rope_tables_at};
-use burn::nn::Linear;
-use burn::tensor::{Device, Tensor};
+use crate::transformer::{OutputHead, next_token_loss};
+use burn::nn::{Embedding, Linear};
+use burn::tensor::{Device, Int, Tensor};
 use std::sync::Arc;
 
 /// Where a forward runs: its dropout, where its local tensors sit in the logical ones, and who
@@ -35,6 +37,8 @@ pub struct ForwardContext {
     pub positions: Option<Arc<[usize]>>,
     /// Computes the blocks' linear layers in place of [`Linear::forward`] when set.
     pub linear: Option<LinearHook>,
+    /// Embeds tokens and computes the loss in place of the local embedding and head when set.
+    pub vocab: Option<VocabHook>,
     /// Runs mixture-of-experts layers' experts and collects their auxiliary losses when set
     /// (without it, experts run locally and auxiliary losses are not added).
     pub moe: Option<crate::moe::MoeHook>,
@@ -128,13 +132,36 @@ pub trait AttentionOp: Send + Sync {
 shared_hook!(AttentionHook, AttentionOp);
 
 /// Computes a linear layer in place of [`Linear::forward`]: how a strategy changes the way a
-/// weight's gradient is produced (a zero-bubble pipeline defers it to a later action).
+/// weight's gradient is produced (a zero-bubble pipeline defers it to a later action) or how a
+/// split layer computes (a plan's tensor-parallel layers).
 pub trait LinearOp: Send + Sync {
     /// `linear` applied to `x: [batch, seq, d_in]`.
     fn apply(&self, linear: &Linear, x: Tensor<3>) -> Tensor<3>;
+
+    /// `layers` applied to one input `x` (attention's query, key and value; SwiGLU's gate and
+    /// up), in order: by default one by one, and an op may share work between them (one entry
+    /// into a tensor-parallel region).
+    fn apply_shared(&self, layers: &[&Linear], x: Tensor<3>) -> Vec<Tensor<3>> {
+        layers.iter().map(|l| self.apply(l, x.clone())).collect()
+    }
 }
 
 shared_hook!(LinearHook, LinearOp);
+
+/// The model's two vocabulary ends in place of the local ones: how tokens are embedded and how
+/// the last hidden states become the loss, as a table split by vocabulary over
+/// tensor-parallel ranks computes them.
+pub trait VocabOp: Send + Sync {
+    /// `table` looked up at `tokens: [batch, seq]`: `[batch, seq, d]`, or the rows of this
+    /// rank's positions when the op splits sequences.
+    fn embed(&self, table: &Embedding, tokens: Tensor<2, Int>) -> Tensor<3>;
+
+    /// The mean next-token cross-entropy of the normed hidden states `h: [batch, seq, d]`
+    /// through `head` against `targets: [batch, seq]`.
+    fn loss(&self, head: OutputHead<'_>, h: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1>;
+}
+
+shared_hook!(VocabHook, VocabOp);
 
 impl ForwardContext {
     /// `linear` applied to `x`, by the context's [`LinearOp`] if it has one.
@@ -142,6 +169,39 @@ impl ForwardContext {
         match &self.linear {
             Some(hook) => hook.0.apply(linear, x),
             None => linear.forward(x),
+        }
+    }
+
+    /// `layers` applied to one input `x` (see [`LinearOp::apply_shared`]), by the context's
+    /// [`LinearOp`] if it has one.
+    pub fn linears<const N: usize>(&self, layers: [&Linear; N], x: Tensor<3>) -> [Tensor<3>; N] {
+        match &self.linear {
+            Some(hook) => match hook.0.apply_shared(&layers, x).try_into() {
+                Ok(outputs) => outputs,
+                Err(outputs) => panic!(
+                    "a LinearOp's apply_shared returned {} outputs for {N} layers",
+                    outputs.len()
+                ),
+            },
+            None => layers.map(|l| l.forward(x.clone())),
+        }
+    }
+
+    /// `table` looked up at `tokens`, by the context's [`VocabOp`] if it has one.
+    pub fn embed(&self, table: &Embedding, tokens: Tensor<2, Int>) -> Tensor<3> {
+        match &self.vocab {
+            Some(hook) => hook.0.embed(table, tokens),
+            None => table.forward(tokens),
+        }
+    }
+
+    /// The mean next-token loss of the normed hidden states `h` through `head`, by the
+    /// context's [`VocabOp`] if it has one ([`next_token_loss`] of the head's logits
+    /// otherwise).
+    pub fn loss(&self, head: OutputHead<'_>, h: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+        match &self.vocab {
+            Some(hook) => hook.0.loss(head, h, targets),
+            None => next_token_loss(head.logits(h), targets),
         }
     }
 

@@ -89,7 +89,8 @@ pub struct Attention {
     pub wv: Linear,
     /// Output projection `[n_heads * head_dim, d_model]`.
     pub wo: Linear,
-    /// Heads held by this module (all of them, or a tensor-parallel share).
+    /// Heads held by this module (all of them, or a tensor-parallel share). The forward counts
+    /// them from the query projection's output width, which a plan's split narrows.
     pub n_heads: usize,
     /// Features per head.
     pub head_dim: usize,
@@ -109,12 +110,16 @@ impl Attention {
         ctx: &ForwardContext,
         layer: usize,
     ) -> Tensor<3> {
-        let [b, t, _] = x.dims();
-        let (h, hd) = (self.n_heads, self.head_dim);
+        let [q, k, v] = ctx.linears([&self.wq, &self.wk, &self.wv], x);
+        // Heads are counted from the projection's output: a tensor-parallel split holds whole
+        // heads, fewer of them. Under sequence parallelism `x` held this rank's positions
+        // only and the projections all of them.
+        let [b, t, width] = q.dims();
+        let (h, hd) = (width / self.head_dim, self.head_dim);
         let split = |y: Tensor<3>| y.reshape([b, t, h, hd]).swap_dims(1, 2);
-        let q = apply_rope(split(ctx.linear(&self.wq, x.clone())), &rope.0, &rope.1);
-        let k = apply_rope(split(ctx.linear(&self.wk, x.clone())), &rope.0, &rope.1);
-        let v = split(ctx.linear(&self.wv, x));
+        let q = apply_rope(split(q), &rope.0, &rope.1);
+        let k = apply_rope(split(k), &rope.0, &rope.1);
+        let v = split(v);
         if let Some(core) = &ctx.core_attention {
             let out = core.0.attend(q, k, v, ctx, layer);
             return ctx.linear(&self.wo, out.swap_dims(1, 2).reshape([b, t, h * hd]));
@@ -154,8 +159,8 @@ impl SwiGlu {
 
     /// [`SwiGlu::forward`] with `ctx`'s linear layers.
     pub fn forward_with(&self, x: Tensor<3>, ctx: &ForwardContext) -> Tensor<3> {
-        let gate = silu(ctx.linear(&self.w_gate, x.clone()));
-        ctx.linear(&self.w_down, gate * ctx.linear(&self.w_up, x))
+        let [gate, up] = ctx.linears([&self.w_gate, &self.w_up], x);
+        ctx.linear(&self.w_down, silu(gate) * up)
     }
 }
 

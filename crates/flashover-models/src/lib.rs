@@ -31,8 +31,8 @@ mod transformer;
 pub use dropout::{Coords, Dropout, Site};
 pub use forward_context::{
     AttentionHook, AttentionOp, BlockCheckpoint, BlockFn, CheckpointHook, ForwardContext,
-    LinearHook, LinearOp, SequenceHook, SequenceShare,
+    LinearHook, LinearOp, SequenceHook, SequenceShare, VocabHook, VocabOp,
 };
 pub use layers::{Attention, Block, SwiGlu, rope_tables, rope_tables_at};
 pub use moe::{Moe, MoeConfig, MoeHook};
-pub use transformer::{Transformer, TransformerConfig, next_token_loss};
+pub use transformer::{OutputHead, Transformer, TransformerConfig, next_token_loss};

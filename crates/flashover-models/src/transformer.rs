@@ -109,6 +109,59 @@ impl TransformerConfig {
         4 * d * d + ffn + 2 * d
     }
 
+    /// How the model is parallelized, as data: the `flashover_parallel::parallelize` plan
+    /// (TOML) that splits it as Megatron does, attention by whole heads (q, k, v column-wise,
+    /// the output projection row-wise), the MLP by its hidden width (gate and up column-wise,
+    /// down row-wise), the token embedding (and an untied head) by vocabulary; and, under
+    /// sequence parallelism, the norms between those regions on sequence shards (drop
+    /// `sequence_parallel` to keep whole sequences there). Fully sharded units, pipeline
+    /// stages and recomputation are the job's choice, not the model's, and are added to it.
+    /// A mixture-of-experts block has no MLP rules: its experts are the `ep` axis's.
+    pub fn plan_toml(&self) -> String {
+        let head_dim = self.d_model / self.n_heads.max(1);
+        let mut plan = format!(
+            r#"sequence_parallel = ["blocks.*.attn_norm", "blocks.*.mlp_norm", "norm"]
+
+[[tensor_parallel]]
+style = "colwise"
+paths = ["blocks.*.attn.wq", "blocks.*.attn.wk", "blocks.*.attn.wv"]
+unit = {head_dim}
+
+[[tensor_parallel]]
+style = "rowwise"
+paths = ["blocks.*.attn.wo"]
+unit = {head_dim}
+
+[[tensor_parallel]]
+style = "vocab"
+paths = ["embed"]
+"#
+        );
+        if self.moe.is_none() {
+            plan.push_str(
+                r#"
+[[tensor_parallel]]
+style = "colwise"
+paths = ["blocks.*.mlp.w_gate", "blocks.*.mlp.w_up"]
+
+[[tensor_parallel]]
+style = "rowwise"
+paths = ["blocks.*.mlp.w_down"]
+"#,
+            );
+        }
+        if !self.tie_embeddings {
+            plan.push_str(
+                r#"
+[[tensor_parallel]]
+style = "colwise"
+paths = ["head"]
+"#,
+            );
+        }
+        plan
+    }
+
     /// Builds the model with weights drawn from `seed` (see [`init`]). Panics if the config is
     /// invalid: call [`TransformerConfig::validate`] first on user input.
     pub fn init(&self, seed: u64, device: &Device) -> Transformer {
@@ -199,19 +252,55 @@ impl Transformer {
         self.forward_with(tokens, &ForwardContext::default())
     }
 
-    /// [`Transformer::forward`] with `ctx`'s dropout (see [`ForwardContext`]).
+    /// [`Transformer::forward`] with `ctx`'s dropout and hooks (see [`ForwardContext`]).
     pub fn forward_with(&self, tokens: Tensor<2, Int>, ctx: &ForwardContext) -> Tensor<3> {
+        self.logits(self.hidden_states(tokens, ctx))
+    }
+
+    /// The mean next-token loss of `tokens` against `targets` (both `[batch, seq]`):
+    /// [`next_token_loss`] of [`Transformer::forward_with`], or, when `ctx` has a
+    /// [`crate::VocabOp`], that op's loss (a vocabulary-parallel head never holds whole
+    /// logits).
+    pub fn forward_loss(
+        &self,
+        tokens: Tensor<2, Int>,
+        targets: Tensor<2, Int>,
+        ctx: &ForwardContext,
+    ) -> Tensor<1> {
+        self.head_loss(self.hidden_states(tokens, ctx), targets, ctx)
+    }
+
+    /// The embedding and every block: `tokens: [batch, seq]` -> the last block's output.
+    pub fn hidden_states(&self, tokens: Tensor<2, Int>, ctx: &ForwardContext) -> Tensor<3> {
         let t = tokens.dims()[1];
-        let h = self.embed_tokens(tokens);
+        let h = ctx.embed(&self.embed, tokens);
         let head_dim = self.blocks.first().map_or(2, |b| b.attn.head_dim);
         let rope = ctx.rope_tables(t, head_dim, self.rope_theta, &h.device());
-        let h = self.blocks.iter().enumerate().fold(h, |h, (layer, block)| {
+        self.blocks.iter().enumerate().fold(h, |h, (layer, block)| {
             let rope = rope.clone();
             ctx.block(layer, block, h, move |b, h, ctx| {
                 b.forward_with(h, &rope, ctx, layer)
             })
-        });
-        self.logits(h)
+        })
+    }
+
+    /// The final norm and the loss of its output through the head (see
+    /// [`Transformer::forward_loss`]).
+    pub fn head_loss(
+        &self,
+        h: Tensor<3>,
+        targets: Tensor<2, Int>,
+        ctx: &ForwardContext,
+    ) -> Tensor<1> {
+        ctx.loss(self.output_head(), self.norm.forward(h), targets)
+    }
+
+    /// The LM head: its own layer, or the embedding table when tied.
+    pub fn output_head(&self) -> OutputHead<'_> {
+        match &self.head {
+            Some(head) => OutputHead::Untied(head),
+            None => OutputHead::Tied(&self.embed),
+        }
     }
 
     /// Embedding lookup: `[batch, seq]` -> `[batch, seq, d_model]`.
@@ -227,12 +316,27 @@ impl Transformer {
 
     /// Final norm and LM head: `[batch, seq, d_model]` -> `[batch, seq, vocab]`.
     pub fn logits(&self, h: Tensor<3>) -> Tensor<3> {
-        let h = self.norm.forward(h);
-        match &self.head {
-            Some(head) => head.forward(h),
-            None => {
+        self.output_head().logits(self.norm.forward(h))
+    }
+}
+
+/// The transformer's LM head: a layer of its own, or the token embedding's table (tied).
+#[derive(Debug, Clone, Copy)]
+pub enum OutputHead<'a> {
+    /// The embedding table `[vocab, d]`, read transposed.
+    Tied(&'a Embedding),
+    /// A linear layer `[d, vocab]`.
+    Untied(&'a Linear),
+}
+
+impl OutputHead<'_> {
+    /// Logits of normed hidden states: `[batch, seq, d_model]` -> `[batch, seq, vocab]`.
+    pub fn logits(&self, h: Tensor<3>) -> Tensor<3> {
+        match self {
+            OutputHead::Untied(head) => head.forward(h),
+            OutputHead::Tied(embed) => {
                 let [b, t, d] = h.dims();
-                let w = self.embed.weight.val(); // [vocab, d]
+                let w = embed.weight.val(); // [vocab, d]
                 let v = w.dims()[0];
                 h.reshape([b * t, d])
                     .matmul(w.transpose())

@@ -1,12 +1,13 @@
 //! Burn's `Linear`, splittable column- or row-wise.
 
-use crate::parallelize::{TpStyle, local_value};
+use crate::parallelize::{TpSplit, TpStyle, local_value};
 use crate::tensor_parallel::{TensorParallel, VocabShard};
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::Initializer;
 use burn::tensor::module::linear;
 use burn::tensor::{Device, Int, Tensor};
+use flashover_comm::Group;
 
 /// Burn's [`burn::nn::Linear`] (`y = x W + b`, `W: [d_in, d_out]`), splittable by a plan.
 #[derive(Module, Debug)]
@@ -60,30 +61,7 @@ impl Linear {
     /// row-wise, `x` is this rank's [`Self::d_input`] features and the output whole (partial
     /// products summed over `tp`, then the bias added).
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let (weight, split) = local_value(&self.weight);
-        let Some(split) = split else {
-            return linear(x, weight, self.bias.as_ref().map(|b| local_value(b).0));
-        };
-        let tp = TensorParallel::new(&split.group).with_sequence_parallel(split.sequence_parallel);
-        match split.style {
-            TpStyle::Colwise => {
-                let bias = self.bias.as_ref().map(|b| local_value(b).0);
-                linear(tp.enter(x), weight, bias)
-            }
-            TpStyle::Rowwise => {
-                let y = tp.exit(linear(x, weight, None));
-                // The bias's gradient is summed over tp under sequence parallelism (its value
-                // carries that).
-                match &self.bias {
-                    Some(b) => y + b.val().unsqueeze(),
-                    None => y,
-                }
-            }
-            TpStyle::Vocab => panic!(
-                "a `vocab` rule names a Linear: vocab rules split embedding tables \
-                 (flashover::nn::Embedding); split an output head column-wise"
-            ),
-        }
+        placed_linear(&self.weight, self.bias.as_ref(), x)
     }
 
     /// `layers` applied to one input `x`, as `layers.map(|l| l.forward(x.clone()))` computes
@@ -96,47 +74,18 @@ impl Linear {
         layers: [&Linear; N],
         x: Tensor<D>,
     ) -> [Tensor<D>; N] {
-        let splits = layers.map(|l| local_value(&l.weight).1.cloned());
-        let shared = splits[0].as_ref().filter(|first| {
-            first.style == TpStyle::Colwise
-                && splits.iter().all(|s| {
-                    s.as_ref().is_some_and(|s| {
-                        s.style == TpStyle::Colwise
-                            && s.sequence_parallel == first.sequence_parallel
-                            && std::sync::Arc::ptr_eq(
-                                s.group.communicator(),
-                                first.group.communicator(),
-                            )
-                    })
-                })
-        });
-        let Some(split) = shared else {
-            return layers.map(|l| l.forward(x.clone()));
-        };
-        let tp = TensorParallel::new(&split.group).with_sequence_parallel(split.sequence_parallel);
-        let x = tp.enter(x);
-        layers.map(|l| {
-            let bias = l.bias.as_ref().map(|b| local_value(b).0);
-            linear(x.clone(), local_value(&l.weight).0, bias)
-        })
+        let params = layers.map(|l| (&l.weight, l.bias.as_ref()));
+        match placed_linears(&params, x).try_into() {
+            Ok(outputs) => outputs,
+            Err(_) => unreachable!("one output per layer"),
+        }
     }
 
     /// The mean cross-entropy of this layer's output `logits: [batch, seq, d_out]` (an output
     /// head) against `targets: [batch, seq]`; split column-wise (a vocabulary-parallel head),
     /// computed from each rank's part of the logits without gathering them.
     pub fn cross_entropy(&self, logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
-        let split = local_value(&self.weight).1.map(|s| {
-            assert_eq!(
-                s.style,
-                TpStyle::Colwise,
-                "a row-wise layer's output is whole"
-            );
-            (
-                VocabShard::new(s.rows, s.group.rank(), s.group.size()),
-                s.group.clone(),
-            )
-        });
-        super::cross_entropy(logits, targets, split)
+        super::cross_entropy(logits, targets, head_split(&self.weight))
     }
 
     /// Input features this rank's part reads (`d_in / tp` when split row-wise).
@@ -161,4 +110,91 @@ impl Linear {
             None => stored,
         }
     }
+}
+
+/// What [`Linear::forward`] computes, for a linear layer's parameters held by any module (the
+/// reference transformer's Burn `Linear`s): `x W + b` with the collectives of the split the
+/// plan recorded on `weight`, or Burn's `linear` when it is not split.
+pub(crate) fn placed_linear<const D: usize>(
+    weight: &Param<Tensor<2>>,
+    bias: Option<&Param<Tensor<1>>>,
+    x: Tensor<D>,
+) -> Tensor<D> {
+    let (weight, split) = local_value(weight);
+    let Some(split) = split else {
+        return linear(x, weight, bias.map(|b| local_value(b).0));
+    };
+    let tp = TensorParallel::new(&split.group).with_sequence_parallel(split.sequence_parallel);
+    match split.style {
+        TpStyle::Colwise => linear(tp.enter(x), weight, bias.map(|b| local_value(b).0)),
+        TpStyle::Rowwise => {
+            let y = tp.exit(linear(x, weight, None));
+            // The bias's gradient is summed over tp under sequence parallelism (its value
+            // carries that).
+            match bias {
+                Some(b) => y + b.val().unsqueeze(),
+                None => y,
+            }
+        }
+        TpStyle::Vocab => panic!(
+            "a `vocab` rule names a Linear: vocab rules split embedding tables \
+             (flashover::nn::Embedding); split an output head column-wise"
+        ),
+    }
+}
+
+/// What [`Linear::forward_shared`] computes, for linear layers' `(weight, bias)` held by any
+/// module.
+pub(crate) fn placed_linears<const D: usize>(
+    layers: &[(&Param<Tensor<2>>, Option<&Param<Tensor<1>>>)],
+    x: Tensor<D>,
+) -> Vec<Tensor<D>> {
+    let splits: Vec<Option<TpSplit>> = layers
+        .iter()
+        .map(|(w, _)| local_value(w).1.cloned())
+        .collect();
+    let shared = splits
+        .first()
+        .and_then(|first| first.as_ref())
+        .filter(|first| {
+            first.style == TpStyle::Colwise
+                && splits.iter().all(|s| {
+                    s.as_ref().is_some_and(|s| {
+                        s.style == TpStyle::Colwise
+                            && s.sequence_parallel == first.sequence_parallel
+                            && std::sync::Arc::ptr_eq(
+                                s.group.communicator(),
+                                first.group.communicator(),
+                            )
+                    })
+                })
+        });
+    let Some(split) = shared else {
+        return layers
+            .iter()
+            .map(|(w, b)| placed_linear(w, *b, x.clone()))
+            .collect();
+    };
+    let tp = TensorParallel::new(&split.group).with_sequence_parallel(split.sequence_parallel);
+    let x = tp.enter(x);
+    layers
+        .iter()
+        .map(|(w, b)| linear(x.clone(), local_value(w).0, b.map(|b| local_value(b).0)))
+        .collect()
+}
+
+/// The vocabulary rows and `tp` group of an output head's weight `[d, vocab]` split
+/// column-wise (a vocabulary-parallel head), for its loss; `None` when it is whole.
+pub(crate) fn head_split(weight: &Param<Tensor<2>>) -> Option<(VocabShard, Group)> {
+    let placed = weight.reparameterization::<crate::parallelize::Placed>()?;
+    let s = placed.tp()?;
+    assert_eq!(
+        s.style,
+        TpStyle::Colwise,
+        "a row-wise layer's output is whole"
+    );
+    Some((
+        VocabShard::new(s.rows, s.group.rank(), s.group.size()),
+        s.group.clone(),
+    ))
 }

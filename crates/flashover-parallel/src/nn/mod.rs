@@ -13,8 +13,8 @@
 //! experts a plan's `expert_parallel` rule spreads over `ep`.
 
 mod attention;
-mod embedding;
-mod linear;
+pub(crate) mod embedding;
+pub(crate) mod linear;
 mod moe;
 
 pub use attention::CausalAttention;

@@ -47,6 +47,7 @@ pub mod pipeline;
 pub mod placed;
 mod plan;
 mod sequence_check;
+pub mod transformer;
 mod validate;
 
 pub use pipeline::PipelineModel;

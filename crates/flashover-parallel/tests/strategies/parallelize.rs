@@ -24,11 +24,11 @@ const FEATURES: usize = 6;
 /// Odd on purpose: the last layer's rows do not split evenly over two ranks.
 const HIDDEN: usize = 15;
 const CLASSES: usize = 5;
-const GLOBAL_BATCH: usize = 8;
-const STEPS: usize = 6;
-const LR: f64 = 2e-2;
+pub(crate) const GLOBAL_BATCH: usize = 8;
+pub(crate) const STEPS: usize = 6;
+pub(crate) const LR: f64 = 2e-2;
 /// Small enough that clipping is active on most steps.
-const MAX_NORM: f32 = 0.5;
+pub(crate) const MAX_NORM: f32 = 0.5;
 
 /// A model the tests train: deterministic weights, `[batch, FEATURES]` -> `[batch, CLASSES]`.
 trait Net: Module + Sized {
@@ -278,7 +278,7 @@ fn loss<M: Net>(model: &M, x: Tensor<2>, y: Tensor<1, Int>) -> Tensor<1> {
 }
 
 /// Losses, gradient norms before clipping, and the final weights.
-type Run = (Vec<f32>, Vec<f32>, Vec<f32>);
+pub(crate) type Run = (Vec<f32>, Vec<f32>, Vec<f32>);
 
 /// The plain Burn loop on one device, with global-norm clipping written out.
 fn single_rank<M: Net>() -> Run {
@@ -291,7 +291,7 @@ fn single_rank<M: Net>() -> Run {
 
 /// The plain Burn loop on one device over `model`, `loss(model, samples)` the loss of step
 /// `s`'s samples `s * GLOBAL_BATCH..`, with global-norm clipping written out.
-fn reference_loop<M: Module>(
+pub(crate) fn reference_loop<M: Module>(
     mut model: M,
     loss: impl Fn(&M, std::ops::Range<usize>) -> Tensor<1>,
 ) -> Run {
@@ -344,7 +344,7 @@ fn parallel<M: Net>(mesh: &str, plan: ParallelizePlan) -> (Run, Vec<usize>) {
 
 /// The largest relative differences of `run` from `reference`: losses, gradient norms, and
 /// weights (relative to the largest weight, see [`max_scaled`]).
-fn differences(run: &Run, reference: &Run) -> (f32, f32, f32) {
+pub(crate) fn differences(run: &Run, reference: &Run) -> (f32, f32, f32) {
     (
         max_rel(&run.0, &reference.0),
         max_rel(&run.1, &reference.1),

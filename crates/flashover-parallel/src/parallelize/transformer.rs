@@ -1,0 +1,162 @@
+//! The reference transformer ([`flashover_models::Transformer`]) parallelized by a plan, as a
+//! user's model is: [`plan`] reads the model's own plan (data in flashover-models,
+//! [`TransformerConfig::plan_toml`]), [`super::parallelize`] applies it, and the model's
+//! forward computes what the plan placed through [`forward_context`], whose hooks are the
+//! functions of [`crate::nn`]'s layers: one tensor-parallel linear, embedding and loss for a
+//! user's model and for this one. [`PipelineModel`] runs its stages.
+//!
+//! ```
+//! use burn::tensor::{Device, Int, Tensor};
+//! use flashover_models::{ForwardContext, TransformerConfig};
+//! use flashover_parallel::parallelize::{parallelize, transformer};
+//! use flashover_runtime::launch;
+//!
+//! let config = TransformerConfig::tiny(16);
+//! let tokens = |device: &Device| Tensor::<2, Int>::from_ints([[1, 2, 3, 4, 5]], device);
+//! let device = Device::flex().autodiff();
+//! let (inputs, targets) = (tokens(&device).narrow(1, 0, 4), tokens(&device).narrow(1, 1, 4));
+//! let one_rank = config.init(3, &device).forward_loss(inputs, targets, &ForwardContext::default());
+//! let one_rank: f32 = one_rank.into_scalar();
+//! let losses = launch("tp=2", |ctx| {
+//!     let plan = transformer::plan(&config)?; // tensor and sequence parallel
+//!     let device = ctx.device().clone().autodiff();
+//!     let (model, _par) = parallelize(config.init(3, &device), &plan, &ctx)?;
+//!     let tokens = tokens(&device);
+//!     let (inputs, targets) = (tokens.clone().narrow(1, 0, 4), tokens.narrow(1, 1, 4));
+//!     let loss = model.forward_loss(inputs, targets, &transformer::forward_context());
+//!     Ok::<f32, flashover_parallel::ParallelError>(loss.into_scalar())
+//! })
+//! .unwrap();
+//! assert!((losses[0] - one_rank).abs() < 1e-5 && losses[0] == losses[1]);
+//! ```
+
+use super::{ParallelizePlan, PipelineModel, PipelineRule, Placed};
+use crate::error::ParallelError;
+use crate::nn::embedding::{placed_embedding, table_split, tied_logits};
+use crate::nn::linear::{head_split, placed_linear, placed_linears};
+use crate::pipeline::ScheduleKind;
+use crate::tensor_parallel::vocab_parallel_cross_entropy;
+use burn::nn::{Embedding, Linear};
+use burn::tensor::{Int, Tensor};
+use flashover_models::{
+    ForwardContext, LinearHook, LinearOp, OutputHead, Transformer, TransformerConfig, VocabHook,
+    VocabOp, next_token_loss,
+};
+use std::sync::Arc;
+
+/// The reference transformer's plan for `config` ([`TransformerConfig::plan_toml`]): Megatron's
+/// tensor-parallel split with sequence parallelism (clear `sequence_parallel` to keep whole
+/// sequences between the regions). Add `fully_shard` units and a pipeline ([`pipeline`]) as
+/// the job asks. Refuses a mixture-of-experts model: its blocks run their experts through
+/// flashover-models' `MoeHook`, which a plan does not install (`flashover train` runs them).
+pub fn plan(config: &TransformerConfig) -> Result<ParallelizePlan, ParallelError> {
+    config.validate().map_err(ParallelError::Invalid)?;
+    if config.moe.is_some() {
+        return Err(ParallelError::Invalid(
+            "the reference transformer's plan covers dense models: a mixture-of-experts \
+             block runs its experts through flashover-models' MoeHook, which plans do not \
+             install yet (flashover train runs such models)"
+                .into(),
+        ));
+    }
+    ParallelizePlan::from_toml(&config.plan_toml())
+}
+
+/// A pipeline over the reference transformer's blocks: the embedding on the first stage, the
+/// final norm and the head on the last (the embedding table again when the head is tied).
+pub fn pipeline(
+    config: &TransformerConfig,
+    schedule: ScheduleKind,
+    micro_batches: usize,
+) -> PipelineRule {
+    let head = if config.tie_embeddings {
+        "embed"
+    } else {
+        "head"
+    };
+    PipelineRule::new("blocks", schedule, micro_batches)
+        .first(&["embed"])
+        .last(&["norm", head])
+}
+
+/// The forward context in which the reference transformer computes with the parameters as a
+/// plan placed them: its linear layers, embedding and head through [`crate::nn`]'s functions
+/// (Megatron's collectives around split layers, Burn's forward for whole ones). Without
+/// dropout: its masks would need each rank's head and sequence offsets.
+pub fn forward_context() -> ForwardContext {
+    ForwardContext {
+        linear: Some(LinearHook(Arc::new(PlacedLayers))),
+        vocab: Some(VocabHook(Arc::new(PlacedLayers))),
+        ..ForwardContext::default()
+    }
+}
+
+/// The hooks of [`forward_context`]: each reads the split from the parameters' [`Placed`].
+struct PlacedLayers;
+
+impl LinearOp for PlacedLayers {
+    fn apply(&self, linear: &Linear, x: Tensor<3>) -> Tensor<3> {
+        placed_linear(&linear.weight, linear.bias.as_ref(), x)
+    }
+
+    fn apply_shared(&self, layers: &[&Linear], x: Tensor<3>) -> Vec<Tensor<3>> {
+        let params: Vec<_> = layers
+            .iter()
+            .map(|l| (&l.weight, l.bias.as_ref()))
+            .collect();
+        placed_linears(&params, x)
+    }
+}
+
+impl VocabOp for PlacedLayers {
+    fn embed(&self, table: &Embedding, tokens: Tensor<2, Int>) -> Tensor<3> {
+        placed_embedding(&table.weight, tokens)
+    }
+
+    fn loss(&self, head: OutputHead<'_>, h: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+        let (logits, split) = match head {
+            OutputHead::Tied(table) => {
+                let (weight, split) = table_split(&table.weight);
+                let logits = tied_logits(weight, split.as_ref().map(|(_, tp)| tp), h);
+                (logits, split.map(|(shard, tp)| (shard, tp.group)))
+            }
+            OutputHead::Untied(head) => (
+                placed_linear(&head.weight, head.bias.as_ref(), h),
+                head_split(&head.weight),
+            ),
+        };
+        match split {
+            Some((shard, group)) => vocab_parallel_cross_entropy(logits, targets, &shard, &group),
+            None => next_token_loss(logits, targets),
+        }
+    }
+}
+
+/// The reference transformer's stages: a micro-batch is `(inputs, targets)`, both
+/// `[batch, seq]`.
+impl PipelineModel<3> for Transformer {
+    type Batch = (Tensor<2, Int>, Tensor<2, Int>);
+
+    fn embed(&self, (tokens, _): &Self::Batch) -> Tensor<3> {
+        forward_context().embed(&self.embed, tokens.clone())
+    }
+
+    fn layer(&self, index: usize, x: Tensor<3>) -> Tensor<3> {
+        let block = &self.blocks[index];
+        // Under sequence parallelism `x` holds this rank's positions; attention sees them all.
+        let parts = block
+            .attn
+            .wq
+            .weight
+            .reparameterization::<Placed>()
+            .and_then(|p| p.tp())
+            .filter(|split| split.sequence_parallel)
+            .map_or(1, |split| split.group.size());
+        let rope = self.rope(0, x.dims()[1] * parts, &x.device());
+        block.forward_with(x, &rope, &forward_context(), index)
+    }
+
+    fn head_loss(&self, x: Tensor<3>, (_, targets): &Self::Batch) -> Tensor<1> {
+        Transformer::head_loss(self, x, targets.clone(), &forward_context())
+    }
+}

@@ -1,0 +1,194 @@
+//! The reference transformer parallelized by its own plan (data in flashover-models), as a
+//! user's model is, against its plain single-rank Burn loop: losses, gradient norms (clipping
+//! active) and every weight within 1e-5, under tensor (and sequence) parallelism, fully
+//! sharded units over it, pipelines and all of them with recomputation.
+
+use crate::parallelize::{GLOBAL_BATCH, LR, MAX_NORM, Run, STEPS, differences, reference_loop};
+use burn::optim::AdamWConfig;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use flashover_models::{ForwardContext, MoeConfig, Transformer, TransformerConfig};
+use flashover_parallel::ParallelError;
+use flashover_parallel::activation_checkpointing::CheckpointPolicy;
+use flashover_parallel::parallelize::{ParallelizePlan, parallelize, transformer};
+use flashover_parallel::params::{ParamLayout, flatten_params};
+use flashover_parallel::pipeline::ScheduleKind;
+use flashover_runtime::Launch;
+
+const VOCAB: usize = 32;
+/// Divisible by 2 (sequence parallelism over tp = 2).
+const SEQ: usize = 8;
+const SEED: u64 = 5;
+
+/// Four heads of 8 over two blocks.
+fn config(tied: bool) -> TransformerConfig {
+    TransformerConfig {
+        tie_embeddings: tied,
+        ..TransformerConfig::new(VOCAB, 32, 2, 4, 48)
+    }
+}
+
+/// Samples `range` of an endless deterministic token stream: `(inputs, targets)`, each
+/// `[samples, SEQ]`, the targets the inputs shifted by one.
+fn batch(range: std::ops::Range<usize>, device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>) {
+    let n = range.len();
+    let token = |s: usize, j: usize| ((s * 7 + j * 3 + (s * j) % 5) % VOCAB) as i64;
+    let rows = |shift: usize| -> Vec<i64> {
+        range
+            .clone()
+            .flat_map(|s| (0..SEQ).map(move |j| token(s, j + shift)))
+            .collect()
+    };
+    let tensor = |data| Tensor::from_data(TensorData::new(data, [n, SEQ]), device);
+    (tensor(rows(0)), tensor(rows(1)))
+}
+
+/// The model's plain loop on one device.
+fn single_rank(config: &TransformerConfig) -> Run {
+    let device = Device::flex().autodiff();
+    reference_loop(config.init(SEED, &device), |model, samples| {
+        let (x, y) = batch(samples, &device);
+        model.forward_loss(x, y, &ForwardContext::default())
+    })
+}
+
+/// The same loop under `plan` on `mesh` (through the pipeline when the plan has one): rank
+/// 0's run, and every rank's stored parameter elements.
+fn parallel(mesh: &str, config: &TransformerConfig, plan: &ParallelizePlan) -> (Run, Vec<usize>) {
+    let out = Launch::new(mesh)
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (mut model, par) = parallelize(config.init(SEED, &device), plan, &ctx)?;
+            let held = ParamLayout::of(&model).numel;
+            let mut optim = AdamWConfig::new().init();
+            let (mut losses, mut norms) = (vec![], vec![]);
+            let micro_batch = |samples| batch(samples, &device);
+            for step in 0..STEPS {
+                let (grads, loss, norm) = if par.has_pipeline() {
+                    let clip = Some(MAX_NORM);
+                    let out =
+                        par.pipeline_step(&model, GLOBAL_BATCH, step, &micro_batch, clip, &ctx)?;
+                    (out.grads, out.loss, out.norm)
+                } else {
+                    let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
+                    let loss = model.forward_loss(x, y, &transformer::forward_context());
+                    let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+                    let (grads, norm) =
+                        par.gradients(&model, loss.backward(), Some(MAX_NORM), &ctx)?;
+                    (grads, mean, norm)
+                };
+                losses.push(loss);
+                norms.push(norm);
+                model = optim.step(LR, model, grads);
+            }
+            let whole = flatten_params(&par.whole(model)?);
+            Ok::<_, ParallelError>(((losses, norms, whole), held))
+        })
+        .unwrap();
+    let held = out.iter().map(|(_, h)| *h).collect();
+    (out.into_iter().next().unwrap().0, held)
+}
+
+#[test]
+fn the_reference_transformer_under_its_own_plan_trains_as_one_rank() {
+    let one_f_one_b = |config: &TransformerConfig, micro| {
+        transformer::pipeline(config, ScheduleKind::OneFOneB, micro)
+    };
+    for tied in [true, false] {
+        let config = config(tied);
+        let reference = single_rank(&config);
+        assert!(
+            reference.1.iter().filter(|n| **n > MAX_NORM).count() >= STEPS / 2,
+            "clipping must be active: {:?}",
+            reference.1
+        );
+        let whole = reference.2.len();
+        let split = transformer::plan(&config).unwrap();
+        let whole_sequences = ParallelizePlan {
+            sequence_parallel: vec![],
+            ..split.clone()
+        };
+        let cases = [
+            ("tp=2", split.clone()),
+            ("tp=2", whole_sequences.clone()),
+            ("dp=2,tp=2", whole_sequences.clone().fully_shard("blocks")),
+            ("fsdp=2,tp=2", split.clone().fully_shard("")),
+            (
+                "dp=2,pp=2",
+                ParallelizePlan::new().pipeline(one_f_one_b(&config, 4)),
+            ),
+            (
+                "fsdp=2,tp=2,pp=2",
+                split
+                    .clone()
+                    .fully_shard("")
+                    .pipeline(one_f_one_b(&config, 2))
+                    .activation_checkpointing(CheckpointPolicy::Full),
+            ),
+        ];
+        for (mesh, plan) in cases {
+            let (run, held) = parallel(mesh, &config, &plan);
+            let (loss, norm, weights) = differences(&run, &reference);
+            let what = format!(
+                "{mesh} tied={tied} sp={} fsdp={} pp={}",
+                !plan.sequence_parallel.is_empty(),
+                !plan.fully_shard.is_empty(),
+                plan.pipeline.is_some()
+            );
+            println!("{what}: losses {loss:.1e}, norms {norm:.1e}, weights {weights:.1e}");
+            assert!(
+                loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+                "{what}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+            );
+            // Every rank of a split layout holds less than the whole model.
+            assert!(
+                held.iter().all(|h| *h < whole),
+                "{what}: held {held:?} of {whole}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_reference_plan_refuses_what_it_cannot_split_with_the_reason() {
+    // Three heads do not split over two ranks: the rule's unit (a head) names the cause.
+    let three_heads = TransformerConfig::new(VOCAB, 24, 1, 3, 32);
+    let plan = transformer::plan(&three_heads).unwrap();
+    let err = Launch::new("tp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            parallelize(three_heads.init(SEED, &device), &plan, &ctx).map(|_| ())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("blocks.0.attn.wq"), "{err}");
+    // Mixture-of-experts blocks run their experts through a hook plans do not install.
+    let moe = TransformerConfig {
+        moe: Some(MoeConfig::new(4, 2, 16)),
+        ..config(true)
+    };
+    let err = transformer::plan(&moe).unwrap_err().to_string();
+    assert!(err.contains("mixture-of-experts"), "{err}");
+}
+
+/// Without the plan's forward context a split layer is read whole, which panics naming the
+/// parameter rather than computing an unsplit model.
+#[test]
+fn the_reference_transformer_split_by_a_plan_needs_the_plans_forward_context() {
+    let config = config(true);
+    let plan = transformer::plan(&config).unwrap();
+    let err = Launch::new("tp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (model, _par): (Transformer, _) =
+                parallelize(config.init(SEED, &device), &plan, &ctx)?;
+            let (x, y) = batch(0..2, &device);
+            let loss = model.forward_loss(x, y, &ForwardContext::default());
+            Ok::<f32, ParallelError>(loss.into_scalar())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("embed.weight"), "{err}");
+}
