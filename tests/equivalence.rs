@@ -227,10 +227,11 @@ fn tensor_parallel_matches_one_rank_with_and_without_sequence_parallel_and_with_
 fn tp_collectives(sequence_parallel: bool, cp: usize) -> (u64, u64, u64) {
     let counts = launch(format!("tp=2,cp={cp}").as_str(), |ctx| {
         let device = Device::flex().autodiff();
-        let full = TransformerConfig::new(32, 32, 2, 4, 64).init(7, &device);
+        let config = TransformerConfig::new(32, 32, 2, 4, 64);
+        let full = config.init(7, &device);
         let tp = ctx.group(Axis::Tp);
         let plan = TensorParallel::new(tp).with_sequence_parallel(sequence_parallel);
-        let model = TpTransformer::shard(full, &plan)?;
+        let model = TpTransformer::shard(full, &config, &plan)?;
         let ids = |salt: i64| -> Tensor<2, Int> {
             let v: Vec<i64> = (0..16).map(|i| (i * 7 + salt) % 32).collect();
             Tensor::from_data(TensorData::new(v, [2, 8]), &device)
@@ -290,7 +291,7 @@ fn sharding_a_single_rank_model_and_gathering_it_back_is_exact() {
             config.tie_embeddings = tie;
             let full = config.init(3, &device);
             let plan = TensorParallel::new(ctx.group(Axis::Tp));
-            let local = TpTransformer::shard(full.clone(), &plan)?;
+            let local = TpTransformer::shard(full.clone(), &config, &plan)?;
             let back = local.unshard()?;
             Ok::<_, ParallelError>((flatten_params(&full), flatten_params(&back)))
         })

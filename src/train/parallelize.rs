@@ -70,7 +70,7 @@ pub(crate) fn parallelize(
     model: Transformer,
 ) -> Result<RankModel, RankError> {
     let placements = PlacementTable::whole(&model);
-    let shares = tensor_parallel(ctx, config, model, placements)?;
+    let shares = tensor_parallel(ctx, config, model_config, model, placements)?;
     expert_parallel(ctx, model_config, shares)
 }
 
@@ -80,6 +80,7 @@ pub(crate) fn parallelize(
 pub(crate) fn tensor_parallel(
     ctx: &RankContext,
     config: &TrainConfig,
+    model_config: &TransformerConfig,
     model: Transformer,
     placements: PlacementTable,
 ) -> Result<Shares, RankError> {
@@ -88,7 +89,7 @@ pub(crate) fn tensor_parallel(
         return Ok(Shares::Whole(Box::new(model), placements));
     }
     let plan = TensorParallel::new(tp).with_sequence_parallel(config.parallel.sequence_parallel);
-    let shares = TpTransformer::shard_placed(model, &plan, placements)?;
+    let shares = TpTransformer::shard_placed(model, model_config, &plan, placements)?;
     Ok(Shares::Split(Box::new(shares)))
 }
 

@@ -2,16 +2,15 @@
 //! embedding, every stage a contiguous run of blocks, the last the final norm and LM head (and
 //! computes the loss).
 
-use super::tp_model::{tp_block_forward, tp_context, tp_loss, unshard_block};
-use burn::module::{Module, Param};
+use super::tp_model::{tp_block_forward, tp_context};
+use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::tensor::{Int, Tensor};
-use flashover_models::{Block, ForwardContext, LinearOp, Transformer, next_token_loss};
+use flashover_models::{Block, ForwardContext, OutputHead, Transformer};
 use flashover_parallel::ParallelError;
-use flashover_parallel::pipeline::{StageOutput, WeightGradStore, deferred_linear};
-use flashover_parallel::tensor_parallel::{
-    TensorParallel, VocabShard, gather_parts, vocab_parallel_embedding,
-};
+use flashover_parallel::parallelize::TensorParallelParts;
+use flashover_parallel::pipeline::StageOutput;
+use flashover_parallel::tensor_parallel::TensorParallel;
 
 /// One virtual stage of [`Transformer`].
 ///
@@ -59,18 +58,19 @@ pub struct TransformerStage {
     pub rope_theta: f64,
     /// Per-head dimension.
     pub head_dim: usize,
-    /// With tensor parallelism inside the stage: the plan and this rank's vocabulary rows.
+    /// With tensor parallelism inside the stage: the plan and how its parts turn back whole.
     #[module(skip)]
-    tp: Option<(TensorParallel, VocabShard)>,
+    tp: Option<(TensorParallel, TensorParallelParts)>,
 }
 
-/// Runs the blocks' linear layers with their weight gradients deferred to a store, for
-/// zero-bubble schedules (see [`flashover_parallel::pipeline::deferred_linear`]).
-pub struct DeferWeightGrads(pub WeightGradStore);
+/// A parameter's copy: a new parameter (its own id and values) with the same placement (a
+/// tensor-parallel part stays one, its split recorded).
+struct FreshCopy;
 
-impl LinearOp for DeferWeightGrads {
-    fn apply(&self, linear: &Linear, x: Tensor<3>) -> Tensor<3> {
-        deferred_linear(linear, x, &self.0)
+impl ModuleMapper for FreshCopy {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let value = param.val();
+        Param::from_data(value.clone().detach().into_data(), &value.device())
     }
 }
 
@@ -134,12 +134,12 @@ impl TransformerStage {
     }
 
     /// [`TransformerStage::cut`] from a model whose weights are already this rank's
-    /// tensor-parallel shares ([`crate::train::TpTransformer::local`]).
+    /// tensor-parallel parts ([`crate::train::TpTransformer::local`]).
     pub fn cut_split(
         full: &Transformer,
         stage: usize,
         counts: &[usize],
-        tp: Option<(TensorParallel, VocabShard)>,
+        tp: Option<(TensorParallel, TensorParallelParts)>,
     ) -> Result<Self, ParallelError> {
         let first: usize = counts[..stage].iter().sum();
         let last = stage + 1 == counts.len();
@@ -148,10 +148,8 @@ impl TransformerStage {
             blocks: full.blocks[first..first + counts[stage]].to_vec(),
             norm: last.then(|| full.norm.clone()),
             head: if last { full.head.clone() } else { None },
-            tied_head: (last && full.head.is_none()).then(|| {
-                let w = full.embed.weight.val();
-                Param::from_data(w.clone().detach().into_data(), &w.device())
-            }),
+            tied_head: (last && full.head.is_none())
+                .then(|| Module::map(full.embed.weight.clone(), &mut FreshCopy)),
             first_block: first,
             rope_theta: full.rope_theta,
             head_dim: full.blocks.first().map_or(2, |b| b.attn.head_dim),
@@ -169,79 +167,53 @@ impl TransformerStage {
         ctx: &ForwardContext,
     ) -> StageOutput<3> {
         let t = tokens.dims()[1];
-        let mut h = match (&self.embed, input, &self.tp) {
-            (Some(embed), _, Some((tp, vocab))) => {
-                vocab_parallel_embedding(embed.weight.val(), tokens, vocab, tp)
-            }
-            (Some(embed), _, None) => embed.forward(tokens),
-            (None, Some(x), _) => x,
-            (None, None, _) => panic!("a middle pipeline stage ran without its input"),
+        let heads = self.blocks.first().map_or(0, |b| b.attn.n_heads);
+        let ctx = match &self.tp {
+            Some((tp, _)) => tp_context(ctx, tp, heads, t),
+            None => ctx.clone(),
+        };
+        let mut h = match (&self.embed, input) {
+            (Some(embed), _) => ctx.embed(embed, tokens),
+            (None, Some(x)) => x,
+            (None, None) => panic!("a middle pipeline stage ran without its input"),
         };
         let rope = ctx.rope_tables(t, self.head_dim, self.rope_theta, &h.device());
-        let heads = self.blocks.first().map_or(0, |b| b.attn.n_heads);
         for (i, block) in self.blocks.iter().enumerate() {
             let layer = self.first_block + i;
-            let rope = rope.clone();
-            h = match &self.tp {
-                Some((tp, _)) => {
-                    let (inner, tp) = (tp_context(ctx, tp, heads, t), tp.clone());
-                    inner.block(layer, block, h, move |b, h, ctx| {
-                        tp_block_forward(b, h, &rope, ctx, layer, &tp)
-                    })
-                }
-                None => ctx.block(layer, block, h, move |b, h, ctx| {
-                    b.forward_with(h, &rope, ctx, layer)
-                }),
-            };
+            let (rope, tp) = (rope.clone(), self.tp.clone());
+            h = ctx.block(layer, block, h, move |b, h, ctx| match &tp {
+                Some((tp, _)) => tp_block_forward(b, h, &rope, ctx, layer, tp),
+                None => b.forward_with(h, &rope, ctx, layer),
+            });
         }
+        let tied;
         let head = match (&self.head, &self.tied_head) {
-            (Some(head), _) => Some(head.weight.val()),
-            (None, Some(table)) => Some(table.val().transpose()),
-            (None, None) => None,
+            (Some(head), _) => OutputHead::Untied(head),
+            (None, Some(table)) => {
+                tied = Embedding {
+                    weight: table.clone(),
+                };
+                OutputHead::Tied(&tied)
+            }
+            (None, None) => return StageOutput::Activation(h),
         };
-        match (&self.norm, head, &self.tp) {
-            (Some(norm), Some(head), Some((tp, vocab))) => {
-                StageOutput::Loss(tp_loss(norm, head, h, targets, vocab, tp))
-            }
-            (Some(norm), Some(head), None) => {
-                let h = norm.forward(h);
-                let [b, t, d] = h.dims();
-                let v = head.dims()[1];
-                let logits = h.reshape([b * t, d]).matmul(head).reshape([b, t, v]);
-                StageOutput::Loss(next_token_loss(logits, targets))
-            }
-            _ => StageOutput::Activation(h),
+        match &self.norm {
+            Some(norm) => StageOutput::Loss(ctx.loss(head, norm.forward(h), targets)),
+            None => StageOutput::Activation(h),
         }
     }
 
-    /// The stage with every tensor-parallel rank's shares gathered back (collective over `tp`;
+    /// The stage with every tensor-parallel rank's parts gathered back (collective over `tp`;
     /// the stage itself without tensor parallelism).
     pub fn unshard(&self) -> Result<Self, ParallelError> {
-        let mut full = self.clone().valid();
-        if let Some((tp, vocab)) = &self.tp {
-            for block in &mut full.blocks {
-                unshard_block(block, tp)?;
-            }
-            if let Some(embed) = &full.embed {
-                let rows = gather_parts(embed.weight.val(), 0, &tp.group, Some(vocab.vocab))?;
-                full.embed = Some(Embedding {
-                    weight: Param::from_tensor(rows),
-                });
-            }
-            if let Some(table) = &full.tied_head {
-                let rows = gather_parts(table.val(), 0, &tp.group, Some(vocab.vocab))?;
-                full.tied_head = Some(Param::from_tensor(rows));
-            }
-            if let Some(head) = &full.head {
-                let columns = gather_parts(head.weight.val(), 1, &tp.group, Some(vocab.vocab))?;
-                full.head = Some(Linear {
-                    weight: Param::from_tensor(columns),
-                    bias: None,
-                });
-            }
-            full.tp = None;
-        }
-        Ok(full)
+        let full = self.clone().valid();
+        Ok(match &self.tp {
+            Some((_, parts)) => TransformerStage {
+                tp: None,
+                ..parts.whole(full).valid()
+            },
+            None => full,
+        })
     }
 }
 

@@ -11,15 +11,16 @@
 //! rank's shares, each cut again over fsdp by rows (FSDP over TP, TorchTitan's 2-D layout): the
 //! gathered shares run the tensor-parallel forward, and the placements record both splits.
 
-use super::tp_model::{TpTransformer, tp_block_forward, tp_context, tp_loss, unshard_model};
+use super::tp_model::{TpTransformer, tp_block_forward, tp_context};
 use burn::module::Module;
 use burn::tensor::{Int, Tensor};
 use flashover_models::{Block, ForwardContext, Transformer, next_token_loss};
+use flashover_parallel::parallelize::TensorParallelParts;
 use flashover_parallel::ParallelError;
 use flashover_parallel::params::{ParamLayout, ParamSlot};
 use flashover_parallel::placement::{ParamPlacement, PlacementTable};
 use flashover_parallel::precision::MixedPrecision;
-use flashover_parallel::tensor_parallel::{TensorParallel, VocabShard, vocab_parallel_embedding};
+use flashover_parallel::tensor_parallel::TensorParallel;
 use flashover_parallel::zero::{FullyShardConfig, FullyShardedUnit, ShardGroup};
 use flashover_runtime::Axis;
 use std::sync::Arc;
@@ -59,14 +60,14 @@ pub struct ShardedTransformer {
     pub blocks: Vec<FullyShardedUnit<Block>>,
     /// Per-head dimension (for the rotary tables).
     pub head_dim: usize,
-    /// Attention heads each block holds (on this tp rank).
-    pub local_heads: usize,
+    /// Attention heads of the whole model (a tp rank holds its share of them).
+    pub heads: usize,
     /// Where every (unsharded) parameter lives before the fsdp split, by its original id.
     #[module(skip)]
     placements: PlacementTable,
-    /// With tensor parallelism: the plan and this rank's vocabulary rows.
+    /// With tensor parallelism: the plan and how the units' parts turn back whole.
     #[module(skip)]
-    tp: Option<(TensorParallel, VocabShard)>,
+    tp: Option<(TensorParallel, TensorParallelParts)>,
 }
 
 impl ShardedTransformer {
@@ -86,8 +87,8 @@ impl ShardedTransformer {
         config: &FullyShardConfig,
         shard_group: &Arc<ShardGroup>,
     ) -> Result<Self, ParallelError> {
-        let (local, tp, vocab, placements) = model.into_parts();
-        Self::units(local, config, shard_group, placements, Some((tp, vocab)))
+        let (local, tp, parts, placements) = model.into_parts();
+        Self::units(local, config, shard_group, placements, Some((tp, parts)))
     }
 
     fn units(
@@ -95,10 +96,10 @@ impl ShardedTransformer {
         config: &FullyShardConfig,
         shard_group: &Arc<ShardGroup>,
         placements: PlacementTable,
-        tp: Option<(TensorParallel, VocabShard)>,
+        tp: Option<(TensorParallel, TensorParallelParts)>,
     ) -> Result<Self, ParallelError> {
         let head_dim = model.blocks.first().map_or(2, |b| b.attn.head_dim);
-        let local_heads = model.blocks.first().map_or(0, |b| b.attn.n_heads);
+        let heads = model.blocks.first().map_or(0, |b| b.attn.n_heads);
         let blocks = std::mem::take(&mut model.blocks)
             .into_iter()
             .map(|block| config.init(block, shard_group))
@@ -109,7 +110,7 @@ impl ShardedTransformer {
             root: root_config.init(model, shard_group)?,
             blocks,
             head_dim,
-            local_heads,
+            heads,
             placements,
             tp,
         })
@@ -140,7 +141,7 @@ impl ShardedTransformer {
         ctx: &ForwardContext,
         precision: MixedPrecision,
     ) -> Result<Tensor<1>, ParallelError> {
-        let Some((tp, vocab)) = &self.tp else {
+        let Some((tp, _)) = &self.tp else {
             return Ok(next_token_loss(
                 self.forward(tokens, ctx, precision)?,
                 targets,
@@ -151,15 +152,11 @@ impl ShardedTransformer {
         }
         let root = precision.compute_view(self.root.gather()?);
         let t = tokens.dims()[1];
-        let ctx = tp_context(ctx, tp, self.local_heads, t);
-        let mut h = vocab_parallel_embedding(root.embed.weight.val(), tokens, vocab, tp);
+        let ctx = tp_context(ctx, tp, self.heads, t);
+        let h = ctx.embed(&root.embed, tokens);
         let rope = ctx.rope_tables(t, self.head_dim, root.rope_theta, &h.device());
-        h = self.blocks_forward(h, &ctx, rope, precision, Some(tp))?;
-        let head = match &root.head {
-            Some(head) => head.weight.val(),
-            None => root.embed.weight.val().transpose(),
-        };
-        Ok(tp_loss(&root.norm, head, h, targets, vocab, tp))
+        let h = self.blocks_forward(h, &ctx, rope, precision, Some(tp))?;
+        Ok(root.head_loss(h, targets, &ctx))
     }
 
     /// `tokens: [batch, seq]` -> logits `[batch, seq, vocab]`, with `ctx`'s dropout (replayed
@@ -229,7 +226,7 @@ impl ShardedTransformer {
             .map(|b| b.gather())
             .collect::<Result<_, _>>()?;
         match &self.tp {
-            Some((tp, vocab)) => unshard_model(model, tp, vocab),
+            Some((_, parts)) => Ok(parts.whole(model).valid()),
             None => Ok(model),
         }
     }

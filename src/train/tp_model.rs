@@ -1,25 +1,27 @@
 //! The reference transformer under tensor parallelism (Megatron) and, optionally, sequence
-//! parallelism, assembled from `flashover_parallel::tensor_parallel`.
+//! parallelism: its own plan (`TransformerConfig::plan_toml`, data in flashover-models) cut by
+//! `flashover_parallel::parallelize::split_tensor_parallel`, and its own forward computing
+//! through the plan's layer hooks, the cut and the operators a user's model gets from a plan.
 //!
 //! Each rank holds a [`Transformer`] of the same structure and parameter names whose weights are
-//! its shares: q/k/v and gate/up by output columns (attention by whole heads), the attention
-//! output and MLP down projection by input rows, the embedding (tied to the LM head) by
-//! vocabulary rows, padded to a multiple of `tp`; norms replicated. The forward puts Megatron's
+//! its parts: q/k/v and gate/up by output columns (attention by whole heads), the attention
+//! output and MLP down projection by input rows, the embedding (and an untied LM head) by
+//! vocabulary rows, padded to a multiple of `tp`; norms replicated. The hooks put Megatron's
 //! conjugate operators around the two parallel regions of every block: four all-reduces per
 //! block per step (two forward, two backward), or all-gather / reduce-scatter pairs with
 //! sequence parallelism.
 
-use burn::module::{Module, Param};
-use burn::nn::{Embedding, Linear, RmsNorm};
+use burn::module::Module;
 use burn::tensor::{Int, Tensor};
-use flashover_models::{Block, ForwardContext, Site, Transformer};
+use flashover_models::{Block, ForwardContext, Transformer, TransformerConfig};
 use flashover_parallel::ParallelError;
-use flashover_parallel::placement::PlacementTable;
-use flashover_parallel::tensor_parallel::comm::{copy_to_tp, gather_from_tp, scatter_to_tp};
-use flashover_parallel::tensor_parallel::{
-    TensorParallel, VocabShard, gather_parts, split_dim, vocab_parallel_cross_entropy,
-    vocab_parallel_embedding,
+use flashover_parallel::parallelize::transformer::layer_hooks;
+use flashover_parallel::parallelize::{
+    ParallelizePlan, TensorParallelParts, split_tensor_parallel,
 };
+use flashover_parallel::placement::PlacementTable;
+use flashover_parallel::tensor_parallel::TensorParallel;
+use flashover_parallel::tensor_parallel::comm::{gather_from_tp, scatter_to_tp};
 
 /// [`Transformer`] split over the `tp` group; see the module docs.
 ///
@@ -38,15 +40,15 @@ use flashover_parallel::tensor_parallel::{
 /// let one_rank: f32 = next_token_loss(full.forward(inputs), targets).into_scalar();
 /// let losses = launch("tp=2", |ctx| {
 ///     let plan = TensorParallel::new(ctx.group(Axis::Tp));
-///     let model = TpTransformer::shard(config.init(3, &Device::flex().autodiff()), &plan)?;
-///     // Where each share sits in the whole model, recorded as it was cut.
+///     let model = TpTransformer::shard(config.init(3, &Device::flex().autodiff()), &config, &plan)?;
+///     // Where each part sits in the whole model, recorded as it was cut.
 ///     let norm = &model.local.blocks[0].attn_norm.gamma;
 ///     assert_eq!(model.placements().get(norm.id).unwrap().on(Axis::Tp), Placement::Replicate);
-///     assert_eq!(model.vocab().rows, 8);
+///     assert_eq!(model.local.embed.weight.val().dims(), [8, 32]);
 ///     let (inputs, targets) = (tokens().narrow(1, 0, 4), tokens().narrow(1, 1, 4));
 ///     let loss = model.forward_loss(inputs, targets, &ForwardContext::default());
-///     let whole = model.unshard()?; // every rank's shares gathered (collective)
-///     assert_eq!(whole.blocks[0].attn.n_heads, 4);
+///     let whole = model.unshard()?; // every rank's parts gathered (collective)
+///     assert_eq!(whole.embed.weight.val().dims(), [16, 32]);
 ///     Ok::<f32, flashover_parallel::ParallelError>(loss.into_scalar())
 /// })
 /// .unwrap();
@@ -54,138 +56,72 @@ use flashover_parallel::tensor_parallel::{
 /// ```
 #[derive(Module, Debug)]
 pub struct TpTransformer {
-    /// This rank's shares, in the full model's structure.
+    /// This rank's parts, in the full model's structure.
     pub local: Transformer,
-    /// Per-head dimension (for the rotary tables).
-    pub head_dim: usize,
     #[module(skip)]
     tp: TensorParallel,
+    /// How the parts turn back into the whole model.
     #[module(skip)]
-    vocab: VocabShard,
-    /// Where every parameter's share sits in the whole model.
+    parts: TensorParallelParts,
+    /// Where every parameter's part sits in the whole model.
     #[module(skip)]
     placements: PlacementTable,
 }
 
-fn linear_from(weight: Tensor<2>) -> Linear {
-    Linear {
-        weight: Param::from_tensor(weight),
-        bias: None,
-    }
-}
-
-/// `param` replaced by `share` (its rows or columns along `dim`), recorded in `table`.
-fn record_share(
-    table: &mut PlacementTable,
-    param: &Param<Tensor<2>>,
-    share: &Param<Tensor<2>>,
-    dim: usize,
-) -> Result<(), ParallelError> {
-    let shape = share.val().dims().to_vec();
-    table.shard(param.id, share.id, flashover_runtime::Axis::Tp, dim, &shape)
-}
-
-/// The columns (`dim = 1`) or rows (`dim = 0`) of `linear` this rank holds.
-fn split_linear(
-    linear: &Linear,
-    dim: usize,
-    tp: &TensorParallel,
-    table: &mut PlacementTable,
-) -> Result<Linear, ParallelError> {
-    let (rank, n) = (tp.group.rank(), tp.group.size());
-    let share = linear_from(split_dim(&linear.weight.val(), dim, rank, n)?);
-    record_share(table, &linear.weight, &share.weight, dim)?;
-    Ok(share)
-}
-
-/// Every rank's columns or rows of `linear`, concatenated (collective).
-fn gather_linear(
-    linear: &Linear,
-    dim: usize,
-    tp: &TensorParallel,
-) -> Result<Linear, ParallelError> {
-    Ok(linear_from(gather_parts(
-        linear.weight.val(),
-        dim,
-        &tp.group,
-        None,
-    )?))
-}
-
-/// A norm whose weight's gradient is all-reduced over `tp` in backward: with sequence
-/// parallelism each rank sees only part of the sequence, so its gradient is a partial sum.
-fn sequence_parallel_norm(norm: &RmsNorm, tp: &TensorParallel) -> RmsNorm {
-    RmsNorm {
-        gamma: norm.gamma.clone().map(|g| copy_to_tp(g, &tp.group)),
-        epsilon: norm.epsilon,
-    }
-}
-
 impl TpTransformer {
-    /// This rank's shares of `full` (every rank passes the same full model). Fails, naming
-    /// the sizes, when heads or the MLP width do not divide by `tp`.
-    pub fn shard(full: Transformer, tp: &TensorParallel) -> Result<Self, ParallelError> {
+    /// This rank's parts of `full`, a model of `config` (every rank passes the same full
+    /// model). Fails, naming the sizes, when heads or the MLP width do not divide by `tp`.
+    pub fn shard(
+        full: Transformer,
+        config: &TransformerConfig,
+        tp: &TensorParallel,
+    ) -> Result<Self, ParallelError> {
         let table = PlacementTable::whole(&full);
-        Self::shard_placed(full, tp, table)
+        Self::shard_placed(full, config, tp, table)
     }
 
     /// [`TpTransformer::shard`] of a model whose placements other transforms have recorded
     /// already (`table`: e.g. this rank's experts), extended with the tensor-parallel splits.
     pub fn shard_placed(
         full: Transformer,
+        config: &TransformerConfig,
         tp: &TensorParallel,
         mut table: PlacementTable,
     ) -> Result<Self, ParallelError> {
-        let (rank, n) = (tp.group.rank(), tp.group.size());
-        let heads = full.blocks.first().map_or(0, |b| b.attn.n_heads);
+        let (heads, n) = (config.n_heads, tp.group.size());
         if !heads.is_multiple_of(n) {
             return Err(ParallelError::Invalid(format!(
                 "model.n_heads = {heads} does not divide by tp = {n}: attention is split by whole \
                  heads; choose a tp that divides the head count"
             )));
         }
-        let head_dim = full.blocks.first().map_or(2, |b| b.attn.head_dim);
-        let mut local = full;
-        for block in &mut local.blocks {
-            shard_block(block, tp, &mut table)?;
+        let mut plan = ParallelizePlan::from_toml(&config.plan_toml())?;
+        if !tp.sequence_parallel {
+            plan.sequence_parallel.clear();
         }
-        let rows = local.embed.weight.val();
-        let vocab = VocabShard::new(rows.dims()[0], rank, n);
-        let embed = Embedding {
-            weight: Param::from_tensor(vocab.take_rows(&rows)),
-        };
-        record_share(&mut table, &local.embed.weight, &embed.weight, 0)?;
-        local.embed = embed;
-        if let Some(head) = &local.head {
-            // The head is `[d, vocab]`: its vocabulary columns, padded like the embedding.
-            let columns = vocab.take_rows(&head.weight.val().transpose());
-            let split = linear_from(columns.transpose());
-            record_share(&mut table, &head.weight, &split.weight, 1)?;
-            local.head = Some(split);
-        }
+        let (local, parts) = split_tensor_parallel(full, &plan, &tp.group, &mut table)?;
         Ok(TpTransformer {
             local,
-            head_dim,
             tp: tp.clone(),
-            vocab,
+            parts,
             placements: table,
         })
     }
 
-    /// Where every parameter's share sits in the whole model.
+    /// Where every parameter's part sits in the whole model.
     pub fn placements(&self) -> &PlacementTable {
         &self.placements
     }
 
-    /// The shares and their table, for a later transform that records what it does to them
+    /// The parts and their table, for a later transform that records what it does to them
     /// (expert parallelism owning the experts).
     pub(crate) fn local_and_placements_mut(&mut self) -> (&Transformer, &mut PlacementTable) {
         (&self.local, &mut self.placements)
     }
 
-    /// The full model, gathered from every rank's shares (collective; values only).
+    /// The full model, gathered from every rank's parts (collective; values only).
     pub fn unshard(&self) -> Result<Transformer, ParallelError> {
-        unshard_model(self.local.clone(), &self.tp, &self.vocab)
+        Ok(self.parts.whole(self.local.clone()).valid())
     }
 
     /// Mean next-token loss of `tokens` against `targets` (both `[batch, seq]`, the same on
@@ -198,24 +134,20 @@ impl TpTransformer {
         targets: Tensor<2, Int>,
         ctx: &ForwardContext,
     ) -> Tensor<1> {
-        let (tp, model) = (&self.tp, &self.local);
         let t = tokens.dims()[1];
+        let model = &self.local;
         let heads = model.blocks.first().map_or(0, |b| b.attn.n_heads);
-        let ctx = tp_context(ctx, tp, heads, t);
-        // [batch, seq, d], or [batch, seq / tp, d] with sequence parallelism.
-        let mut h = vocab_parallel_embedding(model.embed.weight.val(), tokens, &self.vocab, tp);
-        let rope = ctx.rope_tables(t, self.head_dim, model.rope_theta, &h.device());
-        for (layer, block) in model.blocks.iter().enumerate() {
-            let (rope, tp) = (rope.clone(), tp.clone());
-            h = ctx.block(layer, block, h, move |b, h, ctx| {
+        let ctx = tp_context(ctx, &self.tp, heads, t);
+        let h = ctx.embed(&model.embed, tokens);
+        let head_dim = model.blocks.first().map_or(2, |b| b.attn.head_dim);
+        let rope = ctx.rope_tables(t, head_dim, model.rope_theta, &h.device());
+        let h = model.blocks.iter().enumerate().fold(h, |h, (layer, block)| {
+            let (rope, tp) = (rope.clone(), self.tp.clone());
+            ctx.block(layer, block, h, move |b, h, ctx| {
                 tp_block_forward(b, h, &rope, ctx, layer, &tp)
-            });
-        }
-        let head = match &model.head {
-            Some(head) => head.weight.val(),
-            None => model.embed.weight.val().transpose(),
-        };
-        tp_loss(&model.norm, head, h, targets, &self.vocab, tp)
+            })
+        });
+        model.head_loss(h, targets, &ctx)
     }
 
     /// How activations enter and leave the parallel regions.
@@ -223,47 +155,50 @@ impl TpTransformer {
         &self.tp
     }
 
-    /// This rank's shares, the plan, the vocabulary rows and the placements, taken apart (to
-    /// wrap the shares in fully sharded units).
-    pub fn into_parts(self) -> (Transformer, TensorParallel, VocabShard, PlacementTable) {
-        (self.local, self.tp, self.vocab, self.placements)
-    }
-
-    /// This rank's vocabulary rows.
-    pub fn vocab(&self) -> VocabShard {
-        self.vocab
+    /// This rank's parts, the plan, how they turn back whole and the placements, taken apart
+    /// (to wrap the parts in fully sharded units or cut them into pipeline stages).
+    pub fn into_parts(
+        self,
+    ) -> (
+        Transformer,
+        TensorParallel,
+        TensorParallelParts,
+        PlacementTable,
+    ) {
+        (self.local, self.tp, self.parts, self.placements)
     }
 }
 
-/// `ctx` with this rank's first head and (with sequence parallelism) first sequence position.
+/// `ctx` with this rank's first head and (with sequence parallelism) first sequence position,
+/// for a model of `heads` heads, and the plan's layer hooks where `ctx` has none (a
+/// zero-bubble schedule's own defer weight gradients).
 pub(crate) fn tp_context(
     ctx: &ForwardContext,
     tp: &TensorParallel,
-    local_heads: usize,
+    heads: usize,
     seq: usize,
 ) -> ForwardContext {
-    let rank = tp.group.rank();
+    let (rank, n) = (tp.group.rank(), tp.group.size());
+    let (linear, vocab) = layer_hooks(None);
     ForwardContext {
-        head_offset: rank * local_heads,
+        head_offset: rank * heads / n,
         seq_offset: if tp.sequence_parallel {
-            rank * seq / tp.group.size()
+            rank * seq / n
         } else {
             0
         },
+        linear: ctx.linear.clone().or(Some(linear)),
+        vocab: ctx.vocab.clone().or(Some(vocab)),
         ..ctx.clone()
     }
 }
 
-fn maybe_sp_norm(norm: &RmsNorm, tp: &TensorParallel) -> RmsNorm {
-    if tp.sequence_parallel {
-        sequence_parallel_norm(norm, tp)
-    } else {
-        norm.clone()
-    }
-}
-
-/// One block with its weights split over `tp`: the two parallel regions between Megatron's
-/// operators, residual adds and dropout outside them.
+/// One block with its weights split over `tp`, in a context from [`tp_context`]: the block's
+/// own forward, whose split layers add Megatron's operators. A mixture of experts is not split
+/// over tp: every tp rank routes the same (replicated) tokens through its ep group, so no
+/// operator surrounds it; with sequence parallelism the tokens are gathered first (routing is
+/// per whole sequence) and each rank keeps its positions of the output, both ops' backward
+/// passing the gradient without summing, as every tp rank computed the same.
 pub(crate) fn tp_block_forward(
     block: &Block,
     h: Tensor<3>,
@@ -272,104 +207,18 @@ pub(crate) fn tp_block_forward(
     layer: usize,
     tp: &TensorParallel,
 ) -> Tensor<3> {
-    let x = tp.enter(maybe_sp_norm(&block.attn_norm, tp).forward(h.clone()));
-    let attn = tp.exit(block.attn.forward_with(x, rope, ctx, layer));
-    let h = h + ctx.hidden(attn, layer, Site::AttentionOut);
-    let x = maybe_sp_norm(&block.mlp_norm, tp).forward(h.clone());
-    // A mixture of experts is not split over tp: every tp rank routes the same (replicated)
-    // tokens through its ep group, so no operator surrounds it. With sequence parallelism the
-    // tokens are gathered first (routing is per whole sequence), and each rank keeps its
-    // positions of the output; both ops' backward passes the gradient without summing, as
-    // every tp rank computed the same.
-    let mlp = match &block.moe {
-        Some(moe) if tp.sequence_parallel => {
-            let whole = ForwardContext {
-                seq_offset: 0,
-                ..ctx.clone()
-            };
-            let x = gather_from_tp(x, 1, &tp.group);
-            scatter_to_tp(moe.forward_with(x, &whole, layer), 1, &tp.group)
-        }
-        Some(moe) => moe.forward_with(x, ctx, layer),
-        None => tp.exit(block.feed_forward(tp.enter(x), ctx, layer)),
-    };
-    h + ctx.hidden(mlp, layer, Site::MlpOut)
-}
-
-/// Final norm, the head's vocabulary columns (`head: [d, rows]`) and the vocabulary-parallel
-/// loss.
-pub(crate) fn tp_loss(
-    norm: &RmsNorm,
-    head: Tensor<2>,
-    h: Tensor<3>,
-    targets: Tensor<2, Int>,
-    vocab: &VocabShard,
-    tp: &TensorParallel,
-) -> Tensor<1> {
-    let h = tp.enter(maybe_sp_norm(norm, tp).forward(h));
-    let [b, t, d] = h.dims();
-    let rows = head.dims()[1];
-    let logits = h.reshape([b * t, d]).matmul(head).reshape([b, t, rows]);
-    vocab_parallel_cross_entropy(logits, targets, vocab, &tp.group)
-}
-
-/// `block` with its weights replaced by this rank's shares (recorded in `table`): q/k/v and
-/// gate/up by output columns, the attention output and down projection by input rows; norms and
-/// mixture-of-experts layers stay whole.
-pub(crate) fn shard_block(
-    block: &mut Block,
-    tp: &TensorParallel,
-    table: &mut PlacementTable,
-) -> Result<(), ParallelError> {
-    let attn = &mut block.attn;
-    attn.wq = split_linear(&attn.wq, 1, tp, table)?;
-    attn.wk = split_linear(&attn.wk, 1, tp, table)?;
-    attn.wv = split_linear(&attn.wv, 1, tp, table)?;
-    attn.wo = split_linear(&attn.wo, 0, tp, table)?;
-    attn.n_heads /= tp.group.size();
-    if let Some(mlp) = block.mlp.as_mut() {
-        mlp.w_gate = split_linear(&mlp.w_gate, 1, tp, table)?;
-        mlp.w_up = split_linear(&mlp.w_up, 1, tp, table)?;
-        mlp.w_down = split_linear(&mlp.w_down, 0, tp, table)?;
+    if block.moe.is_none() || !tp.sequence_parallel {
+        return block.forward_with(h, rope, ctx, layer);
     }
-    Ok(())
-}
-
-/// The whole model from this rank's shares `local` (collective over tp; values only).
-pub(crate) fn unshard_model(
-    local: Transformer,
-    tp: &TensorParallel,
-    vocab: &VocabShard,
-) -> Result<Transformer, ParallelError> {
-    let mut full = local.valid();
-    for block in &mut full.blocks {
-        unshard_block(block, tp)?;
-    }
-    let rows = Some(vocab.vocab);
-    full.embed = Embedding {
-        weight: Param::from_tensor(gather_parts(full.embed.weight.val(), 0, &tp.group, rows)?),
-    };
-    if let Some(head) = &full.head {
-        let columns = gather_parts(head.weight.val(), 1, &tp.group, rows)?;
-        full.head = Some(linear_from(columns));
-    }
-    Ok(full)
-}
-
-/// `block` with every rank's shares gathered back (collective).
-pub(crate) fn unshard_block(block: &mut Block, tp: &TensorParallel) -> Result<(), ParallelError> {
-    let attn = &mut block.attn;
-    attn.wq = gather_linear(&attn.wq, 1, tp)?;
-    attn.wk = gather_linear(&attn.wk, 1, tp)?;
-    attn.wv = gather_linear(&attn.wv, 1, tp)?;
-    attn.wo = gather_linear(&attn.wo, 0, tp)?;
-    attn.n_heads *= tp.group.size();
-    if let Some(mlp) = block.mlp.as_mut() {
-        mlp.w_gate = gather_linear(&mlp.w_gate, 1, tp)?;
-        mlp.w_up = gather_linear(&mlp.w_up, 1, tp)?;
-        mlp.w_down = gather_linear(&mlp.w_down, 0, tp)?;
-    }
-    Ok(())
+    let h = block.attention_residual(h, rope, ctx, layer);
+    block.feed_forward_residual(h, ctx, layer, |block, x| {
+        let whole = ForwardContext {
+            seq_offset: 0,
+            ..ctx.clone()
+        };
+        let x = gather_from_tp(x, 1, &tp.group);
+        scatter_to_tp(block.feed_forward(x, &whole, layer), 1, &tp.group)
+    })
 }
 
 #[cfg(test)]
@@ -389,7 +238,7 @@ mod tests {
                 let full = config.init(3, ctx.device());
                 let whole = ParamLayout::of(&full);
                 let plan = TensorParallel::new(ctx.group(Axis::Tp));
-                let model = TpTransformer::shard(full, &plan)?;
+                let model = TpTransformer::shard(full, &config, &plan)?;
                 let entries = model.placements().entries_of(&model)?;
                 assert_eq!(whole.slots.len(), entries.len());
                 for (w, (local, entry)) in whole.slots.iter().zip(&entries) {

@@ -194,11 +194,37 @@ impl Block {
         ctx: &ForwardContext,
         layer: usize,
     ) -> Tensor<3> {
+        let x = self.attention_residual(x, rope, ctx, layer);
+        self.feed_forward_residual(x, ctx, layer, |block, x| {
+            block.feed_forward(x, ctx, layer)
+        })
+    }
+
+    /// The block's first half: `x + attn(norm(x))`, with `ctx`'s dropout on the branch.
+    pub fn attention_residual(
+        &self,
+        x: Tensor<3>,
+        rope: &(Tensor<2>, Tensor<2>),
+        ctx: &ForwardContext,
+        layer: usize,
+    ) -> Tensor<3> {
         let attn = self
             .attn
             .forward_with(self.attn_norm.forward(x.clone()), rope, ctx, layer);
-        let x = x + ctx.hidden(attn, layer, Site::AttentionOut);
-        let mlp = self.feed_forward(self.mlp_norm.forward(x.clone()), ctx, layer);
+        x + ctx.hidden(attn, layer, Site::AttentionOut)
+    }
+
+    /// The block's second half, `x + feed(norm(x))` with `ctx`'s dropout on the branch, where
+    /// `feed(block, x)` is the feed-forward ([`Block::feed_forward`], or a strategy's way of
+    /// running it).
+    pub fn feed_forward_residual(
+        &self,
+        x: Tensor<3>,
+        ctx: &ForwardContext,
+        layer: usize,
+        feed: impl FnOnce(&Block, Tensor<3>) -> Tensor<3>,
+    ) -> Tensor<3> {
+        let mlp = feed(self, self.mlp_norm.forward(x.clone()));
         x + ctx.hidden(mlp, layer, Site::MlpOut)
     }
 

@@ -112,7 +112,8 @@ impl TransformerConfig {
     /// How the model is parallelized, as data: the `flashover_parallel::parallelize` plan
     /// (TOML) that splits it as Megatron does, attention by whole heads (q, k, v column-wise,
     /// the output projection row-wise), the MLP by its hidden width (gate and up column-wise,
-    /// down row-wise), the token embedding (and an untied head) by vocabulary; and, under
+    /// down row-wise), the token embedding (and an untied head, padded as the embedding) by
+    /// vocabulary; and, under
     /// sequence parallelism, the norms between those regions on sequence shards (drop
     /// `sequence_parallel` to keep whole sequences there). Fully sharded units, pipeline
     /// stages and recomputation are the job's choice, not the model's, and are added to it.
@@ -156,6 +157,7 @@ paths = ["blocks.*.mlp.w_down"]
 [[tensor_parallel]]
 style = "colwise"
 paths = ["head"]
+padded = true
 "#,
             );
         }

@@ -10,11 +10,12 @@ use super::{Batches, Precisions, RankStrategy, SharedState, StepOutcome, borrowe
 use crate::train::checkpoint::LocalState;
 use crate::train::config::{GradientReduction, TrainConfig};
 use crate::train::parallelize::Shares;
-use crate::train::pp_model::{DeferWeightGrads, TransformerStage};
+use crate::train::pp_model::TransformerStage;
 use crate::train::report::MoeRecord;
 use burn::tensor::Gradients;
 use flashover_models::moe::update_expert_bias;
 use flashover_models::{Block, LinearHook, MoeConfig, MoeHook, Transformer, TransformerConfig};
+use flashover_parallel::parallelize::transformer::layer_hooks;
 use flashover_parallel::FlatAdamWConfig;
 use flashover_parallel::expert_parallel::ExpertParallel;
 use flashover_parallel::params::{ParamLayout, ParamSlot, accumulate_grads, flatten_params};
@@ -53,13 +54,12 @@ pub(super) fn build(
     let d = model_config.d_model;
     let (local, split, seq, mut placements) = match shares {
         Shares::Split(shares) => {
-            let split = Some((shares.plan().clone(), shares.vocab()));
             let seq = match shares.plan().sequence_parallel {
                 true => local_seq / ctx.group(Axis::Tp).size(),
                 false => local_seq,
             };
-            let (local, _, _, placements) = shares.into_parts();
-            (local, split, seq, placements)
+            let (local, tp, parts, placements) = shares.into_parts();
+            (local, Some((tp, parts)), seq, placements)
         }
         Shares::Whole(model, placements) => (*model, None, local_seq, placements),
     };
@@ -108,7 +108,9 @@ pub(super) fn build(
     }
     let deferral = splits_backward.then(|| {
         let store = WeightGradStore::default();
-        let hook = LinearHook(Arc::new(DeferWeightGrads(store.clone())));
+        // The plan's layer hooks (Megatron's operators around split layers) multiplying with
+        // deferred weight gradients.
+        let (hook, _) = layer_hooks(Some(store.clone()));
         (store, hook)
     });
     let optim = FlatOptimizer::new(ctx, &chunks, config.parallel.zero, adamw);

@@ -245,6 +245,71 @@ pub fn parallelize<M: Module>(
     Ok((model, par))
 }
 
+/// A model's layers split over `tp` by `plan`'s `tensor_parallel` and `sequence_parallel` rules
+/// alone, for an executor that runs the parts itself (the trainer's strategies, which place
+/// stages and shards their own way): the same cut and the same [`Placed`] record as
+/// [`parallelize`]'s, recorded in `placements`, except that `Param::val` of a split parameter
+/// answers this rank's part instead of refusing (the executor knows it holds parts). The
+/// forward computes through [`crate::nn`]'s layers or [`transformer::layer_hooks`]. Fails,
+/// naming the path, when the plan does not fit the model or has other rules.
+pub fn split_tensor_parallel<M: Module>(
+    model: M,
+    plan: &ParallelizePlan,
+    tp: &Group,
+    placements: &mut PlacementTable,
+) -> Result<(M, TensorParallelParts), ParallelError> {
+    let others = !plan.fully_shard.is_empty()
+        || plan.pipeline.is_some()
+        || plan.context_parallel.is_some()
+        || !plan.expert_parallel.is_empty();
+    if others {
+        return Err(ParallelError::Invalid(
+            "split_tensor_parallel applies a plan's tensor_parallel and sequence_parallel rules \
+             only; apply the others with parallelize"
+                .into(),
+        ));
+    }
+    let layout = ParamLayout::of(&model);
+    validate::check_plan(plan, &layout.slots, tp.size())?;
+    let whole_reads = WholeReads::local();
+    let mut error = None;
+    let place = placed::PlaceParams {
+        plan,
+        fsdp: tp.clone(),
+        tp: tp.clone(),
+        context: None,
+        routers: &HashMap::new(),
+        all_routers: &HashSet::new(),
+        placements,
+        whole_reads: whole_reads.clone(),
+        units: UnitGathers::default(),
+        absent: &HashMap::new(),
+        kept_whole: &BTreeMap::new(),
+        sequence_partials: &mut HashSet::new(),
+        error: &mut error,
+    };
+    let model = model.apply_reparameterization(place);
+    match error {
+        Some(e) => Err(e),
+        None => Ok((model, TensorParallelParts { whole_reads })),
+    }
+}
+
+/// What [`split_tensor_parallel`] did, for turning the parts back into the whole model.
+#[derive(Debug, Clone)]
+pub struct TensorParallelParts {
+    whole_reads: WholeReads,
+}
+
+impl TensorParallelParts {
+    /// The whole model from every `tp` rank's parts (collective over `tp`; values only, new
+    /// leaves with their gradient requirement kept).
+    pub fn whole<M: Module>(&self, model: M) -> M {
+        let _allowed = self.whole_reads.allow();
+        model.materialize()
+    }
+}
+
 /// The parameters other ranks hold: by path with why, and per parameter (layout order)
 /// whether this rank holds it.
 struct Absent {

@@ -169,16 +169,23 @@ impl UnitGathers {
 /// What `Param::val` answers besides the value a layer computes with (one mode per rank,
 /// shared by its parameters): while [`super::Parallelized::whole`] runs, tensor-parallel
 /// parameters gathered whole; while [`super::Parallelized::with_stored_reads`] runs, every
-/// parameter's stored part, untouched.
+/// parameter's stored part, untouched. Parameters split by [`super::split_tensor_parallel`]
+/// read as their part by default ([`WholeReads::local`]): the executor that holds them knows
+/// they are parts.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct WholeReads(Arc<AtomicU8>);
 
-/// [`WholeReads`] modes.
-const COMPUTE: u8 = 0;
+/// [`WholeReads`] modes (the default, 0, computes: a split parameter's whole read refuses).
 const WHOLE: u8 = 1;
 const STORED: u8 = 2;
+const LOCAL: u8 = 3;
 
 impl WholeReads {
+    /// Reads that answer a tensor-parallel parameter's part instead of refusing it.
+    pub(crate) fn local() -> Self {
+        WholeReads(Arc::new(AtomicU8::new(LOCAL)))
+    }
+
     /// Allows whole reads until the returned guard drops.
     pub(crate) fn allow(&self) -> impl Drop + '_ {
         self.set(WHOLE)
@@ -189,15 +196,16 @@ impl WholeReads {
         self.set(STORED)
     }
 
+    /// `mode` until the returned guard drops, then the mode before it.
     fn set(&self, mode: u8) -> impl Drop + '_ {
-        struct Reset<'a>(&'a AtomicU8);
+        struct Reset<'a>(&'a AtomicU8, u8);
         impl Drop for Reset<'_> {
             fn drop(&mut self) {
-                self.0.store(COMPUTE, Ordering::SeqCst);
+                self.0.store(self.1, Ordering::SeqCst);
             }
         }
-        self.0.store(mode, Ordering::SeqCst);
-        Reset(&self.0)
+        let before = self.0.swap(mode, Ordering::SeqCst);
+        Reset(&self.0, before)
     }
 
     fn allowed(&self) -> bool {
@@ -206,6 +214,10 @@ impl WholeReads {
 
     fn stored(&self) -> bool {
         self.0.load(Ordering::SeqCst) == STORED
+    }
+
+    fn local_parts(&self) -> bool {
+        self.0.load(Ordering::SeqCst) == LOCAL
     }
 }
 
@@ -362,6 +374,7 @@ impl Reparameterization for Placed {
         let local = self.local(base);
         match &self.tp {
             None => local,
+            Some(_) if self.whole_reads.local_parts() => local,
             Some(split) => panic!(
                 "`{}` is split {:?} over tp by the parallelize plan, but a layer read it \
                  whole (Param::val): the layers a plan splits must be flashover::nn::Linear \
@@ -596,12 +609,16 @@ impl Reparameterizer for PlaceParams<'_> {
         let mut split = None;
         if let Some((style, dim)) = tp {
             let (rank, n) = (self.tp.rank(), self.tp.size());
+            let padded = self.plan.tp_rule(&path).is_some_and(|(rule, _)| rule.padded);
             let mut rows = 0;
             param = param.map(|t| {
                 rows = t.dims()[dim];
                 leaf(t, |t| match style {
                     // Padded to ceil(vocab / tp) rows, as `VocabShard` numbers them.
                     TpStyle::Vocab => own_rows(t, rank, n),
+                    // A padded output head: its columns, padded the same way.
+                    _ if padded && D == 1 => own_rows(t, rank, n),
+                    _ if padded => own_rows(t.swap_dims(0, 1), rank, n).swap_dims(0, 1),
                     _ => {
                         split_dim(&t, dim, rank, n).expect("the plan was checked against the model")
                     }

@@ -79,6 +79,12 @@ pub struct TensorParallelRule {
     /// width must divide into `tp` parts of whole units. 1 by default.
     #[serde(default = "one")]
     pub unit: usize,
+    /// Column-wise only: pad the output features to a multiple of `tp` (zero columns), as
+    /// Megatron pads a vocabulary, so any width splits. For an output head whose logits go
+    /// only to its vocabulary-parallel loss ([`crate::nn::Linear::cross_entropy`]), which
+    /// leaves the padding out. Off by default.
+    #[serde(default)]
+    pub padded: bool,
 }
 
 fn one() -> usize {
@@ -106,7 +112,14 @@ impl TensorParallelRule {
             style,
             paths: paths.iter().map(|p| ModulePath::new(p)).collect(),
             unit: 1,
+            padded: false,
         }
+    }
+
+    /// Pad a column-wise split's output features to a multiple of `tp` (see the field).
+    pub fn padded(mut self) -> Self {
+        self.padded = true;
+        self
     }
 
     /// Keep the split features in whole units of `unit` (an attention head's width, so each

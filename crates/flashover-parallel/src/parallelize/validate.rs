@@ -77,6 +77,15 @@ pub(super) fn check_plan(
             if rule.unit == 0 {
                 return Err(refuse(path, style, "has unit = 0; use 1 or more".into()));
             }
+            if rule.padded && (rule.style != TpStyle::Colwise || rule.unit > 1) {
+                return Err(refuse(
+                    path,
+                    style,
+                    "is padded: padding applies to column-wise rules without a unit (an output \
+                     head over a vocabulary)"
+                        .into(),
+                ));
+            }
             for layer in linear_layers(path, style, slots, &names)? {
                 if rule.style == TpStyle::Vocab && layer.has_bias {
                     return Err(refuse(
@@ -229,6 +238,8 @@ fn check_width(
     tp: usize,
 ) -> Result<(), ParallelError> {
     let (what, width) = match rule.style {
+        // Padded to a multiple of tp, as a vocabulary.
+        TpStyle::Colwise if rule.padded && rule.unit == 1 => return Ok(()),
         TpStyle::Colwise => ("output features", layer.d_out),
         TpStyle::Rowwise => ("input features", layer.d_in),
         // Padded to a multiple of tp: any vocabulary splits.

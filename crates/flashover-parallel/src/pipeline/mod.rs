@@ -18,4 +18,6 @@ mod weight_grad;
 pub use executor::{PipelineExecutor, PipelineStepReport, StageOutput};
 pub use schedule::{Action, ActionKind, Schedule, ScheduleKind};
 pub use simulate::{Costs, ScheduleError, Slot, Timeline, render_table, simulate, validate};
-pub use weight_grad::{DeferredWeightGrad, WeightGradStore, deferral_supported, deferred_linear};
+pub use weight_grad::{
+    DeferredWeightGrad, WeightGradStore, deferral_supported, deferred_linear, deferred_product,
+};

@@ -188,20 +188,33 @@ pub fn deferred_linear<const D: usize>(
     x: Tensor<D>,
     store: &WeightGradStore,
 ) -> Tensor<D> {
+    let bias = linear.bias.as_ref().map(|b| b.val());
+    deferred_product(x, linear.weight.val(), linear.weight.id, bias, store)
+}
+
+/// `x weight + bias` for `x: [.., d_in]` and the value `weight` of parameter `param`, its
+/// gradient deferred to `store` (what [`deferred_linear`] computes, for a weight read
+/// otherwise: a rank's tensor-parallel part). Flex only.
+pub fn deferred_product<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<2>,
+    param: ParamId,
+    bias: Option<Tensor<1>>,
+    store: &WeightGradStore,
+) -> Tensor<D> {
     let mut dims = x.dims();
     let d_in = dims[D - 1];
     let rows = dims[..D - 1].iter().product();
-    let weight = linear.weight.val();
     dims[D - 1] = weight.dims()[1];
     let y: Tensor<2> = Tensor::from_dispatch(<Dispatch as DeferredMatmulOps>::deferred_matmul(
         x.reshape([rows, d_in]).into_dispatch(),
         weight.into_dispatch(),
-        linear.weight.id,
+        param,
         store.clone(),
     ));
     let y = y.reshape(dims);
-    match &linear.bias {
-        Some(bias) => y + bias.val().unsqueeze(),
+    match bias {
+        Some(bias) => y + bias.unsqueeze(),
         None => y,
     }
 }
