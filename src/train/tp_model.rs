@@ -141,12 +141,16 @@ impl TpTransformer {
         let h = ctx.embed(&model.embed, tokens);
         let head_dim = model.blocks.first().map_or(2, |b| b.attn.head_dim);
         let rope = ctx.rope_tables(t, head_dim, model.rope_theta, &h.device());
-        let h = model.blocks.iter().enumerate().fold(h, |h, (layer, block)| {
-            let (rope, tp) = (rope.clone(), self.tp.clone());
-            ctx.block(layer, block, h, move |b, h, ctx| {
-                tp_block_forward(b, h, &rope, ctx, layer, &tp)
-            })
-        });
+        let h = model
+            .blocks
+            .iter()
+            .enumerate()
+            .fold(h, |h, (layer, block)| {
+                let (rope, tp) = (rope.clone(), self.tp.clone());
+                ctx.block(layer, block, h, move |b, h, ctx| {
+                    tp_block_forward(b, h, &rope, ctx, layer, &tp)
+                })
+            });
         model.head_loss(h, targets, &ctx)
     }
 
@@ -179,7 +183,7 @@ pub(crate) fn tp_context(
     seq: usize,
 ) -> ForwardContext {
     let (rank, n) = (tp.group.rank(), tp.group.size());
-    let (linear, vocab) = layer_hooks(None);
+    let (linear, vocab) = layer_hooks();
     ForwardContext {
         head_offset: rank * heads / n,
         seq_offset: if tp.sequence_parallel {

@@ -195,9 +195,7 @@ impl Block {
         layer: usize,
     ) -> Tensor<3> {
         let x = self.attention_residual(x, rope, ctx, layer);
-        self.feed_forward_residual(x, ctx, layer, |block, x| {
-            block.feed_forward(x, ctx, layer)
-        })
+        self.feed_forward_residual(x, ctx, layer, |block, x| block.feed_forward(x, ctx, layer))
     }
 
     /// The block's first half: `x + attn(norm(x))`, with `ctx`'s dropout on the branch.

@@ -15,9 +15,9 @@ use crate::train::report::MoeRecord;
 use burn::tensor::Gradients;
 use flashover_models::moe::update_expert_bias;
 use flashover_models::{Block, LinearHook, MoeConfig, MoeHook, Transformer, TransformerConfig};
-use flashover_parallel::parallelize::transformer::layer_hooks;
 use flashover_parallel::FlatAdamWConfig;
 use flashover_parallel::expert_parallel::ExpertParallel;
+use flashover_parallel::parallelize::transformer::layer_hooks;
 use flashover_parallel::params::{ParamLayout, ParamSlot, accumulate_grads, flatten_params};
 use flashover_parallel::pipeline::{
     ActionKind, PipelineExecutor, Schedule, StageOutput, WeightGradStore, deferral_supported,
@@ -108,9 +108,9 @@ pub(super) fn build(
     }
     let deferral = splits_backward.then(|| {
         let store = WeightGradStore::default();
-        // The plan's layer hooks (Megatron's operators around split layers) multiplying with
-        // deferred weight gradients.
-        let (hook, _) = layer_hooks(Some(store.clone()));
+        // The plan's layer hooks (Megatron's operators around split layers), whose linear
+        // layers defer their weight gradients inside the executor's zero-bubble forwards.
+        let (hook, _) = layer_hooks();
         (store, hook)
     });
     let optim = FlatOptimizer::new(ctx, &chunks, config.parallel.zero, adamw);

@@ -1,7 +1,8 @@
 //! Burn's `Linear`, splittable column- or row-wise.
 
 use crate::parallelize::{TpSplit, TpStyle, local_value};
-use crate::pipeline::{WeightGradStore, deferred_product};
+use crate::pipeline::deferred_product;
+use crate::pipeline::weight_grad::forward_store;
 use crate::tensor_parallel::{TensorParallel, VocabShard};
 use burn::config::Config;
 use burn::module::{Module, Param, ParamId};
@@ -62,7 +63,7 @@ impl Linear {
     /// row-wise, `x` is this rank's [`Self::d_input`] features and the output whole (partial
     /// products summed over `tp`, then the bias added).
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        placed_linear(&self.weight, self.bias.as_ref(), x, &LocalProduct::Burn)
+        placed_linear(&self.weight, self.bias.as_ref(), x)
     }
 
     /// `layers` applied to one input `x`, as `layers.map(|l| l.forward(x.clone()))` computes
@@ -76,7 +77,7 @@ impl Linear {
         x: Tensor<D>,
     ) -> [Tensor<D>; N] {
         let params = layers.map(|l| (&l.weight, l.bias.as_ref()));
-        match placed_linears(&params, x, &LocalProduct::Burn).try_into() {
+        match placed_linears(&params, x).try_into() {
             Ok(outputs) => outputs,
             Err(_) => unreachable!("one output per layer"),
         }
@@ -113,51 +114,39 @@ impl Linear {
     }
 }
 
-/// How a rank multiplies its part of a linear layer's weight: Burn's `linear`, or with the
-/// weight's gradient deferred to a store (zero-bubble pipeline schedules).
-#[derive(Clone, Default)]
-pub(crate) enum LocalProduct {
-    #[default]
-    Burn,
-    Deferred(WeightGradStore),
-}
-
-impl LocalProduct {
-    /// `x weight + bias`, `weight` the value of parameter `param`.
-    fn apply<const D: usize>(
-        &self,
-        x: Tensor<D>,
-        weight: Tensor<2>,
-        param: ParamId,
-        bias: Option<Tensor<1>>,
-    ) -> Tensor<D> {
-        match self {
-            LocalProduct::Burn => linear(x, weight, bias),
-            LocalProduct::Deferred(store) => deferred_product(x, weight, param, bias, store),
-        }
+/// `x weight + bias`, `weight` the value (this rank's part) of parameter `param`: Burn's
+/// `linear`, or inside a zero-bubble pipeline forward with the weight's gradient deferred to
+/// the step's store (`pipeline::deferred_product`).
+fn local_product<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<2>,
+    param: ParamId,
+    bias: Option<Tensor<1>>,
+) -> Tensor<D> {
+    match forward_store() {
+        Some(store) => deferred_product(x, weight, param, bias, &store),
+        None => linear(x, weight, bias),
     }
 }
 
 /// What [`Linear::forward`] computes, for a linear layer's parameters held by any module (the
 /// reference transformer's Burn `Linear`s): `x W + b` with the collectives of the split the
-/// plan recorded on `weight`, or Burn's `linear` when it is not split; `product` multiplies
-/// this rank's part.
+/// plan recorded on `weight`, or Burn's `linear` when it is not split (see [`local_product`]).
 pub(crate) fn placed_linear<const D: usize>(
     weight: &Param<Tensor<2>>,
     bias: Option<&Param<Tensor<1>>>,
     x: Tensor<D>,
-    product: &LocalProduct,
 ) -> Tensor<D> {
     let id = weight.id;
     let (weight, split) = local_value(weight);
     let Some(split) = split else {
-        return product.apply(x, weight, id, bias.map(|b| local_value(b).0));
+        return local_product(x, weight, id, bias.map(|b| local_value(b).0));
     };
     let tp = TensorParallel::new(&split.group).with_sequence_parallel(split.sequence_parallel);
     match split.style {
-        TpStyle::Colwise => product.apply(tp.enter(x), weight, id, bias.map(|b| local_value(b).0)),
+        TpStyle::Colwise => local_product(tp.enter(x), weight, id, bias.map(|b| local_value(b).0)),
         TpStyle::Rowwise => {
-            let y = tp.exit(product.apply(x, weight, id, None));
+            let y = tp.exit(local_product(x, weight, id, None));
             // The bias's gradient is summed over tp under sequence parallelism (its value
             // carries that).
             match bias {
@@ -173,33 +162,35 @@ pub(crate) fn placed_linear<const D: usize>(
 }
 
 /// What [`Linear::forward_shared`] computes, for linear layers' `(weight, bias)` held by any
-/// module; `product` multiplies each rank's part.
+/// module.
 pub(crate) fn placed_linears<const D: usize>(
     layers: &[(&Param<Tensor<2>>, Option<&Param<Tensor<1>>>)],
     x: Tensor<D>,
-    product: &LocalProduct,
 ) -> Vec<Tensor<D>> {
     let splits: Vec<Option<TpSplit>> = layers
         .iter()
         .map(|(w, _)| local_value(w).1.cloned())
         .collect();
-    let shared = splits.first().and_then(|first| first.as_ref()).filter(|first| {
-        first.style == TpStyle::Colwise
-            && splits.iter().all(|s| {
-                s.as_ref().is_some_and(|s| {
-                    s.style == TpStyle::Colwise
-                        && s.sequence_parallel == first.sequence_parallel
-                        && std::sync::Arc::ptr_eq(
-                            s.group.communicator(),
-                            first.group.communicator(),
-                        )
+    let shared = splits
+        .first()
+        .and_then(|first| first.as_ref())
+        .filter(|first| {
+            first.style == TpStyle::Colwise
+                && splits.iter().all(|s| {
+                    s.as_ref().is_some_and(|s| {
+                        s.style == TpStyle::Colwise
+                            && s.sequence_parallel == first.sequence_parallel
+                            && std::sync::Arc::ptr_eq(
+                                s.group.communicator(),
+                                first.group.communicator(),
+                            )
+                    })
                 })
-            })
-    });
+        });
     let Some(split) = shared else {
         return layers
             .iter()
-            .map(|(w, b)| placed_linear(w, *b, x.clone(), product))
+            .map(|(w, b)| placed_linear(w, *b, x.clone()))
             .collect();
     };
     let tp = TensorParallel::new(&split.group).with_sequence_parallel(split.sequence_parallel);
@@ -208,7 +199,7 @@ pub(crate) fn placed_linears<const D: usize>(
         .iter()
         .map(|(w, b)| {
             let bias = b.map(|b| local_value(b).0);
-            product.apply(x.clone(), local_value(w).0, w.id, bias)
+            local_product(x.clone(), local_value(w).0, w.id, bias)
         })
         .collect()
 }

@@ -222,6 +222,14 @@ pub fn parallelize<M: Module>(
                     .is_some_and(|e| e.on(Axis::Fsdp) != Placement::Replicate)
             })
             .collect();
+        if stages.splits_backward() && sharded.iter().any(|s| *s) {
+            return Err(ParallelError::Invalid(
+                "pipeline schedule: zb-h1 defers a layer's weight gradient past the layer's \
+                 backward, where a fully sharded weight's gradient is reduce-scattered to its \
+                 shards: use zb-h1 without fully_shard, or 1f1b with it"
+                    .into(),
+            ));
+        }
         stages.gather_layers(units, ctx.group(Axis::Fsdp), &sharded);
     }
     let par = Parallelized {

@@ -13,7 +13,10 @@ use super::plan::PipelineRule;
 use crate::activation_checkpointing::{CheckpointPolicy, Replays, checkpoint_part};
 use crate::error::ParallelError;
 use crate::params::{ParamLayout, ParamSlot};
-use crate::pipeline::{PipelineExecutor, PipelineStepReport, Schedule, ScheduleKind, StageOutput};
+use crate::pipeline::{
+    ActionKind, PipelineExecutor, PipelineStepReport, Schedule, ScheduleKind, StageOutput,
+    WeightGradStore, deferral_supported,
+};
 use crate::placement::{PlacementTable, Tie};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{DType, Device, Tensor};
@@ -279,9 +282,29 @@ impl Stages {
             StageOutput::with_aux_loss(output, aux)
         };
         let chunks = vec![model.clone(); self.schedule.chunks];
-        let executor = PipelineExecutor::new(&self.schedule, &self.pp)?;
+        let mut executor = PipelineExecutor::new(&self.schedule, &self.pp)?;
+        let zero_bubble = self.splits_backward();
+        if zero_bubble {
+            if !deferral_supported(device) {
+                return Err(ParallelError::Invalid(format!(
+                    "pipeline schedule: zb-h1 defers the layers' weight gradients through an op \
+                     built for Flex only, not for {device:?}; use 1f1b there"
+                )));
+            }
+            executor = executor.deferring_weight_grads(WeightGradStore::default());
+        }
         // Every chunk is the same model (its own stages' parameters): sum them in place.
         let (flats, report) = executor.step_flat(&chunks, activation, device, forward)?;
+        // A zero-bubble step whose weight gradients were not deferred would silently be 1F1B.
+        if zero_bubble && report.deferred_weight_grads == 0 {
+            return Err(ParallelError::Invalid(
+                "pipeline schedule: zb-h1 deferred no weight gradient: it defers those of \
+                 flashover::nn::Linear layers (Burn's Linear computes its weight gradient with \
+                 the input gradient), so this model's layers would run as 1f1b; declare them \
+                 as flashover::nn::Linear or use 1f1b"
+                    .into(),
+            ));
+        }
         let mut flat = vec![0.0; ParamLayout::of(model).numel];
         for chunk in &flats {
             flat.iter_mut().zip(chunk).for_each(|(sum, g)| *sum += g);
@@ -296,6 +319,16 @@ impl Stages {
 }
 
 impl Stages {
+    /// Whether the schedule splits backward into input- and weight-gradient actions
+    /// (zero-bubble).
+    pub(super) fn splits_backward(&self) -> bool {
+        self.schedule
+            .ranks
+            .iter()
+            .flatten()
+            .any(|a| a.kind == ActionKind::BackwardWeight)
+    }
+
     /// Gathers each layer's fully sharded parameters (`sharded`, layout order) in one
     /// collective over `group` before the layer runs, instead of one per parameter as it reads
     /// them.
@@ -476,14 +509,6 @@ where
 fn schedule(rule: &PipelineRule, pp: usize) -> Result<Schedule, ParallelError> {
     let refuse = |why: String| ParallelError::Invalid(format!("pipeline schedule: {why}"));
     match rule.schedule {
-        ScheduleKind::ZeroBubbleH1 => {
-            return Err(refuse(
-                "zb-h1 moves weight gradients into the bubbles only for layers that compute \
-                 them through `pipeline::deferred_linear`; a plan's layers compute them with \
-                 the input gradients, so it would run as 1f1b: use 1f1b"
-                    .into(),
-            ));
-        }
         ScheduleKind::Interleaved1F1B => {}
         _ if rule.chunks != 1 => {
             return Err(refuse(format!(

@@ -609,7 +609,10 @@ impl Reparameterizer for PlaceParams<'_> {
         let mut split = None;
         if let Some((style, dim)) = tp {
             let (rank, n) = (self.tp.rank(), self.tp.size());
-            let padded = self.plan.tp_rule(&path).is_some_and(|(rule, _)| rule.padded);
+            let padded = self
+                .plan
+                .tp_rule(&path)
+                .is_some_and(|(rule, _)| rule.padded);
             let mut rows = 0;
             param = param.map(|t| {
                 rows = t.dims()[dim];

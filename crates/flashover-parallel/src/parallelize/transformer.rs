@@ -33,8 +33,8 @@
 use super::{ParallelizePlan, PipelineModel, PipelineRule, Placed};
 use crate::error::ParallelError;
 use crate::nn::embedding::{placed_embedding, table_split, tied_logits};
-use crate::nn::linear::{LocalProduct, head_split, placed_linear, placed_linears};
-use crate::pipeline::{ScheduleKind, WeightGradStore};
+use crate::nn::linear::{head_split, placed_linear, placed_linears};
+use crate::pipeline::ScheduleKind;
 use crate::tensor_parallel::vocab_parallel_cross_entropy;
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{Int, Tensor};
@@ -84,7 +84,7 @@ pub fn pipeline(
 /// (Megatron's collectives around split layers, Burn's forward for whole ones). Without
 /// dropout: its masks would need each rank's head and sequence offsets.
 pub fn forward_context() -> ForwardContext {
-    let (linear, vocab) = layer_hooks(None);
+    let (linear, vocab) = layer_hooks();
     ForwardContext {
         linear: Some(linear),
         vocab: Some(vocab),
@@ -93,26 +93,19 @@ pub fn forward_context() -> ForwardContext {
 }
 
 /// The hooks of [`forward_context`], for a context of one's own (the trainer's, with its
-/// dropout offsets), with the linear layers' weight gradients deferred to `weight_grads` when
-/// given (zero-bubble pipeline schedules, Flex only).
-pub fn layer_hooks(weight_grads: Option<WeightGradStore>) -> (LinearHook, VocabHook) {
-    let product = match weight_grads {
-        Some(store) => LocalProduct::Deferred(store),
-        None => LocalProduct::Burn,
-    };
-    let layers = Arc::new(PlacedLayers { product });
+/// dropout offsets). Inside a zero-bubble pipeline step's forwards they defer the linear
+/// layers' weight gradients to the step's store.
+pub fn layer_hooks() -> (LinearHook, VocabHook) {
+    let layers = Arc::new(PlacedLayers);
     (LinearHook(layers.clone()), VocabHook(layers))
 }
 
 /// The hooks of [`forward_context`]: each reads the split from the parameters' [`Placed`].
-struct PlacedLayers {
-    /// How a rank multiplies its part of a weight.
-    product: LocalProduct,
-}
+struct PlacedLayers;
 
 impl LinearOp for PlacedLayers {
     fn apply(&self, linear: &Linear, x: Tensor<3>) -> Tensor<3> {
-        placed_linear(&linear.weight, linear.bias.as_ref(), x, &self.product)
+        placed_linear(&linear.weight, linear.bias.as_ref(), x)
     }
 
     fn apply_shared(&self, layers: &[&Linear], x: Tensor<3>) -> Vec<Tensor<3>> {
@@ -120,7 +113,7 @@ impl LinearOp for PlacedLayers {
             .iter()
             .map(|l| (&l.weight, l.bias.as_ref()))
             .collect();
-        placed_linears(&params, x, &self.product)
+        placed_linears(&params, x)
     }
 }
 
@@ -137,7 +130,7 @@ impl VocabOp for PlacedLayers {
                 (logits, split.map(|(shard, tp)| (shard, tp.group)))
             }
             OutputHead::Untied(head) => (
-                placed_linear(&head.weight, head.bias.as_ref(), h, &self.product),
+                placed_linear(&head.weight, head.bias.as_ref(), h),
                 head_split(&head.weight),
             ),
         };

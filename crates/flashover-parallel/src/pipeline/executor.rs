@@ -11,11 +11,13 @@
 //! [`PipelineExecutor::deferring_weight_grads`]: the input-gradient action computes everything
 //! but their weight gradients, which the weight-gradient action computes. Without a store the
 //! input-gradient action runs the whole backward and the weight-gradient action has nothing to
-//! do (exact, but the bubble is 1F1B's).
+//! do (exact, but the bubble is 1F1B's). Each forward runs inside the store's scope, so
+//! plan-aware linear layers (`crate::nn::Linear`, the reference transformer's layer hooks)
+//! defer without being handed the store.
 
 use super::schedule::{Action, ActionKind, Schedule};
 use super::simulate::validate;
-use super::weight_grad::{DeferredWeightGrad, WeightGradStore};
+use super::weight_grad::{DeferredWeightGrad, WeightGradStore, deferring_in};
 use crate::error::ParallelError;
 use crate::params::{ParamLayout, accumulate_grads, grads_from_flat};
 use burn::module::{Module, ParamId};
@@ -257,7 +259,11 @@ impl<'a> PipelineExecutor<'a> {
                 ActionKind::Forward => {
                     let t0 = Instant::now();
                     let input = inputs.remove(&key);
-                    let out = forward(a.chunk, &chunks[a.chunk], input.clone(), a.micro);
+                    let run = || forward(a.chunk, &chunks[a.chunk], input.clone(), a.micro);
+                    let out = match &self.weight_grads {
+                        Some(store) => deferring_in(store, run),
+                        None => run(),
+                    };
                     if let StageOutput::Loss(loss) = out.main() {
                         report.loss_sum += loss.clone().into_scalar::<f32>() as f64;
                     }
@@ -297,32 +303,39 @@ impl<'a> PipelineExecutor<'a> {
                     let (out, aux) = out.split();
                     // A chunk's own loss, scaled as the losses are, in f32.
                     let aux = aux.map(|aux| aux.cast(DType::F32).mul_scalar(self.loss_scale));
-                    let grads = match (out, aux) {
-                        (StageOutput::Loss(loss), None) if self.loss_scale != 1.0 => {
-                            loss.mul_scalar(self.loss_scale).backward()
-                        }
-                        (StageOutput::Loss(loss), None) => loss.backward(),
-                        (StageOutput::Loss(loss), Some(aux)) => {
-                            (loss.cast(DType::F32).mul_scalar(self.loss_scale) + aux).backward()
-                        }
-                        (StageOutput::Activation(y), aux) => {
-                            let g = grads_out.remove(&key).ok_or_else(|| {
-                                ParallelError::Invalid(format!(
-                                    "rank {rank}: no output gradient for micro-batch {} chunk {}",
-                                    a.micro, a.chunk
-                                ))
-                            })?;
-                            // Received in the output's dtype; into the graph's autodiff
-                            // context on the device, as a constant (no host round trip).
-                            let g = crate::params::in_context_of(g, &y);
-                            match aux {
-                                Some(aux) => ((y * g).sum().cast(DType::F32) + aux).backward(),
-                                None => (y * g).sum().backward(),
-                            }
-                        }
-                        (StageOutput::WithAuxLoss(..), _) => unreachable!("split"),
+                    let missing = || {
+                        ParallelError::Invalid(format!(
+                            "rank {rank}: no output gradient for micro-batch {} chunk {}",
+                            a.micro, a.chunk
+                        ))
                     };
-                    let mut grads = grads;
+                    // A layer recomputed in this backward defers as its first forward did.
+                    let backward = || -> Result<Gradients, ParallelError> {
+                        Ok(match (out, aux) {
+                            (StageOutput::Loss(loss), None) if self.loss_scale != 1.0 => {
+                                loss.mul_scalar(self.loss_scale).backward()
+                            }
+                            (StageOutput::Loss(loss), None) => loss.backward(),
+                            (StageOutput::Loss(loss), Some(aux)) => {
+                                (loss.cast(DType::F32).mul_scalar(self.loss_scale) + aux).backward()
+                            }
+                            (StageOutput::Activation(y), aux) => {
+                                let g = grads_out.remove(&key).ok_or_else(missing)?;
+                                // Received in the output's dtype; into the graph's autodiff
+                                // context on the device, as a constant (no host round trip).
+                                let g = crate::params::in_context_of(g, &y);
+                                match aux {
+                                    Some(aux) => ((y * g).sum().cast(DType::F32) + aux).backward(),
+                                    None => (y * g).sum().backward(),
+                                }
+                            }
+                            (StageOutput::WithAuxLoss(..), _) => unreachable!("split"),
+                        })
+                    };
+                    let mut grads = match &self.weight_grads {
+                        Some(store) => deferring_in(store, backward)?,
+                        None => backward()?,
+                    };
                     if let Some(take) = self.take_gradients {
                         take(&mut grads);
                     }

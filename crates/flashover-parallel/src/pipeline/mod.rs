@@ -13,7 +13,7 @@
 mod executor;
 mod schedule;
 mod simulate;
-mod weight_grad;
+pub(crate) mod weight_grad;
 
 pub use executor::{PipelineExecutor, PipelineStepReport, StageOutput};
 pub use schedule::{Action, ActionKind, Schedule, ScheduleKind};

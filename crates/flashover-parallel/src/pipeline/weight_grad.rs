@@ -175,6 +175,35 @@ impl<C: CheckpointStrategy> DeferredMatmulOps for Autodiff<Flex, C> {
     }
 }
 
+thread_local! {
+    /// The store a stage's forward on this thread defers plan-aware linear layers' weight
+    /// gradients to ([`deferring_in`]).
+    static FORWARD_STORE: std::cell::RefCell<Option<WeightGradStore>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f`, a stage's forward, with the plan-aware linear layers it computes
+/// (`crate::nn::Linear`, and the reference transformer through the plan's layer hooks)
+/// deferring their weight gradients to `store`; the setting is this thread's and ends with
+/// `f`. The executor wraps each forward of a zero-bubble step in it
+/// ([`super::PipelineExecutor::deferring_weight_grads`]), so a model needs no store of its own.
+pub(crate) fn deferring_in<T>(store: &WeightGradStore, f: impl FnOnce() -> T) -> T {
+    struct Restore(Option<WeightGradStore>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            FORWARD_STORE.with(|s| *s.borrow_mut() = self.0.take());
+        }
+    }
+    let before = FORWARD_STORE.with(|s| s.borrow_mut().replace(store.clone()));
+    let _restore = Restore(before);
+    f()
+}
+
+/// The store of the [`deferring_in`] this thread runs in, if any.
+pub(crate) fn forward_store() -> Option<WeightGradStore> {
+    FORWARD_STORE.with(|s| s.borrow().clone())
+}
+
 /// Whether deferred weight gradients work on `device` (Flex with autodiff; elsewhere a
 /// zero-bubble schedule runs its weight-gradient actions empty, with autodiff's gradients).
 pub fn deferral_supported(device: &burn::tensor::Device) -> bool {

@@ -628,6 +628,21 @@ fn a_models_layers_cut_into_pipeline_stages_by_a_plan_train_as_one_rank() {
         ),
         ("pp=1", plan(rule(ScheduleKind::OneFOneB, 2))),
         ("fsdp=2,tp=2,pp=2", split(rule(ScheduleKind::OneFOneB, 2))),
+        // Zero-bubble: the layers' nn::Linear weight gradients wait for the weight actions
+        // (a step that deferred none is refused, so passing means they were deferred).
+        ("pp=2", plan(rule(ScheduleKind::ZeroBubbleH1, 4))),
+        // Recomputed layers defer their weight gradients in the backward that reruns them.
+        (
+            "pp=2",
+            plan(rule(ScheduleKind::ZeroBubbleH1, 4))
+                .activation_checkpointing(CheckpointPolicy::Full),
+        ),
+        (
+            "dp=2,tp=2,pp=2",
+            plan(rule(ScheduleKind::ZeroBubbleH1, 2))
+                .tensor_parallel(TensorParallelRule::colwise(&["layers.*.up"]))
+                .tensor_parallel(TensorParallelRule::rowwise(&["layers.*.down"])),
+        ),
     ];
     for (mesh, plan) in cases {
         let (run, held, _) = stack_pipelined(mesh, plan.clone());
@@ -860,13 +875,13 @@ fn pipeline_rules_that_do_not_fit_are_refused_with_the_reason() {
         ("pp=2", ParallelizePlan::new(), vec!["pp=2", "no pipeline"]),
         (
             "pp=2",
-            plan(rule(ScheduleKind::ZeroBubbleH1)),
-            vec!["zb-h1", "use 1f1b"],
-        ),
-        (
-            "pp=2",
             plan(rule(ScheduleKind::OneFOneB).chunks(2)),
             vec!["chunks = 2", "interleaved"],
+        ),
+        (
+            "fsdp=2,pp=2",
+            plan(rule(ScheduleKind::ZeroBubbleH1)).fully_shard(""),
+            vec!["zb-h1", "fully sharded", "1f1b"],
         ),
         (
             "pp=4",
@@ -1170,6 +1185,57 @@ fn a_whole_module_left_out_of_sequence_parallel_is_named_on_the_first_step() {
         .to_string();
     assert!(
         err.contains("`out_norm.") && err.contains("sequence_parallel"),
+        "{err}"
+    );
+}
+
+/// Layers of Burn's own `Linear`, which compute their weight gradients with the input
+/// gradients.
+#[derive(Module, Debug)]
+struct BurnLayers {
+    layers: Vec<Linear>,
+}
+
+impl PipelineModel<2> for BurnLayers {
+    type Batch = (Tensor<2>, Tensor<1, Int>);
+
+    fn embed(&self, (x, _): &Self::Batch) -> Tensor<2> {
+        x.clone()
+    }
+
+    fn layer(&self, index: usize, x: Tensor<2>) -> Tensor<2> {
+        self.layers[index].forward(x)
+    }
+
+    fn head_loss(&self, x: Tensor<2>, (_, y): &Self::Batch) -> Tensor<1> {
+        CrossEntropyLossConfig::new()
+            .init(&x.device())
+            .forward(x, y.clone())
+    }
+}
+
+#[test]
+fn zero_bubble_refuses_layers_whose_weight_gradients_it_cannot_defer() {
+    let err = Launch::new("pp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let model = BurnLayers {
+                layers: (0..2)
+                    .map(|i| linear(FEATURES, FEATURES, i as f32, &device))
+                    .collect(),
+            };
+            let rule = PipelineRule::new("layers", ScheduleKind::ZeroBubbleH1, 2);
+            let plan = ParallelizePlan::new().pipeline(rule);
+            let (model, par) = parallelize(model, &plan, &ctx)?;
+            let micro_batch = |samples| batch(samples, &device);
+            par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
+            Ok::<_, ParallelError>(())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("zb-h1 deferred no weight gradient") && err.contains("flashover::nn::Linear"),
         "{err}"
     );
 }

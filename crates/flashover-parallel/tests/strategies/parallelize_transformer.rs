@@ -125,15 +125,32 @@ fn the_reference_transformer_under_its_own_plan_trains_as_one_rank() {
                     .pipeline(one_f_one_b(&config, 2))
                     .activation_checkpointing(CheckpointPolicy::Full),
             ),
+            // Zero-bubble: the weight gradients of its linear layers (split or not) deferred.
+            (
+                "pp=2",
+                ParallelizePlan::new().pipeline(transformer::pipeline(
+                    &config,
+                    ScheduleKind::ZeroBubbleH1,
+                    4,
+                )),
+            ),
+            (
+                "dp=2,tp=2,pp=2",
+                split.clone().pipeline(transformer::pipeline(
+                    &config,
+                    ScheduleKind::ZeroBubbleH1,
+                    2,
+                )),
+            ),
         ];
         for (mesh, plan) in cases {
             let (run, held) = parallel(mesh, &config, &plan);
             let (loss, norm, weights) = differences(&run, &reference);
             let what = format!(
-                "{mesh} tied={tied} sp={} fsdp={} pp={}",
+                "{mesh} tied={tied} sp={} fsdp={} pp={:?}",
                 !plan.sequence_parallel.is_empty(),
                 !plan.fully_shard.is_empty(),
-                plan.pipeline.is_some()
+                plan.pipeline.as_ref().map(|p| p.schedule.to_string())
             );
             println!("{what}: losses {loss:.1e}, norms {norm:.1e}, weights {weights:.1e}");
             assert!(
