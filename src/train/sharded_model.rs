@@ -14,7 +14,7 @@
 use super::tp_model::{TpTransformer, tp_block_forward, tp_context};
 use burn::module::Module;
 use burn::tensor::{Int, Tensor};
-use flashover_models::{Block, ForwardContext, Transformer, next_token_loss};
+use flashover_models::{Block, ForwardContext, Transformer};
 use flashover_parallel::ParallelError;
 use flashover_parallel::parallelize::TensorParallelParts;
 use flashover_parallel::params::{ParamLayout, ParamSlot};
@@ -141,42 +141,54 @@ impl ShardedTransformer {
         ctx: &ForwardContext,
         precision: MixedPrecision,
     ) -> Result<Tensor<1>, ParallelError> {
-        let Some((tp, _)) = &self.tp else {
-            return Ok(next_token_loss(
-                self.forward(tokens, ctx, precision)?,
-                targets,
-            ));
-        };
-        if let Some(first) = self.blocks.first() {
-            first.prefetch();
-        }
-        let root = precision.compute_view(self.root.gather()?);
-        let t = tokens.dims()[1];
-        let ctx = tp_context(ctx, tp, self.heads, t);
-        let h = ctx.embed(&root.embed, tokens);
-        let rope = ctx.rope_tables(t, self.head_dim, root.rope_theta, &h.device());
-        let h = self.blocks_forward(h, &ctx, rope, precision, Some(tp))?;
+        let (root, h, ctx) = self.hidden_states(tokens, ctx, precision)?;
         Ok(root.head_loss(h, targets, &ctx))
     }
 
     /// `tokens: [batch, seq]` -> logits `[batch, seq, vocab]`, with `ctx`'s dropout (replayed
     /// exactly when a block is recomputed in backward), each gathered unit computing in
-    /// `precision`'s dtype.
+    /// `precision`'s dtype. Without tensor parallelism (split logits are only ever reduced in
+    /// the loss, [`ShardedTransformer::forward_loss`]).
     pub fn forward(
         &self,
         tokens: Tensor<2, Int>,
         ctx: &ForwardContext,
         precision: MixedPrecision,
     ) -> Result<Tensor<3>, ParallelError> {
+        if self.tp.is_some() {
+            return Err(ParallelError::Invalid(
+                "a tensor-parallel model's logits are split by vocabulary: take its loss \
+                 (forward_loss)"
+                    .into(),
+            ));
+        }
+        let (root, h, _) = self.hidden_states(tokens, ctx, precision)?;
+        Ok(root.logits(h))
+    }
+
+    /// The gathered root unit (embedding, final norm, head), the last block's output on
+    /// `tokens`, and the context it ran in (with tensor parallelism, this rank's offsets and
+    /// the plan's layer hooks).
+    fn hidden_states(
+        &self,
+        tokens: Tensor<2, Int>,
+        ctx: &ForwardContext,
+        precision: MixedPrecision,
+    ) -> Result<(Transformer, Tensor<3>, ForwardContext), ParallelError> {
         if let Some(first) = self.blocks.first() {
             first.prefetch();
         }
         let root = precision.compute_view(self.root.gather()?);
         let t = tokens.dims()[1];
-        let h = root.embed_tokens(tokens);
+        let ctx = match &self.tp {
+            Some((tp, _)) => tp_context(ctx, tp, self.heads, t),
+            None => ctx.clone(),
+        };
+        let h = ctx.embed(&root.embed, tokens);
         let rope = ctx.rope_tables(t, self.head_dim, root.rope_theta, &h.device());
-        let h = self.blocks_forward(h, ctx, rope, precision, None)?;
-        Ok(root.logits(h))
+        let tp = self.tp.as_ref().map(|(tp, _)| tp);
+        let h = self.blocks_forward(h, &ctx, rope, precision, tp)?;
+        Ok((root, h, ctx))
     }
 
     /// Every block unit in turn on `h`, each gathered just before use with the next one

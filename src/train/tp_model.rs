@@ -134,23 +134,13 @@ impl TpTransformer {
         targets: Tensor<2, Int>,
         ctx: &ForwardContext,
     ) -> Tensor<1> {
-        let t = tokens.dims()[1];
         let model = &self.local;
         let heads = model.blocks.first().map_or(0, |b| b.attn.n_heads);
-        let ctx = tp_context(ctx, &self.tp, heads, t);
-        let h = ctx.embed(&model.embed, tokens);
-        let head_dim = model.blocks.first().map_or(2, |b| b.attn.head_dim);
-        let rope = ctx.rope_tables(t, head_dim, model.rope_theta, &h.device());
-        let h = model
-            .blocks
-            .iter()
-            .enumerate()
-            .fold(h, |h, (layer, block)| {
-                let (rope, tp) = (rope.clone(), self.tp.clone());
-                ctx.block(layer, block, h, move |b, h, ctx| {
-                    tp_block_forward(b, h, &rope, ctx, layer, &tp)
-                })
-            });
+        let ctx = tp_context(ctx, &self.tp, heads, tokens.dims()[1]);
+        let tp = self.tp.clone();
+        let h = model.hidden_states_with(tokens, &ctx, move |b, h, rope, ctx, layer| {
+            tp_block_forward(b, h, rope, ctx, layer, &tp)
+        });
         model.head_loss(h, targets, &ctx)
     }
 

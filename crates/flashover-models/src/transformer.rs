@@ -274,15 +274,34 @@ impl Transformer {
 
     /// The embedding and every block: `tokens: [batch, seq]` -> the last block's output.
     pub fn hidden_states(&self, tokens: Tensor<2, Int>, ctx: &ForwardContext) -> Tensor<3> {
+        self.hidden_states_with(tokens, ctx, |b, h, rope, ctx, layer| {
+            b.forward_with(h, rope, ctx, layer)
+        })
+    }
+
+    /// [`Transformer::hidden_states`] with each block run by `block(block, h, rope, ctx,
+    /// layer)` (through `ctx`'s [`crate::BlockCheckpoint`] as usual): a strategy's way of
+    /// running a block.
+    pub fn hidden_states_with<F>(
+        &self,
+        tokens: Tensor<2, Int>,
+        ctx: &ForwardContext,
+        block: F,
+    ) -> Tensor<3>
+    where
+        F: Fn(&Block, Tensor<3>, &(Tensor<2>, Tensor<2>), &ForwardContext, usize) -> Tensor<3>
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+    {
         let t = tokens.dims()[1];
         let h = ctx.embed(&self.embed, tokens);
         let head_dim = self.blocks.first().map_or(2, |b| b.attn.head_dim);
         let rope = ctx.rope_tables(t, head_dim, self.rope_theta, &h.device());
-        self.blocks.iter().enumerate().fold(h, |h, (layer, block)| {
-            let rope = rope.clone();
-            ctx.block(layer, block, h, move |b, h, ctx| {
-                b.forward_with(h, &rope, ctx, layer)
-            })
+        self.blocks.iter().enumerate().fold(h, |h, (layer, b)| {
+            let (rope, block) = (rope.clone(), block.clone());
+            ctx.block(layer, b, h, move |b, h, ctx| block(b, h, &rope, ctx, layer))
         })
     }
 

@@ -14,11 +14,11 @@ use flashover_parallel::ParallelError;
 use flashover_parallel::activation_checkpointing::{CheckpointPolicy, checkpoint};
 use flashover_parallel::nn;
 use flashover_parallel::parallelize::{
-    ParallelizePlan, PipelineModel, PipelineRule, TensorParallelRule, parallelize,
+    ParallelizePlan, Parallelized, PipelineModel, PipelineRule, TensorParallelRule, parallelize,
 };
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
 use flashover_parallel::pipeline::ScheduleKind;
-use flashover_runtime::{Launch, OpKind};
+use flashover_runtime::{Launch, OpKind, RankContext};
 
 const FEATURES: usize = 6;
 /// Odd on purpose: the last layer's rows do not split evenly over two ranks.
@@ -318,19 +318,39 @@ pub(crate) fn reference_loop<M: Module>(
 /// The same loop under `plan` on `mesh`: rank 0's run, and every rank's stored parameter
 /// elements.
 fn parallel<M: Net>(mesh: &str, plan: ParallelizePlan) -> (Run, Vec<usize>) {
+    plan_loop(mesh, &plan, M::new, |model, par, step, ctx, device| {
+        let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, device);
+        let loss = loss(model, x, y);
+        let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+        let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
+        Ok((grads, mean, norm))
+    })
+}
+
+/// What one step of [`plan_loop`] computed: the gradients to step, the whole batch's mean
+/// loss and the gradient norm before clipping.
+pub(crate) type Step = Result<(GradientsParams, f32, f32), ParallelError>;
+
+/// `STEPS` steps of Burn's AdamW on the model `new` builds, parallelized by `plan` on `mesh`,
+/// each step's gradients from `step(model, par, step, ctx, device)`: rank 0's run, and every
+/// rank's stored parameter elements.
+pub(crate) fn plan_loop<M: Module>(
+    mesh: &str,
+    plan: &ParallelizePlan,
+    new: impl Fn(&Device) -> M + Sync,
+    step: impl Fn(&M, &Parallelized, usize, &RankContext, &Device) -> Step + Sync,
+) -> (Run, Vec<usize>) {
     let out = Launch::new(mesh)
         .unwrap()
         .run(|ctx| {
             let device = Device::flex().autodiff();
-            let (mut model, par) = parallelize(M::new(&device), &plan, &ctx)?;
+            let (mut model, par) = parallelize(new(&device), plan, &ctx)?;
             let held = ParamLayout::of(&model).numel;
             let mut optim = AdamWConfig::new().init();
             let (mut losses, mut norms) = (vec![], vec![]);
-            for step in 0..STEPS {
-                let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
-                let loss = loss(&model, x, y);
-                losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
-                let (grads, norm) = par.gradients(&model, loss.backward(), Some(MAX_NORM), &ctx)?;
+            for s in 0..STEPS {
+                let (grads, loss, norm) = step(&model, &par, s, &ctx, &device)?;
+                losses.push(loss);
                 norms.push(norm);
                 model = optim.step(LR, model, grads);
             }

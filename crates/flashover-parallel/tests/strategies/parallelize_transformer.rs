@@ -3,14 +3,14 @@
 //! active) and every weight within 1e-5, under tensor (and sequence) parallelism, fully
 //! sharded units over it, pipelines and all of them with recomputation.
 
-use crate::parallelize::{GLOBAL_BATCH, LR, MAX_NORM, Run, STEPS, differences, reference_loop};
-use burn::optim::AdamWConfig;
+use crate::parallelize::{
+    GLOBAL_BATCH, MAX_NORM, Run, STEPS, differences, plan_loop, reference_loop,
+};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_models::{ForwardContext, MoeConfig, Transformer, TransformerConfig};
 use flashover_parallel::ParallelError;
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
 use flashover_parallel::parallelize::{ParallelizePlan, parallelize, transformer};
-use flashover_parallel::params::{ParamLayout, flatten_params};
 use flashover_parallel::pipeline::ScheduleKind;
 use flashover_runtime::Launch;
 
@@ -54,39 +54,20 @@ fn single_rank(config: &TransformerConfig) -> Run {
 /// The same loop under `plan` on `mesh` (through the pipeline when the plan has one): rank
 /// 0's run, and every rank's stored parameter elements.
 fn parallel(mesh: &str, config: &TransformerConfig, plan: &ParallelizePlan) -> (Run, Vec<usize>) {
-    let out = Launch::new(mesh)
-        .unwrap()
-        .run(|ctx| {
-            let device = Device::flex().autodiff();
-            let (mut model, par) = parallelize(config.init(SEED, &device), plan, &ctx)?;
-            let held = ParamLayout::of(&model).numel;
-            let mut optim = AdamWConfig::new().init();
-            let (mut losses, mut norms) = (vec![], vec![]);
-            let micro_batch = |samples| batch(samples, &device);
-            for step in 0..STEPS {
-                let (grads, loss, norm) = if par.has_pipeline() {
-                    let clip = Some(MAX_NORM);
-                    let out =
-                        par.pipeline_step(&model, GLOBAL_BATCH, step, &micro_batch, clip, &ctx)?;
-                    (out.grads, out.loss, out.norm)
-                } else {
-                    let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
-                    let loss = model.forward_loss(x, y, &transformer::forward_context());
-                    let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
-                    let (grads, norm) =
-                        par.gradients(&model, loss.backward(), Some(MAX_NORM), &ctx)?;
-                    (grads, mean, norm)
-                };
-                losses.push(loss);
-                norms.push(norm);
-                model = optim.step(LR, model, grads);
-            }
-            let whole = flatten_params(&par.whole(model)?);
-            Ok::<_, ParallelError>(((losses, norms, whole), held))
-        })
-        .unwrap();
-    let held = out.iter().map(|(_, h)| *h).collect();
-    (out.into_iter().next().unwrap().0, held)
+    let new = |device: &Device| config.init(SEED, device);
+    plan_loop(mesh, plan, new, |model, par, step, ctx, device| {
+        if par.has_pipeline() {
+            let micro_batch = |samples| batch(samples, device);
+            let clip = Some(MAX_NORM);
+            let out = par.pipeline_step(model, GLOBAL_BATCH, step, &micro_batch, clip, ctx)?;
+            return Ok((out.grads, out.loss, out.norm));
+        }
+        let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, device);
+        let loss = model.forward_loss(x, y, &transformer::forward_context());
+        let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+        let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
+        Ok((grads, mean, norm))
+    })
 }
 
 #[test]
