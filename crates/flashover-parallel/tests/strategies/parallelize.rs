@@ -15,10 +15,12 @@ use flashover_parallel::activation_checkpointing::{CheckpointPolicy, checkpoint}
 use flashover_parallel::nn;
 use flashover_parallel::parallelize::{
     ParallelizePlan, Parallelized, PipelineModel, PipelineRule, TensorParallelRule, parallelize,
+    split_tensor_parallel,
 };
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
 use flashover_parallel::pipeline::ScheduleKind;
-use flashover_runtime::{Launch, OpKind, RankContext};
+use flashover_parallel::placement::PlacementTable;
+use flashover_runtime::{Axis, Launch, OpKind, RankContext};
 
 const FEATURES: usize = 6;
 /// Odd on purpose: the last layer's rows do not split evenly over two ranks.
@@ -853,11 +855,65 @@ fn tensor_parallel_rules_that_do_not_fit_the_model_are_refused_with_the_path() {
             split_mlp_plan().sequence_parallel("up"),
             vec!["`up` (sequence_parallel)", "up.weight", "splits"],
         ),
+        (
+            ParallelizePlan::new().tensor_parallel(TensorParallelRule::rowwise(&["down"]).padded()),
+            vec!["`down` (rowwise)", "is padded", "column-wise"],
+        ),
     ];
     for (plan, want) in cases {
         let err = refused(plan);
         assert!(want.iter().all(|w| err.contains(w)), "{want:?}: {err}");
     }
+}
+
+#[test]
+fn a_padded_column_wise_head_splits_any_width_and_gathers_back_whole() {
+    // `head` has 5 output features: padded to 3 per rank at tp=2, the whole width on `whole`.
+    let plan = |padded: bool| {
+        let head = TensorParallelRule::colwise(&["head"]);
+        ParallelizePlan::new().tensor_parallel(if padded { head.padded() } else { head })
+    };
+    let err = refusal("tp=2", &plan(false), SplitMlp::new);
+    assert!(err.contains("5 output features"), "{err}");
+    let out = Launch::new("tp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (model, par) = parallelize(SplitMlp::new(&device), &plan(true), &ctx)?;
+            let local = model.head.d_output();
+            let whole = par.whole(model)?;
+            Ok::<_, ParallelError>((local, flatten_params(&whole)))
+        })
+        .unwrap();
+    let reference = flatten_params(&SplitMlp::new(&Device::flex()));
+    for (local, whole) in out {
+        assert_eq!(local, 3);
+        assert_eq!(whole, reference);
+    }
+}
+
+#[test]
+fn split_tensor_parallel_applies_tensor_parallel_rules_only() {
+    let err = Launch::new("tp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let mut table = PlacementTable::whole(&SplitMlp::new(&device));
+            let plan = split_mlp_plan().fully_shard("");
+            split_tensor_parallel(
+                SplitMlp::new(&device),
+                &plan,
+                ctx.group(Axis::Tp),
+                &mut table,
+            )
+            .map(|_| ())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("tensor_parallel and sequence_parallel rules only"),
+        "{err}"
+    );
 }
 
 #[test]
