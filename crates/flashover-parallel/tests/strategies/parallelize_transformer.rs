@@ -1,7 +1,8 @@
 //! The reference transformer parallelized by its own plan (data in flashover-models), as a
 //! user's model is, against its plain single-rank Burn loop: losses, gradient norms (clipping
 //! active) and every weight within 1e-5, under tensor (and sequence) parallelism, fully
-//! sharded units over it, pipelines and all of them with recomputation.
+//! sharded parameters over it, pipelines (1F1B and zero-bubble) and all of them with
+//! recomputation.
 
 use crate::parallelize::{
     GLOBAL_BATCH, MAX_NORM, Run, STEPS, differences, plan_loop, reference_loop,
@@ -92,7 +93,11 @@ fn the_reference_transformer_under_its_own_plan_trains_as_one_rank() {
         let cases = [
             ("tp=2", split.clone()),
             ("tp=2", whole_sequences.clone()),
-            ("dp=2,tp=2", whole_sequences.clone().fully_shard("blocks")),
+            ("dp=2,tp=2", whole_sequences.clone()),
+            (
+                "dp=2,fsdp=2,tp=2",
+                whole_sequences.clone().fully_shard("blocks"),
+            ),
             ("fsdp=2,tp=2", split.clone().fully_shard("")),
             (
                 "dp=2,pp=2",
