@@ -21,7 +21,7 @@ use flashover_parallel::parallelize::{
 };
 use flashover_parallel::placement::PlacementTable;
 use flashover_parallel::tensor_parallel::TensorParallel;
-use flashover_parallel::tensor_parallel::comm::{gather_from_tp, scatter_to_tp};
+use flashover_parallel::tensor_parallel::comm::on_whole_sequences;
 
 /// [`Transformer`] split over the `tp` group; see the module docs.
 ///
@@ -205,13 +205,12 @@ pub(crate) fn tp_block_forward(
         return block.forward_with(h, rope, ctx, layer);
     }
     let h = block.attention_residual(h, rope, ctx, layer);
+    let whole = ForwardContext {
+        seq_offset: 0,
+        ..ctx.clone()
+    };
     block.feed_forward_residual(h, ctx, layer, |block, x| {
-        let whole = ForwardContext {
-            seq_offset: 0,
-            ..ctx.clone()
-        };
-        let x = gather_from_tp(x, 1, &tp.group);
-        scatter_to_tp(block.feed_forward(x, &whole, layer), 1, &tp.group)
+        on_whole_sequences(x, &tp.group, |x| block.feed_forward(x, &whole, layer))
     })
 }
 

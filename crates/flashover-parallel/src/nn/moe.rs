@@ -5,7 +5,7 @@ use crate::context_parallel::CpSequences;
 use crate::expert_parallel::ExpertParallel;
 use crate::parallelize::Placed;
 use crate::parallelize::placed::UnitGathers;
-use crate::tensor_parallel::comm::{gather_from_tp, scatter_to_tp};
+use crate::tensor_parallel::comm::on_whole_sequences;
 use burn::tensor::Tensor;
 use flashover_comm::Group;
 use flashover_models::moe::{ExpertDispatch, LocalExperts, Moe};
@@ -38,9 +38,13 @@ impl MoeForward for Moe {
         // part of the output (both backward passes keep the gradient as it is: every tp rank
         // computed the same).
         if let Some(tp) = placed.and_then(Placed::sequence_tp) {
-            let x = gather_from_tp(x, 1, tp);
-            let (y, aux) = forward_routed(self, x, placed);
-            return (scatter_to_tp(y, 1, tp), aux);
+            let mut aux = None;
+            let y = on_whole_sequences(x, tp, |x| {
+                let (y, layer_aux) = forward_routed(self, x, placed);
+                aux = layer_aux;
+                y
+            });
+            return (y, aux);
         }
         forward_routed(self, x, placed)
     }

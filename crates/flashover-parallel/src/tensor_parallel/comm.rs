@@ -217,6 +217,19 @@ pub fn scatter_to_tp<const D: usize>(x: Tensor<D>, dim: usize, group: &Group) ->
     )
 }
 
+/// `f`, a layer defined on whole sequences (a mixture of experts: routing, capacity and the
+/// balancing loss are per sequence), under sequence parallelism: every `tp` rank's positions of
+/// `x: [batch, seq / tp, d]` gathered along the sequence, `f` applied alike on every rank, and
+/// this rank's positions of its output kept. Neither collective's backward sums the gradient,
+/// as every rank computed the same.
+pub fn on_whole_sequences(
+    x: Tensor<3>,
+    group: &Group,
+    f: impl FnOnce(Tensor<3>) -> Tensor<3>,
+) -> Tensor<3> {
+    scatter_to_tp(f(gather_from_tp(x, 1, group)), 1, group)
+}
+
 /// Reduce-scatter along `dim` forward (sequence parallel's exit from a row-parallel region);
 /// backward all-gathers the gradient.
 pub fn reduce_scatter_to_tp<const D: usize>(x: Tensor<D>, dim: usize, group: &Group) -> Tensor<D> {
