@@ -164,8 +164,8 @@ impl TpTransformer {
 }
 
 /// `ctx` with this rank's first head and (with sequence parallelism) first sequence position,
-/// for a model of `heads` heads, and the plan's layer hooks where `ctx` has none (a
-/// zero-bubble schedule's own defer weight gradients).
+/// for a model of `heads` heads, and the plan's layer hooks where `ctx` has none (a pipeline
+/// stage's context brings them already).
 pub(crate) fn tp_context(
     ctx: &ForwardContext,
     tp: &TensorParallel,
