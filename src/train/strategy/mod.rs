@@ -32,7 +32,7 @@ use super::tp_model::TpTransformer;
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{Int, Tensor};
-use flashover_models::{ForwardContext, Transformer, TransformerConfig, next_token_loss};
+use flashover_models::{ForwardContext, Transformer, TransformerConfig};
 use flashover_parallel::data_parallel::{
     DataParallel, DataParallelConfig, MicroBatches, ReduceReport,
 };
@@ -256,7 +256,7 @@ impl NextTokenLoss for Transformer {
         targets: Tensor<2, Int>,
         fwd: &ForwardContext,
     ) -> Tensor<1> {
-        next_token_loss(self.forward_with(inputs, fwd), targets)
+        self.forward_loss(inputs, targets, fwd)
     }
 }
 

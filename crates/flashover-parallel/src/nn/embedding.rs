@@ -1,7 +1,7 @@
 //! Burn's `Embedding`, splittable by vocabulary, with the tied head and the loss that go with a
 //! split table.
 
-use crate::parallelize::{TpStyle, local_value};
+use crate::parallelize::{TpStyle, local_value, tp_split};
 use crate::tensor_parallel::comm::{copy_to_tp, gather_from_sp};
 use crate::tensor_parallel::{TensorParallel, VocabShard, vocab_parallel_embedding};
 use burn::config::Config;
@@ -108,8 +108,7 @@ pub(crate) fn table_split(
 /// The vocabulary rows and `tp` group of a table split by a `vocab` rule (for its loss as a
 /// tied head), without reading its value; `None` when it is whole.
 pub(crate) fn table_vocab(weight: &Param<Tensor<2>>) -> Option<(VocabShard, Group)> {
-    let placed = weight.reparameterization::<crate::parallelize::Placed>()?;
-    let s = placed.tp()?;
+    let s = tp_split(weight)?;
     Some((
         VocabShard::new(s.rows, s.group.rank(), s.group.size()),
         s.group.clone(),

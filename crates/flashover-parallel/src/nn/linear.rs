@@ -1,6 +1,6 @@
 //! Burn's `Linear`, splittable column- or row-wise.
 
-use crate::parallelize::{TpSplit, TpStyle, local_value};
+use crate::parallelize::{TpSplit, TpStyle, local_value, tp_split};
 use crate::pipeline::deferred_product;
 use crate::pipeline::weight_grad::forward_store;
 use crate::tensor_parallel::{TensorParallel, VocabShard};
@@ -167,26 +167,20 @@ pub(crate) fn placed_linears<const D: usize>(
     layers: &[(&Param<Tensor<2>>, Option<&Param<Tensor<1>>>)],
     x: Tensor<D>,
 ) -> Vec<Tensor<D>> {
-    let splits: Vec<Option<TpSplit>> = layers
-        .iter()
-        .map(|(w, _)| local_value(w).1.cloned())
-        .collect();
-    let shared = splits
-        .first()
-        .and_then(|first| first.as_ref())
-        .filter(|first| {
-            first.style == TpStyle::Colwise
-                && splits.iter().all(|s| {
-                    s.as_ref().is_some_and(|s| {
-                        s.style == TpStyle::Colwise
-                            && s.sequence_parallel == first.sequence_parallel
-                            && std::sync::Arc::ptr_eq(
-                                s.group.communicator(),
-                                first.group.communicator(),
-                            )
-                    })
+    let splits: Vec<Option<&TpSplit>> = layers.iter().map(|(w, _)| tp_split(w)).collect();
+    let shared = splits.first().copied().flatten().filter(|first| {
+        first.style == TpStyle::Colwise
+            && splits.iter().all(|s| {
+                s.is_some_and(|s| {
+                    s.style == TpStyle::Colwise
+                        && s.sequence_parallel == first.sequence_parallel
+                        && std::sync::Arc::ptr_eq(
+                            s.group.communicator(),
+                            first.group.communicator(),
+                        )
                 })
-        });
+            })
+    });
     let Some(split) = shared else {
         return layers
             .iter()
@@ -207,8 +201,7 @@ pub(crate) fn placed_linears<const D: usize>(
 /// The vocabulary rows and `tp` group of an output head's weight `[d, vocab]` split
 /// column-wise (a vocabulary-parallel head), for its loss; `None` when it is whole.
 pub(crate) fn head_split(weight: &Param<Tensor<2>>) -> Option<(VocabShard, Group)> {
-    let placed = weight.reparameterization::<crate::parallelize::Placed>()?;
-    let s = placed.tp()?;
+    let s = tp_split(weight)?;
     assert_eq!(
         s.style,
         TpStyle::Colwise,

@@ -51,7 +51,7 @@ pub mod transformer;
 mod validate;
 
 pub use pipeline::PipelineModel;
-pub use placed::{ContextSplit, ExpertSplit, Placed, TpSplit, local_value};
+pub use placed::{ContextSplit, ExpertSplit, Placed, TpSplit, local_value, tp_split};
 pub use plan::{
     ContextParallelRule, ModulePath, ParallelizePlan, PipelineRule, TensorParallelRule, TpStyle,
 };

@@ -414,6 +414,12 @@ impl Placed {
     }
 }
 
+/// How the plan split `param` over `tp`, if it did, without reading its value (which under
+/// `fsdp` is a collective).
+pub fn tp_split<const D: usize>(param: &Param<Tensor<D>>) -> Option<&TpSplit> {
+    param.reparameterization::<Placed>()?.tp()
+}
+
 /// The value a layer computes with: this rank's `tp` part of `param` when the plan split it
 /// over `tp` (with the split), otherwise the whole value.
 pub fn local_value<const D: usize>(param: &Param<Tensor<D>>) -> (Tensor<D>, Option<&TpSplit>) {

@@ -30,7 +30,7 @@
 //! assert!((losses[0] - one_rank).abs() < 1e-5 && losses[0] == losses[1]);
 //! ```
 
-use super::{ParallelizePlan, PipelineModel, PipelineRule, Placed};
+use super::{ParallelizePlan, PipelineModel, PipelineRule, tp_split};
 use crate::error::ParallelError;
 use crate::nn::embedding::{placed_embedding, table_split, tied_logits};
 use crate::nn::linear::{head_split, placed_linear, placed_linears};
@@ -100,7 +100,7 @@ pub fn layer_hooks() -> (LinearHook, VocabHook) {
     (LinearHook(layers.clone()), VocabHook(layers))
 }
 
-/// The hooks of [`forward_context`]: each reads the split from the parameters' [`Placed`].
+/// The hooks of [`forward_context`]: each reads the split from the parameters' [`super::Placed`].
 struct PlacedLayers;
 
 impl LinearOp for PlacedLayers {
@@ -153,12 +153,7 @@ impl PipelineModel<3> for Transformer {
     fn layer(&self, index: usize, x: Tensor<3>) -> Tensor<3> {
         let block = &self.blocks[index];
         // Under sequence parallelism `x` holds this rank's positions; attention sees them all.
-        let parts = block
-            .attn
-            .wq
-            .weight
-            .reparameterization::<Placed>()
-            .and_then(|p| p.tp())
+        let parts = tp_split(&block.attn.wq.weight)
             .filter(|split| split.sequence_parallel)
             .map_or(1, |split| split.group.size());
         let rope = self.rope(0, x.dims()[1] * parts, &x.device());

@@ -18,6 +18,5 @@ pub(crate) mod weight_grad;
 pub use executor::{PipelineExecutor, PipelineStepReport, StageOutput};
 pub use schedule::{Action, ActionKind, Schedule, ScheduleKind};
 pub use simulate::{Costs, ScheduleError, Slot, Timeline, render_table, simulate, validate};
-pub use weight_grad::{
-    DeferredWeightGrad, WeightGradStore, deferral_supported, deferred_linear, deferred_product,
-};
+pub(crate) use weight_grad::deferred_product;
+pub use weight_grad::{DeferredWeightGrad, WeightGradStore, deferral_supported, deferred_linear};

@@ -182,11 +182,12 @@ thread_local! {
         const { std::cell::RefCell::new(None) };
 }
 
-/// Runs `f`, a stage's forward, with the plan-aware linear layers it computes
-/// (`crate::nn::Linear`, and the reference transformer through the plan's layer hooks)
-/// deferring their weight gradients to `store`; the setting is this thread's and ends with
-/// `f`. The executor wraps each forward of a zero-bubble step in it
-/// ([`super::PipelineExecutor::deferring_weight_grads`]), so a model needs no store of its own.
+/// Runs `f`, a stage's forward or input-gradient backward (where recomputed layers run their
+/// forward again), with the plan-aware linear layers it computes (`crate::nn::Linear`, and the
+/// reference transformer through the plan's layer hooks) deferring their weight gradients to
+/// `store`; the setting is this thread's and ends with `f`. The executor wraps both in it for
+/// a zero-bubble step ([`super::PipelineExecutor::deferring_weight_grads`]), so a model needs
+/// no store of its own.
 pub(crate) fn deferring_in<T>(store: &WeightGradStore, f: impl FnOnce() -> T) -> T {
     struct Restore(Option<WeightGradStore>);
     impl Drop for Restore {
@@ -224,7 +225,7 @@ pub fn deferred_linear<const D: usize>(
 /// `x weight + bias` for `x: [.., d_in]` and the value `weight` of parameter `param`, its
 /// gradient deferred to `store` (what [`deferred_linear`] computes, for a weight read
 /// otherwise: a rank's tensor-parallel part). Flex only.
-pub fn deferred_product<const D: usize>(
+pub(crate) fn deferred_product<const D: usize>(
     x: Tensor<D>,
     weight: Tensor<2>,
     param: ParamId,

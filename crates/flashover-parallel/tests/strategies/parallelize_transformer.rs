@@ -13,7 +13,7 @@ use flashover_parallel::ParallelError;
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
 use flashover_parallel::parallelize::{ParallelizePlan, parallelize, transformer};
 use flashover_parallel::pipeline::ScheduleKind;
-use flashover_runtime::Launch;
+use flashover_runtime::{Axis, Launch, OpKind};
 
 const VOCAB: usize = 32;
 /// Divisible by 2 (sequence parallelism over tp = 2).
@@ -194,4 +194,30 @@ fn the_reference_transformer_split_by_a_plan_needs_the_plans_forward_context() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("embed.weight"), "{err}");
+}
+
+/// Under `fsdp` a split layer's weight is gathered where the forward reads it, once: reading
+/// how a layer is split (to share q, k and v's entry into the tensor-parallel region) gathers
+/// nothing.
+#[test]
+fn each_fully_sharded_weight_is_gathered_once_per_read() {
+    let config = config(true);
+    let plan = transformer::plan(&config).unwrap().fully_shard("");
+    let gathers = Launch::new("fsdp=2,tp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (model, _par) = parallelize(config.init(SEED, &device), &plan, &ctx)?;
+            let (x, y) = batch(0..2, &device);
+            let fsdp = ctx.group(Axis::Fsdp);
+            let before = fsdp.stats();
+            let _ = model.forward_loss(x, y, &transformer::forward_context());
+            let ops = fsdp.stats().since(&before).ops;
+            Ok::<_, ParallelError>(ops.get(&OpKind::AllGather).map_or(0, |s| s.calls))
+        })
+        .unwrap();
+    // Seven weights per block (the norms stay whole), and the tied table as embedding and as
+    // head.
+    let blocks = config.n_layers as u64;
+    assert!(gathers.iter().all(|g| *g == 7 * blocks + 2), "{gathers:?}");
 }
