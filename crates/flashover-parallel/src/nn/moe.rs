@@ -7,7 +7,6 @@ use crate::parallelize::Placed;
 use crate::parallelize::placed::UnitGathers;
 use crate::tensor_parallel::comm::on_whole_sequences;
 use burn::tensor::Tensor;
-use flashover_comm::Group;
 use flashover_models::moe::{ExpertDispatch, LocalExperts, Moe};
 use flashover_models::{ForwardContext, MoeHook, SequenceHook, SwiGlu};
 use std::sync::Arc;
@@ -94,8 +93,8 @@ fn forward_routed(
     // `fsdp` group, since which experts run depends on this rank's tokens.
     let gathered = gather_experts(&layer.experts);
     let mut y = layer.forward_with(x, &ctx, 0);
-    if let Some((units, gathered)) = gathered {
-        units.clear();
+    if let Some((units, names, gathered)) = gathered {
+        units.release(names.iter().map(String::as_str));
         // A rank whose tokens reached none of its experts still joins their gradients'
         // reduce-scatter in backward: the gather must be on its graph.
         y = y + (gathered.sum() * 0.0).reshape([1, 1, 1]);
@@ -104,18 +103,18 @@ fn forward_routed(
 }
 
 /// Gathers the fully sharded parameters of `experts` over their `fsdp` group in one
-/// collective, for the experts' reads until the returned [`UnitGathers`] is cleared; with the
-/// gathered tensor. `None` when none is sharded, or when they are gathered already (with
-/// their pipeline layer, on every rank).
-fn gather_experts(experts: &[SwiGlu]) -> Option<(UnitGathers, Tensor<1>)> {
+/// collective, for the experts' reads until the returned [`UnitGathers`] releases them (by
+/// the returned paths); with the gathered tensor. `None` when none is sharded, or when they
+/// are gathered already (with their unit or pipeline layer, on every rank).
+fn gather_experts(experts: &[SwiGlu]) -> Option<(UnitGathers, Vec<String>, Tensor<1>)> {
     let mut shards = vec![];
-    let mut unit: Option<(UnitGathers, Group)> = None;
+    let mut unit: Option<UnitGathers> = None;
     let mut take = |placed: Option<&Placed>, base: Tensor<1>| {
         if let Some(placed) = placed
-            && let Some(group) = placed.fsdp_group()
+            && placed.fsdp_group().is_some()
             && !placed.unit_gathers().holds(placed.name())
         {
-            unit.get_or_insert_with(|| (placed.unit_gathers().clone(), group.clone()));
+            unit.get_or_insert_with(|| placed.unit_gathers().clone());
             shards.push((placed.name().to_string(), base));
         }
     };
@@ -129,7 +128,8 @@ fn gather_experts(experts: &[SwiGlu]) -> Option<(UnitGathers, Tensor<1>)> {
             }
         }
     }
-    let (units, group) = unit?;
-    let gathered = units.gather(shards, &group)?;
-    Some((units, gathered))
+    let units = unit?;
+    let names = shards.iter().map(|(n, _)| n.clone()).collect();
+    let gathered = units.gather(shards)?;
+    Some((units, names, gathered))
 }

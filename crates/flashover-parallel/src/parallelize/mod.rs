@@ -48,6 +48,7 @@ pub mod placed;
 mod plan;
 mod sequence_check;
 pub mod transformer;
+pub mod units;
 mod validate;
 
 pub use pipeline::PipelineModel;
@@ -67,6 +68,7 @@ use crate::placement::{
     GradientReducer, ParamPlacement, Placement, PlacementTable, global_grad_norm,
 };
 use crate::precision::Precision;
+use crate::zero::ShardGroup;
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{Gradients, Int, Tensor, TensorData};
@@ -74,9 +76,11 @@ use experts::{ExpertShares, Experts};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use flashover_runtime::{Axis, RankContext};
 use pipeline::Stages;
-use placed::{Elsewhere, UnitGathers, WholeReads};
+use placed::{Elsewhere, WholeReads};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
+use std::sync::Arc;
+use units::{UnitGathers, UnitScope};
 
 /// The axes whose ranks read different samples.
 const DATA_AXES: [Axis; 3] = [Axis::Dp, Axis::Fsdp, Axis::Ep];
@@ -109,6 +113,14 @@ pub struct Parallelized {
     /// Under sequence parallelism, the first step's check that every whole parameter that runs
     /// on sequence shards is named.
     sequence_check: Option<sequence_check::SequenceCheck>,
+    /// The fully sharded units' gathers (one collective per unit inside [`Self::forward`]).
+    units: UnitGathers,
+    /// The unit of each fully sharded parameter this rank holds (by path), and the units'
+    /// module paths.
+    unit_of: Arc<HashMap<String, usize>>,
+    unit_paths: Vec<String>,
+    /// The same per parameter (layout order), with its path.
+    unit_slots: Vec<Option<(String, usize)>>,
 }
 
 /// What one run of a rank's pipeline stages computed.
@@ -230,7 +242,21 @@ pub fn parallelize<M: Module>(
                     .into(),
             ));
         }
-        stages.gather_layers(units, ctx.group(Axis::Fsdp), &sharded);
+        stages.gather_layers(units.clone(), ctx.group(Axis::Fsdp), &sharded);
+    }
+    // The units: every sharded parameter this rank holds (not another stage's or ep rank's).
+    let held_shards = layout.slots.iter().map(|s| {
+        let sharded = placements
+            .get(s.id)
+            .is_some_and(|e| e.on(Axis::Fsdp) != Placement::Replicate);
+        (sharded && !absent.by_path.contains_key(&s.name)).then_some(s.name.as_str())
+    });
+    let (unit_of, unit_paths) = units::units_of(plan, held_shards.clone().flatten());
+    let unit_slots = held_shards
+        .map(|name| name.and_then(|n| Some((n.to_string(), *unit_of.get(n)?))))
+        .collect();
+    if ctx.group(Axis::Fsdp).size() > 1 && !unit_paths.is_empty() {
+        units.set_comm(ShardGroup::new(ctx.group(Axis::Fsdp)));
     }
     let par = Parallelized {
         placements,
@@ -249,6 +275,10 @@ pub fn parallelize<M: Module>(
         kept_whole,
         sequence_check: (tp.size() > 1 && !plan.sequence_parallel.is_empty())
             .then(|| sequence_check::SequenceCheck::new(tp.clone(), sequence_partial)),
+        units,
+        unit_of: Arc::new(unit_of),
+        unit_paths,
+        unit_slots,
     };
     Ok((model, par))
 }
@@ -443,6 +473,52 @@ impl Parallelized {
         let local = ParamLayout::of(&model);
         let values = sum_counted(whole, &flatten_params(&model), &local, counted, group)?;
         Ok(load_shaped(model, whole, &values))
+    }
+
+    /// `f(model)`, the model's forward, with the plan's fully sharded units gathered a unit at
+    /// a time: the first read of a unit's parameter all-gathers every parameter of the unit
+    /// in one collective, and submits the all-gather of the next unit (in the model's
+    /// parameter order), which runs on this rank's communication thread while the unit
+    /// computes (FSDP2's forward prefetch; Burn has no module hooks to start it from). Each
+    /// element of the first list of layers inside a `fully_shard` module is a unit, the rest
+    /// of the module another (`fully_shard("")`: `blocks.0`, `blocks.1`, ... and the
+    /// embedding, final norm and head together); [`Self::units`] lists them. Outside it,
+    /// each parameter is gathered where it is read, one collective per parameter: the same
+    /// values, more collectives. The gathered parameters are kept until backward has used
+    /// them, as without units. Fails when `f` runs inside another `forward` or a prefetch
+    /// failed; a failed gather inside `f` panics with the collective's error, which the
+    /// launcher reports. A plan cut into pipeline stages runs its layers as units in
+    /// [`Self::pipeline_step`] instead.
+    pub fn forward<M: Module, T>(
+        &self,
+        model: &M,
+        f: impl FnOnce(&M) -> T,
+    ) -> Result<T, ParallelError> {
+        if self.is_pipelined() {
+            return Err(ParallelError::Invalid(
+                "the plan cuts the model into pipeline stages: a rank's forward is a stage's, \
+                 so train with Parallelized::pipeline_step, which gathers each layer as a unit"
+                    .into(),
+            ));
+        }
+        if self.units.comm().is_none() {
+            return Ok(f(model));
+        }
+        let shards = units::unit_shards(model, &self.unit_slots, self.unit_paths.len());
+        let scope = UnitScope::new(self.unit_of.clone(), shards);
+        self.units.run_scope(scope, || f(model))
+    }
+
+    /// The plan's fully sharded units on this rank, by module path, in the order
+    /// [`Self::forward`] prefetches them.
+    pub fn units(&self) -> &[String] {
+        &self.unit_paths
+    }
+
+    /// The counters of this rank's unit collectives (all-gathers, prefetches, reduce-scatters,
+    /// gathered bytes alive and at most), when the plan shards parameters over `fsdp`.
+    pub fn unit_stats(&self) -> Option<&crate::zero::GatherStats> {
+        self.units.comm().map(|c| c.stats())
     }
 
     /// `f` run with every parameter of the parallelized model reading as what this rank

@@ -91,8 +91,6 @@ pub(super) struct Stages {
 struct LayerUnits {
     /// Where a layer's gathered parameters go for their reads.
     gathers: UnitGathers,
-    /// The `fsdp` group.
-    group: Group,
     /// Per layer, which parameters (layout order) are its fully sharded ones.
     sharded: Vec<Arc<[bool]>>,
     /// Every parameter's name (layout order).
@@ -336,7 +334,6 @@ impl Stages {
         if group.size() > 1 && sharded.iter().any(|s| *s) {
             self.units = Some(Arc::new(LayerUnits {
                 gathers: units,
-                group: group.clone(),
                 sharded: self
                     .parts
                     .iter()
@@ -497,9 +494,10 @@ where
         None => model.layer_with_aux(index, x),
         Some(u) => {
             let shards = layer_shards(model, &u.sharded[index], &u.names);
-            let _gathered = u.gathers.gather(shards, &u.group);
+            let names: Vec<String> = shards.iter().map(|(n, _)| n.clone()).collect();
+            let _gathered = u.gathers.gather(shards);
             let out = model.layer_with_aux(index, x);
-            u.gathers.clear();
+            u.gathers.release(names.iter().map(String::as_str));
             out
         }
     }

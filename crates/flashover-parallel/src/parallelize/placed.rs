@@ -5,9 +5,10 @@
 //! - **fully sharded** (`fsdp`): the base is this rank's rows of dimension 0, and
 //!   [`Param::val`], which every Burn layer calls in its forward, all-gathers them. The gather
 //!   is differentiable: its backward reduce-scatters (sums) the gradient over `fsdp`, so each
-//!   rank's base receives the gradient of its own rows and any optimizer steps the shard. A
-//!   pipeline rule's layer is gathered whole before it runs, one collective for all its
-//!   parameters (`UnitGathers`), and its parameters' reads take their part of it.
+//!   rank's base receives the gradient of its own rows and any optimizer steps the shard.
+//!   Inside [`super::Parallelized::forward`] (and a pipeline's layers) the first read of a
+//!   unit's parameter gathers the whole unit in one collective, and the unit's reads take
+//!   their part of it ([`super::units`]).
 //! - **tensor parallel** (`tp`): the base is this rank's columns or rows of a linear layer,
 //!   and [`crate::nn::Linear`] computes with that part (gathered over `fsdp` first when both
 //!   apply), putting the collectives of Megatron's column- and row-parallel layers around it.
@@ -20,6 +21,7 @@
 //! gradients and optimizer state, during forward and backward also the gathered parameters.
 
 use super::plan::{ContextParallelRule, ParallelizePlan, TpStyle};
+pub(crate) use super::units::UnitGathers;
 use crate::context_parallel::{ContextParallel, CpAttention, SequenceLayout};
 use crate::error::ParallelError;
 use crate::placement::PlacementTable;
@@ -111,59 +113,6 @@ pub struct TpSplit {
     pub rows: usize,
     /// The `tp` group.
     pub group: Group,
-}
-
-/// Fully sharded parameters gathered ahead of their reads, with one collective for a whole
-/// layer ([`UnitGathers::gather`]): by parameter path, the gathered rows flattened. One per
-/// rank, shared by its parameters.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct UnitGathers(Arc<Mutex<HashMap<String, Tensor<1>>>>);
-
-impl UnitGathers {
-    /// Gathers the shards `shards` (each a fully sharded parameter's path and stored rows,
-    /// flattened) over `group` in one all-gather (whose backward reduce-scatters their
-    /// gradients in one collective too), for the parameters' reads until [`Self::clear`].
-    /// Returns the gathered tensor (every rank's rows of them all), `None` for no shards.
-    pub(crate) fn gather(
-        &self,
-        shards: Vec<(String, Tensor<1>)>,
-        group: &Group,
-    ) -> Option<Tensor<1>> {
-        if shards.is_empty() {
-            return None;
-        }
-        let lens: Vec<usize> = shards.iter().map(|(_, t)| t.dims()[0]).collect();
-        let total: usize = lens.iter().sum();
-        let (names, tensors): (Vec<String>, Vec<Tensor<1>>) = shards.into_iter().unzip();
-        let gathered = gather_from_sp(Tensor::cat(tensors, 0), 0, group);
-        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let mut offset = 0;
-        for (name, len) in names.into_iter().zip(lens) {
-            // Rank r's rows of this parameter sit at r * total + offset.
-            let rows = (0..group.size())
-                .map(|r| gathered.clone().narrow(0, r * total + offset, len))
-                .collect();
-            map.insert(name, Tensor::cat(rows, 0));
-            offset += len;
-        }
-        Some(gathered)
-    }
-
-    /// Forgets the gathered parameters (their next reads gather them one by one again).
-    pub(crate) fn clear(&self) {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).clear();
-    }
-
-    /// Whether parameter `name` is gathered already.
-    pub(crate) fn holds(&self, name: &str) -> bool {
-        let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        map.contains_key(name)
-    }
-
-    fn get(&self, name: &str) -> Option<Tensor<1>> {
-        let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        map.get(name).cloned()
-    }
 }
 
 /// What `Param::val` answers besides the value a layer computes with (one mode per rank,
@@ -325,7 +274,11 @@ impl Placed {
                         dims[0] *= shard.group.size();
                         flat.reshape(dims)
                     }
-                    None => gather_from_sp(base, 0, &shard.group),
+                    None => {
+                        // No unit prefetch may be in flight over the group meanwhile.
+                        self.units.settle();
+                        gather_from_sp(base, 0, &shard.group)
+                    }
                 };
                 if whole.dims()[0] == shard.rows {
                     whole

@@ -32,7 +32,9 @@ mod shard_map;
 mod unit_shards;
 
 pub use fully_shard::{FullyShardConfig, FullyShardedUnit, Prefetch};
+pub(crate) use ops::{ScatterHook, gather_shard};
 pub use optimizer::{FullyShardedOptimizer, ZeroOptimizer};
+pub(crate) use shard_group::Pending;
 pub use shard_group::{GatherCounts, GatherStats, ShardGroup};
 pub use shard_map::{Run, ShardLayout, ShardMap};
 pub use unit_shards::UnitShards;

@@ -782,6 +782,96 @@ fn a_pipelines_fully_sharded_layers_gather_once_per_layer() {
     assert_eq!(counts[0], (expected, expected));
 }
 
+#[test]
+fn fully_sharded_units_train_as_one_rank_with_one_gather_each() {
+    // `fully_shard("")` on the stack: each of its layers is a unit, the rest (the input
+    // projection, tied as the head, and the final norm) one more.
+    let plan = ParallelizePlan::new().fully_shard("");
+    let reference = stack_single_rank();
+    for mesh in ["fsdp=2", "dp=2,fsdp=2", "fsdp=4"] {
+        let (run, _) = plan_loop(mesh, &plan, Stack::new, |model, par, step, ctx, device| {
+            let samples = par.batch_share(GLOBAL_BATCH, step)?;
+            let loss = par.forward(model, |m| m.loss(&batch(samples, device)))?;
+            let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+            let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
+            Ok((grads, mean, norm))
+        });
+        let (loss, norm, weights) = differences(&run, &reference);
+        assert!(
+            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+            "{mesh}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+        );
+    }
+    let counts = Launch::new("fsdp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
+            assert_eq!(
+                par.units(),
+                ["", "layers.0", "layers.1", "layers.2", "layers.3"]
+            );
+            let fsdp = ctx.group(Axis::Fsdp);
+            let calls = |before: &_| {
+                let ops = fsdp.stats().since(before).ops;
+                let calls = |op| ops.get(&op).map_or(0, |s| s.calls);
+                (calls(OpKind::AllGather), calls(OpKind::ReduceScatter))
+            };
+            let units = par.unit_stats().expect("sharded over fsdp=2");
+            let (before, prefetches) = (fsdp.stats(), units.snapshot().prefetches);
+            let loss = par.forward(&model, |m| m.loss(&batch(0..4, &device)))?;
+            let _ = loss.backward();
+            let in_units = calls(&before);
+            let prefetched = units.snapshot().prefetches - prefetches;
+            // The same step with each parameter gathered where it is read.
+            let before = fsdp.stats();
+            let _ = model.loss(&batch(0..4, &device)).backward();
+            Ok::<_, ParallelError>((in_units, prefetched, calls(&before)))
+        })
+        .unwrap();
+    // One all-gather per unit (5), all but the first prefetched, one reduce-scatter each;
+    // read one by one: the input projection's two parameters, six per layer, the final
+    // norm's two and the tied head's weight again.
+    let per_read = 2 + 6 * LAYERS as u64 + 2 + 1;
+    for (in_units, prefetched, read_one_by_one) in counts {
+        assert_eq!(in_units, (LAYERS as u64 + 1, LAYERS as u64 + 1));
+        assert_eq!(prefetched, LAYERS);
+        assert_eq!(read_one_by_one, (per_read, per_read));
+    }
+}
+
+#[test]
+fn a_forward_scope_refuses_nesting_and_pipelined_plans() {
+    let plan = ParallelizePlan::new().fully_shard("");
+    let errors = Launch::new("fsdp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
+            let nested = par.forward(&model, |m| {
+                let x = batch(0..2, &device);
+                par.forward(m, |m| m.loss(&x)).map(|_| ())
+            })?;
+            Ok::<_, ParallelError>(nested.unwrap_err().to_string())
+        })
+        .unwrap();
+    assert!(errors[0].contains("already running"), "{}", errors[0]);
+    let pipelined = plan.pipeline(
+        PipelineRule::new("layers", ScheduleKind::OneFOneB, 2)
+            .first(&["input"])
+            .last(&["norm", "input"]),
+    );
+    let error = Launch::new("pp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (model, par) = parallelize(Stack::new(&device), &pipelined, &ctx)?;
+            Ok::<_, ParallelError>(par.forward(&model, |_| ()).unwrap_err().to_string())
+        })
+        .unwrap();
+    assert!(error[0].contains("pipeline_step"), "{}", error[0]);
+}
+
 /// The error `parallelize` refuses `plan` with on `mesh`, for the model `new` builds.
 fn refusal<M: Module>(mesh: &str, plan: &ParallelizePlan, new: fn(&Device) -> M) -> String {
     Launch::new(mesh)

@@ -64,7 +64,10 @@ fn parallel(mesh: &str, config: &TransformerConfig, plan: &ParallelizePlan) -> (
             return Ok((out.grads, out.loss, out.norm));
         }
         let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, device);
-        let loss = model.forward_loss(x, y, &transformer::forward_context());
+        // Fully sharded units gathered one collective each (a no-op without any).
+        let loss = par.forward(model, |m| {
+            m.forward_loss(x, y, &transformer::forward_context())
+        })?;
         let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
         let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
         Ok((grads, mean, norm))
@@ -207,17 +210,28 @@ fn each_fully_sharded_weight_is_gathered_once_per_read() {
         .unwrap()
         .run(|ctx| {
             let device = Device::flex().autodiff();
-            let (model, _par) = parallelize(config.init(SEED, &device), &plan, &ctx)?;
-            let (x, y) = batch(0..2, &device);
+            let (model, par) = parallelize(config.init(SEED, &device), &plan, &ctx)?;
             let fsdp = ctx.group(Axis::Fsdp);
-            let before = fsdp.stats();
-            let _ = model.forward_loss(x, y, &transformer::forward_context());
-            let ops = fsdp.stats().since(&before).ops;
-            Ok::<_, ParallelError>(ops.get(&OpKind::AllGather).map_or(0, |s| s.calls))
+            let all_gathers = |forward: &dyn Fn()| {
+                let before = fsdp.stats();
+                forward();
+                let ops = fsdp.stats().since(&before).ops;
+                ops.get(&OpKind::AllGather).map_or(0, |s| s.calls)
+            };
+            let forward = |m: &Transformer| {
+                let (x, y) = batch(0..2, &device);
+                m.forward_loss(x, y, &transformer::forward_context())
+            };
+            let one_by_one = all_gathers(&|| drop(forward(&model)));
+            let in_units = all_gathers(&|| drop(par.forward(&model, |m| forward(m)).unwrap()));
+            Ok::<_, ParallelError>((one_by_one, in_units, par.units().to_vec()))
         })
         .unwrap();
-    // Seven weights per block (the norms stay whole), and the tied table as embedding and as
-    // head.
+    // Read one by one: seven weights per block (the norms stay whole), and the tied table as
+    // embedding and as head. In units: one per block and one for the rest.
     let blocks = config.n_layers as u64;
-    assert!(gathers.iter().all(|g| *g == 7 * blocks + 2), "{gathers:?}");
+    for (one_by_one, in_units, units) in gathers {
+        assert_eq!(one_by_one, 7 * blocks + 2);
+        assert_eq!(in_units, blocks + 1, "{units:?}");
+    }
 }

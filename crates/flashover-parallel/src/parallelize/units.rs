@@ -1,0 +1,365 @@
+//! A plan's fully sharded units: the parameters that are all-gathered together, in one
+//! collective, and the scope in which a forward gathers them a unit at a time with the next
+//! unit prefetched ([`super::Parallelized::forward`]).
+//!
+//! FSDP2 starts a unit's all-gather in a pre-forward hook. Burn has no module hooks, so a unit
+//! is gathered when the forward first reads one of its parameters (`Param::val`, through
+//! [`super::Placed`]): inside a [`UnitScope`] that read gathers every parameter of the unit at
+//! once and submits the all-gather of the unit after it, which then runs on the rank's
+//! communication thread ([`ShardGroup`]) while the unit computes.
+//!
+//! Every collective a unit issues (gathers, prefetches, its gradients' reduce-scatters) goes
+//! through that one thread in submission order. Ranks submit in the same program order, so
+//! they issue the same collectives in the same order; a per-parameter gather on the training
+//! thread (a read outside any scope) first waits for the prefetches in flight.
+
+use super::plan::ParallelizePlan;
+use crate::error::ParallelError;
+use crate::params::to_f32;
+use crate::zero::{Pending, ScatterHook, ShardGroup, gather_shard};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::{Tensor, TensorData};
+use flashover_comm::CommError;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+/// Fully sharded parameters gathered ahead of their reads, a unit (one collective) at a time:
+/// by parameter path, the gathered rows flattened. One per rank, shared by its parameters.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct UnitGathers(Arc<UnitState>);
+
+#[derive(Debug, Default)]
+struct UnitState {
+    gathered: Mutex<HashMap<String, Tensor<1>>>,
+    /// The communication thread of the `fsdp` group (set when the plan shards anything).
+    comm: OnceLock<Arc<ShardGroup>>,
+    /// The forward running in [`super::Parallelized::forward`], if one is.
+    scope: Mutex<Option<UnitScope>>,
+}
+
+/// A forward's units still to gather, and the all-gathers submitted ahead.
+#[derive(Debug)]
+pub(crate) struct UnitScope {
+    /// Which unit each fully sharded parameter (by path) belongs to.
+    unit_of: Arc<HashMap<String, usize>>,
+    /// Per unit, its parameters' stored rows (flattened, by path) until it is gathered.
+    waiting: Vec<Option<Vec<(String, Tensor<1>)>>>,
+    /// All-gathers submitted before their unit's first read.
+    prefetched: HashMap<usize, Pending>,
+}
+
+/// Locks `m`, recovering from a poisoned lock (a panicking rank's state is read-only here).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl UnitGathers {
+    /// Gathers through `comm`'s thread from now on.
+    pub(crate) fn set_comm(&self, comm: Arc<ShardGroup>) {
+        let _ = self.0.comm.set(comm);
+    }
+
+    /// The communication thread's counters (all-gathers, prefetches, gathered bytes alive),
+    /// when the plan shards anything over more than one rank.
+    pub(crate) fn comm(&self) -> Option<&Arc<ShardGroup>> {
+        self.0.comm.get()
+    }
+
+    /// Gathers the shards `shards` (each a fully sharded parameter's path and stored rows,
+    /// flattened) in one all-gather (whose backward reduce-scatters their gradients in one
+    /// collective too), for the parameters' reads until [`Self::release`]. Returns the
+    /// gathered tensor (every rank's rows of them all), `None` for no shards.
+    pub(crate) fn gather(&self, shards: Vec<(String, Tensor<1>)>) -> Option<Tensor<1>> {
+        self.gather_unit(shards, None)
+    }
+
+    /// [`Self::gather`], taking the all-gather's result from `prefetched` when it was
+    /// submitted ahead.
+    fn gather_unit(
+        &self,
+        shards: Vec<(String, Tensor<1>)>,
+        prefetched: Option<Pending>,
+    ) -> Option<Tensor<1>> {
+        if shards.is_empty() {
+            return None;
+        }
+        let comm = self
+            .comm()
+            .expect("parallelize sets the fsdp communication thread of sharded parameters")
+            .clone();
+        let lens: Vec<usize> = shards.iter().map(|(_, t)| t.dims()[0]).collect();
+        let total: usize = lens.iter().sum();
+        let bytes = total * comm.group().size() * 4;
+        let (names, tensors): (Vec<String>, Vec<Tensor<1>>) = shards.into_iter().unzip();
+        let shard = Tensor::cat(tensors, 0);
+        let pending = prefetched.unwrap_or_else(|| {
+            comm.stats().gathered(bytes, false);
+            comm.all_gather(to_f32(shard.clone()))
+        });
+        let started = Instant::now();
+        let full = pending.wait().unwrap_or_else(|e| std::panic::panic_any(e));
+        comm.stats().waited(started.elapsed());
+        let (len, device, dtype) = (full.len(), shard.device(), shard.dtype());
+        let full = Tensor::<1>::from_data(TensorData::new(full, [len]), &device).cast(dtype);
+        if !shard.is_require_grad() {
+            // No backward will release them: count them as released now.
+            comm.stats().released(bytes);
+        }
+        let scatter = comm.clone();
+        // Runs inside Burn's backward, which cannot return errors: a failed collective panics
+        // with the `CommError` as payload, which the launcher reports like a returned error.
+        let hook = ScatterHook(Arc::new(move |grad: Vec<f32>| {
+            scatter.stats().released(bytes);
+            let started = Instant::now();
+            let rows = scatter.reduce_scatter(grad).wait();
+            scatter.stats().waited(started.elapsed());
+            rows.unwrap_or_else(|e| std::panic::panic_any(e))
+        }));
+        let gathered = gather_shard(shard, full, hook);
+        let ranks = comm.group().size();
+        let mut map = lock(&self.0.gathered);
+        let mut offset = 0;
+        for (name, len) in names.into_iter().zip(lens) {
+            // Rank r's rows of this parameter sit at r * total + offset.
+            let rows = (0..ranks)
+                .map(|r| gathered.clone().narrow(0, r * total + offset, len))
+                .collect();
+            map.insert(name, Tensor::cat(rows, 0));
+            offset += len;
+        }
+        Some(gathered)
+    }
+
+    /// Forgets the gathered parameters `names` (their next reads gather them again).
+    pub(crate) fn release<'a>(&self, names: impl IntoIterator<Item = &'a str>) {
+        let mut map = lock(&self.0.gathered);
+        for name in names {
+            map.remove(name);
+        }
+    }
+
+    /// Whether parameter `name` is gathered already.
+    pub(crate) fn holds(&self, name: &str) -> bool {
+        lock(&self.0.gathered).contains_key(name)
+    }
+
+    /// Parameter `name` gathered: already, or now with the rest of its unit when a forward
+    /// scope holds it (prefetching the next unit). `None` when neither: the caller gathers it
+    /// alone, on the training thread, after [`Self::settle`].
+    pub(super) fn get(&self, name: &str) -> Option<Tensor<1>> {
+        if let Some(t) = lock(&self.0.gathered).get(name) {
+            return Some(t.clone());
+        }
+        let (shards, pending) = {
+            let mut scope = lock(&self.0.scope);
+            let scope = scope.as_mut()?;
+            let unit = *scope.unit_of.get(name)?;
+            let shards = scope.waiting[unit].take()?;
+            let pending = scope.prefetched.remove(&unit);
+            scope.prefetch_after(unit, self.comm()?);
+            (shards, pending)
+        };
+        self.gather_unit(shards, pending);
+        lock(&self.0.gathered).get(name).cloned()
+    }
+
+    /// Waits for the all-gathers submitted ahead (their results stay for their units), so
+    /// that a collective over the same group on the training thread cannot overtake them.
+    pub(super) fn settle(&self) {
+        if let Some(scope) = lock(&self.0.scope).as_mut() {
+            for pending in scope.prefetched.values_mut() {
+                let done = std::mem::replace(pending, Pending::ready(Ok(vec![]))).wait();
+                *pending = Pending::ready(done);
+            }
+        }
+    }
+
+    /// Runs `f` with `scope`'s units gathered at their first reads; then waits for any
+    /// all-gather still in flight and forgets every gathered parameter (autodiff keeps what
+    /// backward needs). Fails when a scope is running already or a prefetch failed.
+    pub(super) fn run_scope<T>(
+        &self,
+        scope: UnitScope,
+        f: impl FnOnce() -> T,
+    ) -> Result<T, ParallelError> {
+        {
+            let mut current = lock(&self.0.scope);
+            if current.is_some() {
+                return Err(ParallelError::Invalid(
+                    "Parallelized::forward is already running on this rank: run one forward \
+                     at a time"
+                        .into(),
+                ));
+            }
+            *current = Some(scope);
+        }
+        // Ends the scope even when `f` panics, so that the rank's next forward can run.
+        struct End<'a>(&'a UnitState);
+        impl End<'_> {
+            fn finish(&self) -> Result<(), CommError> {
+                let scope = lock(&self.0.scope).take();
+                let mut outcome = Ok(());
+                for (_, pending) in scope.into_iter().flat_map(|s| s.prefetched) {
+                    if let Err(e) = pending.wait() {
+                        outcome = Err(e);
+                    }
+                }
+                lock(&self.0.gathered).clear();
+                outcome
+            }
+        }
+        impl Drop for End<'_> {
+            fn drop(&mut self) {
+                let _ = self.finish();
+            }
+        }
+        let end = End(&self.0);
+        let out = f();
+        end.finish().map_err(ParallelError::Comm)?;
+        Ok(out)
+    }
+}
+
+impl UnitScope {
+    /// A forward's scope over `shards` (per unit, its parameters' stored rows by path).
+    pub(super) fn new(
+        unit_of: Arc<HashMap<String, usize>>,
+        shards: Vec<Vec<(String, Tensor<1>)>>,
+    ) -> Self {
+        UnitScope {
+            unit_of,
+            waiting: shards
+                .into_iter()
+                .map(|s| (!s.is_empty()).then_some(s))
+                .collect(),
+            prefetched: HashMap::new(),
+        }
+    }
+
+    /// Submits the all-gather of the first unit after `unit` still to gather (layout order,
+    /// which is forward order in most models; a unit read out of that order is gathered when
+    /// read, and its prefetch waits for it).
+    fn prefetch_after(&mut self, unit: usize, comm: &ShardGroup) {
+        let next = (unit + 1..self.waiting.len())
+            .find(|u| self.waiting[*u].is_some() && !self.prefetched.contains_key(u));
+        if let Some(next) = next {
+            let shards = self.waiting[next].as_ref().expect("found waiting");
+            let values: Vec<f32> = shards.iter().flat_map(|(_, t)| to_f32(t.clone())).collect();
+            comm.stats()
+                .gathered(values.len() * comm.group().size() * 4, true);
+            self.prefetched.insert(next, comm.all_gather(values));
+        }
+    }
+}
+
+/// Per unit, the stored rows of its parameters in `model` (flattened, by path): `slots` says
+/// for each parameter (layout order) its path and unit, if it has one. What
+/// [`UnitScope::new`] takes.
+pub(super) fn unit_shards<M: Module>(
+    model: &M,
+    slots: &[Option<(String, usize)>],
+    units: usize,
+) -> Vec<Vec<(String, Tensor<1>)>> {
+    struct Collect<'a> {
+        slots: &'a [Option<(String, usize)>],
+        index: usize,
+        shards: Vec<Vec<(String, Tensor<1>)>>,
+    }
+    impl ModuleVisitor for Collect<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some((name, unit)) = &self.slots[self.index] {
+                // A visitor sees the stored value (this rank's rows), without the
+                // reparameterization.
+                let rows = param.val();
+                let numel = rows.shape().num_elements();
+                self.shards[*unit].push((name.clone(), rows.reshape([numel])));
+            }
+            self.index += 1;
+        }
+    }
+    let mut collect = Collect {
+        slots,
+        index: 0,
+        shards: vec![vec![]; units],
+    };
+    model.visit(&mut collect);
+    collect.shards
+}
+
+/// The unit of each fully sharded parameter `names` (paths, layout order): the longest
+/// `fully_shard` path containing it, where each element of the first list of layers inside
+/// that module is a unit of its own (TorchTitan shards each block, then the root): under
+/// `fully_shard("")`, `blocks.0.attn.wq.weight` is unit `blocks.0` and `embed.weight` unit
+/// `""`. Units are numbered in order of their first parameter.
+pub(super) fn units_of<'a>(
+    plan: &ParallelizePlan,
+    names: impl IntoIterator<Item = &'a str>,
+) -> (HashMap<String, usize>, Vec<String>) {
+    let mut unit_of = HashMap::new();
+    let mut units: Vec<String> = vec![];
+    for name in names {
+        let Some(path) = plan
+            .fully_shard
+            .iter()
+            .filter(|p| p.contains(name))
+            .max_by_key(|p| p.depth())
+        else {
+            continue;
+        };
+        let segments: Vec<&str> = name.split('.').collect();
+        // The last segment is the parameter itself, never a list element.
+        let depth = (path.depth()..segments.len().saturating_sub(1))
+            .find(|&i| segments[i].parse::<usize>().is_ok())
+            .map_or(path.depth(), |i| i + 1);
+        let unit = segments[..depth].join(".");
+        let index = match units.iter().position(|u| *u == unit) {
+            Some(i) => i,
+            None => {
+                units.push(unit);
+                units.len() - 1
+            }
+        };
+        unit_of.insert(name.to_string(), index);
+    }
+    (unit_of, units)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_list_of_layers_makes_one_unit_per_layer_and_the_deepest_path_wins() {
+        let plan = ParallelizePlan::new()
+            .fully_shard("")
+            .fully_shard("blocks")
+            .fully_shard("head.proj");
+        let names = [
+            "embed.weight",
+            "blocks.0.attn.weight",
+            "blocks.0.mlp.weight",
+            "blocks.1.attn.weight",
+            "head.proj.weight",
+            "norm.weight",
+        ];
+        let (unit_of, units) = units_of(&plan, names);
+        assert_eq!(units, ["", "blocks.0", "blocks.1", "head.proj"]);
+        let index = |n: &str| unit_of[n];
+        assert_eq!(index("embed.weight"), index("norm.weight"));
+        assert_eq!(index("blocks.0.attn.weight"), index("blocks.0.mlp.weight"));
+        assert_ne!(index("blocks.0.attn.weight"), index("blocks.1.attn.weight"));
+        // A parameter directly in a list (`blocks.3` a tensor) is its list's unit.
+        let (_, units) = units_of(&ParallelizePlan::new().fully_shard("scales"), ["scales.3"]);
+        assert_eq!(units, ["scales"]);
+        // The first list inside the module, however deep; lists inside an element stay in it.
+        let names = [
+            "embed.weight",
+            "body.blocks.0.experts.1.weight",
+            "body.blocks.0.experts.2.weight",
+            "body.blocks.1.norm.weight",
+        ];
+        let (_, units) = units_of(&ParallelizePlan::new().fully_shard(""), names);
+        assert_eq!(units, ["", "body.blocks.0", "body.blocks.1"]);
+    }
+}
