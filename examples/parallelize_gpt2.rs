@@ -227,7 +227,9 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> (Run, Vec<usize>, usize) {
             for step in 0..STEPS {
                 let grads = if plan.pipeline.is_none() {
                     let samples = batch(par.batch_share(GLOBAL_BATCH, step)?, &device); // +
-                    let loss = model.loss(&share(samples)?); // cp: share(..)
+                    let samples = share(samples)?; // cp
+                    // fsdp: each block's shards gathered in one collective, the next prefetched
+                    let loss = par.forward(&model, |m| m.loss(&samples))?; // + (optional)
                     losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?); // +
                     par.gradients(&model, loss.backward(), clip, &ctx)?.0 // +
                 } else {

@@ -24,7 +24,9 @@
 //! records as tables):
 //!
 //! ```
-//! use flashover::bench::{checkpoint, comm, context, memory, moe, pipeline, recompute, train};
+//! use flashover::bench::{
+//!     checkpoint, comm, context, memory, moe, pipeline, recompute, train, units,
+//! };
 //! use flashover::OpKind;
 //! use flashover::train::TrainConfig;
 //! use std::time::Duration;
@@ -38,6 +40,9 @@
 //! let throughput = train::run(&job, &[1], &[], &[], 1).unwrap();
 //! assert!(!throughput.is_empty());
 //! assert!(train::plain_burn_step_s(&job).unwrap() > 0.0);
+//! // Per read, then in units: one all-gather per block and one for the rest.
+//! let gathers = units::run(&job, &[2], 1, 1).unwrap();
+//! assert!(gathers[1].all_gathers < gathers[0].all_gathers);
 //! let mut deep = job.clone();
 //! deep.model.n_layers = Some(2);
 //! deep.model.tie_embeddings = false;
@@ -81,4 +86,5 @@ pub mod moe;
 pub mod pipeline;
 pub mod recompute;
 pub mod train;
+pub mod units;
 pub mod working_memory;

@@ -29,6 +29,25 @@ pub enum BenchCommand {
     Plan(Box<PlanCalibrationArgs>),
     /// Each fused CubeCL kernel against the unfused Burn operations it replaces.
     Kernels(KernelArgs),
+    /// A plan's fully sharded parameters gathered per read against per unit with prefetch.
+    Units(Box<UnitsArgs>),
+}
+
+/// Options of `bench units`.
+#[derive(Debug, Args)]
+pub struct UnitsArgs {
+    /// Job options (model, batch, sequence length, seed); the mesh per variant.
+    #[command(flatten)]
+    job: super::job::JobArgs,
+    /// Fully sharded degrees, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "2,4")]
+    fsdps: Vec<usize>,
+    /// Measured rounds (after one warm-up round); each runs both ways.
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Steps each way per round.
+    #[arg(long, default_value_t = 2)]
+    round_steps: usize,
 }
 
 /// Options of `bench kernels`.
@@ -322,6 +341,33 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                     r.predicted_step * 1e3,
                     r.measured_step * 1e3,
                     r.predicted_step / r.measured_step
+                );
+            }
+            Ok(())
+        }
+        BenchCommand::Units(args) => {
+            let config = args.job.build_with_mesh("dp=1")?;
+            let records =
+                flashover::bench::units::run(&config, &args.fsdps, args.rounds, args.round_steps)?;
+            println!(
+                "| fsdp | gathers | all-gathers / step | reduce-scatters / step | prefetched | step ms | tokens/s | vs per read |"
+            );
+            println!("|---:|---|---:|---:|---:|---:|---:|---:|");
+            for r in &records {
+                let per_read = records
+                    .iter()
+                    .find(|p| p.fsdp == r.fsdp && p.gathers == "per read")
+                    .map_or(f64::NAN, |p| r.tokens_per_s / p.tokens_per_s);
+                println!(
+                    "| {} | {} | {} | {} | {} | {:.1} | {:.0} | {:.2}x |",
+                    r.fsdp,
+                    r.gathers,
+                    r.all_gathers,
+                    r.reduce_scatters,
+                    r.prefetches,
+                    r.step_s * 1e3,
+                    r.tokens_per_s,
+                    per_read
                 );
             }
             Ok(())

@@ -68,8 +68,9 @@ impl UnitGathers {
 
     /// Gathers the shards `shards` (each a fully sharded parameter's path and stored rows,
     /// flattened) in one all-gather (whose backward reduce-scatters their gradients in one
-    /// collective too), for the parameters' reads until [`Self::release`]. Returns the
-    /// gathered tensor (every rank's rows of them all), `None` for no shards.
+    /// collective too), for the parameters' reads until [`Self::release`]. Returns a tensor
+    /// on whose graph the reduce-scatter is (to keep it there on a rank that reads none of the
+    /// parameters), `None` for no shards.
     pub(crate) fn gather(&self, shards: Vec<(String, Tensor<1>)>) -> Option<Tensor<1>> {
         self.gather_unit(shards, None)
     }
@@ -100,35 +101,57 @@ impl UnitGathers {
         let started = Instant::now();
         let full = pending.wait().unwrap_or_else(|e| std::panic::panic_any(e));
         comm.stats().waited(started.elapsed());
-        let (len, device, dtype) = (full.len(), shard.device(), shard.dtype());
-        let full = Tensor::<1>::from_data(TensorData::new(full, [len]), &device).cast(dtype);
+        let order = RowOrder {
+            lens: lens.clone(),
+            total,
+            ranks: comm.group().size(),
+        };
+        // Each parameter's rows contiguous, so that a read is one slice (its backward one
+        // buffer of the unit's size, not one per rank).
+        let full = order.param_major(&full);
+        let (device, dtype) = (shard.device(), shard.dtype());
         if !shard.is_require_grad() {
             // No backward will release them: count them as released now.
             comm.stats().released(bytes);
         }
-        let scatter = comm.clone();
+        // Two kinds of op, so that backward moves each gradient once: every read of a
+        // parameter is its own op, whose backward adds the parameter's gradient to the unit's
+        // buffer (handing its input zeros of one shard's size); all of them take the output of
+        // one op on the unit's shard, whose backward runs after theirs (autodiff orders nodes
+        // by depth) and reduce-scatters the buffer into the shard's gradient.
+        let ranks = comm.group().size();
+        let unit_grad = Arc::new(Mutex::new(vec![0.0f32; full.len()]));
+        let (scatter, grads) = (comm.clone(), unit_grad.clone());
         // Runs inside Burn's backward, which cannot return errors: a failed collective panics
         // with the `CommError` as payload, which the launcher reports like a returned error.
-        let hook = ScatterHook(Arc::new(move |grad: Vec<f32>| {
+        let reduce_scatter = ScatterHook(Arc::new(move |_zeros: Vec<f32>| {
             scatter.stats().released(bytes);
+            let grad = std::mem::take(&mut *lock(&grads));
             let started = Instant::now();
-            let rows = scatter.reduce_scatter(grad).wait();
+            let rows = scatter.reduce_scatter(order.rank_major(&grad)).wait();
             scatter.stats().waited(started.elapsed());
             rows.unwrap_or_else(|e| std::panic::panic_any(e))
         }));
-        let gathered = gather_shard(shard, full, hook);
-        let ranks = comm.group().size();
+        let values = shard.clone().detach();
+        let linked = gather_shard(shard, values, reduce_scatter);
         let mut map = lock(&self.0.gathered);
         let mut offset = 0;
         for (name, len) in names.into_iter().zip(lens) {
-            // Rank r's rows of this parameter sit at r * total + offset.
-            let rows = (0..ranks)
-                .map(|r| gathered.clone().narrow(0, r * total + offset, len))
-                .collect();
-            map.insert(name, Tensor::cat(rows, 0));
-            offset += len;
+            let span = offset..offset + ranks * len;
+            let whole = TensorData::new(full[span.clone()].to_vec(), [ranks * len]);
+            let whole = Tensor::<1>::from_data(whole, &device).cast(dtype);
+            let grads = unit_grad.clone();
+            let add_to_unit = ScatterHook(Arc::new(move |grad: Vec<f32>| {
+                let mut unit = lock(&grads);
+                for (sum, g) in unit[span.clone()].iter_mut().zip(grad) {
+                    *sum += g;
+                }
+                vec![0.0; total]
+            }));
+            map.insert(name, gather_shard(linked.clone(), whole, add_to_unit));
+            offset += ranks * len;
         }
-        Some(gathered)
+        Some(linked)
     }
 
     /// Forgets the gathered parameters `names` (their next reads gather them again).
@@ -218,6 +241,45 @@ impl UnitGathers {
         let out = f();
         end.finish().map_err(ParallelError::Comm)?;
         Ok(out)
+    }
+}
+
+/// How a unit's gathered rows are ordered: the all-gather returns every rank's shard in
+/// rank order (rank `r`'s rows of parameter `i` at `r * total + offset(i)`); reads want each
+/// parameter's rows of every rank together (`ranks * offset(i) + r * lens[i]`).
+struct RowOrder {
+    /// Each parameter's flattened shard length (equal on every rank).
+    lens: Vec<usize>,
+    /// Their sum: one rank's shard of the unit.
+    total: usize,
+    ranks: usize,
+}
+
+impl RowOrder {
+    fn param_major(&self, rank_major: &[f32]) -> Vec<f32> {
+        let mut out = Vec::with_capacity(rank_major.len());
+        let mut offset = 0;
+        for &len in &self.lens {
+            for r in 0..self.ranks {
+                let start = r * self.total + offset;
+                out.extend_from_slice(&rank_major[start..start + len]);
+            }
+            offset += len;
+        }
+        out
+    }
+
+    fn rank_major(&self, param_major: &[f32]) -> Vec<f32> {
+        let mut out = Vec::with_capacity(param_major.len());
+        for r in 0..self.ranks {
+            let mut offset = 0;
+            for &len in &self.lens {
+                let start = self.ranks * offset + r * len;
+                out.extend_from_slice(&param_major[start..start + len]);
+                offset += len;
+            }
+        }
+        out
     }
 }
 
@@ -328,6 +390,20 @@ pub(super) fn units_of<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gathered_rows_reorder_by_parameter_and_back() {
+        // Two ranks, parameters of 2 and 1 elements per rank: rank r holds [a_r0, a_r1, b_r].
+        let order = RowOrder {
+            lens: vec![2, 1],
+            total: 3,
+            ranks: 2,
+        };
+        let rank_major = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let param_major = order.param_major(&rank_major);
+        assert_eq!(param_major, [1.0, 2.0, 4.0, 5.0, 3.0, 6.0]);
+        assert_eq!(order.rank_major(&param_major), rank_major);
+    }
 
     #[test]
     fn a_list_of_layers_makes_one_unit_per_layer_and_the_deepest_path_wins() {
