@@ -46,7 +46,7 @@ pub fn run(
     let tokens = (batch * config.data.seq_len) as f64;
     let mut out = vec![];
     for &fsdp in fsdps {
-        if fsdp == 0 || batch % fsdp != 0 {
+        if fsdp == 0 || !batch.is_multiple_of(fsdp) {
             return Err(format!(
                 "--fsdps {fsdp}: the global batch of {batch} must split evenly over the ranks"
             ));
