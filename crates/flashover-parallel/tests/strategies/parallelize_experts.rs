@@ -213,7 +213,13 @@ fn single_rank() -> (Vec<f32>, Vec<f32>) {
 }
 
 /// The loop under `plan` on `mesh`: rank 0's losses and the gathered weights.
-fn parallel(mesh: &str, plan: &ParallelizePlan) -> Result<(Vec<f32>, Vec<f32>), String> {
+/// The loop under `plan` on `mesh`; `in_units`: the forward in `Parallelized::forward` (fully
+/// sharded blocks gathered a unit at a time).
+fn parallel(
+    mesh: &str,
+    plan: &ParallelizePlan,
+    in_units: bool,
+) -> Result<(Vec<f32>, Vec<f32>), String> {
     let out = Launch::new(mesh)
         .unwrap()
         .run(|ctx| {
@@ -233,8 +239,11 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> Result<(Vec<f32>, Vec<f32>), 
                     losses.push(out.loss + out.aux_loss);
                     out.grads
                 } else {
-                    let loss =
-                        model.loss(&share(batch(par.batch_share(GLOBAL_BATCH, step)?, &device)));
+                    let samples = share(batch(par.batch_share(GLOBAL_BATCH, step)?, &device));
+                    let loss = match in_units {
+                        true => par.forward(&model, |m| m.loss(&samples))?,
+                        false => model.loss(&samples),
+                    };
                     losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
                     par.gradients(&model, loss.backward(), None, &ctx)?.0
                 };
@@ -308,12 +317,16 @@ fn experts_spread_over_ep_by_a_plan_train_as_one_rank() {
         ("pp=2,ep=2,cp=2", with_cp(pipelined(experts()))),
         ("pp=2,fsdp=2", pipelined(experts()).fully_shard("")),
     ] {
-        let run = parallel(mesh, &plan).unwrap_or_else(|e| panic!("{mesh}: {e}"));
-        let what = match plan.pipeline {
-            Some(_) => format!("{mesh} ({})", plan.activation_checkpointing),
-            None => mesh.to_string(),
-        };
-        assert_matches(&what, &run, &reference);
+        // Fully sharded layouts without a pipeline run both ways: per read and in units.
+        let units = !plan.fully_shard.is_empty() && plan.pipeline.is_none();
+        for in_units in [false, true].into_iter().take(1 + units as usize) {
+            let run = parallel(mesh, &plan, in_units).unwrap_or_else(|e| panic!("{mesh}: {e}"));
+            let what = match plan.pipeline {
+                Some(_) => format!("{mesh} ({})", plan.activation_checkpointing),
+                None => format!("{mesh} (units: {in_units})"),
+            };
+            assert_matches(&what, &run, &reference);
+        }
     }
 }
 
@@ -340,7 +353,7 @@ fn routed_experts_are_sharded_over_fsdp_within_their_ep_rank() {
 
 #[test]
 fn expert_parallel_plans_that_do_not_fit_are_refused_with_the_reason() {
-    let err = parallel("ep=2", &ParallelizePlan::new()).unwrap_err();
+    let err = parallel("ep=2", &ParallelizePlan::new(), false).unwrap_err();
     assert!(
         err.contains("ep=2") && err.contains("expert_parallel"),
         "{err}"
@@ -348,13 +361,14 @@ fn expert_parallel_plans_that_do_not_fit_are_refused_with_the_reason() {
     let err = parallel(
         "ep=2",
         &ParallelizePlan::new().expert_parallel("blocks.*.query"),
+        false,
     )
     .unwrap_err();
     assert!(
         err.contains("`blocks.*.query`") && err.contains("names no mixture-of-experts layer"),
         "{err}"
     );
-    let err = parallel("ep=8", &experts()).unwrap_err();
+    let err = parallel("ep=8", &experts(), false).unwrap_err();
     assert!(
         err.contains("4 experts, which do not divide over ep = 8"),
         "{err}"
