@@ -96,6 +96,8 @@ impl TpTransformer {
             )));
         }
         let mut plan = ParallelizePlan::from_toml(&config.plan_toml())?;
+        // The trainer places experts itself (`train::parallelize::expert_parallel`).
+        plan.expert_parallel.clear();
         if !tp.sequence_parallel {
             plan.sequence_parallel.clear();
         }

@@ -42,6 +42,9 @@ pub struct ForwardContext {
     /// Runs mixture-of-experts layers' experts and collects their auxiliary losses when set
     /// (without it, experts run locally and auxiliary losses are not added).
     pub moe: Option<crate::moe::MoeHook>,
+    /// Computes whole mixture-of-experts layers in place of [`crate::Moe::forward_with`] when
+    /// set (a plan's layers, which find their experts' placement themselves).
+    pub moe_layer: Option<MoeLayerHook>,
     /// Computes attention's core (softmax of scores times values) in place of the local causal
     /// attention when set: context parallelism, whose keys and values live on other ranks too.
     pub core_attention: Option<AttentionHook>,
@@ -162,6 +165,22 @@ pub trait VocabOp: Send + Sync {
 }
 
 shared_hook!(VocabHook, VocabOp);
+
+/// Computes a mixture-of-experts layer in place of [`crate::Moe::forward_with`]: how a layer
+/// whose experts a plan placed (spread over ranks, sharded) routes its tokens.
+pub trait MoeLayerOp: Send + Sync {
+    /// `moe` on normed `x: [batch, seq, d_model]` as layer `layer`, its auxiliary losses added
+    /// to `ctx`'s [`crate::MoeHook`] when it has one.
+    fn apply(
+        &self,
+        moe: &crate::Moe,
+        x: Tensor<3>,
+        ctx: &ForwardContext,
+        layer: usize,
+    ) -> Tensor<3>;
+}
+
+shared_hook!(MoeLayerHook, MoeLayerOp);
 
 impl ForwardContext {
     /// `linear` applied to `x`, by the context's [`LinearOp`] if it has one.

@@ -229,7 +229,10 @@ impl Block {
     /// The block's feed-forward (dense or mixture of experts) on normed `x`.
     pub fn feed_forward(&self, x: Tensor<3>, ctx: &ForwardContext, layer: usize) -> Tensor<3> {
         match (&self.moe, &self.mlp) {
-            (Some(moe), _) => moe.forward_with(x, ctx, layer),
+            (Some(moe), _) => match &ctx.moe_layer {
+                Some(hook) => hook.0.apply(moe, x, ctx, layer),
+                None => moe.forward_with(x, ctx, layer),
+            },
             (None, Some(mlp)) => mlp.forward_with(x, ctx),
             (None, None) => panic!("block {layer} has neither a dense nor an MoE feed-forward"),
         }

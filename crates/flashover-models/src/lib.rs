@@ -31,7 +31,8 @@ mod transformer;
 pub use dropout::{Coords, Dropout, Site};
 pub use forward_context::{
     AttentionHook, AttentionOp, BlockCheckpoint, BlockFn, CheckpointHook, ForwardContext,
-    LinearHook, LinearOp, SequenceHook, SequenceShare, VocabHook, VocabOp,
+    LinearHook, LinearOp, MoeLayerHook, MoeLayerOp, SequenceHook, SequenceShare, VocabHook,
+    VocabOp,
 };
 pub use layers::{Attention, Block, SwiGlu, rope_tables, rope_tables_at};
 pub use moe::{Moe, MoeConfig, MoeHook};

@@ -117,7 +117,8 @@ impl TransformerConfig {
     /// sequence parallelism, the norms between those regions on sequence shards (drop
     /// `sequence_parallel` to keep whole sequences there). Fully sharded units, pipeline
     /// stages and recomputation are the job's choice, not the model's, and are added to it.
-    /// A mixture-of-experts block has no MLP rules: its experts are the `ep` axis's.
+    /// A mixture-of-experts block has no MLP rules: its experts are spread over `ep`
+    /// (`expert_parallel`), whole on every `tp` rank.
     pub fn plan_toml(&self) -> String {
         let head_dim = self.d_model / self.n_heads.max(1);
         let mut plan = format!(
@@ -138,8 +139,8 @@ style = "vocab"
 paths = ["embed"]
 "#
         );
-        if self.moe.is_none() {
-            plan.push_str(
+        match self.moe {
+            None => plan.push_str(
                 r#"
 [[tensor_parallel]]
 style = "colwise"
@@ -149,7 +150,9 @@ paths = ["blocks.*.mlp.w_gate", "blocks.*.mlp.w_up"]
 style = "rowwise"
 paths = ["blocks.*.mlp.w_down"]
 "#,
-            );
+            ),
+            // Experts whole on every tp rank, spread over ep.
+            Some(_) => plan.insert_str(0, "expert_parallel = [\"blocks.*.moe\"]\n"),
         }
         if !self.tie_embeddings {
             plan.push_str(

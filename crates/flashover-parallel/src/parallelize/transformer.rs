@@ -32,32 +32,35 @@
 
 use super::{ParallelizePlan, PipelineModel, PipelineRule, tp_split};
 use crate::error::ParallelError;
+use crate::nn::MoeForward;
 use crate::nn::embedding::{placed_embedding, table_split, tied_logits};
 use crate::nn::linear::{head_split, placed_linear, placed_linears};
 use crate::pipeline::ScheduleKind;
 use crate::tensor_parallel::vocab_parallel_cross_entropy;
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{Int, Tensor};
+use flashover_models::moe::LocalExperts;
 use flashover_models::{
-    ForwardContext, LinearHook, LinearOp, OutputHead, Transformer, TransformerConfig, VocabHook,
-    VocabOp, next_token_loss,
+    ForwardContext, LinearHook, LinearOp, Moe, MoeHook, MoeLayerHook, MoeLayerOp, OutputHead,
+    Transformer, TransformerConfig, VocabHook, VocabOp, next_token_loss,
 };
 use std::sync::Arc;
 
 /// The reference transformer's plan for `config` ([`TransformerConfig::plan_toml`]): Megatron's
 /// tensor-parallel split with sequence parallelism (clear `sequence_parallel` to keep whole
-/// sequences between the regions). Add `fully_shard` units and a pipeline ([`pipeline`]) as
-/// the job asks. Refuses a mixture-of-experts model: its blocks run their experts through
-/// flashover-models' `MoeHook`, which a plan does not install (`flashover train` runs them).
+/// sequences between the regions), a mixture-of-experts model's experts over `ep`. Add
+/// `fully_shard` units and a pipeline ([`pipeline`]) as the job asks. Refuses routing biases
+/// that move during training (`bias_update_rate`): they need the whole batch's expert loads,
+/// which a plan's layers do not reduce (`flashover train` does).
 pub fn plan(config: &TransformerConfig) -> Result<ParallelizePlan, ParallelError> {
     config.validate().map_err(ParallelError::Invalid)?;
-    if config.moe.is_some() {
-        return Err(ParallelError::Invalid(
-            "the reference transformer's plan covers dense models: a mixture-of-experts \
-             block runs its experts through flashover-models' MoeHook, which plans do not \
-             install yet (flashover train runs such models)"
-                .into(),
-        ));
+    if let Some(moe) = config.moe.as_ref().filter(|m| m.bias_update_rate != 0.0) {
+        return Err(ParallelError::Invalid(format!(
+            "moe.bias_update_rate = {}: a plan's mixture-of-experts layers do not move their \
+             routing biases (that needs the whole batch's expert loads); use 0 under a plan, \
+             or train with flashover train",
+            moe.bias_update_rate
+        )));
     }
     ParallelizePlan::from_toml(&config.plan_toml())
 }
@@ -81,14 +84,41 @@ pub fn pipeline(
 
 /// The forward context in which the reference transformer computes with the parameters as a
 /// plan placed them: its linear layers, embedding and head through [`crate::nn`]'s functions
-/// (Megatron's collectives around split layers, Burn's forward for whole ones). Without
-/// dropout: its masks would need each rank's head and sequence offsets.
+/// (Megatron's collectives around split layers, Burn's forward for whole ones), and its
+/// mixture-of-experts layers through [`crate::nn::MoeForward`], their auxiliary losses
+/// collected in the context's `moe` hook ([`objective`] adds them). Without dropout: its masks
+/// would need each rank's head and sequence offsets.
 pub fn forward_context() -> ForwardContext {
     let (linear, vocab) = layer_hooks();
     ForwardContext {
         linear: Some(linear),
         vocab: Some(vocab),
+        moe_layer: Some(MoeLayerHook(Arc::new(PlacedLayers))),
+        // Collects the auxiliary losses only: the layers above run the experts.
+        moe: Some(MoeHook::new(Arc::new(LocalExperts))),
         ..ForwardContext::default()
+    }
+}
+
+/// What training minimizes on this rank: the next-token loss of `tokens` against `targets`
+/// and, for a mixture-of-experts model, its layers' auxiliary losses (as `flashover train`
+/// and one device with a `MoeHook` do), in [`forward_context`]. Run it in
+/// [`super::Parallelized::forward`] to gather fully sharded blocks a unit at a time.
+pub fn objective(
+    model: &Transformer,
+    tokens: Tensor<2, Int>,
+    targets: Tensor<2, Int>,
+) -> Tensor<1> {
+    let ctx = forward_context();
+    let loss = model.forward_loss(tokens, targets, &ctx);
+    with_aux_losses(loss, &ctx)
+}
+
+/// `loss` plus the auxiliary losses `ctx`'s forwards collected, if any.
+fn with_aux_losses(loss: Tensor<1>, ctx: &ForwardContext) -> Tensor<1> {
+    match ctx.moe.as_ref().and_then(MoeHook::take_aux_loss) {
+        Some(aux) => loss + aux,
+        None => loss,
     }
 }
 
@@ -114,6 +144,16 @@ impl LinearOp for PlacedLayers {
             .map(|l| (&l.weight, l.bias.as_ref()))
             .collect();
         placed_linears(&params, x)
+    }
+}
+
+impl MoeLayerOp for PlacedLayers {
+    fn apply(&self, moe: &Moe, x: Tensor<3>, ctx: &ForwardContext, _layer: usize) -> Tensor<3> {
+        let (y, aux) = MoeForward::forward(moe, x);
+        if let (Some(aux), Some(hook)) = (aux, &ctx.moe) {
+            hook.push_aux_loss(aux);
+        }
+        y
     }
 }
 
@@ -151,13 +191,19 @@ impl PipelineModel<3> for Transformer {
     }
 
     fn layer(&self, index: usize, x: Tensor<3>) -> Tensor<3> {
+        self.layer_with_aux(index, x).0
+    }
+
+    fn layer_with_aux(&self, index: usize, x: Tensor<3>) -> (Tensor<3>, Option<Tensor<1>>) {
         let block = &self.blocks[index];
         // Under sequence parallelism `x` holds this rank's positions; attention sees them all.
         let parts = tp_split(&block.attn.wq.weight)
             .filter(|split| split.sequence_parallel)
             .map_or(1, |split| split.group.size());
         let rope = self.rope(0, x.dims()[1] * parts, &x.device());
-        block.forward_with(x, &rope, &forward_context(), index)
+        let ctx = forward_context();
+        let y = block.forward_with(x, &rope, &ctx, index);
+        (y, ctx.moe.as_ref().and_then(MoeHook::take_aux_loss))
     }
 
     fn head_loss(&self, x: Tensor<3>, (_, targets): &Self::Batch) -> Tensor<1> {

@@ -8,12 +8,14 @@ use crate::parallelize::{
     GLOBAL_BATCH, MAX_NORM, Run, STEPS, differences, plan_loop, reference_loop,
 };
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use flashover_models::{ForwardContext, MoeConfig, Transformer, TransformerConfig};
+use flashover_models::moe::LocalExperts;
+use flashover_models::{ForwardContext, MoeConfig, MoeHook, Transformer, TransformerConfig};
 use flashover_parallel::ParallelError;
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
 use flashover_parallel::parallelize::{ParallelizePlan, parallelize, transformer};
 use flashover_parallel::pipeline::ScheduleKind;
 use flashover_runtime::{Axis, Launch, OpKind};
+use std::sync::Arc;
 
 const VOCAB: usize = 32;
 /// Divisible by 2 (sequence parallelism over tp = 2).
@@ -43,12 +45,22 @@ fn batch(range: std::ops::Range<usize>, device: &Device) -> (Tensor<2, Int>, Ten
     (tensor(rows(0)), tensor(rows(1)))
 }
 
-/// The model's plain loop on one device.
+/// The model's plain loop on one device: the next-token loss and, with experts, their
+/// auxiliary losses (collected by a hook whose experts run locally).
 fn single_rank(config: &TransformerConfig) -> Run {
     let device = Device::flex().autodiff();
     reference_loop(config.init(SEED, &device), |model, samples| {
         let (x, y) = batch(samples, &device);
-        model.forward_loss(x, y, &ForwardContext::default())
+        let hook = MoeHook::new(Arc::new(LocalExperts));
+        let ctx = ForwardContext {
+            moe: Some(hook.clone()),
+            ..ForwardContext::default()
+        };
+        let loss = model.forward_loss(x, y, &ctx);
+        match hook.take_aux_loss() {
+            Some(aux) => loss + aux,
+            None => loss,
+        }
     })
 }
 
@@ -61,13 +73,11 @@ fn parallel(mesh: &str, config: &TransformerConfig, plan: &ParallelizePlan) -> (
             let micro_batch = |samples| batch(samples, device);
             let clip = Some(MAX_NORM);
             let out = par.pipeline_step(model, GLOBAL_BATCH, step, &micro_batch, clip, ctx)?;
-            return Ok((out.grads, out.loss, out.norm));
+            return Ok((out.grads, out.loss + out.aux_loss, out.norm));
         }
         let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, device);
         // Fully sharded units gathered one collective each (a no-op without any).
-        let loss = par.forward(model, |m| {
-            m.forward_loss(x, y, &transformer::forward_context())
-        })?;
+        let loss = par.forward(model, |m| transformer::objective(m, x, y))?;
         let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
         let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
         Ok((grads, mean, norm))
@@ -169,13 +179,49 @@ fn the_reference_plan_refuses_what_it_cannot_split_with_the_reason() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("blocks.0.attn.wq"), "{err}");
-    // Mixture-of-experts blocks run their experts through a hook plans do not install.
+    // Routing biases that move need the whole batch's expert loads.
+    let mut moving = MoeConfig::new(4, 2, 16);
+    moving.bias_update_rate = 1e-3;
     let moe = TransformerConfig {
-        moe: Some(MoeConfig::new(4, 2, 16)),
+        moe: Some(moving),
         ..config(true)
     };
     let err = transformer::plan(&moe).unwrap_err().to_string();
-    assert!(err.contains("mixture-of-experts"), "{err}");
+    assert!(err.contains("moe.bias_update_rate"), "{err}");
+}
+
+#[test]
+fn the_reference_mixture_of_experts_model_under_its_own_plan_trains_as_one_rank() {
+    let config = TransformerConfig {
+        moe: Some(MoeConfig::new(4, 2, 16)),
+        ..config(true)
+    };
+    let reference = single_rank(&config);
+    let experts = transformer::plan(&config).unwrap();
+    let whole_sequences = ParallelizePlan {
+        sequence_parallel: vec![],
+        ..experts.clone()
+    };
+    let pipeline = transformer::pipeline(&config, ScheduleKind::OneFOneB, 2);
+    let cases = [
+        ("ep=2", experts.clone()),
+        ("dp=2,ep=2", experts.clone()),
+        ("fsdp=2,ep=2", experts.clone().fully_shard("")),
+        ("tp=2", experts.clone()),
+        ("ep=2,tp=2", whole_sequences),
+        ("pp=2,ep=2", experts.clone().pipeline(pipeline.clone())),
+        ("pp=2,fsdp=2", experts.fully_shard("").pipeline(pipeline)),
+    ];
+    for (mesh, plan) in cases {
+        let (run, _) = parallel(mesh, &config, &plan);
+        let (loss, norm, weights) = differences(&run, &reference);
+        let sp = !plan.sequence_parallel.is_empty();
+        println!("{mesh} sp={sp}: losses {loss:.1e}, norms {norm:.1e}, weights {weights:.1e}");
+        assert!(
+            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+            "{mesh} sp={sp}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+        );
+    }
 }
 
 /// Without the plan's forward context a split layer is read whole, which panics naming the
