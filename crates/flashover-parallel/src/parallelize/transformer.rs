@@ -41,8 +41,8 @@ use burn::nn::{Embedding, Linear};
 use burn::tensor::{Int, Tensor};
 use flashover_models::moe::LocalExperts;
 use flashover_models::{
-    ForwardContext, LinearHook, LinearOp, Moe, MoeHook, MoeLayerHook, MoeLayerOp, OutputHead,
-    Transformer, TransformerConfig, VocabHook, VocabOp, next_token_loss,
+    Dropout, ForwardContext, LinearHook, LinearOp, Moe, MoeHook, MoeLayerHook, MoeLayerOp,
+    OutputHead, Transformer, TransformerConfig, VocabHook, VocabOp, next_token_loss,
 };
 use std::sync::Arc;
 
@@ -86,8 +86,8 @@ pub fn pipeline(
 /// plan placed them: its linear layers, embedding and head through [`crate::nn`]'s functions
 /// (Megatron's collectives around split layers, Burn's forward for whole ones), and its
 /// mixture-of-experts layers through [`crate::nn::MoeForward`], their auxiliary losses
-/// collected in the context's `moe` hook ([`objective`] adds them). Without dropout: its masks
-/// would need each rank's head and sequence offsets.
+/// collected in the context's `moe` hook ([`objective`] adds them). Without dropout
+/// ([`dropout_context`] adds it).
 pub fn forward_context() -> ForwardContext {
     let (linear, vocab) = layer_hooks();
     ForwardContext {
@@ -100,6 +100,35 @@ pub fn forward_context() -> ForwardContext {
     }
 }
 
+/// [`forward_context`] with `dropout` on the samples from global index `sample_offset` (this
+/// rank's first: `Parallelized::batch_share(..).start`), each of `seq` tokens: every rank
+/// draws its part of the one-device masks, at its attention heads under tensor parallelism
+/// and its positions under sequence parallelism, read from how the plan split `model`'s
+/// first attention. Not for pipeline stages, whose contexts [`PipelineModel`] makes without
+/// the micro-batch's sample offset.
+pub fn dropout_context(
+    model: &Transformer,
+    dropout: Dropout,
+    sample_offset: usize,
+    seq: usize,
+) -> ForwardContext {
+    let mut ctx = forward_context();
+    ctx.dropout = Some(dropout);
+    ctx.sample_offset = sample_offset;
+    let split = model.blocks.first().and_then(|b| {
+        let split = tp_split(&b.attn.wq.weight)?;
+        Some((b.attn.n_heads, split))
+    });
+    if let Some((heads, split)) = split {
+        let (rank, n) = (split.group.rank(), split.group.size());
+        ctx.head_offset = rank * heads / n;
+        if split.sequence_parallel {
+            ctx.seq_offset = rank * seq / n;
+        }
+    }
+    ctx
+}
+
 /// What training minimizes on this rank: the next-token loss of `tokens` against `targets`
 /// and, for a mixture-of-experts model, its layers' auxiliary losses (as `flashover train`
 /// and one device with a `MoeHook` do), in [`forward_context`]. Run it in
@@ -109,9 +138,18 @@ pub fn objective(
     tokens: Tensor<2, Int>,
     targets: Tensor<2, Int>,
 ) -> Tensor<1> {
-    let ctx = forward_context();
-    let loss = model.forward_loss(tokens, targets, &ctx);
-    with_aux_losses(loss, &ctx)
+    objective_in(model, tokens, targets, &forward_context())
+}
+
+/// [`objective`] in `ctx` ([`forward_context`] or [`dropout_context`]).
+pub fn objective_in(
+    model: &Transformer,
+    tokens: Tensor<2, Int>,
+    targets: Tensor<2, Int>,
+    ctx: &ForwardContext,
+) -> Tensor<1> {
+    let loss = model.forward_loss(tokens, targets, ctx);
+    with_aux_losses(loss, ctx)
 }
 
 /// `loss` plus the auxiliary losses `ctx`'s forwards collected, if any.

@@ -9,7 +9,9 @@ use crate::parallelize::{
 };
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_models::moe::LocalExperts;
-use flashover_models::{ForwardContext, MoeConfig, MoeHook, Transformer, TransformerConfig};
+use flashover_models::{
+    Dropout, ForwardContext, MoeConfig, MoeHook, Transformer, TransformerConfig,
+};
 use flashover_parallel::ParallelError;
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
 use flashover_parallel::parallelize::{ParallelizePlan, parallelize, transformer};
@@ -45,15 +47,33 @@ fn batch(range: std::ops::Range<usize>, device: &Device) -> (Tensor<2, Int>, Ten
     (tensor(rows(0)), tensor(rows(1)))
 }
 
+/// Dropout (probability `p`) of step `step`, the same on one device and in every layout.
+fn dropout(p: f64, step: usize) -> Dropout {
+    Dropout {
+        p,
+        seed: 11,
+        step: step as u64,
+    }
+}
+
 /// The model's plain loop on one device: the next-token loss and, with experts, their
 /// auxiliary losses (collected by a hook whose experts run locally).
 fn single_rank(config: &TransformerConfig) -> Run {
+    single_rank_with(config, 0.0)
+}
+
+/// [`single_rank`] with dropout of probability `p` (none at 0).
+fn single_rank_with(config: &TransformerConfig, p: f64) -> Run {
     let device = Device::flex().autodiff();
     reference_loop(config.init(SEED, &device), |model, samples| {
+        let step = samples.start / GLOBAL_BATCH;
+        let sample_offset = samples.start;
         let (x, y) = batch(samples, &device);
         let hook = MoeHook::new(Arc::new(LocalExperts));
         let ctx = ForwardContext {
             moe: Some(hook.clone()),
+            dropout: (p > 0.0).then(|| dropout(p, step)),
+            sample_offset,
             ..ForwardContext::default()
         };
         let loss = model.forward_loss(x, y, &ctx);
@@ -67,6 +87,16 @@ fn single_rank(config: &TransformerConfig) -> Run {
 /// The same loop under `plan` on `mesh` (through the pipeline when the plan has one): rank
 /// 0's run, and every rank's stored parameter elements.
 fn parallel(mesh: &str, config: &TransformerConfig, plan: &ParallelizePlan) -> (Run, Vec<usize>) {
+    parallel_with(mesh, config, plan, 0.0)
+}
+
+/// [`parallel`] with dropout of probability `p` (none at 0; not for pipelines).
+fn parallel_with(
+    mesh: &str,
+    config: &TransformerConfig,
+    plan: &ParallelizePlan,
+    p: f64,
+) -> (Run, Vec<usize>) {
     let new = |device: &Device| config.init(SEED, device);
     plan_loop(mesh, plan, new, |model, par, step, ctx, device| {
         if par.has_pipeline() {
@@ -75,9 +105,14 @@ fn parallel(mesh: &str, config: &TransformerConfig, plan: &ParallelizePlan) -> (
             let out = par.pipeline_step(model, GLOBAL_BATCH, step, &micro_batch, clip, ctx)?;
             return Ok((out.grads, out.loss + out.aux_loss, out.norm));
         }
-        let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, device);
+        let samples = par.batch_share(GLOBAL_BATCH, step)?;
+        let fwd = match p > 0.0 {
+            true => transformer::dropout_context(model, dropout(p, step), samples.start, SEQ),
+            false => transformer::forward_context(),
+        };
+        let (x, y) = batch(samples, device);
         // Fully sharded units gathered one collective each (a no-op without any).
-        let loss = par.forward(model, |m| transformer::objective(m, x, y))?;
+        let loss = par.forward(model, |m| transformer::objective_in(m, x, y, &fwd))?;
         let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
         let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
         Ok((grads, mean, norm))
@@ -188,6 +223,37 @@ fn the_reference_plan_refuses_what_it_cannot_split_with_the_reason() {
     };
     let err = transformer::plan(&moe).unwrap_err().to_string();
     assert!(err.contains("moe.bias_update_rate"), "{err}");
+}
+
+#[test]
+fn the_reference_transformer_under_its_own_plan_with_dropout_trains_as_one_rank() {
+    let config = config(true);
+    let reference = single_rank_with(&config, 0.1);
+    // Dropout changes the run: the comparison below sees the masks.
+    let without = single_rank(&config);
+    assert!(differences(&reference, &without).0 > 1e-3);
+    let split = transformer::plan(&config).unwrap();
+    let whole_sequences = ParallelizePlan {
+        sequence_parallel: vec![],
+        ..split.clone()
+    };
+    let cases = [
+        ("dp=2", ParallelizePlan::new()),
+        ("tp=2", split.clone()),
+        ("tp=2", whole_sequences.clone()),
+        ("dp=2,tp=2", whole_sequences),
+        ("fsdp=2,tp=2", split.fully_shard("")),
+    ];
+    for (mesh, plan) in cases {
+        let (run, _) = parallel_with(mesh, &config, &plan, 0.1);
+        let (loss, norm, weights) = differences(&run, &reference);
+        let sp = !plan.sequence_parallel.is_empty();
+        println!("{mesh} sp={sp}: losses {loss:.1e}, norms {norm:.1e}, weights {weights:.1e}");
+        assert!(
+            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+            "{mesh} sp={sp} with dropout: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+        );
+    }
 }
 
 #[test]
