@@ -25,6 +25,7 @@ mod op;
 pub use op::{RecomputeHook, recompute};
 
 use crate::hook::hooks_supported;
+use crate::parallelize::units::recomputing;
 use crate::params::{ParamLayout, accumulate_grads};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
@@ -316,19 +317,22 @@ where
     let params = params.unwrap_or_else(|| Tensor::<1>::zeros([0], &device));
     // Shares the parameters' storage: nothing is copied.
     let values = module.clone().map(&mut Detach);
-    let y = forward(&values, untracked(x.clone()));
+    // Both runs read the parameters apart from any unit gathered around them.
+    let y = recomputing(|| forward(&values, untracked(x.clone())));
     let dtypes = (x.dtype(), y.dtype());
     let hook = RecomputeHook(Arc::new(move |x: TensorData, grad_y: TensorData| {
         let module = values.clone().map(&mut Leaves);
-        regrad(
-            &module,
-            &forward,
-            x,
-            grad_y,
-            dtypes,
-            &device,
-            part.as_deref(),
-        )
+        recomputing(|| {
+            regrad(
+                &module,
+                &forward,
+                x,
+                grad_y,
+                dtypes,
+                &device,
+                part.as_deref(),
+            )
+        })
     }));
     recompute(x, params, y, hook)
 }

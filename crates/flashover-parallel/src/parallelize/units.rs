@@ -31,7 +31,9 @@ pub(crate) struct UnitGathers(Arc<UnitState>);
 
 #[derive(Debug, Default)]
 struct UnitState {
-    gathered: Mutex<HashMap<String, Tensor<1>>>,
+    /// By the recomputation depth it was gathered at (see [`recomputing`]) and parameter
+    /// path: its gathered rows.
+    gathered: Mutex<HashMap<(usize, String), Tensor<1>>>,
     /// The communication thread of the `fsdp` group (set when the plan shards anything).
     comm: OnceLock<Arc<ShardGroup>>,
     /// The forward running in [`super::Parallelized::forward`], if one is.
@@ -148,7 +150,8 @@ impl UnitGathers {
                 }
                 vec![0.0; total]
             }));
-            map.insert(name, gather_shard(linked.clone(), whole, add_to_unit));
+            let read = gather_shard(linked.clone(), whole, add_to_unit);
+            map.insert((depth(), name), read);
             offset += ranks * len;
         }
         Some(linked)
@@ -156,23 +159,28 @@ impl UnitGathers {
 
     /// Forgets the gathered parameters `names` (their next reads gather them again).
     pub(crate) fn release<'a>(&self, names: impl IntoIterator<Item = &'a str>) {
-        let mut map = lock(&self.0.gathered);
+        let (mut map, depth) = (lock(&self.0.gathered), depth());
         for name in names {
-            map.remove(name);
+            map.remove(&(depth, name.to_string()));
         }
     }
 
-    /// Whether parameter `name` is gathered already.
+    /// Whether parameter `name` is gathered already (at this recomputation depth).
     pub(crate) fn holds(&self, name: &str) -> bool {
-        lock(&self.0.gathered).contains_key(name)
+        lock(&self.0.gathered).contains_key(&(depth(), name.to_string()))
     }
 
-    /// Parameter `name` gathered: already, or now with the rest of its unit when a forward
-    /// scope holds it (prefetching the next unit). `None` when neither: the caller gathers it
-    /// alone, on the training thread, after [`Self::settle`].
+    /// Parameter `name` gathered: already (at this recomputation depth), or now with the rest
+    /// of its unit when a forward scope holds it (prefetching the next unit; not inside a
+    /// recomputation). `None` when neither: the caller gathers it alone, on the training
+    /// thread, after [`Self::settle`].
     pub(super) fn get(&self, name: &str) -> Option<Tensor<1>> {
-        if let Some(t) = lock(&self.0.gathered).get(name) {
+        let key = (depth(), name.to_string());
+        if let Some(t) = lock(&self.0.gathered).get(&key) {
             return Some(t.clone());
+        }
+        if key.0 > 0 {
+            return None;
         }
         let (shards, pending) = {
             let mut scope = lock(&self.0.scope);
@@ -184,7 +192,7 @@ impl UnitGathers {
             (shards, pending)
         };
         self.gather_unit(shards, pending);
-        lock(&self.0.gathered).get(name).cloned()
+        lock(&self.0.gathered).get(&key).cloned()
     }
 
     /// Waits for the all-gathers submitted ahead (their results stay for their units), so
@@ -242,6 +250,32 @@ impl UnitGathers {
         end.finish().map_err(ParallelError::Comm)?;
         Ok(out)
     }
+}
+
+thread_local! {
+    /// How many recomputations (activation checkpointing) this thread is inside.
+    static RECOMPUTING: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+fn depth() -> usize {
+    RECOMPUTING.with(|d| d.get())
+}
+
+/// Runs `f`, a recomputed (checkpointed) forward, apart from the gathers around it: its reads
+/// take only what was gathered inside it, never a tensor of the enclosing forward's graph (its
+/// gradient would bypass the recomputation, and inside backward, registering an op on that
+/// graph would wait for the graph's own lock), and start no unit gathers of the enclosing
+/// scope.
+pub(crate) fn recomputing<T>(f: impl FnOnce() -> T) -> T {
+    struct Leave;
+    impl Drop for Leave {
+        fn drop(&mut self) {
+            RECOMPUTING.with(|d| d.set(d.get() - 1));
+        }
+    }
+    RECOMPUTING.with(|d| d.set(d.get() + 1));
+    let _leave = Leave;
+    f()
 }
 
 /// How a unit's gathered rows are ordered: the all-gather returns every rank's shard in

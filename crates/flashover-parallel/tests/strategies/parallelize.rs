@@ -157,6 +157,29 @@ fn a_users_own_checkpoint_call_recomputes_placed_parameters() {
             "{mesh}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
         );
     }
+    // In units, with backward inside the scope too (as a burn-train TrainStep runs it): the
+    // recomputed pair gathers its own parameters, in forward and again in backward.
+    let (run, _) = plan_loop(
+        "fsdp=2",
+        &plan,
+        RecomputedMlp::new,
+        |model, par, step, ctx, device| {
+            let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, device);
+            let (loss, grads) = par.forward(model, |m| {
+                let loss = loss(m, x, y);
+                let grads = loss.backward();
+                (loss, grads)
+            })?;
+            let mean = par.mean_loss(loss.into_scalar::<f32>())?;
+            let (grads, norm) = par.gradients(model, grads, Some(MAX_NORM), ctx)?;
+            Ok((grads, mean, norm))
+        },
+    );
+    let (loss, norm, weights) = differences(&run, &reference);
+    assert!(
+        loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+        "fsdp=2 in units: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+    );
 }
 
 /// Three column-wise layers reading one input, into a row-wise one: attention's shape.
