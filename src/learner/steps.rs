@@ -53,31 +53,33 @@ pub trait RankSteps<M: LearnerModel>: Send + Sync + 'static {
 }
 
 /// Every rank runs the user's whole `TrainStep` and `InferenceStep` on its share of the batch
-/// (plans without pipeline stages).
+/// (plans without pipeline stages), inside [`Parallelized::forward`]: fully sharded blocks
+/// are gathered a unit at a time, the next prefetched.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct WholeForward;
 
 impl<M: LearnerModel> RankSteps<M> for WholeForward {
     fn train(
         &self,
-        _: &Parallelized,
+        par: &Parallelized,
         _: &RankContext,
         model: &M,
         batch: <M as TrainStep>::Input,
         _share: usize,
     ) -> Result<(Option<TrainItem<M>>, GradientsParams), ParallelError> {
-        let output = TrainStep::step(model, batch);
+        // The step's backward runs inside too; recomputed layers gather apart from the scope.
+        let output = par.forward(model, |m| TrainStep::step(m, batch))?;
         Ok((Some(output.item), output.grads))
     }
 
     fn valid(
         &self,
-        _: &Parallelized,
+        par: &Parallelized,
         model: &M,
         batch: <M as InferenceStep>::Input,
         _share: usize,
     ) -> Result<Option<InferenceItem<M>>, ParallelError> {
-        Ok(Some(InferenceStep::step(model, batch)))
+        par.forward(model, |m| Some(InferenceStep::step(m, batch)))
     }
 }
 
