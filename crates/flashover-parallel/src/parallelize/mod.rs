@@ -48,7 +48,7 @@ pub mod placed;
 mod plan;
 mod sequence_check;
 pub mod transformer;
-pub mod units;
+pub(crate) mod units;
 mod validate;
 
 pub use pipeline::PipelineModel;

@@ -8,7 +8,7 @@
 //!   rank's base receives the gradient of its own rows and any optimizer steps the shard.
 //!   Inside [`super::Parallelized::forward`] (and a pipeline's layers) the first read of a
 //!   unit's parameter gathers the whole unit in one collective, and the unit's reads take
-//!   their part of it ([`super::units`]).
+//!   their part of it (`parallelize::units`).
 //! - **tensor parallel** (`tp`): the base is this rank's columns or rows of a linear layer,
 //!   and [`crate::nn::Linear`] computes with that part (gathered over `fsdp` first when both
 //!   apply), putting the collectives of Megatron's column- and row-parallel layers around it.

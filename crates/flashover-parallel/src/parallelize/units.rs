@@ -11,7 +11,8 @@
 //! Every collective a unit issues (gathers, prefetches, its gradients' reduce-scatters) goes
 //! through that one thread in submission order. Ranks submit in the same program order, so
 //! they issue the same collectives in the same order; a per-parameter gather on the training
-//! thread (a read outside any scope) first waits for the prefetches in flight.
+//! thread (a read no unit covers, or one inside a recomputation, see [`recomputing`]) first
+//! waits for the prefetches in flight.
 
 use super::plan::ParallelizePlan;
 use crate::error::ParallelError;
@@ -247,6 +248,7 @@ impl UnitGathers {
         }
         let end = End(&self.0);
         let out = f();
+        // (Its drop finds the scope ended and does nothing more.)
         end.finish().map_err(ParallelError::Comm)?;
         Ok(out)
     }
