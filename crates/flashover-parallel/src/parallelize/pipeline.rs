@@ -10,6 +10,7 @@
 
 use super::placed::UnitGathers;
 use super::plan::PipelineRule;
+use super::units::{Unit, in_recomputation};
 use crate::activation_checkpointing::{CheckpointPolicy, Replays, checkpoint_part};
 use crate::error::ParallelError;
 use crate::params::{ParamLayout, ParamSlot};
@@ -252,6 +253,10 @@ impl Stages {
                 share.len()
             )));
         }
+        if let Some(units) = &self.units {
+            // A step that failed half-way may have left a layer's all-gather of old values.
+            units.gathers.discard_prefetches()?;
+        }
         let per = share.len() / m;
         let micro = |k: usize| share.start + k * per..share.start + (k + 1) * per;
         let activation = self.activation_shape(model, micro(0), micro_batch)?;
@@ -356,7 +361,15 @@ impl Stages {
         M: PipelineModel<D> + Sync + 'static,
     {
         let units = self.units.clone();
-        let run = move |m: &M, x: Tensor<D>| run_layer(units.as_deref(), m, index, x);
+        // The stage's next layer, whose all-gather this one's prefetches.
+        let next = (index + 1
+            < self
+                .layers
+                .iter()
+                .find(|l| l.contains(&index))
+                .map_or(0, |l| l.end))
+        .then_some(index + 1);
+        let run = move |m: &M, x: Tensor<D>| run_layer(units.as_deref(), m, index, next, x);
         if !self.recompute.recomputes_block(index) {
             return run(model, x);
         }
@@ -410,7 +423,7 @@ impl Stages {
                 }
             };
             for i in self.layers[stage].clone() {
-                x = run_layer(self.units.as_deref(), model, i, x).0;
+                x = run_layer(self.units.as_deref(), model, i, None, x).0;
             }
             if stage == last {
                 return Ok(Some(x));
@@ -480,11 +493,13 @@ pub type HeadLoss<'a, M, const D: usize> =
     dyn Fn(&M, Tensor<D>, &<M as PipelineModel<D>>::Batch, usize) -> Tensor<1> + Sync + 'a;
 
 /// Layer `index` of `model` on `x` and its auxiliary loss, its fully sharded parameters
-/// gathered at once first when the layers are `units`.
+/// gathered at once first when the layers are `units`, and then the all-gather of layer
+/// `next` submitted (outside recomputations).
 fn run_layer<M, const D: usize>(
     units: Option<&LayerUnits>,
     model: &M,
     index: usize,
+    next: Option<usize>,
     x: Tensor<D>,
 ) -> (Tensor<D>, Option<Tensor<1>>)
 where
@@ -495,7 +510,11 @@ where
         Some(u) => {
             let shards = layer_shards(model, &u.sharded[index], &u.names);
             let names: Vec<String> = shards.iter().map(|(n, _)| n.clone()).collect();
-            let _gathered = u.gathers.gather(shards);
+            let _gathered = u.gathers.gather_prefetched(Unit::Layer(index), shards);
+            if let Some(next) = next.filter(|_| !in_recomputation()) {
+                let shards = layer_shards(model, &u.sharded[next], &u.names);
+                u.gathers.prefetch(Unit::Layer(next), &shards);
+            }
             let out = model.layer_with_aux(index, x);
             u.gathers.release(names.iter().map(String::as_str));
             out

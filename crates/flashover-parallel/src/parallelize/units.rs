@@ -39,17 +39,26 @@ struct UnitState {
     comm: OnceLock<Arc<ShardGroup>>,
     /// The forward running in [`super::Parallelized::forward`], if one is.
     scope: Mutex<Option<UnitScope>>,
+    /// All-gathers submitted before their unit's first read.
+    ahead: Mutex<HashMap<Unit, Pending>>,
 }
 
-/// A forward's units still to gather, and the all-gathers submitted ahead.
+/// A unit whose all-gather may be submitted ahead of its first read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Unit {
+    /// Unit `n` of a [`UnitScope`] (numbered in layout order).
+    Scoped(usize),
+    /// A pipeline rule's layer.
+    Layer(usize),
+}
+
+/// A forward's units still to gather.
 #[derive(Debug)]
 pub(crate) struct UnitScope {
     /// Which unit each fully sharded parameter (by path) belongs to.
     unit_of: Arc<HashMap<String, usize>>,
     /// Per unit, its parameters' stored rows (flattened, by path) until it is gathered.
     waiting: Vec<Option<Vec<(String, Tensor<1>)>>>,
-    /// All-gathers submitted before their unit's first read.
-    prefetched: HashMap<usize, Pending>,
 }
 
 /// Locks `m`, recovering from a poisoned lock (a panicking rank's state is read-only here).
@@ -76,6 +85,47 @@ impl UnitGathers {
     /// parameters), `None` for no shards.
     pub(crate) fn gather(&self, shards: Vec<(String, Tensor<1>)>) -> Option<Tensor<1>> {
         self.gather_unit(shards, None)
+    }
+
+    /// [`Self::gather`] of unit `unit`, whose all-gather [`Self::prefetch`] may have
+    /// submitted already.
+    pub(crate) fn gather_prefetched(
+        &self,
+        unit: Unit,
+        shards: Vec<(String, Tensor<1>)>,
+    ) -> Option<Tensor<1>> {
+        let pending = lock(&self.0.ahead).remove(&unit);
+        self.gather_unit(shards, pending)
+    }
+
+    /// Submits the all-gather of unit `unit`'s `shards` now (unless it is submitted already),
+    /// to run on the communication thread until [`Self::gather_prefetched`] takes it. Every
+    /// rank must prefetch the same units in the same order, and take each before the values
+    /// it was submitted with change.
+    pub(crate) fn prefetch(&self, unit: Unit, shards: &[(String, Tensor<1>)]) {
+        let Some(comm) = self.comm() else { return };
+        let mut ahead = lock(&self.0.ahead);
+        if shards.is_empty() || ahead.contains_key(&unit) {
+            return;
+        }
+        let values: Vec<f32> = shards.iter().flat_map(|(_, t)| to_f32(t.clone())).collect();
+        comm.stats()
+            .gathered(values.len() * comm.group().size() * 4, true);
+        ahead.insert(unit, comm.all_gather(values));
+    }
+
+    /// Waits for every all-gather submitted ahead and forgets it (one no read took: a step
+    /// that failed half-way must not hand the next one its stale values). Fails with the
+    /// first failed collective.
+    pub(crate) fn discard_prefetches(&self) -> Result<(), CommError> {
+        let ahead = std::mem::take(&mut *lock(&self.0.ahead));
+        let mut outcome = Ok(());
+        for (_, pending) in ahead {
+            if let Err(e) = pending.wait() {
+                outcome = Err(e);
+            }
+        }
+        outcome
     }
 
     /// [`Self::gather`], taking the all-gather's result from `prefetched` when it was
@@ -183,27 +233,30 @@ impl UnitGathers {
         if key.0 > 0 {
             return None;
         }
-        let (shards, pending) = {
+        let (unit, shards, next) = {
             let mut scope = lock(&self.0.scope);
             let scope = scope.as_mut()?;
             let unit = *scope.unit_of.get(name)?;
             let shards = scope.waiting[unit].take()?;
-            let pending = scope.prefetched.remove(&unit);
-            scope.prefetch_after(unit, self.comm()?);
-            (shards, pending)
+            // The next unit still to gather, in layout order (forward order in most models;
+            // a unit read out of that order is gathered when read).
+            let next =
+                (unit + 1..scope.waiting.len()).find_map(|u| Some((u, scope.waiting[u].clone()?)));
+            (unit, shards, next)
         };
-        self.gather_unit(shards, pending);
+        self.gather_prefetched(Unit::Scoped(unit), shards);
+        if let Some((next, shards)) = next {
+            self.prefetch(Unit::Scoped(next), &shards);
+        }
         lock(&self.0.gathered).get(&key).cloned()
     }
 
     /// Waits for the all-gathers submitted ahead (their results stay for their units), so
     /// that a collective over the same group on the training thread cannot overtake them.
     pub(super) fn settle(&self) {
-        if let Some(scope) = lock(&self.0.scope).as_mut() {
-            for pending in scope.prefetched.values_mut() {
-                let done = std::mem::replace(pending, Pending::ready(Ok(vec![]))).wait();
-                *pending = Pending::ready(done);
-            }
+        for pending in lock(&self.0.ahead).values_mut() {
+            let done = std::mem::replace(pending, Pending::ready(Ok(vec![]))).wait();
+            *pending = Pending::ready(done);
         }
     }
 
@@ -227,18 +280,12 @@ impl UnitGathers {
             *current = Some(scope);
         }
         // Ends the scope even when `f` panics, so that the rank's next forward can run.
-        struct End<'a>(&'a UnitState);
+        struct End<'a>(&'a UnitGathers);
         impl End<'_> {
             fn finish(&self) -> Result<(), CommError> {
-                let scope = lock(&self.0.scope).take();
-                let mut outcome = Ok(());
-                for (_, pending) in scope.into_iter().flat_map(|s| s.prefetched) {
-                    if let Err(e) = pending.wait() {
-                        outcome = Err(e);
-                    }
-                }
-                lock(&self.0.gathered).clear();
-                outcome
+                lock(&self.0.0.scope).take();
+                lock(&self.0.0.gathered).clear();
+                self.0.discard_prefetches()
             }
         }
         impl Drop for End<'_> {
@@ -246,7 +293,7 @@ impl UnitGathers {
                 let _ = self.finish();
             }
         }
-        let end = End(&self.0);
+        let end = End(self);
         let out = f();
         // (Its drop finds the scope ended and does nothing more.)
         end.finish().map_err(ParallelError::Comm)?;
@@ -261,6 +308,13 @@ thread_local! {
 
 fn depth() -> usize {
     RECOMPUTING.with(|d| d.get())
+}
+
+/// Whether this thread runs a recomputed forward (see [`recomputing`]), which prefetches
+/// nothing: in backward, an all-gather submitted ahead would wait there while the training
+/// thread's reduce-scatters over the same group ran.
+pub(crate) fn in_recomputation() -> bool {
+    depth() > 0
 }
 
 /// Runs `f`, a recomputed (checkpointed) forward, apart from the gathers around it: its reads
@@ -331,22 +385,6 @@ impl UnitScope {
                 .into_iter()
                 .map(|s| (!s.is_empty()).then_some(s))
                 .collect(),
-            prefetched: HashMap::new(),
-        }
-    }
-
-    /// Submits the all-gather of the first unit after `unit` still to gather (layout order,
-    /// which is forward order in most models; a unit read out of that order is gathered when
-    /// read, and its prefetch waits for it).
-    fn prefetch_after(&mut self, unit: usize, comm: &ShardGroup) {
-        let next = (unit + 1..self.waiting.len())
-            .find(|u| self.waiting[*u].is_some() && !self.prefetched.contains_key(u));
-        if let Some(next) = next {
-            let shards = self.waiting[next].as_ref().expect("found waiting");
-            let values: Vec<f32> = shards.iter().flat_map(|(_, t)| to_f32(t.clone())).collect();
-            comm.stats()
-                .gathered(values.len() * comm.group().size() * 4, true);
-            self.prefetched.insert(next, comm.all_gather(values));
         }
     }
 }
