@@ -244,14 +244,28 @@ fn the_reference_transformer_under_its_own_plan_with_dropout_trains_as_one_rank(
         ("dp=2,tp=2", whole_sequences),
         ("fsdp=2,tp=2", split.fully_shard("")),
     ];
+    assert_layouts_match(&config, &reference, cases, 0.1);
+}
+
+/// Each `(mesh, plan)` of `cases` trains `config` (dropout `p`) as `reference` does, within
+/// 1e-5: losses, gradient norms and weights.
+fn assert_layouts_match<const N: usize>(
+    config: &TransformerConfig,
+    reference: &Run,
+    cases: [(&str, ParallelizePlan); N],
+    p: f64,
+) {
     for (mesh, plan) in cases {
-        let (run, _) = parallel_with(mesh, &config, &plan, 0.1);
-        let (loss, norm, weights) = differences(&run, &reference);
-        let sp = !plan.sequence_parallel.is_empty();
-        println!("{mesh} sp={sp}: losses {loss:.1e}, norms {norm:.1e}, weights {weights:.1e}");
+        let (run, _) = parallel_with(mesh, config, &plan, p);
+        let (loss, norm, weights) = differences(&run, reference);
+        let what = format!(
+            "{mesh} sp={} dropout={p}",
+            !plan.sequence_parallel.is_empty()
+        );
+        println!("{what}: losses {loss:.1e}, norms {norm:.1e}, weights {weights:.1e}");
         assert!(
             loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
-            "{mesh} sp={sp} with dropout: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+            "{what}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
         );
     }
 }
@@ -278,16 +292,7 @@ fn the_reference_mixture_of_experts_model_under_its_own_plan_trains_as_one_rank(
         ("pp=2,ep=2", experts.clone().pipeline(pipeline.clone())),
         ("pp=2,fsdp=2", experts.fully_shard("").pipeline(pipeline)),
     ];
-    for (mesh, plan) in cases {
-        let (run, _) = parallel(mesh, &config, &plan);
-        let (loss, norm, weights) = differences(&run, &reference);
-        let sp = !plan.sequence_parallel.is_empty();
-        println!("{mesh} sp={sp}: losses {loss:.1e}, norms {norm:.1e}, weights {weights:.1e}");
-        assert!(
-            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
-            "{mesh} sp={sp}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
-        );
-    }
+    assert_layouts_match(&config, &reference, cases, 0.0);
 }
 
 /// Without the plan's forward context a split layer is read whole, which panics naming the
