@@ -318,11 +318,11 @@ where
     // Shares the parameters' storage: nothing is copied.
     let values = module.clone().map(&mut Detach);
     // Both runs read the parameters apart from any unit gathered around them.
-    let y = recomputing(|| forward(&values, untracked(x.clone())));
+    let y = recomputing(false, || forward(&values, untracked(x.clone())));
     let dtypes = (x.dtype(), y.dtype());
     let hook = RecomputeHook(Arc::new(move |x: TensorData, grad_y: TensorData| {
         let module = values.clone().map(&mut Leaves);
-        recomputing(|| {
+        recomputing(true, || {
             regrad(
                 &module,
                 &forward,

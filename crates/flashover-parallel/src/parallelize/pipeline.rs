@@ -10,7 +10,7 @@
 
 use super::placed::UnitGathers;
 use super::plan::PipelineRule;
-use super::units::{Unit, in_recomputation};
+use super::units::{Unit, replaying};
 use crate::activation_checkpointing::{CheckpointPolicy, Replays, checkpoint_part};
 use crate::error::ParallelError;
 use crate::params::{ParamLayout, ParamSlot};
@@ -494,7 +494,7 @@ pub type HeadLoss<'a, M, const D: usize> =
 
 /// Layer `index` of `model` on `x` and its auxiliary loss, its fully sharded parameters
 /// gathered at once first when the layers are `units`, and then the all-gather of layer
-/// `next` submitted (outside recomputations).
+/// `next` submitted (not in a rerun in backward).
 fn run_layer<M, const D: usize>(
     units: Option<&LayerUnits>,
     model: &M,
@@ -511,7 +511,7 @@ where
             let shards = layer_shards(model, &u.sharded[index], &u.names);
             let names: Vec<String> = shards.iter().map(|(n, _)| n.clone()).collect();
             let _gathered = u.gathers.gather_prefetched(Unit::Layer(index), shards);
-            if let Some(next) = next.filter(|_| !in_recomputation()) {
+            if let Some(next) = next.filter(|_| !replaying()) {
                 let shards = layer_shards(model, &u.sharded[next], &u.names);
                 u.gathers.prefetch(Unit::Layer(next), &shards);
             }

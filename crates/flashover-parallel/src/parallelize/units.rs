@@ -302,35 +302,37 @@ impl UnitGathers {
 }
 
 thread_local! {
-    /// How many recomputations (activation checkpointing) this thread is inside.
-    static RECOMPUTING: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// How many checkpointed forwards (activation checkpointing) this thread is inside, and
+    /// of those, how many are reruns in backward.
+    static RECOMPUTING: std::cell::Cell<(usize, usize)> = const { std::cell::Cell::new((0, 0)) };
 }
 
 fn depth() -> usize {
-    RECOMPUTING.with(|d| d.get())
+    RECOMPUTING.with(|d| d.get().0)
 }
 
-/// Whether this thread runs a recomputed forward (see [`recomputing`]), which prefetches
-/// nothing: in backward, an all-gather submitted ahead would wait there while the training
-/// thread's reduce-scatters over the same group ran.
-pub(crate) fn in_recomputation() -> bool {
-    depth() > 0
+/// Whether this thread reruns a checkpointed forward in backward (see [`recomputing`]), which
+/// prefetches nothing: an all-gather submitted there would wait among the training thread's
+/// reduce-scatters over the same group.
+pub(crate) fn replaying() -> bool {
+    RECOMPUTING.with(|d| d.get().1 > 0)
 }
 
-/// Runs `f`, a recomputed (checkpointed) forward, apart from the gathers around it: its reads
-/// take only what was gathered inside it, never a tensor of the enclosing forward's graph (its
-/// gradient would bypass the recomputation, and inside backward, registering an op on that
-/// graph would wait for the graph's own lock), and start no unit gathers of the enclosing
-/// scope.
-pub(crate) fn recomputing<T>(f: impl FnOnce() -> T) -> T {
-    struct Leave;
+/// Runs `f`, a checkpointed forward (`replay`: its rerun in backward), apart from the gathers
+/// around it: its reads take only what was gathered inside it, never a tensor of the
+/// enclosing forward's graph (its gradient would bypass the recomputation, and inside
+/// backward, registering an op on that graph would wait for the graph's own lock), and start
+/// no unit gathers of the enclosing scope.
+pub(crate) fn recomputing<T>(replay: bool, f: impl FnOnce() -> T) -> T {
+    let step = (1, replay as usize);
+    struct Leave((usize, usize));
     impl Drop for Leave {
         fn drop(&mut self) {
-            RECOMPUTING.with(|d| d.set(d.get() - 1));
+            RECOMPUTING.with(|d| d.set((d.get().0 - self.0.0, d.get().1 - self.0.1)));
         }
     }
-    RECOMPUTING.with(|d| d.set(d.get() + 1));
-    let _leave = Leave;
+    RECOMPUTING.with(|d| d.set((d.get().0 + step.0, d.get().1 + step.1)));
+    let _leave = Leave(step);
     f()
 }
 

@@ -781,31 +781,45 @@ fn a_pipelines_fully_sharded_layers_gather_once_per_layer() {
             .first(&["input"])
             .last(&["norm", "input"]),
     );
-    let counts = Launch::new("fsdp=2")
-        .unwrap()
-        .run(|ctx| {
-            let device = Device::flex().autodiff();
-            let (model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
-            let fsdp = ctx.group(flashover_runtime::Axis::Fsdp);
-            let micro_batch = |samples| batch(samples, &device);
-            // The first step also runs the first stage's embed once, to learn the shape.
-            par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
-            let before = fsdp.stats();
-            let prefetches = par.unit_stats().expect("sharded").snapshot().prefetches;
-            par.pipeline_step(&model, GLOBAL_BATCH, 1, &micro_batch, None, &ctx)?;
-            let ops = fsdp.stats().since(&before).ops;
-            let calls = |op| ops.get(&op).map_or(0, |s| s.calls);
-            let prefetched = par.unit_stats().unwrap().snapshot().prefetches - prefetches;
-            let counts = (calls(OpKind::AllGather), calls(OpKind::ReduceScatter));
-            Ok::<_, ParallelError>((counts, prefetched))
-        })
-        .unwrap();
+    let recomputed = plan
+        .clone()
+        .activation_checkpointing(CheckpointPolicy::Full);
+    let step_counts = |plan: &ParallelizePlan| {
+        Launch::new("fsdp=2")
+            .unwrap()
+            .run(|ctx| {
+                let device = Device::flex().autodiff();
+                let (model, par) = parallelize(Stack::new(&device), plan, &ctx)?;
+                let fsdp = ctx.group(flashover_runtime::Axis::Fsdp);
+                let micro_batch = |samples| batch(samples, &device);
+                // The first step also runs the first stage's embed once, to learn the shape.
+                par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
+                let before = fsdp.stats();
+                let prefetches = par.unit_stats().expect("sharded").snapshot().prefetches;
+                par.pipeline_step(&model, GLOBAL_BATCH, 1, &micro_batch, None, &ctx)?;
+                let ops = fsdp.stats().since(&before).ops;
+                let calls = |op| ops.get(&op).map_or(0, |s| s.calls);
+                let prefetched = par.unit_stats().unwrap().snapshot().prefetches - prefetches;
+                let counts = (calls(OpKind::AllGather), calls(OpKind::ReduceScatter));
+                Ok::<_, ParallelError>((counts, prefetched))
+            })
+            .unwrap()
+            .remove(0)
+    };
     // Per micro-batch (2): one all-gather per layer (4; each has 6 parameters, which read one by
     // one would make 24), each but the first submitted while the layer before computes, and
     // one per read outside the layers (the input projection's weight and bias, the final
     // norm's two parameters, the tied head's weight: 5). The reduce-scatters pair with them.
-    let expected = 2 * (LAYERS as u64 + 5);
-    assert_eq!(counts[0], ((expected, expected), 2 * (LAYERS - 1)));
+    let (layers, others) = (LAYERS as u64, 5);
+    let expected = 2 * (layers + others);
+    assert_eq!(step_counts(&plan), ((expected, expected), 2 * (LAYERS - 1)));
+    // Recomputed layers gather again in backward (without prefetching there), and their
+    // gradients are reduce-scattered from the rerun only.
+    let gathers = 2 * (2 * layers + others);
+    assert_eq!(
+        step_counts(&recomputed),
+        ((gathers, expected), 2 * (LAYERS - 1))
+    );
 }
 
 #[test]
