@@ -881,7 +881,7 @@ fn fully_sharded_units_train_as_one_rank_with_one_gather_each() {
 }
 
 #[test]
-fn a_forward_scope_refuses_nesting_and_pipelined_plans() {
+fn a_forward_scope_refuses_nesting_and_pipelined_plans_and_survives_a_panic() {
     let plan = ParallelizePlan::new().fully_shard("");
     let errors = Launch::new("fsdp=2")
         .unwrap()
@@ -892,6 +892,12 @@ fn a_forward_scope_refuses_nesting_and_pipelined_plans() {
                 let x = batch(0..2, &device);
                 par.forward(m, |m| m.loss(&x)).map(|_| ())
             })?;
+            // A forward that panics ends its scope all the same: the next one runs.
+            let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                par.forward(&model, |_| panic!("a failing forward"))
+            }));
+            assert!(panicked.is_err());
+            par.forward(&model, |m| m.loss(&batch(0..2, &device)))?;
             Ok::<_, ParallelError>(nested.unwrap_err().to_string())
         })
         .unwrap();
