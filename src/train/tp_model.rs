@@ -15,7 +15,7 @@ use burn::module::Module;
 use burn::tensor::{Int, Tensor};
 use flashover_models::{Block, ForwardContext, Transformer, TransformerConfig};
 use flashover_parallel::ParallelError;
-use flashover_parallel::parallelize::transformer::layer_hooks;
+use flashover_parallel::parallelize::transformer::{layer_hooks, set_tp_offsets};
 use flashover_parallel::parallelize::{
     ParallelizePlan, TensorParallelParts, split_tensor_parallel,
 };
@@ -174,19 +174,15 @@ pub(crate) fn tp_context(
     heads: usize,
     seq: usize,
 ) -> ForwardContext {
-    let (rank, n) = (tp.group.rank(), tp.group.size());
     let (linear, vocab) = layer_hooks();
-    ForwardContext {
-        head_offset: rank * heads / n,
-        seq_offset: if tp.sequence_parallel {
-            rank * seq / n
-        } else {
-            0
-        },
+    let mut ctx = ForwardContext {
+        seq_offset: 0,
         linear: ctx.linear.clone().or(Some(linear)),
         vocab: ctx.vocab.clone().or(Some(vocab)),
         ..ctx.clone()
-    }
+    };
+    set_tp_offsets(&mut ctx, &tp.group, heads, seq, tp.sequence_parallel);
+    ctx
 }
 
 /// One block with its weights split over `tp`, in a context from [`tp_context`]: the block's

@@ -10,7 +10,7 @@
 
 use super::placed::UnitGathers;
 use super::plan::PipelineRule;
-use super::units::{Unit, replaying};
+use super::units::{Unit, replaying, unit_shards};
 use crate::activation_checkpointing::{CheckpointPolicy, Replays, checkpoint_part};
 use crate::error::ParallelError;
 use crate::params::{ParamLayout, ParamSlot};
@@ -19,7 +19,7 @@ use crate::pipeline::{
     WeightGradStore, deferral_supported,
 };
 use crate::placement::{PlacementTable, Tie};
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::Module;
 use burn::tensor::{DType, Device, Tensor};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use flashover_runtime::{Axis, TensorCollectives};
@@ -92,10 +92,9 @@ pub(super) struct Stages {
 struct LayerUnits {
     /// Where a layer's gathered parameters go for their reads.
     gathers: UnitGathers,
-    /// Per layer, which parameters (layout order) are its fully sharded ones.
-    sharded: Vec<Arc<[bool]>>,
-    /// Every parameter's name (layout order).
-    names: Arc<[String]>,
+    /// Per layer, for each parameter (layout order), its path when it is one of the layer's
+    /// fully sharded ones (the layer is unit 0 of [`unit_shards`]).
+    slots: Vec<Vec<Option<(String, usize)>>>,
 }
 
 impl Stages {
@@ -339,12 +338,17 @@ impl Stages {
         if group.size() > 1 && sharded.iter().any(|s| *s) {
             self.units = Some(Arc::new(LayerUnits {
                 gathers: units,
-                sharded: self
+                slots: self
                     .parts
                     .iter()
-                    .map(|part| part.iter().zip(sharded).map(|(p, s)| *p && *s).collect())
+                    .map(|part| {
+                        let mine = part.iter().zip(sharded).map(|(p, s)| *p && *s);
+                        let slots = self.whole.slots.iter().zip(mine);
+                        slots
+                            .map(|(s, mine)| mine.then(|| (s.name.clone(), 0)))
+                            .collect()
+                    })
                     .collect(),
-                names: self.whole.slots.iter().map(|s| s.name.clone()).collect(),
             }));
         }
     }
@@ -508,11 +512,11 @@ where
     match units {
         None => model.layer_with_aux(index, x),
         Some(u) => {
-            let shards = layer_shards(model, &u.sharded[index], &u.names);
+            let shards = u.shards(model, index);
             let names: Vec<String> = shards.iter().map(|(n, _)| n.clone()).collect();
             let _gathered = u.gathers.gather_prefetched(Unit::Layer(index), shards);
             if let Some(next) = next.filter(|_| !replaying()) {
-                let shards = layer_shards(model, &u.sharded[next], &u.names);
+                let shards = u.shards(model, next);
                 u.gathers.prefetch(Unit::Layer(next), &shards);
             }
             let out = model.layer_with_aux(index, x);
@@ -556,37 +560,10 @@ fn layer_index(rule: &PipelineRule, slot: &ParamSlot) -> Result<Option<usize>, P
     }
 }
 
-/// The stored rows of `model`'s parameters that `wanted` marks (layout order), each with its
-/// name from `names` (layout order), flattened.
-fn layer_shards<M: Module>(
-    model: &M,
-    wanted: &[bool],
-    names: &[String],
-) -> Vec<(String, Tensor<1>)> {
-    struct Collect<'a> {
-        wanted: &'a [bool],
-        names: &'a [String],
-        index: usize,
-        found: Vec<(String, Tensor<1>)>,
+impl LayerUnits {
+    /// The stored rows of layer `index`'s fully sharded parameters in `model`, by path.
+    fn shards<M: Module>(&self, model: &M, index: usize) -> Vec<(String, Tensor<1>)> {
+        let mut units = unit_shards(model, &self.slots[index], 1);
+        units.pop().unwrap_or_default()
     }
-    impl ModuleVisitor for Collect<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if self.wanted[self.index] {
-                // A visitor sees the stored value: this rank's rows.
-                let rows = param.val();
-                let numel = rows.shape().num_elements();
-                let name = self.names[self.index].clone();
-                self.found.push((name, rows.reshape([numel])));
-            }
-            self.index += 1;
-        }
-    }
-    let mut collect = Collect {
-        wanted,
-        names,
-        index: 0,
-        found: vec![],
-    };
-    model.visit(&mut collect);
-    collect.found
 }

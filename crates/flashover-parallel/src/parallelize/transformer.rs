@@ -39,6 +39,7 @@ use crate::pipeline::ScheduleKind;
 use crate::tensor_parallel::vocab_parallel_cross_entropy;
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{Int, Tensor};
+use flashover_comm::Group;
 use flashover_models::moe::LocalExperts;
 use flashover_models::{
     Dropout, ForwardContext, LinearHook, LinearOp, Moe, MoeHook, MoeLayerHook, MoeLayerOp,
@@ -120,13 +121,26 @@ pub fn dropout_context(
         Some((b.attn.n_heads, split))
     });
     if let Some((heads, split)) = split {
-        let (rank, n) = (split.group.rank(), split.group.size());
-        ctx.head_offset = rank * heads / n;
-        if split.sequence_parallel {
-            ctx.seq_offset = rank * seq / n;
-        }
+        set_tp_offsets(&mut ctx, &split.group, heads, seq, split.sequence_parallel);
     }
     ctx
+}
+
+/// Sets where this `tp` rank's part of the model's `heads` attention heads starts in `ctx`
+/// and, under sequence parallelism, its part of the `seq` positions: where its part of the
+/// one-device dropout masks is drawn.
+pub fn set_tp_offsets(
+    ctx: &mut ForwardContext,
+    tp: &Group,
+    heads: usize,
+    seq: usize,
+    sequence_parallel: bool,
+) {
+    let (rank, n) = (tp.rank(), tp.size());
+    ctx.head_offset = rank * heads / n;
+    if sequence_parallel {
+        ctx.seq_offset = rank * seq / n;
+    }
 }
 
 /// What training minimizes on this rank: the next-token loss of `tokens` against `targets`

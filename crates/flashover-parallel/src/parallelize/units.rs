@@ -392,8 +392,8 @@ impl UnitScope {
 }
 
 /// Per unit, the stored rows of its parameters in `model` (flattened, by path): `slots` says
-/// for each parameter (layout order) its path and unit, if it has one. What
-/// [`UnitScope::new`] takes.
+/// for each parameter (layout order) its path and unit, if it has one, of `units`. What
+/// [`UnitScope::new`] and a pipeline layer's gather take.
 pub(super) fn unit_shards<M: Module>(
     model: &M,
     slots: &[Option<(String, usize)>],
