@@ -69,7 +69,7 @@ pub fn run(
                 let fwd = transformer::forward_context();
                 // One step, in units or per read: its time, collectives and prefetches.
                 let step = |units: bool| -> Result<(f64, [u64; 2], usize), ParallelError> {
-                    let stats = par.unit_stats().map_or(0, |s| s.snapshot().prefetches);
+                    let prefetched_before = par.unit_stats().map_or(0, |s| s.snapshot().prefetches);
                     let before = group.stats();
                     let started = Instant::now();
                     let forward = |m: &flashover_models::Transformer| {
@@ -86,7 +86,7 @@ pub fn run(
                     let calls = |op| ops.get(&op).map_or(0, |s| s.calls);
                     let prefetched = par.unit_stats().map_or(0, |s| s.snapshot().prefetches);
                     let counts = [calls(OpKind::AllGather), calls(OpKind::ReduceScatter)];
-                    Ok((time, counts, prefetched - stats))
+                    Ok((time, counts, prefetched - prefetched_before))
                 };
                 let mut measured: [Vec<(f64, [u64; 2], usize)>; 2] = [vec![], vec![]];
                 for round in 0..rounds + 1 {
