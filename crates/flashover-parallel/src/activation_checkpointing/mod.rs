@@ -318,11 +318,13 @@ where
     // Shares the parameters' storage: nothing is copied.
     let values = module.clone().map(&mut Detach);
     // Both runs read the parameters apart from any unit gathered around them.
-    let y = recomputing(false, || forward(&values, untracked(x.clone())));
+    let y = recomputing(&values, part.as_deref(), false, || {
+        forward(&values, untracked(x.clone()))
+    });
     let dtypes = (x.dtype(), y.dtype());
     let hook = RecomputeHook(Arc::new(move |x: TensorData, grad_y: TensorData| {
         let module = values.clone().map(&mut Leaves);
-        recomputing(true, || {
+        recomputing(&module, part.as_deref(), true, || {
             regrad(
                 &module,
                 &forward,

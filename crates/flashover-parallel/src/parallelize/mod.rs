@@ -252,12 +252,23 @@ pub fn parallelize<M: Module>(
         (sharded && !absent.by_path.contains_key(&s.name)).then_some(s.name.as_str())
     });
     let (unit_of, unit_paths) = units::units_of(plan, held_shards.clone().flatten());
-    let unit_slots = held_shards
+    let unit_slots: Vec<Option<(String, usize)>> = held_shards
         .map(|name| name.and_then(|n| Some((n.to_string(), *unit_of.get(n)?))))
         .collect();
     if ctx.group(Axis::Fsdp).size() > 1 && !unit_paths.is_empty() {
         units.set_comm(ShardGroup::new(ctx.group(Axis::Fsdp)));
     }
+    let unit_of = Arc::new(unit_of);
+    let mut members = vec![vec![]; unit_paths.len()];
+    for (slot, held) in layout.slots.iter().zip(&unit_slots) {
+        if let Some((name, unit)) = held {
+            members[*unit].push((name.clone(), slot.id));
+        }
+    }
+    units.set_layout(units::UnitLayout {
+        unit_of: unit_of.clone(),
+        members,
+    });
     let par = Parallelized {
         placements,
         reducer: GradientReducer::new(ctx, Precision::F32)?,
@@ -276,7 +287,7 @@ pub fn parallelize<M: Module>(
         sequence_check: (tp.size() > 1 && !plan.sequence_parallel.is_empty())
             .then(|| sequence_check::SequenceCheck::new(tp.clone(), sequence_partial)),
         units,
-        unit_of: Arc::new(unit_of),
+        unit_of,
         unit_paths,
         unit_slots,
     };

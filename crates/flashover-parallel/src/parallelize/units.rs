@@ -11,16 +11,23 @@
 //! Every collective a unit issues (gathers, prefetches, its gradients' reduce-scatters) goes
 //! through that one thread in submission order. Ranks submit in the same program order, so
 //! they issue the same collectives in the same order; a per-parameter gather on the training
-//! thread (a read no unit covers, or one inside a recomputation, see [`recomputing`]) first
-//! waits for the prefetches in flight.
+//! thread (a read no unit covers) first waits for the prefetches in flight.
+//!
+//! A recomputed forward ([`recomputing`]: activation checkpointing, in forward and again in
+//! backward) gathers the units of the module it recomputes on their first reads too, from
+//! that module's own parameters, and forgets them when it ends. So a unit whose forward is
+//! checkpointed holds its gathered parameters only while it computes, and gathers them again
+//! for its backward: FSDP's `reshard_after_forward`, which Burn allows only this way (autodiff
+//! keeps whatever a forward's graph read).
 
 use super::plan::ParallelizePlan;
 use crate::error::ParallelError;
 use crate::params::to_f32;
 use crate::zero::{Pending, ScatterHook, ShardGroup, gather_shard};
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{Tensor, TensorData};
 use flashover_comm::CommError;
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
@@ -41,6 +48,17 @@ struct UnitState {
     scope: Mutex<Option<UnitScope>>,
     /// All-gathers submitted before their unit's first read.
     ahead: Mutex<HashMap<Unit, Pending>>,
+    /// Which parameters make each unit (set when the plan has units).
+    layout: OnceLock<UnitLayout>,
+}
+
+/// A plan's units on this rank: the fully sharded parameters it holds, grouped.
+#[derive(Debug, Default)]
+pub(crate) struct UnitLayout {
+    /// Which unit each fully sharded parameter (by path) belongs to.
+    pub(crate) unit_of: Arc<HashMap<String, usize>>,
+    /// Per unit, its parameters (path and id) in layout order.
+    pub(crate) members: Vec<Vec<(String, ParamId)>>,
 }
 
 /// A unit whose all-gather may be submitted ahead of its first read.
@@ -70,6 +88,11 @@ impl UnitGathers {
     /// Gathers through `comm`'s thread from now on.
     pub(crate) fn set_comm(&self, comm: Arc<ShardGroup>) {
         let _ = self.0.comm.set(comm);
+    }
+
+    /// Groups the fully sharded parameters into units from now on.
+    pub(crate) fn set_layout(&self, layout: UnitLayout) {
+        let _ = self.0.layout.set(layout);
     }
 
     /// The communication thread's counters (all-gathers, prefetches, gathered bytes alive),
@@ -163,9 +186,19 @@ impl UnitGathers {
         // buffer of the unit's size, not one per rank).
         let full = order.param_major(&full);
         let (device, dtype) = (shard.device(), shard.dtype());
-        if !shard.is_require_grad() {
-            // No backward will release them: count them as released now.
-            comm.stats().released(bytes);
+        if !shard.is_tracked() {
+            // No backward will release them: they go when the recomputation that gathered
+            // them ends, or now.
+            let deferred = FRAMES.with(|frames| match frames.borrow_mut().last_mut() {
+                Some(frame) => {
+                    frame.releases.push((comm.clone(), bytes));
+                    true
+                }
+                None => false,
+            });
+            if !deferred {
+                comm.stats().released(bytes);
+            }
         }
         // Two kinds of op, so that backward moves each gradient once: every read of a
         // parameter is its own op, whose backward adds the parameter's gradient to the unit's
@@ -231,7 +264,7 @@ impl UnitGathers {
             return Some(t.clone());
         }
         if key.0 > 0 {
-            return None;
+            return self.get_recomputed(name);
         }
         let (unit, shards, next) = {
             let mut scope = lock(&self.0.scope);
@@ -249,6 +282,58 @@ impl UnitGathers {
             self.prefetch(Unit::Scoped(next), &shards);
         }
         lock(&self.0.gathered).get(&key).cloned()
+    }
+
+    /// [`Self::get`] inside a recomputation: parameter `name` gathered with the rest of its
+    /// unit that the recomputed module holds, from that module's stored rows (so that its
+    /// gradient reaches them). In forward, a whole unit takes the all-gather its enclosing
+    /// scope submitted ahead, and submits the scope's next unit's; a rerun in backward
+    /// prefetches nothing. `None` when the module holds none of it.
+    fn get_recomputed(&self, name: &str) -> Option<Tensor<1>> {
+        self.comm()?;
+        let layout = self.0.layout.get()?;
+        let unit = *layout.unit_of.get(name)?;
+        let members = &layout.members[unit];
+        let shards: Vec<(String, Tensor<1>)> = FRAMES.with(|frames| {
+            let frames = frames.borrow();
+            let stored = &frames.last()?.stored;
+            Some(
+                members
+                    .iter()
+                    .filter_map(|(n, id)| Some((n.clone(), stored.get(id)?.clone())))
+                    .collect(),
+            )
+        })?;
+        if shards.is_empty() {
+            return None;
+        }
+        // Only a whole unit is what the scope prefetched (and what its next unit follows).
+        let (pending, next) = if shards.len() == members.len() && !replaying() {
+            let next = lock(&self.0.scope).as_mut().and_then(|scope| {
+                scope.waiting[unit] = None;
+                (unit + 1..scope.waiting.len()).find_map(|u| Some((u, scope.waiting[u].clone()?)))
+            });
+            (lock(&self.0.ahead).remove(&Unit::Scoped(unit)), next)
+        } else {
+            (None, None)
+        };
+        self.gather_unit(shards, pending);
+        if let Some((next, shards)) = next {
+            self.prefetch(Unit::Scoped(next), &shards);
+        }
+        FRAMES.with(|frames| {
+            if let Some(frame) = frames.borrow_mut().last_mut() {
+                frame.gathers.push(self.clone());
+            }
+        });
+        lock(&self.0.gathered)
+            .get(&(depth(), name.to_string()))
+            .cloned()
+    }
+
+    /// Forgets every parameter gathered at recomputation depth `depth`.
+    fn forget_depth(&self, depth: usize) {
+        lock(&self.0.gathered).retain(|(d, _), _| *d != depth);
     }
 
     /// Waits for the all-gathers submitted ahead (their results stay for their units), so
@@ -305,6 +390,18 @@ thread_local! {
     /// How many checkpointed forwards (activation checkpointing) this thread is inside, and
     /// of those, how many are reruns in backward.
     static RECOMPUTING: std::cell::Cell<(usize, usize)> = const { std::cell::Cell::new((0, 0)) };
+    /// Per checkpointed forward this thread is inside, innermost last: what it recomputes.
+    static FRAMES: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
+}
+
+/// One checkpointed forward's parameters and the gathers made inside it.
+struct Frame {
+    /// The recomputed module's parameters, by id: their stored values, flattened.
+    stored: HashMap<ParamId, Tensor<1>>,
+    /// Where units were gathered inside it (forgotten when it ends).
+    gathers: Vec<UnitGathers>,
+    /// Gathered bytes no backward releases (a forward without a graph), released when it ends.
+    releases: Vec<(Arc<ShardGroup>, usize)>,
 }
 
 fn depth() -> usize {
@@ -318,22 +415,73 @@ pub(crate) fn replaying() -> bool {
     RECOMPUTING.with(|d| d.get().1 > 0)
 }
 
-/// Runs `f`, a checkpointed forward (`replay`: its rerun in backward), apart from the gathers
-/// around it: its reads take only what was gathered inside it, never a tensor of the
-/// enclosing forward's graph (its gradient would bypass the recomputation, and inside
-/// backward, registering an op on that graph would wait for the graph's own lock), and start
-/// no unit gathers of the enclosing scope.
-pub(crate) fn recomputing<T>(replay: bool, f: impl FnOnce() -> T) -> T {
+/// Runs `f`, a checkpointed forward of `module` (`replay`: its rerun in backward), apart from
+/// the gathers around it: its reads take only what was gathered inside it, never a tensor of
+/// the enclosing forward's graph (its gradient would bypass the recomputation, and inside
+/// backward, registering an op on that graph would wait for the graph's own lock). A unit
+/// whose parameters `module` holds (those `part` marks, in layout order; all without it) is
+/// gathered at its first read from them, and forgotten when `f` returns.
+pub(crate) fn recomputing<M: Module, T>(
+    module: &M,
+    part: Option<&[bool]>,
+    replay: bool,
+    f: impl FnOnce() -> T,
+) -> T {
     let step = (1, replay as usize);
     struct Leave((usize, usize));
     impl Drop for Leave {
         fn drop(&mut self) {
+            let depth = depth();
+            if let Some(frame) = FRAMES.with(|f| f.borrow_mut().pop()) {
+                for gathers in frame.gathers {
+                    gathers.forget_depth(depth);
+                }
+                for (comm, bytes) in frame.releases {
+                    comm.stats().released(bytes);
+                }
+            }
             RECOMPUTING.with(|d| d.set((d.get().0 - self.0.0, d.get().1 - self.0.1)));
         }
     }
+    let stored = stored_values(module, part);
     RECOMPUTING.with(|d| d.set((d.get().0 + step.0, d.get().1 + step.1)));
+    FRAMES.with(|f| {
+        f.borrow_mut().push(Frame {
+            stored,
+            gathers: vec![],
+            releases: vec![],
+        })
+    });
     let _leave = Leave(step);
     f()
+}
+
+/// `module`'s parameters that `part` marks (all without it), by id: their stored values
+/// (a visitor sees a parameter without its reparameterization), flattened.
+fn stored_values<M: Module>(module: &M, part: Option<&[bool]>) -> HashMap<ParamId, Tensor<1>> {
+    struct Collect<'a> {
+        part: Option<&'a [bool]>,
+        index: usize,
+        stored: HashMap<ParamId, Tensor<1>>,
+    }
+    impl ModuleVisitor for Collect<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let held = self.part.is_none_or(|p| p[self.index]);
+            self.index += 1;
+            if held {
+                let value = param.val();
+                let numel = value.shape().num_elements();
+                self.stored.insert(param.id, value.reshape([numel]));
+            }
+        }
+    }
+    let mut collect = Collect {
+        part,
+        index: 0,
+        stored: HashMap::new(),
+    };
+    module.visit(&mut collect);
+    collect.stored
 }
 
 /// How a unit's gathered rows are ordered: the all-gather returns every rank's shard in

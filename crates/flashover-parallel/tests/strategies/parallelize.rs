@@ -563,6 +563,23 @@ impl Stack {
         let x = (0..LAYERS).fold(self.embed(batch), |x, i| self.layer(i, x));
         self.head_loss(x, batch)
     }
+
+    /// [`Stack::loss`] with each layer's forward checkpointed: run again in backward.
+    fn loss_recomputed(&self, batch: &(Tensor<2>, Tensor<1, Int>)) -> Tensor<1> {
+        let x = self.layers.iter().fold(self.embed(batch), |x, layer| {
+            checkpoint(layer, x, |l: &StackLayer, x| l.forward(x))
+        });
+        self.head_loss(x, batch)
+    }
+}
+
+impl StackLayer {
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        x.clone()
+            + self
+                .down
+                .forward(gelu(self.up.forward(self.norm.forward(x))))
+    }
 }
 
 impl PipelineModel<2> for Stack {
@@ -573,8 +590,7 @@ impl PipelineModel<2> for Stack {
     }
 
     fn layer(&self, index: usize, x: Tensor<2>) -> Tensor<2> {
-        let l = &self.layers[index];
-        x.clone() + l.down.forward(gelu(l.up.forward(l.norm.forward(x))))
+        self.layers[index].forward(x)
     }
 
     fn head_loss(&self, x: Tensor<2>, (_, y): &Self::Batch) -> Tensor<1> {
@@ -877,6 +893,82 @@ fn fully_sharded_units_train_as_one_rank_with_one_gather_each() {
         assert_eq!(in_units, (LAYERS as u64 + 1, LAYERS as u64 + 1));
         assert_eq!(prefetched, LAYERS);
         assert_eq!(read_one_by_one, (per_read, per_read));
+    }
+}
+
+#[test]
+fn checkpointed_units_reshard_after_forward_and_gather_again_in_backward() {
+    // Each layer's forward checkpointed inside the scope: FSDP's reshard_after_forward.
+    let plan = ParallelizePlan::new().fully_shard("");
+    let reference = stack_single_rank();
+    for mesh in ["fsdp=2", "dp=2,fsdp=2"] {
+        let (run, _) = plan_loop(mesh, &plan, Stack::new, |model, par, step, ctx, device| {
+            let samples = par.batch_share(GLOBAL_BATCH, step)?;
+            let loss = par.forward(model, |m| m.loss_recomputed(&batch(samples, device)))?;
+            let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+            let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
+            Ok((grads, mean, norm))
+        });
+        let (loss, norm, weights) = differences(&run, &reference);
+        assert!(
+            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+            "{mesh}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+        );
+    }
+    let counts = Launch::new("fsdp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
+            let fsdp = ctx.group(Axis::Fsdp);
+            let units = par.unit_stats().expect("sharded over fsdp=2");
+            let step = |recompute: bool| {
+                let (before, counts) = (fsdp.stats(), units.snapshot());
+                units.reset_peak();
+                let x = batch(0..4, &device);
+                let loss = par.forward(&model, |m| match recompute {
+                    true => m.loss_recomputed(&x),
+                    false => m.loss(&x),
+                })?;
+                let after_forward = units.snapshot();
+                let _ = loss.backward();
+                let ops = fsdp.stats().since(&before).ops;
+                let calls = |op| ops.get(&op).map_or(0, |s| s.calls);
+                let after = units.snapshot();
+                Ok::<_, ParallelError>((
+                    (calls(OpKind::AllGather), calls(OpKind::ReduceScatter)),
+                    after.prefetches - counts.prefetches,
+                    (after_forward.live_bytes, after_forward.peak_bytes),
+                    after.live_bytes,
+                ))
+            };
+            Ok::<_, ParallelError>((step(false)?, step(true)?))
+        })
+        .unwrap();
+    let (layers, units) = (LAYERS as u64, LAYERS as u64 + 1);
+    for (kept, resharded) in counts {
+        // Kept: one all-gather per unit, all but the first prefetched. Resharded: each layer
+        // gathered again in backward (not prefetched there), its gradients reduce-scattered
+        // from the rerun only.
+        assert_eq!((kept.0, kept.1), ((units, units), LAYERS));
+        assert_eq!(
+            (resharded.0, resharded.1),
+            ((units + layers, units), LAYERS)
+        );
+        // Gathered bytes (both ranks' rows of each parameter, f32): the root unit holds the
+        // input projection's 3 rows of 8 and 4 of its bias, and the final norm's 4 + 4; a
+        // layer its norm's 4 + 4, `up`'s 4 rows of 12 and 6 of its bias, `down`'s 6 rows of 8
+        // and 4 of its bias.
+        let (root, layer) = (
+            2 * 4 * (3 * 8 + 4 + 4 + 4),
+            2 * 4 * (4 + 4 + 4 * 12 + 6 + 6 * 8 + 4),
+        );
+        // After forward, kept units hold every layer gathered; resharded ones only the root,
+        // having held at most one layer besides it and the next one's prefetch.
+        assert_eq!(kept.2, (root + LAYERS * layer, root + LAYERS * layer));
+        assert_eq!(resharded.2, (root, root + 2 * layer));
+        // Everything gathered is released by the end of backward.
+        assert_eq!((kept.3, resharded.3), (0, 0));
     }
 }
 
