@@ -1,13 +1,24 @@
-//! `flashover bench units`: a plan's fully sharded parameters gathered one parameter at a time
-//! (where the forward reads them) against a unit at a time with the next unit prefetched
-//! (`Parallelized::forward`), side by side in one run: the job's reference transformer under
-//! `fully_shard("")` at each `fsdp` degree, the two ways alternating round by round on the
-//! same ranks, model and batches.
+//! `flashover bench units`: the reference transformer's fully sharded parameters gathered four
+//! ways, side by side in one run at each `fsdp` degree, alternating round by round on the same
+//! ranks and batches:
+//! - *per read*: a plan's `fully_shard("")`, each parameter all-gathered where the forward
+//!   reads it;
+//! - *units*: the same inside `Parallelized::forward`, a unit at a time with the next one
+//!   prefetched, kept gathered until backward;
+//! - *units, resharded*: the same with every block's forward checkpointed, so each block is
+//!   freed after its forward and gathered again for its backward (FSDP's
+//!   `reshard_after_forward`);
+//! - *trainer's units*: `flashover train`'s own `ShardedTransformer` (resharding after
+//!   forward), which plans are to replace.
 
-use crate::train::{TrainConfig, make_batch, token_source};
+use crate::train::{ShardedTransformer, TrainConfig, make_batch, token_source};
 use burn::optim::GradientsParams;
+use flashover_models::Transformer;
 use flashover_parallel::ParallelError;
+use flashover_parallel::activation_checkpointing::CheckpointPolicy;
 use flashover_parallel::parallelize::{ParallelizePlan, parallelize, transformer};
+use flashover_parallel::precision::MixedPrecision;
+use flashover_parallel::zero::{FullyShardConfig, GatherStats, ShardGroup};
 use flashover_runtime::{Axis, Launch, OpKind};
 use serde::Serialize;
 use std::time::Instant;
@@ -17,7 +28,7 @@ use std::time::Instant;
 pub struct UnitsBenchRecord {
     /// Ranks the parameters are sharded over.
     pub fsdp: usize,
-    /// `per read` or `units`.
+    /// How: one of [`WAYS`].
     pub gathers: &'static str,
     /// Median time of a step (forward, backward, gradient reduction) over the rounds, on rank 0.
     pub step_s: f64,
@@ -29,7 +40,16 @@ pub struct UnitsBenchRecord {
     pub reduce_scatters: u64,
     /// Of the all-gathers, those submitted ahead of their unit (0 per read).
     pub prefetches: usize,
+    /// Gathered parameter bytes alive at once, at most, on rank 0 (`None` per read, which
+    /// keeps no count).
+    pub gathered_peak_bytes: Option<usize>,
 }
+
+/// The ways compared, in the order reported.
+pub const WAYS: [&str; 4] = ["per read", "units", "units, resharded", "trainer's units"];
+
+/// One step's measurements: time, all-gathers and reduce-scatters, prefetches, peak bytes.
+type StepMeasure = (f64, [u64; 2], usize, Option<usize>);
 
 /// Runs `config`'s model and batch at each degree of `fsdps` for `rounds` rounds of `steps`
 /// steps each way (the first round warms up and is not counted).
@@ -67,35 +87,78 @@ pub fn run(
                     &device,
                 );
                 let fwd = transformer::forward_context();
-                // One step, in units or per read: its time, collectives and prefetches.
-                let step = |units: bool| -> Result<(f64, [u64; 2], usize), ParallelError> {
-                    let prefetched_before = par.unit_stats().map_or(0, |s| s.snapshot().prefetches);
-                    let before = group.stats();
+                let mut resharding = transformer::forward_context();
+                let recompute = CheckpointPolicy::Full
+                    .block_recompute()
+                    .expect("block-level");
+                resharding.checkpointing = Some(recompute.hook());
+                // The trainer's units, on a group of their own so that their communication
+                // thread never interleaves with the plan's.
+                let trainer_units = ShardGroup::new(&ctx.subgroup(&[Axis::Fsdp])?);
+                let trainer = ShardedTransformer::new(
+                    model_config.init(config.run.seed, &device),
+                    &FullyShardConfig::new(),
+                    &trainer_units,
+                )?;
+                // One step of `way`: its time, collectives, prefetches and gathered peak.
+                let step = |way: usize| -> Result<StepMeasure, ParallelError> {
+                    let stats: Option<&GatherStats> = match way {
+                        3 => Some(trainer_units.stats()),
+                        _ => par.unit_stats(),
+                    };
+                    let prefetched_before = stats.map_or(0, |s| s.snapshot().prefetches);
+                    if let Some(stats) = stats {
+                        stats.reset_peak();
+                    }
+                    let before = (group.stats(), trainer_units.group().stats());
                     let started = Instant::now();
-                    let forward = |m: &flashover_models::Transformer| {
-                        m.forward_loss(x.clone(), y.clone(), &fwd)
-                    };
-                    let loss = match units {
-                        true => par.forward(&model, forward)?,
-                        false => forward(&model),
-                    };
-                    let grads = GradientsParams::from_grads(loss.backward(), &model);
-                    par.reduce_gradients(&model, grads, None, &ctx)?;
+                    let (x, y) = (&x, &y);
+                    let plan_forward =
+                        |ctx| move |m: &Transformer| m.forward_loss(x.clone(), y.clone(), ctx);
+                    match way {
+                        0 => {
+                            let loss = plan_forward(&fwd)(&model);
+                            let grads = GradientsParams::from_grads(loss.backward(), &model);
+                            par.reduce_gradients(&model, grads, None, &ctx)?;
+                        }
+                        1 | 2 => {
+                            let ctx_of_way = if way == 1 { &fwd } else { &resharding };
+                            let loss = par.forward(&model, plan_forward(ctx_of_way))?;
+                            let grads = GradientsParams::from_grads(loss.backward(), &model);
+                            par.reduce_gradients(&model, grads, None, &ctx)?;
+                        }
+                        _ => {
+                            let loss = trainer.forward_loss(
+                                x.clone(),
+                                y.clone(),
+                                &Default::default(),
+                                MixedPrecision::default(),
+                            )?;
+                            // Its reduce-scatters run inside backward.
+                            let _ = GradientsParams::from_grads(loss.backward(), &trainer);
+                        }
+                    }
                     let time = started.elapsed().as_secs_f64();
-                    let ops = group.stats().since(&before).ops;
+                    let ops = match way {
+                        3 => trainer_units.group().stats().since(&before.1).ops,
+                        _ => group.stats().since(&before.0).ops,
+                    };
                     let calls = |op| ops.get(&op).map_or(0, |s| s.calls);
-                    let prefetched = par.unit_stats().map_or(0, |s| s.snapshot().prefetches);
+                    let snapshot = stats.map(|s| s.snapshot());
+                    let prefetched = snapshot.map_or(0, |s| s.prefetches) - prefetched_before;
                     let counts = [calls(OpKind::AllGather), calls(OpKind::ReduceScatter)];
-                    Ok((time, counts, prefetched - prefetched_before))
+                    let peak = snapshot.filter(|_| way > 0).map(|s| s.peak_bytes);
+                    Ok((time, counts, prefetched, peak))
                 };
-                let mut measured: [Vec<(f64, [u64; 2], usize)>; 2] = [vec![], vec![]];
+                let mut measured: [Vec<StepMeasure>; 4] = Default::default();
                 for round in 0..rounds + 1 {
-                    // Alternate which way goes first, so neither always follows the other.
-                    for units in [round % 2 == 1, round % 2 == 0] {
+                    // Rotate which way goes first, so that none always follows another.
+                    for k in 0..WAYS.len() {
+                        let way = (round + k) % WAYS.len();
                         for _ in 0..steps {
-                            let m = step(units)?;
+                            let m = step(way)?;
                             if round > 0 {
-                                measured[units as usize].push(m);
+                                measured[way].push(m);
                             }
                         }
                     }
@@ -104,19 +167,21 @@ pub fn run(
             })
             .map_err(|e| e.to_string())?;
         let rank0 = results.into_iter().next().expect("rank 0");
-        for (units, runs) in rank0.into_iter().enumerate() {
+        for (way, runs) in rank0.into_iter().enumerate() {
             let mut times: Vec<f64> = runs.iter().map(|r| r.0).collect();
             times.sort_by(f64::total_cmp);
             let step_s = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
-            let (counts, prefetches) = runs.first().map_or(([0, 0], 0), |r| (r.1, r.2));
+            let (counts, prefetches, peak) =
+                runs.first().map_or(([0, 0], 0, None), |r| (r.1, r.2, r.3));
             out.push(UnitsBenchRecord {
                 fsdp,
-                gathers: if units == 1 { "units" } else { "per read" },
+                gathers: WAYS[way],
                 step_s,
                 tokens_per_s: tokens / step_s,
                 all_gathers: counts[0],
                 reduce_scatters: counts[1],
                 prefetches,
+                gathered_peak_bytes: peak,
             });
         }
     }

@@ -350,21 +350,25 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
             let records =
                 flashover::bench::units::run(&config, &args.fsdps, args.rounds, args.round_steps)?;
             println!(
-                "| fsdp | gathers | all-gathers / step | reduce-scatters / step | prefetched | step ms | tokens/s | vs per read |"
+                "| fsdp | gathers | all-gathers / step | reduce-scatters / step | prefetched | gathered at most KiB | step ms | tokens/s | vs per read |"
             );
-            println!("|---:|---|---:|---:|---:|---:|---:|---:|");
+            println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|");
             for r in &records {
                 let per_read = records
                     .iter()
                     .find(|p| p.fsdp == r.fsdp && p.gathers == "per read")
                     .map_or(f64::NAN, |p| r.tokens_per_s / p.tokens_per_s);
+                let peak = r
+                    .gathered_peak_bytes
+                    .map_or("-".to_string(), |b| format!("{:.0}", b as f64 / 1024.0));
                 println!(
-                    "| {} | {} | {} | {} | {} | {:.1} | {:.0} | {:.2}x |",
+                    "| {} | {} | {} | {} | {} | {} | {:.1} | {:.0} | {:.2}x |",
                     r.fsdp,
                     r.gathers,
                     r.all_gathers,
                     r.reduce_scatters,
                     r.prefetches,
+                    peak,
                     r.step_s * 1e3,
                     r.tokens_per_s,
                     per_read

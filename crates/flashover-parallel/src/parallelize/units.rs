@@ -50,6 +50,10 @@ struct UnitState {
     ahead: Mutex<HashMap<Unit, Pending>>,
     /// Which parameters make each unit (set when the plan has units).
     layout: OnceLock<UnitLayout>,
+    /// The whole units checkpointed forwards gathered since the scope began, in forward order,
+    /// with their stored rows: their reruns in backward come in reverse order, each
+    /// prefetching the one before.
+    to_rerun: Mutex<Vec<(usize, Vec<(String, Tensor<1>)>)>>,
 }
 
 /// A plan's units on this rank: the fully sharded parameters it holds, grouped.
@@ -286,9 +290,10 @@ impl UnitGathers {
 
     /// [`Self::get`] inside a recomputation: parameter `name` gathered with the rest of its
     /// unit that the recomputed module holds, from that module's stored rows (so that its
-    /// gradient reaches them). In forward, a whole unit takes the all-gather its enclosing
-    /// scope submitted ahead, and submits the scope's next unit's; a rerun in backward
-    /// prefetches nothing. `None` when the module holds none of it.
+    /// gradient reaches them). A whole unit takes the all-gather submitted ahead for it, if
+    /// any, and submits the next one's: in forward the enclosing scope's next unit, in
+    /// backward the unit checkpointed before it (FSDP's backward prefetch). `None` when the
+    /// module holds none of it.
     fn get_recomputed(&self, name: &str) -> Option<Tensor<1>> {
         self.comm()?;
         let layout = self.0.layout.get()?;
@@ -307,16 +312,28 @@ impl UnitGathers {
         if shards.is_empty() {
             return None;
         }
-        // Only a whole unit is what the scope prefetched (and what its next unit follows).
-        let (pending, next) = if shards.len() == members.len() && !replaying() {
-            let next = lock(&self.0.scope).as_mut().and_then(|scope| {
-                scope.waiting[unit] = None;
-                (unit + 1..scope.waiting.len()).find_map(|u| Some((u, scope.waiting[u].clone()?)))
-            });
-            (lock(&self.0.ahead).remove(&Unit::Scoped(unit)), next)
-        } else {
-            (None, None)
+        // Only a whole unit is what was prefetched, and has a unit after it (in forward: the
+        // scope's next; in backward: the one checkpointed before it, rerun next).
+        let whole = shards.len() == members.len();
+        let next = match (whole, replaying()) {
+            (false, _) => None,
+            (true, false) => {
+                lock(&self.0.to_rerun).push((unit, shards.clone()));
+                lock(&self.0.scope).as_mut().and_then(|scope| {
+                    scope.waiting[unit] = None;
+                    (unit + 1..scope.waiting.len())
+                        .find_map(|u| Some((u, scope.waiting[u].clone()?)))
+                })
+            }
+            (true, true) => {
+                let mut to_rerun = lock(&self.0.to_rerun);
+                to_rerun.retain(|(u, _)| *u != unit);
+                to_rerun.last().cloned()
+            }
         };
+        let pending = whole
+            .then(|| lock(&self.0.ahead).remove(&Unit::Scoped(unit)))
+            .flatten();
         self.gather_unit(shards, pending);
         if let Some((next, shards)) = next {
             self.prefetch(Unit::Scoped(next), &shards);
@@ -362,6 +379,10 @@ impl UnitGathers {
                         .into(),
                 ));
             }
+            // A backward that reran fewer units than its forward checkpointed leaves a
+            // prefetch behind, of values the optimizer has changed since.
+            lock(&self.0.to_rerun).clear();
+            self.discard_prefetches().map_err(ParallelError::Comm)?;
             *current = Some(scope);
         }
         // Ends the scope even when `f` panics, so that the rank's next forward can run.
@@ -408,9 +429,10 @@ fn depth() -> usize {
     RECOMPUTING.with(|d| d.get().0)
 }
 
-/// Whether this thread reruns a checkpointed forward in backward (see [`recomputing`]), which
-/// prefetches nothing: an all-gather submitted there would wait among the training thread's
-/// reduce-scatters over the same group.
+/// Whether this thread reruns a checkpointed forward in backward (see [`recomputing`]). A
+/// pipeline's layer rerun there prefetches nothing (the schedule interleaves micro-batches, so
+/// the layer before is not what reruns next); a scope's checkpointed unit prefetches the one
+/// checkpointed before it.
 pub(crate) fn replaying() -> bool {
     RECOMPUTING.with(|d| d.get().1 > 0)
 }

@@ -948,12 +948,12 @@ fn checkpointed_units_reshard_after_forward_and_gather_again_in_backward() {
     let (layers, units) = (LAYERS as u64, LAYERS as u64 + 1);
     for (kept, resharded) in counts {
         // Kept: one all-gather per unit, all but the first prefetched. Resharded: each layer
-        // gathered again in backward (not prefetched there), its gradients reduce-scattered
-        // from the rerun only.
+        // gathered again in backward, each rerun but the first prefetched by the one after
+        // it, its gradients reduce-scattered from the rerun only.
         assert_eq!((kept.0, kept.1), ((units, units), LAYERS));
         assert_eq!(
             (resharded.0, resharded.1),
-            ((units + layers, units), LAYERS)
+            ((units + layers, units), 2 * LAYERS - 1)
         );
         // Gathered bytes (both ranks' rows of each parameter, f32): the root unit holds the
         // input projection's 3 rows of 8 and 4 of its bias, and the final norm's 4 + 4; a
