@@ -53,8 +53,11 @@ struct UnitState {
     /// The whole units checkpointed forwards gathered since the scope began, in forward order,
     /// with their stored rows: their reruns in backward come in reverse order, each
     /// prefetching the one before.
-    to_rerun: Mutex<Vec<(usize, Vec<(String, Tensor<1>)>)>>,
+    to_rerun: Mutex<Vec<(usize, UnitShards)>>,
 }
+
+/// A unit's fully sharded parameters: each one's path and stored rows, flattened.
+type UnitShards = Vec<(String, Tensor<1>)>;
 
 /// A plan's units on this rank: the fully sharded parameters it holds, grouped.
 #[derive(Debug, Default)]

@@ -838,16 +838,18 @@ fn a_pipelines_fully_sharded_layers_gather_once_per_layer() {
     );
 }
 
-#[test]
-fn fully_sharded_units_train_as_one_rank_with_one_gather_each() {
-    // `fully_shard("")` on the stack: each of its layers is a unit, the rest (the input
-    // projection, tied as the head, and the final norm) one more.
-    let plan = ParallelizePlan::new().fully_shard("");
+/// `Stack` parallelized by `plan` on each of `meshes`, its `loss` run inside
+/// `Parallelized::forward` (units), against its plain one-rank loop within 1e-5.
+fn units_train_as_one_rank(
+    plan: &ParallelizePlan,
+    meshes: &[&str],
+    loss: fn(&Stack, &(Tensor<2>, Tensor<1, Int>)) -> Tensor<1>,
+) {
     let reference = stack_single_rank();
-    for mesh in ["fsdp=2", "dp=2,fsdp=2", "fsdp=4"] {
-        let (run, _) = plan_loop(mesh, &plan, Stack::new, |model, par, step, ctx, device| {
+    for mesh in meshes {
+        let (run, _) = plan_loop(mesh, plan, Stack::new, |model, par, step, ctx, device| {
             let samples = par.batch_share(GLOBAL_BATCH, step)?;
-            let loss = par.forward(model, |m| m.loss(&batch(samples, device)))?;
+            let loss = par.forward(model, |m| loss(m, &batch(samples, device)))?;
             let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
             let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
             Ok((grads, mean, norm))
@@ -858,6 +860,14 @@ fn fully_sharded_units_train_as_one_rank_with_one_gather_each() {
             "{mesh}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
         );
     }
+}
+
+#[test]
+fn fully_sharded_units_train_as_one_rank_with_one_gather_each() {
+    // `fully_shard("")` on the stack: each of its layers is a unit, the rest (the input
+    // projection, tied as the head, and the final norm) one more.
+    let plan = ParallelizePlan::new().fully_shard("");
+    units_train_as_one_rank(&plan, &["fsdp=2", "dp=2,fsdp=2", "fsdp=4"], Stack::loss);
     let counts = Launch::new("fsdp=2")
         .unwrap()
         .run(|ctx| {
@@ -900,21 +910,7 @@ fn fully_sharded_units_train_as_one_rank_with_one_gather_each() {
 fn checkpointed_units_reshard_after_forward_and_gather_again_in_backward() {
     // Each layer's forward checkpointed inside the scope: FSDP's reshard_after_forward.
     let plan = ParallelizePlan::new().fully_shard("");
-    let reference = stack_single_rank();
-    for mesh in ["fsdp=2", "dp=2,fsdp=2"] {
-        let (run, _) = plan_loop(mesh, &plan, Stack::new, |model, par, step, ctx, device| {
-            let samples = par.batch_share(GLOBAL_BATCH, step)?;
-            let loss = par.forward(model, |m| m.loss_recomputed(&batch(samples, device)))?;
-            let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
-            let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
-            Ok((grads, mean, norm))
-        });
-        let (loss, norm, weights) = differences(&run, &reference);
-        assert!(
-            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
-            "{mesh}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
-        );
-    }
+    units_train_as_one_rank(&plan, &["fsdp=2", "dp=2,fsdp=2"], Stack::loss_recomputed);
     let counts = Launch::new("fsdp=2")
         .unwrap()
         .run(|ctx| {
