@@ -268,11 +268,18 @@ impl Placed {
             None => base,
             Some(shard) => {
                 let whole = match self.units.get(&self.name) {
-                    // Gathered with the rest of its layer (rows of every rank, in rank order).
+                    // Gathered with the rest of its layer (rows of every rank, in rank order),
+                    // from the stored rows: in a cast view of the model (a compute dtype),
+                    // read as the view's dtype, the gradient going back through the cast.
                     Some(flat) => {
                         let mut dims = base.dims();
                         dims[0] *= shard.group.size();
-                        flat.reshape(dims)
+                        let dtype = base.dtype();
+                        let whole = flat.reshape(dims);
+                        match whole.dtype() == dtype {
+                            true => whole,
+                            false => whole.cast(dtype),
+                        }
                     }
                     None => {
                         // No unit prefetch may be in flight over the group meanwhile.

@@ -20,6 +20,7 @@ use flashover_parallel::parallelize::{
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
 use flashover_parallel::pipeline::ScheduleKind;
 use flashover_parallel::placement::PlacementTable;
+use flashover_parallel::precision::{MixedPrecision, Precision};
 use flashover_runtime::{Axis, Launch, OpKind, RankContext};
 
 const FEATURES: usize = 6;
@@ -965,6 +966,59 @@ fn checkpointed_units_reshard_after_forward_and_gather_again_in_backward() {
         assert_eq!(resharded.2, (root, root + 2 * layer));
         // Everything gathered is released by the end of backward.
         assert_eq!((kept.3, resharded.3), (0, 0));
+    }
+}
+
+#[test]
+fn a_compute_view_inside_the_scope_computes_in_its_dtype() {
+    // `MixedPrecision::compute_view` inside `Parallelized::forward`: the gathered units are
+    // read in the view's dtype (bf16), their gradients reach the f32 shards in f32. Against
+    // the same view under plain data parallelism (each rank the same samples, the same bf16
+    // compute, the gradients summed in f32): the same losses (a unit computed in f32 would
+    // change them by about 3e-3), and gradients within bf16's rounding: the stack's input
+    // projection is read twice (it is the head too), and the two reads' gradients add in
+    // bf16 on the view's one cast weight but in f32 on a gathered unit's two reads.
+    let policy = MixedPrecision::new(Precision::BF16);
+    // The inputs in the compute dtype too.
+    let bf16_batch = |samples, device: &Device| {
+        let (x, y) = batch(samples, device);
+        (x.cast(Precision::BF16.float_dtype()), y)
+    };
+    let run = |mesh: &str, plan: &ParallelizePlan, recompute: bool| {
+        plan_loop(mesh, plan, Stack::new, |model, par, step, ctx, device| {
+            let samples = par.batch_share(GLOBAL_BATCH, step)?;
+            let (loss, dtype) = par.forward(model, |m| {
+                let view = policy.compute_view(m.clone());
+                let dtype = view.layers[0].up.weight.val().dtype();
+                let x = bf16_batch(samples, device);
+                let loss = match recompute {
+                    true => view.loss_recomputed(&x),
+                    false => view.loss(&x),
+                };
+                (loss, dtype)
+            })?;
+            assert_eq!(dtype, burn::tensor::DType::BF16);
+            let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+            let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
+            Ok((grads, mean, norm))
+        })
+        .0
+    };
+    let f32_one_rank = stack_single_rank();
+    let plan = ParallelizePlan::new().fully_shard("");
+    for recompute in [false, true] {
+        let data_parallel = run("dp=2", &ParallelizePlan::new(), recompute);
+        let sharded = run("fsdp=2", &plan, recompute);
+        let (loss, norm, weights) = differences(&sharded, &data_parallel);
+        // Recomputed, both runs hand each gradient back through the view's bf16 leaves once:
+        // data parallelism each rank's before the sum, a unit the reduce-scattered sum.
+        let same_losses = if recompute { 1e-2 } else { 1e-5 };
+        assert!(
+            loss < same_losses && norm < 1e-2 && weights < 1e-2,
+            "recompute {recompute}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+        );
+        let (from_f32, _, _) = differences(&sharded, &f32_one_rank);
+        assert!(from_f32 > 1e-4, "recompute {recompute}: computed as f32");
     }
 }
 
