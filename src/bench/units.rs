@@ -1,4 +1,4 @@
-//! `flashover bench units`: the reference transformer's fully sharded parameters gathered four
+//! `flashover bench units`: the reference transformer's fully sharded parameters gathered three
 //! ways, side by side in one run at each `fsdp` degree, alternating round by round on the same
 //! ranks and batches:
 //! - *per read*: a plan's `fully_shard("")`, each parameter all-gathered where the forward
@@ -7,18 +7,14 @@
 //!   prefetched, kept gathered until backward;
 //! - *units, resharded*: the same with every block's forward checkpointed, so each block is
 //!   freed after its forward and gathered again for its backward (FSDP's
-//!   `reshard_after_forward`);
-//! - *trainer's units*: `flashover train`'s own `ShardedTransformer` (resharding after
-//!   forward), which plans are to replace.
+//!   `reshard_after_forward`, what `flashover train --zero 3` runs by default).
 
-use crate::train::{ShardedTransformer, TrainConfig, make_batch, token_source};
+use crate::train::{TrainConfig, make_batch, token_source};
 use burn::optim::GradientsParams;
 use flashover_models::Transformer;
 use flashover_parallel::ParallelError;
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
 use flashover_parallel::parallelize::{ParallelizePlan, parallelize, transformer};
-use flashover_parallel::precision::MixedPrecision;
-use flashover_parallel::zero::{FullyShardConfig, GatherStats, ShardGroup};
 use flashover_runtime::{Axis, Launch, OpKind};
 use serde::Serialize;
 use std::time::Instant;
@@ -46,7 +42,7 @@ pub struct UnitsBenchRecord {
 }
 
 /// The ways compared, in the order reported.
-pub const WAYS: [&str; 4] = ["per read", "units", "units, resharded", "trainer's units"];
+pub const WAYS: [&str; 3] = ["per read", "units", "units, resharded"];
 
 /// One step's measurements: time, all-gathers and reduce-scatters, prefetches, peak bytes.
 type StepMeasure = (f64, [u64; 2], usize, Option<usize>);
@@ -92,57 +88,27 @@ pub fn run(
                     .block_recompute()
                     .expect("block-level");
                 resharding.checkpointing = Some(recompute.hook());
-                // The trainer's units, on a group of their own so that their communication
-                // thread never interleaves with the plan's.
-                let trainer_units = ShardGroup::new(&ctx.subgroup(&[Axis::Fsdp])?);
-                let trainer = ShardedTransformer::new(
-                    model_config.init(config.run.seed, &device),
-                    &FullyShardConfig::new(),
-                    &trainer_units,
-                )?;
                 // One step of `way`: its time, collectives, prefetches and gathered peak.
                 let step = |way: usize| -> Result<StepMeasure, ParallelError> {
-                    let stats: Option<&GatherStats> = match way {
-                        3 => Some(trainer_units.stats()),
-                        _ => par.unit_stats(),
-                    };
+                    let stats = par.unit_stats();
                     let prefetched_before = stats.map_or(0, |s| s.snapshot().prefetches);
                     if let Some(stats) = stats {
                         stats.reset_peak();
                     }
-                    let before = (group.stats(), trainer_units.group().stats());
+                    let before = group.stats();
                     let started = Instant::now();
                     let (x, y) = (&x, &y);
                     let plan_forward =
                         |ctx| move |m: &Transformer| m.forward_loss(x.clone(), y.clone(), ctx);
-                    match way {
-                        0 => {
-                            let loss = plan_forward(&fwd)(&model);
-                            let grads = GradientsParams::from_grads(loss.backward(), &model);
-                            par.reduce_gradients(&model, grads, None, &ctx)?;
-                        }
-                        1 | 2 => {
-                            let ctx_of_way = if way == 1 { &fwd } else { &resharding };
-                            let loss = par.forward(&model, plan_forward(ctx_of_way))?;
-                            let grads = GradientsParams::from_grads(loss.backward(), &model);
-                            par.reduce_gradients(&model, grads, None, &ctx)?;
-                        }
-                        _ => {
-                            let loss = trainer.forward_loss(
-                                x.clone(),
-                                y.clone(),
-                                &Default::default(),
-                                MixedPrecision::default(),
-                            )?;
-                            // Its reduce-scatters run inside backward.
-                            let _ = GradientsParams::from_grads(loss.backward(), &trainer);
-                        }
-                    }
-                    let time = started.elapsed().as_secs_f64();
-                    let ops = match way {
-                        3 => trainer_units.group().stats().since(&before.1).ops,
-                        _ => group.stats().since(&before.0).ops,
+                    let loss = match way {
+                        0 => plan_forward(&fwd)(&model),
+                        1 => par.forward(&model, plan_forward(&fwd))?,
+                        _ => par.forward(&model, plan_forward(&resharding))?,
                     };
+                    let grads = GradientsParams::from_grads(loss.backward(), &model);
+                    par.reduce_gradients(&model, grads, None, &ctx)?;
+                    let time = started.elapsed().as_secs_f64();
+                    let ops = group.stats().since(&before).ops;
                     let calls = |op| ops.get(&op).map_or(0, |s| s.calls);
                     let snapshot = stats.map(|s| s.snapshot());
                     let prefetched = snapshot.map_or(0, |s| s.prefetches) - prefetched_before;
@@ -150,7 +116,7 @@ pub fn run(
                     let peak = snapshot.filter(|_| way > 0).map(|s| s.peak_bytes);
                     Ok((time, counts, prefetched, peak))
                 };
-                let mut measured: [Vec<StepMeasure>; 4] = Default::default();
+                let mut measured: [Vec<StepMeasure>; 3] = Default::default();
                 for round in 0..rounds + 1 {
                     // Rotate which way goes first, so that none always follows another.
                     for k in 0..WAYS.len() {

@@ -44,7 +44,6 @@ mod pp_model;
 mod rank;
 mod report;
 mod run;
-mod sharded_model;
 mod strategy;
 mod tp_model;
 mod trace;
@@ -60,6 +59,5 @@ pub use elastic::{
 pub use pp_model::{TransformerStage, split_blocks, split_blocks_by_cost};
 pub use report::{DeviceMemory, MoeRecord, RankTimes, StepRecord, TrainReport, memory_formula};
 pub use run::{make_batch, token_source, train, train_process};
-pub use sharded_model::ShardedTransformer;
 pub use tp_model::TpTransformer;
 pub use verify::{Comparison, compare, verify};

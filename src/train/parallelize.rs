@@ -32,6 +32,7 @@ use flashover_parallel::context_parallel::ContextParallel;
 use flashover_parallel::expert_parallel::{ExpertParallel, place_experts};
 use flashover_parallel::placement::PlacementTable;
 use flashover_parallel::tensor_parallel::TensorParallel;
+use flashover_parallel::zero::ShardGroup;
 use flashover_runtime::{Axis, RankContext, RankError};
 use std::sync::Arc;
 
@@ -85,12 +86,32 @@ pub(crate) fn tensor_parallel(
     placements: PlacementTable,
 ) -> Result<Shares, RankError> {
     let tp = ctx.group(Axis::Tp);
-    if tp.size() == 1 {
+    // ZeRO-3 in units (step 7) cuts rows in the same pass, through the model's plan.
+    let units = in_units(ctx, config, model_config).then(|| {
+        let precision = &config.precision;
+        ShardGroup::with_precision(
+            ctx.group(Axis::Fsdp),
+            precision.param_dtype,
+            precision.reduce_dtype,
+        )
+    });
+    if tp.size() == 1 && units.is_none() {
         return Ok(Shares::Whole(Box::new(model), placements));
     }
     let plan = TensorParallel::new(tp).with_sequence_parallel(config.parallel.sequence_parallel);
-    let shares = TpTransformer::shard_placed(model, model_config, &plan, placements)?;
+    let shares =
+        TpTransformer::shard_units(model, model_config, &plan, placements, units.as_ref())?;
     Ok(Shares::Split(Box::new(shares)))
+}
+
+/// Whether the job runs ZeRO-3 as fully sharded units (`strategy::fsdp`): without a pipeline
+/// or experts, whose strategies cut rows their own way.
+pub(crate) fn in_units(
+    ctx: &RankContext,
+    config: &TrainConfig,
+    model_config: &TransformerConfig,
+) -> bool {
+    config.parallel.zero == 3 && ctx.group(Axis::Pp).size() == 1 && model_config.moe.is_none()
 }
 
 /// 2. Expert parallelism over `ep` for mixture-of-experts models: the experts the rank was

@@ -17,8 +17,10 @@ use flashover_models::{Block, ForwardContext, Transformer, TransformerConfig};
 use flashover_parallel::ParallelError;
 use flashover_parallel::parallelize::transformer::{layer_hooks, set_tp_offsets};
 use flashover_parallel::parallelize::{
-    ParallelizePlan, TensorParallelParts, split_tensor_parallel,
+    FullyShardedUnits, ParallelizePlan, TensorParallelParts, split_and_shard,
 };
+use flashover_parallel::zero::ShardGroup;
+use std::sync::Arc;
 use flashover_parallel::placement::PlacementTable;
 use flashover_parallel::tensor_parallel::TensorParallel;
 use flashover_parallel::tensor_parallel::comm::on_whole_sequences;
@@ -66,6 +68,9 @@ pub struct TpTransformer {
     /// Where every parameter's part sits in the whole model.
     #[module(skip)]
     placements: PlacementTable,
+    /// Under ZeRO-3, the fully sharded units (every block, and the rest); none otherwise.
+    #[module(skip)]
+    units: FullyShardedUnits,
 }
 
 impl TpTransformer {
@@ -86,7 +91,21 @@ impl TpTransformer {
         full: Transformer,
         config: &TransformerConfig,
         tp: &TensorParallel,
+        table: PlacementTable,
+    ) -> Result<Self, ParallelError> {
+        Self::shard_units(full, config, tp, table, None)
+    }
+
+    /// [`TpTransformer::shard_placed`] that also cuts every part by rows over `fsdp`'s group
+    /// in fully sharded units, one per block and one for the rest (the model's plan under
+    /// `fully_shard("")`), which [`TpTransformer::units`] gathers: FSDP over TP, or FSDP alone
+    /// on a `tp` group of one rank.
+    pub fn shard_units(
+        full: Transformer,
+        config: &TransformerConfig,
+        tp: &TensorParallel,
         mut table: PlacementTable,
+        fsdp: Option<&Arc<ShardGroup>>,
     ) -> Result<Self, ParallelError> {
         let (heads, n) = (config.n_heads, tp.group.size());
         if !heads.is_multiple_of(n) {
@@ -101,13 +120,23 @@ impl TpTransformer {
         if !tp.sequence_parallel {
             plan.sequence_parallel.clear();
         }
-        let (local, parts) = split_tensor_parallel(full, &plan, &tp.group, &mut table)?;
+        if fsdp.is_some() {
+            plan = plan.fully_shard("");
+        }
+        let (local, parts, units) = split_and_shard(full, &plan, &tp.group, fsdp, &mut table)?;
         Ok(TpTransformer {
             local,
             tp: tp.clone(),
             parts,
             placements: table,
+            units,
         })
+    }
+
+    /// The fully sharded units ([`TpTransformer::shard_units`]): run the forward in their
+    /// scope, [`FullyShardedUnits::forward`].
+    pub fn units(&self) -> &FullyShardedUnits {
+        &self.units
     }
 
     /// Where every parameter's part sits in the whole model.

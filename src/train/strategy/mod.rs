@@ -135,7 +135,10 @@ pub(crate) fn build(
         .with_average(config.parallel.gradient_reduction == GradientReduction::Mean)
         .with_reduce_dtype(config.precision.reduce_dtype);
     match (config.parallel.zero, shares) {
-        (3, shares) => fsdp::build(ctx, config, shares, &adamw),
+        (3, Shares::Split(model)) => fsdp::build(ctx, config, model, grad_group, &adamw),
+        (3, Shares::Whole(..)) => Err(RankError::from(
+            "ZeRO-3 runs fully sharded units, which transform 1 cuts (train::parallelize::in_units)",
+        )),
         // ZeRO-1/2 of tensor-parallel shares cuts the optimizer state by rows.
         (0, shares) | (_, shares @ Shares::Split(_)) => {
             replicated::build(ctx, config, shares, grad_group, ddp, &adamw)

@@ -80,7 +80,8 @@ use placed::{Elsewhere, WholeReads};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 use std::sync::Arc;
-use units::{UnitGathers, UnitScope};
+use units::UnitGathers;
+pub use units::FullyShardedUnits;
 
 /// The axes whose ranks read different samples.
 const DATA_AXES: [Axis; 3] = [Axis::Dp, Axis::Fsdp, Axis::Ep];
@@ -113,14 +114,8 @@ pub struct Parallelized {
     /// Under sequence parallelism, the first step's check that every whole parameter that runs
     /// on sequence shards is named.
     sequence_check: Option<sequence_check::SequenceCheck>,
-    /// The fully sharded units' gathers (one collective per unit inside [`Self::forward`]).
-    units: UnitGathers,
-    /// The unit of each fully sharded parameter this rank holds (by path), and the units'
-    /// module paths.
-    unit_of: Arc<HashMap<String, usize>>,
-    unit_paths: Vec<String>,
-    /// The same per parameter (layout order), with its path.
-    unit_slots: Vec<Option<(String, usize)>>,
+    /// The fully sharded units (one collective per unit inside [`Self::forward`]).
+    units: FullyShardedUnits,
 }
 
 /// What one run of a rank's pipeline stages computed.
@@ -251,24 +246,8 @@ pub fn parallelize<M: Module>(
             .is_some_and(|e| e.on(Axis::Fsdp) != Placement::Replicate);
         (sharded && !absent.by_path.contains_key(&s.name)).then_some(s.name.as_str())
     });
-    let (unit_of, unit_paths) = units::units_of(plan, held_shards.clone().flatten());
-    let unit_slots: Vec<Option<(String, usize)>> = held_shards
-        .map(|name| name.and_then(|n| Some((n.to_string(), *unit_of.get(n)?))))
-        .collect();
-    if ctx.group(Axis::Fsdp).size() > 1 && !unit_paths.is_empty() {
-        units.set_comm(ShardGroup::new(ctx.group(Axis::Fsdp)));
-    }
-    let unit_of = Arc::new(unit_of);
-    let mut members = vec![vec![]; unit_paths.len()];
-    for (slot, held) in layout.slots.iter().zip(&unit_slots) {
-        if let Some((name, unit)) = held {
-            members[*unit].push((name.clone(), slot.id));
-        }
-    }
-    units.set_layout(units::UnitLayout {
-        unit_of: unit_of.clone(),
-        members,
-    });
+    let comm = (ctx.group(Axis::Fsdp).size() > 1).then(|| ShardGroup::new(ctx.group(Axis::Fsdp)));
+    let units = FullyShardedUnits::new(plan, &layout, held_shards, units, comm);
     let par = Parallelized {
         placements,
         reducer: GradientReducer::new(ctx, Precision::F32)?,
@@ -287,9 +266,6 @@ pub fn parallelize<M: Module>(
         sequence_check: (tp.size() > 1 && !plan.sequence_parallel.is_empty())
             .then(|| sequence_check::SequenceCheck::new(tp.clone(), sequence_partial)),
         units,
-        unit_of,
-        unit_paths,
-        unit_slots,
     };
     Ok((model, par))
 }
@@ -307,41 +283,76 @@ pub fn split_tensor_parallel<M: Module>(
     tp: &Group,
     placements: &mut PlacementTable,
 ) -> Result<(M, TensorParallelParts), ParallelError> {
-    let others = !plan.fully_shard.is_empty()
-        || plan.pipeline.is_some()
-        || plan.context_parallel.is_some()
-        || !plan.expert_parallel.is_empty();
+    let (model, parts, _) = split_and_shard(model, plan, tp, None, placements)?;
+    Ok((model, parts))
+}
+
+/// [`split_tensor_parallel`] that also cuts the parameters of `plan`'s `fully_shard` modules
+/// by rows over the group of `fsdp` (FSDP over TP, as [`parallelize`] cuts them), for an
+/// executor that runs the forward in [`FullyShardedUnits::forward`]: the units gather through
+/// `fsdp`'s communication thread, in its precisions. The model is every rank's same
+/// initialisation (nothing is broadcast). Fails, naming the path, when the plan does not fit
+/// the model, has pipeline, context or expert rules, or has `fully_shard` rules without
+/// `fsdp`.
+pub fn split_and_shard<M: Module>(
+    model: M,
+    plan: &ParallelizePlan,
+    tp: &Group,
+    fsdp: Option<&Arc<ShardGroup>>,
+    placements: &mut PlacementTable,
+) -> Result<(M, TensorParallelParts, FullyShardedUnits), ParallelError> {
+    let others =
+        plan.pipeline.is_some() || plan.context_parallel.is_some() || !plan.expert_parallel.is_empty();
     if others {
         return Err(ParallelError::Invalid(
-            "split_tensor_parallel applies a plan's tensor_parallel and sequence_parallel rules \
-             only; apply the others with parallelize"
+            "split_tensor_parallel and split_and_shard apply a plan's tensor_parallel, \
+             sequence_parallel and fully_shard rules only; apply the others with parallelize"
+                .into(),
+        ));
+    }
+    if fsdp.is_none() && !plan.fully_shard.is_empty() {
+        return Err(ParallelError::Invalid(
+            "the plan has fully_shard rules: cut them with split_and_shard, giving the fsdp \
+             group's ShardGroup"
                 .into(),
         ));
     }
     let layout = ParamLayout::of(&model);
     validate::check_plan(plan, &layout.slots, tp.size())?;
     let whole_reads = WholeReads::local();
+    let kept_whole = match plan.fully_shard.is_empty() {
+        true => BTreeMap::new(),
+        false => placed::reads_stored_shape(&model),
+    };
+    let gathers = UnitGathers::default();
     let mut error = None;
     let place = placed::PlaceParams {
         plan,
-        fsdp: tp.clone(),
+        fsdp: fsdp.map_or_else(|| tp.clone(), |units| units.group().clone()),
         tp: tp.clone(),
         context: None,
         routers: &HashMap::new(),
         all_routers: &HashSet::new(),
         placements,
         whole_reads: whole_reads.clone(),
-        units: UnitGathers::default(),
+        units: gathers.clone(),
         absent: &HashMap::new(),
-        kept_whole: &BTreeMap::new(),
+        kept_whole: &kept_whole,
         sequence_partials: &mut HashSet::new(),
         error: &mut error,
     };
     let model = model.apply_reparameterization(place);
-    match error {
-        Some(e) => Err(e),
-        None => Ok((model, TensorParallelParts { whole_reads })),
+    if let Some(e) = error {
+        return Err(e);
     }
+    let held_shards = layout.slots.iter().map(|s| {
+        let sharded = placements
+            .get(s.id)
+            .is_some_and(|e| e.on(Axis::Fsdp) != Placement::Replicate);
+        sharded.then_some(s.name.as_str())
+    });
+    let units = FullyShardedUnits::new(plan, &layout, held_shards, gathers, fsdp.cloned());
+    Ok((model, TensorParallelParts { whole_reads }, units))
 }
 
 /// What [`split_tensor_parallel`] did, for turning the parts back into the whole model.
@@ -512,24 +523,19 @@ impl Parallelized {
                     .into(),
             ));
         }
-        if self.units.comm().is_none() {
-            return Ok(f(model));
-        }
-        let shards = units::unit_shards(model, &self.unit_slots, self.unit_paths.len());
-        let scope = UnitScope::new(self.unit_of.clone(), shards);
-        self.units.run_scope(scope, || f(model))
+        self.units.forward(model, f)
     }
 
     /// The plan's fully sharded units on this rank, by module path, in the order
     /// [`Self::forward`] prefetches them.
     pub fn units(&self) -> &[String] {
-        &self.unit_paths
+        self.units.paths()
     }
 
     /// The counters of this rank's unit collectives (all-gathers, prefetches, reduce-scatters,
     /// gathered bytes alive and at most), when the plan shards parameters over `fsdp`.
     pub fn unit_stats(&self) -> Option<&crate::zero::GatherStats> {
-        self.units.comm().map(|c| c.stats())
+        self.units.stats()
     }
 
     /// `f` run with every parameter of the parallelized model reading as what this rank

@@ -68,6 +68,85 @@ pub(crate) struct UnitLayout {
     pub(crate) members: Vec<Vec<(String, ParamId)>>,
 }
 
+/// A model's fully sharded units on one rank, and the forward scope that gathers them a unit
+/// at a time: what [`super::Parallelized::forward`] runs, and what an executor that runs the
+/// parts itself ([`super::split_and_shard`]) gets.
+#[derive(Debug, Clone, Default)]
+pub struct FullyShardedUnits {
+    gathers: UnitGathers,
+    /// The units' module paths, numbered as [`UnitLayout`] numbers them.
+    paths: Vec<String>,
+    /// Per parameter (layout order), its path and unit when it is a held fully sharded one.
+    slots: Vec<Option<(String, usize)>>,
+}
+
+impl FullyShardedUnits {
+    /// The units of the fully sharded parameters `held_shards` names (per parameter of
+    /// `layout`, its path when it is one this rank holds), gathered by `gathers` through
+    /// `comm` (none: nothing is sharded over more than one rank).
+    pub(crate) fn new<'a>(
+        plan: &ParallelizePlan,
+        layout: &crate::params::ParamLayout,
+        held_shards: impl Iterator<Item = Option<&'a str>> + Clone,
+        gathers: UnitGathers,
+        comm: Option<Arc<ShardGroup>>,
+    ) -> Self {
+        let (unit_of, paths) = units_of(plan, held_shards.clone().flatten());
+        let slots: Vec<Option<(String, usize)>> = held_shards
+            .map(|name| name.and_then(|n| Some((n.to_string(), *unit_of.get(n)?))))
+            .collect();
+        if let Some(comm) = comm.filter(|_| !paths.is_empty()) {
+            gathers.set_comm(comm);
+        }
+        let mut members = vec![vec![]; paths.len()];
+        for (slot, held) in layout.slots.iter().zip(&slots) {
+            if let Some((name, unit)) = held {
+                members[*unit].push((name.clone(), slot.id));
+            }
+        }
+        gathers.set_layout(UnitLayout {
+            unit_of: Arc::new(unit_of),
+            members,
+        });
+        FullyShardedUnits {
+            gathers,
+            paths,
+            slots,
+        }
+    }
+
+    /// `f(model)` with the units gathered a unit at a time (see
+    /// [`super::Parallelized::forward`]); `model` as the units were placed, or a cast view of
+    /// it (`MixedPrecision::compute_view`), whose reads come in the view's dtype.
+    pub fn forward<M: Module, T>(
+        &self,
+        model: &M,
+        f: impl FnOnce(&M) -> T,
+    ) -> Result<T, ParallelError> {
+        let Some(layout) = self.gathers.0.layout.get() else {
+            return Ok(f(model));
+        };
+        if self.gathers.comm().is_none() {
+            return Ok(f(model));
+        }
+        let shards = unit_shards(model, &self.slots, self.paths.len());
+        let scope = UnitScope::new(layout.unit_of.clone(), shards);
+        self.gathers.run_scope(scope, || f(model))
+    }
+
+    /// The units by module path, in the order [`Self::forward`] prefetches them.
+    pub fn paths(&self) -> &[String] {
+        &self.paths
+    }
+
+    /// The counters of the units' collectives (all-gathers, prefetches, reduce-scatters,
+    /// gathered bytes alive and at most, the training thread's waits), when anything is
+    /// sharded over more than one rank.
+    pub fn stats(&self) -> Option<&crate::zero::GatherStats> {
+        self.gathers.comm().map(|c| c.stats())
+    }
+}
+
 /// A unit whose all-gather may be submitted ahead of its first read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Unit {
