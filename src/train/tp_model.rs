@@ -133,6 +133,17 @@ impl TpTransformer {
         })
     }
 
+    /// This model with its parts `f` maps (a view of them: the same ids, the same splits).
+    pub(crate) fn map_local(&self, f: impl FnOnce(Transformer) -> Transformer) -> Self {
+        TpTransformer {
+            local: f(self.local.clone()),
+            tp: self.tp.clone(),
+            parts: self.parts.clone(),
+            placements: self.placements.clone(),
+            units: self.units.clone(),
+        }
+    }
+
     /// The fully sharded units ([`TpTransformer::shard_units`]): run the forward in their
     /// scope, [`FullyShardedUnits::forward`].
     pub fn units(&self) -> &FullyShardedUnits {

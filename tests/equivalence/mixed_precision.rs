@@ -85,7 +85,8 @@ fn pipeline(c: &mut TrainConfig) {
 }
 
 /// Under bf16 the schedules and recomputation still compute exactly the same thing: bit for
-/// bit equal to 1F1B (pipelines) and to no recomputation.
+/// bit equal to 1F1B (pipelines) and to no recomputation (a recomputed block, and a ZeRO-3
+/// unit resharded after forward).
 #[test]
 fn under_bf16_schedules_and_recomputation_stay_bitwise_equal() {
     let bf16 = |mesh: &str, adjust: &dyn Fn(&mut TrainConfig)| {
@@ -115,6 +116,16 @@ fn under_bf16_schedules_and_recomputation_stay_bitwise_equal() {
         c.parallel.activation_checkpointing = "full".parse().unwrap()
     });
     assert_eq!(bits(&plain), bits(&recomputed), "recomputation");
+    // ZeRO-3 resharding after forward recomputes each block from its stored f32 rows (cast
+    // inside the recomputation), so its reduced gradients reach the rows as kept units' do.
+    let zero3 = |reshard: bool| {
+        let mut c = precision_job("fsdp=2", 3);
+        c.run.steps = 6;
+        c.precision.param_dtype = Precision::BF16;
+        c.parallel.reshard_after_forward = reshard;
+        run(&c, &format!("fsdp=2 reshard={reshard}"))
+    };
+    assert_eq!(bits(&zero3(false)), bits(&zero3(true)), "ZeRO-3 resharding");
 }
 
 /// Mixture of experts: routing runs in f32, but the router's input is bf16, so a few routing

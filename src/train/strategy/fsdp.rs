@@ -19,12 +19,14 @@ use crate::train::checkpoint::LocalState;
 use crate::train::config::{GradientReduction, TrainConfig};
 use crate::train::tp_model::TpTransformer;
 use burn::optim::GradientsParams;
-use flashover_models::CheckpointHook;
+use burn::tensor::Tensor;
+use flashover_models::{Block, BlockCheckpoint, BlockFn, CheckpointHook, ForwardContext};
 use flashover_parallel::FlatAdamWConfig;
 use flashover_parallel::activation_checkpointing::{BlockRecompute, CheckpointPolicy};
 use flashover_parallel::params::{ParamLayout, accumulate_grads};
 use flashover_parallel::placement::GradientReducer;
-use flashover_parallel::zero::{GatherStats, MemoryReport};
+use flashover_parallel::precision::MixedPrecision;
+use flashover_parallel::zero::{GatherCounts, GatherStats, MemoryReport};
 use flashover_runtime::{Group, RankContext, RankError};
 use std::sync::Arc;
 
@@ -50,12 +52,6 @@ pub(super) fn build(
     grad_group: &Group,
     adamw: &FlatAdamWConfig,
 ) -> Result<Box<dyn RankStrategy>, RankError> {
-    if model.units().stats().is_none() {
-        return Err(RankError::from(
-            "ZeRO-3 needs the model cut into fully sharded units over an fsdp axis of more \
-             than one rank (transform 1 does it for such a mesh)",
-        ));
-    }
     let reshard = config.parallel.reshard_after_forward.then(|| {
         let recompute = CheckpointPolicy::Full
             .block_recompute()
@@ -74,8 +70,10 @@ pub(super) fn build(
 }
 
 impl FullySharded {
-    fn stats(&self) -> &GatherStats {
-        self.model.units().stats().expect("checked in build")
+    /// The units' counters (none on an fsdp axis of one rank, which shards nothing).
+    fn stats(&self) -> GatherCounts {
+        let stats = self.model.units().stats();
+        stats.map(GatherStats::snapshot).unwrap_or_default()
     }
 }
 
@@ -89,9 +87,11 @@ impl RankStrategy for FullySharded {
         lr: f64,
         precision: &mut Precisions,
     ) -> Result<(Box<dyn RankStrategy>, StepOutcome), RankError> {
-        self.stats().reset_peak();
+        if let Some(stats) = self.model.units().stats() {
+            stats.reset_peak();
+        }
         let before = ctx.comm_stats();
-        let waited_before = self.stats().snapshot().waited;
+        let waited_before = self.stats().waited;
         let numel = ParamLayout::of(&*self.model).numel;
         let mut grads = vec![0.0f32; numel];
         let mut loss_sum = 0.0f64;
@@ -100,14 +100,24 @@ impl RankStrategy for FullySharded {
             if let Some((_, hook)) = &self.reshard {
                 fwd.checkpointing = Some(hook.clone());
             }
+            let policy = precision.policy;
+            if !policy.is_full_precision() {
+                let inner = fwd.checkpointing.take();
+                let blocks = BlocksInComputeDtype { policy, inner };
+                fwd.checkpointing = Some(CheckpointHook(Arc::new(blocks)));
+            }
             // The compute view inside the scope: the units gather the stored f32 rows, each
-            // read comes in the compute dtype, gradients return to the rows in f32.
+            // read comes in the compute dtype, gradients return to the rows in f32. Blocks
+            // are cast inside whatever runs them (`BlocksInComputeDtype`).
             let model = &*self.model;
             let loss = model.units().forward(model, |m| {
-                precision
-                    .policy
-                    .compute_view(m.clone())
-                    .forward_loss(inputs, targets, &fwd)
+                let view = m.map_local(|mut local| {
+                    let blocks = std::mem::take(&mut local.blocks);
+                    let mut view = policy.compute_view(local);
+                    view.blocks = blocks;
+                    view
+                });
+                view.forward_loss(inputs, targets, &fwd)
             })?;
             loss_sum += loss.clone().into_scalar::<f32>() as f64;
             let raw = precision.scaler.scale_loss(loss).backward();
@@ -135,7 +145,7 @@ impl RankStrategy for FullySharded {
         // for them are the exposed part, the rest overlapped compute (prefetches).
         let comm = ctx.comm_stats().since(&before).total();
         let comm = comm.wait + comm.transfer;
-        let units = self.stats().snapshot();
+        let units = self.stats();
         let exposed = units.waited - waited_before;
         let outcome = StepOutcome {
             comm,
@@ -170,5 +180,35 @@ impl RankStrategy for FullySharded {
 
     fn full_params(&self, _ctx: &RankContext) -> Result<Vec<(String, Vec<f32>)>, RankError> {
         Ok(named_params(&self.model.whole()?))
+    }
+}
+
+/// Runs each block in the compute dtype inside whatever runs the blocks (`inner`: the
+/// recomputation that reshards after forward, or the job's checkpointing policy), so that a
+/// recomputed block is the stored f32 one: its rerun's gradients then return to the rows in
+/// f32, where recomputing a cast view would round the reduce-scattered sum to the compute
+/// dtype once more.
+struct BlocksInComputeDtype {
+    policy: MixedPrecision,
+    inner: Option<CheckpointHook>,
+}
+
+impl BlockCheckpoint for BlocksInComputeDtype {
+    fn run(
+        &self,
+        layer: usize,
+        block: &Block,
+        x: Tensor<3>,
+        ctx: &ForwardContext,
+        forward: BlockFn,
+    ) -> Tensor<3> {
+        let policy = self.policy;
+        let cast: BlockFn = Arc::new(move |b: &Block, x, ctx: &ForwardContext| {
+            forward(&policy.compute_view(b.clone()), x, ctx)
+        });
+        match &self.inner {
+            Some(hook) => hook.0.run(layer, block, x, ctx, cast),
+            None => cast(block, x, ctx),
+        }
     }
 }
