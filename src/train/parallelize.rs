@@ -8,13 +8,13 @@
 //!
 //! | # | transform | here | what it records or installs |
 //! |---|---|---|---|
-//! | 1 | tensor (+ sequence) parallel | [`tensor_parallel`] | `Shard` over tp |
+//! | 1 | tensor (+ sequence) parallel; under ZeRO-3 in units, fully shard in the same pass | [`tensor_parallel`] | `Shard` over tp, rows over fsdp |
 //! | 2 | expert parallel | [`expert_parallel`] | `Own` over ep, experts' global names |
 //! | 3 | pipeline split | `strategy::pipeline` | `Own` over pp, the tied head's copy |
 //! | 4 | context parallel | [`context_parallel`] | attention hook, sequence positions |
 //! | 5 | activation checkpointing | [`activation_checkpointing`] | block hook, or Burn's balanced checkpointing on the device |
 //! | 6 | mixed precision | `strategy::Precisions` | compute view of the parameters, loss scale |
-//! | 7 | fully sharded or replicated data parallel | `strategy::{fsdp, replicated, zero, rows}` | `Shard` rows over fsdp |
+//! | 7 | fully sharded units (cut in 1) or replicated data parallel | `strategy::{fsdp, replicated, zero, rows}` | ZeRO by rows: `Shard` over fsdp or dp |
 //! | 8 | optimizer | with 7 | AdamW moments where their parameters' rows are |
 //!
 //! TorchTitan splits the pipeline first and then parallelizes each stage; here stages are cut
@@ -77,7 +77,9 @@ pub(crate) fn parallelize(
 
 /// 1. Megatron's tensor parallelism over `tp` (attention by heads, the MLP by its hidden
 ///    dimension, embedding and head by vocabulary), with sequence parallelism when the job
-///    asks; the model as it is without a tp axis.
+///    asks, through the model's plan; under ZeRO-3 in units ([`in_units`]) the same pass cuts
+///    every part by rows over `fsdp` (`fully_shard("")`: one unit per block and one for the
+///    rest). The model as it is without either.
 pub(crate) fn tensor_parallel(
     ctx: &RankContext,
     config: &TrainConfig,

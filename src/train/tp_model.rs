@@ -19,11 +19,11 @@ use flashover_parallel::parallelize::transformer::{layer_hooks, set_tp_offsets};
 use flashover_parallel::parallelize::{
     FullyShardedUnits, ParallelizePlan, TensorParallelParts, split_and_shard,
 };
-use flashover_parallel::zero::ShardGroup;
-use std::sync::Arc;
 use flashover_parallel::placement::PlacementTable;
 use flashover_parallel::tensor_parallel::TensorParallel;
 use flashover_parallel::tensor_parallel::comm::on_whole_sequences;
+use flashover_parallel::zero::ShardGroup;
+use std::sync::Arc;
 
 /// [`Transformer`] split over the `tp` group; see the module docs.
 ///

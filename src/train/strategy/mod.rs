@@ -8,8 +8,9 @@
 //! - [`replicated`]: whole replicas or tensor-parallel shares, gradients reduced in buckets
 //!   overlapped with backward (DDP; dp x tp x cp);
 //! - [`zero`]: the same with AdamW state and gradients sharded over the buckets (ZeRO-1/2);
-//! - [`fsdp`]: parameters cut by rows in units gathered just before use (ZeRO-3 / HSDP, over
-//!   tensor-parallel shares and context-parallel ranks too);
+//! - [`fsdp`]: the model's plan under `fully_shard("")`, parameters cut by rows in units
+//!   gathered just before use (ZeRO-3 / HSDP, over tensor-parallel shares and context-parallel
+//!   ranks too);
 //! - [`pipeline`]: stages over `pp`, any schedule, with tp, cp, experts over ep and any ZeRO
 //!   stage inside;
 //! - [`moe`]: mixture-of-experts models without pipelines, experts over `ep`.

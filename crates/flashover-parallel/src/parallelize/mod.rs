@@ -80,8 +80,8 @@ use placed::{Elsewhere, WholeReads};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 use std::sync::Arc;
-use units::UnitGathers;
 pub use units::FullyShardedUnits;
+use units::UnitGathers;
 
 /// The axes whose ranks read different samples.
 const DATA_AXES: [Axis; 3] = [Axis::Dp, Axis::Fsdp, Axis::Ep];
@@ -301,8 +301,9 @@ pub fn split_and_shard<M: Module>(
     fsdp: Option<&Arc<ShardGroup>>,
     placements: &mut PlacementTable,
 ) -> Result<(M, TensorParallelParts, FullyShardedUnits), ParallelError> {
-    let others =
-        plan.pipeline.is_some() || plan.context_parallel.is_some() || !plan.expert_parallel.is_empty();
+    let others = plan.pipeline.is_some()
+        || plan.context_parallel.is_some()
+        || !plan.expert_parallel.is_empty();
     if others {
         return Err(ParallelError::Invalid(
             "split_tensor_parallel and split_and_shard apply a plan's tensor_parallel, \
