@@ -12,11 +12,11 @@
 
 use super::rows::FlatOptimizer;
 use super::{
-    Batches, Precisions, RankStrategy, SharedState, StepOutcome, WholeModel, clip_placed,
+    Batches, PlacedReduction, Precisions, RankStrategy, SharedState, StepOutcome, WholeModel,
     named_params,
 };
 use crate::train::checkpoint::LocalState;
-use crate::train::config::{GradientReduction, TrainConfig};
+use crate::train::config::TrainConfig;
 use crate::train::tp_model::TpTransformer;
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
@@ -24,7 +24,6 @@ use flashover_models::{Block, BlockCheckpoint, BlockFn, CheckpointHook, ForwardC
 use flashover_parallel::FlatAdamWConfig;
 use flashover_parallel::activation_checkpointing::{BlockRecompute, CheckpointPolicy};
 use flashover_parallel::params::{ParamLayout, accumulate_grads};
-use flashover_parallel::placement::GradientReducer;
 use flashover_parallel::precision::MixedPrecision;
 use flashover_parallel::zero::{GatherCounts, GatherStats, MemoryReport};
 use flashover_runtime::{Group, RankContext, RankError};
@@ -35,10 +34,7 @@ struct FullySharded {
     model: Box<TpTransformer>,
     /// AdamW on the rows (and whole parameters) this rank holds.
     optim: FlatOptimizer,
-    reducer: GradientReducer,
-    /// The ranks whose gradients are averaged (`dp x fsdp x cp`).
-    batch: Group,
-    average: bool,
+    reduction: PlacedReduction,
     /// With `reshard_after_forward`: recomputes every block, so that its gathered
     /// parameters live only while it computes.
     reshard: Option<(Arc<BlockRecompute>, CheckpointHook)>,
@@ -62,9 +58,7 @@ pub(super) fn build(
     Ok(Box::new(FullySharded {
         optim: FlatOptimizer::new(ctx, &*model, 0, adamw),
         model,
-        reducer: GradientReducer::new(ctx, config.precision.reduce_dtype)?,
-        batch: grad_group.clone(),
-        average: config.parallel.gradient_reduction == GradientReduction::Mean,
+        reduction: PlacedReduction::new(ctx, config, grad_group)?,
         reshard,
     }))
 }
@@ -131,12 +125,9 @@ impl RankStrategy for FullySharded {
         // The units reduce-scattered each row's gradient over fsdp in backward; the reducer
         // sums the rest as the placements say.
         let entries = self.model.placements().entries_of(&*self.model)?;
-        let scale = match self.average {
-            true => 1.0 / (self.batch.size() * micro_batches) as f32,
-            false => 1.0,
-        };
-        self.reducer.reduce(&entries, &mut grads, scale, None)?;
-        let grad_norm = clip_placed(&entries, &mut grads, clip, ctx)?;
+        let grad_norm =
+            self.reduction
+                .reduce_and_clip(&entries, &mut grads, micro_batches, clip, ctx)?;
         drop(entries);
         let (update, loss_scale) = precision.decide(grad_norm);
         let model = (*self.model).clone();

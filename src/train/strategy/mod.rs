@@ -39,7 +39,7 @@ use flashover_parallel::data_parallel::{
 };
 use flashover_parallel::params::ParamSlot;
 use flashover_parallel::pipeline::Action;
-use flashover_parallel::placement::{ParamPlacement, global_grad_norm};
+use flashover_parallel::placement::{GradientReducer, ParamPlacement, global_grad_norm};
 use flashover_parallel::precision::{LossScaler, MixedPrecision};
 use flashover_parallel::zero::MemoryReport;
 use flashover_parallel::{FlatAdamW, FlatAdamWConfig, clip_scale};
@@ -328,6 +328,56 @@ fn clip_placed(
         flat.iter_mut().for_each(|g| *g *= scale);
     }
     Ok(norm)
+}
+
+/// How a strategy whose parameters' placements describe them reduces a step's gradients:
+/// summed over the ranks each placement names, then the mean over the ranks that read
+/// different samples and the micro-batches (or the sum), then clipped to the global norm.
+pub(crate) struct PlacedReduction {
+    reducer: GradientReducer,
+    /// Every rank reading its own samples (`dp x fsdp x ep x cp`).
+    batch: Group,
+    /// Gradients are means over the batch (sums otherwise).
+    average: bool,
+}
+
+impl PlacedReduction {
+    /// The job's reduction over `batch` (collective: makes the reducer's groups).
+    fn new(ctx: &RankContext, config: &TrainConfig, batch: &Group) -> Result<Self, RankError> {
+        Ok(PlacedReduction {
+            reducer: GradientReducer::new(ctx, config.precision.reduce_dtype)?,
+            batch: batch.clone(),
+            average: config.parallel.gradient_reduction == GradientReduction::Mean,
+        })
+    }
+
+    /// The ranks that read different samples.
+    fn batch(&self) -> &Group {
+        &self.batch
+    }
+
+    /// The dtype gradients are summed in.
+    fn reduce_dtype(&self) -> flashover_parallel::precision::Precision {
+        self.reducer.reduce_dtype()
+    }
+
+    /// Reduces `grads` (this rank's, summed over `micro_batches`, laid out as `entries`) and
+    /// clips them to `clip`; returns the global norm before clipping.
+    fn reduce_and_clip(
+        &self,
+        entries: &[(ParamSlot, &ParamPlacement)],
+        grads: &mut [f32],
+        micro_batches: usize,
+        clip: Option<f32>,
+        ctx: &RankContext,
+    ) -> Result<f32, RankError> {
+        let scale = match self.average {
+            true => 1.0 / (self.batch.size() * micro_batches) as f32,
+            false => 1.0,
+        };
+        self.reducer.reduce(entries, grads, scale, None)?;
+        clip_placed(entries, grads, clip, ctx)
+    }
 }
 
 /// `entries` held by value, seen as `clip_placed` and `placed_segments` take them.

@@ -5,11 +5,11 @@
 
 use super::rows::FlatOptimizer;
 use super::{
-    Batches, NextTokenLoss, Precisions, RankStrategy, SharedState, StepOutcome, WholeModel,
-    borrowed, clip_placed, named_params,
+    Batches, NextTokenLoss, PlacedReduction, Precisions, RankStrategy, SharedState, StepOutcome,
+    WholeModel, borrowed, named_params,
 };
 use crate::train::checkpoint::LocalState;
-use crate::train::config::{GradientReduction, TrainConfig};
+use crate::train::config::TrainConfig;
 use crate::train::parallelize::Shares;
 use crate::train::report::MoeRecord;
 use crate::train::tp_model::TpTransformer;
@@ -20,7 +20,7 @@ use flashover_models::{Block, MoeHook, Transformer, TransformerConfig};
 use flashover_parallel::FlatAdamWConfig;
 use flashover_parallel::expert_parallel::ExpertParallel;
 use flashover_parallel::params::{ParamLayout, accumulate_grads};
-use flashover_parallel::placement::{GradientReducer, PlacementTable};
+use flashover_parallel::placement::PlacementTable;
 use flashover_parallel::zero::MemoryReport;
 use flashover_runtime::{CommunicatorExt, Group, RankContext, RankError, ReduceOp};
 use std::time::Duration;
@@ -31,6 +31,8 @@ struct MoeState<M> {
     model: M,
     experts: ExpertParallel,
     hook: MoeHook,
+    /// Where each parameter lives (experts owned over ep, with tp its shares).
+    placements: PlacementTable,
     reduction: PlacedReduction,
     /// Replicated AdamW, or this rank's rows under ZeRO.
     optim: FlatOptimizer,
@@ -38,17 +40,6 @@ struct MoeState<M> {
     d_model: usize,
     /// Hot experts copied to every ep rank each step (`moe.replicate_hot`).
     replicate_hot: usize,
-}
-
-/// How an expert-parallel rank reduces its gradients: as its parameters' placements say.
-struct PlacedReduction {
-    /// Where each parameter lives (experts owned over ep, with tp its shares).
-    placements: PlacementTable,
-    reducer: GradientReducer,
-    /// Every rank reading its own samples (`dp x ep`): routing statistics are summed here.
-    batch: Group,
-    /// Gradients are means over the batch (sums otherwise).
-    average: bool,
 }
 
 /// A model whose blocks an expert-parallel step reaches between steps (routing biases).
@@ -100,12 +91,12 @@ impl<M: MoeBlocks> MoeState<M> {
 
 impl<M: Module> MoeState<M> {
     /// `model` (this rank's experts, reached through the hook, and with tp its shares)
-    /// placed as `reduction` says, stepped by `optim`, copying the `replicate_hot` hottest
-    /// experts to every ep rank.
+    /// placed as `placements` say and reduced by `reduction`, stepped by `optim`, copying the
+    /// `replicate_hot` hottest experts to every ep rank.
     fn new(
         model: M,
         (experts, hook): (ExpertParallel, MoeHook),
-        reduction: PlacedReduction,
+        (placements, reduction): (PlacementTable, PlacedReduction),
         optim: FlatOptimizer,
         d_model: usize,
         replicate_hot: usize,
@@ -114,6 +105,7 @@ impl<M: Module> MoeState<M> {
         // Under ZeRO-3 a rank keeps only its rows between steps.
         let model = optim.between_steps(model);
         MoeState {
+            placements,
             reduction,
             optim,
             hook,
@@ -138,12 +130,10 @@ pub(super) fn build(
     adamw: &FlatAdamWConfig,
 ) -> Result<Box<dyn RankStrategy>, RankError> {
     // Replicas start equal: the seeded initialisation is the same on every rank.
-    let reduction = PlacedReduction {
-        placements: shares.placements().clone(),
-        reducer: GradientReducer::new(ctx, config.precision.reduce_dtype)?,
-        batch: grad_group.clone(),
-        average: config.parallel.gradient_reduction == GradientReduction::Mean,
-    };
+    let reduction = (
+        shares.placements().clone(),
+        PlacedReduction::new(ctx, config, grad_group)?,
+    );
     let (d, hot) = (model_config.d_model, config.moe.replicate_hot);
     let hook = MoeHook::new(std::sync::Arc::new(experts.clone()));
     let experts = (experts, hook);
@@ -179,8 +169,7 @@ impl<M: WholeModel + MoeBlocks> RankStrategy for MoeState<M> {
         ctx: &RankContext,
         _grad_group: &Group,
     ) -> Result<SharedState, RankError> {
-        self.optim
-            .local_state(ctx, &self.model, &self.reduction.placements)
+        self.optim.local_state(ctx, &self.model, &self.placements)
     }
 
     fn restore(&mut self, state: LocalState) -> Result<(), RankError> {
@@ -250,15 +239,10 @@ fn moe_step<M: NextTokenLoss + MoeBlocks>(
     // Under ZeRO each rank keeps the sum of its own rows over the sharding axis; the
     // placements' reducer sums the rest over the other data axes.
     let r = &state.reduction;
-    let mut grads = state.optim.own_grads(grads, r.reducer.reduce_dtype())?;
-    let entries = state.optim.entries(&r.placements, &state.model)?;
+    let mut grads = state.optim.own_grads(grads, r.reduce_dtype())?;
+    let entries = state.optim.entries(&state.placements, &state.model)?;
     let entries = borrowed(&entries);
-    let scale = match r.average {
-        true => 1.0 / (r.batch.size() * micro_batches) as f32,
-        false => 1.0,
-    };
-    r.reducer.reduce(&entries, &mut grads, scale, None)?;
-    let grad_norm = clip_placed(&entries, &mut grads, clip, ctx)?;
+    let grad_norm = r.reduce_and_clip(&entries, &mut grads, micro_batches, clip, ctx)?;
     drop(entries);
     let (update, loss_scale) = precision.decide(grad_norm);
     state.model = state.optim.step(lr, state.model.clone(), &grads, update)?;
@@ -295,7 +279,7 @@ fn routing_record<M: MoeBlocks>(state: &mut MoeState<M>) -> Result<MoeRecord, Ra
     let n_experts = state.experts.per_rank() * state.experts.group().size();
     let stats = state.hook.take_stats();
     let remote = state.experts.traffic().take();
-    let batch = &state.reduction.batch;
+    let batch = state.reduction.batch();
     let routing = RoutingSums::over(stats, remote, [layers, n_experts], &[batch])?;
     state
         .experts
