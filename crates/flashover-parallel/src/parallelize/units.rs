@@ -288,9 +288,10 @@ impl UnitGathers {
         }
         // Two kinds of op, so that backward moves each gradient once: every read of a
         // parameter is its own op, whose backward adds the parameter's gradient to the unit's
-        // buffer (handing its input zeros of one shard's size); all of them take the output of
-        // one op on the unit's shard, whose backward runs after theirs (autodiff orders nodes
-        // by depth) and reduce-scatters the buffer into the shard's gradient.
+        // buffer; all of them take the output of one op on the unit's shard, whose backward
+        // runs after theirs (autodiff orders nodes by depth) and reduce-scatters the buffer
+        // into the shard's gradient. That output is a one-element token, so what the reads
+        // hand it back in backward is one zero each, not a shard of zeros.
         let ranks = comm.group().size();
         let unit_grad = Arc::new(Mutex::new(vec![0.0f32; full.len()]));
         let (scatter, grads) = (comm.clone(), unit_grad.clone());
@@ -304,8 +305,8 @@ impl UnitGathers {
             scatter.stats().waited(started.elapsed());
             rows.unwrap_or_else(|e| std::panic::panic_any(e))
         }));
-        let values = shard.clone().detach();
-        let linked = gather_shard(shard, values, reduce_scatter);
+        let token = Tensor::<1>::zeros([1], &device).cast(dtype);
+        let linked = gather_shard(shard, token, reduce_scatter);
         let mut map = lock(&self.0.gathered);
         let mut offset = 0;
         for (name, len) in names.into_iter().zip(lens) {
@@ -318,7 +319,7 @@ impl UnitGathers {
                 for (sum, g) in unit[span.clone()].iter_mut().zip(grad) {
                     *sum += g;
                 }
-                vec![0.0; total]
+                vec![0.0]
             }));
             let read = gather_shard(linked.clone(), whole, add_to_unit);
             map.insert((depth(), name), read);
