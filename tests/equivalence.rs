@@ -21,6 +21,8 @@ mod activation_checkpointing;
 mod composition;
 #[path = "equivalence/context_parallel.rs"]
 mod context_parallel;
+#[path = "equivalence/job_plan.rs"]
+mod job_plan;
 #[path = "equivalence/mixed_precision.rs"]
 mod mixed_precision;
 #[path = "equivalence/moe.rs"]

@@ -6,6 +6,7 @@ use flashover_models::TransformerConfig;
 use flashover_models::moe::{DropPolicy, MoeConfig, RouterKind};
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
 use flashover_parallel::context_parallel::CpAttention;
+use flashover_parallel::parallelize::ParallelizePlan;
 use flashover_parallel::pipeline::ScheduleKind;
 use flashover_parallel::precision::{LossScale, MixedPrecision, Precision};
 use flashover_runtime::{Axis, DeviceChoice, DeviceMesh};
@@ -32,6 +33,12 @@ pub struct TrainConfig {
     pub moe: MoeSection,
     /// Mixed precision: compute dtype, gradient reduction dtype, loss scaling.
     pub precision: PrecisionSection,
+    /// The reference model's plan, in place of its own (`TransformerConfig::plan_toml`): the
+    /// `tensor_parallel` and `sequence_parallel` rules that split it over `tp`, and under
+    /// ZeRO-3 in units the `fully_shard` modules (every block and the rest when empty). The
+    /// job sets up pipelines, context and expert parallelism and recomputation itself, from
+    /// `[parallel]` and `[moe]`.
+    pub parallelize: Option<ParallelizePlan>,
 }
 
 /// `[precision]`: what forward and backward compute in (parameters and AdamW state stay f32),
@@ -696,6 +703,7 @@ impl TrainConfig {
                 errors.extend(self.precision_errors());
                 errors.extend(self.pipeline_errors(&mesh));
                 errors.extend(self.tensor_parallel_errors(&mesh));
+                errors.extend(self.parallelize_errors(&mesh));
                 errors.extend(self.batch_errors(&mesh));
             }
             Err(e) => errors.push(e),
@@ -813,6 +821,95 @@ impl TrainConfig {
         if m == 0 || b == 0 || !b.is_multiple_of(dp * m) {
             errors.push(format!(
                 "run.global_batch = {b} must be a positive multiple of the data-parallel ranks dp x fsdp x ep ({dp}) x run.micro_batches ({m})"
+            ));
+        }
+        errors
+    }
+
+    /// Whether ZeRO-3 runs in fully sharded units on `mesh` (without a pipeline or experts,
+    /// whose strategies shard every parameter by rows).
+    pub fn zero3_in_units(&self, mesh: &DeviceMesh) -> bool {
+        self.parallel.zero == 3 && mesh.degree(Axis::Pp) == 1 && self.moe.experts == 0
+    }
+
+    /// The plan transform 1 applies to the reference model (`model`, its configuration): the
+    /// job's `[parallelize]` table or the model's own plan (its `sequence_parallel` rules only
+    /// when `parallel.sequence_parallel` asks, its `expert_parallel` rules cleared: the job
+    /// places experts itself). Under ZeRO-3 in units `fully_shard` names every block and the
+    /// rest (`""`) when it names no module; otherwise it is cleared, having nothing to cut.
+    pub fn model_plan(
+        &self,
+        model: &TransformerConfig,
+        mesh: &DeviceMesh,
+    ) -> Result<ParallelizePlan, String> {
+        let mut plan = match &self.parallelize {
+            Some(plan) => plan.clone(),
+            None => super::tp_model::reference_plan(model, self.parallel.sequence_parallel)
+                .map_err(|e| e.to_string())?,
+        };
+        match self.zero3_in_units(mesh) {
+            true if plan.fully_shard.is_empty() => plan = plan.fully_shard(""),
+            true => {}
+            // Inert without units: `validate` refuses the rules on an fsdp axis of more than
+            // one rank that shards by rows instead, and without one there is nothing to cut.
+            false => plan.fully_shard.clear(),
+        }
+        Ok(plan)
+    }
+
+    /// What is wrong with a `[parallelize]` table: the job takes the tensor-parallel split and,
+    /// under ZeRO-3 in units, the units from it, and sets up the rest itself.
+    fn parallelize_errors(&self, mesh: &DeviceMesh) -> Vec<String> {
+        let Some(plan) = &self.parallelize else {
+            return vec![];
+        };
+        let mut errors = vec![];
+        let elsewhere = [
+            (
+                plan.pipeline.is_some(),
+                "pipeline: the job cuts stages from parallel.mesh's pp with its cost model, \
+                 scheduled as parallel.pp_schedule says",
+            ),
+            (
+                plan.context_parallel.is_some(),
+                "context_parallel: the job splits sequences over parallel.mesh's cp, with \
+                 parallel.cp_attention",
+            ),
+            (
+                !plan.expert_parallel.is_empty(),
+                "expert_parallel: the job spreads [moe] experts over parallel.mesh's ep itself",
+            ),
+            (
+                plan.activation_checkpointing != CheckpointPolicy::None,
+                "activation_checkpointing: set parallel.activation_checkpointing",
+            ),
+        ];
+        for (_, why) in elsewhere.iter().filter(|(set, _)| *set) {
+            errors.push(format!(
+                "parallelize.{why}; leave the rule out of [parallelize]"
+            ));
+        }
+        // Without an fsdp axis there is nothing to shard (as a plan's rule is then inert).
+        if !plan.fully_shard.is_empty() && mesh.degree(Axis::Fsdp) > 1 && !self.zero3_in_units(mesh)
+        {
+            errors.push(
+                "parallelize.fully_shard: units need parallel.zero = 3 without a pipeline or \
+                 experts (those shard every parameter by rows); leave fully_shard out"
+                    .into(),
+            );
+        }
+        let sp_rules = !plan.sequence_parallel.is_empty();
+        if mesh.degree(Axis::Tp) > 1 && sp_rules != self.parallel.sequence_parallel {
+            errors.push(format!(
+                "parallelize.sequence_parallel {} but parallel.sequence_parallel = {}: name the \
+                 modules between the tensor-parallel regions (the norms) exactly when sequence \
+                 parallelism is on",
+                if sp_rules {
+                    "names modules"
+                } else {
+                    "is empty"
+                },
+                self.parallel.sequence_parallel
             ));
         }
         errors

@@ -77,9 +77,10 @@ pub(crate) fn parallelize(
 
 /// 1. Megatron's tensor parallelism over `tp` (attention by heads, the MLP by its hidden
 ///    dimension, embedding and head by vocabulary), with sequence parallelism when the job
-///    asks, through the model's plan; under ZeRO-3 in units ([`in_units`]) the same pass cuts
+///    asks, through the model's plan; under ZeRO-3 in units (`TrainConfig::zero3_in_units`) the same pass cuts
 ///    every part by rows over `fsdp` (`fully_shard("")`: one unit per block and one for the
-///    rest). The model as it is without either.
+///    rest). The job's `[parallelize]` table replaces the model's own plan
+///    (`TrainConfig::model_plan`). The model as it is without either.
 pub(crate) fn tensor_parallel(
     ctx: &RankContext,
     config: &TrainConfig,
@@ -89,7 +90,7 @@ pub(crate) fn tensor_parallel(
 ) -> Result<Shares, RankError> {
     let tp = ctx.group(Axis::Tp);
     // ZeRO-3 in units (step 7) cuts rows in the same pass, through the model's plan.
-    let units = in_units(ctx, config, model_config).then(|| {
+    let units = config.zero3_in_units(ctx.mesh()).then(|| {
         let precision = &config.precision;
         ShardGroup::with_precision(
             ctx.group(Axis::Fsdp),
@@ -100,20 +101,10 @@ pub(crate) fn tensor_parallel(
     if tp.size() == 1 && units.is_none() {
         return Ok(Shares::Whole(Box::new(model), placements));
     }
-    let plan = TensorParallel::new(tp).with_sequence_parallel(config.parallel.sequence_parallel);
-    let shares =
-        TpTransformer::shard_units(model, model_config, &plan, placements, units.as_ref())?;
+    let plan = config.model_plan(model_config, ctx.mesh())?;
+    let tp = TensorParallel::new(tp).with_sequence_parallel(config.parallel.sequence_parallel);
+    let shares = TpTransformer::shard_plan(model, &plan, &tp, placements, units.as_ref())?;
     Ok(Shares::Split(Box::new(shares)))
-}
-
-/// Whether the job runs ZeRO-3 as fully sharded units (`strategy::fsdp`): without a pipeline
-/// or experts, whose strategies cut rows their own way.
-pub(crate) fn in_units(
-    ctx: &RankContext,
-    config: &TrainConfig,
-    model_config: &TransformerConfig,
-) -> bool {
-    config.parallel.zero == 3 && ctx.group(Axis::Pp).size() == 1 && model_config.moe.is_none()
 }
 
 /// 2. Expert parallelism over `ep` for mixture-of-experts models: the experts the rank was

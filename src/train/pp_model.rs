@@ -2,7 +2,7 @@
 //! embedding, every stage a contiguous run of blocks, the last the final norm and LM head (and
 //! computes the loss).
 
-use super::tp_model::{tp_block_forward, tp_context};
+use super::tp_model::{split_heads, tp_block_forward, tp_context};
 use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::tensor::{Int, Tensor};
@@ -167,7 +167,7 @@ impl TransformerStage {
         ctx: &ForwardContext,
     ) -> StageOutput<3> {
         let t = tokens.dims()[1];
-        let heads = self.blocks.first().map_or(0, |b| b.attn.n_heads);
+        let heads = split_heads(self.blocks.first());
         let ctx = match &self.tp {
             Some((tp, _)) => tp_context(ctx, tp, heads, t),
             None => ctx.clone(),

@@ -17,7 +17,7 @@ use flashover_models::{Block, ForwardContext, Transformer, TransformerConfig};
 use flashover_parallel::ParallelError;
 use flashover_parallel::parallelize::transformer::{layer_hooks, set_tp_offsets};
 use flashover_parallel::parallelize::{
-    FullyShardedUnits, ParallelizePlan, TensorParallelParts, split_and_shard,
+    FullyShardedUnits, ParallelizePlan, TensorParallelParts, split_and_shard, tp_split,
 };
 use flashover_parallel::placement::PlacementTable;
 use flashover_parallel::tensor_parallel::TensorParallel;
@@ -93,37 +93,32 @@ impl TpTransformer {
         tp: &TensorParallel,
         table: PlacementTable,
     ) -> Result<Self, ParallelError> {
-        Self::shard_units(full, config, tp, table, None)
+        let plan = reference_plan(config, tp.sequence_parallel)?;
+        Self::shard_plan(full, &plan, tp, table, None)
     }
 
-    /// [`TpTransformer::shard_placed`] that also cuts every part by rows over `fsdp`'s group
-    /// in fully sharded units, one per block and one for the rest (the model's plan under
-    /// `fully_shard("")`), which [`TpTransformer::units`] gathers: FSDP over TP, or FSDP alone
-    /// on a `tp` group of one rank.
-    pub fn shard_units(
+    /// `full` cut by `plan`'s `tensor_parallel` and `sequence_parallel` rules over `tp` and,
+    /// with `fsdp`, by rows over its group in the units of `plan`'s `fully_shard` modules,
+    /// which [`TpTransformer::units`] gathers: FSDP over TP, or FSDP alone on a `tp` group of
+    /// one rank. Fails, naming the path, when the plan does not fit the model, and when it
+    /// splits attention by other than whole heads.
+    pub fn shard_plan(
         full: Transformer,
-        config: &TransformerConfig,
+        plan: &ParallelizePlan,
         tp: &TensorParallel,
         mut table: PlacementTable,
         fsdp: Option<&Arc<ShardGroup>>,
     ) -> Result<Self, ParallelError> {
-        let (heads, n) = (config.n_heads, tp.group.size());
-        if !heads.is_multiple_of(n) {
-            return Err(ParallelError::Invalid(format!(
-                "model.n_heads = {heads} does not divide by tp = {n}: attention is split by whole \
-                 heads; choose a tp that divides the head count"
-            )));
+        let (local, parts, units) = split_and_shard(full, plan, &tp.group, fsdp, &mut table)?;
+        if let Some(attention) = local.blocks.first().map(|b| &b.attn) {
+            let (heads, n) = (attention.n_heads, tp.group.size());
+            if tp_split(&attention.wq.weight).is_some() && !heads.is_multiple_of(n) {
+                return Err(ParallelError::Invalid(format!(
+                    "model.n_heads = {heads} does not divide by tp = {n}: attention is split by \
+                     whole heads; choose a tp that divides the head count"
+                )));
+            }
         }
-        let mut plan = ParallelizePlan::from_toml(&config.plan_toml())?;
-        // The trainer places experts itself (`train::parallelize::expert_parallel`).
-        plan.expert_parallel.clear();
-        if !tp.sequence_parallel {
-            plan.sequence_parallel.clear();
-        }
-        if fsdp.is_some() {
-            plan = plan.fully_shard("");
-        }
-        let (local, parts, units) = split_and_shard(full, &plan, &tp.group, fsdp, &mut table)?;
         Ok(TpTransformer {
             local,
             tp: tp.clone(),
@@ -144,7 +139,7 @@ impl TpTransformer {
         }
     }
 
-    /// The fully sharded units ([`TpTransformer::shard_units`]): run the forward in their
+    /// The fully sharded units ([`TpTransformer::shard_plan`]): run the forward in their
     /// scope, [`FullyShardedUnits::forward`].
     pub fn units(&self) -> &FullyShardedUnits {
         &self.units
@@ -177,7 +172,7 @@ impl TpTransformer {
         ctx: &ForwardContext,
     ) -> Tensor<1> {
         let model = &self.local;
-        let heads = model.blocks.first().map_or(0, |b| b.attn.n_heads);
+        let heads = split_heads(model.blocks.first());
         let ctx = tp_context(ctx, &self.tp, heads, tokens.dims()[1]);
         let tp = self.tp.clone();
         let h = model.hidden_states_with(tokens, &ctx, move |b, h, rope, ctx, layer| {
@@ -203,6 +198,30 @@ impl TpTransformer {
     ) {
         (self.local, self.tp, self.parts, self.placements)
     }
+}
+
+/// The reference model's own plan (`TransformerConfig::plan_toml`) as the trainer applies it:
+/// without its `expert_parallel` rules (the trainer places experts itself,
+/// `train::parallelize::expert_parallel`), and without its `sequence_parallel` ones unless
+/// `sequence_parallel`.
+pub(crate) fn reference_plan(
+    config: &TransformerConfig,
+    sequence_parallel: bool,
+) -> Result<ParallelizePlan, ParallelError> {
+    let mut plan = ParallelizePlan::from_toml(&config.plan_toml())?;
+    plan.expert_parallel.clear();
+    if !sequence_parallel {
+        plan.sequence_parallel.clear();
+    }
+    Ok(plan)
+}
+
+/// The attention heads of `block` whose parts a `tp` rank's dropout offsets count: the
+/// model's heads when the plan split its attention, none (offset 0) when it left it whole.
+pub(crate) fn split_heads(block: Option<&Block>) -> usize {
+    block
+        .filter(|b| tp_split(&b.attn.wq.weight).is_some())
+        .map_or(0, |b| b.attn.n_heads)
 }
 
 /// `ctx` with this rank's first head and (with sequence parallelism) first sequence position,

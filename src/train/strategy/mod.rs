@@ -138,7 +138,7 @@ pub(crate) fn build(
     match (config.parallel.zero, shares) {
         (3, Shares::Split(model)) => fsdp::build(ctx, config, model, grad_group, &adamw),
         (3, Shares::Whole(..)) => Err(RankError::from(
-            "ZeRO-3 runs fully sharded units, which transform 1 cuts (train::parallelize::in_units)",
+            "ZeRO-3 runs fully sharded units, which transform 1 cuts (TrainConfig::zero3_in_units)",
         )),
         // ZeRO-1/2 of tensor-parallel shares cuts the optimizer state by rows.
         (0, shares) | (_, shares @ Shares::Split(_)) => {
