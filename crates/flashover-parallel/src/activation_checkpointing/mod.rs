@@ -27,7 +27,7 @@ pub use op::{RecomputeHook, recompute};
 use crate::hook::hooks_supported;
 use crate::parallelize::units::recomputing;
 use crate::params::{ParamLayout, accumulate_grads};
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
 use flashover_models::{Block, BlockCheckpoint, BlockFn, CheckpointHook, ForwardContext, MoeHook};
@@ -400,30 +400,43 @@ where
 /// The float parameters of `module` that `part` marks (all without it), flattened in layout
 /// order, as one tracked vector (`None` when there are none).
 fn flat_params<M: Module>(module: &M, part: Option<&[bool]>) -> Option<Tensor<1>> {
+    let tensors: Vec<Tensor<1>> = marked_params(module, part)
+        .into_iter()
+        .map(|(_, t)| t)
+        .collect();
+    (!tensors.is_empty()).then(|| Tensor::cat(tensors, 0))
+}
+
+/// The float parameters of `module` that `part` marks (all without it), in layout order, by
+/// id: their stored values (a visitor sees a parameter without its reparameterization),
+/// flattened.
+pub(crate) fn marked_params<M: Module>(
+    module: &M,
+    part: Option<&[bool]>,
+) -> Vec<(ParamId, Tensor<1>)> {
     struct Collect<'a> {
         part: Option<&'a [bool]>,
         index: usize,
-        tensors: Vec<Tensor<1>>,
+        params: Vec<(ParamId, Tensor<1>)>,
     }
     impl ModuleVisitor for Collect<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let held = self.part.is_none_or(|p| p[self.index]);
             self.index += 1;
             if held {
-                // The stored value: a visitor sees a parameter without its reparameterization.
                 let t = param.val();
                 let numel = t.shape().num_elements();
-                self.tensors.push(t.reshape([numel]));
+                self.params.push((param.id, t.reshape([numel])));
             }
         }
     }
     let mut c = Collect {
         part,
         index: 0,
-        tensors: vec![],
+        params: vec![],
     };
     module.visit(&mut c);
-    (!c.tensors.is_empty()).then(|| Tensor::cat(c.tensors, 0))
+    c.params
 }
 
 #[cfg(test)]

@@ -21,6 +21,7 @@
 //! keeps whatever a forward's graph read).
 
 use super::plan::ParallelizePlan;
+use crate::activation_checkpointing::marked_params;
 use crate::error::ParallelError;
 use crate::params::to_f32;
 use crate::zero::{Pending, ScatterHook, ShardGroup, gather_shard};
@@ -548,7 +549,7 @@ pub(crate) fn recomputing<M: Module, T>(
             RECOMPUTING.with(|d| d.set((d.get().0 - self.0.0, d.get().1 - self.0.1)));
         }
     }
-    let stored = stored_values(module, part);
+    let stored = marked_params(module, part).into_iter().collect();
     RECOMPUTING.with(|d| d.set((d.get().0 + step.0, d.get().1 + step.1)));
     FRAMES.with(|f| {
         f.borrow_mut().push(Frame {
@@ -559,34 +560,6 @@ pub(crate) fn recomputing<M: Module, T>(
     });
     let _leave = Leave(step);
     f()
-}
-
-/// `module`'s parameters that `part` marks (all without it), by id: their stored values
-/// (a visitor sees a parameter without its reparameterization), flattened.
-fn stored_values<M: Module>(module: &M, part: Option<&[bool]>) -> HashMap<ParamId, Tensor<1>> {
-    struct Collect<'a> {
-        part: Option<&'a [bool]>,
-        index: usize,
-        stored: HashMap<ParamId, Tensor<1>>,
-    }
-    impl ModuleVisitor for Collect<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let held = self.part.is_none_or(|p| p[self.index]);
-            self.index += 1;
-            if held {
-                let value = param.val();
-                let numel = value.shape().num_elements();
-                self.stored.insert(param.id, value.reshape([numel]));
-            }
-        }
-    }
-    let mut collect = Collect {
-        part,
-        index: 0,
-        stored: HashMap::new(),
-    };
-    module.visit(&mut collect);
-    collect.stored
 }
 
 /// How a unit's gathered rows are ordered: the all-gather returns every rank's shard in
