@@ -77,10 +77,11 @@ pub(crate) fn parallelize(
 
 /// 1. Megatron's tensor parallelism over `tp` (attention by heads, the MLP by its hidden
 ///    dimension, embedding and head by vocabulary), with sequence parallelism when the job
-///    asks, through the model's plan; under ZeRO-3 in units (`TrainConfig::zero3_in_units`) the same pass cuts
-///    every part by rows over `fsdp` (`fully_shard("")`: one unit per block and one for the
-///    rest). The job's `[parallelize]` table replaces the model's own plan
-///    (`TrainConfig::model_plan`). The model as it is without either.
+///    asks, through the model's plan; under ZeRO-3 in units
+///    (`TrainConfig::zero3_in_units`) the same pass cuts every part by rows over `fsdp`
+///    (`fully_shard("")`: one unit per block and one for the rest). The job's
+///    `[parallelize]` table replaces the model's own plan (`TrainConfig::model_plan`). The
+///    model as it is without either.
 pub(crate) fn tensor_parallel(
     ctx: &RankContext,
     config: &TrainConfig,

@@ -40,7 +40,7 @@ struct FullySharded {
     reshard: Option<(Arc<BlockRecompute>, CheckpointHook)>,
 }
 
-/// `model`, cut into units by transform 1 (`TpTransformer::shard_units`), stepped as ZeRO-3.
+/// `model`, cut into units by transform 1 (`TpTransformer::shard_plan`), stepped as ZeRO-3.
 pub(super) fn build(
     ctx: &RankContext,
     config: &TrainConfig,
