@@ -1101,6 +1101,10 @@ mod example_config_tests {
                 "long_context.toml",
                 include_str!("../../examples/configs/long_context.toml"),
             ),
+            (
+                "fsdp_tp_plan.toml",
+                include_str!("../../examples/configs/fsdp_tp_plan.toml"),
+            ),
         ] {
             let c = TrainConfig::from_toml(text).unwrap();
             assert!(c.validate().is_empty(), "{name}: {:?}", c.validate());
