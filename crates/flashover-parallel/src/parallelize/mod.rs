@@ -294,6 +294,39 @@ pub fn split_tensor_parallel<M: Module>(
 /// initialisation (nothing is broadcast). Fails, naming the path, when the plan does not fit
 /// the model, has pipeline, context or expert rules, or has `fully_shard` rules without
 /// `fsdp`.
+///
+/// ```
+/// use burn::tensor::{Device, Int, Tensor};
+/// use flashover_models::TransformerConfig;
+/// use flashover_parallel::parallelize::{split_and_shard, transformer};
+/// use flashover_parallel::placement::PlacementTable;
+/// use flashover_parallel::zero::ShardGroup;
+/// use flashover_runtime::{Axis, launch};
+///
+/// let config = TransformerConfig::tiny(16);
+/// let device = Device::flex().autodiff();
+/// let tokens = Tensor::<2, Int>::from_ints([[1, 2, 3, 4, 5]], &device);
+/// let (inputs, targets) = (tokens.clone().narrow(1, 0, 4), tokens.narrow(1, 1, 4));
+/// let fwd = transformer::forward_context();
+/// let one_rank = config.init(3, &device).forward_loss(inputs.clone(), targets.clone(), &fwd);
+/// let one_rank: f32 = one_rank.into_scalar();
+/// let losses = launch("fsdp=2,tp=2", |ctx| {
+///     let model = config.init(3, &device); // the same initialisation on every rank
+///     let plan = transformer::plan(&config)?.fully_shard(""); // tp split, then fsdp rows
+///     let units = ShardGroup::new(ctx.group(Axis::Fsdp));
+///     let mut table = PlacementTable::whole(&model);
+///     let (model, _parts, units) =
+///         split_and_shard(model, &plan, ctx.group(Axis::Tp), Some(&units), &mut table)?;
+///     assert_eq!(units.paths(), ["", "blocks.0", "blocks.1"]);
+///     // Each block gathered in one collective at its first read, the next one prefetched.
+///     let fwd = transformer::forward_context();
+///     let (x, y) = (inputs.clone(), targets.clone());
+///     let loss = units.forward(&model, |m| m.forward_loss(x, y, &fwd))?;
+///     Ok::<f32, flashover_parallel::ParallelError>(loss.into_scalar())
+/// })
+/// .unwrap();
+/// assert!(losses.iter().all(|l| (l - one_rank).abs() < 1e-5));
+/// ```
 pub fn split_and_shard<M: Module>(
     model: M,
     plan: &ParallelizePlan,
