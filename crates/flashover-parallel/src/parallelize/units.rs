@@ -64,7 +64,7 @@ type UnitShards = Vec<(String, Tensor<1>)>;
 #[derive(Debug, Default)]
 pub(crate) struct UnitLayout {
     /// Which unit each fully sharded parameter (by path) belongs to.
-    pub(crate) unit_of: Arc<HashMap<String, usize>>,
+    pub(crate) unit_of: HashMap<String, usize>,
     /// Per unit, its parameters (path and id) in layout order.
     pub(crate) members: Vec<Vec<(String, ParamId)>>,
 }
@@ -105,10 +105,7 @@ impl FullyShardedUnits {
                 members[*unit].push((name.clone(), slot.id));
             }
         }
-        gathers.set_layout(UnitLayout {
-            unit_of: Arc::new(unit_of),
-            members,
-        });
+        gathers.set_layout(UnitLayout { unit_of, members });
         FullyShardedUnits {
             gathers,
             paths,
@@ -124,14 +121,11 @@ impl FullyShardedUnits {
         model: &M,
         f: impl FnOnce(&M) -> T,
     ) -> Result<T, ParallelError> {
-        let Some(layout) = self.gathers.0.layout.get() else {
-            return Ok(f(model));
-        };
         if self.gathers.comm().is_none() {
             return Ok(f(model));
         }
         let shards = unit_shards(model, &self.slots, self.paths.len());
-        let scope = UnitScope::new(layout.unit_of.clone(), shards);
+        let scope = UnitScope::new(shards);
         self.gathers.run_scope(scope, || f(model))
     }
 
@@ -157,13 +151,11 @@ pub(crate) enum Unit {
     Layer(usize),
 }
 
-/// A forward's units still to gather.
+/// A forward's units still to gather (numbered as [`UnitLayout`] numbers them).
 #[derive(Debug)]
 pub(crate) struct UnitScope {
-    /// Which unit each fully sharded parameter (by path) belongs to.
-    unit_of: Arc<HashMap<String, usize>>,
     /// Per unit, its parameters' stored rows (flattened, by path) until it is gathered.
-    waiting: Vec<Option<Vec<(String, Tensor<1>)>>>,
+    waiting: Vec<Option<UnitShards>>,
 }
 
 /// Locks `m`, recovering from a poisoned lock (a panicking rank's state is read-only here).
@@ -354,16 +346,12 @@ impl UnitGathers {
         if key.0 > 0 {
             return self.get_recomputed(name);
         }
-        let (unit, shards, next) = {
+        let unit = *self.0.layout.get()?.unit_of.get(name)?;
+        let (shards, next) = {
             let mut scope = lock(&self.0.scope);
             let scope = scope.as_mut()?;
-            let unit = *scope.unit_of.get(name)?;
             let shards = scope.waiting[unit].take()?;
-            // The next unit still to gather, in layout order (forward order in most models;
-            // a unit read out of that order is gathered when read).
-            let next =
-                (unit + 1..scope.waiting.len()).find_map(|u| Some((u, scope.waiting[u].clone()?)));
-            (unit, shards, next)
+            (shards, scope.next_waiting(unit))
         };
         self.gather_prefetched(Unit::Scoped(unit), shards);
         if let Some((next, shards)) = next {
@@ -405,8 +393,7 @@ impl UnitGathers {
                 lock(&self.0.to_rerun).push((unit, shards.clone()));
                 lock(&self.0.scope).as_mut().and_then(|scope| {
                     scope.waiting[unit] = None;
-                    (unit + 1..scope.waiting.len())
-                        .find_map(|u| Some((u, scope.waiting[u].clone()?)))
+                    scope.next_waiting(unit)
                 })
             }
             (true, true) => {
@@ -603,17 +590,20 @@ impl RowOrder {
 
 impl UnitScope {
     /// A forward's scope over `shards` (per unit, its parameters' stored rows by path).
-    pub(super) fn new(
-        unit_of: Arc<HashMap<String, usize>>,
-        shards: Vec<Vec<(String, Tensor<1>)>>,
-    ) -> Self {
+    pub(super) fn new(shards: Vec<UnitShards>) -> Self {
         UnitScope {
-            unit_of,
             waiting: shards
                 .into_iter()
                 .map(|s| (!s.is_empty()).then_some(s))
                 .collect(),
         }
+    }
+
+    /// The first unit after `unit` still to gather, in layout order (forward order in most
+    /// models; a unit read out of that order is gathered when read), with its shards: the
+    /// one to prefetch.
+    fn next_waiting(&self, unit: usize) -> Option<(usize, UnitShards)> {
+        (unit + 1..self.waiting.len()).find_map(|u| Some((u, self.waiting[u].clone()?)))
     }
 }
 
