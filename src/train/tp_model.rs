@@ -128,17 +128,6 @@ impl TpTransformer {
         })
     }
 
-    /// This model with its parts `f` maps (a view of them: the same ids, the same splits).
-    pub(crate) fn map_local(&self, f: impl FnOnce(Transformer) -> Transformer) -> Self {
-        TpTransformer {
-            local: f(self.local.clone()),
-            tp: self.tp.clone(),
-            parts: self.parts.clone(),
-            placements: self.placements.clone(),
-            units: self.units.clone(),
-        }
-    }
-
     /// The fully sharded units ([`TpTransformer::shard_plan`]): run the forward in their
     /// scope, [`FullyShardedUnits::forward`].
     pub fn units(&self) -> &FullyShardedUnits {
@@ -171,7 +160,18 @@ impl TpTransformer {
         targets: Tensor<2, Int>,
         ctx: &ForwardContext,
     ) -> Tensor<1> {
-        let model = &self.local;
+        self.forward_loss_of(&self.local, tokens, targets, ctx)
+    }
+
+    /// [`TpTransformer::forward_loss`] of `model`, a view of this rank's parts (the same ids
+    /// and splits: a cast view of them).
+    pub(crate) fn forward_loss_of(
+        &self,
+        model: &Transformer,
+        tokens: Tensor<2, Int>,
+        targets: Tensor<2, Int>,
+        ctx: &ForwardContext,
+    ) -> Tensor<1> {
         let heads = split_heads(model.blocks.first());
         let ctx = tp_context(ctx, &self.tp, heads, tokens.dims()[1]);
         let tp = self.tp.clone();

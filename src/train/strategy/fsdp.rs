@@ -22,7 +22,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use flashover_models::{Block, BlockCheckpoint, BlockFn, CheckpointHook, ForwardContext};
 use flashover_parallel::FlatAdamWConfig;
-use flashover_parallel::activation_checkpointing::{BlockRecompute, CheckpointPolicy};
+use flashover_parallel::activation_checkpointing::CheckpointPolicy;
 use flashover_parallel::params::{ParamLayout, accumulate_grads};
 use flashover_parallel::precision::MixedPrecision;
 use flashover_parallel::zero::{GatherCounts, GatherStats, MemoryReport};
@@ -37,7 +37,7 @@ struct FullySharded {
     reduction: PlacedReduction,
     /// With `reshard_after_forward`: recomputes every block, so that its gathered
     /// parameters live only while it computes.
-    reshard: Option<(Arc<BlockRecompute>, CheckpointHook)>,
+    reshard: Option<CheckpointHook>,
 }
 
 /// `model`, cut into units by transform 1 (`TpTransformer::shard_plan`), stepped as ZeRO-3.
@@ -49,11 +49,8 @@ pub(super) fn build(
     adamw: &FlatAdamWConfig,
 ) -> Result<Box<dyn RankStrategy>, RankError> {
     let reshard = config.parallel.reshard_after_forward.then(|| {
-        let recompute = CheckpointPolicy::Full
-            .block_recompute()
-            .expect("full recomputation is block-level");
-        let hook = recompute.hook();
-        (recompute, hook)
+        let recompute = CheckpointPolicy::Full.block_recompute();
+        recompute.expect("full recomputation is block-level").hook()
     });
     Ok(Box::new(FullySharded {
         optim: FlatOptimizer::new(ctx, &*model, 0, adamw),
@@ -91,7 +88,7 @@ impl RankStrategy for FullySharded {
         let mut loss_sum = 0.0f64;
         for micro in 0..micro_batches {
             let (inputs, targets, mut fwd) = batches(micro);
-            if let Some((_, hook)) = &self.reshard {
+            if let Some(hook) = &self.reshard {
                 fwd.checkpointing = Some(hook.clone());
             }
             let policy = precision.policy;
@@ -105,13 +102,11 @@ impl RankStrategy for FullySharded {
             // are cast inside whatever runs them (`BlocksInComputeDtype`).
             let model = &*self.model;
             let loss = model.units().forward(model, |m| {
-                let view = m.map_local(|mut local| {
-                    let blocks = std::mem::take(&mut local.blocks);
-                    let mut view = policy.compute_view(local);
-                    view.blocks = blocks;
-                    view
-                });
-                view.forward_loss(inputs, targets, &fwd)
+                let mut view = m.local.clone();
+                let blocks = std::mem::take(&mut view.blocks);
+                let mut view = policy.compute_view(view);
+                view.blocks = blocks;
+                m.forward_loss_of(&view, inputs, targets, &fwd)
             })?;
             loss_sum += loss.clone().into_scalar::<f32>() as f64;
             let raw = precision.scaler.scale_loss(loss).backward();
