@@ -218,17 +218,9 @@ pub fn parallelize<M: Module>(
     if let Some(e) = error {
         return Err(e);
     }
+    let sharded = rows_over_fsdp(&placements, &layout);
     if let Some(stages) = &mut stages {
         // A pipeline's layers are units: each gathers its sharded parameters at once.
-        let sharded: Vec<bool> = layout
-            .slots
-            .iter()
-            .map(|s| {
-                placements
-                    .get(s.id)
-                    .is_some_and(|e| e.on(Axis::Fsdp) != Placement::Replicate)
-            })
-            .collect();
         if stages.splits_backward() && sharded.iter().any(|s| *s) {
             return Err(ParallelError::Invalid(
                 "pipeline schedule: zb-h1 defers a layer's weight gradient past the layer's \
@@ -240,10 +232,7 @@ pub fn parallelize<M: Module>(
         stages.gather_layers(units.clone(), ctx.group(Axis::Fsdp), &sharded);
     }
     // The units: every sharded parameter this rank holds (not another stage's or ep rank's).
-    let held_shards = layout.slots.iter().map(|s| {
-        let sharded = placements
-            .get(s.id)
-            .is_some_and(|e| e.on(Axis::Fsdp) != Placement::Replicate);
+    let held_shards = layout.slots.iter().zip(&sharded).map(|(s, &sharded)| {
         (sharded && !absent.by_path.contains_key(&s.name)).then_some(s.name.as_str())
     });
     let comm = (ctx.group(Axis::Fsdp).size() > 1).then(|| ShardGroup::new(ctx.group(Axis::Fsdp)));
@@ -379,14 +368,21 @@ pub fn split_and_shard<M: Module>(
     if let Some(e) = error {
         return Err(e);
     }
-    let held_shards = layout.slots.iter().map(|s| {
-        let sharded = placements
-            .get(s.id)
-            .is_some_and(|e| e.on(Axis::Fsdp) != Placement::Replicate);
-        sharded.then_some(s.name.as_str())
-    });
+    let sharded = rows_over_fsdp(placements, &layout);
+    let held_shards =
+        (layout.slots.iter().zip(&sharded)).map(|(s, &sharded)| sharded.then_some(s.name.as_str()));
     let units = FullyShardedUnits::new(plan, &layout, held_shards, gathers, fsdp.cloned());
     Ok((model, TensorParallelParts { whole_reads }, units))
+}
+
+/// Per parameter of `layout`, whether `placements` cut its rows over `fsdp`.
+fn rows_over_fsdp(placements: &PlacementTable, layout: &ParamLayout) -> Vec<bool> {
+    let sharded = |s: &ParamSlot| {
+        placements
+            .get(s.id)
+            .is_some_and(|e| e.on(Axis::Fsdp) != Placement::Replicate)
+    };
+    layout.slots.iter().map(sharded).collect()
 }
 
 /// What [`split_tensor_parallel`] did, for turning the parts back into the whole model.
