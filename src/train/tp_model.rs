@@ -15,9 +15,9 @@ use burn::module::Module;
 use burn::tensor::{Int, Tensor};
 use flashover_models::{Block, ForwardContext, Transformer, TransformerConfig};
 use flashover_parallel::ParallelError;
-use flashover_parallel::parallelize::transformer::{layer_hooks, set_tp_offsets};
+use flashover_parallel::parallelize::transformer::{attention_split, layer_hooks, set_tp_offsets};
 use flashover_parallel::parallelize::{
-    FullyShardedUnits, ParallelizePlan, TensorParallelParts, split_and_shard, tp_split,
+    FullyShardedUnits, ParallelizePlan, TensorParallelParts, split_and_shard,
 };
 use flashover_parallel::placement::PlacementTable;
 use flashover_parallel::tensor_parallel::TensorParallel;
@@ -110,9 +110,9 @@ impl TpTransformer {
         fsdp: Option<&Arc<ShardGroup>>,
     ) -> Result<Self, ParallelError> {
         let (local, parts, units) = split_and_shard(full, plan, &tp.group, fsdp, &mut table)?;
-        if let Some(attention) = local.blocks.first().map(|b| &b.attn) {
-            let (heads, n) = (attention.n_heads, tp.group.size());
-            if tp_split(&attention.wq.weight).is_some() && !heads.is_multiple_of(n) {
+        if let Some((heads, _)) = local.blocks.first().and_then(attention_split) {
+            let n = tp.group.size();
+            if !heads.is_multiple_of(n) {
                 return Err(ParallelError::Invalid(format!(
                     "model.n_heads = {heads} does not divide by tp = {n}: attention is split by \
                      whole heads; choose a tp that divides the head count"
@@ -220,8 +220,8 @@ pub(crate) fn reference_plan(
 /// model's heads when the plan split its attention, none (offset 0) when it left it whole.
 pub(crate) fn split_heads(block: Option<&Block>) -> usize {
     block
-        .filter(|b| tp_split(&b.attn.wq.weight).is_some())
-        .map_or(0, |b| b.attn.n_heads)
+        .and_then(attention_split)
+        .map_or(0, |(heads, _)| heads)
 }
 
 /// `ctx` with this rank's first head and (with sequence parallelism) first sequence position,

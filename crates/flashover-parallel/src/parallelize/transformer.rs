@@ -30,7 +30,7 @@
 //! assert!((losses[0] - one_rank).abs() < 1e-5 && losses[0] == losses[1]);
 //! ```
 
-use super::{ParallelizePlan, PipelineModel, PipelineRule, tp_split};
+use super::{ParallelizePlan, PipelineModel, PipelineRule, TpSplit, tp_split};
 use crate::error::ParallelError;
 use crate::nn::MoeForward;
 use crate::nn::embedding::{placed_embedding, table_split, tied_logits};
@@ -42,7 +42,7 @@ use burn::tensor::{Int, Tensor};
 use flashover_comm::Group;
 use flashover_models::moe::LocalExperts;
 use flashover_models::{
-    Dropout, ForwardContext, LinearHook, LinearOp, Moe, MoeHook, MoeLayerHook, MoeLayerOp,
+    Block, Dropout, ForwardContext, LinearHook, LinearOp, Moe, MoeHook, MoeLayerHook, MoeLayerOp,
     OutputHead, Transformer, TransformerConfig, VocabHook, VocabOp, next_token_loss,
 };
 use std::sync::Arc;
@@ -116,14 +116,16 @@ pub fn dropout_context(
     let mut ctx = forward_context();
     ctx.dropout = Some(dropout);
     ctx.sample_offset = sample_offset;
-    let split = model.blocks.first().and_then(|b| {
-        let split = tp_split(&b.attn.wq.weight)?;
-        Some((b.attn.n_heads, split))
-    });
-    if let Some((heads, split)) = split {
+    if let Some((heads, split)) = model.blocks.first().and_then(attention_split) {
         set_tp_offsets(&mut ctx, &split.group, heads, seq, split.sequence_parallel);
     }
     ctx
+}
+
+/// The attention heads of `block` and how the plan split them over `tp` (read from its query
+/// projection), when it did.
+pub fn attention_split(block: &Block) -> Option<(usize, &TpSplit)> {
+    Some((block.attn.n_heads, tp_split(&block.attn.wq.weight)?))
 }
 
 /// Sets where this `tp` rank's part of the model's `heads` attention heads starts in `ctx`
