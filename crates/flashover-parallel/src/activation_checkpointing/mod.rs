@@ -309,22 +309,30 @@ where
     F: Fn(&M, Tensor<D>) -> Tensor<E> + Send + Sync + 'static,
 {
     let device = x.device();
-    let params = flat_params(module, part.as_deref());
-    let tracked = x.is_tracked() || params.as_ref().is_some_and(|p| p.is_tracked());
+    let marked = marked_params(module, part.as_deref());
+    let tracked = x.is_tracked() || marked.iter().any(|(_, p)| p.is_tracked());
     if !tracked || !hooks_supported(&device) {
         return forward(module, x);
     }
-    let params = params.unwrap_or_else(|| Tensor::<1>::zeros([0], &device));
+    let params = match marked.is_empty() {
+        true => Tensor::<1>::zeros([0], &device),
+        false => Tensor::cat(marked.iter().map(|(_, p)| p.clone()).collect(), 0),
+    };
     // Shares the parameters' storage: nothing is copied.
     let values = module.clone().map(&mut Detach);
-    // Both runs read the parameters apart from any unit gathered around them.
-    let y = recomputing(&values, part.as_deref(), false, || {
+    // Both runs read the parameters apart from any unit gathered around them: the first
+    // from the values of the parameters collected above.
+    let stored = marked.into_iter().map(|(id, p)| (id, untracked(p)));
+    let y = recomputing(stored.collect(), false, || {
         forward(&values, untracked(x.clone()))
     });
     let dtypes = (x.dtype(), y.dtype());
     let hook = RecomputeHook(Arc::new(move |x: TensorData, grad_y: TensorData| {
         let module = values.clone().map(&mut Leaves);
-        recomputing(&module, part.as_deref(), true, || {
+        let stored = marked_params(&module, part.as_deref())
+            .into_iter()
+            .collect();
+        recomputing(stored, true, || {
             regrad(
                 &module,
                 &forward,
@@ -395,16 +403,6 @@ where
         .flat_map(|(slot, _)| whole[slot.offset..slot.offset + slot.numel].iter().copied())
         .collect();
     (grad_x, flat)
-}
-
-/// The float parameters of `module` that `part` marks (all without it), flattened in layout
-/// order, as one tracked vector (`None` when there are none).
-fn flat_params<M: Module>(module: &M, part: Option<&[bool]>) -> Option<Tensor<1>> {
-    let tensors: Vec<Tensor<1>> = marked_params(module, part)
-        .into_iter()
-        .map(|(_, t)| t)
-        .collect();
-    (!tensors.is_empty()).then(|| Tensor::cat(tensors, 0))
 }
 
 /// The float parameters of `module` that `part` marks (all without it), in layout order, by

@@ -21,7 +21,6 @@
 //! keeps whatever a forward's graph read).
 
 use super::plan::ParallelizePlan;
-use crate::activation_checkpointing::marked_params;
 use crate::error::ParallelError;
 use crate::params::to_f32;
 use crate::zero::{Pending, ScatterHook, ShardGroup, gather_shard};
@@ -508,15 +507,15 @@ pub(crate) fn replaying() -> bool {
     RECOMPUTING.with(|d| d.get().1 > 0)
 }
 
-/// Runs `f`, a checkpointed forward of `module` (`replay`: its rerun in backward), apart from
-/// the gathers around it: its reads take only what was gathered inside it, never a tensor of
-/// the enclosing forward's graph (its gradient would bypass the recomputation, and inside
-/// backward, registering an op on that graph would wait for the graph's own lock). A unit
-/// whose parameters `module` holds (those `part` marks, in layout order; all without it) is
-/// gathered at its first read from them, and forgotten when `f` returns.
-pub(crate) fn recomputing<M: Module, T>(
-    module: &M,
-    part: Option<&[bool]>,
+/// Runs `f`, a checkpointed forward (`replay`: its rerun in backward) of a module whose
+/// parameters' stored values `stored` holds by id (flattened), apart from the gathers around
+/// it: its reads take only what was gathered inside it, never a tensor of the enclosing
+/// forward's graph (its gradient would bypass the recomputation, and inside backward,
+/// registering an op on that graph would wait for the graph's own lock). A unit whose
+/// parameters `stored` holds is gathered at its first read from them, and forgotten when `f`
+/// returns.
+pub(crate) fn recomputing<T>(
+    stored: HashMap<ParamId, Tensor<1>>,
     replay: bool,
     f: impl FnOnce() -> T,
 ) -> T {
@@ -536,7 +535,6 @@ pub(crate) fn recomputing<M: Module, T>(
             RECOMPUTING.with(|d| d.set((d.get().0 - self.0.0, d.get().1 - self.0.1)));
         }
     }
-    let stored = marked_params(module, part).into_iter().collect();
     RECOMPUTING.with(|d| d.set((d.get().0 + step.0, d.get().1 + step.1)));
     FRAMES.with(|f| {
         f.borrow_mut().push(Frame {
