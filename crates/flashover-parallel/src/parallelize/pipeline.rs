@@ -135,11 +135,10 @@ impl Stages {
         let parts = (0..count)
             .map(|i| layer_of.iter().map(|l| *l == Some(i)).collect())
             .collect();
-        // As even as can be, the first stages taking the remainder.
+        let counts = layer_counts(rule, count, &schedule)?;
         let mut layers = vec![];
         let mut start = 0;
-        for s in 0..stages {
-            let n = count / stages + usize::from(s < count % stages);
+        for n in counts {
             layers.push(start..start + n);
             start += n;
         }
@@ -541,6 +540,33 @@ fn schedule(rule: &PipelineRule, pp: usize) -> Result<Schedule, ParallelError> {
         _ => {}
     }
     Schedule::build(rule.schedule, pp, rule.micro_batches, rule.chunks).map_err(refuse)
+}
+
+/// How many of the `count` layers each of the schedule's stages runs: the rule's
+/// `layers_per_stage`, checked, or as even as can be, the first stages taking the remainder.
+fn layer_counts(
+    rule: &PipelineRule,
+    count: usize,
+    schedule: &Schedule,
+) -> Result<Vec<usize>, ParallelError> {
+    let stages = schedule.stages();
+    let Some(counts) = &rule.layers_per_stage else {
+        return Ok((0..stages)
+            .map(|s| count / stages + usize::from(s < count % stages))
+            .collect());
+    };
+    let fits = counts.len() == stages && counts.iter().sum::<usize>() == count;
+    if !fits || counts.contains(&0) {
+        return Err(ParallelError::Invalid(format!(
+            "pipeline layers_per_stage = {counts:?}: `{}` has {count} layers for {stages} \
+             stages (pp = {} x chunks = {}); give {stages} counts of at least 1 summing to \
+             {count}",
+            rule.layers.as_str(),
+            schedule.pp,
+            schedule.chunks
+        )));
+    }
+    Ok(counts.clone())
 }
 
 /// The index of the layer `slot` belongs to, if it is under the rule's layers.

@@ -155,6 +155,12 @@ pub struct PipelineRule {
     /// Stages per pipeline rank (`interleaved` only: rank `r` runs stages `r`, `r + pp`, ...).
     #[serde(default = "one")]
     pub chunks: usize,
+    /// How many layers each stage runs, in stage order (`pp x chunks` counts summing to the
+    /// number of layers, each at least 1): a stage that also runs a heavy head or embedding
+    /// can take fewer layers. Without it, the layers are spread evenly, the first stages
+    /// taking the remainder.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers_per_stage: Option<Vec<usize>>,
 }
 
 impl PipelineRule {
@@ -168,6 +174,7 @@ impl PipelineRule {
             schedule,
             micro_batches,
             chunks: 1,
+            layers_per_stage: None,
         }
     }
 
@@ -186,6 +193,12 @@ impl PipelineRule {
     /// `chunks` stages per rank (the interleaved schedule).
     pub fn chunks(mut self, chunks: usize) -> Self {
         self.chunks = chunks;
+        self
+    }
+
+    /// Stage `s` runs `counts[s]` consecutive layers (instead of an even split).
+    pub fn layers_per_stage(mut self, counts: &[usize]) -> Self {
+        self.layers_per_stage = Some(counts.to_vec());
         self
     }
 }
@@ -290,6 +303,7 @@ mod schedule_name {
 ///     last = ["norm", "embed"]
 ///     schedule = "1f1b"
 ///     micro_batches = 4
+///     layers_per_stage = [7, 5]   # the last stage also runs the head
 ///
 ///     [context_parallel]
 ///     attention = ["blocks.*.attn.core"]
@@ -320,7 +334,8 @@ mod schedule_name {
 ///     .pipeline(
 ///         PipelineRule::new("blocks", ScheduleKind::OneFOneB, 4)
 ///             .first(&["embed"])
-///             .last(&["norm", "embed"]),
+///             .last(&["norm", "embed"])
+///             .layers_per_stage(&[7, 5]),
 ///     );
 /// assert_eq!(plan, rust);
 /// ```

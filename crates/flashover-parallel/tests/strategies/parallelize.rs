@@ -724,6 +724,45 @@ fn a_models_layers_cut_into_pipeline_stages_by_a_plan_train_as_one_rank() {
 }
 
 #[test]
+fn a_plan_cuts_layers_unevenly_where_it_says_how_many_each_stage_runs() {
+    let reference = stack_single_rank();
+    let rule = PipelineRule::new("layers", ScheduleKind::OneFOneB, 4)
+        .first(&["input"])
+        .last(&["norm", "input"]);
+    let even = ParallelizePlan::new().pipeline(rule.clone());
+    let uneven = ParallelizePlan::new().pipeline(rule.clone().layers_per_stage(&[1, 3]));
+    let (run, held, _) = stack_pipelined("pp=2", uneven);
+    let (loss, norm, weights) = differences(&run, &reference);
+    assert!(
+        loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+        "layers 1 + 3: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+    );
+    // The cut took effect: the last stage holds a layer more than under the even cut, the
+    // first one fewer (a layer another rank holds is a one-element placeholder per parameter).
+    let (_, even_held, _) = stack_pipelined("pp=2", even);
+    let layer = {
+        let layout = ParamLayout::of(&Stack::new(&Device::flex()).layers[0]);
+        layout.numel - layout.slots.len()
+    };
+    assert_eq!(held[0] + layer, even_held[0], "{held:?} vs {even_held:?}");
+    assert_eq!(held[1], even_held[1] + layer, "{held:?} vs {even_held:?}");
+    // Interleaved: 4 stages over 2 ranks, rank 0 running stages 0 and 2.
+    let interleaved = ParallelizePlan::new().pipeline(
+        PipelineRule::new("layers", ScheduleKind::Interleaved1F1B, 4)
+            .chunks(2)
+            .layers_per_stage(&[1, 1, 1, 1])
+            .first(&["input"])
+            .last(&["norm", "input"]),
+    );
+    let (run, _, _) = stack_pipelined("pp=2", interleaved);
+    let (loss, norm, weights) = differences(&run, &reference);
+    assert!(
+        loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+        "interleaved 1 each: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+    );
+}
+
+#[test]
 fn layers_a_plan_recomputes_in_backward_train_as_one_rank() {
     let reference = stack_single_rank();
     let rule = |micro| {
@@ -1261,6 +1300,25 @@ fn pipeline_rules_that_do_not_fit_are_refused_with_the_reason() {
             "pp=2",
             plan(PipelineRule::new("norm", ScheduleKind::OneFOneB, 4)),
             vec!["`norm` must name a Vec of layers", "norm.gamma"],
+        ),
+        (
+            "pp=2",
+            plan(rule(ScheduleKind::OneFOneB).layers_per_stage(&[1, 2])),
+            vec![
+                "layers_per_stage = [1, 2]",
+                "4 layers for 2 stages",
+                "summing to 4",
+            ],
+        ),
+        (
+            "pp=2",
+            plan(rule(ScheduleKind::OneFOneB).layers_per_stage(&[4, 0])),
+            vec!["layers_per_stage = [4, 0]", "at least 1"],
+        ),
+        (
+            "pp=2",
+            plan(rule(ScheduleKind::OneFOneB).layers_per_stage(&[2, 1, 1])),
+            vec!["[2, 1, 1]", "2 stages (pp = 2 x chunks = 1)"],
         ),
     ];
     for (mesh, plan, want) in cases {
