@@ -67,11 +67,11 @@ use crate::pipeline::PipelineStepReport;
 use crate::placement::{
     GradientReducer, ParamPlacement, Placement, PlacementTable, global_grad_norm,
 };
-use crate::precision::Precision;
+use crate::precision::{MixedPrecision, Precision};
 use crate::zero::ShardGroup;
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::{Gradients, Int, Tensor, TensorData};
+use burn::tensor::{Device, Gradients, Int, Tensor, TensorData};
 use experts::{ExpertShares, Experts};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use flashover_runtime::{Axis, RankContext};
@@ -861,6 +861,30 @@ impl Parallelized {
         M: PipelineModel<D>,
     {
         self.pipeline_stages()?.forward(model, batch)
+    }
+
+    /// Pipeline steps ([`Self::pipeline_step`], [`Self::pipeline_gradients`]) compute in
+    /// `policy`'s dtype: each micro-batch runs on [`MixedPrecision::compute_view`] of this
+    /// rank's stages (the stored f32 parameters cast inside that micro-batch's graph, so
+    /// their gradients come back in f32), and activations and their gradients cross stages
+    /// in that dtype. A `micro_batch` of float inputs casts them too (`x.cast(dtype)`).
+    /// Fails without a pipeline rule (a forward of your own takes the view itself, inside
+    /// [`Self::forward`]), on a device without the dtype, and with loss scaling, which a
+    /// pipeline step does not run (bf16 needs none).
+    pub fn set_pipeline_precision(
+        &mut self,
+        policy: MixedPrecision,
+        device: &Device,
+    ) -> Result<(), ParallelError> {
+        let stages = self.stages.as_mut().ok_or_else(|| {
+            ParallelError::Invalid(
+                "only a pipelined plan's steps take a precision: under another plan, take \
+                 MixedPrecision::compute_view of the model inside Parallelized::forward"
+                    .into(),
+            )
+        })?;
+        policy.check(device)?;
+        stages.compute_in(policy)
     }
 
     /// Whether this rank runs the last pipeline stage, where the loss and the model's

@@ -19,6 +19,7 @@ use crate::pipeline::{
     WeightGradStore, deferral_supported,
 };
 use crate::placement::{PlacementTable, Tie};
+use crate::precision::{LossScale, MixedPrecision, Precision};
 use burn::module::Module;
 use burn::tensor::{DType, Device, Tensor};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
@@ -86,6 +87,8 @@ pub(super) struct Stages {
     recomputed: Arc<AtomicUsize>,
     /// With fully sharded layers: how each layer gathers its sharded parameters at once.
     units: Option<Arc<LayerUnits>>,
+    /// The precision a step's forwards and backwards compute in (f32 without one).
+    precision: Option<MixedPrecision>,
 }
 
 /// A pipeline's layers as fully sharded units.
@@ -195,7 +198,24 @@ impl Stages {
             parts,
             recomputed: Default::default(),
             units: None,
+            precision: None,
         })
+    }
+
+    /// Steps compute in `policy`'s dtype from now on. Refuses loss scaling, which a
+    /// pipeline step does not run.
+    pub(super) fn compute_in(&mut self, policy: MixedPrecision) -> Result<(), ParallelError> {
+        policy.validate()?;
+        if policy.loss_scale != LossScale::None {
+            return Err(ParallelError::Invalid(format!(
+                "a pipelined plan computes in {} without loss scaling, but the policy scales \
+                 the loss ({:?}): compute in bf16, which needs none, or set loss_scale = \
+                 LossScale::None",
+                policy.param_dtype, policy.loss_scale
+            )));
+        }
+        self.precision = (policy.param_dtype != Precision::F32).then_some(policy);
+        Ok(())
     }
 
     /// Records that this rank's parameters are its own over `pp` and which are tied copies.
@@ -260,7 +280,11 @@ impl Stages {
         let activation = self.activation_shape(model, micro(0), micro_batch)?;
         let last = self.schedule.stages() - 1;
         let rank = self.pp.rank();
-        let forward = |chunk: usize, m: &M, input: Option<Tensor<D>>, k: usize| {
+        let forward = |chunk: usize, master: &M, input: Option<Tensor<D>>, k: usize| {
+            // Each micro-batch's graph casts the parameters anew (the view's casts are nodes
+            // of that graph): their gradients reach the f32 parameters in f32.
+            let view = self.compute_view(master);
+            let m = view.as_ref().unwrap_or(master);
             let stage = self.schedule.stage_of(rank, chunk);
             let batch = (stage == 0 || stage == last).then(|| micro_batch(micro(k)));
             let mut x = match input {
@@ -284,6 +308,9 @@ impl Stages {
         };
         let chunks = vec![model.clone(); self.schedule.chunks];
         let mut executor = PipelineExecutor::new(&self.schedule, &self.pp)?;
+        if let Some(policy) = &self.precision {
+            executor = executor.with_activation_dtype(policy.param_dtype.float_dtype().into());
+        }
         let zero_bubble = self.splits_backward();
         if zero_bubble {
             if !deferral_supported(device) {
@@ -320,6 +347,12 @@ impl Stages {
 }
 
 impl Stages {
+    /// `model` cast to the step's compute dtype, when it is not f32.
+    fn compute_view<M: Module>(&self, model: &M) -> Option<M> {
+        let policy = self.precision.as_ref()?;
+        Some(policy.compute_view(model.clone()))
+    }
+
     /// Whether the schedule splits backward into input- and weight-gradient actions
     /// (zero-bubble).
     pub(super) fn splits_backward(&self) -> bool {
@@ -477,7 +510,8 @@ impl Stages {
         let root = self.schedule.place(0).0;
         let mut dims = [0u64; D];
         if self.pp.rank() == root {
-            let x = model.embed(&micro_batch(first));
+            let view = self.compute_view(model);
+            let x = view.as_ref().unwrap_or(model).embed(&micro_batch(first));
             dims = x.dims().map(|d| d as u64);
         }
         if self.pp.size() > 1 {

@@ -617,24 +617,35 @@ fn stack_single_rank() -> Run {
 /// `Stack` under a pipelined `plan` on `mesh`: rank 0's run, every rank's stored elements and
 /// the layer forwards each rank ran again in backward.
 fn stack_pipelined(mesh: &str, plan: ParallelizePlan) -> (Run, Vec<usize>, Vec<usize>) {
-    stack_pipelined_on(mesh, plan, || Device::flex().autodiff())
+    stack_pipelined_on(mesh, plan, || Device::flex().autodiff(), None)
 }
 
-/// [`stack_pipelined`] with the model on the autodiff device `device` makes.
+/// [`stack_pipelined`] with the model on the autodiff device `device` makes, computing in
+/// `precision` when given.
 fn stack_pipelined_on(
     mesh: &str,
     plan: ParallelizePlan,
     device: impl Fn() -> Device + Sync,
+    precision: Option<MixedPrecision>,
 ) -> (Run, Vec<usize>, Vec<usize>) {
     let out = Launch::new(mesh)
         .unwrap()
         .run(|ctx| {
             let device = device();
-            let (mut model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
+            let (mut model, mut par) = parallelize(Stack::new(&device), &plan, &ctx)?;
             let held = ParamLayout::of(&model).numel;
             let mut optim = AdamWConfig::new().init();
             let (mut losses, mut norms, mut recomputed) = (vec![], vec![], 0);
-            let micro_batch = |samples| batch(samples, &device);
+            let dtype = precision.map_or(burn::tensor::FloatDType::F32, |p| {
+                p.param_dtype.float_dtype()
+            });
+            if let Some(policy) = precision {
+                par.set_pipeline_precision(policy, &device)?;
+            }
+            let micro_batch = |samples| {
+                let (x, y) = batch(samples, &device);
+                (x.cast(dtype), y)
+            };
             for step in 0..STEPS {
                 let out = par.pipeline_step(
                     &model,
@@ -763,6 +774,72 @@ fn a_plan_cuts_layers_unevenly_where_it_says_how_many_each_stage_runs() {
 }
 
 #[test]
+fn a_pipelined_plan_computes_in_a_precision_policys_dtype() {
+    // bf16 stages: the first step's loss (one forward of the same weights) is the same plan's
+    // on a mesh without pp, bit for bit, and more than 1e-4 from f32's (about 2.9: a
+    // pipeline in f32 matches the f32 loop to 1e-5 relative, 3e-5 here); the whole run stays within bf16's rounding of the plain bf16 loop
+    // (the view of the whole model on the whole batch). Its weights do not match the cut on
+    // one rank to 1e-5: the head reads the input projection again, and those two reads'
+    // gradients add in bf16 on one rank's cast weight but in f32 across the two ranks.
+    let policy = MixedPrecision::new(Precision::BF16);
+    let bf16_one_rank = {
+        let device = Device::flex().autodiff();
+        reference_loop(Stack::new(&device), |model, samples| {
+            let (x, y) = batch(samples, &device);
+            let x = (x.cast(Precision::BF16.float_dtype()), y);
+            policy.compute_view(model.clone()).loss(&x)
+        })
+    };
+    let f32_one_rank = stack_single_rank();
+    let rule = PipelineRule::new("layers", ScheduleKind::OneFOneB, 4)
+        .first(&["input"])
+        .last(&["norm", "input"]);
+    let plan = ParallelizePlan::new().pipeline(rule);
+    let device = || Device::flex().autodiff();
+    let run = |mesh: &str, plan: &ParallelizePlan| {
+        stack_pipelined_on(mesh, plan.clone(), device, Some(policy)).0
+    };
+    let recomputed = plan
+        .clone()
+        .activation_checkpointing(CheckpointPolicy::Full);
+    let sharded = plan.clone().fully_shard("");
+    // (mesh, plan, the mesh without pp that reads the same micro-batches)
+    let cases = [
+        ("pp=2", &plan, "pp=1"),
+        ("pp=2", &recomputed, "pp=1"),
+        ("fsdp=2,pp=2", &sharded, "dp=2"),
+    ];
+    for (mesh, plan, unpiped) in cases {
+        let pipelined = run(mesh, plan);
+        let what = format!("{mesh} {}", plan.activation_checkpointing);
+        let first = pipelined.0[0];
+        assert_eq!(first, run(unpiped, plan).0[0], "{what}: first loss");
+        let from_f32 = (first - f32_one_rank.0[0]).abs();
+        assert!(from_f32 > 1e-4, "{what}: computed as f32 ({from_f32:e})");
+        let (loss, norm, weights) = differences(&pipelined, &bf16_one_rank);
+        assert!(
+            loss < 1e-2 && norm < 1e-2 && weights < 1e-2,
+            "{what}: against the bf16 loop: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+        );
+    }
+    // Loss scaling is refused, naming the way out.
+    let f16 = MixedPrecision::new(Precision::F16);
+    let err = Launch::new("pp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (_, mut par) = parallelize(Stack::new(&device), &plan, &ctx)?;
+            par.set_pipeline_precision(f16, &device)
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("without loss scaling") && err.contains("bf16"),
+        "{err}"
+    );
+}
+
+#[test]
 fn layers_a_plan_recomputes_in_backward_train_as_one_rank() {
     let reference = stack_single_rank();
     let rule = |micro| {
@@ -806,8 +883,12 @@ fn layers_a_plan_recomputes_in_backward_train_as_one_rank() {
     ];
     // Burn's balanced checkpointing: a property of the model's device, which the step uses.
     let selective = || Device::flex().autodiff().gradient_checkpointing();
-    let (run, _, _) =
-        stack_pipelined_on("pp=2", ParallelizePlan::new().pipeline(rule(4)), selective);
+    let (run, _, _) = stack_pipelined_on(
+        "pp=2",
+        ParallelizePlan::new().pipeline(rule(4)),
+        selective,
+        None,
+    );
     let (loss, norm, weights) = differences(&run, &reference);
     assert!(
         loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
