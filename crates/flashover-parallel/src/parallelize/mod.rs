@@ -742,8 +742,9 @@ impl Parallelized {
 
     /// One training step of a pipelined plan: this rank's samples of step `step` of batches of
     /// `global_batch` (as [`Self::batch_share`]) cut into the plan's micro-batches, each
-    /// built by `micro_batch(samples)` on the first and last stage, run through the plan's
-    /// schedule over this rank's stages of `model` ([`PipelineModel`]). What travels between
+    /// built by `micro_batch(samples)` on every stage (layers may read it:
+    /// [`PipelineModel::layer_for`]), run through the plan's schedule over this rank's stages
+    /// of `model` ([`PipelineModel`]). What travels between
     /// stages has the shape of the first stage's `embed` output, learned on the first step
     /// (every micro-batch of a run has one shape). The gradients are reduced and clipped as
     /// [`Self::gradients`] does; tied copies (an embedding the first and the last stage both

@@ -35,8 +35,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 ///
 /// `D` is the rank of the activations between layers (3 for `[batch, seq, width]`).
 pub trait PipelineModel<const D: usize>: Module {
-    /// One micro-batch: the inputs the first stage reads and the targets the last one does.
-    type Batch;
+    /// One micro-batch: the inputs the first stage reads, the targets the last one does, and
+    /// whatever its layers read besides their activation ([`Self::layer_for`]). Every stage
+    /// builds its micro-batches; a recomputed layer keeps its micro-batch until backward.
+    type Batch: Send + Sync + 'static;
 
     /// The first stage's part before the layers: the micro-batch's input activation.
     fn embed(&self, batch: &Self::Batch) -> Tensor<D>;
@@ -50,11 +52,25 @@ pub trait PipelineModel<const D: usize>: Module {
     /// the reported loss. By default [`Self::layer`] with none.
     ///
     /// **A model whose layers have auxiliary losses must implement this**, and write `layer`
-    /// as `self.layer_with_aux(index, x).0`: the pipeline calls only this one, and nothing can
-    /// tell a default that drops a loss from a layer without one, so a `layer` that drops it
-    /// trains without its gradient, silently.
+    /// as `self.layer_with_aux(index, x).0`: the pipeline calls only this one (through
+    /// [`Self::layer_for`]), and nothing can tell a default that drops a loss from a layer
+    /// without one, so a `layer` that drops it trains without its gradient, silently.
     fn layer_with_aux(&self, index: usize, x: Tensor<D>) -> (Tensor<D>, Option<Tensor<1>>) {
         (self.layer(index, x), None)
+    }
+
+    /// [`Self::layer_with_aux`] of micro-batch `batch`, for layers that read more of their
+    /// micro-batch than the activation: an attention mask, position ids, or the forward
+    /// context its samples run in (dropout masks drawn by sample index, as on one device).
+    /// What the pipeline calls; by default `layer_with_aux`, which reads nothing more.
+    fn layer_for(
+        &self,
+        index: usize,
+        x: Tensor<D>,
+        batch: &Self::Batch,
+    ) -> (Tensor<D>, Option<Tensor<1>>) {
+        let _ = batch;
+        self.layer_with_aux(index, x)
     }
 
     /// The last stage's part after the layers: the micro-batch's mean loss.
@@ -286,23 +302,23 @@ impl Stages {
             let view = self.compute_view(master);
             let m = view.as_ref().unwrap_or(master);
             let stage = self.schedule.stage_of(rank, chunk);
-            let batch = (stage == 0 || stage == last).then(|| micro_batch(micro(k)));
+            let batch = Arc::new(micro_batch(micro(k)));
             let mut x = match input {
                 Some(x) => x,
-                None => m.embed(batch.as_ref().expect("the first stage reads its batch")),
+                None => m.embed(&batch),
             };
             let mut aux: Option<Tensor<1>> = None;
             for i in self.layers[stage].clone() {
-                let (y, layer_aux) = self.layer(m, i, x);
+                let (y, layer_aux) = self.layer(m, i, x, &batch);
                 x = y;
                 aux = match (aux, layer_aux) {
                     (Some(sum), Some(more)) => Some(sum + more),
                     (sum, more) => sum.or(more),
                 };
             }
-            let output = match batch {
-                Some(batch) if stage == last => StageOutput::Loss(head(m, x, &batch, k)),
-                _ => StageOutput::Activation(x),
+            let output = match stage == last {
+                true => StageOutput::Loss(head(m, x, &batch, k)),
+                false => StageOutput::Activation(x),
             };
             StageOutput::with_aux_loss(output, aux)
         };
@@ -385,13 +401,15 @@ impl Stages {
         }
     }
 
-    /// Layer `index` of `model` on `x` and its auxiliary loss: recomputed in backward when the
-    /// plan's policy names it (carrying only the layer's own parameters), plainly otherwise.
+    /// Layer `index` of `model` on `x` of micro-batch `batch` and its auxiliary loss:
+    /// recomputed in backward when the plan's policy names it (carrying only the layer's own
+    /// parameters, and the micro-batch), plainly otherwise.
     fn layer<M, const D: usize>(
         &self,
         model: &M,
         index: usize,
         x: Tensor<D>,
+        batch: &Arc<M::Batch>,
     ) -> (Tensor<D>, Option<Tensor<1>>)
     where
         M: PipelineModel<D> + Sync + 'static,
@@ -405,7 +423,8 @@ impl Stages {
                 .find(|l| l.contains(&index))
                 .map_or(0, |l| l.end))
         .then_some(index + 1);
-        let run = move |m: &M, x: Tensor<D>| run_layer(units.as_deref(), m, index, next, x);
+        let batch = batch.clone();
+        let run = move |m: &M, x: Tensor<D>| run_layer(units.as_deref(), m, index, next, x, &batch);
         if !self.recompute.recomputes_block(index) {
             return run(model, x);
         }
@@ -459,7 +478,7 @@ impl Stages {
                 }
             };
             for i in self.layers[stage].clone() {
-                x = run_layer(self.units.as_deref(), model, i, None, x).0;
+                x = run_layer(self.units.as_deref(), model, i, None, x, batch).0;
             }
             if stage == last {
                 return Ok(Some(x));
@@ -529,21 +548,22 @@ impl Stages {
 pub type HeadLoss<'a, M, const D: usize> =
     dyn Fn(&M, Tensor<D>, &<M as PipelineModel<D>>::Batch, usize) -> Tensor<1> + Sync + 'a;
 
-/// Layer `index` of `model` on `x` and its auxiliary loss, its fully sharded parameters
-/// gathered at once first when the layers are `units`, and then the all-gather of layer
-/// `next` submitted (not in a rerun in backward).
+/// Layer `index` of `model` on `x` of micro-batch `batch` and its auxiliary loss, its fully
+/// sharded parameters gathered at once first when the layers are `units`, and then the
+/// all-gather of layer `next` submitted (not in a rerun in backward).
 fn run_layer<M, const D: usize>(
     units: Option<&LayerUnits>,
     model: &M,
     index: usize,
     next: Option<usize>,
     x: Tensor<D>,
+    batch: &M::Batch,
 ) -> (Tensor<D>, Option<Tensor<1>>)
 where
     M: PipelineModel<D>,
 {
     match units {
-        None => model.layer_with_aux(index, x),
+        None => model.layer_for(index, x, batch),
         Some(u) => {
             let shards = u.shards(model, index);
             let names: Vec<String> = shards.iter().map(|(n, _)| n.clone()).collect();
@@ -552,7 +572,7 @@ where
                 let shards = u.shards(model, next);
                 u.gathers.prefetch(Unit::Layer(next), &shards);
             }
-            let out = model.layer_with_aux(index, x);
+            let out = model.layer_for(index, x, batch);
             u.gathers.release(names.iter().map(String::as_str));
             out
         }

@@ -102,11 +102,11 @@ pub fn forward_context() -> ForwardContext {
 }
 
 /// [`forward_context`] with `dropout` on the samples from global index `sample_offset` (this
-/// rank's first: `Parallelized::batch_share(..).start`), each of `seq` tokens: every rank
-/// draws its part of the one-device masks, at its attention heads under tensor parallelism
-/// and its positions under sequence parallelism, read from how the plan split `model`'s
-/// first attention. Not for pipeline stages, whose contexts [`PipelineModel`] makes without
-/// the micro-batch's sample offset.
+/// rank's first: `Parallelized::batch_share(..).start`, or a pipeline micro-batch's first:
+/// the start of the samples `micro_batch` receives), each of `seq` tokens: every rank draws
+/// its part of the one-device masks, at its attention heads under tensor parallelism and its
+/// positions under sequence parallelism, read from how the plan split `model`'s attention
+/// (in the blocks this rank holds). A pipeline passes it to the layers in an [`LmBatch`].
 pub fn dropout_context(
     model: &Transformer,
     dropout: Dropout,
@@ -116,7 +116,8 @@ pub fn dropout_context(
     let mut ctx = forward_context();
     ctx.dropout = Some(dropout);
     ctx.sample_offset = sample_offset;
-    if let Some((heads, split)) = model.blocks.first().and_then(attention_split) {
+    // Under a pipeline the other stages' blocks are placeholders, with no split recorded.
+    if let Some((heads, split)) = model.blocks.iter().find_map(attention_split) {
         set_tp_offsets(&mut ctx, &split.group, heads, seq, split.sequence_parallel);
     }
     ctx
@@ -235,13 +236,35 @@ impl VocabOp for PlacedLayers {
     }
 }
 
-/// The reference transformer's stages: a micro-batch is `(inputs, targets)`, both
-/// `[batch, seq]`.
-impl PipelineModel<3> for Transformer {
-    type Batch = (Tensor<2, Int>, Tensor<2, Int>);
+/// One micro-batch of the reference transformer's pipeline stages: its inputs and targets
+/// (`[batch, seq]` each) and the forward context its samples run in, which every stage reads:
+/// [`forward_context`] for a pair (`(inputs, targets).into()`), or [`dropout_context`] at the
+/// micro-batch's first sample for the one-device dropout masks.
+pub struct LmBatch {
+    /// Input tokens `[batch, seq]`.
+    pub inputs: Tensor<2, Int>,
+    /// Next-token targets `[batch, seq]`.
+    pub targets: Tensor<2, Int>,
+    /// What the embedding, the blocks and the head compute in.
+    pub ctx: ForwardContext,
+}
 
-    fn embed(&self, (tokens, _): &Self::Batch) -> Tensor<3> {
-        forward_context().embed(&self.embed, tokens.clone())
+impl From<(Tensor<2, Int>, Tensor<2, Int>)> for LmBatch {
+    fn from((inputs, targets): (Tensor<2, Int>, Tensor<2, Int>)) -> Self {
+        LmBatch {
+            inputs,
+            targets,
+            ctx: forward_context(),
+        }
+    }
+}
+
+/// The reference transformer's stages, each micro-batch an [`LmBatch`].
+impl PipelineModel<3> for Transformer {
+    type Batch = LmBatch;
+
+    fn embed(&self, batch: &LmBatch) -> Tensor<3> {
+        batch.ctx.embed(&self.embed, batch.inputs.clone())
     }
 
     fn layer(&self, index: usize, x: Tensor<3>) -> Tensor<3> {
@@ -249,18 +272,36 @@ impl PipelineModel<3> for Transformer {
     }
 
     fn layer_with_aux(&self, index: usize, x: Tensor<3>) -> (Tensor<3>, Option<Tensor<1>>) {
-        let block = &self.blocks[index];
-        // Under sequence parallelism `x` holds this rank's positions; attention sees them all.
-        let parts = tp_split(&block.attn.wq.weight)
-            .filter(|split| split.sequence_parallel)
-            .map_or(1, |split| split.group.size());
-        let rope = self.rope(0, x.dims()[1] * parts, &x.device());
-        let ctx = forward_context();
-        let y = block.forward_with(x, &rope, &ctx, index);
-        (y, ctx.moe.as_ref().and_then(MoeHook::take_aux_loss))
+        block_in(self, index, x, &forward_context())
     }
 
-    fn head_loss(&self, x: Tensor<3>, (_, targets): &Self::Batch) -> Tensor<1> {
-        Transformer::head_loss(self, x, targets.clone(), &forward_context())
+    fn layer_for(
+        &self,
+        index: usize,
+        x: Tensor<3>,
+        batch: &LmBatch,
+    ) -> (Tensor<3>, Option<Tensor<1>>) {
+        block_in(self, index, x, &batch.ctx)
     }
+
+    fn head_loss(&self, x: Tensor<3>, batch: &LmBatch) -> Tensor<1> {
+        Transformer::head_loss(self, x, batch.targets.clone(), &batch.ctx)
+    }
+}
+
+/// Block `index` of `model` on `x` in `ctx`, and the auxiliary loss it added to `ctx`'s hook.
+fn block_in(
+    model: &Transformer,
+    index: usize,
+    x: Tensor<3>,
+    ctx: &ForwardContext,
+) -> (Tensor<3>, Option<Tensor<1>>) {
+    let block = &model.blocks[index];
+    // Under sequence parallelism `x` holds this rank's positions; attention sees them all.
+    let parts = tp_split(&block.attn.wq.weight)
+        .filter(|split| split.sequence_parallel)
+        .map_or(1, |split| split.group.size());
+    let rope = model.rope(0, x.dims()[1] * parts, &x.device());
+    let y = block.forward_with(x, &rope, ctx, index);
+    (y, ctx.moe.as_ref().and_then(MoeHook::take_aux_loss))
 }

@@ -14,6 +14,7 @@ use flashover_models::{
 };
 use flashover_parallel::ParallelError;
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
+use flashover_parallel::parallelize::transformer::LmBatch;
 use flashover_parallel::parallelize::{ParallelizePlan, parallelize, transformer};
 use flashover_parallel::pipeline::ScheduleKind;
 use flashover_runtime::{Axis, Launch, OpKind};
@@ -90,7 +91,7 @@ fn parallel(mesh: &str, config: &TransformerConfig, plan: &ParallelizePlan) -> (
     parallel_with(mesh, config, plan, 0.0)
 }
 
-/// [`parallel`] with dropout of probability `p` (none at 0; not for pipelines).
+/// [`parallel`] with dropout of probability `p` (none at 0).
 fn parallel_with(
     mesh: &str,
     config: &TransformerConfig,
@@ -100,7 +101,15 @@ fn parallel_with(
     let new = |device: &Device| config.init(SEED, device);
     plan_loop(mesh, plan, new, |model, par, step, ctx, device| {
         if par.has_pipeline() {
-            let micro_batch = |samples| batch(samples, device);
+            // Each micro-batch runs in its samples' context: the masks of its sample indices.
+            let micro_batch = |samples: std::ops::Range<usize>| {
+                let start = samples.start;
+                let mut batch = LmBatch::from(batch(samples, device));
+                if p > 0.0 {
+                    batch.ctx = transformer::dropout_context(model, dropout(p, step), start, SEQ);
+                }
+                batch
+            };
             let clip = Some(MAX_NORM);
             let out = par.pipeline_step(model, GLOBAL_BATCH, step, &micro_batch, clip, ctx)?;
             return Ok((out.grads, out.loss + out.aux_loss, out.norm));
@@ -237,12 +246,34 @@ fn the_reference_transformer_under_its_own_plan_with_dropout_trains_as_one_rank(
         sequence_parallel: vec![],
         ..split.clone()
     };
+    let pipeline = transformer::pipeline(&config, ScheduleKind::OneFOneB, 2);
     let cases = [
         ("dp=2", ParallelizePlan::new()),
         ("tp=2", split.clone()),
         ("tp=2", whole_sequences.clone()),
-        ("dp=2,tp=2", whole_sequences),
-        ("fsdp=2,tp=2", split.fully_shard("")),
+        ("dp=2,tp=2", whole_sequences.clone()),
+        ("fsdp=2,tp=2", split.clone().fully_shard("")),
+        // Pipelines: every stage's layers read their micro-batch's context (its sample
+        // offset), and a recomputed layer keeps it for its rerun in backward.
+        ("pp=2", ParallelizePlan::new().pipeline(pipeline.clone())),
+        (
+            "dp=2,pp=2",
+            ParallelizePlan::new().pipeline(pipeline.clone()),
+        ),
+        ("tp=2,pp=2", split.clone().pipeline(pipeline.clone())),
+        (
+            "fsdp=2,pp=2",
+            ParallelizePlan::new()
+                .fully_shard("")
+                .pipeline(pipeline.clone())
+                .activation_checkpointing(CheckpointPolicy::Full),
+        ),
+        (
+            "tp=2,pp=2",
+            whole_sequences
+                .pipeline(pipeline.clone())
+                .activation_checkpointing(CheckpointPolicy::Full),
+        ),
     ];
     assert_layouts_match(&config, &reference, cases, 0.1);
 }
