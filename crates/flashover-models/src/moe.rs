@@ -505,18 +505,34 @@ pub struct MoeStats {
 impl MoeStats {
     /// Adds `routing` as layer `layer`.
     fn record(&mut self, layer: usize, routing: &Routing) {
+        let as_u64 = |counts: &[usize]| counts.iter().map(|&c| c as u64).collect::<Vec<_>>();
+        self.add_counts(layer, &as_u64(&routing.routed), &as_u64(&routing.kept));
+    }
+
+    /// Adds `other`, the statistics of one layer's forwards recorded as layer 0, as layer
+    /// `layer`.
+    fn add_layer(&mut self, layer: usize, other: MoeStats) {
+        let first = |per_layer: &[Vec<u64>]| per_layer.first().cloned().unwrap_or_default();
+        self.add_counts(layer, &first(&other.routed), &first(&other.kept));
+        self.aux_loss += other.aux_loss;
+        self.z_loss += other.z_loss;
+        self.forwards += other.forwards;
+    }
+
+    /// Adds per-expert counts to layer `layer`'s.
+    fn add_counts(&mut self, layer: usize, routed: &[u64], kept: &[u64]) {
         if self.routed.len() <= layer {
             self.routed.resize(layer + 1, vec![]);
             self.kept.resize(layer + 1, vec![]);
         }
         for (sums, counts) in [
-            (&mut self.routed[layer], &routing.routed),
-            (&mut self.kept[layer], &routing.kept),
+            (&mut self.routed[layer], routed),
+            (&mut self.kept[layer], kept),
         ] {
-            sums.resize(counts.len(), 0);
-            sums.iter_mut()
-                .zip(counts)
-                .for_each(|(s, &c)| *s += c as u64);
+            if sums.len() < counts.len() {
+                sums.resize(counts.len(), 0);
+            }
+            sums.iter_mut().zip(counts).for_each(|(s, &c)| *s += c);
         }
     }
 }
@@ -568,6 +584,16 @@ impl MoeHook {
     /// The statistics gathered since the last call.
     pub fn take_stats(&self) -> MoeStats {
         std::mem::take(&mut *self.stats.lock().expect("moe stats"))
+    }
+
+    /// Adds `stats`, what a layer's own hook recorded (as layer 0), as layer `layer`'s: for a
+    /// layer that runs its experts through a hook of its own (spread over `ep` by a plan)
+    /// inside a forward whose hook counts every layer.
+    pub fn add_layer_stats(&self, layer: usize, stats: MoeStats) {
+        self.stats
+            .lock()
+            .expect("moe stats")
+            .add_layer(layer, stats);
     }
 
     /// Adds a weighted auxiliary loss, as an MoE layer's forward does.

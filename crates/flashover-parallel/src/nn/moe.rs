@@ -5,6 +5,7 @@ use crate::context_parallel::CpSequences;
 use crate::expert_parallel::ExpertParallel;
 use crate::parallelize::Placed;
 use crate::parallelize::placed::UnitGathers;
+use crate::parallelize::units::replaying;
 use crate::tensor_parallel::comm::on_whole_sequences;
 use burn::tensor::Tensor;
 use flashover_models::moe::{ExpertDispatch, LocalExperts, Moe};
@@ -24,29 +25,58 @@ pub trait MoeForward {
     /// weighted so. Nothing else changes between layouts: the plan's rules (`expert_parallel`,
     /// `context_parallel`, sequence parallelism) reach the layer through its router, and
     /// under `fully_shard` its sharded routed experts are gathered in one collective before
-    /// routing, on every rank (a rank's tokens may choose none of some). Routing
-    /// biases (`bias_update_rate`) are not moved: that needs the whole batch's expert loads.
+    /// routing, on every rank (a rank's tokens may choose none of some). Routing biases
+    /// (`bias_update_rate`) move only where [`Self::forward_counted`] counts the loads.
     fn forward(&self, x: Tensor<3>) -> (Tensor<3>, Option<Tensor<1>>);
+
+    /// [`Self::forward`], adding this rank's routing statistics (assignments per expert) to
+    /// `stats` as layer `layer` (not again when a recomputation reruns it in backward): for
+    /// auxiliary-loss-free balancing, `Parallelized::routing_loads` of a step's statistics
+    /// gives every rank the whole batch's loads, which `Moe::update_bias` takes.
+    fn forward_counted(
+        &self,
+        x: Tensor<3>,
+        stats: &MoeHook,
+        layer: usize,
+    ) -> (Tensor<3>, Option<Tensor<1>>);
 }
 
 impl MoeForward for Moe {
     fn forward(&self, x: Tensor<3>) -> (Tensor<3>, Option<Tensor<1>>) {
-        let placed = self.router.weight.reparameterization::<Placed>();
-        // Under sequence parallelism each tp rank holds part of every sequence, and routing is
-        // per whole sequence: every tp rank routes the gathered sequences alike and keeps its
-        // part of the output (both backward passes keep the gradient as it is: every tp rank
-        // computed the same).
-        if let Some(tp) = placed.and_then(Placed::sequence_tp) {
-            let mut aux = None;
-            let y = on_whole_sequences(x, tp, |x| {
-                let (y, layer_aux) = forward_routed(self, x, placed);
-                aux = layer_aux;
-                y
-            });
-            return (y, aux);
-        }
-        forward_routed(self, x, placed)
+        routed_on_whole_sequences(self, x, None)
     }
+
+    fn forward_counted(
+        &self,
+        x: Tensor<3>,
+        stats: &MoeHook,
+        layer: usize,
+    ) -> (Tensor<3>, Option<Tensor<1>>) {
+        routed_on_whole_sequences(self, x, Some((stats, layer)))
+    }
+}
+
+/// [`MoeForward::forward`] of `moe`, its statistics added to `stats` as `layer`'s if given.
+fn routed_on_whole_sequences(
+    moe: &Moe,
+    x: Tensor<3>,
+    stats: Option<(&MoeHook, usize)>,
+) -> (Tensor<3>, Option<Tensor<1>>) {
+    let placed = moe.router.weight.reparameterization::<Placed>();
+    // Under sequence parallelism each tp rank holds part of every sequence, and routing is per
+    // whole sequence: every tp rank routes the gathered sequences alike and keeps its part of
+    // the output (both backward passes keep the gradient as it is: every tp rank computed the
+    // same).
+    if let Some(tp) = placed.and_then(Placed::sequence_tp) {
+        let mut aux = None;
+        let y = on_whole_sequences(x, tp, |x| {
+            let (y, layer_aux) = forward_routed(moe, x, placed, stats);
+            aux = layer_aux;
+            y
+        });
+        return (y, aux);
+    }
+    forward_routed(moe, x, placed, stats)
 }
 
 /// [`MoeForward::forward`] of `moe` on whole sequences (of this rank's `cp` positions),
@@ -55,6 +85,7 @@ fn forward_routed(
     moe: &Moe,
     x: Tensor<3>,
     placed: Option<&Placed>,
+    stats: Option<(&MoeHook, usize)>,
 ) -> (Tensor<3>, Option<Tensor<1>>) {
     let mut ctx = ForwardContext::default();
     if let Some(split) = placed.and_then(Placed::context) {
@@ -98,6 +129,10 @@ fn forward_routed(
         // A rank whose tokens reached none of its experts still joins their gradients'
         // reduce-scatter in backward: the gather must be on its graph.
         y = y + (gathered.sum() * 0.0).reshape([1, 1, 1]);
+    }
+    // A rerun in backward routes the same tokens again: counted once.
+    if let Some((stats, layer)) = stats.filter(|_| !replaying()) {
+        stats.add_layer_stats(layer, hook.take_stats());
     }
     (y, hook.take_aux_loss())
 }

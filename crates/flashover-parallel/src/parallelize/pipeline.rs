@@ -248,6 +248,11 @@ impl Stages {
         Ok(())
     }
 
+    /// The pipeline's ranks.
+    pub(super) fn pipeline_group(&self) -> &Group {
+        &self.pp
+    }
+
     /// The group tied copies are summed over, on the ranks that hold one.
     pub(super) fn tie_group(&self) -> Option<&Group> {
         self.tie.as_ref()

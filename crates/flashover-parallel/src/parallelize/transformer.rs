@@ -50,20 +50,25 @@ use std::sync::Arc;
 /// The reference transformer's plan for `config` ([`TransformerConfig::plan_toml`]): Megatron's
 /// tensor-parallel split with sequence parallelism (clear `sequence_parallel` to keep whole
 /// sequences between the regions), a mixture-of-experts model's experts over `ep`. Add
-/// `fully_shard` units and a pipeline ([`pipeline`]) as the job asks. Refuses routing biases
-/// that move during training (`bias_update_rate`): they need the whole batch's expert loads,
-/// which a plan's layers do not reduce (`flashover train` does).
+/// `fully_shard` units and a pipeline ([`pipeline`]) as the job asks. Routing biases that
+/// move during training (`bias_update_rate`) move by the whole batch's loads: the context's
+/// `moe` hook counts every layer's routing, [`super::Parallelized::routing_loads`] sums a
+/// step's counts over the ranks, and [`update_routing_biases`] moves the biases.
 pub fn plan(config: &TransformerConfig) -> Result<ParallelizePlan, ParallelError> {
     config.validate().map_err(ParallelError::Invalid)?;
-    if let Some(moe) = config.moe.as_ref().filter(|m| m.bias_update_rate != 0.0) {
-        return Err(ParallelError::Invalid(format!(
-            "moe.bias_update_rate = {}: a plan's mixture-of-experts layers do not move their \
-             routing biases (that needs the whole batch's expert loads); use 0 under a plan, \
-             or train with flashover train",
-            moe.bias_update_rate
-        )));
-    }
     ParallelizePlan::from_toml(&config.plan_toml())
+}
+
+/// Moves every mixture-of-experts layer's routing bias of `model` by `loads` (per layer, the
+/// whole batch's assignments per expert: [`super::Parallelized::routing_loads`]), as
+/// `Moe::update_bias` does on one device. Every rank moves every layer's bias, its stage's or
+/// not, so they stay equal everywhere.
+pub fn update_routing_biases(model: &mut Transformer, loads: &[Vec<u64>]) {
+    for (block, routed) in model.blocks.iter_mut().zip(loads) {
+        if let Some(moe) = block.moe.as_mut() {
+            moe.update_bias(routed);
+        }
+    }
 }
 
 /// A pipeline over the reference transformer's blocks: the embedding on the first stage, the
@@ -203,8 +208,12 @@ impl LinearOp for PlacedLayers {
 }
 
 impl MoeLayerOp for PlacedLayers {
-    fn apply(&self, moe: &Moe, x: Tensor<3>, ctx: &ForwardContext, _layer: usize) -> Tensor<3> {
-        let (y, aux) = MoeForward::forward(moe, x);
+    fn apply(&self, moe: &Moe, x: Tensor<3>, ctx: &ForwardContext, layer: usize) -> Tensor<3> {
+        // The context's hook counts every layer's routing (for the routing biases' loads).
+        let (y, aux) = match &ctx.moe {
+            Some(hook) => MoeForward::forward_counted(moe, x, hook, layer),
+            None => MoeForward::forward(moe, x),
+        };
         if let (Some(aux), Some(hook)) = (aux, &ctx.moe) {
             hook.push_aux_loss(aux);
         }

@@ -319,12 +319,12 @@ fn single_rank<M: Net>() -> Run {
 /// `s`'s samples `s * GLOBAL_BATCH..`, with global-norm clipping written out.
 pub(crate) fn reference_loop<M: Module>(
     mut model: M,
-    loss: impl Fn(&M, std::ops::Range<usize>) -> Tensor<1>,
+    loss: impl Fn(&mut M, std::ops::Range<usize>) -> Tensor<1>,
 ) -> Run {
     let mut optim = AdamWConfig::new().init();
     let (mut losses, mut norms) = (vec![], vec![]);
     for step in 0..STEPS {
-        let loss = loss(&model, step * GLOBAL_BATCH..(step + 1) * GLOBAL_BATCH);
+        let loss = loss(&mut model, step * GLOBAL_BATCH..(step + 1) * GLOBAL_BATCH);
         losses.push(loss.clone().into_scalar::<f32>());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         let mut flat = vec![0.0; ParamLayout::of(&model).numel];
@@ -364,7 +364,7 @@ pub(crate) fn plan_loop<M: Module>(
     mesh: &str,
     plan: &ParallelizePlan,
     new: impl Fn(&Device) -> M + Sync,
-    step: impl Fn(&M, &Parallelized, usize, &RankContext, &Device) -> Step + Sync,
+    step: impl Fn(&mut M, &Parallelized, usize, &RankContext, &Device) -> Step + Sync,
 ) -> (Run, Vec<usize>) {
     let out = Launch::new(mesh)
         .unwrap()
@@ -375,7 +375,7 @@ pub(crate) fn plan_loop<M: Module>(
             let mut optim = AdamWConfig::new().init();
             let (mut losses, mut norms) = (vec![], vec![]);
             for s in 0..STEPS {
-                let (grads, loss, norm) = step(&model, &par, s, &ctx, &device)?;
+                let (grads, loss, norm) = step(&mut model, &par, s, &ctx, &device)?;
                 losses.push(loss);
                 norms.push(norm);
                 model = optim.step(LR, model, grads);

@@ -10,7 +10,7 @@ use crate::parallelize::{
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_models::moe::LocalExperts;
 use flashover_models::{
-    Dropout, ForwardContext, MoeConfig, MoeHook, Transformer, TransformerConfig,
+    Block, Dropout, ForwardContext, MoeConfig, MoeHook, Transformer, TransformerConfig,
 };
 use flashover_parallel::ParallelError;
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
@@ -78,6 +78,8 @@ fn single_rank_with(config: &TransformerConfig, p: f64) -> Run {
             ..ForwardContext::default()
         };
         let loss = model.forward_loss(x, y, &ctx);
+        // Routing biases that move (auxiliary-loss-free balancing) move by this batch's loads.
+        transformer::update_routing_biases(model, &hook.take_stats().routed);
         match hook.take_aux_loss() {
             Some(aux) => loss + aux,
             None => loss,
@@ -99,8 +101,11 @@ fn parallel_with(
     p: f64,
 ) -> (Run, Vec<usize>) {
     let new = |device: &Device| config.init(SEED, device);
+    let experts = config.moe.as_ref().map_or(0, |moe| moe.n_experts);
     plan_loop(mesh, plan, new, |model, par, step, ctx, device| {
-        if par.has_pipeline() {
+        // One hook counts the step's routing, over its layers and micro-batches.
+        let counted = transformer::forward_context().moe;
+        let (grads, loss, norm) = if par.has_pipeline() {
             // Each micro-batch runs in its samples' context: the masks of its sample indices.
             let micro_batch = |samples: std::ops::Range<usize>| {
                 let start = samples.start;
@@ -108,23 +113,31 @@ fn parallel_with(
                 if p > 0.0 {
                     batch.ctx = transformer::dropout_context(model, dropout(p, step), start, SEQ);
                 }
+                batch.ctx.moe = counted.clone();
                 batch
             };
             let clip = Some(MAX_NORM);
             let out = par.pipeline_step(model, GLOBAL_BATCH, step, &micro_batch, clip, ctx)?;
-            return Ok((out.grads, out.loss + out.aux_loss, out.norm));
-        }
-        let samples = par.batch_share(GLOBAL_BATCH, step)?;
-        let fwd = match p > 0.0 {
-            true => transformer::dropout_context(model, dropout(p, step), samples.start, SEQ),
-            false => transformer::forward_context(),
+            (out.grads, out.loss + out.aux_loss, out.norm)
+        } else {
+            let samples = par.batch_share(GLOBAL_BATCH, step)?;
+            let mut fwd = match p > 0.0 {
+                true => transformer::dropout_context(model, dropout(p, step), samples.start, SEQ),
+                false => transformer::forward_context(),
+            };
+            fwd.moe = counted.clone();
+            let (x, y) = batch(samples, device);
+            // Fully sharded units gathered one collective each (a no-op without any).
+            let loss = par.forward(model, |m| transformer::objective_in(m, x, y, &fwd))?;
+            let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+            let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
+            (grads, mean, norm)
         };
-        let (x, y) = batch(samples, device);
-        // Fully sharded units gathered one collective each (a no-op without any).
-        let loss = par.forward(model, |m| transformer::objective_in(m, x, y, &fwd))?;
-        let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
-        let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
-        Ok((grads, mean, norm))
+        if let Some(hook) = counted.filter(|_| experts > 0) {
+            let loads = par.routing_loads(&hook.take_stats(), config.n_layers, experts)?;
+            transformer::update_routing_biases(model, &loads);
+        }
+        Ok((grads, loss, norm))
     })
 }
 
@@ -223,15 +236,6 @@ fn the_reference_plan_refuses_what_it_cannot_split_with_the_reason() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("blocks.0.attn.wq"), "{err}");
-    // Routing biases that move need the whole batch's expert loads.
-    let mut moving = MoeConfig::new(4, 2, 16);
-    moving.bias_update_rate = 1e-3;
-    let moe = TransformerConfig {
-        moe: Some(moving),
-        ..config(true)
-    };
-    let err = transformer::plan(&moe).unwrap_err().to_string();
-    assert!(err.contains("moe.bias_update_rate"), "{err}");
 }
 
 #[test]
@@ -324,6 +328,72 @@ fn the_reference_mixture_of_experts_model_under_its_own_plan_trains_as_one_rank(
         ("pp=2,fsdp=2", experts.fully_shard("").pipeline(pipeline)),
     ];
     assert_layouts_match(&config, &reference, cases, 0.0);
+}
+
+#[test]
+fn routing_biases_move_by_the_whole_batchs_loads_under_the_reference_plan() {
+    // Auxiliary-loss-free balancing: every rank moves every layer's routing bias by the whole
+    // batch's expert loads (summed over the data and pipeline ranks), as one device does.
+    let moving = |rate| TransformerConfig {
+        moe: Some(MoeConfig {
+            bias_update_rate: rate,
+            ..MoeConfig::new(4, 2, 16)
+        }),
+        ..config(true)
+    };
+    let config = moving(1e-2);
+    let reference = single_rank(&config);
+    // The biases change the routing: the comparison below sees them.
+    assert!(differences(&reference, &single_rank(&moving(0.0))).0 > 1e-4);
+    let experts = transformer::plan(&config).unwrap();
+    let whole_sequences = ParallelizePlan {
+        sequence_parallel: vec![],
+        ..experts.clone()
+    };
+    let pipeline = transformer::pipeline(&config, ScheduleKind::OneFOneB, 2);
+    let cases = [
+        ("ep=2", experts.clone()),
+        ("dp=2,ep=2", experts.clone()),
+        ("fsdp=2,ep=2", experts.clone().fully_shard("")),
+        ("tp=2", experts.clone()),
+        ("ep=2,tp=2", whole_sequences),
+        ("pp=2,ep=2", experts.clone().pipeline(pipeline.clone())),
+        (
+            "pp=2,fsdp=2",
+            experts
+                .clone()
+                .fully_shard("")
+                .pipeline(pipeline.clone())
+                .activation_checkpointing(CheckpointPolicy::Full),
+        ),
+    ];
+    assert_layouts_match(&config, &reference, cases, 0.0);
+    // A stage reads only its own layers' biases, so the runs above cannot see the others'.
+    // Every rank moves them all by the same loads: after a step each holds the same biases,
+    // not all zero.
+    let plan = experts.pipeline(pipeline);
+    let biases = Launch::new("pp=2,ep=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (mut model, par) = parallelize(config.init(SEED, &device), &plan, &ctx)?;
+            let counted = transformer::forward_context().moe;
+            let micro_batch = |samples| {
+                let mut batch = LmBatch::from(batch(samples, &device));
+                batch.ctx.moe = counted.clone();
+                batch
+            };
+            par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
+            let stats = counted.expect("a hook").take_stats();
+            let loads = par.routing_loads(&stats, config.n_layers, 4)?;
+            transformer::update_routing_biases(&mut model, &loads);
+            let bias = |b: &Block| b.moe.as_ref().map(|moe| moe.expert_bias.clone());
+            Ok::<_, ParallelError>(model.blocks.iter().map(bias).collect::<Vec<_>>())
+        })
+        .unwrap();
+    assert!(biases.iter().all(|b| *b == biases[0]), "{biases:?}");
+    let moved = |layer: &Option<Vec<f32>>| layer.iter().flatten().any(|b| *b != 0.0);
+    assert!(biases[0].iter().all(moved), "{biases:?}");
 }
 
 /// Without the plan's forward context a split layer is read whole, which panics naming the
