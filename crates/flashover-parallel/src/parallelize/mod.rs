@@ -67,7 +67,7 @@ use crate::pipeline::PipelineStepReport;
 use crate::placement::{
     GradientReducer, ParamPlacement, Placement, PlacementTable, global_grad_norm,
 };
-use crate::precision::{MixedPrecision, Precision};
+use crate::precision::{LossScaler, MixedPrecision, Precision};
 use crate::zero::ShardGroup;
 use burn::module::Module;
 use burn::optim::GradientsParams;
@@ -146,6 +146,12 @@ pub struct PipelineStep {
     pub report: PipelineStepReport,
     /// Layer forwards this rank ran again in backward (the plan's activation checkpointing).
     pub recomputed: usize,
+    /// The loss scale the step ran with, under a precision policy that scales the loss
+    /// ([`Parallelized::set_pipeline_precision`]).
+    pub loss_scale: Option<f32>,
+    /// Whether the step's gradients overflowed under loss scaling: `grads` is then empty (an
+    /// optimizer step with it changes no parameter) and a dynamic scale was halved.
+    pub skipped: bool,
 }
 
 /// Applies `plan` to `model` on this rank: the whole model as world rank 0 holds it
@@ -805,10 +811,20 @@ impl Parallelized {
     {
         let share = self.share(global_batch, step)?;
         let head = |m: &M, x, batch: &M::Batch, _| m.head_loss(x, batch);
+        let loss_scale = self.loss_scale();
         let mut run = self.run_stages(model, share, micro_batch, &head, ctx)?;
         self.mean_over_ranks(&mut run.losses)?;
         let [loss, aux_loss] = run.losses;
-        let (grads, norm) = self.reduce_and_clip(model, run.flat, max_norm, ctx)?;
+        let (mut grads, norm) = self.reduce_and_clip(model, run.flat, max_norm, ctx)?;
+        // Every rank sees the same global norm, so every rank's scaler decides alike.
+        let stages = self.pipeline_stages()?;
+        let apply = stages
+            .scaler()
+            .as_mut()
+            .is_none_or(|scaler| scaler.update(norm.is_finite()));
+        if !apply {
+            grads = GradientsParams::new();
+        }
         Ok(PipelineStep {
             grads,
             loss,
@@ -816,7 +832,36 @@ impl Parallelized {
             norm,
             report: run.report,
             recomputed: run.recomputed,
+            loss_scale,
+            skipped: !apply,
         })
+    }
+
+    /// The loss scale the next pipeline step runs with, under a policy that scales the loss.
+    fn loss_scale(&self) -> Option<f32> {
+        let stages = self.stages.as_ref()?;
+        stages.scaler().as_ref().map(LossScaler::scale)
+    }
+
+    /// The running loss scale and its overflow-free steps, under a policy that scales the
+    /// loss: what a checkpoint keeps so that a resumed run scales as the uninterrupted one.
+    pub fn loss_scale_state(&self) -> Option<(f32, usize)> {
+        let stages = self.stages.as_ref()?;
+        stages.scaler().as_ref().map(LossScaler::state)
+    }
+
+    /// Resumes the running loss scale from [`Self::loss_scale_state`]. Fails without a
+    /// policy that scales the loss.
+    pub fn restore_loss_scale(&self, state: (f32, usize)) -> Result<(), ParallelError> {
+        let stages = self.pipeline_stages()?;
+        let mut scaler = stages.scaler();
+        let scaler = scaler.as_mut().ok_or_else(|| {
+            ParallelError::Invalid(
+                "no loss scale to restore: the pipeline's precision policy scales no loss".into(),
+            )
+        })?;
+        scaler.restore(state);
+        Ok(())
     }
 
     /// One step's gradients of a pipelined plan over the `samples` samples this rank reads
@@ -827,7 +872,9 @@ impl Parallelized {
     /// `x` (`PipelineModel::head_loss`, or a head that also keeps what metrics read). Unlike
     /// [`Self::pipeline_step`], the gradients are this rank's, not yet reduced: sum several
     /// steps' to accumulate, then reduce them with [`Self::reduce_gradients`]. The losses are
-    /// this rank's share's means. Collective over `pp`.
+    /// this rank's share's means. Refused under a precision policy that scales the loss,
+    /// whose overflow check needs the reduced norm ([`Self::pipeline_step`] runs it).
+    /// Collective over `pp`.
     pub fn pipeline_gradients<M, const D: usize>(
         &self,
         model: &M,
@@ -839,6 +886,14 @@ impl Parallelized {
     where
         M: PipelineModel<D> + Sync + 'static,
     {
+        if self.loss_scale().is_some() {
+            return Err(ParallelError::Invalid(
+                "loss scaling decides each step from the global gradient norm, which \
+                 Parallelized::pipeline_step computes: train with it, or compute in bf16, \
+                 which needs no loss scaling"
+                    .into(),
+            ));
+        }
         let run = self.run_stages(model, 0..samples, micro_batch, head, ctx)?;
         let [loss, aux_loss] = run.losses;
         Ok(PipelineStep {
@@ -848,6 +903,8 @@ impl Parallelized {
             norm: f32::NAN,
             report: run.report,
             recomputed: run.recomputed,
+            loss_scale: None,
+            skipped: false,
         })
     }
 
@@ -910,10 +967,13 @@ impl Parallelized {
     /// `policy`'s dtype: each micro-batch runs on [`MixedPrecision::compute_view`] of this
     /// rank's stages (the stored f32 parameters cast inside that micro-batch's graph, so
     /// their gradients come back in f32), and activations and their gradients cross stages
-    /// in that dtype. A `micro_batch` of float inputs casts them too (`x.cast(dtype)`).
-    /// Fails without a pipeline rule (a forward of your own takes the view itself, inside
-    /// [`Self::forward`]), on a device without the dtype, and with loss scaling, which a
-    /// pipeline step does not run (bf16 needs none).
+    /// in that dtype. A `micro_batch` of float inputs casts them too (`x.cast(dtype)`). A
+    /// policy that scales the loss (f16) has [`Self::pipeline_step`] scale each micro-batch's
+    /// loss before backward, unscale the gradients, and skip a step whose global gradient
+    /// norm overflows ([`PipelineStep::skipped`]; a dynamic scale then halves, and doubles
+    /// after its interval of clean steps, as `LossScaler` does). Fails without a pipeline rule
+    /// (a forward of your own takes the view itself, inside [`Self::forward`]) and on a device
+    /// without the dtype.
     pub fn set_pipeline_precision(
         &mut self,
         policy: MixedPrecision,

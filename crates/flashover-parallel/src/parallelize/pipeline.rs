@@ -19,7 +19,7 @@ use crate::pipeline::{
     WeightGradStore, deferral_supported,
 };
 use crate::placement::{PlacementTable, Tie};
-use crate::precision::{LossScale, MixedPrecision, Precision};
+use crate::precision::{LossScale, LossScaler, MixedPrecision, Precision};
 use burn::module::Module;
 use burn::tensor::{DType, Device, Tensor};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
@@ -105,6 +105,8 @@ pub(super) struct Stages {
     units: Option<Arc<LayerUnits>>,
     /// The precision a step's forwards and backwards compute in (f32 without one).
     precision: Option<MixedPrecision>,
+    /// The running loss scale, under a policy that scales the loss (f16).
+    scaler: std::sync::Mutex<Option<LossScaler>>,
 }
 
 /// A pipeline's layers as fully sharded units.
@@ -215,23 +217,21 @@ impl Stages {
             recomputed: Default::default(),
             units: None,
             precision: None,
+            scaler: Default::default(),
         })
     }
 
-    /// Steps compute in `policy`'s dtype from now on. Refuses loss scaling, which a
-    /// pipeline step does not run.
+    /// Steps compute in `policy`'s dtype from now on, scaling the loss as it says.
     pub(super) fn compute_in(&mut self, policy: MixedPrecision) -> Result<(), ParallelError> {
         policy.validate()?;
-        if policy.loss_scale != LossScale::None {
-            return Err(ParallelError::Invalid(format!(
-                "a pipelined plan computes in {} without loss scaling, but the policy scales \
-                 the loss ({:?}): compute in bf16, which needs none, or set loss_scale = \
-                 LossScale::None",
-                policy.param_dtype, policy.loss_scale
-            )));
-        }
         self.precision = (policy.param_dtype != Precision::F32).then_some(policy);
+        *self.scaler() = (policy.loss_scale != LossScale::None).then(|| policy.scaler());
         Ok(())
+    }
+
+    /// The running loss scale, if the policy scales the loss.
+    pub(super) fn scaler(&self) -> std::sync::MutexGuard<'_, Option<LossScaler>> {
+        self.scaler.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Records that this rank's parameters are its own over `pp` and which are tied copies.
@@ -331,6 +331,10 @@ impl Stages {
         let mut executor = PipelineExecutor::new(&self.schedule, &self.pp)?;
         if let Some(policy) = &self.precision {
             executor = executor.with_activation_dtype(policy.param_dtype.float_dtype().into());
+        }
+        if let Some(scaler) = self.scaler().as_ref() {
+            // Losses scaled before backward, the gradients returned unscaled.
+            executor = executor.with_loss_scale(scaler.scale());
         }
         let zero_bubble = self.splits_backward();
         if zero_bubble {

@@ -20,7 +20,7 @@ use flashover_parallel::parallelize::{
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
 use flashover_parallel::pipeline::ScheduleKind;
 use flashover_parallel::placement::PlacementTable;
-use flashover_parallel::precision::{MixedPrecision, Precision};
+use flashover_parallel::precision::{LossScale, MixedPrecision, Precision};
 use flashover_runtime::{Axis, Launch, OpKind, RankContext};
 
 const FEATURES: usize = 6;
@@ -822,19 +822,105 @@ fn a_pipelined_plan_computes_in_a_precision_policys_dtype() {
             "{what}: against the bf16 loop: losses {loss:e}, norms {norm:e}, weights {weights:e}"
         );
     }
-    // Loss scaling is refused, naming the way out.
-    let f16 = MixedPrecision::new(Precision::F16);
+}
+
+#[test]
+fn a_pipelined_plan_scales_the_loss_and_skips_overflowing_steps() {
+    let rule = PipelineRule::new("layers", ScheduleKind::OneFOneB, 4)
+        .first(&["input"])
+        .last(&["norm", "input"]);
+    let plan = ParallelizePlan::new().pipeline(rule);
+    let device = || Device::flex().autodiff();
+    // f16 with a fixed scale: the first loss is the same plan's without pp, bit for bit; the
+    // run tracks f32 within f16's rounding.
+    let fixed = MixedPrecision {
+        loss_scale: LossScale::Static(1024.0),
+        ..MixedPrecision::new(Precision::F16)
+    };
+    let run = |mesh: &str| stack_pipelined_on(mesh, plan.clone(), device, Some(fixed)).0;
+    let pipelined = run("pp=2");
+    assert_eq!(pipelined.0[0], run("pp=1").0[0]);
+    let f32_one_rank = stack_single_rank();
+    let (loss, norm, weights) = differences(&pipelined, &f32_one_rank);
+    assert!(
+        loss < 5e-2 && norm < 5e-2 && weights < 5e-2,
+        "f16: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+    );
+    assert!(loss > 1e-5, "f16: computed as f32 ({loss:e})");
+    // A dynamic scale that overflows f16 (2^24 x a loss of about 3): the first steps are
+    // skipped on every rank alike, leaving the weights as they were, and the scale halves
+    // until the gradients are finite; then the steps apply.
+    let overflowing = MixedPrecision {
+        loss_scale: LossScale::Dynamic {
+            initial: 16_777_216.0,
+            growth_interval: 1000,
+        },
+        ..MixedPrecision::new(Precision::F16)
+    };
+    let steps = Launch::new("dp=2,pp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = device();
+            let (mut model, mut par) = parallelize(Stack::new(&device), &plan, &ctx)?;
+            par.set_pipeline_precision(overflowing, &device)?;
+            let mut optim = AdamWConfig::new().init();
+            let micro_batch = |samples| {
+                let (x, y) = batch(samples, &device);
+                (x.cast(Precision::F16.float_dtype()), y)
+            };
+            let mut steps = vec![];
+            for step in 0..12 {
+                let before = flatten_params(&model);
+                let out =
+                    par.pipeline_step(&model, GLOBAL_BATCH, step, &micro_batch, None, &ctx)?;
+                model = optim.step(LR, model, out.grads);
+                let unchanged = flatten_params(&model) == before;
+                steps.push((out.skipped, out.loss_scale, unchanged));
+            }
+            assert_eq!(
+                par.loss_scale_state().map(|(s, _)| s),
+                steps.last().unwrap().1
+            );
+            Ok::<_, ParallelError>(steps)
+        })
+        .unwrap();
+    assert!(
+        steps.iter().all(|s| *s == steps[0]),
+        "ranks disagree: {steps:?}"
+    );
+    let steps = &steps[0];
+    assert!(steps[0].0, "a scale of 2^24 must overflow f16: {steps:?}");
+    let first_applied = steps.iter().position(|s| !s.0).expect("a step applies");
+    for (k, (skipped, scale, unchanged)) in steps.iter().enumerate() {
+        assert_eq!(
+            *skipped, *unchanged,
+            "step {k}: a skipped step changes no weight"
+        );
+        let halvings = k.min(first_applied) as i32;
+        assert_eq!(
+            *scale,
+            Some(16_777_216.0 * 0.5f32.powi(halvings)),
+            "step {k}"
+        );
+        assert_eq!(*skipped, k < first_applied, "step {k}: {steps:?}");
+    }
+    // pipeline_gradients leaves the reduction, and with it the overflow check, to its
+    // caller: with loss scaling it is refused.
     let err = Launch::new("pp=2")
         .unwrap()
         .run(|ctx| {
-            let device = Device::flex().autodiff();
-            let (_, mut par) = parallelize(Stack::new(&device), &plan, &ctx)?;
-            par.set_pipeline_precision(f16, &device)
+            let device = device();
+            let (model, mut par) = parallelize(Stack::new(&device), &plan, &ctx)?;
+            par.set_pipeline_precision(fixed, &device)?;
+            let micro_batch = |samples| batch(samples, &device);
+            let head = |m: &Stack, x, b: &(Tensor<2>, Tensor<1, Int>), _| m.head_loss(x, b);
+            par.pipeline_gradients(&model, 8, &micro_batch, &head, &ctx)
+                .map(|_| ())
         })
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("without loss scaling") && err.contains("bf16"),
+        err.contains("pipeline_step") && err.contains("bf16"),
         "{err}"
     );
 }
