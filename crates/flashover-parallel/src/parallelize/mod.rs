@@ -116,6 +116,9 @@ pub struct Parallelized {
     sequence_check: Option<sequence_check::SequenceCheck>,
     /// The fully sharded units (one collective per unit inside [`Self::forward`]).
     units: FullyShardedUnits,
+    /// With sequences split over `cp`: the attention work counted at the last reduction (each
+    /// step must attend across the ranks, or its positions saw only their own).
+    attended: std::sync::Mutex<u64>,
 }
 
 /// What one run of a rank's pipeline stages computed.
@@ -261,6 +264,7 @@ pub fn parallelize<M: Module>(
         sequence_check: (tp.size() > 1 && !plan.sequence_parallel.is_empty())
             .then(|| sequence_check::SequenceCheck::new(tp.clone(), sequence_partial)),
         units,
+        attended: Default::default(),
     };
     Ok((model, par))
 }
@@ -661,6 +665,54 @@ impl Parallelized {
         Ok(x.select(dim, index))
     }
 
+    /// `ctx` with attention over whole sequences of `seq` positions across the `cp` ranks
+    /// (`heads` attention heads on this rank: the model's, divided by `tp` where the plan splits
+    /// them), and this rank's positions for rotary embeddings: for a model whose attention
+    /// runs through a [`flashover_models::ForwardContext`] (the reference transformer:
+    /// [`transformer::split_sequences`]) rather than through
+    /// [`crate::nn::CausalAttention`] cores, under a `context_parallel` rule that names none
+    /// (`ContextParallelRule::ring(&[])`). `ctx` itself without a sequence split. Fails when
+    /// the sequence or the heads do not cut over `cp`.
+    pub fn context_forward(
+        &self,
+        ctx: flashover_models::ForwardContext,
+        seq: usize,
+        heads: usize,
+    ) -> Result<flashover_models::ForwardContext, ParallelError> {
+        match &self.context {
+            None => Ok(ctx),
+            Some(split) => Ok(split.attention(seq, heads)?.forward_context(ctx)),
+        }
+    }
+
+    /// Fails when sequences are split over `cp` and no attention reached across the ranks
+    /// since the last check (on any pipeline stage): the model computed each rank's
+    /// positions alone, which no reduction can repair. Collective over `pp` when pipelined.
+    fn check_attended(&self) -> Result<(), ParallelError> {
+        let Some(split) = &self.context else {
+            return Ok(());
+        };
+        let now = split.attended();
+        let mut seen = self.attended.lock().unwrap_or_else(|p| p.into_inner());
+        let mut advanced = [u64::from(now != *seen)];
+        *seen = now;
+        if let Some(stages) = self.stages.as_ref().filter(|s| s.schedule.pp > 1) {
+            stages
+                .pipeline_group()
+                .all_reduce(&mut advanced, ReduceOp::Max)?;
+        }
+        match advanced[0] {
+            0 => Err(ParallelError::Invalid(
+                "the plan splits sequences over cp, but no attention attended across the cp \
+                 ranks this step: each rank's positions saw only each other. Name the \
+                 attention cores (flashover::nn::CausalAttention) in context_parallel's \
+                 `attention`, or run the forward in Parallelized::context_forward's context"
+                    .into(),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// The positions of a `seq`-long sequence this rank computes, in the order its share
     /// holds them ([`Self::sequence_share`]): `0..seq`, or with context parallelism this
     /// rank's chunks (for position embeddings and rotary tables). Fails when `seq` does not cut
@@ -1010,6 +1062,7 @@ impl Parallelized {
         if let Some(check) = &self.sequence_check {
             check.first_step(&entries, &flat)?;
         }
+        self.check_attended()?;
         let scale = 1.0 / self.averaged.size() as f32;
         let tie = self.stages.as_ref().and_then(Stages::tie_group);
         self.reducer.reduce(&entries, &mut flat, scale, tie)?;

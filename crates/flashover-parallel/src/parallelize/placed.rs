@@ -82,6 +82,8 @@ pub struct ContextSplit {
     /// The attention of the last sequence length and head count asked for (every core of a
     /// model shares it: building one lays out the sequence, and all-to-all's mask).
     attention: Arc<Mutex<Option<(usize, usize, ContextParallel)>>>,
+    /// Attention scores computed by the attentions replaced in `attention` since.
+    retired: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Why a rank keeps a placeholder for a parameter.
@@ -188,7 +190,19 @@ impl ContextSplit {
             algorithm: rule.algorithm,
             load_balance: rule.load_balance,
             attention: Default::default(),
+            retired: Default::default(),
         }
+    }
+
+    /// Attention scores this rank has computed across the `cp` ranks so far (every attention
+    /// of this split, ring or all-to-all): what shows that the model's attention did reach
+    /// the other ranks' positions.
+    pub(super) fn attended(&self) -> u64 {
+        let known = self.attention.lock().unwrap_or_else(|p| p.into_inner());
+        let current = known
+            .as_ref()
+            .map_or(0, |(_, _, cp)| cp.work().score_elements);
+        self.retired.load(Ordering::Relaxed) + current
     }
 
     /// The attention over sequences of `seq` positions (`seq / cp` on this rank) with `heads`
@@ -202,7 +216,10 @@ impl ContextSplit {
             return Ok(cp.clone());
         }
         let cp = ContextParallel::new(&self.group, seq, self.algorithm, self.load_balance, heads)?;
-        *known = Some((seq, heads, cp.clone()));
+        if let Some((_, _, replaced)) = known.replace((seq, heads, cp.clone())) {
+            let work = replaced.work().score_elements;
+            self.retired.fetch_add(work, Ordering::Relaxed);
+        }
         Ok(cp)
     }
 

@@ -128,6 +128,28 @@ pub fn dropout_context(
     ctx
 }
 
+/// `ctx` with the reference transformer's attention reaching across the `cp` ranks over
+/// sequences of `seq` positions, when `par`'s plan splits them (its `context_parallel` rule
+/// names no attention cores: the model's attention runs through the context): each rank then
+/// computes its positions of every sequence (`par.sequence_share` of the tokens and targets).
+/// `ctx` itself otherwise.
+pub fn split_sequences(
+    par: &super::Parallelized,
+    model: &Transformer,
+    ctx: ForwardContext,
+    seq: usize,
+) -> Result<ForwardContext, ParallelError> {
+    // This rank's heads: the plan's tp split of the attention, in the blocks it holds.
+    let heads = model
+        .blocks
+        .iter()
+        .find_map(attention_split)
+        .map(|(heads, split)| heads / split.group.size())
+        .or_else(|| model.blocks.first().map(|b| b.attn.n_heads))
+        .unwrap_or(1);
+    par.context_forward(ctx, seq, heads)
+}
+
 /// The attention heads of `block` and how the plan split them over `tp` (read from its query
 /// projection), when it did.
 pub fn attention_split(block: &Block) -> Option<(usize, &TpSplit)> {
@@ -310,7 +332,9 @@ fn block_in(
     let parts = tp_split(&block.attn.wq.weight)
         .filter(|split| split.sequence_parallel)
         .map_or(1, |split| split.group.size());
-    let rope = model.rope(0, x.dims()[1] * parts, &x.device());
+    // This rank's positions under context parallelism (the context's), else 0..len.
+    let (len, head_dim) = (x.dims()[1] * parts, block.attn.head_dim);
+    let rope = ctx.rope_tables(len, head_dim, model.rope_theta, &x.device());
     let y = block.forward_with(x, &rope, ctx, index);
     (y, ctx.moe.as_ref().and_then(MoeHook::take_aux_loss))
 }

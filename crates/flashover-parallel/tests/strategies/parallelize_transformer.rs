@@ -15,7 +15,9 @@ use flashover_models::{
 use flashover_parallel::ParallelError;
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
 use flashover_parallel::parallelize::transformer::LmBatch;
-use flashover_parallel::parallelize::{ParallelizePlan, parallelize, transformer};
+use flashover_parallel::parallelize::{
+    ContextParallelRule, ParallelizePlan, parallelize, transformer,
+};
 use flashover_parallel::pipeline::ScheduleKind;
 use flashover_runtime::{Axis, Launch, OpKind};
 use std::sync::Arc;
@@ -109,10 +111,18 @@ fn parallel_with(
             // Each micro-batch runs in its samples' context: the masks of its sample indices.
             let micro_batch = |samples: std::ops::Range<usize>| {
                 let start = samples.start;
-                let mut batch = LmBatch::from(batch(samples, device));
+                let (x, y) = batch(samples, device);
+                // Under context parallelism, this rank's positions of every sequence.
+                let share = |t| {
+                    par.sequence_share(t, 1)
+                        .expect("the sequence splits over cp")
+                };
+                let mut batch = LmBatch::from((share(x), share(y)));
                 if p > 0.0 {
                     batch.ctx = transformer::dropout_context(model, dropout(p, step), start, SEQ);
                 }
+                batch.ctx = transformer::split_sequences(par, model, batch.ctx, SEQ)
+                    .expect("the sequence splits over cp");
                 batch.ctx.moe = counted.clone();
                 batch
             };
@@ -126,7 +136,9 @@ fn parallel_with(
                 false => transformer::forward_context(),
             };
             fwd.moe = counted.clone();
+            let fwd = transformer::split_sequences(par, model, fwd, SEQ)?;
             let (x, y) = batch(samples, device);
+            let (x, y) = (par.sequence_share(x, 1)?, par.sequence_share(y, 1)?);
             // Fully sharded units gathered one collective each (a no-op without any).
             let loss = par.forward(model, |m| transformer::objective_in(m, x, y, &fwd))?;
             let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
@@ -394,6 +406,87 @@ fn routing_biases_move_by_the_whole_batchs_loads_under_the_reference_plan() {
     assert!(biases.iter().all(|b| *b == biases[0]), "{biases:?}");
     let moved = |layer: &Option<Vec<f32>>| layer.iter().flatten().any(|b| *b != 0.0);
     assert!(biases[0].iter().all(moved), "{biases:?}");
+}
+
+#[test]
+fn the_reference_transformer_splits_sequences_under_a_plan() {
+    // A context_parallel rule naming no attention cores: the reference model's attention
+    // reaches the other cp ranks' positions through the forward context
+    // (`transformer::split_sequences`), each rank computing its positions of every sequence.
+    let config = config(true);
+    let reference = single_rank(&config);
+    let split = transformer::plan(&config).unwrap();
+    let ring = ContextParallelRule::ring(&[]);
+    let pipeline = transformer::pipeline(&config, ScheduleKind::OneFOneB, 2);
+    let cases = [
+        (
+            "cp=2",
+            ParallelizePlan::new().context_parallel(ring.clone()),
+        ),
+        (
+            "dp=2,cp=2",
+            ParallelizePlan::new().context_parallel(ContextParallelRule::all_to_all(&[])),
+        ),
+        ("tp=2,cp=2", split.clone().context_parallel(ring.clone())),
+        (
+            "fsdp=2,cp=2",
+            ParallelizePlan::new()
+                .fully_shard("")
+                .context_parallel(ring.clone().contiguous()),
+        ),
+        (
+            "pp=2,cp=2",
+            ParallelizePlan::new()
+                .pipeline(pipeline.clone())
+                .context_parallel(ring.clone()),
+        ),
+        (
+            "tp=2,pp=2,cp=2",
+            split
+                .clone()
+                .pipeline(pipeline)
+                .context_parallel(ring.clone())
+                .activation_checkpointing(CheckpointPolicy::Full),
+        ),
+    ];
+    assert_layouts_match(&config, &reference, cases, 0.0);
+    // With dropout: each rank draws the one-device masks at its positions.
+    let dropped = single_rank_with(&config, 0.1);
+    let cases = [(
+        "cp=2",
+        ParallelizePlan::new().context_parallel(ring.clone()),
+    )];
+    assert_layouts_match(&config, &dropped, cases, 0.1);
+    // A mixture of experts routes whole sequences.
+    let moe = TransformerConfig {
+        moe: Some(MoeConfig::new(4, 2, 16)),
+        ..config.clone()
+    };
+    let experts = transformer::plan(&moe)
+        .unwrap()
+        .context_parallel(ring.clone());
+    let cases = [("ep=2,cp=2", experts)];
+    assert_layouts_match(&moe, &single_rank(&moe), cases, 0.0);
+    // Without the context's attention, each rank's positions would see only each other: the
+    // step is refused, naming the way.
+    let plan = ParallelizePlan::new().context_parallel(ring);
+    let err = Launch::new("cp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (model, par) = parallelize(config.init(SEED, &device), &plan, &ctx)?;
+            let (x, y) = batch(0..2, &device);
+            let (x, y) = (par.sequence_share(x, 1)?, par.sequence_share(y, 1)?);
+            let loss = transformer::objective(&model, x, y);
+            par.gradients(&model, loss.backward(), None, &ctx)
+                .map(|_| ())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("no attention attended") && err.contains("context_forward"),
+        "{err}"
+    );
 }
 
 /// Without the plan's forward context a split layer is read whole, which panics naming the
