@@ -324,22 +324,40 @@ fn the_reference_mixture_of_experts_model_under_its_own_plan_trains_as_one_rank(
         ..config(true)
     };
     let reference = single_rank(&config);
-    let experts = transformer::plan(&config).unwrap();
+    assert_layouts_match(&config, &reference, moe_layouts(&config, false), 0.0);
+}
+
+/// The layouts the mixture-of-experts model is checked in: ep, dp x ep, fsdp x ep in units,
+/// tp with sp, ep x tp, pp x ep and pp x fsdp (its layers recomputed if `recompute`).
+fn moe_layouts(
+    config: &TransformerConfig,
+    recompute: bool,
+) -> [(&'static str, ParallelizePlan); 7] {
+    let experts = transformer::plan(config).unwrap();
     let whole_sequences = ParallelizePlan {
         sequence_parallel: vec![],
         ..experts.clone()
     };
-    let pipeline = transformer::pipeline(&config, ScheduleKind::OneFOneB, 2);
-    let cases = [
+    let pipeline = transformer::pipeline(config, ScheduleKind::OneFOneB, 2);
+    let policy = match recompute {
+        true => CheckpointPolicy::Full,
+        false => CheckpointPolicy::None,
+    };
+    [
         ("ep=2", experts.clone()),
         ("dp=2,ep=2", experts.clone()),
         ("fsdp=2,ep=2", experts.clone().fully_shard("")),
         ("tp=2", experts.clone()),
         ("ep=2,tp=2", whole_sequences),
         ("pp=2,ep=2", experts.clone().pipeline(pipeline.clone())),
-        ("pp=2,fsdp=2", experts.fully_shard("").pipeline(pipeline)),
-    ];
-    assert_layouts_match(&config, &reference, cases, 0.0);
+        (
+            "pp=2,fsdp=2",
+            experts
+                .fully_shard("")
+                .pipeline(pipeline)
+                .activation_checkpointing(policy),
+        ),
+    ]
 }
 
 #[test]
@@ -357,29 +375,9 @@ fn routing_biases_move_by_the_whole_batchs_loads_under_the_reference_plan() {
     let reference = single_rank(&config);
     // The biases change the routing: the comparison below sees them.
     assert!(differences(&reference, &single_rank(&moving(0.0))).0 > 1e-4);
+    assert_layouts_match(&config, &reference, moe_layouts(&config, true), 0.0);
     let experts = transformer::plan(&config).unwrap();
-    let whole_sequences = ParallelizePlan {
-        sequence_parallel: vec![],
-        ..experts.clone()
-    };
     let pipeline = transformer::pipeline(&config, ScheduleKind::OneFOneB, 2);
-    let cases = [
-        ("ep=2", experts.clone()),
-        ("dp=2,ep=2", experts.clone()),
-        ("fsdp=2,ep=2", experts.clone().fully_shard("")),
-        ("tp=2", experts.clone()),
-        ("ep=2,tp=2", whole_sequences),
-        ("pp=2,ep=2", experts.clone().pipeline(pipeline.clone())),
-        (
-            "pp=2,fsdp=2",
-            experts
-                .clone()
-                .fully_shard("")
-                .pipeline(pipeline.clone())
-                .activation_checkpointing(CheckpointPolicy::Full),
-        ),
-    ];
-    assert_layouts_match(&config, &reference, cases, 0.0);
     // A stage reads only its own layers' biases, so the runs above cannot see the others'.
     // Every rank moves them all by the same loads: after a step each holds the same biases,
     // not all zero.
