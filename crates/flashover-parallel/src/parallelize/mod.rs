@@ -1024,8 +1024,8 @@ impl Parallelized {
     /// loss before backward, unscale the gradients, and skip a step whose global gradient
     /// norm overflows ([`PipelineStep::skipped`]; a dynamic scale then halves, and doubles
     /// after its interval of clean steps, as `LossScaler` does). Fails without a pipeline rule
-    /// (a forward of your own takes the view itself, inside [`Self::forward`]) and on a device
-    /// without the dtype.
+    /// (a forward of your own takes the view itself, inside [`Self::forward`]), on a device
+    /// without the dtype, and for a `reduce_dtype` other than f32 (a plan reduces in f32).
     pub fn set_pipeline_precision(
         &mut self,
         policy: MixedPrecision,

@@ -224,6 +224,13 @@ impl Stages {
     /// Steps compute in `policy`'s dtype from now on, scaling the loss as it says.
     pub(super) fn compute_in(&mut self, policy: MixedPrecision) -> Result<(), ParallelError> {
         policy.validate()?;
+        if policy.reduce_dtype != Precision::F32 {
+            return Err(ParallelError::Invalid(format!(
+                "reduce_dtype = {}: a plan reduces gradients in f32 (reduced-precision \
+                 reduction is flashover train's --reduce-dtype); set reduce_dtype to f32",
+                policy.reduce_dtype
+            )));
+        }
         self.precision = (policy.param_dtype != Precision::F32).then_some(policy);
         *self.scaler() = (policy.loss_scale != LossScale::None).then(|| policy.scaler());
         Ok(())

@@ -923,6 +923,21 @@ fn a_pipelined_plan_scales_the_loss_and_skips_overflowing_steps() {
         err.contains("pipeline_step") && err.contains("bf16"),
         "{err}"
     );
+    // A plan reduces in f32: a reduced-precision reduction is refused, not ignored.
+    let bf16_reduction = MixedPrecision {
+        reduce_dtype: Precision::BF16,
+        ..MixedPrecision::new(Precision::BF16)
+    };
+    let err = Launch::new("pp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = device();
+            let (_, mut par) = parallelize(Stack::new(&device), &plan, &ctx)?;
+            par.set_pipeline_precision(bf16_reduction, &device)
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("reduce_dtype = bf16"), "{err}");
 }
 
 #[test]
