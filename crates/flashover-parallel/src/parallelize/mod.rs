@@ -696,10 +696,8 @@ impl Parallelized {
         let mut seen = self.attended.lock().unwrap_or_else(|p| p.into_inner());
         let mut advanced = [u64::from(now != *seen)];
         *seen = now;
-        if let Some(stages) = self.stages.as_ref().filter(|s| s.schedule.pp > 1) {
-            stages
-                .pipeline_group()
-                .all_reduce(&mut advanced, ReduceOp::Max)?;
+        if let Some(pp) = self.pipeline_ranks() {
+            pp.all_reduce(&mut advanced, ReduceOp::Max)?;
         }
         match advanced[0] {
             0 => Err(ParallelError::Invalid(
@@ -799,10 +797,8 @@ impl Parallelized {
         if self.averaged.size() > 1 {
             self.averaged.all_reduce(&mut sums, ReduceOp::Sum)?;
         }
-        if let Some(stages) = self.stages.as_ref().filter(|s| s.schedule.pp > 1) {
-            stages
-                .pipeline_group()
-                .all_reduce(&mut sums, ReduceOp::Sum)?;
+        if let Some(pp) = self.pipeline_ranks() {
+            pp.all_reduce(&mut sums, ReduceOp::Sum)?;
         }
         Ok(sums
             .chunks(n_experts.max(1))
@@ -820,7 +816,13 @@ impl Parallelized {
     /// Whether the plan cuts the model into pipeline stages on this mesh (a rank then trains
     /// through [`Self::pipeline_step`]).
     pub fn is_pipelined(&self) -> bool {
-        self.stages.as_ref().is_some_and(|s| s.schedule.pp > 1)
+        self.pipeline_ranks().is_some()
+    }
+
+    /// The `pp` ranks, when the plan cuts the model into stages over more than one.
+    fn pipeline_ranks(&self) -> Option<&Group> {
+        let stages = self.stages.as_ref().filter(|s| s.schedule.pp > 1)?;
+        Some(stages.pipeline_group())
     }
 
     /// The `cp` ranks that hold the other positions of this rank's sequences, when the plan

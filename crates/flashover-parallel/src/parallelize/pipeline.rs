@@ -221,9 +221,9 @@ impl Stages {
         })
     }
 
-    /// Steps compute in `policy`'s dtype from now on, scaling the loss as it says.
+    /// Steps compute in `policy`'s dtype (checked by the caller) from now on, scaling the
+    /// loss as it says.
     pub(super) fn compute_in(&mut self, policy: MixedPrecision) -> Result<(), ParallelError> {
-        policy.validate()?;
         if policy.reduce_dtype != Precision::F32 {
             return Err(ParallelError::Invalid(format!(
                 "reduce_dtype = {}: a plan reduces gradients in f32 (reduced-precision \
