@@ -2,7 +2,7 @@
 
 use crate::forward_context::ForwardContext;
 use crate::init;
-use crate::layers::{Attention, Block, SwiGlu, rope_tables};
+use crate::layers::{Attention, Block, SwiGlu};
 use crate::moe::{Moe, MoeConfig};
 use burn::config::Config;
 use burn::module::Module;
@@ -330,12 +330,6 @@ impl Transformer {
     /// Embedding lookup: `[batch, seq]` -> `[batch, seq, d_model]`.
     pub fn embed_tokens(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
         self.embed.forward(tokens)
-    }
-
-    /// Rotary tables for positions `start .. start + len`.
-    pub fn rope(&self, start: usize, len: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
-        let head_dim = self.blocks.first().map(|b| b.attn.head_dim).unwrap_or(2);
-        rope_tables(start, len, head_dim, self.rope_theta, device)
     }
 
     /// Final norm and LM head: `[batch, seq, d_model]` -> `[batch, seq, vocab]`.
