@@ -92,6 +92,7 @@ pub mod prelude {
         PipelineRule, PipelineStep, TensorParallelRule, TpStyle, parallelize,
     };
     pub use flashover_parallel::pipeline::ScheduleKind;
+    pub use flashover_parallel::precision::{LossScale, MixedPrecision, Precision};
 }
 
 pub use flashover_checkpoint as checkpoint;

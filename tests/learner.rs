@@ -560,6 +560,26 @@ fn what_the_strategy_cannot_run_is_refused_with_the_reason() {
             },
             "SupervisedTraining::checkpoint(1) resumes from Flashover's checkpoints",
         ),
+        (
+            // A TrainStep takes its gradients of the model it is handed: none on a cast view.
+            Run {
+                mesh: "dp=2",
+                plan: ParallelizePlan::new().mixed_precision(MixedPrecision::new(Precision::BF16)),
+                ..Run::default()
+            },
+            "train the plan in a loop of your own",
+        ),
+        (
+            Run {
+                mesh: "dp=2,pp=2",
+                plan: pipelined
+                    .clone()
+                    .mixed_precision(MixedPrecision::new(Precision::F16)),
+                pipelined: true,
+                ..Run::default()
+            },
+            "a Learner's TrainStep does not: compute in bf16",
+        ),
     ];
     for (i, (run, reason)) in cases.into_iter().enumerate() {
         let mesh = run.mesh.to_string();

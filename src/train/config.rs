@@ -8,7 +8,6 @@ use flashover_parallel::activation_checkpointing::CheckpointPolicy;
 use flashover_parallel::context_parallel::CpAttention;
 use flashover_parallel::parallelize::ParallelizePlan;
 use flashover_parallel::pipeline::ScheduleKind;
-use flashover_parallel::precision::{LossScale, MixedPrecision, Precision};
 use flashover_runtime::{Axis, DeviceChoice, DeviceMesh};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -42,60 +41,9 @@ pub struct TrainConfig {
 }
 
 /// `[precision]`: what forward and backward compute in (parameters and AdamW state stay f32),
-/// what gradients are reduced in, and loss scaling (see `docs/mixed_precision.md`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct PrecisionSection {
-    /// Compute dtype: `f32`, `bf16` or `f16`.
-    pub param_dtype: Precision,
-    /// Gradient reduction dtype: `f32` (the default), `bf16` or `f16`.
-    pub reduce_dtype: Precision,
-    /// `auto` (dynamic for f16, none otherwise), `none`, `dynamic`, or a fixed factor.
-    pub loss_scale: String,
-    /// The first dynamic loss scale.
-    pub initial_loss_scale: f64,
-    /// Overflow-free steps before a dynamic loss scale doubles.
-    pub loss_scale_growth_interval: usize,
-}
-
-impl Default for PrecisionSection {
-    fn default() -> Self {
-        PrecisionSection {
-            param_dtype: Precision::F32,
-            reduce_dtype: Precision::F32,
-            loss_scale: "auto".into(),
-            initial_loss_scale: 65536.0,
-            loss_scale_growth_interval: 2000,
-        }
-    }
-}
-
-impl PrecisionSection {
-    /// The policy these settings describe.
-    pub fn policy(&self) -> Result<MixedPrecision, String> {
-        let mut policy = MixedPrecision::new(self.param_dtype);
-        policy.reduce_dtype = self.reduce_dtype;
-        let dynamic = LossScale::Dynamic {
-            initial: self.initial_loss_scale as f32,
-            growth_interval: self.loss_scale_growth_interval,
-        };
-        policy.loss_scale = match self.loss_scale.as_str() {
-            "auto" if self.param_dtype == Precision::F16 => dynamic,
-            "auto" | "none" => LossScale::None,
-            "dynamic" => dynamic,
-            fixed => match fixed.parse::<f32>() {
-                Ok(s) => LossScale::Static(s),
-                Err(_) => {
-                    return Err(format!(
-                        "precision.loss_scale = `{fixed}`: expected auto, none, dynamic or a number"
-                    ));
-                }
-            },
-        };
-        policy.validate().map_err(|e| format!("precision: {e}"))?;
-        Ok(policy)
-    }
-}
+/// what gradients are reduced in, and loss scaling (see `docs/mixed_precision.md`); the table a
+/// plan's `[mixed_precision]` is too.
+pub type PrecisionSection = flashover_parallel::precision::PrecisionSettings;
 
 /// `[moe]`: a mixture-of-experts feed-forward in every block (see `docs/expert_parallel.md`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -882,6 +830,10 @@ impl TrainConfig {
             (
                 plan.activation_checkpointing != CheckpointPolicy::None,
                 "activation_checkpointing: set parallel.activation_checkpointing",
+            ),
+            (
+                plan.mixed_precision.is_some(),
+                "mixed_precision: the job computes and reduces as its [precision] table says",
             ),
         ];
         for (_, why) in elsewhere.iter().filter(|(set, _)| *set) {

@@ -82,6 +82,12 @@ fn a_parallelize_table_is_refused_where_the_job_sets_up_the_rule_itself() {
             "[parallelize]\nsequence_parallel = [\"norm\"]\n",
             "parallelize.sequence_parallel names modules but parallel.sequence_parallel = false",
         ),
+        (
+            "dp=2",
+            0,
+            "[parallelize]\n[parallelize.mixed_precision]\nparam_dtype = \"bf16\"\n",
+            "parallelize.mixed_precision: the job computes and reduces as its [precision]",
+        ),
     ];
     for (mesh, zero, table, expected) in cases {
         let errors = with_table(mesh, zero, table).validate();

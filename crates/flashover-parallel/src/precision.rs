@@ -199,6 +199,84 @@ impl MixedPrecision {
     pub fn scaler(&self) -> LossScaler {
         LossScaler::new(self.loss_scale)
     }
+
+    /// The settings that describe this policy (what a TOML table of it holds).
+    pub fn settings(&self) -> PrecisionSettings {
+        let defaults = PrecisionSettings::default();
+        let (loss_scale, initial, interval) = match self.loss_scale {
+            LossScale::None => ("none".into(), defaults.initial_loss_scale, 2000),
+            LossScale::Static(s) => (s.to_string(), defaults.initial_loss_scale, 2000),
+            LossScale::Dynamic {
+                initial,
+                growth_interval,
+            } => ("dynamic".into(), initial as f64, growth_interval),
+        };
+        PrecisionSettings {
+            param_dtype: self.param_dtype,
+            reduce_dtype: self.reduce_dtype,
+            loss_scale,
+            initial_loss_scale: initial,
+            loss_scale_growth_interval: interval,
+        }
+    }
+}
+
+/// A precision policy as a TOML table (a job file's `[precision]`, a plan's
+/// `[mixed_precision]`): what forward and backward compute in (parameters and optimizer state
+/// stay f32), what gradients are reduced in, and loss scaling. Every key has a default:
+/// `param_dtype = "bf16"` alone is bf16 compute with f32 reduction.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PrecisionSettings {
+    /// Compute dtype: `f32`, `bf16` or `f16`.
+    pub param_dtype: Precision,
+    /// Gradient reduction dtype: `f32` (the default), `bf16` or `f16`.
+    pub reduce_dtype: Precision,
+    /// `auto` (dynamic for f16, none otherwise), `none`, `dynamic`, or a fixed factor.
+    pub loss_scale: String,
+    /// The first dynamic loss scale.
+    pub initial_loss_scale: f64,
+    /// Overflow-free steps before a dynamic loss scale doubles.
+    pub loss_scale_growth_interval: usize,
+}
+
+impl Default for PrecisionSettings {
+    fn default() -> Self {
+        PrecisionSettings {
+            param_dtype: Precision::F32,
+            reduce_dtype: Precision::F32,
+            loss_scale: "auto".into(),
+            initial_loss_scale: 65536.0,
+            loss_scale_growth_interval: 2000,
+        }
+    }
+}
+
+impl PrecisionSettings {
+    /// The policy these settings describe; fails naming a malformed setting.
+    pub fn policy(&self) -> Result<MixedPrecision, String> {
+        let mut policy = MixedPrecision::new(self.param_dtype);
+        policy.reduce_dtype = self.reduce_dtype;
+        let dynamic = LossScale::Dynamic {
+            initial: self.initial_loss_scale as f32,
+            growth_interval: self.loss_scale_growth_interval,
+        };
+        policy.loss_scale = match self.loss_scale.as_str() {
+            "auto" if self.param_dtype == Precision::F16 => dynamic,
+            "auto" | "none" => LossScale::None,
+            "dynamic" => dynamic,
+            fixed => match fixed.parse::<f32>() {
+                Ok(s) => LossScale::Static(s),
+                Err(_) => {
+                    return Err(format!(
+                        "precision.loss_scale = `{fixed}`: expected auto, none, dynamic or a number"
+                    ));
+                }
+            },
+        };
+        policy.validate().map_err(|e| format!("precision: {e}"))?;
+        Ok(policy)
+    }
 }
 
 /// `module` with every float parameter cast to `dtype` inside the autodiff graph (ids kept:

@@ -43,6 +43,7 @@
 //! model would run unsplit on its ranks, each repeating the others' work.
 
 mod experts;
+mod mixed_precision;
 pub mod pipeline;
 pub mod placed;
 mod plan;
@@ -67,11 +68,11 @@ use crate::pipeline::PipelineStepReport;
 use crate::placement::{
     GradientReducer, ParamPlacement, Placement, PlacementTable, global_grad_norm,
 };
-use crate::precision::{LossScaler, MixedPrecision, Precision};
+use crate::precision::{LossScaler, MixedPrecision};
 use crate::zero::ShardGroup;
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::{Device, Gradients, Int, Tensor, TensorData};
+use burn::tensor::{Gradients, Int, Tensor, TensorData};
 use experts::{ExpertShares, Experts};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use flashover_runtime::{Axis, RankContext};
@@ -119,6 +120,8 @@ pub struct Parallelized {
     /// With sequences split over `cp`: the attention work counted at the last reduction (each
     /// step must attend across the ranks, or its positions saw only their own).
     attended: std::sync::Mutex<u64>,
+    /// The plan's mixed precision (f32 throughout without one) and its running loss scale.
+    precision: mixed_precision::PlanPrecision,
 }
 
 /// What one run of a rank's pipeline stages computed.
@@ -149,8 +152,8 @@ pub struct PipelineStep {
     pub report: PipelineStepReport,
     /// Layer forwards this rank ran again in backward (the plan's activation checkpointing).
     pub recomputed: usize,
-    /// The loss scale the step ran with, under a precision policy that scales the loss
-    /// ([`Parallelized::set_pipeline_precision`]).
+    /// The loss scale the step ran with, under a plan whose `mixed_precision` scales the
+    /// loss.
     pub loss_scale: Option<f32>,
     /// Whether the step's gradients overflowed under loss scaling: `grads` is then empty (an
     /// optimizer step with it changes no parameter) and a dynamic scale was halved.
@@ -170,6 +173,8 @@ pub fn parallelize<M: Module>(
     ctx: &RankContext,
 ) -> Result<(M, Parallelized), ParallelError> {
     check_axes(plan, ctx)?;
+    let policy = plan.mixed_precision.unwrap_or_default();
+    policy.check(ctx.device())?;
     let tp = ctx.group(Axis::Tp).clone();
     let layout = ParamLayout::of(&model);
     validate::check_plan(plan, &layout.slots, tp.size())?;
@@ -239,16 +244,25 @@ pub fn parallelize<M: Module>(
             ));
         }
         stages.gather_layers(units.clone(), ctx.group(Axis::Fsdp), &sharded);
+        stages.compute_in(policy);
     }
     // The units: every sharded parameter this rank holds (not another stage's or ep rank's).
     let held_shards = layout.slots.iter().zip(&sharded).map(|(s, &sharded)| {
         (sharded && !absent.by_path.contains_key(&s.name)).then_some(s.name.as_str())
     });
-    let comm = (ctx.group(Axis::Fsdp).size() > 1).then(|| ShardGroup::new(ctx.group(Axis::Fsdp)));
+    // Units gather in the compute dtype (rounded first: what the compute view reads) and
+    // reduce-scatter in the reduction's, as FSDP2's policy does.
+    let comm = (ctx.group(Axis::Fsdp).size() > 1).then(|| {
+        ShardGroup::with_precision(
+            ctx.group(Axis::Fsdp),
+            policy.param_dtype,
+            policy.reduce_dtype,
+        )
+    });
     let units = FullyShardedUnits::new(plan, &layout, held_shards, units, comm);
     let par = Parallelized {
         placements,
-        reducer: GradientReducer::new(ctx, Precision::F32)?,
+        reducer: GradientReducer::new(ctx, policy.reduce_dtype)?,
         data: ctx.subgroup(&DATA_AXES)?,
         averaged: ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep, Axis::Cp])?,
         context,
@@ -265,6 +279,7 @@ pub fn parallelize<M: Module>(
             .then(|| sequence_check::SequenceCheck::new(tp.clone(), sequence_partial)),
         units,
         attended: Default::default(),
+        precision: mixed_precision::PlanPrecision::new(policy),
     };
     Ok((model, par))
 }
@@ -547,10 +562,13 @@ impl Parallelized {
     /// embedding, final norm and head together); [`Self::units`] lists them. Outside it,
     /// each parameter is gathered where it is read, one collective per parameter: the same
     /// values, more collectives. The gathered parameters are kept until backward has used
-    /// them, as without units. Fails when `f` runs inside another `forward` or a prefetch
-    /// failed; a failed gather inside `f` panics with the collective's error, which the
-    /// launcher reports. A plan cut into pipeline stages runs its layers as units in
-    /// [`Self::pipeline_step`] instead.
+    /// them, as without units. Under the plan's `mixed_precision`, `f` computes on
+    /// [`MixedPrecision::compute_view`] of the model (every float parameter cast inside the
+    /// graph, so gradients reach the f32 parameters in f32; cast float inputs yourself), and
+    /// the units are all-gathered in the compute dtype. Fails when `f` runs inside another
+    /// `forward` or a prefetch failed; a failed gather inside `f` panics with the collective's
+    /// error, which the launcher reports. A plan cut into pipeline stages runs its layers as
+    /// units in [`Self::pipeline_step`] instead.
     pub fn forward<M: Module, T>(
         &self,
         model: &M,
@@ -563,7 +581,27 @@ impl Parallelized {
                     .into(),
             ));
         }
-        self.units.forward(model, f)
+        // The view inside the scope: the units gather the stored f32 shards, each read is cast,
+        // and the reduce-scattered gradient reaches the shard in f32 (a scope over the view
+        // would round it to the compute dtype once more).
+        self.units
+            .forward(model, |m| match self.precision.forward_view(m) {
+                Some(view) => f(&view),
+                None => f(m),
+            })
+    }
+
+    /// `loss.backward()`, with the loss first scaled by the running loss scale when the plan's
+    /// `mixed_precision` scales it (f16): [`Self::gradients`] then unscales the gradients and
+    /// skips a step that overflowed. Take every backward of a step with it under such a
+    /// plan (the reduction refuses gradients of an unscaled loss there).
+    pub fn backward(&self, loss: Tensor<1>) -> Gradients {
+        self.precision.backward(loss)
+    }
+
+    /// The plan's precision policy (f32 throughout without `mixed_precision`).
+    pub fn precision(&self) -> MixedPrecision {
+        self.precision.policy()
     }
 
     /// The plan's fully sharded units on this rank, by module path, in the order
@@ -728,7 +766,11 @@ impl Parallelized {
     /// data ranks. Then, with `max_norm`, clipped by their global norm (every element of the
     /// whole model counted once): scaled by `max_norm / (norm + 1e-6)` when `norm > max_norm`,
     /// as [`crate::clip_global_norm`] does on one device. Returns them with the norm before
-    /// clipping. Collective: every rank calls it once per step.
+    /// clipping. Under a `mixed_precision` that scales the loss, the gradients of
+    /// [`Self::backward`] are unscaled first, and a step whose norm overflowed (not finite)
+    /// returns no gradients (an optimizer step with them changes nothing) and moves the
+    /// scale. Fails under a `mixed_precision` whose forward ran outside [`Self::forward`] or
+    /// whose backward did not scale the loss. Collective: every rank calls it once per step.
     pub fn gradients<M: Module>(
         &self,
         model: &M,
@@ -761,10 +803,22 @@ impl Parallelized {
         max_norm: Option<f32>,
         ctx: &RankContext,
     ) -> Result<(GradientsParams, f32), ParallelError> {
+        // A pipeline's stages computed in the policy and unscaled their gradients themselves.
+        let unscale = match self.is_pipelined() {
+            true => None,
+            false => self.precision.begin_reduction()?,
+        };
         // Parameters without a gradient contribute zeros: every rank reduces the same layout.
         let mut flat = vec![0.0; ParamLayout::of(model).numel];
         accumulate_grads(model, &grads, &mut flat, &[]);
-        self.reduce_and_clip(model, flat, max_norm, ctx)
+        if let Some(scale) = unscale {
+            flat.iter_mut().for_each(|g| *g /= scale);
+        }
+        let (grads, norm) = self.reduce_and_clip(model, flat, max_norm, ctx)?;
+        match self.precision.apply(norm) {
+            true => Ok((grads, norm)),
+            false => Ok((GradientsParams::new(), norm)),
+        }
     }
 
     /// The whole batch's routing loads of a step, the same on every rank: `stats`, what this
@@ -865,17 +919,13 @@ impl Parallelized {
     {
         let share = self.share(global_batch, step)?;
         let head = |m: &M, x, batch: &M::Batch, _| m.head_loss(x, batch);
-        let loss_scale = self.loss_scale();
-        let mut run = self.run_stages(model, share, micro_batch, &head, ctx)?;
+        let loss_scale = self.precision.loss_scale();
+        let mut run = self.run_stages(model, share, micro_batch, &head, loss_scale, ctx)?;
         self.mean_over_ranks(&mut run.losses)?;
         let [loss, aux_loss] = run.losses;
         let (mut grads, norm) = self.reduce_and_clip(model, run.flat, max_norm, ctx)?;
         // Every rank sees the same global norm, so every rank's scaler decides alike.
-        let stages = self.pipeline_stages()?;
-        let apply = stages
-            .scaler()
-            .as_mut()
-            .is_none_or(|scaler| scaler.update(norm.is_finite()));
+        let apply = self.precision.apply(norm);
         if !apply {
             grads = GradientsParams::new();
         }
@@ -891,27 +941,25 @@ impl Parallelized {
         })
     }
 
-    /// The loss scale the next pipeline step runs with, under a policy that scales the loss.
-    fn loss_scale(&self) -> Option<f32> {
-        let stages = self.stages.as_ref()?;
-        stages.scaler().as_ref().map(LossScaler::scale)
+    /// The loss scale the next step runs with, under a `mixed_precision` that scales the loss.
+    pub fn loss_scale(&self) -> Option<f32> {
+        self.precision.loss_scale()
     }
 
-    /// The running loss scale and its overflow-free steps, under a policy that scales the
-    /// loss: what a checkpoint keeps so that a resumed run scales as the uninterrupted one.
+    /// The running loss scale and its overflow-free steps, under a `mixed_precision` that
+    /// scales the loss: what a checkpoint keeps so that a resumed run scales as the
+    /// uninterrupted one.
     pub fn loss_scale_state(&self) -> Option<(f32, usize)> {
-        let stages = self.stages.as_ref()?;
-        stages.scaler().as_ref().map(LossScaler::state)
+        self.precision.scaler().as_ref().map(LossScaler::state)
     }
 
     /// Resumes the running loss scale from [`Self::loss_scale_state`]. Fails without a
     /// policy that scales the loss.
     pub fn restore_loss_scale(&self, state: (f32, usize)) -> Result<(), ParallelError> {
-        let stages = self.pipeline_stages()?;
-        let mut scaler = stages.scaler();
+        let mut scaler = self.precision.scaler();
         let scaler = scaler.as_mut().ok_or_else(|| {
             ParallelError::Invalid(
-                "no loss scale to restore: the pipeline's precision policy scales no loss".into(),
+                "no loss scale to restore: the plan's mixed_precision scales no loss".into(),
             )
         })?;
         scaler.restore(state);
@@ -948,7 +996,7 @@ impl Parallelized {
                     .into(),
             ));
         }
-        let run = self.run_stages(model, 0..samples, micro_batch, head, ctx)?;
+        let run = self.run_stages(model, 0..samples, micro_batch, head, None, ctx)?;
         let [loss, aux_loss] = run.losses;
         Ok(PipelineStep {
             grads: grads_from_flat(model, &run.flat),
@@ -962,13 +1010,15 @@ impl Parallelized {
         })
     }
 
-    /// The forwards and backwards of this rank's stages over `share`.
+    /// The forwards and backwards of this rank's stages over `share`, each micro-batch's loss
+    /// scaled by `loss_scale` (the gradients returned unscaled).
     fn run_stages<M, const D: usize>(
         &self,
         model: &M,
         share: Range<usize>,
         micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
         head: &pipeline::HeadLoss<'_, M, D>,
+        loss_scale: Option<f32>,
         ctx: &RankContext,
     ) -> Result<StagesRun, ParallelError>
     where
@@ -982,7 +1032,8 @@ impl Parallelized {
             .next()
             .unwrap_or_else(|| ctx.device().clone().autodiff());
         let before = stages.recomputed();
-        let (flat, losses, report) = stages.step(model, share, &device, micro_batch, head)?;
+        let (flat, losses, report) =
+            stages.step(model, share, &device, micro_batch, head, loss_scale)?;
         Ok(StagesRun {
             flat,
             losses,
@@ -1015,33 +1066,6 @@ impl Parallelized {
         M: PipelineModel<D>,
     {
         self.pipeline_stages()?.forward(model, batch)
-    }
-
-    /// Pipeline steps ([`Self::pipeline_step`], [`Self::pipeline_gradients`]) compute in
-    /// `policy`'s dtype: each micro-batch runs on [`MixedPrecision::compute_view`] of this
-    /// rank's stages (the stored f32 parameters cast inside that micro-batch's graph, so
-    /// their gradients come back in f32), and activations and their gradients cross stages
-    /// in that dtype. A `micro_batch` of float inputs casts them too (`x.cast(dtype)`). A
-    /// policy that scales the loss (f16) has [`Self::pipeline_step`] scale each micro-batch's
-    /// loss before backward, unscale the gradients, and skip a step whose global gradient
-    /// norm overflows ([`PipelineStep::skipped`]; a dynamic scale then halves, and doubles
-    /// after its interval of clean steps, as `LossScaler` does). Fails without a pipeline rule
-    /// (a forward of your own takes the view itself, inside [`Self::forward`]), on a device
-    /// without the dtype, and for a `reduce_dtype` other than f32 (a plan reduces in f32).
-    pub fn set_pipeline_precision(
-        &mut self,
-        policy: MixedPrecision,
-        device: &Device,
-    ) -> Result<(), ParallelError> {
-        let stages = self.stages.as_mut().ok_or_else(|| {
-            ParallelError::Invalid(
-                "only a pipelined plan's steps take a precision: under another plan, take \
-                 MixedPrecision::compute_view of the model inside Parallelized::forward"
-                    .into(),
-            )
-        })?;
-        policy.check(device)?;
-        stages.compute_in(policy)
     }
 
     /// Whether this rank runs the last pipeline stage, where the loss and the model's

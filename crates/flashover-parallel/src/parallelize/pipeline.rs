@@ -19,7 +19,7 @@ use crate::pipeline::{
     WeightGradStore, deferral_supported,
 };
 use crate::placement::{PlacementTable, Tie};
-use crate::precision::{LossScale, LossScaler, MixedPrecision, Precision};
+use crate::precision::{MixedPrecision, Precision};
 use burn::module::Module;
 use burn::tensor::{DType, Device, Tensor};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
@@ -105,8 +105,6 @@ pub(super) struct Stages {
     units: Option<Arc<LayerUnits>>,
     /// The precision a step's forwards and backwards compute in (f32 without one).
     precision: Option<MixedPrecision>,
-    /// The running loss scale, under a policy that scales the loss (f16).
-    scaler: std::sync::Mutex<Option<LossScaler>>,
 }
 
 /// A pipeline's layers as fully sharded units.
@@ -217,28 +215,13 @@ impl Stages {
             recomputed: Default::default(),
             units: None,
             precision: None,
-            scaler: Default::default(),
         })
     }
 
-    /// Steps compute in `policy`'s dtype (checked by the caller) from now on, scaling the
-    /// loss as it says.
-    pub(super) fn compute_in(&mut self, policy: MixedPrecision) -> Result<(), ParallelError> {
-        if policy.reduce_dtype != Precision::F32 {
-            return Err(ParallelError::Invalid(format!(
-                "reduce_dtype = {}: a plan reduces gradients in f32 (reduced-precision \
-                 reduction is flashover train's --reduce-dtype); set reduce_dtype to f32",
-                policy.reduce_dtype
-            )));
-        }
+    /// Steps compute in `policy`'s dtype (checked by the caller): every micro-batch on a
+    /// fresh compute view, activations crossing stages in that dtype.
+    pub(super) fn compute_in(&mut self, policy: MixedPrecision) {
         self.precision = (policy.param_dtype != Precision::F32).then_some(policy);
-        *self.scaler() = (policy.loss_scale != LossScale::None).then(|| policy.scaler());
-        Ok(())
-    }
-
-    /// The running loss scale, if the policy scales the loss.
-    pub(super) fn scaler(&self) -> std::sync::MutexGuard<'_, Option<LossScaler>> {
-        self.scaler.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Records that this rank's parameters are its own over `pp` and which are tied copies.
@@ -279,7 +262,8 @@ impl Stages {
     /// samples, cut into the rule's micro-batches, micro-batch `k`'s loss `head(model, x,
     /// batch, k)` on the last stage): the gradients summed over its chunks and averaged over
     /// micro-batches, in `model`'s layout, and the mean loss and auxiliary loss of the share
-    /// (the same on every rank of `pp`).
+    /// (the same on every rank of `pp`). With `loss_scale`, each micro-batch's loss is scaled
+    /// before backward and the gradients are returned unscaled.
     pub(super) fn step<M, const D: usize>(
         &self,
         model: &M,
@@ -287,6 +271,7 @@ impl Stages {
         device: &Device,
         micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
         head: &HeadLoss<'_, M, D>,
+        loss_scale: Option<f32>,
     ) -> Result<(Vec<f32>, [f32; 2], PipelineStepReport), ParallelError>
     where
         M: PipelineModel<D> + Sync + 'static,
@@ -339,9 +324,9 @@ impl Stages {
         if let Some(policy) = &self.precision {
             executor = executor.with_activation_dtype(policy.param_dtype.float_dtype().into());
         }
-        if let Some(scaler) = self.scaler().as_ref() {
+        if let Some(scale) = loss_scale {
             // Losses scaled before backward, the gradients returned unscaled.
-            executor = executor.with_loss_scale(scaler.scale());
+            executor = executor.with_loss_scale(scale);
         }
         let zero_bubble = self.splits_backward();
         if zero_bubble {

@@ -5,6 +5,7 @@ use crate::activation_checkpointing::CheckpointPolicy;
 use crate::context_parallel::CpAttention;
 use crate::error::ParallelError;
 use crate::pipeline::ScheduleKind;
+use crate::precision::MixedPrecision;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// A dotted module path (`blocks.3.attn.wq`) naming a module and everything inside it. A `*`
@@ -289,6 +290,7 @@ mod schedule_name {
 ///     ContextParallelRule, ParallelizePlan, PipelineRule, TensorParallelRule,
 /// };
 /// use flashover_parallel::pipeline::ScheduleKind;
+/// use flashover_parallel::precision::{MixedPrecision, Precision};
 ///
 /// // TOML, for a table of your own configuration file ...
 /// let plan = ParallelizePlan::from_toml(
@@ -308,6 +310,9 @@ mod schedule_name {
 ///     [context_parallel]
 ///     attention = ["blocks.*.attn.core"]
 ///     algorithm = "ring"
+///
+///     [mixed_precision]
+///     param_dtype = "bf16"        # reduce_dtype = "f32" and no loss scale by default
 ///
 ///     [[tensor_parallel]]
 ///     style = "colwise"
@@ -336,10 +341,11 @@ mod schedule_name {
 ///             .first(&["embed"])
 ///             .last(&["norm", "embed"])
 ///             .layers_per_stage(&[7, 5]),
-///     );
+///     )
+///     .mixed_precision(MixedPrecision::new(Precision::BF16));
 /// assert_eq!(plan, rust);
 /// ```
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ParallelizePlan {
     /// Modules whose parameters are fully sharded over the `fsdp` axis (ZeRO-3): each rank
@@ -384,6 +390,40 @@ pub struct ParallelizePlan {
     /// [`crate::nn::MoeForward::forward`]. `ep` ranks read different samples, as `dp` ranks do.
     #[serde(default)]
     pub expert_parallel: Vec<ModulePath>,
+    /// What the model computes in and its gradients are reduced in (FSDP2's
+    /// `MixedPrecisionPolicy`; f32 throughout when absent). The parameters and the
+    /// optimizer's state stay f32: [`super::Parallelized::forward`] and the pipeline's steps
+    /// compute on [`MixedPrecision::compute_view`] of the model, so gradients come back in f32;
+    /// fully sharded units are all-gathered in `param_dtype` (half the bytes for bf16) and
+    /// reduce-scattered in `reduce_dtype`, as every other gradient is reduced. A policy that
+    /// scales the loss (f16) scales it in [`super::Parallelized::backward`] (in
+    /// [`super::Parallelized::pipeline_step`] under a pipeline) and skips a step whose
+    /// gradients overflowed. The TOML table is a job file's `[precision]`
+    /// ([`crate::precision::PrecisionSettings`]).
+    #[serde(default, with = "policy_settings")]
+    pub mixed_precision: Option<MixedPrecision>,
+}
+
+/// A precision policy as the settings table it is written as.
+mod policy_settings {
+    use super::*;
+    use crate::precision::PrecisionSettings;
+
+    pub fn serialize<S: Serializer>(
+        policy: &Option<MixedPrecision>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        policy.map(|p| p.settings()).serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<MixedPrecision>, D::Error> {
+        match Option::<PrecisionSettings>::deserialize(d)? {
+            Some(settings) => Ok(Some(settings.policy().map_err(serde::de::Error::custom)?)),
+            None => Ok(None),
+        }
+    }
 }
 
 /// A checkpoint policy by the name `CheckpointPolicy`'s `FromStr` reads (`every:2`).
@@ -447,6 +487,13 @@ impl ParallelizePlan {
     /// Also spread the experts of the mixture-of-experts layer at `path` over `ep`.
     pub fn expert_parallel(mut self, path: &str) -> Self {
         self.expert_parallel.push(ModulePath::new(path));
+        self
+    }
+
+    /// Also compute in `policy`'s dtype and reduce gradients in its reduce dtype (see the
+    /// field's docs).
+    pub fn mixed_precision(mut self, policy: MixedPrecision) -> Self {
+        self.mixed_precision = Some(policy);
         self
     }
 

@@ -10,6 +10,7 @@ mod expert_parallel;
 mod parallelize;
 mod parallelize_context;
 mod parallelize_experts;
+mod parallelize_precision;
 mod parallelize_transformer;
 mod pipeline;
 mod tensor_parallel;

@@ -20,7 +20,6 @@ use flashover_parallel::parallelize::{
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
 use flashover_parallel::pipeline::ScheduleKind;
 use flashover_parallel::placement::PlacementTable;
-use flashover_parallel::precision::{LossScale, MixedPrecision, Precision};
 use flashover_runtime::{Axis, Launch, OpKind, RankContext};
 
 const FEATURES: usize = 6;
@@ -284,7 +283,7 @@ fn linear(d_in: usize, d_out: usize, salt: f32, device: &Device) -> Linear {
 }
 
 /// Samples `range` of an endless deterministic data set.
-fn batch(range: std::ops::Range<usize>, device: &Device) -> (Tensor<2>, Tensor<1, Int>) {
+pub(crate) fn batch(range: std::ops::Range<usize>, device: &Device) -> (Tensor<2>, Tensor<1, Int>) {
     let n = range.len();
     let x: Vec<f32> = range
         .clone()
@@ -530,23 +529,23 @@ fn a_models_linear_layers_split_over_tp_by_a_plan_train_as_one_rank() {
 /// head (tied, as an embedding and LM head are), four layers (LayerNorm, a column-then-row
 /// pair), a final norm.
 #[derive(Module, Debug)]
-struct Stack {
+pub(crate) struct Stack {
     input: nn::Linear,
-    layers: Vec<StackLayer>,
+    pub(crate) layers: Vec<StackLayer>,
     norm: LayerNorm,
 }
 
 #[derive(Module, Debug)]
-struct StackLayer {
+pub(crate) struct StackLayer {
     norm: LayerNorm,
-    up: nn::Linear,
+    pub(crate) up: nn::Linear,
     down: nn::Linear,
 }
 
 const LAYERS: usize = 4;
 
 impl Stack {
-    fn new(device: &Device) -> Self {
+    pub(crate) fn new(device: &Device) -> Self {
         let layer = |i: usize| StackLayer {
             norm: LayerNormConfig::new(NARROW).init(device),
             up: linear(NARROW, WIDE, 0.3 + i as f32, device).into(),
@@ -560,13 +559,13 @@ impl Stack {
     }
 
     /// The single-device loss: the pipeline's three parts in a row.
-    fn loss(&self, batch: &(Tensor<2>, Tensor<1, Int>)) -> Tensor<1> {
+    pub(crate) fn loss(&self, batch: &(Tensor<2>, Tensor<1, Int>)) -> Tensor<1> {
         let x = (0..LAYERS).fold(self.embed(batch), |x, i| self.layer(i, x));
         self.head_loss(x, batch)
     }
 
     /// [`Stack::loss`] with each layer's forward checkpointed: run again in backward.
-    fn loss_recomputed(&self, batch: &(Tensor<2>, Tensor<1, Int>)) -> Tensor<1> {
+    pub(crate) fn loss_recomputed(&self, batch: &(Tensor<2>, Tensor<1, Int>)) -> Tensor<1> {
         let x = self.layers.iter().fold(self.embed(batch), |x, layer| {
             checkpoint(layer, x, |l: &StackLayer, x| l.forward(x))
         });
@@ -607,7 +606,7 @@ impl PipelineModel<2> for Stack {
 }
 
 /// `Stack`'s plain single-rank loop.
-fn stack_single_rank() -> Run {
+pub(crate) fn stack_single_rank() -> Run {
     let device = Device::flex().autodiff();
     reference_loop(Stack::new(&device), |model, samples| {
         model.loss(&batch(samples, &device))
@@ -617,31 +616,25 @@ fn stack_single_rank() -> Run {
 /// `Stack` under a pipelined `plan` on `mesh`: rank 0's run, every rank's stored elements and
 /// the layer forwards each rank ran again in backward.
 fn stack_pipelined(mesh: &str, plan: ParallelizePlan) -> (Run, Vec<usize>, Vec<usize>) {
-    stack_pipelined_on(mesh, plan, || Device::flex().autodiff(), None)
+    stack_pipelined_on(mesh, plan, || Device::flex().autodiff())
 }
 
-/// [`stack_pipelined`] with the model on the autodiff device `device` makes, computing in
-/// `precision` when given.
-fn stack_pipelined_on(
+/// [`stack_pipelined`] with the model on the autodiff device `device` makes (the inputs cast
+/// to the plan's compute dtype).
+pub(crate) fn stack_pipelined_on(
     mesh: &str,
     plan: ParallelizePlan,
     device: impl Fn() -> Device + Sync,
-    precision: Option<MixedPrecision>,
 ) -> (Run, Vec<usize>, Vec<usize>) {
     let out = Launch::new(mesh)
         .unwrap()
         .run(|ctx| {
             let device = device();
-            let (mut model, mut par) = parallelize(Stack::new(&device), &plan, &ctx)?;
+            let (mut model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
             let held = ParamLayout::of(&model).numel;
             let mut optim = AdamWConfig::new().init();
             let (mut losses, mut norms, mut recomputed) = (vec![], vec![], 0);
-            let dtype = precision.map_or(burn::tensor::FloatDType::F32, |p| {
-                p.param_dtype.float_dtype()
-            });
-            if let Some(policy) = precision {
-                par.set_pipeline_precision(policy, &device)?;
-            }
+            let dtype = par.precision().param_dtype.float_dtype();
             let micro_batch = |samples| {
                 let (x, y) = batch(samples, &device);
                 (x.cast(dtype), y)
@@ -774,173 +767,6 @@ fn a_plan_cuts_layers_unevenly_where_it_says_how_many_each_stage_runs() {
 }
 
 #[test]
-fn a_pipelined_plan_computes_in_a_precision_policys_dtype() {
-    // bf16 stages: the first step's loss (one forward of the same weights) is the same plan's
-    // on a mesh without pp, bit for bit, and more than 1e-4 from f32's (about 2.9: a
-    // pipeline in f32 matches the f32 loop to 1e-5 relative, 3e-5 here); the whole run stays within bf16's rounding of the plain bf16 loop
-    // (the view of the whole model on the whole batch). Its weights do not match the cut on
-    // one rank to 1e-5: the head reads the input projection again, and those two reads'
-    // gradients add in bf16 on one rank's cast weight but in f32 across the two ranks.
-    let policy = MixedPrecision::new(Precision::BF16);
-    let bf16_one_rank = {
-        let device = Device::flex().autodiff();
-        reference_loop(Stack::new(&device), |model, samples| {
-            let (x, y) = batch(samples, &device);
-            let x = (x.cast(Precision::BF16.float_dtype()), y);
-            policy.compute_view(model.clone()).loss(&x)
-        })
-    };
-    let f32_one_rank = stack_single_rank();
-    let rule = PipelineRule::new("layers", ScheduleKind::OneFOneB, 4)
-        .first(&["input"])
-        .last(&["norm", "input"]);
-    let plan = ParallelizePlan::new().pipeline(rule);
-    let device = || Device::flex().autodiff();
-    let run = |mesh: &str, plan: &ParallelizePlan| {
-        stack_pipelined_on(mesh, plan.clone(), device, Some(policy)).0
-    };
-    let recomputed = plan
-        .clone()
-        .activation_checkpointing(CheckpointPolicy::Full);
-    let sharded = plan.clone().fully_shard("");
-    // (mesh, plan, the mesh without pp that reads the same micro-batches)
-    let cases = [
-        ("pp=2", &plan, "pp=1"),
-        ("pp=2", &recomputed, "pp=1"),
-        ("fsdp=2,pp=2", &sharded, "dp=2"),
-    ];
-    for (mesh, plan, unpiped) in cases {
-        let pipelined = run(mesh, plan);
-        let what = format!("{mesh} {}", plan.activation_checkpointing);
-        let first = pipelined.0[0];
-        assert_eq!(first, run(unpiped, plan).0[0], "{what}: first loss");
-        let from_f32 = (first - f32_one_rank.0[0]).abs();
-        assert!(from_f32 > 1e-4, "{what}: computed as f32 ({from_f32:e})");
-        let (loss, norm, weights) = differences(&pipelined, &bf16_one_rank);
-        assert!(
-            loss < 1e-2 && norm < 1e-2 && weights < 1e-2,
-            "{what}: against the bf16 loop: losses {loss:e}, norms {norm:e}, weights {weights:e}"
-        );
-    }
-}
-
-#[test]
-fn a_pipelined_plan_scales_the_loss_and_skips_overflowing_steps() {
-    let rule = PipelineRule::new("layers", ScheduleKind::OneFOneB, 4)
-        .first(&["input"])
-        .last(&["norm", "input"]);
-    let plan = ParallelizePlan::new().pipeline(rule);
-    let device = || Device::flex().autodiff();
-    // f16 with a fixed scale: the first loss is the same plan's without pp, bit for bit; the
-    // run tracks f32 within f16's rounding.
-    let fixed = MixedPrecision {
-        loss_scale: LossScale::Static(1024.0),
-        ..MixedPrecision::new(Precision::F16)
-    };
-    let run = |mesh: &str| stack_pipelined_on(mesh, plan.clone(), device, Some(fixed)).0;
-    let pipelined = run("pp=2");
-    assert_eq!(pipelined.0[0], run("pp=1").0[0]);
-    let f32_one_rank = stack_single_rank();
-    let (loss, norm, weights) = differences(&pipelined, &f32_one_rank);
-    assert!(
-        loss < 5e-2 && norm < 5e-2 && weights < 5e-2,
-        "f16: losses {loss:e}, norms {norm:e}, weights {weights:e}"
-    );
-    assert!(loss > 1e-5, "f16: computed as f32 ({loss:e})");
-    // A dynamic scale that overflows f16 (2^24 x a loss of about 3): the first steps are
-    // skipped on every rank alike, leaving the weights as they were, and the scale halves
-    // until the gradients are finite; then the steps apply.
-    let overflowing = MixedPrecision {
-        loss_scale: LossScale::Dynamic {
-            initial: 16_777_216.0,
-            growth_interval: 1000,
-        },
-        ..MixedPrecision::new(Precision::F16)
-    };
-    let steps = Launch::new("dp=2,pp=2")
-        .unwrap()
-        .run(|ctx| {
-            let device = device();
-            let (mut model, mut par) = parallelize(Stack::new(&device), &plan, &ctx)?;
-            par.set_pipeline_precision(overflowing, &device)?;
-            let mut optim = AdamWConfig::new().init();
-            let micro_batch = |samples| {
-                let (x, y) = batch(samples, &device);
-                (x.cast(Precision::F16.float_dtype()), y)
-            };
-            let mut steps = vec![];
-            for step in 0..12 {
-                let before = flatten_params(&model);
-                let out =
-                    par.pipeline_step(&model, GLOBAL_BATCH, step, &micro_batch, None, &ctx)?;
-                model = optim.step(LR, model, out.grads);
-                let unchanged = flatten_params(&model) == before;
-                steps.push((out.skipped, out.loss_scale, unchanged));
-            }
-            assert_eq!(
-                par.loss_scale_state().map(|(s, _)| s),
-                steps.last().unwrap().1
-            );
-            Ok::<_, ParallelError>(steps)
-        })
-        .unwrap();
-    assert!(
-        steps.iter().all(|s| *s == steps[0]),
-        "ranks disagree: {steps:?}"
-    );
-    let steps = &steps[0];
-    assert!(steps[0].0, "a scale of 2^24 must overflow f16: {steps:?}");
-    let first_applied = steps.iter().position(|s| !s.0).expect("a step applies");
-    for (k, (skipped, scale, unchanged)) in steps.iter().enumerate() {
-        assert_eq!(
-            *skipped, *unchanged,
-            "step {k}: a skipped step changes no weight"
-        );
-        let halvings = k.min(first_applied) as i32;
-        assert_eq!(
-            *scale,
-            Some(16_777_216.0 * 0.5f32.powi(halvings)),
-            "step {k}"
-        );
-        assert_eq!(*skipped, k < first_applied, "step {k}: {steps:?}");
-    }
-    // pipeline_gradients leaves the reduction, and with it the overflow check, to its
-    // caller: with loss scaling it is refused.
-    let err = Launch::new("pp=2")
-        .unwrap()
-        .run(|ctx| {
-            let device = device();
-            let (model, mut par) = parallelize(Stack::new(&device), &plan, &ctx)?;
-            par.set_pipeline_precision(fixed, &device)?;
-            let micro_batch = |samples| batch(samples, &device);
-            let head = |m: &Stack, x, b: &(Tensor<2>, Tensor<1, Int>), _| m.head_loss(x, b);
-            par.pipeline_gradients(&model, 8, &micro_batch, &head, &ctx)
-                .map(|_| ())
-        })
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("pipeline_step") && err.contains("bf16"),
-        "{err}"
-    );
-    // A plan reduces in f32: a reduced-precision reduction is refused, not ignored.
-    let bf16_reduction = MixedPrecision {
-        reduce_dtype: Precision::BF16,
-        ..MixedPrecision::new(Precision::BF16)
-    };
-    let err = Launch::new("pp=2")
-        .unwrap()
-        .run(|ctx| {
-            let device = device();
-            let (_, mut par) = parallelize(Stack::new(&device), &plan, &ctx)?;
-            par.set_pipeline_precision(bf16_reduction, &device)
-        })
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("reduce_dtype = bf16"), "{err}");
-}
-
-#[test]
 fn layers_a_plan_recomputes_in_backward_train_as_one_rank() {
     let reference = stack_single_rank();
     let rule = |micro| {
@@ -984,12 +810,8 @@ fn layers_a_plan_recomputes_in_backward_train_as_one_rank() {
     ];
     // Burn's balanced checkpointing: a property of the model's device, which the step uses.
     let selective = || Device::flex().autodiff().gradient_checkpointing();
-    let (run, _, _) = stack_pipelined_on(
-        "pp=2",
-        ParallelizePlan::new().pipeline(rule(4)),
-        selective,
-        None,
-    );
+    let (run, _, _) =
+        stack_pipelined_on("pp=2", ParallelizePlan::new().pipeline(rule(4)), selective);
     let (loss, norm, weights) = differences(&run, &reference);
     assert!(
         loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
@@ -1187,59 +1009,6 @@ fn checkpointed_units_reshard_after_forward_and_gather_again_in_backward() {
         assert_eq!(resharded.2, (root, root + 2 * layer));
         // Everything gathered is released by the end of backward.
         assert_eq!((kept.3, resharded.3), (0, 0));
-    }
-}
-
-#[test]
-fn a_compute_view_inside_the_scope_computes_in_its_dtype() {
-    // `MixedPrecision::compute_view` inside `Parallelized::forward`: the gathered units are
-    // read in the view's dtype (bf16), their gradients reach the f32 shards in f32. Against
-    // the same view under plain data parallelism (each rank the same samples, the same bf16
-    // compute, the gradients summed in f32): the same losses (a unit computed in f32 would
-    // change them by about 3e-3), and gradients within bf16's rounding: the stack's input
-    // projection is read twice (it is the head too), and the two reads' gradients add in
-    // bf16 on the view's one cast weight but in f32 on a gathered unit's two reads.
-    let policy = MixedPrecision::new(Precision::BF16);
-    // The inputs in the compute dtype too.
-    let bf16_batch = |samples, device: &Device| {
-        let (x, y) = batch(samples, device);
-        (x.cast(Precision::BF16.float_dtype()), y)
-    };
-    let run = |mesh: &str, plan: &ParallelizePlan, recompute: bool| {
-        plan_loop(mesh, plan, Stack::new, |model, par, step, ctx, device| {
-            let samples = par.batch_share(GLOBAL_BATCH, step)?;
-            let (loss, dtype) = par.forward(model, |m| {
-                let view = policy.compute_view(m.clone());
-                let dtype = view.layers[0].up.weight.val().dtype();
-                let x = bf16_batch(samples, device);
-                let loss = match recompute {
-                    true => view.loss_recomputed(&x),
-                    false => view.loss(&x),
-                };
-                (loss, dtype)
-            })?;
-            assert_eq!(dtype, burn::tensor::DType::BF16);
-            let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
-            let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
-            Ok((grads, mean, norm))
-        })
-        .0
-    };
-    let f32_one_rank = stack_single_rank();
-    let plan = ParallelizePlan::new().fully_shard("");
-    for recompute in [false, true] {
-        let data_parallel = run("dp=2", &ParallelizePlan::new(), recompute);
-        let sharded = run("fsdp=2", &plan, recompute);
-        let (loss, norm, weights) = differences(&sharded, &data_parallel);
-        // Recomputed, both runs hand each gradient back through the view's bf16 leaves once:
-        // data parallelism each rank's before the sum, a unit the reduce-scattered sum.
-        let same_losses = if recompute { 1e-2 } else { 1e-5 };
-        assert!(
-            loss < same_losses && norm < 1e-2 && weights < 1e-2,
-            "recompute {recompute}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
-        );
-        let (from_f32, _, _) = differences(&sharded, &f32_one_rank);
-        assert!(from_f32 > 1e-4, "recompute {recompute}: computed as f32");
     }
 }
 

@@ -1,0 +1,110 @@
+//! A plan's mixed precision on one rank ([`super::ParallelizePlan::mixed_precision`]): the
+//! policy, the running loss scale, and the checks that a step's forward computed in the
+//! policy's dtype and its backward scaled the loss, so that a forward or backward run around
+//! [`super::Parallelized`] trains in f32 or unscaled loudly, not silently.
+
+use crate::error::ParallelError;
+use crate::precision::{LossScale, LossScaler, MixedPrecision, Precision};
+use burn::module::Module;
+use burn::tensor::{Gradients, Tensor};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// See the module docs.
+#[derive(Default)]
+pub(super) struct PlanPrecision {
+    policy: MixedPrecision,
+    /// The running loss scale, under a policy that scales the loss (f16).
+    scaler: Mutex<Option<LossScaler>>,
+    /// Forwards that ran on the compute view since the last reduction.
+    forwards: AtomicUsize,
+    /// Backwards of a scaled loss since the last reduction.
+    backwards: AtomicUsize,
+}
+
+impl PlanPrecision {
+    pub(super) fn new(policy: MixedPrecision) -> Self {
+        PlanPrecision {
+            policy,
+            scaler: Mutex::new((policy.loss_scale != LossScale::None).then(|| policy.scaler())),
+            ..Default::default()
+        }
+    }
+
+    pub(super) fn policy(&self) -> MixedPrecision {
+        self.policy
+    }
+
+    /// Whether forwards compute in another dtype than f32.
+    fn casts(&self) -> bool {
+        self.policy.param_dtype != Precision::F32
+    }
+
+    /// `model` cast to the compute dtype for one forward, counted for the step's check; `None`
+    /// under an f32 policy.
+    pub(super) fn forward_view<M: Module>(&self, model: &M) -> Option<M> {
+        if !self.casts() {
+            return None;
+        }
+        self.forwards.fetch_add(1, Ordering::Relaxed);
+        Some(self.policy.compute_view(model.clone()))
+    }
+
+    pub(super) fn scaler(&self) -> std::sync::MutexGuard<'_, Option<LossScaler>> {
+        self.scaler.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The loss scale of the step in progress, under a policy that scales the loss.
+    pub(super) fn loss_scale(&self) -> Option<f32> {
+        self.scaler().as_ref().map(LossScaler::scale)
+    }
+
+    /// `loss.backward()` of the loss scaled by the running scale (counted for the step's
+    /// check), or of `loss` itself without one.
+    pub(super) fn backward(&self, loss: Tensor<1>) -> Gradients {
+        let scaled = match self.scaler().as_ref() {
+            Some(scaler) => {
+                self.backwards.fetch_add(1, Ordering::Relaxed);
+                scaler.scale_loss(loss)
+            }
+            None => loss,
+        };
+        scaled.backward()
+    }
+
+    /// Before a step's reduction of gradients that the user's forwards and backwards computed
+    /// (not a pipeline's, which computes them itself): fails when the policy computes in
+    /// another dtype and no forward ran on its view, or scales the loss and no backward scaled
+    /// it, since the last reduction. Returns the scale to divide the gradients by.
+    pub(super) fn begin_reduction(&self) -> Result<Option<f32>, ParallelError> {
+        let forwards = self.forwards.swap(0, Ordering::Relaxed);
+        let backwards = self.backwards.swap(0, Ordering::Relaxed);
+        if self.casts() && forwards == 0 {
+            return Err(ParallelError::Invalid(format!(
+                "the plan computes in {} (mixed_precision), but no forward ran in it this \
+                 step: run the forward inside Parallelized::forward, which computes on the \
+                 model cast to {}",
+                self.policy.param_dtype, self.policy.param_dtype
+            )));
+        }
+        let scale = self.loss_scale();
+        if scale.is_some() && backwards == 0 {
+            return Err(ParallelError::Invalid(
+                "the plan's mixed_precision scales the loss, but no backward scaled it this \
+                 step: take the gradients with Parallelized::backward(loss), which scales the \
+                 loss before backward (the reduction unscales them)"
+                    .into(),
+            ));
+        }
+        Ok(scale)
+    }
+
+    /// After a step's gradients were reduced to their global `norm` (the same on every rank):
+    /// whether to apply the step. Under loss scaling an overflow (a norm that is not finite)
+    /// skips it, and a dynamic scale moves as [`LossScaler::update`] says.
+    pub(super) fn apply(&self, norm: f32) -> bool {
+        self.scaler()
+            .as_mut()
+            .is_none_or(|scaler| scaler.update(norm.is_finite()))
+    }
+}
