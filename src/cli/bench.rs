@@ -484,12 +484,12 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
             let records =
                 flashover::bench::pipeline::run(&config, &args.pps, &args.micro, &args.schedules)?;
             println!(
-                "| schedule | p | m | v | formula | simulated | measured | measured / formula | peak in flight (rank 0) | schedule ms | plan: measured | plan: schedule ms | plan / train ms |"
+                "| schedule | p | m | v | formula | simulated | measured | measured / formula | peak in flight (rank 0) | schedule ms |"
             );
-            println!("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+            println!("|---|---|---|---|---:|---:|---:|---:|---:|---:|");
             for r in &records {
                 println!(
-                    "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.2} | {} | {:.1} | {:.3} | {:.1} | {:.2} |",
+                    "| {} | {} | {} | {} | {:.3} | {:.3} | {:.3} | {:.2} | {} | {:.1} |",
                     r.schedule,
                     r.pp,
                     r.micro_batches,
@@ -499,10 +499,7 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                     r.measured,
                     r.measured / r.formula,
                     r.peak_in_flight,
-                    r.schedule_ms,
-                    r.plan_measured,
-                    r.plan_schedule_ms,
-                    r.plan_schedule_ms / r.schedule_ms
+                    r.schedule_ms
                 );
             }
             Ok(())

@@ -774,10 +774,14 @@ impl TrainConfig {
         errors
     }
 
-    /// Whether ZeRO-3 runs in fully sharded units on `mesh` (without a pipeline or experts,
-    /// whose strategies shard every parameter by rows).
+    /// Whether ZeRO-3 runs in fully sharded units on `mesh` (without experts, and without a
+    /// pipeline unless it runs through the plan: the other strategies shard every parameter
+    /// by rows).
     pub fn zero3_in_units(&self, mesh: &DeviceMesh) -> bool {
-        self.parallel.zero == 3 && mesh.degree(Axis::Pp) == 1 && self.moe.experts == 0
+        let pipeline = mesh.degree(Axis::Pp) > 1;
+        self.parallel.zero == 3
+            && self.moe.experts == 0
+            && (!pipeline || super::strategy::plan_pipeline::runs(self, mesh))
     }
 
     /// The plan transform 1 applies to the reference model (`model`, its configuration): the
@@ -845,8 +849,9 @@ impl TrainConfig {
         if !plan.fully_shard.is_empty() && mesh.degree(Axis::Fsdp) > 1 && !self.zero3_in_units(mesh)
         {
             errors.push(
-                "parallelize.fully_shard: units need parallel.zero = 3 without a pipeline or \
-                 experts (those shard every parameter by rows); leave fully_shard out"
+                "parallelize.fully_shard: units need parallel.zero = 3 without experts, and \
+                 under a pipeline without cp, zb-h1 or summed gradients (the other layouts \
+                 shard every parameter by rows); leave fully_shard out"
                     .into(),
             );
         }

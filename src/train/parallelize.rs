@@ -10,7 +10,7 @@
 //! |---|---|---|---|
 //! | 1 | tensor (+ sequence) parallel; under ZeRO-3 in units, fully shard in the same pass | [`tensor_parallel`] | `Shard` over tp, rows over fsdp |
 //! | 2 | expert parallel | [`expert_parallel`] | `Own` over ep, experts' global names |
-//! | 3 | pipeline split | `strategy::pipeline` | `Own` over pp, the tied head's copy |
+//! | 3 | pipeline split | `strategy::pipeline` (dense layouts: the plan, `strategy::plan_pipeline`) | `Own` over pp, the tied head's copy |
 //! | 4 | context parallel | [`context_parallel`] | attention hook, sequence positions |
 //! | 5 | activation checkpointing | [`activation_checkpointing`] | block hook, or Burn's balanced checkpointing on the device |
 //! | 6 | mixed precision | `strategy::Precisions` | compute view of the parameters, loss scale |

@@ -168,7 +168,7 @@ impl<'a> Rank<'a> {
             a2a_s: outcome.a2a.as_secs_f64(),
             attention_s: attention.compute.as_secs_f64(),
             attention_scores: attention.score_elements,
-            recomputed_blocks: (self.recomputed() - recomputed_before) as u64,
+            recomputed_blocks: (self.recomputed() - recomputed_before + outcome.recomputed) as u64,
             device_memory: device_usage.map(|u| DeviceMemory {
                 in_use: u.bytes_in_use,
                 reserved: u.bytes_reserved,
@@ -261,8 +261,14 @@ pub(crate) fn train_rank(
     origin: Instant,
 ) -> Result<RankOutput, RankError> {
     let rank = Rank::new(ctx, config, model_config, source)?;
-    let model = parallelize::parallelize(ctx, config, model_config, rank.model(model_config))?;
-    let mut strategy = strategy::build(ctx, config, model_config, model, &rank.grad_group)?;
+    let seeded = rank.model(model_config);
+    let mut strategy = match strategy::plan_pipeline::runs(config, ctx.mesh()) {
+        true => strategy::plan_pipeline::build(ctx, config, model_config, seeded)?,
+        false => {
+            let model = parallelize::parallelize(ctx, config, model_config, seeded)?;
+            strategy::build(ctx, config, model_config, model, &rank.grad_group)?
+        }
+    };
     let policy = config.precision.policy()?;
     policy.check(&rank.device)?;
     let mut precision = Precisions {

@@ -72,9 +72,9 @@ fn a_parallelize_table_is_refused_where_the_job_sets_up_the_rule_itself() {
         ),
         (
             "fsdp=2,pp=2",
-            3,
+            1,
             "[parallelize]\nfully_shard = [\"blocks\"]\n",
-            "parallelize.fully_shard: units need parallel.zero = 3 without a pipeline",
+            "parallelize.fully_shard: units need parallel.zero = 3 without experts",
         ),
         (
             "tp=2",

@@ -11,8 +11,10 @@
 //! - [`fsdp`]: the model's plan under `fully_shard("")`, parameters cut by rows in units
 //!   gathered just before use (ZeRO-3 / HSDP, over tensor-parallel shares and context-parallel
 //!   ranks too);
-//! - [`pipeline`]: stages over `pp`, any schedule, with tp, cp, experts over ep and any ZeRO
-//!   stage inside;
+//! - [`plan_pipeline`]: dense pipelines through the model's plan (`parallelize` with a
+//!   pipeline rule), any schedule, with tp, sp and ZeRO-3 units inside;
+//! - [`pipeline`]: the other pipelines (context parallelism, experts over ep, ZeRO-1/2,
+//!   summed gradients) on stages of their own;
 //! - [`moe`]: mixture-of-experts models without pipelines, experts over `ep`.
 //!
 //! What they share is here: the step's outcome, the precision policy's loss scale, the norm
@@ -21,6 +23,7 @@
 mod fsdp;
 mod moe;
 mod pipeline;
+pub(crate) mod plan_pipeline;
 mod replicated;
 mod rows;
 mod zero;
@@ -178,6 +181,8 @@ pub(crate) struct StepOutcome {
     pub a2a: Duration,
     /// Loss scaling: the scale of this step (none without scaling).
     pub loss_scale: Option<f32>,
+    /// Layer forwards run again in backward that the strategy counted itself (a plan's).
+    pub recomputed: usize,
     /// The optimizer step was skipped (a scaled gradient overflowed).
     pub skipped: bool,
 }
@@ -210,6 +215,7 @@ impl StepOutcome {
             a2a: Duration::ZERO,
             loss_scale: None,
             skipped: false,
+            recomputed: 0,
         }
     }
 }

@@ -269,6 +269,7 @@ fn moe_step<M: NextTokenLoss + MoeBlocks>(
         a2a: a2a.wait + a2a.transfer,
         loss_scale,
         skipped: !update,
+        recomputed: 0,
     })
 }
 

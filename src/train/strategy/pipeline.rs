@@ -489,6 +489,7 @@ fn pipeline_step(
         a2a,
         loss_scale,
         skipped: !update,
+        recomputed: 0,
     })
 }
 

@@ -1,0 +1,219 @@
+//! Pipeline parallelism through the reference model's plan, as a user's model runs it: the
+//! job's plan (`TrainConfig::model_plan`: the tensor- and sequence-parallel split, under ZeRO-3
+//! every layer a fully sharded unit) with a pipeline rule cut from `[parallel]`, its
+//! recomputation and precision, applied by `flashover_parallel::parallelize`. Each step is
+//! `Parallelized::pipeline_step` over the job's micro-batches: every rank keeps the model's
+//! whole structure with its stages' parameters (placeholders for the rest), the schedule runs
+//! the stages through the model's `PipelineModel` forward, and the gradients come back reduced
+//! (tied embedding copies summed over their two stages) and clipped. AdamW then steps what the
+//! rank holds.
+//!
+//! Runs the job's dense pipelines without context parallelism, with ZeRO 0 or 3 (not under
+//! zb-h1, whose deferred weight gradients a unit cannot wait for) and mean reduction
+//! ([`runs`]); the others still run through [`super::pipeline`]'s own stages.
+
+use super::{
+    Batches, Precisions, RankStrategy, SHARING, SharedState, StepOutcome, named_params,
+    replica_index, restore_flat, with_moments,
+};
+use crate::train::checkpoint::{LocalState, placed_segments};
+use crate::train::config::{GradientReduction, TrainConfig};
+use burn::tensor::{Int, Tensor};
+use flashover_models::{ForwardContext, Transformer, TransformerConfig};
+use flashover_parallel::activation_checkpointing::CheckpointPolicy;
+use flashover_parallel::parallelize::transformer::{self, LmBatch};
+use flashover_parallel::parallelize::{Parallelized, parallelize};
+use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params};
+use flashover_parallel::pipeline::{Schedule, ScheduleKind};
+use flashover_parallel::zero::MemoryReport;
+use flashover_parallel::{FlatAdamWConfig, ModuleAdamW};
+use flashover_runtime::{Axis, DeviceMesh, Group, RankContext, RankError};
+use std::ops::Range;
+use std::time::Duration;
+
+/// Whether the job's pipeline runs through the plan on `mesh`: a pipeline of a dense model
+/// without context parallelism, ZeRO 0, or 3 under a schedule that does not defer weight
+/// gradients, gradients averaged.
+pub(crate) fn runs(config: &TrainConfig, mesh: &DeviceMesh) -> bool {
+    let p = &config.parallel;
+    let zero = match p.zero {
+        0 => true,
+        3 => p.pp_schedule != ScheduleKind::ZeroBubbleH1,
+        _ => false,
+    };
+    mesh.degree(Axis::Pp) > 1
+        && mesh.degree(Axis::Cp) == 1
+        && config.moe.experts == 0
+        && zero
+        && p.gradient_reduction == GradientReduction::Mean
+}
+
+/// A rank's model under the plan, its AdamW and what a step reads.
+struct PlanPipeline {
+    model: Transformer,
+    par: Parallelized,
+    adam: ModuleAdamW,
+    /// Tokens per sequence (the dropout masks' positions).
+    seq: usize,
+}
+
+/// `model` (this rank's seeded initialisation) parallelized by the job's plan with its
+/// pipeline (collective).
+pub(crate) fn build(
+    ctx: &RankContext,
+    config: &TrainConfig,
+    model_config: &TransformerConfig,
+    model: Transformer,
+) -> Result<Box<dyn RankStrategy>, RankError> {
+    let p = &config.parallel;
+    let micro = config.run.micro_batches;
+    let schedule = Schedule::build(
+        p.pp_schedule,
+        ctx.group(Axis::Pp).size(),
+        micro,
+        p.pp_chunks,
+    )
+    .map_err(RankError::from)?;
+    let counts = config.pipeline_blocks(model_config, schedule.stages())?;
+    let rule = transformer::pipeline(model_config, p.pp_schedule, micro)
+        .chunks(p.pp_chunks)
+        .layers_per_stage(&counts);
+    // Burn's balanced checkpointing is the device's (`Rank::new` made it); the plan recomputes
+    // the layers a block-level policy names.
+    let recompute = match &p.activation_checkpointing {
+        policy if policy.is_selective() => CheckpointPolicy::None,
+        policy => policy.clone(),
+    };
+    let plan = config
+        .model_plan(model_config, ctx.mesh())?
+        .pipeline(rule)
+        .activation_checkpointing(recompute)
+        .mixed_precision(config.precision.policy()?);
+    let (model, par) = parallelize(model, &plan, ctx)?;
+    let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
+    Ok(Box::new(PlanPipeline {
+        adam: ModuleAdamW::new(&adamw, &model),
+        model,
+        par,
+        seq: config.data.seq_len,
+    }))
+}
+
+impl PlanPipeline {
+    /// Elements of the parameters this rank holds (its stages', its shards under ZeRO-3).
+    fn held(&self) -> Result<usize, RankError> {
+        let entries = self.par.held_entries(&self.model)?;
+        Ok(entries.iter().map(|(slot, _)| slot.numel).sum())
+    }
+
+    /// Micro-batch `samples` of the step (this rank's share starts at `first`, `rows` samples
+    /// per micro-batch, `data` what the job made of each) as the model's stages read it: the
+    /// plan's layer hooks, and the job's dropout drawn as on one device.
+    fn micro_batch(
+        &self,
+        data: &[(Tensor<2, Int>, Tensor<2, Int>, ForwardContext)],
+        first: usize,
+        rows: usize,
+        samples: Range<usize>,
+    ) -> LmBatch {
+        let (inputs, targets, fwd) = data[(samples.start - first) / rows].clone();
+        let ctx = match fwd.dropout {
+            Some(dropout) => {
+                transformer::dropout_context(&self.model, dropout, fwd.sample_offset, self.seq)
+            }
+            None => transformer::forward_context(),
+        };
+        LmBatch {
+            inputs,
+            targets,
+            ctx,
+        }
+    }
+}
+
+impl RankStrategy for PlanPipeline {
+    fn step(
+        mut self: Box<Self>,
+        ctx: &RankContext,
+        clip: Option<f32>,
+        batches: Batches<'_>,
+        micro_batches: usize,
+        lr: f64,
+        precision: &mut Precisions,
+    ) -> Result<(Box<dyn RankStrategy>, StepOutcome), RankError> {
+        let before = ctx.comm_stats();
+        if precision.scaler.is_active() {
+            // The job's scale (a resumed checkpoint's) is the one the plan scales by.
+            self.par.restore_loss_scale(precision.scaler.state())?;
+        }
+        let data: Vec<_> = (0..micro_batches).map(&mut *batches).collect();
+        let rows = data[0].0.dims()[0];
+        // Step 0 of a batch of this step's size: the share's samples count from the data rank's
+        // first, which is all a micro-batch's position in `data` needs.
+        let data_ranks = self.par.data_ranks();
+        let first = data_ranks.rank() * rows * micro_batches;
+        let global_batch = data_ranks.size() * rows * micro_batches;
+        let micro_batch = |samples| self.micro_batch(&data, first, rows, samples);
+        let out = self
+            .par
+            .pipeline_step(&self.model, global_batch, 0, &micro_batch, clip, ctx)?;
+        if let Some(state) = self.par.loss_scale_state() {
+            precision.scaler.restore(state);
+        }
+        if !out.skipped {
+            let mut grads = vec![0.0; ParamLayout::of(&self.model).numel];
+            accumulate_grads(&self.model, &out.grads, &mut grads, &[]);
+            self.model = self.adam.step_flat(lr, self.model, &grads)?;
+        }
+        let comm = ctx.comm_stats().since(&before).total();
+        let held = self.held()?;
+        let report = out.report;
+        let gathered_peak = self.par.unit_stats().map_or(0, |s| s.snapshot().peak_bytes);
+        let outcome = StepOutcome {
+            comm: comm.wait + comm.transfer,
+            overlapped: Duration::ZERO,
+            // The schedule's idle time: its bubble (receive waits and hand-offs).
+            exposed: report.wall.saturating_sub(report.forward + report.backward),
+            pipeline: report.wall,
+            in_flight: report.peak_in_flight,
+            events: report.events,
+            memory: MemoryReport {
+                params: held * 4,
+                grads: held * 4,
+                optimizer: held * 8,
+                gathered_peak,
+            },
+            recomputed: out.recomputed,
+            loss_scale: out.loss_scale,
+            skipped: out.skipped,
+            // The whole batch's mean, the same on every rank.
+            ..StepOutcome::new(out.loss as f64 * micro_batches as f64, out.norm)
+        };
+        Ok((self, outcome))
+    }
+
+    fn local_state(
+        &self,
+        ctx: &RankContext,
+        _grad_group: &Group,
+    ) -> Result<SharedState, RankError> {
+        let entries = self.par.held_entries(&self.model)?;
+        let segments = placed_segments(&entries, 0, &|a| ctx.coord(a), &SHARING);
+        let state = with_moments(flatten_params(&self.model), segments, self.adam.flat());
+        let replicas = replica_index(ctx, &SHARING);
+        Ok((state, replicas, replicas))
+    }
+
+    fn restore(&mut self, state: LocalState) -> Result<(), RankError> {
+        self.model = restore_flat(self.model.clone(), state, self.adam.flat_mut())?;
+        Ok(())
+    }
+
+    fn full_params(&self, ctx: &RankContext) -> Result<Vec<(String, Vec<f32>)>, RankError> {
+        let whole = self.par.whole(self.model.clone())?;
+        Ok(match ctx.rank() {
+            0 => named_params(&whole),
+            _ => vec![],
+        })
+    }
+}
