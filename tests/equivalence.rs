@@ -81,6 +81,22 @@ fn a_wrong_reduction_is_caught() {
         (cmp.max_rel_grad_norm_diff - 1.0).abs() < 1e-3,
         "norm doubled: {cmp}"
     );
+    // Pipelines sum as DDP does: through the plan (ZeRO 0) and on their own stages (ZeRO-1).
+    let summed = |mesh: &str, zero: u8| {
+        let mut c = job(mesh, 8, 2);
+        c.model.n_layers = Some(4);
+        c.parallel.zero = zero;
+        c.parallel.gradient_reduction = "sum".parse().unwrap();
+        train(&c, &|_| {}).unwrap()
+    };
+    let ddp = summed("dp=2", 0);
+    for zero in [0, 1] {
+        let cmp = compare(&ddp, &summed("dp=2,pp=2", zero), TOLERANCE);
+        assert!(
+            cmp.pass,
+            "dp=2,pp=2 zero {zero} against dp=2, both summed: {cmp}"
+        );
+    }
 }
 
 #[test]

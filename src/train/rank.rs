@@ -263,7 +263,9 @@ pub(crate) fn train_rank(
     let rank = Rank::new(ctx, config, model_config, source)?;
     let seeded = rank.model(model_config);
     let mut strategy = match strategy::plan_pipeline::runs(config, ctx.mesh()) {
-        true => strategy::plan_pipeline::build(ctx, config, model_config, seeded)?,
+        true => {
+            strategy::plan_pipeline::build(ctx, config, model_config, seeded, &rank.grad_group)?
+        }
         false => {
             let model = parallelize::parallelize(ctx, config, model_config, seeded)?;
             strategy::build(ctx, config, model_config, model, &rank.grad_group)?

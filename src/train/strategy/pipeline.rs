@@ -3,6 +3,10 @@
 //! its tensor-parallel shares, with a cp axis each rank a share of every sequence, and under
 //! ZeRO each rank its rows of every parameter. Gradients are reduced once per step through the
 //! placements (over the data axes, and the tied embedding's copies over their two stages).
+//!
+//! Only the layouts the plan's pipeline does not run yet come here ([`super::plan_pipeline`]
+//! runs the rest): context-parallel sequences, mixtures of experts over `ep` (hot-expert
+//! copies), ZeRO-1/2 rows, and ZeRO-3 under zb-h1 (the whole model gathered for the step).
 
 use super::moe::RoutingSums;
 use super::rows::FlatOptimizer;

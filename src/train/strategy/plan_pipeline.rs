@@ -9,8 +9,8 @@
 //! rank holds.
 //!
 //! Runs the job's dense pipelines without context parallelism, with ZeRO 0 or 3 (not under
-//! zb-h1, whose deferred weight gradients a unit cannot wait for) and mean reduction
-//! ([`runs`]); the others still run through [`super::pipeline`]'s own stages.
+//! zb-h1, whose deferred weight gradients a unit cannot wait for) ([`runs`]); the others still
+//! run through [`super::pipeline`]'s own stages.
 
 use super::{
     Batches, Precisions, RankStrategy, SHARING, SharedState, StepOutcome, named_params,
@@ -26,14 +26,14 @@ use flashover_parallel::parallelize::{Parallelized, parallelize};
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params};
 use flashover_parallel::pipeline::{Schedule, ScheduleKind};
 use flashover_parallel::zero::MemoryReport;
-use flashover_parallel::{FlatAdamWConfig, ModuleAdamW};
+use flashover_parallel::{FlatAdamWConfig, ModuleAdamW, clip_scale};
 use flashover_runtime::{Axis, DeviceMesh, Group, RankContext, RankError};
 use std::ops::Range;
 use std::time::Duration;
 
 /// Whether the job's pipeline runs through the plan on `mesh`: a pipeline of a dense model
 /// without context parallelism, ZeRO 0, or 3 under a schedule that does not defer weight
-/// gradients, gradients averaged.
+/// gradients.
 pub(crate) fn runs(config: &TrainConfig, mesh: &DeviceMesh) -> bool {
     let p = &config.parallel;
     let zero = match p.zero {
@@ -41,11 +41,7 @@ pub(crate) fn runs(config: &TrainConfig, mesh: &DeviceMesh) -> bool {
         3 => p.pp_schedule != ScheduleKind::ZeroBubbleH1,
         _ => false,
     };
-    mesh.degree(Axis::Pp) > 1
-        && mesh.degree(Axis::Cp) == 1
-        && config.moe.experts == 0
-        && zero
-        && p.gradient_reduction == GradientReduction::Mean
+    mesh.degree(Axis::Pp) > 1 && mesh.degree(Axis::Cp) == 1 && config.moe.experts == 0 && zero
 }
 
 /// A rank's model under the plan, its AdamW and what a step reads.
@@ -55,6 +51,9 @@ struct PlanPipeline {
     adam: ModuleAdamW,
     /// Tokens per sequence (the dropout masks' positions).
     seq: usize,
+    /// With `parallel.gradient_reduction = sum`: the ranks whose gradients are summed (the
+    /// plan averages over them and the micro-batches).
+    summed_over: Option<usize>,
 }
 
 /// `model` (this rank's seeded initialisation) parallelized by the job's plan with its
@@ -64,6 +63,7 @@ pub(crate) fn build(
     config: &TrainConfig,
     model_config: &TransformerConfig,
     model: Transformer,
+    grad_group: &Group,
 ) -> Result<Box<dyn RankStrategy>, RankError> {
     let p = &config.parallel;
     let micro = config.run.micro_batches;
@@ -96,6 +96,7 @@ pub(crate) fn build(
         model,
         par,
         seq: config.data.seq_len,
+        summed_over: (p.gradient_reduction == GradientReduction::Sum).then(|| grad_group.size()),
     }))
 }
 
@@ -154,15 +155,28 @@ impl RankStrategy for PlanPipeline {
         let first = data_ranks.rank() * rows * micro_batches;
         let global_batch = data_ranks.size() * rows * micro_batches;
         let micro_batch = |samples| self.micro_batch(&data, first, rows, samples);
-        let out = self
-            .par
-            .pipeline_step(&self.model, global_batch, 0, &micro_batch, clip, ctx)?;
+        // Summed gradients are the plan's means times the samples' groups, clipped here.
+        let plan_clip = clip.filter(|_| self.summed_over.is_none());
+        let out =
+            self.par
+                .pipeline_step(&self.model, global_batch, 0, &micro_batch, plan_clip, ctx)?;
+        let (norm, scale) = match self.summed_over {
+            Some(ranks) => {
+                let sums = (ranks * micro_batches) as f32;
+                let norm = out.norm * sums;
+                (norm, sums * clip_scale(norm, clip)?.unwrap_or(1.0))
+            }
+            None => (out.norm, 1.0),
+        };
         if let Some(state) = self.par.loss_scale_state() {
             precision.scaler.restore(state);
         }
         if !out.skipped {
             let mut grads = vec![0.0; ParamLayout::of(&self.model).numel];
             accumulate_grads(&self.model, &out.grads, &mut grads, &[]);
+            if scale != 1.0 {
+                grads.iter_mut().for_each(|g| *g *= scale);
+            }
             self.model = self.adam.step_flat(lr, self.model, &grads)?;
         }
         let comm = ctx.comm_stats().since(&before).total();
@@ -187,7 +201,7 @@ impl RankStrategy for PlanPipeline {
             loss_scale: out.loss_scale,
             skipped: out.skipped,
             // The whole batch's mean, the same on every rank.
-            ..StepOutcome::new(out.loss as f64 * micro_batches as f64, out.norm)
+            ..StepOutcome::new(out.loss as f64 * micro_batches as f64, norm)
         };
         Ok((self, outcome))
     }
