@@ -855,6 +855,9 @@ impl TrainConfig {
                     .into(),
             );
         }
+        if let Err(e) = self.table_fits_the_model(plan) {
+            errors.push(format!("parallelize: {e}"));
+        }
         let sp_rules = !plan.sequence_parallel.is_empty();
         if mesh.degree(Axis::Tp) > 1 && sp_rules != self.parallel.sequence_parallel {
             errors.push(format!(
@@ -870,6 +873,25 @@ impl TrainConfig {
             ));
         }
         errors
+    }
+
+    /// Whether `plan`'s paths name modules of the reference model and its tensor-parallel
+    /// styles apply to them, checked on a narrow model of the same structure (its parameter
+    /// names, not its widths, which the job checks as it splits them).
+    fn table_fits_the_model(&self, plan: &ParallelizePlan) -> Result<(), String> {
+        let t = self.transformer(self.vocab_size())?;
+        let narrow = flashover_models::TransformerConfig {
+            vocab_size: 2,
+            d_model: 2 * t.n_heads,
+            d_ff: 1,
+            moe: t
+                .moe
+                .map(|moe| flashover_models::MoeConfig { d_expert: 1, ..moe }),
+            ..t
+        };
+        narrow.validate()?;
+        let model = narrow.init(0, &burn::tensor::Device::flex());
+        plan.check(&model, 1).map_err(|e| e.to_string())
     }
 
     /// What is wrong with `[precision]` (every strategy composes with any policy).

@@ -96,8 +96,26 @@ fn a_parallelize_table_is_refused_where_the_job_sets_up_the_rule_itself() {
             "{mesh}: {errors:?}"
         );
     }
-    // A path that names nothing fails the job before it trains, naming the path.
+    // A path that names nothing is found by the job's validation (`flashover config check`),
+    // before any rank starts, naming the path.
     let table = "[parallelize]\n[[parallelize.tensor_parallel]]\nstyle = \"colwise\"\npaths = [\"blocks.*.attn.wz\"]\n";
+    let errors = with_table("tp=2", 0, table).validate();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.starts_with("parallelize: ") && e.contains("blocks.*.attn.wz")),
+        "{errors:?}"
+    );
     let err = train(&with_table("tp=2", 0, table), &|_| {}).unwrap_err();
     assert!(err.contains("blocks.*.attn.wz"), "{err}");
+    // A rule for a layer that is not linear, on a mixture-of-experts model's narrow twin too.
+    let table = "[parallelize]\n[[parallelize.tensor_parallel]]\nstyle = \"rowwise\"\npaths = [\"blocks.*.attn_norm\"]\n";
+    let mut moe = with_table("tp=2", 0, table);
+    moe.moe.experts = 4;
+    moe.moe.top_k = 2;
+    let errors = moe.validate();
+    assert!(
+        errors.iter().any(|e| e.contains("blocks.*.attn_norm")),
+        "{errors:?}"
+    );
 }

@@ -497,6 +497,20 @@ impl ParallelizePlan {
         self
     }
 
+    /// Fails, naming the path and the reason, when the plan does not fit `model` split over
+    /// `tp` ranks: a path that names nothing, a tensor-parallel path that is not a linear
+    /// layer, a width that does not divide (what [`super::parallelize`] checks first), without
+    /// a mesh. With `tp = 1` only the paths and styles are checked, so a model of the same
+    /// structure and smaller widths checks a plan meant for a large one.
+    pub fn check<M: burn::module::Module>(
+        &self,
+        model: &M,
+        tp: usize,
+    ) -> Result<(), ParallelError> {
+        let layout = crate::params::ParamLayout::of(model);
+        super::validate::check_plan(self, &layout.slots, tp)
+    }
+
     /// A plan read from a TOML table (`fully_shard = ["blocks"]`); unknown keys are refused.
     pub fn from_toml(text: &str) -> Result<Self, ParallelError> {
         toml::from_str(text)
