@@ -850,8 +850,8 @@ impl TrainConfig {
         {
             errors.push(
                 "parallelize.fully_shard: units need parallel.zero = 3 without experts, and \
-                 under a pipeline without cp, zb-h1 or summed gradients (the other layouts \
-                 shard every parameter by rows); leave fully_shard out"
+                 under a pipeline not zb-h1 (the other layouts shard every parameter by \
+                 rows); leave fully_shard out"
                     .into(),
             );
         }
@@ -891,7 +891,7 @@ impl TrainConfig {
         };
         narrow.validate()?;
         let model = narrow.init(0, &burn::tensor::Device::flex());
-        plan.check(&model, 1).map_err(|e| e.to_string())
+        plan.check_paths(&model).map_err(|e| e.to_string())
     }
 
     /// What is wrong with `[precision]` (every strategy composes with any policy).

@@ -141,16 +141,17 @@ impl<'a> Rank<'a> {
         let lr = self.config.lr_at(step);
         let (strategy, outcome) =
             strategy.step(ctx, clip, &mut batches, micro_batches, lr, precision)?;
-        let attention = self
-            .context
-            .as_ref()
-            .map_or(AttentionWork::default(), |cp| {
-                let now = cp.work();
-                AttentionWork {
-                    score_elements: now.score_elements - attention_before.score_elements,
-                    compute: now.compute - attention_before.compute,
-                }
-            });
+        let attention = outcome.attention.unwrap_or_else(|| {
+            self.context
+                .as_ref()
+                .map_or(AttentionWork::default(), |cp| {
+                    let now = cp.work();
+                    AttentionWork {
+                        score_elements: now.score_elements - attention_before.score_elements,
+                        compute: now.compute - attention_before.compute,
+                    }
+                })
+        });
         let idle = ctx.comm_stats().since(&stats_before).total().wait;
         // From the device's allocator where the backend reports it (not Flex).
         let device_usage = ctx.device().memory_pool_usage();

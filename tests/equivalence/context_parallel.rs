@@ -103,8 +103,8 @@ fn mixtures_of_experts_over_context_parallel_sequences_train_as_one_rank() {
 
 #[test]
 fn each_rank_reports_its_attention_work_and_balancing_evens_it() {
-    let spread = |balanced: bool| {
-        let report = train(&cp_job("cp=4", "ring", balanced), &|_| {}).unwrap();
+    let spread = |mesh: &str, balanced: bool| {
+        let report = train(&cp_job(mesh, "ring", balanced), &|_| {}).unwrap();
         let work: Vec<u64> = report.steps[0]
             .ranks
             .iter()
@@ -113,11 +113,18 @@ fn each_rank_reports_its_attention_work_and_balancing_evens_it() {
         assert!(work.iter().all(|&w| w > 0), "{work:?}");
         *work.iter().max().unwrap() as f64 / *work.iter().min().unwrap() as f64
     };
-    assert_eq!(spread(true), 1.0);
+    assert_eq!(spread("cp=4", true), 1.0);
     assert_eq!(
-        spread(false),
+        spread("cp=4", false),
         4.0,
         "the last rank computes 4 blocks, the first 1"
+    );
+    // Pipeline stages attend through the plan's split, which counts the same work.
+    assert_eq!(spread("pp=2,cp=2", true), 1.0);
+    assert_eq!(
+        spread("pp=2,cp=2", false),
+        2.0,
+        "the second cp rank computes 2 blocks"
     );
 }
 

@@ -12,9 +12,9 @@
 //!   gathered just before use (ZeRO-3 / HSDP, over tensor-parallel shares and context-parallel
 //!   ranks too);
 //! - [`plan_pipeline`]: dense pipelines through the model's plan (`parallelize` with a
-//!   pipeline rule), any schedule, with tp, sp and ZeRO-3 units inside;
-//! - [`pipeline`]: the other pipelines (context parallelism, experts over ep, ZeRO-1/2,
-//!   summed gradients) on stages of their own;
+//!   pipeline rule), any schedule, with tp, sp, cp and ZeRO-3 units inside;
+//! - [`pipeline`]: the other pipelines (experts over ep, ZeRO-1/2, ZeRO-3 under zb-h1) on
+//!   stages of their own;
 //! - [`moe`]: mixture-of-experts models without pipelines, experts over `ep`.
 //!
 //! What they share is here: the step's outcome, the precision policy's loss scale, the norm
@@ -37,6 +37,7 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{Int, Tensor};
 use flashover_models::{ForwardContext, Transformer, TransformerConfig};
+use flashover_parallel::context_parallel::AttentionWork;
 use flashover_parallel::data_parallel::{
     DataParallel, DataParallelConfig, MicroBatches, ReduceReport,
 };
@@ -183,6 +184,8 @@ pub(crate) struct StepOutcome {
     pub loss_scale: Option<f32>,
     /// Layer forwards run again in backward that the strategy counted itself (a plan's).
     pub recomputed: usize,
+    /// The step's attention across `cp`, when the strategy's own (a plan's) computed it.
+    pub attention: Option<AttentionWork>,
     /// The optimizer step was skipped (a scaled gradient overflowed).
     pub skipped: bool,
 }
@@ -216,6 +219,7 @@ impl StepOutcome {
             loss_scale: None,
             skipped: false,
             recomputed: 0,
+            attention: None,
         }
     }
 }

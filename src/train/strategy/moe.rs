@@ -270,6 +270,7 @@ fn moe_step<M: NextTokenLoss + MoeBlocks>(
         loss_scale,
         skipped: !update,
         recomputed: 0,
+        attention: None,
     })
 }
 

@@ -8,9 +8,13 @@
 //! (tied embedding copies summed over their two stages) and clipped. AdamW then steps what the
 //! rank holds.
 //!
-//! Runs the job's dense pipelines without context parallelism, with ZeRO 0 or 3 (not under
-//! zb-h1, whose deferred weight gradients a unit cannot wait for) ([`runs`]); the others still
-//! run through [`super::pipeline`]'s own stages.
+//! With a `cp` axis the plan splits every sequence as the job says (`cp_attention`,
+//! `cp_load_balance`): the job's micro-batches hold this rank's positions already, and each
+//! runs in the plan's attention across the ranks (`transformer::split_sequences`).
+//!
+//! Runs the job's dense pipelines with ZeRO 0 or 3 (not under zb-h1, whose deferred weight
+//! gradients a unit cannot wait for) ([`runs`]); the others still run through
+//! [`super::pipeline`]'s own stages.
 
 use super::{
     Batches, Precisions, RankStrategy, SHARING, SharedState, StepOutcome, named_params,
@@ -21,8 +25,9 @@ use crate::train::config::{GradientReduction, TrainConfig};
 use burn::tensor::{Int, Tensor};
 use flashover_models::{ForwardContext, Transformer, TransformerConfig};
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
+use flashover_parallel::context_parallel::AttentionWork;
 use flashover_parallel::parallelize::transformer::{self, LmBatch};
-use flashover_parallel::parallelize::{Parallelized, parallelize};
+use flashover_parallel::parallelize::{ContextParallelRule, Parallelized, parallelize};
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params};
 use flashover_parallel::pipeline::{Schedule, ScheduleKind};
 use flashover_parallel::zero::MemoryReport;
@@ -32,8 +37,7 @@ use std::ops::Range;
 use std::time::Duration;
 
 /// Whether the job's pipeline runs through the plan on `mesh`: a pipeline of a dense model
-/// without context parallelism, ZeRO 0, or 3 under a schedule that does not defer weight
-/// gradients.
+/// under ZeRO 0, or 3 with a schedule that does not defer weight gradients.
 pub(crate) fn runs(config: &TrainConfig, mesh: &DeviceMesh) -> bool {
     let p = &config.parallel;
     let zero = match p.zero {
@@ -41,7 +45,7 @@ pub(crate) fn runs(config: &TrainConfig, mesh: &DeviceMesh) -> bool {
         3 => p.pp_schedule != ScheduleKind::ZeroBubbleH1,
         _ => false,
     };
-    mesh.degree(Axis::Pp) > 1 && mesh.degree(Axis::Cp) == 1 && config.moe.experts == 0 && zero
+    mesh.degree(Axis::Pp) > 1 && config.moe.experts == 0 && zero
 }
 
 /// A rank's model under the plan, its AdamW and what a step reads.
@@ -84,11 +88,19 @@ pub(crate) fn build(
         policy if policy.is_selective() => CheckpointPolicy::None,
         policy => policy.clone(),
     };
-    let plan = config
+    let mut plan = config
         .model_plan(model_config, ctx.mesh())?
         .pipeline(rule)
         .activation_checkpointing(recompute)
         .mixed_precision(config.precision.policy()?);
+    if ctx.group(Axis::Cp).size() > 1 {
+        // The reference model's attention runs through its forward context: no cores to name.
+        plan = plan.context_parallel(ContextParallelRule {
+            attention: vec![],
+            algorithm: p.cp_attention,
+            load_balance: p.cp_load_balance,
+        });
+    }
     let (model, par) = parallelize(model, &plan, ctx)?;
     let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
     Ok(Box::new(PlanPipeline {
@@ -107,28 +119,25 @@ impl PlanPipeline {
         Ok(entries.iter().map(|(slot, _)| slot.numel).sum())
     }
 
-    /// Micro-batch `samples` of the step (this rank's share starts at `first`, `rows` samples
-    /// per micro-batch, `data` what the job made of each) as the model's stages read it: the
-    /// plan's layer hooks, and the job's dropout drawn as on one device.
+    /// What the model's stages read of a micro-batch the job made (this rank's positions of
+    /// its sequences under cp): the tokens, and the plan's layer hooks with the job's dropout
+    /// drawn as on one device and, under cp, the plan's attention across the ranks.
     fn micro_batch(
         &self,
-        data: &[(Tensor<2, Int>, Tensor<2, Int>, ForwardContext)],
-        first: usize,
-        rows: usize,
-        samples: Range<usize>,
-    ) -> LmBatch {
-        let (inputs, targets, fwd) = data[(samples.start - first) / rows].clone();
+        (inputs, targets, fwd): (Tensor<2, Int>, Tensor<2, Int>, ForwardContext),
+    ) -> Result<LmBatch, RankError> {
         let ctx = match fwd.dropout {
             Some(dropout) => {
                 transformer::dropout_context(&self.model, dropout, fwd.sample_offset, self.seq)
             }
             None => transformer::forward_context(),
         };
-        LmBatch {
+        let ctx = transformer::split_sequences(&self.par, &self.model, ctx, self.seq)?;
+        Ok(LmBatch {
             inputs,
             targets,
             ctx,
-        }
+        })
     }
 }
 
@@ -147,14 +156,24 @@ impl RankStrategy for PlanPipeline {
             // The job's scale (a resumed checkpoint's) is the one the plan scales by.
             self.par.restore_loss_scale(precision.scaler.state())?;
         }
-        let data: Vec<_> = (0..micro_batches).map(&mut *batches).collect();
-        let rows = data[0].0.dims()[0];
+        let data = (0..micro_batches)
+            .map(|k| self.micro_batch(batches(k)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let rows = data[0].inputs.dims()[0];
+        let attention_before = self.par.attention_work();
         // Step 0 of a batch of this step's size: the share's samples count from the data rank's
         // first, which is all a micro-batch's position in `data` needs.
         let data_ranks = self.par.data_ranks();
         let first = data_ranks.rank() * rows * micro_batches;
         let global_batch = data_ranks.size() * rows * micro_batches;
-        let micro_batch = |samples| self.micro_batch(&data, first, rows, samples);
+        let micro_batch = |samples: Range<usize>| {
+            let batch = &data[(samples.start - first) / rows];
+            LmBatch {
+                inputs: batch.inputs.clone(),
+                targets: batch.targets.clone(),
+                ctx: batch.ctx.clone(),
+            }
+        };
         // Summed gradients are the plan's means times the samples' groups, clipped here.
         let plan_clip = clip.filter(|_| self.summed_over.is_none());
         let out =
@@ -198,6 +217,14 @@ impl RankStrategy for PlanPipeline {
                 gathered_peak,
             },
             recomputed: out.recomputed,
+            attention: self
+                .par
+                .attention_work()
+                .zip(attention_before)
+                .map(|(now, before)| AttentionWork {
+                    score_elements: now.score_elements - before.score_elements,
+                    compute: now.compute.saturating_sub(before.compute),
+                }),
             loss_scale: out.loss_scale,
             skipped: out.skipped,
             // The whole batch's mean, the same on every rank.

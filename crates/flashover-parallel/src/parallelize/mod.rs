@@ -177,7 +177,7 @@ pub fn parallelize<M: Module>(
     policy.check(ctx.device())?;
     let tp = ctx.group(Axis::Tp).clone();
     let layout = ParamLayout::of(&model);
-    validate::check_plan(plan, &layout.slots, tp.size())?;
+    validate::check_plan(plan, &layout.slots, Some(tp.size()))?;
     let experts = Experts::of(&model, plan, &layout, ctx.group(Axis::Ep))?;
     let mut stages = match &plan.pipeline {
         Some(rule) => Some(Stages::new(
@@ -366,7 +366,7 @@ pub fn split_and_shard<M: Module>(
         ));
     }
     let layout = ParamLayout::of(&model);
-    validate::check_plan(plan, &layout.slots, tp.size())?;
+    validate::check_plan(plan, &layout.slots, Some(tp.size()))?;
     let whole_reads = WholeReads::local();
     let kept_whole = match plan.fully_shard.is_empty() {
         true => BTreeMap::new(),
@@ -721,6 +721,13 @@ impl Parallelized {
             None => Ok(ctx),
             Some(split) => Ok(split.attention(seq, heads)?.forward_context(ctx)),
         }
+    }
+
+    /// The attention this rank has computed across the `cp` ranks so far (scores, and the
+    /// time in attention blocks), when the plan splits sequences on this mesh: per-rank
+    /// attention work for reports (load balancing shows in it).
+    pub fn attention_work(&self) -> Option<crate::context_parallel::AttentionWork> {
+        self.context.as_ref().map(ContextSplit::work)
     }
 
     /// Fails when sequences are split over `cp` and no attention reached across the ranks

@@ -22,7 +22,7 @@
 
 use super::plan::{ContextParallelRule, ParallelizePlan, TpStyle};
 pub(crate) use super::units::UnitGathers;
-use crate::context_parallel::{ContextParallel, CpAttention, SequenceLayout};
+use crate::context_parallel::{AttentionWork, ContextParallel, CpAttention, SequenceLayout};
 use crate::error::ParallelError;
 use crate::placement::PlacementTable;
 use crate::tensor_parallel::comm::{copy_to_tp, gather_from_sp, gather_from_tp};
@@ -198,11 +198,21 @@ impl ContextSplit {
     /// of this split, ring or all-to-all): what shows that the model's attention did reach
     /// the other ranks' positions.
     pub(super) fn attended(&self) -> u64 {
+        self.work().score_elements
+    }
+
+    /// The attention this rank has computed across the `cp` ranks so far: its scores (every
+    /// attention of this split) and the time in the current one's blocks.
+    pub(super) fn work(&self) -> AttentionWork {
         let known = self.attention.lock().unwrap_or_else(|p| p.into_inner());
         let current = known
             .as_ref()
-            .map_or(0, |(_, _, cp)| cp.work().score_elements);
-        self.retired.load(Ordering::Relaxed) + current
+            .map(|(_, _, cp)| cp.work())
+            .unwrap_or_default();
+        AttentionWork {
+            score_elements: self.retired.load(Ordering::Relaxed) + current.score_elements,
+            compute: current.compute,
+        }
     }
 
     /// The attention over sequences of `seq` positions (`seq / cp` on this rank) with `heads`

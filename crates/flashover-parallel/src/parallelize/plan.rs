@@ -500,15 +500,21 @@ impl ParallelizePlan {
     /// Fails, naming the path and the reason, when the plan does not fit `model` split over
     /// `tp` ranks: a path that names nothing, a tensor-parallel path that is not a linear
     /// layer, a width that does not divide (what [`super::parallelize`] checks first), without
-    /// a mesh. With `tp = 1` only the paths and styles are checked, so a model of the same
-    /// structure and smaller widths checks a plan meant for a large one.
+    /// a mesh.
     pub fn check<M: burn::module::Module>(
         &self,
         model: &M,
         tp: usize,
     ) -> Result<(), ParallelError> {
         let layout = crate::params::ParamLayout::of(model);
-        super::validate::check_plan(self, &layout.slots, tp)
+        super::validate::check_plan(self, &layout.slots, Some(tp))
+    }
+
+    /// [`Self::check`] of the paths and styles only, not the widths: a model of the same
+    /// structure and smaller widths checks a plan meant for a large one.
+    pub fn check_paths<M: burn::module::Module>(&self, model: &M) -> Result<(), ParallelError> {
+        let layout = crate::params::ParamLayout::of(model);
+        super::validate::check_plan(self, &layout.slots, None)
     }
 
     /// A plan read from a TOML table (`fully_shard = ["blocks"]`); unknown keys are refused.

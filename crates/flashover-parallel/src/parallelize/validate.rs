@@ -7,11 +7,12 @@ use crate::activation_checkpointing::CheckpointPolicy;
 use crate::error::ParallelError;
 use crate::params::ParamSlot;
 
-/// Checks `plan` against the parameters `slots` of a model to be split over `tp` ranks.
+/// Checks `plan` against the parameters `slots` of a model to be split over `tp` ranks (its
+/// paths and styles only, not the widths, with `None`).
 pub(super) fn check_plan(
     plan: &ParallelizePlan,
     slots: &[ParamSlot],
-    tp: usize,
+    tp: Option<usize>,
 ) -> Result<(), ParallelError> {
     let names: Vec<&str> = slots.iter().map(|s| s.name.as_str()).collect();
     for path in &plan.fully_shard {
@@ -37,7 +38,7 @@ pub(super) fn check_plan(
         .tensor_parallel
         .iter()
         .any(|r| r.style == TpStyle::Vocab);
-    if tp > 1 && !plan.sequence_parallel.is_empty() && !vocab {
+    if tp.is_some_and(|tp| tp > 1) && !plan.sequence_parallel.is_empty() && !vocab {
         return Err(ParallelError::Invalid(
             "sequence_parallel: activations must reach the blocks split by sequence, which a \
              vocabulary-parallel token embedding does (its lookups are reduce-scattered along \
@@ -110,7 +111,9 @@ pub(super) fn check_plan(
                     ));
                 }
                 claimed.push((path, layer.path));
-                check_width(rule, path, &layer, tp)?;
+                if let Some(tp) = tp {
+                    check_width(rule, path, &layer, tp)?;
+                }
             }
         }
     }
