@@ -774,14 +774,15 @@ impl TrainConfig {
         errors
     }
 
-    /// Whether ZeRO-3 runs in fully sharded units on `mesh` (without experts, and without a
-    /// pipeline unless it runs through the plan: the other strategies shard every parameter
-    /// by rows).
+    /// Whether ZeRO-3 runs in fully sharded units on `mesh`: a pipeline that runs through the
+    /// plan, or a dense model without one (the other strategies shard every parameter by
+    /// rows).
     pub fn zero3_in_units(&self, mesh: &DeviceMesh) -> bool {
-        let pipeline = mesh.degree(Axis::Pp) > 1;
         self.parallel.zero == 3
-            && self.moe.experts == 0
-            && (!pipeline || super::strategy::plan_pipeline::runs(self, mesh))
+            && match mesh.degree(Axis::Pp) > 1 {
+                true => super::strategy::plan_pipeline::runs(self, mesh),
+                false => self.moe.experts == 0,
+            }
     }
 
     /// The plan transform 1 applies to the reference model (`model`, its configuration): the
@@ -849,9 +850,9 @@ impl TrainConfig {
         if !plan.fully_shard.is_empty() && mesh.degree(Axis::Fsdp) > 1 && !self.zero3_in_units(mesh)
         {
             errors.push(
-                "parallelize.fully_shard: units need parallel.zero = 3 without experts, and \
-                 under a pipeline not zb-h1 (the other layouts shard every parameter by \
-                 rows); leave fully_shard out"
+                "parallelize.fully_shard: units need parallel.zero = 3, and under a pipeline \
+                 no zb-h1 or hot-expert copies, or else no experts (the other layouts shard \
+                 every parameter by rows); leave fully_shard out"
                     .into(),
             );
         }

@@ -262,12 +262,14 @@ pub(crate) fn train_rank(
     origin: Instant,
 ) -> Result<RankOutput, RankError> {
     let rank = Rank::new(ctx, config, model_config, source)?;
-    let seeded = rank.model(model_config);
     let mut strategy = match strategy::plan_pipeline::runs(config, ctx.mesh()) {
+        // The plan spreads the experts itself, from the whole model.
         true => {
-            strategy::plan_pipeline::build(ctx, config, model_config, seeded, &rank.grad_group)?
+            let model = model_config.init(config.run.seed, &rank.device);
+            strategy::plan_pipeline::build(ctx, config, model_config, model, &rank.grad_group)?
         }
         false => {
+            let seeded = rank.model(model_config);
             let model = parallelize::parallelize(ctx, config, model_config, seeded)?;
             strategy::build(ctx, config, model_config, model, &rank.grad_group)?
         }

@@ -273,6 +273,8 @@ fn mixtures_of_experts_in_pipeline_stages_train_as_one_rank() {
         let record = candidate.steps[0].moe.as_ref().expect("a routing record");
         assert_eq!(record.tokens_per_expert.len(), 4, "{what}");
         assert!(record.aux_loss > 0.0, "{what}");
+        // Tokens crossed between ep ranks, and the record counts them.
+        assert!(record.a2a_remote_bytes > 0, "{what}: no token rows counted");
     }
 }
 

@@ -74,7 +74,7 @@ fn a_parallelize_table_is_refused_where_the_job_sets_up_the_rule_itself() {
             "fsdp=2,pp=2",
             1,
             "[parallelize]\nfully_shard = [\"blocks\"]\n",
-            "parallelize.fully_shard: units need parallel.zero = 3 without experts",
+            "parallelize.fully_shard: units need parallel.zero = 3, and under a pipeline",
         ),
         (
             "tp=2",

@@ -11,9 +11,9 @@
 //! - [`fsdp`]: the model's plan under `fully_shard("")`, parameters cut by rows in units
 //!   gathered just before use (ZeRO-3 / HSDP, over tensor-parallel shares and context-parallel
 //!   ranks too);
-//! - [`plan_pipeline`]: dense pipelines through the model's plan (`parallelize` with a
-//!   pipeline rule), any schedule, with tp, sp, cp and ZeRO-3 units inside;
-//! - [`pipeline`]: the other pipelines (experts over ep, ZeRO-1/2, ZeRO-3 under zb-h1) on
+//! - [`plan_pipeline`]: pipelines through the model's plan (`parallelize` with a pipeline
+//!   rule), any schedule, with tp, sp, cp, experts over ep and ZeRO-3 units inside;
+//! - [`pipeline`]: the other pipelines (hot-expert copies, ZeRO-1/2, ZeRO-3 under zb-h1) on
 //!   stages of their own;
 //! - [`moe`]: mixture-of-experts models without pipelines, experts over `ep`.
 //!

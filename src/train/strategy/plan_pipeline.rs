@@ -12,10 +12,15 @@
 //! `cp_load_balance`): the job's micro-batches hold this rank's positions already, and each
 //! runs in the plan's attention across the ranks (`transformer::split_sequences`).
 //!
-//! Runs the job's dense pipelines with ZeRO 0 or 3 (not under zb-h1, whose deferred weight
-//! gradients a unit cannot wait for) ([`runs`]); the others still run through
-//! [`super::pipeline`]'s own stages.
+//! A mixture-of-experts model's experts are spread over `ep` by the model's own
+//! `expert_parallel` rules; each step's routing (counted by every layer into one hook) is
+//! summed over the ranks and the stages, moves the routing biases and makes the step's record.
+//!
+//! Runs the job's pipelines with ZeRO 0 or 3 (not under zb-h1, whose deferred weight
+//! gradients a unit cannot wait for) and without hot-expert copies ([`runs`]); the others
+//! still run through [`super::pipeline`]'s own stages.
 
+use super::moe::RoutingSums;
 use super::{
     Batches, Precisions, RankStrategy, SHARING, SharedState, StepOutcome, named_params,
     replica_index, restore_flat, with_moments,
@@ -23,21 +28,25 @@ use super::{
 use crate::train::checkpoint::{LocalState, placed_segments};
 use crate::train::config::{GradientReduction, TrainConfig};
 use burn::tensor::{Int, Tensor};
-use flashover_models::{ForwardContext, Transformer, TransformerConfig};
+use flashover_models::moe::LocalExperts;
+use flashover_models::{ForwardContext, MoeHook, Transformer, TransformerConfig};
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
 use flashover_parallel::context_parallel::AttentionWork;
 use flashover_parallel::parallelize::transformer::{self, LmBatch};
-use flashover_parallel::parallelize::{ContextParallelRule, Parallelized, parallelize};
+use flashover_parallel::parallelize::{
+    ContextParallelRule, ParallelizePlan, Parallelized, parallelize,
+};
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params};
 use flashover_parallel::pipeline::{Schedule, ScheduleKind};
 use flashover_parallel::zero::MemoryReport;
 use flashover_parallel::{FlatAdamWConfig, ModuleAdamW, clip_scale};
 use flashover_runtime::{Axis, DeviceMesh, Group, RankContext, RankError};
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Duration;
 
-/// Whether the job's pipeline runs through the plan on `mesh`: a pipeline of a dense model
-/// under ZeRO 0, or 3 with a schedule that does not defer weight gradients.
+/// Whether the job's pipeline runs through the plan on `mesh`: a pipeline under ZeRO 0, or 3
+/// with a schedule that does not defer weight gradients, without hot-expert copies.
 pub(crate) fn runs(config: &TrainConfig, mesh: &DeviceMesh) -> bool {
     let p = &config.parallel;
     let zero = match p.zero {
@@ -45,7 +54,7 @@ pub(crate) fn runs(config: &TrainConfig, mesh: &DeviceMesh) -> bool {
         3 => p.pp_schedule != ScheduleKind::ZeroBubbleH1,
         _ => false,
     };
-    mesh.degree(Axis::Pp) > 1 && config.moe.experts == 0 && zero
+    mesh.degree(Axis::Pp) > 1 && config.moe.replicate_hot == 0 && zero
 }
 
 /// A rank's model under the plan, its AdamW and what a step reads.
@@ -58,6 +67,17 @@ struct PlanPipeline {
     /// With `parallel.gradient_reduction = sum`: the ranks whose gradients are summed (the
     /// plan averages over them and the micro-batches).
     summed_over: Option<usize>,
+    /// A mixture-of-experts model's routing: what the step's counts are summed over.
+    moe: Option<Routing>,
+}
+
+/// What a mixture-of-experts model's step needs to sum its routing.
+struct Routing {
+    /// The ranks routing different tokens (`dp x fsdp x ep x cp`).
+    batch: Group,
+    /// `[layers, experts]`.
+    shape: [usize; 2],
+    d_model: usize,
 }
 
 /// `model` (this rank's seeded initialisation) parallelized by the job's plan with its
@@ -93,6 +113,8 @@ pub(crate) fn build(
         .pipeline(rule)
         .activation_checkpointing(recompute)
         .mixed_precision(config.precision.policy()?);
+    // The model's own experts rules (the job's plan leaves them to the job).
+    plan.expert_parallel = ParallelizePlan::from_toml(&model_config.plan_toml())?.expert_parallel;
     if ctx.group(Axis::Cp).size() > 1 {
         // The reference model's attention runs through its forward context: no cores to name.
         plan = plan.context_parallel(ContextParallelRule {
@@ -109,6 +131,11 @@ pub(crate) fn build(
         par,
         seq: config.data.seq_len,
         summed_over: (p.gradient_reduction == GradientReduction::Sum).then(|| grad_group.size()),
+        moe: model_config.moe.as_ref().map(|moe| Routing {
+            batch: grad_group.clone(),
+            shape: [model_config.n_layers, moe.n_experts],
+            d_model: model_config.d_model,
+        }),
     }))
 }
 
@@ -156,9 +183,21 @@ impl RankStrategy for PlanPipeline {
             // The job's scale (a resumed checkpoint's) is the one the plan scales by.
             self.par.restore_loss_scale(precision.scaler.state())?;
         }
+        // Every layer of every micro-batch counts its routing into the step's one hook.
+        let routing = self
+            .moe
+            .is_some()
+            .then(|| MoeHook::new(Arc::new(LocalExperts)));
+        let a2a_before = ctx.group(Axis::Ep).stats();
         let data = (0..micro_batches)
-            .map(|k| self.micro_batch(batches(k)))
-            .collect::<Result<Vec<_>, _>>()?;
+            .map(|k| {
+                let mut batch = self.micro_batch(batches(k))?;
+                if let Some(hook) = &routing {
+                    batch.ctx.moe = Some(hook.clone());
+                }
+                Ok(batch)
+            })
+            .collect::<Result<Vec<_>, RankError>>()?;
         let rows = data[0].inputs.dims()[0];
         let attention_before = self.par.attention_work();
         // Step 0 of a batch of this step's size: the share's samples count from the data rank's
@@ -198,6 +237,18 @@ impl RankStrategy for PlanPipeline {
             }
             self.model = self.adam.step_flat(lr, self.model, &grads)?;
         }
+        let (moe, a2a) = match (&self.moe, routing) {
+            (Some(moe), Some(hook)) => {
+                let pp = ctx.group(Axis::Pp);
+                let remote = self.par.expert_rows_sent();
+                let sums =
+                    RoutingSums::over(hook.take_stats(), remote, moe.shape, &[&moe.batch, pp])?;
+                transformer::update_routing_biases(&mut self.model, &sums.routed);
+                let a2a = ctx.group(Axis::Ep).stats().since(&a2a_before).total();
+                (Some(sums.record(moe.d_model)), a2a.wait + a2a.transfer)
+            }
+            _ => (None, Duration::ZERO),
+        };
         let comm = ctx.comm_stats().since(&before).total();
         let held = self.held()?;
         let report = out.report;
@@ -227,6 +278,8 @@ impl RankStrategy for PlanPipeline {
                 }),
             loss_scale: out.loss_scale,
             skipped: out.skipped,
+            moe,
+            a2a,
             // The whole batch's mean, the same on every rank.
             ..StepOutcome::new(out.loss as f64 * micro_batches as f64, norm)
         };
@@ -247,6 +300,31 @@ impl RankStrategy for PlanPipeline {
 
     fn restore(&mut self, state: LocalState) -> Result<(), RankError> {
         self.model = restore_flat(self.model.clone(), state, self.adam.flat_mut())?;
+        Ok(())
+    }
+
+    fn moe_bias(&self) -> Option<Vec<Vec<f32>>> {
+        self.moe.as_ref()?;
+        let bias = |b: &flashover_models::Block| b.moe.as_ref().map(|m| m.expert_bias.clone());
+        Some(
+            self.model
+                .blocks
+                .iter()
+                .map(|b| bias(b).unwrap_or_default())
+                .collect(),
+        )
+    }
+
+    fn set_moe_bias(&mut self, bias: &[Vec<f32>]) -> Result<(), RankError> {
+        if self.moe.is_none() {
+            return Ok(());
+        }
+        super::routing_bias_layers(bias.len(), self.model.blocks.len())?;
+        for (block, bias) in self.model.blocks.iter_mut().zip(bias) {
+            if let Some(moe) = block.moe.as_mut() {
+                moe.expert_bias = bias.clone();
+            }
+        }
         Ok(())
     }
 

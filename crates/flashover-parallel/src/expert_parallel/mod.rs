@@ -159,6 +159,13 @@ impl ExpertParallel {
         })
     }
 
+    /// The dispatch counting the rows it sends into `traffic` (shared with whoever reads it)
+    /// instead of a counter of its own.
+    pub(crate) fn counting_into(mut self, traffic: Arc<ExpertTraffic>) -> Self {
+        self.traffic = traffic;
+        self
+    }
+
     /// The ep group.
     pub fn group(&self) -> &Group {
         &self.group

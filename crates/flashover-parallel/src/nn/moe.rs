@@ -104,7 +104,8 @@ fn forward_routed(
             None => (std::borrow::Cow::Borrowed(moe), Arc::new(LocalExperts)),
             Some(split) => {
                 let ep = ExpertParallel::new(&split.group, split.n_experts)
-                    .unwrap_or_else(|e| panic!("expert parallelism: {e}"));
+                    .unwrap_or_else(|e| panic!("expert parallelism: {e}"))
+                    .counting_into(split.traffic.clone());
                 let mine = ep.experts_of(split.group.rank());
                 // This rank's experts only (the others are placeholders here).
                 let held = Moe {

@@ -7,6 +7,7 @@ use super::dotted;
 use super::placed::ExpertSplit;
 use super::plan::{ModulePath, ParallelizePlan};
 use crate::error::ParallelError;
+use crate::expert_parallel::ExpertTraffic;
 use crate::params::ParamLayout;
 use crate::placement::PlacementTable;
 use burn::module::{Module, ModuleVisitor, Param};
@@ -14,6 +15,7 @@ use burn::tensor::Tensor;
 use flashover_comm::Group;
 use flashover_runtime::Axis;
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 /// A mixture-of-experts layer of a model, as its parameters show it.
 #[derive(Debug, Clone)]
@@ -133,6 +135,8 @@ pub(super) struct Experts {
     pub(super) routers: HashMap<String, ExpertSplit>,
     /// The routers of every `Moe` layer, by parameter path (they route whole sequences).
     pub(super) all_routers: HashSet<String>,
+    /// Token rows the `expert_parallel` layers' dispatch sent to other ranks.
+    pub(super) traffic: Arc<ExpertTraffic>,
 }
 
 impl Experts {
@@ -149,6 +153,7 @@ impl Experts {
         let spread = named_layers(&plan.expert_parallel, &layers, ep.size())?;
         let split = ep.size() > 1;
         let shares = split.then(|| ExpertShares::new(&spread, layout, ep));
+        let traffic = Arc::new(ExpertTraffic::default());
         let routers = spread
             .iter()
             .filter(|_| split)
@@ -156,6 +161,7 @@ impl Experts {
                 let split = ExpertSplit {
                     group: ep.clone(),
                     n_experts: l.n_experts,
+                    traffic: traffic.clone(),
                 };
                 l.router.iter().map(move |p| (p.clone(), split.clone()))
             })
@@ -165,6 +171,7 @@ impl Experts {
             shares,
             routers,
             all_routers,
+            traffic,
         })
     }
 }

@@ -104,6 +104,8 @@ pub struct Parallelized {
     stages: Option<Stages>,
     /// Which experts this rank holds, when the plan spreads them over `ep`.
     experts: Option<ExpertShares>,
+    /// Token rows the `expert_parallel` layers sent to other `ep` ranks.
+    expert_traffic: Arc<crate::expert_parallel::ExpertTraffic>,
     /// The parameters this rank keeps placeholders for (other stages', other ep ranks'
     /// experts), by path.
     absent: HashSet<String>,
@@ -273,6 +275,7 @@ pub fn parallelize<M: Module>(
         },
         absent: absent.by_path.into_keys().collect(),
         stages,
+        expert_traffic: experts.traffic.clone(),
         experts: experts.shares,
         kept_whole,
         sequence_check: (tp.size() > 1 && !plan.sequence_parallel.is_empty())
@@ -866,6 +869,13 @@ impl Parallelized {
             .take(layers)
             .map(<[u64]>::to_vec)
             .collect())
+    }
+
+    /// Token rows this rank's `expert_parallel` layers sent to other `ep` ranks since the last
+    /// call (forward and backward, counted by the sender; a rank's rows to itself move no
+    /// bytes and are not counted): what the all-to-alls moved between ranks.
+    pub fn expert_rows_sent(&self) -> u64 {
+        self.expert_traffic.take()
     }
 
     /// The ranks that read different samples (`dp` x `fsdp` x `ep`): a global batch is cut

@@ -180,6 +180,8 @@ pub struct ExpertSplit {
     pub group: Group,
     /// The layer's routed experts.
     pub n_experts: usize,
+    /// Token rows every layer's dispatch sent to other ranks ([`super::Parallelized::expert_rows_sent`]).
+    pub(crate) traffic: Arc<crate::expert_parallel::ExpertTraffic>,
 }
 
 impl ContextSplit {

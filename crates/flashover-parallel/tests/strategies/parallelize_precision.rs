@@ -122,26 +122,7 @@ fn a_pipelined_plan_scales_the_loss_and_skips_overflowing_steps() {
             Ok::<_, ParallelError>(steps)
         })
         .unwrap();
-    assert!(
-        steps.iter().all(|s| *s == steps[0]),
-        "ranks disagree: {steps:?}"
-    );
-    let steps = &steps[0];
-    assert!(steps[0].0, "a scale of 2^24 must overflow f16: {steps:?}");
-    let first_applied = steps.iter().position(|s| !s.0).expect("a step applies");
-    for (k, (skipped, scale, unchanged)) in steps.iter().enumerate() {
-        assert_eq!(
-            *skipped, *unchanged,
-            "step {k}: a skipped step changes no weight"
-        );
-        let halvings = k.min(first_applied) as i32;
-        assert_eq!(
-            *scale,
-            Some(16_777_216.0 * 0.5f32.powi(halvings)),
-            "step {k}"
-        );
-        assert_eq!(*skipped, k < first_applied, "step {k}: {steps:?}");
-    }
+    skips_then_applies(&steps);
     // pipeline_gradients leaves the reduction, and with it the overflow check, to its
     // caller: with loss scaling it is refused.
     let err = Launch::new("pp=2")
@@ -366,29 +347,7 @@ fn a_plans_loss_scale_skips_overflowing_steps_and_forwards_outside_it_are_refuse
             Ok::<_, ParallelError>(steps)
         })
         .unwrap();
-    assert!(
-        steps.iter().all(|s| *s == steps[0]),
-        "ranks disagree: {steps:?}"
-    );
-    let steps = &steps[0];
-    let first_applied = steps.iter().position(|s| !s.0).expect("a step applies");
-    assert!(
-        first_applied > 0,
-        "a scale of 2^24 must overflow f16: {steps:?}"
-    );
-    for (k, (skipped, scale, unchanged)) in steps.iter().enumerate() {
-        assert_eq!(
-            *skipped, *unchanged,
-            "step {k}: a skipped step changes no weight"
-        );
-        let halvings = k.min(first_applied) as i32;
-        assert_eq!(
-            *scale,
-            Some(16_777_216.0 * 0.5f32.powi(halvings)),
-            "step {k}"
-        );
-        assert_eq!(*skipped, k < first_applied, "step {k}: {steps:?}");
-    }
+    skips_then_applies(&steps);
     // A forward outside `Parallelized::forward` would compute in f32, a backward of the
     // unscaled loss would be divided by the scale: both are refused at the reduction.
     let refused = |plan: &ParallelizePlan, inside: bool, scaled: bool| {
@@ -451,4 +410,33 @@ fn a_pipelined_plan_reduces_in_its_policys_dtype() {
         loss < 1e-2 && norm < 1e-2 && weights < 1e-2,
         "against the bf16 loop: losses {loss:e}, norms {norm:e}, weights {weights:e}"
     );
+}
+
+/// Every rank's steps `(skipped, loss scale, weights unchanged)` under a dynamic scale of 2^24
+/// that overflows f16: the same on every rank; the first steps skipped, leaving the weights as
+/// they were, the scale halving each time; then every step applies.
+fn skips_then_applies(ranks: &[Vec<(bool, Option<f32>, bool)>]) {
+    assert!(
+        ranks.iter().all(|s| *s == ranks[0]),
+        "ranks disagree: {ranks:?}"
+    );
+    let steps = &ranks[0];
+    let first_applied = steps.iter().position(|s| !s.0).expect("a step applies");
+    assert!(
+        first_applied > 0,
+        "a scale of 2^24 must overflow f16: {steps:?}"
+    );
+    for (k, (skipped, scale, unchanged)) in steps.iter().enumerate() {
+        assert_eq!(
+            *skipped, *unchanged,
+            "step {k}: a skipped step changes no weight"
+        );
+        let halvings = k.min(first_applied) as i32;
+        assert_eq!(
+            *scale,
+            Some(16_777_216.0 * 0.5f32.powi(halvings)),
+            "step {k}"
+        );
+        assert_eq!(*skipped, k < first_applied, "step {k}: {steps:?}");
+    }
 }
