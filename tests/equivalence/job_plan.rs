@@ -39,6 +39,9 @@ fn a_jobs_parallelize_table_replaces_the_models_plan() {
         ("dp=2,tp=2", 0),
         ("fsdp=2,tp=2", 3),
         ("fsdp=2", 3),
+        // Pipelines run through the plan: its split in the stages, its units per layer.
+        ("tp=2,pp=2", 0),
+        ("fsdp=2,tp=2,pp=2", 3),
     ] {
         let c = with_table(mesh, zero, ATTENTION_ONLY);
         let (reference, candidate, cmp) = verify(&c, TOLERANCE).unwrap();
@@ -47,6 +50,15 @@ fn a_jobs_parallelize_table_replaces_the_models_plan() {
             reference.steps.iter().any(|s| s.grad_norm > 0.5),
             "clipping must be active in some step for the test to mean anything"
         );
+        // Under a pipeline the table's units shard each stage's blocks over fsdp.
+        if mesh == "fsdp=2,tp=2,pp=2" {
+            let whole = train(&with_table("tp=2,pp=2", 0, ATTENTION_ONLY), &|_| {}).unwrap();
+            let (sharded, whole) = (candidate.memory[0].params, whole.memory[0].params);
+            assert!(
+                sharded * 4 < whole * 3,
+                "{sharded} of {whole} parameter bytes"
+            );
+        }
         // The table took effect: a rank holds the whole MLP and embedding (2 blocks of
         // 3 x 32 x 64, and 32 x 32), which the model's own plan splits over tp = 2.
         if mesh == "tp=2" {
