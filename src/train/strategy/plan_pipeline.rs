@@ -16,10 +16,16 @@
 //! `expert_parallel` rules; each step's routing (counted by every layer into one hook) is
 //! summed over the ranks and the stages, moves the routing biases and makes the step's record.
 //!
-//! Runs the job's pipelines with ZeRO 0 or 3 (not under zb-h1, whose deferred weight
-//! gradients a unit cannot wait for) and without hot-expert copies ([`runs`]); the others
-//! still run through [`super::pipeline`]'s own stages.
+//! ZeRO-1/2 step this rank's rows of what it holds ([`super::held_rows`]): the plan's
+//! gradients come unreduced (`Parallelized::pipeline_gradients`) and the job reduce-scatters
+//! them over the rows' axis, as its own stages do.
+//!
+//! Runs the job's pipelines with ZeRO 0, 1 or 2 (not under f16 loss scaling with 1 or 2), or
+//! 3 (not under zb-h1, whose deferred weight gradients a unit cannot wait for), without
+//! hot-expert copies ([`runs`]); the others still run through [`super::pipeline`]'s own
+//! stages.
 
+use super::held_rows::HeldRows;
 use super::moe::RoutingSums;
 use super::{
     Batches, Precisions, RankStrategy, SHARING, SharedState, StepOutcome, named_params,
@@ -34,10 +40,11 @@ use flashover_parallel::activation_checkpointing::CheckpointPolicy;
 use flashover_parallel::context_parallel::AttentionWork;
 use flashover_parallel::parallelize::transformer::{self, LmBatch};
 use flashover_parallel::parallelize::{
-    ContextParallelRule, ParallelizePlan, Parallelized, parallelize,
+    ContextParallelRule, ParallelizePlan, Parallelized, PipelineModel, parallelize,
 };
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params};
-use flashover_parallel::pipeline::{Schedule, ScheduleKind};
+use flashover_parallel::pipeline::{PipelineStepReport, Schedule, ScheduleKind};
+use flashover_parallel::precision::LossScale;
 use flashover_parallel::zero::MemoryReport;
 use flashover_parallel::{FlatAdamWConfig, ModuleAdamW, clip_scale};
 use flashover_runtime::{Axis, DeviceMesh, Group, RankContext, RankError};
@@ -45,12 +52,18 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Whether the job's pipeline runs through the plan on `mesh`: a pipeline under ZeRO 0, or 3
-/// with a schedule that does not defer weight gradients, without hot-expert copies.
+/// Whether the job's pipeline runs through the plan on `mesh`: a pipeline under ZeRO 0, 1 or
+/// 2 (without loss scaling, which the plan decides from gradients it reduces itself), or 3
+/// with a schedule that does not defer weight gradients; without hot-expert copies.
 pub(crate) fn runs(config: &TrainConfig, mesh: &DeviceMesh) -> bool {
     let p = &config.parallel;
+    let scaled = config
+        .precision
+        .policy()
+        .is_ok_and(|policy| policy.loss_scale != LossScale::None);
     let zero = match p.zero {
         0 => true,
+        1 | 2 => !scaled,
         3 => p.pp_schedule != ScheduleKind::ZeroBubbleH1,
         _ => false,
     };
@@ -61,14 +74,24 @@ pub(crate) fn runs(config: &TrainConfig, mesh: &DeviceMesh) -> bool {
 struct PlanPipeline {
     model: Transformer,
     par: Parallelized,
-    adam: ModuleAdamW,
+    optim: Optimizer,
     /// Tokens per sequence (the dropout masks' positions).
     seq: usize,
-    /// With `parallel.gradient_reduction = sum`: the ranks whose gradients are summed (the
-    /// plan averages over them and the micro-batches).
-    summed_over: Option<usize>,
     /// A mixture-of-experts model's routing: what the step's counts are summed over.
     moe: Option<Routing>,
+}
+
+/// How a rank steps what it holds.
+enum Optimizer {
+    /// AdamW on the whole of it, the gradients reduced and clipped by the plan. With
+    /// `parallel.gradient_reduction = sum`, `summed_over`: the ranks whose gradients are
+    /// summed (the plan averages over them and the micro-batches).
+    Whole {
+        adam: Box<ModuleAdamW>,
+        summed_over: Option<usize>,
+    },
+    /// ZeRO-1/2: AdamW on its rows, the gradients reduced by the job.
+    Rows(Box<HeldRows>),
 }
 
 /// What a mixture-of-experts model's step needs to sum its routing.
@@ -124,13 +147,24 @@ pub(crate) fn build(
         });
     }
     let (model, par) = parallelize(model, &plan, ctx)?;
-    let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
+    let optim = match p.zero {
+        1 | 2 => Optimizer::Rows(Box::new(HeldRows::new(
+            ctx, config, &par, &model, grad_group,
+        )?)),
+        _ => {
+            let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
+            let sum = p.gradient_reduction == GradientReduction::Sum;
+            Optimizer::Whole {
+                adam: Box::new(ModuleAdamW::new(&adamw, &model)),
+                summed_over: sum.then(|| grad_group.size()),
+            }
+        }
+    };
     Ok(Box::new(PlanPipeline {
-        adam: ModuleAdamW::new(&adamw, &model),
+        optim,
         model,
         par,
         seq: config.data.seq_len,
-        summed_over: (p.gradient_reduction == GradientReduction::Sum).then(|| grad_group.size()),
         moe: model_config.moe.as_ref().map(|moe| Routing {
             batch: grad_group.clone(),
             shape: [model_config.n_layers, moe.n_experts],
@@ -140,10 +174,15 @@ pub(crate) fn build(
 }
 
 impl PlanPipeline {
-    /// Elements of the parameters this rank holds (its stages', its shards under ZeRO-3).
-    fn held(&self) -> Result<usize, RankError> {
+    /// Elements this rank keeps between steps: (parameters, gradients and each moment). Its
+    /// stages' parameters (its shards under ZeRO-3), and under ZeRO-1/2 its rows of them.
+    fn held(&self) -> Result<(usize, usize), RankError> {
+        if let Optimizer::Rows(rows) = &self.optim {
+            return Ok(rows.held());
+        }
         let entries = self.par.held_entries(&self.model)?;
-        Ok(entries.iter().map(|(slot, _)| slot.numel).sum())
+        let held = entries.iter().map(|(slot, _)| slot.numel).sum();
+        Ok((held, held))
     }
 
     /// What the model's stages read of a micro-batch the job made (this rank's positions of
@@ -200,10 +239,13 @@ impl RankStrategy for PlanPipeline {
             .collect::<Result<Vec<_>, RankError>>()?;
         let rows = data[0].inputs.dims()[0];
         let attention_before = self.par.attention_work();
-        // Step 0 of a batch of this step's size: the share's samples count from the data rank's
-        // first, which is all a micro-batch's position in `data` needs.
+        // Pipeline steps count samples from the data rank's first (step 0 of a batch of this
+        // step's size), pipeline gradients from 0: all a micro-batch's place in `data` needs.
         let data_ranks = self.par.data_ranks();
-        let first = data_ranks.rank() * rows * micro_batches;
+        let first = match self.optim {
+            Optimizer::Whole { .. } => data_ranks.rank() * rows * micro_batches,
+            Optimizer::Rows(_) => 0,
+        };
         let global_batch = data_ranks.size() * rows * micro_batches;
         let micro_batch = |samples: Range<usize>| {
             let batch = &data[(samples.start - first) / rows];
@@ -213,30 +255,79 @@ impl RankStrategy for PlanPipeline {
                 ctx: batch.ctx.clone(),
             }
         };
-        // Summed gradients are the plan's means times the samples' groups, clipped here.
-        let plan_clip = clip.filter(|_| self.summed_over.is_none());
-        let out =
-            self.par
-                .pipeline_step(&self.model, global_batch, 0, &micro_batch, plan_clip, ctx)?;
-        let (norm, scale) = match self.summed_over {
-            Some(ranks) => {
-                let sums = (ranks * micro_batches) as f32;
-                let norm = out.norm * sums;
-                (norm, sums * clip_scale(norm, clip)?.unwrap_or(1.0))
+        let step = match &mut self.optim {
+            Optimizer::Whole { adam, summed_over } => {
+                // Summed gradients are the plan's means times the samples' groups, clipped
+                // here.
+                let plan_clip = clip.filter(|_| summed_over.is_none());
+                let out = self.par.pipeline_step(
+                    &self.model,
+                    global_batch,
+                    0,
+                    &micro_batch,
+                    plan_clip,
+                    ctx,
+                )?;
+                let (norm, scale) = match *summed_over {
+                    Some(ranks) => {
+                        let sums = (ranks * micro_batches) as f32;
+                        let norm = out.norm * sums;
+                        (norm, sums * clip_scale(norm, clip)?.unwrap_or(1.0))
+                    }
+                    None => (out.norm, 1.0),
+                };
+                if let Some(state) = self.par.loss_scale_state() {
+                    precision.scaler.restore(state);
+                }
+                if !out.skipped {
+                    let mut grads = vec![0.0; ParamLayout::of(&self.model).numel];
+                    accumulate_grads(&self.model, &out.grads, &mut grads, &[]);
+                    if scale != 1.0 {
+                        grads.iter_mut().for_each(|g| *g *= scale);
+                    }
+                    self.model = adam.step_flat(lr, self.model, &grads)?;
+                }
+                Stepped {
+                    loss: out.loss,
+                    norm,
+                    report: out.report,
+                    recomputed: out.recomputed,
+                    loss_scale: out.loss_scale,
+                    skipped: out.skipped,
+                }
             }
-            None => (out.norm, 1.0),
+            Optimizer::Rows(rows_optim) => {
+                let head =
+                    |m: &Transformer, x, batch: &LmBatch, _| PipelineModel::head_loss(m, x, batch);
+                let out = self.par.pipeline_gradients(
+                    &self.model,
+                    rows * micro_batches,
+                    &micro_batch,
+                    &head,
+                    ctx,
+                )?;
+                let mut grads = vec![0.0; ParamLayout::of(&self.model).numel];
+                accumulate_grads(&self.model, &out.grads, &mut grads, &[]);
+                let (model, norm, update, loss_scale) = rows_optim.step(
+                    ctx,
+                    self.par.placements(),
+                    self.model,
+                    &grads,
+                    micro_batches,
+                    (clip, lr),
+                    precision,
+                )?;
+                self.model = model;
+                Stepped {
+                    loss: out.loss,
+                    norm,
+                    report: out.report,
+                    recomputed: out.recomputed,
+                    loss_scale,
+                    skipped: !update,
+                }
+            }
         };
-        if let Some(state) = self.par.loss_scale_state() {
-            precision.scaler.restore(state);
-        }
-        if !out.skipped {
-            let mut grads = vec![0.0; ParamLayout::of(&self.model).numel];
-            accumulate_grads(&self.model, &out.grads, &mut grads, &[]);
-            if scale != 1.0 {
-                grads.iter_mut().for_each(|g| *g *= scale);
-            }
-            self.model = self.adam.step_flat(lr, self.model, &grads)?;
-        }
         let (moe, a2a) = match (&self.moe, routing) {
             (Some(moe), Some(hook)) => {
                 let pp = ctx.group(Axis::Pp);
@@ -250,8 +341,8 @@ impl RankStrategy for PlanPipeline {
             _ => (None, Duration::ZERO),
         };
         let comm = ctx.comm_stats().since(&before).total();
-        let held = self.held()?;
-        let report = out.report;
+        let (params, held) = self.held()?;
+        let report = step.report;
         let gathered_peak = self.par.unit_stats().map_or(0, |s| s.snapshot().peak_bytes);
         let outcome = StepOutcome {
             comm: comm.wait + comm.transfer,
@@ -262,12 +353,12 @@ impl RankStrategy for PlanPipeline {
             in_flight: report.peak_in_flight,
             events: report.events,
             memory: MemoryReport {
-                params: held * 4,
+                params: params * 4,
                 grads: held * 4,
                 optimizer: held * 8,
                 gathered_peak,
             },
-            recomputed: out.recomputed,
+            recomputed: step.recomputed,
             attention: self
                 .par
                 .attention_work()
@@ -276,12 +367,13 @@ impl RankStrategy for PlanPipeline {
                     score_elements: now.score_elements - before.score_elements,
                     compute: now.compute.saturating_sub(before.compute),
                 }),
-            loss_scale: out.loss_scale,
-            skipped: out.skipped,
+            loss_scale: step.loss_scale,
+            skipped: step.skipped,
             moe,
             a2a,
             // The whole batch's mean, the same on every rank.
-            ..StepOutcome::new(out.loss as f64 * micro_batches as f64, norm)
+            // This rank's share's mean (the whole batch's, through the plan's reduction).
+            ..StepOutcome::new(step.loss as f64 * micro_batches as f64, step.norm)
         };
         Ok((self, outcome))
     }
@@ -291,15 +383,23 @@ impl RankStrategy for PlanPipeline {
         ctx: &RankContext,
         _grad_group: &Group,
     ) -> Result<SharedState, RankError> {
+        let adam = match &self.optim {
+            Optimizer::Rows(rows) => return rows.local_state(ctx, self.par.placements()),
+            Optimizer::Whole { adam, .. } => adam,
+        };
         let entries = self.par.held_entries(&self.model)?;
         let segments = placed_segments(&entries, 0, &|a| ctx.coord(a), &SHARING);
-        let state = with_moments(flatten_params(&self.model), segments, self.adam.flat());
+        let state = with_moments(flatten_params(&self.model), segments, adam.flat());
         let replicas = replica_index(ctx, &SHARING);
         Ok((state, replicas, replicas))
     }
 
     fn restore(&mut self, state: LocalState) -> Result<(), RankError> {
-        self.model = restore_flat(self.model.clone(), state, self.adam.flat_mut())?;
+        let model = self.model.clone();
+        self.model = match &mut self.optim {
+            Optimizer::Rows(rows) => rows.restore(state, model)?,
+            Optimizer::Whole { adam, .. } => restore_flat(model, state, adam.flat_mut())?,
+        };
         Ok(())
     }
 
@@ -335,4 +435,16 @@ impl RankStrategy for PlanPipeline {
             _ => vec![],
         })
     }
+}
+
+/// What a step computed, whichever way the rank steps.
+struct Stepped {
+    /// This rank's share's mean loss.
+    loss: f32,
+    /// The global gradient norm before clipping.
+    norm: f32,
+    report: PipelineStepReport,
+    recomputed: usize,
+    loss_scale: Option<f32>,
+    skipped: bool,
 }

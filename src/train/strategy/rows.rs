@@ -41,14 +41,31 @@ impl RowSharding {
         zero: u8,
         adamw: &FlatAdamWConfig,
     ) -> Self {
+        Self::over(
+            ctx,
+            ParamLayout::of(module),
+            &flatten_params(module),
+            zero,
+            adamw,
+        )
+    }
+
+    /// [`RowSharding::new`] of parameters laid out as `layout`, whose values are `values`
+    /// (some of a module's parameters: a pipeline rank's own).
+    pub fn over(
+        ctx: &RankContext,
+        layout: ParamLayout,
+        values: &[f32],
+        zero: u8,
+        adamw: &FlatAdamWConfig,
+    ) -> Self {
         let axis = match zero == 3 || ctx.group(Axis::Fsdp).size() > 1 {
             true => Axis::Fsdp,
             false => Axis::Dp,
         };
         let group = ctx.group(axis).clone();
-        let layout = ParamLayout::of(module);
         let shards = UnitShards::new(&layout, group.size());
-        let own = shards.take(group.rank(), &flatten_params(module));
+        let own = shards.take(group.rank(), values);
         RowSharding {
             axis,
             adam: FlatAdamW::new(adamw, shards.shard_len()),
@@ -70,8 +87,33 @@ impl RowSharding {
 
     /// `skeleton` with its whole parameters, from every rank's rows (collective).
     pub fn gather<M: Module>(&self, skeleton: M) -> Result<M, RankError> {
-        let flat = self.shards.all_gather(&self.group, &self.own)?;
-        Ok(load_shaped(skeleton, &self.layout, &flat))
+        Ok(load_shaped(skeleton, &self.layout, &self.gather_values()?))
+    }
+
+    /// The whole parameters' values, in the layout's order, from every rank's rows
+    /// (collective).
+    pub fn gather_values(&self) -> Result<Vec<f32>, RankError> {
+        Ok(self.shards.all_gather(&self.group, &self.own)?)
+    }
+
+    /// AdamW on this rank's rows (when `update`).
+    pub fn step_rows(&mut self, lr: f64, grads: &[f32], update: bool) {
+        if update {
+            self.adam.step(lr, &mut self.own, grads);
+        }
+    }
+
+    /// Puts checkpointed rows and moments back.
+    pub fn restore_rows(&mut self, state: LocalState) -> Result<(), RankError> {
+        let LocalState {
+            params,
+            moments: [m1, m2],
+            steps_taken,
+            ..
+        } = state;
+        self.own = params;
+        self.adam.restore(steps_taken, m1, m2)?;
+        Ok(())
     }
 
     /// The module for a step: gathered under ZeRO-3 (collective), as it is otherwise.
@@ -110,9 +152,7 @@ impl RowSharding {
         grads: &[f32],
         update: bool,
     ) -> Result<M, RankError> {
-        if update {
-            self.adam.step(lr, &mut self.own, grads);
-        }
+        self.step_rows(lr, grads, update);
         match self.keep_params {
             true => self.gather(module),
             false => Ok(placeholders(module)),

@@ -1,0 +1,149 @@
+//! ZeRO-1/2 for the reference model a plan parallelized: this rank's rows of the parameters it
+//! holds (its stages', its tensor-parallel parts) over one data axis, stepped with AdamW and
+//! all-gathered after the step. The job reduces the plan's unreduced gradients itself, as the
+//! trainer's own stages do (the communication of data parallelism, not more): reduce-scattered
+//! over the rows' axis, summed over the other axes the placements name (and the tied
+//! embedding's copies over their two stages), clipped by the global norm.
+
+use super::rows::RowSharding;
+use super::{Precisions, SharedState, borrowed, clip_placed};
+use crate::train::checkpoint::LocalState;
+use crate::train::config::{GradientReduction, TrainConfig};
+use flashover_models::Transformer;
+use flashover_parallel::FlatAdamWConfig;
+use flashover_parallel::parallelize::Parallelized;
+use flashover_parallel::params::{ParamLayout, ParamSlot, flatten_params, load_flat};
+use flashover_parallel::placement::{GradientReducer, PlacementTable};
+use flashover_runtime::{Axis, Group, RankContext, RankError};
+
+/// See the module docs.
+pub(super) struct HeldRows {
+    rows: RowSharding,
+    /// Per parameter this rank holds (layout order): where it sits in the model's flat values,
+    /// and its length.
+    held: Vec<(usize, usize)>,
+    reducer: GradientReducer,
+    /// The ranks of the first and the last stage, which sum the tied embedding's copies (on
+    /// those ranks, for a tied model).
+    tie: Option<Group>,
+    /// Gradients are means over the ranks reading different samples (sums otherwise).
+    average: bool,
+    /// Those ranks (`dp x fsdp x ep x cp`).
+    data_ranks: usize,
+}
+
+impl HeldRows {
+    /// The rows of what `model` (parallelized as `par` says) holds on this rank, for ZeRO
+    /// stage `config.parallel.zero`; `grad_group`: the ranks reading different samples
+    /// (collective over `pp`: the tie group is made here).
+    pub(super) fn new(
+        ctx: &RankContext,
+        config: &TrainConfig,
+        par: &Parallelized,
+        model: &Transformer,
+        grad_group: &Group,
+    ) -> Result<Self, RankError> {
+        let flat = flatten_params(model);
+        let mut layout = ParamLayout {
+            slots: vec![],
+            numel: 0,
+        };
+        let (mut held, mut values) = (vec![], vec![]);
+        for (slot, _) in par.held_entries(model)? {
+            held.push((slot.offset, slot.numel));
+            values.extend_from_slice(&flat[slot.offset..slot.offset + slot.numel]);
+            let offset = layout.numel;
+            layout.numel += slot.numel;
+            layout.slots.push(ParamSlot { offset, ..slot });
+        }
+        let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
+        let rows = RowSharding::over(ctx, layout, &values, config.parallel.zero, &adamw);
+        let pp = ctx.group(Axis::Pp);
+        let ends = pp.rank() == 0 || pp.rank() + 1 == pp.size();
+        let group = pp.split(usize::from(!ends), pp.rank(), "embedding-tie")?;
+        let tied = model.head.is_none();
+        Ok(HeldRows {
+            rows,
+            held,
+            reducer: GradientReducer::new(ctx, config.precision.reduce_dtype)?,
+            tie: (tied && ends).then_some(group),
+            average: config.parallel.gradient_reduction == GradientReduction::Mean,
+            data_ranks: grad_group.size(),
+        })
+    }
+
+    /// One optimizer step of `model` from `grads`, this rank's gradients in the model's flat
+    /// layout (averaged over its `micro_batches`, not yet reduced): reduced, clipped to `clip`,
+    /// AdamW on the rows unless the loss scale overflowed, the rows gathered back into the
+    /// model (collective). Returns the model, the global norm before clipping, whether the
+    /// step applied and its loss scale.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn step(
+        &mut self,
+        ctx: &RankContext,
+        placements: &PlacementTable,
+        model: Transformer,
+        grads: &[f32],
+        micro_batches: usize,
+        (clip, lr): (Option<f32>, f64),
+        precision: &mut Precisions,
+    ) -> Result<(Transformer, f32, bool, Option<f32>), RankError> {
+        let held: Vec<f32> = self
+            .held
+            .iter()
+            .flat_map(|&(offset, len)| grads[offset..offset + len].iter().copied())
+            .collect();
+        let mut own = self
+            .rows
+            .reduce_scatter(&held, self.reducer.reduce_dtype())?;
+        let entries = self.rows.entries(placements)?;
+        let entries = borrowed(&entries);
+        let scale = match self.average {
+            true => 1.0 / self.data_ranks as f32,
+            false => micro_batches as f32,
+        };
+        self.reducer
+            .reduce(&entries, &mut own, scale, self.tie.as_ref())?;
+        let norm = clip_placed(&entries, &mut own, clip, ctx)?;
+        let (update, loss_scale) = precision.decide(norm);
+        self.rows.step_rows(lr, &own, update);
+        Ok((self.load(model)?, norm, update, loss_scale))
+    }
+
+    /// `model` with the parameters this rank holds gathered from every rank's rows
+    /// (collective).
+    fn load(&self, model: Transformer) -> Result<Transformer, RankError> {
+        let values = self.rows.gather_values()?;
+        let mut flat = flatten_params(&model);
+        let mut at = 0;
+        for &(offset, len) in &self.held {
+            flat[offset..offset + len].copy_from_slice(&values[at..at + len]);
+            at += len;
+        }
+        Ok(load_flat(model, &flat))
+    }
+
+    /// This rank's rows and moments for a checkpoint.
+    pub(super) fn local_state(
+        &self,
+        ctx: &RankContext,
+        placements: &PlacementTable,
+    ) -> Result<SharedState, RankError> {
+        self.rows.local_state(ctx, placements)
+    }
+
+    /// Puts checkpointed rows back; `model` with them (collective).
+    pub(super) fn restore(
+        &mut self,
+        state: LocalState,
+        model: Transformer,
+    ) -> Result<Transformer, RankError> {
+        self.rows.restore_rows(state)?;
+        self.load(model)
+    }
+
+    /// Elements held between steps: (parameters, gradients and moments).
+    pub(super) fn held(&self) -> (usize, usize) {
+        self.rows.held()
+    }
+}
