@@ -280,9 +280,15 @@ fn bad_precision_settings_are_refused_up_front() {
 /// overflowing start the same way and the runs track f32 once it fits.
 #[test]
 fn f16_loss_scaling_works_through_zero3_and_pipelines() {
-    for (mesh, zero) in [("fsdp=2", 3u8), ("pp=2", 0)] {
+    // Pipelines through the plan: its loss scale, with the job's ZeRO-1 rows and ZeRO-3 units.
+    for (mesh, zero) in [
+        ("fsdp=2", 3u8),
+        ("pp=2", 0),
+        ("dp=2,pp=2", 1),
+        ("fsdp=2,pp=2", 3),
+    ] {
         let mut c = precision_job(mesh, zero);
-        if mesh == "pp=2" {
+        if mesh.contains("pp=2") {
             pipeline(&mut c);
         }
         c.precision.param_dtype = Precision::F16;

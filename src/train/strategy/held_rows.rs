@@ -3,7 +3,9 @@
 //! all-gathered after the step. The job reduces the plan's unreduced gradients itself, as the
 //! trainer's own stages do (the communication of data parallelism, not more): reduce-scattered
 //! over the rows' axis, summed over the other axes the placements name (and the tied
-//! embedding's copies over their two stages), clipped by the global norm.
+//! embedding's copies over their two stages), clipped by the global norm. Under loss scaling
+//! the plan scaled each micro-batch's loss by the job's running scale and unscaled the
+//! gradients; the job decides an overflow from the reduced norm.
 
 use super::rows::RowSharding;
 use super::{Precisions, SharedState, borrowed, clip_placed};

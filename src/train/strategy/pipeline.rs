@@ -5,8 +5,8 @@
 //! placements (over the data axes, and the tied embedding's copies over their two stages).
 //!
 //! Only the layouts the plan's pipeline does not run yet come here ([`super::plan_pipeline`]
-//! runs the rest): hot-expert copies, ZeRO-1/2 rows under f16 loss scaling, and ZeRO-3 under
-//! zb-h1 (the whole model gathered for the step).
+//! runs the rest): hot-expert copies, and ZeRO-3 under zb-h1 (the whole model gathered for the
+//! step).
 
 use super::moe::RoutingSums;
 use super::rows::FlatOptimizer;

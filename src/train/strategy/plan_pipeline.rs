@@ -20,10 +20,9 @@
 //! gradients come unreduced (`Parallelized::pipeline_gradients`) and the job reduce-scatters
 //! them over the rows' axis, as its own stages do.
 //!
-//! Runs the job's pipelines with ZeRO 0, 1 or 2 (not under f16 loss scaling with 1 or 2), or
-//! 3 (not under zb-h1, whose deferred weight gradients a unit cannot wait for), without
-//! hot-expert copies ([`runs`]); the others still run through [`super::pipeline`]'s own
-//! stages.
+//! Runs the job's pipelines with ZeRO 0, 1, 2, or 3 (not under zb-h1, whose deferred weight
+//! gradients a unit cannot wait for), without hot-expert copies ([`runs`]); the others still
+//! run through [`super::pipeline`]'s own stages.
 
 use super::held_rows::HeldRows;
 use super::moe::RoutingSums;
@@ -44,7 +43,6 @@ use flashover_parallel::parallelize::{
 };
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params};
 use flashover_parallel::pipeline::{PipelineStepReport, Schedule, ScheduleKind};
-use flashover_parallel::precision::LossScale;
 use flashover_parallel::zero::MemoryReport;
 use flashover_parallel::{FlatAdamWConfig, ModuleAdamW, clip_scale};
 use flashover_runtime::{Axis, DeviceMesh, Group, RankContext, RankError};
@@ -52,18 +50,12 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Whether the job's pipeline runs through the plan on `mesh`: a pipeline under ZeRO 0, 1 or
-/// 2 (without loss scaling, which the plan decides from gradients it reduces itself), or 3
-/// with a schedule that does not defer weight gradients; without hot-expert copies.
+/// Whether the job's pipeline runs through the plan on `mesh`: a pipeline under ZeRO 0, 1, 2,
+/// or 3 with a schedule that does not defer weight gradients; without hot-expert copies.
 pub(crate) fn runs(config: &TrainConfig, mesh: &DeviceMesh) -> bool {
     let p = &config.parallel;
-    let scaled = config
-        .precision
-        .policy()
-        .is_ok_and(|policy| policy.loss_scale != LossScale::None);
     let zero = match p.zero {
-        0 => true,
-        1 | 2 => !scaled,
+        0..=2 => true,
         3 => p.pp_schedule != ScheduleKind::ZeroBubbleH1,
         _ => false,
     };

@@ -991,9 +991,11 @@ impl Parallelized {
     /// `x` (`PipelineModel::head_loss`, or a head that also keeps what metrics read). Unlike
     /// [`Self::pipeline_step`], the gradients are this rank's, not yet reduced: sum several
     /// steps' to accumulate, then reduce them with [`Self::reduce_gradients`]. The losses are
-    /// this rank's share's means. Refused under a precision policy that scales the loss,
-    /// whose overflow check needs the reduced norm ([`Self::pipeline_step`] runs it).
-    /// Collective over `pp`.
+    /// this rank's share's means. Under a `mixed_precision` that scales the loss, each
+    /// micro-batch's loss is scaled by the running scale ([`PipelineStep::loss_scale`]) and the
+    /// gradients come back unscaled; whether the step overflowed is decided from the reduced
+    /// norm, by [`Self::reduce_gradients`] (which then returns no gradients and moves the
+    /// scale). Collective over `pp`.
     pub fn pipeline_gradients<M, const D: usize>(
         &self,
         model: &M,
@@ -1005,15 +1007,8 @@ impl Parallelized {
     where
         M: PipelineModel<D> + Sync + 'static,
     {
-        if self.loss_scale().is_some() {
-            return Err(ParallelError::Invalid(
-                "loss scaling decides each step from the global gradient norm, which \
-                 Parallelized::pipeline_step computes: train with it, or compute in bf16, \
-                 which needs no loss scaling"
-                    .into(),
-            ));
-        }
-        let run = self.run_stages(model, 0..samples, micro_batch, head, None, ctx)?;
+        let loss_scale = self.loss_scale();
+        let run = self.run_stages(model, 0..samples, micro_batch, head, loss_scale, ctx)?;
         let [loss, aux_loss] = run.losses;
         Ok(PipelineStep {
             grads: grads_from_flat(model, &run.flat),
@@ -1022,7 +1017,7 @@ impl Parallelized {
             norm: f32::NAN,
             report: run.report,
             recomputed: run.recomputed,
-            loss_scale: None,
+            loss_scale,
             skipped: false,
         })
     }

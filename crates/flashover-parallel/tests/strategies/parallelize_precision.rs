@@ -95,53 +95,63 @@ fn a_pipelined_plan_scales_the_loss_and_skips_overflowing_steps() {
         },
         ..MixedPrecision::new(Precision::F16)
     };
-    let steps = Launch::new("dp=2,pp=2")
-        .unwrap()
-        .run(|ctx| {
-            let device = device();
-            let plan = plan.clone().mixed_precision(overflowing);
-            let (mut model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
-            let mut optim = AdamWConfig::new().init();
-            let micro_batch = |samples| {
-                let (x, y) = batch(samples, &device);
-                (x.cast(Precision::F16.float_dtype()), y)
-            };
-            let mut steps = vec![];
-            for step in 0..12 {
-                let before = flatten_params(&model);
-                let out =
-                    par.pipeline_step(&model, GLOBAL_BATCH, step, &micro_batch, None, &ctx)?;
-                model = optim.step(LR, model, out.grads);
-                let unchanged = flatten_params(&model) == before;
-                steps.push((out.skipped, out.loss_scale, unchanged));
-            }
-            assert_eq!(
-                par.loss_scale_state().map(|(s, _)| s),
-                steps.last().unwrap().1
-            );
-            Ok::<_, ParallelError>(steps)
-        })
-        .unwrap();
+    // Through `pipeline_step`, and through `pipeline_gradients` with `reduce_gradients`,
+    // which decides the overflow from the reduced norm: the same steps.
+    let run = |separately: bool| {
+        Launch::new("dp=2,pp=2")
+            .unwrap()
+            .run(|ctx| {
+                let device = device();
+                let plan = plan.clone().mixed_precision(overflowing);
+                let (mut model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
+                let mut optim = AdamWConfig::new().init();
+                let micro_batch = |samples| {
+                    let (x, y) = batch(samples, &device);
+                    (x.cast(Precision::F16.float_dtype()), y)
+                };
+                let head = |m: &Stack, x, b: &(Tensor<2>, Tensor<1, Int>), _| m.head_loss(x, b);
+                let mut steps = vec![];
+                for step in 0..12 {
+                    let before = flatten_params(&model);
+                    let (grads, norm, scale) = match separately {
+                        false => {
+                            let out = par.pipeline_step(
+                                &model,
+                                GLOBAL_BATCH,
+                                step,
+                                &micro_batch,
+                                None,
+                                &ctx,
+                            )?;
+                            (out.grads, out.norm, out.loss_scale)
+                        }
+                        true => {
+                            let share = GLOBAL_BATCH / par.data_ranks().size();
+                            let first = step * GLOBAL_BATCH + par.data_ranks().rank() * share;
+                            let mine = |s: std::ops::Range<usize>| {
+                                micro_batch(first + s.start..first + s.end)
+                            };
+                            let out = par.pipeline_gradients(&model, share, &mine, &head, &ctx)?;
+                            let (grads, norm) =
+                                par.reduce_gradients(&model, out.grads, None, &ctx)?;
+                            (grads, norm, out.loss_scale)
+                        }
+                    };
+                    model = optim.step(LR, model, grads);
+                    let unchanged = flatten_params(&model) == before;
+                    steps.push((!norm.is_finite(), scale, unchanged));
+                }
+                assert_eq!(
+                    par.loss_scale_state().map(|(s, _)| s),
+                    steps.last().unwrap().1
+                );
+                Ok::<_, ParallelError>(steps)
+            })
+            .unwrap()
+    };
+    let steps = run(false);
     skips_then_applies(&steps);
-    // pipeline_gradients leaves the reduction, and with it the overflow check, to its
-    // caller: with loss scaling it is refused.
-    let err = Launch::new("pp=2")
-        .unwrap()
-        .run(|ctx| {
-            let device = device();
-            let plan = plan.clone().mixed_precision(fixed);
-            let (model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
-            let micro_batch = |samples| batch(samples, &device);
-            let head = |m: &Stack, x, b: &(Tensor<2>, Tensor<1, Int>), _| m.head_loss(x, b);
-            par.pipeline_gradients(&model, 8, &micro_batch, &head, &ctx)
-                .map(|_| ())
-        })
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("pipeline_step") && err.contains("bf16"),
-        "{err}"
-    );
+    assert_eq!(run(true), steps, "pipeline_gradients with reduce_gradients");
 }
 
 #[test]
