@@ -775,12 +775,13 @@ impl TrainConfig {
     }
 
     /// Whether ZeRO-3 runs in fully sharded units on `mesh`: a pipeline that runs through the
-    /// plan, or a dense model without one (the other strategies shard every parameter by
-    /// rows).
+    /// plan and does not shard by rows, or a dense model without one (the other strategies
+    /// shard every parameter by rows).
     pub fn zero3_in_units(&self, mesh: &DeviceMesh) -> bool {
+        use super::strategy::plan_pipeline::{runs, steps_rows};
         self.parallel.zero == 3
             && match mesh.degree(Axis::Pp) > 1 {
-                true => super::strategy::plan_pipeline::runs(self, mesh),
+                true => runs(self, mesh) && !steps_rows(self),
                 false => self.moe.experts == 0,
             }
     }

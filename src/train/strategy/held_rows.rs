@@ -1,6 +1,8 @@
-//! ZeRO-1/2 for the reference model a plan parallelized: this rank's rows of the parameters it
-//! holds (its stages', its tensor-parallel parts) over one data axis, stepped with AdamW and
-//! all-gathered after the step. The job reduces the plan's unreduced gradients itself, as the
+//! ZeRO by rows for the reference model a plan parallelized: this rank's rows of the
+//! parameters it holds (its stages', its tensor-parallel parts) over one data axis, stepped
+//! with AdamW. ZeRO-1/2 all-gather the updated rows after the step; ZeRO-3 (under zb-h1,
+//! whose deferred weight gradients a plan's units cannot wait for) keeps only the rows between
+//! steps and gathers what the rank holds at the start of each. The job reduces the plan's unreduced gradients itself, as the
 //! trainer's own stages do (the communication of data parallelism, not more): reduce-scattered
 //! over the rows' axis, summed over the other axes the placements name (and the tied
 //! embedding's copies over their two stages), clipped by the global norm. Under loss scaling
@@ -14,7 +16,9 @@ use crate::train::config::{GradientReduction, TrainConfig};
 use flashover_models::Transformer;
 use flashover_parallel::FlatAdamWConfig;
 use flashover_parallel::parallelize::Parallelized;
-use flashover_parallel::params::{ParamLayout, ParamSlot, flatten_params, load_flat};
+use flashover_parallel::params::{
+    ParamLayout, ParamSlot, flatten_params, load_shaped, placeholders,
+};
 use flashover_parallel::placement::{GradientReducer, PlacementTable};
 use flashover_runtime::{Axis, Group, RankContext, RankError};
 
@@ -24,6 +28,11 @@ pub(super) struct HeldRows {
     /// Per parameter this rank holds (layout order): where it sits in the model's flat values,
     /// and its length.
     held: Vec<(usize, usize)>,
+    /// The model's parameters as the plan left them (other stages' as placeholders): what a
+    /// ZeRO-3 step gathers the rows back into.
+    shaped: ParamLayout,
+    /// ZeRO-1/2: the model keeps what the rank holds between steps (ZeRO-3 only the rows).
+    keep: bool,
     reducer: GradientReducer,
     /// The ranks of the first and the last stage, which sum the tied embedding's copies (on
     /// those ranks, for a tied model).
@@ -45,6 +54,7 @@ impl HeldRows {
         model: &Transformer,
         grad_group: &Group,
     ) -> Result<Self, RankError> {
+        let shaped = ParamLayout::of(model);
         let flat = flatten_params(model);
         let mut layout = ParamLayout {
             slots: vec![],
@@ -67,6 +77,8 @@ impl HeldRows {
         Ok(HeldRows {
             rows,
             held,
+            shaped,
+            keep: config.parallel.zero != 3,
             reducer: GradientReducer::new(ctx, config.precision.reduce_dtype)?,
             tie: (tied && ends).then_some(group),
             average: config.parallel.gradient_reduction == GradientReduction::Mean,
@@ -109,20 +121,49 @@ impl HeldRows {
         let norm = clip_placed(&entries, &mut own, clip, ctx)?;
         let (update, loss_scale) = precision.decide(norm);
         self.rows.step_rows(lr, &own, update);
-        Ok((self.load(model)?, norm, update, loss_scale))
+        let model = match self.keep {
+            true => self.gathered(model)?,
+            false => self.between_steps(model),
+        };
+        Ok((model, norm, update, loss_scale))
     }
 
-    /// `model` with the parameters this rank holds gathered from every rank's rows
-    /// (collective).
-    fn load(&self, model: Transformer) -> Result<Transformer, RankError> {
+    /// `model` as it is kept between steps: as it is (ZeRO-1/2), or its structure only.
+    pub(super) fn between_steps(&self, model: Transformer) -> Transformer {
+        match self.keep {
+            true => model,
+            false => placeholders(model),
+        }
+    }
+
+    /// `model` for a step: gathered from the rows under ZeRO-3 (collective), as it is
+    /// otherwise.
+    pub(super) fn for_step(&self, model: Transformer) -> Result<Transformer, RankError> {
+        match self.keep {
+            true => Ok(model),
+            false => self.gathered(model),
+        }
+    }
+
+    /// `model` with the parameters this rank holds gathered from every rank's rows, the others
+    /// the plan's placeholders (collective).
+    fn gathered(&self, model: Transformer) -> Result<Transformer, RankError> {
         let values = self.rows.gather_values()?;
-        let mut flat = flatten_params(&model);
+        let mut flat = vec![0.0; self.shaped.numel];
         let mut at = 0;
         for &(offset, len) in &self.held {
             flat[offset..offset + len].copy_from_slice(&values[at..at + len]);
             at += len;
         }
-        Ok(load_flat(model, &flat))
+        Ok(load_shaped(model, &self.shaped, &flat))
+    }
+
+    /// Bytes gathered for a step beyond what is kept between steps (ZeRO-3's whole stages).
+    pub(super) fn gathered_bytes(&self) -> usize {
+        match self.keep {
+            true => 0,
+            false => self.held.iter().map(|(_, len)| len).sum::<usize>() * 4,
+        }
     }
 
     /// This rank's rows and moments for a checkpoint.
@@ -134,14 +175,18 @@ impl HeldRows {
         self.rows.local_state(ctx, placements)
     }
 
-    /// Puts checkpointed rows back; `model` with them (collective).
+    /// Puts checkpointed rows back; `model` with them, as kept between steps (collective
+    /// under ZeRO-1/2).
     pub(super) fn restore(
         &mut self,
         state: LocalState,
         model: Transformer,
     ) -> Result<Transformer, RankError> {
         self.rows.restore_rows(state)?;
-        self.load(model)
+        match self.keep {
+            true => self.gathered(model),
+            false => Ok(model),
+        }
     }
 
     /// Elements held between steps: (parameters, gradients and moments).

@@ -12,10 +12,9 @@
 //!   gathered just before use (ZeRO-3 / HSDP, over tensor-parallel shares and context-parallel
 //!   ranks too);
 //! - [`plan_pipeline`]: pipelines through the model's plan (`parallelize` with a pipeline
-//!   rule), any schedule, with tp, sp, cp, experts over ep, ZeRO-1/2 rows ([`held_rows`])
-//!   and ZeRO-3 units inside;
-//! - [`pipeline`]: the other pipelines (hot-expert copies, ZeRO-3 under zb-h1) on stages of
-//!   their own;
+//!   rule), any schedule, with tp, sp, cp, experts over ep, ZeRO rows ([`held_rows`]: ZeRO-1/2,
+//!   and ZeRO-3 under zb-h1) or ZeRO-3 units inside;
+//! - [`pipeline`]: pipelines with hot-expert copies, on stages of their own;
 //! - [`moe`]: mixture-of-experts models without pipelines, experts over `ep`.
 //!
 //! What they share is here: the step's outcome, the precision policy's loss scale, the norm

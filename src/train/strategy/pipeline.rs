@@ -4,9 +4,8 @@
 //! ZeRO each rank its rows of every parameter. Gradients are reduced once per step through the
 //! placements (over the data axes, and the tied embedding's copies over their two stages).
 //!
-//! Only the layouts the plan's pipeline does not run yet come here ([`super::plan_pipeline`]
-//! runs the rest): hot-expert copies, and ZeRO-3 under zb-h1 (the whole model gathered for the
-//! step).
+//! Only pipelines with hot-expert copies (`moe.replicate_hot`), which a plan does not make,
+//! come here; [`super::plan_pipeline`] runs the rest.
 
 use super::moe::RoutingSums;
 use super::rows::FlatOptimizer;

@@ -16,13 +16,13 @@
 //! `expert_parallel` rules; each step's routing (counted by every layer into one hook) is
 //! summed over the ranks and the stages, moves the routing biases and makes the step's record.
 //!
-//! ZeRO-1/2 step this rank's rows of what it holds ([`super::held_rows`]): the plan's
+//! ZeRO-1/2, and ZeRO-3 under zb-h1 (whose deferred weight gradients a plan's units cannot
+//! wait for), step this rank's rows of what it holds ([`super::held_rows`]): the plan's
 //! gradients come unreduced (`Parallelized::pipeline_gradients`) and the job reduce-scatters
 //! them over the rows' axis, as its own stages do.
 //!
-//! Runs the job's pipelines with ZeRO 0, 1, 2, or 3 (not under zb-h1, whose deferred weight
-//! gradients a unit cannot wait for), without hot-expert copies ([`runs`]); the others still
-//! run through [`super::pipeline`]'s own stages.
+//! Runs every pipeline of the job but those with hot-expert copies ([`runs`]), which still run
+//! through [`super::pipeline`]'s own stages.
 
 use super::held_rows::HeldRows;
 use super::moe::RoutingSums;
@@ -50,16 +50,18 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Whether the job's pipeline runs through the plan on `mesh`: a pipeline under ZeRO 0, 1, 2,
-/// or 3 with a schedule that does not defer weight gradients; without hot-expert copies.
+/// Whether the job's pipeline runs through the plan on `mesh`: a pipeline without hot-expert
+/// copies.
 pub(crate) fn runs(config: &TrainConfig, mesh: &DeviceMesh) -> bool {
+    mesh.degree(Axis::Pp) > 1 && config.moe.replicate_hot == 0
+}
+
+/// Whether the job's ZeRO stage steps rows of what a rank holds ([`HeldRows`]): ZeRO-1/2, and
+/// ZeRO-3 under a schedule that defers weight gradients (ZeRO-3 is the plan's units
+/// otherwise).
+pub(crate) fn steps_rows(config: &TrainConfig) -> bool {
     let p = &config.parallel;
-    let zero = match p.zero {
-        0..=2 => true,
-        3 => p.pp_schedule != ScheduleKind::ZeroBubbleH1,
-        _ => false,
-    };
-    mesh.degree(Axis::Pp) > 1 && config.moe.replicate_hot == 0 && zero
+    matches!(p.zero, 1 | 2) || (p.zero == 3 && p.pp_schedule == ScheduleKind::ZeroBubbleH1)
 }
 
 /// A rank's model under the plan, its AdamW and what a step reads.
@@ -138,12 +140,14 @@ pub(crate) fn build(
             load_balance: p.cp_load_balance,
         });
     }
-    let (model, par) = parallelize(model, &plan, ctx)?;
-    let optim = match p.zero {
-        1 | 2 => Optimizer::Rows(Box::new(HeldRows::new(
-            ctx, config, &par, &model, grad_group,
-        )?)),
-        _ => {
+    let (mut model, par) = parallelize(model, &plan, ctx)?;
+    let optim = match steps_rows(config) {
+        true => {
+            let rows = HeldRows::new(ctx, config, &par, &model, grad_group)?;
+            model = rows.between_steps(model);
+            Optimizer::Rows(Box::new(rows))
+        }
+        false => {
             let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
             let sum = p.gradient_reduction == GradientReduction::Sum;
             Optimizer::Whole {
@@ -289,6 +293,7 @@ impl RankStrategy for PlanPipeline {
                 }
             }
             Optimizer::Rows(rows_optim) => {
+                self.model = rows_optim.for_step(self.model)?;
                 let head =
                     |m: &Transformer, x, batch: &LmBatch, _| PipelineModel::head_loss(m, x, batch);
                 let out = self.par.pipeline_gradients(
@@ -335,7 +340,10 @@ impl RankStrategy for PlanPipeline {
         let comm = ctx.comm_stats().since(&before).total();
         let (params, held) = self.held()?;
         let report = step.report;
-        let gathered_peak = self.par.unit_stats().map_or(0, |s| s.snapshot().peak_bytes);
+        let gathered_peak = match &self.optim {
+            Optimizer::Rows(rows) => rows.gathered_bytes(),
+            Optimizer::Whole { .. } => self.par.unit_stats().map_or(0, |s| s.snapshot().peak_bytes),
+        };
         let outcome = StepOutcome {
             comm: comm.wait + comm.transfer,
             overlapped: Duration::ZERO,
@@ -421,7 +429,11 @@ impl RankStrategy for PlanPipeline {
     }
 
     fn full_params(&self, ctx: &RankContext) -> Result<Vec<(String, Vec<f32>)>, RankError> {
-        let whole = self.par.whole(self.model.clone())?;
+        let model = match &self.optim {
+            Optimizer::Rows(rows) => rows.for_step(self.model.clone())?,
+            Optimizer::Whole { .. } => self.model.clone(),
+        };
+        let whole = self.par.whole(model)?;
         Ok(match ctx.rank() {
             0 => named_params(&whole),
             _ => vec![],
