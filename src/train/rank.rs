@@ -47,6 +47,8 @@ impl<'a> Rank<'a> {
         source: &'a dyn TokenSource,
     ) -> Result<Self, RankError> {
         let (device, recompute) = parallelize::activation_checkpointing(ctx, config);
+        // A pipeline through the plan recomputes the layers the plan names itself.
+        let recompute = recompute.filter(|_| !strategy::plan_pipeline::runs(config, ctx.mesh()));
         // Every data-parallel rank (replica or shard) reads its own slice of the batch.
         let batch_group = ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep])?;
         let context = parallelize::context_parallel(ctx, config, model_config)?;
@@ -145,11 +147,7 @@ impl<'a> Rank<'a> {
             self.context
                 .as_ref()
                 .map_or(AttentionWork::default(), |cp| {
-                    let now = cp.work();
-                    AttentionWork {
-                        score_elements: now.score_elements - attention_before.score_elements,
-                        compute: now.compute - attention_before.compute,
-                    }
+                    cp.work().since(&attention_before)
                 })
         });
         let idle = ctx.comm_stats().since(&stats_before).total().wait;

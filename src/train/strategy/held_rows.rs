@@ -20,7 +20,7 @@ use flashover_parallel::params::{
     ParamLayout, ParamSlot, flatten_params, load_shaped, placeholders,
 };
 use flashover_parallel::placement::{GradientReducer, PlacementTable};
-use flashover_runtime::{Axis, Group, RankContext, RankError};
+use flashover_runtime::{Group, RankContext, RankError};
 
 /// See the module docs.
 pub(super) struct HeldRows {
@@ -34,9 +34,6 @@ pub(super) struct HeldRows {
     /// ZeRO-1/2: the model keeps what the rank holds between steps (ZeRO-3 only the rows).
     keep: bool,
     reducer: GradientReducer,
-    /// The ranks of the first and the last stage, which sum the tied embedding's copies (on
-    /// those ranks, for a tied model).
-    tie: Option<Group>,
     /// Gradients are means over the ranks reading different samples (sums otherwise).
     average: bool,
     /// Those ranks (`dp x fsdp x ep x cp`).
@@ -45,8 +42,7 @@ pub(super) struct HeldRows {
 
 impl HeldRows {
     /// The rows of what `model` (parallelized as `par` says) holds on this rank, for ZeRO
-    /// stage `config.parallel.zero`; `grad_group`: the ranks reading different samples
-    /// (collective over `pp`: the tie group is made here).
+    /// stage `config.parallel.zero`; `grad_group`: the ranks reading different samples.
     pub(super) fn new(
         ctx: &RankContext,
         config: &TrainConfig,
@@ -70,17 +66,12 @@ impl HeldRows {
         }
         let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
         let rows = RowSharding::over(ctx, layout, &values, config.parallel.zero, &adamw);
-        let pp = ctx.group(Axis::Pp);
-        let ends = pp.rank() == 0 || pp.rank() + 1 == pp.size();
-        let group = pp.split(usize::from(!ends), pp.rank(), "embedding-tie")?;
-        let tied = model.head.is_none();
         Ok(HeldRows {
             rows,
             held,
             shaped,
             keep: config.parallel.zero != 3,
             reducer: GradientReducer::new(ctx, config.precision.reduce_dtype)?,
-            tie: (tied && ends).then_some(group),
             average: config.parallel.gradient_reduction == GradientReduction::Mean,
             data_ranks: grad_group.size(),
         })
@@ -95,7 +86,7 @@ impl HeldRows {
     pub(super) fn step(
         &mut self,
         ctx: &RankContext,
-        placements: &PlacementTable,
+        par: &Parallelized,
         model: Transformer,
         grads: &[f32],
         micro_batches: usize,
@@ -110,14 +101,15 @@ impl HeldRows {
         let mut own = self
             .rows
             .reduce_scatter(&held, self.reducer.reduce_dtype())?;
-        let entries = self.rows.entries(placements)?;
+        let entries = self.rows.entries(par.placements())?;
         let entries = borrowed(&entries);
         let scale = match self.average {
             true => 1.0 / self.data_ranks as f32,
             false => micro_batches as f32,
         };
+        // The tied embedding's copies summed over the two stages holding them, as the plan does.
         self.reducer
-            .reduce(&entries, &mut own, scale, self.tie.as_ref())?;
+            .reduce(&entries, &mut own, scale, par.tied_copies())?;
         let norm = clip_placed(&entries, &mut own, clip, ctx)?;
         let (update, loss_scale) = precision.decide(norm);
         self.rows.step_rows(lr, &own, update);

@@ -43,7 +43,7 @@ use flashover_parallel::data_parallel::{
     DataParallel, DataParallelConfig, MicroBatches, ReduceReport,
 };
 use flashover_parallel::params::ParamSlot;
-use flashover_parallel::pipeline::Action;
+use flashover_parallel::pipeline::{Action, PipelineStepReport};
 use flashover_parallel::placement::{GradientReducer, ParamPlacement, global_grad_norm};
 use flashover_parallel::precision::{LossScaler, MixedPrecision};
 use flashover_parallel::zero::MemoryReport;
@@ -200,6 +200,19 @@ impl StepOutcome {
             overlapped: report.overlapped,
             exposed: report.exposed,
             ..Self::new(loss_sum, report.grad_norm)
+        }
+    }
+
+    /// `self` with what a pipeline schedule measured on this rank: its wall time, its idle
+    /// part (the bubble: receive waits and hand-offs), the most micro-batches in flight and
+    /// every action.
+    fn scheduled(self, report: PipelineStepReport) -> Self {
+        StepOutcome {
+            exposed: report.wall.saturating_sub(report.forward + report.backward),
+            pipeline: report.wall,
+            in_flight: report.peak_in_flight,
+            events: report.events,
+            ..self
         }
     }
 

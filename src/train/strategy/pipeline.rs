@@ -476,11 +476,6 @@ fn pipeline_step(
         grad_norm,
         comm,
         overlapped: Duration::ZERO,
-        // The schedule's idle time: its bubble (receive waits and hand-offs).
-        exposed: report.wall.saturating_sub(report.forward + report.backward),
-        pipeline: report.wall,
-        in_flight: report.peak_in_flight,
-        events: report.events,
         memory: MemoryReport {
             params: params * 4,
             grads: held * 4,
@@ -492,9 +487,9 @@ fn pipeline_step(
         a2a,
         loss_scale,
         skipped: !update,
-        recomputed: 0,
-        attention: None,
-    })
+        ..StepOutcome::new(0.0, 0.0)
+    }
+    .scheduled(report))
 }
 
 /// Every stage's parameters, named as in the whole model, gathered to world rank 0.

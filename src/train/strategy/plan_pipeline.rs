@@ -36,7 +36,6 @@ use burn::tensor::{Int, Tensor};
 use flashover_models::moe::LocalExperts;
 use flashover_models::{ForwardContext, MoeHook, Transformer, TransformerConfig};
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
-use flashover_parallel::context_parallel::AttentionWork;
 use flashover_parallel::parallelize::transformer::{self, LmBatch};
 use flashover_parallel::parallelize::{
     ContextParallelRule, ParallelizePlan, Parallelized, PipelineModel, parallelize,
@@ -77,12 +76,14 @@ struct PlanPipeline {
 
 /// How a rank steps what it holds.
 enum Optimizer {
-    /// AdamW on the whole of it, the gradients reduced and clipped by the plan. With
+    /// AdamW on the whole of it (`held` elements: its stages' parameters, its shards under
+    /// ZeRO-3), the gradients reduced and clipped by the plan. With
     /// `parallel.gradient_reduction = sum`, `summed_over`: the ranks whose gradients are
     /// summed (the plan averages over them and the micro-batches).
     Whole {
         adam: Box<ModuleAdamW>,
         summed_over: Option<usize>,
+        held: usize,
     },
     /// ZeRO-1/2: AdamW on its rows, the gradients reduced by the job.
     Rows(Box<HeldRows>),
@@ -150,9 +151,11 @@ pub(crate) fn build(
         false => {
             let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
             let sum = p.gradient_reduction == GradientReduction::Sum;
+            let held = par.held_entries(&model)?.iter().map(|(s, _)| s.numel).sum();
             Optimizer::Whole {
                 adam: Box::new(ModuleAdamW::new(&adamw, &model)),
                 summed_over: sum.then(|| grad_group.size()),
+                held,
             }
         }
     };
@@ -170,15 +173,12 @@ pub(crate) fn build(
 }
 
 impl PlanPipeline {
-    /// Elements this rank keeps between steps: (parameters, gradients and each moment). Its
-    /// stages' parameters (its shards under ZeRO-3), and under ZeRO-1/2 its rows of them.
-    fn held(&self) -> Result<(usize, usize), RankError> {
-        if let Optimizer::Rows(rows) = &self.optim {
-            return Ok(rows.held());
+    /// Elements this rank keeps between steps: (parameters, gradients and each moment).
+    fn held(&self) -> (usize, usize) {
+        match &self.optim {
+            Optimizer::Rows(rows) => rows.held(),
+            Optimizer::Whole { held, .. } => (*held, *held),
         }
-        let entries = self.par.held_entries(&self.model)?;
-        let held = entries.iter().map(|(slot, _)| slot.numel).sum();
-        Ok((held, held))
     }
 
     /// What the model's stages read of a micro-batch the job made (this rank's positions of
@@ -252,7 +252,9 @@ impl RankStrategy for PlanPipeline {
             }
         };
         let step = match &mut self.optim {
-            Optimizer::Whole { adam, summed_over } => {
+            Optimizer::Whole {
+                adam, summed_over, ..
+            } => {
                 // Summed gradients are the plan's means times the samples' groups, clipped
                 // here.
                 let plan_clip = clip.filter(|_| summed_over.is_none());
@@ -307,7 +309,7 @@ impl RankStrategy for PlanPipeline {
                 accumulate_grads(&self.model, &out.grads, &mut grads, &[]);
                 let (model, norm, update, loss_scale) = rows_optim.step(
                     ctx,
-                    self.par.placements(),
+                    &self.par,
                     self.model,
                     &grads,
                     micro_batches,
@@ -338,7 +340,7 @@ impl RankStrategy for PlanPipeline {
             _ => (None, Duration::ZERO),
         };
         let comm = ctx.comm_stats().since(&before).total();
-        let (params, held) = self.held()?;
+        let (params, held) = self.held();
         let report = step.report;
         let gathered_peak = match &self.optim {
             Optimizer::Rows(rows) => rows.gathered_bytes(),
@@ -347,11 +349,6 @@ impl RankStrategy for PlanPipeline {
         let outcome = StepOutcome {
             comm: comm.wait + comm.transfer,
             overlapped: Duration::ZERO,
-            // The schedule's idle time: its bubble (receive waits and hand-offs).
-            exposed: report.wall.saturating_sub(report.forward + report.backward),
-            pipeline: report.wall,
-            in_flight: report.peak_in_flight,
-            events: report.events,
             memory: MemoryReport {
                 params: params * 4,
                 grads: held * 4,
@@ -363,18 +360,15 @@ impl RankStrategy for PlanPipeline {
                 .par
                 .attention_work()
                 .zip(attention_before)
-                .map(|(now, before)| AttentionWork {
-                    score_elements: now.score_elements - before.score_elements,
-                    compute: now.compute.saturating_sub(before.compute),
-                }),
+                .map(|(now, before)| now.since(&before)),
             loss_scale: step.loss_scale,
             skipped: step.skipped,
             moe,
             a2a,
-            // The whole batch's mean, the same on every rank.
             // This rank's share's mean (the whole batch's, through the plan's reduction).
             ..StepOutcome::new(step.loss as f64 * micro_batches as f64, step.norm)
-        };
+        }
+        .scheduled(report);
         Ok((self, outcome))
     }
 

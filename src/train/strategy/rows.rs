@@ -5,11 +5,11 @@
 //! keep the model and all-gather the updated rows after the step. Gradients are
 //! reduce-scattered once per step, so ZeRO-2 holds what ZeRO-1 does until then.
 
-use super::{SHARING, SharedState, borrowed, replica_index, with_moments};
+use super::{SHARING, SharedState, borrowed, replica_index, restore_flat, with_moments};
 use crate::train::checkpoint::{LocalState, placed_segments};
 use burn::module::Module;
 use flashover_parallel::params::{
-    ParamLayout, ParamSlot, flatten_params, load_flat, load_shaped, placeholders,
+    ParamLayout, ParamSlot, flatten_params, load_shaped, placeholders,
 };
 use flashover_parallel::placement::{ParamPlacement, PlacementTable};
 use flashover_parallel::precision::Precision;
@@ -182,10 +182,10 @@ impl RowSharding {
         }
     }
 
-    /// Puts checkpointed rows back; the module as it is kept between steps (collective under
-    /// ZeRO-1/2).
-    pub fn restore<M: Module>(&mut self, rows: Vec<f32>, module: M) -> Result<M, RankError> {
-        self.own = rows;
+    /// Puts checkpointed rows and moments back; the module as it is kept between steps
+    /// (collective under ZeRO-1/2).
+    pub fn restore<M: Module>(&mut self, state: LocalState, module: M) -> Result<M, RankError> {
+        self.restore_rows(state)?;
         match self.keep_params {
             true => self.gather(module),
             false => Ok(module),
@@ -300,18 +300,10 @@ impl FlatOptimizer {
 
     /// Puts a checkpointed state back; the module as kept between steps.
     pub fn restore<M: Module>(&mut self, state: LocalState, module: M) -> Result<M, RankError> {
-        let LocalState {
-            params,
-            moments: [m1, m2],
-            steps_taken,
-            ..
-        } = state;
-        let (module, adam) = match self {
-            FlatOptimizer::Replicated(optim) => (load_flat(module, &params), optim.flat_mut()),
-            FlatOptimizer::Sharded(sh) => (sh.restore(params, module)?, &mut sh.adam),
-        };
-        adam.restore(steps_taken, m1, m2)?;
-        Ok(module)
+        match self {
+            FlatOptimizer::Replicated(optim) => restore_flat(module, state, optim.flat_mut()),
+            FlatOptimizer::Sharded(sh) => sh.restore(state, module),
+        }
     }
 
     /// Elements held between steps: (parameters, gradients and moments), `numel` the module's.

@@ -19,6 +19,16 @@ pub struct AttentionWork {
     pub compute: Duration,
 }
 
+impl AttentionWork {
+    /// The work done since `earlier`, a snapshot of the same counter.
+    pub fn since(&self, earlier: &AttentionWork) -> AttentionWork {
+        AttentionWork {
+            score_elements: self.score_elements.saturating_sub(earlier.score_elements),
+            compute: self.compute.saturating_sub(earlier.compute),
+        }
+    }
+}
+
 impl WorkCounter {
     pub(super) fn add(&self, elements: usize, time: Duration) {
         self.elements.fetch_add(elements as u64, Ordering::Relaxed);

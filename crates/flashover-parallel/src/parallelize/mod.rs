@@ -824,11 +824,8 @@ impl Parallelized {
         if let Some(scale) = unscale {
             flat.iter_mut().for_each(|g| *g /= scale);
         }
-        let (grads, norm) = self.reduce_and_clip(model, flat, max_norm, ctx)?;
-        match self.precision.apply(norm) {
-            true => Ok((grads, norm)),
-            false => Ok((GradientsParams::new(), norm)),
-        }
+        let (grads, norm, _) = self.reduce_and_clip(model, flat, max_norm, ctx)?;
+        Ok((grads, norm))
     }
 
     /// The whole batch's routing loads of a step, the same on every rank: `stats`, what this
@@ -896,6 +893,13 @@ impl Parallelized {
         Some(stages.pipeline_group())
     }
 
+    /// The ranks of the first and the last pipeline stage when this rank holds a module both
+    /// run (an embedding tied to the head): they sum its copies' gradients. For a caller that
+    /// reduces [`Self::pipeline_gradients`] itself; [`Self::reduce_gradients`] sums them.
+    pub fn tied_copies(&self) -> Option<&Group> {
+        self.stages.as_ref().and_then(Stages::tie_group)
+    }
+
     /// The `cp` ranks that hold the other positions of this rank's sequences, when the plan
     /// splits sequences on this mesh (to put per-position outputs back together).
     pub fn sequence_ranks(&self) -> Option<&Group> {
@@ -940,12 +944,7 @@ impl Parallelized {
         let mut run = self.run_stages(model, share, micro_batch, &head, loss_scale, ctx)?;
         self.mean_over_ranks(&mut run.losses)?;
         let [loss, aux_loss] = run.losses;
-        let (mut grads, norm) = self.reduce_and_clip(model, run.flat, max_norm, ctx)?;
-        // Every rank sees the same global norm, so every rank's scaler decides alike.
-        let apply = self.precision.apply(norm);
-        if !apply {
-            grads = GradientsParams::new();
-        }
+        let (grads, norm, apply) = self.reduce_and_clip(model, run.flat, max_norm, ctx)?;
         Ok(PipelineStep {
             grads,
             loss,
@@ -1088,30 +1087,35 @@ impl Parallelized {
 
     /// `flat` (this rank's summed gradients in `model`'s layout) summed over the ranks that
     /// hold the same values and read different samples, divided by the data ranks, clipped by
-    /// the global norm; with the norm before clipping.
+    /// the global norm; with the norm before clipping. Under loss scaling, a step whose norm
+    /// overflowed gets no gradients (every rank sees the same norm, so every rank's scaler
+    /// decides alike); the last value says whether the step applies.
     fn reduce_and_clip<M: Module>(
         &self,
         model: &M,
         mut flat: Vec<f32>,
         max_norm: Option<f32>,
         ctx: &RankContext,
-    ) -> Result<(GradientsParams, f32), ParallelError> {
+    ) -> Result<(GradientsParams, f32, bool), ParallelError> {
         let entries = self.placements.entries_of(model)?;
         if let Some(check) = &self.sequence_check {
             check.first_step(&entries, &flat)?;
         }
         self.check_attended()?;
         let scale = 1.0 / self.averaged.size() as f32;
-        let tie = self.stages.as_ref().and_then(Stages::tie_group);
-        self.reducer.reduce(&entries, &mut flat, scale, tie)?;
+        self.reducer
+            .reduce(&entries, &mut flat, scale, self.tied_copies())?;
         let parts = entries
             .iter()
             .map(|(slot, entry)| (*entry, &flat[slot.offset..slot.offset + slot.numel]));
         let norm = global_grad_norm(parts, ctx)?;
+        if !self.precision.apply(norm) {
+            return Ok((GradientsParams::new(), norm, false));
+        }
         if let Some(clip) = clip_scale(norm, max_norm)? {
             flat.iter_mut().for_each(|g| *g *= clip);
         }
-        Ok((grads_from_flat(model, &flat), norm))
+        Ok((grads_from_flat(model, &flat), norm, true))
     }
 }
 
