@@ -370,7 +370,9 @@ where
         .require_grad();
     let y = forward(module, x.clone());
     let grad_y = Tensor::<E>::from_data(grad_y, device).cast(y_dtype);
-    let grads = (y * grad_y).sum().backward();
+    let mut grads = (y * grad_y).sum().backward();
+    // Hot-expert copies the layer ran on are not its parameters: their step folds them.
+    crate::expert_parallel::take_recomputed_copies(&mut grads);
     let grad_x = x.grad(&grads).map(|g| g.into_data()).unwrap_or_else(|| {
         let zeros = Tensor::<D>::zeros(x.shape(), &device.clone().inner());
         zeros.cast(x_dtype).into_data()

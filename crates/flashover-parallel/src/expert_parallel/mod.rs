@@ -22,7 +22,7 @@ mod replicas;
 
 use crate::placement::PlacementTable;
 use crate::precision::cast_params;
-use replicas::Replicas;
+pub(crate) use replicas::{Replicas, take_recomputed_copies};
 
 use crate::error::ParallelError;
 use crate::params::flatten_params;
@@ -166,6 +166,13 @@ impl ExpertParallel {
         self
     }
 
+    /// The dispatch copying hot experts into `replicas` (shared with whoever folds their
+    /// gradients) instead of copies of its own.
+    pub(crate) fn copying_into(mut self, replicas: Replicas) -> Self {
+        self.replicas = replicas;
+        self
+    }
+
     /// The ep group.
     pub fn group(&self) -> &Group {
         &self.group
@@ -277,7 +284,7 @@ impl ExpertDispatch for ExpertParallel {
         let (p, per, me) = (self.group.size(), self.per_rank(), self.group.rank());
         // This step's replicated (hot) experts of this layer: every rank holds a copy and keeps
         // its own tokens for them. Each rank's slots: its own experts, then the copies.
-        let (hot, copies) = self.replicas.layer(moe.router.weight.id);
+        let (hot, copies) = ok(self.replicas.copies_for(moe, &self.group, per, counts));
         let slots = per + hot.len();
         let mut starts = vec![0; counts.len()];
         for x in 1..counts.len() {

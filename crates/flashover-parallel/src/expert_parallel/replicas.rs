@@ -5,6 +5,15 @@
 //! rank. After backward the copies' gradients are summed over the group and added to the owner's
 //! expert, which steps as usual; the next step copies the new weights. The result is the
 //! unreplicated computation, with gradients summed in another order.
+//!
+//! Two ways to drive it. The trainer's own MoE strategy copies eagerly before each step
+//! ([`ExpertParallel::replicate_hot`]) from loads it records. A plan
+//! (`ParallelizePlan::replicate_hot_experts`) copies lazily instead: a layer's first dispatch
+//! of a step (which every `ep` rank runs at the same point: it is a collective) broadcasts the
+//! hot experts from the weights the layer computes with, wherever they came from (a pipeline
+//! stage, a gathered unit, a compute-dtype view). The dispatch counts this rank's assignments,
+//! and the step's fold ([`Replicas::fold`]) sums them over the group with the copies'
+//! gradients, so the next step's hot experts are the same on every `ep` rank.
 
 use super::ExpertParallel;
 use crate::error::ParallelError;
@@ -13,8 +22,9 @@ use burn::module::{Module, Param, ParamId};
 use burn::nn::Linear;
 use burn::optim::GradientsParams;
 use burn::tensor::Gradients;
-use burn::tensor::{Tensor, TensorData};
-use flashover_comm::{CommunicatorExt, ReduceOp};
+use burn::tensor::{Device, Tensor, TensorData};
+use flashover_comm::{CommError, CommunicatorExt, Group, ReduceOp};
+use flashover_models::moe::Moe;
 use flashover_models::{Block, SwiGlu};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -32,22 +42,238 @@ struct ReplicaState {
     loads: HashMap<ParamId, Vec<u64>>,
     /// Per layer: the copies' gradients summed over the step's micro-batches, in hot order.
     grads: HashMap<ParamId, Vec<f32>>,
+    /// Set when a plan drives the copies (lazily, from the loads its dispatches count).
+    plan: Option<PlanCopies>,
+}
+
+/// A plan's hot-expert copies: what a step has dispatched, counted and copied so far.
+#[derive(Debug, Default)]
+struct PlanCopies {
+    /// Experts copied per layer.
+    n: usize,
+    /// This step's layers (by router), in the order of their first dispatch: the same on every
+    /// `ep` rank, which is the order their sums are reduced in.
+    order: Vec<ParamId>,
+    /// Per layer: this rank's assignments per expert this step (a rerun in backward not
+    /// counted again).
+    counted: HashMap<ParamId, Vec<u64>>,
+    /// Per layer: this step's hot experts and their weights, as broadcast by their owners.
+    weights: HashMap<ParamId, (Vec<usize>, Vec<Vec<f32>>)>,
+    /// Per layer: for each copy of an expert this rank owns, its slot among the copies and
+    /// the owner's weights (id, shape), in the copy's parameter order.
+    owned: HashMap<ParamId, Vec<(usize, Vec<(ParamId, [usize; 2])>)>>,
+    /// The device the owners' weights live on (for their folded gradients).
+    device: Option<Device>,
+    /// Whether a backward's gradients were handed to [`Replicas::take_grads`] this step.
+    taken: bool,
+}
+
+thread_local! {
+    /// The copies a recomputation in backward (activation checkpointing) ran on this thread:
+    /// their gradients come out of the recomputation's own backward
+    /// ([`take_recomputed_copies`]), not the step's.
+    static RECOMPUTED: std::cell::RefCell<Vec<Replicas>> = const { std::cell::RefCell::new(vec![]) };
+}
+
+/// Moves the gradients of the hot-expert copies that a recomputation ran on this thread out
+/// of `grads`, the recomputation's backward, into their step's sums.
+pub(crate) fn take_recomputed_copies(grads: &mut Gradients) {
+    for replicas in RECOMPUTED.take() {
+        replicas.take_grads(grads);
+    }
 }
 
 impl Replicas {
+    /// Copies of the `n` hottest experts of every layer dispatching through it, made lazily
+    /// at each step's first dispatch of the layer (a plan's `replicate_hot_experts`).
+    pub(crate) fn lazy(n: usize) -> Self {
+        let state = ReplicaState {
+            plan: Some(PlanCopies {
+                n,
+                ..PlanCopies::default()
+            }),
+            ..ReplicaState::default()
+        };
+        Replicas(Arc::new(Mutex::new(state)))
+    }
+
     fn state(&self) -> std::sync::MutexGuard<'_, ReplicaState> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The hot experts of the layer whose router is `router` and their copies (none if the
-    /// layer replicates nothing this step).
-    pub(crate) fn layer(&self, router: ParamId) -> (Vec<usize>, Vec<SwiGlu>) {
-        self.state()
-            .layers
-            .get(&router)
-            .cloned()
-            .unwrap_or_default()
+    /// The hot experts of `moe` for this step and their copies (none if the layer replicates
+    /// nothing this step), `counts` being this dispatch's assignments per expert. Under a
+    /// plan, the layer's first dispatch of a step broadcasts them from their owners (one
+    /// broadcast each, collective over `group`, whose ranks hold `per_rank` experts each),
+    /// and every dispatch but a recomputation's counts its assignments. A forward that trains
+    /// (its experts tracked) shares the step's copies, whose gradients the step folds; one
+    /// that does not (validation, the untracked first run of a recomputed layer) gets
+    /// untracked copies of the same weights.
+    pub(crate) fn copies_for(
+        &self,
+        moe: &Moe,
+        group: &Group,
+        per_rank: usize,
+        counts: &[usize],
+    ) -> Result<(Vec<usize>, Vec<SwiGlu>), CommError> {
+        let id = moe.router.weight.id;
+        let mut state = self.state();
+        let ReplicaState {
+            layers,
+            loads,
+            plan,
+            ..
+        } = &mut *state;
+        let Some(plan) = plan.as_mut() else {
+            return Ok(layers.get(&id).cloned().unwrap_or_default());
+        };
+        let Some(template) = moe.experts.first() else {
+            return Ok(Default::default());
+        };
+        let replay = crate::parallelize::units::replaying();
+        if !replay {
+            let counted = plan.counted.entry(id).or_insert_with(|| {
+                plan.order.push(id);
+                vec![0; counts.len()]
+            });
+            counted
+                .iter_mut()
+                .zip(counts)
+                .for_each(|(c, &n)| *c += n as u64);
+        }
+        let trains = template.w_gate.weight.val().is_require_grad();
+        if trains && replay {
+            RECOMPUTED.with(|r| r.borrow_mut().push(self.clone()));
+        }
+        if let Some(made) = layers.get(&id).filter(|_| trains) {
+            return Ok(made.clone());
+        }
+        if !plan.weights.contains_key(&id) {
+            let Some(loads) = loads.get(&id).filter(|_| group.size() > 1 && plan.n > 0) else {
+                return Ok(Default::default());
+            };
+            let hot = hottest(loads, plan.n);
+            let me = group.rank();
+            let (mut weights, mut owned) = (vec![], vec![]);
+            for (slot, &x) in hot.iter().enumerate() {
+                let owner = x / per_rank;
+                let mut flat = vec![0.0; template.num_params()];
+                if owner == me {
+                    let expert = &moe.experts[x - moe.first_expert];
+                    flat = flatten_params(expert);
+                    let linears = [&expert.w_gate, &expert.w_up, &expert.w_down];
+                    let ids = linears.map(|l| (l.weight.id, l.weight.val().dims()));
+                    owned.push((slot, ids.to_vec()));
+                }
+                group.broadcast(&mut flat, owner)?;
+                weights.push(flat);
+            }
+            plan.device = Some(template.w_gate.weight.val().device());
+            plan.owned.insert(id, owned);
+            plan.weights.insert(id, (hot, weights));
+        }
+        let (hot, weights) = &plan.weights[&id];
+        let copies: Vec<SwiGlu> = weights.iter().map(|w| fresh_copy(template, w)).collect();
+        if trains {
+            layers.insert(id, (hot.clone(), copies.clone()));
+        }
+        Ok((hot.clone(), copies))
     }
+
+    /// After a step's backwards, under a plan: sums every rank's copy gradients and
+    /// assignments over `group` (per layer this step dispatched, in dispatch order; collective)
+    /// and returns the copies' gradients, times `scale`, as the gradients of the experts this
+    /// rank owns. The summed assignments choose each layer's next hot experts. Fails when
+    /// copies were trained but no backward's gradients reached [`Self::take_grads`].
+    pub(crate) fn fold(&self, group: &Group, scale: f32) -> Result<GradientsParams, ParallelError> {
+        let mut state = self.state();
+        let ReplicaState {
+            layers,
+            loads,
+            grads,
+            plan,
+        } = &mut *state;
+        let mut folded = GradientsParams::new();
+        let Some(plan) = plan.as_mut() else {
+            return Ok(folded);
+        };
+        let trained = std::mem::take(layers);
+        let mut sums_of = std::mem::take(grads);
+        let taken = std::mem::take(&mut plan.taken);
+        let order = std::mem::take(&mut plan.order);
+        let owned = std::mem::take(&mut plan.owned);
+        let mut counted = std::mem::take(&mut plan.counted);
+        plan.weights.clear();
+        if trained.values().any(|(hot, _)| !hot.is_empty()) && !taken {
+            return Err(ParallelError::Invalid(
+                "hot-expert copies (replicate_hot_experts) trained this step, but no backward \
+                 pass handed over their gradients: take the backward with \
+                 Parallelized::backward (or reduce with Parallelized::gradients)"
+                    .into(),
+            ));
+        }
+        for id in order {
+            let mut loads_now = counted.remove(&id).unwrap_or_default();
+            group.all_reduce(&mut loads_now, ReduceOp::Sum)?;
+            loads.insert(id, loads_now);
+            let Some((hot, copies)) = trained.get(&id).filter(|(hot, _)| !hot.is_empty()) else {
+                continue;
+            };
+            let len = copies[0].num_params();
+            let mut sums = sums_of
+                .remove(&id)
+                .unwrap_or_else(|| vec![0.0; len * hot.len()]);
+            group.all_reduce(&mut sums, ReduceOp::Sum)?;
+            let device = plan.device.as_ref().expect("set with the copies");
+            for (slot, weights) in owned.get(&id).into_iter().flatten() {
+                let mut at = slot * len;
+                for (weight, dims) in weights {
+                    let n = dims[0] * dims[1];
+                    let g: Vec<f32> = sums[at..at + n].iter().map(|g| g * scale).collect();
+                    let data = TensorData::new(g, *dims);
+                    folded.register::<2>(*weight, Tensor::from_data(data, device));
+                    at += n;
+                }
+            }
+        }
+        Ok(folded)
+    }
+
+    /// After a backward: moves the copies' gradients out of `grads` (before the model's are
+    /// read) into the step's sums.
+    pub(crate) fn take_grads(&self, grads: &mut Gradients) {
+        let mut state = self.state();
+        let ReplicaState {
+            layers,
+            grads: sums,
+            plan,
+            ..
+        } = &mut *state;
+        if let Some(plan) = plan.as_mut() {
+            plan.taken = true;
+        }
+        for (id, (_, copies)) in layers.iter() {
+            let Some(len) = copies.first().map(Module::num_params) else {
+                continue;
+            };
+            let sum = sums
+                .entry(*id)
+                .or_insert_with(|| vec![0.0; len * copies.len()]);
+            for (i, copy) in copies.iter().enumerate() {
+                let g = GradientsParams::from_module(grads, copy);
+                accumulate_grads(copy, &g, &mut sum[i * len..(i + 1) * len], &[]);
+            }
+        }
+    }
+}
+
+/// The `n` experts with the most `loads` (ties: lower index), ascending.
+fn hottest(loads: &[u64], n: usize) -> Vec<usize> {
+    let mut by_load: Vec<usize> = (0..loads.len()).collect();
+    by_load.sort_by(|&a, &b| loads[b].cmp(&loads[a]).then(a.cmp(&b)));
+    let mut hot = by_load[..n.min(loads.len())].to_vec();
+    hot.sort_unstable();
+    hot
 }
 
 /// A copy of `template`'s shape holding `flat`, as new parameters (new ids: the copy's
@@ -95,10 +321,7 @@ impl ExpertParallel {
             let Some(loads) = state.loads.get(&id) else {
                 continue;
             };
-            let mut by_load: Vec<usize> = (0..self.n_experts).collect();
-            by_load.sort_by(|&a, &b| loads[b].cmp(&loads[a]).then(a.cmp(&b)));
-            let mut hot = by_load[..n.min(self.n_experts)].to_vec();
-            hot.sort_unstable();
+            let hot = hottest(loads, n);
             let template = &moe.experts[0];
             let len = template.num_params();
             let mut copies = Vec::with_capacity(hot.len());
@@ -120,24 +343,7 @@ impl ExpertParallel {
     /// After a micro-batch's backward: moves the copies' gradients out of `grads` (before the
     /// model's are read) into the step's sums.
     pub fn take_replica_grads(&self, grads: &mut Gradients) {
-        let mut state = self.replicas.state();
-        let ReplicaState {
-            layers,
-            grads: sums,
-            ..
-        } = &mut *state;
-        for (id, (_, copies)) in layers.iter() {
-            let Some(len) = copies.first().map(Module::num_params) else {
-                continue;
-            };
-            let sum = sums
-                .entry(*id)
-                .or_insert_with(|| vec![0.0; len * copies.len()]);
-            for (i, copy) in copies.iter().enumerate() {
-                let g = GradientsParams::from_module(grads, copy);
-                accumulate_grads(copy, &g, &mut sum[i * len..(i + 1) * len], &[]);
-            }
-        }
+        self.replicas.take_grads(grads);
     }
 
     /// After the step's backwards: sums every rank's copy gradients over the group (one

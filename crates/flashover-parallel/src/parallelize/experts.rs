@@ -7,7 +7,7 @@ use super::dotted;
 use super::placed::ExpertSplit;
 use super::plan::{ModulePath, ParallelizePlan};
 use crate::error::ParallelError;
-use crate::expert_parallel::ExpertTraffic;
+use crate::expert_parallel::{ExpertTraffic, Replicas};
 use crate::params::ParamLayout;
 use crate::placement::PlacementTable;
 use burn::module::{Module, ModuleVisitor, Param};
@@ -137,6 +137,9 @@ pub(super) struct Experts {
     pub(super) all_routers: HashSet<String>,
     /// Token rows the `expert_parallel` layers' dispatch sent to other ranks.
     pub(super) traffic: Arc<ExpertTraffic>,
+    /// Under `replicate_hot_experts` with more than one `ep` rank: the step's hot-expert
+    /// copies, and the paths of the routed experts' parameters (which must stay unsharded).
+    pub(super) hot: Option<(Replicas, HashSet<String>)>,
 }
 
 impl Experts {
@@ -151,9 +154,17 @@ impl Experts {
     ) -> Result<Self, ParallelError> {
         let layers = moe_layers(model);
         let spread = named_layers(&plan.expert_parallel, &layers, ep.size())?;
+        let n_hot = plan.replicate_hot_experts;
+        if n_hot > 0 {
+            check_hot(n_hot, &spread)?;
+        }
         let split = ep.size() > 1;
         let shares = split.then(|| ExpertShares::new(&spread, layout, ep));
         let traffic = Arc::new(ExpertTraffic::default());
+        let hot = (split && n_hot > 0).then(|| {
+            let experts = spread.iter().flat_map(|l| l.expert_of.keys().cloned());
+            (Replicas::lazy(n_hot), experts.collect())
+        });
         let routers = spread
             .iter()
             .filter(|_| split)
@@ -162,6 +173,7 @@ impl Experts {
                     group: ep.clone(),
                     n_experts: l.n_experts,
                     traffic: traffic.clone(),
+                    replicas: hot.as_ref().map(|(replicas, _)| replicas.clone()),
                 };
                 l.router.iter().map(move |p| (p.clone(), split.clone()))
             })
@@ -172,7 +184,51 @@ impl Experts {
             routers,
             all_routers,
             traffic,
+            hot,
         })
+    }
+
+    /// Fails, naming the parameter, when `sharded` (per parameter of `layout`: cut over
+    /// `fsdp`) shards a routed expert that hot-expert replication copies.
+    pub(super) fn check_unsharded(
+        &self,
+        layout: &ParamLayout,
+        sharded: &[bool],
+    ) -> Result<(), ParallelError> {
+        let Some((_, experts)) = &self.hot else {
+            return Ok(());
+        };
+        let cut = layout
+            .slots
+            .iter()
+            .zip(sharded)
+            .find(|(slot, sharded)| **sharded && experts.contains(&slot.name));
+        match cut {
+            Some((slot, _)) => Err(ParallelError::Invalid(format!(
+                "replicate_hot_experts copies whole experts, but a fully_shard rule shards \
+                 `{}` over fsdp (the copies' gradients would need a reduce-scatter of their \
+                 own): leave the experts out of fully_shard, or set replicate_hot_experts = 0",
+                slot.name
+            ))),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Fails unless every layer of `layers` has at least `n` experts, and there is one.
+fn check_hot(n: usize, layers: &[&MoeLayer]) -> Result<(), ParallelError> {
+    if layers.is_empty() {
+        return Err(ParallelError::Invalid(format!(
+            "replicate_hot_experts = {n} copies experts of the plan's expert_parallel layers, \
+             and the plan names none"
+        )));
+    }
+    match layers.iter().find(|l| l.n_experts < n) {
+        Some(l) => Err(ParallelError::Invalid(format!(
+            "replicate_hot_experts = {n} exceeds the {} experts of `{}`",
+            l.n_experts, l.path
+        ))),
+        None => Ok(()),
     }
 }
 

@@ -124,6 +124,9 @@ pub struct Parallelized {
     attended: std::sync::Mutex<u64>,
     /// The plan's mixed precision (f32 throughout without one) and its running loss scale.
     precision: mixed_precision::PlanPrecision,
+    /// Under `replicate_hot_experts` (with more than one `ep` rank): the step's hot-expert
+    /// copies and the `ep` group their gradients are summed over.
+    hot_experts: Option<(crate::expert_parallel::Replicas, Group)>,
 }
 
 /// What one run of a rank's pipeline stages computed.
@@ -235,6 +238,7 @@ pub fn parallelize<M: Module>(
         return Err(e);
     }
     let sharded = rows_over_fsdp(&placements, &layout);
+    experts.check_unsharded(&layout, &sharded)?;
     if let Some(stages) = &mut stages {
         // A pipeline's layers are units: each gathers its sharded parameters at once.
         if stages.splits_backward() && sharded.iter().any(|s| *s) {
@@ -283,6 +287,9 @@ pub fn parallelize<M: Module>(
         units,
         attended: Default::default(),
         precision: mixed_precision::PlanPrecision::new(policy),
+        hot_experts: experts
+            .hot
+            .map(|(replicas, _)| (replicas, ctx.group(Axis::Ep).clone())),
     };
     Ok((model, par))
 }
@@ -597,9 +604,15 @@ impl Parallelized {
     /// `loss.backward()`, with the loss first scaled by the running loss scale when the plan's
     /// `mixed_precision` scales it (f16): [`Self::gradients`] then unscales the gradients and
     /// skips a step that overflowed. Take every backward of a step with it under such a
-    /// plan (the reduction refuses gradients of an unscaled loss there).
+    /// plan (the reduction refuses gradients of an unscaled loss there). Under
+    /// `replicate_hot_experts` it also takes the hot-expert copies' gradients for the
+    /// reduction (which refuses a step whose copies' gradients it did not get).
     pub fn backward(&self, loss: Tensor<1>) -> Gradients {
-        self.precision.backward(loss)
+        let mut grads = self.precision.backward(loss);
+        if let Some((replicas, _)) = &self.hot_experts {
+            replicas.take_grads(&mut grads);
+        }
+        grads
     }
 
     /// The plan's precision policy (f32 throughout without `mixed_precision`).
@@ -784,10 +797,13 @@ impl Parallelized {
     pub fn gradients<M: Module>(
         &self,
         model: &M,
-        backward: Gradients,
+        mut backward: Gradients,
         max_norm: Option<f32>,
         ctx: &RankContext,
     ) -> Result<(GradientsParams, f32), ParallelError> {
+        if let Some((replicas, _)) = &self.hot_experts {
+            replicas.take_grads(&mut backward);
+        }
         if self.is_pipelined() {
             return Err(ParallelError::Invalid(
                 "the plan cuts the model into pipeline stages: a rank's forward is a stage's, \
@@ -821,6 +837,10 @@ impl Parallelized {
         // Parameters without a gradient contribute zeros: every rank reduces the same layout.
         let mut flat = vec![0.0; ParamLayout::of(model).numel];
         accumulate_grads(model, &grads, &mut flat, &[]);
+        if !self.is_pipelined() {
+            // The copies' gradients are summed like the model's (scaled alike under f16).
+            self.fold_hot_experts(model, &mut flat, 1.0)?;
+        }
         if let Some(scale) = unscale {
             flat.iter_mut().for_each(|g| *g /= scale);
         }
@@ -1043,14 +1063,40 @@ impl Parallelized {
             .next()
             .unwrap_or_else(|| ctx.device().clone().autodiff());
         let before = stages.recomputed();
-        let (flat, losses, report) =
-            stages.step(model, share, &device, micro_batch, head, loss_scale)?;
+        let take = |grads: &mut Gradients| {
+            if let Some((replicas, _)) = &self.hot_experts {
+                replicas.take_grads(grads);
+            }
+        };
+        let (mut flat, losses, report) =
+            stages.step(model, share, &device, micro_batch, head, &take, loss_scale)?;
+        // The stages' gradients are means over micro-batches, unscaled; the copies' are sums
+        // of scaled losses.
+        let micro_batches = stages.schedule.micro_batches as f32;
+        let scale = 1.0 / (micro_batches * loss_scale.unwrap_or(1.0));
+        self.fold_hot_experts(model, &mut flat, scale)?;
         Ok(StagesRun {
             flat,
             losses,
             report,
             recomputed: stages.recomputed() - before,
         })
+    }
+
+    /// Adds the step's hot-expert copies' gradients, summed over `ep` and times `scale`, to
+    /// the experts this rank owns in `flat` (`model`'s layout), under `replicate_hot_experts`
+    /// (collective over `ep`).
+    fn fold_hot_experts<M: Module>(
+        &self,
+        model: &M,
+        flat: &mut [f32],
+        scale: f32,
+    ) -> Result<(), ParallelError> {
+        if let Some((replicas, ep)) = &self.hot_experts {
+            let folded = replicas.fold(ep, scale)?;
+            accumulate_grads(model, &folded, flat, &[]);
+        }
+        Ok(())
     }
 
     /// The plan's pipeline stages, or why there are none.

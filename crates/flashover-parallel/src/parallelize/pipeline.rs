@@ -21,7 +21,7 @@ use crate::pipeline::{
 use crate::placement::{PlacementTable, Tie};
 use crate::precision::{MixedPrecision, Precision};
 use burn::module::Module;
-use burn::tensor::{DType, Device, Tensor};
+use burn::tensor::{DType, Device, Gradients, Tensor};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use flashover_runtime::{Axis, TensorCollectives};
 use std::collections::HashSet;
@@ -271,6 +271,7 @@ impl Stages {
         device: &Device,
         micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
         head: &HeadLoss<'_, M, D>,
+        take: &(dyn Fn(&mut Gradients) + Sync),
         loss_scale: Option<f32>,
     ) -> Result<(Vec<f32>, [f32; 2], PipelineStepReport), ParallelError>
     where
@@ -320,7 +321,8 @@ impl Stages {
             StageOutput::with_aux_loss(output, aux)
         };
         let chunks = vec![model.clone(); self.schedule.chunks];
-        let mut executor = PipelineExecutor::new(&self.schedule, &self.pp)?;
+        // Gradients of parameters outside the model (hot-expert copies) go to `take`.
+        let mut executor = PipelineExecutor::new(&self.schedule, &self.pp)?.taking_gradients(take);
         if let Some(policy) = &self.precision {
             executor = executor.with_activation_dtype(policy.param_dtype.float_dtype().into());
         }

@@ -390,6 +390,16 @@ pub struct ParallelizePlan {
     /// [`crate::nn::MoeForward::forward`]. `ep` ranks read different samples, as `dp` ranks do.
     #[serde(default)]
     pub expert_parallel: Vec<ModulePath>,
+    /// Hot-expert replication for the `expert_parallel` layers (0, the default, copies none):
+    /// each step, the `n` experts of each layer that took the most assignments in the previous
+    /// step (summed over the `ep` group) are copied from their owners to every `ep` rank, whose
+    /// tokens for them then stay on the rank instead of crossing the all-to-all; the copies'
+    /// gradients are summed over `ep` and added to the owners' before the reduction. The same
+    /// computation, with gradients summed in another order. Take backward passes with
+    /// [`super::Parallelized::backward`] (the pipeline's steps do), which hands the copies'
+    /// gradients over. Not for experts a `fully_shard` rule shards.
+    #[serde(default)]
+    pub replicate_hot_experts: usize,
     /// What the model computes in and its gradients are reduced in (FSDP2's
     /// `MixedPrecisionPolicy`; f32 throughout when absent). The parameters and the
     /// optimizer's state stay f32: [`super::Parallelized::forward`] and the pipeline's steps
@@ -487,6 +497,13 @@ impl ParallelizePlan {
     /// Also spread the experts of the mixture-of-experts layer at `path` over `ep`.
     pub fn expert_parallel(mut self, path: &str) -> Self {
         self.expert_parallel.push(ModulePath::new(path));
+        self
+    }
+
+    /// Also copy the `n` hottest experts of every `expert_parallel` layer to every `ep` rank
+    /// each step (see the field's docs).
+    pub fn replicate_hot_experts(mut self, n: usize) -> Self {
+        self.replicate_hot_experts = n;
         self
     }
 

@@ -212,21 +212,31 @@ fn single_rank() -> (Vec<f32>, Vec<f32>) {
     (losses, flatten_params(&model))
 }
 
-/// The loop under `plan` on `mesh`: rank 0's losses and the gathered weights.
-/// The loop under `plan` on `mesh`; `in_units`: the forward in `Parallelized::forward` (fully
-/// sharded blocks gathered a unit at a time).
+/// The loop under `plan` on `mesh`: rank 0's losses and the gathered weights; `in_units`: the
+/// forward in `Parallelized::forward` (fully sharded blocks gathered a unit at a time).
 fn parallel(
     mesh: &str,
     plan: &ParallelizePlan,
     in_units: bool,
 ) -> Result<(Vec<f32>, Vec<f32>), String> {
+    let (losses, weights, _) = parallel_counting(mesh, plan, in_units)?;
+    Ok((losses, weights))
+}
+
+/// [`parallel`], with the token rows rank 0's expert dispatch sent to other ranks after the
+/// first step (which has no loads to choose hot experts from).
+fn parallel_counting(
+    mesh: &str,
+    plan: &ParallelizePlan,
+    in_units: bool,
+) -> Result<(Vec<f32>, Vec<f32>, u64), String> {
     let out = Launch::new(mesh)
         .unwrap()
         .run(|ctx| {
             let device = Device::flex().autodiff();
             let (mut model, par) = parallelize(MoeLm::new(&device), plan, &ctx)?;
             let mut optim = AdamWConfig::new().init();
-            let mut losses = vec![];
+            let (mut losses, mut rows_sent) = (vec![], 0);
             let share = |(x, y): Batch| -> Batch {
                 let share = |t| par.sequence_share(t, 1).expect("SEQ cuts into cp chunks");
                 (share(x), share(y))
@@ -248,8 +258,11 @@ fn parallel(
                     par.gradients(&model, loss.backward(), None, &ctx)?.0
                 };
                 model = optim.step(LR, model, grads);
+                let sent = par.expert_rows_sent();
+                rows_sent += if step > 0 { sent } else { 0 };
             }
-            Ok::<_, ParallelError>((losses, flatten_params(&par.whole(model)?)))
+            let weights = flatten_params(&par.whole(model)?);
+            Ok::<_, ParallelError>((losses, weights, rows_sent))
         })
         .map_err(|e| e.to_string())?;
     Ok(out.into_iter().next().unwrap())
@@ -328,6 +341,77 @@ fn experts_spread_over_ep_by_a_plan_train_as_one_rank() {
             assert_matches(&what, &run, &reference);
         }
     }
+}
+
+/// Hot-expert copies: each step's hottest experts (by the previous step's assignments) copied
+/// to every ep rank, whose tokens for them stay home; the copies' gradients are summed over
+/// ep and added to their owners'. The same training as one rank, fewer token rows sent.
+#[test]
+fn hot_experts_copied_by_a_plan_train_as_one_rank_with_fewer_rows_sent() {
+    let reference = single_rank();
+    for (mesh, plan) in [
+        ("ep=4", experts()),
+        ("dp=2,ep=2", experts()),
+        ("ep=2,tp=2", sequence_parallel(with_tp(experts()))),
+        ("pp=2,ep=2", pipelined(experts())),
+        (
+            "pp=2,ep=2",
+            pipelined(experts()).activation_checkpointing(CheckpointPolicy::Full),
+        ),
+        ("pp=2,ep=2,cp=2", with_cp(pipelined(experts()))),
+    ] {
+        let (.., spread) = parallel_counting(mesh, &plan, false).unwrap();
+        let what = format!("{mesh} ({})", plan.activation_checkpointing);
+        let hot = plan.replicate_hot_experts(1);
+        let (losses, weights, copied) =
+            parallel_counting(mesh, &hot, false).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let what = format!("{what}, rows sent {copied} (uncopied {spread})");
+        assert_matches(&what, &(losses, weights), &reference);
+        assert!(
+            copied < spread,
+            "{what}: tokens for a copied expert stay on their rank: {copied} rows vs {spread}"
+        );
+    }
+}
+
+#[test]
+fn hot_expert_copies_that_cannot_be_made_are_refused_with_the_reason() {
+    let refusal = |mesh: &str, plan: ParallelizePlan| parallel(mesh, &plan, false).unwrap_err();
+    let err = refusal("dp=2", ParallelizePlan::new().replicate_hot_experts(1));
+    assert!(
+        err.contains("replicate_hot_experts = 1") && err.contains("names none"),
+        "{err}"
+    );
+    let err = refusal("ep=2", experts().replicate_hot_experts(5));
+    assert!(
+        err.contains("exceeds the 4 experts of `blocks.0.moe`"),
+        "{err}"
+    );
+    let err = refusal(
+        "fsdp=2,ep=2",
+        experts().fully_shard("").replicate_hot_experts(1),
+    );
+    assert!(
+        err.contains("fully_shard rule shards `blocks.0.moe.experts.0.w_gate.weight`"),
+        "{err}"
+    );
+    // A backward that kept the copies' gradients from the plan: the step is refused.
+    let err = Launch::new("ep=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let plan = experts().replicate_hot_experts(1);
+            let (model, par) = parallelize(MoeLm::new(&device), &plan, &ctx)?;
+            for step in 0..2 {
+                let samples = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
+                let grads = GradientsParams::from_grads(model.loss(&samples).backward(), &model);
+                par.reduce_gradients(&model, grads, None, &ctx)?;
+            }
+            Ok::<_, ParallelError>(())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("Parallelized::backward"), "{err}");
 }
 
 #[test]
