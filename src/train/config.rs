@@ -569,10 +569,10 @@ impl TrainConfig {
             self.parallel.pp_blocks.as_deref(),
             self.parallel.pp_split.as_str(),
         ) {
-            (Some(list), _) => super::pp_model::split_blocks(model.n_layers, stages, Some(list)),
-            (None, "even") => super::pp_model::split_blocks(model.n_layers, stages, None),
+            (Some(list), _) => super::stage_split::split_blocks(model.n_layers, stages, Some(list)),
+            (None, "even") => super::stage_split::split_blocks(model.n_layers, stages, None),
             (None, "cost") => {
-                super::pp_model::split_blocks_by_cost(model, self.data.seq_len, stages)
+                super::stage_split::split_blocks_by_cost(model, self.data.seq_len, stages)
             }
             (None, other) => Err(format!(
                 "parallel.pp_split = `{other}`: expected even or cost"
@@ -781,7 +781,7 @@ impl TrainConfig {
         use super::strategy::plan_pipeline::{runs, steps_rows};
         self.parallel.zero == 3
             && match mesh.degree(Axis::Pp) > 1 {
-                true => runs(self, mesh) && !steps_rows(self),
+                true => runs(mesh) && !steps_rows(self),
                 false => self.moe.experts == 0,
             }
     }
@@ -832,6 +832,10 @@ impl TrainConfig {
             (
                 !plan.expert_parallel.is_empty(),
                 "expert_parallel: the job spreads [moe] experts over parallel.mesh's ep itself",
+            ),
+            (
+                plan.replicate_hot_experts > 0,
+                "replicate_hot_experts: set moe.replicate_hot",
             ),
             (
                 plan.activation_checkpointing != CheckpointPolicy::None,

@@ -40,10 +40,10 @@ mod config;
 mod elastic;
 mod metrics;
 mod parallelize;
-mod pp_model;
 mod rank;
 mod report;
 mod run;
+mod stage_split;
 mod strategy;
 mod tp_model;
 mod trace;
@@ -56,8 +56,8 @@ pub use config::{
 pub use elastic::{
     ElasticOptions, ElasticReport, NextAttempt, Restart, next_attempt, survivor_mesh, train_elastic,
 };
-pub use pp_model::{TransformerStage, split_blocks, split_blocks_by_cost};
 pub use report::{DeviceMemory, MoeRecord, RankTimes, StepRecord, TrainReport, memory_formula};
 pub use run::{make_batch, token_source, train, train_process};
+pub use stage_split::{split_blocks, split_blocks_by_cost};
 pub use tp_model::TpTransformer;
 pub use verify::{Comparison, compare, verify};

@@ -10,18 +10,17 @@
 //! |---|---|---|---|
 //! | 1 | tensor (+ sequence) parallel; under ZeRO-3 in units, fully shard in the same pass | [`tensor_parallel`] | `Shard` over tp, rows over fsdp |
 //! | 2 | expert parallel | [`expert_parallel`] | `Own` over ep, experts' global names |
-//! | 3 | pipeline split | `strategy::pipeline` (dense layouts: the plan, `strategy::plan_pipeline`) | `Own` over pp, the tied head's copy |
+//! | 3 | pipeline split | the model's plan with a pipeline rule, `strategy::plan_pipeline` | `Own` over pp, the tied head's copy |
 //! | 4 | context parallel | [`context_parallel`] | attention hook, sequence positions |
 //! | 5 | activation checkpointing | [`activation_checkpointing`] | block hook, or Burn's balanced checkpointing on the device |
 //! | 6 | mixed precision | `strategy::Precisions` | compute view of the parameters, loss scale |
 //! | 7 | fully sharded units (cut in 1) or replicated data parallel | `strategy::{fsdp, replicated, zero, rows}` | ZeRO by rows: `Shard` over fsdp or dp |
 //! | 8 | optimizer | with 7 | AdamW moments where their parameters' rows are |
 //!
-//! TorchTitan splits the pipeline first and then parallelizes each stage; here stages are cut
-//! from the tensor-parallel shares, so one cut serves split and whole models. The two orders
-//! give the same placements: pp owns whole blocks, tp splits inside them. Steps 3 and 7-8 are
-//! how a step executes (a schedule, unit gathers, bucket hooks), so they live with the
-//! `RankStrategy` that executes it.
+//! A job with a `pp` axis takes none of this module's steps: the reference model's plan, with
+//! a pipeline rule cut from `[parallel]`, applies them all at once (`strategy::plan_pipeline`),
+//! as a user's own model gets them. Steps 7-8 are how a step executes (unit gathers, bucket
+//! hooks), so they live with the `RankStrategy` that executes it.
 
 use super::config::TrainConfig;
 use super::tp_model::TpTransformer;

@@ -48,7 +48,7 @@ impl<'a> Rank<'a> {
     ) -> Result<Self, RankError> {
         let (device, recompute) = parallelize::activation_checkpointing(ctx, config);
         // A pipeline through the plan recomputes the layers the plan names itself.
-        let recompute = recompute.filter(|_| !strategy::plan_pipeline::runs(config, ctx.mesh()));
+        let recompute = recompute.filter(|_| !strategy::plan_pipeline::runs(ctx.mesh()));
         // Every data-parallel rank (replica or shard) reads its own slice of the batch.
         let batch_group = ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep])?;
         let context = parallelize::context_parallel(ctx, config, model_config)?;
@@ -260,7 +260,7 @@ pub(crate) fn train_rank(
     origin: Instant,
 ) -> Result<RankOutput, RankError> {
     let rank = Rank::new(ctx, config, model_config, source)?;
-    let mut strategy = match strategy::plan_pipeline::runs(config, ctx.mesh()) {
+    let mut strategy = match strategy::plan_pipeline::runs(ctx.mesh()) {
         // The plan spreads the experts itself, from the whole model.
         true => {
             let model = model_config.init(config.run.seed, &rank.device);

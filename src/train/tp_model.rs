@@ -218,7 +218,7 @@ pub(crate) fn reference_plan(
 
 /// The attention heads of `block` whose parts a `tp` rank's dropout offsets count: the
 /// model's heads when the plan split its attention, none (offset 0) when it left it whole.
-pub(crate) fn split_heads(block: Option<&Block>) -> usize {
+fn split_heads(block: Option<&Block>) -> usize {
     block
         .and_then(attention_split)
         .map_or(0, |(heads, _)| heads)
@@ -250,7 +250,7 @@ pub(crate) fn tp_context(
 /// operator surrounds it; with sequence parallelism the tokens are gathered first (routing is
 /// per whole sequence) and each rank keeps its positions of the output, both ops' backward
 /// passing the gradient without summing, as every tp rank computed the same.
-pub(crate) fn tp_block_forward(
+fn tp_block_forward(
     block: &Block,
     h: Tensor<3>,
     rope: &(Tensor<2>, Tensor<2>),

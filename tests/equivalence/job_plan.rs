@@ -100,6 +100,12 @@ fn a_parallelize_table_is_refused_where_the_job_sets_up_the_rule_itself() {
             "[parallelize]\n[parallelize.mixed_precision]\nparam_dtype = \"bf16\"\n",
             "parallelize.mixed_precision: the job computes and reduces as its [precision]",
         ),
+        (
+            "dp=2",
+            0,
+            "[parallelize]\nreplicate_hot_experts = 1\n",
+            "parallelize.replicate_hot_experts: set moe.replicate_hot",
+        ),
     ];
     for (mesh, zero, table, expected) in cases {
         let errors = with_table(mesh, zero, table).validate();

@@ -72,25 +72,34 @@ fn capacity_drops_the_same_tokens_as_one_rank_with_either_policy_and_balanced_ro
     }
 }
 
+/// Without a pipeline the job's own MoE strategy copies the experts; with one, the plan's
+/// `replicate_hot_experts` does (ZeRO-3 then by rows, the copies being of whole experts).
 #[test]
 fn replicating_hot_experts_keeps_the_result_and_cuts_the_traffic() {
-    let remote_bytes = |hot: usize| {
-        let mut c = moe_job("ep=4", 4, 2, 1);
-        c.moe.replicate_hot = hot;
-        let (_, candidate, cmp) = verify(&c, TOLERANCE).unwrap();
-        assert!(cmp.pass, "replicate_hot {hot}: {cmp}");
-        assert_eq!(cmp.max_routing_diff, Some(0));
-        // Step 0 has no loads to choose from: copies start with step 1.
-        candidate.steps[1..]
-            .iter()
-            .map(|s| s.moe.as_ref().unwrap().a2a_remote_bytes)
-            .sum::<u64>()
-    };
-    let (none, two) = (remote_bytes(0), remote_bytes(2));
-    assert!(
-        two < none,
-        "tokens for copied experts stay on their rank: {two} bytes vs {none}"
-    );
+    for (mesh, zero, micro) in [
+        ("ep=4", 0, 1),
+        ("ep=2,pp=2", 0, 2),
+        ("fsdp=2,ep=2,pp=2", 3, 2),
+    ] {
+        let remote_bytes = |hot: usize| {
+            let mut c = moe_job(mesh, 4, 2, micro);
+            c.parallel.zero = zero;
+            c.moe.replicate_hot = hot;
+            let (_, candidate, cmp) = verify(&c, TOLERANCE).unwrap();
+            assert!(cmp.pass, "{mesh} replicate_hot {hot}: {cmp}");
+            assert_eq!(cmp.max_routing_diff, Some(0));
+            // Step 0 has no loads to choose from: copies start with step 1.
+            candidate.steps[1..]
+                .iter()
+                .map(|s| s.moe.as_ref().unwrap().a2a_remote_bytes)
+                .sum::<u64>()
+        };
+        let (none, copied) = (remote_bytes(0), remote_bytes(2));
+        assert!(
+            copied < none,
+            "{mesh}: tokens for copied experts stay on their rank: {copied} bytes vs {none}"
+        );
+    }
 }
 
 /// Mean imbalance (max / mean tokens per expert) over steps 6-30 of a 30-step top-1 run at

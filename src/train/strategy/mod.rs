@@ -12,9 +12,9 @@
 //!   gathered just before use (ZeRO-3 / HSDP, over tensor-parallel shares and context-parallel
 //!   ranks too);
 //! - [`plan_pipeline`]: pipelines through the model's plan (`parallelize` with a pipeline
-//!   rule), any schedule, with tp, sp, cp, experts over ep, ZeRO rows ([`held_rows`]: ZeRO-1/2,
-//!   and ZeRO-3 under zb-h1) or ZeRO-3 units inside;
-//! - [`pipeline`]: pipelines with hot-expert copies, on stages of their own;
+//!   rule), any schedule, with tp, sp, cp, experts over ep (hot-expert copies too), ZeRO rows
+//!   ([`held_rows`]: ZeRO-1/2, and ZeRO-3 under zb-h1 or with hot-expert copies) or ZeRO-3
+//!   units inside;
 //! - [`moe`]: mixture-of-experts models without pipelines, experts over `ep`.
 //!
 //! What they share is here: the step's outcome, the precision policy's loss scale, the norm
@@ -23,7 +23,6 @@
 mod fsdp;
 mod held_rows;
 mod moe;
-mod pipeline;
 pub(crate) mod plan_pipeline;
 mod replicated;
 mod rows;
@@ -113,17 +112,6 @@ pub(crate) fn build(
 ) -> Result<Box<dyn RankStrategy>, RankError> {
     let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
     let RankModel { shares, experts } = model;
-    if ctx.group(Axis::Pp).size() > 1 {
-        return pipeline::build(
-            ctx,
-            config,
-            model_config,
-            shares,
-            experts,
-            grad_group,
-            &adamw,
-        );
-    }
     if let Some(experts) = experts {
         return moe::build(
             ctx,

@@ -13,16 +13,17 @@
 //! runs in the plan's attention across the ranks (`transformer::split_sequences`).
 //!
 //! A mixture-of-experts model's experts are spread over `ep` by the model's own
-//! `expert_parallel` rules; each step's routing (counted by every layer into one hook) is
-//! summed over the ranks and the stages, moves the routing biases and makes the step's record.
+//! `expert_parallel` rules, the hottest copied to every ep rank as `moe.replicate_hot` says
+//! (the plan's `replicate_hot_experts`); each step's routing (counted by every layer into one
+//! hook) is summed over the ranks and the stages, moves the routing biases and makes the
+//! step's record.
 //!
 //! ZeRO-1/2, and ZeRO-3 under zb-h1 (whose deferred weight gradients a plan's units cannot
-//! wait for), step this rank's rows of what it holds ([`super::held_rows`]): the plan's
-//! gradients come unreduced (`Parallelized::pipeline_gradients`) and the job reduce-scatters
-//! them over the rows' axis, as its own stages do.
+//! wait for) or with hot-expert copies (which copy whole experts), step this rank's rows of
+//! what it holds ([`super::held_rows`]): the plan's gradients come unreduced
+//! (`Parallelized::pipeline_gradients`) and the job reduce-scatters them over the rows' axis.
 //!
-//! Runs every pipeline of the job but those with hot-expert copies ([`runs`]), which still run
-//! through [`super::pipeline`]'s own stages.
+//! Runs every pipeline of the job ([`runs`]).
 
 use super::held_rows::HeldRows;
 use super::moe::RoutingSums;
@@ -49,18 +50,20 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Whether the job's pipeline runs through the plan on `mesh`: a pipeline without hot-expert
-/// copies.
-pub(crate) fn runs(config: &TrainConfig, mesh: &DeviceMesh) -> bool {
-    mesh.degree(Axis::Pp) > 1 && config.moe.replicate_hot == 0
+/// Whether the job runs through the plan's pipeline on `mesh`: every job with a `pp` axis.
+pub(crate) fn runs(mesh: &DeviceMesh) -> bool {
+    mesh.degree(Axis::Pp) > 1
 }
 
 /// Whether the job's ZeRO stage steps rows of what a rank holds ([`HeldRows`]): ZeRO-1/2, and
-/// ZeRO-3 under a schedule that defers weight gradients (ZeRO-3 is the plan's units
-/// otherwise).
+/// ZeRO-3 where a plan's units cannot serve it (ZeRO-3 is the plan's units otherwise): under
+/// a schedule that defers weight gradients past the units' reduce-scatter, or with hot-expert
+/// copies, which copy whole experts.
 pub(crate) fn steps_rows(config: &TrainConfig) -> bool {
     let p = &config.parallel;
-    matches!(p.zero, 1 | 2) || (p.zero == 3 && p.pp_schedule == ScheduleKind::ZeroBubbleH1)
+    let rows_for_zero3 =
+        p.pp_schedule == ScheduleKind::ZeroBubbleH1 || config.moe.replicate_hot > 0;
+    matches!(p.zero, 1 | 2) || (p.zero == 3 && rows_for_zero3)
 }
 
 /// A rank's model under the plan, its AdamW and what a step reads.
@@ -133,6 +136,7 @@ pub(crate) fn build(
         .mixed_precision(config.precision.policy()?);
     // The model's own experts rules (the job's plan leaves them to the job).
     plan.expert_parallel = ParallelizePlan::from_toml(&model_config.plan_toml())?.expert_parallel;
+    plan = plan.replicate_hot_experts(config.moe.replicate_hot);
     if ctx.group(Axis::Cp).size() > 1 {
         // The reference model's attention runs through its forward context: no cores to name.
         plan = plan.context_parallel(ContextParallelRule {
