@@ -59,13 +59,21 @@ struct PlanCopies {
     counted: HashMap<ParamId, Vec<u64>>,
     /// Per layer: this step's hot experts and their weights, as broadcast by their owners.
     weights: HashMap<ParamId, (Vec<usize>, Vec<Vec<f32>>)>,
-    /// Per layer: for each copy of an expert this rank owns, its slot among the copies and
-    /// the owner's weights (id, shape), in the copy's parameter order.
-    owned: HashMap<ParamId, Vec<(usize, Vec<(ParamId, [usize; 2])>)>>,
+    /// Per layer: the copies of experts this rank owns.
+    owned: HashMap<ParamId, Vec<OwnedCopy>>,
     /// The device the owners' weights live on (for their folded gradients).
     device: Option<Device>,
     /// Whether a backward's gradients were handed to [`Replicas::take_grads`] this step.
     taken: bool,
+}
+
+/// A copy of an expert this rank owns: where its gradient goes.
+#[derive(Debug)]
+struct OwnedCopy {
+    /// Its slot among the layer's copies.
+    slot: usize,
+    /// The owner's weights (id, shape), in the copy's parameter order.
+    weights: Vec<(ParamId, [usize; 2])>,
 }
 
 thread_local! {
@@ -163,7 +171,10 @@ impl Replicas {
                     flat = flatten_params(expert);
                     let linears = [&expert.w_gate, &expert.w_up, &expert.w_down];
                     let ids = linears.map(|l| (l.weight.id, l.weight.val().dims()));
-                    owned.push((slot, ids.to_vec()));
+                    owned.push(OwnedCopy {
+                        slot,
+                        weights: ids.to_vec(),
+                    });
                 }
                 group.broadcast(&mut flat, owner)?;
                 weights.push(flat);
@@ -225,9 +236,9 @@ impl Replicas {
                 .unwrap_or_else(|| vec![0.0; len * hot.len()]);
             group.all_reduce(&mut sums, ReduceOp::Sum)?;
             let device = plan.device.as_ref().expect("set with the copies");
-            for (slot, weights) in owned.get(&id).into_iter().flatten() {
-                let mut at = slot * len;
-                for (weight, dims) in weights {
+            for copy in owned.get(&id).into_iter().flatten() {
+                let mut at = copy.slot * len;
+                for (weight, dims) in &copy.weights {
                     let n = dims[0] * dims[1];
                     let g: Vec<f32> = sums[at..at + n].iter().map(|g| g * scale).collect();
                     let data = TensorData::new(g, *dims);

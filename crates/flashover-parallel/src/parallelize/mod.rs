@@ -251,6 +251,9 @@ pub fn parallelize<M: Module>(
         }
         stages.gather_layers(units.clone(), ctx.group(Axis::Fsdp), &sharded);
         stages.compute_in(policy);
+        if let Some((copies, _)) = &experts.hot {
+            stages.hand_gradients_to(copies.clone());
+        }
     }
     // The units: every sharded parameter this rank holds (not another stage's or ep rank's).
     let held_shards = layout.slots.iter().zip(&sharded).map(|(s, &sharded)| {
@@ -1063,13 +1066,8 @@ impl Parallelized {
             .next()
             .unwrap_or_else(|| ctx.device().clone().autodiff());
         let before = stages.recomputed();
-        let take = |grads: &mut Gradients| {
-            if let Some((replicas, _)) = &self.hot_experts {
-                replicas.take_grads(grads);
-            }
-        };
         let (mut flat, losses, report) =
-            stages.step(model, share, &device, micro_batch, head, &take, loss_scale)?;
+            stages.step(model, share, &device, micro_batch, head, loss_scale)?;
         // The stages' gradients are means over micro-batches, unscaled; the copies' are sums
         // of scaled losses.
         let micro_batches = stages.schedule.micro_batches as f32;

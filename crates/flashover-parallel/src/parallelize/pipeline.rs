@@ -13,6 +13,7 @@ use super::plan::PipelineRule;
 use super::units::{Unit, replaying, unit_shards};
 use crate::activation_checkpointing::{CheckpointPolicy, Replays, checkpoint_part};
 use crate::error::ParallelError;
+use crate::expert_parallel::Replicas;
 use crate::params::{ParamLayout, ParamSlot};
 use crate::pipeline::{
     ActionKind, PipelineExecutor, PipelineStepReport, Schedule, ScheduleKind, StageOutput,
@@ -105,6 +106,9 @@ pub(super) struct Stages {
     units: Option<Arc<LayerUnits>>,
     /// The precision a step's forwards and backwards compute in (f32 without one).
     precision: Option<MixedPrecision>,
+    /// Under `replicate_hot_experts`: the hot-expert copies every backward hands its
+    /// gradients to.
+    copies: Option<Replicas>,
 }
 
 /// A pipeline's layers as fully sharded units.
@@ -215,6 +219,7 @@ impl Stages {
             recomputed: Default::default(),
             units: None,
             precision: None,
+            copies: None,
         })
     }
 
@@ -222,6 +227,12 @@ impl Stages {
     /// fresh compute view, activations crossing stages in that dtype.
     pub(super) fn compute_in(&mut self, policy: MixedPrecision) {
         self.precision = (policy.param_dtype != Precision::F32).then_some(policy);
+    }
+
+    /// Every backward hands the gradients of `copies` (hot experts' copies, not parameters of
+    /// the model) over to them.
+    pub(super) fn hand_gradients_to(&mut self, copies: Replicas) {
+        self.copies = Some(copies);
     }
 
     /// Records that this rank's parameters are its own over `pp` and which are tied copies.
@@ -271,7 +282,6 @@ impl Stages {
         device: &Device,
         micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
         head: &HeadLoss<'_, M, D>,
-        take: &(dyn Fn(&mut Gradients) + Sync),
         loss_scale: Option<f32>,
     ) -> Result<(Vec<f32>, [f32; 2], PipelineStepReport), ParallelError>
     where
@@ -321,8 +331,13 @@ impl Stages {
             StageOutput::with_aux_loss(output, aux)
         };
         let chunks = vec![model.clone(); self.schedule.chunks];
-        // Gradients of parameters outside the model (hot-expert copies) go to `take`.
-        let mut executor = PipelineExecutor::new(&self.schedule, &self.pp)?.taking_gradients(take);
+        // Gradients of parameters outside the model (hot-expert copies) go to them.
+        let take = |grads: &mut Gradients| {
+            if let Some(copies) = &self.copies {
+                copies.take_grads(grads);
+            }
+        };
+        let mut executor = PipelineExecutor::new(&self.schedule, &self.pp)?.taking_gradients(&take);
         if let Some(policy) = &self.precision {
             executor = executor.with_activation_dtype(policy.param_dtype.float_dtype().into());
         }
