@@ -774,16 +774,11 @@ impl TrainConfig {
         errors
     }
 
-    /// Whether ZeRO-3 runs in fully sharded units on `mesh`: a pipeline that runs through the
-    /// plan and does not shard by rows, or a dense model without one (the other strategies
-    /// shard every parameter by rows).
+    /// Whether ZeRO-3 runs in fully sharded units on `mesh`: always, but where the plan's
+    /// pipeline steps rows of what a rank holds (under zb-h1 or with hot-expert copies).
     pub fn zero3_in_units(&self, mesh: &DeviceMesh) -> bool {
         use super::strategy::plan_pipeline::{runs, steps_rows};
-        self.parallel.zero == 3
-            && match mesh.degree(Axis::Pp) > 1 {
-                true => runs(mesh) && !steps_rows(self),
-                false => self.moe.experts == 0,
-            }
+        self.parallel.zero == 3 && !(runs(self, mesh) && steps_rows(self))
     }
 
     /// The plan transform 1 applies to the reference model (`model`, its configuration): the
@@ -856,7 +851,7 @@ impl TrainConfig {
         {
             errors.push(
                 "parallelize.fully_shard: units need parallel.zero = 3, and under a pipeline \
-                 no zb-h1 or hot-expert copies, or else no experts (the other layouts shard \
+                 (or with experts) neither zb-h1 nor hot-expert copies (those layouts shard \
                  every parameter by rows); leave fully_shard out"
                     .into(),
             );

@@ -9,7 +9,7 @@
 //! | # | transform | here | what it records or installs |
 //! |---|---|---|---|
 //! | 1 | tensor (+ sequence) parallel; under ZeRO-3 in units, fully shard in the same pass | [`tensor_parallel`] | `Shard` over tp, rows over fsdp |
-//! | 2 | expert parallel | [`expert_parallel`] | `Own` over ep, experts' global names |
+//! | 2 | expert parallel | the model's plan (`expert_parallel`), `strategy::plan_pipeline` | `Own` over ep |
 //! | 3 | pipeline split | the model's plan with a pipeline rule, `strategy::plan_pipeline` | `Own` over pp, the tied head's copy |
 //! | 4 | context parallel | [`context_parallel`] | attention hook, sequence positions |
 //! | 5 | activation checkpointing | [`activation_checkpointing`] | block hook, or Burn's balanced checkpointing on the device |
@@ -17,9 +17,10 @@
 //! | 7 | fully sharded units (cut in 1) or replicated data parallel | `strategy::{fsdp, replicated, zero, rows}` | ZeRO by rows: `Shard` over fsdp or dp |
 //! | 8 | optimizer | with 7 | AdamW moments where their parameters' rows are |
 //!
-//! A job with a `pp` axis takes none of this module's steps: the reference model's plan, with
-//! a pipeline rule cut from `[parallel]`, applies them all at once (`strategy::plan_pipeline`),
-//! as a user's own model gets them. Steps 7-8 are how a step executes (unit gathers, bucket
+//! A job with a `pp` axis or a mixture of experts takes none of this module's steps: the
+//! reference model's plan, with a pipeline rule cut from `[parallel]` (one stage without
+//! `pp`), applies them all at once (`strategy::plan_pipeline`), as a user's own model gets
+//! them. Steps 7-8 are how a step executes (unit gathers, bucket
 //! hooks), so they live with the `RankStrategy` that executes it.
 
 use super::config::TrainConfig;
@@ -28,7 +29,6 @@ use burn::tensor::Device;
 use flashover_models::{CheckpointHook, Transformer, TransformerConfig};
 use flashover_parallel::activation_checkpointing::BlockRecompute;
 use flashover_parallel::context_parallel::ContextParallel;
-use flashover_parallel::expert_parallel::{ExpertParallel, place_experts};
 use flashover_parallel::placement::PlacementTable;
 use flashover_parallel::tensor_parallel::TensorParallel;
 use flashover_parallel::zero::ShardGroup;
@@ -44,25 +44,16 @@ pub(crate) enum Shares {
     Split(Box<TpTransformer>),
 }
 
-impl Shares {
-    /// Where each parameter of the held model lives.
-    pub fn placements(&self) -> &PlacementTable {
-        match self {
-            Shares::Whole(_, table) => table,
-            Shares::Split(tp) => tp.placements(),
-        }
-    }
-}
+impl Shares {}
 
-/// A rank's model after the parameter transforms, and what they set up to run it.
+/// A rank's model after the parameter transforms.
 pub(crate) struct RankModel {
     pub shares: Shares,
-    /// Mixture-of-experts models: which experts this rank holds and how tokens reach them.
-    pub experts: Option<ExpertParallel>,
 }
 
-/// Transforms 1 and 2 on `model` (this rank's seeded initialisation; an expert-parallel rank
-/// builds only its own experts): tensor parallelism, then expert parallelism.
+/// Transform 1 on `model` (this rank's seeded initialisation) of a dense model without
+/// pipeline stages: tensor parallelism (the plan does the rest,
+/// `strategy::plan_pipeline`).
 pub(crate) fn parallelize(
     ctx: &RankContext,
     config: &TrainConfig,
@@ -71,7 +62,7 @@ pub(crate) fn parallelize(
 ) -> Result<RankModel, RankError> {
     let placements = PlacementTable::whole(&model);
     let shares = tensor_parallel(ctx, config, model_config, model, placements)?;
-    expert_parallel(ctx, model_config, shares)
+    Ok(RankModel { shares })
 }
 
 /// 1. Megatron's tensor parallelism over `tp` (attention by heads, the MLP by its hidden
@@ -105,35 +96,6 @@ pub(crate) fn tensor_parallel(
     let tp = TensorParallel::new(tp).with_sequence_parallel(config.parallel.sequence_parallel);
     let shares = TpTransformer::shard_plan(model, &plan, &tp, placements, units.as_ref())?;
     Ok(Shares::Split(Box::new(shares)))
-}
-
-/// 2. Expert parallelism over `ep` for mixture-of-experts models: the experts the rank was
-///    built with are its own, recorded under their global index.
-pub(crate) fn expert_parallel(
-    ctx: &RankContext,
-    model_config: &TransformerConfig,
-    mut shares: Shares,
-) -> Result<RankModel, RankError> {
-    let Some(moe) = &model_config.moe else {
-        return Ok(RankModel {
-            shares,
-            experts: None,
-        });
-    };
-    let ep = ctx.group(Axis::Ep);
-    let experts = ExpertParallel::new(ep, moe.n_experts)?;
-    let first = experts.experts_of(ep.rank()).start;
-    match &mut shares {
-        Shares::Whole(model, table) => place_experts(table, &**model, first)?,
-        Shares::Split(tp) => {
-            let (local, table) = tp.local_and_placements_mut();
-            place_experts(table, local, first)?
-        }
-    }
-    Ok(RankModel {
-        shares,
-        experts: Some(experts),
-    })
 }
 
 /// 4. Context parallelism over `cp`: which positions of every sequence this rank keeps and the

@@ -48,7 +48,7 @@ impl<'a> Rank<'a> {
     ) -> Result<Self, RankError> {
         let (device, recompute) = parallelize::activation_checkpointing(ctx, config);
         // A pipeline through the plan recomputes the layers the plan names itself.
-        let recompute = recompute.filter(|_| !strategy::plan_pipeline::runs(ctx.mesh()));
+        let recompute = recompute.filter(|_| !strategy::plan_pipeline::runs(config, ctx.mesh()));
         // Every data-parallel rank (replica or shard) reads its own slice of the batch.
         let batch_group = ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep])?;
         let context = parallelize::context_parallel(ctx, config, model_config)?;
@@ -76,18 +76,9 @@ impl<'a> Rank<'a> {
         })
     }
 
-    /// The seeded model (expert-parallel ranks build only their own experts).
+    /// The seeded model, the same on every rank.
     fn model(&self, model_config: &TransformerConfig) -> Transformer {
-        let seed = self.config.run.seed;
-        match &model_config.moe {
-            Some(moe) => {
-                let ep = self.ctx.group(Axis::Ep);
-                let per = moe.n_experts / ep.size();
-                let experts = ep.rank() * per..(ep.rank() + 1) * per;
-                model_config.init_experts(seed, &self.device, experts)
-            }
-            None => model_config.init(seed, &self.device),
-        }
+        model_config.init(self.config.run.seed, &self.device)
     }
 
     /// Micro-batch `micro` of step `step` on this rank: inputs, targets and the forward
@@ -260,16 +251,16 @@ pub(crate) fn train_rank(
     origin: Instant,
 ) -> Result<RankOutput, RankError> {
     let rank = Rank::new(ctx, config, model_config, source)?;
-    let mut strategy = match strategy::plan_pipeline::runs(ctx.mesh()) {
-        // The plan spreads the experts itself, from the whole model.
+    let mut strategy = match strategy::plan_pipeline::runs(config, ctx.mesh()) {
+        // The plan cuts the stages and spreads the experts itself, from the whole model.
         true => {
-            let model = model_config.init(config.run.seed, &rank.device);
+            let model = rank.model(model_config);
             strategy::plan_pipeline::build(ctx, config, model_config, model, &rank.grad_group)?
         }
         false => {
             let seeded = rank.model(model_config);
             let model = parallelize::parallelize(ctx, config, model_config, seeded)?;
-            strategy::build(ctx, config, model_config, model, &rank.grad_group)?
+            strategy::build(ctx, config, model, &rank.grad_group)?
         }
     };
     let policy = config.precision.policy()?;

@@ -139,12 +139,6 @@ impl TpTransformer {
         &self.placements
     }
 
-    /// The parts and their table, for a later transform that records what it does to them
-    /// (expert parallelism owning the experts).
-    pub(crate) fn local_and_placements_mut(&mut self) -> (&Transformer, &mut PlacementTable) {
-        (&self.local, &mut self.placements)
-    }
-
     /// The full model, gathered from every rank's parts (collective; values only).
     pub fn unshard(&self) -> Result<Transformer, ParallelError> {
         Ok(self.parts.whole(self.local.clone()).valid())

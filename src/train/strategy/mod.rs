@@ -11,20 +11,19 @@
 //! - [`fsdp`]: the model's plan under `fully_shard("")`, parameters cut by rows in units
 //!   gathered just before use (ZeRO-3 / HSDP, over tensor-parallel shares and context-parallel
 //!   ranks too);
-//! - [`plan_pipeline`]: pipelines through the model's plan (`parallelize` with a pipeline
-//!   rule), any schedule, with tp, sp, cp, experts over ep (hot-expert copies too), ZeRO rows
-//!   ([`held_rows`]: ZeRO-1/2, and ZeRO-3 under zb-h1 or with hot-expert copies) or ZeRO-3
-//!   units inside;
-//! - [`moe`]: mixture-of-experts models without pipelines, experts over `ep`.
+//! - [`plan_pipeline`]: pipelines and mixtures of experts through the model's plan
+//!   (`parallelize` with a pipeline rule; one stage without `pp`), any schedule, with tp, sp,
+//!   cp, experts over ep (hot-expert copies too), ZeRO rows ([`held_rows`]: ZeRO-1/2, and
+//!   ZeRO-3 under zb-h1 or with hot-expert copies) or ZeRO-3 units inside.
 //!
 //! What they share is here: the step's outcome, the precision policy's loss scale, the norm
 //! from placements and the checkpoint view of a rank's state.
 
 mod fsdp;
 mod held_rows;
-mod moe;
 pub(crate) mod plan_pipeline;
 mod replicated;
+mod routing;
 mod rows;
 mod zero;
 
@@ -36,7 +35,7 @@ use super::tp_model::TpTransformer;
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{Int, Tensor};
-use flashover_models::{ForwardContext, Transformer, TransformerConfig};
+use flashover_models::{ForwardContext, Transformer};
 use flashover_parallel::context_parallel::AttentionWork;
 use flashover_parallel::data_parallel::{
     DataParallel, DataParallelConfig, MicroBatches, ReduceReport,
@@ -106,23 +105,11 @@ pub(crate) trait RankStrategy {
 pub(crate) fn build(
     ctx: &RankContext,
     config: &TrainConfig,
-    model_config: &TransformerConfig,
     model: RankModel,
     grad_group: &Group,
 ) -> Result<Box<dyn RankStrategy>, RankError> {
     let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
-    let RankModel { shares, experts } = model;
-    if let Some(experts) = experts {
-        return moe::build(
-            ctx,
-            config,
-            model_config,
-            shares,
-            experts,
-            grad_group,
-            &adamw,
-        );
-    }
+    let RankModel { shares } = model;
     let ddp = DataParallelConfig::new()
         .with_bucket_bytes((config.parallel.bucket_mb * (1 << 20) as f64) as usize)
         .with_overlap(config.parallel.overlap)
@@ -361,16 +348,6 @@ impl PlacedReduction {
             batch: batch.clone(),
             average: config.parallel.gradient_reduction == GradientReduction::Mean,
         })
-    }
-
-    /// The ranks that read different samples.
-    fn batch(&self) -> &Group {
-        &self.batch
-    }
-
-    /// The dtype gradients are summed in.
-    fn reduce_dtype(&self) -> flashover_parallel::precision::Precision {
-        self.reducer.reduce_dtype()
     }
 
     /// Reduces `grads` (this rank's, summed over `micro_batches`, laid out as `entries`) and

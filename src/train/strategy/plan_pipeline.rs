@@ -26,7 +26,7 @@
 //! Runs every pipeline of the job ([`runs`]).
 
 use super::held_rows::HeldRows;
-use super::moe::RoutingSums;
+use super::routing::RoutingSums;
 use super::{
     Batches, Precisions, RankStrategy, SHARING, SharedState, StepOutcome, named_params,
     replica_index, restore_flat, with_moments,
@@ -50,9 +50,10 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Whether the job runs through the plan's pipeline on `mesh`: every job with a `pp` axis.
-pub(crate) fn runs(mesh: &DeviceMesh) -> bool {
-    mesh.degree(Axis::Pp) > 1
+/// Whether the job runs through the plan's pipeline on `mesh`: every job with a `pp` axis,
+/// and every mixture-of-experts job (without `pp`, one stage runs the micro-batches in turn).
+pub(crate) fn runs(config: &TrainConfig, mesh: &DeviceMesh) -> bool {
+    mesh.degree(Axis::Pp) > 1 || config.moe.experts > 0
 }
 
 /// Whether the job's ZeRO stage steps rows of what a rank holds ([`HeldRows`]): ZeRO-1/2, and
@@ -371,8 +372,12 @@ impl RankStrategy for PlanPipeline {
             a2a,
             // This rank's share's mean (the whole batch's, through the plan's reduction).
             ..StepOutcome::new(step.loss as f64 * micro_batches as f64, step.norm)
-        }
-        .scheduled(report);
+        };
+        // One stage (a mixture of experts without `pp`) runs no schedule worth reporting.
+        let outcome = match ctx.group(Axis::Pp).size() > 1 {
+            true => outcome.scheduled(report),
+            false => outcome,
+        };
         Ok((self, outcome))
     }
 

@@ -77,14 +77,6 @@ impl RowSharding {
         }
     }
 
-    /// What the rank holds between steps: `module` itself (ZeRO-1/2) or its structure only.
-    pub fn between_steps<M: Module>(&self, module: M) -> M {
-        match self.keep_params {
-            true => module,
-            false => placeholders(module),
-        }
-    }
-
     /// `skeleton` with its whole parameters, from every rank's rows (collective).
     pub fn gather<M: Module>(&self, skeleton: M) -> Result<M, RankError> {
         Ok(load_shaped(skeleton, &self.layout, &self.gather_values()?))
@@ -114,14 +106,6 @@ impl RowSharding {
         self.own = params;
         self.adam.restore(steps_taken, m1, m2)?;
         Ok(())
-    }
-
-    /// The module for a step: gathered under ZeRO-3 (collective), as it is otherwise.
-    pub fn for_step<M: Module>(&self, module: M) -> Result<M, RankError> {
-        match self.keep_params {
-            true => Ok(module),
-            false => self.gather(module),
-        }
     }
 
     /// This rank's rows of the sum over the axis of every rank's `full` gradient.
@@ -216,36 +200,6 @@ impl FlatOptimizer {
         }
     }
 
-    /// What the rank holds between steps (see [`RowSharding::between_steps`]).
-    pub fn between_steps<M: Module>(&self, module: M) -> M {
-        match self {
-            FlatOptimizer::Sharded(sh) => sh.between_steps(module),
-            FlatOptimizer::Replicated(_) => module,
-        }
-    }
-
-    /// The module for a step (gathered under ZeRO-3; collective there).
-    pub fn for_step<M: Module>(&self, module: M) -> Result<M, RankError> {
-        match self {
-            FlatOptimizer::Sharded(sh) => sh.for_step(module),
-            FlatOptimizer::Replicated(_) => Ok(module),
-        }
-    }
-
-    /// The whole module, for reports (gathered under ZeRO-3; collective there).
-    pub fn whole<M: Module>(&self, module: &M) -> Result<M, RankError> {
-        self.for_step(module.clone())
-    }
-
-    /// `flat`, the whole gradient, as this rank steps it: whole, or its rows summed over the
-    /// sharding axis.
-    pub fn own_grads(&self, flat: Vec<f32>, dtype: Precision) -> Result<Vec<f32>, RankError> {
-        match self {
-            FlatOptimizer::Sharded(sh) => sh.reduce_scatter(&flat, dtype),
-            FlatOptimizer::Replicated(_) => Ok(flat),
-        }
-    }
-
     /// AdamW on what this rank steps (when `update`); the module as kept between steps.
     pub fn step<M: Module>(
         &mut self,
@@ -258,23 +212,6 @@ impl FlatOptimizer {
             FlatOptimizer::Replicated(optim) if update => Ok(optim.step_flat(lr, module, grads)?),
             FlatOptimizer::Replicated(_) => Ok(module),
             FlatOptimizer::Sharded(sh) => sh.step(lr, module, grads, update),
-        }
-    }
-
-    /// The parameters this rank steps with their placements, laid out as its gradient: the
-    /// whole `module`'s, or under ZeRO this rank's rows of each.
-    pub fn entries<M: Module>(
-        &self,
-        placements: &PlacementTable,
-        module: &M,
-    ) -> Result<Vec<(ParamSlot, ParamPlacement)>, RankError> {
-        match self {
-            FlatOptimizer::Sharded(sh) => sh.entries(placements),
-            FlatOptimizer::Replicated(_) => Ok(placements
-                .entries_of(module)?
-                .into_iter()
-                .map(|(slot, entry)| (slot, entry.clone()))
-                .collect()),
         }
     }
 
@@ -303,14 +240,6 @@ impl FlatOptimizer {
         match self {
             FlatOptimizer::Replicated(optim) => restore_flat(module, state, optim.flat_mut()),
             FlatOptimizer::Sharded(sh) => sh.restore(state, module),
-        }
-    }
-
-    /// Elements held between steps: (parameters, gradients and moments), `numel` the module's.
-    pub fn held(&self, numel: usize) -> (usize, usize) {
-        match self {
-            FlatOptimizer::Sharded(sh) => sh.held(),
-            FlatOptimizer::Replicated(_) => (numel, numel),
         }
     }
 }

@@ -25,13 +25,12 @@ use crate::precision::cast_params;
 pub(crate) use replicas::{Replicas, take_recomputed_copies};
 
 use crate::error::ParallelError;
-use crate::params::flatten_params;
 use crate::tensor_parallel::comm::{host, host_pair, ok, values};
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{Tensor, TensorData};
 use flashover_comm::{CommunicatorExt, Group};
+use flashover_models::SwiGlu;
 use flashover_models::moe::{ExpertDispatch, Moe, Routing, index_tensor, run_experts};
-use flashover_models::{Block, SwiGlu, Transformer};
 use flashover_runtime::Axis;
 use std::ops::Range;
 use std::sync::Arc;
@@ -192,34 +191,6 @@ impl ExpertParallel {
     pub fn traffic(&self) -> &ExpertTraffic {
         &self.traffic
     }
-
-    /// `model` with every MoE layer's experts gathered from the group (collective): the whole
-    /// model, as one rank would hold it.
-    pub fn gather_experts(&self, mut model: Transformer) -> Result<Transformer, ParallelError> {
-        self.gather_block_experts(&mut model.blocks)?;
-        Ok(model)
-    }
-
-    /// [`ExpertParallel::gather_experts`] on some of a model's blocks (a pipeline stage's):
-    /// every layer's experts from every ep rank, in rank order, as new parameters (collective
-    /// over ep).
-    pub fn gather_block_experts(&self, blocks: &mut [Block]) -> Result<(), ParallelError> {
-        for block in blocks {
-            if let Some(moe) = block.moe.as_mut() {
-                let Some(template) = moe.experts.first() else {
-                    continue;
-                };
-                let gathered = self.group.all_gather_vec(&flatten_params(&moe.experts))?;
-                let numel = flatten_params(template).len();
-                moe.experts = gathered
-                    .chunks(numel)
-                    .map(|flat| replicas::fresh_copy(template, flat))
-                    .collect();
-                moe.first_expert = 0;
-            }
-        }
-        Ok(())
-    }
 }
 
 /// Variable all-to-all of the rows of `x: [rows, d]`: `send[q]` consecutive rows to rank `q`;
@@ -338,9 +309,7 @@ impl ExpertDispatch for ExpertParallel {
             // it is tracked here as well when the experts train, even if the layer's input is
             // not (a layer reading the data directly). An empty leaf carries the tracking; the
             // received rows stay on the graph beside it.
-            let experts_train = experts
-                .iter()
-                .any(|e| e.w_gate.weight.base().is_require_grad());
+            let experts_train = experts.iter().any(|e| e.w_gate.weight.base().is_tracked());
             if experts_train {
                 received.clone() + received.detach().require_grad()
             } else {

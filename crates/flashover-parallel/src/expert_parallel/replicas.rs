@@ -1,21 +1,18 @@
-//! Hot-expert replication: before each step, the experts that received the most tokens in the
-//! previous step (per layer, from the global loads every rank holds alike) are copied from their
-//! owners to every rank of the ep group. Each rank then keeps its own tokens for those experts
-//! and runs them on its copy, so the hottest experts neither draw traffic nor pile work on one
-//! rank. After backward the copies' gradients are summed over the group and added to the owner's
-//! expert, which steps as usual; the next step copies the new weights. The result is the
-//! unreplicated computation, with gradients summed in another order.
+//! Hot-expert replication (a plan's `replicate_hot_experts`): each step, the experts of a layer
+//! that received the most tokens in the previous step are copied from their owners to every
+//! rank of the ep group. Each rank then keeps its own tokens for those experts and runs them on
+//! its copy, so the hottest experts neither draw traffic nor pile work on one rank. After
+//! backward the copies' gradients are summed over the group and added to the owner's expert,
+//! which steps as usual; the next step copies the new weights. The result is the unreplicated
+//! computation, with gradients summed in another order.
 //!
-//! Two ways to drive it. The trainer's own MoE strategy copies eagerly before each step
-//! ([`ExpertParallel::replicate_hot`]) from loads it records. A plan
-//! (`ParallelizePlan::replicate_hot_experts`) copies lazily instead: a layer's first dispatch
-//! of a step (which every `ep` rank runs at the same point: it is a collective) broadcasts the
-//! hot experts from the weights the layer computes with, wherever they came from (a pipeline
-//! stage, a gathered unit, a compute-dtype view). The dispatch counts this rank's assignments,
-//! and the step's fold ([`Replicas::fold`]) sums them over the group with the copies'
-//! gradients, so the next step's hot experts are the same on every `ep` rank.
+//! The copies are made lazily: a layer's first dispatch of a step (which every `ep` rank runs
+//! at the same point: it is a collective) broadcasts the hot experts from the weights the layer
+//! computes with, wherever they came from (a pipeline stage, a gathered unit, a compute-dtype
+//! view). The dispatch counts this rank's assignments, and the step's fold
+//! ([`Replicas::fold`]) sums them over the group with the copies' gradients, so the next
+//! step's hot experts are the same on every `ep` rank.
 
-use super::ExpertParallel;
 use crate::error::ParallelError;
 use crate::params::{accumulate_grads, flatten_params};
 use burn::module::{Module, Param, ParamId};
@@ -24,25 +21,25 @@ use burn::optim::GradientsParams;
 use burn::tensor::Gradients;
 use burn::tensor::{Device, Tensor, TensorData};
 use flashover_comm::{CommError, CommunicatorExt, Group, ReduceOp};
+use flashover_models::SwiGlu;
 use flashover_models::moe::Moe;
-use flashover_models::{Block, SwiGlu};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-/// This step's expert copies, shared by an [`ExpertParallel`] and its clones.
+/// This step's expert copies, shared by a plan's `ep` dispatches (the default copies none).
 #[derive(Debug, Clone, Default)]
 pub struct Replicas(Arc<Mutex<ReplicaState>>);
 
 #[derive(Debug, Default)]
 struct ReplicaState {
     /// Per layer (keyed by its router's parameter): this step's hot experts, ascending, and
-    /// their copies.
+    /// their trained copies.
     layers: HashMap<ParamId, (Vec<usize>, Vec<SwiGlu>)>,
-    /// Per layer: assignments per expert in the last step, over the global batch.
+    /// Per layer: assignments per expert in the last step, summed over the ep group.
     loads: HashMap<ParamId, Vec<u64>>,
     /// Per layer: the copies' gradients summed over the step's micro-batches, in hot order.
     grads: HashMap<ParamId, Vec<f32>>,
-    /// Set when a plan drives the copies (lazily, from the loads its dispatches count).
+    /// Set when a plan copies hot experts (`None`: a dispatch that copies none).
     plan: Option<PlanCopies>,
 }
 
@@ -149,7 +146,8 @@ impl Replicas {
                 .zip(counts)
                 .for_each(|(c, &n)| *c += n as u64);
         }
-        let trains = template.w_gate.weight.val().is_require_grad();
+        // Tracked: a parameter or a compute-dtype view of one (a cast is no leaf).
+        let trains = template.w_gate.weight.val().is_tracked();
         if trains && replay {
             RECOMPUTED.with(|r| r.borrow_mut().push(self.clone()));
         }
@@ -288,8 +286,9 @@ fn hottest(loads: &[u64], n: usize) -> Vec<usize> {
 }
 
 /// A copy of `template`'s shape holding `flat`, as new parameters (new ids: the copy's
-/// gradients must not mix with the owner's), trainable where the template's are.
-pub(super) fn fresh_copy(template: &SwiGlu, flat: &[f32]) -> SwiGlu {
+/// gradients must not mix with the owner's), trainable where the template's are tracked (a
+/// parameter, or a compute-dtype view of one).
+fn fresh_copy(template: &SwiGlu, flat: &[f32]) -> SwiGlu {
     let mut at = 0;
     let mut linear = |l: &Linear| {
         let w = l.weight.val();
@@ -297,7 +296,7 @@ pub(super) fn fresh_copy(template: &SwiGlu, flat: &[f32]) -> SwiGlu {
         let n = dims[0] * dims[1];
         let t = Tensor::<2>::from_data(TensorData::new(flat[at..at + n].to_vec(), dims), &device);
         at += n;
-        let t = match w.is_require_grad() {
+        let t = match w.is_tracked() {
             true => t.require_grad(),
             false => t,
         };
@@ -310,107 +309,5 @@ pub(super) fn fresh_copy(template: &SwiGlu, flat: &[f32]) -> SwiGlu {
         w_gate: linear(&template.w_gate),
         w_up: linear(&template.w_up),
         w_down: linear(&template.w_down),
-    }
-}
-
-impl ExpertParallel {
-    /// Before a step's forwards: in every MoE layer of `blocks`, copies the `n` experts that
-    /// took the most assignments last step (ties: lower index) from their owners to every rank
-    /// (one broadcast each; collective). The first step, with no loads yet, copies none; nor
-    /// does a group of one.
-    pub fn replicate_hot(&self, blocks: &[Block], n: usize) -> Result<(), ParallelError> {
-        let mut state = self.replicas.state();
-        state.layers.clear();
-        state.grads.clear();
-        // One rank holds every expert already.
-        if n == 0 || self.group.size() == 1 {
-            return Ok(());
-        }
-        let me = self.group.rank();
-        for moe in blocks.iter().filter_map(|b| b.moe.as_ref()) {
-            let id = moe.router.weight.id;
-            let Some(loads) = state.loads.get(&id) else {
-                continue;
-            };
-            let hot = hottest(loads, n);
-            let template = &moe.experts[0];
-            let len = template.num_params();
-            let mut copies = Vec::with_capacity(hot.len());
-            for &x in &hot {
-                let owner = x / self.per_rank();
-                let mut weights = if owner == me {
-                    flatten_params(&moe.experts[x - moe.first_expert])
-                } else {
-                    vec![0.0; len]
-                };
-                self.group.broadcast(&mut weights, owner)?;
-                copies.push(fresh_copy(template, &weights));
-            }
-            state.layers.insert(id, (hot, copies));
-        }
-        Ok(())
-    }
-
-    /// After a micro-batch's backward: moves the copies' gradients out of `grads` (before the
-    /// model's are read) into the step's sums.
-    pub fn take_replica_grads(&self, grads: &mut Gradients) {
-        self.replicas.take_grads(grads);
-    }
-
-    /// After the step's backwards: sums every rank's copy gradients over the group (one
-    /// all-reduce per layer; collective) and adds them to the owners' experts in `flat`, the
-    /// flat gradient of `model` whose blocks are `blocks`.
-    pub fn fold_replica_grads<M: Module>(
-        &self,
-        model: &M,
-        blocks: &[Block],
-        flat: &mut [f32],
-    ) -> Result<(), ParallelError> {
-        let mut state = self.replicas.state();
-        let me = self.group.rank();
-        for moe in blocks.iter().filter_map(|b| b.moe.as_ref()) {
-            let id = moe.router.weight.id;
-            let Some((hot, len)) = state
-                .layers
-                .get(&id)
-                .and_then(|(hot, copies)| Some((hot.clone(), copies.first()?.num_params())))
-            else {
-                continue;
-            };
-            let mut sums = state
-                .grads
-                .remove(&id)
-                .unwrap_or_else(|| vec![0.0; len * hot.len()]);
-            self.group.all_reduce(&mut sums, ReduceOp::Sum)?;
-            let mut owned = GradientsParams::new();
-            for (i, &x) in hot.iter().enumerate() {
-                if x / self.per_rank() != me {
-                    continue;
-                }
-                let expert = &moe.experts[x - moe.first_expert];
-                let mut at = i * len;
-                for linear in [&expert.w_gate, &expert.w_up, &expert.w_down] {
-                    let w = linear.weight.val();
-                    let dims = w.dims();
-                    let n = dims[0] * dims[1];
-                    let data = TensorData::new(sums[at..at + n].to_vec(), dims);
-                    owned.register::<2>(linear.weight.id, Tensor::from_data(data, &w.device()));
-                    at += n;
-                }
-            }
-            if !owned.is_empty() {
-                accumulate_grads(model, &owned, flat, &[]);
-            }
-        }
-        Ok(())
-    }
-
-    /// After a step: the assignments per expert of each MoE layer of `blocks` over the global
-    /// batch (the same on every rank), from which the next step's hot experts are chosen.
-    pub fn record_loads(&self, blocks: &[Block], routed: &[Vec<u64>]) {
-        let mut state = self.replicas.state();
-        for (moe, loads) in blocks.iter().filter_map(|b| b.moe.as_ref()).zip(routed) {
-            state.loads.insert(moe.router.weight.id, loads.clone());
-        }
     }
 }
