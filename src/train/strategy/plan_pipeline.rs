@@ -1,4 +1,5 @@
-//! Pipeline parallelism through the reference model's plan, as a user's model runs it: the
+//! Pipelines and mixtures of experts through the reference model's plan, as a user's model
+//! runs them (a mixture of experts without `pp` as one stage, its micro-batches in turn): the
 //! job's plan (`TrainConfig::model_plan`: the tensor- and sequence-parallel split, under ZeRO-3
 //! every layer a fully sharded unit) with a pipeline rule cut from `[parallel]`, its
 //! recomputation and precision, applied by `flashover_parallel::parallelize`. Each step is
@@ -23,7 +24,7 @@
 //! what it holds ([`super::held_rows`]): the plan's gradients come unreduced
 //! (`Parallelized::pipeline_gradients`) and the job reduce-scatters them over the rows' axis.
 //!
-//! Runs every pipeline of the job ([`runs`]).
+//! Runs every job with a `pp` axis or a mixture of experts ([`runs`]).
 
 use super::held_rows::HeldRows;
 use super::routing::RoutingSums;
