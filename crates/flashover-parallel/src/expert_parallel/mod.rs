@@ -166,7 +166,7 @@ impl ExpertParallel {
     }
 
     /// The dispatch copying hot experts into `replicas` (shared with whoever folds their
-    /// gradients) instead of copies of its own.
+    /// gradients); without it, it copies none.
     pub(crate) fn copying_into(mut self, replicas: Replicas) -> Self {
         self.replicas = replicas;
         self

@@ -19,47 +19,42 @@ use burn::module::{Module, Param, ParamId};
 use burn::nn::Linear;
 use burn::optim::GradientsParams;
 use burn::tensor::Gradients;
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 use flashover_comm::{CommError, CommunicatorExt, Group, ReduceOp};
 use flashover_models::SwiGlu;
 use flashover_models::moe::Moe;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-/// This step's expert copies, shared by a plan's `ep` dispatches (the default copies none).
+/// This step's hot-expert copies, shared by a plan's `ep` dispatches; the default copies none.
 #[derive(Debug, Clone, Default)]
-pub struct Replicas(Arc<Mutex<ReplicaState>>);
+pub struct Replicas(Option<Arc<Mutex<HotCopies>>>);
 
+/// A plan's hot-expert copies: what a step has dispatched, counted, copied and trained so far.
 #[derive(Debug, Default)]
-struct ReplicaState {
-    /// Per layer (keyed by its router's parameter): this step's hot experts, ascending, and
-    /// their trained copies.
-    layers: HashMap<ParamId, (Vec<usize>, Vec<SwiGlu>)>,
-    /// Per layer: assignments per expert in the last step, summed over the ep group.
-    loads: HashMap<ParamId, Vec<u64>>,
-    /// Per layer: the copies' gradients summed over the step's micro-batches, in hot order.
-    grads: HashMap<ParamId, Vec<f32>>,
-    /// Set when a plan copies hot experts (`None`: a dispatch that copies none).
-    plan: Option<PlanCopies>,
-}
-
-/// A plan's hot-expert copies: what a step has dispatched, counted and copied so far.
-#[derive(Debug, Default)]
-struct PlanCopies {
+struct HotCopies {
     /// Experts copied per layer.
     n: usize,
-    /// This step's layers (by router), in the order of their first dispatch: the same on every
-    /// `ep` rank, which is the order their sums are reduced in.
+    /// Per layer (keyed by its router's parameter): assignments per expert in the last step,
+    /// summed over the ep group.
+    loads: HashMap<ParamId, Vec<u64>>,
+    /// This step's layers, in the order of their first dispatch: the same on every `ep`
+    /// rank, which is the order their sums are reduced in.
     order: Vec<ParamId>,
     /// Per layer: this rank's assignments per expert this step (a rerun in backward not
     /// counted again).
     counted: HashMap<ParamId, Vec<u64>>,
-    /// Per layer: this step's hot experts and their weights, as broadcast by their owners.
+    /// Per layer: this step's hot experts, ascending, and their weights as their owners
+    /// broadcast them.
     weights: HashMap<ParamId, (Vec<usize>, Vec<Vec<f32>>)>,
     /// Per layer: the copies of experts this rank owns.
     owned: HashMap<ParamId, Vec<OwnedCopy>>,
-    /// The device the owners' weights live on (for their folded gradients).
-    device: Option<Device>,
+    /// Per layer: this step's hot experts and their trained copies (shared by every forward
+    /// that trains, so their gradients add up).
+    trained: HashMap<ParamId, (Vec<usize>, Vec<SwiGlu>)>,
+    /// Per layer: the trained copies' gradients summed over the step's backwards, in hot
+    /// order.
+    grads: HashMap<ParamId, Vec<f32>>,
     /// Whether a backward's gradients were handed to [`Replicas::take_grads`] this step.
     taken: bool,
 }
@@ -92,28 +87,27 @@ impl Replicas {
     /// Copies of the `n` hottest experts of every layer dispatching through it, made lazily
     /// at each step's first dispatch of the layer (a plan's `replicate_hot_experts`).
     pub(crate) fn lazy(n: usize) -> Self {
-        let state = ReplicaState {
-            plan: Some(PlanCopies {
-                n,
-                ..PlanCopies::default()
-            }),
-            ..ReplicaState::default()
+        let copies = HotCopies {
+            n,
+            ..HotCopies::default()
         };
-        Replicas(Arc::new(Mutex::new(state)))
+        Replicas(Some(Arc::new(Mutex::new(copies))))
     }
 
-    fn state(&self) -> std::sync::MutexGuard<'_, ReplicaState> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    /// The copies' state, when there are copies to make.
+    fn state(&self) -> Option<std::sync::MutexGuard<'_, HotCopies>> {
+        let state = self.0.as_ref()?;
+        Some(state.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// The hot experts of `moe` for this step and their copies (none if the layer replicates
-    /// nothing this step), `counts` being this dispatch's assignments per expert. Under a
-    /// plan, the layer's first dispatch of a step broadcasts them from their owners (one
-    /// broadcast each, collective over `group`, whose ranks hold `per_rank` experts each),
-    /// and every dispatch but a recomputation's counts its assignments. A forward that trains
-    /// (its experts tracked) shares the step's copies, whose gradients the step folds; one
-    /// that does not (validation, the untracked first run of a recomputed layer) gets
-    /// untracked copies of the same weights.
+    /// nothing this step), `counts` being this dispatch's assignments per expert. The layer's
+    /// first dispatch of a step broadcasts them from their owners (one broadcast each,
+    /// collective over `group`, whose ranks hold `per_rank` experts each), and every dispatch
+    /// but a recomputation's counts its assignments. A forward that trains (its experts
+    /// tracked) shares the step's copies, whose gradients the step folds; one that does not
+    /// (validation, the untracked first run of a recomputed layer) gets untracked copies of
+    /// the same weights.
     pub(crate) fn copies_for(
         &self,
         moe: &Moe,
@@ -121,24 +115,15 @@ impl Replicas {
         per_rank: usize,
         counts: &[usize],
     ) -> Result<(Vec<usize>, Vec<SwiGlu>), CommError> {
-        let id = moe.router.weight.id;
-        let mut state = self.state();
-        let ReplicaState {
-            layers,
-            loads,
-            plan,
-            ..
-        } = &mut *state;
-        let Some(plan) = plan.as_mut() else {
-            return Ok(layers.get(&id).cloned().unwrap_or_default());
-        };
-        let Some(template) = moe.experts.first() else {
+        let (Some(mut state), Some(template)) = (self.state(), moe.experts.first()) else {
             return Ok(Default::default());
         };
+        let state = &mut *state;
+        let id = moe.router.weight.id;
         let replay = crate::parallelize::units::replaying();
         if !replay {
-            let counted = plan.counted.entry(id).or_insert_with(|| {
-                plan.order.push(id);
+            let counted = state.counted.entry(id).or_insert_with(|| {
+                state.order.push(id);
                 vec![0; counts.len()]
             });
             counted
@@ -151,14 +136,18 @@ impl Replicas {
         if trains && replay {
             RECOMPUTED.with(|r| r.borrow_mut().push(self.clone()));
         }
-        if let Some(made) = layers.get(&id).filter(|_| trains) {
+        if let Some(made) = state.trained.get(&id).filter(|_| trains) {
             return Ok(made.clone());
         }
-        if !plan.weights.contains_key(&id) {
-            let Some(loads) = loads.get(&id).filter(|_| group.size() > 1 && plan.n > 0) else {
+        if !state.weights.contains_key(&id) {
+            let Some(loads) = state
+                .loads
+                .get(&id)
+                .filter(|_| group.size() > 1 && state.n > 0)
+            else {
                 return Ok(Default::default());
             };
-            let hot = hottest(loads, plan.n);
+            let hot = hottest(loads, state.n);
             let me = group.rank();
             let (mut weights, mut owned) = (vec![], vec![]);
             for (slot, &x) in hot.iter().enumerate() {
@@ -177,42 +166,36 @@ impl Replicas {
                 group.broadcast(&mut flat, owner)?;
                 weights.push(flat);
             }
-            plan.device = Some(template.w_gate.weight.val().device());
-            plan.owned.insert(id, owned);
-            plan.weights.insert(id, (hot, weights));
+            state.owned.insert(id, owned);
+            state.weights.insert(id, (hot, weights));
         }
-        let (hot, weights) = &plan.weights[&id];
+        let (hot, weights) = &state.weights[&id];
         let copies: Vec<SwiGlu> = weights.iter().map(|w| fresh_copy(template, w)).collect();
         if trains {
-            layers.insert(id, (hot.clone(), copies.clone()));
+            state.trained.insert(id, (hot.clone(), copies.clone()));
         }
         Ok((hot.clone(), copies))
     }
 
-    /// After a step's backwards, under a plan: sums every rank's copy gradients and
-    /// assignments over `group` (per layer this step dispatched, in dispatch order; collective)
-    /// and returns the copies' gradients, times `scale`, as the gradients of the experts this
-    /// rank owns. The summed assignments choose each layer's next hot experts. Fails when
-    /// copies were trained but no backward's gradients reached [`Self::take_grads`].
+    /// After a step's backwards: sums every rank's copy gradients and assignments over
+    /// `group` (per layer this step dispatched, in dispatch order; collective) and returns the
+    /// copies' gradients, times `scale`, as the gradients of the experts this rank owns. The
+    /// summed assignments choose each layer's next hot experts. Fails when copies were
+    /// trained but no backward's gradients reached [`Self::take_grads`].
     pub(crate) fn fold(&self, group: &Group, scale: f32) -> Result<GradientsParams, ParallelError> {
-        let mut state = self.state();
-        let ReplicaState {
-            layers,
-            loads,
-            grads,
-            plan,
-        } = &mut *state;
         let mut folded = GradientsParams::new();
-        let Some(plan) = plan.as_mut() else {
+        let Some(mut state) = self.state() else {
             return Ok(folded);
         };
-        let trained = std::mem::take(layers);
-        let mut sums_of = std::mem::take(grads);
-        let taken = std::mem::take(&mut plan.taken);
-        let order = std::mem::take(&mut plan.order);
-        let owned = std::mem::take(&mut plan.owned);
-        let mut counted = std::mem::take(&mut plan.counted);
-        plan.weights.clear();
+        let state = &mut *state;
+        // The step's state ends here, whatever happens below.
+        let trained = std::mem::take(&mut state.trained);
+        let mut sums_of = std::mem::take(&mut state.grads);
+        let taken = std::mem::take(&mut state.taken);
+        let order = std::mem::take(&mut state.order);
+        let owned = std::mem::take(&mut state.owned);
+        let mut counted = std::mem::take(&mut state.counted);
+        state.weights.clear();
         if trained.values().any(|(hot, _)| !hot.is_empty()) && !taken {
             return Err(ParallelError::Invalid(
                 "hot-expert copies (replicate_hot_experts) trained this step, but no backward \
@@ -222,9 +205,9 @@ impl Replicas {
             ));
         }
         for id in order {
-            let mut loads_now = counted.remove(&id).unwrap_or_default();
-            group.all_reduce(&mut loads_now, ReduceOp::Sum)?;
-            loads.insert(id, loads_now);
+            let mut loads = counted.remove(&id).unwrap_or_default();
+            group.all_reduce(&mut loads, ReduceOp::Sum)?;
+            state.loads.insert(id, loads);
             let Some((hot, copies)) = trained.get(&id).filter(|(hot, _)| !hot.is_empty()) else {
                 continue;
             };
@@ -233,14 +216,15 @@ impl Replicas {
                 .remove(&id)
                 .unwrap_or_else(|| vec![0.0; len * hot.len()]);
             group.all_reduce(&mut sums, ReduceOp::Sum)?;
-            let device = plan.device.as_ref().expect("set with the copies");
+            // The copies live where their owners' weights do.
+            let device = copies[0].w_gate.weight.val().device();
             for copy in owned.get(&id).into_iter().flatten() {
                 let mut at = copy.slot * len;
                 for (weight, dims) in &copy.weights {
                     let n = dims[0] * dims[1];
                     let g: Vec<f32> = sums[at..at + n].iter().map(|g| g * scale).collect();
                     let data = TensorData::new(g, *dims);
-                    folded.register::<2>(*weight, Tensor::from_data(data, device));
+                    folded.register::<2>(*weight, Tensor::from_data(data, &device));
                     at += n;
                 }
             }
@@ -248,24 +232,20 @@ impl Replicas {
         Ok(folded)
     }
 
-    /// After a backward: moves the copies' gradients out of `grads` (before the model's are
-    /// read) into the step's sums.
+    /// After a backward: moves the trained copies' gradients out of `grads` (before the
+    /// model's are read) into the step's sums.
     pub(crate) fn take_grads(&self, grads: &mut Gradients) {
-        let mut state = self.state();
-        let ReplicaState {
-            layers,
-            grads: sums,
-            plan,
-            ..
-        } = &mut *state;
-        if let Some(plan) = plan.as_mut() {
-            plan.taken = true;
-        }
-        for (id, (_, copies)) in layers.iter() {
+        let Some(mut state) = self.state() else {
+            return;
+        };
+        let state = &mut *state;
+        state.taken = true;
+        for (id, (_, copies)) in &state.trained {
             let Some(len) = copies.first().map(Module::num_params) else {
                 continue;
             };
-            let sum = sums
+            let sum = state
+                .grads
                 .entry(*id)
                 .or_insert_with(|| vec![0.0; len * copies.len()]);
             for (i, copy) in copies.iter().enumerate() {

@@ -103,12 +103,10 @@ fn forward_routed(
         match placed.and_then(Placed::experts) {
             None => (std::borrow::Cow::Borrowed(moe), Arc::new(LocalExperts)),
             Some(split) => {
-                let mut ep = ExpertParallel::new(&split.group, split.n_experts)
+                let ep = ExpertParallel::new(&split.group, split.n_experts)
                     .unwrap_or_else(|e| panic!("expert parallelism: {e}"))
-                    .counting_into(split.traffic.clone());
-                if let Some(replicas) = &split.replicas {
-                    ep = ep.copying_into(replicas.clone());
-                }
+                    .counting_into(split.traffic.clone())
+                    .copying_into(split.replicas.clone());
                 let mine = ep.experts_of(split.group.rank());
                 // This rank's experts only (the others are placeholders here).
                 let held = Moe {

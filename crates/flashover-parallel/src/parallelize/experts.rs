@@ -173,7 +173,7 @@ impl Experts {
                     group: ep.clone(),
                     n_experts: l.n_experts,
                     traffic: traffic.clone(),
-                    replicas: hot.as_ref().map(|(replicas, _)| replicas.clone()),
+                    replicas: hot.as_ref().map(|(r, _)| r.clone()).unwrap_or_default(),
                 };
                 l.router.iter().map(move |p| (p.clone(), split.clone()))
             })

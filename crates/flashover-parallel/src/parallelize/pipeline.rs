@@ -106,9 +106,9 @@ pub(super) struct Stages {
     units: Option<Arc<LayerUnits>>,
     /// The precision a step's forwards and backwards compute in (f32 without one).
     precision: Option<MixedPrecision>,
-    /// Under `replicate_hot_experts`: the hot-expert copies every backward hands its
-    /// gradients to.
-    copies: Option<Replicas>,
+    /// The hot-expert copies every backward hands its gradients to (none without
+    /// `replicate_hot_experts`).
+    copies: Replicas,
 }
 
 /// A pipeline's layers as fully sharded units.
@@ -219,7 +219,7 @@ impl Stages {
             recomputed: Default::default(),
             units: None,
             precision: None,
-            copies: None,
+            copies: Replicas::default(),
         })
     }
 
@@ -232,7 +232,7 @@ impl Stages {
     /// Every backward hands the gradients of `copies` (hot experts' copies, not parameters of
     /// the model) over to them.
     pub(super) fn hand_gradients_to(&mut self, copies: Replicas) {
-        self.copies = Some(copies);
+        self.copies = copies;
     }
 
     /// Records that this rank's parameters are its own over `pp` and which are tied copies.
@@ -332,11 +332,7 @@ impl Stages {
         };
         let chunks = vec![model.clone(); self.schedule.chunks];
         // Gradients of parameters outside the model (hot-expert copies) go to them.
-        let take = |grads: &mut Gradients| {
-            if let Some(copies) = &self.copies {
-                copies.take_grads(grads);
-            }
-        };
+        let take = |grads: &mut Gradients| self.copies.take_grads(grads);
         let mut executor = PipelineExecutor::new(&self.schedule, &self.pp)?.taking_gradients(&take);
         if let Some(policy) = &self.precision {
             executor = executor.with_activation_dtype(policy.param_dtype.float_dtype().into());

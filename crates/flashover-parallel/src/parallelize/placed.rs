@@ -182,8 +182,9 @@ pub struct ExpertSplit {
     pub n_experts: usize,
     /// Token rows every layer's dispatch sent to other ranks ([`super::Parallelized::expert_rows_sent`]).
     pub(crate) traffic: Arc<crate::expert_parallel::ExpertTraffic>,
-    /// Under `replicate_hot_experts`: the step's hot-expert copies, shared by every layer.
-    pub(crate) replicas: Option<crate::expert_parallel::Replicas>,
+    /// The step's hot-expert copies, shared by every layer (none without
+    /// `replicate_hot_experts`).
+    pub(crate) replicas: crate::expert_parallel::Replicas,
 }
 
 impl ContextSplit {
