@@ -251,18 +251,10 @@ pub(crate) fn train_rank(
     origin: Instant,
 ) -> Result<RankOutput, RankError> {
     let rank = Rank::new(ctx, config, model_config, source)?;
-    let mut strategy = match strategy::plan_pipeline::runs(config, ctx.mesh()) {
-        // The plan cuts the stages and spreads the experts itself, from the whole model.
-        true => {
-            let model = rank.model(model_config);
-            strategy::plan_pipeline::build(ctx, config, model_config, model, &rank.grad_group)?
-        }
-        false => {
-            let seeded = rank.model(model_config);
-            let model = parallelize::parallelize(ctx, config, model_config, seeded)?;
-            strategy::build(ctx, config, model, &rank.grad_group)?
-        }
-    };
+    // The plan cuts the stages and spreads the experts itself, from the whole model.
+    let model = rank.model(model_config);
+    let mut strategy =
+        strategy::plan_pipeline::build(ctx, config, model_config, model, &rank.grad_group)?;
     let policy = config.precision.policy()?;
     policy.check(&rank.device)?;
     let mut precision = Precisions {

@@ -195,6 +195,19 @@ impl MixedPrecision {
         cast_params(model, self.param_dtype.float_dtype())
     }
 
+    /// [`Self::compute_view`] of the parameters `part` marks (one flag per parameter, in layout
+    /// order), the others as they are: a layer of a whole model cast inside its recomputation.
+    pub(crate) fn compute_view_of<M: Module>(&self, model: M, part: &[bool]) -> M {
+        if self.param_dtype == Precision::F32 {
+            return model;
+        }
+        model.map(&mut CastPart {
+            dtype: self.param_dtype.float_dtype(),
+            part,
+            index: 0,
+        })
+    }
+
     /// A loss scaler for this policy.
     pub fn scaler(&self) -> LossScaler {
         LossScaler::new(self.loss_scale)
@@ -292,6 +305,27 @@ impl ModuleMapper for CastParams {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let dtype = self.0;
         param.map(|t| t.cast(dtype))
+    }
+}
+
+/// Casts the float parameters `part` marks, keeping each parameter (its id) and the graph.
+struct CastPart<'a> {
+    dtype: FloatDType,
+    part: &'a [bool],
+    index: usize,
+}
+
+impl ModuleMapper for CastPart<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let marked = self.part.get(self.index).copied().unwrap_or(false);
+        self.index += 1;
+        match marked {
+            true => {
+                let dtype = self.dtype;
+                param.map(|t| t.cast(dtype))
+            }
+            false => param,
+        }
     }
 }
 

@@ -34,10 +34,12 @@ use super::{
 };
 use crate::train::checkpoint::{LocalState, placed_segments};
 use crate::train::config::{GradientReduction, TrainConfig};
+use burn::module::Module;
 use burn::tensor::{Int, Tensor};
 use flashover_models::moe::LocalExperts;
 use flashover_models::{ForwardContext, MoeHook, Transformer, TransformerConfig};
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
+use flashover_parallel::data_parallel::{GradientBuckets, ReductionReport};
 use flashover_parallel::parallelize::transformer::{self, LmBatch};
 use flashover_parallel::parallelize::{
     ContextParallelRule, ParallelizePlan, Parallelized, PipelineModel, parallelize,
@@ -51,10 +53,10 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Whether the job runs through the plan's pipeline on `mesh`: every job with a `pp` axis,
-/// and every mixture-of-experts job (without `pp`, one stage runs the micro-batches in turn).
-pub(crate) fn runs(config: &TrainConfig, mesh: &DeviceMesh) -> bool {
-    mesh.degree(Axis::Pp) > 1 || config.moe.experts > 0
+/// Whether the job runs through the plan's pipeline on `mesh`: every job (without `pp`, one
+/// stage runs the micro-batches in turn).
+pub(crate) fn runs(_config: &TrainConfig, _mesh: &DeviceMesh) -> bool {
+    true
 }
 
 /// Whether the job's ZeRO stage steps rows of what a rank holds ([`HeldRows`]): ZeRO-1/2, and
@@ -71,6 +73,11 @@ pub(crate) fn steps_rows(config: &TrainConfig) -> bool {
 /// A rank's model under the plan, its AdamW and what a step reads.
 struct PlanPipeline {
     model: Transformer,
+    /// The autodiff device the model computes on.
+    device: burn::tensor::Device,
+    /// ZeRO-3's units reshard after forward: every layer is recomputed for that, not for the
+    /// job's recomputation policy (whose count the step reports).
+    reshards: bool,
     par: Parallelized,
     optim: Optimizer,
     /// Tokens per sequence (the dropout masks' positions).
@@ -126,8 +133,11 @@ pub(crate) fn build(
         .chunks(p.pp_chunks)
         .layers_per_stage(&counts);
     // Burn's balanced checkpointing is the device's (`Rank::new` made it); the plan recomputes
-    // the layers a block-level policy names.
+    // the layers a block-level policy names. ZeRO-3's units reshard after forward by
+    // recomputing every layer: Burn keeps what a recorded forward read until its backward.
+    let reshards = p.zero == 3 && p.reshard_after_forward && !steps_rows(config);
     let recompute = match &p.activation_checkpointing {
+        _ if reshards => CheckpointPolicy::Full,
         policy if policy.is_selective() => CheckpointPolicy::None,
         policy => policy.clone(),
     };
@@ -135,7 +145,12 @@ pub(crate) fn build(
         .model_plan(model_config, ctx.mesh())?
         .pipeline(rule)
         .activation_checkpointing(recompute)
-        .mixed_precision(config.precision.policy()?);
+        .mixed_precision(config.precision.policy()?)
+        .gradient_buckets(
+            GradientBuckets::default()
+                .bucket_mb(p.bucket_mb)
+                .overlap(p.overlap),
+        );
     // The model's own experts rules (the job's plan leaves them to the job).
     plan.expert_parallel = ParallelizePlan::from_toml(&model_config.plan_toml())?.expert_parallel;
     plan = plan.replicate_hot_experts(config.moe.replicate_hot);
@@ -165,8 +180,15 @@ pub(crate) fn build(
             }
         }
     };
+    let device = model
+        .devices()
+        .into_iter()
+        .next()
+        .unwrap_or_else(|| ctx.device().clone().autodiff());
     Ok(Box::new(PlanPipeline {
         optim,
+        device,
+        reshards,
         model,
         par,
         seq: config.data.seq_len,
@@ -194,9 +216,12 @@ impl PlanPipeline {
         &self,
         (inputs, targets, fwd): (Tensor<2, Int>, Tensor<2, Int>, ForwardContext),
     ) -> Result<LmBatch, RankError> {
+        // The positions the tp ranks split under sequence parallelism: this rank's share of
+        // each sequence (all of it without cp).
+        let local_seq = inputs.dims()[1];
         let ctx = match fwd.dropout {
             Some(dropout) => {
-                transformer::dropout_context(&self.model, dropout, fwd.sample_offset, self.seq)
+                transformer::dropout_context(&self.model, dropout, fwd.sample_offset, local_seq)
             }
             None => transformer::forward_context(),
         };
@@ -298,6 +323,7 @@ impl RankStrategy for PlanPipeline {
                     recomputed: out.recomputed,
                     loss_scale: out.loss_scale,
                     skipped: out.skipped,
+                    reduction: out.reduction,
                 }
             }
             Optimizer::Rows(rows_optim) => {
@@ -324,12 +350,14 @@ impl RankStrategy for PlanPipeline {
                 )?;
                 self.model = model;
                 Stepped {
-                    loss: out.loss,
+                    // The whole batch's mean, as the plan's own reduction reports it.
+                    loss: self.par.mean_loss(out.loss)?,
                     norm,
                     report: out.report,
                     recomputed: out.recomputed,
                     loss_scale,
                     skipped: !update,
+                    reduction: ReductionReport::default(),
                 }
             }
         };
@@ -354,14 +382,20 @@ impl RankStrategy for PlanPipeline {
         };
         let outcome = StepOutcome {
             comm: comm.wait + comm.transfer,
-            overlapped: Duration::ZERO,
+            // Buckets reduced while backward ran, and the wait for the rest after it (a
+            // pipeline's exposed time is its bubble instead, below).
+            overlapped: step.reduction.overlapped,
+            exposed: step.reduction.exposed,
             memory: MemoryReport {
                 params: params * 4,
                 grads: held * 4,
                 optimizer: held * 8,
                 gathered_peak,
             },
-            recomputed: step.recomputed,
+            recomputed: match self.reshards {
+                true => 0,
+                false => step.recomputed,
+            },
             attention: self
                 .par
                 .attention_work()
@@ -380,6 +414,14 @@ impl RankStrategy for PlanPipeline {
             false => outcome,
         };
         Ok((self, outcome))
+    }
+
+    fn buckets(&self) -> (usize, bool) {
+        match &self.optim {
+            // The rows' reduce-scatter runs after the schedule, outside the plan's buckets.
+            Optimizer::Rows(_) => (0, false),
+            Optimizer::Whole { .. } => self.par.gradient_buckets(&self.device),
+        }
     }
 
     fn local_state(
@@ -455,4 +497,6 @@ struct Stepped {
     recomputed: usize,
     loss_scale: Option<f32>,
     skipped: bool,
+    /// What the plan's gradient reduction did (empty where the job reduced rows itself).
+    reduction: ReductionReport,
 }

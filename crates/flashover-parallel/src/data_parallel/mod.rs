@@ -38,7 +38,11 @@
 //! assert_eq!(losses[0], losses[1]); // replicas stay identical
 //! ```
 
+mod buckets;
 mod reducer;
+
+pub(crate) use buckets::BucketedReduction;
+pub use buckets::{GradientBuckets, ReductionReport};
 
 use crate::error::ParallelError;
 use crate::grad_clip::{clip_global_norm, clip_global_norm_parts};

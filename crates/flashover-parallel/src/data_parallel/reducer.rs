@@ -337,6 +337,19 @@ impl Reducer {
         }
     }
 
+    /// From now on in this micro-batch, a bucket is reduced as soon as it is complete (those
+    /// complete already, at once): the step's gradients are all coming.
+    pub(crate) fn launch_all(&self) {
+        let mut st = lock(&self.shared.state);
+        st.launch = true;
+        for b in 0..self.shared.buckets.len() {
+            if st.pending[b] == 0 {
+                st.ready[b] = true;
+            }
+        }
+        self.shared.changed.notify_all();
+    }
+
     /// Adds a gradient of parameter `param` into its bucket and marks it final for this
     /// micro-batch.
     pub(crate) fn add(&self, param: usize, values: &[f32]) {

@@ -84,6 +84,12 @@ pub(crate) fn take_recomputed_copies(grads: &mut Gradients) {
 }
 
 impl Replicas {
+    /// Whether these are a plan's copies (`replicate_hot_experts`), not the default that
+    /// copies none.
+    pub(crate) fn is_active(&self) -> bool {
+        self.0.is_some()
+    }
+
     /// Copies of the `n` hottest experts of every layer dispatching through it, made lazily
     /// at each step's first dispatch of the layer (a plan's `replicate_hot_experts`).
     pub(crate) fn lazy(n: usize) -> Self {

@@ -59,15 +59,14 @@ pub use plan::{
 };
 
 use crate::clip_scale;
+use crate::data_parallel::{BucketedReduction, ReductionReport};
 use crate::error::ParallelError;
 use crate::params::{
     ParamLayout, ParamSlot, accumulate_grads, broadcast_module, flatten_params, grads_from_flat,
     load_shaped, placeholders_except,
 };
 use crate::pipeline::PipelineStepReport;
-use crate::placement::{
-    GradientReducer, ParamPlacement, Placement, PlacementTable, global_grad_norm,
-};
+use crate::placement::{ParamPlacement, Placement, PlacementTable, global_grad_norm};
 use crate::precision::{LossScaler, MixedPrecision};
 use crate::zero::ShardGroup;
 use burn::module::Module;
@@ -90,7 +89,8 @@ const DATA_AXES: [Axis; 3] = [Axis::Dp, Axis::Fsdp, Axis::Ep];
 /// What [`parallelize`] did to a model, and the per-step helpers that follow from it.
 pub struct Parallelized {
     placements: PlacementTable,
-    reducer: GradientReducer,
+    /// Every gradient summed over the ranks its placement says, in buckets.
+    buckets: BucketedReduction,
     /// The ranks that read different samples (`dp` x `fsdp` x `ep`), in which this rank is
     /// `data.rank()`.
     data: Group,
@@ -131,8 +131,11 @@ pub struct Parallelized {
 
 /// What one run of a rank's pipeline stages computed.
 struct StagesRun {
-    /// This rank's gradients in the model's layout, not yet reduced.
+    /// This rank's gradients in the model's layout, not yet reduced: sums over the
+    /// micro-batches of the scaled losses' gradients (zero where hooks took them).
     flat: Vec<f32>,
+    /// What `flat` is divided by to make it the unscaled mean over micro-batches.
+    divisor: f32,
     /// The share's mean loss and auxiliary loss (the same on every rank of `pp`).
     losses: [f32; 2],
     report: PipelineStepReport,
@@ -163,6 +166,9 @@ pub struct PipelineStep {
     /// Whether the step's gradients overflowed under loss scaling: `grads` is then empty (an
     /// optimizer step with it changes no parameter) and a dynamic scale was halved.
     pub skipped: bool,
+    /// What the gradient reduction did and cost (empty from
+    /// [`Parallelized::pipeline_gradients`], which does not reduce).
+    pub reduction: ReductionReport,
 }
 
 /// Applies `plan` to `model` on this rank: the whole model as world rank 0 holds it
@@ -269,9 +275,17 @@ pub fn parallelize<M: Module>(
         )
     });
     let units = FullyShardedUnits::new(plan, &layout, held_shards, units, comm);
+    let buckets = BucketedReduction::new(
+        ctx,
+        &placements.entries_of(&model)?,
+        &absent.held,
+        stages.as_ref().and_then(Stages::tie_group),
+        plan.gradient_buckets,
+        policy.reduce_dtype,
+    )?;
     let par = Parallelized {
         placements,
-        reducer: GradientReducer::new(ctx, policy.reduce_dtype)?,
+        buckets,
         data: ctx.subgroup(&DATA_AXES)?,
         averaged: ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep, Axis::Cp])?,
         context,
@@ -844,11 +858,10 @@ impl Parallelized {
             // The copies' gradients are summed like the model's (scaled alike under f16).
             self.fold_hot_experts(model, &mut flat, 1.0)?;
         }
-        if let Some(scale) = unscale {
-            flat.iter_mut().for_each(|g| *g /= scale);
-        }
-        let (grads, norm, _) = self.reduce_and_clip(model, flat, max_norm, ctx)?;
-        Ok((grads, norm))
+        // Taken after backward: the buckets are reduced now.
+        self.buckets.begin_step(false);
+        let reduced = self.reduce_and_clip(model, flat, unscale.unwrap_or(1.0), max_norm, ctx)?;
+        Ok((reduced.grads, reduced.norm))
     }
 
     /// The whole batch's routing loads of a step, the same on every rank: `stats`, what this
@@ -964,19 +977,24 @@ impl Parallelized {
         let share = self.share(global_batch, step)?;
         let head = |m: &M, x, batch: &M::Batch, _| m.head_loss(x, batch);
         let loss_scale = self.precision.loss_scale();
-        let mut run = self.run_stages(model, share, micro_batch, &head, loss_scale, ctx)?;
+        let device = step_device(model, ctx);
+        let hooked = self.pipeline_stages()?.hooks_allowed() && self.buckets.hooks_on(&device);
+        self.buckets.begin_step(hooked);
+        let hooks = hooked.then_some(&self.buckets);
+        let mut run = self.run_stages(model, share, micro_batch, &head, loss_scale, hooks, ctx)?;
         self.mean_over_ranks(&mut run.losses)?;
         let [loss, aux_loss] = run.losses;
-        let (grads, norm, apply) = self.reduce_and_clip(model, run.flat, max_norm, ctx)?;
+        let reduced = self.reduce_and_clip(model, run.flat, run.divisor, max_norm, ctx)?;
         Ok(PipelineStep {
-            grads,
+            grads: reduced.grads,
             loss,
             aux_loss,
-            norm,
+            norm: reduced.norm,
             report: run.report,
             recomputed: run.recomputed,
             loss_scale,
-            skipped: !apply,
+            skipped: !reduced.applied,
+            reduction: reduced.report,
         })
     }
 
@@ -1030,7 +1048,8 @@ impl Parallelized {
         M: PipelineModel<D> + Sync + 'static,
     {
         let loss_scale = self.loss_scale();
-        let run = self.run_stages(model, 0..samples, micro_batch, head, loss_scale, ctx)?;
+        let mut run = self.run_stages(model, 0..samples, micro_batch, head, loss_scale, None, ctx)?;
+        run.flat.iter_mut().for_each(|g| *g /= run.divisor);
         let [loss, aux_loss] = run.losses;
         Ok(PipelineStep {
             grads: grads_from_flat(model, &run.flat),
@@ -1041,11 +1060,14 @@ impl Parallelized {
             recomputed: run.recomputed,
             loss_scale,
             skipped: false,
+            reduction: ReductionReport::default(),
         })
     }
 
     /// The forwards and backwards of this rank's stages over `share`, each micro-batch's loss
-    /// scaled by `loss_scale` (the gradients returned unscaled).
+    /// scaled by `loss_scale`; with `hooks`, the forwards run on hooked parameters that hand
+    /// their gradients to the buckets.
+    #[allow(clippy::too_many_arguments)]
     fn run_stages<M, const D: usize>(
         &self,
         model: &M,
@@ -1053,28 +1075,23 @@ impl Parallelized {
         micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
         head: &pipeline::HeadLoss<'_, M, D>,
         loss_scale: Option<f32>,
+        hooks: Option<&BucketedReduction>,
         ctx: &RankContext,
     ) -> Result<StagesRun, ParallelError>
     where
         M: PipelineModel<D> + Sync + 'static,
     {
         let stages = self.pipeline_stages()?;
-        // The model's own autodiff device (with Burn's balanced checkpointing, if it chose it).
-        let device = model
-            .devices()
-            .into_iter()
-            .next()
-            .unwrap_or_else(|| ctx.device().clone().autodiff());
+        let device = step_device(model, ctx);
         let before = stages.recomputed();
         let (mut flat, losses, report) =
-            stages.step(model, share, &device, micro_batch, head, loss_scale)?;
-        // The stages' gradients are means over micro-batches, unscaled; the copies' are sums
-        // of scaled losses.
+            stages.step(model, share, &device, micro_batch, head, loss_scale, hooks)?;
+        // The stages' gradients and the copies' are both sums of the scaled losses'.
+        self.fold_hot_experts(model, &mut flat, 1.0)?;
         let micro_batches = stages.schedule.micro_batches as f32;
-        let scale = 1.0 / (micro_batches * loss_scale.unwrap_or(1.0));
-        self.fold_hot_experts(model, &mut flat, scale)?;
         Ok(StagesRun {
             flat,
+            divisor: micro_batches * loss_scale.unwrap_or(1.0),
             losses,
             report,
             recomputed: stages.recomputed() - before,
@@ -1129,38 +1146,79 @@ impl Parallelized {
         self.stages.as_ref().is_none_or(Stages::runs_last_stage)
     }
 
-    /// `flat` (this rank's summed gradients in `model`'s layout) summed over the ranks that
-    /// hold the same values and read different samples, divided by the data ranks, clipped by
-    /// the global norm; with the norm before clipping. Under loss scaling, a step whose norm
-    /// overflowed gets no gradients (every rank sees the same norm, so every rank's scaler
-    /// decides alike); the last value says whether the step applies.
+    /// `flat` (this rank's gradients in `model`'s layout, not yet reduced: what hooks did not
+    /// hand to the buckets of the step begun) summed over the ranks that hold the same values
+    /// and read different samples, divided by `divisor` (micro-batches and loss scale) and by
+    /// the data ranks, clipped by the global norm; with the norm before clipping. Under loss
+    /// scaling, a step whose norm overflowed gets no gradients (every rank sees the same norm,
+    /// so every rank's scaler decides alike).
     fn reduce_and_clip<M: Module>(
         &self,
         model: &M,
         mut flat: Vec<f32>,
+        divisor: f32,
         max_norm: Option<f32>,
         ctx: &RankContext,
-    ) -> Result<(GradientsParams, f32, bool), ParallelError> {
+    ) -> Result<Reduced, ParallelError> {
         let entries = self.placements.entries_of(model)?;
+        self.check_attended()?;
+        self.buckets.add_remaining(&flat);
+        let report = self.buckets.finish(&mut flat)?;
+        // The tp ranks of one data coordinate reduce equal values over the same data ranks.
         if let Some(check) = &self.sequence_check {
             check.first_step(&entries, &flat)?;
         }
-        self.check_attended()?;
+        if divisor != 1.0 {
+            flat.iter_mut().for_each(|g| *g /= divisor);
+        }
         let scale = 1.0 / self.averaged.size() as f32;
-        self.reducer
-            .reduce(&entries, &mut flat, scale, self.tied_copies())?;
+        if scale != 1.0 {
+            flat.iter_mut().for_each(|g| *g *= scale);
+        }
         let parts = entries
             .iter()
             .map(|(slot, entry)| (*entry, &flat[slot.offset..slot.offset + slot.numel]));
         let norm = global_grad_norm(parts, ctx)?;
         if !self.precision.apply(norm) {
-            return Ok((GradientsParams::new(), norm, false));
+            let grads = GradientsParams::new();
+            return Ok(Reduced { grads, norm, applied: false, report });
         }
         if let Some(clip) = clip_scale(norm, max_norm)? {
             flat.iter_mut().for_each(|g| *g *= clip);
         }
-        Ok((grads_from_flat(model, &flat), norm, true))
+        let grads = grads_from_flat(model, &flat);
+        Ok(Reduced { grads, norm, applied: true, report })
     }
+
+    /// Gradient buckets per step (over every set of reduction axes), and whether a pipeline
+    /// step of this plan reduces them while backward runs on `device` (the plan's
+    /// `gradient_buckets.overlap`, a schedule whose backwards cover every parameter, and a
+    /// device the gradient hook is built for).
+    pub fn gradient_buckets(&self, device: &burn::tensor::Device) -> (usize, bool) {
+        let overlaps = self.stages.as_ref().is_some_and(Stages::hooks_allowed)
+            && self.buckets.hooks_on(device);
+        (self.buckets.buckets(), overlaps)
+    }
+}
+
+/// A step's gradients after the reduction.
+struct Reduced {
+    grads: GradientsParams,
+    /// The global norm before clipping.
+    norm: f32,
+    /// Whether the step applies (false: a scaled gradient overflowed).
+    applied: bool,
+    report: ReductionReport,
+}
+
+/// The autodiff device `model` computes on (with Burn's balanced checkpointing, if it chose
+/// it), or the rank's.
+fn step_device<M: Module>(model: &M, ctx: &RankContext) -> burn::tensor::Device {
+    model
+        .devices()
+        .into_iter()
+        .next()
+        .unwrap_or_else(|| ctx.device().clone().autodiff())
 }
 
 /// The whole model's parameter values in `whole`'s layout, from this rank's `local` ones (laid

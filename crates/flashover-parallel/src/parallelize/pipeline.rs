@@ -11,6 +11,7 @@
 use super::placed::UnitGathers;
 use super::plan::PipelineRule;
 use super::units::{Unit, replaying, unit_shards};
+use crate::data_parallel::BucketedReduction;
 use crate::activation_checkpointing::{CheckpointPolicy, Replays, checkpoint_part};
 use crate::error::ParallelError;
 use crate::expert_parallel::Replicas;
@@ -271,10 +272,13 @@ impl Stages {
 
     /// One step's forwards and backwards of this rank's stages over `share` (this rank's
     /// samples, cut into the rule's micro-batches, micro-batch `k`'s loss `head(model, x,
-    /// batch, k)` on the last stage): the gradients summed over its chunks and averaged over
-    /// micro-batches, in `model`'s layout, and the mean loss and auxiliary loss of the share
-    /// (the same on every rank of `pp`). With `loss_scale`, each micro-batch's loss is scaled
-    /// before backward and the gradients are returned unscaled.
+    /// batch, k)` on the last stage): the gradients summed over its chunks and its
+    /// micro-batches, of the losses as scaled by `loss_scale` (the caller divides by the
+    /// micro-batches and the scale), in `model`'s layout, and the mean loss and auxiliary loss
+    /// of the share (the same on every rank of `pp`). With `hooks`, every forward runs on
+    /// hooked parameters that hand their gradients to the reduction's buckets during
+    /// backward (those are then zero in the returned sums): see [`Self::hooks_allowed`].
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn step<M, const D: usize>(
         &self,
         model: &M,
@@ -283,6 +287,7 @@ impl Stages {
         micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
         head: &HeadLoss<'_, M, D>,
         loss_scale: Option<f32>,
+        hooks: Option<&BucketedReduction>,
     ) -> Result<(Vec<f32>, [f32; 2], PipelineStepReport), ParallelError>
     where
         M: PipelineModel<D> + Sync + 'static,
@@ -305,6 +310,9 @@ impl Stages {
         let last = self.schedule.stages() - 1;
         let rank = self.pp.rank();
         let forward = |chunk: usize, master: &M, input: Option<Tensor<D>>, k: usize| {
+            // Hooks on the f32 parameters, under the casts: the buckets receive f32.
+            let hooked = hooks.map(|h| h.hooked(master));
+            let master = hooked.as_ref().unwrap_or(master);
             // Each micro-batch's graph casts the parameters anew (the view's casts are nodes
             // of that graph): their gradients reach the f32 parameters in f32.
             let view = self.compute_view(master);
@@ -317,7 +325,7 @@ impl Stages {
             };
             let mut aux: Option<Tensor<1>> = None;
             for i in self.layers[stage].clone() {
-                let (y, layer_aux) = self.layer(m, i, x, &batch);
+                let (y, layer_aux) = self.layer(master, m, i, x, &batch);
                 x = y;
                 aux = match (aux, layer_aux) {
                     (Some(sum), Some(more)) => Some(sum + more),
@@ -333,7 +341,12 @@ impl Stages {
         let chunks = vec![model.clone(); self.schedule.chunks];
         // Gradients of parameters outside the model (hot-expert copies) go to them.
         let take = |grads: &mut Gradients| self.copies.take_grads(grads);
-        let mut executor = PipelineExecutor::new(&self.schedule, &self.pp)?.taking_gradients(&take);
+        let mut executor = PipelineExecutor::new(&self.schedule, &self.pp)?
+            .taking_gradients(&take)
+            .summing();
+        if let Some(hooks) = hooks {
+            executor = executor.with_backward_sink(hooks);
+        }
         if let Some(policy) = &self.precision {
             executor = executor.with_activation_dtype(policy.param_dtype.float_dtype().into());
         }
@@ -377,6 +390,14 @@ impl Stages {
 }
 
 impl Stages {
+    /// Whether a step's gradients may reach a reduction through hooks during backward: one
+    /// chunk per rank (its backwards cover every parameter it holds, the last of them last),
+    /// no deferred weight gradients (zero-bubble adds them after their backward), no
+    /// hot-expert copies (their gradients are folded into the owners' before the reduction).
+    pub(super) fn hooks_allowed(&self) -> bool {
+        self.schedule.chunks == 1 && !self.splits_backward() && !self.copies.is_active()
+    }
+
     /// `model` cast to the step's compute dtype, when it is not f32.
     fn compute_view<M: Module>(&self, model: &M) -> Option<M> {
         let policy = self.precision.as_ref()?;
@@ -415,12 +436,17 @@ impl Stages {
         }
     }
 
-    /// Layer `index` of `model` on `x` of micro-batch `batch` and its auxiliary loss:
-    /// recomputed in backward when the plan's policy names it (carrying only the layer's own
-    /// parameters, and the micro-batch), plainly otherwise.
+    /// Layer `index` on `x` of micro-batch `batch` and its auxiliary loss, computed on `view`
+    /// (the step's compute view of `master`, or `master` itself): recomputed in backward when
+    /// the plan's policy names it (carrying only the layer's own parameters of `master`, cast
+    /// to the compute dtype inside the recomputation, and the micro-batch), plainly
+    /// otherwise. Fully sharded parameters are gathered from `master`'s stored rows, read in
+    /// the view's dtype: their reduce-scattered gradient reaches the f32 rows in f32 whether or
+    /// not the layer is recomputed.
     fn layer<M, const D: usize>(
         &self,
-        model: &M,
+        master: &M,
+        view: &M,
         index: usize,
         x: Tensor<D>,
         batch: &Arc<M::Batch>,
@@ -438,10 +464,15 @@ impl Stages {
                 .map_or(0, |l| l.end))
         .then_some(index + 1);
         let batch = batch.clone();
-        let run = move |m: &M, x: Tensor<D>| run_layer(units.as_deref(), m, index, next, x, &batch);
         if !self.recompute.recomputes_block(index) {
-            return run(model, x);
+            return run_layer(units.as_deref(), master, view, index, next, x, &batch);
         }
+        let (part, precision) = (self.parts[index].clone(), self.precision);
+        let cast_part = part.clone();
+        let run = move |m: &M, x: Tensor<D>| {
+            let view = precision.map(|p| p.compute_view_of(m.clone(), &cast_part));
+            run_layer(units.as_deref(), m, view.as_ref().unwrap_or(m), index, next, x, &batch)
+        };
         // The auxiliary loss leaves the recomputed function as one more element after the
         // output, so its gradient reaches the layer through the recomputation too (a layer
         // keeps its activation's shape, as every stage's input and output have one).
@@ -455,7 +486,7 @@ impl Stages {
             let dtype = y.dtype();
             Tensor::cat(vec![y.reshape([numel]), aux.cast(dtype).reshape([1])], 0)
         };
-        let output = checkpoint_part(model, x, forward, Some(self.parts[index].clone()));
+        let output = checkpoint_part(master, x, forward, Some(part));
         let aux = output.clone().narrow(0, numel, 1);
         (output.narrow(0, 0, numel).reshape(dims), Some(aux))
     }
@@ -492,7 +523,7 @@ impl Stages {
                 }
             };
             for i in self.layers[stage].clone() {
-                x = run_layer(self.units.as_deref(), model, i, None, x, batch).0;
+                x = run_layer(self.units.as_deref(), model, model, i, None, x, batch).0;
             }
             if stage == last {
                 return Ok(Some(x));
@@ -562,12 +593,14 @@ impl Stages {
 pub type HeadLoss<'a, M, const D: usize> =
     dyn Fn(&M, Tensor<D>, &<M as PipelineModel<D>>::Batch, usize) -> Tensor<1> + Sync + 'a;
 
-/// Layer `index` of `model` on `x` of micro-batch `batch` and its auxiliary loss, its fully
-/// sharded parameters gathered at once first when the layers are `units`, and then the
-/// all-gather of layer `next` submitted (not in a rerun in backward).
+/// Layer `index` of `view` on `x` of micro-batch `batch` and its auxiliary loss, its fully
+/// sharded parameters gathered at once first from `stored`'s rows (the f32 parameters `view`
+/// may be a cast view of) when the layers are `units`, and then the all-gather of layer
+/// `next` submitted (not in a rerun in backward).
 fn run_layer<M, const D: usize>(
     units: Option<&LayerUnits>,
-    model: &M,
+    stored: &M,
+    view: &M,
     index: usize,
     next: Option<usize>,
     x: Tensor<D>,
@@ -576,14 +609,15 @@ fn run_layer<M, const D: usize>(
 where
     M: PipelineModel<D>,
 {
+    let model = view;
     match units {
         None => model.layer_for(index, x, batch),
         Some(u) => {
-            let shards = u.shards(model, index);
+            let shards = u.shards(stored, index);
             let names: Vec<String> = shards.iter().map(|(n, _)| n.clone()).collect();
             let _gathered = u.gathers.gather_prefetched(Unit::Layer(index), shards);
             if let Some(next) = next.filter(|_| !replaying()) {
-                let shards = u.shards(model, next);
+                let shards = u.shards(stored, next);
                 u.gathers.prefetch(Unit::Layer(next), &shards);
             }
             let out = model.layer_for(index, x, batch);

@@ -3,6 +3,7 @@
 
 use crate::activation_checkpointing::CheckpointPolicy;
 use crate::context_parallel::CpAttention;
+use crate::data_parallel::GradientBuckets;
 use crate::error::ParallelError;
 use crate::pipeline::ScheduleKind;
 use crate::precision::MixedPrecision;
@@ -412,6 +413,12 @@ pub struct ParallelizePlan {
     /// ([`crate::precision::PrecisionSettings`]).
     #[serde(default, with = "policy_settings")]
     pub mixed_precision: Option<MixedPrecision>,
+    /// How gradients are summed over the data axes: buckets of `bucket_mb` MiB, reduced while
+    /// backward runs (`overlap`) where the step's executor lets gradient hooks report them
+    /// ([`super::Parallelized::pipeline_step`], pipelined or one stage; its report says
+    /// whether they did), else right after backward. Defaults: 4 MiB, overlapped.
+    #[serde(default)]
+    pub gradient_buckets: GradientBuckets,
 }
 
 /// A precision policy as the settings table it is written as.
@@ -511,6 +518,12 @@ impl ParallelizePlan {
     /// field's docs).
     pub fn mixed_precision(mut self, policy: MixedPrecision) -> Self {
         self.mixed_precision = Some(policy);
+        self
+    }
+
+    /// Also sum gradients in buckets as `buckets` says (see the field's docs).
+    pub fn gradient_buckets(mut self, buckets: GradientBuckets) -> Self {
+        self.gradient_buckets = buckets;
         self
     }
 

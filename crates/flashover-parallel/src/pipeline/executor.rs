@@ -117,6 +117,20 @@ pub struct PipelineExecutor<'a> {
     activation_dtype: DType,
     /// The factor the last stage's losses are multiplied by before backward.
     loss_scale: f32,
+    /// Told before each backward whether it is the step's last (a gradient reduction whose
+    /// hooks the forwards carry).
+    backward_sink: Option<&'a dyn BackwardSink>,
+    /// Return the gradients as sums over micro-batches of the scaled losses' (the caller
+    /// divides), not as means.
+    sums: bool,
+}
+
+/// What a gradient reduction fed by hooks during backward needs from the executor: before each
+/// backward, whether it is this rank's last of the step (whose complete buckets are then
+/// reduced while it runs).
+pub(crate) trait BackwardSink: Sync {
+    /// Called before each backward action.
+    fn begin_backward(&self, last: bool);
 }
 
 impl<'a> PipelineExecutor<'a> {
@@ -137,7 +151,22 @@ impl<'a> PipelineExecutor<'a> {
             take_gradients: None,
             activation_dtype: DType::F32,
             loss_scale: 1.0,
+            backward_sink: None,
+            sums: false,
         })
+    }
+
+    /// Tells `sink` before each backward whether it is this rank's last of the step.
+    pub(crate) fn with_backward_sink(mut self, sink: &'a dyn BackwardSink) -> Self {
+        self.backward_sink = Some(sink);
+        self
+    }
+
+    /// Returns each chunk's gradients summed over micro-batches, of the losses as scaled
+    /// (not averaged nor unscaled): for a caller that reduces the sums and divides after.
+    pub(crate) fn summing(mut self) -> Self {
+        self.sums = true;
+        self
     }
 
     /// Activations (and their gradients) cross stages in `dtype`: the compute dtype of a
@@ -233,8 +262,12 @@ impl<'a> PipelineExecutor<'a> {
         let mut grads_out: HashMap<(usize, usize), Tensor<D>> = HashMap::new();
         let mut report = PipelineStepReport::default();
         let dtype = self.activation_dtype;
+        let is_backward = |a: &Action| {
+            matches!(a.kind, ActionKind::Backward | ActionKind::BackwardInput)
+        };
+        let last_backward = s.ranks[rank].iter().rposition(is_backward);
         let started = Instant::now();
-        for a in &s.ranks[rank] {
+        for (index, a) in s.ranks[rank].iter().enumerate() {
             let key = (a.micro, a.chunk);
             let stage = s.stage_of(rank, a.chunk);
             match a.kind {
@@ -299,6 +332,9 @@ impl<'a> PipelineExecutor<'a> {
                 }
                 ActionKind::Backward | ActionKind::BackwardInput => {
                     let t0 = Instant::now();
+                    if let Some(sink) = self.backward_sink {
+                        sink.begin_backward(Some(index) == last_backward);
+                    }
                     let (input, out) = outputs.remove(&key).expect("validated: forward first");
                     let (out, aux) = out.split();
                     // A chunk's own loss, scaled as the losses are, in f32.
@@ -383,9 +419,11 @@ impl<'a> PipelineExecutor<'a> {
             deferred.is_empty(),
             "validated: every input gradient has its weight's"
         );
-        let m = s.micro_batches as f32 * self.loss_scale;
-        for flat in &mut flats {
-            flat.iter_mut().for_each(|g| *g /= m);
+        if !self.sums {
+            let m = s.micro_batches as f32 * self.loss_scale;
+            for flat in &mut flats {
+                flat.iter_mut().for_each(|g| *g /= m);
+            }
         }
         Ok((flats, report))
     }

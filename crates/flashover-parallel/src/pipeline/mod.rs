@@ -15,6 +15,7 @@ mod schedule;
 mod simulate;
 pub(crate) mod weight_grad;
 
+pub(crate) use executor::BackwardSink;
 pub use executor::{PipelineExecutor, PipelineStepReport, StageOutput};
 pub use schedule::{Action, ActionKind, Schedule, ScheduleKind};
 pub use simulate::{Costs, ScheduleError, Slot, Timeline, render_table, simulate, validate};
