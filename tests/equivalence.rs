@@ -5,13 +5,13 @@
 //! one rank's, so not bitwise).
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use flashover::train::{TpTransformer, TrainConfig, compare, memory_formula, train, verify};
+use flashover::train::{TrainConfig, compare, memory_formula, train, verify};
 use flashover::{Axis, OpKind, launch};
 use flashover_models::TransformerConfig;
 use flashover_parallel::ParallelError;
-use flashover_parallel::context_parallel::{ContextParallel, CpAttention};
+use flashover_parallel::context_parallel::CpAttention;
+use flashover_parallel::parallelize::{ContextParallelRule, parallelize, transformer};
 use flashover_parallel::params::flatten_params;
-use flashover_parallel::tensor_parallel::TensorParallel;
 
 const TOLERANCE: f64 = 1e-5;
 
@@ -248,25 +248,27 @@ fn tp_collectives(sequence_parallel: bool, cp: usize) -> (u64, u64, u64) {
         let config = TransformerConfig::new(32, 32, 2, 4, 64);
         let full = config.init(7, &device);
         let tp = ctx.group(Axis::Tp);
-        let plan = TensorParallel::new(tp).with_sequence_parallel(sequence_parallel);
-        let model = TpTransformer::shard(full, &config, &plan)?;
+        // The reference model's plan: Megatron's split, sequence parallelism as asked.
+        let mut plan = transformer::plan(&config)?;
+        if !sequence_parallel {
+            plan.sequence_parallel.clear();
+        }
+        if cp > 1 {
+            plan = plan.context_parallel(ContextParallelRule {
+                attention: vec![],
+                algorithm: CpAttention::Ring,
+                load_balance: true,
+            });
+        }
+        let (model, par) = parallelize(full, &plan, &ctx)?;
         let ids = |salt: i64| -> Tensor<2, Int> {
             let v: Vec<i64> = (0..16).map(|i| (i * 7 + salt) % 32).collect();
             Tensor::from_data(TensorData::new(v, [2, 8]), &device)
         };
-        let (inputs, targets, fwd) = match cp {
-            1 => (ids(1), ids(2), Default::default()),
-            _ => {
-                let group = ctx.group(Axis::Cp);
-                let context = ContextParallel::new(group, 8, CpAttention::Ring, true, 2)?;
-                let fwd = context.forward_context(Default::default());
-                (
-                    context.local_tokens(ids(1)),
-                    context.local_tokens(ids(2)),
-                    fwd,
-                )
-            }
-        };
+        // Each rank's share of every sequence under cp (all of it without).
+        let fwd = transformer::split_sequences(&par, &model, transformer::forward_context(), 8)?;
+        let inputs = par.sequence_share(ids(1), 1)?;
+        let targets = par.sequence_share(ids(2), 1)?;
         let before = tp.stats();
         let _ = model.forward_loss(inputs, targets, &fwd).backward();
         let ops = tp.stats().since(&before).ops;
@@ -308,9 +310,9 @@ fn sharding_a_single_rank_model_and_gathering_it_back_is_exact() {
             let mut config = TransformerConfig::new(30, 32, 2, 4, 64);
             config.tie_embeddings = tie;
             let full = config.init(3, &device);
-            let plan = TensorParallel::new(ctx.group(Axis::Tp));
-            let local = TpTransformer::shard(full.clone(), &config, &plan)?;
-            let back = local.unshard()?;
+            let plan = transformer::plan(&config)?;
+            let (local, par) = parallelize(full.clone(), &plan, &ctx)?;
+            let back = par.whole(local)?;
             Ok::<_, ParallelError>((flatten_params(&full), flatten_params(&back)))
         })
         .unwrap();

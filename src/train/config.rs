@@ -256,9 +256,11 @@ mod as_text {
 pub struct ParallelSection {
     /// The mesh, e.g. `dp=4`.
     pub mesh: String,
-    /// DDP bucket size in MiB.
+    /// Gradient bucket size in MiB (the plan's `gradient_buckets.bucket_mb`).
     pub bucket_mb: f64,
-    /// Reduce gradient buckets during backward where the device allows.
+    /// Reduce gradient buckets while backward runs (gradient hooks) where the schedule and
+    /// the device allow; the report says when they were reduced and, if after backward, why
+    /// (interleaved and zero-bubble schedules, hot-expert copies, a device without the hook).
     pub overlap: bool,
     /// Collective timeout in seconds.
     pub timeout_s: f64,
@@ -266,8 +268,9 @@ pub struct ParallelSection {
     /// or `sum` (losses are sums: gradients summed).
     #[serde(with = "as_text")]
     pub gradient_reduction: GradientReduction,
-    /// ZeRO stage: 0 (DDP), 1 (AdamW state sharded over the data-parallel ranks), 2 (and
-    /// gradients), 3 (and parameters, sharded over the `fsdp` axis, replicated over `dp`: HSDP).
+    /// ZeRO stage: 0 (DDP), 1 (AdamW state sharded by rows over `fsdp`, or `dp` without it),
+    /// 2 (and gradients: each rank receives only its rows' sums), 3 (and parameters, in fully
+    /// sharded units over `fsdp`, replicated over `dp`: HSDP).
     pub zero: u8,
     /// ZeRO-3: free each block's gathered parameters after its forward and gather them again
     /// (recomputing the block) in backward. `false` keeps them from forward to backward.
@@ -793,8 +796,17 @@ impl TrainConfig {
     ) -> Result<ParallelizePlan, String> {
         let mut plan = match &self.parallelize {
             Some(plan) => plan.clone(),
-            None => super::tp_model::reference_plan(model, self.parallel.sequence_parallel)
-                .map_err(|e| e.to_string())?,
+            None => {
+                // The model's own plan; the job places experts itself and turns sequence
+                // parallelism on when parallel.sequence_parallel says.
+                let mut plan = ParallelizePlan::from_toml(&model.plan_toml())
+                    .map_err(|e| e.to_string())?;
+                plan.expert_parallel.clear();
+                if !self.parallel.sequence_parallel {
+                    plan.sequence_parallel.clear();
+                }
+                plan
+            }
         };
         match self.zero3_in_units(mesh) {
             true if plan.fully_shard.is_empty() => plan = plan.fully_shard(""),

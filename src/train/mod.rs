@@ -39,13 +39,11 @@ pub mod checkpoint;
 mod config;
 mod elastic;
 mod metrics;
-mod parallelize;
 mod rank;
 mod report;
 mod run;
 mod stage_split;
 mod strategy;
-mod tp_model;
 mod trace;
 mod verify;
 
@@ -59,5 +57,4 @@ pub use elastic::{
 pub use report::{DeviceMemory, MoeRecord, RankTimes, StepRecord, TrainReport, memory_formula};
 pub use run::{make_batch, token_source, train, train_process};
 pub use stage_split::{split_blocks, split_blocks_by_cost};
-pub use tp_model::TpTransformer;
 pub use verify::{Comparison, compare, verify};

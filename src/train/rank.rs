@@ -1,26 +1,31 @@
 //! One rank's training loop: set up what the job asks (groups, context parallelism, the batch
-//! plan, the strategy, the precision policy), then for each step its batches, the strategy's
-//! step, the step record and the checkpoints.
+//! plan, the model parallelized by the job's plan, the precision policy), then for each step
+//! its batches, the plan's step, the step record and the checkpoints.
 
 use super::checkpoint::Saver;
 use super::config::TrainConfig;
 use super::metrics::{RankMetrics, StepFacts, step_record};
-use super::parallelize::{self, Recompute};
 use super::report::{DeviceMemory, StepRecord};
 use super::run::make_batch;
-use super::strategy::{self, Precisions, RankStrategy, StepOutcome};
+use super::strategy::{self, RankStrategy, StepOutcome};
 use super::trace::Trace;
 use burn::tensor::{Device, Int, Tensor};
 use flashover_data::{BatchPlan, TokenSource};
 use flashover_models::{Dropout, ForwardContext, Transformer, TransformerConfig};
 use flashover_parallel::context_parallel::{AttentionWork, ContextParallel};
+use flashover_parallel::data_parallel::ReductionTiming;
 use flashover_parallel::precision::LossScaler;
 use flashover_runtime::{Axis, CommunicatorExt, Group, RankContext, RankError};
 use std::time::Instant;
 
 /// What rank 0 hands back: its step records, the final parameters by name, buckets per step,
-/// and whether reduction overlapped backward.
-pub(crate) type RankOutput = Option<(Vec<StepRecord>, Vec<(String, Vec<f32>)>, usize, bool)>;
+/// and when they were reduced.
+pub(crate) type RankOutput = Option<(
+    Vec<StepRecord>,
+    Vec<(String, Vec<f32>)>,
+    usize,
+    ReductionTiming,
+)>;
 
 /// Everything a rank's steps read, set up once.
 struct Rank<'a> {
@@ -33,8 +38,6 @@ struct Rank<'a> {
     plan: BatchPlan,
     /// Context parallelism: this rank's share of every sequence.
     context: Option<ContextParallel>,
-    /// Block-level recomputation and the hook that runs it.
-    recompute: Option<Recompute>,
     /// The ranks whose gradients are averaged (`dp x fsdp x ep x cp`).
     grad_group: Group,
 }
@@ -46,12 +49,15 @@ impl<'a> Rank<'a> {
         model_config: &TransformerConfig,
         source: &'a dyn TokenSource,
     ) -> Result<Self, RankError> {
-        let (device, recompute) = parallelize::activation_checkpointing(ctx, config);
-        // A pipeline through the plan recomputes the layers the plan names itself.
-        let recompute = recompute.filter(|_| !strategy::plan_pipeline::runs(config, ctx.mesh()));
+        // Burn's balanced checkpointing is the autodiff device's; block-level recomputation is
+        // the plan's (its pipeline rule's layers).
+        let device = match config.parallel.activation_checkpointing.is_selective() {
+            true => ctx.device().clone().autodiff().gradient_checkpointing(),
+            false => ctx.device().clone().autodiff(),
+        };
         // Every data-parallel rank (replica or shard) reads its own slice of the batch.
         let batch_group = ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep])?;
-        let context = parallelize::context_parallel(ctx, config, model_config)?;
+        let context = context_split(ctx, config, model_config)?;
         // Context-parallel ranks read the same samples and keep different positions of them;
         // their gradients are averaged together with the data-parallel ranks'.
         let grad_group = match context {
@@ -71,7 +77,6 @@ impl<'a> Rank<'a> {
             device,
             plan,
             context,
-            recompute,
             grad_group,
         })
     }
@@ -93,7 +98,6 @@ impl<'a> Rank<'a> {
                 step: step as u64,
             }),
             sample_offset: samples.start as usize,
-            checkpointing: self.recompute.as_ref().map(|(_, hook)| hook.clone()),
             ..ForwardContext::default()
         };
         let seq_len = config.data.seq_len;
@@ -108,16 +112,12 @@ impl<'a> Rank<'a> {
         }
     }
 
-    fn recomputed(&self) -> usize {
-        self.recompute.as_ref().map_or(0, |(r, _)| r.recomputed())
-    }
-
     /// One step of `strategy`, and what this rank measured of it.
     fn step(
         &self,
         strategy: Box<dyn RankStrategy>,
         step: usize,
-        precision: &mut Precisions,
+        scaler: &mut LossScaler,
     ) -> Result<(Box<dyn RankStrategy>, StepOutcome, RankMetrics, Instant), RankError> {
         let ctx = self.ctx;
         let stats_before = ctx.comm_stats();
@@ -127,13 +127,12 @@ impl<'a> Rank<'a> {
             .as_ref()
             .map(|cp| cp.work())
             .unwrap_or_default();
-        let recomputed_before = self.recomputed();
         let clip = self.config.optim.clip.filter(|&c| c > 0.0);
         let micro_batches = self.plan.micro_batches();
         let mut batches = |micro| self.batch(step, micro);
         let lr = self.config.lr_at(step);
         let (strategy, outcome) =
-            strategy.step(ctx, clip, &mut batches, micro_batches, lr, precision)?;
+            strategy.step(ctx, clip, &mut batches, micro_batches, lr, scaler)?;
         let attention = outcome.attention.unwrap_or_else(|| {
             self.context
                 .as_ref()
@@ -158,7 +157,7 @@ impl<'a> Rank<'a> {
             a2a_s: outcome.a2a.as_secs_f64(),
             attention_s: attention.compute.as_secs_f64(),
             attention_scores: attention.score_elements,
-            recomputed_blocks: (self.recomputed() - recomputed_before + outcome.recomputed) as u64,
+            recomputed_blocks: outcome.recomputed as u64,
             device_memory: device_usage.map(|u| DeviceMemory {
                 in_use: u.bytes_in_use,
                 reserved: u.bytes_reserved,
@@ -257,11 +256,9 @@ pub(crate) fn train_rank(
         strategy::plan_pipeline::build(ctx, config, model_config, model, &rank.grad_group)?;
     let policy = config.precision.policy()?;
     policy.check(&rank.device)?;
-    let mut precision = Precisions {
-        scaler: policy.scaler(),
-        policy,
-    };
-    let first_step = rank.load_initial(&mut *strategy, &mut precision.scaler)?;
+    // The job's running loss scale (a resumed checkpoint's), which the plan scales by.
+    let mut scaler = policy.scaler();
+    let first_step = rank.load_initial(&mut *strategy, &mut scaler)?;
     let mut saver = rank.saver();
     let last_step = config
         .run
@@ -271,7 +268,7 @@ pub(crate) fn train_rank(
     if first_step >= last_step
         && let Some(saver) = saver.as_mut()
     {
-        rank.save(saver, &*strategy, &precision.scaler, first_step)?;
+        rank.save(saver, &*strategy, &scaler, first_step)?;
     }
     let tokens_per_step = (config.run.global_batch * config.data.seq_len) as f64;
     let mut records = vec![];
@@ -291,7 +288,7 @@ pub(crate) fn train_rank(
                 ),
             }
         }
-        let (next, mut outcome, mine, t0) = rank.step(strategy, step, &mut precision)?;
+        let (next, mut outcome, mine, t0) = rank.step(strategy, step, &mut scaler)?;
         strategy = next;
         if config.run.trace.is_some() {
             trace.record_step(
@@ -323,7 +320,7 @@ pub(crate) fn train_rank(
         if let Some(saver) = saver.as_mut()
             && (done.is_multiple_of(config.checkpoint.save_every) || done == last_step)
         {
-            rank.save(saver, &*strategy, &precision.scaler, done)?;
+            rank.save(saver, &*strategy, &scaler, done)?;
         }
     }
     if let Some(saver) = saver.as_mut() {
@@ -389,4 +386,26 @@ fn resume(
         }
     }
     Ok(step)
+}
+
+/// Context parallelism over `cp`: which positions of every sequence this rank keeps (its
+/// share of each micro-batch's tokens); the plan's attention reaches the others' keys and
+/// values. `None` without a cp axis.
+fn context_split(
+    ctx: &RankContext,
+    config: &TrainConfig,
+    model_config: &TransformerConfig,
+) -> Result<Option<ContextParallel>, RankError> {
+    let cp = ctx.group(Axis::Cp);
+    if cp.size() == 1 {
+        return Ok(None);
+    }
+    let local_heads = model_config.n_heads / ctx.group(Axis::Tp).size();
+    Ok(Some(ContextParallel::new(
+        cp,
+        config.data.seq_len,
+        config.parallel.cp_attention,
+        config.parallel.cp_load_balance,
+        local_heads,
+    )?))
 }

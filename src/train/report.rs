@@ -123,6 +123,8 @@ pub struct TrainReport {
     pub buckets: usize,
     /// Whether gradient reduction overlapped backward.
     pub overlap: bool,
+    /// When the gradient buckets were reduced: during backward, or after it and why.
+    pub reduction: String,
     /// Every rank's measured memory in the last step.
     pub memory: Vec<MemoryReport>,
     /// ZeRO stage (0: DDP).
@@ -221,18 +223,15 @@ impl fmt::Display for TrainReport {
         if self.zero == 3 {
             writeln!(
                 f,
-                "  gradients reduce-scattered per unit inside backward (ZeRO-3)"
+                "  gradients reduce-scattered per unit inside backward (ZeRO-3); the rest in {} \
+                 buckets, reduced {}",
+                self.buckets, self.reduction
             )?;
         } else {
             writeln!(
                 f,
-                "  gradient buckets per step: {}; reduction overlapped with backward: {}",
-                self.buckets,
-                if self.overlap {
-                    "yes (gradient hooks)"
-                } else {
-                    "no (after backward)"
-                }
+                "  gradient buckets per step: {}; reduced {}",
+                self.buckets, self.reduction
             )?;
         }
         const MIB: f64 = (1 << 20) as f64;

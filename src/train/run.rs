@@ -6,6 +6,7 @@ use super::config::TrainConfig;
 use super::report::{StepRecord, TrainReport};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_data::{MarkovSource, TextSource, TokenSource};
+use flashover_parallel::data_parallel::ReductionTiming;
 use flashover_runtime::{Axis, Group, Launch, LaunchError, RankContext};
 use std::io::Write;
 use std::sync::Arc;
@@ -206,7 +207,7 @@ pub(crate) fn run_job(
     if let Some(e) = log_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
         return Err(format!("writing run.log_jsonl: {e}").into());
     }
-    let Some((steps, params, buckets, overlap)) = output else {
+    let Some((steps, params, buckets, timing)) = output else {
         return Ok(None);
     };
     let memory = steps
@@ -221,13 +222,16 @@ pub(crate) fn run_job(
         num_params: model_config.num_params(),
         mesh: mesh.to_spec(),
         buckets,
-        overlap,
+        overlap: timing == ReductionTiming::DuringBackward,
+        reduction: timing.to_string(),
         memory,
         zero: config.parallel.zero,
         shard_degree: match config.parallel.zero {
             0 => 1,
             3 => mesh.degree(Axis::Fsdp),
-            _ => mesh.degree(Axis::Dp) * mesh.degree(Axis::Fsdp),
+            // Rows over fsdp, or dp without it.
+            _ if mesh.degree(Axis::Fsdp) > 1 => mesh.degree(Axis::Fsdp),
+            _ => mesh.degree(Axis::Dp),
         },
         expert_params: model_config.moe.as_ref().map_or(0, |m| {
             model_config.n_layers * m.routed_params(model_config.d_model)

@@ -237,6 +237,7 @@ mod tests {
             mesh: "dp=1".into(),
             buckets: 1,
             overlap: false,
+            reduction: String::new(),
             memory: vec![],
             zero: 0,
             shard_degree: 1,

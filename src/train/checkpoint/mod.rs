@@ -81,7 +81,7 @@ mod saver;
 mod tools;
 
 pub use placement::{LocalState, Segment, whole_segments};
-pub(crate) use placement::{pieces_to_write, placed_segment, placed_segments, run_segments};
+pub(crate) use placement::{pieces_to_write, placed_segment, placed_segments};
 pub use saver::Saver;
 pub(crate) use saver::all_gather_json;
 pub use tools::{export, open, reshard};

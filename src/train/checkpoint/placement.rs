@@ -119,42 +119,6 @@ pub fn whole_segments(layout: &ParamLayout, name: impl Fn(&str) -> String) -> Ve
         .collect()
 }
 
-/// Segments for `runs` of a module's flat parameter vector (`(Some(flat start) | None for
-/// padding, len)`, laid end to end locally from `local`), cut at parameter boundaries.
-pub(crate) fn run_segments(
-    layout: &ParamLayout,
-    runs: impl IntoIterator<Item = (Option<usize>, usize)>,
-    mut local: usize,
-    name: impl Fn(&str) -> String,
-) -> Vec<Segment> {
-    let mut out = vec![];
-    for (flat, len) in runs {
-        if let Some(mut at) = flat {
-            let end = at + len;
-            let mut here = local;
-            for slot in &layout.slots {
-                let slot_end = slot.offset + slot.numel;
-                if slot_end <= at || slot.offset >= end {
-                    continue;
-                }
-                let from = at.max(slot.offset);
-                let to = end.min(slot_end);
-                out.push(Segment::flat(
-                    &name(&slot.name),
-                    &slot.shape,
-                    from - slot.offset,
-                    to - from,
-                    here,
-                ));
-                here += to - from;
-                at = to;
-            }
-        }
-        local += len;
-    }
-    out
-}
-
 /// The segment of a parameter placed as `entry`, its local tensor at `local` of the flat
 /// vector, on the rank at coordinates `coord`. Ranks along the `sharing` axes split the writing
 /// of the elements they all hold ([`LocalState::pieces_for`]); along any other axis that

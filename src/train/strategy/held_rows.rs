@@ -1,26 +1,24 @@
 //! ZeRO by rows for the reference model a plan parallelized: this rank's rows of the
 //! parameters it holds (its stages', its tensor-parallel parts) over one data axis, stepped
-//! with AdamW. ZeRO-1/2 all-gather the updated rows after the step; ZeRO-3 (under zb-h1,
-//! whose deferred weight gradients a plan's units cannot wait for) keeps only the rows between
-//! steps and gathers what the rank holds at the start of each. The job reduces the plan's unreduced gradients itself, as the
-//! trainer's own stages do (the communication of data parallelism, not more): reduce-scattered
-//! over the rows' axis, summed over the other axes the placements name (and the tied
-//! embedding's copies over their two stages), clipped by the global norm. Under loss scaling
-//! the plan scaled each micro-batch's loss by the job's running scale and unscaled the
-//! gradients; the job decides an overflow from the reduced norm.
+//! with AdamW. The plan reduces the gradients to those rows itself (`gradient_buckets.rows`:
+//! all-reduced buckets under ZeRO-1, reduce-scattered ones under ZeRO-2 and ZeRO-3 by rows,
+//! overlapped with backward where the schedule allows), clipped by the global norm. ZeRO-1/2
+//! all-gather the updated rows after the step; ZeRO-3 (under zb-h1, whose deferred weight
+//! gradients a plan's units cannot wait for, or with hot-expert copies) keeps only the rows
+//! between steps and gathers what the rank holds at the start of each.
 
+use super::SharedState;
 use super::rows::RowSharding;
-use super::{Precisions, SharedState, borrowed, clip_placed};
 use crate::train::checkpoint::LocalState;
-use crate::train::config::{GradientReduction, TrainConfig};
+use crate::train::config::TrainConfig;
 use flashover_models::Transformer;
 use flashover_parallel::FlatAdamWConfig;
 use flashover_parallel::parallelize::Parallelized;
 use flashover_parallel::params::{
     ParamLayout, ParamSlot, flatten_params, load_shaped, placeholders,
 };
-use flashover_parallel::placement::{GradientReducer, PlacementTable};
-use flashover_runtime::{Group, RankContext, RankError};
+use flashover_parallel::placement::PlacementTable;
+use flashover_runtime::{RankContext, RankError};
 
 /// See the module docs.
 pub(super) struct HeldRows {
@@ -33,22 +31,16 @@ pub(super) struct HeldRows {
     shaped: ParamLayout,
     /// ZeRO-1/2: the model keeps what the rank holds between steps (ZeRO-3 only the rows).
     keep: bool,
-    reducer: GradientReducer,
-    /// Gradients are means over the ranks reading different samples (sums otherwise).
-    average: bool,
-    /// Those ranks (`dp x fsdp x ep x cp`).
-    data_ranks: usize,
 }
 
 impl HeldRows {
-    /// The rows of what `model` (parallelized as `par` says) holds on this rank, for ZeRO
-    /// stage `config.parallel.zero`; `grad_group`: the ranks reading different samples.
+    /// The rows of what `model` (parallelized as `par` says, its gradients reduced to rows)
+    /// holds on this rank, for ZeRO stage `config.parallel.zero`.
     pub(super) fn new(
         ctx: &RankContext,
         config: &TrainConfig,
         par: &Parallelized,
         model: &Transformer,
-        grad_group: &Group,
     ) -> Result<Self, RankError> {
         let shaped = ParamLayout::of(model);
         let flat = flatten_params(model);
@@ -66,58 +58,38 @@ impl HeldRows {
         }
         let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
         let rows = RowSharding::over(ctx, layout, &values, config.parallel.zero, &adamw);
+        // The plan hands this rank its rows of the reduced gradients in the same cut.
+        let plan_rows = par.gradient_rows().map_or(values.len(), |r| r.shards.shard_len());
+        if plan_rows != rows.held().1 {
+            return Err(RankError::from(format!(
+                "ZeRO rows: the plan reduces {plan_rows} gradient elements to this rank, its \
+                 optimizer steps {}",
+                rows.held().1
+            )));
+        }
         Ok(HeldRows {
             rows,
             held,
             shaped,
             keep: config.parallel.zero != 3,
-            reducer: GradientReducer::new(ctx, config.precision.reduce_dtype)?,
-            average: config.parallel.gradient_reduction == GradientReduction::Mean,
-            data_ranks: grad_group.size(),
         })
     }
 
-    /// One optimizer step of `model` from `grads`, this rank's gradients in the model's flat
-    /// layout (averaged over its `micro_batches`, not yet reduced): reduced, clipped to `clip`,
-    /// AdamW on the rows unless the loss scale overflowed, the rows gathered back into the
-    /// model (collective). Returns the model, the global norm before clipping, whether the
-    /// step applied and its loss scale.
-    #[allow(clippy::too_many_arguments)]
+    /// AdamW on this rank's rows from `grads`, its rows of the reduced and clipped gradients
+    /// (when `update`: the step did not overflow), then `model` as it is kept between steps:
+    /// the updated rows gathered back into it (ZeRO-1/2, collective) or its structure only.
     pub(super) fn step(
         &mut self,
-        ctx: &RankContext,
-        par: &Parallelized,
         model: Transformer,
         grads: &[f32],
-        micro_batches: usize,
-        (clip, lr): (Option<f32>, f64),
-        precision: &mut Precisions,
-    ) -> Result<(Transformer, f32, bool, Option<f32>), RankError> {
-        let held: Vec<f32> = self
-            .held
-            .iter()
-            .flat_map(|&(offset, len)| grads[offset..offset + len].iter().copied())
-            .collect();
-        let mut own = self
-            .rows
-            .reduce_scatter(&held, self.reducer.reduce_dtype())?;
-        let entries = self.rows.entries(par.placements())?;
-        let entries = borrowed(&entries);
-        let scale = match self.average {
-            true => 1.0 / self.data_ranks as f32,
-            false => micro_batches as f32,
-        };
-        // The tied embedding's copies summed over the two stages holding them, as the plan does.
-        self.reducer
-            .reduce(&entries, &mut own, scale, par.tied_copies())?;
-        let norm = clip_placed(&entries, &mut own, clip, ctx)?;
-        let (update, loss_scale) = precision.decide(norm);
-        self.rows.step_rows(lr, &own, update);
-        let model = match self.keep {
-            true => self.gathered(model)?,
-            false => self.between_steps(model),
-        };
-        Ok((model, norm, update, loss_scale))
+        lr: f64,
+        update: bool,
+    ) -> Result<Transformer, RankError> {
+        self.rows.step_rows(lr, grads, update);
+        match self.keep {
+            true => self.gathered(model),
+            false => Ok(self.between_steps(model)),
+        }
     }
 
     /// `model` as it is kept between steps: as it is (ZeRO-1/2), or its structure only.

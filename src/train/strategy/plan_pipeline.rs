@@ -29,7 +29,7 @@
 use super::held_rows::HeldRows;
 use super::routing::RoutingSums;
 use super::{
-    Batches, Precisions, RankStrategy, SHARING, SharedState, StepOutcome, named_params,
+    Batches, RankStrategy, SHARING, SharedState, StepOutcome, named_params,
     replica_index, restore_flat, with_moments,
 };
 use crate::train::checkpoint::{LocalState, placed_segments};
@@ -39,13 +39,16 @@ use burn::tensor::{Int, Tensor};
 use flashover_models::moe::LocalExperts;
 use flashover_models::{ForwardContext, MoeHook, Transformer, TransformerConfig};
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
-use flashover_parallel::data_parallel::{GradientBuckets, ReductionReport};
+use flashover_parallel::data_parallel::{
+    GradientBuckets, GradientRows, ReductionReport, ReductionTiming,
+};
 use flashover_parallel::parallelize::transformer::{self, LmBatch};
 use flashover_parallel::parallelize::{
-    ContextParallelRule, ParallelizePlan, Parallelized, PipelineModel, parallelize,
+    ContextParallelRule, ParallelizePlan, Parallelized, parallelize,
 };
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params};
 use flashover_parallel::pipeline::{PipelineStepReport, Schedule, ScheduleKind};
+use flashover_parallel::precision::LossScaler;
 use flashover_parallel::zero::MemoryReport;
 use flashover_parallel::{FlatAdamWConfig, ModuleAdamW, clip_scale};
 use flashover_runtime::{Axis, DeviceMesh, Group, RankContext, RankError};
@@ -78,6 +81,9 @@ struct PlanPipeline {
     /// ZeRO-3's units reshard after forward: every layer is recomputed for that, not for the
     /// job's recomputation policy (whose count the step reports).
     reshards: bool,
+    /// With `parallel.gradient_reduction = sum`: the ranks whose gradients are summed (the
+    /// plan averages over them and the micro-batches).
+    summed_over: Option<usize>,
     par: Parallelized,
     optim: Optimizer,
     /// Tokens per sequence (the dropout masks' positions).
@@ -92,12 +98,9 @@ enum Optimizer {
     /// ZeRO-3), the gradients reduced and clipped by the plan. With
     /// `parallel.gradient_reduction = sum`, `summed_over`: the ranks whose gradients are
     /// summed (the plan averages over them and the micro-batches).
-    Whole {
-        adam: Box<ModuleAdamW>,
-        summed_over: Option<usize>,
-        held: usize,
-    },
-    /// ZeRO-1/2: AdamW on its rows, the gradients reduced by the job.
+    Whole { adam: Box<ModuleAdamW>, held: usize },
+    /// ZeRO-1/2 (and ZeRO-3 by rows): AdamW on its rows of what it holds, the plan reducing
+    /// the gradients to those rows.
     Rows(Box<HeldRows>),
 }
 
@@ -141,16 +144,23 @@ pub(crate) fn build(
         policy if policy.is_selective() => CheckpointPolicy::None,
         policy => policy.clone(),
     };
+    let mut buckets = GradientBuckets::default()
+        .bucket_mb(p.bucket_mb)
+        .overlap(p.overlap);
+    if steps_rows(config) {
+        // ZeRO-1 keeps DDP's all-reduce (the same sums), ZeRO-2 and up hand each rank only
+        // the sum of its rows.
+        buckets = buckets.rows(match p.zero {
+            1 => GradientRows::AllReduce,
+            _ => GradientRows::ReduceScatter,
+        });
+    }
     let mut plan = config
         .model_plan(model_config, ctx.mesh())?
         .pipeline(rule)
         .activation_checkpointing(recompute)
         .mixed_precision(config.precision.policy()?)
-        .gradient_buckets(
-            GradientBuckets::default()
-                .bucket_mb(p.bucket_mb)
-                .overlap(p.overlap),
-        );
+        .gradient_buckets(buckets);
     // The model's own experts rules (the job's plan leaves them to the job).
     plan.expert_parallel = ParallelizePlan::from_toml(&model_config.plan_toml())?.expert_parallel;
     plan = plan.replicate_hot_experts(config.moe.replicate_hot);
@@ -165,17 +175,15 @@ pub(crate) fn build(
     let (mut model, par) = parallelize(model, &plan, ctx)?;
     let optim = match steps_rows(config) {
         true => {
-            let rows = HeldRows::new(ctx, config, &par, &model, grad_group)?;
+            let rows = HeldRows::new(ctx, config, &par, &model)?;
             model = rows.between_steps(model);
             Optimizer::Rows(Box::new(rows))
         }
         false => {
             let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
-            let sum = p.gradient_reduction == GradientReduction::Sum;
             let held = par.held_entries(&model)?.iter().map(|(s, _)| s.numel).sum();
             Optimizer::Whole {
                 adam: Box::new(ModuleAdamW::new(&adamw, &model)),
-                summed_over: sum.then(|| grad_group.size()),
                 held,
             }
         }
@@ -185,10 +193,12 @@ pub(crate) fn build(
         .into_iter()
         .next()
         .unwrap_or_else(|| ctx.device().clone().autodiff());
+    let sum = p.gradient_reduction == GradientReduction::Sum;
     Ok(Box::new(PlanPipeline {
         optim,
         device,
         reshards,
+        summed_over: sum.then(|| grad_group.size()),
         model,
         par,
         seq: config.data.seq_len,
@@ -242,12 +252,12 @@ impl RankStrategy for PlanPipeline {
         batches: Batches<'_>,
         micro_batches: usize,
         lr: f64,
-        precision: &mut Precisions,
+        scaler: &mut LossScaler,
     ) -> Result<(Box<dyn RankStrategy>, StepOutcome), RankError> {
         let before = ctx.comm_stats();
-        if precision.scaler.is_active() {
+        if scaler.is_active() {
             // The job's scale (a resumed checkpoint's) is the one the plan scales by.
-            self.par.restore_loss_scale(precision.scaler.state())?;
+            self.par.restore_loss_scale(scaler.state())?;
         }
         // Every layer of every micro-batch counts its routing into the step's one hook.
         let routing = self
@@ -267,12 +277,9 @@ impl RankStrategy for PlanPipeline {
         let rows = data[0].inputs.dims()[0];
         let attention_before = self.par.attention_work();
         // Pipeline steps count samples from the data rank's first (step 0 of a batch of this
-        // step's size), pipeline gradients from 0: all a micro-batch's place in `data` needs.
+        // step's size): all a micro-batch's place in `data` needs.
         let data_ranks = self.par.data_ranks();
-        let first = match self.optim {
-            Optimizer::Whole { .. } => data_ranks.rank() * rows * micro_batches,
-            Optimizer::Rows(_) => 0,
-        };
+        let first = data_ranks.rank() * rows * micro_batches;
         let global_batch = data_ranks.size() * rows * micro_batches;
         let micro_batch = |samples: Range<usize>| {
             let batch = &data[(samples.start - first) / rows];
@@ -282,84 +289,57 @@ impl RankStrategy for PlanPipeline {
                 ctx: batch.ctx.clone(),
             }
         };
-        let step = match &mut self.optim {
-            Optimizer::Whole {
-                adam, summed_over, ..
-            } => {
-                // Summed gradients are the plan's means times the samples' groups, clipped
-                // here.
-                let plan_clip = clip.filter(|_| summed_over.is_none());
-                let out = self.par.pipeline_step(
-                    &self.model,
-                    global_batch,
-                    0,
-                    &micro_batch,
-                    plan_clip,
-                    ctx,
-                )?;
-                let (norm, scale) = match *summed_over {
-                    Some(ranks) => {
-                        let sums = (ranks * micro_batches) as f32;
-                        let norm = out.norm * sums;
-                        (norm, sums * clip_scale(norm, clip)?.unwrap_or(1.0))
-                    }
-                    None => (out.norm, 1.0),
-                };
-                if let Some(state) = self.par.loss_scale_state() {
-                    precision.scaler.restore(state);
-                }
-                if !out.skipped {
-                    let mut grads = vec![0.0; ParamLayout::of(&self.model).numel];
-                    accumulate_grads(&self.model, &out.grads, &mut grads, &[]);
-                    if scale != 1.0 {
-                        grads.iter_mut().for_each(|g| *g *= scale);
-                    }
-                    self.model = adam.step_flat(lr, self.model, &grads)?;
-                }
-                Stepped {
-                    loss: out.loss,
-                    norm,
-                    report: out.report,
-                    recomputed: out.recomputed,
-                    loss_scale: out.loss_scale,
-                    skipped: out.skipped,
-                    reduction: out.reduction,
-                }
+        // Summed gradients are the plan's means times the samples' groups, clipped here.
+        let plan_clip = clip.filter(|_| self.summed_over.is_none());
+        if let Optimizer::Rows(rows) = &self.optim {
+            // ZeRO-3 by rows gathers what the rank holds for the step.
+            self.model = rows.for_step(self.model)?;
+        }
+        let out = self.par.pipeline_step(
+            &self.model,
+            global_batch,
+            0,
+            &micro_batch,
+            plan_clip,
+            ctx,
+        )?;
+        let (norm, scale) = match self.summed_over {
+            Some(ranks) => {
+                let sums = (ranks * micro_batches) as f32;
+                let norm = out.norm * sums;
+                (norm, sums * clip_scale(norm, clip)?.unwrap_or(1.0))
             }
-            Optimizer::Rows(rows_optim) => {
-                self.model = rows_optim.for_step(self.model)?;
-                let head =
-                    |m: &Transformer, x, batch: &LmBatch, _| PipelineModel::head_loss(m, x, batch);
-                let out = self.par.pipeline_gradients(
-                    &self.model,
-                    rows * micro_batches,
-                    &micro_batch,
-                    &head,
-                    ctx,
-                )?;
+            None => (out.norm, 1.0),
+        };
+        if let Some(state) = self.par.loss_scale_state() {
+            scaler.restore(state);
+        }
+        let scaled = |mut grads: Vec<f32>| {
+            if scale != 1.0 {
+                grads.iter_mut().for_each(|g| *g *= scale);
+            }
+            grads
+        };
+        match &mut self.optim {
+            Optimizer::Whole { adam, .. } if !out.skipped => {
                 let mut grads = vec![0.0; ParamLayout::of(&self.model).numel];
                 accumulate_grads(&self.model, &out.grads, &mut grads, &[]);
-                let (model, norm, update, loss_scale) = rows_optim.step(
-                    ctx,
-                    &self.par,
-                    self.model,
-                    &grads,
-                    micro_batches,
-                    (clip, lr),
-                    precision,
-                )?;
-                self.model = model;
-                Stepped {
-                    // The whole batch's mean, as the plan's own reduction reports it.
-                    loss: self.par.mean_loss(out.loss)?,
-                    norm,
-                    report: out.report,
-                    recomputed: out.recomputed,
-                    loss_scale,
-                    skipped: !update,
-                    reduction: ReductionReport::default(),
-                }
+                self.model = adam.step_flat(lr, self.model, &scaled(grads))?;
             }
+            Optimizer::Whole { .. } => {}
+            Optimizer::Rows(rows) => {
+                let grads = scaled(out.rows);
+                self.model = rows.step(self.model, &grads, lr, !out.skipped)?;
+            }
+        }
+        let step = Stepped {
+            loss: out.loss,
+            norm,
+            report: out.report,
+            recomputed: out.recomputed,
+            loss_scale: out.loss_scale,
+            skipped: out.skipped,
+            reduction: out.reduction,
         };
         let (moe, a2a) = match (&self.moe, routing) {
             (Some(moe), Some(hook)) => {
@@ -375,6 +355,12 @@ impl RankStrategy for PlanPipeline {
         };
         let comm = ctx.comm_stats().since(&before).total();
         let (params, held) = self.held();
+        // Under rows the buckets' peak is what the rank held of gradients (a whole one under
+        // ZeRO-1's all-reduce; its rows and the buckets in flight under ZeRO-2).
+        let grads = match &self.optim {
+            Optimizer::Rows(_) => (step.reduction.peak_bytes).max(held * 4),
+            Optimizer::Whole { .. } => held * 4,
+        };
         let report = step.report;
         let gathered_peak = match &self.optim {
             Optimizer::Rows(rows) => rows.gathered_bytes(),
@@ -388,7 +374,7 @@ impl RankStrategy for PlanPipeline {
             exposed: step.reduction.exposed,
             memory: MemoryReport {
                 params: params * 4,
-                grads: held * 4,
+                grads,
                 optimizer: held * 8,
                 gathered_peak,
             },
@@ -416,12 +402,8 @@ impl RankStrategy for PlanPipeline {
         Ok((self, outcome))
     }
 
-    fn buckets(&self) -> (usize, bool) {
-        match &self.optim {
-            // The rows' reduce-scatter runs after the schedule, outside the plan's buckets.
-            Optimizer::Rows(_) => (0, false),
-            Optimizer::Whole { .. } => self.par.gradient_buckets(&self.device),
-        }
+    fn buckets(&self) -> (usize, ReductionTiming) {
+        self.par.gradient_buckets(&self.device)
     }
 
     fn local_state(

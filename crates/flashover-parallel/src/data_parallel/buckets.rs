@@ -15,13 +15,21 @@
 //! Tied copies (an embedding the first and the last pipeline stage both hold) are summed over
 //! their tie group after the buckets. A parameter this rank keeps only a placeholder for
 //! (another stage's, another expert rank's) is not reduced: its gradient is zero everywhere.
+//!
+//! ZeRO-1/2 ([`GradientBuckets::rows`]) keep only this rank's rows of every gradient, the
+//! parameters cut along their first dimension over `fsdp` (or `dp` without one) as
+//! [`crate::zero::UnitShards`] cuts them: the buckets are laid out by rows, so an all-reduce
+//! leaves each rank its rows in one chunk (ZeRO-1, the same sums as without rows) and a
+//! reduce-scatter hands each rank only the sum of its rows (ZeRO-2, every micro-batch when
+//! hooks report the gradients, so a rank holds its rows and the buckets in flight).
 
-use super::reducer::{Mode, Reducer, Spans};
+use super::reducer::{Mode, Reducer, RowSplit, Spans};
 use crate::error::ParallelError;
 use crate::hook::{grad_hook, hooks_supported};
-use crate::params::ParamSlot;
+use crate::params::{ParamLayout, ParamSlot};
 use crate::placement::{DATA_AXES, ParamPlacement, Tie};
 use crate::precision::{Precision, all_reduce_in};
+use crate::zero::UnitShards;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::Tensor;
 use flashover_comm::{CommunicatorExt, Group};
@@ -41,6 +49,20 @@ pub struct GradientBuckets {
     /// Reduce buckets while backward runs (gradient hooks), where the executor and the device
     /// allow; the step's report says whether it did.
     pub overlap: bool,
+    /// Keep only this rank's rows of each reduced gradient (ZeRO-1/2 of parameters held
+    /// whole; see the module docs). `None`: every rank keeps whole gradients.
+    pub rows: Option<GradientRows>,
+}
+
+/// How a rank comes to hold only its rows of each reduced gradient, the parameters cut along
+/// their first dimension over `fsdp` (or `dp` on a mesh without it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GradientRows {
+    /// Every rank gets the whole sum (all-reduce) and keeps its rows: ZeRO-1.
+    AllReduce,
+    /// Each rank gets only the sum of its rows (reduce-scatter): ZeRO-2.
+    ReduceScatter,
 }
 
 impl Default for GradientBuckets {
@@ -48,6 +70,7 @@ impl Default for GradientBuckets {
         GradientBuckets {
             bucket_mb: 4.0,
             overlap: true,
+            rows: None,
         }
     }
 }
@@ -65,6 +88,12 @@ impl GradientBuckets {
         self
     }
 
+    /// Each rank keeps only its rows of the reduced gradients, as `rows` says.
+    pub fn rows(mut self, rows: GradientRows) -> Self {
+        self.rows = Some(rows);
+        self
+    }
+
     /// Elements per bucket; fails when the size holds no f32.
     fn bucket_elems(&self) -> Result<usize, ParallelError> {
         let elems = (self.bucket_mb * (1 << 20) as f64 / 4.0) as usize;
@@ -75,6 +104,25 @@ impl GradientBuckets {
             )));
         }
         Ok(elems)
+    }
+}
+
+/// When a plan's gradient buckets are reduced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReductionTiming {
+    /// While backward runs: gradient hooks hand each gradient to its bucket, and a complete
+    /// bucket is reduced at once during the step's last backward.
+    DuringBackward,
+    /// After backward, for the reason given.
+    AfterBackward(&'static str),
+}
+
+impl std::fmt::Display for ReductionTiming {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReductionTiming::DuringBackward => f.write_str("during backward (gradient hooks)"),
+            ReductionTiming::AfterBackward(why) => write!(f, "after backward: {why}"),
+        }
     }
 }
 
@@ -92,6 +140,9 @@ pub struct ReductionReport {
     pub overlapped: Duration,
     /// Time the training thread waited for the buckets after backward.
     pub exposed: Duration,
+    /// The most gradient bytes the buckets (and, under rows, this rank's summed rows) held at
+    /// once this step.
+    pub peak_bytes: usize,
 }
 
 /// One set of data axes and the parameters reduced over exactly those.
@@ -102,6 +153,22 @@ struct ReduceSet {
     reducer: Reducer,
     /// Whether its buckets were re-planned from the arrival order yet.
     rebuilt: bool,
+    /// Under rows: the rows' group and the rest of the set's axes (communicators of the
+    /// set's thread alone).
+    row_groups: Option<(Group, Option<Group>)>,
+}
+
+/// Where a rank's rows of the reduced gradients are, under [`GradientBuckets::rows`].
+pub struct GradientRowLayout {
+    /// The axis the rows are cut over.
+    pub axis: Axis,
+    /// The parameters this rank holds, laid end to end (the model's layout without the
+    /// placeholders).
+    pub layout: ParamLayout,
+    /// Their cut over the axis: this rank's rows are laid out as its shard.
+    pub shards: UnitShards,
+    /// How the rows are reduced.
+    pub rows: GradientRows,
 }
 
 /// A step in progress.
@@ -120,11 +187,17 @@ pub(crate) struct BucketedReduction {
     member: Vec<Option<(usize, usize)>>,
     /// Per parameter of the model's layout: its offset and length in the flat gradient.
     slots: Vec<(usize, usize)>,
+    /// Per parameter of the model's layout: its rows and elements per row.
+    shapes: Vec<(usize, usize)>,
     /// Tied copies: the group summing them and their layout indices.
     tie: Option<(Group, Vec<usize>)>,
+    /// Under rows: where this rank's rows go, and per parameter of the model's layout its
+    /// index among the held ones.
+    rows: Option<(GradientRowLayout, Vec<Option<usize>>)>,
     bucket_elems: usize,
     wire: Precision,
     overlap: bool,
+    mode: Mode,
     step: Mutex<StepState>,
 }
 
@@ -167,37 +240,89 @@ impl BucketedReduction {
     ) -> Result<Self, ParallelError> {
         let bucket_elems = settings.bucket_elems()?;
         let mesh = ctx.mesh();
-        let mut members: Vec<Vec<usize>> = vec![];
         let groups = reduction_groups(ctx)?;
+        let holds = |i: usize| held.get(i).copied().unwrap_or(true);
+        // ZeRO-1/2 cut rows over fsdp, or dp without it (over one rank, rows are whole).
+        let rows_over = settings.rows.map(|_| match mesh.degree(Axis::Fsdp) > 1 {
+            true => Axis::Fsdp,
+            false => Axis::Dp,
+        });
+        let row_axis = rows_over.filter(|&a| mesh.degree(a) > 1);
+        let mut members: Vec<Vec<usize>> = vec![vec![]; groups.len()];
         let mut member = vec![None; entries.len()];
-        for (i, (_, entry)) in entries.iter().enumerate() {
+        // Refused after the groups are made: every rank makes them (collectively) first.
+        let mut refusal = None;
+        for (i, (slot, entry)) in entries.iter().enumerate() {
             let axes = entry.reduce_axes(mesh);
-            if axes.is_empty() || !held.get(i).copied().unwrap_or(true) {
+            if let Some(axis) = row_axis.filter(|a| holds(i) && !axes.contains(a)) {
+                refusal.get_or_insert(ParallelError::Invalid(format!(
+                    "gradient rows over {}: `{}` is not held whole on every {0} rank (fully \
+                     sharded, or split over it), so it has no rows of its own to cut; use \
+                     ZeRO-1/2 rows without fully_shard, or ZeRO-3 units alone",
+                    axis.name(),
+                    slot.name
+                )));
+                continue;
+            }
+            if axes.is_empty() || !holds(i) {
                 continue;
             }
             let set = groups.iter().position(|(s, _)| *s == axes).expect("every subset");
-            members.resize(groups.len(), vec![]);
             member[i] = Some((set, members[set].len()));
             members[set].push(i);
         }
-        members.resize(groups.len(), vec![]);
         let slots: Vec<(usize, usize)> = entries.iter().map(|(s, _)| (s.offset, s.numel)).collect();
+        let shapes: Vec<(usize, usize)> = entries
+            .iter()
+            .map(|(s, _)| {
+                let rows = s.shape.first().copied().unwrap_or(1).max(1);
+                (rows, s.numel / rows)
+            })
+            .collect();
+        let mode = match settings.rows {
+            Some(GradientRows::ReduceScatter) if row_axis.is_some() => Mode::ReduceScatter,
+            Some(GradientRows::AllReduce) if row_axis.is_some() => Mode::AllReduceShard,
+            _ => Mode::AllReduce,
+        };
         let mut sets = vec![];
         let mut renumber = vec![usize::MAX; groups.len()];
-        for (set, ((_, group), params)) in groups.into_iter().zip(members).enumerate() {
+        for (set, ((axes, group), params)) in groups.into_iter().zip(members).enumerate() {
+            // Made for every set that holds the rows' axis, used or not: making a group is
+            // collective over the world, so every rank makes the same ones.
+            let row_groups = match row_axis.filter(|a| axes.contains(a)) {
+                Some(axis) => {
+                    let rest: Vec<Axis> = axes.iter().copied().filter(|&a| a != axis).collect();
+                    let rest = match rest.is_empty() {
+                        true => None,
+                        false => Some(ctx.subgroup(&rest)?),
+                    };
+                    Some((ctx.subgroup(&[axis])?, rest))
+                }
+                None => None,
+            };
             if params.is_empty() {
                 continue;
             }
             renumber[set] = sets.len();
-            let numels: Vec<usize> = params.iter().map(|&i| slots[i].1).collect();
+            let layout = SetLayout {
+                group: &group,
+                params: &params,
+                row_groups: row_groups.as_ref(),
+                slots: &slots,
+                shapes: &shapes,
+            };
             let order: Vec<usize> = (0..params.len()).rev().collect();
-            let reducer = Reducer::new(group.clone(), &numels, &order, bucket_elems, Mode::AllReduce, wire);
+            let reducer = layout.reducer(&order, bucket_elems, mode, wire);
             sets.push(ReduceSet {
                 group,
                 params,
                 reducer,
                 rebuilt: false,
+                row_groups,
             });
+        }
+        if let Some(refusal) = refusal {
+            return Err(refusal);
         }
         for m in member.iter_mut().flatten() {
             m.0 = renumber[m.0];
@@ -206,14 +331,21 @@ impl BucketedReduction {
             .filter(|(_, (_, e))| e.tie != Tie::None)
             .map(|(i, _)| i)
             .collect();
+        let rows = match (rows_over, settings.rows) {
+            (Some(axis), Some(rows)) => Some(row_layout(entries, &holds, axis, rows, mesh)),
+            _ => None,
+        };
         Ok(BucketedReduction {
             sets: Mutex::new(sets),
             member,
             slots,
+            shapes,
             tie: tie.filter(|g| g.size() > 1 && !tied.is_empty()).map(|g| (g.clone(), tied)),
+            rows,
             bucket_elems,
             wire,
             overlap: settings.overlap,
+            mode,
             step: Mutex::new(StepState::default()),
         })
     }
@@ -227,7 +359,22 @@ impl BucketedReduction {
     /// gradients through hooks: overlap asked for, something to reduce, and a device the
     /// hook op is built for.
     pub(crate) fn hooks_on(&self, device: &burn::tensor::Device) -> bool {
-        self.overlap && self.reduces() && hooks_supported(device)
+        self.timing(device) == ReductionTiming::DuringBackward
+    }
+
+    /// When a step whose forwards run on `device` reduces its buckets, as far as the
+    /// reduction itself decides (the executor may rule hooks out too).
+    pub(crate) fn timing(&self, device: &burn::tensor::Device) -> ReductionTiming {
+        use ReductionTiming::AfterBackward;
+        if !self.overlap {
+            AfterBackward("gradient_buckets.overlap (parallel.overlap) is off")
+        } else if !self.reduces() {
+            AfterBackward("no gradient is summed over other ranks on this mesh")
+        } else if !hooks_supported(device) {
+            AfterBackward("the gradient hook op is built for Flex and the CubeCL backend only")
+        } else {
+            ReductionTiming::DuringBackward
+        }
     }
 
     /// Buckets per step, over every set of axes.
@@ -254,6 +401,30 @@ impl BucketedReduction {
         for set in lock(&self.sets).iter() {
             set.reducer.begin_micro(last);
         }
+    }
+
+    /// After a micro-batch's backward whose forward ran on hooked parameters: the parameters
+    /// the hooks did not report got no gradient from it (so their buckets complete). Under
+    /// reduce-scatter rows (ZeRO-2) every micro-batch's buckets are reduced, and an earlier
+    /// micro-batch's are waited for here, before the next one fills them.
+    pub(crate) fn end_micro(&self) -> Result<(), ParallelError> {
+        for set in lock(&self.sets).iter() {
+            let arrived = set.reducer.arrived();
+            for (local, &i) in set.params.iter().enumerate().rev() {
+                if !arrived[local] {
+                    set.reducer.add(local, &vec![0.0; self.slots[i].1]);
+                }
+            }
+            if self.mode == Mode::ReduceScatter && !set.reducer.is_last_micro() {
+                set.reducer.wait_reduced()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Where this rank's rows of the reduced gradients are, under rows (ZeRO-1/2).
+    pub(crate) fn row_layout(&self) -> Option<&GradientRowLayout> {
+        self.rows.as_ref().map(|(layout, _)| layout)
     }
 
     /// `model` with a gradient hook on every parameter this rank reduces, each handing its
@@ -294,9 +465,11 @@ impl BucketedReduction {
         let t0 = Instant::now();
         let mut sets = lock(&self.sets);
         let mut spans = vec![];
+        let mut peak = 0;
         for set in sets.iter() {
             let Spans { spans: s } = set.reducer.wait_reduced()?;
             spans.extend(s);
+            peak += set.reducer.held_bytes().1;
             for (local, values) in set.reducer.drain().into_iter().enumerate() {
                 let (offset, numel) = self.slots[set.params[local]];
                 flat[offset..offset + numel].copy_from_slice(&values);
@@ -304,8 +477,71 @@ impl BucketedReduction {
         }
         let exposed = t0.elapsed();
         if let Some((group, tied)) = &self.tie {
-            self.sum_tied(group, tied, flat)?;
+            let places: Vec<(usize, usize)> = tied.iter().map(|&i| self.slots[i]).collect();
+            sum_tied(group, &places, flat)?;
         }
+        self.end_step(&mut sets, spans, t0, exposed, peak)
+    }
+
+    /// [`Self::finish`] under rows (ZeRO-1/2): this rank's rows of every held parameter's
+    /// reduced gradient, laid out as [`GradientRowLayout::shards`] lays out its shard.
+    pub(crate) fn finish_rows(
+        &self,
+        flat: &mut [f32],
+    ) -> Result<(Vec<f32>, ReductionReport), ParallelError> {
+        let (layout, index) = self.rows.as_ref().expect("rows were asked for");
+        if self.mode == Mode::AllReduce {
+            // Rows over one rank are whole parameters: reduced whole, then laid out as rows.
+            let report = self.finish(flat)?;
+            let held: Vec<f32> = (index.iter().enumerate())
+                .filter(|(_, h)| h.is_some())
+                .flat_map(|(i, _)| {
+                    let (offset, numel) = self.slots[i];
+                    flat[offset..offset + numel].iter().copied()
+                })
+                .collect();
+            return Ok((layout.shards.take(0, &held), report));
+        }
+        let t0 = Instant::now();
+        let mut sets = lock(&self.sets);
+        let mut spans = vec![];
+        let mut rows = vec![0.0; layout.shards.shard_len()];
+        let mut peak = 0;
+        for set in sets.iter() {
+            peak += set.reducer.held_bytes().1;
+            let (shard, Spans { spans: s }) = set.reducer.wait_shard()?;
+            spans.extend(s);
+            for (local, &i) in set.params.iter().enumerate() {
+                let (at, len) = set.reducer.rows_in_shard(local).expect("laid out by rows");
+                let held = index[i].expect("a reduced parameter is held");
+                let to = layout.shards.offset_in_shard(held);
+                rows[to..to + len].copy_from_slice(&shard[at..at + len]);
+            }
+        }
+        let exposed = t0.elapsed();
+        if let Some((group, tied)) = &self.tie {
+            let places: Vec<(usize, usize)> = (tied.iter())
+                .filter_map(|&i| index[i])
+                .map(|h| {
+                    let rows = layout.shards.chunk_rows(h);
+                    let row_len = layout.layout.slots[h].numel / layout.layout.slots[h].shape[0].max(1);
+                    (layout.shards.offset_in_shard(h), rows * row_len)
+                })
+                .collect();
+            sum_tied(group, &places, &mut rows)?;
+        }
+        Ok((rows, self.end_step(&mut sets, spans, t0, exposed, peak)?))
+    }
+
+    /// The step's report; re-plans the buckets after the first hooked step (collective).
+    fn end_step(
+        &self,
+        sets: &mut [ReduceSet],
+        spans: Vec<(Instant, Instant)>,
+        t0: Instant,
+        exposed: Duration,
+        peak_bytes: usize,
+    ) -> Result<ReductionReport, ParallelError> {
         let step = std::mem::take(&mut *lock(&self.step));
         if step.hooked {
             for set in sets.iter_mut().filter(|s| !s.rebuilt) {
@@ -323,26 +559,8 @@ impl BucketedReduction {
             comm: spans.iter().map(|(a, b)| *b - *a).sum(),
             overlapped: spans.iter().map(before_end).sum(),
             exposed,
+            peak_bytes,
         })
-    }
-
-    /// Sums the tied copies over their group, in f32.
-    fn sum_tied(&self, group: &Group, tied: &[usize], flat: &mut [f32]) -> Result<(), ParallelError> {
-        let mut packed: Vec<f32> = tied
-            .iter()
-            .flat_map(|&i| {
-                let (offset, numel) = self.slots[i];
-                flat[offset..offset + numel].iter().copied()
-            })
-            .collect();
-        all_reduce_in(group, &mut packed, Precision::F32)?;
-        let mut at = 0;
-        for &i in tied {
-            let (offset, numel) = self.slots[i];
-            flat[offset..offset + numel].copy_from_slice(&packed[at..at + numel]);
-            at += numel;
-        }
-        Ok(())
     }
 
     /// Re-plans `set`'s buckets in the order its first rank's gradients arrived (broadcast,
@@ -359,18 +577,89 @@ impl BucketedReduction {
         }
         set.group.broadcast(&mut order, 0)?;
         let order: Vec<usize> = order.into_iter().map(|p| p as usize).collect();
-        let numels: Vec<usize> = set.params.iter().map(|&i| self.slots[i].1).collect();
-        set.reducer = Reducer::new(
-            set.group.clone(),
-            &numels,
-            &order,
-            self.bucket_elems,
-            Mode::AllReduce,
-            self.wire,
-        );
+        let layout = SetLayout {
+            group: &set.group,
+            params: &set.params,
+            row_groups: set.row_groups.as_ref(),
+            slots: &self.slots,
+            shapes: &self.shapes,
+        };
+        set.reducer = layout.reducer(&order, self.bucket_elems, self.mode, self.wire);
         set.rebuilt = true;
         Ok(())
     }
+}
+
+/// Sums the tied copies (each at `(offset, len)` of `flat`) over their group, in f32.
+fn sum_tied(group: &Group, places: &[(usize, usize)], flat: &mut [f32]) -> Result<(), ParallelError> {
+    let mut packed: Vec<f32> = places
+        .iter()
+        .flat_map(|&(offset, len)| flat[offset..offset + len].iter().copied())
+        .collect();
+    all_reduce_in(group, &mut packed, Precision::F32)?;
+    let mut at = 0;
+    for &(offset, len) in places {
+        flat[offset..offset + len].copy_from_slice(&packed[at..at + len]);
+        at += len;
+    }
+    Ok(())
+}
+
+/// What a set's bucketed reducer is made from.
+struct SetLayout<'a> {
+    group: &'a Group,
+    /// Its parameters (layout indices).
+    params: &'a [usize],
+    row_groups: Option<&'a (Group, Option<Group>)>,
+    /// Per parameter of the model's layout: offset and length.
+    slots: &'a [(usize, usize)],
+    /// Per parameter of the model's layout: rows and elements per row.
+    shapes: &'a [(usize, usize)],
+}
+
+impl SetLayout<'_> {
+    /// The set's reducer, its buckets filled in `order` (the set's numbering).
+    fn reducer(&self, order: &[usize], bucket_elems: usize, mode: Mode, wire: Precision) -> Reducer {
+        let numels: Vec<usize> = self.params.iter().map(|&i| self.slots[i].1).collect();
+        let rows = self.row_groups.map(|(group, rest)| RowSplit {
+            group: group.clone(),
+            shapes: self.params.iter().map(|&i| self.shapes[i]).collect(),
+            rest: rest.clone(),
+        });
+        Reducer::with_rows(self.group.clone(), &numels, order, bucket_elems, mode, wire, rows)
+    }
+}
+
+/// Where this rank's rows of the held parameters' gradients go, cut over `axis`.
+fn row_layout(
+    entries: &[(ParamSlot, &ParamPlacement)],
+    holds: &impl Fn(usize) -> bool,
+    axis: Axis,
+    rows: GradientRows,
+    mesh: &flashover_runtime::DeviceMesh,
+) -> (GradientRowLayout, Vec<Option<usize>>) {
+    let mut layout = ParamLayout {
+        slots: vec![],
+        numel: 0,
+    };
+    let mut index = vec![None; entries.len()];
+    for (i, (slot, _)) in entries.iter().enumerate().filter(|(i, _)| holds(*i)) {
+        index[i] = Some(layout.slots.len());
+        let offset = layout.numel;
+        layout.numel += slot.numel;
+        layout.slots.push(ParamSlot {
+            offset,
+            ..slot.clone()
+        });
+    }
+    let shards = UnitShards::new(&layout, mesh.degree(axis));
+    let rows = GradientRowLayout {
+        axis,
+        layout,
+        shards,
+        rows,
+    };
+    (rows, index)
 }
 
 /// Puts a gradient hook on every parameter a set reduces.
@@ -397,5 +686,9 @@ impl ModuleMapper for HookMapper<'_> {
 impl crate::pipeline::BackwardSink for BucketedReduction {
     fn begin_backward(&self, last: bool) {
         self.begin_micro(last);
+    }
+
+    fn end_backward(&self) -> Result<(), ParallelError> {
+        self.end_micro()
     }
 }

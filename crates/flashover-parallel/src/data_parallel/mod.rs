@@ -42,7 +42,9 @@ mod buckets;
 mod reducer;
 
 pub(crate) use buckets::BucketedReduction;
-pub use buckets::{GradientBuckets, ReductionReport};
+pub use buckets::{
+    GradientBuckets, GradientRowLayout, GradientRows, ReductionReport, ReductionTiming,
+};
 
 use crate::error::ParallelError;
 use crate::grad_clip::{clip_global_norm, clip_global_norm_parts};

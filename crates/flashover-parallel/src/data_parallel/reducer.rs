@@ -87,6 +87,8 @@ struct State {
     arrivals: Vec<usize>,
     /// Reductions launch when a bucket fills (last micro-batch, or every one when scattering).
     launch: bool,
+    /// The micro-batch in progress is the step's last.
+    last: bool,
     arrived: Vec<bool>,
     pending: Vec<usize>,
     ready: Vec<bool>,
@@ -98,6 +100,8 @@ struct State {
 
 struct Shared {
     group: Group,
+    /// Buckets laid out by rows (ZeRO-1/2 of whole parameters' rows), if they are.
+    rows: Option<RowLayout>,
     mode: Mode,
     /// The dtype buckets travel and are summed in (f32, or rounded to bf16/f16).
     wire: Precision,
@@ -132,15 +136,34 @@ impl Shared {
             let mut data = lock(&self.data[b]);
             if data.is_empty() {
                 // Freed after its last reduction: allocate again (padded to whole chunks).
-                let len = self.chunks[b] * self.group.size();
+                let len = self.chunks[b] * self.chunk_rank_size().1;
                 data.resize(len, 0.0);
                 self.hold(len * 4);
                 if self.mode == Mode::ReduceScatter {
                     lock(&self.state).buffers += 1;
                 }
             }
-            for (acc, v) in data[offset..offset + values.len()].iter_mut().zip(values) {
-                *acc += v;
+            match &self.rows {
+                None => {
+                    for (acc, v) in data[offset..offset + values.len()].iter_mut().zip(values) {
+                        *acc += v;
+                    }
+                }
+                Some(rows) => {
+                    // Each rank's rows go to that rank's chunk of the bucket.
+                    let (n_rows, row_len) = rows.split.shapes[param];
+                    let chunk_rows = rows.cuts[param].0;
+                    let chunk = self.chunks[b];
+                    for r in 0..rows.split.group.size() {
+                        let start = (r * chunk_rows).min(n_rows);
+                        let end = (start + chunk_rows).min(n_rows);
+                        let src = &values[start * row_len..end * row_len];
+                        let dst = r * chunk + offset;
+                        for (acc, v) in data[dst..dst + src.len()].iter_mut().zip(src) {
+                            *acc += v;
+                        }
+                    }
+                }
             }
         }
         let mut st = lock(&self.state);
@@ -190,6 +213,38 @@ impl Shared {
     }
 }
 
+/// Buckets laid out by rows: every parameter cut along its first dimension over the ranks of
+/// `group` (`ceil(rows / size)` rows each, the last ones padded), a bucket holding rank 0's rows
+/// of each of its parameters, then rank 1's, and so on. So chunk `r` of a bucket is exactly rank
+/// `r`'s rows of its parameters: a reduce-scatter over `group` hands each rank the sum of its
+/// rows (ZeRO-2), and after an all-reduce each rank keeps its chunk (ZeRO-1).
+pub(crate) struct RowSplit {
+    /// The ranks the rows are cut over (a communicator the reducer's thread alone uses).
+    pub group: Group,
+    /// Per parameter (the reducer's numbering): its rows and elements per row.
+    pub shapes: Vec<(usize, usize)>,
+    /// Reduce-scatter mode: the rest of the ranks to sum over, after the reduce-scatter over
+    /// `group` (a communicator of the thread's own), if any.
+    pub rest: Option<Group>,
+}
+
+/// A [`RowSplit`] laid out over the buckets.
+struct RowLayout {
+    split: RowSplit,
+    /// Per parameter: rows per rank and where its rows start in a rank's chunk of its bucket.
+    cuts: Vec<(usize, usize)>,
+}
+
+impl Shared {
+    /// The rank and size of the group a bucket's chunks are cut over.
+    fn chunk_rank_size(&self) -> (usize, usize) {
+        match &self.rows {
+            Some(rows) => (rows.split.group.rank(), rows.split.group.size()),
+            None => (self.group.rank(), self.group.size()),
+        }
+    }
+}
+
 /// What the reducer measured in one step.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Spans {
@@ -213,9 +268,39 @@ impl Reducer {
         mode: Mode,
         wire: Precision,
     ) -> Self {
-        let (buckets, location) = plan_buckets(numels, order, bucket_elems);
+        Self::with_rows(group, numels, order, bucket_elems, mode, wire, None)
+    }
+
+    /// [`Reducer::new`] whose buckets are laid out by `rows` (see [`RowSplit`]) when given:
+    /// `mode` is then all-reduce then shard (ZeRO-1) or reduce-scatter (ZeRO-2).
+    pub(crate) fn with_rows(
+        group: Group,
+        numels: &[usize],
+        order: &[usize],
+        bucket_elems: usize,
+        mode: Mode,
+        wire: Precision,
+        rows: Option<RowSplit>,
+    ) -> Self {
+        let (buckets, mut location) = plan_buckets(numels, order, bucket_elems);
         let size = group.size();
-        let chunks: Vec<usize> = buckets.iter().map(|b| b.len.div_ceil(size)).collect();
+        let mut chunks: Vec<usize> = buckets.iter().map(|b| b.len.div_ceil(size)).collect();
+        let rows = rows.map(|split| {
+            let n = split.group.size();
+            let mut cuts = vec![(0, 0); numels.len()];
+            for (b, bucket) in buckets.iter().enumerate() {
+                let mut at = 0;
+                for &p in &bucket.params {
+                    let (n_rows, row_len) = split.shapes[p];
+                    let chunk_rows = n_rows.div_ceil(n);
+                    cuts[p] = (chunk_rows, at);
+                    location[p] = (b, at);
+                    at += chunk_rows * row_len;
+                }
+                chunks[b] = at;
+            }
+            RowLayout { split, cuts }
+        });
         let chunk_offsets = chunks
             .iter()
             .scan(0, |acc, &c| {
@@ -233,6 +318,7 @@ impl Reducer {
         });
         let shared = Arc::new(Shared {
             group,
+            rows,
             mode,
             wire,
             chunk_offsets,
@@ -246,6 +332,7 @@ impl Reducer {
                 buffers: 0,
                 arrivals: vec![],
                 launch: false,
+                last: false,
                 arrived: vec![false; numels.len()],
                 pending: buckets.iter().map(|b| b.params.len()).collect(),
                 ready: vec![false; buckets.len()],
@@ -292,6 +379,17 @@ impl Reducer {
             .collect()
     }
 
+    /// Where parameter `param`'s rows sit in this rank's shard ([`Self::wait_shard`]) and how
+    /// many elements they are (padding included), when the buckets are laid out by rows.
+    pub(crate) fn rows_in_shard(&self, param: usize) -> Option<(usize, usize)> {
+        let s = &self.shared;
+        let rows = s.rows.as_ref()?;
+        let (b, at) = s.location[param];
+        let (chunk_rows, _) = rows.cuts[param];
+        let row_len = rows.split.shapes[param].1;
+        Some((s.chunk_offsets[b] + at, chunk_rows * row_len))
+    }
+
     /// Elements of this rank's gradient shard (reduce-scatter mode).
     pub(crate) fn shard_len(&self) -> usize {
         self.shared.chunks.iter().sum()
@@ -328,6 +426,7 @@ impl Reducer {
     pub(crate) fn begin_micro(&self, last: bool) {
         let mut st = lock(&self.shared.state);
         st.launch = last || self.shared.mode == Mode::ReduceScatter;
+        st.last = last;
         st.arrived.iter_mut().for_each(|a| *a = false);
         st.pending = self.shared.buckets.iter().map(|b| b.params.len()).collect();
         st.arrivals.clear();
@@ -348,6 +447,12 @@ impl Reducer {
             }
         }
         self.shared.changed.notify_all();
+    }
+
+    /// Whether the micro-batch in progress is the step's last (its complete buckets are
+    /// reduced; in reduce-scatter mode every micro-batch's are).
+    pub(crate) fn is_last_micro(&self) -> bool {
+        lock(&self.shared.state).last
     }
 
     /// Adds a gradient of parameter `param` into its bucket and marks it final for this
@@ -406,7 +511,7 @@ impl Reducer {
         let shard = match s.mode {
             Mode::ReduceScatter => std::mem::take(&mut *lock(&s.shard)),
             Mode::AllReduceShard => {
-                let rank = s.group.rank();
+                let rank = s.chunk_rank_size().0;
                 // Filled bucket by bucket while each bucket is freed: the peak stays near one
                 // whole gradient, not a gradient plus a shard.
                 let mut shard = Vec::with_capacity(self.shard_len());
@@ -511,7 +616,15 @@ fn reduce_bucket(shared: &Shared, b: usize) -> Result<(), CommError> {
             let full = std::mem::take(&mut *data);
             drop(data);
             let mut chunk = vec![0.0f32; shared.chunks[b]];
-            reduce_scatter_in(&shared.group, &full, &mut chunk, shared.wire)?;
+            match &shared.rows {
+                None => reduce_scatter_in(&shared.group, &full, &mut chunk, shared.wire)?,
+                Some(rows) => {
+                    reduce_scatter_in(&rows.split.group, &full, &mut chunk, shared.wire)?;
+                    if let Some(rest) = &rows.split.rest {
+                        all_reduce_in(rest, &mut chunk, shared.wire)?;
+                    }
+                }
+            }
             shared.release(full.len() * 4);
             drop(full);
             lock(&shared.state).buffers -= 1;

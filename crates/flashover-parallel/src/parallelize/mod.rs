@@ -59,7 +59,9 @@ pub use plan::{
 };
 
 use crate::clip_scale;
-use crate::data_parallel::{BucketedReduction, ReductionReport};
+use crate::data_parallel::{
+    BucketedReduction, GradientRowLayout, ReductionReport, ReductionTiming,
+};
 use crate::error::ParallelError;
 use crate::params::{
     ParamLayout, ParamSlot, accumulate_grads, broadcast_module, flatten_params, grads_from_flat,
@@ -80,7 +82,7 @@ use placed::{Elsewhere, WholeReads};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 use std::sync::Arc;
-pub use units::FullyShardedUnits;
+use units::FullyShardedUnits;
 use units::UnitGathers;
 
 /// The axes whose ranks read different samples.
@@ -169,6 +171,10 @@ pub struct PipelineStep {
     /// What the gradient reduction did and cost (empty from
     /// [`Parallelized::pipeline_gradients`], which does not reduce).
     pub reduction: ReductionReport,
+    /// Under the plan's `gradient_buckets.rows` (ZeRO-1/2): this rank's rows of the reduced,
+    /// clipped gradients, laid out as [`Parallelized::gradient_rows`] says (`grads` is then
+    /// empty); empty otherwise.
+    pub rows: Vec<f32>,
 }
 
 /// Applies `plan` to `model` on this rank: the whole model as world rank 0 holds it
@@ -311,122 +317,6 @@ pub fn parallelize<M: Module>(
     Ok((model, par))
 }
 
-/// A model's layers split over `tp` by `plan`'s `tensor_parallel` and `sequence_parallel` rules
-/// alone, for an executor that runs the parts itself (the trainer's strategies, which place
-/// stages and shards their own way): the same cut and the same [`Placed`] record as
-/// [`parallelize`]'s, recorded in `placements`, except that `Param::val` of a split parameter
-/// answers this rank's part instead of refusing (the executor knows it holds parts). The
-/// forward computes through [`crate::nn`]'s layers or [`transformer::layer_hooks`]. Fails,
-/// naming the path, when the plan does not fit the model or has other rules.
-pub fn split_tensor_parallel<M: Module>(
-    model: M,
-    plan: &ParallelizePlan,
-    tp: &Group,
-    placements: &mut PlacementTable,
-) -> Result<(M, TensorParallelParts), ParallelError> {
-    let (model, parts, _) = split_and_shard(model, plan, tp, None, placements)?;
-    Ok((model, parts))
-}
-
-/// [`split_tensor_parallel`] that also cuts the parameters of `plan`'s `fully_shard` modules
-/// by rows over the group of `fsdp` (FSDP over TP, as [`parallelize`] cuts them), for an
-/// executor that runs the forward in [`FullyShardedUnits::forward`]: the units gather through
-/// `fsdp`'s communication thread, in its precisions. The model is every rank's same
-/// initialisation (nothing is broadcast). Fails, naming the path, when the plan does not fit
-/// the model, has pipeline, context or expert rules, or has `fully_shard` rules without
-/// `fsdp`.
-///
-/// ```
-/// use burn::tensor::{Device, Int, Tensor};
-/// use flashover_models::TransformerConfig;
-/// use flashover_parallel::parallelize::{split_and_shard, transformer};
-/// use flashover_parallel::placement::PlacementTable;
-/// use flashover_parallel::zero::ShardGroup;
-/// use flashover_runtime::{Axis, launch};
-///
-/// let config = TransformerConfig::tiny(16);
-/// let device = Device::flex().autodiff();
-/// let tokens = Tensor::<2, Int>::from_ints([[1, 2, 3, 4, 5]], &device);
-/// let (inputs, targets) = (tokens.clone().narrow(1, 0, 4), tokens.narrow(1, 1, 4));
-/// let fwd = transformer::forward_context();
-/// let one_rank = config.init(3, &device).forward_loss(inputs.clone(), targets.clone(), &fwd);
-/// let one_rank: f32 = one_rank.into_scalar();
-/// let losses = launch("fsdp=2,tp=2", |ctx| {
-///     let model = config.init(3, &device); // the same initialisation on every rank
-///     let plan = transformer::plan(&config)?.fully_shard(""); // tp split, then fsdp rows
-///     let units = ShardGroup::new(ctx.group(Axis::Fsdp));
-///     let mut table = PlacementTable::whole(&model);
-///     let (model, _parts, units) =
-///         split_and_shard(model, &plan, ctx.group(Axis::Tp), Some(&units), &mut table)?;
-///     assert_eq!(units.paths(), ["", "blocks.0", "blocks.1"]);
-///     // Each block gathered in one collective at its first read, the next one prefetched.
-///     let fwd = transformer::forward_context();
-///     let (x, y) = (inputs.clone(), targets.clone());
-///     let loss = units.forward(&model, |m| m.forward_loss(x, y, &fwd))?;
-///     Ok::<f32, flashover_parallel::ParallelError>(loss.into_scalar())
-/// })
-/// .unwrap();
-/// assert!(losses.iter().all(|l| (l - one_rank).abs() < 1e-5));
-/// ```
-pub fn split_and_shard<M: Module>(
-    model: M,
-    plan: &ParallelizePlan,
-    tp: &Group,
-    fsdp: Option<&Arc<ShardGroup>>,
-    placements: &mut PlacementTable,
-) -> Result<(M, TensorParallelParts, FullyShardedUnits), ParallelError> {
-    let others = plan.pipeline.is_some()
-        || plan.context_parallel.is_some()
-        || !plan.expert_parallel.is_empty();
-    if others {
-        return Err(ParallelError::Invalid(
-            "split_tensor_parallel and split_and_shard apply a plan's tensor_parallel, \
-             sequence_parallel and fully_shard rules only; apply the others with parallelize"
-                .into(),
-        ));
-    }
-    if fsdp.is_none() && !plan.fully_shard.is_empty() {
-        return Err(ParallelError::Invalid(
-            "the plan has fully_shard rules: cut them with split_and_shard, giving the fsdp \
-             group's ShardGroup"
-                .into(),
-        ));
-    }
-    let layout = ParamLayout::of(&model);
-    validate::check_plan(plan, &layout.slots, Some(tp.size()))?;
-    let whole_reads = WholeReads::local();
-    let kept_whole = match plan.fully_shard.is_empty() {
-        true => BTreeMap::new(),
-        false => placed::reads_stored_shape(&model),
-    };
-    let gathers = UnitGathers::default();
-    let mut error = None;
-    let place = placed::PlaceParams {
-        plan,
-        fsdp: fsdp.map_or_else(|| tp.clone(), |units| units.group().clone()),
-        tp: tp.clone(),
-        context: None,
-        routers: &HashMap::new(),
-        all_routers: &HashSet::new(),
-        placements,
-        whole_reads: whole_reads.clone(),
-        units: gathers.clone(),
-        absent: &HashMap::new(),
-        kept_whole: &kept_whole,
-        sequence_partials: &mut HashSet::new(),
-        error: &mut error,
-    };
-    let model = model.apply_reparameterization(place);
-    if let Some(e) = error {
-        return Err(e);
-    }
-    let sharded = rows_over_fsdp(placements, &layout);
-    let held_shards =
-        (layout.slots.iter().zip(&sharded)).map(|(s, &sharded)| sharded.then_some(s.name.as_str()));
-    let units = FullyShardedUnits::new(plan, &layout, held_shards, gathers, fsdp.cloned());
-    Ok((model, TensorParallelParts { whole_reads }, units))
-}
-
 /// Per parameter of `layout`, whether `placements` cut its rows over `fsdp`.
 fn rows_over_fsdp(placements: &PlacementTable, layout: &ParamLayout) -> Vec<bool> {
     let sharded = |s: &ParamSlot| {
@@ -435,21 +325,6 @@ fn rows_over_fsdp(placements: &PlacementTable, layout: &ParamLayout) -> Vec<bool
             .is_some_and(|e| e.on(Axis::Fsdp) != Placement::Replicate)
     };
     layout.slots.iter().map(sharded).collect()
-}
-
-/// What [`split_tensor_parallel`] did, for turning the parts back into the whole model.
-#[derive(Debug, Clone)]
-pub struct TensorParallelParts {
-    whole_reads: WholeReads,
-}
-
-impl TensorParallelParts {
-    /// The whole model from every `tp` rank's parts (collective over `tp`; values only, new
-    /// leaves with their gradient requirement kept).
-    pub fn whole<M: Module>(&self, model: M) -> M {
-        let _allowed = self.whole_reads.allow();
-        model.materialize()
-    }
 }
 
 /// The parameters other ranks hold: by path with why, and per parameter (layout order)
@@ -858,6 +733,14 @@ impl Parallelized {
             // The copies' gradients are summed like the model's (scaled alike under f16).
             self.fold_hot_experts(model, &mut flat, 1.0)?;
         }
+        if self.buckets.row_layout().is_some() {
+            return Err(ParallelError::Invalid(
+                "the plan keeps gradient rows (gradient_buckets.rows, ZeRO-1/2): a step's rows \
+                 come from Parallelized::pipeline_step; a loop of its own reduces whole \
+                 gradients, so leave gradient_buckets.rows unset"
+                    .into(),
+            ));
+        }
         // Taken after backward: the buckets are reduced now.
         self.buckets.begin_step(false);
         let reduced = self.reduce_and_clip(model, flat, unscale.unwrap_or(1.0), max_norm, ctx)?;
@@ -995,6 +878,7 @@ impl Parallelized {
             loss_scale,
             skipped: !reduced.applied,
             reduction: reduced.report,
+            rows: reduced.rows,
         })
     }
 
@@ -1061,6 +945,7 @@ impl Parallelized {
             loss_scale,
             skipped: false,
             reduction: ReductionReport::default(),
+            rows: vec![],
         })
     }
 
@@ -1160,50 +1045,86 @@ impl Parallelized {
         max_norm: Option<f32>,
         ctx: &RankContext,
     ) -> Result<Reduced, ParallelError> {
-        let entries = self.placements.entries_of(model)?;
         self.check_attended()?;
         self.buckets.add_remaining(&flat);
-        let report = self.buckets.finish(&mut flat)?;
+        // Whole gradients in the model's layout, or this rank's rows of them.
+        let row_entries;
+        let (mut values, entries, report) = match self.buckets.row_layout() {
+            None => {
+                let report = self.buckets.finish(&mut flat)?;
+                (flat, self.placements.entries_of(model)?, report)
+            }
+            Some(rows) => {
+                let (values, report) = self.buckets.finish_rows(&mut flat)?;
+                row_entries = rows
+                    .shards
+                    .placed(&rows.layout, &self.placements, rows.axis, 0)?;
+                let entries = row_entries.iter().map(|(s, e)| (s.clone(), e)).collect();
+                (values, entries, report)
+            }
+        };
         // The tp ranks of one data coordinate reduce equal values over the same data ranks.
         if let Some(check) = &self.sequence_check {
-            check.first_step(&entries, &flat)?;
+            check.first_step(&entries, &values)?;
         }
         if divisor != 1.0 {
-            flat.iter_mut().for_each(|g| *g /= divisor);
+            values.iter_mut().for_each(|g| *g /= divisor);
         }
         let scale = 1.0 / self.averaged.size() as f32;
         if scale != 1.0 {
-            flat.iter_mut().for_each(|g| *g *= scale);
+            values.iter_mut().for_each(|g| *g *= scale);
         }
         let parts = entries
             .iter()
-            .map(|(slot, entry)| (*entry, &flat[slot.offset..slot.offset + slot.numel]));
+            .map(|(slot, entry)| (*entry, &values[slot.offset..slot.offset + slot.numel]));
         let norm = global_grad_norm(parts, ctx)?;
-        if !self.precision.apply(norm) {
-            let grads = GradientsParams::new();
-            return Ok(Reduced { grads, norm, applied: false, report });
+        let applied = self.precision.apply(norm);
+        if applied && let Some(clip) = clip_scale(norm, max_norm)? {
+            values.iter_mut().for_each(|g| *g *= clip);
         }
-        if let Some(clip) = clip_scale(norm, max_norm)? {
-            flat.iter_mut().for_each(|g| *g *= clip);
-        }
-        let grads = grads_from_flat(model, &flat);
-        Ok(Reduced { grads, norm, applied: true, report })
+        let (grads, rows) = match (applied, self.buckets.row_layout()) {
+            (false, _) => (GradientsParams::new(), vec![]),
+            (true, Some(_)) => (GradientsParams::new(), values),
+            (true, None) => (grads_from_flat(model, &values), vec![]),
+        };
+        Ok(Reduced {
+            grads,
+            rows,
+            norm,
+            applied,
+            report,
+        })
     }
 
-    /// Gradient buckets per step (over every set of reduction axes), and whether a pipeline
-    /// step of this plan reduces them while backward runs on `device` (the plan's
-    /// `gradient_buckets.overlap`, a schedule whose backwards cover every parameter, and a
-    /// device the gradient hook is built for).
-    pub fn gradient_buckets(&self, device: &burn::tensor::Device) -> (usize, bool) {
-        let overlaps = self.stages.as_ref().is_some_and(Stages::hooks_allowed)
-            && self.buckets.hooks_on(device);
-        (self.buckets.buckets(), overlaps)
+    /// Under the plan's `gradient_buckets.rows` (ZeRO-1/2): which rows of which parameters
+    /// [`PipelineStep::rows`] holds.
+    pub fn gradient_rows(&self) -> Option<&GradientRowLayout> {
+        self.buckets.row_layout()
+    }
+
+    /// Gradient buckets per step (over every set of reduction axes), and when a pipeline
+    /// step of this plan reduces them on `device`: during backward where the plan's
+    /// `gradient_buckets.overlap` asks, the schedule's backwards cover every parameter and
+    /// the device has the gradient hook op; after backward otherwise, and why. (A loop of
+    /// one's own reduces after backward: [`Self::gradients`].)
+    pub fn gradient_buckets(&self, device: &burn::tensor::Device) -> (usize, ReductionTiming) {
+        let schedule = match &self.stages {
+            None => Some("the plan has no pipeline rule: gradients are reduced after a loop's backward"),
+            Some(stages) => stages.hooks_ruled_out(),
+        };
+        let timing = match schedule {
+            Some(why) => ReductionTiming::AfterBackward(why),
+            None => self.buckets.timing(device),
+        };
+        (self.buckets.buckets(), timing)
     }
 }
 
 /// A step's gradients after the reduction.
 struct Reduced {
     grads: GradientsParams,
+    /// Under gradient rows: this rank's rows (and `grads` empty).
+    rows: Vec<f32>,
     /// The global norm before clipping.
     norm: f32,
     /// Whether the step applies (false: a scaled gradient overflowed).

@@ -395,7 +395,21 @@ impl Stages {
     /// no deferred weight gradients (zero-bubble adds them after their backward), no
     /// hot-expert copies (their gradients are folded into the owners' before the reduction).
     pub(super) fn hooks_allowed(&self) -> bool {
-        self.schedule.chunks == 1 && !self.splits_backward() && !self.copies.is_active()
+        self.hooks_ruled_out().is_none()
+    }
+
+    /// Why a step's gradients cannot reach a reduction through hooks during backward, if
+    /// they cannot (see [`Self::hooks_allowed`]).
+    pub(super) fn hooks_ruled_out(&self) -> Option<&'static str> {
+        if self.schedule.chunks > 1 {
+            Some("an interleaved schedule runs several chunks per rank")
+        } else if self.splits_backward() {
+            Some("zero-bubble schedules compute weight gradients after their backward")
+        } else if self.copies.is_active() {
+            Some("hot-expert copies' gradients join their owners' before the reduction")
+        } else {
+            None
+        }
     }
 
     /// `model` cast to the step's compute dtype, when it is not f32.

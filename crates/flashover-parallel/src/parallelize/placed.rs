@@ -120,23 +120,15 @@ pub struct TpSplit {
 /// What `Param::val` answers besides the value a layer computes with (one mode per rank,
 /// shared by its parameters): while [`super::Parallelized::whole`] runs, tensor-parallel
 /// parameters gathered whole; while [`super::Parallelized::with_stored_reads`] runs, every
-/// parameter's stored part, untouched. Parameters split by [`super::split_tensor_parallel`]
-/// read as their part by default ([`WholeReads::local`]): the executor that holds them knows
-/// they are parts.
+/// parameter's stored part, untouched.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct WholeReads(Arc<AtomicU8>);
 
 /// [`WholeReads`] modes (the default, 0, computes: a split parameter's whole read refuses).
 const WHOLE: u8 = 1;
 const STORED: u8 = 2;
-const LOCAL: u8 = 3;
 
 impl WholeReads {
-    /// Reads that answer a tensor-parallel parameter's part instead of refusing it.
-    pub(crate) fn local() -> Self {
-        WholeReads(Arc::new(AtomicU8::new(LOCAL)))
-    }
-
     /// Allows whole reads until the returned guard drops.
     pub(crate) fn allow(&self) -> impl Drop + '_ {
         self.set(WHOLE)
@@ -167,9 +159,6 @@ impl WholeReads {
         self.0.load(Ordering::SeqCst) == STORED
     }
 
-    fn local_parts(&self) -> bool {
-        self.0.load(Ordering::SeqCst) == LOCAL
-    }
 }
 
 /// How a plan spreads a mixture-of-experts layer's routed experts over the `ep` group, as the
@@ -366,7 +355,6 @@ impl Reparameterization for Placed {
         let local = self.local(base);
         match &self.tp {
             None => local,
-            Some(_) if self.whole_reads.local_parts() => local,
             Some(split) => panic!(
                 "`{}` is split {:?} over tp by the parallelize plan, but a layer read it \
                  whole (Param::val): the layers a plan splits must be flashover::nn::Linear \

@@ -69,10 +69,9 @@ pub(crate) struct UnitLayout {
 }
 
 /// A model's fully sharded units on one rank, and the forward scope that gathers them a unit
-/// at a time: what [`super::Parallelized::forward`] runs, and what an executor that runs the
-/// parts itself ([`super::split_and_shard`]) gets.
+/// at a time: what [`super::Parallelized::forward`] runs.
 #[derive(Debug, Clone, Default)]
-pub struct FullyShardedUnits {
+pub(crate) struct FullyShardedUnits {
     gathers: UnitGathers,
     /// The units' module paths, numbered as [`UnitLayout`] numbers them.
     paths: Vec<String>,

@@ -131,6 +131,9 @@ pub struct PipelineExecutor<'a> {
 pub(crate) trait BackwardSink: Sync {
     /// Called before each backward action.
     fn begin_backward(&self, last: bool);
+    /// Called after each backward action, once its gradients were read: what the hooks did
+    /// not report got no gradient from it.
+    fn end_backward(&self) -> Result<(), ParallelError>;
 }
 
 impl<'a> PipelineExecutor<'a> {
@@ -382,6 +385,9 @@ impl<'a> PipelineExecutor<'a> {
                     }
                     let params = GradientsParams::from_grads(grads, &chunks[a.chunk]);
                     accumulate_grads(&chunks[a.chunk], &params, &mut flats[a.chunk], &[]);
+                    if let Some(sink) = self.backward_sink {
+                        sink.end_backward()?;
+                    }
                     if let Some(store) = &self.weight_grads {
                         let pending = store.take();
                         if a.kind == ActionKind::Backward {

@@ -15,7 +15,6 @@ use flashover_parallel::activation_checkpointing::{CheckpointPolicy, checkpoint}
 use flashover_parallel::nn;
 use flashover_parallel::parallelize::{
     ParallelizePlan, Parallelized, PipelineModel, PipelineRule, TensorParallelRule, parallelize,
-    split_tensor_parallel,
 };
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
 use flashover_parallel::pipeline::ScheduleKind;
@@ -1170,40 +1169,6 @@ fn a_padded_column_wise_head_splits_any_width_and_gathers_back_whole() {
     for (local, whole) in out {
         assert_eq!(local, 3);
         assert_eq!(whole, reference);
-    }
-}
-
-#[test]
-fn split_tensor_parallel_applies_tensor_parallel_rules_only() {
-    // `fully_shard` needs the fsdp group's communication thread: split_and_shard takes it.
-    // Pipelines, context and expert rules need parallelize.
-    let pipelined = split_mlp_plan().pipeline(PipelineRule::new("layers", ScheduleKind::GPipe, 2));
-    for (plan, expected) in [
-        (
-            split_mlp_plan().fully_shard(""),
-            "cut them with split_and_shard",
-        ),
-        (
-            pipelined,
-            "tensor_parallel, sequence_parallel and fully_shard rules only",
-        ),
-    ] {
-        let err = Launch::new("tp=2")
-            .unwrap()
-            .run(|ctx| {
-                let device = Device::flex().autodiff();
-                let mut table = PlacementTable::whole(&SplitMlp::new(&device));
-                split_tensor_parallel(
-                    SplitMlp::new(&device),
-                    &plan,
-                    ctx.group(Axis::Tp),
-                    &mut table,
-                )
-                .map(|_| ())
-            })
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains(expected), "{err}");
     }
 }
 
