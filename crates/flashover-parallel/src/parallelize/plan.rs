@@ -141,10 +141,12 @@ impl TensorParallelRule {
 pub struct PipelineRule {
     /// The repeated layers, a `Vec` of modules (`blocks`): `blocks.0`, `blocks.1`, ...
     pub layers: ModulePath,
-    /// Modules the first stage runs before the layers (embeddings).
+    /// What the first stage runs before the layers (embeddings): module paths, or the paths
+    /// of single parameters held outside a module (a learned class token).
     #[serde(default)]
     pub first: Vec<ModulePath>,
-    /// Modules the last stage runs after the layers (final norm, head).
+    /// What the last stage runs after the layers (final norm, head): module or parameter
+    /// paths, as `first`.
     #[serde(default)]
     pub last: Vec<ModulePath>,
     /// The schedule: `gpipe`, `1f1b`, `interleaved` or `zb-h1` (zero-bubble: the weight

@@ -66,6 +66,17 @@ pub(super) fn check_plan(
         }
         _ => {}
     }
+    if let Some(rule) = &plan.pipeline {
+        // Checked like every rule's paths, before the stages are cut: a mistyped path is
+        // named as such, not as the parameters it left without a stage.
+        names_a_module(&rule.layers, "pipeline layers", &names)?;
+        for path in &rule.first {
+            names_a_module(path, "pipeline first", &names)?;
+        }
+        for path in &rule.last {
+            names_a_module(path, "pipeline last", &names)?;
+        }
+    }
     if let Some(rule) = &plan.context_parallel {
         for path in &rule.attention {
             check_attention_core(path, slots, &names)?;

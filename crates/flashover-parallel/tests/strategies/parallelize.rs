@@ -1249,6 +1249,17 @@ fn pipeline_rules_that_do_not_fit_are_refused_with_the_reason() {
             plan(rule(ScheduleKind::OneFOneB).layers_per_stage(&[2, 1, 1])),
             vec!["[2, 1, 1]", "2 stages (pp = 2 x chunks = 1)"],
         ),
+        // A mistyped `first` or `last` path is named as the typo, with the model's names.
+        (
+            "pp=2",
+            plan(rule(ScheduleKind::OneFOneB).last(&["nrom"])),
+            vec!["`nrom` (pipeline last) names no module", "norm.gamma"],
+        ),
+        (
+            "pp=2",
+            plan(rule(ScheduleKind::OneFOneB).first(&["inptu"])),
+            vec!["`inptu` (pipeline first) names no module"],
+        ),
     ];
     for (mesh, plan, want) in cases {
         let err = refused(mesh, plan);
