@@ -25,6 +25,10 @@ layouts=(
   "pp=2 --micro-batches 4"
   "fsdp=2,tp=2 --zero 3"
 )
+# AB_LAYOUTS="dp=2;fsdp=2 --zero 3" measures those instead.
+if [ -n "${AB_LAYOUTS:-}" ]; then
+  IFS=';' read -r -a layouts <<< "$AB_LAYOUTS"
+fi
 
 # Median tokens/s of a run's steps after the first, from its JSONL log.
 median_tokens() {

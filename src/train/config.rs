@@ -799,8 +799,8 @@ impl TrainConfig {
             None => {
                 // The model's own plan; the job places experts itself and turns sequence
                 // parallelism on when parallel.sequence_parallel says.
-                let mut plan = ParallelizePlan::from_toml(&model.plan_toml())
-                    .map_err(|e| e.to_string())?;
+                let mut plan =
+                    ParallelizePlan::from_toml(&model.plan_toml()).map_err(|e| e.to_string())?;
                 plan.expert_parallel.clear();
                 if !self.parallel.sequence_parallel {
                     plan.sequence_parallel.clear();

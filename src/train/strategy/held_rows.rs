@@ -59,7 +59,9 @@ impl HeldRows {
         let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
         let rows = RowSharding::over(ctx, layout, &values, config.parallel.zero, &adamw);
         // The plan hands this rank its rows of the reduced gradients in the same cut.
-        let plan_rows = par.gradient_rows().map_or(values.len(), |r| r.shards.shard_len());
+        let plan_rows = par
+            .gradient_rows()
+            .map_or(values.len(), |r| r.shards.shard_len());
         if plan_rows != rows.held().1 {
             return Err(RankError::from(format!(
                 "ZeRO rows: the plan reduces {plan_rows} gradient elements to this rank, its \

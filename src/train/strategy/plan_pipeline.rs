@@ -29,8 +29,8 @@
 use super::held_rows::HeldRows;
 use super::routing::RoutingSums;
 use super::{
-    Batches, RankStrategy, SHARING, SharedState, StepOutcome, named_params,
-    replica_index, restore_flat, with_moments,
+    Batches, RankStrategy, SHARING, SharedState, StepOutcome, named_params, replica_index,
+    restore_flat, with_moments,
 };
 use crate::train::checkpoint::{LocalState, placed_segments};
 use crate::train::config::{GradientReduction, TrainConfig};
@@ -295,14 +295,9 @@ impl RankStrategy for PlanPipeline {
             // ZeRO-3 by rows gathers what the rank holds for the step.
             self.model = rows.for_step(self.model)?;
         }
-        let out = self.par.pipeline_step(
-            &self.model,
-            global_batch,
-            0,
-            &micro_batch,
-            plan_clip,
-            ctx,
-        )?;
+        let out =
+            self.par
+                .pipeline_step(&self.model, global_batch, 0, &micro_batch, plan_clip, ctx)?;
         let (norm, scale) = match self.summed_over {
             Some(ranks) => {
                 let sums = (ranks * micro_batches) as f32;

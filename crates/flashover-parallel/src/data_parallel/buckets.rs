@@ -207,7 +207,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// A group for every non-empty set of the data axes above degree 1 on `ctx`'s mesh, in one
 /// order on every rank (collective over the world: making a group is).
-pub(crate) fn reduction_groups(ctx: &RankContext) -> Result<Vec<(Vec<Axis>, Group)>, ParallelError> {
+pub(crate) fn reduction_groups(
+    ctx: &RankContext,
+) -> Result<Vec<(Vec<Axis>, Group)>, ParallelError> {
     let axes: Vec<Axis> = DATA_AXES
         .into_iter()
         .filter(|&a| ctx.mesh().degree(a) > 1)
@@ -267,7 +269,10 @@ impl BucketedReduction {
             if axes.is_empty() || !holds(i) {
                 continue;
             }
-            let set = groups.iter().position(|(s, _)| *s == axes).expect("every subset");
+            let set = groups
+                .iter()
+                .position(|(s, _)| *s == axes)
+                .expect("every subset");
             member[i] = Some((set, members[set].len()));
             members[set].push(i);
         }
@@ -340,7 +345,9 @@ impl BucketedReduction {
             member,
             slots,
             shapes,
-            tie: tie.filter(|g| g.size() > 1 && !tied.is_empty()).map(|g| (g.clone(), tied)),
+            tie: tie
+                .filter(|g| g.size() > 1 && !tied.is_empty())
+                .map(|g| (g.clone(), tied)),
             rows,
             bucket_elems,
             wire,
@@ -379,7 +386,10 @@ impl BucketedReduction {
 
     /// Buckets per step, over every set of axes.
     pub(crate) fn buckets(&self) -> usize {
-        lock(&self.sets).iter().map(|s| s.reducer.buckets().len()).sum()
+        lock(&self.sets)
+            .iter()
+            .map(|s| s.reducer.buckets().len())
+            .sum()
     }
 
     /// Starts a step whose forwards run on [`Self::hooked`] parameters (`hooked`) or not.
@@ -524,7 +534,8 @@ impl BucketedReduction {
                 .filter_map(|&i| index[i])
                 .map(|h| {
                     let rows = layout.shards.chunk_rows(h);
-                    let row_len = layout.layout.slots[h].numel / layout.layout.slots[h].shape[0].max(1);
+                    let row_len =
+                        layout.layout.slots[h].numel / layout.layout.slots[h].shape[0].max(1);
                     (layout.shards.offset_in_shard(h), rows * row_len)
                 })
                 .collect();
@@ -591,7 +602,11 @@ impl BucketedReduction {
 }
 
 /// Sums the tied copies (each at `(offset, len)` of `flat`) over their group, in f32.
-fn sum_tied(group: &Group, places: &[(usize, usize)], flat: &mut [f32]) -> Result<(), ParallelError> {
+fn sum_tied(
+    group: &Group,
+    places: &[(usize, usize)],
+    flat: &mut [f32],
+) -> Result<(), ParallelError> {
     let mut packed: Vec<f32> = places
         .iter()
         .flat_map(|&(offset, len)| flat[offset..offset + len].iter().copied())
@@ -619,14 +634,28 @@ struct SetLayout<'a> {
 
 impl SetLayout<'_> {
     /// The set's reducer, its buckets filled in `order` (the set's numbering).
-    fn reducer(&self, order: &[usize], bucket_elems: usize, mode: Mode, wire: Precision) -> Reducer {
+    fn reducer(
+        &self,
+        order: &[usize],
+        bucket_elems: usize,
+        mode: Mode,
+        wire: Precision,
+    ) -> Reducer {
         let numels: Vec<usize> = self.params.iter().map(|&i| self.slots[i].1).collect();
         let rows = self.row_groups.map(|(group, rest)| RowSplit {
             group: group.clone(),
             shapes: self.params.iter().map(|&i| self.shapes[i]).collect(),
             rest: rest.clone(),
         });
-        Reducer::with_rows(self.group.clone(), &numels, order, bucket_elems, mode, wire, rows)
+        Reducer::with_rows(
+            self.group.clone(),
+            &numels,
+            order,
+            bucket_elems,
+            mode,
+            wire,
+            rows,
+        )
     }
 }
 

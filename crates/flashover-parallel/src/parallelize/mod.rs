@@ -932,7 +932,8 @@ impl Parallelized {
         M: PipelineModel<D> + Sync + 'static,
     {
         let loss_scale = self.loss_scale();
-        let mut run = self.run_stages(model, 0..samples, micro_batch, head, loss_scale, None, ctx)?;
+        let mut run =
+            self.run_stages(model, 0..samples, micro_batch, head, loss_scale, None, ctx)?;
         run.flat.iter_mut().for_each(|g| *g /= run.divisor);
         let [loss, aux_loss] = run.losses;
         Ok(PipelineStep {
@@ -1109,7 +1110,9 @@ impl Parallelized {
     /// one's own reduces after backward: [`Self::gradients`].)
     pub fn gradient_buckets(&self, device: &burn::tensor::Device) -> (usize, ReductionTiming) {
         let schedule = match &self.stages {
-            None => Some("the plan has no pipeline rule: gradients are reduced after a loop's backward"),
+            None => {
+                Some("the plan has no pipeline rule: gradients are reduced after a loop's backward")
+            }
             Some(stages) => stages.hooks_ruled_out(),
         };
         let timing = match schedule {

@@ -11,8 +11,8 @@
 use super::placed::UnitGathers;
 use super::plan::PipelineRule;
 use super::units::{Unit, replaying, unit_shards};
-use crate::data_parallel::BucketedReduction;
 use crate::activation_checkpointing::{CheckpointPolicy, Replays, checkpoint_part};
+use crate::data_parallel::BucketedReduction;
 use crate::error::ParallelError;
 use crate::expert_parallel::Replicas;
 use crate::params::{ParamLayout, ParamSlot};
@@ -119,6 +119,10 @@ struct LayerUnits {
     /// Per layer, for each parameter (layout order), its path when it is one of the layer's
     /// fully sharded ones (the layer is unit 0 of [`unit_shards`]).
     slots: Vec<Vec<Option<(String, usize)>>>,
+    /// For each parameter (layout order), its path when it is a fully sharded one this rank
+    /// holds outside the layers (the embedding, the final norm, the head): one unit gathered at
+    /// a micro-batch's start and kept to its end, as FSDP's root unit.
+    root: Vec<Option<(String, usize)>>,
 }
 
 impl Stages {
@@ -319,6 +323,9 @@ impl Stages {
             let m = view.as_ref().unwrap_or(master);
             let stage = self.schedule.stage_of(rank, chunk);
             let batch = Arc::new(micro_batch(micro(k)));
+            // The stage's parameters outside the layers, gathered in one collective for the
+            // whole micro-batch (from the f32 rows, read in the view's dtype).
+            let root = self.units.as_deref().map(|u| u.gather_root(master));
             let mut x = match input {
                 Some(x) => x,
                 None => m.embed(&batch),
@@ -336,6 +343,9 @@ impl Stages {
                 true => StageOutput::Loss(head(m, x, &batch, k)),
                 false => StageOutput::Activation(x),
             };
+            if let (Some(units), Some(names)) = (self.units.as_deref(), root) {
+                units.gathers.release(names.iter().map(String::as_str));
+            }
             StageOutput::with_aux_loss(output, aux)
         };
         let chunks = vec![model.clone(); self.schedule.chunks];
@@ -433,8 +443,15 @@ impl Stages {
     /// them.
     pub(super) fn gather_layers(&mut self, units: UnitGathers, group: &Group, sharded: &[bool]) {
         if group.size() > 1 && sharded.iter().any(|s| *s) {
+            let in_layer = |i: usize| self.parts.iter().any(|part| part[i]);
+            let root = (self.whole.slots.iter().enumerate())
+                .map(|(i, s)| {
+                    (sharded[i] && self.held[i] && !in_layer(i)).then(|| (s.name.clone(), 0))
+                })
+                .collect();
             self.units = Some(Arc::new(LayerUnits {
                 gathers: units,
+                root,
                 slots: self
                     .parts
                     .iter()
@@ -469,23 +486,34 @@ impl Stages {
         M: PipelineModel<D> + Sync + 'static,
     {
         let units = self.units.clone();
-        // The stage's next layer, whose all-gather this one's prefetches.
-        let next = (index + 1
-            < self
-                .layers
-                .iter()
-                .find(|l| l.contains(&index))
-                .map_or(0, |l| l.end))
-        .then_some(index + 1);
+        let stage = self.layers.iter().find(|l| l.contains(&index)).cloned();
+        let stage = stage.unwrap_or(index..index + 1);
+        // The layers whose all-gathers this one's prefetches: in forward the stage's next; in
+        // a rerun in backward the stage's closest recomputed layer before it, which reruns
+        // next (FSDP's backward prefetch).
+        let ahead = Ahead {
+            next: (index + 1 < stage.end).then_some(index + 1),
+            rerun_next: (stage.start..index)
+                .rev()
+                .find(|&i| self.recompute.recomputes_block(i)),
+        };
         let batch = batch.clone();
         if !self.recompute.recomputes_block(index) {
-            return run_layer(units.as_deref(), master, view, index, next, x, &batch);
+            return run_layer(units.as_deref(), master, view, index, ahead, x, &batch);
         }
         let (part, precision) = (self.parts[index].clone(), self.precision);
         let cast_part = part.clone();
         let run = move |m: &M, x: Tensor<D>| {
             let view = precision.map(|p| p.compute_view_of(m.clone(), &cast_part));
-            run_layer(units.as_deref(), m, view.as_ref().unwrap_or(m), index, next, x, &batch)
+            run_layer(
+                units.as_deref(),
+                m,
+                view.as_ref().unwrap_or(m),
+                index,
+                ahead,
+                x,
+                &batch,
+            )
         };
         // The auxiliary loss leaves the recomputed function as one more element after the
         // output, so its gradient reaches the layer through the recomputation too (a layer
@@ -537,7 +565,11 @@ impl Stages {
                 }
             };
             for i in self.layers[stage].clone() {
-                x = run_layer(self.units.as_deref(), model, model, i, None, x, batch).0;
+                let ahead = Ahead {
+                    next: None,
+                    rerun_next: None,
+                };
+                x = run_layer(self.units.as_deref(), model, model, i, ahead, x, batch).0;
             }
             if stage == last {
                 return Ok(Some(x));
@@ -616,7 +648,7 @@ fn run_layer<M, const D: usize>(
     stored: &M,
     view: &M,
     index: usize,
-    next: Option<usize>,
+    ahead: Ahead,
     x: Tensor<D>,
     batch: &M::Batch,
 ) -> (Tensor<D>, Option<Tensor<1>>)
@@ -630,7 +662,11 @@ where
             let shards = u.shards(stored, index);
             let names: Vec<String> = shards.iter().map(|(n, _)| n.clone()).collect();
             let _gathered = u.gathers.gather_prefetched(Unit::Layer(index), shards);
-            if let Some(next) = next.filter(|_| !replaying()) {
+            let prefetch = match replaying() {
+                false => ahead.next,
+                true => ahead.rerun_next,
+            };
+            if let Some(next) = prefetch {
                 let shards = u.shards(stored, next);
                 u.gathers.prefetch(Unit::Layer(next), &shards);
             }
@@ -639,6 +675,15 @@ where
             out
         }
     }
+}
+
+/// The layers whose all-gathers a layer's run submits ahead.
+#[derive(Debug, Clone, Copy)]
+struct Ahead {
+    /// In forward: the stage's next layer.
+    next: Option<usize>,
+    /// In a rerun in backward: the stage's recomputed layer that reruns next.
+    rerun_next: Option<usize>,
 }
 
 /// The rule's schedule for `pp` ranks; refuses what a plan cannot run as asked.
@@ -703,6 +748,15 @@ fn layer_index(rule: &PipelineRule, slot: &ParamSlot) -> Result<Option<usize>, P
 }
 
 impl LayerUnits {
+    /// Gathers the root unit's shards of `model` (the parameters outside the layers) in one
+    /// collective, for their reads until released; returns their paths.
+    fn gather_root<M: Module>(&self, model: &M) -> Vec<String> {
+        let shards = unit_shards(model, &self.root, 1).pop().unwrap_or_default();
+        let names = shards.iter().map(|(n, _)| n.clone()).collect();
+        let _linked = self.gathers.gather(shards);
+        names
+    }
+
     /// The stored rows of layer `index`'s fully sharded parameters in `model`, by path.
     fn shards<M: Module>(&self, model: &M, index: usize) -> Vec<(String, Tensor<1>)> {
         let mut units = unit_shards(model, &self.slots[index], 1);

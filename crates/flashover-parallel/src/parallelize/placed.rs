@@ -158,7 +158,6 @@ impl WholeReads {
     fn stored(&self) -> bool {
         self.0.load(Ordering::SeqCst) == STORED
     }
-
 }
 
 /// How a plan spreads a mixture-of-experts layer's routed experts over the `ep` group, as the

@@ -265,9 +265,8 @@ impl<'a> PipelineExecutor<'a> {
         let mut grads_out: HashMap<(usize, usize), Tensor<D>> = HashMap::new();
         let mut report = PipelineStepReport::default();
         let dtype = self.activation_dtype;
-        let is_backward = |a: &Action| {
-            matches!(a.kind, ActionKind::Backward | ActionKind::BackwardInput)
-        };
+        let is_backward =
+            |a: &Action| matches!(a.kind, ActionKind::Backward | ActionKind::BackwardInput);
         let last_backward = s.ranks[rank].iter().rposition(is_backward);
         let started = Instant::now();
         for (index, a) in s.ranks[rank].iter().enumerate() {

@@ -18,7 +18,6 @@ use flashover_parallel::parallelize::{
 };
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
 use flashover_parallel::pipeline::ScheduleKind;
-use flashover_parallel::placement::PlacementTable;
 use flashover_runtime::{Axis, Launch, OpKind, RankContext};
 
 const FEATURES: usize = 6;
