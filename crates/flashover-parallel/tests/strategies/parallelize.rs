@@ -866,17 +866,19 @@ fn a_pipelines_fully_sharded_layers_gather_once_per_layer() {
     };
     // Per micro-batch (2): one all-gather per layer (4; each has 6 parameters, which read one by
     // one would make 24), each but the first submitted while the layer before computes, and
-    // one per read outside the layers (the input projection's weight and bias, the final
-    // norm's two parameters, the tied head's weight: 5). The reduce-scatters pair with them.
-    let (layers, others) = (LAYERS as u64, 5);
-    let expected = 2 * (layers + others);
-    assert_eq!(step_counts(&plan), ((expected, expected), 2 * (LAYERS - 1)));
-    // Recomputed layers gather again in backward (without prefetching there), and their
-    // gradients are reduce-scattered from the rerun only.
-    let gathers = 2 * (2 * layers + others);
+    // one for the parameters outside the layers (the root unit: the input projection's weight
+    // and bias, the final norm's two parameters, the tied head's weight, which read one by one
+    // would make 5). The reduce-scatters pair with them.
+    let (layers, root) = (LAYERS as u64, 1);
+    let expected = 2 * (layers + root);
+    let forward_prefetches = 2 * (LAYERS - 1);
+    assert_eq!(step_counts(&plan), ((expected, expected), forward_prefetches));
+    // Recomputed layers gather again in backward, each rerun prefetching the layer that reruns
+    // after it, and their gradients are reduce-scattered from the rerun only.
+    let gathers = 2 * (2 * layers + root);
     assert_eq!(
         step_counts(&recomputed),
-        ((gathers, expected), 2 * (LAYERS - 1))
+        ((gathers, expected), 2 * forward_prefetches)
     );
 }
 
