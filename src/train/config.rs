@@ -777,11 +777,10 @@ impl TrainConfig {
         errors
     }
 
-    /// Whether ZeRO-3 runs in fully sharded units on `mesh`: always, but where the plan's
-    /// pipeline steps rows of what a rank holds (under zb-h1 or with hot-expert copies).
-    pub fn zero3_in_units(&self, mesh: &DeviceMesh) -> bool {
-        use super::strategy::plan_pipeline::{runs, steps_rows};
-        self.parallel.zero == 3 && !(runs(self, mesh) && steps_rows(self))
+    /// Whether ZeRO-3 runs in fully sharded units: always, but where the plan's pipeline
+    /// steps rows of what a rank holds (under zb-h1 or with hot-expert copies).
+    pub fn zero3_in_units(&self) -> bool {
+        self.parallel.zero == 3 && !super::strategy::plan_pipeline::steps_rows(self)
     }
 
     /// The plan transform 1 applies to the reference model (`model`, its configuration): the
@@ -789,11 +788,7 @@ impl TrainConfig {
     /// when `parallel.sequence_parallel` asks, its `expert_parallel` rules cleared: the job
     /// places experts itself). Under ZeRO-3 in units `fully_shard` names every block and the
     /// rest (`""`) when it names no module; otherwise it is cleared, having nothing to cut.
-    pub fn model_plan(
-        &self,
-        model: &TransformerConfig,
-        mesh: &DeviceMesh,
-    ) -> Result<ParallelizePlan, String> {
+    pub fn model_plan(&self, model: &TransformerConfig) -> Result<ParallelizePlan, String> {
         let mut plan = match &self.parallelize {
             Some(plan) => plan.clone(),
             None => {
@@ -808,7 +803,7 @@ impl TrainConfig {
                 plan
             }
         };
-        match self.zero3_in_units(mesh) {
+        match self.zero3_in_units() {
             true if plan.fully_shard.is_empty() => plan = plan.fully_shard(""),
             true => {}
             // Inert without units: `validate` refuses the rules on an fsdp axis of more than
@@ -859,8 +854,7 @@ impl TrainConfig {
             ));
         }
         // Without an fsdp axis there is nothing to shard (as a plan's rule is then inert).
-        if !plan.fully_shard.is_empty() && mesh.degree(Axis::Fsdp) > 1 && !self.zero3_in_units(mesh)
-        {
+        if !plan.fully_shard.is_empty() && mesh.degree(Axis::Fsdp) > 1 && !self.zero3_in_units() {
             errors.push(
                 "parallelize.fully_shard: units need parallel.zero = 3, and under a pipeline \
                  (or with experts) neither zb-h1 nor hot-expert copies (those layouts shard \

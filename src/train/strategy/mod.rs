@@ -9,10 +9,8 @@
 //! What is shared is here: the step's outcome, the precision policy's loss scale and the
 //! checkpoint view of a rank's state.
 
-mod held_rows;
 pub(crate) mod plan_pipeline;
 mod routing;
-mod rows;
 
 use super::checkpoint::{LocalState, Segment};
 use super::report::MoeRecord;

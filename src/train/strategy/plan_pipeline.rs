@@ -21,16 +21,15 @@
 //!
 //! ZeRO-1/2, and ZeRO-3 under zb-h1 (whose deferred weight gradients a plan's units cannot
 //! wait for) or with hot-expert copies (which copy whole experts), step this rank's rows of
-//! what it holds ([`super::held_rows`]): the plan's gradients come unreduced
-//! (`Parallelized::pipeline_gradients`) and the job reduce-scatters them over the rows' axis.
-//!
-//! Runs every job with a `pp` axis or a mixture of experts ([`runs`]).
-
-use super::held_rows::HeldRows;
+//! what it holds with the library's `RowAdamW`: the plan reduces the gradients to those rows
+//! (`gradient_buckets.rows`: all-reduced buckets under ZeRO-1, reduce-scattered ones under
+//! ZeRO-2 and ZeRO-3 by rows), clipped by the global norm. ZeRO-1/2 all-gather the updated
+//! rows after the step; ZeRO-3 by rows keeps only the rows between steps and gathers what the
+//! rank holds at the start of each.
 use super::routing::RoutingSums;
 use super::{
-    Batches, RankStrategy, SHARING, SharedState, StepOutcome, named_params, replica_index,
-    restore_flat, with_moments,
+    Batches, RankStrategy, SHARING, SharedState, StepOutcome, borrowed, named_params,
+    replica_index, restore_flat, with_moments,
 };
 use crate::train::checkpoint::{LocalState, placed_segments};
 use crate::train::config::{GradientReduction, TrainConfig};
@@ -48,21 +47,16 @@ use flashover_parallel::parallelize::{
 };
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params};
 use flashover_parallel::pipeline::{PipelineStepReport, Schedule, ScheduleKind};
+use flashover_parallel::placement::PlacementTable;
 use flashover_parallel::precision::LossScaler;
-use flashover_parallel::zero::MemoryReport;
+use flashover_parallel::zero::{MemoryReport, RowAdamW};
 use flashover_parallel::{FlatAdamWConfig, ModuleAdamW, clip_scale};
-use flashover_runtime::{Axis, DeviceMesh, Group, RankContext, RankError};
+use flashover_runtime::{Axis, Group, RankContext, RankError};
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Whether the job runs through the plan's pipeline on `mesh`: every job (without `pp`, one
-/// stage runs the micro-batches in turn).
-pub(crate) fn runs(_config: &TrainConfig, _mesh: &DeviceMesh) -> bool {
-    true
-}
-
-/// Whether the job's ZeRO stage steps rows of what a rank holds ([`HeldRows`]): ZeRO-1/2, and
+/// Whether the job's ZeRO stage steps rows of what a rank holds ([`RowAdamW`]): ZeRO-1/2, and
 /// ZeRO-3 where a plan's units cannot serve it (ZeRO-3 is the plan's units otherwise): under
 /// a schedule that defers weight gradients past the units' reduce-scatter, or with hot-expert
 /// copies, which copy whole experts.
@@ -101,7 +95,7 @@ enum Optimizer {
     Whole { adam: Box<ModuleAdamW>, held: usize },
     /// ZeRO-1/2 (and ZeRO-3 by rows): AdamW on its rows of what it holds, the plan reducing
     /// the gradients to those rows.
-    Rows(Box<HeldRows>),
+    Rows(Box<RowAdamW>),
 }
 
 /// What a mixture-of-experts model's step needs to sum its routing.
@@ -156,7 +150,7 @@ pub(crate) fn build(
         });
     }
     let mut plan = config
-        .model_plan(model_config, ctx.mesh())?
+        .model_plan(model_config)?
         .pipeline(rule)
         .activation_checkpointing(recompute)
         .mixed_precision(config.precision.policy()?)
@@ -173,14 +167,14 @@ pub(crate) fn build(
         });
     }
     let (mut model, par) = parallelize(model, &plan, ctx)?;
+    let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
     let optim = match steps_rows(config) {
         true => {
-            let rows = HeldRows::new(ctx, config, &par, &model)?;
+            let rows = RowAdamW::new(&par, &model, &adamw, p.zero != 3, ctx)?;
             model = rows.between_steps(model);
             Optimizer::Rows(Box::new(rows))
         }
         false => {
-            let adamw = FlatAdamWConfig::new().with_weight_decay(config.optim.weight_decay as f32);
             let held = par.held_entries(&model)?.iter().map(|(s, _)| s.numel).sum();
             Optimizer::Whole {
                 adam: Box::new(ModuleAdamW::new(&adamw, &model)),
@@ -214,7 +208,7 @@ impl PlanPipeline {
     /// Elements this rank keeps between steps: (parameters, gradients and each moment).
     fn held(&self) -> (usize, usize) {
         match &self.optim {
-            Optimizer::Rows(rows) => rows.held(),
+            Optimizer::Rows(rows) => rows.held_elements(),
             Optimizer::Whole { held, .. } => (*held, *held),
         }
     }
@@ -324,7 +318,7 @@ impl RankStrategy for PlanPipeline {
             Optimizer::Whole { .. } => {}
             Optimizer::Rows(rows) => {
                 let grads = scaled(out.rows);
-                self.model = rows.step(self.model, &grads, lr, !out.skipped)?;
+                self.model = rows.step(lr, self.model, &grads, !out.skipped)?;
             }
         }
         let step = Stepped {
@@ -407,7 +401,7 @@ impl RankStrategy for PlanPipeline {
         _grad_group: &Group,
     ) -> Result<SharedState, RankError> {
         let adam = match &self.optim {
-            Optimizer::Rows(rows) => return rows.local_state(ctx, self.par.placements()),
+            Optimizer::Rows(rows) => return rows_state(rows, ctx, self.par.placements()),
             Optimizer::Whole { adam, .. } => adam,
         };
         let entries = self.par.held_entries(&self.model)?;
@@ -420,7 +414,15 @@ impl RankStrategy for PlanPipeline {
     fn restore(&mut self, state: LocalState) -> Result<(), RankError> {
         let model = self.model.clone();
         self.model = match &mut self.optim {
-            Optimizer::Rows(rows) => rows.restore(state, model)?,
+            Optimizer::Rows(rows) => {
+                let LocalState {
+                    params,
+                    moments,
+                    steps_taken,
+                    ..
+                } = state;
+                rows.restore(model, params, steps_taken, moments)?
+            }
             Optimizer::Whole { adam, .. } => restore_flat(model, state, adam.flat_mut())?,
         };
         Ok(())
@@ -462,6 +464,21 @@ impl RankStrategy for PlanPipeline {
             _ => vec![],
         })
     }
+}
+
+/// This rank's rows and their moments for a checkpoint, written by the ranks that hold the
+/// same rows (not those along the rows' axis).
+fn rows_state(
+    rows: &RowAdamW,
+    ctx: &RankContext,
+    placements: &PlacementTable,
+) -> Result<SharedState, RankError> {
+    let sharing: Vec<Axis> = SHARING.into_iter().filter(|&a| a != rows.axis()).collect();
+    let replicas = replica_index(ctx, &sharing);
+    let entries = rows.placed(placements)?;
+    let segments = placed_segments(&borrowed(&entries), 0, &|a| ctx.coord(a), &sharing);
+    let state = with_moments(rows.rows().to_vec(), segments, rows.adam());
+    Ok((state, replicas, replicas))
 }
 
 /// What a step computed, whichever way the rank steps.

@@ -27,6 +27,7 @@
 mod fully_shard;
 mod ops;
 mod optimizer;
+mod row_adamw;
 mod shard_group;
 mod shard_map;
 mod unit_shards;
@@ -34,6 +35,7 @@ mod unit_shards;
 pub use fully_shard::{FullyShardConfig, FullyShardedUnit, Prefetch};
 pub(crate) use ops::{ScatterHook, gather_shard};
 pub use optimizer::{FullyShardedOptimizer, ZeroOptimizer};
+pub use row_adamw::RowAdamW;
 pub(crate) use shard_group::Pending;
 pub use shard_group::{GatherCounts, GatherStats, ShardGroup};
 pub use shard_map::{Run, ShardLayout, ShardMap};

@@ -872,7 +872,10 @@ fn a_pipelines_fully_sharded_layers_gather_once_per_layer() {
     let (layers, root) = (LAYERS as u64, 1);
     let expected = 2 * (layers + root);
     let forward_prefetches = 2 * (LAYERS - 1);
-    assert_eq!(step_counts(&plan), ((expected, expected), forward_prefetches));
+    assert_eq!(
+        step_counts(&plan),
+        ((expected, expected), forward_prefetches)
+    );
     // Recomputed layers gather again in backward, each rerun prefetching the layer that reruns
     // after it, and their gradients are reduce-scattered from the rerun only.
     let gathers = 2 * (2 * layers + root);

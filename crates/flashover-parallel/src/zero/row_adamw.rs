@@ -1,0 +1,221 @@
+//! ZeRO-1/2 on a plan: AdamW on this rank's rows of the parameters it holds, each cut along its
+//! first dimension over `fsdp` (or `dp` without it) as [`UnitShards`] cuts it, stepped with the
+//! rows of the reduced gradients the plan hands this rank under `gradient_buckets.rows`
+//! ([`crate::parallelize::Parallelized::gradient_rows`]). After the step the updated rows are
+//! all-gathered back into the model (ZeRO-1/2), or the model keeps only its structure between
+//! steps and is gathered at the start of the next (ZeRO-3 by rows: what a pipeline does when
+//! its schedule or its expert copies rule the plan's units out).
+
+use crate::data_parallel::GradientRowLayout;
+use crate::error::ParallelError;
+use crate::flat_adamw::{FlatAdamW, FlatAdamWConfig};
+use crate::parallelize::Parallelized;
+use crate::params::{ParamLayout, ParamSlot, flatten_params, load_shaped, placeholders};
+use crate::placement::{ParamPlacement, PlacementTable};
+use crate::zero::UnitShards;
+use burn::module::Module;
+use flashover_comm::Group;
+use flashover_runtime::{Axis, RankContext};
+
+/// AdamW on this rank's rows; see the module docs.
+///
+/// ```text
+/// let buckets = GradientBuckets::default().rows(GradientRows::ReduceScatter); // ZeRO-2
+/// let (model, par) = parallelize(model, &plan.gradient_buckets(buckets), &ctx)?;
+/// let mut optim = RowAdamW::new(&par, &model, &FlatAdamWConfig::new(), true, &ctx)?;
+/// let mut model = optim.between_steps(model);
+/// // each step: the plan reduces the gradients to this rank's rows, AdamW steps them
+/// model = optim.for_step(model)?;
+/// let out = par.pipeline_step(&model, global_batch, step, &micro_batch, Some(1.0), &ctx)?;
+/// model = optim.step(lr, model, &out.rows, !out.skipped)?;
+/// ```
+pub struct RowAdamW {
+    axis: Axis,
+    group: Group,
+    /// The parameters this rank holds, laid end to end.
+    layout: ParamLayout,
+    /// Their cut over the axis.
+    shards: UnitShards,
+    /// Per held parameter: its offset and length in the model's flat layout.
+    held: Vec<(usize, usize)>,
+    /// The model's whole layout (other ranks' parameters as placeholders): what the gathered
+    /// rows are loaded back into.
+    shaped: ParamLayout,
+    /// This rank's rows of every held parameter.
+    own: Vec<f32>,
+    adam: FlatAdamW,
+    /// The model keeps its parameters between steps (ZeRO-1/2); otherwise only its rows.
+    keep_params: bool,
+}
+
+impl RowAdamW {
+    /// AdamW (`config`) on this rank's rows of `model`'s parameters, as `par` (a plan with
+    /// `gradient_buckets.rows`) cuts them; `keep_params`: ZeRO-1/2 (the model keeps its
+    /// parameters), or ZeRO-3 by rows (only the rows stay between steps:
+    /// [`Self::between_steps`], [`Self::for_step`]). Fails when the plan keeps no rows.
+    pub fn new<M: Module>(
+        par: &Parallelized,
+        model: &M,
+        config: &FlatAdamWConfig,
+        keep_params: bool,
+        ctx: &RankContext,
+    ) -> Result<Self, ParallelError> {
+        let GradientRowLayout {
+            axis,
+            layout,
+            shards,
+            ..
+        } = par.gradient_rows().ok_or_else(|| {
+            ParallelError::Invalid(
+                "RowAdamW steps the rows of the gradients a plan reduces to rows: set the plan's \
+                 gradient_buckets.rows"
+                    .into(),
+            )
+        })?;
+        let shaped = ParamLayout::of(model);
+        let flat = flatten_params(model);
+        let held: Vec<(usize, usize)> = par
+            .held_entries(model)?
+            .iter()
+            .map(|(slot, _)| (slot.offset, slot.numel))
+            .collect();
+        let values: Vec<f32> = held
+            .iter()
+            .flat_map(|&(offset, len)| flat[offset..offset + len].iter().copied())
+            .collect();
+        let group = ctx.group(*axis).clone();
+        let own = shards.take(group.rank(), &values);
+        Ok(RowAdamW {
+            axis: *axis,
+            adam: FlatAdamW::new(config, shards.shard_len()),
+            group,
+            layout: layout.clone(),
+            shards: shards.clone(),
+            held,
+            shaped,
+            own,
+            keep_params,
+        })
+    }
+
+    /// AdamW on this rank's rows from `grads` (its rows of the reduced gradients, as the plan
+    /// lays them out) when `update` (not on a step whose scaled gradients overflowed: its
+    /// `grads` are then empty and left unread), then
+    /// `model` as it is kept between steps: the updated rows gathered back into it
+    /// (collective), or its structure only.
+    pub fn step<M: Module>(
+        &mut self,
+        lr: f64,
+        model: M,
+        grads: &[f32],
+        update: bool,
+    ) -> Result<M, ParallelError> {
+        if update && grads.len() != self.own.len() {
+            return Err(ParallelError::Invalid(format!(
+                "RowAdamW: {} gradient rows for {} parameter rows (the plan's gradient_rows and \
+                 this optimizer must come from the same parallelize)",
+                grads.len(),
+                self.own.len()
+            )));
+        }
+        if update {
+            self.adam.step(lr, &mut self.own, grads);
+        }
+        match self.keep_params {
+            true => self.gathered(model),
+            false => Ok(placeholders(model)),
+        }
+    }
+
+    /// `model` as it is kept between steps: as it is (ZeRO-1/2), or its structure only.
+    pub fn between_steps<M: Module>(&self, model: M) -> M {
+        match self.keep_params {
+            true => model,
+            false => placeholders(model),
+        }
+    }
+
+    /// `model` for a step: gathered from every rank's rows when only the rows are kept
+    /// between steps (collective), as it is otherwise.
+    pub fn for_step<M: Module>(&self, model: M) -> Result<M, ParallelError> {
+        match self.keep_params {
+            true => Ok(model),
+            false => self.gathered(model),
+        }
+    }
+
+    /// `model` with the parameters this rank holds gathered from every rank's rows
+    /// (collective), the others left as the plan left them.
+    fn gathered<M: Module>(&self, model: M) -> Result<M, ParallelError> {
+        let values = self.shards.all_gather(&self.group, &self.own)?;
+        let mut flat = vec![0.0; self.shaped.numel];
+        let mut at = 0;
+        for &(offset, len) in &self.held {
+            flat[offset..offset + len].copy_from_slice(&values[at..at + len]);
+            at += len;
+        }
+        Ok(load_shaped(model, &self.shaped, &flat))
+    }
+
+    /// The axis the rows are cut over.
+    pub fn axis(&self) -> Axis {
+        self.axis
+    }
+
+    /// This rank's rows (padding included), laid out as the plan's gradient rows.
+    pub fn rows(&self) -> &[f32] {
+        &self.own
+    }
+
+    /// The AdamW state of the rows.
+    pub fn adam(&self) -> &FlatAdamW {
+        &self.adam
+    }
+
+    /// This rank's rows as pieces of the parameters `placements` describes (each with its
+    /// rows split over the axis): where each part belongs in the whole model.
+    pub fn placed(
+        &self,
+        placements: &PlacementTable,
+    ) -> Result<Vec<(ParamSlot, ParamPlacement)>, ParallelError> {
+        self.shards.placed(&self.layout, placements, self.axis, 0)
+    }
+
+    /// Puts saved rows and their AdamW state back (as [`Self::rows`] and [`Self::adam`] gave
+    /// them), then `model` as it is kept between steps (collective when it keeps its
+    /// parameters).
+    pub fn restore<M: Module>(
+        &mut self,
+        model: M,
+        rows: Vec<f32>,
+        steps_taken: i32,
+        moments: [Vec<f32>; 2],
+    ) -> Result<M, ParallelError> {
+        let [m1, m2] = moments;
+        self.adam
+            .restore(steps_taken, m1, m2)
+            .map_err(ParallelError::Invalid)?;
+        self.own = rows;
+        match self.keep_params {
+            true => self.gathered(model),
+            false => Ok(model),
+        }
+    }
+
+    /// Elements this rank keeps between steps: (parameters, gradients and each moment).
+    pub fn held_elements(&self) -> (usize, usize) {
+        match self.keep_params {
+            true => (self.layout.numel, self.own.len()),
+            false => (self.own.len(), self.own.len()),
+        }
+    }
+
+    /// Bytes gathered for a step beyond what is kept between steps (ZeRO-3 by rows: the
+    /// parameters the rank holds).
+    pub fn gathered_bytes(&self) -> usize {
+        match self.keep_params {
+            true => 0,
+            false => self.layout.numel * 4,
+        }
+    }
+}
