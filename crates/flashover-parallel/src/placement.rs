@@ -155,6 +155,23 @@ impl ParamPlacement {
 /// positions: `cp`).
 pub const DATA_AXES: [Axis; 4] = [Axis::Dp, Axis::Fsdp, Axis::Ep, Axis::Cp];
 
+/// Every non-empty set of `mesh`'s data axes above degree 1 (the sets a gradient may be summed
+/// over), in one order on every rank.
+pub(crate) fn data_axis_sets(mesh: &DeviceMesh) -> Vec<Vec<Axis>> {
+    let axes: Vec<Axis> = DATA_AXES
+        .into_iter()
+        .filter(|&a| mesh.degree(a) > 1)
+        .collect();
+    (1..(1usize << axes.len()))
+        .map(|mask| {
+            (0..axes.len())
+                .filter(|i| mask & (1 << i) != 0)
+                .map(|i| axes[i])
+                .collect()
+        })
+        .collect()
+}
+
 /// Every parameter's [`ParamPlacement`], by id; see the module docs.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PlacementTable {
@@ -287,16 +304,8 @@ impl GradientReducer {
     /// Groups for `ctx`'s mesh (collective over the world: every rank calls it), summing in
     /// `reduce_dtype`.
     pub fn new(ctx: &RankContext, reduce_dtype: Precision) -> Result<Self, ParallelError> {
-        let axes: Vec<Axis> = DATA_AXES
-            .into_iter()
-            .filter(|&a| ctx.mesh().degree(a) > 1)
-            .collect();
         let mut groups = vec![];
-        for mask in 1..(1usize << axes.len()) {
-            let set: Vec<Axis> = (0..axes.len())
-                .filter(|i| mask & (1 << i) != 0)
-                .map(|i| axes[i])
-                .collect();
+        for set in data_axis_sets(ctx.mesh()) {
             let group = if set.len() == 1 {
                 ctx.group(set[0]).clone()
             } else {

@@ -27,7 +27,7 @@ use super::reducer::{Mode, Reducer, RowSplit, Spans};
 use crate::error::ParallelError;
 use crate::hook::{grad_hook, hooks_supported};
 use crate::params::{ParamLayout, ParamSlot};
-use crate::placement::{DATA_AXES, ParamPlacement, Tie};
+use crate::placement::{ParamPlacement, Tie, data_axis_sets};
 use crate::precision::{Precision, all_reduce_in};
 use crate::zero::UnitShards;
 use burn::module::{Module, ModuleMapper, Param};
@@ -210,16 +210,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub(crate) fn reduction_groups(
     ctx: &RankContext,
 ) -> Result<Vec<(Vec<Axis>, Group)>, ParallelError> {
-    let axes: Vec<Axis> = DATA_AXES
-        .into_iter()
-        .filter(|&a| ctx.mesh().degree(a) > 1)
-        .collect();
     let mut groups = vec![];
-    for mask in 1..(1usize << axes.len()) {
-        let set: Vec<Axis> = (0..axes.len())
-            .filter(|i| mask & (1 << i) != 0)
-            .map(|i| axes[i])
-            .collect();
+    for set in data_axis_sets(ctx.mesh()) {
         // A communicator of its own: the buckets' thread must not interleave its collectives
         // with another thread's on the same group (a unit's on `fsdp`, say).
         let group = ctx.subgroup(&set)?;

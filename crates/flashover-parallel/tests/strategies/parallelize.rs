@@ -10,14 +10,16 @@ use burn::nn::{LayerNorm, LayerNormConfig, Linear};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use flashover_parallel::ParallelError;
 use flashover_parallel::activation_checkpointing::{CheckpointPolicy, checkpoint};
+use flashover_parallel::data_parallel::{GradientBuckets, GradientRows};
 use flashover_parallel::nn;
 use flashover_parallel::parallelize::{
     ParallelizePlan, Parallelized, PipelineModel, PipelineRule, TensorParallelRule, parallelize,
 };
 use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
 use flashover_parallel::pipeline::ScheduleKind;
+use flashover_parallel::zero::RowAdamW;
+use flashover_parallel::{FlatAdamWConfig, ParallelError};
 use flashover_runtime::{Axis, Launch, OpKind, RankContext};
 
 const FEATURES: usize = 6;
@@ -720,6 +722,77 @@ fn a_models_layers_cut_into_pipeline_stages_by_a_plan_train_as_one_rank() {
             assert!(
                 held.iter().all(|h| *h < whole * 3 / 4),
                 "{mesh} {schedule}: every rank holds only its stages: {held:?} of {whole}"
+            );
+        }
+    }
+}
+
+/// ZeRO-1/2 (and ZeRO-3 by rows) of a user's model: the plan reduces the gradients to each
+/// rank's rows (`gradient_buckets.rows`: all-reduced or reduce-scattered buckets) and the
+/// library's `RowAdamW` steps AdamW on those rows, then gathers them back.
+#[test]
+fn a_users_model_stepped_by_rows_trains_as_one_rank() {
+    let reference = stack_single_rank();
+    let rule = PipelineRule::new("layers", ScheduleKind::OneFOneB, 2)
+        .first(&["input"])
+        .last(&["norm", "input"]);
+    let cases = [
+        ("fsdp=2", GradientRows::AllReduce, true),
+        ("dp=2", GradientRows::ReduceScatter, true),
+        ("fsdp=2,pp=2", GradientRows::ReduceScatter, true),
+        ("dp=2,fsdp=2", GradientRows::ReduceScatter, false),
+    ];
+    for (mesh, rows, keep_params) in cases {
+        let buckets = GradientBuckets::default().rows(rows);
+        let plan = ParallelizePlan::new()
+            .pipeline(rule.clone())
+            .gradient_buckets(buckets);
+        let out = Launch::new(mesh)
+            .unwrap()
+            .run(|ctx| {
+                let device = Device::flex().autodiff();
+                let (model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
+                let config = FlatAdamWConfig::new();
+                let mut optim = RowAdamW::new(&par, &model, &config, keep_params, &ctx)?;
+                let mut model = optim.between_steps(model);
+                let micro_batch = |samples| batch(samples, &device);
+                let (mut losses, mut norms) = (vec![], vec![]);
+                for step in 0..STEPS {
+                    model = optim.for_step(model)?;
+                    let out = par.pipeline_step(
+                        &model,
+                        GLOBAL_BATCH,
+                        step,
+                        &micro_batch,
+                        Some(MAX_NORM),
+                        &ctx,
+                    )?;
+                    assert!(out.grads.is_empty(), "rows come in `rows`, not `grads`");
+                    losses.push(out.loss);
+                    norms.push(out.norm);
+                    model = optim.step(LR, model, &out.rows, !out.skipped)?;
+                }
+                let whole = flatten_params(&par.whole(optim.for_step(model)?)?);
+                let (params, moments) = optim.held_elements();
+                Ok::<_, ParallelError>(((losses, norms, whole), params, moments))
+            })
+            .unwrap();
+        let whole = reference.2.len();
+        let (run, params, moments) = out.into_iter().next().unwrap();
+        let (loss, norm, weights) = differences(&run, &reference);
+        assert!(
+            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+            "{mesh} {rows:?}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+        );
+        // Each rank steps (and keeps moments of) only its rows; ZeRO-3 by rows keeps no more.
+        assert!(
+            moments < whole * 3 / 4,
+            "{mesh}: moments of {moments} of {whole} elements"
+        );
+        if !keep_params {
+            assert_eq!(
+                params, moments,
+                "{mesh}: ZeRO-3 by rows keeps only its rows"
             );
         }
     }
