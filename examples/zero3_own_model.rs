@@ -1,122 +1,74 @@
-//! Sharded data parallel on *your own* Burn model: ZeRO-2 on the unchanged model, and ZeRO-3 /
-//! HSDP with each layer wrapped as a fully sharded unit.
+//! Sharded data parallel on *your own* Burn model, one plan line each: ZeRO-2 (each rank keeps
+//! AdamW state and gradients for its rows only) and ZeRO-3 / HSDP (each rank stores its rows
+//! of every parameter too).
 //!
 //! The MLP of `ddp_own_model` is trained on one rank with a plain Burn loop, then with ZeRO-2
-//! over four ranks (`dp=4`), then with ZeRO-3 sharded over two ranks and replicated over two
-//! (`dp=2,fsdp=2`). Loss curves and final weights match the single rank (fp32, 1e-5 relative),
-//! and each rank's memory for parameters, gradients and optimizer state is printed against
-//! DDP's (which holds all of it on every rank).
+//! over four ranks (`dp=4`: the plan's `gradient_buckets.rows` reduce-scatters the gradients
+//! to each rank's rows, `RowAdamW` steps them and gathers the parameters back), then with
+//! ZeRO-3 sharded over two ranks and replicated over two (`dp=2,fsdp=2`: `fully_shard("")`,
+//! Burn's own AdamW on the shards). Loss curves and final weights match the single rank
+//! (fp32, 1e-5 relative), and each rank's memory for parameters, gradients and optimizer
+//! state is printed against DDP's (which holds all of it on every rank).
 //!
 //! Run: `cargo run --example zero3_own_model`
 
 mod common;
 
-use burn::module::Module;
-use burn::nn::Linear;
-use burn::optim::GradientsParams;
-use burn::tensor::activation::relu;
-use burn::tensor::{Device, Tensor};
+use burn::optim::AdamWConfig;
+use burn::tensor::Device;
 use common::{GLOBAL_BATCH, Mlp, STEPS, batch, differences, mse, train_single};
-use flashover::{Axis, CommunicatorExt, Launch, ReduceOp};
-use flashover_parallel::params::{ParamLayout, flatten_params};
-use flashover_parallel::zero::{
-    FullyShardConfig, FullyShardedOptimizer, FullyShardedUnit, ShardGroup, ZeroConfig,
-};
+use flashover::Launch;
+use flashover_parallel::data_parallel::{GradientBuckets, GradientRows};
+use flashover_parallel::parallelize::{ParallelizePlan, parallelize};
+use flashover_parallel::params::ParamLayout;
+use flashover_parallel::zero::RowAdamW;
 use flashover_parallel::{FlatAdamWConfig, ParallelError};
 
-/// The MLP with each layer a fully sharded unit: the layers themselves are unchanged.
-#[derive(Module, Debug)]
-struct ShardedMlp {
-    l1: FullyShardedUnit<Linear>,
-    l2: FullyShardedUnit<Linear>,
-}
-
-impl ShardedMlp {
-    fn forward(&self, x: Tensor<2>) -> Result<Tensor<2>, ParallelError> {
-        self.l2.prefetch(); // gather l2 while l1 computes
-        let h = self.l1.forward(x, |l1: &Linear, x| relu(l1.forward(x)))?;
-        // In backward l2 runs first: when it starts, prefetch l1's parameters.
-        let l1 = Some(self.l1.prefetch_handle());
-        self.l2
-            .forward_prefetching(h, |l2: &Linear, h| l2.forward(h), l1)
-    }
-}
-
 /// Losses, the first layer's final weights, and rank 0's bytes of parameters, gradients and
-/// optimizer state (as the strategy measured them).
+/// optimizer state between steps.
 type Run = (Vec<f32>, Vec<f32>, usize);
 
 /// ZeRO-2 (`stage = 2`, mesh `dp=4`) or ZeRO-3/HSDP (`stage = 3`, mesh `dp=2,fsdp=2`).
 fn train_sharded(stage: usize) -> Run {
-    let mesh = if stage == 3 { "dp=2,fsdp=2" } else { "dp=4" };
+    let (mesh, plan) = match stage {
+        3 => ("dp=2,fsdp=2", ParallelizePlan::new().fully_shard("")),
+        _ => {
+            let rows = GradientBuckets::default().rows(GradientRows::ReduceScatter);
+            ("dp=4", ParallelizePlan::new().gradient_buckets(rows))
+        }
+    };
     let results = Launch::new(mesh)
         .expect("mesh")
         .run(|ctx| {
             let device = Device::flex().autodiff();
-            let batch_group = ctx.subgroup(&[Axis::Dp, Axis::Fsdp])?;
-            let per_rank = GLOBAL_BATCH / batch_group.size();
-            let adamw = FlatAdamWConfig::new(); // = Burn's AdamWConfig::new(), bit for bit
+            let (mut model, par) = parallelize(Mlp::new(7, &device), &plan, &ctx)?;
             let mut losses = vec![];
-            let data = |step: usize| {
-                let start = step * GLOBAL_BATCH + batch_group.rank() * per_rank;
-                batch(start..start + per_rank, &device)
-            };
-            let mut record = |loss: &Tensor<1>| -> Result<(), ParallelError> {
-                let mut l = [loss.clone().into_scalar::<f32>()];
-                batch_group.all_reduce(&mut l, ReduceOp::Avg)?;
-                losses.push(l[0]);
-                Ok(())
-            };
-            let (weights, bytes) = if stage == 3 {
-                let units = ShardGroup::new(ctx.group(Axis::Fsdp));
-                let config = FullyShardConfig::new();
-                let mlp = Mlp::new(7, &device);
-                let mut model = ShardedMlp {
-                    l1: config.init(mlp.l1, &units)?,
-                    l2: config.init(mlp.l2, &units)?,
-                };
-                let replicas = Some(ctx.group(Axis::Dp));
-                let mut optim = FullyShardedOptimizer::new(
-                    &model,
-                    ctx.group(Axis::Fsdp),
-                    replicas,
-                    &adamw,
-                    true,
-                );
+            let bytes = if stage == 3 {
+                let mut optim = AdamWConfig::new().init();
                 for step in 0..STEPS {
-                    let (x, y) = data(step);
-                    let loss = mse(model.forward(x)?, y);
-                    record(&loss)?;
-                    optim.accumulate(
-                        &model,
-                        &GradientsParams::from_grads(loss.backward(), &model),
-                    );
-                    model = optim.step(1e-2, model, None)?.0;
+                    let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
+                    let loss = par.forward(&model, |m| mse(m.forward(x), y))?;
+                    losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+                    let (grads, _norm) = par.gradients(&model, loss.backward(), None, &ctx)?;
+                    model = optim.step(1e-2, model, grads);
                 }
-                let shard = ParamLayout::of(&model).numel * 4;
-                let bytes = shard + optim.grad_bytes() + optim.state_bytes();
-                (
-                    flatten_params(&model.l1.gather()?)[..8 * 32].to_vec(),
-                    bytes,
-                )
+                // The rank's shards, their gradients and two AdamW moments.
+                ParamLayout::of(&model).numel * (4 + 4 + 8)
             } else {
-                let zero = ZeroConfig::stage(2, adamw)?;
-                let (mut model, mut zero) = zero.init(Mlp::new(7, &device), ctx.group(Axis::Dp))?;
+                // = Burn's AdamWConfig::new(), bit for bit, on this rank's rows.
+                let mut optim = RowAdamW::new(&par, &model, &FlatAdamWConfig::new(), true, &ctx)?;
                 for step in 0..STEPS {
-                    let (x, y) = data(step);
-                    zero.begin_step(1);
-                    let loss = mse(zero.prepare(&model).forward(x), y);
-                    record(&loss)?;
-                    zero.backward_done(
-                        &model,
-                        GradientsParams::from_grads(loss.backward(), &model),
-                    )?;
-                    model = zero.step(1e-2, model, None)?.0;
+                    let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
+                    let loss = par.forward(&model, |m| mse(m.forward(x), y))?;
+                    losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+                    let (rows, _norm) = par.row_gradients(&model, loss.backward(), None, &ctx)?;
+                    model = optim.step(1e-2, model, &rows, !rows.is_empty())?;
                 }
-                let m = zero.memory();
-                let bytes = m.params + m.grads + m.optimizer;
-                (flatten_params(&model.l1)[..8 * 32].to_vec(), bytes)
+                // Whole parameters; gradients and two AdamW moments of the rank's rows.
+                let (params, rows) = optim.held_elements();
+                params * 4 + rows * (4 + 8)
             };
+            let weights = par.whole(model)?.l1_weights();
             Ok::<_, ParallelError>((losses, weights, bytes))
         })
         .expect("sharded training");

@@ -84,15 +84,17 @@ pub mod prelude {
     pub use crate::{
         Axis, CommunicatorExt, Launch, RankContext, ReduceOp, TensorCollectives, launch,
     };
-    pub use flashover_parallel::ParallelError;
     pub use flashover_parallel::activation_checkpointing::CheckpointPolicy;
     pub use flashover_parallel::context_parallel::CpAttention;
+    pub use flashover_parallel::data_parallel::{GradientBuckets, GradientRows};
     pub use flashover_parallel::parallelize::{
         ContextParallelRule, ModulePath, ParallelizePlan, Parallelized, PipelineModel,
         PipelineRule, PipelineStep, TensorParallelRule, TpStyle, parallelize,
     };
     pub use flashover_parallel::pipeline::ScheduleKind;
     pub use flashover_parallel::precision::{LossScale, MixedPrecision, Precision};
+    pub use flashover_parallel::zero::RowAdamW;
+    pub use flashover_parallel::{FlatAdamWConfig, ParallelError};
 }
 
 pub use flashover_checkpoint as checkpoint;

@@ -689,10 +689,39 @@ impl Parallelized {
     pub fn gradients<M: Module>(
         &self,
         model: &M,
-        mut backward: Gradients,
+        backward: Gradients,
         max_norm: Option<f32>,
         ctx: &RankContext,
     ) -> Result<(GradientsParams, f32), ParallelError> {
+        let grads = self.taken_gradients(model, backward)?;
+        self.reduce_gradients(model, grads, max_norm, ctx)
+    }
+
+    /// [`Self::gradients`] under the plan's `gradient_buckets.rows` (ZeRO-1/2 in a loop of
+    /// one's own): this rank's rows of the reduced, clipped gradients, laid out as
+    /// [`Self::gradient_rows`] says (what [`crate::zero::RowAdamW::step`] steps), with the
+    /// norm before clipping. The rows are empty on a step whose scaled gradients overflowed.
+    /// Fails without `gradient_buckets.rows`, and under a pipelined plan (whose rows come in
+    /// [`PipelineStep::rows`]). Collective: every rank calls it once per step.
+    pub fn row_gradients<M: Module>(
+        &self,
+        model: &M,
+        backward: Gradients,
+        max_norm: Option<f32>,
+        ctx: &RankContext,
+    ) -> Result<(Vec<f32>, f32), ParallelError> {
+        let grads = self.taken_gradients(model, backward)?;
+        let reduced = self.reduce_taken(model, grads, max_norm, ctx, true)?;
+        Ok((reduced.rows, reduced.norm))
+    }
+
+    /// The gradients of `model`'s parameters in `backward` (hot-expert copies' taken for their
+    /// owners first). Fails under a pipelined plan.
+    fn taken_gradients<M: Module>(
+        &self,
+        model: &M,
+        mut backward: Gradients,
+    ) -> Result<GradientsParams, ParallelError> {
         if let Some((replicas, _)) = &self.hot_experts {
             replicas.take_grads(&mut backward);
         }
@@ -703,12 +732,7 @@ impl Parallelized {
                     .into(),
             ));
         }
-        self.reduce_gradients(
-            model,
-            GradientsParams::from_grads(backward, model),
-            max_norm,
-            ctx,
-        )
+        Ok(GradientsParams::from_grads(backward, model))
     }
 
     /// [`Self::gradients`] of gradients already taken from the backward pass (what a
@@ -721,6 +745,20 @@ impl Parallelized {
         max_norm: Option<f32>,
         ctx: &RankContext,
     ) -> Result<(GradientsParams, f32), ParallelError> {
+        let reduced = self.reduce_taken(model, grads, max_norm, ctx, false)?;
+        Ok((reduced.grads, reduced.norm))
+    }
+
+    /// `grads` (taken from the backward pass) reduced and clipped after backward: whole, or
+    /// as this rank's rows when `rows` (which must match the plan's `gradient_buckets.rows`).
+    fn reduce_taken<M: Module>(
+        &self,
+        model: &M,
+        grads: GradientsParams,
+        max_norm: Option<f32>,
+        ctx: &RankContext,
+        rows: bool,
+    ) -> Result<Reduced, ParallelError> {
         // A pipeline's stages computed in the policy and unscaled their gradients themselves.
         let unscale = match self.is_pipelined() {
             true => None,
@@ -733,18 +771,29 @@ impl Parallelized {
             // The copies' gradients are summed like the model's (scaled alike under f16).
             self.fold_hot_experts(model, &mut flat, 1.0)?;
         }
-        if self.buckets.row_layout().is_some() {
-            return Err(ParallelError::Invalid(
-                "the plan keeps gradient rows (gradient_buckets.rows, ZeRO-1/2): a step's rows \
-                 come from Parallelized::pipeline_step; a loop of its own reduces whole \
-                 gradients, so leave gradient_buckets.rows unset"
-                    .into(),
-            ));
+        match (self.buckets.row_layout().is_some(), rows) {
+            (true, false) => {
+                return Err(ParallelError::Invalid(
+                    "the plan keeps gradient rows (gradient_buckets.rows, ZeRO-1/2): take them \
+                     with Parallelized::row_gradients (a pipeline's come in \
+                     PipelineStep::rows), or leave gradient_buckets.rows unset for whole \
+                     gradients"
+                        .into(),
+                ));
+            }
+            (false, true) => {
+                return Err(ParallelError::Invalid(
+                    "Parallelized::row_gradients: the plan keeps no gradient rows; set its \
+                     gradient_buckets.rows (ZeRO-1/2), or take whole gradients with \
+                     Parallelized::gradients"
+                        .into(),
+                ));
+            }
+            _ => {}
         }
         // Taken after backward: the buckets are reduced now.
         self.buckets.begin_step(false);
-        let reduced = self.reduce_and_clip(model, flat, unscale.unwrap_or(1.0), max_norm, ctx)?;
-        Ok((reduced.grads, reduced.norm))
+        self.reduce_and_clip(model, flat, unscale.unwrap_or(1.0), max_norm, ctx)
     }
 
     /// The whole batch's routing loads of a step, the same on every rank: `stats`, what this

@@ -1,10 +1,10 @@
 //! ZeRO-1/2 on a plan: AdamW on this rank's rows of the parameters it holds, each cut along its
 //! first dimension over `fsdp` (or `dp` without it) as [`UnitShards`] cuts it, stepped with the
 //! rows of the reduced gradients the plan hands this rank under `gradient_buckets.rows`
-//! ([`crate::parallelize::Parallelized::gradient_rows`]). After the step the updated rows are
-//! all-gathered back into the model (ZeRO-1/2), or the model keeps only its structure between
-//! steps and is gathered at the start of the next (ZeRO-3 by rows: what a pipeline does when
-//! its schedule or its expert copies rule the plan's units out).
+//! ([`crate::parallelize::Parallelized::row_gradients`], or a pipeline step's rows). After the
+//! step the updated rows are all-gathered back into the model (ZeRO-1/2), or the model keeps
+//! only its structure between steps and is gathered at the start of the next (ZeRO-3 by rows:
+//! what a pipeline does when its schedule or its expert copies rule the plan's units out).
 
 use crate::data_parallel::GradientRowLayout;
 use crate::error::ParallelError;
@@ -26,8 +26,10 @@ use flashover_runtime::{Axis, RankContext};
 /// let mut model = optim.between_steps(model);
 /// // each step: the plan reduces the gradients to this rank's rows, AdamW steps them
 /// model = optim.for_step(model)?;
-/// let out = par.pipeline_step(&model, global_batch, step, &micro_batch, Some(1.0), &ctx)?;
-/// model = optim.step(lr, model, &out.rows, !out.skipped)?;
+/// let loss = par.forward(&model, |m| loss_of(m, &batch))?;
+/// let (rows, norm) = par.row_gradients(&model, par.backward(loss), Some(1.0), &ctx)?;
+/// model = optim.step(lr, model, &rows, !rows.is_empty())?;
+/// // a pipelined plan: `par.pipeline_step(..)?`, its rows in `PipelineStep::rows`
 /// ```
 pub struct RowAdamW {
     axis: Axis,

@@ -798,6 +798,61 @@ fn a_users_model_stepped_by_rows_trains_as_one_rank() {
     }
 }
 
+/// ZeRO-1/2 in a loop of one's own: `Parallelized::row_gradients` hands each rank its rows of
+/// the reduced gradients and `RowAdamW` steps them.
+#[test]
+fn a_users_own_loop_stepped_by_rows_trains_as_one_rank() {
+    let reference = single_rank::<SplitMlp>();
+    let cases = [
+        ("dp=2", GradientRows::AllReduce),
+        ("fsdp=2", GradientRows::ReduceScatter),
+        ("dp=2,fsdp=2", GradientRows::ReduceScatter),
+        ("fsdp=2,tp=2", GradientRows::ReduceScatter),
+    ];
+    for (mesh, rows) in cases {
+        let plan = split_mlp_plan().gradient_buckets(GradientBuckets::default().rows(rows));
+        let run = Launch::new(mesh)
+            .unwrap()
+            .run(|ctx| {
+                let device = Device::flex().autodiff();
+                let (model, par) = parallelize(SplitMlp::new(&device), &plan, &ctx)?;
+                let config = FlatAdamWConfig::new();
+                let mut optim = RowAdamW::new(&par, &model, &config, true, &ctx)?;
+                let mut model = optim.between_steps(model);
+                let (mut losses, mut norms) = (vec![], vec![]);
+                for step in 0..STEPS {
+                    model = optim.for_step(model)?;
+                    let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
+                    let loss = par.forward(&model, |m| loss(m, x, y))?;
+                    losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+                    let (rows, norm) =
+                        par.row_gradients(&model, par.backward(loss), Some(MAX_NORM), &ctx)?;
+                    norms.push(norm);
+                    model = optim.step(LR, model, &rows, !rows.is_empty())?;
+                }
+                // Whole gradients are refused while the plan keeps rows, with what to call.
+                let (x, y) = batch(par.batch_share(GLOBAL_BATCH, 0)?, &device);
+                let loss = par.forward(&model, |m| loss(m, x, y))?;
+                let refused = par
+                    .gradients(&model, par.backward(loss), None, &ctx)
+                    .unwrap_err()
+                    .to_string();
+                assert!(refused.contains("row_gradients"), "{refused}");
+                let whole = flatten_params(&par.whole(model)?);
+                Ok::<_, ParallelError>((losses, norms, whole))
+            })
+            .unwrap()
+            .into_iter()
+            .next()
+            .unwrap();
+        let (loss, norm, weights) = differences(&run, &reference);
+        assert!(
+            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+            "{mesh} {rows:?}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+        );
+    }
+}
+
 #[test]
 fn a_plan_cuts_layers_unevenly_where_it_says_how_many_each_stage_runs() {
     let reference = stack_single_rank();
