@@ -47,11 +47,10 @@ pub use buckets::{
 };
 
 use crate::error::ParallelError;
-use crate::grad_clip::{clip_global_norm, clip_global_norm_parts};
+use crate::grad_clip::clip_global_norm_parts;
 use crate::hook::{grad_hook, hooks_supported};
 use crate::params::{ParamLayout, accumulate_grads, broadcast_module, grads_from_parts};
 use crate::precision::Precision;
-use crate::zero::ShardMap;
 use burn::config::Config;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::GradientsParams;
@@ -90,16 +89,6 @@ impl DataParallelConfig {
         model: M,
         group: &Group,
     ) -> Result<(M, DataParallel), ParallelError> {
-        self.init_with(model, group, Mode::AllReduce)
-    }
-
-    /// [`DataParallelConfig::init`] with the reduction `mode` (ZeRO-2 reduce-scatters).
-    pub(crate) fn init_with<M: Module>(
-        &self,
-        model: M,
-        group: &Group,
-        mode: Mode,
-    ) -> Result<(M, DataParallel), ParallelError> {
         if self.bucket_bytes < 4 {
             return Err(ParallelError::Invalid(format!(
                 "bucket_bytes = {} must hold at least one f32",
@@ -116,7 +105,7 @@ impl DataParallelConfig {
             &numels,
             &reverse_layout,
             bucket_elems,
-            mode,
+            Mode::AllReduce,
             self.reduce_dtype,
         );
         let device_ok = model_device(&model).is_some_and(|d| hooks_supported(&d));
@@ -124,7 +113,6 @@ impl DataParallelConfig {
             model,
             DataParallel {
                 group: group.clone(),
-                shard: vec![],
                 layout,
                 reducer,
                 hooks: self.overlap && device_ok,
@@ -209,8 +197,6 @@ pub struct DataParallel {
     group: Group,
     layout: ParamLayout,
     reducer: Reducer,
-    /// This rank's gradient shard (ZeRO; allocated on first use).
-    shard: Vec<f32>,
     hooks: bool,
     average: bool,
     reduce_dtype: Precision,
@@ -267,7 +253,6 @@ impl DataParallel {
         self.micro = 0;
         self.backward_end = None;
         self.exposed_between = Duration::ZERO;
-        self.shard = vec![];
         self.peak_elsewhere = 0;
         self.reducer.begin_step();
     }
@@ -313,10 +298,6 @@ impl DataParallel {
         self.micro += 1;
         if self.micro == self.micro_batches {
             self.backward_end = Some(Instant::now());
-        } else if self.reducer.mode() == Mode::ReduceScatter {
-            let t0 = Instant::now();
-            self.reducer.wait_reduced()?;
-            self.exposed_between += t0.elapsed();
         }
         Ok(())
     }
@@ -328,11 +309,6 @@ impl DataParallel {
         model: &M,
         max_norm: Option<f32>,
     ) -> Result<StepGradients, ParallelError> {
-        assert_eq!(
-            self.reducer.mode(),
-            Mode::AllReduce,
-            "whole gradients need all-reduce"
-        );
         self.check_finished();
         let t0 = Instant::now();
         let spans = self.reducer.wait_reduced()?;
@@ -352,39 +328,9 @@ impl DataParallel {
         })
     }
 
-    /// Like [`DataParallel::finish`], but keeps only this rank's shard of the gradient (the
-    /// elements [`DataParallel::shard_map`] gives it), in [`DataParallel::shard_grads`]: the
-    /// gradient input of [`crate::zero::ZeroOptimizer`]. The clipping norm is taken over every
-    /// rank's shard.
-    pub fn finish_shard(&mut self, max_norm: Option<f32>) -> Result<ReduceReport, ParallelError> {
-        self.check_finished();
-        let t0 = Instant::now();
-        let (shard, spans) = self.reducer.wait_shard()?;
-        self.rebuild_buckets_after_first_step()?;
-        self.shard = shard;
-        let denom = self.denominator();
-        self.shard.iter_mut().for_each(|g| *g /= denom);
-        let grad_norm = clip_global_norm(&mut self.shard, max_norm, Some(&self.group))?;
-        Ok(self.report(t0, spans, grad_norm))
-    }
-
-    /// Which flat elements each rank's gradient shard holds (chunk `r` of every bucket).
-    pub fn shard_map(&self) -> ShardMap {
-        ShardMap::bucketed(
-            self.layout.numel,
-            &self.reducer.bucket_params(),
-            self.group.size(),
-        )
-    }
-
-    /// This rank's averaged gradient shard (valid after [`DataParallel::finish_shard`]).
-    pub fn shard_grads(&self) -> &[f32] {
-        &self.shard
-    }
-
-    /// Bytes of gradient this rank holds now: bucket buffers, and the shard gradient.
+    /// Bytes of gradient this rank holds now: bucket buffers.
     pub fn grad_bytes(&self) -> usize {
-        self.shard.len() * 4 + self.reducer.held_bytes().0
+        self.reducer.held_bytes().0
     }
 
     /// The most gradient bytes held at once since the step began: bucket buffers and copies
@@ -416,14 +362,13 @@ impl DataParallel {
         self.group.broadcast(&mut order, 0)?;
         let order: Vec<usize> = order.into_iter().map(|p| p as usize).collect();
         let numels: Vec<usize> = self.layout.slots.iter().map(|s| s.numel).collect();
-        let mode = self.reducer.mode();
         self.peak_elsewhere = self.peak_elsewhere.max(self.reducer.held_bytes().1);
         self.reducer = Reducer::new(
             self.group.clone(),
             &numels,
             &order,
             self.bucket_elems,
-            mode,
+            Mode::AllReduce,
             self.reduce_dtype,
         );
         Ok(())

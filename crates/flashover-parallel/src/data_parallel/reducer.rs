@@ -360,25 +360,6 @@ impl Reducer {
         &self.shared.buckets
     }
 
-    /// The reduction mode.
-    pub(crate) fn mode(&self) -> Mode {
-        self.shared.mode
-    }
-
-    /// Per bucket, `(flat offset, numel)` of its parameters in bucket order (for shard maps).
-    pub(crate) fn bucket_params(&self) -> Vec<Vec<(usize, usize)>> {
-        let s = &self.shared;
-        s.buckets
-            .iter()
-            .map(|b| {
-                b.params
-                    .iter()
-                    .map(|&p| (s.offsets[p], s.numels[p]))
-                    .collect()
-            })
-            .collect()
-    }
-
     /// Where parameter `param`'s rows sit in this rank's shard ([`Self::wait_shard`]) and how
     /// many elements they are (padding included), when the buckets are laid out by rows.
     pub(crate) fn rows_in_shard(&self, param: usize) -> Option<(usize, usize)> {

@@ -1117,12 +1117,11 @@ impl Parallelized {
         if let Some(check) = &self.sequence_check {
             check.first_step(&entries, &values)?;
         }
-        if divisor != 1.0 {
-            values.iter_mut().for_each(|g| *g /= divisor);
-        }
-        let scale = 1.0 / self.averaged.size() as f32;
-        if scale != 1.0 {
-            values.iter_mut().for_each(|g| *g *= scale);
+        // One division by the whole denominator (micro-batches, loss scale, data ranks), as
+        // DDP divides: the same bits as DDP's whatever the number of ranks.
+        let denominator = divisor * self.averaged.size() as f32;
+        if denominator != 1.0 {
+            values.iter_mut().for_each(|g| *g /= denominator);
         }
         let parts = entries
             .iter()

@@ -1,7 +1,5 @@
-//! The sharded AdamW of ZeRO stages 1 and 2: moments only for the elements this rank owns,
-//! then an all-gather of the updated elements so every replica holds the new parameters.
+//! The optimizer of the per-unit ZeRO-3 wrappers ([`super::FullyShardedUnit`]).
 
-use super::shard_map::ShardMap;
 use crate::error::ParallelError;
 use crate::flat_adamw::{FlatAdamW, FlatAdamWConfig};
 use crate::grad_clip::clip_global_norm;
@@ -11,121 +9,7 @@ use crate::params::{
 use crate::precision::{Precision, all_reduce_in};
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use flashover_comm::{CommunicatorExt, Group};
-use std::borrow::Cow;
-
-/// AdamW whose state is sharded over `group` as `map` says; see the [module docs](super).
-pub struct ZeroOptimizer {
-    group: Group,
-    map: ShardMap,
-    adam: FlatAdamW,
-}
-
-impl ZeroOptimizer {
-    /// Sharded AdamW for `model`'s float parameters over `group`, owning what `map` gives each
-    /// rank (usually [`crate::data_parallel::DataParallel::shard_map`], so the gradient shards
-    /// the reducer produces line up). Every rank must hold the same parameters.
-    pub fn new<M: Module>(
-        model: &M,
-        group: &Group,
-        map: ShardMap,
-        config: &FlatAdamWConfig,
-    ) -> Result<Self, ParallelError> {
-        let numel = ParamLayout::of(model).numel;
-        if map.numel() != numel || map.size() != group.size() {
-            return Err(ParallelError::Invalid(format!(
-                "shard map covers {} elements over {} ranks, but the model has {numel} and \
-                 group `{}` has {} ranks",
-                map.numel(),
-                map.size(),
-                group.name(),
-                group.size()
-            )));
-        }
-        Ok(ZeroOptimizer {
-            group: group.clone(),
-            adam: FlatAdamW::new(config, map.shard_len()),
-            map,
-        })
-    }
-
-    /// Which elements each rank owns.
-    pub fn shard_map(&self) -> &ShardMap {
-        &self.map
-    }
-
-    /// Bytes of optimizer state this rank holds.
-    pub fn state_bytes(&self) -> usize {
-        self.adam.state_bytes()
-    }
-
-    /// This rank's AdamW moments, in shard order.
-    pub fn moments(&self) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
-        self.adam.moments()
-    }
-
-    /// This rank's AdamW (moments in shard order, step count).
-    pub fn flat(&self) -> &FlatAdamW {
-        &self.adam
-    }
-
-    /// This rank's AdamW, to restore a saved state.
-    pub fn flat_mut(&mut self) -> &mut FlatAdamW {
-        &mut self.adam
-    }
-
-    /// Moves the optimizer state to a new partition of the same parameters (collective: every
-    /// rank's moments are all-gathered once and each rank keeps what `map` gives it).
-    pub fn reshard(&mut self, map: ShardMap) -> Result<(), ParallelError> {
-        if map.numel() != self.map.numel() || map.size() != self.map.size() {
-            return Err(ParallelError::Invalid(format!(
-                "cannot reshard {} elements over {} ranks onto a map of {} over {}",
-                self.map.numel(),
-                self.map.size(),
-                map.numel(),
-                map.size()
-            )));
-        }
-        let rank = self.group.rank();
-        let mut full = vec![0.0; map.numel()];
-        let (m1, m2) = self.adam.moments();
-        let mut moved = vec![];
-        for moment in [m1, m2] {
-            let gathered = self.group.all_gather_vec(&moment)?;
-            self.map.put_all(&gathered, &mut full);
-            moved.push(map.take(rank, &full));
-        }
-        let m2 = moved.pop().expect("two moments");
-        let m1 = moved.pop().expect("two moments");
-        self.adam.replace_moments(m1, m2);
-        self.map = map;
-        Ok(())
-    }
-
-    /// One step: updates this rank's elements from `shard_grads` (its own averaged gradient
-    /// shard, in shard order), all-gathers every rank's elements, and returns `model` with the
-    /// new parameters.
-    pub fn step<M: Module>(
-        &mut self,
-        lr: f64,
-        model: M,
-        shard_grads: &[f32],
-    ) -> Result<M, ParallelError> {
-        if shard_grads.len() != self.map.shard_len() {
-            return Err(ParallelError::Invalid(format!(
-                "ZeRO step got {} gradient elements for a shard of {}",
-                shard_grads.len(),
-                self.map.shard_len()
-            )));
-        }
-        let mut flat = flatten_params(&model);
-        let mut own = self.map.take(self.group.rank(), &flat);
-        self.adam.step(lr, &mut own, shard_grads);
-        let gathered = self.group.all_gather_vec(&own)?;
-        self.map.put_all(&gathered, &mut flat);
-        Ok(load_flat(model, &flat))
-    }
-}
+use flashover_comm::Group;
 
 /// The step of ZeRO-3 / HSDP: AdamW on a model whose parameters are shards (a module made of
 /// [`super::FullyShardedUnit`]s), with no communication in the step itself.

@@ -7,11 +7,11 @@ use burn::module::Module;
 use burn::nn::Linear;
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
-use flashover_parallel::data_parallel::DataParallelConfig;
+use flashover_parallel::data_parallel::{DataParallelConfig, GradientBuckets, GradientRows};
+use flashover_parallel::parallelize::{ParallelizePlan, parallelize};
 use flashover_parallel::params::flatten_params;
 use flashover_parallel::zero::{
-    FullyShardConfig, FullyShardedOptimizer, FullyShardedUnit, ShardGroup, ShardMap, ZeroConfig,
-    ZeroOptimizer,
+    FullyShardConfig, FullyShardedOptimizer, FullyShardedUnit, RowAdamW, ShardGroup,
 };
 use flashover_parallel::{FlatAdamWConfig, ParallelError};
 use flashover_runtime::{Axis, FaultPlan, Launch, LaunchError, OpKind, RankContext};
@@ -24,7 +24,7 @@ const LR: f64 = 0.02;
 enum Layout {
     /// Burn's AdamW on whole gradients (DDP; the reference at world 1).
     Ddp,
-    /// ZeRO stage 1 or 2 over `dp`.
+    /// ZeRO stage 1 or 2 over `dp`: a plan's gradient rows stepped by `RowAdamW`.
     Zero(usize),
     /// ZeRO-3 over `fsdp` (and HSDP when the mesh also has `dp`).
     Fsdp { reshard_after_forward: bool },
@@ -81,6 +81,18 @@ fn batch(
 
 fn loss(y: Tensor<2>) -> Tensor<1> {
     (y - 0.3).powi_scalar(2).mean()
+}
+
+/// ZeRO-1 (all-reduced buckets, rows kept) or ZeRO-2 (reduce-scattered) in buckets of 50 f32,
+/// as the DDP reference's.
+fn zero_buckets(stage: usize) -> GradientBuckets {
+    let rows = match stage {
+        1 => GradientRows::AllReduce,
+        _ => GradientRows::ReduceScatter,
+    };
+    GradientBuckets::default()
+        .bucket_mb(200.0 / (1 << 20) as f64)
+        .rows(rows)
 }
 
 fn adamw() -> FlatAdamWConfig {
@@ -143,26 +155,23 @@ fn try_train(
                     flatten_params(&net)
                 }
                 Layout::Zero(stage) => {
-                    let mut config = ZeroConfig::stage(stage, adamw())?;
-                    config.data_parallel = DataParallelConfig::new().with_bucket_bytes(200);
-                    let (mut net, mut zero) =
-                        config.init(Net::new(&device), ctx.group(Axis::Dp))?;
+                    let plan = ParallelizePlan::new().gradient_buckets(zero_buckets(stage));
+                    let (net, par) = parallelize(Net::new(&device), &plan, &ctx)?;
+                    let mut optim = RowAdamW::new(&par, &net, &adamw(), true, &ctx)?;
+                    let mut net = optim.between_steps(net);
                     for step in 0..STEPS {
-                        zero.begin_step(micros);
+                        // The micro-batches' mean loss, one backward: the plan reduces after it.
                         let mut sum = 0.0;
+                        let mut total: Option<Tensor<1>> = None;
                         for m in 0..micros {
-                            let l = loss(
-                                zero.prepare(&net)
-                                    .forward(batch(step, rank, ranks, m, micros, &device)),
-                            );
+                            let l = loss(net.forward(batch(step, rank, ranks, m, micros, &device)));
                             sum += l.clone().into_scalar::<f32>();
-                            zero.backward_done(
-                                &net,
-                                GradientsParams::from_grads(l.backward(), &net),
-                            )?;
+                            total = Some(total.map_or(l.clone(), |t| t + l));
                         }
                         losses.push(sum / micros as f32);
-                        net = zero.step(LR, net, clip)?.0;
+                        let mean = total.expect("a micro-batch") / micros as f32;
+                        let (rows, _) = par.row_gradients(&net, mean.backward(), clip, &ctx)?;
+                        net = optim.step(LR, net, &rows, true)?;
                     }
                     flatten_params(&net)
                 }
@@ -341,58 +350,28 @@ fn zero_shards_optimizer_state_and_gradients() {
         let dp = ctx.group(Axis::Dp);
         let mut seen = vec![];
         for stage in [1, 2] {
-            let mut config = ZeroConfig::stage(stage, adamw())?;
-            config.data_parallel = DataParallelConfig::new().with_bucket_bytes(200);
-            let (net, mut zero) = config.init(Net::new(&device), dp)?;
-            zero.begin_step(1);
-            let l = loss(
-                zero.prepare(&net)
-                    .forward(batch(0, dp.rank(), 3, 0, 1, &device)),
-            );
-            let grads = GradientsParams::from_grads(l.backward(), &net);
-            // The hooks keep gradients out of Burn's container: the reducer holds them.
-            let in_burn = grads.len();
-            zero.backward_done(&net, grads)?;
-            let _ = zero.step(LR, net, None)?;
-            seen.push((zero.memory(), in_burn, zero.data_parallel().grad_bytes()));
+            let plan = ParallelizePlan::new().gradient_buckets(zero_buckets(stage));
+            let (net, par) = parallelize(Net::new(&device), &plan, &ctx)?;
+            let mut optim = RowAdamW::new(&par, &net, &adamw(), true, &ctx)?;
+            let l = loss(net.forward(batch(0, dp.rank(), 3, 0, 1, &device)));
+            let (rows, _) = par.row_gradients(&net, l.backward(), None, &ctx)?;
+            let _ = optim.step(LR, net, &rows, true)?;
+            seen.push((optim.held_elements(), rows.len()));
         }
         Ok::<_, ParallelError>(seen)
     })
     .unwrap();
-    let [(zero1, burn1, held1), (zero2, burn2, held2)] = out[0][..] else {
-        panic!("two stages")
-    };
-    // 128 weights in buckets of 50 f32: [32 (b), 96 (a)] -> chunks of 11 + 32 = 43 per rank.
-    assert_eq!((zero1.optimizer, zero2.optimizer), (8 * 43, 8 * 43));
-    assert_eq!(zero1.params, 4 * 128);
-    assert_eq!((burn1, burn2), (0, 0));
-    // After the step both keep only their gradient shard.
-    assert_eq!((held1, held2), (4 * 43, 4 * 43));
-    // ZeRO-1 held every bucket (padded to 33 + 96) at once.
-    assert!(zero1.grads >= 4 * (33 + 96), "{zero1:?}");
-    assert!(zero2.grads <= 4 * (43 + 33 + 96), "{zero2:?}");
-}
-
-#[test]
-fn resharding_optimizer_state_keeps_every_moment_with_its_parameter() {
-    flashover_runtime::launch(3, |ctx| {
-        let device = Device::flex();
-        let group = ctx.group(Axis::Dp);
-        let rank = group.rank();
-        let old = ShardMap::contiguous(128, 3);
-        // Net's layout: a (96 elements at 0), b (32 at 96); buckets b then a.
-        let new = ShardMap::bucketed(128, &[vec![(96, 32)], vec![(0, 96)]], 3);
-        let mut optim = ZeroOptimizer::new(&Net::new(&device), group, old.clone(), &adamw())?;
-        let grads: Vec<f32> = (0..128).map(|i| i as f32 + 1.0).collect();
-        // One step at lr 0: the parameters stay, the first moment becomes 0.1 x gradient.
-        optim.step(0.0, Net::new(&device), &old.take(rank, &grads))?;
-        optim.reshard(new.clone())?;
-        let expected: Vec<f32> = grads.iter().map(|g| g * (1.0f32 - 0.9f32)).collect();
-        assert_eq!(optim.moments().0, new.take(rank, &expected).as_slice());
-        assert_eq!(optim.shard_map(), &new);
-        Ok::<_, ParallelError>(())
-    })
-    .unwrap();
+    // Rows over 3 ranks: a [6, 16] 2 rows (32 elements), b [16, 2] 6 rows (12, the last rank's
+    // 2 of them padding): 44 per rank of the 128 weights.
+    for (rank, seen) in out.iter().enumerate() {
+        for ((params, moments), grads) in seen {
+            assert_eq!(
+                (*params, *moments, *grads),
+                (128, 44, 44),
+                "rank {rank}: whole parameters, moments and gradients of its rows only"
+            );
+        }
+    }
 }
 
 #[test]
