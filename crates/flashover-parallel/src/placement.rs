@@ -14,8 +14,9 @@
 //! parallelism when it splits a weight, the pipeline split when it cuts the model, expert
 //! parallelism when it builds a rank's experts); nothing reads a parameter's name to guess.
 //! From the table, one function each derives what used to be re-derived per strategy:
-//! - which gradients are summed over which axes ([`GradientReducer`]: a gradient is summed over
-//!   the data axes, `dp`, `fsdp`, `ep` and `cp`, on which its parameter is replicated);
+//! - which gradients are summed over which axes ([`ParamPlacement::reduce_axes`]: a gradient
+//!   is summed over the data axes, `dp`, `fsdp`, `ep` and `cp`, on which its parameter is
+//!   replicated; a plan's buckets reduce each set of axes on its own communicator);
 //! - the global gradient norm ([`global_grad_norm`]: local squares, each element counted on one
 //!   rank only, one all-reduce over the world);
 //! - tied weights ([`Tie`]: two stages' copies of one tensor summed, counted once);
@@ -24,9 +25,9 @@
 
 use crate::error::ParallelError;
 use crate::params::{ParamLayout, ParamSlot};
-use crate::precision::{Precision, all_reduce_in};
+
 use burn::module::{Module, ParamId};
-use flashover_comm::{CommunicatorExt, Group, ReduceOp};
+use flashover_comm::{CommunicatorExt, ReduceOp};
 use flashover_runtime::{Axis, DeviceMesh, RankContext};
 use std::collections::HashMap;
 
@@ -287,97 +288,4 @@ pub fn global_grad_norm<'a>(
         ctx.world().all_reduce(&mut sq, ReduceOp::Sum)?;
     }
     Ok(sq[0].sqrt() as f32)
-}
-
-/// Sums gradients over the ranks that hold the same parameter and read different data, as
-/// the placements say ([`ParamPlacement::reduce_axes`]): one all-reduce per distinct set of
-/// axes, over every gradient that needs it. Tied copies are summed over their tie group.
-pub struct GradientReducer {
-    mesh: DeviceMesh,
-    /// A group per set of data axes a gradient may be summed over (every subset of the data
-    /// axes above degree 1: made up front, since making a group is collective over the world).
-    groups: Vec<(Vec<Axis>, Group)>,
-    reduce_dtype: Precision,
-}
-
-impl GradientReducer {
-    /// Groups for `ctx`'s mesh (collective over the world: every rank calls it), summing in
-    /// `reduce_dtype`.
-    pub fn new(ctx: &RankContext, reduce_dtype: Precision) -> Result<Self, ParallelError> {
-        let mut groups = vec![];
-        for set in data_axis_sets(ctx.mesh()) {
-            let group = if set.len() == 1 {
-                ctx.group(set[0]).clone()
-            } else {
-                ctx.subgroup(&set)?
-            };
-            groups.push((set, group));
-        }
-        Ok(GradientReducer {
-            mesh: ctx.mesh().clone(),
-            groups,
-            reduce_dtype,
-        })
-    }
-
-    /// The dtype gradients are summed in.
-    pub fn reduce_dtype(&self) -> Precision {
-        self.reduce_dtype
-    }
-
-    /// Sums `flat` (gradients of the parameters `entries` describe, laid out as their slots
-    /// say) over each parameter's reduce axes and then multiplies everything by `scale`;
-    /// `tie`: the group that sums tied copies with their originals (the ranks of the first
-    /// and last pipeline stage), if any.
-    pub fn reduce(
-        &self,
-        entries: &[(ParamSlot, &ParamPlacement)],
-        flat: &mut [f32],
-        scale: f32,
-        tie: Option<&Group>,
-    ) -> Result<(), ParallelError> {
-        for (set, group) in &self.groups {
-            let slots: Vec<&ParamSlot> = entries
-                .iter()
-                .filter(|(_, e)| e.reduce_axes(&self.mesh) == *set)
-                .map(|(s, _)| s)
-                .collect();
-            reduce_slots(&slots, flat, group, self.reduce_dtype)?;
-        }
-        if let Some(tie) = tie {
-            let tied: Vec<&ParamSlot> = entries
-                .iter()
-                .filter(|(_, e)| e.tie != Tie::None)
-                .map(|(s, _)| s)
-                .collect();
-            reduce_slots(&tied, flat, tie, Precision::F32)?;
-        }
-        if scale != 1.0 {
-            flat.iter_mut().for_each(|g| *g *= scale);
-        }
-        Ok(())
-    }
-}
-
-/// Sums the gradients of `slots` in `flat` over `group`, packed into one buffer.
-fn reduce_slots(
-    slots: &[&ParamSlot],
-    flat: &mut [f32],
-    group: &Group,
-    dtype: Precision,
-) -> Result<(), ParallelError> {
-    if slots.is_empty() || group.size() == 1 {
-        return Ok(());
-    }
-    let mut packed: Vec<f32> = slots
-        .iter()
-        .flat_map(|s| flat[s.offset..s.offset + s.numel].iter().copied())
-        .collect();
-    all_reduce_in(group, &mut packed, dtype)?;
-    let mut at = 0;
-    for s in slots {
-        flat[s.offset..s.offset + s.numel].copy_from_slice(&packed[at..at + s.numel]);
-        at += s.numel;
-    }
-    Ok(())
 }

@@ -15,7 +15,7 @@
 //! An expert's gradient on its owner already sums the contributions of every ep rank's tokens
 //! (they came back through the all-to-all's backward), so it is reduced over the `dp` replicas
 //! of that expert only, then scaled like the rest. [`place_experts`] records that the experts
-//! are owned over `ep`, and the placements' [`crate::placement::GradientReducer`] does the rest.
+//! are owned over `ep`, and a plan's gradient buckets (by each entry's `reduce_axes`) do the rest.
 
 mod combine_op;
 mod replicas;
