@@ -18,7 +18,7 @@
 //! };
 //! for step in state.step as usize..steps {
 //!     // ... train ...
-//!     checkpoints.save(&par, &ctx, step as u64 + 1, &model, &optim, serde_json::Value::Null)?;
+//!     checkpoints.save(&par, &ctx, step as u64 + 1, &model, &optim)?;   // save_with: + your state
 //! }
 //! ```
 
@@ -142,8 +142,7 @@ impl Checkpoints {
     }
 
     /// Saves `model` and `optim` as the checkpoint of `step` (collective: every rank calls it;
-    /// nothing is visible until every rank has written its part). `user`: state of your own to
-    /// keep with it.
+    /// nothing is visible until every rank has written its part).
     pub fn save<M: Module>(
         &mut self,
         par: &Parallelized,
@@ -151,8 +150,22 @@ impl Checkpoints {
         step: u64,
         model: &M,
         optim: &ModuleOptimizer,
-        user: serde_json::Value,
     ) -> Result<(), ParallelError> {
+        self.save_with(par, ctx, step, model, optim, &())
+    }
+
+    /// [`Self::save`] with state of your own kept beside it (anything serde serializes: a
+    /// data-loader position, a config), read back as [`RunState::user`] on resume.
+    pub fn save_with<M: Module, U: Serialize>(
+        &mut self,
+        par: &Parallelized,
+        ctx: &RankContext,
+        step: u64,
+        model: &M,
+        optim: &ModuleOptimizer,
+        user: &U,
+    ) -> Result<(), ParallelError> {
+        let user = serde_json::to_value(user).map_err(fail)?;
         self.save_record(par, ctx, step, model, optim.to_record(), user)
     }
 

@@ -205,7 +205,7 @@ pub(super) fn span_of<M: Module + 'static>(
             model = optim.step(LR, model, grads);
         }
         let user = serde_json::json!({ "mesh": mesh });
-        checkpoints.save(&par, &ctx, steps.end as u64, &model, &optim, user)?;
+        checkpoints.save_with(&par, &ctx, steps.end as u64, &model, &optim, &user)?;
         Ok::<_, ParallelError>((losses, flatten_params(&par.whole(model)?)))
     })
     .expect("training span");
