@@ -92,15 +92,6 @@ impl FlatAdamW {
         }
     }
 
-    /// Replaces both moments (equal lengths: the new number of parameters), keeping the step
-    /// count; for re-sharding the state over a new partition.
-    pub fn replace_moments(&mut self, moment_1: Vec<f32>, moment_2: Vec<f32>) {
-        assert_eq!(moment_1.len(), moment_2.len(), "moments of equal length");
-        self.on_device = None;
-        self.moment_1 = moment_1;
-        self.moment_2 = moment_2;
-    }
-
     /// Steps taken so far (what bias correction depends on).
     pub fn steps_taken(&self) -> i32 {
         self.time

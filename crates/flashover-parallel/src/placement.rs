@@ -25,7 +25,6 @@
 
 use crate::error::ParallelError;
 use crate::params::{ParamLayout, ParamSlot};
-
 use burn::module::{Module, ParamId};
 use flashover_comm::{CommunicatorExt, ReduceOp};
 use flashover_runtime::{Axis, DeviceMesh, RankContext};

@@ -56,7 +56,6 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use flashover_comm::{CommunicatorExt, Group};
-pub(crate) use reducer::Mode;
 use reducer::Reducer;
 use std::time::{Duration, Instant};
 
@@ -100,12 +99,11 @@ impl DataParallelConfig {
         let numels: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
         let reverse_layout: Vec<usize> = (0..numels.len()).rev().collect();
         let bucket_elems = self.bucket_bytes / 4;
-        let reducer = Reducer::new(
+        let reducer = Reducer::all_reduce(
             group.clone(),
             &numels,
             &reverse_layout,
             bucket_elems,
-            Mode::AllReduce,
             self.reduce_dtype,
         );
         let device_ok = model_device(&model).is_some_and(|d| hooks_supported(&d));
@@ -363,12 +361,11 @@ impl DataParallel {
         let order: Vec<usize> = order.into_iter().map(|p| p as usize).collect();
         let numels: Vec<usize> = self.layout.slots.iter().map(|s| s.numel).collect();
         self.peak_elsewhere = self.peak_elsewhere.max(self.reducer.held_bytes().1);
-        self.reducer = Reducer::new(
+        self.reducer = Reducer::all_reduce(
             self.group.clone(),
             &numels,
             &order,
             self.bucket_elems,
-            Mode::AllReduce,
             self.reduce_dtype,
         );
         Ok(())

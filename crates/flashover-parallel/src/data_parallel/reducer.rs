@@ -259,20 +259,28 @@ pub(crate) struct Reducer {
 }
 
 impl Reducer {
-    /// A reducer over `group` for parameters of `numels` elements, bucketed in `order`.
-    pub(crate) fn new(
+    /// A reducer over `group` for parameters of `numels` elements, bucketed in `order`, that
+    /// all-reduces whole buckets (DDP).
+    pub(crate) fn all_reduce(
         group: Group,
         numels: &[usize],
         order: &[usize],
         bucket_elems: usize,
-        mode: Mode,
         wire: Precision,
     ) -> Self {
-        Self::with_rows(group, numels, order, bucket_elems, mode, wire, None)
+        Self::with_rows(
+            group,
+            numels,
+            order,
+            bucket_elems,
+            Mode::AllReduce,
+            wire,
+            None,
+        )
     }
 
-    /// [`Reducer::new`] whose buckets are laid out by `rows` (see [`RowSplit`]) when given:
-    /// `mode` is then all-reduce then shard (ZeRO-1) or reduce-scatter (ZeRO-2).
+    /// [`Reducer::all_reduce`] in `mode`, its buckets laid out by `rows` (see [`RowSplit`])
+    /// when given: `mode` is then all-reduce then shard (ZeRO-1) or reduce-scatter (ZeRO-2).
     pub(crate) fn with_rows(
         group: Group,
         numels: &[usize],

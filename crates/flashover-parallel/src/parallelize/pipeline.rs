@@ -565,10 +565,7 @@ impl Stages {
                 }
             };
             for i in self.layers[stage].clone() {
-                let ahead = Ahead {
-                    next: None,
-                    rerun_next: None,
-                };
+                let ahead = Ahead::default();
                 x = run_layer(self.units.as_deref(), model, model, i, ahead, x, batch).0;
             }
             if stage == last {
@@ -677,8 +674,8 @@ where
     }
 }
 
-/// The layers whose all-gathers a layer's run submits ahead.
-#[derive(Debug, Clone, Copy)]
+/// The layers whose all-gathers a layer's run submits ahead (none by default).
+#[derive(Debug, Clone, Copy, Default)]
 struct Ahead {
     /// In forward: the stage's next layer.
     next: Option<usize>,
