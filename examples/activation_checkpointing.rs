@@ -11,13 +11,13 @@
 
 use burn::module::Module;
 use burn::nn::Linear;
-use burn::optim::{AdamWConfig, GradientsParams};
+use burn::optim::AdamWConfig;
 use burn::tensor::activation::gelu;
 use burn::tensor::{Device, Tensor, TensorData};
 use flashover::{Axis, launch};
 use flashover_models::init;
 use flashover_parallel::activation_checkpointing::checkpoint;
-use flashover_parallel::data_parallel::DataParallelConfig;
+use flashover_parallel::parallelize::{ParallelizePlan, parallelize};
 
 // Counts live heap bytes, so the example can show what the graph keeps.
 #[global_allocator]
@@ -86,32 +86,27 @@ fn batch(step: usize, rank: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
     )
 }
 
-/// DDP over two ranks; returns losses and final weights as bit patterns, and the bytes the
+/// Data parallel over two ranks (a plan that splits nothing); returns losses and final weights as bit patterns, and the bytes the
 /// graph held after the first forward.
 fn train(recompute: bool) -> (Vec<u32>, Vec<u32>, usize) {
     let results = launch("dp=2", |ctx| {
         let device = Device::flex().autodiff();
         let dp = ctx.group(Axis::Dp);
-        let (mut model, mut ddp) = DataParallelConfig::new().init(Deep::new(&device), dp)?;
+        let (mut model, par) = parallelize(Deep::new(&device), &ParallelizePlan::new(), &ctx)?;
         let mut optim = AdamWConfig::new().init();
         let (mut losses, mut kept) = (vec![], 0);
         for step in 0..STEPS {
             let (x, y) = batch(step, dp.rank(), &device);
-            ddp.begin_step(1);
             // The heap counter is the process's: both ranks measure between the same barriers.
             dp.barrier()?;
             let before = flashover::heap::live_bytes();
-            let loss = (ddp.prepare(&model).forward(x, recompute) - y)
-                .square()
-                .mean();
+            let loss = (model.forward(x, recompute) - y).square().mean();
             dp.barrier()?;
             if step == 0 {
                 kept = flashover::heap::live_bytes().saturating_sub(before);
             }
             losses.push(loss.clone().into_scalar::<f32>().to_bits());
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            ddp.backward_done(&model, grads)?;
-            let grads = ddp.finish(&model, None)?.grads;
+            let (grads, _norm) = par.gradients(&model, loss.backward(), None, &ctx)?;
             model = optim.step(1e-3, model, grads);
         }
         let weights = flashover_parallel::params::flatten_params(&model);

@@ -1,92 +1,51 @@
-//! Checkpointing *your own* Burn model under DDP, and resuming it on a different number of
-//! ranks.
+//! Checkpointing *your own* Burn model, and resuming it on a different number of ranks.
 //!
-//! The MLP of `ddp_own_model` trains for half its steps on four rank threads, which save a
-//! sharded checkpoint (each rank writes a quarter of the parameters and AdamW moments); the
-//! job then stops. Two rank threads resume from it and finish. The losses and final weights
-//! match one rank training without interruption (fp32, 1e-5 relative).
+//! The MLP of `ddp_own_model` trains data parallel for half its steps on four rank threads,
+//! which save a checkpoint (`Checkpoints`: the model's parameters and Burn's AdamW state, as
+//! regions of the whole model's tensors); the job then stops. Two rank threads resume from it
+//! and finish. The losses and final weights match one rank training without interruption
+//! (fp32, 1e-5 relative).
 //!
 //! Run: `cargo run --example checkpoint_reshard`
 
 mod common;
 
-use burn::optim::GradientsParams;
+use burn::optim::{AdamWConfig, ModuleOptimizer};
 use burn::tensor::Device;
 use common::{GLOBAL_BATCH, Mlp, STEPS, batch, differences, mse, train_single};
-use flashover::train::checkpoint::{LocalState, Saver, whole_segments};
-use flashover::{Axis, CommunicatorExt, ReduceOp, launch};
+use flashover::launch;
+use flashover::plan_checkpoint::{Checkpoints, RunState};
 use flashover_checkpoint::Checkpoint;
-use flashover_parallel::data_parallel::DataParallelConfig;
-use flashover_parallel::params::{ParamLayout, flatten_params, load_flat};
-use flashover_parallel::{FlatAdamWConfig, ModuleAdamW, ParallelError};
+use flashover_parallel::ParallelError;
+use flashover_parallel::parallelize::{ParallelizePlan, parallelize};
 use std::path::Path;
 
-/// The model's state as checkpoint pieces: whole tensors named as the model's parameters, and
-/// the optimizer's moments in the same layout.
-fn state(model: &Mlp, optim: &ModuleAdamW) -> LocalState {
-    let segments = whole_segments(&ParamLayout::of(model), str::to_string);
-    let (m1, m2) = optim.flat().moments();
-    LocalState {
-        params: flatten_params(model),
-        param_segments: segments.clone(),
-        moments: [m1.to_vec(), m2.to_vec()],
-        moment_segments: segments,
-        steps_taken: optim.flat().steps_taken(),
-    }
-}
-
-/// DDP training of steps `from..to` on `world` ranks, resuming from `dir` when `from > 0` and
-/// saving there at `to`. Returns the losses and rank 0's final first-layer weight.
-fn train_ddp(world: usize, from: usize, to: usize, dir: &Path) -> (Vec<f32>, Vec<f32>) {
-    let per_rank = GLOBAL_BATCH / world;
+/// Data parallel training on `world` ranks up to step `to`, resuming from the newest
+/// checkpoint under `dir` when there is one, and saving there at `to`. Returns the losses of
+/// the steps it ran and rank 0's final first-layer weight.
+fn train(world: usize, to: usize, dir: &Path) -> (Vec<f32>, Vec<f32>) {
     let results = launch(world, |ctx| {
         let device = Device::flex().autodiff();
-        let dp = ctx.group(Axis::Dp);
-        let mut model = Mlp::new(7, &device);
-        // The optimizer whose state a checkpoint can hold (equal to Burn's AdamW).
-        let mut optim = ModuleAdamW::new(&FlatAdamWConfig::new(), &model);
-        if from > 0 {
-            // Every rank reads what it holds (here: everything, replicated) from the pieces
-            // the four ranks wrote.
-            let ckpt = Checkpoint::open(dir).map_err(|e| ParallelError::Invalid(e.to_string()))?;
-            let mut s = state(&model, &optim);
-            s.load(&ckpt)
-                .map_err(|e| ParallelError::Invalid(e.to_string()))?;
-            model = load_flat(model, &s.params);
-            let [m1, m2] = s.moments;
-            optim
-                .flat_mut()
-                .restore(s.steps_taken, m1, m2)
-                .map_err(ParallelError::Invalid)?;
-        }
-        let (mut model, mut ddp) = DataParallelConfig::new().init(model, dp)?;
+        let (model, par) = parallelize(Mlp::new(7, &device), &ParallelizePlan::new(), &ctx)?;
+        let optim: ModuleOptimizer = AdamWConfig::new().init();
+        let mut checkpoints = Checkpoints::new(dir, 1);
+        // + Every rank reads what it holds, whatever layout wrote the checkpoint.
+        let (mut model, mut optim, state) = match checkpoints.latest()? {
+            Some(saved) => Checkpoints::resume(&par, &ctx, &saved, model, optim)?,
+            None => (model, optim, RunState::default()),
+        };
         let mut losses = vec![];
-        for step in from..to {
-            let start = step * GLOBAL_BATCH + dp.rank() * per_rank;
-            let (x, y) = batch(start..start + per_rank, &device);
-            ddp.begin_step(1);
-            let loss = mse(ddp.prepare(&model).forward(x), y);
-            let mut l = [loss.clone().into_scalar::<f32>()];
-            dp.all_reduce(&mut l, ReduceOp::Avg)?;
-            losses.push(l[0]);
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            ddp.backward_done(&model, grads)?;
-            let grads = ddp.finish(&model, None)?.grads;
-            model = optim.step(1e-2, model, &grads)?;
+        for step in state.step as usize..to {
+            let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
+            let loss = mse(model.forward(x), y);
+            losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+            let (grads, _norm) = par.gradients(&model, loss.backward(), None, &ctx)?;
+            model = optim.step(1e-2, model, grads);
         }
-        if from == 0 {
-            // Replicas share the writing: each rank writes 1/world of every state.
-            let s = state(&model, &optim);
-            let replicas = (dp.rank(), dp.size());
-            let run = serde_json::json!({ "step": to, "adamw_steps": s.steps_taken });
-            Saver::new(dir, 1, false, None)
-                .save(dp, to as u64, run, s.pieces_for(replicas, replicas))
-                .map_err(ParallelError::Invalid)?;
-        }
-        let w = model.l1_weights();
-        Ok::<_, ParallelError>((losses, w))
+        checkpoints.save(&par, &ctx, to as u64, &model, &optim)?; // +
+        Ok::<_, ParallelError>((losses, model.l1_weights()))
     })
-    .expect("DDP training");
+    .expect("data parallel training");
     results.into_iter().next().unwrap()
 }
 
@@ -94,14 +53,18 @@ fn main() {
     let dir = std::env::temp_dir().join(format!("flashover-example-ckpt-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let single = train_single();
-    let (mut losses, _) = train_ddp(4, 0, STEPS / 2, &dir);
-    let ckpt = Checkpoint::open(&dir).expect("the checkpoint");
+    let (mut losses, _) = train(4, STEPS / 2, &dir);
+    let saved = Checkpoints::new(&dir, 1)
+        .latest()
+        .expect("listing")
+        .expect("saved");
+    let ckpt = Checkpoint::open(&saved).expect("the checkpoint");
     println!(
         "saved step {} by 4 ranks into {} files; resuming on 2 ranks",
         ckpt.step(),
         ckpt.index().files.len()
     );
-    let (rest, w) = train_ddp(2, STEPS / 2, STEPS, &dir);
+    let (rest, w) = train(2, STEPS, &dir);
     losses.extend(rest);
     std::fs::remove_dir_all(&dir).expect("cleaning up");
     let (loss_diff, w_diff) = differences(&single, &(losses, w));

@@ -11,10 +11,10 @@
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover::check::relative_difference;
-use flashover::{Axis, CommunicatorExt, ReduceOp, launch};
+use flashover::{Axis, launch};
 use flashover_models::{ForwardContext, Transformer, TransformerConfig, next_token_loss};
-use flashover_parallel::context_parallel::{ContextParallel, CpAttention};
-use flashover_parallel::data_parallel::DataParallelConfig;
+use flashover_parallel::parallelize::transformer::split_sequences;
+use flashover_parallel::parallelize::{ContextParallelRule, ParallelizePlan, parallelize};
 
 const SEQ: usize = 512;
 const BATCH: usize = 2;
@@ -75,32 +75,27 @@ fn train_single() -> (Vec<f32>, Vec<f32>) {
 fn train_context_parallel() -> (Vec<f32>, Vec<f32>) {
     let results = launch(format!("cp={CP}").as_str(), |ctx| {
         let device = Device::flex().autodiff();
-        let model = config().init(3, &device);
-        let cp = ctx.group(Axis::Cp); // +
-        let split = ContextParallel::new(cp, SEQ, CpAttention::Ring, true, 4)?; // +
-        // + Parameters are replicated over cp: average their gradients like data parallelism.
-        let (mut model, mut ddp) = DataParallelConfig::new().init(model, cp)?;
+        // + Every sequence split over cp, in load-balanced chunks; the reference transformer's
+        // + attention runs through its forward context, so the rule names no attention cores.
+        let plan = ParallelizePlan::new().context_parallel(ContextParallelRule::ring(&[]));
+        let (mut model, par) = parallelize(config().init(3, &device), &plan, &ctx)?; // +
         let mut optim = AdamWConfig::new().init();
         let mut losses = vec![];
         for step in 0..STEPS {
             let (inputs, targets) = batch(step, &device);
-            let (inputs, targets) = (split.local_tokens(inputs), split.local_tokens(targets)); // +
-            let fwd = split.forward_context(ForwardContext::default()); // +
-            ddp.begin_step(1); // +
-            let loss = next_token_loss(ddp.prepare(&model).forward_with(inputs, &fwd), targets);
-            let mut l = [loss.clone().into_scalar::<f32>()];
-            cp.all_reduce(&mut l, ReduceOp::Avg)?; // + (for printing the whole loss only)
-            losses.push(l[0]);
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            ddp.backward_done(&model, grads)?; // +
-            let grads = ddp.finish(&model, None)?.grads; // +
+            let inputs = par.sequence_share(inputs, 1)?; // + this rank's positions
+            let targets = par.sequence_share(targets, 1)?; // +
+            let fwd = split_sequences(&par, &model, ForwardContext::default(), SEQ)?; // +
+            let loss = next_token_loss(model.forward_with(inputs, &fwd), targets);
+            losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?); // + the whole loss
+            let (grads, _norm) = par.gradients(&model, loss.backward(), None, &ctx)?; // +
             model = optim.step(3e-3, model, grads);
         }
+        let work = par.attention_work().map_or(0, |w| w.score_elements);
         println!(
-            "rank {} held positions {:?}..., computed {} attention scores",
-            cp.rank(),
-            &split.positions()[..3],
-            split.work().score_elements
+            "rank {} held positions {:?}..., computed {work} attention scores",
+            ctx.coord(Axis::Cp),
+            &par.positions(SEQ)?[..3],
         );
         Ok::<_, flashover_parallel::ParallelError>((losses, weights(&model)))
     })

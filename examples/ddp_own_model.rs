@@ -1,46 +1,40 @@
 //! Data parallel training of *your own* Burn model, in a handful of added lines.
 //!
 //! A small MLP regression model is trained twice on the same data and seed: once on one rank
-//! with a plain Burn loop, once on four rank threads with Flashover's DDP. The loss curves and
-//! the final weights match (fp32, 1e-5 relative).
+//! with a plain Burn loop, once on four rank threads with data parallelism: `parallelize` with
+//! an empty plan replicates the model over `dp`, and `Parallelized::gradients` averages the
+//! gradients in buckets (one all-reduce per bucket, as DDP does). The loss curves and the final
+//! weights match (fp32, 1e-5 relative).
 //!
 //! Run: `cargo run --example ddp_own_model`
 
 mod common;
 
-use burn::optim::{AdamWConfig, GradientsParams};
+use burn::optim::AdamWConfig;
 use burn::tensor::Device;
 use common::{GLOBAL_BATCH, Mlp, STEPS, batch, differences, mse, train_single};
-use flashover::{Axis, CommunicatorExt, ReduceOp, launch};
-use flashover_parallel::data_parallel::DataParallelConfig;
+use flashover::launch;
+use flashover_parallel::ParallelError;
+use flashover_parallel::parallelize::{ParallelizePlan, parallelize};
 
 const WORLD: usize = 4;
 
-/// The same loop with DDP: the lines marked `+` are all that changed.
+/// The same loop with data parallelism: the lines marked `+` are all that changed.
 fn train_ddp() -> (Vec<f32>, Vec<f32>) {
-    let per_rank = GLOBAL_BATCH / WORLD;
     let results = launch(WORLD, |ctx| {
         let device = Device::flex().autodiff();
-        let model = Mlp::new(7, &device);
-        let dp = ctx.group(Axis::Dp); // +
-        let (mut model, mut ddp) = DataParallelConfig::new().init(model, dp)?; // +
+        let plan = ParallelizePlan::new(); // + nothing split: replicas over dp
+        let (mut model, par) = parallelize(Mlp::new(7, &device), &plan, &ctx)?; // +
         let mut optim = AdamWConfig::new().init();
         let mut losses = vec![];
         for step in 0..STEPS {
-            let start = step * GLOBAL_BATCH + dp.rank() * per_rank; // + this rank's slice
-            let (x, y) = batch(start..start + per_rank, &device);
-            ddp.begin_step(1); // +
-            let loss = mse(ddp.prepare(&model).forward(x), y); // + prepare()
-            let mut l = [loss.clone().into_scalar::<f32>()];
-            dp.all_reduce(&mut l, ReduceOp::Avg)?; // + (for printing the global loss only)
-            losses.push(l[0]);
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            ddp.backward_done(&model, grads)?; // +
-            let grads = ddp.finish(&model, None)?.grads; // +
+            let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device); // + this rank's slice
+            let loss = mse(model.forward(x), y);
+            losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?); // + the global loss
+            let (grads, _norm) = par.gradients(&model, loss.backward(), None, &ctx)?; // + averaged
             model = optim.step(1e-2, model, grads);
         }
-        let w = model.l1_weights();
-        Ok::<_, flashover_parallel::ParallelError>((losses, w))
+        Ok::<_, ParallelError>((losses, model.l1_weights()))
     })
     .expect("DDP training");
     results.into_iter().next().unwrap()

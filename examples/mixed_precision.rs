@@ -15,8 +15,8 @@ mod common;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, FloatDType, Tensor};
 use common::{GLOBAL_BATCH, Mlp, STEPS, batch, differences, mse, train_single};
-use flashover::{Axis, CommunicatorExt, ReduceOp, launch};
-use flashover_parallel::data_parallel::DataParallelConfig;
+use flashover::launch;
+use flashover_parallel::parallelize::{ParallelizePlan, parallelize};
 use flashover_parallel::precision::{MixedPrecision, Precision};
 
 const WORLD: usize = 4;
@@ -48,25 +48,19 @@ fn train_single_bf16(policy: &MixedPrecision) -> (Vec<f32>, Vec<f32>) {
 
 /// Four DDP ranks, bf16 compute: the DDP lines of `ddp_own_model.rs` plus the view.
 fn train_ddp_bf16(policy: &MixedPrecision) -> (Vec<f32>, Vec<f32>) {
-    let per_rank = GLOBAL_BATCH / WORLD;
     let results = launch(WORLD, |ctx| {
         let device = Device::flex().autodiff();
-        let model = Mlp::new(7, &device);
-        let dp = ctx.group(Axis::Dp);
-        let (mut model, mut ddp) = DataParallelConfig::new().init(model, dp)?;
+        // + the plan's policy: `Parallelized::forward` computes on its bf16 view
+        let plan = ParallelizePlan::new().mixed_precision(*policy);
+        let (mut model, par) = parallelize(Mlp::new(7, &device), &plan, &ctx)?;
         let mut optim = AdamWConfig::new().init();
         let mut losses = vec![];
         for step in 0..STEPS {
-            let start = step * GLOBAL_BATCH + dp.rank() * per_rank;
-            let (x, y) = batch(start..start + per_rank, &device);
-            ddp.begin_step(1);
-            let loss = loss_in(policy, &ddp.prepare(&model), x, y);
-            let mut l = [loss.clone().into_scalar::<f32>()];
-            dp.all_reduce(&mut l, ReduceOp::Avg)?;
-            losses.push(l[0]);
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            ddp.backward_done(&model, grads)?;
-            let grads = ddp.finish(&model, None)?.grads;
+            let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
+            let x = x.cast(policy.param_dtype.float_dtype()); // + bf16 input
+            let loss = par.forward(&model, |m| mse(m.forward(x).cast(FloatDType::F32), y))?;
+            losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+            let (grads, _norm) = par.gradients(&model, par.backward(loss), None, &ctx)?;
             model = optim.step(1e-2, model, grads);
         }
         Ok::<_, flashover_parallel::ParallelError>((losses, weights(&model)))

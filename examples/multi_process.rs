@@ -2,7 +2,8 @@
 //! under `mpirun` (or `srun`). The training code is the same; only how the world is obtained
 //! differs; with the same number of ranks, MPI gives the threads' results bit for bit.
 //!
-//! The MLP of `ddp_own_model` is trained with DDP and checked against one rank.
+//! The MLP of `ddp_own_model` is trained data parallel (a plan that splits nothing) and checked
+//! against one rank.
 //!
 //! Run with threads: `cargo run --features mpi --example multi_process`
 //! Run with processes (needs OpenMPI):
@@ -10,38 +11,29 @@
 
 mod common;
 
-use burn::optim::{AdamWConfig, GradientsParams};
+use burn::optim::AdamWConfig;
 use burn::tensor::Device;
 use common::{GLOBAL_BATCH, Mlp, STEPS, batch, differences, mse, train_single};
-use flashover::{Axis, CommunicatorExt, Launch, ProcessEnv, RankContext, ReduceOp};
+use flashover::{Launch, ProcessEnv, RankContext};
 use flashover_comm::MpiWorld;
 use flashover_parallel::ParallelError;
-use flashover_parallel::data_parallel::DataParallelConfig;
+use flashover_parallel::parallelize::{ParallelizePlan, parallelize};
 use std::time::Duration;
 
 /// One rank's training: nothing here depends on how the ranks were started.
 fn train_rank(ctx: RankContext) -> Result<(Vec<f32>, Vec<f32>), ParallelError> {
     let device = Device::flex().autodiff();
-    let dp = ctx.group(Axis::Dp);
-    let per_rank = GLOBAL_BATCH / dp.size();
-    let (mut model, mut ddp) = DataParallelConfig::new().init(Mlp::new(7, &device), dp)?;
+    let (mut model, par) = parallelize(Mlp::new(7, &device), &ParallelizePlan::new(), &ctx)?;
     let mut optim = AdamWConfig::new().init();
     let mut losses = vec![];
     for step in 0..STEPS {
-        let start = step * GLOBAL_BATCH + dp.rank() * per_rank;
-        let (x, y) = batch(start..start + per_rank, &device);
-        ddp.begin_step(1);
-        let loss = mse(ddp.prepare(&model).forward(x), y);
-        let mut l = [loss.clone().into_scalar::<f32>()];
-        dp.all_reduce(&mut l, ReduceOp::Avg)?;
-        losses.push(l[0]);
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        ddp.backward_done(&model, grads)?;
-        let grads = ddp.finish(&model, None)?.grads;
+        let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
+        let loss = mse(model.forward(x), y);
+        losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+        let (grads, _norm) = par.gradients(&model, loss.backward(), None, &ctx)?;
         model = optim.step(1e-2, model, grads);
     }
-    let w = model.l1_weights();
-    Ok((losses, w))
+    Ok((losses, model.l1_weights()))
 }
 
 fn main() {

@@ -1,5 +1,7 @@
-//! Pipeline parallelism on *your own* sequential Burn model: cut its layers into stages, pick
-//! a schedule, and each rank runs its stage's forwards and backwards in the schedule's order.
+//! Pipeline parallelism on *your own* sequential Burn model: write its forward in three parts
+//! (`PipelineModel`: what comes before the layers, one layer, the loss after them), name its
+//! layers in a plan's pipeline rule with a schedule, and each rank runs its stage's forwards
+//! and backwards in the schedule's order.
 //!
 //! A stack of 8 layers is trained on one rank with a plain Burn loop over the whole batch, then
 //! as 4 pipeline stages of 2 layers with 1F1B over 8 micro-batches (`pp=4`). The schedule is
@@ -12,15 +14,17 @@ use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Tensor, TensorData};
-use flashover::{Axis, CommunicatorExt, ReduceOp, launch};
-use flashover_parallel::pipeline::{
-    Costs, PipelineExecutor, Schedule, ScheduleKind, StageOutput, render_table, simulate,
-};
+use flashover::launch;
+use flashover_parallel::ParallelError;
+use flashover_parallel::parallelize::{ParallelizePlan, PipelineModel, PipelineRule, parallelize};
+use flashover_parallel::params::flatten_params;
+use flashover_parallel::pipeline::{Costs, Schedule, ScheduleKind, render_table, simulate};
 
 const LAYERS: usize = 8;
 const STAGES: usize = 4;
 const MICRO: usize = 8;
 const ROWS: usize = 4; // per micro-batch
+const BATCH: usize = MICRO * ROWS;
 const WIDTH: usize = 16;
 const STEPS: usize = 10;
 
@@ -54,12 +58,29 @@ impl Stack {
     }
 }
 
-fn inputs(step: usize, micro: usize, device: &Device) -> Tensor<2> {
-    let first = (step * MICRO + micro) * ROWS * WIDTH;
-    let v: Vec<f32> = (first..first + ROWS * WIDTH)
+/// + The forward in the parts a pipeline runs: the input as it is, one layer, the loss.
+impl PipelineModel<2> for Stack {
+    type Batch = Tensor<2>;
+
+    fn embed(&self, x: &Tensor<2>) -> Tensor<2> {
+        x.clone()
+    }
+
+    fn layer(&self, index: usize, x: Tensor<2>) -> Tensor<2> {
+        self.layers[index].forward(x).tanh()
+    }
+
+    fn head_loss(&self, y: Tensor<2>, _x: &Tensor<2>) -> Tensor<1> {
+        loss(y)
+    }
+}
+
+/// Samples `range` of the data set (numbered over the whole run), `[range.len(), WIDTH]`.
+fn samples(range: std::ops::Range<usize>, device: &Device) -> Tensor<2> {
+    let v: Vec<f32> = (range.start * WIDTH..range.end * WIDTH)
         .map(|i| (i as f32 * 0.13).cos())
         .collect();
-    Tensor::from_data(TensorData::new(v, [ROWS, WIDTH]), device)
+    Tensor::from_data(TensorData::new(v, [range.len(), WIDTH]), device)
 }
 
 fn loss(y: Tensor<2>) -> Tensor<1> {
@@ -67,59 +88,49 @@ fn loss(y: Tensor<2>) -> Tensor<1> {
 }
 
 /// One rank, the whole batch (all micro-batches at once).
-fn train_single() -> Vec<f32> {
+fn train_single() -> (Vec<f32>, Vec<f32>) {
     let device = Device::flex().autodiff();
     let mut model = Stack::new(0..LAYERS, &device);
     let mut optim = AdamWConfig::new().init();
     let mut losses = vec![];
     for step in 0..STEPS {
-        let x = Tensor::cat((0..MICRO).map(|m| inputs(step, m, &device)).collect(), 0);
+        let x = samples(step * BATCH..(step + 1) * BATCH, &device);
         let l = loss(model.forward(x));
         losses.push(l.clone().into_scalar::<f32>());
         let grads = GradientsParams::from_grads(l.backward(), &model);
         model = optim.step(1e-2, model, grads);
     }
-    losses
+    (losses, flatten_params(&model))
 }
 
 /// `pp=4`: the lines marked `+` are what changed.
-fn train_pipeline(schedule: &Schedule) -> (Vec<f32>, Vec<f64>) {
+/// The loop with the layers cut into stages: the lines marked `+` changed. Returns the losses,
+/// the final weights, and each rank's measured bubble in the last step.
+fn train_pipeline() -> (Vec<f32>, Vec<f32>, Vec<f64>) {
     let results = launch(format!("pp={STAGES}").as_str(), |ctx| {
         let device = Device::flex().autodiff();
-        let pp = ctx.group(Axis::Pp); // +
-        let per = LAYERS / STAGES;
-        let stage = pp.rank() * per..(pp.rank() + 1) * per; // + this rank's layers
-        let mut chunks = vec![Stack::new(stage, &device)];
-        let executor = PipelineExecutor::new(schedule, pp)?; // +
+        // + `layers` cut into STAGES stages, run 1F1B over MICRO micro-batches
+        let rule = PipelineRule::new("layers", ScheduleKind::OneFOneB, MICRO);
+        let plan = ParallelizePlan::new().pipeline(rule);
+        let (mut model, par) = parallelize(Stack::new(0..LAYERS, &device), &plan, &ctx)?; // +
         let mut optim = AdamWConfig::new().init();
         let (mut losses, mut bubble) = (vec![], 0.0);
         for step in 0..STEPS {
-            let last = pp.rank() == STAGES - 1;
-            // + the schedule calls this per micro-batch: the first stage reads the data,
-            // + the last computes the loss.
-            let forward = |_chunk: usize, model: &Stack, input: Option<Tensor<2>>, micro| {
-                let x = input.unwrap_or_else(|| inputs(step, micro, &device));
-                let y = model.forward(x);
-                if last {
-                    StageOutput::Loss(loss(y))
-                } else {
-                    StageOutput::Activation(y)
-                }
-            };
-            let (mut grads, report) = executor.step(&chunks, [ROWS, WIDTH], &device, forward)?;
-            let mut l = [report.loss_sum / MICRO as f64];
-            pp.all_reduce(&mut l, ReduceOp::Sum)?; // + the loss lives on the last stage
-            losses.push(l[0] as f32);
-            let busy = report.forward + report.backward;
-            bubble = 1.0 - busy.as_secs_f64() / report.wall.as_secs_f64();
-            let model = chunks.remove(0);
-            chunks.push(optim.step(1e-2, model, grads.remove(0)));
+            let micro_batch = |range| samples(range, &device);
+            let run = par.pipeline_step(&model, BATCH, step, &micro_batch, None, &ctx)?; // +
+            losses.push(run.loss);
+            let busy = run.report.forward + run.report.backward;
+            bubble = 1.0 - busy.as_secs_f64() / run.report.wall.as_secs_f64();
+            // Each rank steps its stage's layers (the others are placeholders without gradients).
+            model = optim.step(1e-2, model, run.grads);
         }
-        Ok::<_, flashover_parallel::ParallelError>((losses, bubble))
+        let weights = flatten_params(&par.whole(model)?); // + every stage's layers
+        Ok::<_, ParallelError>((losses, weights, bubble))
     })
     .expect("pipeline training");
-    let losses = results[0].0.clone();
-    (losses, results.iter().map(|r| r.1).collect())
+    let bubbles = results.iter().map(|r| r.2).collect();
+    let (losses, weights, _) = results.into_iter().next().unwrap();
+    (losses, weights, bubbles)
 }
 
 fn main() {
@@ -139,8 +150,8 @@ fn main() {
         simulated.join(" "),
         100.0 * (STAGES - 1) as f64 / (MICRO + STAGES - 1) as f64
     );
-    let single = train_single();
-    let (pipelined, bubbles) = train_pipeline(&schedule);
+    let (single, single_weights) = train_single();
+    let (pipelined, weights, bubbles) = train_pipeline();
     let measured: Vec<String> = bubbles
         .iter()
         .map(|b| format!("{:.0}%", b * 100.0))
@@ -154,8 +165,12 @@ fn main() {
         println!("{i:>4}  {a:>12.6}  {b:>11.6}");
     }
     let worst = flashover::check::stepwise_relative_difference(&single, &pipelined);
-    println!("max relative loss difference {worst:.2e}");
-    assert!(worst < 1e-5, "the pipeline must train as one rank");
+    let weights = flashover::check::relative_difference(&single_weights, &weights);
+    println!("max relative difference: losses {worst:.2e}, weights {weights:.2e}");
+    assert!(
+        worst < 1e-5 && weights < 1e-5,
+        "the pipeline must train as one rank"
+    );
     assert!(single[STEPS - 1] < single[0], "the model must learn");
     println!("match: {STAGES} pipeline stages train the same model as one rank");
 }

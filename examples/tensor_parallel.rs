@@ -1,44 +1,44 @@
-//! Tensor parallelism in *your own* Burn block: swap its `nn::Linear` layers for Flashover's
-//! column- and row-parallel layers, and train exactly what one device would.
+//! Tensor parallelism in *your own* Burn block: declare its linear layers as Flashover's
+//! `nn::Linear` (Burn's `Linear`, same fields and record, with the collectives a split needs
+//! in its forward), name them in a plan, and train exactly what one device would.
 //!
 //! The shared example MLP (`x -> l1 -> relu -> l2`) is trained on one rank with a plain Burn
-//! loop, then with its weights split over `tp=4`: `l1` by output columns, `l2` by input rows
-//! (Megatron's pairing: one all-reduce forward, one backward). Every tp rank sees the whole
-//! batch; each holds and steps a quarter of the weights. Losses and the gathered weights match
-//! (fp32, 1e-5 relative).
+//! loop, then with its weights split over `tp=4` by a plan: `l1` column-wise (by output
+//! features), `l2` row-wise (by input features), Megatron's pairing: one all-reduce forward,
+//! one backward. Every tp rank sees the whole batch; each holds and steps a quarter of the
+//! weights. Losses and the gathered weights match (fp32, 1e-5 relative).
 //!
 //! Run: `cargo run --example tensor_parallel`
 
 mod common;
 
 use burn::module::Module;
-use burn::optim::{AdamWConfig, GradientsParams};
+use burn::optim::AdamWConfig;
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 use common::{GLOBAL_BATCH, Mlp, STEPS, batch, differences, mse, train_single};
-use flashover::{Axis, launch};
+use flashover::launch;
+use flashover::nn::Linear;
 use flashover_parallel::ParallelError;
-use flashover_parallel::tensor_parallel::{
-    ColumnParallelLinear, RowParallelLinear, TensorParallel, gather_parts,
-};
+use flashover_parallel::parallelize::{ParallelizePlan, TensorParallelRule, parallelize};
 
 const TP: usize = 4;
 
-/// Your block with its two linear layers split over `tp`: the forward reads as before.
+/// The example MLP with Flashover's `Linear` in place of Burn's: the forward reads as before.
 #[derive(Module, Debug)]
 struct TpMlp {
-    l1: ColumnParallelLinear,
-    l2: RowParallelLinear,
+    l1: Linear,
+    l2: Linear,
 }
 
 impl TpMlp {
-    /// This rank's share of the single-device model (every rank passes the same one).
-    fn shard(full: &Mlp, tp: &TensorParallel) -> Result<Self, ParallelError> {
-        Ok(TpMlp {
-            // Keep each rank's columns (no gather): they feed the row-parallel layer.
-            l1: ColumnParallelLinear::from_full(&full.l1, tp, false)?,
-            l2: RowParallelLinear::from_full(&full.l2, tp)?,
-        })
+    /// The same initial weights as the single-device model.
+    fn new(seed: u64, device: &Device) -> Self {
+        let Mlp { l1, l2 } = Mlp::new(seed, device);
+        TpMlp {
+            l1: l1.into(),
+            l2: l2.into(),
+        }
     }
 
     fn forward(&self, x: Tensor<2>) -> Tensor<2> {
@@ -50,20 +50,21 @@ impl TpMlp {
 fn train_tensor_parallel() -> (Vec<f32>, Vec<f32>) {
     let results = launch(format!("tp={TP}").as_str(), |ctx| {
         let device = Device::flex().autodiff();
-        let tp = TensorParallel::new(ctx.group(Axis::Tp)); // +
-        let mut model = TpMlp::shard(&Mlp::new(7, &device), &tp)?; // +
+        let plan = ParallelizePlan::new() // +
+            .tensor_parallel(TensorParallelRule::colwise(&["l1"])) // + split by output columns
+            .tensor_parallel(TensorParallelRule::rowwise(&["l2"])); // + split by input rows
+        let (mut model, par) = parallelize(TpMlp::new(7, &device), &plan, &ctx)?; // +
         let mut optim = AdamWConfig::new().init();
         let mut losses = vec![];
         for step in 0..STEPS {
             // Every tp rank computes on the whole batch.
-            let (x, y) = batch(step * GLOBAL_BATCH..(step + 1) * GLOBAL_BATCH, &device);
+            let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
             let loss = mse(model.forward(x), y);
-            losses.push(loss.clone().into_scalar::<f32>());
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+            let (grads, _norm) = par.gradients(&model, loss.backward(), None, &ctx)?; // +
             model = optim.step(1e-2, model, grads); // each rank steps its own share
         }
-        // + the whole first layer, gathered from the ranks' columns
-        let l1 = gather_parts(model.l1.weight.val(), 1, &tp.group, None)?;
+        let l1 = par.whole(model)?.l1.weight.val(); // + the whole layer, gathered from the ranks
         Ok::<_, ParallelError>((losses, l1.into_data().try_to_vec::<f32>().unwrap()))
     })
     .expect("tensor-parallel training");
