@@ -2,9 +2,10 @@
 //!
 //! A small MLP regression model is trained twice on the same data and seed: once on one rank
 //! with a plain Burn loop, once on four rank threads with data parallelism: `parallelize` with
-//! an empty plan replicates the model over `dp`, and `Parallelized::gradients` averages the
-//! gradients in buckets (one all-reduce per bucket, as DDP does). The loss curves and the final
-//! weights match (fp32, 1e-5 relative).
+//! an empty plan replicates the model over `dp`, the forward runs through
+//! `Parallelized::forward` (on parameters whose gradient hooks fill the buckets), and
+//! `Parallelized::gradients` averages the gradients in buckets, each all-reduced while backward
+//! still runs, as DDP does. The loss curves and the final weights match (fp32, 1e-5 relative).
 //!
 //! Run: `cargo run --example ddp_own_model`
 
@@ -29,11 +30,14 @@ fn train_ddp() -> (Vec<f32>, Vec<f32>) {
         let mut losses = vec![];
         for step in 0..STEPS {
             let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device); // + this rank's slice
-            let loss = mse(model.forward(x), y);
+            let loss = par.forward(&model, |m| mse(m.forward(x), y))?; // + hooked parameters
             losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?); // + the global loss
             let (grads, _norm) = par.gradients(&model, loss.backward(), None, &ctx)?; // + averaged
             model = optim.step(1e-2, model, grads);
         }
+        // From the second step, each bucket was all-reduced as soon as backward completed it.
+        let reduction = par.last_reduction();
+        assert!(reduction.reduced_during_backward, "{reduction:?}");
         Ok::<_, ParallelError>((losses, model.l1_weights()))
     })
     .expect("DDP training");

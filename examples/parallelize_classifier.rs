@@ -109,7 +109,7 @@ fn single_rank(initial: &[f32]) -> Run {
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         let mut flat = vec![0.0; ParamLayout::of(&model).numel];
         accumulate_grads(&model, &grads, &mut flat, &[]);
-        clip_global_norm(&mut flat, Some(MAX_NORM), None).expect("one device");
+        clip_global_norm(&mut flat, Some(MAX_NORM)).expect("one device");
         let grads = grads_from_flat(&model, &flat);
         model = optim.step(LR, model, grads);
     }

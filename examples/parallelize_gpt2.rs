@@ -202,7 +202,7 @@ fn single_rank() -> Run {
 fn clip(model: &Gpt2, grads: GradientsParams) -> GradientsParams {
     let mut flat = vec![0.0; ParamLayout::of(model).numel];
     accumulate_grads(model, &grads, &mut flat, &[]);
-    clip_global_norm(&mut flat, Some(MAX_NORM), None).expect("one device");
+    clip_global_norm(&mut flat, Some(MAX_NORM)).expect("one device");
     grads_from_flat(model, &flat)
 }
 

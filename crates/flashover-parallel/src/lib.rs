@@ -52,5 +52,5 @@ pub mod zero;
 
 pub use error::ParallelError;
 pub use flat_adamw::{FlatAdamW, FlatAdamWConfig, ModuleAdamW};
-pub use grad_clip::{clip_global_norm, clip_global_norm_parts, clip_module_grads, clip_scale};
+pub use grad_clip::{clip_global_norm, clip_scale};
 pub use hook::hooks_supported;

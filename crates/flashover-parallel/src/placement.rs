@@ -277,12 +277,12 @@ pub fn global_grad_norm<'a>(
     ctx: &RankContext,
 ) -> Result<f32, ParallelError> {
     let coord = |a| ctx.coord(a);
-    let mut sq = [parts
-        .into_iter()
-        .filter(|(entry, _)| entry.counted(coord))
-        .flat_map(|(_, g)| g.iter())
-        .map(|&g| g as f64 * g as f64)
-        .sum::<f64>()];
+    let mut sq = [crate::grad_clip::squared_norm(
+        parts
+            .into_iter()
+            .filter(|(entry, _)| entry.counted(coord))
+            .flat_map(|(_, g)| g.iter()),
+    )];
     if ctx.world_size() > 1 {
         ctx.world().all_reduce(&mut sq, ReduceOp::Sum)?;
     }

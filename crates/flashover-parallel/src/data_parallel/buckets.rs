@@ -131,9 +131,10 @@ impl std::fmt::Display for ReductionTiming {
 pub struct ReductionReport {
     /// Buckets reduced (over every set of axes).
     pub buckets: usize,
-    /// Whether gradient hooks reported the gradients during backward (buckets could be reduced
-    /// while it ran); `false`: they were reduced after it.
-    pub hooked: bool,
+    /// Whether gradient hooks reported the gradients during backward and the buckets were
+    /// reduced as they completed while it ran; `false`: they were reduced after it (a loop's
+    /// first step, whose hooks only fill the buckets: [`crate::parallelize::Parallelized::gradients`]).
+    pub reduced_during_backward: bool,
     /// Time the communication threads spent reducing buckets.
     pub comm: Duration,
     /// The part of `comm` that ran before the last backward ended (hidden behind compute).
@@ -176,6 +177,9 @@ pub struct GradientRowLayout {
 struct StepState {
     /// Whether this step's forwards ran on hooked parameters.
     hooked: bool,
+    /// Whether a hooked backward of this step reduced buckets as they completed (its last
+    /// micro-batch's; every one's under reduce-scatter).
+    reduced_during: bool,
     /// When the last backward ended (all gradients handed over).
     backward_end: Option<Instant>,
 }
@@ -393,7 +397,7 @@ impl BucketedReduction {
         }
         *lock(&self.step) = StepState {
             hooked,
-            backward_end: None,
+            ..StepState::default()
         };
     }
 
@@ -403,6 +407,8 @@ impl BucketedReduction {
         for set in lock(&self.sets).iter() {
             set.reducer.begin_micro(last);
         }
+        let mut step = lock(&self.step);
+        step.reduced_during = step.hooked && (last || self.mode == Mode::ReduceScatter);
     }
 
     /// After a micro-batch's backward whose forward ran on hooked parameters: the parameters
@@ -422,6 +428,26 @@ impl BucketedReduction {
             }
         }
         Ok(())
+    }
+
+    /// Whether a backward of hooked parameters has reported a gradient in the micro-batch
+    /// under way.
+    pub(crate) fn any_arrived(&self) -> bool {
+        lock(&self.sets)
+            .iter()
+            .any(|s| s.reducer.arrived().contains(&true))
+    }
+
+    /// Whether every micro-batch's buckets are reduced as they fill, last or not (ZeRO-2's
+    /// reduce-scatter, which keeps only this rank's rows between micro-batches).
+    pub(crate) fn reduces_every_micro(&self) -> bool {
+        self.mode == Mode::ReduceScatter
+    }
+
+    /// Whether the micro-batch under way was begun as the step's last (its complete buckets
+    /// are reduced as they fill).
+    pub(crate) fn in_last_micro(&self) -> bool {
+        lock(&self.sets).iter().any(|s| s.reducer.is_last_micro())
     }
 
     /// Where this rank's rows of the reduced gradients are, under rows (ZeRO-1/2).
@@ -558,7 +584,7 @@ impl BucketedReduction {
         };
         Ok(ReductionReport {
             buckets: spans.len(),
-            hooked: step.hooked,
+            reduced_during_backward: step.reduced_during,
             comm: spans.iter().map(|(a, b)| *b - *a).sum(),
             overlapped: spans.iter().map(before_end).sum(),
             exposed,
@@ -639,7 +665,7 @@ impl SetLayout<'_> {
             shapes: self.params.iter().map(|&i| self.shapes[i]).collect(),
             rest: rest.clone(),
         });
-        Reducer::with_rows(
+        Reducer::new(
             self.group.clone(),
             &numels,
             order,

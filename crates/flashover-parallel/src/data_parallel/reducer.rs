@@ -112,8 +112,7 @@ struct Shared {
     shard: Mutex<Vec<f32>>,
     /// Gradient bytes held (buckets and shard) now, and at most since the step began.
     held: Mutex<(usize, usize)>,
-    /// Per parameter: offset in the flat layout and element count.
-    offsets: Vec<usize>,
+    /// Per parameter: element count.
     numels: Vec<usize>,
     buckets: Vec<BucketPlan>,
     location: Vec<(usize, usize)>,
@@ -260,28 +259,10 @@ pub(crate) struct Reducer {
 
 impl Reducer {
     /// A reducer over `group` for parameters of `numels` elements, bucketed in `order`, that
-    /// all-reduces whole buckets (DDP).
-    pub(crate) fn all_reduce(
-        group: Group,
-        numels: &[usize],
-        order: &[usize],
-        bucket_elems: usize,
-        wire: Precision,
-    ) -> Self {
-        Self::with_rows(
-            group,
-            numels,
-            order,
-            bucket_elems,
-            Mode::AllReduce,
-            wire,
-            None,
-        )
-    }
-
-    /// [`Reducer::all_reduce`] in `mode`, its buckets laid out by `rows` (see [`RowSplit`])
-    /// when given: `mode` is then all-reduce then shard (ZeRO-1) or reduce-scatter (ZeRO-2).
-    pub(crate) fn with_rows(
+    /// all-reduces whole buckets (`mode` all-reduce) or reduce-scatters them, its buckets laid
+    /// out by `rows` (see [`RowSplit`]) when given: all-reduce then keep this rank's rows
+    /// (ZeRO-1) or reduce-scatter them (ZeRO-2).
+    pub(crate) fn new(
         group: Group,
         numels: &[usize],
         order: &[usize],
@@ -319,11 +300,6 @@ impl Reducer {
             .collect();
         // Buffers are allocated at a bucket's first gradient of the step and freed once its
         // sums are handed over, so between steps the reducer holds nothing.
-        let offsets = numels.iter().scan(0, |acc, &n| {
-            let o = *acc;
-            *acc += n;
-            Some(o)
-        });
         let shared = Arc::new(Shared {
             group,
             rows,
@@ -332,7 +308,6 @@ impl Reducer {
             chunk_offsets,
             shard: Mutex::new(vec![]),
             held: Mutex::new((0, 0)),
-            offsets: offsets.collect(),
             numels: numels.to_vec(),
             data: buckets.iter().map(|_| Mutex::new(vec![])).collect(),
             chunks,
@@ -459,18 +434,6 @@ impl Reducer {
     /// Which parameters have reported this micro-batch.
     pub(crate) fn arrived(&self) -> Vec<bool> {
         lock(&self.shared.state).arrived.clone()
-    }
-
-    /// Adds `flat` (a whole-model gradient in layout order, zero where absent) for the
-    /// parameters that have not reported, and marks every parameter final.
-    pub(crate) fn add_remaining(&self, flat: &[f32]) {
-        let arrived = self.arrived();
-        let (offsets, numels) = (&self.shared.offsets, &self.shared.numels);
-        for p in (0..arrived.len()).rev() {
-            if !arrived[p] {
-                self.add(p, &flat[offsets[p]..offsets[p] + numels[p]]);
-            }
-        }
     }
 
     /// Waits until every bucket of the current micro-batch is reduced (reduce-scatter mode

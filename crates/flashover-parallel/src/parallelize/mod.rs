@@ -43,6 +43,7 @@
 //! model would run unsplit on its ranks, each repeating the others' work.
 
 mod experts;
+mod loop_overlap;
 mod mixed_precision;
 pub mod pipeline;
 pub mod placed;
@@ -129,6 +130,11 @@ pub struct Parallelized {
     /// Under `replicate_hot_experts` (with more than one `ep` rank): the step's hot-expert
     /// copies and the `ep` group their gradients are summed over.
     hot_experts: Option<(crate::expert_parallel::Replicas, Group)>,
+    /// Where a loop of one's own is in its step, for gradient buckets reduced during its
+    /// backward ([`Self::forward`] on hooked parameters).
+    loop_overlap: loop_overlap::LoopOverlap,
+    /// What the last gradient reduction did and cost.
+    last_reduction: std::sync::Mutex<ReductionReport>,
 }
 
 /// What one run of a rank's pipeline stages computed.
@@ -313,6 +319,8 @@ pub fn parallelize<M: Module>(
         hot_experts: experts
             .hot
             .map(|(replicas, _)| (replicas, ctx.group(Axis::Ep).clone())),
+        loop_overlap: Default::default(),
+        last_reduction: Default::default(),
     };
     Ok((model, par))
 }
@@ -467,8 +475,11 @@ impl Parallelized {
     /// them, as without units. Under the plan's `mixed_precision`, `f` computes on
     /// [`MixedPrecision::compute_view`] of the model (every float parameter cast inside the
     /// graph, so gradients reach the f32 parameters in f32; cast float inputs yourself), and
-    /// the units are all-gathered in the compute dtype. Fails when `f` runs inside another
-    /// `forward` or a prefetch failed; a failed gather inside `f` panics with the collective's
+    /// the units are all-gathered in the compute dtype. Where the plan's gradient buckets can
+    /// be reduced during backward ([`Self::gradient_buckets`]), `f` computes on parameters
+    /// whose gradient hooks hand each gradient to its bucket (see [`Self::gradients`]). Fails
+    /// when a step runs more micro-batches than the step before under that overlap, when `f`
+    /// runs inside another `forward`, or when a prefetch failed; a failed gather inside `f` panics with the collective's
     /// error, which the launcher reports. A plan cut into pipeline stages runs its layers as
     /// units in [`Self::pipeline_step`] instead.
     pub fn forward<M: Module, T>(
@@ -483,6 +494,15 @@ impl Parallelized {
                     .into(),
             ));
         }
+        let hooked;
+        let model = match self.loop_hooks_ruled_out(model) {
+            None => {
+                self.loop_overlap.before_forward(&self.buckets)?;
+                hooked = self.buckets.hooked(model);
+                &hooked
+            }
+            Some(_) => model,
+        };
         // The view inside the scope: the units gather the stored f32 shards, each read is cast,
         // and the reduce-scattered gradient reaches the shard in f32 (a scope over the view
         // would round it to the compute dtype once more).
@@ -491,6 +511,18 @@ impl Parallelized {
                 Some(view) => f(&view),
                 None => f(m),
             })
+    }
+
+    /// Why the forward of a loop of one's own does not run on hooked parameters that hand
+    /// their gradients to the buckets during backward, or `None` when it does.
+    fn loop_hooks_ruled_out<M: Module>(&self, model: &M) -> Option<&'static str> {
+        let Some(device) = model.devices().into_iter().next() else {
+            return Some("the model has no parameters");
+        };
+        match self.gradient_buckets(&device).1 {
+            ReductionTiming::AfterBackward(why) => Some(why),
+            ReductionTiming::DuringBackward => None,
+        }
     }
 
     /// `loss.backward()`, with the loss first scaled by the running loss scale when the plan's
@@ -686,6 +718,13 @@ impl Parallelized {
     /// returns no gradients (an optimizer step with them changes nothing) and moves the
     /// scale. Fails under a `mixed_precision` whose forward ran outside [`Self::forward`] or
     /// whose backward did not scale the loss. Collective: every rank calls it once per step.
+    ///
+    /// When the step's forwards ran through [`Self::forward`], the buckets are filled by
+    /// gradient hooks while backward runs, and from the second step on the backward of the
+    /// step's last micro-batch (as many as the step before ran: a forward, then its backward)
+    /// reduces each bucket as it completes, as DDP does ([`Self::gradient_buckets`] says
+    /// whether, [`Self::last_reduction`] how much ran before backward ended). Forwards that
+    /// run outside it are reduced after backward, in the same order with the same sums.
     pub fn gradients<M: Module>(
         &self,
         model: &M,
@@ -791,8 +830,10 @@ impl Parallelized {
             }
             _ => {}
         }
-        // Taken after backward: the buckets are reduced now.
-        self.buckets.begin_step(false);
+        // Unless the forwards ran on hooked parameters, the buckets are filled and reduced now.
+        if !self.loop_overlap.end_step() {
+            self.buckets.begin_step(false);
+        }
         self.reduce_and_clip(model, flat, unscale.unwrap_or(1.0), max_norm, ctx)
     }
 
@@ -1131,6 +1172,10 @@ impl Parallelized {
         if applied && let Some(clip) = clip_scale(norm, max_norm)? {
             values.iter_mut().for_each(|g| *g *= clip);
         }
+        *self
+            .last_reduction
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = report.clone();
         let (grads, rows) = match (applied, self.buckets.row_layout()) {
             (false, _) => (GradientsParams::new(), vec![]),
             (true, Some(_)) => (GradientsParams::new(), values),
@@ -1145,22 +1190,38 @@ impl Parallelized {
         })
     }
 
+    /// What the last gradient reduction did and cost (a pipeline step's is also its
+    /// [`PipelineStep::reduction`]): whether hooks reported the gradients during backward, and
+    /// how much of the communication ran before backward ended.
+    pub fn last_reduction(&self) -> ReductionReport {
+        self.last_reduction
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     /// Under the plan's `gradient_buckets.rows` (ZeRO-1/2): which rows of which parameters
     /// [`PipelineStep::rows`] holds.
     pub fn gradient_rows(&self) -> Option<&GradientRowLayout> {
         self.buckets.row_layout()
     }
 
-    /// Gradient buckets per step (over every set of reduction axes), and when a pipeline
-    /// step of this plan reduces them on `device`: during backward where the plan's
-    /// `gradient_buckets.overlap` asks, the schedule's backwards cover every parameter and
-    /// the device has the gradient hook op; after backward otherwise, and why. (A loop of
-    /// one's own reduces after backward: [`Self::gradients`].)
+    /// Gradient buckets per step (over every set of reduction axes), and when a step of this
+    /// plan reduces them on `device`: during backward where the plan's
+    /// `gradient_buckets.overlap` asks, the device has the gradient hook op, and the step's
+    /// backwards cover every parameter (a pipeline's schedule) or its forwards run through
+    /// [`Self::forward`] (a loop of one's own, from its second step: see
+    /// [`Self::gradients`]); after backward otherwise, and why.
     pub fn gradient_buckets(&self, device: &burn::tensor::Device) -> (usize, ReductionTiming) {
         let schedule = match &self.stages {
-            None => {
-                Some("the plan has no pipeline rule: gradients are reduced after a loop's backward")
+            None if !self.units.paths().is_empty() => Some(
+                "fully sharded units reduce-scatter their gradients themselves; the other \
+                 buckets follow backward",
+            ),
+            None if self.hot_experts.is_some() => {
+                Some("hot-expert copies fold their gradients into their owners' after backward")
             }
+            None => None,
             Some(stages) => stages.hooks_ruled_out(),
         };
         let timing = match schedule {

@@ -10,16 +10,15 @@
 //! sequence and each all-reduce becomes an all-gather / reduce-scatter pair; replicated
 //! parameters used there (norm weights) then get their gradient all-reduced over `tp`.
 //!
-//! The reference transformer's tensor-parallel version is assembled from these pieces in the
-//! training job (`flashover::train`).
+//! A model splits its layers with a plan's `tensor_parallel` rules on `crate::nn`'s `Linear`
+//! and `Embedding`, which compute with these pieces.
 
 pub mod comm;
-mod layers;
 mod loss_op;
+mod region;
 mod shard;
 
-pub use layers::{
-    ColumnParallelLinear, RowParallelLinear, TensorParallel, VocabParallelEmbedding, VocabShard,
-    vocab_parallel_cross_entropy, vocab_parallel_embedding,
+pub use region::{
+    TensorParallel, VocabShard, vocab_parallel_cross_entropy, vocab_parallel_embedding,
 };
-pub use shard::{gather_parts, split_dim};
+pub use shard::split_dim;

@@ -2,8 +2,6 @@
 
 use crate::error::ParallelError;
 use burn::tensor::Tensor;
-use flashover_comm::Group;
-use flashover_runtime::TensorCollectives;
 
 /// Part `rank` of `n` equal parts of `full` along `dim` (outside any graph); fails with the
 /// shape when `dim` does not divide.
@@ -25,22 +23,4 @@ pub fn split_dim<const D: usize>(
     // Through host data: a fresh leaf, ready to become a parameter.
     let slice = full.clone().detach().narrow(dim, rank * part, part);
     Ok(Tensor::from_data(slice.into_data(), &full.device()))
-}
-
-/// Every rank's part concatenated along `dim` (collective; values only), cut to `len` along
-/// `dim` when given (to drop vocabulary padding).
-pub fn gather_parts<const D: usize>(
-    part: Tensor<D>,
-    dim: usize,
-    group: &Group,
-    len: Option<usize>,
-) -> Result<Tensor<D>, ParallelError> {
-    let device = part.device();
-    let full = group.all_gather_tensor(part.detach(), dim)?;
-    let full = match len {
-        Some(len) => full.narrow(dim, 0, len),
-        None => full,
-    };
-    // Through host data: a fresh leaf, ready to become a parameter.
-    Ok(Tensor::from_data(full.into_data(), &device))
 }

@@ -1,8 +1,7 @@
 //! Sharded data parallel. ZeRO-1/2 on a plan: [`RowAdamW`] steps each rank's rows of the
 //! gradients a plan's `gradient_buckets.rows` reduces to it (all-reduced buckets under ZeRO-1,
 //! reduce-scattered ones under ZeRO-2), then gathers the parameters back. ZeRO-3: a plan's
-//! `fully_shard` units (their shards cut as [`UnitShards`] says), or the older per-unit
-//! [`FullyShardConfig`] wrappers.
+//! `fully_shard` units (their shards cut as [`UnitShards`] says).
 //!
 //! | | parameters | gradients after backward | AdamW moments | communication per step |
 //! |---|---|---|---|---|
@@ -14,16 +13,12 @@
 //! Because [`crate::FlatAdamW`] is bit-identical to Burn's AdamW on Flex and a plan divides the
 //! sums as DDP does, ZeRO-1/2 without accumulation equal DDP bit for bit.
 
-mod fully_shard;
 mod ops;
-mod optimizer;
 mod row_adamw;
 mod shard_group;
 mod unit_shards;
 
-pub use fully_shard::{FullyShardConfig, FullyShardedUnit, Prefetch};
 pub(crate) use ops::{ScatterHook, gather_shard};
-pub use optimizer::FullyShardedOptimizer;
 pub use row_adamw::RowAdamW;
 pub(crate) use shard_group::Pending;
 pub use shard_group::{GatherCounts, GatherStats, ShardGroup};

@@ -1,12 +1,13 @@
-//! DDP under injected faults: delays never change results; a rank that dies mid-training makes
+//! Data parallel (a plan's gradient buckets) under injected faults: delays never change results; a rank that dies mid-training makes
 //! the others fail fast with an error naming it.
 
 use crate::common::{Net, assert_caused_by};
-use burn::optim::{AdamWConfig, GradientsParams};
+use burn::optim::AdamWConfig;
 use burn::tensor::{Device, Tensor, TensorData};
 use flashover_parallel::ParallelError;
-use flashover_parallel::data_parallel::DataParallelConfig;
-use flashover_runtime::{Axis, FaultPlan, Launch, LaunchError, OpKind};
+use flashover_parallel::data_parallel::GradientBuckets;
+use flashover_parallel::parallelize::{ParallelizePlan, parallelize};
+use flashover_runtime::{FaultPlan, Launch, LaunchError, OpKind};
 use std::time::{Duration, Instant};
 
 /// Three ranks, five steps, two micro-batches, tiny buckets; returns every rank's final weights.
@@ -16,21 +17,21 @@ fn train(faults: FaultPlan) -> Result<Vec<Vec<f32>>, LaunchError> {
         .faults(faults)
         .run(|ctx| {
             let device = Device::flex().autodiff();
-            let net = Net::new(&device);
-            let config = DataParallelConfig::new().with_bucket_bytes(64);
-            let (mut net, mut ddp) = config.init(net, ctx.group(Axis::Dp))?;
+            let buckets = GradientBuckets::default().bucket_mb(64.0 / (1 << 20) as f64);
+            let plan = ParallelizePlan::new().gradient_buckets(buckets);
+            let (mut net, par) = parallelize(Net::new(&device), &plan, &ctx)?;
             let mut optim = AdamWConfig::new().init();
             for step in 0..5 {
-                ddp.begin_step(2);
+                let mut total: Option<Tensor<1>> = None;
                 for micro in 0..2 {
                     let seed = (step * 10 + micro * 3 + ctx.rank()) as f32;
                     let x: Vec<f32> = (0..4 * 6).map(|i| (i as f32 * 0.11 + seed).cos()).collect();
                     let x = Tensor::<2>::from_data(TensorData::new(x, [4, 6]), &device);
-                    let y = ddp.prepare(&net).forward(x);
-                    let loss = y.powi_scalar(2).mean();
-                    ddp.backward_done(&net, GradientsParams::from_grads(loss.backward(), &net))?;
+                    let loss = net.forward(x).powi_scalar(2).mean();
+                    total = Some(total.map_or(loss.clone(), |t| t + loss));
                 }
-                let grads = ddp.finish(&net, Some(1.0))?.grads;
+                let loss = total.expect("two micro-batches") / 2.0;
+                let (grads, _) = par.gradients(&net, loss.backward(), Some(1.0), &ctx)?;
                 net = optim.step(1e-2, net, grads);
             }
             Ok::<_, ParallelError>(net.a.weight.val().into_data().try_to_vec::<f32>().unwrap())

@@ -7,6 +7,7 @@ mod common;
 mod context_parallel;
 mod ddp_faults;
 mod expert_parallel;
+mod loop_overlap;
 mod parallelize;
 mod parallelize_context;
 mod parallelize_experts;

@@ -3,16 +3,11 @@
 //! divide by 3, so world 3 exercises padding.
 
 use crate::common::{Net, assert_caused_by};
-use burn::module::Module;
-use burn::nn::Linear;
-use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
-use flashover_parallel::data_parallel::{DataParallelConfig, GradientBuckets, GradientRows};
+use flashover_parallel::data_parallel::{GradientBuckets, GradientRows};
 use flashover_parallel::parallelize::{ParallelizePlan, parallelize};
 use flashover_parallel::params::flatten_params;
-use flashover_parallel::zero::{
-    FullyShardConfig, FullyShardedOptimizer, FullyShardedUnit, RowAdamW, ShardGroup,
-};
+use flashover_parallel::zero::RowAdamW;
 use flashover_parallel::{FlatAdamWConfig, ParallelError};
 use flashover_runtime::{Axis, FaultPlan, Launch, LaunchError, OpKind, RankContext};
 
@@ -22,12 +17,13 @@ const LR: f64 = 0.02;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Layout {
-    /// Burn's AdamW on whole gradients (DDP; the reference at world 1).
+    /// Burn's AdamW on whole gradients averaged by a plan (DDP; the reference at world 1).
     Ddp,
     /// ZeRO stage 1 or 2 over `dp`: a plan's gradient rows stepped by `RowAdamW`.
     Zero(usize),
-    /// ZeRO-3 over `fsdp` (and HSDP when the mesh also has `dp`).
-    Fsdp { reshard_after_forward: bool },
+    /// ZeRO-3 over `fsdp` (and HSDP when the mesh also has `dp`): a plan's `fully_shard("")`,
+    /// Burn's AdamW on the shards.
+    Fsdp,
 }
 
 struct Run {
@@ -35,31 +31,6 @@ struct Run {
     losses: Vec<f32>,
     /// Every rank's final parameters (layout order of `Net`).
     params: Vec<Vec<f32>>,
-}
-
-/// `Net` with each linear layer a fully sharded unit.
-#[derive(Module, Debug)]
-struct ShardedNet {
-    a: FullyShardedUnit<Linear>,
-    b: FullyShardedUnit<Linear>,
-}
-
-impl ShardedNet {
-    fn forward(&self, x: Tensor<2>) -> Result<Tensor<2>, ParallelError> {
-        // Prefetch b's parameters while a computes; in backward, a's while b recomputes.
-        self.b.prefetch();
-        let h = self.a.forward(x, |a: &Linear, x| a.forward(x).tanh())?;
-        let a = Some(self.a.prefetch_handle());
-        self.b
-            .forward_prefetching(h, |b: &Linear, h| b.forward(h), a)
-    }
-
-    /// The full parameters, gathered (collective).
-    fn full_params(&self) -> Result<Vec<f32>, ParallelError> {
-        let mut out = flatten_params(&self.a.gather()?);
-        out.extend(flatten_params(&self.b.gather()?));
-        Ok(out)
-    }
 }
 
 /// Rows of step `step`, micro-batch `micro` for data-parallel rank `rank` of `ranks`.
@@ -83,16 +54,19 @@ fn loss(y: Tensor<2>) -> Tensor<1> {
     (y - 0.3).powi_scalar(2).mean()
 }
 
-/// ZeRO-1 (all-reduced buckets, rows kept) or ZeRO-2 (reduce-scattered) in buckets of 50 f32,
-/// as the DDP reference's.
+/// Buckets of 50 f32 gradients.
+fn buckets() -> GradientBuckets {
+    GradientBuckets::default().bucket_mb(200.0 / (1 << 20) as f64)
+}
+
+/// ZeRO-1 (all-reduced buckets, rows kept) or ZeRO-2 (reduce-scattered) in the DDP
+/// reference's buckets.
 fn zero_buckets(stage: usize) -> GradientBuckets {
     let rows = match stage {
         1 => GradientRows::AllReduce,
         _ => GradientRows::ReduceScatter,
     };
-    GradientBuckets::default()
-        .bucket_mb(200.0 / (1 << 20) as f64)
-        .rows(rows)
+    buckets().rows(rows)
 }
 
 fn adamw() -> FlatAdamWConfig {
@@ -128,31 +102,39 @@ fn try_train(
             let batch_group = ctx.subgroup(&[Axis::Dp, Axis::Fsdp])?;
             let (rank, ranks) = (batch_group.rank(), batch_group.size());
             let mut losses = vec![];
+            // The micro-batches' mean loss, one backward: the plan reduces after it.
+            let mean_loss = |net: &Net, step: usize| {
+                let mut sum = 0.0;
+                let mut total: Option<Tensor<1>> = None;
+                for m in 0..micros {
+                    let l = loss(net.forward(batch(step, rank, ranks, m, micros, &device)));
+                    sum += l.clone().into_scalar::<f32>();
+                    total = Some(total.map_or(l.clone(), |t| t + l));
+                }
+                (
+                    sum / micros as f32,
+                    total.expect("a micro-batch") / micros as f32,
+                )
+            };
             let params = match layout {
-                Layout::Ddp => {
-                    let (mut net, mut ddp) = DataParallelConfig::new()
-                        .with_bucket_bytes(200)
-                        .init(Net::new(&device), &batch_group)?;
+                Layout::Ddp | Layout::Fsdp => {
+                    let plan = match layout {
+                        Layout::Ddp => ParallelizePlan::new().gradient_buckets(buckets()),
+                        _ => ParallelizePlan::new().fully_shard(""),
+                    };
+                    let (mut net, par) = parallelize(Net::new(&device), &plan, &ctx)?;
                     let mut optim = adamw().to_burn().init();
                     for step in 0..STEPS {
-                        ddp.begin_step(micros);
-                        let mut sum = 0.0;
-                        for m in 0..micros {
-                            let l = loss(
-                                ddp.prepare(&net)
-                                    .forward(batch(step, rank, ranks, m, micros, &device)),
-                            );
-                            sum += l.clone().into_scalar::<f32>();
-                            ddp.backward_done(
-                                &net,
-                                GradientsParams::from_grads(l.backward(), &net),
-                            )?;
-                        }
-                        losses.push(sum / micros as f32);
-                        let grads = ddp.finish(&net, clip)?.grads;
+                        let (mean, total) = par.forward(&net, |n| mean_loss(n, step))?;
+                        losses.push(mean);
+                        let (grads, _) = par.gradients(&net, total.backward(), clip, &ctx)?;
                         net = optim.step(LR, net, grads);
                     }
-                    flatten_params(&net)
+                    if let Some(stats) = par.unit_stats() {
+                        let live = stats.snapshot().live_bytes;
+                        assert_eq!(live, 0, "every gathered unit must be released");
+                    }
+                    flatten_params(&par.whole(net)?)
                 }
                 Layout::Zero(stage) => {
                     let plan = ParallelizePlan::new().gradient_buckets(zero_buckets(stage));
@@ -160,54 +142,12 @@ fn try_train(
                     let mut optim = RowAdamW::new(&par, &net, &adamw(), true, &ctx)?;
                     let mut net = optim.between_steps(net);
                     for step in 0..STEPS {
-                        // The micro-batches' mean loss, one backward: the plan reduces after it.
-                        let mut sum = 0.0;
-                        let mut total: Option<Tensor<1>> = None;
-                        for m in 0..micros {
-                            let l = loss(net.forward(batch(step, rank, ranks, m, micros, &device)));
-                            sum += l.clone().into_scalar::<f32>();
-                            total = Some(total.map_or(l.clone(), |t| t + l));
-                        }
-                        losses.push(sum / micros as f32);
-                        let mean = total.expect("a micro-batch") / micros as f32;
-                        let (rows, _) = par.row_gradients(&net, mean.backward(), clip, &ctx)?;
+                        let (mean, total) = mean_loss(&net, step);
+                        losses.push(mean);
+                        let (rows, _) = par.row_gradients(&net, total.backward(), clip, &ctx)?;
                         net = optim.step(LR, net, &rows, true)?;
                     }
                     flatten_params(&net)
-                }
-                Layout::Fsdp {
-                    reshard_after_forward,
-                } => {
-                    let config =
-                        FullyShardConfig::new().with_reshard_after_forward(reshard_after_forward);
-                    let fsdp = ctx.group(Axis::Fsdp);
-                    let shard_group = ShardGroup::new(fsdp);
-                    let net = Net::new(&device);
-                    let mut net = ShardedNet {
-                        a: config.init(net.a, &shard_group)?,
-                        b: config.init(net.b, &shard_group)?,
-                    };
-                    let replicas = (ctx.group(Axis::Dp).size() > 1).then(|| ctx.group(Axis::Dp));
-                    let mut optim =
-                        FullyShardedOptimizer::new(&net, fsdp, replicas, &adamw(), true);
-                    for step in 0..STEPS {
-                        let mut sum = 0.0;
-                        for m in 0..micros {
-                            let l =
-                                loss(net.forward(batch(step, rank, ranks, m, micros, &device))?);
-                            sum += l.clone().into_scalar::<f32>();
-                            optim
-                                .accumulate(&net, &GradientsParams::from_grads(l.backward(), &net));
-                        }
-                        losses.push(sum / micros as f32);
-                        net = optim.step(LR, net, clip)?.0;
-                    }
-                    let counts = shard_group.stats().snapshot();
-                    assert_eq!(counts.live_bytes, 0, "every gathered unit must be released");
-                    // Per step: b prefetched in forward; with resharding, a again in backward.
-                    let per_step = if reshard_after_forward { 2 } else { 1 };
-                    assert_eq!(counts.prefetches, per_step * STEPS * micros);
-                    net.full_params()?
                 }
             };
             Ok::<_, ParallelError>((global_losses(&ctx, &losses)?, params))
@@ -265,50 +205,20 @@ fn zero_stages_match_one_rank_with_accumulation_and_clipping() {
             assert_matches(&run, &reference, &format!("ZeRO-{stage}, world {world}"));
         }
         let mesh = format!("fsdp={world}");
-        for reshard_after_forward in [true, false] {
-            let run = train(
-                &mesh,
-                Layout::Fsdp {
-                    reshard_after_forward,
-                },
-                2,
-                Some(0.5),
-                FaultPlan::new(),
-            );
-            assert_matches(
-                &run,
-                &reference,
-                &format!("ZeRO-3 reshard={reshard_after_forward}, world {world}"),
-            );
-        }
+        let run = train(&mesh, Layout::Fsdp, 2, Some(0.5), FaultPlan::new());
+        assert_matches(&run, &reference, &format!("ZeRO-3, world {world}"));
     }
 }
 
 #[test]
 fn zero3_equals_ddp_and_hsdp_matches_one_rank() {
     let ddp = train("dp=3", Layout::Ddp, 1, None, FaultPlan::new());
-    let fsdp = train(
-        "fsdp=3",
-        Layout::Fsdp {
-            reshard_after_forward: true,
-        },
-        1,
-        None,
-        FaultPlan::new(),
-    );
+    let fsdp = train("fsdp=3", Layout::Fsdp, 1, None, FaultPlan::new());
     // Same sums in the same rank order, AdamW bit-identical: only clipping could differ.
     assert_matches(&fsdp, &ddp, "ZeRO-3 vs DDP at world 3");
     let reference = reference(1, Some(0.5));
     for mesh in ["dp=2,fsdp=2", "dp=2,fsdp=3", "dp=3,fsdp=2"] {
-        let run = train(
-            mesh,
-            Layout::Fsdp {
-                reshard_after_forward: true,
-            },
-            1,
-            Some(0.5),
-            FaultPlan::new(),
-        );
+        let run = train(mesh, Layout::Fsdp, 1, Some(0.5), FaultPlan::new());
         assert_matches(&run, &reference, &format!("HSDP {mesh}"));
     }
 }
@@ -325,12 +235,7 @@ fn injected_delays_before_gathers_and_reduce_scatters_do_not_change_results() {
             )
             .delay_every(1, OpKind::AllReduce, std::time::Duration::from_millis(1))
     };
-    for layout in [
-        Layout::Zero(2),
-        Layout::Fsdp {
-            reshard_after_forward: true,
-        },
-    ] {
+    for layout in [Layout::Zero(2), Layout::Fsdp] {
         let mesh = if layout == Layout::Zero(2) {
             "dp=3"
         } else {
@@ -378,9 +283,7 @@ fn zero_shards_optimizer_state_and_gradients() {
 fn a_rank_dying_in_a_backward_reduce_scatter_fails_the_others_fast() {
     let start = std::time::Instant::now();
     let faults = FaultPlan::new().panic_at(1, OpKind::ReduceScatter, 3);
-    let layout = Layout::Fsdp {
-        reshard_after_forward: true,
-    };
+    let layout = Layout::Fsdp;
     let err = try_train("fsdp=3", layout, 1, None, faults)
         .err()
         .expect("training must fail");

@@ -1,18 +1,9 @@
-//! Tensor-parallel layers: Megatron's column- and row-parallel linear layers, the
-//! vocabulary-parallel embedding and the vocabulary-parallel cross-entropy.
-//!
-//! Each layer holds this rank's slice of the full layer's weight and puts the conjugate
-//! operators of [`super::comm`] where Megatron puts them, so a column layer followed by a row
-//! layer costs one all-reduce forward and one backward.
+//! Where activations enter and leave a tensor-parallel region ([`TensorParallel`]), and the
+//! vocabulary-parallel embedding lookup and cross-entropy: the pieces `crate::nn`'s layers
+//! compute with when a plan splits them.
 
-use super::comm::{
-    copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_tp,
-};
-use super::shard::split_dim;
-use crate::error::ParallelError;
-use burn::module::{Module, Param};
-use burn::nn::{Embedding, Linear};
-use burn::tensor::module::{embedding, linear};
+use super::comm::{copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_tp};
+use burn::tensor::module::embedding;
 use burn::tensor::{Bool, FloatDType, Int, Tensor, TensorData};
 use flashover_comm::{Group, ReduceOp};
 use flashover_runtime::TensorCollectives;
@@ -60,111 +51,6 @@ impl TensorParallel {
             reduce_scatter_to_tp(x, 1, &self.group)
         } else {
             reduce_from_tp(x, &self.group)
-        }
-    }
-}
-
-/// Part `rank` of `n` of a weight along `dim`, as a new parameter.
-fn narrow_param(
-    w: &Param<Tensor<2>>,
-    dim: usize,
-    rank: usize,
-    n: usize,
-) -> Result<Param<Tensor<2>>, ParallelError> {
-    Ok(Param::from_tensor(split_dim(&w.val(), dim, rank, n)?))
-}
-
-/// Column-parallel linear layer: `y = x A + b` with `A = [A_1 .. A_n]` and `b` split by output
-/// features; rank `r` holds `A_r`, `b_r` and computes `y_r = x A_r + b_r`.
-#[derive(Module, Debug)]
-pub struct ColumnParallelLinear {
-    /// This rank's `[d_in, d_out / tp]` weight.
-    pub weight: Param<Tensor<2>>,
-    /// This rank's `[d_out / tp]` part of the bias, if the layer has one.
-    pub bias: Option<Param<Tensor<1>>>,
-    /// All-gather the output features after the product (otherwise each rank keeps its part,
-    /// to feed a row-parallel layer).
-    pub gather_output: bool,
-    #[module(skip)]
-    tp: TensorParallel,
-}
-
-impl ColumnParallelLinear {
-    /// This rank's share of `full` (weight columns and bias entries).
-    pub fn from_full(
-        full: &Linear,
-        tp: &TensorParallel,
-        gather_output: bool,
-    ) -> Result<Self, ParallelError> {
-        let (rank, n) = (tp.group.rank(), tp.group.size());
-        let bias = match &full.bias {
-            Some(b) => Some(Param::from_tensor(split_dim(&b.val(), 0, rank, n)?)),
-            None => None,
-        };
-        Ok(ColumnParallelLinear {
-            weight: narrow_param(&full.weight, 1, rank, n)?,
-            bias,
-            gather_output,
-            tp: tp.clone(),
-        })
-    }
-
-    /// `x: [.., d_in]` (replicated, or sequence-split with sequence parallelism) -> `[.., d_out
-    /// / tp]`, or `[.., d_out]` with `gather_output`.
-    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let bias = self.bias.as_ref().map(|b| b.val());
-        let y = linear(self.tp.enter(x), self.weight.val(), bias);
-        if self.gather_output {
-            gather_from_tp(y, D - 1, &self.tp.group)
-        } else {
-            y
-        }
-    }
-}
-
-/// Row-parallel linear layer: `y = X A + b` with `A` split by input features and `X` by
-/// columns; rank `r` computes `X_r A_r`, the partial products are summed across ranks, and the
-/// bias (whole on every rank) is added once, after the sum.
-///
-/// With sequence parallelism the sum is a reduce-scatter along the sequence, so each rank
-/// adds the bias to its own positions: all-reduce the bias's gradient over `tp` (as for the
-/// norms), since each rank then sees only its positions' share.
-#[derive(Module, Debug)]
-pub struct RowParallelLinear {
-    /// This rank's `[d_in / tp, d_out]` weight.
-    pub weight: Param<Tensor<2>>,
-    /// The whole `[d_out]` bias, if the layer has one (replicated over `tp`).
-    pub bias: Option<Param<Tensor<1>>>,
-    #[module(skip)]
-    tp: TensorParallel,
-}
-
-impl RowParallelLinear {
-    /// This rank's share of `full` (weight rows; the bias whole).
-    pub fn from_full(full: &Linear, tp: &TensorParallel) -> Result<Self, ParallelError> {
-        let (rank, n) = (tp.group.rank(), tp.group.size());
-        Ok(RowParallelLinear {
-            weight: narrow_param(&full.weight, 0, rank, n)?,
-            bias: full
-                .bias
-                .as_ref()
-                .map(|b| Param::from_tensor(b.val().detach())),
-            tp: tp.clone(),
-        })
-    }
-
-    /// `x: [.., d_in / tp]` (this rank's features) -> `[.., d_out]`, summed over ranks
-    /// (sequence-split with sequence parallelism).
-    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let y = self.tp.exit(linear(x, self.weight.val(), None));
-        match &self.bias {
-            Some(b) => {
-                let d = b.val().dims()[0];
-                let mut shape = [1; D];
-                shape[D - 1] = d;
-                y + b.val().reshape(shape)
-            }
-            None => y,
         }
     }
 }
@@ -251,35 +137,6 @@ pub fn vocab_parallel_embedding(
     let (local, keep, _) = shard.localize(&tokens);
     let keep = keep.cast(weight.dtype());
     tp.exit(embedding(weight, local) * keep)
-}
-
-/// The vocabulary-parallel embedding as a module.
-#[derive(Module, Debug)]
-pub struct VocabParallelEmbedding {
-    /// This rank's `[ceil(vocab / tp), d]` rows.
-    pub weight: Param<Tensor<2>>,
-    #[module(skip)]
-    shard: VocabShard,
-    #[module(skip)]
-    tp: TensorParallel,
-}
-
-impl VocabParallelEmbedding {
-    /// This rank's rows of `full` (padded when the vocabulary does not divide by `tp`).
-    pub fn from_full(full: &Embedding, tp: &TensorParallel) -> Self {
-        let w = full.weight.val();
-        let shard = VocabShard::new(w.dims()[0], tp.group.rank(), tp.group.size());
-        VocabParallelEmbedding {
-            weight: Param::from_tensor(shard.take_rows(&w)),
-            shard,
-            tp: tp.clone(),
-        }
-    }
-
-    /// `tokens: [batch, seq]` -> `[batch, seq, d]` (sequence-split with sequence parallelism).
-    pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
-        vocab_parallel_embedding(self.weight.val(), tokens, &self.shard, &self.tp)
-    }
 }
 
 /// Mean next-token cross-entropy from logits split by vocabulary (`[batch, seq, rows]`, this
