@@ -25,7 +25,7 @@
 //!
 //! ```
 //! use flashover::bench::{
-//!     checkpoint, comm, context, memory, moe, pipeline, recompute, train, units,
+//!     checkpoint, comm, context, memory, moe, overlap, pipeline, recompute, train, units,
 //! };
 //! use flashover::OpKind;
 //! use flashover::train::TrainConfig;
@@ -43,6 +43,9 @@
 //! // Per read, then in units: one all-gather per block and one for the rest.
 //! let gathers = units::run(&job, &[2], 1, 1).unwrap();
 //! assert!(gathers[1].all_gathers < gathers[0].all_gathers);
+//! // A loop's buckets reduced after backward, then during it.
+//! let overlap = overlap::run(&job, &[2], 1, 1).unwrap();
+//! assert!(overlap[1].overlap && overlap[1].buckets > 0);
 //! let mut deep = job.clone();
 //! deep.model.n_layers = Some(2);
 //! deep.model.tie_embeddings = false;
@@ -83,6 +86,7 @@ pub mod context;
 pub mod kernels;
 pub mod memory;
 pub mod moe;
+pub mod overlap;
 pub mod pipeline;
 pub mod recompute;
 pub mod train;

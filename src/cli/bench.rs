@@ -31,6 +31,27 @@ pub enum BenchCommand {
     Kernels(KernelArgs),
     /// A plan's fully sharded parameters gathered per read against per unit with prefetch.
     Units(Box<UnitsArgs>),
+    /// A loop of one's own under data parallelism: gradient buckets reduced during backward
+    /// against after it.
+    Overlap(Box<OverlapArgs>),
+}
+
+/// Options of `bench overlap`.
+#[derive(Debug, Args)]
+pub struct OverlapArgs {
+    /// Job options (model, batch, sequence length, seed, `--bucket-mb`); the mesh per
+    /// variant.
+    #[command(flatten)]
+    job: super::job::JobArgs,
+    /// Data-parallel degrees, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "2,4")]
+    dps: Vec<usize>,
+    /// Measured rounds (after one warm-up round); each runs both ways.
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Steps each way per round.
+    #[arg(long, default_value_t = 2)]
+    round_steps: usize,
 }
 
 /// Options of `bench units`.
@@ -372,6 +393,38 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                     r.step_s * 1e3,
                     r.tokens_per_s,
                     per_read
+                );
+            }
+            Ok(())
+        }
+        BenchCommand::Overlap(args) => {
+            let config = args.job.build_with_mesh("dp=1")?;
+            let records =
+                flashover::bench::overlap::run(&config, &args.dps, args.rounds, args.round_steps)?;
+            println!(
+                "| dp | buckets reduced | buckets | comm ms | overlapped ms | exposed ms | step ms | tokens/s | vs after |"
+            );
+            println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|");
+            for r in &records {
+                let after = records
+                    .iter()
+                    .find(|p| p.dp == r.dp && !p.overlap)
+                    .map_or(f64::NAN, |p| r.tokens_per_s / p.tokens_per_s);
+                println!(
+                    "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.0} | {:.2}x |",
+                    r.dp,
+                    if r.overlap {
+                        "during backward"
+                    } else {
+                        "after backward"
+                    },
+                    r.buckets,
+                    r.comm_s * 1e3,
+                    r.overlapped_s * 1e3,
+                    r.exposed_s * 1e3,
+                    r.step_s * 1e3,
+                    r.tokens_per_s,
+                    after
                 );
             }
             Ok(())
