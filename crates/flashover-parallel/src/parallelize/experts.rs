@@ -12,7 +12,7 @@ use crate::params::ParamLayout;
 use crate::placement::PlacementTable;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::Tensor;
-use flashover_comm::Group;
+use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use flashover_runtime::Axis;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -283,5 +283,54 @@ impl ExpertShares {
     /// parameter every `ep` rank holds.
     pub(super) fn counts(&self, index: usize) -> bool {
         self.held[index] && (self.routed[index] || self.ep.rank() == 0)
+    }
+}
+
+impl super::Parallelized {
+    /// The whole batch's routing loads of a step, the same on every rank: `stats`, what this
+    /// rank's forwards counted ([`crate::nn::MoeForward::forward_counted`] into a hook,
+    /// layers by index, `n_experts` each), summed over the ranks that route different tokens
+    /// (`dp` x `fsdp` x `ep`, and `cp`, whose ranks route their own positions) and over the
+    /// pipeline stages (each counts its own layers). `tp` ranks route the same tokens, and
+    /// are not summed. Per layer (`layers` of them) and expert: what `Moe::update_bias` takes.
+    /// Fails when `stats` counts more layers or experts. Collective.
+    pub fn routing_loads(
+        &self,
+        stats: &flashover_models::moe::MoeStats,
+        layers: usize,
+        n_experts: usize,
+    ) -> Result<Vec<Vec<u64>>, ParallelError> {
+        let too_many = stats.routed.len() > layers
+            || stats.routed.iter().any(|counts| counts.len() > n_experts);
+        if too_many {
+            return Err(ParallelError::Invalid(format!(
+                "routing statistics of {} layers, up to {} experts each, do not fit {layers} \
+                 layers of {n_experts} experts",
+                stats.routed.len(),
+                stats.routed.iter().map(Vec::len).max().unwrap_or(0)
+            )));
+        }
+        let mut sums = vec![0u64; layers * n_experts];
+        for (layer, counts) in stats.routed.iter().enumerate() {
+            sums[layer * n_experts..][..counts.len()].copy_from_slice(counts);
+        }
+        if self.averaged.size() > 1 {
+            self.averaged.all_reduce(&mut sums, ReduceOp::Sum)?;
+        }
+        if let Some(pp) = self.pipeline_ranks() {
+            pp.all_reduce(&mut sums, ReduceOp::Sum)?;
+        }
+        Ok(sums
+            .chunks(n_experts.max(1))
+            .take(layers)
+            .map(<[u64]>::to_vec)
+            .collect())
+    }
+
+    /// Token rows this rank's `expert_parallel` layers sent to other `ep` ranks since the last
+    /// call (forward and backward, counted by the sender; a rank's rows to itself move no
+    /// bytes and are not counted): what the all-to-alls moved between ranks.
+    pub fn expert_rows_sent(&self) -> u64 {
+        self.expert_traffic.take()
     }
 }

@@ -108,3 +108,49 @@ impl PlanPrecision {
             .is_none_or(|scaler| scaler.update(norm.is_finite()))
     }
 }
+
+impl super::Parallelized {
+    /// `loss.backward()`, with the loss first scaled by the running loss scale when the plan's
+    /// `mixed_precision` scales it (f16): [`Self::gradients`] then unscales the gradients and
+    /// skips a step that overflowed. Take every backward of a step with it under such a
+    /// plan (the reduction refuses gradients of an unscaled loss there). Under
+    /// `replicate_hot_experts` it also takes the hot-expert copies' gradients for the
+    /// reduction (which refuses a step whose copies' gradients it did not get).
+    pub fn backward(&self, loss: Tensor<1>) -> Gradients {
+        let mut grads = self.precision.backward(loss);
+        if let Some((replicas, _)) = &self.hot_experts {
+            replicas.take_grads(&mut grads);
+        }
+        grads
+    }
+
+    /// The plan's precision policy (f32 throughout without `mixed_precision`).
+    pub fn precision(&self) -> MixedPrecision {
+        self.precision.policy()
+    }
+
+    /// The loss scale the next step runs with, under a `mixed_precision` that scales the loss.
+    pub fn loss_scale(&self) -> Option<f32> {
+        self.precision.loss_scale()
+    }
+
+    /// The running loss scale and its overflow-free steps, under a `mixed_precision` that
+    /// scales the loss: what a checkpoint keeps so that a resumed run scales as the
+    /// uninterrupted one.
+    pub fn loss_scale_state(&self) -> Option<(f32, usize)> {
+        self.precision.scaler().as_ref().map(LossScaler::state)
+    }
+
+    /// Resumes the running loss scale from [`Self::loss_scale_state`]. Fails without a
+    /// policy that scales the loss.
+    pub fn restore_loss_scale(&self, state: (f32, usize)) -> Result<(), ParallelError> {
+        let mut scaler = self.precision.scaler();
+        let scaler = scaler.as_mut().ok_or_else(|| {
+            ParallelError::Invalid(
+                "no loss scale to restore: the plan's mixed_precision scales no loss".into(),
+            )
+        })?;
+        scaler.restore(state);
+        Ok(())
+    }
+}

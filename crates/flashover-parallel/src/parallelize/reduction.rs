@@ -1,0 +1,279 @@
+//! The data-parallel part of a step: a plan's gradients reduced over the ranks that hold the
+//! same values, in the buckets, then divided, clipped and handed to the optimizer (whole, or
+//! as this rank's rows under ZeRO-1/2).
+
+use super::Parallelized;
+use crate::clip_scale;
+use crate::data_parallel::{GradientRowLayout, ReductionReport, ReductionTiming};
+use crate::error::ParallelError;
+use crate::params::{ParamLayout, accumulate_grads, grads_from_flat};
+use crate::placement::global_grad_norm;
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::tensor::Gradients;
+use flashover_runtime::RankContext;
+
+/// A step's gradients after the reduction.
+pub(super) struct Reduced {
+    pub(super) grads: GradientsParams,
+    /// Under gradient rows: this rank's rows (and `grads` empty).
+    pub(super) rows: Vec<f32>,
+    /// The global norm before clipping.
+    pub(super) norm: f32,
+    /// Whether the step applies (false: a scaled gradient overflowed).
+    pub(super) applied: bool,
+    pub(super) report: ReductionReport,
+}
+
+impl Parallelized {
+    /// Why the forward of a loop of one's own does not run on hooked parameters that hand
+    /// their gradients to the buckets during backward, or `None` when it does.
+    pub(super) fn loop_hooks_ruled_out<M: Module>(&self, model: &M) -> Option<&'static str> {
+        let Some(device) = model.devices().into_iter().next() else {
+            return Some("the model has no parameters");
+        };
+        match self.gradient_buckets(&device).1 {
+            ReductionTiming::AfterBackward(why) => Some(why),
+            ReductionTiming::DuringBackward => None,
+        }
+    }
+
+    /// The gradients of the whole batch's mean loss for this rank's parameters, from
+    /// `backward` of this rank's mean loss: summed over the ranks that hold the same values
+    /// and read different samples (the placements say which) and divided by the number of
+    /// data ranks. Then, with `max_norm`, clipped by their global norm (every element of the
+    /// whole model counted once): scaled by `max_norm / (norm + 1e-6)` when `norm > max_norm`,
+    /// as [`crate::clip_global_norm`] does on one device. Returns them with the norm before
+    /// clipping. Under a `mixed_precision` that scales the loss, the gradients of
+    /// [`Self::backward`] are unscaled first, and a step whose norm overflowed (not finite)
+    /// returns no gradients (an optimizer step with them changes nothing) and moves the
+    /// scale. Fails under a `mixed_precision` whose forward ran outside [`Self::forward`] or
+    /// whose backward did not scale the loss. Collective: every rank calls it once per step.
+    ///
+    /// When the step's forwards ran through [`Self::forward`], the buckets are filled by
+    /// gradient hooks while backward runs, and from the second step on the backward of the
+    /// step's last micro-batch (as many as the step before ran: a forward, then its backward)
+    /// reduces each bucket as it completes, as DDP does ([`Self::gradient_buckets`] says
+    /// whether, [`Self::last_reduction`] how much ran before backward ended). Forwards that
+    /// run outside it are reduced after backward, in the same order with the same sums.
+    pub fn gradients<M: Module>(
+        &self,
+        model: &M,
+        backward: Gradients,
+        max_norm: Option<f32>,
+        ctx: &RankContext,
+    ) -> Result<(GradientsParams, f32), ParallelError> {
+        let grads = self.taken_gradients(model, backward)?;
+        self.reduce_gradients(model, grads, max_norm, ctx)
+    }
+
+    /// [`Self::gradients`] under the plan's `gradient_buckets.rows` (ZeRO-1/2 in a loop of
+    /// one's own): this rank's rows of the reduced, clipped gradients, laid out as
+    /// [`Self::gradient_rows`] says (what [`crate::zero::RowAdamW::step`] steps), with the
+    /// norm before clipping. The rows are empty on a step whose scaled gradients overflowed.
+    /// Fails without `gradient_buckets.rows`, and under a pipelined plan (whose rows come in
+    /// [`PipelineStep::rows`]). Collective: every rank calls it once per step.
+    pub fn row_gradients<M: Module>(
+        &self,
+        model: &M,
+        backward: Gradients,
+        max_norm: Option<f32>,
+        ctx: &RankContext,
+    ) -> Result<(Vec<f32>, f32), ParallelError> {
+        let grads = self.taken_gradients(model, backward)?;
+        let reduced = self.reduce_taken(model, grads, max_norm, ctx, true)?;
+        Ok((reduced.rows, reduced.norm))
+    }
+
+    /// The gradients of `model`'s parameters in `backward` (hot-expert copies' taken for their
+    /// owners first). Fails under a pipelined plan.
+    fn taken_gradients<M: Module>(
+        &self,
+        model: &M,
+        mut backward: Gradients,
+    ) -> Result<GradientsParams, ParallelError> {
+        if let Some((replicas, _)) = &self.hot_experts {
+            replicas.take_grads(&mut backward);
+        }
+        if self.is_pipelined() {
+            return Err(ParallelError::Invalid(
+                "the plan cuts the model into pipeline stages: a rank's forward is a stage's, \
+                 so train with Parallelized::pipeline_step, which runs the schedule"
+                    .into(),
+            ));
+        }
+        Ok(GradientsParams::from_grads(backward, model))
+    }
+
+    /// [`Self::gradients`] of gradients already taken from the backward pass (what a
+    /// burn-train `TrainStep` returns, or several passes' accumulated); under a pipelined
+    /// plan, of [`Self::pipeline_gradients`] (tied copies summed too). Collective.
+    pub fn reduce_gradients<M: Module>(
+        &self,
+        model: &M,
+        grads: GradientsParams,
+        max_norm: Option<f32>,
+        ctx: &RankContext,
+    ) -> Result<(GradientsParams, f32), ParallelError> {
+        let reduced = self.reduce_taken(model, grads, max_norm, ctx, false)?;
+        Ok((reduced.grads, reduced.norm))
+    }
+
+    /// `grads` (taken from the backward pass) reduced and clipped after backward: whole, or
+    /// as this rank's rows when `rows` (which must match the plan's `gradient_buckets.rows`).
+    fn reduce_taken<M: Module>(
+        &self,
+        model: &M,
+        grads: GradientsParams,
+        max_norm: Option<f32>,
+        ctx: &RankContext,
+        rows: bool,
+    ) -> Result<Reduced, ParallelError> {
+        // A pipeline's stages computed in the policy and unscaled their gradients themselves.
+        let unscale = match self.is_pipelined() {
+            true => None,
+            false => self.precision.begin_reduction()?,
+        };
+        // Parameters without a gradient contribute zeros: every rank reduces the same layout.
+        let mut flat = vec![0.0; ParamLayout::of(model).numel];
+        accumulate_grads(model, &grads, &mut flat, &[]);
+        if !self.is_pipelined() {
+            // The copies' gradients are summed like the model's (scaled alike under f16).
+            self.fold_hot_experts(model, &mut flat, 1.0)?;
+        }
+        match (self.buckets.row_layout().is_some(), rows) {
+            (true, false) => {
+                return Err(ParallelError::Invalid(
+                    "the plan keeps gradient rows (gradient_buckets.rows, ZeRO-1/2): take them \
+                     with Parallelized::row_gradients (a pipeline's come in \
+                     PipelineStep::rows), or leave gradient_buckets.rows unset for whole \
+                     gradients"
+                        .into(),
+                ));
+            }
+            (false, true) => {
+                return Err(ParallelError::Invalid(
+                    "Parallelized::row_gradients: the plan keeps no gradient rows; set its \
+                     gradient_buckets.rows (ZeRO-1/2), or take whole gradients with \
+                     Parallelized::gradients"
+                        .into(),
+                ));
+            }
+            _ => {}
+        }
+        // Unless the forwards ran on hooked parameters, the buckets are filled and reduced now.
+        if !self.loop_overlap.end_step() {
+            self.buckets.begin_step(false);
+        }
+        self.reduce_and_clip(model, flat, unscale.unwrap_or(1.0), max_norm, ctx)
+    }
+
+    /// `flat` (this rank's gradients in `model`'s layout, not yet reduced: what hooks did not
+    /// hand to the buckets of the step begun) summed over the ranks that hold the same values
+    /// and read different samples, divided by `divisor` (micro-batches and loss scale) and by
+    /// the data ranks, clipped by the global norm; with the norm before clipping. Under loss
+    /// scaling, a step whose norm overflowed gets no gradients (every rank sees the same norm,
+    /// so every rank's scaler decides alike).
+    pub(super) fn reduce_and_clip<M: Module>(
+        &self,
+        model: &M,
+        mut flat: Vec<f32>,
+        divisor: f32,
+        max_norm: Option<f32>,
+        ctx: &RankContext,
+    ) -> Result<Reduced, ParallelError> {
+        self.check_attended()?;
+        self.buckets.add_remaining(&flat);
+        // Whole gradients in the model's layout, or this rank's rows of them.
+        let row_entries;
+        let (mut values, entries, report) = match self.buckets.row_layout() {
+            None => {
+                let report = self.buckets.finish(&mut flat)?;
+                (flat, self.placements.entries_of(model)?, report)
+            }
+            Some(rows) => {
+                let (values, report) = self.buckets.finish_rows(&mut flat)?;
+                row_entries = rows
+                    .shards
+                    .placed(&rows.layout, &self.placements, rows.axis, 0)?;
+                let entries = row_entries.iter().map(|(s, e)| (s.clone(), e)).collect();
+                (values, entries, report)
+            }
+        };
+        // The tp ranks of one data coordinate reduce equal values over the same data ranks.
+        if let Some(check) = &self.sequence_check {
+            check.first_step(&entries, &values)?;
+        }
+        // One division by the whole denominator (micro-batches, loss scale, data ranks), as
+        // DDP divides: the same bits as DDP's whatever the number of ranks.
+        let denominator = divisor * self.averaged.size() as f32;
+        if denominator != 1.0 {
+            values.iter_mut().for_each(|g| *g /= denominator);
+        }
+        let parts = entries
+            .iter()
+            .map(|(slot, entry)| (*entry, &values[slot.offset..slot.offset + slot.numel]));
+        let norm = global_grad_norm(parts, ctx)?;
+        let applied = self.precision.apply(norm);
+        if applied && let Some(clip) = clip_scale(norm, max_norm)? {
+            values.iter_mut().for_each(|g| *g *= clip);
+        }
+        *self
+            .last_reduction
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = report.clone();
+        let (grads, rows) = match (applied, self.buckets.row_layout()) {
+            (false, _) => (GradientsParams::new(), vec![]),
+            (true, Some(_)) => (GradientsParams::new(), values),
+            (true, None) => (grads_from_flat(model, &values), vec![]),
+        };
+        Ok(Reduced {
+            grads,
+            rows,
+            norm,
+            applied,
+            report,
+        })
+    }
+
+    /// What the last gradient reduction did and cost (a pipeline step's is also its
+    /// [`PipelineStep::reduction`]): whether hooks reported the gradients during backward, and
+    /// how much of the communication ran before backward ended.
+    pub fn last_reduction(&self) -> ReductionReport {
+        self.last_reduction
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Under the plan's `gradient_buckets.rows` (ZeRO-1/2): which rows of which parameters
+    /// [`PipelineStep::rows`] holds.
+    pub fn gradient_rows(&self) -> Option<&GradientRowLayout> {
+        self.buckets.row_layout()
+    }
+
+    /// Gradient buckets per step (over every set of reduction axes), and when a step of this
+    /// plan reduces them on `device`: during backward where the plan's
+    /// `gradient_buckets.overlap` asks, the device has the gradient hook op, and the step's
+    /// backwards cover every parameter (a pipeline's schedule) or its forwards run through
+    /// [`Self::forward`] (a loop of one's own, from its second step: see
+    /// [`Self::gradients`]); after backward otherwise, and why.
+    pub fn gradient_buckets(&self, device: &burn::tensor::Device) -> (usize, ReductionTiming) {
+        let schedule = match &self.stages {
+            None if !self.units.paths().is_empty() => Some(
+                "fully sharded units reduce-scatter their gradients themselves; the other \
+                 buckets follow backward",
+            ),
+            None if self.hot_experts.is_some() => {
+                Some("hot-expert copies fold their gradients into their owners' after backward")
+            }
+            None => None,
+            Some(stages) => stages.hooks_ruled_out(),
+        };
+        let timing = match schedule {
+            Some(why) => ReductionTiming::AfterBackward(why),
+            None => self.buckets.timing(device),
+        };
+        (self.buckets.buckets(), timing)
+    }
+}
