@@ -21,8 +21,7 @@
 //!   (a custom training strategy).
 //! - [`check`]: comparing a layout's loss curve and weights with one rank's.
 //! - [`plan`]: the planner behind `flashover plan` (memory and step-time model, mesh search).
-//! - [`bench`](mod@bench): the measurements behind `flashover bench`; [`heap`]: the counting allocator
-//!   they measure memory with.
+//! - [`heap`]: a counting allocator, to measure memory (the `flashover` binary's benchmarks do).
 //!
 //! ```
 //! use flashover::{launch, Axis, ReduceOp, TensorCollectives};
@@ -38,7 +37,6 @@
 //! ```
 #![warn(missing_docs)]
 
-pub mod bench;
 pub mod check;
 pub mod heap;
 #[cfg(feature = "learner")]

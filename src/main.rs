@@ -1,5 +1,6 @@
 //! The `flashover` binary.
 
+mod bench;
 mod cli;
 
 use clap::Parser;

@@ -4,9 +4,9 @@
 //! preset with its peak replaced by a matrix-product rate measured first, in the same run.
 
 use super::working_memory::measure;
-use crate::plan::{Hardware, Precision, cost, layout_of, model_spec, workload};
-use crate::train::TrainConfig;
 use burn::tensor::{Device, Distribution, Tensor};
+use flashover::plan::{Hardware, Precision, cost, layout_of, model_spec, workload};
+use flashover::train::TrainConfig;
 use serde::Serialize;
 use std::time::Instant;
 

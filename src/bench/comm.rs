@@ -112,6 +112,7 @@ pub fn memcpy_gbps(bytes: usize, target: Duration) -> f64 {
 }
 
 /// Runs `op` on a message of `bytes` on `world` thread ranks; returns seconds per call.
+#[cfg(test)]
 pub fn time_collective(op: OpKind, world: usize, bytes: usize, target: Duration) -> f64 {
     time_thread_collective(op, world, bytes, target, false)
 }

@@ -7,7 +7,7 @@
 //! the ranks, which step in lockstep.
 
 use super::working_memory::measure;
-use crate::train::TrainConfig;
+use flashover::train::TrainConfig;
 use serde::Serialize;
 
 /// One (sequence length, cp, layout) measurement.

@@ -210,12 +210,12 @@ pub fn run(device: &Device, repeats: usize) -> Result<Vec<KernelBenchRecord>, St
 /// tensor operations (`KernelUse::Always` against `Never`), alternating
 /// `rounds` times; the median step time of each (first step of each run left out).
 pub fn run_training(
-    device: crate::DeviceChoice,
+    device: flashover::DeviceChoice,
     steps: usize,
     rounds: usize,
 ) -> Result<Vec<KernelBenchRecord>, String> {
     let job = |mesh: &str| {
-        let mut c = crate::train::TrainConfig::default();
+        let mut c = flashover::train::TrainConfig::default();
         c.model.preset = "tiny".into();
         c.data.seq_len = 64;
         c.run.steps = steps.max(2);
@@ -242,7 +242,7 @@ pub fn run_training(
                 } else {
                     flashover_kernels::KernelUse::Never
                 });
-                let report = crate::train::train(&job(mesh), &|_| {});
+                let report = flashover::train::train(&job(mesh), &|_| {});
                 flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Auto);
                 let report = report?;
                 times.extend(report.steps.iter().skip(1).map(|s| s.step_time_s));

@@ -2,7 +2,7 @@
 //! gathered parameters, measured by the strategies themselves, for DDP and each ZeRO stage at
 //! several shard counts, next to the usual fp32 + AdamW formulas.
 
-use crate::train::{TrainConfig, memory_formula, train};
+use flashover::train::{TrainConfig, memory_formula, train};
 use serde::Serialize;
 
 /// One layout's measurement (rank 0; every rank holds the same amounts up to padding).

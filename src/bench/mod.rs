@@ -1,83 +1,8 @@
 //! Benchmarks behind `flashover bench`. Figures go to `docs/benchmarks.md` with the command that
 //! produced them; ratios are measured side by side in one run because these machines are noisy.
-//!
-//! ```
-//! use flashover::OpKind;
-//! use flashover::bench::{calibrate, comm, working_memory};
-//! use flashover::train::TrainConfig;
-//! use std::time::Duration;
-//!
-//! // Message sizes of `bench comm`, and one all-reduce of 4 KiB over two rank threads.
-//! assert_eq!(comm::sizes(4096, 65536), vec![4096, 16384, 65536]);
-//! assert!(comm::time_collective(OpKind::AllReduce, 2, 4096, Duration::from_millis(20)) > 0.0);
-//! assert!(comm::memcpy_gbps(1 << 16, Duration::from_millis(20)) > 0.0);
-//! // The matrix-product rate `bench plan` calibrates the planner with.
-//! assert!(calibrate::matmul_rate(32, 0.01) > 0.0);
-//! // Heap measurements need the counting allocator, which the `flashover` binary installs.
-//! let mut job = TrainConfig::default();
-//! job.run.steps = 2;
-//! let measured = working_memory::measure(&job);
-//! assert_eq!(measured.is_ok(), flashover::heap::counting());
-//! ```
-//!
-//! Each benchmark's runner on a small job (the `flashover bench` subcommands print these
-//! records as tables):
-//!
-//! ```
-//! use flashover::bench::{
-//!     checkpoint, comm, context, memory, moe, overlap, pipeline, recompute, train, units,
-//! };
-//! use flashover::OpKind;
-//! use flashover::train::TrainConfig;
-//! use std::time::Duration;
-//!
-//! let mut job = TrainConfig::default();
-//! job.model.preset = "tiny".into();
-//! job.run.steps = 2;
-//! job.run.global_batch = 4;
-//! let zero3 = memory::run(&job, &[3], &[2]).unwrap();
-//! assert!(zero3[0].measured_state > 0);
-//! let throughput = train::run(&job, &[1], &[], &[], 1).unwrap();
-//! assert!(!throughput.is_empty());
-//! assert!(train::plain_burn_step_s(&job).unwrap() > 0.0);
-//! // Per read, then in units: one all-gather per block and one for the rest.
-//! let gathers = units::run(&job, &[2], 1, 1).unwrap();
-//! assert!(gathers[1].all_gathers < gathers[0].all_gathers);
-//! // A loop's buckets reduced after backward, then during it.
-//! let overlap = overlap::run(&job, &[2], 1, 1).unwrap();
-//! assert!(overlap[1].overlap && overlap[1].buckets > 0);
-//! let mut deep = job.clone();
-//! deep.model.n_layers = Some(2);
-//! deep.model.tie_embeddings = false;
-//! let bubbles = pipeline::run(&deep, &[2], &[2], &["1f1b".to_string()]).unwrap();
-//! assert_eq!(bubbles.len(), 1);
-//! let mut experts = job.clone();
-//! experts.moe.experts = 4;
-//! assert_eq!(moe::run(&experts, &[2], &[0.0]).unwrap().len(), 1);
-//! let saves = checkpoint::run(&std::env::temp_dir().join("flashover-doc-bench"), 1 << 16, 2, 1);
-//! assert!(saves.unwrap()[0].save_gbs > 0.0);
-//! let config = comm::CommBenchConfig {
-//!     worlds: vec![2],
-//!     ops: vec![OpKind::AllReduce],
-//!     min_bytes: 4096,
-//!     max_bytes: 4096,
-//!     target: Duration::from_millis(10),
-//!     flight: true,
-//! };
-//! let mut records = 0;
-//! comm::run(&config, |_| records += 1);
-//! assert_eq!(records, 1 + 2, "memcpy, then the collective without and with the recorder");
-//! // The memory benchmarks need the counting allocator the `flashover` binary installs.
-//! let counting = flashover::heap::counting();
-//! assert_eq!(context::run(&job, &[8], &[2]).is_ok(), counting);
-//! assert_eq!(recompute::run(&job, &[(32, 2)], &["full".into()]).is_ok(), counting);
-//! let calibration = flashover::bench::calibrate::run(&job, &[("dp=1".into(), 0)]);
-//! assert_eq!(calibration.is_ok(), counting);
-//! // Fused kernels against their unfused operations (on Flex both sides are the reference;
-//! // `--device wgpu` runs the kernels).
-//! let kernels = flashover::bench::kernels::run(&burn::tensor::Device::flex(), 1).unwrap();
-//! assert!(kernels.iter().all(|r| r.fused_s > 0.0 && r.unfused_s > 0.0));
-//! ```
+//! Each runner returns records the `flashover bench` subcommands print as tables; the tests
+//! below run each on a small job. They live in the binary, not the library: a user of the
+//! library needs none of them.
 
 pub mod calibrate;
 pub mod checkpoint;
@@ -92,3 +17,95 @@ pub mod recompute;
 pub mod train;
 pub mod units;
 pub mod working_memory;
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_collective_and_calibration_measurements_run() {
+        use crate::bench::{calibrate, comm, working_memory};
+        use flashover::OpKind;
+        use flashover::train::TrainConfig;
+        use std::time::Duration;
+
+        // Message sizes of `bench comm`, and one all-reduce of 4 KiB over two rank threads.
+        assert_eq!(comm::sizes(4096, 65536), vec![4096, 16384, 65536]);
+        assert!(comm::time_collective(OpKind::AllReduce, 2, 4096, Duration::from_millis(20)) > 0.0);
+        assert!(comm::memcpy_gbps(1 << 16, Duration::from_millis(20)) > 0.0);
+        // The matrix-product rate `bench plan` calibrates the planner with.
+        assert!(calibrate::matmul_rate(32, 0.01) > 0.0);
+        // Heap measurements need the counting allocator, which the `flashover` binary installs.
+        let mut job = TrainConfig::default();
+        job.run.steps = 2;
+        let measured = working_memory::measure(&job);
+        assert_eq!(measured.is_ok(), flashover::heap::counting());
+    }
+
+    #[test]
+    fn every_benchmark_runs_on_a_small_job() {
+        use crate::bench::{
+            checkpoint, comm, context, memory, moe, overlap, pipeline, recompute, train, units,
+        };
+        use flashover::OpKind;
+        use flashover::train::TrainConfig;
+        use std::time::Duration;
+
+        let mut job = TrainConfig::default();
+        job.model.preset = "tiny".into();
+        job.run.steps = 2;
+        job.run.global_batch = 4;
+        let zero3 = memory::run(&job, &[3], &[2]).unwrap();
+        assert!(zero3[0].measured_state > 0);
+        let throughput = train::run(&job, &[1], &[], &[], 1).unwrap();
+        assert!(!throughput.is_empty());
+        assert!(train::plain_burn_step_s(&job).unwrap() > 0.0);
+        // Per read, then in units: one all-gather per block and one for the rest.
+        let gathers = units::run(&job, &[2], 1, 1).unwrap();
+        assert!(gathers[1].all_gathers < gathers[0].all_gathers);
+        // A loop's buckets reduced after backward, then during it.
+        let overlap = overlap::run(&job, &[2], 1, 1).unwrap();
+        assert!(overlap[1].overlap && overlap[1].buckets > 0);
+        let mut deep = job.clone();
+        deep.model.n_layers = Some(2);
+        deep.model.tie_embeddings = false;
+        let bubbles = pipeline::run(&deep, &[2], &[2], &["1f1b".to_string()]).unwrap();
+        assert_eq!(bubbles.len(), 1);
+        let mut experts = job.clone();
+        experts.moe.experts = 4;
+        assert_eq!(moe::run(&experts, &[2], &[0.0]).unwrap().len(), 1);
+        let saves = checkpoint::run(
+            &std::env::temp_dir().join("flashover-doc-bench"),
+            1 << 16,
+            2,
+            1,
+        );
+        assert!(saves.unwrap()[0].save_gbs > 0.0);
+        let config = comm::CommBenchConfig {
+            worlds: vec![2],
+            ops: vec![OpKind::AllReduce],
+            min_bytes: 4096,
+            max_bytes: 4096,
+            target: Duration::from_millis(10),
+            flight: true,
+        };
+        let mut records = 0;
+        comm::run(&config, |_| records += 1);
+        assert_eq!(
+            records,
+            1 + 2,
+            "memcpy, then the collective without and with the recorder"
+        );
+        // The memory benchmarks need the counting allocator the `flashover` binary installs.
+        let counting = flashover::heap::counting();
+        assert_eq!(context::run(&job, &[8], &[2]).is_ok(), counting);
+        assert_eq!(
+            recompute::run(&job, &[(32, 2)], &["full".into()]).is_ok(),
+            counting
+        );
+        let calibration = crate::bench::calibrate::run(&job, &[("dp=1".into(), 0)]);
+        assert_eq!(calibration.is_ok(), counting);
+        // Fused kernels against their unfused operations (on Flex both sides are the reference;
+        // `--device wgpu` runs the kernels).
+        let kernels = crate::bench::kernels::run(&burn::tensor::Device::flex(), 1).unwrap();
+        assert!(kernels.iter().all(|r| r.fused_s > 0.0 && r.unfused_s > 0.0));
+    }
+}

@@ -7,7 +7,7 @@
 //! sending rank, a share `(ep - 1) / ep` of them goes to another rank:
 //! `4 * kept * (ep - 1) / ep * d_model * 4` bytes, `kept` summed over layers.
 
-use crate::train::{TrainConfig, train};
+use flashover::train::{TrainConfig, train};
 use serde::Serialize;
 
 /// One layout's measurement (means over steps 2..N).
@@ -50,9 +50,10 @@ pub fn run(
             let report = train(&c, &|_| {})?;
             let timed = &report.steps[1.min(report.steps.len() - 1)..];
             let n = timed.len() as f64;
-            let mean =
-                |f: &dyn Fn(&crate::train::StepRecord) -> f64| timed.iter().map(f).sum::<f64>() / n;
-            let moe = |s: &crate::train::StepRecord| s.moe.clone().unwrap_or_default();
+            let mean = |f: &dyn Fn(&flashover::train::StepRecord) -> f64| {
+                timed.iter().map(f).sum::<f64>() / n
+            };
+            let moe = |s: &flashover::train::StepRecord| s.moe.clone().unwrap_or_default();
             let kept = mean(&|s| moe(s).tokens_per_expert.iter().flatten().sum::<u64>() as f64);
             let share = (ep - 1) as f64 / ep as f64;
             out.push(MoeBenchRecord {

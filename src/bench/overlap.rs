@@ -4,7 +4,7 @@
 //! side by side in one run at each `dp` degree, alternating round by round on the same ranks
 //! and batches.
 
-use crate::train::{TrainConfig, make_batch, token_source};
+use flashover::train::{TrainConfig, make_batch, token_source};
 use flashover_parallel::ParallelError;
 use flashover_parallel::data_parallel::GradientBuckets;
 use flashover_parallel::parallelize::{ParallelizePlan, parallelize, transformer};

@@ -10,7 +10,7 @@
 //! (`parallelize` with a pipeline rule, then `Parallelized::pipeline_step`), the path a user's
 //! model takes.
 
-use crate::train::{TrainConfig, train};
+use flashover::train::{TrainConfig, train};
 use flashover_parallel::pipeline::{Costs, Schedule, ScheduleKind, simulate};
 use serde::Serialize;
 

@@ -2,9 +2,9 @@
 //! policy, one rank, at two model sizes ([`super::working_memory`] measures the heap).
 
 use super::working_memory::measure;
-use crate::heap;
-use crate::train::{TrainConfig, make_batch, token_source};
 use burn::tensor::Device;
+use flashover::heap;
+use flashover::train::{TrainConfig, make_batch, token_source};
 use flashover_models::{ForwardContext, next_token_loss};
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
 use serde::Serialize;

@@ -3,8 +3,8 @@
 //! optimizer. Variants are interleaved and repeated; medians are reported, because ratios
 //! measured side by side are what survives a noisy machine.
 
-use crate::train::{TrainConfig, make_batch, token_source, train};
 use burn::optim::{AdamWConfig, GradientsParams};
+use flashover::train::{TrainConfig, make_batch, token_source, train};
 use flashover_data::{BatchPlan, TokenSource};
 use flashover_models::next_token_loss;
 use serde::Serialize;

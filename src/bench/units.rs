@@ -9,8 +9,8 @@
 //!   freed after its forward and gathered again for its backward (FSDP's
 //!   `reshard_after_forward`, what `flashover train --zero 3` runs by default).
 
-use crate::train::{TrainConfig, make_batch, token_source};
 use burn::optim::GradientsParams;
+use flashover::train::{TrainConfig, make_batch, token_source};
 use flashover_models::Transformer;
 use flashover_parallel::ParallelError;
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;

@@ -1,9 +1,9 @@
 //! The heap a training step works in: its peak above what was live when the previous step
 //! ended (activations, gradients, attention blocks; parameters and optimizer state are the
-//! baseline), counted by [`crate::heap::CountingAllocator`] while a job runs.
+//! baseline), counted by [`flashover::heap::CountingAllocator`] while a job runs.
 
-use crate::heap;
-use crate::train::{StepRecord, TrainConfig, TrainReport, train};
+use flashover::heap;
+use flashover::train::{StepRecord, TrainConfig, TrainReport, train};
 use std::sync::Mutex;
 
 /// A job's report with its steps' working memory.

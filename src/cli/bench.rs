@@ -1,8 +1,8 @@
 //! `flashover bench ...`.
 
+use crate::bench::comm::{self, CommBenchConfig, Record};
 use clap::{Args, Subcommand};
 use flashover::OpKind;
-use flashover::bench::comm::{self, CommBenchConfig, Record};
 use std::time::Duration;
 
 /// Benchmarks.
@@ -261,7 +261,7 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
     match cmd {
         BenchCommand::Cp(args) => {
             let config = args.job.build_with_mesh("dp=1")?;
-            let records = flashover::bench::context::run(&config, &args.seq_lens, &args.cps)?;
+            let records = crate::bench::context::run(&config, &args.seq_lens, &args.cps)?;
             println!(
                 "| seq len | cp | layout | working MiB / rank | vs cp=1 | step ms | attention work max/mean | attention time max/mean |"
             );
@@ -295,9 +295,9 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
         }
         BenchCommand::Kernels(args) => {
             let device = args.device.device(0).map_err(|e| e.to_string())?;
-            let mut records = flashover::bench::kernels::run(&device, args.repeats)?;
+            let mut records = crate::bench::kernels::run(&device, args.repeats)?;
             if flashover_kernels::is_cube_device(&device) {
-                records.extend(flashover::bench::kernels::run_training(
+                records.extend(crate::bench::kernels::run_training(
                     args.device,
                     10,
                     args.repeats.div_ceil(5),
@@ -339,7 +339,7 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                     None => Ok((l.clone(), 0)),
                 })
                 .collect::<Result<Vec<_>, String>>()?;
-            let (rate, records) = flashover::bench::calibrate::run(&config, &layouts)?;
+            let (rate, records) = crate::bench::calibrate::run(&config, &layouts)?;
             println!(
                 "matrix products measured at {:.1} GFLOP/s (fp32, Flex, 256 x 256)",
                 rate / 1e9
@@ -369,7 +369,7 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
         BenchCommand::Units(args) => {
             let config = args.job.build_with_mesh("dp=1")?;
             let records =
-                flashover::bench::units::run(&config, &args.fsdps, args.rounds, args.round_steps)?;
+                crate::bench::units::run(&config, &args.fsdps, args.rounds, args.round_steps)?;
             println!(
                 "| fsdp | gathers | all-gathers / step | reduce-scatters / step | prefetched | gathered at most KiB | step ms | tokens/s | vs per read |"
             );
@@ -400,7 +400,7 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
         BenchCommand::Overlap(args) => {
             let config = args.job.build_with_mesh("dp=1")?;
             let records =
-                flashover::bench::overlap::run(&config, &args.dps, args.rounds, args.round_steps)?;
+                crate::bench::overlap::run(&config, &args.dps, args.rounds, args.round_steps)?;
             println!(
                 "| dp | buckets reduced | buckets | comm ms | overlapped ms | exposed ms | step ms | tokens/s | vs after |"
             );
@@ -446,7 +446,7 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                     Ok((parse(d)?, parse(l)?))
                 })
                 .collect::<Result<Vec<_>, String>>()?;
-            let records = flashover::bench::recompute::run(&config, &sizes, &args.policies)?;
+            let records = crate::bench::recompute::run(&config, &sizes, &args.policies)?;
             println!(
                 "| model (d x layers) | policy | kept after forward MiB | vs none | step working MiB | vs none | step ms | vs none | final loss |"
             );
@@ -455,10 +455,9 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                 let none = records
                     .iter()
                     .find(|n| n.model == r.model && n.policy == "none");
-                let ratio =
-                    |f: &dyn Fn(&flashover::bench::recompute::RecomputeBenchRecord) -> f64| {
-                        none.map_or(f64::NAN, |n| f(r) / f(n))
-                    };
+                let ratio = |f: &dyn Fn(&crate::bench::recompute::RecomputeBenchRecord) -> f64| {
+                    none.map_or(f64::NAN, |n| f(r) / f(n))
+                };
                 const MIB: f64 = (1 << 20) as f64;
                 println!(
                     "| {} | {} | {:.1} | {:.3} | {:.1} | {:.3} | {:.0} | {:.3} | {:.4} |",
@@ -480,7 +479,7 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
             if config.moe.experts == 0 {
                 config.moe.experts = 8;
             }
-            let records = flashover::bench::moe::run(&config, &args.eps, &args.capacity_factors)?;
+            let records = crate::bench::moe::run(&config, &args.eps, &args.capacity_factors)?;
             println!(
                 "| ep | capacity factor | step ms | all-to-all ms | drop rate | imbalance | remote MiB/step | formula MiB/step | measured / formula |"
             );
@@ -512,7 +511,7 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                 .dir
                 .unwrap_or_else(|| std::env::temp_dir().join("flashover-bench-ckpt"));
             let records =
-                flashover::bench::checkpoint::run(&dir, args.params, args.ranks, args.repeats)?;
+                crate::bench::checkpoint::run(&dir, args.params, args.ranks, args.repeats)?;
             println!(
                 "| bytes | ranks | raw write GB/s | save GB/s | save / raw | raw read GB/s | load GB/s | load / raw |"
             );
@@ -535,7 +534,7 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
         BenchCommand::Pipeline(args) => {
             let config = args.job.build_with_mesh("dp=1")?;
             let records =
-                flashover::bench::pipeline::run(&config, &args.pps, &args.micro, &args.schedules)?;
+                crate::bench::pipeline::run(&config, &args.pps, &args.micro, &args.schedules)?;
             println!(
                 "| schedule | p | m | v | formula | simulated | measured | measured / formula | peak in flight (rank 0) | schedule ms |"
             );
@@ -559,7 +558,7 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
         }
         BenchCommand::Memory(args) => {
             let config = args.job.build_with_mesh("dp=1")?;
-            let records = flashover::bench::memory::run(&config, &args.stages, &args.ns)?;
+            let records = crate::bench::memory::run(&config, &args.stages, &args.ns)?;
             const MIB: f64 = (1 << 20) as f64;
             println!(
                 "| layout | N | measured state (MiB) | formula (MiB) | measured / formula | gathered peak (MiB) | largest unit (MiB) |"
@@ -585,7 +584,7 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
         }
         BenchCommand::Train(args) => {
             let config = args.job.build_with_mesh("dp=1")?;
-            let records = flashover::bench::train::run(
+            let records = crate::bench::train::run(
                 &config,
                 &args.dps,
                 &args.zero_stages,
