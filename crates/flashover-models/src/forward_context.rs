@@ -11,12 +11,18 @@
 //! mixture-of-experts layer's experts ([`crate::MoeHook`], expert parallelism), and the
 //! sequences split across ranks that such a layer routes whole ([`SequenceShare`], context
 //! parallelism).
+//!
+//! Beside it, what the context computes with and names no model of: the output head and its
+//! loss ([`OutputHead`], [`next_token_loss`]) and the rotary tables ([`rope_tables_at`]). With
+//! the mixture of experts (`crate::moe`, its SwiGLU experts included) this module is what a
+//! parallelism library needs of a model's forward, so both can move below the reference
+//! transformer (which then depends on the library, not the reverse).
 
 use crate::dropout::{Coords, Dropout, Site};
-use crate::layers::{Block, rope_tables_at};
-use crate::transformer::{OutputHead, next_token_loss};
+use crate::layers::Block;
 use burn::nn::{Embedding, Linear};
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use std::sync::Arc;
 
 /// Where a forward runs: its dropout, where its local tensors sit in the logical ones, and who
@@ -308,4 +314,84 @@ impl ForwardContext {
             None => probs,
         }
     }
+}
+
+/// The transformer's LM head: a layer of its own, or the token embedding's table (tied).
+#[derive(Debug, Clone, Copy)]
+pub enum OutputHead<'a> {
+    /// The embedding table `[vocab, d]`, read transposed.
+    Tied(&'a Embedding),
+    /// A linear layer `[d, vocab]`.
+    Untied(&'a Linear),
+}
+
+impl OutputHead<'_> {
+    /// Logits of normed hidden states: `[batch, seq, d_model]` -> `[batch, seq, vocab]`.
+    pub fn logits(&self, h: Tensor<3>) -> Tensor<3> {
+        match self {
+            OutputHead::Untied(head) => head.forward(h),
+            OutputHead::Tied(embed) => {
+                let [b, t, d] = h.dims();
+                let w = embed.weight.val(); // [vocab, d]
+                let v = w.dims()[0];
+                h.reshape([b * t, d])
+                    .matmul(w.transpose())
+                    .reshape([b, t, v])
+            }
+        }
+    }
+}
+
+/// Mean next-token cross-entropy (nats): `logits: [batch, seq, vocab]`, `targets: [batch, seq]`.
+/// Computed in f32 whatever the logits' dtype (a reduced-precision softmax over a large
+/// vocabulary loses the loss's low digits).
+pub fn next_token_loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+    let [b, t, v] = logits.dims();
+    let logits = logits.cast(burn::tensor::FloatDType::F32);
+    let logp = log_softmax(logits.reshape([b * t, v]), 1);
+    let picked = logp.gather(1, targets.reshape([b * t, 1]));
+    picked.mean().neg()
+}
+
+/// Rotary position tables `(cos, sin)`, each `[len, head_dim / 2]`, for positions
+/// `start .. start + len`.
+pub fn rope_tables(
+    start: usize,
+    len: usize,
+    head_dim: usize,
+    theta: f64,
+    device: &Device,
+) -> (Tensor<2>, Tensor<2>) {
+    rope_tables_at(
+        &(start..start + len).collect::<Vec<_>>(),
+        head_dim,
+        theta,
+        device,
+    )
+}
+
+/// Rotary position tables `(cos, sin)`, each `[positions.len(), head_dim / 2]`, for the given
+/// positions (a context-parallel rank's chunks of the sequence).
+pub fn rope_tables_at(
+    positions: &[usize],
+    head_dim: usize,
+    theta: f64,
+    device: &Device,
+) -> (Tensor<2>, Tensor<2>) {
+    let half = head_dim / 2;
+    let len = positions.len();
+    let mut cos = Vec::with_capacity(len * half);
+    let mut sin = Vec::with_capacity(len * half);
+    for &pos in positions {
+        for i in 0..half {
+            let freq = theta.powf(-(2.0 * i as f64) / head_dim as f64);
+            let angle = pos as f64 * freq;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (
+        Tensor::from_data(TensorData::new(cos, [len, half]), device),
+        Tensor::from_data(TensorData::new(sin, [len, half]), device),
+    )
 }

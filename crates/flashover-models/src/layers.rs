@@ -2,55 +2,12 @@
 
 use crate::dropout::Site;
 use crate::forward_context::ForwardContext;
-use crate::moe::Moe;
+use crate::moe::{Moe, SwiGlu};
 use burn::module::Module;
 use burn::nn::{Linear, RmsNorm};
 use burn::tensor::FloatDType;
-use burn::tensor::activation::{silu, softmax};
-use burn::tensor::{Bool, Device, Tensor, TensorData};
-
-/// Rotary position tables `(cos, sin)`, each `[len, head_dim / 2]`, for positions
-/// `start .. start + len`.
-pub fn rope_tables(
-    start: usize,
-    len: usize,
-    head_dim: usize,
-    theta: f64,
-    device: &Device,
-) -> (Tensor<2>, Tensor<2>) {
-    rope_tables_at(
-        &(start..start + len).collect::<Vec<_>>(),
-        head_dim,
-        theta,
-        device,
-    )
-}
-
-/// Rotary position tables `(cos, sin)`, each `[positions.len(), head_dim / 2]`, for the given
-/// positions (a context-parallel rank's chunks of the sequence).
-pub fn rope_tables_at(
-    positions: &[usize],
-    head_dim: usize,
-    theta: f64,
-    device: &Device,
-) -> (Tensor<2>, Tensor<2>) {
-    let half = head_dim / 2;
-    let len = positions.len();
-    let mut cos = Vec::with_capacity(len * half);
-    let mut sin = Vec::with_capacity(len * half);
-    for &pos in positions {
-        for i in 0..half {
-            let freq = theta.powf(-(2.0 * i as f64) / head_dim as f64);
-            let angle = pos as f64 * freq;
-            cos.push(angle.cos() as f32);
-            sin.push(angle.sin() as f32);
-        }
-    }
-    (
-        Tensor::from_data(TensorData::new(cos, [len, half]), device),
-        Tensor::from_data(TensorData::new(sin, [len, half]), device),
-    )
-}
+use burn::tensor::activation::softmax;
+use burn::tensor::{Bool, Tensor};
 
 /// Applies rotary embeddings to `x: [batch, heads, seq, head_dim]` ("rotate half" layout).
 fn apply_rope(x: Tensor<4>, cos: &Tensor<2>, sin: &Tensor<2>) -> Tensor<4> {
@@ -137,30 +94,6 @@ impl Attention {
         let probs = ctx.attention(softmax(scores, 3).cast(dtype), layer);
         let out = probs.matmul(v).swap_dims(1, 2).reshape([b, t, h * hd]);
         ctx.linear(&self.wo, out)
-    }
-}
-
-/// SwiGLU feed-forward: `(silu(x W_gate) * (x W_up)) W_down`.
-#[derive(Module, Debug)]
-pub struct SwiGlu {
-    /// Gate projection `[d_model, d_ff]`.
-    pub w_gate: Linear,
-    /// Up projection `[d_model, d_ff]`.
-    pub w_up: Linear,
-    /// Down projection `[d_ff, d_model]`.
-    pub w_down: Linear,
-}
-
-impl SwiGlu {
-    /// `x: [batch, seq, d_model]` -> same shape.
-    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        self.forward_with(x, &ForwardContext::default())
-    }
-
-    /// [`SwiGlu::forward`] with `ctx`'s linear layers.
-    pub fn forward_with(&self, x: Tensor<3>, ctx: &ForwardContext) -> Tensor<3> {
-        let [gate, up] = ctx.linears([&self.w_gate, &self.w_up], x);
-        ctx.linear(&self.w_down, silu(gate) * up)
     }
 }
 

@@ -31,9 +31,9 @@ mod transformer;
 pub use dropout::{Coords, Dropout, Site};
 pub use forward_context::{
     AttentionHook, AttentionOp, BlockCheckpoint, BlockFn, CheckpointHook, ForwardContext,
-    LinearHook, LinearOp, MoeLayerHook, MoeLayerOp, SequenceHook, SequenceShare, VocabHook,
-    VocabOp,
+    LinearHook, LinearOp, MoeLayerHook, MoeLayerOp, OutputHead, SequenceHook, SequenceShare,
+    VocabHook, VocabOp, next_token_loss, rope_tables, rope_tables_at,
 };
-pub use layers::{Attention, Block, SwiGlu, rope_tables, rope_tables_at};
-pub use moe::{Moe, MoeConfig, MoeHook};
-pub use transformer::{OutputHead, Transformer, TransformerConfig, next_token_loss};
+pub use layers::{Attention, Block};
+pub use moe::{Moe, MoeConfig, MoeHook, SwiGlu};
+pub use transformer::{Transformer, TransformerConfig};

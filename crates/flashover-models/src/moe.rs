@@ -16,13 +16,36 @@
 //! averaged (as DeepSeek-V3's sequence-wise balance loss), for the same reason.
 
 use crate::forward_context::{ForwardContext, SequenceHook, SequenceShare};
-use crate::layers::SwiGlu;
 use burn::module::Module;
 use burn::nn::Linear;
-use burn::tensor::activation::{sigmoid, softmax};
+use burn::tensor::activation::{sigmoid, silu, softmax};
 use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 use std::sync::{Arc, Mutex};
+
+/// SwiGLU feed-forward: `(silu(x W_gate) * (x W_up)) W_down`.
+#[derive(Module, Debug)]
+pub struct SwiGlu {
+    /// Gate projection `[d_model, d_ff]`.
+    pub w_gate: Linear,
+    /// Up projection `[d_model, d_ff]`.
+    pub w_up: Linear,
+    /// Down projection `[d_ff, d_model]`.
+    pub w_down: Linear,
+}
+
+impl SwiGlu {
+    /// `x: [batch, seq, d_model]` -> same shape.
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        self.forward_with(x, &ForwardContext::default())
+    }
+
+    /// [`SwiGlu::forward`] with `ctx`'s linear layers.
+    pub fn forward_with(&self, x: Tensor<3>, ctx: &ForwardContext) -> Tensor<3> {
+        let [gate, up] = ctx.linears([&self.w_gate, &self.w_up], x);
+        ctx.linear(&self.w_down, silu(gate) * up)
+    }
+}
 
 /// How router logits become expert scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]

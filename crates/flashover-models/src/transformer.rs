@@ -1,13 +1,12 @@
 //! The model: embedding, blocks, final norm, LM head; configuration and presets.
 
-use crate::forward_context::ForwardContext;
+use crate::forward_context::{ForwardContext, OutputHead};
 use crate::init;
-use crate::layers::{Attention, Block, SwiGlu};
-use crate::moe::{Moe, MoeConfig};
+use crate::layers::{Attention, Block};
+use crate::moe::{Moe, MoeConfig, SwiGlu};
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::{Embedding, Linear, RmsNorm};
-use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor};
 
 /// Configuration of the reference transformer.
@@ -336,43 +335,6 @@ impl Transformer {
     pub fn logits(&self, h: Tensor<3>) -> Tensor<3> {
         self.output_head().logits(self.norm.forward(h))
     }
-}
-
-/// The transformer's LM head: a layer of its own, or the token embedding's table (tied).
-#[derive(Debug, Clone, Copy)]
-pub enum OutputHead<'a> {
-    /// The embedding table `[vocab, d]`, read transposed.
-    Tied(&'a Embedding),
-    /// A linear layer `[d, vocab]`.
-    Untied(&'a Linear),
-}
-
-impl OutputHead<'_> {
-    /// Logits of normed hidden states: `[batch, seq, d_model]` -> `[batch, seq, vocab]`.
-    pub fn logits(&self, h: Tensor<3>) -> Tensor<3> {
-        match self {
-            OutputHead::Untied(head) => head.forward(h),
-            OutputHead::Tied(embed) => {
-                let [b, t, d] = h.dims();
-                let w = embed.weight.val(); // [vocab, d]
-                let v = w.dims()[0];
-                h.reshape([b * t, d])
-                    .matmul(w.transpose())
-                    .reshape([b, t, v])
-            }
-        }
-    }
-}
-
-/// Mean next-token cross-entropy (nats): `logits: [batch, seq, vocab]`, `targets: [batch, seq]`.
-/// Computed in f32 whatever the logits' dtype (a reduced-precision softmax over a large
-/// vocabulary loses the loss's low digits).
-pub fn next_token_loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
-    let [b, t, v] = logits.dims();
-    let logits = logits.cast(burn::tensor::FloatDType::F32);
-    let logp = log_softmax(logits.reshape([b * t, v]), 1);
-    let picked = logp.gather(1, targets.reshape([b * t, 1]));
-    picked.mean().neg()
 }
 
 #[cfg(test)]

@@ -16,11 +16,13 @@ mod attention;
 pub(crate) mod embedding;
 pub(crate) mod linear;
 mod moe;
+mod placed_layers;
 
 pub use attention::CausalAttention;
 pub use embedding::{Embedding, EmbeddingConfig};
 pub use linear::{Linear, LinearConfig};
 pub use moe::MoeForward;
+pub use placed_layers::{PlacedLayers, placed_context, placed_hooks};
 
 use crate::tensor_parallel::{VocabShard, vocab_parallel_cross_entropy};
 use burn::nn::loss::CrossEntropyLossConfig;

@@ -32,20 +32,12 @@
 
 use super::{ParallelizePlan, PipelineModel, PipelineRule, TpSplit, tp_split};
 use crate::error::ParallelError;
-use crate::nn::MoeForward;
-use crate::nn::embedding::{placed_embedding, table_split, tied_logits};
-use crate::nn::linear::{head_split, placed_linear, placed_linears};
 use crate::pipeline::ScheduleKind;
-use crate::tensor_parallel::vocab_parallel_cross_entropy;
-use burn::nn::{Embedding, Linear};
 use burn::tensor::{Int, Tensor};
 use flashover_comm::Group;
-use flashover_models::moe::LocalExperts;
 use flashover_models::{
-    Block, Dropout, ForwardContext, LinearHook, LinearOp, Moe, MoeHook, MoeLayerHook, MoeLayerOp,
-    OutputHead, Transformer, TransformerConfig, VocabHook, VocabOp, next_token_loss,
+    Block, Dropout, ForwardContext, LinearHook, MoeHook, Transformer, TransformerConfig, VocabHook,
 };
-use std::sync::Arc;
 
 /// The reference transformer's plan for `config` ([`TransformerConfig::plan_toml`]): Megatron's
 /// tensor-parallel split with sequence parallelism (clear `sequence_parallel` to keep whole
@@ -95,15 +87,7 @@ pub fn pipeline(
 /// collected in the context's `moe` hook ([`objective`] adds them). Without dropout
 /// ([`dropout_context`] adds it).
 pub fn forward_context() -> ForwardContext {
-    let (linear, vocab) = layer_hooks();
-    ForwardContext {
-        linear: Some(linear),
-        vocab: Some(vocab),
-        moe_layer: Some(MoeLayerHook(Arc::new(PlacedLayers))),
-        // Collects the auxiliary losses only: the layers above run the experts.
-        moe: Some(MoeHook::new(Arc::new(LocalExperts))),
-        ..ForwardContext::default()
-    }
+    crate::nn::placed_context()
 }
 
 /// [`forward_context`] with `dropout` on the samples from global index `sample_offset` (this
@@ -208,63 +192,7 @@ fn with_aux_losses(loss: Tensor<1>, ctx: &ForwardContext) -> Tensor<1> {
 /// dropout offsets). Inside a zero-bubble pipeline step's forwards they defer the linear
 /// layers' weight gradients to the step's store.
 pub fn layer_hooks() -> (LinearHook, VocabHook) {
-    let layers = Arc::new(PlacedLayers);
-    (LinearHook(layers.clone()), VocabHook(layers))
-}
-
-/// The hooks of [`forward_context`]: each reads the split from the parameters' [`super::Placed`].
-struct PlacedLayers;
-
-impl LinearOp for PlacedLayers {
-    fn apply(&self, linear: &Linear, x: Tensor<3>) -> Tensor<3> {
-        placed_linear(&linear.weight, linear.bias.as_ref(), x)
-    }
-
-    fn apply_shared(&self, layers: &[&Linear], x: Tensor<3>) -> Vec<Tensor<3>> {
-        let params: Vec<_> = layers
-            .iter()
-            .map(|l| (&l.weight, l.bias.as_ref()))
-            .collect();
-        placed_linears(&params, x)
-    }
-}
-
-impl MoeLayerOp for PlacedLayers {
-    fn apply(&self, moe: &Moe, x: Tensor<3>, ctx: &ForwardContext, layer: usize) -> Tensor<3> {
-        // The context's hook counts every layer's routing (for the routing biases' loads).
-        let (y, aux) = match &ctx.moe {
-            Some(hook) => MoeForward::forward_counted(moe, x, hook, layer),
-            None => MoeForward::forward(moe, x),
-        };
-        if let (Some(aux), Some(hook)) = (aux, &ctx.moe) {
-            hook.push_aux_loss(aux);
-        }
-        y
-    }
-}
-
-impl VocabOp for PlacedLayers {
-    fn embed(&self, table: &Embedding, tokens: Tensor<2, Int>) -> Tensor<3> {
-        placed_embedding(&table.weight, tokens)
-    }
-
-    fn loss(&self, head: OutputHead<'_>, h: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
-        let (logits, split) = match head {
-            OutputHead::Tied(table) => {
-                let (weight, split) = table_split(&table.weight);
-                let logits = tied_logits(weight, split.as_ref().map(|(_, tp)| tp), h);
-                (logits, split.map(|(shard, tp)| (shard, tp.group)))
-            }
-            OutputHead::Untied(head) => (
-                placed_linear(&head.weight, head.bias.as_ref(), h),
-                head_split(&head.weight),
-            ),
-        };
-        match split {
-            Some((shard, group)) => vocab_parallel_cross_entropy(logits, targets, &shard, &group),
-            None => next_token_loss(logits, targets),
-        }
-    }
+    crate::nn::placed_hooks()
 }
 
 /// One micro-batch of the reference transformer's pipeline stages: its inputs and targets
