@@ -12,8 +12,8 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover::check::relative_difference;
 use flashover::{Axis, launch};
+use flashover_models::transformer::split_sequences;
 use flashover_models::{ForwardContext, Transformer, TransformerConfig, next_token_loss};
-use flashover_parallel::parallelize::transformer::split_sequences;
 use flashover_parallel::parallelize::{ContextParallelRule, ParallelizePlan, parallelize};
 
 const SEQ: usize = 512;

@@ -8,9 +8,10 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover::train::{TrainConfig, compare, memory_formula, train, verify};
 use flashover::{Axis, OpKind, launch};
 use flashover_models::TransformerConfig;
+use flashover_models::transformer;
 use flashover_parallel::ParallelError;
 use flashover_parallel::context_parallel::CpAttention;
-use flashover_parallel::parallelize::{ContextParallelRule, parallelize, transformer};
+use flashover_parallel::parallelize::{ContextParallelRule, parallelize};
 use flashover_parallel::params::flatten_params;
 
 const TOLERANCE: f64 = 1e-5;
@@ -27,6 +28,12 @@ mod job_plan;
 mod mixed_precision;
 #[path = "equivalence/moe.rs"]
 mod moe;
+#[path = "equivalence/plan_loops.rs"]
+mod plan_loops;
+#[path = "equivalence/recompute_policies.rs"]
+mod recompute_policies;
+#[path = "equivalence/reference_plan.rs"]
+mod reference_plan;
 
 /// A small job: tiny transformer, 8 steps, clipping tight enough to be active.
 fn job(mesh: &str, global_batch: usize, micro_batches: usize) -> TrainConfig {

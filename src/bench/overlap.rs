@@ -5,9 +5,10 @@
 //! and batches.
 
 use flashover::train::{TrainConfig, make_batch, token_source};
+use flashover_models::transformer;
 use flashover_parallel::ParallelError;
 use flashover_parallel::data_parallel::GradientBuckets;
-use flashover_parallel::parallelize::{ParallelizePlan, parallelize, transformer};
+use flashover_parallel::parallelize::{ParallelizePlan, parallelize};
 use flashover_runtime::{Axis, Launch};
 use serde::Serialize;
 use std::time::Instant;

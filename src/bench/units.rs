@@ -12,9 +12,10 @@
 use burn::optim::GradientsParams;
 use flashover::train::{TrainConfig, make_batch, token_source};
 use flashover_models::Transformer;
+use flashover_models::transformer;
 use flashover_parallel::ParallelError;
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
-use flashover_parallel::parallelize::{ParallelizePlan, parallelize, transformer};
+use flashover_parallel::parallelize::{ParallelizePlan, parallelize};
 use flashover_runtime::{Axis, Launch, OpKind};
 use serde::Serialize;
 use std::time::Instant;

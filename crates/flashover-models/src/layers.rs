@@ -1,13 +1,13 @@
 //! The transformer's layers: causal attention with RoPE, SwiGLU MLP, and the block.
 
-use crate::dropout::Site;
-use crate::forward_context::ForwardContext;
-use crate::moe::{Moe, SwiGlu};
 use burn::module::Module;
 use burn::nn::{Linear, RmsNorm};
 use burn::tensor::FloatDType;
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Tensor};
+use flashover_parallel::dropout::Site;
+use flashover_parallel::forward_context::ForwardContext;
+use flashover_parallel::moe::{Moe, SwiGlu};
 
 /// Applies rotary embeddings to `x: [batch, heads, seq, head_dim]` ("rotate half" layout).
 fn apply_rope(x: Tensor<4>, cos: &Tensor<2>, sin: &Tensor<2>) -> Tensor<4> {

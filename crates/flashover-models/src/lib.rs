@@ -21,19 +21,21 @@
 //! ```
 #![warn(missing_docs)]
 
-mod dropout;
-mod forward_context;
 pub mod init;
 mod layers;
-pub mod moe;
-mod transformer;
+mod model;
+pub mod transformer;
 
-pub use dropout::{Coords, Dropout, Site};
-pub use forward_context::{
-    AttentionHook, AttentionOp, BlockCheckpoint, BlockFn, CheckpointHook, ForwardContext,
-    LinearHook, LinearOp, MoeLayerHook, MoeLayerOp, OutputHead, SequenceHook, SequenceShare,
-    VocabHook, VocabOp, next_token_loss, rope_tables, rope_tables_at,
+/// The mixture-of-experts layer, which the library defines (its experts spread by a plan's
+/// `expert_parallel` rule).
+pub use flashover_parallel::moe;
+
+pub use flashover_parallel::dropout::{Coords, Dropout, Site};
+pub use flashover_parallel::forward_context::{
+    AttentionHook, AttentionOp, BlockFn, CheckpointHook, ForwardContext, LinearHook, LinearOp,
+    MoeLayerHook, MoeLayerOp, OutputHead, SequenceHook, SequenceShare, VocabHook, VocabOp,
+    next_token_loss, rope_tables, rope_tables_at,
 };
+pub use flashover_parallel::moe::{Moe, MoeConfig, MoeHook, SwiGlu};
 pub use layers::{Attention, Block};
-pub use moe::{Moe, MoeConfig, MoeHook, SwiGlu};
-pub use transformer::{Transformer, TransformerConfig};
+pub use model::{Transformer, TransformerConfig};

@@ -35,12 +35,15 @@
 pub mod activation_checkpointing;
 pub mod context_parallel;
 pub mod data_parallel;
+pub mod dropout;
 mod error;
 pub mod expert_parallel;
 mod flat_adamw;
+pub mod forward_context;
 mod grad_clip;
 mod hook;
 mod host;
+pub mod moe;
 pub mod nn;
 pub mod parallelize;
 pub mod params;

@@ -36,12 +36,12 @@ use crate::train::config::{GradientReduction, TrainConfig};
 use burn::module::Module;
 use burn::tensor::{Int, Tensor};
 use flashover_models::moe::LocalExperts;
+use flashover_models::transformer::{self, LmBatch};
 use flashover_models::{ForwardContext, MoeHook, Transformer, TransformerConfig};
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
 use flashover_parallel::data_parallel::{
     GradientBuckets, GradientRows, ReductionReport, ReductionTiming,
 };
-use flashover_parallel::parallelize::transformer::{self, LmBatch};
 use flashover_parallel::parallelize::{
     ContextParallelRule, ParallelizePlan, Parallelized, parallelize,
 };

@@ -14,7 +14,7 @@
 //!   (norms, activations, softmax, elementwise) in backward.
 //!
 //! **Random numbers:** the model's dropout masks are a hash of (seed, step, site, logical
-//! coordinates) (`flashover_models::Dropout`), not a stream: a recomputed forward draws exactly
+//! coordinates) (`crate::dropout::Dropout`), not a stream: a recomputed forward draws exactly
 //! the masks the first one drew, so gradients equal those without recomputation.
 //!
 //! Block-level recomputation is a custom autodiff op with host code in its backward (module `op`),
@@ -24,13 +24,14 @@ mod op;
 
 pub use op::{RecomputeHook, recompute};
 
+use crate::forward_context::{BlockFn, CheckpointHook, ForwardContext};
 use crate::hook::hooks_supported;
+use crate::moe::MoeHook;
 use crate::parallelize::units::recomputing;
 use crate::params::{ParamLayout, accumulate_grads};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
-use flashover_models::{Block, BlockCheckpoint, BlockFn, CheckpointHook, ForwardContext, MoeHook};
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
@@ -153,24 +154,28 @@ impl BlockRecompute {
     }
 }
 
-impl BlockCheckpoint for BlockRecompute {
-    fn run(
+impl BlockRecompute {
+    /// `forward(block, x, ctx)` for block `layer`: recomputed in backward from `x` alone when
+    /// the policy names the layer (through [`ForwardContext::block`]). `aux_losses`: whether
+    /// the block adds auxiliary losses to `ctx`'s `moe` hook.
+    pub fn run<B: Module + Send + Sync + 'static>(
         &self,
         layer: usize,
-        block: &Block,
+        block: &B,
         x: Tensor<3>,
         ctx: &ForwardContext,
-        forward: BlockFn,
+        aux_losses: bool,
+        forward: BlockFn<B>,
     ) -> Tensor<3> {
         if !self.policy.recomputes_block(layer) {
             return forward(block, x, ctx);
         }
-        if let (Some(moe), Some(_)) = (&ctx.moe, &block.moe) {
+        if let (Some(moe), true) = (&ctx.moe, aux_losses) {
             return self.run_with_aux_losses(block, x, ctx, moe, forward);
         }
         let replays = self.replays();
         let ctx = ctx.clone();
-        checkpoint(block, x, move |b: &Block, x: Tensor<3>| {
+        checkpoint(block, x, move |b: &B, x: Tensor<3>| {
             replays.next_is_replay();
             forward(b, x, &ctx)
         })
@@ -215,13 +220,13 @@ impl BlockRecompute {
     /// output (in f32), so their gradient reaches the router through the recomputation, as the
     /// block output's does. The first run records the routing statistics; the run in backward
     /// records nothing (it would count twice).
-    fn run_with_aux_losses(
+    fn run_with_aux_losses<B: Module + Send + Sync + 'static>(
         &self,
-        block: &Block,
+        block: &B,
         x: Tensor<3>,
         ctx: &ForwardContext,
         moe: &MoeHook,
-        forward: BlockFn,
+        forward: BlockFn<B>,
     ) -> Tensor<3> {
         let (dims, dtype) = (x.dims(), x.dtype());
         let numel = dims.iter().product();
@@ -234,7 +239,7 @@ impl BlockRecompute {
             ..ctx.clone()
         };
         let replays = self.replays();
-        let output = checkpoint(block, x, move |b: &Block, x: Tensor<3>| {
+        let output = checkpoint(block, x, move |b: &B, x: Tensor<3>| {
             let ctx = match replays.next_is_replay() {
                 false => &first,
                 true => &again,

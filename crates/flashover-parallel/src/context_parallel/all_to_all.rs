@@ -4,9 +4,9 @@ use super::blocks::attend_masked;
 use super::comm::{heads_to_sequence, sequence_to_heads};
 use super::layout::SequenceLayout;
 use super::work::WorkCounter;
+use crate::forward_context::{AttentionOp, ForwardContext};
 use burn::tensor::Tensor;
 use flashover_comm::Group;
-use flashover_models::{AttentionOp, ForwardContext};
 use std::sync::Arc;
 use std::time::Instant;
 

@@ -29,9 +29,9 @@ pub use sequence::CpSequences;
 pub use work::{AttentionWork, WorkCounter};
 
 use crate::ParallelError;
+use crate::forward_context::{AttentionHook, ForwardContext, SequenceHook};
 use burn::tensor::{Int, Tensor, TensorData};
 use flashover_comm::Group;
-use flashover_models::{AttentionHook, ForwardContext, SequenceHook};
 use std::str::FromStr;
 use std::sync::Arc;
 

@@ -5,9 +5,9 @@ use super::comm::{ring_passed, ring_shift};
 use super::layout::{SequenceLayout, Visibility};
 use super::merge_op;
 use super::work::WorkCounter;
+use crate::forward_context::{AttentionOp, ForwardContext};
 use burn::tensor::Tensor;
 use flashover_comm::Group;
-use flashover_models::{AttentionOp, ForwardContext};
 use std::sync::Arc;
 use std::time::Instant;
 

@@ -3,9 +3,9 @@
 //! rank's router logits into position order.
 
 use super::SequenceLayout;
+use crate::forward_context::SequenceShare;
 use crate::tensor_parallel::comm::ok;
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
-use flashover_models::SequenceShare;
 
 /// The `cp` group and which positions each of its ranks holds.
 pub struct CpSequences {

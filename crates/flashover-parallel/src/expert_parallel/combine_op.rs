@@ -4,6 +4,7 @@
 //! backward is written out as gathers: each kept row `r` (token `t`, choice `c`) gets
 //! `d out_r = w_c d y_t`, each choice `d w_c = out_r · d y_t` (0 where dropped).
 
+use crate::moe::Routing;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 use burn::backend::Cube;
 use burn::backend::autodiff::{
@@ -17,7 +18,6 @@ use burn::backend::{
 };
 use burn::tensor::{DType, IndexingUpdateOp, IntDType, Shape, Tensor, TensorData};
 use flashover_kernels::MoePermuteOps;
-use flashover_models::moe::Routing;
 use std::sync::Arc;
 
 /// Where each kept row and each `[tokens, top_k]` choice belong (host indices).
@@ -168,7 +168,7 @@ pub(crate) fn fuses(outputs: &Tensor<2>, weights: &Tensor<2>) -> bool {
         && flashover_kernels::uses_kernels(&outputs.device())
 }
 
-/// [`flashover_models::moe::combine`] as the fused differentiable op.
+/// [`crate::moe::combine`] as the fused differentiable op.
 pub(crate) fn combine_fused(
     outputs: Tensor<2>,
     weights: Tensor<2>,
@@ -297,7 +297,7 @@ mod tests {
             let y = if fused {
                 gather_fused(leaf.clone(), &rows)
             } else {
-                let index = flashover_models::moe::index_tensor(&rows, [rows.len()], &device);
+                let index = crate::moe::index_tensor(&rows, [rows.len()], &device);
                 leaf.clone().select(0, index)
             };
             let grads = (y.clone() * r.clone()).sum().backward();
@@ -345,7 +345,7 @@ mod tests {
             let y = if fused {
                 combine_fused(o.clone(), w.clone(), &routing)
             } else {
-                flashover_models::moe::combine(o.clone(), w.clone(), &routing)
+                crate::moe::combine(o.clone(), w.clone(), &routing)
             };
             let grads = (y.clone() * r.clone()).sum().backward();
             let v = |t: Tensor<2>| t.inner().into_data().try_to_vec::<f32>().unwrap();

@@ -25,12 +25,12 @@ use crate::precision::cast_params;
 pub(crate) use replicas::{Replicas, take_recomputed_copies};
 
 use crate::error::ParallelError;
+use crate::moe::SwiGlu;
+use crate::moe::{ExpertDispatch, Moe, Routing, index_tensor, run_experts};
 use crate::tensor_parallel::comm::{host, host_pair, ok, values};
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{Tensor, TensorData};
 use flashover_comm::{CommunicatorExt, Group};
-use flashover_models::SwiGlu;
-use flashover_models::moe::{ExpertDispatch, Moe, Routing, index_tensor, run_experts};
 use flashover_runtime::Axis;
 use std::ops::Range;
 use std::sync::Arc;
@@ -247,7 +247,7 @@ impl ExpertDispatch for ExpertParallel {
         if combine_op::fuses(&outputs, &weights) {
             combine_op::combine_fused(outputs, weights, routing)
         } else {
-            flashover_models::moe::combine(outputs, weights, routing)
+            crate::moe::combine(outputs, weights, routing)
         }
     }
 

@@ -14,6 +14,8 @@
 //! step's hot experts are the same on every `ep` rank.
 
 use crate::error::ParallelError;
+use crate::moe::Moe;
+use crate::moe::SwiGlu;
 use crate::params::{accumulate_grads, flatten_params};
 use burn::module::{Module, Param, ParamId};
 use burn::nn::Linear;
@@ -21,8 +23,6 @@ use burn::optim::GradientsParams;
 use burn::tensor::Gradients;
 use burn::tensor::{Tensor, TensorData};
 use flashover_comm::{CommError, CommunicatorExt, Group, ReduceOp};
-use flashover_models::SwiGlu;
-use flashover_models::moe::Moe;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 

@@ -1,10 +1,10 @@
 //! Causal attention's core, splittable over `cp` by a plan's `context_parallel` rule.
 
+use crate::forward_context::ForwardContext;
 use crate::parallelize::{ContextSplit, Placed};
 use burn::module::{Module, Param};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Device, Tensor};
-use flashover_models::ForwardContext;
 
 /// `softmax(q k^T / sqrt(head_dim) + causal mask) v`, the part of self-attention where
 /// sequence positions meet. Under a plan's `context_parallel` rule each rank holds some

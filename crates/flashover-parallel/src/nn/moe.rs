@@ -3,16 +3,17 @@
 
 use crate::context_parallel::CpSequences;
 use crate::expert_parallel::ExpertParallel;
+use crate::forward_context::{ForwardContext, SequenceHook};
+use crate::moe::{ExpertDispatch, LocalExperts, Moe};
+use crate::moe::{MoeHook, SwiGlu};
 use crate::parallelize::Placed;
 use crate::parallelize::placed::UnitGathers;
 use crate::parallelize::units::replaying;
 use crate::tensor_parallel::comm::on_whole_sequences;
 use burn::tensor::Tensor;
-use flashover_models::moe::{ExpertDispatch, LocalExperts, Moe};
-use flashover_models::{ForwardContext, MoeHook, SequenceHook, SwiGlu};
 use std::sync::Arc;
 
-/// The forward of a [`flashover_models::Moe`] layer in a model of your own: on one device, or
+/// The forward of a [`crate::moe::Moe`] layer in a model of your own: on one device, or
 /// with its routed experts spread over `ep` by a plan's `expert_parallel` rule (each token
 /// goes to the rank holding its expert and back, two all-to-alls each way), and routing whole
 /// sequences under context and sequence parallelism, as one device does.

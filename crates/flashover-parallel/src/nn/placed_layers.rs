@@ -5,14 +5,15 @@
 use super::MoeForward;
 use super::embedding::{placed_embedding, table_split, tied_logits};
 use super::linear::{head_split, placed_linear, placed_linears};
+use crate::forward_context::{
+    ForwardContext, LinearHook, LinearOp, MoeLayerHook, MoeLayerOp, OutputHead, VocabHook, VocabOp,
+    next_token_loss,
+};
+use crate::moe::LocalExperts;
+use crate::moe::{Moe, MoeHook};
 use crate::tensor_parallel::vocab_parallel_cross_entropy;
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{Int, Tensor};
-use flashover_models::moe::LocalExperts;
-use flashover_models::{
-    ForwardContext, LinearHook, LinearOp, Moe, MoeHook, MoeLayerHook, MoeLayerOp, OutputHead,
-    VocabHook, VocabOp, next_token_loss,
-};
 use std::sync::Arc;
 
 /// The linear and vocabulary hooks of [`placed_context`], for a context of one's own.

@@ -36,17 +36,17 @@ impl Parallelized {
     /// `ctx` with attention over whole sequences of `seq` positions across the `cp` ranks
     /// (`heads` attention heads on this rank: the model's, divided by `tp` where the plan splits
     /// them), and this rank's positions for rotary embeddings: for a model whose attention
-    /// runs through a [`flashover_models::ForwardContext`] (the reference transformer:
-    /// [`transformer::split_sequences`]) rather than through
+    /// runs through a [`crate::forward_context::ForwardContext`] (the reference transformer:
+    /// `flashover_models::transformer::split_sequences`) rather than through
     /// [`crate::nn::CausalAttention`] cores, under a `context_parallel` rule that names none
     /// (`ContextParallelRule::ring(&[])`). `ctx` itself without a sequence split. Fails when
     /// the sequence or the heads do not cut over `cp`.
     pub fn context_forward(
         &self,
-        ctx: flashover_models::ForwardContext,
+        ctx: crate::forward_context::ForwardContext,
         seq: usize,
         heads: usize,
-    ) -> Result<flashover_models::ForwardContext, ParallelError> {
+    ) -> Result<crate::forward_context::ForwardContext, ParallelError> {
         match &self.context {
             None => Ok(ctx),
             Some(split) => Ok(split.attention(seq, heads)?.forward_context(ctx)),

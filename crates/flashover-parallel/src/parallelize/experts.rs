@@ -1,5 +1,5 @@
 //! A plan's `expert_parallel` layers: each `ep` rank holds `n_experts / ep` of the experts of
-//! every named mixture-of-experts layer ([`flashover_models::Moe`], found by type), and the
+//! every named mixture-of-experts layer ([`crate::moe::Moe`], found by type), and the
 //! others become placeholders; the layer's forward ([`crate::nn::MoeForward`]) sends each
 //! token to the rank that holds its expert and back.
 
@@ -30,7 +30,7 @@ struct MoeLayer {
     expert_of: HashMap<String, usize>,
 }
 
-/// Every [`flashover_models::Moe`] layer of `model`, found by type.
+/// Every [`crate::moe::Moe`] layer of `model`, found by type.
 fn moe_layers<M: Module>(model: &M) -> Vec<MoeLayer> {
     #[derive(Default)]
     struct Find {
@@ -296,7 +296,7 @@ impl super::Parallelized {
     /// Fails when `stats` counts more layers or experts. Collective.
     pub fn routing_loads(
         &self,
-        stats: &flashover_models::moe::MoeStats,
+        stats: &crate::moe::MoeStats,
         layers: usize,
         n_experts: usize,
     ) -> Result<Vec<Vec<u64>>, ParallelError> {

@@ -34,7 +34,7 @@
 //!   over the other ranks' keys and values. Losses and gradients are averaged over `cp` as
 //!   over the data axes.
 //!
-//! - `ep`: the plan's `expert_parallel` layers ([`flashover_models::Moe`]) keep `1/ep` of their
+//! - `ep`: the plan's `expert_parallel` layers ([`crate::moe::Moe`]) keep `1/ep` of their
 //!   routed experts per rank (placeholders for the rest), and their forward
 //!   ([`crate::nn::MoeForward`]) sends each token to the rank holding its expert and back.
 //!   `ep` ranks read different samples, as `dp` ranks do.
@@ -57,7 +57,6 @@ pub mod placed;
 mod plan;
 mod reduction;
 mod sequence_check;
-pub mod transformer;
 pub(crate) mod units;
 mod validate;
 

@@ -387,7 +387,7 @@ pub struct ParallelizePlan {
     /// layers and runs on a mesh without `pp` too).
     #[serde(default, with = "policy_name")]
     pub activation_checkpointing: CheckpointPolicy,
-    /// Mixture-of-experts layers ([`flashover_models::Moe`]) whose routed experts are spread
+    /// Mixture-of-experts layers ([`crate::moe::Moe`]) whose routed experts are spread
     /// over `ep`: each rank holds `n_experts / ep` of every layer's and runs the tokens of every
     /// `ep` rank that chose them; the router and shared expert stay whole. The layer's forward is
     /// [`crate::nn::MoeForward::forward`]. `ep` ranks read different samples, as `dp` ranks do.

@@ -5,9 +5,10 @@
 
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Device, Tensor, TensorData};
-use flashover_models::{Dropout, ForwardContext};
 use flashover_parallel::ParallelError;
 use flashover_parallel::context_parallel::{ContextParallel, CpAttention};
+use flashover_parallel::dropout::Dropout;
+use flashover_parallel::forward_context::ForwardContext;
 use flashover_parallel::params::to_f32;
 use flashover_runtime::{Axis, launch};
 

@@ -5,10 +5,10 @@
 use burn::module::Param;
 use burn::nn::Linear;
 use burn::tensor::{Device, Tensor, TensorData};
-use flashover_models::moe::{DropPolicy, Moe, MoeConfig, MoeHook};
-use flashover_models::{ForwardContext, SwiGlu};
 use flashover_parallel::ParallelError;
 use flashover_parallel::expert_parallel::{ExpertParallel, expert_slots};
+use flashover_parallel::forward_context::ForwardContext;
+use flashover_parallel::moe::{DropPolicy, Moe, MoeConfig, MoeHook, SwiGlu};
 use flashover_parallel::params::to_f32;
 use flashover_runtime::{Axis, CommunicatorExt, ReduceOp, launch};
 use std::sync::Arc;
@@ -108,7 +108,7 @@ fn close(a: &[f32], b: &[f32], what: &str) {
 fn check(config: &MoeConfig, ep: usize, router_scale: f32) -> Pass {
     let device = Device::flex().autodiff();
     let whole = layer(config, 0..config.n_experts, router_scale, &device);
-    let local = MoeHook::new(Arc::new(flashover_models::moe::LocalExperts));
+    let local = MoeHook::new(Arc::new(flashover_parallel::moe::LocalExperts));
     let reference = pass(&whole, 0..BATCH, local, &device);
     let results = launch(format!("ep={ep}").as_str(), |ctx| {
         let device = Device::flex().autodiff();

@@ -12,7 +12,6 @@ mod parallelize;
 mod parallelize_context;
 mod parallelize_experts;
 mod parallelize_precision;
-mod parallelize_transformer;
 mod pipeline;
 mod tensor_parallel;
 mod zero;

@@ -8,8 +8,8 @@ use burn::module::{Module, Param};
 use burn::nn::{LayerNorm, LayerNormConfig};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use flashover_models::rope_tables_at;
 use flashover_parallel::ParallelError;
+use flashover_parallel::forward_context::rope_tables_at;
 use flashover_parallel::nn;
 use flashover_parallel::parallelize::{
     ContextParallelRule, ParallelizePlan, PipelineModel, PipelineRule, TensorParallelRule,

@@ -1,4 +1,4 @@
-//! A user's mixture-of-experts language model (`flashover_models::Moe` layers: 4 experts, top-2,
+//! A user's mixture-of-experts language model (`flashover_parallel::moe::Moe` layers: 4 experts, top-2,
 //! capacity-limited, with load-balancing and z-losses) whose experts a plan spreads over `ep`,
 //! alone and with dp, fsdp, tp (with and without sequence parallelism) and cp, against the
 //! same model's plain single-rank Burn loop: losses and every weight within 1e-5.
@@ -8,10 +8,9 @@ use burn::module::{Module, Param};
 use burn::nn::{LayerNorm, LayerNormConfig, Linear};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use flashover_models::moe::Moe;
-use flashover_models::{MoeConfig, SwiGlu};
 use flashover_parallel::ParallelError;
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
+use flashover_parallel::moe::{Moe, MoeConfig, SwiGlu};
 use flashover_parallel::nn::{self, MoeForward};
 use flashover_parallel::parallelize::{
     ContextParallelRule, ParallelizePlan, PipelineModel, PipelineRule, TensorParallelRule,

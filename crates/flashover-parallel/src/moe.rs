@@ -165,7 +165,7 @@ impl MoeConfig {
     /// fields, when the configuration is invalid.
     ///
     /// ```
-    /// use flashover_models::MoeConfig;
+    /// use flashover_parallel::moe::MoeConfig;
     /// let moe = MoeConfig::new(4, 2, 16).init(8, &burn::tensor::Device::flex());
     /// assert_eq!((moe.experts.len(), moe.first_expert), (4, 0));
     /// assert_eq!(moe.router.weight.val().dims(), [8, 4]);
@@ -897,7 +897,9 @@ mod tests {
     #[test]
     fn the_routing_bias_moves_towards_the_mean_load() {
         let mut moe = Moe {
-            router: crate::init::linear(1, "r", 2, 3, 0.1, &burn::tensor::Device::flex()),
+            router: burn::nn::LinearConfig::new(2, 3)
+                .with_bias(false)
+                .init(&burn::tensor::Device::flex()),
             experts: vec![],
             shared: None,
             first_expert: 0,

@@ -1,23 +1,21 @@
-//! The reference transformer parallelized by its own plan (data in flashover-models), as a
+//! The reference transformer parallelized by its own plan (`flashover_models::transformer`), as a
 //! user's model is, against its plain single-rank Burn loop: losses, gradient norms (clipping
 //! active) and every weight within 1e-5, under tensor (and sequence) parallelism, fully
 //! sharded parameters over it, pipelines (1F1B and zero-bubble) and all of them with
 //! recomputation.
 
-use crate::parallelize::{
+use super::plan_loops::{
     GLOBAL_BATCH, MAX_NORM, Run, STEPS, differences, plan_loop, reference_loop,
 };
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_models::moe::LocalExperts;
+use flashover_models::transformer::{self, LmBatch};
 use flashover_models::{
     Block, Dropout, ForwardContext, MoeConfig, MoeHook, Transformer, TransformerConfig,
 };
 use flashover_parallel::ParallelError;
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
-use flashover_parallel::parallelize::transformer::LmBatch;
-use flashover_parallel::parallelize::{
-    ContextParallelRule, ParallelizePlan, parallelize, transformer,
-};
+use flashover_parallel::parallelize::{ContextParallelRule, ParallelizePlan, parallelize};
 use flashover_parallel::pipeline::ScheduleKind;
 use flashover_runtime::{Axis, Launch, OpKind};
 use std::sync::Arc;

@@ -7,8 +7,8 @@
 //! strategy installs itself without the model knowing which strategies run: a linear layer
 //! ([`LinearOp`], zero-bubble weight-gradient deferral, a plan's tensor-parallel layers), the
 //! embedding and loss ([`VocabOp`], a table split by vocabulary), attention's core ([`AttentionOp`],
-//! context parallelism), a block ([`BlockCheckpoint`], activation checkpointing), a
-//! mixture-of-experts layer's experts ([`crate::MoeHook`], expert parallelism), and the
+//! context parallelism), a block ([`CheckpointHook`], activation checkpointing), a
+//! mixture-of-experts layer's experts ([`crate::moe::MoeHook`], expert parallelism), and the
 //! sequences split across ranks that such a layer routes whole ([`SequenceShare`], context
 //! parallelism).
 //!
@@ -18,8 +18,9 @@
 //! parallelism library needs of a model's forward, so both can move below the reference
 //! transformer (which then depends on the library, not the reverse).
 
+use crate::activation_checkpointing::BlockRecompute;
 use crate::dropout::{Coords, Dropout, Site};
-use crate::layers::Block;
+use burn::module::Module;
 use burn::nn::{Embedding, Linear};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -48,7 +49,7 @@ pub struct ForwardContext {
     /// Runs mixture-of-experts layers' experts and collects their auxiliary losses when set
     /// (without it, experts run locally and auxiliary losses are not added).
     pub moe: Option<crate::moe::MoeHook>,
-    /// Computes whole mixture-of-experts layers in place of [`crate::Moe::forward_with`] when
+    /// Computes whole mixture-of-experts layers in place of [`crate::moe::Moe::forward_with`] when
     /// set (a plan's layers, which find their experts' placement themselves).
     pub moe_layer: Option<MoeLayerHook>,
     /// Computes attention's core (softmax of scores times values) in place of the local causal
@@ -101,25 +102,26 @@ pub trait SequenceShare: Send + Sync {
 shared_hook!(SequenceHook, SequenceShare);
 
 /// A block's forward as a function of the block, its input and the context it runs in
-/// (everything else captured). A [`BlockCheckpoint`] may run it in a context of its own: a
+/// (everything else captured). Activation checkpointing may run it in a context of its own: a
 /// recomputed mixture-of-experts block records its auxiliary losses elsewhere.
-pub type BlockFn = Arc<dyn Fn(&Block, Tensor<3>, &ForwardContext) -> Tensor<3> + Send + Sync>;
+pub type BlockFn<B> = Arc<dyn Fn(&B, Tensor<3>, &ForwardContext) -> Tensor<3> + Send + Sync>;
 
-/// Runs transformer blocks: how a strategy changes what a block keeps for backward.
-pub trait BlockCheckpoint: Send + Sync {
-    /// `forward(block, x, ctx)` for block `layer`; may keep only `x` and run `forward` again
-    /// in backward.
-    fn run(
-        &self,
-        layer: usize,
-        block: &Block,
-        x: Tensor<3>,
-        ctx: &ForwardContext,
-        forward: BlockFn,
-    ) -> Tensor<3>;
+/// Runs a model's blocks under a [`crate::activation_checkpointing::CheckpointPolicy`]: the
+/// blocks it names keep only their input and run again in backward.
+#[derive(Clone)]
+pub struct CheckpointHook(pub Arc<BlockRecompute>);
+
+impl std::fmt::Debug for CheckpointHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CheckpointHook")
+    }
 }
 
-shared_hook!(CheckpointHook, BlockCheckpoint);
+impl PartialEq for CheckpointHook {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
 
 /// Computes causal attention over a sequence that is split across ranks.
 pub trait AttentionOp: Send + Sync {
@@ -172,14 +174,14 @@ pub trait VocabOp: Send + Sync {
 
 shared_hook!(VocabHook, VocabOp);
 
-/// Computes a mixture-of-experts layer in place of [`crate::Moe::forward_with`]: how a layer
+/// Computes a mixture-of-experts layer in place of [`crate::moe::Moe::forward_with`]: how a layer
 /// whose experts a plan placed (spread over ranks, sharded) routes its tokens.
 pub trait MoeLayerOp: Send + Sync {
     /// `moe` on normed `x: [batch, seq, d_model]` as layer `layer`, its auxiliary losses added
-    /// to `ctx`'s [`crate::MoeHook`] when it has one.
+    /// to `ctx`'s [`crate::moe::MoeHook`] when it has one.
     fn apply(
         &self,
-        moe: &crate::Moe,
+        moe: &crate::moe::Moe,
         x: Tensor<3>,
         ctx: &ForwardContext,
         layer: usize,
@@ -231,16 +233,21 @@ impl ForwardContext {
     }
 
     /// Block `layer`'s forward, `forward(block, x, self)`, through the context's
-    /// [`BlockCheckpoint`] if it has one.
-    pub fn block(
+    /// [`CheckpointHook`] if it has one. `aux_losses`: whether the block adds auxiliary losses
+    /// to the context's `moe` hook (a mixture-of-experts block), which a recomputation must
+    /// carry out of its function.
+    pub fn block<B: Module + Send + Sync + 'static>(
         &self,
         layer: usize,
-        block: &Block,
+        block: &B,
         x: Tensor<3>,
-        forward: impl Fn(&Block, Tensor<3>, &ForwardContext) -> Tensor<3> + Send + Sync + 'static,
+        aux_losses: bool,
+        forward: impl Fn(&B, Tensor<3>, &ForwardContext) -> Tensor<3> + Send + Sync + 'static,
     ) -> Tensor<3> {
         match &self.checkpointing {
-            Some(hook) => hook.0.run(layer, block, x, self, Arc::new(forward)),
+            Some(hook) => hook
+                .0
+                .run(layer, block, x, self, aux_losses, Arc::new(forward)),
             None => forward(block, x, self),
         }
     }
