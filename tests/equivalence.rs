@@ -28,7 +28,7 @@ mod job_plan;
 mod mixed_precision;
 #[path = "equivalence/moe.rs"]
 mod moe;
-#[path = "equivalence/plan_loops.rs"]
+#[path = "../crates/flashover-parallel/tests/strategies/plan_loops.rs"]
 mod plan_loops;
 #[path = "equivalence/recompute_policies.rs"]
 mod recompute_policies;

@@ -63,22 +63,7 @@ pub fn assert_caused_by(
     }
 }
 
-/// The largest difference between `a` and `b` relative to `b`'s largest value: layouts add the
-/// same products in another order, and Adam's normalised steps carry that rounding into weights
-/// near zero, where an element-wise relative difference would measure it against ~0.
-pub fn max_scaled(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    // `f32::max` passes over NaN: a diverged run would compare as equal.
-    assert!(
-        a.iter().chain(b).all(|x| x.is_finite()),
-        "non-finite values"
-    );
-    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs() / scale)
-        .fold(0.0, f32::max)
-}
+pub(crate) use crate::plan_loops::max_scaled;
 
 /// Asserts that `run` (losses, final weights) matches `reference` within 1e-5 ([`max_scaled`]),
 /// printing both differences for `what` (shown with `--nocapture`).

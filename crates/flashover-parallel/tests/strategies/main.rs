@@ -13,5 +13,6 @@ mod parallelize_context;
 mod parallelize_experts;
 mod parallelize_precision;
 mod pipeline;
+mod plan_loops;
 mod tensor_parallel;
 mod zero;

@@ -4,6 +4,9 @@
 //! MLP declares its linear layers as `flashover_parallel::nn::Linear` (split over `tp`).
 
 use crate::common::max_scaled;
+pub(crate) use crate::plan_loops::{
+    GLOBAL_BATCH, LR, MAX_NORM, Run, STEPS, differences, max_rel, plan_loop, reference_loop,
+};
 use burn::module::{Module, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{LayerNorm, LayerNormConfig, Linear};
@@ -14,23 +17,18 @@ use flashover_parallel::activation_checkpointing::{CheckpointPolicy, checkpoint}
 use flashover_parallel::data_parallel::{GradientBuckets, GradientRows};
 use flashover_parallel::nn;
 use flashover_parallel::parallelize::{
-    ParallelizePlan, Parallelized, PipelineModel, PipelineRule, TensorParallelRule, parallelize,
+    ParallelizePlan, PipelineModel, PipelineRule, TensorParallelRule, parallelize,
 };
-use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
+use flashover_parallel::params::{ParamLayout, flatten_params};
 use flashover_parallel::pipeline::ScheduleKind;
 use flashover_parallel::zero::RowAdamW;
 use flashover_parallel::{FlatAdamWConfig, ParallelError};
-use flashover_runtime::{Axis, Launch, OpKind, RankContext};
+use flashover_runtime::{Axis, Launch, OpKind};
 
 const FEATURES: usize = 6;
 /// Odd on purpose: the last layer's rows do not split evenly over two ranks.
 const HIDDEN: usize = 15;
 const CLASSES: usize = 5;
-pub(crate) const GLOBAL_BATCH: usize = 8;
-pub(crate) const STEPS: usize = 6;
-pub(crate) const LR: f64 = 2e-2;
-/// Small enough that clipping is active on most steps.
-pub(crate) const MAX_NORM: f32 = 0.5;
 
 /// A model the tests train: deterministic weights, `[batch, FEATURES]` -> `[batch, CLASSES]`.
 trait Net: Module + Sized {
@@ -302,9 +300,6 @@ fn loss<M: Net>(model: &M, x: Tensor<2>, y: Tensor<1, Int>) -> Tensor<1> {
         .forward(model.forward(x), y)
 }
 
-/// Losses, gradient norms before clipping, and the final weights.
-pub(crate) type Run = (Vec<f32>, Vec<f32>, Vec<f32>);
-
 /// The plain Burn loop on one device, with global-norm clipping written out.
 fn single_rank<M: Net>() -> Run {
     let device = Device::flex().autodiff();
@@ -312,32 +307,6 @@ fn single_rank<M: Net>() -> Run {
         let (x, y) = batch(samples, &device);
         loss(model, x, y)
     })
-}
-
-/// The plain Burn loop on one device over `model`, `loss(model, samples)` the loss of step
-/// `s`'s samples `s * GLOBAL_BATCH..`, with global-norm clipping written out.
-pub(crate) fn reference_loop<M: Module>(
-    mut model: M,
-    loss: impl Fn(&mut M, std::ops::Range<usize>) -> Tensor<1>,
-) -> Run {
-    let mut optim = AdamWConfig::new().init();
-    let (mut losses, mut norms) = (vec![], vec![]);
-    for step in 0..STEPS {
-        let loss = loss(&mut model, step * GLOBAL_BATCH..(step + 1) * GLOBAL_BATCH);
-        losses.push(loss.clone().into_scalar::<f32>());
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        let mut flat = vec![0.0; ParamLayout::of(&model).numel];
-        accumulate_grads(&model, &grads, &mut flat, &[]);
-        let norm = flat.iter().map(|g| (*g as f64).powi(2)).sum::<f64>().sqrt() as f32;
-        norms.push(norm);
-        if norm > MAX_NORM {
-            let by = MAX_NORM / (norm + 1e-6);
-            flat.iter_mut().for_each(|g| *g *= by);
-        }
-        let grads = grads_from_flat(&model, &flat);
-        model = optim.step(LR, model, grads);
-    }
-    (losses, norms, flatten_params(&model))
 }
 
 /// The same loop under `plan` on `mesh`: rank 0's run, and every rank's stored parameter
@@ -350,59 +319,6 @@ fn parallel<M: Net>(mesh: &str, plan: ParallelizePlan) -> (Run, Vec<usize>) {
         let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
         Ok((grads, mean, norm))
     })
-}
-
-/// What one step of [`plan_loop`] computed: the gradients to step, the whole batch's mean
-/// loss and the gradient norm before clipping.
-pub(crate) type Step = Result<(GradientsParams, f32, f32), ParallelError>;
-
-/// `STEPS` steps of Burn's AdamW on the model `new` builds, parallelized by `plan` on `mesh`,
-/// each step's gradients from `step(model, par, step, ctx, device)`: rank 0's run, and every
-/// rank's stored parameter elements.
-pub(crate) fn plan_loop<M: Module>(
-    mesh: &str,
-    plan: &ParallelizePlan,
-    new: impl Fn(&Device) -> M + Sync,
-    step: impl Fn(&mut M, &Parallelized, usize, &RankContext, &Device) -> Step + Sync,
-) -> (Run, Vec<usize>) {
-    let out = Launch::new(mesh)
-        .unwrap()
-        .run(|ctx| {
-            let device = Device::flex().autodiff();
-            let (mut model, par) = parallelize(new(&device), plan, &ctx)?;
-            let held = ParamLayout::of(&model).numel;
-            let mut optim = AdamWConfig::new().init();
-            let (mut losses, mut norms) = (vec![], vec![]);
-            for s in 0..STEPS {
-                let (grads, loss, norm) = step(&mut model, &par, s, &ctx, &device)?;
-                losses.push(loss);
-                norms.push(norm);
-                model = optim.step(LR, model, grads);
-            }
-            let whole = flatten_params(&par.whole(model)?);
-            Ok::<_, ParallelError>(((losses, norms, whole), held))
-        })
-        .unwrap();
-    let held = out.iter().map(|(_, h)| *h).collect();
-    (out.into_iter().next().unwrap().0, held)
-}
-
-/// The largest relative differences of `run` from `reference`: losses, gradient norms, and
-/// weights (relative to the largest weight, see [`max_scaled`]).
-pub(crate) fn differences(run: &Run, reference: &Run) -> (f32, f32, f32) {
-    (
-        max_rel(&run.0, &reference.0),
-        max_rel(&run.1, &reference.1),
-        max_scaled(&run.2, &reference.2),
-    )
-}
-
-fn max_rel(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs() / y.abs().max(1e-3))
-        .fold(0.0, f32::max)
 }
 
 #[test]

@@ -1,6 +1,7 @@
-//! The loops the reference transformer's plan tests share (as the library's strategy tests
-//! run a user's model): the plain single-rank Burn loop with clipping written out, the same
-//! loop under a plan, and their differences.
+//! The loops the plan tests share: the plain single-rank Burn loop with clipping written out,
+//! the same loop under a plan, and their differences. One file for two test binaries: the
+//! library's strategy tests (a user's models) and the root crate's equivalence tests (the
+//! reference transformer, which lives above the library), which include it by path.
 
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
@@ -12,7 +13,7 @@ use flashover_runtime::{Launch, RankContext};
 
 pub(crate) const GLOBAL_BATCH: usize = 8;
 pub(crate) const STEPS: usize = 6;
-const LR: f64 = 2e-2;
+pub(crate) const LR: f64 = 2e-2;
 /// Tight enough that clipping is active.
 pub(crate) const MAX_NORM: f32 = 0.5;
 
@@ -90,7 +91,7 @@ pub(crate) fn differences(run: &Run, reference: &Run) -> (f32, f32, f32) {
     )
 }
 
-fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn max_rel(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
         .zip(b)
@@ -101,7 +102,7 @@ fn max_rel(a: &[f32], b: &[f32]) -> f32 {
 /// The largest difference between `a` and `b` relative to `b`'s largest value: layouts add the
 /// same products in another order, and Adam's normalised steps carry that rounding into weights
 /// near zero, where an element-wise relative difference would measure it against ~0.
-fn max_scaled(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn max_scaled(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     // `f32::max` passes over NaN: a diverged run would compare as equal.
     assert!(
