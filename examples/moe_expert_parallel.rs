@@ -40,9 +40,9 @@ impl MoeNet {
         let expert = |x: usize| {
             let name = |w: &str| format!("experts.{x}.{w}");
             SwiGlu {
-                w_gate: init::linear(7, &name("gate"), WIDTH, 24, 0.3, device),
-                w_up: init::linear(7, &name("up"), WIDTH, 24, 0.3, device),
-                w_down: init::linear(7, &name("down"), 24, WIDTH, 0.3, device),
+                w_gate: init::linear(7, &name("gate"), WIDTH, 24, 0.3, device).into(),
+                w_up: init::linear(7, &name("up"), WIDTH, 24, 0.3, device).into(),
+                w_down: init::linear(7, &name("down"), 24, WIDTH, 0.3, device).into(),
             }
         };
         MoeNet {

@@ -39,9 +39,9 @@ fn linear(d_in: usize, d_out: usize, salt: f32, device: &Device) -> Linear {
 impl MoeNet {
     fn new(device: &Device) -> Self {
         let expert = |e: usize| SwiGlu {
-            w_gate: linear(WIDTH, 6, 1.0 + e as f32, device),
-            w_up: linear(WIDTH, 6, 1.3 + e as f32, device),
-            w_down: linear(6, WIDTH, 1.6 + e as f32, device),
+            w_gate: linear(WIDTH, 6, 1.0 + e as f32, device).into(),
+            w_up: linear(WIDTH, 6, 1.3 + e as f32, device).into(),
+            w_down: linear(6, WIDTH, 1.6 + e as f32, device).into(),
         };
         MoeNet {
             input: linear(VOCAB, WIDTH, 0.3, device),

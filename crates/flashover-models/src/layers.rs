@@ -1,13 +1,14 @@
 //! The transformer's layers: causal attention with RoPE, SwiGLU MLP, and the block.
 
 use burn::module::Module;
-use burn::nn::{Linear, RmsNorm};
+use burn::nn::RmsNorm;
 use burn::tensor::FloatDType;
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Tensor};
 use flashover_parallel::dropout::Site;
 use flashover_parallel::forward_context::ForwardContext;
 use flashover_parallel::moe::{Moe, SwiGlu};
+use flashover_parallel::nn::Linear;
 
 /// Applies rotary embeddings to `x: [batch, heads, seq, head_dim]` ("rotate half" layout).
 fn apply_rope(x: Tensor<4>, cos: &Tensor<2>, sin: &Tensor<2>) -> Tensor<4> {
@@ -67,7 +68,7 @@ impl Attention {
         ctx: &ForwardContext,
         layer: usize,
     ) -> Tensor<3> {
-        let [q, k, v] = ctx.linears([&self.wq, &self.wk, &self.wv], x);
+        let [q, k, v] = Linear::forward_shared([&self.wq, &self.wk, &self.wv], x);
         // Heads are counted from the projection's output: a tensor-parallel split holds whole
         // heads, fewer of them. Under sequence parallelism `x` held this rank's positions
         // only and the projections all of them.
@@ -79,7 +80,7 @@ impl Attention {
         let v = split(v);
         if let Some(core) = &ctx.core_attention {
             let out = core.0.attend(q, k, v, ctx, layer);
-            return ctx.linear(&self.wo, out.swap_dims(1, 2).reshape([b, t, h * hd]));
+            return self.wo.forward(out.swap_dims(1, 2).reshape([b, t, h * hd]));
         }
         let scores = q.matmul(k.swap_dims(2, 3)).div_scalar((hd as f64).sqrt());
         // `tril_mask` is true strictly above the diagonal: the future positions to hide.
@@ -93,7 +94,7 @@ impl Attention {
             .mask_fill(mask, f32::NEG_INFINITY);
         let probs = ctx.attention(softmax(scores, 3).cast(dtype), layer);
         let out = probs.matmul(v).swap_dims(1, 2).reshape([b, t, h * hd]);
-        ctx.linear(&self.wo, out)
+        self.wo.forward(out)
     }
 }
 
@@ -166,7 +167,7 @@ impl Block {
                 Some(hook) => hook.0.apply(moe, x, ctx, layer),
                 None => moe.forward_with(x, ctx, layer),
             },
-            (None, Some(mlp)) => mlp.forward_with(x, ctx),
+            (None, Some(mlp)) => mlp.forward(x),
             (None, None) => panic!("block {layer} has neither a dense nor an MoE feed-forward"),
         }
     }

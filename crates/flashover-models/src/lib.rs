@@ -32,10 +32,10 @@ pub use flashover_parallel::moe;
 
 pub use flashover_parallel::dropout::{Coords, Dropout, Site};
 pub use flashover_parallel::forward_context::{
-    AttentionHook, AttentionOp, BlockFn, CheckpointHook, ForwardContext, LinearHook, LinearOp,
-    MoeLayerHook, MoeLayerOp, OutputHead, SequenceHook, SequenceShare, VocabHook, VocabOp,
-    next_token_loss, rope_tables, rope_tables_at,
+    AttentionHook, AttentionOp, BlockFn, CheckpointHook, ForwardContext, MoeLayerHook, MoeLayerOp,
+    SequenceHook, SequenceShare, rope_tables, rope_tables_at,
 };
 pub use flashover_parallel::moe::{Moe, MoeConfig, MoeHook, SwiGlu};
+pub use flashover_parallel::nn::{OutputHead, next_token_loss};
 pub use layers::{Attention, Block};
 pub use model::{Transformer, TransformerConfig};

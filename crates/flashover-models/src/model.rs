@@ -4,10 +4,11 @@ use crate::init;
 use crate::layers::{Attention, Block};
 use burn::config::Config;
 use burn::module::Module;
-use burn::nn::{Embedding, Linear, RmsNorm};
+use burn::nn::RmsNorm;
 use burn::tensor::{Device, Int, Tensor};
-use flashover_parallel::forward_context::{ForwardContext, OutputHead};
+use flashover_parallel::forward_context::ForwardContext;
 use flashover_parallel::moe::{Moe, MoeConfig, SwiGlu};
+use flashover_parallel::nn::{Embedding, Linear, OutputHead};
 
 /// Configuration of the reference transformer.
 #[derive(Config, Debug, PartialEq)]
@@ -189,9 +190,9 @@ padded = true
         // Residual-branch outputs are scaled down with depth (GPT-2).
         let out_std = std / (2.0 * self.n_layers as f64).sqrt();
         let swiglu = |name: &str, d: usize, f: usize| SwiGlu {
-            w_gate: init::linear(seed, &format!("{name}.w_gate"), d, f, std, device),
-            w_up: init::linear(seed, &format!("{name}.w_up"), d, f, std, device),
-            w_down: init::linear(seed, &format!("{name}.w_down"), f, d, out_std, device),
+            w_gate: init::linear(seed, &format!("{name}.w_gate"), d, f, std, device).into(),
+            w_up: init::linear(seed, &format!("{name}.w_up"), d, f, std, device).into(),
+            w_down: init::linear(seed, &format!("{name}.w_down"), f, d, out_std, device).into(),
         };
         let blocks = (0..self.n_layers)
             .map(|l| {
@@ -199,10 +200,10 @@ padded = true
                 Block {
                     attn_norm: init::rms_norm(d, self.norm_eps, device),
                     attn: Attention {
-                        wq: init::linear(seed, &p("attn.wq"), d, d, std, device),
-                        wk: init::linear(seed, &p("attn.wk"), d, d, std, device),
-                        wv: init::linear(seed, &p("attn.wv"), d, d, std, device),
-                        wo: init::linear(seed, &p("attn.wo"), d, d, out_std, device),
+                        wq: init::linear(seed, &p("attn.wq"), d, d, std, device).into(),
+                        wk: init::linear(seed, &p("attn.wk"), d, d, std, device).into(),
+                        wv: init::linear(seed, &p("attn.wv"), d, d, std, device).into(),
+                        wo: init::linear(seed, &p("attn.wo"), d, d, out_std, device).into(),
                         n_heads: self.n_heads,
                         head_dim: d / self.n_heads,
                     },
@@ -225,11 +226,11 @@ padded = true
             })
             .collect();
         Transformer {
-            embed: init::embedding(seed, "embed", self.vocab_size, d, std, device),
+            embed: init::embedding(seed, "embed", self.vocab_size, d, std, device).into(),
             blocks,
             norm: init::rms_norm(d, self.norm_eps, device),
             head: (!self.tie_embeddings)
-                .then(|| init::linear(seed, "head", d, self.vocab_size, std, device)),
+                .then(|| init::linear(seed, "head", d, self.vocab_size, std, device).into()),
             rope_theta: self.rope_theta,
         }
     }
@@ -262,16 +263,16 @@ impl Transformer {
     }
 
     /// The mean next-token loss of `tokens` against `targets` (both `[batch, seq]`):
-    /// [`next_token_loss`] of [`Transformer::forward_with`], or, when `ctx` has a
-    /// [`crate::VocabOp`], that op's loss (a vocabulary-parallel head never holds whole
-    /// logits).
+    /// [`crate::next_token_loss`] of [`Transformer::forward_with`]'s logits, or, when a plan
+    /// split the head by vocabulary, the vocabulary-parallel loss (a split head never holds
+    /// whole logits: [`OutputHead::next_token_loss`]).
     pub fn forward_loss(
         &self,
         tokens: Tensor<2, Int>,
         targets: Tensor<2, Int>,
         ctx: &ForwardContext,
     ) -> Tensor<1> {
-        self.head_loss(self.hidden_states(tokens, ctx), targets, ctx)
+        self.head_loss(self.hidden_states(tokens, ctx), targets)
     }
 
     /// The embedding and every block: `tokens: [batch, seq]` -> the last block's output.
@@ -298,7 +299,7 @@ impl Transformer {
             + 'static,
     {
         let t = tokens.dims()[1];
-        let h = ctx.embed(&self.embed, tokens);
+        let h = self.embed.forward(tokens);
         let head_dim = self.blocks.first().map_or(2, |b| b.attn.head_dim);
         let rope = ctx.rope_tables(t, head_dim, self.rope_theta, &h.device());
         self.blocks.iter().enumerate().fold(h, |h, (layer, b)| {
@@ -312,13 +313,9 @@ impl Transformer {
 
     /// The final norm and the loss of its output through the head (see
     /// [`Transformer::forward_loss`]).
-    pub fn head_loss(
-        &self,
-        h: Tensor<3>,
-        targets: Tensor<2, Int>,
-        ctx: &ForwardContext,
-    ) -> Tensor<1> {
-        ctx.loss(self.output_head(), self.norm.forward(h), targets)
+    pub fn head_loss(&self, h: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+        self.output_head()
+            .next_token_loss(self.norm.forward(h), targets)
     }
 
     /// The LM head: its own layer, or the embedding table when tied.

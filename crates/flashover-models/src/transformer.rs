@@ -1,10 +1,10 @@
 //! The reference transformer ([`crate::Transformer`]) parallelized by a plan, as a user's model
 //! is, from its own crate: the library knows no model. [`plan`] reads the model's own plan
 //! ([`TransformerConfig::plan_toml`]), [`flashover_parallel::parallelize::parallelize`] applies
-//! it, and the model's forward computes what the plan placed through [`forward_context`], whose
-//! hooks are the functions of [`flashover_parallel::nn`]'s layers
-//! ([`flashover_parallel::nn::PlacedLayers`]): one tensor-parallel linear, embedding and loss
-//! for a user's model and for this one. [`PipelineModel`] runs its stages.
+//! it, and the model computes what the plan placed: its layers are the library's
+//! ([`flashover_parallel::nn::Linear`], [`flashover_parallel::nn::Embedding`] and its
+//! [`flashover_parallel::nn::OutputHead`], the mixture of experts through [`forward_context`]'s
+//! hook), the same a user's model declares. [`PipelineModel`] runs its stages.
 //!
 //! ```
 //! use burn::tensor::{Device, Int, Tensor};
@@ -31,9 +31,7 @@
 //! assert!((losses[0] - one_rank).abs() < 1e-5 && losses[0] == losses[1]);
 //! ```
 
-use crate::{
-    Block, Dropout, ForwardContext, LinearHook, MoeHook, Transformer, TransformerConfig, VocabHook,
-};
+use crate::{Block, Dropout, ForwardContext, MoeHook, Transformer, TransformerConfig};
 use burn::tensor::{Int, Tensor};
 use flashover_comm::Group;
 use flashover_parallel::ParallelError;
@@ -191,13 +189,6 @@ fn with_aux_losses(loss: Tensor<1>, ctx: &ForwardContext) -> Tensor<1> {
     }
 }
 
-/// The hooks of [`forward_context`], for a context of one's own (the trainer's, with its
-/// dropout offsets). Inside a zero-bubble pipeline step's forwards they defer the linear
-/// layers' weight gradients to the step's store.
-pub fn layer_hooks() -> (LinearHook, VocabHook) {
-    flashover_parallel::nn::placed_hooks()
-}
-
 /// One micro-batch of the reference transformer's pipeline stages: its inputs and targets
 /// (`[batch, seq]` each) and the forward context its samples run in, which every stage reads:
 /// [`forward_context`] for a pair (`(inputs, targets).into()`), or [`dropout_context`] at the
@@ -226,7 +217,7 @@ impl PipelineModel<3> for Transformer {
     type Batch = LmBatch;
 
     fn embed(&self, batch: &LmBatch) -> Tensor<3> {
-        batch.ctx.embed(&self.embed, batch.inputs.clone())
+        self.embed.forward(batch.inputs.clone())
     }
 
     fn layer(&self, index: usize, x: Tensor<3>) -> Tensor<3> {
@@ -247,7 +238,7 @@ impl PipelineModel<3> for Transformer {
     }
 
     fn head_loss(&self, x: Tensor<3>, batch: &LmBatch) -> Tensor<1> {
-        Transformer::head_loss(self, x, batch.targets.clone(), &batch.ctx)
+        Transformer::head_loss(self, x, batch.targets.clone())
     }
 }
 

@@ -1,33 +1,26 @@
 //! What a forward knows about where it runs, and the dispatch points through which parallelism
 //! strategies change how it computes.
 //!
-//! A [`ForwardContext`] travels with every forward of the reference model. Its offsets and
-//! positions say where this rank's tensors sit in the logical ones (what a single rank would
-//! hold), so dropout masks and rotary tables are those of one rank. Its hooks are the places a
-//! strategy installs itself without the model knowing which strategies run: a linear layer
-//! ([`LinearOp`], zero-bubble weight-gradient deferral, a plan's tensor-parallel layers), the
-//! embedding and loss ([`VocabOp`], a table split by vocabulary), attention's core ([`AttentionOp`],
-//! context parallelism), a block ([`CheckpointHook`], activation checkpointing), a
-//! mixture-of-experts layer's experts ([`crate::moe::MoeHook`], expert parallelism), and the
+//! A [`ForwardContext`] travels with the forward of a model whose layers take one (the
+//! reference transformer). Its offsets and positions say where this rank's tensors sit in the
+//! logical ones (what a single rank would hold), so dropout masks and rotary tables
+//! ([`rope_tables_at`]) are those of one rank. Its hooks are the places a strategy computes
+//! what the layers' own types cannot: attention's core over keys and values on other ranks
+//! ([`AttentionOp`], context parallelism), a block run again in backward ([`CheckpointHook`],
+//! activation checkpointing), a mixture-of-experts layer's experts and auxiliary losses
+//! ([`crate::moe::MoeHook`], and [`MoeLayerOp`] for the layers a plan placed), and the
 //! sequences split across ranks that such a layer routes whole ([`SequenceShare`], context
-//! parallelism).
-//!
-//! Beside it, what the context computes with and names no model of: the output head and its
-//! loss ([`OutputHead`], [`next_token_loss`]) and the rotary tables ([`rope_tables_at`]). With
-//! the mixture of experts (`crate::moe`, its SwiGLU experts included) this module is what a
-//! parallelism library needs of a model's forward, so both can move below the reference
-//! transformer (which then depends on the library, not the reverse).
+//! parallelism). Linear layers, embeddings and the loss need none: `crate::nn`'s layers
+//! compute as the plan placed them.
 
 use crate::activation_checkpointing::BlockRecompute;
 use crate::dropout::{Coords, Dropout, Site};
 use burn::module::Module;
-use burn::nn::{Embedding, Linear};
-use burn::tensor::activation::log_softmax;
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Tensor, TensorData};
 use std::sync::Arc;
 
-/// Where a forward runs: its dropout, where its local tensors sit in the logical ones, and who
-/// computes its linear layers.
+/// Where a forward runs: its dropout, where its local tensors sit in the logical ones, and the
+/// strategies' hooks.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ForwardContext {
     /// Dropout, if any.
@@ -42,10 +35,6 @@ pub struct ForwardContext {
     /// (context parallelism: a rank holds chunks of every sequence). Rotary embeddings and
     /// dropout masks use them; `None` means `seq_offset..`.
     pub positions: Option<Arc<[usize]>>,
-    /// Computes the blocks' linear layers in place of [`Linear::forward`] when set.
-    pub linear: Option<LinearHook>,
-    /// Embeds tokens and computes the loss in place of the local embedding and head when set.
-    pub vocab: Option<VocabHook>,
     /// Runs mixture-of-experts layers' experts and collects their auxiliary losses when set
     /// (without it, experts run locally and auxiliary losses are not added).
     pub moe: Option<crate::moe::MoeHook>,
@@ -142,38 +131,6 @@ pub trait AttentionOp: Send + Sync {
 
 shared_hook!(AttentionHook, AttentionOp);
 
-/// Computes a linear layer in place of [`Linear::forward`]: how a strategy changes the way a
-/// weight's gradient is produced (a zero-bubble pipeline defers it to a later action) or how a
-/// split layer computes (a plan's tensor-parallel layers).
-pub trait LinearOp: Send + Sync {
-    /// `linear` applied to `x: [batch, seq, d_in]`.
-    fn apply(&self, linear: &Linear, x: Tensor<3>) -> Tensor<3>;
-
-    /// `layers` applied to one input `x` (attention's query, key and value; SwiGLU's gate and
-    /// up), in order: by default one by one, and an op may share work between them (one entry
-    /// into a tensor-parallel region).
-    fn apply_shared(&self, layers: &[&Linear], x: Tensor<3>) -> Vec<Tensor<3>> {
-        layers.iter().map(|l| self.apply(l, x.clone())).collect()
-    }
-}
-
-shared_hook!(LinearHook, LinearOp);
-
-/// The model's two vocabulary ends in place of the local ones: how tokens are embedded and how
-/// the last hidden states become the loss, as a table split by vocabulary over
-/// tensor-parallel ranks computes them.
-pub trait VocabOp: Send + Sync {
-    /// `table` looked up at `tokens: [batch, seq]`: `[batch, seq, d]`, or the rows of this
-    /// rank's positions when the op splits sequences.
-    fn embed(&self, table: &Embedding, tokens: Tensor<2, Int>) -> Tensor<3>;
-
-    /// The mean next-token cross-entropy of the normed hidden states `h: [batch, seq, d]`
-    /// through `head` against `targets: [batch, seq]`.
-    fn loss(&self, head: OutputHead<'_>, h: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1>;
-}
-
-shared_hook!(VocabHook, VocabOp);
-
 /// Computes a mixture-of-experts layer in place of [`crate::moe::Moe::forward_with`]: how a layer
 /// whose experts a plan placed (spread over ranks, sharded) routes its tokens.
 pub trait MoeLayerOp: Send + Sync {
@@ -191,47 +148,6 @@ pub trait MoeLayerOp: Send + Sync {
 shared_hook!(MoeLayerHook, MoeLayerOp);
 
 impl ForwardContext {
-    /// `linear` applied to `x`, by the context's [`LinearOp`] if it has one.
-    pub fn linear(&self, linear: &Linear, x: Tensor<3>) -> Tensor<3> {
-        match &self.linear {
-            Some(hook) => hook.0.apply(linear, x),
-            None => linear.forward(x),
-        }
-    }
-
-    /// `layers` applied to one input `x` (see [`LinearOp::apply_shared`]), by the context's
-    /// [`LinearOp`] if it has one.
-    pub fn linears<const N: usize>(&self, layers: [&Linear; N], x: Tensor<3>) -> [Tensor<3>; N] {
-        match &self.linear {
-            Some(hook) => match hook.0.apply_shared(&layers, x).try_into() {
-                Ok(outputs) => outputs,
-                Err(outputs) => panic!(
-                    "a LinearOp's apply_shared returned {} outputs for {N} layers",
-                    outputs.len()
-                ),
-            },
-            None => layers.map(|l| l.forward(x.clone())),
-        }
-    }
-
-    /// `table` looked up at `tokens`, by the context's [`VocabOp`] if it has one.
-    pub fn embed(&self, table: &Embedding, tokens: Tensor<2, Int>) -> Tensor<3> {
-        match &self.vocab {
-            Some(hook) => hook.0.embed(table, tokens),
-            None => table.forward(tokens),
-        }
-    }
-
-    /// The mean next-token loss of the normed hidden states `h` through `head`, by the
-    /// context's [`VocabOp`] if it has one ([`next_token_loss`] of the head's logits
-    /// otherwise).
-    pub fn loss(&self, head: OutputHead<'_>, h: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
-        match &self.vocab {
-            Some(hook) => hook.0.loss(head, h, targets),
-            None => next_token_loss(head.logits(h), targets),
-        }
-    }
-
     /// Block `layer`'s forward, `forward(block, x, self)`, through the context's
     /// [`CheckpointHook`] if it has one. `aux_losses`: whether the block adds auxiliary losses
     /// to the context's `moe` hook (a mixture-of-experts block), which a recomputation must
@@ -321,43 +237,6 @@ impl ForwardContext {
             None => probs,
         }
     }
-}
-
-/// The transformer's LM head: a layer of its own, or the token embedding's table (tied).
-#[derive(Debug, Clone, Copy)]
-pub enum OutputHead<'a> {
-    /// The embedding table `[vocab, d]`, read transposed.
-    Tied(&'a Embedding),
-    /// A linear layer `[d, vocab]`.
-    Untied(&'a Linear),
-}
-
-impl OutputHead<'_> {
-    /// Logits of normed hidden states: `[batch, seq, d_model]` -> `[batch, seq, vocab]`.
-    pub fn logits(&self, h: Tensor<3>) -> Tensor<3> {
-        match self {
-            OutputHead::Untied(head) => head.forward(h),
-            OutputHead::Tied(embed) => {
-                let [b, t, d] = h.dims();
-                let w = embed.weight.val(); // [vocab, d]
-                let v = w.dims()[0];
-                h.reshape([b * t, d])
-                    .matmul(w.transpose())
-                    .reshape([b, t, v])
-            }
-        }
-    }
-}
-
-/// Mean next-token cross-entropy (nats): `logits: [batch, seq, vocab]`, `targets: [batch, seq]`.
-/// Computed in f32 whatever the logits' dtype (a reduced-precision softmax over a large
-/// vocabulary loses the loss's low digits).
-pub fn next_token_loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
-    let [b, t, v] = logits.dims();
-    let logits = logits.cast(burn::tensor::FloatDType::F32);
-    let logp = log_softmax(logits.reshape([b * t, v]), 1);
-    let picked = logp.gather(1, targets.reshape([b * t, 1]));
-    picked.mean().neg()
 }
 
 /// Rotary position tables `(cos, sin)`, each `[len, head_dim / 2]`, for positions

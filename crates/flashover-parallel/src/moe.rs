@@ -27,23 +27,31 @@ use std::sync::{Arc, Mutex};
 #[derive(Module, Debug)]
 pub struct SwiGlu {
     /// Gate projection `[d_model, d_ff]`.
-    pub w_gate: Linear,
+    pub w_gate: crate::nn::Linear,
     /// Up projection `[d_model, d_ff]`.
-    pub w_up: Linear,
+    pub w_up: crate::nn::Linear,
     /// Down projection `[d_ff, d_model]`.
-    pub w_down: Linear,
+    pub w_down: crate::nn::Linear,
 }
 
 impl SwiGlu {
-    /// `x: [batch, seq, d_model]` -> same shape.
+    /// `x: [batch, seq, d_model]` -> same shape; split as a plan placed its layers (gate and
+    /// up entering the tensor-parallel region once).
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        self.forward_with(x, &ForwardContext::default())
+        let [gate, up] = crate::nn::Linear::forward_shared([&self.w_gate, &self.w_up], x);
+        self.w_down.forward(silu(gate) * up)
     }
 
-    /// [`SwiGlu::forward`] with `ctx`'s linear layers.
-    pub fn forward_with(&self, x: Tensor<3>, ctx: &ForwardContext) -> Tensor<3> {
-        let [gate, up] = ctx.linears([&self.w_gate, &self.w_up], x);
-        ctx.linear(&self.w_down, silu(gate) * up)
+    /// [`Self::forward`] as an expert computes it: as Burn's `Linear` does, each weight read
+    /// whole (gathered where a plan sharded it over `fsdp`; a plan never splits experts over
+    /// `tp`) and its gradient produced in backward at once (a zero-bubble step does not defer
+    /// it: a hot expert's copy is no parameter of the stage).
+    pub(crate) fn forward_expert(&self, x: Tensor<3>) -> Tensor<3> {
+        let whole = |l: &crate::nn::Linear, x| {
+            burn::tensor::module::linear(x, l.weight.val(), l.bias.as_ref().map(|b| b.val()))
+        };
+        let (gate, up) = (whole(&self.w_gate, x.clone()), whole(&self.w_up, x));
+        whole(&self.w_down, silu(gate) * up)
     }
 }
 
@@ -180,9 +188,9 @@ impl MoeConfig {
                 .init(device)
         };
         let swiglu = || SwiGlu {
-            w_gate: linear(d_model, self.d_expert),
-            w_up: linear(d_model, self.d_expert),
-            w_down: linear(self.d_expert, d_model),
+            w_gate: linear(d_model, self.d_expert).into(),
+            w_up: linear(d_model, self.d_expert).into(),
+            w_down: linear(self.d_expert, d_model).into(),
         };
         Moe {
             router: linear(d_model, self.n_experts),
@@ -503,7 +511,7 @@ pub fn run_experts(experts: &[SwiGlu], tokens: Tensor<2>, counts: &[usize]) -> T
     for (expert, &n) in experts.iter().zip(counts) {
         if n > 0 {
             let x = tokens.clone().narrow(0, start, n).reshape([1, n, d]);
-            outputs.push(expert.forward(x).reshape([n, d]));
+            outputs.push(expert.forward_expert(x).reshape([n, d]));
         }
         start += n;
     }
@@ -737,7 +745,7 @@ impl Moe {
             }
         };
         let out = match &self.shared {
-            Some(shared) => routed + shared.forward(xf.reshape([1, n, d])).reshape([n, d]),
+            Some(shared) => routed + shared.forward_expert(xf.reshape([1, n, d])).reshape([n, d]),
             None => routed,
         };
         out.reshape([b, t, d])

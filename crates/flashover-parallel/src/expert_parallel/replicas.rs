@@ -16,9 +16,9 @@
 use crate::error::ParallelError;
 use crate::moe::Moe;
 use crate::moe::SwiGlu;
+use crate::nn::Linear;
 use crate::params::{accumulate_grads, flatten_params};
 use burn::module::{Module, Param, ParamId};
-use burn::nn::Linear;
 use burn::optim::GradientsParams;
 use burn::tensor::Gradients;
 use burn::tensor::{Tensor, TensorData};

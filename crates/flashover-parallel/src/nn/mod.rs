@@ -14,15 +14,17 @@
 
 mod attention;
 pub(crate) mod embedding;
+mod head;
 pub(crate) mod linear;
 mod moe;
 mod placed_layers;
 
 pub use attention::CausalAttention;
 pub use embedding::{Embedding, EmbeddingConfig};
+pub use head::{OutputHead, next_token_loss};
 pub use linear::{Linear, LinearConfig};
 pub use moe::MoeForward;
-pub use placed_layers::{PlacedLayers, placed_context, placed_hooks};
+pub use placed_layers::{PlacedExperts, placed_context};
 
 use crate::tensor_parallel::{VocabShard, vocab_parallel_cross_entropy};
 use burn::nn::loss::CrossEntropyLossConfig;

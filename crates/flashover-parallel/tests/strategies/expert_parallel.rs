@@ -38,9 +38,9 @@ fn linear(d_in: usize, d_out: usize, salt: f32, scale: f32, device: &Device) -> 
 fn layer(config: &MoeConfig, experts: std::ops::Range<usize>, router: f32, device: &Device) -> Moe {
     let f = config.d_expert;
     let expert = |x: usize| SwiGlu {
-        w_gate: linear(D, f, x as f32, 1.0, device),
-        w_up: linear(D, f, x as f32 + 0.5, 1.0, device),
-        w_down: linear(f, D, x as f32 + 0.25, 1.0, device),
+        w_gate: linear(D, f, x as f32, 1.0, device).into(),
+        w_up: linear(D, f, x as f32 + 0.5, 1.0, device).into(),
+        w_down: linear(f, D, x as f32 + 0.25, 1.0, device).into(),
     };
     Moe {
         router: linear(D, config.n_experts, 7.0, router, device),

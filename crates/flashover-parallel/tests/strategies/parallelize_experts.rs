@@ -88,9 +88,9 @@ impl MoeLm {
             let expert = |e: usize| {
                 let salt = salt + 1.0 + e as f32;
                 SwiGlu {
-                    w_gate: burn_linear(WIDTH, 6, salt + 0.1, device),
-                    w_up: burn_linear(WIDTH, 6, salt + 0.2, device),
-                    w_down: burn_linear(6, WIDTH, salt + 0.3, device),
+                    w_gate: burn_linear(WIDTH, 6, salt + 0.1, device).into(),
+                    w_up: burn_linear(WIDTH, 6, salt + 0.2, device).into(),
+                    w_down: burn_linear(6, WIDTH, salt + 0.3, device).into(),
                 }
             };
             MoeBlock {
@@ -471,9 +471,9 @@ impl Routed {
         let mut router = vec![0.0; 4 * 2];
         (router[0], router[3]) = (1.0, 1.0);
         let expert = |salt: f32| SwiGlu {
-            w_gate: burn_linear(4, 3, salt + 0.1, device),
-            w_up: burn_linear(4, 3, salt + 0.2, device),
-            w_down: burn_linear(3, 4, salt + 0.3, device),
+            w_gate: burn_linear(4, 3, salt + 0.1, device).into(),
+            w_up: burn_linear(4, 3, salt + 0.2, device).into(),
+            w_down: burn_linear(3, 4, salt + 0.3, device).into(),
         };
         Routed {
             moe: Moe {
