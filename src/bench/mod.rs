@@ -18,6 +18,23 @@ pub mod train;
 pub mod units;
 pub mod working_memory;
 
+/// Samples per rank of a global batch of `batch` over `ranks` ranks, or why the command line's
+/// `flag` (`--dps`, `--fsdps`) cannot split it.
+fn share_of(flag: &str, ranks: usize, batch: usize) -> Result<usize, String> {
+    if ranks == 0 || !batch.is_multiple_of(ranks) {
+        return Err(format!(
+            "{flag} {ranks}: the global batch of {batch} must split evenly over the ranks"
+        ));
+    }
+    Ok(batch / ranks)
+}
+
+/// The median of `values` (NaN when there are none).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

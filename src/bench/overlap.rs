@@ -59,12 +59,7 @@ pub fn run(
     let tokens = (batch * config.data.seq_len) as f64;
     let mut out = vec![];
     for &dp in dps {
-        if dp == 0 || !batch.is_multiple_of(dp) {
-            return Err(format!(
-                "--dps {dp}: the global batch of {batch} must split evenly over the ranks"
-            ));
-        }
-        let per_rank = batch / dp;
+        let per_rank = super::share_of("--dps", dp, batch)?;
         let results = Launch::new(format!("dp={dp}").as_str())
             .map_err(|e| e.to_string())?
             .run(|ctx| {
@@ -126,11 +121,7 @@ pub fn run(
             .map_err(|e| e.to_string())?;
         let rank0 = results.into_iter().next().expect("rank 0");
         for (way, runs) in rank0.into_iter().enumerate() {
-            let median = |f: fn(&StepMeasure) -> f64| {
-                let mut v: Vec<f64> = runs.iter().map(f).collect();
-                v.sort_by(f64::total_cmp);
-                v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-            };
+            let median = |f: fn(&StepMeasure) -> f64| super::median(runs.iter().map(f).collect());
             let step_s = median(|m| m.0);
             out.push(OverlapBenchRecord {
                 dp,

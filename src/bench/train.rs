@@ -3,6 +3,7 @@
 //! optimizer. Variants are interleaved and repeated; medians are reported, because ratios
 //! measured side by side are what survives a noisy machine.
 
+use super::median;
 use burn::optim::{AdamWConfig, GradientsParams};
 use flashover::train::{TrainConfig, make_batch, token_source, train};
 use flashover_data::{BatchPlan, TokenSource};
@@ -57,11 +58,6 @@ pub fn plain_burn_step_s(config: &TrainConfig) -> Result<f64, String> {
         model = optim.step(config.lr_at(step), model, grads);
     }
     Ok(start.elapsed().as_secs_f64() / (config.run.steps - 1).max(1) as f64)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// Runs every variant `repeats` times, interleaved: plain Burn, DDP at each of `dps`, each

@@ -63,12 +63,7 @@ pub fn run(
     let tokens = (batch * config.data.seq_len) as f64;
     let mut out = vec![];
     for &fsdp in fsdps {
-        if fsdp == 0 || !batch.is_multiple_of(fsdp) {
-            return Err(format!(
-                "--fsdps {fsdp}: the global batch of {batch} must split evenly over the ranks"
-            ));
-        }
-        let per_rank = batch / fsdp;
+        let per_rank = super::share_of("--fsdps", fsdp, batch)?;
         let results = Launch::new(format!("fsdp={fsdp}").as_str())
             .map_err(|e| e.to_string())?
             .run(|ctx| {
@@ -135,9 +130,7 @@ pub fn run(
             .map_err(|e| e.to_string())?;
         let rank0 = results.into_iter().next().expect("rank 0");
         for (way, runs) in rank0.into_iter().enumerate() {
-            let mut times: Vec<f64> = runs.iter().map(|r| r.0).collect();
-            times.sort_by(f64::total_cmp);
-            let step_s = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
+            let step_s = super::median(runs.iter().map(|r| r.0).collect());
             let (counts, prefetches, peak) =
                 runs.first().map_or(([0, 0], 0, None), |r| (r.1, r.2, r.3));
             out.push(UnitsBenchRecord {
