@@ -8,7 +8,7 @@ use burn::tensor::{Bool, Tensor};
 use flashover_parallel::dropout::Site;
 use flashover_parallel::forward_context::ForwardContext;
 use flashover_parallel::moe::{Moe, SwiGlu};
-use flashover_parallel::nn::Linear;
+use flashover_parallel::nn::{Linear, MoeForward};
 
 /// Applies rotary embeddings to `x: [batch, heads, seq, head_dim]` ("rotate half" layout).
 fn apply_rope(x: Tensor<4>, cos: &Tensor<2>, sin: &Tensor<2>) -> Tensor<4> {
@@ -160,13 +160,22 @@ impl Block {
         x + ctx.hidden(mlp, layer, Site::MlpOut)
     }
 
-    /// The block's feed-forward (dense or mixture of experts) on normed `x`.
+    /// The block's feed-forward (dense or mixture of experts) on normed `x`. A mixture of
+    /// experts computes as the plan placed its experts (all here without one,
+    /// [`MoeForward`]); `ctx`'s `moe` hook, when it has one, counts its routing as layer
+    /// `layer` and collects its auxiliary losses (without one they are not added).
     pub fn feed_forward(&self, x: Tensor<3>, ctx: &ForwardContext, layer: usize) -> Tensor<3> {
         match (&self.moe, &self.mlp) {
-            (Some(moe), _) => match &ctx.moe_layer {
-                Some(hook) => hook.0.apply(moe, x, ctx, layer),
-                None => moe.forward_with(x, ctx, layer),
-            },
+            (Some(moe), _) => {
+                let (y, aux) = match &ctx.moe {
+                    Some(hook) => MoeForward::forward_counted(moe, x, hook, layer),
+                    None => MoeForward::forward(moe, x),
+                };
+                if let (Some(aux), Some(hook)) = (aux, &ctx.moe) {
+                    hook.push_aux_loss(aux);
+                }
+                y
+            }
             (None, Some(mlp)) => mlp.forward(x),
             (None, None) => panic!("block {layer} has neither a dense nor an MoE feed-forward"),
         }

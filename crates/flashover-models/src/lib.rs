@@ -32,8 +32,8 @@ pub use flashover_parallel::moe;
 
 pub use flashover_parallel::dropout::{Coords, Dropout, Site};
 pub use flashover_parallel::forward_context::{
-    AttentionHook, AttentionOp, BlockFn, CheckpointHook, ForwardContext, MoeLayerHook, MoeLayerOp,
-    SequenceHook, SequenceShare, rope_tables, rope_tables_at,
+    AttentionHook, AttentionOp, BlockFn, CheckpointHook, ForwardContext, SequenceHook,
+    SequenceShare, rope_tables, rope_tables_at,
 };
 pub use flashover_parallel::moe::{Moe, MoeConfig, MoeHook, SwiGlu};
 pub use flashover_parallel::nn::{OutputHead, next_token_loss};

@@ -8,7 +8,8 @@
 //! what the layers' own types cannot: attention's core over keys and values on other ranks
 //! ([`AttentionOp`], context parallelism), a block run again in backward ([`CheckpointHook`],
 //! activation checkpointing), a mixture-of-experts layer's experts and auxiliary losses
-//! ([`crate::moe::MoeHook`], and [`MoeLayerOp`] for the layers a plan placed), and the
+//! ([`crate::moe::MoeHook`]; a plan's layers find their experts' placement themselves,
+//! `crate::nn::MoeForward`), and the
 //! sequences split across ranks that such a layer routes whole ([`SequenceShare`], context
 //! parallelism). Linear layers, embeddings and the loss need none: `crate::nn`'s layers
 //! compute as the plan placed them.
@@ -38,9 +39,6 @@ pub struct ForwardContext {
     /// Runs mixture-of-experts layers' experts and collects their auxiliary losses when set
     /// (without it, experts run locally and auxiliary losses are not added).
     pub moe: Option<crate::moe::MoeHook>,
-    /// Computes whole mixture-of-experts layers in place of [`crate::moe::Moe::forward_with`] when
-    /// set (a plan's layers, which find their experts' placement themselves).
-    pub moe_layer: Option<MoeLayerHook>,
     /// Computes attention's core (softmax of scores times values) in place of the local causal
     /// attention when set: context parallelism, whose keys and values live on other ranks too.
     pub core_attention: Option<AttentionHook>,
@@ -130,22 +128,6 @@ pub trait AttentionOp: Send + Sync {
 }
 
 shared_hook!(AttentionHook, AttentionOp);
-
-/// Computes a mixture-of-experts layer in place of [`crate::moe::Moe::forward_with`]: how a layer
-/// whose experts a plan placed (spread over ranks, sharded) routes its tokens.
-pub trait MoeLayerOp: Send + Sync {
-    /// `moe` on normed `x: [batch, seq, d_model]` as layer `layer`, its auxiliary losses added
-    /// to `ctx`'s [`crate::moe::MoeHook`] when it has one.
-    fn apply(
-        &self,
-        moe: &crate::moe::Moe,
-        x: Tensor<3>,
-        ctx: &ForwardContext,
-        layer: usize,
-    ) -> Tensor<3>;
-}
-
-shared_hook!(MoeLayerHook, MoeLayerOp);
 
 impl ForwardContext {
     /// Block `layer`'s forward, `forward(block, x, self)`, through the context's

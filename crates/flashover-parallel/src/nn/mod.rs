@@ -24,7 +24,7 @@ pub use embedding::{Embedding, EmbeddingConfig};
 pub use head::{OutputHead, next_token_loss};
 pub use linear::{Linear, LinearConfig};
 pub use moe::MoeForward;
-pub use placed_layers::{PlacedExperts, placed_context};
+pub use placed_layers::placed_context;
 
 use crate::tensor_parallel::{VocabShard, vocab_parallel_cross_entropy};
 use burn::nn::loss::CrossEntropyLossConfig;
