@@ -26,7 +26,7 @@ pub(crate) use replicas::{Replicas, take_recomputed_copies};
 
 use crate::error::ParallelError;
 use crate::moe::SwiGlu;
-use crate::moe::{ExpertDispatch, Moe, Routing, index_tensor, run_experts};
+use crate::moe::{ExpertDispatch, Moe, Role, Routing, index_tensor, run_experts};
 use crate::tensor_parallel::comm::{host, host_pair, ok, values};
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{Tensor, TensorData};
@@ -74,7 +74,7 @@ fn expert_paths<M: Module>(module: &M, first: usize) -> Vec<(ParamId, Option<Str
     }
     impl ModuleVisitor for V {
         fn enter_module(&mut self, name: &str, container_type: &str) {
-            let experts = name == "experts" && container_type == "Struct:Moe";
+            let experts = Role::of_entry(container_type) == Some(Role::Experts);
             self.path.push((name.to_string(), experts));
         }
         fn exit_module(&mut self, _: &str, _: &str) {

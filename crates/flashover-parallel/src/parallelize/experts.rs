@@ -8,6 +8,7 @@ use super::placed::ExpertSplit;
 use super::plan::{ModulePath, ParallelizePlan};
 use crate::error::ParallelError;
 use crate::expert_parallel::{ExpertTraffic, Replicas};
+use crate::moe::Role;
 use crate::params::ParamLayout;
 use crate::placement::PlacementTable;
 use burn::module::{Module, ModuleVisitor, Param};
@@ -30,20 +31,23 @@ struct MoeLayer {
     expert_of: HashMap<String, usize>,
 }
 
-/// Every [`crate::moe::Moe`] layer of `model`, found by type.
+/// Every [`crate::moe::Moe`] layer of `model`, found by type: by the labels a `Moe` gives the
+/// entries of its fields ([`Role`]), which no other module gives.
 fn moe_layers<M: Module>(model: &M) -> Vec<MoeLayer> {
     #[derive(Default)]
     struct Find {
         path: Vec<String>,
-        /// Depth (in `path`) of the Moe layer being visited, if any.
+        /// Per entry of `path`, the role of the `Moe` field it enters, if it enters one.
+        roles: Vec<Option<Role>>,
+        /// Depth (in `path`) of the fields of the Moe layer being visited, if any.
         inside: Option<usize>,
         layers: Vec<MoeLayer>,
     }
     impl ModuleVisitor for Find {
-        // `container_type` is the type of the module holding the field `name`: a Moe's own
-        // path is the path when its first field is entered.
         fn enter_module(&mut self, name: &str, container_type: &str) {
-            if self.inside.is_none() && container_type == "Struct:Moe" {
+            let role = Role::of_entry(container_type);
+            if self.inside.is_none() && role.is_some() {
+                // The layer's first field: the layer's own path is where the visit stands.
                 self.inside = Some(self.path.len());
                 self.layers.push(MoeLayer {
                     path: dotted(&self.path),
@@ -53,9 +57,11 @@ fn moe_layers<M: Module>(model: &M) -> Vec<MoeLayer> {
                 });
             }
             self.path.push(name.to_string());
+            self.roles.push(role);
         }
         fn exit_module(&mut self, _: &str, _: &str) {
             self.path.pop();
+            self.roles.pop();
             if self.inside.is_some_and(|depth| self.path.len() < depth) {
                 self.inside = None;
             }
@@ -63,23 +69,25 @@ fn moe_layers<M: Module>(model: &M) -> Vec<MoeLayer> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let Some(depth) = self.inside else { return };
             let path = dotted(&self.path);
-            let within: Vec<&str> = self.path[depth..]
-                .iter()
-                .map(String::as_str)
-                .filter(|s| !s.is_empty())
-                .collect();
             let layer = self.layers.last_mut().expect("entered");
-            match within.as_slice() {
-                ["router", "weight"] => {
-                    layer.n_experts = param.val().dims()[D - 1];
+            match self.roles[depth] {
+                Some(Role::Router) => {
+                    // The router's weight `[d_model, n_experts]` (it has no other matrix).
+                    if D == 2 {
+                        layer.n_experts = param.val().dims()[D - 1];
+                    }
                     layer.router.push(path);
                 }
-                ["router", ..] => layer.router.push(path),
-                ["experts", index, ..] => {
-                    let index = index.parse().expect("a Vec's entries are numbered");
+                Some(Role::Experts) => {
+                    // The entry below the experts' is the expert's index in their `Vec`.
+                    let index = self.path[depth + 1..]
+                        .iter()
+                        .find(|s| !s.is_empty())
+                        .and_then(|s| s.parse().ok())
+                        .expect("a Vec's entries are numbered");
                     layer.expert_of.insert(path, index);
                 }
-                _ => {}
+                Some(Role::Shared) | None => {}
             }
         }
     }

@@ -411,13 +411,27 @@ pub fn local_value<const D: usize>(param: &Param<Tensor<D>>) -> (Tensor<D>, Opti
 /// Burn 0.22.1 layers whose forward reads a parameter's *stored* shape (`Param::shape()`,
 /// which a fully sharded parameter's shard answers) before calling `Param::val`: their
 /// parameters stay whole under `fully_shard`.
-const READS_STORED_SHAPE: [&str; 3] = ["RmsNorm", "BatchNorm", "PositionWiseFeedForward"];
+fn reads_stored_shape_layers() -> [&'static str; 3] {
+    [
+        short_type_name::<burn::nn::RmsNorm>(),
+        short_type_name::<burn::nn::BatchNorm>(),
+        short_type_name::<burn::nn::transformer::PositionWiseFeedForward>(),
+    ]
+}
 
-/// The parameters of `model` inside a layer of [`READS_STORED_SHAPE`], by path, with the
+/// `T`'s name without its module path: what Burn's derived `Module` labels its fields with
+/// (after `Struct:`). Burn's visitors see labels, never types; naming the types here makes the
+/// compiler check the list against Burn.
+fn short_type_name<T>() -> &'static str {
+    let name = std::any::type_name::<T>();
+    name.rsplit("::").next().unwrap_or(name)
+}
+
+/// The parameters of `model` inside a layer of [`reads_stored_shape_layers`], by path, with the
 /// layer's type.
 pub(super) fn reads_stored_shape<M: Module>(model: &M) -> BTreeMap<String, &'static str> {
-    #[derive(Default)]
     struct Find {
+        layer_types: [&'static str; 3],
         path: Vec<String>,
         /// The innermost enclosing layer of the list, per depth.
         layers: Vec<Option<&'static str>>,
@@ -425,7 +439,8 @@ pub(super) fn reads_stored_shape<M: Module>(model: &M) -> BTreeMap<String, &'sta
     }
     impl ModuleVisitor for Find {
         fn enter_module(&mut self, name: &str, container_type: &str) {
-            let this = READS_STORED_SHAPE
+            let this = self
+                .layer_types
                 .into_iter()
                 .find(|t| container_type.strip_prefix("Struct:") == Some(*t));
             let outer = self.layers.last().copied().flatten();
@@ -442,7 +457,12 @@ pub(super) fn reads_stored_shape<M: Module>(model: &M) -> BTreeMap<String, &'sta
             }
         }
     }
-    let mut find = Find::default();
+    let mut find = Find {
+        layer_types: reads_stored_shape_layers(),
+        path: vec![],
+        layers: vec![],
+        found: BTreeMap::new(),
+    };
     model.visit(&mut find);
     find.found
 }

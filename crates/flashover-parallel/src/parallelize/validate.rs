@@ -128,7 +128,114 @@ pub(super) fn check_plan(
             }
         }
     }
+    if tp.is_none_or(|tp| tp > 1) {
+        check_split_alike(plan, slots)?;
+    }
     Ok(())
+}
+
+/// Megatron's pairing, checked: where a module's column-wise layer feeds a row-wise one (its
+/// output features are the row-wise layer's input features), the module's other linear layers
+/// of the same shape are split column-wise too. A query split by heads beside a whole key and
+/// value would otherwise meet them with `tp` times the width, and fail in the first step as a
+/// shape mismatch deep in the model's forward, with no word of the plan.
+fn check_split_alike(plan: &ParallelizePlan, slots: &[ParamSlot]) -> Result<(), ParallelError> {
+    let mut modules: std::collections::BTreeMap<&str, Vec<LinearLayer>> = Default::default();
+    for layer in linear_like(slots) {
+        let module = layer.path.rsplit_once('.').map_or("", |(m, _)| m);
+        modules.entry(module).or_default().push(layer);
+    }
+    let style_of = |layer: &LinearLayer| plan.tp_rule(layer.weight);
+    for siblings in modules.values() {
+        for layer in siblings {
+            let Some((rule, path)) = style_of(layer) else {
+                continue;
+            };
+            if rule.style != TpStyle::Colwise || rule.padded {
+                continue;
+            }
+            let Some(consumer) = siblings.iter().find(|l| {
+                l.d_in == layer.d_out
+                    && style_of(l).is_some_and(|(rule, _)| rule.style == TpStyle::Rowwise)
+            }) else {
+                continue;
+            };
+            let whole: Vec<&str> = siblings
+                .iter()
+                .filter(|l| (l.d_in, l.d_out) == (layer.d_in, layer.d_out) && style_of(l).is_none())
+                .map(|l| l.path)
+                .collect();
+            if whole.is_empty() {
+                continue;
+            }
+            return Err(refuse(
+                path,
+                "colwise",
+                format!(
+                    "splits `{}` by output features, which `{}` (rowwise) takes split, but `{}` \
+                         of the same shape [{}, {}] in the same module stay whole: their outputs would \
+                         meet `{}`'s with tp times its width (a shape mismatch in the first step). \
+                         Split them column-wise too, as Megatron splits query, key and value alike, \
+                         or leave `{}` whole",
+                    layer.path,
+                    consumer.path,
+                    whole.join("`, `"),
+                    layer.d_in,
+                    layer.d_out,
+                    layer.path,
+                    layer.path,
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Every module of the model that holds, directly, one `[d_in, d_out]` weight and at most one
+/// `[d_out]` bias, and nothing else.
+fn linear_like(slots: &[ParamSlot]) -> Vec<LinearLayer<'_>> {
+    by_module(slots.iter())
+        .into_iter()
+        .filter_map(|(module, params)| as_linear(module, &params))
+        .collect()
+}
+
+/// `slots` grouped by the module that holds them directly, in order.
+fn by_module<'a>(slots: impl Iterator<Item = &'a ParamSlot>) -> Vec<(&'a str, Vec<&'a ParamSlot>)> {
+    let mut modules: Vec<(&str, Vec<&ParamSlot>)> = vec![];
+    for slot in slots {
+        let module = slot.name.rsplit_once('.').map_or("", |(m, _)| m);
+        match modules.iter_mut().find(|(m, _)| *m == module) {
+            Some((_, params)) => params.push(slot),
+            None => modules.push((module, vec![slot])),
+        }
+    }
+    modules
+}
+
+/// The module at `module` as a linear layer, when `params` (what it holds directly) are one
+/// `[d_in, d_out]` weight and at most one `[d_out]` bias.
+fn as_linear<'a>(module: &'a str, params: &[&'a ParamSlot]) -> Option<LinearLayer<'a>> {
+    let [weight] = params
+        .iter()
+        .filter(|p| p.shape.len() == 2)
+        .collect::<Vec<_>>()[..]
+    else {
+        return None;
+    };
+    let (d_in, d_out) = (weight.shape[0], weight.shape[1]);
+    let one_bias = params.len() <= 2
+        && params
+            .iter()
+            .filter(|p| p.shape.len() != 2)
+            .all(|p| p.shape == [d_out]);
+    one_bias.then_some(LinearLayer {
+        path: module,
+        weight: &weight.name,
+        d_in,
+        d_out,
+        has_bias: params.len() == 2,
+    })
 }
 
 /// `path` names attention cores: modules whose one parameter, held directly, has no elements
@@ -160,6 +267,8 @@ fn check_attention_core(
 /// d_out]` (`[vocab, d]`), whether it has a bias.
 struct LinearLayer<'a> {
     path: &'a str,
+    /// Its weight's path.
+    weight: &'a str,
     d_in: usize,
     d_out: usize,
     has_bias: bool,
@@ -189,36 +298,10 @@ fn linear_layers<'a>(
             ),
         ));
     }
-    let mut layers: Vec<(&str, Vec<&ParamSlot>)> = vec![];
-    for slot in inside {
-        let module = slot.name.rsplit_once('.').map_or("", |(m, _)| m);
-        match layers.iter_mut().find(|(m, _)| *m == module) {
-            Some((_, params)) => params.push(slot),
-            None => layers.push((module, vec![slot])),
-        }
-    }
-    layers
+    by_module(inside.into_iter())
         .into_iter()
         .map(|(module, params)| {
-            let weights: Vec<&&ParamSlot> = params.iter().filter(|p| p.shape.len() == 2).collect();
-            let [weight] = weights[..] else {
-                return Err(not_linear(path, style, module, &params));
-            };
-            let (d_in, d_out) = (weight.shape[0], weight.shape[1]);
-            let others_are_one_bias = params.len() <= 2
-                && params
-                    .iter()
-                    .filter(|p| p.shape.len() != 2)
-                    .all(|p| p.shape == [d_out]);
-            if !others_are_one_bias {
-                return Err(not_linear(path, style, module, &params));
-            }
-            Ok(LinearLayer {
-                path: module,
-                d_in,
-                d_out,
-                has_bias: params.len() == 2,
-            })
+            as_linear(module, &params).ok_or_else(|| not_linear(path, style, module, &params))
         })
         .collect()
 }

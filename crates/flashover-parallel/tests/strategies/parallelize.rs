@@ -1195,6 +1195,33 @@ fn tensor_parallel_rules_that_do_not_fit_the_model_are_refused_with_the_path() {
 }
 
 #[test]
+fn a_column_wise_layer_beside_whole_twins_feeding_a_row_wise_one_is_refused_before_any_step() {
+    // A query split by heads with a whole key and value: attention's classic mistake, which
+    // would otherwise end in a shape mismatch inside the forward of the first step.
+    let plan = ParallelizePlan::new()
+        .tensor_parallel(TensorParallelRule::colwise(&["query"]))
+        .tensor_parallel(TensorParallelRule::rowwise(&["out"]));
+    let err = refusal("tp=2", &plan, SharedInput::new);
+    for want in [
+        "`query` (colwise)",
+        "`out` (rowwise)",
+        "`key`, `value`",
+        "same shape",
+    ] {
+        assert!(err.contains(want), "{want}: {err}");
+    }
+    let model = SharedInput::new(&Device::flex());
+    let err = plan.check_paths(&model).unwrap_err().to_string();
+    assert!(err.contains("`key`, `value`"), "{err}");
+    // Split alike, the plan is accepted; at tp=1 no layer is split at all.
+    let alike = ParallelizePlan::new()
+        .tensor_parallel(TensorParallelRule::colwise(&["query", "key", "value"]))
+        .tensor_parallel(TensorParallelRule::rowwise(&["out"]));
+    alike.check(&model, 2).unwrap();
+    plan.check(&model, 1).unwrap();
+}
+
+#[test]
 fn a_padded_column_wise_head_splits_any_width_and_gathers_back_whole() {
     // `head` has 5 output features: padded to 3 per rank at tp=2, the whole width on `whole`.
     let plan = |padded: bool| {

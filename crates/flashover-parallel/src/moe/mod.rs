@@ -20,6 +20,9 @@ use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::activation::{sigmoid, silu, softmax};
 use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
+
+mod module;
+pub(crate) use module::Role;
 use serde::{Deserialize, Serialize};
 use std::sync::{Arc, Mutex};
 
@@ -223,7 +226,10 @@ impl MoeConfig {
 
 /// A mixture-of-experts feed-forward layer holding experts `first_expert ..
 /// first_expert + experts.len()` of `config.n_experts` (all of them on one rank).
-#[derive(Module, Debug)]
+///
+/// Its `Module` implementation (in `module.rs`) labels its fields by role, so that a plan finds
+/// the layer, its router and its experts by type wherever they are in a model.
+#[derive(Debug, Clone)]
 pub struct Moe {
     /// Router `[d_model, n_experts]`.
     pub router: Linear,
@@ -234,12 +240,10 @@ pub struct Moe {
     /// Global index of `experts[0]`.
     pub first_expert: usize,
     /// The layer's configuration.
-    #[module(skip)]
     pub config: MoeConfig,
     /// Per expert, added to the router scores when choosing (auxiliary-loss-free balancing);
     /// empty when off. Not a parameter: [`Moe::update_bias`] moves it, checkpoints keep it in
     /// their run record.
-    #[module(skip)]
     pub expert_bias: Vec<f32>,
 }
 
