@@ -115,7 +115,8 @@ pub struct Parallelized {
     /// For a model cut into stages or experts: the ranks that hold its other parts (`pp` x
     /// `ep`), which `whole` gathers over, and the whole model's parameters.
     held_elsewhere: Option<(Group, ParamLayout)>,
-    /// Parameters under `fully_shard` paths left whole, with the layer type that needs it.
+    /// Parameters under `fully_shard` paths left whole, with the layer type that needs it (or
+    /// `keep_whole`, the plan's rule).
     kept_whole: BTreeMap<String, &'static str>,
     /// Under sequence parallelism, the first step's check that every whole parameter that runs
     /// on sequence shards is named.
@@ -181,7 +182,13 @@ pub fn parallelize<M: Module>(
     let kept_whole = if plan.fully_shard.is_empty() {
         Default::default()
     } else {
-        placed::reads_stored_shape(&model)
+        let mut kept = placed::reads_stored_shape(&model);
+        for slot in &layout.slots {
+            if plan.keep_whole.iter().any(|p| p.contains(&slot.name)) {
+                kept.entry(slot.name.clone()).or_insert("keep_whole");
+            }
+        }
+        kept
     };
     let context = plan
         .context_parallel
@@ -369,10 +376,10 @@ impl Parallelized {
         &self.placements
     }
 
-    /// The parameters under the plan's `fully_shard` paths that stay whole, each with the Burn
-    /// layer it belongs to: layers whose forward reads the parameter's stored shape
+    /// The parameters under the plan's `fully_shard` paths that stay whole, each with why: the
+    /// Burn layer it belongs to, for layers whose forward reads the parameter's stored shape
     /// (`RmsNorm`, `BatchNorm`, `PositionWiseFeedForward` in Burn 0.22.1), which a shard would
-    /// answer wrongly. Empty for most models. (Mixture-of-experts layers' routed experts are
+    /// answer wrongly, or `keep_whole` for the plan's rule of that name. Empty for most models. (Mixture-of-experts layers' routed experts are
     /// sharded: `nn::MoeForward` gathers them all before routing, on every rank.)
     pub fn kept_whole(&self) -> &BTreeMap<String, &'static str> {
         &self.kept_whole

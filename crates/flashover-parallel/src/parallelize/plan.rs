@@ -357,6 +357,13 @@ pub struct ParallelizePlan {
     /// over `fsdp` as over `dp`.
     #[serde(default)]
     pub fully_shard: Vec<ModulePath>,
+    /// Modules inside `fully_shard` paths whose parameters stay whole all the same: layers of
+    /// your own whose forward reads a parameter's stored shape (`Param::shape()`, which a
+    /// shard answers with its own rows) before `val()`. Burn's layers that do so (`RmsNorm`,
+    /// `BatchNorm`, `PositionWiseFeedForward`) stay whole without a rule; the report is
+    /// [`super::Parallelized::kept_whole`].
+    #[serde(default)]
+    pub keep_whole: Vec<ModulePath>,
     /// Linear layers split over the `tp` axis (ignored on a mesh without `tp`). The layers
     /// must be [`crate::nn::Linear`], whose forward adds the collectives a split needs; other
     /// parameters stay whole on every `tp` rank, which computes them identically.
@@ -470,6 +477,13 @@ impl ParallelizePlan {
     /// Also fully shard the module at `path` (`""`: the whole model).
     pub fn fully_shard(mut self, path: &str) -> Self {
         self.fully_shard.push(ModulePath::new(path));
+        self
+    }
+
+    /// Keep the parameters of the module at `path` whole under the `fully_shard` path that
+    /// holds it (a layer of your own that reads a parameter's stored shape).
+    pub fn keep_whole(mut self, path: &str) -> Self {
+        self.keep_whole.push(ModulePath::new(path));
         self
     }
 

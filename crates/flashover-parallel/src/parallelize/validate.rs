@@ -18,6 +18,21 @@ pub(super) fn check_plan(
     for path in &plan.fully_shard {
         names_a_module(path, "fully_shard", &names)?;
     }
+    for path in &plan.keep_whole {
+        names_a_module(path, "keep_whole", &names)?;
+        if !names
+            .iter()
+            .any(|n| path.contains(n) && plan.shard_path(n).is_some())
+        {
+            return Err(refuse(
+                path,
+                "keep_whole",
+                "is inside no fully_shard path, so its parameters are whole already: drop the \
+                 rule, or name a module that a fully_shard path holds"
+                    .into(),
+            ));
+        }
+    }
     for path in &plan.sequence_parallel {
         names_a_module(path, "sequence_parallel", &names)?;
         if let Some(split) = names

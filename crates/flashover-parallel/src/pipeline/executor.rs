@@ -19,7 +19,7 @@ use super::schedule::{Action, ActionKind, Schedule};
 use super::simulate::validate;
 use super::weight_grad::{DeferredWeightGrad, WeightGradStore, deferring_in};
 use crate::error::ParallelError;
-use crate::params::{ParamLayout, accumulate_grads, grads_from_flat};
+use crate::params::{ParamLayout, accumulate_grads};
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Gradients, Tensor};
@@ -205,29 +205,7 @@ impl<'a> PipelineExecutor<'a> {
     /// `chunk` (its module is `chunks[chunk]`) on `input` (`None` on the first virtual stage,
     /// which reads micro-batch `micro` itself). Activations have shape `shape` and live on
     /// `device` (an autodiff device). Returns, per chunk, its gradients averaged over
-    /// micro-batches, and what the step measured.
-    pub fn step<M, F, const D: usize>(
-        &self,
-        chunks: &[M],
-        shape: [usize; D],
-        device: &Device,
-        forward: F,
-    ) -> Result<(Vec<GradientsParams>, PipelineStepReport), ParallelError>
-    where
-        M: Module,
-        F: Fn(usize, &M, Option<Tensor<D>>, usize) -> StageOutput<D>,
-    {
-        let (flats, report) = self.step_flat(chunks, shape, device, forward)?;
-        let grads = chunks
-            .iter()
-            .zip(&flats)
-            .map(|(chunk, flat)| grads_from_flat(chunk, flat))
-            .collect();
-        Ok((grads, report))
-    }
-
-    /// [`Self::step`] with each chunk's gradients left in its flat layout
-    /// ([`ParamLayout`]), for a caller that reduces them there.
+    /// micro-batches in its flat layout ([`ParamLayout`]), and what the step measured.
     pub fn step_flat<M, F, const D: usize>(
         &self,
         chunks: &[M],

@@ -7,16 +7,20 @@
 //! schedule before anything runs (a backward before its forward, an unmatched or misordered
 //! message, deadlock); [`simulate`] times it with given costs, giving each rank's bubble and
 //! peak activations in flight; [`render_table`] prints the time x stage table.
-//! [`PipelineExecutor`] runs a schedule on this rank's model chunks; [`deferred_linear`] lets
-//! linear layers leave their weight gradients to the schedule's weight-gradient actions.
+//! The crate's executor runs a schedule on this rank's model chunks, under
+//! `Parallelized::pipeline_step` (the one way a plan's model is pipelined); [`deferred_linear`]
+//! lets linear layers leave their weight gradients to the schedule's weight-gradient actions.
 
 mod executor;
+#[cfg(test)]
+mod executor_tests;
 mod schedule;
 mod simulate;
 pub(crate) mod weight_grad;
 
 pub(crate) use executor::BackwardSink;
-pub use executor::{PipelineExecutor, PipelineStepReport, StageOutput};
+pub use executor::PipelineStepReport;
+pub(crate) use executor::{PipelineExecutor, StageOutput};
 pub use schedule::{Action, ActionKind, Schedule, ScheduleKind};
 pub use simulate::{Costs, ScheduleError, Slot, Timeline, render_table, simulate, validate};
 pub(crate) use weight_grad::deferred_product;

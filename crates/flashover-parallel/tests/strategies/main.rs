@@ -1,6 +1,6 @@
 //! The strategies' multi-rank tests, in one test binary (one link instead of four): DDP under
-//! faults, ZeRO stages 1-3 and HSDP, tensor-parallel layers, the pipeline executor and the
-//! expert-parallel MoE layer.
+//! faults, ZeRO stages 1-3 and HSDP, tensor-parallel layers and the expert-parallel MoE layer
+//! (the pipeline executor's own tests are the crate's unit tests, `pipeline/executor_tests.rs`).
 
 mod activation_checkpointing;
 mod common;
@@ -12,7 +12,6 @@ mod parallelize;
 mod parallelize_context;
 mod parallelize_experts;
 mod parallelize_precision;
-mod pipeline;
 mod plan_loops;
 mod tensor_parallel;
 mod zero;

@@ -1436,6 +1436,77 @@ fn layers_that_read_their_stored_shape_stay_whole_under_fully_shard() {
     );
 }
 
+/// A scale of one's own whose forward reads its stored shape, as Burn's `RmsNorm` does: a
+/// shard would answer with its own rows.
+#[derive(Module, Debug)]
+struct OwnScale {
+    gamma: Param<Tensor<1>>,
+}
+
+/// [`OwnScale`] between two linear layers.
+#[derive(Module, Debug)]
+struct OwnScaled {
+    input: Linear,
+    scale: OwnScale,
+    head: Linear,
+}
+
+impl Net for OwnScaled {
+    fn new(device: &Device) -> Self {
+        let gamma: Vec<f32> = (0..HIDDEN).map(|i| 1.0 + 0.05 * i as f32).collect();
+        OwnScaled {
+            input: linear(FEATURES, HIDDEN, 0.2, device),
+            scale: OwnScale {
+                gamma: Param::from_tensor(Tensor::from_data(
+                    TensorData::new(gamma, [HIDDEN]),
+                    device,
+                )),
+            },
+            head: linear(HIDDEN, CLASSES, 0.4, device),
+        }
+    }
+
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let [width] = self.scale.gamma.shape().dims();
+        let scale = self.scale.gamma.val().reshape([1, width]);
+        self.head.forward(gelu(self.input.forward(x)) * scale)
+    }
+}
+
+#[test]
+fn a_layer_of_ones_own_that_reads_its_stored_shape_stays_whole_by_the_plans_rule() {
+    let plan = ParallelizePlan::new().fully_shard("").keep_whole("scale");
+    let reference = single_rank::<OwnScaled>();
+    let (run, _) = parallel::<OwnScaled>("fsdp=2", plan.clone());
+    let (loss, weights) = (
+        max_rel(&run.0, &reference.0),
+        max_scaled(&run.2, &reference.2),
+    );
+    assert!(
+        loss < 1e-5 && weights < 1e-5,
+        "losses {loss:e}, weights {weights:e}"
+    );
+    let kept = Launch::new("fsdp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (_, par) = parallelize(OwnScaled::new(&device), &plan, &ctx)?;
+            Ok::<_, ParallelError>(par.kept_whole().clone())
+        })
+        .unwrap();
+    let kept: Vec<_> = kept[0].iter().map(|(p, t)| (p.as_str(), *t)).collect();
+    assert_eq!(kept, [("scale.gamma", "keep_whole")]);
+    // A rule that would keep whole what no fully_shard path shards does nothing: refused.
+    let idle = ParallelizePlan::new()
+        .fully_shard("input")
+        .keep_whole("scale");
+    let err = refusal("fsdp=2", &idle, OwnScaled::new);
+    assert!(
+        err.contains("`scale` (keep_whole)") && err.contains("inside no fully_shard path"),
+        "{err}"
+    );
+}
+
 /// A language model whose token table (7 rows: not a multiple of tp) is also its output head,
 /// with a normed residual MLP between.
 #[derive(Module, Debug)]

@@ -5,14 +5,13 @@
 use burn::module::{Module, Param};
 use burn::nn::Linear;
 
-use burn::tensor::{Device, Tensor, TensorData};
-use flashover_comm::{CommunicatorExt, ReduceOp};
-use flashover_parallel::ParallelError;
-use flashover_parallel::params::{ParamLayout, accumulate_grads};
-use flashover_parallel::pipeline::{
+use crate::ParallelError;
+use crate::pipeline::{
     ActionKind, PipelineExecutor, Schedule, ScheduleKind, StageOutput, WeightGradStore,
     deferred_linear,
 };
+use burn::tensor::{Device, Tensor, TensorData};
+use flashover_comm::{CommunicatorExt, ReduceOp};
 use flashover_runtime::{Axis, launch};
 
 const LAYERS: usize = 8;
@@ -157,7 +156,7 @@ fn pipelined(
         if let Some(store) = &store {
             executor = executor.deferring_weight_grads(store.clone());
         }
-        let (grads, report) = executor.step(
+        let (flats, report) = executor.step_flat(
             &chunks,
             [ROWS_PER_MICRO, 6],
             &device,
@@ -184,9 +183,7 @@ fn pipelined(
         );
         // Every layer's gradient, averaged over data-parallel replicas.
         let mut per_layer = vec![];
-        for (c, (chunk, g)) in chunks.iter().zip(&grads).enumerate() {
-            let mut flat = vec![0.0; ParamLayout::of(chunk).numel];
-            accumulate_grads(chunk, g, &mut flat, &[]);
+        for (c, mut flat) in flats.into_iter().enumerate() {
             dp.all_reduce(&mut flat, ReduceOp::Avg)?;
             let first = stage_layers(schedule.stage_of(pp.rank(), c), stages).start;
             for (i, w) in flat.chunks(36).enumerate() {
@@ -304,12 +301,12 @@ fn three_stage_step(
     ctx: &flashover_runtime::RankContext,
     kind: ScheduleKind,
     m: usize,
-) -> Result<flashover_parallel::pipeline::PipelineStepReport, ParallelError> {
+) -> Result<crate::pipeline::PipelineStepReport, ParallelError> {
     let device = Device::flex().autodiff();
     let pp = ctx.group(Axis::Pp);
     let schedule = Schedule::build(kind, 3, m, 1).map_err(ParallelError::Invalid)?;
     let chunks = vec![Stack::new(stage_layers(pp.rank(), 3), &device)];
-    let (_, report) = PipelineExecutor::new(&schedule, pp)?.step(
+    let (_, report) = PipelineExecutor::new(&schedule, pp)?.step_flat(
         &chunks,
         [ROWS_PER_MICRO, 6],
         &device,
@@ -343,8 +340,7 @@ fn one_f_one_b_holds_at_most_p_minus_r_micro_batches_where_gpipe_holds_all() {
 
 #[test]
 fn a_stage_dying_mid_schedule_fails_its_neighbours_fast_naming_it() {
-    use crate::common::assert_caused_by;
-    use flashover_runtime::{FaultPlan, Launch, OpKind};
+    use flashover_runtime::{FaultPlan, Launch, LaunchError, OpKind};
     let start = std::time::Instant::now();
     let err = Launch::new("pp=3")
         .unwrap()
@@ -356,5 +352,15 @@ fn a_stage_dying_mid_schedule_fails_its_neighbours_fast_naming_it() {
         start.elapsed() < std::time::Duration::from_secs(20),
         "must not wait for the timeout"
     );
-    assert_caused_by(&err, 1, &["injected fault"], 3);
+    // Rank 1 failed with the fault; its neighbours failed fast, naming it.
+    let LaunchError::Rank { cause, all } = &err else {
+        panic!("{err}")
+    };
+    assert!(
+        cause.rank == 1 && cause.message.contains("injected fault"),
+        "{err}"
+    );
+    assert_eq!(all.len(), 3, "{err}");
+    let first = err.failure_of(0).unwrap();
+    assert!(first.message.contains("rank 1 left the group"), "{err}");
 }
