@@ -1406,10 +1406,11 @@ impl Net for RmsNormed {
     }
 }
 
-#[test]
-fn layers_that_read_their_stored_shape_stay_whole_under_fully_shard() {
-    let reference = single_rank::<RmsNormed>();
-    let (run, _) = parallel::<RmsNormed>("fsdp=2", ParallelizePlan::new().fully_shard(""));
+/// Trains `M` under `plan` at fsdp=2 against one rank (1e-5), and returns the parameters the
+/// plan kept whole, with why.
+fn trains_as_one_rank_keeping_whole<M: Net>(plan: &ParallelizePlan) -> Vec<(String, &'static str)> {
+    let reference = single_rank::<M>();
+    let (run, _) = parallel::<M>("fsdp=2", plan.clone());
     let (loss, weights) = (
         max_rel(&run.0, &reference.0),
         max_scaled(&run.2, &reference.2),
@@ -1422,18 +1423,18 @@ fn layers_that_read_their_stored_shape_stay_whole_under_fully_shard() {
         .unwrap()
         .run(|ctx| {
             let device = Device::flex().autodiff();
-            let plan = ParallelizePlan::new().fully_shard("");
-            let (_, par) = parallelize(RmsNormed::new(&device), &plan, &ctx)?;
+            let (_, par) = parallelize(M::new(&device), plan, &ctx)?;
             Ok::<_, ParallelError>(par.kept_whole().clone())
         })
         .unwrap();
-    assert_eq!(
-        kept[0]
-            .iter()
-            .map(|(p, t)| (p.as_str(), *t))
-            .collect::<Vec<_>>(),
-        [("norm.gamma", "RmsNorm")]
-    );
+    kept[0].iter().map(|(p, why)| (p.clone(), *why)).collect()
+}
+
+#[test]
+fn layers_that_read_their_stored_shape_stay_whole_under_fully_shard() {
+    let kept =
+        trains_as_one_rank_keeping_whole::<RmsNormed>(&ParallelizePlan::new().fully_shard(""));
+    assert_eq!(kept, [("norm.gamma".to_string(), "RmsNorm")]);
 }
 
 /// A scale of one's own whose forward reads its stored shape, as Burn's `RmsNorm` does: a
@@ -1476,26 +1477,8 @@ impl Net for OwnScaled {
 #[test]
 fn a_layer_of_ones_own_that_reads_its_stored_shape_stays_whole_by_the_plans_rule() {
     let plan = ParallelizePlan::new().fully_shard("").keep_whole("scale");
-    let reference = single_rank::<OwnScaled>();
-    let (run, _) = parallel::<OwnScaled>("fsdp=2", plan.clone());
-    let (loss, weights) = (
-        max_rel(&run.0, &reference.0),
-        max_scaled(&run.2, &reference.2),
-    );
-    assert!(
-        loss < 1e-5 && weights < 1e-5,
-        "losses {loss:e}, weights {weights:e}"
-    );
-    let kept = Launch::new("fsdp=2")
-        .unwrap()
-        .run(|ctx| {
-            let device = Device::flex().autodiff();
-            let (_, par) = parallelize(OwnScaled::new(&device), &plan, &ctx)?;
-            Ok::<_, ParallelError>(par.kept_whole().clone())
-        })
-        .unwrap();
-    let kept: Vec<_> = kept[0].iter().map(|(p, t)| (p.as_str(), *t)).collect();
-    assert_eq!(kept, [("scale.gamma", "keep_whole")]);
+    let kept = trains_as_one_rank_keeping_whole::<OwnScaled>(&plan);
+    assert_eq!(kept, [("scale.gamma".to_string(), "keep_whole")]);
     // A rule that would keep whole what no fully_shard path shards does nothing: refused.
     let idle = ParallelizePlan::new()
         .fully_shard("input")
