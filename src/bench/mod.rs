@@ -29,6 +29,30 @@ fn share_of(flag: &str, ranks: usize, batch: usize) -> Result<usize, String> {
     Ok(batch / ranks)
 }
 
+/// `ways` ways of running a step measured side by side: `rounds + 1` rounds of `steps` steps
+/// of each way, the order rotated every round so that no way always follows another, the
+/// first round a discarded warm-up. Per way, what `step(way)` measured.
+fn alternate<M, E>(
+    ways: usize,
+    rounds: usize,
+    steps: usize,
+    mut step: impl FnMut(usize) -> Result<M, E>,
+) -> Result<Vec<Vec<M>>, E> {
+    let mut measured: Vec<Vec<M>> = (0..ways).map(|_| vec![]).collect();
+    for round in 0..rounds + 1 {
+        for k in 0..ways {
+            let way = (round + k) % ways;
+            for _ in 0..steps {
+                let m = step(way)?;
+                if round > 0 {
+                    measured[way].push(m);
+                }
+            }
+        }
+    }
+    Ok(measured)
+}
+
 /// The median of `values` (NaN when there are none).
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);

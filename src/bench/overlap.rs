@@ -101,22 +101,10 @@ pub fn run(
                         r.buckets,
                     ))
                 };
-                let mut measured: [Vec<StepMeasure>; 2] = Default::default();
                 // A first step of each way learns the micro-batches (overlap from the second).
                 step(0, true)?;
                 step(1, true)?;
-                for round in 0..rounds + 1 {
-                    for k in 0..2 {
-                        let way = (round + k) % 2;
-                        for _ in 0..steps {
-                            let m = step(way, false)?;
-                            if round > 0 {
-                                measured[way].push(m);
-                            }
-                        }
-                    }
-                }
-                Ok::<_, ParallelError>(measured)
+                super::alternate(2, rounds, steps, |way| step(way, false))
             })
             .map_err(|e| e.to_string())?;
         let rank0 = results.into_iter().next().expect("rank 0");

@@ -112,20 +112,7 @@ pub fn run(
                     let peak = snapshot.filter(|_| way > 0).map(|s| s.peak_bytes);
                     Ok((time, counts, prefetched, peak))
                 };
-                let mut measured: [Vec<StepMeasure>; 3] = Default::default();
-                for round in 0..rounds + 1 {
-                    // Rotate which way goes first, so that none always follows another.
-                    for k in 0..WAYS.len() {
-                        let way = (round + k) % WAYS.len();
-                        for _ in 0..steps {
-                            let m = step(way)?;
-                            if round > 0 {
-                                measured[way].push(m);
-                            }
-                        }
-                    }
-                }
-                Ok::<_, ParallelError>(measured)
+                super::alternate(WAYS.len(), rounds, steps, step)
             })
             .map_err(|e| e.to_string())?;
         let rank0 = results.into_iter().next().expect("rank 0");

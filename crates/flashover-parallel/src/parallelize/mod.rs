@@ -379,8 +379,9 @@ impl Parallelized {
     /// The parameters under the plan's `fully_shard` paths that stay whole, each with why: the
     /// Burn layer it belongs to, for layers whose forward reads the parameter's stored shape
     /// (`RmsNorm`, `BatchNorm`, `PositionWiseFeedForward` in Burn 0.22.1), which a shard would
-    /// answer wrongly, or `keep_whole` for the plan's rule of that name. Empty for most models. (Mixture-of-experts layers' routed experts are
-    /// sharded: `nn::MoeForward` gathers them all before routing, on every rank.)
+    /// answer wrongly, or `keep_whole` for the plan's rule of that name. Empty for most
+    /// models. (Mixture-of-experts layers' routed experts are sharded: `nn::MoeForward`
+    /// gathers them all before routing, on every rank.)
     pub fn kept_whole(&self) -> &BTreeMap<String, &'static str> {
         &self.kept_whole
     }

@@ -187,11 +187,11 @@ fn check_split_alike(plan: &ParallelizePlan, slots: &[ParamSlot]) -> Result<(), 
                 path,
                 "colwise",
                 format!(
-                    "splits `{}` by output features, which `{}` (rowwise) takes split, but `{}` \
-                         of the same shape [{}, {}] in the same module stay whole: their outputs would \
-                         meet `{}`'s with tp times its width (a shape mismatch in the first step). \
-                         Split them column-wise too, as Megatron splits query, key and value alike, \
-                         or leave `{}` whole",
+                    "splits `{}` by output features, which `{}` (rowwise) takes split, but \
+                     `{}` of the same shape [{}, {}] in the same module stay whole: their \
+                     outputs would meet `{}`'s with tp times its width (a shape mismatch in \
+                     the first step). Split them column-wise too, as Megatron splits query, \
+                     key and value alike, or leave `{}` whole",
                     layer.path,
                     consumer.path,
                     whole.join("`, `"),
