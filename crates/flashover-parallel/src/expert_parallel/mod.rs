@@ -26,9 +26,9 @@ pub(crate) use replicas::{Replicas, take_recomputed_copies};
 
 use crate::error::ParallelError;
 use crate::moe::SwiGlu;
-use crate::moe::{ExpertDispatch, Moe, Role, Routing, index_tensor, run_experts};
+use crate::moe::{ExpertDispatch, Moe, Routing, index_tensor, run_experts};
 use crate::tensor_parallel::comm::{host, host_pair, ok, values};
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ParamId};
 use burn::tensor::{Tensor, TensorData};
 use flashover_comm::{CommunicatorExt, Group};
 use flashover_runtime::Axis;
@@ -66,48 +66,10 @@ pub fn place_experts<M: Module>(
 /// `experts` of a [`Moe`] layer, its path with the expert's local index shifted by `first` (its
 /// name in the whole model).
 fn expert_paths<M: Module>(module: &M, first: usize) -> Vec<(ParamId, Option<String>)> {
-    struct V {
-        /// The module path, each part with whether it is a `Moe`'s `experts`.
-        path: Vec<(String, bool)>,
-        first: usize,
-        params: Vec<(ParamId, Option<String>)>,
-    }
-    impl ModuleVisitor for V {
-        fn enter_module(&mut self, name: &str, container_type: &str) {
-            let experts = Role::of_entry(container_type) == Some(Role::Experts);
-            self.path.push((name.to_string(), experts));
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let global = self
-                .path
-                .iter()
-                .position(|(_, experts)| *experts)
-                .map(|at| {
-                    // The part after `experts` is the expert's index in this rank's list.
-                    self.path
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, (part, _))| !part.is_empty())
-                        .map(|(i, (part, _))| match part.parse::<usize>() {
-                            Ok(local) if i == at + 1 => (self.first + local).to_string(),
-                            _ => part.clone(),
-                        })
-                        .collect::<Vec<_>>()
-                        .join(".")
-                });
-            self.params.push((param.id, global));
-        }
-    }
-    let mut v = V {
-        path: vec![],
-        first,
-        params: vec![],
-    };
-    module.visit(&mut v);
-    v.params
+    crate::moe::moe_params(module)
+        .into_iter()
+        .map(|param| (param.id, param.global_path(first)))
+        .collect()
 }
 
 /// Rows the token all-to-alls sent to other ranks, forward and backward, counted by the sender

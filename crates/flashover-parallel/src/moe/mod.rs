@@ -22,7 +22,7 @@ use burn::tensor::activation::{sigmoid, silu, softmax};
 use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
 
 mod module;
-pub(crate) use module::Role;
+pub(crate) use module::{Role, moe_params};
 use serde::{Deserialize, Serialize};
 use std::sync::{Arc, Mutex};
 

@@ -8,8 +8,9 @@
 use super::Moe;
 use burn::module::{
     Content, Devices, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper, ModuleVisitor,
+    Param, ParamId,
 };
-use burn::tensor::Device;
+use burn::tensor::{Device, Tensor};
 
 /// The part a field plays in a [`Moe`] layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +48,98 @@ impl Role {
     pub(crate) fn of_entry(container_type: &str) -> Option<Role> {
         Role::ALL.into_iter().find(|r| r.label() == container_type)
     }
+}
+
+/// A float parameter of a model, and where it sits among the model's [`Moe`] layers.
+#[derive(Debug, Clone)]
+pub(crate) struct MoeParam {
+    /// The parameter's id.
+    pub id: ParamId,
+    /// Its path's parts (`blocks`, `1`, `moe`, `experts`, `0`, ...), empty parts left out.
+    pub parts: Vec<String>,
+    /// Its shape.
+    pub dims: Vec<usize>,
+    /// When it belongs to a [`Moe`] layer: how many leading `parts` name the layer, and the
+    /// role of the layer's field it is in.
+    pub in_layer: Option<(usize, Role)>,
+}
+
+impl MoeParam {
+    /// Its dotted path.
+    pub fn path(&self) -> String {
+        self.parts.join(".")
+    }
+
+    /// The dotted path of the [`Moe`] layer it belongs to, if any.
+    pub fn layer_path(&self) -> Option<String> {
+        self.in_layer
+            .map(|(depth, _)| self.parts[..depth].join("."))
+    }
+
+    /// For a routed expert's parameter, the expert's index in its layer's list (the part
+    /// after `experts`).
+    pub fn expert(&self) -> Option<usize> {
+        match self.in_layer {
+            Some((depth, Role::Experts)) => self.parts.get(depth + 1)?.parse().ok(),
+            _ => None,
+        }
+    }
+
+    /// For a routed expert's parameter, its path with the expert's index shifted by `first`:
+    /// its name in the whole model when this module holds experts `first..`.
+    pub fn global_path(&self, first: usize) -> Option<String> {
+        let (depth, _) = self.in_layer?;
+        let local = self.expert()?;
+        let mut parts = self.parts.clone();
+        parts[depth + 1] = (first + local).to_string();
+        Some(parts.join("."))
+    }
+}
+
+/// Every float parameter of `model`, in visiting order, with where it sits among the model's
+/// [`Moe`] layers: the one walk by which a plan and [`crate::expert_parallel::place_experts`]
+/// find those layers, by the labels a `Moe` gives its fields' entries ([`Role`]).
+pub(crate) fn moe_params<M: Module>(model: &M) -> Vec<MoeParam> {
+    #[derive(Default)]
+    struct Walk {
+        /// Per entered module, its name when it is not empty.
+        path: Vec<Option<String>>,
+        /// The innermost `Moe` field being visited: its depth in `path` and its role.
+        field: Option<(usize, Role)>,
+        params: Vec<MoeParam>,
+    }
+    impl ModuleVisitor for Walk {
+        fn enter_module(&mut self, name: &str, container_type: &str) {
+            if let Some(role) = Role::of_entry(container_type) {
+                self.field = Some((self.path.len(), role));
+            }
+            self.path
+                .push(Some(name.to_string()).filter(|n| !n.is_empty()));
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+            if self
+                .field
+                .is_some_and(|(depth, _)| self.path.len() <= depth)
+            {
+                self.field = None;
+            }
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let named = |entries: &[Option<String>]| entries.iter().flatten().count();
+            self.params.push(MoeParam {
+                id: param.id,
+                parts: self.path.iter().flatten().cloned().collect(),
+                dims: param.lazy_shape().to_vec(),
+                in_layer: self
+                    .field
+                    .map(|(depth, role)| (named(&self.path[..depth]), role)),
+            });
+        }
+    }
+    let mut walk = Walk::default();
+    model.visit(&mut walk);
+    walk.params
 }
 
 fn visit_field<M: Module, V: ModuleVisitor>(visitor: &mut V, role: Role, field: &M) {
@@ -165,37 +258,18 @@ mod tests {
     use crate::moe::MoeConfig;
 
     /// Every parameter path is what the derived implementation gave (checkpoints written before
-    /// still load), and each is entered under its role's label.
+    /// still load), and the walk finds each one's layer, role and expert.
     #[test]
     fn paths_are_unchanged_and_entries_carry_roles() {
-        #[derive(Default)]
-        struct Paths {
-            path: Vec<String>,
-            roles: Vec<Option<Role>>,
-            found: Vec<(String, Option<Role>)>,
-        }
-        impl ModuleVisitor for Paths {
-            fn enter_module(&mut self, name: &str, container_type: &str) {
-                self.path.push(name.to_string());
-                let outer = self.roles.last().copied().flatten();
-                self.roles.push(Role::of_entry(container_type).or(outer));
-            }
-            fn exit_module(&mut self, _: &str, _: &str) {
-                self.path.pop();
-                self.roles.pop();
-            }
-            fn visit_float<const D: usize>(&mut self, _: &burn::module::Param<burn::Tensor<D>>) {
-                let role = self.roles.last().copied().flatten();
-                self.found.push((self.path.join("."), role));
-            }
-        }
         let config = MoeConfig {
             shared_expert: true,
             ..MoeConfig::new(2, 1, 4)
         };
         let moe = config.init(8, &Device::flex());
-        let mut paths = Paths::default();
-        moe.visit(&mut paths);
+        let found: Vec<(String, Option<Role>)> = moe_params(&moe)
+            .into_iter()
+            .map(|p| (p.path(), p.in_layer.map(|(_, role)| role)))
+            .collect();
         let expected = [
             ("router.weight", Role::Router),
             ("experts.0.w_gate.weight", Role::Experts),
@@ -212,7 +286,28 @@ mod tests {
             .into_iter()
             .map(|(p, r)| (p.to_string(), Some(r)))
             .collect();
-        assert_eq!(paths.found, expected);
+        assert_eq!(found, expected);
         assert_eq!(Module::num_params(&moe), 8 * 2 + 3 * 3 * 8 * 4);
+        // Inside a model: the layer's path, the expert's index and its global name.
+        #[derive(Module, Debug)]
+        struct Block {
+            moe: Moe,
+        }
+        #[derive(Module, Debug)]
+        struct Model {
+            blocks: Vec<Block>,
+        }
+        let model = Model {
+            blocks: vec![Block { moe: moe.clone() }, Block { moe }],
+        };
+        let expert = &moe_params(&model)[14];
+        assert_eq!(expert.path(), "blocks.1.moe.experts.1.w_gate.weight");
+        assert_eq!(expert.layer_path().as_deref(), Some("blocks.1.moe"));
+        assert_eq!(expert.expert(), Some(1));
+        assert_eq!(
+            expert.global_path(4).as_deref(),
+            Some("blocks.1.moe.experts.5.w_gate.weight")
+        );
+        assert_eq!(moe_params(&model)[10].global_path(4), None);
     }
 }

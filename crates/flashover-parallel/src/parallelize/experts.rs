@@ -3,16 +3,14 @@
 //! others become placeholders; the layer's forward ([`crate::nn::MoeForward`]) sends each
 //! token to the rank that holds its expert and back.
 
-use super::dotted;
 use super::placed::ExpertSplit;
 use super::plan::{ModulePath, ParallelizePlan};
 use crate::error::ParallelError;
 use crate::expert_parallel::{ExpertTraffic, Replicas};
-use crate::moe::Role;
+use crate::moe::{Role, moe_params};
 use crate::params::ParamLayout;
 use crate::placement::PlacementTable;
-use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::Tensor;
+use burn::module::Module;
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 use flashover_runtime::Axis;
 use std::collections::{HashMap, HashSet};
@@ -31,69 +29,38 @@ struct MoeLayer {
     expert_of: HashMap<String, usize>,
 }
 
-/// Every [`crate::moe::Moe`] layer of `model`, found by type: by the labels a `Moe` gives the
-/// entries of its fields ([`Role`]), which no other module gives.
+/// Every [`crate::moe::Moe`] layer of `model`, found by type ([`moe_params`]).
 fn moe_layers<M: Module>(model: &M) -> Vec<MoeLayer> {
-    #[derive(Default)]
-    struct Find {
-        path: Vec<String>,
-        /// Per entry of `path`, the role of the `Moe` field it enters, if it enters one.
-        roles: Vec<Option<Role>>,
-        /// Depth (in `path`) of the fields of the Moe layer being visited, if any.
-        inside: Option<usize>,
-        layers: Vec<MoeLayer>,
-    }
-    impl ModuleVisitor for Find {
-        fn enter_module(&mut self, name: &str, container_type: &str) {
-            let role = Role::of_entry(container_type);
-            if self.inside.is_none() && role.is_some() {
-                // The layer's first field: the layer's own path is where the visit stands.
-                self.inside = Some(self.path.len());
-                self.layers.push(MoeLayer {
-                    path: dotted(&self.path),
-                    n_experts: 0,
-                    router: vec![],
-                    expert_of: HashMap::new(),
-                });
-            }
-            self.path.push(name.to_string());
-            self.roles.push(role);
+    let mut layers: Vec<MoeLayer> = vec![];
+    for param in moe_params(model) {
+        let (Some(layer_path), Some((_, role))) = (param.layer_path(), param.in_layer) else {
+            continue;
+        };
+        if layers.last().is_none_or(|l| l.path != layer_path) {
+            layers.push(MoeLayer {
+                path: layer_path,
+                n_experts: 0,
+                router: vec![],
+                expert_of: HashMap::new(),
+            });
         }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-            self.roles.pop();
-            if self.inside.is_some_and(|depth| self.path.len() < depth) {
-                self.inside = None;
-            }
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let Some(depth) = self.inside else { return };
-            let path = dotted(&self.path);
-            let layer = self.layers.last_mut().expect("entered");
-            match self.roles[depth] {
-                Some(Role::Router) => {
-                    // The router's weight `[d_model, n_experts]` (it has no other matrix).
-                    if D == 2 {
-                        layer.n_experts = param.val().dims()[D - 1];
-                    }
-                    layer.router.push(path);
+        let layer = layers.last_mut().expect("pushed");
+        match role {
+            Role::Router => {
+                // The router's weight `[d_model, n_experts]` (it has no other matrix).
+                if let [_, n_experts] = param.dims[..] {
+                    layer.n_experts = n_experts;
                 }
-                Some(Role::Experts) => {
-                    // The entry below the experts' is the expert's index in their `Vec`.
-                    let index = self.path[depth + 1..]
-                        .iter()
-                        .find(|s| !s.is_empty())
-                        .and_then(|s| s.parse().ok())
-                        .expect("a Vec's entries are numbered");
-                    layer.expert_of.insert(path, index);
-                }
-                Some(Role::Shared) | None => {}
+                layer.router.push(param.path());
             }
+            Role::Experts => {
+                let index = param.expert().expect("a Vec's entries are numbered");
+                layer.expert_of.insert(param.path(), index);
+            }
+            Role::Shared => {}
         }
     }
-    let mut find = Find::default();
-    model.visit(&mut find);
-    find.layers
+    layers
 }
 
 /// The `expert_parallel` layers of a plan among `layers`: each path must name mixture-of-experts

@@ -188,6 +188,8 @@ pub fn parallelize<M: Module>(
                 kept.entry(slot.name.clone()).or_insert("keep_whole");
             }
         }
+        // Only what would otherwise have been sharded is kept whole.
+        kept.retain(|path, _| plan.shard_path(path).is_some());
         kept
     };
     let context = plan

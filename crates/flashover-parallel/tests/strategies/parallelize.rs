@@ -1435,6 +1435,11 @@ fn layers_that_read_their_stored_shape_stay_whole_under_fully_shard() {
     let kept =
         trains_as_one_rank_keeping_whole::<RmsNormed>(&ParallelizePlan::new().fully_shard(""));
     assert_eq!(kept, [("norm.gamma".to_string(), "RmsNorm")]);
+    // A norm outside every fully_shard path was never to be sharded: nothing is reported.
+    let plan = ParallelizePlan::new()
+        .fully_shard("input")
+        .fully_shard("head");
+    assert_eq!(trains_as_one_rank_keeping_whole::<RmsNormed>(&plan), []);
 }
 
 /// A scale of one's own whose forward reads its stored shape, as Burn's `RmsNorm` does: a
