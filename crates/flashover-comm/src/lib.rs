@@ -37,6 +37,8 @@
 
 mod args;
 mod communicator;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod dtype;
 mod error;
 mod fault;

@@ -49,11 +49,8 @@ impl NcclWorld {
     /// Whether the CUDA driver and NCCL libraries can be loaded; the error says which is
     /// missing and what to install.
     pub fn available() -> CommResult<()> {
-        // SAFETY: only tries to open the shared libraries.
-        if !unsafe { cudarc::driver::sys::is_culib_present() } {
-            return Err(engine(
-                "the CUDA driver library (libcuda.so) cannot be loaded: no NVIDIA driver on this machine",
-            ));
+        if !crate::cuda::driver_present() {
+            return Err(engine(crate::cuda::CudaUnavailable::NoDriver));
         }
         // SAFETY: as above.
         if !unsafe { cudarc::nccl::sys::is_culib_present() } {

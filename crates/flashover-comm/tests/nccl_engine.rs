@@ -28,3 +28,30 @@ fn without_the_libraries_the_error_names_what_is_missing() {
         Err(other) => panic!("unexpected error: {other}"),
     }
 }
+
+/// The check `--device cuda` makes before Burn loads CUDA (whose loader panics on another
+/// thread): without a driver (CI), the refusal names libcuda; without NVRTC, libnvrtc; on a
+/// GPU machine, GPU 0 passes and a rank beyond the GPUs is refused with their count.
+#[test]
+fn a_gpu_that_cannot_be_used_is_refused_naming_what_is_missing() {
+    use flashover_comm::cuda::{CudaUnavailable, check_gpu, driver_present};
+    match check_gpu(0) {
+        Ok(()) => {
+            let err = check_gpu(4096).unwrap_err();
+            assert!(
+                matches!(err, CudaUnavailable::NoSuchGpu { local_rank: 4096, gpus } if gpus > 0),
+                "{err}"
+            );
+            assert!(err.to_string().contains("ranks per node"), "{err}");
+        }
+        Err(err @ CudaUnavailable::NoDriver) => {
+            assert!(!driver_present());
+            assert!(err.to_string().contains("libcuda.so"), "{err}");
+        }
+        Err(err @ CudaUnavailable::NoNvrtc) => {
+            assert!(driver_present());
+            assert!(err.to_string().contains("libnvrtc.so"), "{err}");
+        }
+        Err(other) => panic!("a driver that loads but does not answer: {other}"),
+    }
+}

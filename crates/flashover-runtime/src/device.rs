@@ -34,6 +34,14 @@ pub enum DeviceError {
         /// The feature to enable.
         feature: &'static str,
     },
+    /// The backend was built but this machine cannot run it (no driver, library or GPU).
+    #[error("device `{device}` cannot be used here: {why}")]
+    Unavailable {
+        /// The device asked for.
+        device: DeviceChoice,
+        /// What is missing, and how to get it.
+        why: String,
+    },
 }
 
 impl DeviceChoice {
@@ -45,7 +53,8 @@ impl DeviceChoice {
         }
     }
 
-    /// The Burn device for a rank with this local (per-node) index.
+    /// The Burn device for a rank with this local (per-node) index: for CUDA, GPU `local_rank`,
+    /// refused with what is missing where the driver, NVRTC or that GPU is not there.
     pub fn device(self, local_rank: usize) -> Result<Device, DeviceError> {
         let _ = local_rank;
         match self {
@@ -58,7 +67,12 @@ impl DeviceChoice {
                 feature: "wgpu",
             }),
             #[cfg(feature = "cuda")]
-            DeviceChoice::Cuda => Ok(Device::cuda(local_rank)),
+            DeviceChoice::Cuda => flashover_comm::cuda::check_gpu(local_rank)
+                .map(|()| Device::cuda(local_rank))
+                .map_err(|why| DeviceError::Unavailable {
+                    device: self,
+                    why: why.to_string(),
+                }),
             #[cfg(not(feature = "cuda"))]
             DeviceChoice::Cuda => Err(DeviceError::NotBuilt {
                 device: self,
