@@ -4,7 +4,9 @@
 # buffers and in place on device memory (world size 1); the wgpu training suite (every strategy
 # on the GPU's Vulkan adapter against Flex); then the reference model on the GPU through wgpu at
 # f32 and in reduced precision (bf16 where the adapter has it, else f16), with the report's step
-# time and tokens/s for docs/benchmarks.md. Not run by CI (no GPU there).
+# time and tokens/s for docs/benchmarks.md; then the same through Burn's CUDA backend (NVRTC:
+# needs libnvrtc.so, e.g. from the CUDA toolkit or `pip install nvidia-cuda-nvrtc-cu12`).
+# Not run by CI (no GPU there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,4 +18,8 @@ for precision in f32 bf16 f16; do
   # bf16 is refused with a clear message where the adapter lacks it; keep going.
   cargo run --release --features wgpu -- train --device wgpu --mesh dp=1 --steps 50 \
     --precision "$precision" || echo "gpu_check: --precision $precision not run (see above)"
+done
+for precision in f32 bf16; do
+  cargo run --release --features cuda,nccl -- train --device cuda --mesh dp=1 --steps 50 \
+    --precision "$precision"
 done
