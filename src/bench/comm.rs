@@ -1,10 +1,12 @@
 //! `flashover bench comm`: every collective at sizes from 4 KiB to 256 MiB, with algorithm and
 //! bus bandwidth by nccl-tests' conventions, next to single-thread memcpy measured in the same run.
 
+use burn::tensor::{Device, Tensor};
 use flashover_comm::{
     Communicator, CommunicatorExt, FlightRecorder, Group, OpKind, ReduceOp, ThreadWorld,
     bus_bandwidth_factor,
 };
+use flashover_runtime::TensorCollectives;
 use serde::Serialize;
 use std::time::{Duration, Instant};
 
@@ -32,6 +34,8 @@ pub struct CommBenchConfig {
     pub target: Duration,
     /// Also time each thread-engine measurement with the flight recorder on.
     pub flight: bool,
+    /// Also time each thread-engine measurement on Flex tensors ([`TensorCollectives`]).
+    pub tensors: bool,
 }
 
 impl Default for CommBenchConfig {
@@ -43,6 +47,7 @@ impl Default for CommBenchConfig {
             max_bytes: 256 << 20,
             target: Duration::from_millis(200),
             flight: false,
+            tensors: false,
         }
     }
 }
@@ -111,19 +116,40 @@ pub fn memcpy_gbps(bytes: usize, target: Duration) -> f64 {
     bytes as f64 * iters as f64 / t.elapsed().as_secs_f64() / 1e9
 }
 
+/// How the thread engine's calls are made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    /// On reused `f32` buffers (nccl-tests' way).
+    Raw,
+    /// On reused buffers, each call seen by a flight recorder.
+    Flight,
+    /// On Flex tensors through [`TensorCollectives`].
+    Tensor,
+}
+
+impl Variant {
+    fn backend(self) -> &'static str {
+        match self {
+            Variant::Raw => "thread",
+            Variant::Flight => "thread+flight",
+            Variant::Tensor => "thread+tensor",
+        }
+    }
+}
+
 /// Runs `op` on a message of `bytes` on `world` thread ranks; returns seconds per call.
 #[cfg(test)]
 pub fn time_collective(op: OpKind, world: usize, bytes: usize, target: Duration) -> f64 {
-    time_thread_collective(op, world, bytes, target, false)
+    time_thread_collective(op, world, bytes, target, Variant::Raw)
 }
 
-/// [`time_collective`], with each rank's calls seen by a flight recorder when `flight`.
+/// [`time_collective`], made the `variant` way.
 fn time_thread_collective(
     op: OpKind,
     world: usize,
     bytes: usize,
     target: Duration,
-    flight: bool,
+    variant: Variant,
 ) -> f64 {
     let times: Vec<f64> = std::thread::scope(|s| {
         let handles: Vec<_> = ThreadWorld::new(world)
@@ -133,10 +159,13 @@ fn time_thread_collective(
             .map(|(rank, c)| {
                 s.spawn(move || {
                     let mut group = Group::new(std::sync::Arc::new(c));
-                    if flight {
+                    if variant == Variant::Flight {
                         group = group.recorded(FlightRecorder::new(rank, 256));
                     }
-                    time_on_rank(&*group, op, bytes, target)
+                    match variant {
+                        Variant::Tensor => time_tensor_on_rank(&*group, op, bytes, target),
+                        _ => time_on_rank(&*group, op, bytes, target),
+                    }
                 })
             })
             .collect();
@@ -181,6 +210,49 @@ fn time_on_rank(c: &dyn Communicator, op: OpKind, bytes: usize, target: Duration
     }
     c.barrier().expect("end barrier");
     t.elapsed().as_secs_f64() / iters[0] as f64
+}
+
+/// [`time_on_rank`] through [`TensorCollectives`] on Flex tensors, as a strategy calls them:
+/// each call is handed a fresh tensor (as a gradient or shard is handed over; made, and the
+/// result dropped, outside the timed region, with a barrier between) and returns a new one.
+/// All-to-all has no tensor form and is not timed this way.
+fn time_tensor_on_rank(c: &dyn Communicator, op: OpKind, bytes: usize, target: Duration) -> f64 {
+    let n = c.size();
+    let elems = bytes / 4;
+    let device = Device::flex();
+    let send_len = match op {
+        OpKind::ReduceScatter => elems / n * n,
+        OpKind::AllGather => elems / n,
+        _ => elems,
+    };
+    let timed = |iters: u64| -> f64 {
+        let mut total = 0.0;
+        for _ in 0..iters {
+            let input = Tensor::<1>::ones([send_len], &device);
+            c.barrier().expect("barrier");
+            let t = Instant::now();
+            let out = match op {
+                OpKind::AllReduce => c.all_reduce_tensor(input, ReduceOp::Sum),
+                OpKind::ReduceScatter => c.reduce_scatter_tensor(input, 0, ReduceOp::Sum),
+                OpKind::AllGather => c.all_gather_tensor(input, 0),
+                OpKind::Broadcast => c.broadcast_tensor(input, 0),
+                other => unreachable!("{other} has no tensor form"),
+            }
+            .expect("collective");
+            total += t.elapsed().as_secs_f64();
+            drop(out);
+        }
+        total
+    };
+    // Warm-up, then agree on an iteration count (rank 0's estimate) so every rank calls alike.
+    let once = timed(1);
+    let mut iters = [iterations(Duration::from_secs_f64(once), target) as u64];
+    c.broadcast(&mut iters, 0).expect("agree on iterations");
+    // The slowest rank's time is the call's time.
+    let mut per_call = [timed(iters[0]) / iters[0] as f64];
+    c.all_reduce(&mut per_call, ReduceOp::Max)
+        .expect("slowest rank");
+    per_call[0]
 }
 
 /// The benchmark on the MPI engine, one rank per process (run under `mpirun`): the world is
@@ -235,16 +307,19 @@ pub fn run(config: &CommBenchConfig, mut emit: impl FnMut(&Record)) {
     for &world in &config.worlds {
         for &op in &config.ops {
             for bytes in sizes(config.min_bytes, config.max_bytes) {
-                let backends: &[(&str, bool)] = match config.flight {
-                    true => &[("thread", false), ("thread+flight", true)],
-                    false => &[("thread", false)],
-                };
-                for &(backend, flight) in backends {
-                    let time_s = time_thread_collective(op, world, bytes, config.target, flight);
+                let mut variants = vec![Variant::Raw];
+                if config.flight {
+                    variants.push(Variant::Flight);
+                }
+                if config.tensors && op != OpKind::AllToAll {
+                    variants.push(Variant::Tensor);
+                }
+                for variant in variants {
+                    let time_s = time_thread_collective(op, world, bytes, config.target, variant);
                     let algbw = bytes as f64 / time_s / 1e9;
                     emit(&Record::Collective {
                         op: op.name(),
-                        backend,
+                        backend: variant.backend(),
                         world,
                         bytes,
                         time_s,
@@ -274,6 +349,16 @@ mod tests {
         for op in OPS {
             let t = time_collective(op, 3, 48 << 10, Duration::from_millis(5));
             assert!(t > 0.0 && t.is_finite(), "{op}: {t}");
+            if op != OpKind::AllToAll {
+                let t = time_thread_collective(
+                    op,
+                    3,
+                    48 << 10,
+                    Duration::from_millis(5),
+                    Variant::Tensor,
+                );
+                assert!(t > 0.0 && t.is_finite(), "{op} on tensors: {t}");
+            }
         }
     }
 }

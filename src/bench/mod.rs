@@ -127,13 +127,14 @@ mod tests {
             max_bytes: 4096,
             target: Duration::from_millis(10),
             flight: true,
+            tensors: true,
         };
         let mut records = 0;
         comm::run(&config, |_| records += 1);
         assert_eq!(
             records,
-            1 + 2,
-            "memcpy, then the collective without and with the recorder"
+            1 + 3,
+            "memcpy, then the collective on buffers without and with the recorder, and on tensors"
         );
         // The memory benchmarks need the counting allocator the `flashover` binary installs.
         let counting = flashover::heap::counting();

@@ -244,6 +244,11 @@ pub struct CommArgs {
     /// (backend `thread+flight`), side by side.
     #[arg(long)]
     flight: bool,
+    /// Time each thread-engine measurement a second time on Flex tensors through
+    /// `TensorCollectives` (backend `thread+tensor`), side by side; all_to_all has no tensor
+    /// form and is timed on buffers only.
+    #[arg(long)]
+    tensors: bool,
     /// `thread` (ranks as threads, --worlds) or `mpi` (one rank per process: run under
     /// `mpirun`; needs the `mpi` feature).
     #[arg(long, default_value = "thread")]
@@ -633,6 +638,7 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                 max_bytes: args.max_bytes,
                 target: Duration::from_millis(args.target_ms),
                 flight: args.flight,
+                tensors: args.tensors,
             };
             // The header comes with the first record: under MPI only rank 0 emits.
             let mut header = !args.json;
@@ -643,14 +649,14 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                 }
                 if std::mem::take(&mut header) {
                     println!(
-                        "{:<15} {:>7} {:>5} {:>12} {:>12} {:>10} {:>10}",
+                        "{:<15} {:>13} {:>5} {:>12} {:>12} {:>10} {:>10}",
                         "op", "backend", "world", "bytes", "time_us", "algbw", "busbw"
                     );
                 }
                 match r {
                     Record::Memcpy { bytes, gbps, .. } => {
                         println!(
-                            "{:<15} {:>7} {:>5} {:>12} {:>12} {:>10.2} {:>10}",
+                            "{:<15} {:>13} {:>5} {:>12} {:>12} {:>10.2} {:>10}",
                             "memcpy", "-", 1, bytes, "-", gbps, "-"
                         )
                     }
@@ -663,7 +669,7 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                         algbw_gbps,
                         busbw_gbps,
                     } => println!(
-                        "{op:<15} {backend:>7} {world:>5} {bytes:>12} {:>12.1} {algbw_gbps:>10.2} {busbw_gbps:>10.2}",
+                        "{op:<15} {backend:>13} {world:>5} {bytes:>12} {:>12.1} {algbw_gbps:>10.2} {busbw_gbps:>10.2}",
                         time_s * 1e6
                     ),
                 }

@@ -1,11 +1,15 @@
 //! Collectives on Burn tensors, staged through host memory (`TensorData`).
 //!
-//! These move values, not gradients: results are fresh tensors on the input's device, outside
-//! any autodiff graph. Differentiable collectives (Megatron's conjugate operators) live with the
+//! A tensor is taken by value and its bytes are handed to the engine as they come out of
+//! `into_data`: on Flex, whose tensors are host memory, a tensor no other value shares gives up
+//! its own buffer, the engine works on it in place and the result is built on that same buffer,
+//! so an all-reduce or broadcast copies nothing outside the engine (a shared tensor is copied
+//! once). These move values, not gradients: results are fresh tensors on the input's device,
+//! outside any autodiff graph. Differentiable collectives (Megatron's conjugate operators) live with the
 //! strategies that need them. On CUDA with the NCCL engine the same trait will move device
 //! memory directly; the host path stays as the portable fallback.
 
-use burn::tensor::{DType as BurnDType, Tensor, TensorData};
+use burn::tensor::{Bytes, DType as BurnDType, Tensor, TensorData};
 use flashover_comm::{CommError, CommResult, Communicator, DType, OpKind, ReduceOp};
 
 /// The collective operations on whole tensors, for every [`Communicator`] (and so every
@@ -80,36 +84,37 @@ fn checked_dtype<C: Communicator + ?Sized>(
 
 /// A tensor's host bytes, shape and dtypes.
 struct Staged {
-    bytes: Vec<u8>,
+    bytes: Bytes,
     shape: Vec<usize>,
     burn_dtype: BurnDType,
     dtype: DType,
 }
 
+/// `tensor`'s values in host memory: its own buffer where the backend can give it up (Flex, a
+/// contiguous tensor nothing else shares), else a copy.
 fn stage<C: Communicator + ?Sized, const D: usize>(
     comm: &C,
     op: OpKind,
-    tensor: &Tensor<D>,
+    tensor: Tensor<D>,
 ) -> CommResult<Staged> {
-    let data = tensor.to_data();
-    let burn_dtype = data.dtype();
+    let (bytes, shape, burn_dtype) = tensor.into_data().into_parts();
     let dtype = checked_dtype(comm, op, burn_dtype)?;
     Ok(Staged {
-        bytes: data.as_bytes().to_vec(),
-        shape: data.shape().to_vec(),
+        bytes,
+        shape: shape.to_vec(),
         burn_dtype,
         dtype,
     })
 }
 
+/// A tensor of `dtype` on `device` built on `bytes` (on Flex, without a copy).
 fn unstage<const D: usize>(
-    bytes: Vec<u8>,
+    bytes: Bytes,
     shape: Vec<usize>,
     dtype: BurnDType,
     device: &burn::tensor::Device,
 ) -> Tensor<D> {
-    // `from_data` makes the device's default float dtype: keep the one that was sent.
-    Tensor::<D>::from_data(TensorData::from_bytes_vec(bytes, shape, dtype), device).cast(dtype)
+    Tensor::<D>::from_data(TensorData::from_bytes(bytes, shape, dtype), (device, dtype))
 }
 
 /// `op` in place on the tensor's GPU memory where the engine has device collectives and the
@@ -135,9 +140,10 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         if let Some(done) = on_device(self, &tensor, crate::cuda_memory::InPlace::AllReduce(op)) {
             return done;
         }
-        let mut s = stage(self, OpKind::AllReduce, &tensor)?;
+        let device = tensor.device();
+        let mut s = stage(self, OpKind::AllReduce, tensor)?;
         self.all_reduce_bytes(&mut s.bytes, s.dtype, op)?;
-        Ok(unstage(s.bytes, s.shape, s.burn_dtype, &tensor.device()))
+        Ok(unstage(s.bytes, s.shape, s.burn_dtype, &device))
     }
 
     fn broadcast_tensor<const D: usize>(
@@ -149,9 +155,10 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         if let Some(done) = on_device(self, &tensor, crate::cuda_memory::InPlace::Broadcast(root)) {
             return done;
         }
-        let mut s = stage(self, OpKind::Broadcast, &tensor)?;
+        let device = tensor.device();
+        let mut s = stage(self, OpKind::Broadcast, tensor)?;
         self.broadcast_bytes(&mut s.bytes, s.dtype, root)?;
-        Ok(unstage(s.bytes, s.shape, s.burn_dtype, &tensor.device()))
+        Ok(unstage(s.bytes, s.shape, s.burn_dtype, &device))
     }
 
     fn all_gather_tensor<const D: usize>(
@@ -159,21 +166,29 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         tensor: Tensor<D>,
         dim: usize,
     ) -> CommResult<Tensor<D>> {
-        let s = stage(self, OpKind::AllGather, &tensor)?;
+        let device = tensor.device();
+        let s = stage(self, OpKind::AllGather, tensor)?;
         let n = self.size();
         let mut recv = vec![0u8; s.bytes.len() * n];
         self.all_gather_bytes(&s.bytes, &mut recv, s.dtype)?;
-        let device = tensor.device();
-        if s.bytes.is_empty() {
+        if recv.is_empty() {
             let mut shape = s.shape.clone();
             shape[dim] *= n;
-            return Ok(unstage(vec![], shape, s.burn_dtype, &device));
+            return Ok(unstage(
+                Bytes::from_bytes_vec(recv),
+                shape,
+                s.burn_dtype,
+                &device,
+            ));
         }
-        let parts: Vec<Tensor<D>> = recv
-            .chunks(s.bytes.len())
-            .map(|block| unstage(block.to_vec(), s.shape.clone(), s.burn_dtype, &device))
-            .collect();
-        Ok(Tensor::cat(parts, dim))
+        // The ranks' blocks end to end: the concatenation along dim 0.
+        let mut stacked = s.shape.clone();
+        stacked[0] *= n;
+        let gathered = unstage(Bytes::from_bytes_vec(recv), stacked, s.burn_dtype, &device);
+        if dim == 0 || n == 1 {
+            return Ok(gathered);
+        }
+        Ok(Tensor::cat(gathered.chunk(n, 0), dim))
     }
 
     fn reduce_scatter_tensor<const D: usize>(
@@ -194,28 +209,27 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
             });
         }
         let device = tensor.device();
-        // Blocks along `dim`, each made contiguous, laid end to end in rank order.
-        let blocks: Vec<Staged> = tensor
-            .chunk(n, dim)
-            .iter()
-            .map(|b| stage(self, OpKind::ReduceScatter, b))
-            .collect::<CommResult<_>>()?;
-        let send: Vec<u8> = blocks
-            .iter()
-            .flat_map(|b| b.bytes.iter().copied())
-            .collect();
-        let mut recv = vec![0u8; blocks[0].bytes.len()];
-        self.reduce_scatter_bytes(&send, &mut recv, blocks[0].dtype, op)?;
+        // Blocks along `dim` laid end to end in rank order: the tensor itself along dim 0.
+        let blocks = if dim == 0 {
+            tensor
+        } else {
+            Tensor::cat(tensor.chunk(n, dim), 0)
+        };
+        let s = stage(self, OpKind::ReduceScatter, blocks)?;
+        let mut recv = vec![0u8; s.bytes.len() / n];
+        self.reduce_scatter_bytes(&s.bytes, &mut recv, s.dtype, op)?;
+        let mut shape = dims.to_vec();
+        shape[dim] /= n;
         Ok(unstage(
-            recv,
-            blocks[0].shape.clone(),
-            blocks[0].burn_dtype,
+            Bytes::from_bytes_vec(recv),
+            shape,
+            s.burn_dtype,
             &device,
         ))
     }
 
     fn send_tensor<const D: usize>(&self, tensor: &Tensor<D>, dst: usize) -> CommResult<()> {
-        let s = stage(self, OpKind::Send, tensor)?;
+        let s = stage(self, OpKind::Send, tensor.clone())?;
         self.send_bytes(&s.bytes, s.dtype, dst)
     }
 
@@ -229,6 +243,11 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         let tag = checked_dtype(self, OpKind::Recv, dtype)?;
         let mut bytes = vec![0u8; shape.iter().product::<usize>() * tag.size()];
         self.recv_bytes(&mut bytes, tag, src)?;
-        Ok(unstage(bytes, shape.to_vec(), dtype, device))
+        Ok(unstage(
+            Bytes::from_bytes_vec(bytes),
+            shape.to_vec(),
+            dtype,
+            device,
+        ))
     }
 }
