@@ -107,6 +107,18 @@ fn stage<C: Communicator + ?Sized, const D: usize>(
     })
 }
 
+/// `len` zero bytes for elements of `dtype`, aligned for them. (`Bytes::from_bytes_vec` would
+/// copy a `Vec<u8>` into a new allocation to align it; a vector of the element's width is
+/// taken as it is.)
+fn zeroed(len: usize, dtype: DType) -> Bytes {
+    match dtype.size() {
+        2 => Bytes::from_elems(vec![0u16; len / 2]),
+        4 => Bytes::from_elems(vec![0u32; len / 4]),
+        8 => Bytes::from_elems(vec![0u64; len / 8]),
+        _ => Bytes::from_elems(vec![0u8; len]),
+    }
+}
+
 /// A tensor of `dtype` on `device` built on `bytes` (on Flex, without a copy).
 fn unstage<const D: usize>(
     bytes: Bytes,
@@ -169,22 +181,17 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         let device = tensor.device();
         let s = stage(self, OpKind::AllGather, tensor)?;
         let n = self.size();
-        let mut recv = vec![0u8; s.bytes.len() * n];
+        let mut recv = zeroed(s.bytes.len() * n, s.dtype);
         self.all_gather_bytes(&s.bytes, &mut recv, s.dtype)?;
         if recv.is_empty() {
             let mut shape = s.shape.clone();
             shape[dim] *= n;
-            return Ok(unstage(
-                Bytes::from_bytes_vec(recv),
-                shape,
-                s.burn_dtype,
-                &device,
-            ));
+            return Ok(unstage(recv, shape, s.burn_dtype, &device));
         }
         // The ranks' blocks end to end: the concatenation along dim 0.
         let mut stacked = s.shape.clone();
         stacked[0] *= n;
-        let gathered = unstage(Bytes::from_bytes_vec(recv), stacked, s.burn_dtype, &device);
+        let gathered = unstage(recv, stacked, s.burn_dtype, &device);
         if dim == 0 || n == 1 {
             return Ok(gathered);
         }
@@ -216,16 +223,11 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
             Tensor::cat(tensor.chunk(n, dim), 0)
         };
         let s = stage(self, OpKind::ReduceScatter, blocks)?;
-        let mut recv = vec![0u8; s.bytes.len() / n];
+        let mut recv = zeroed(s.bytes.len() / n, s.dtype);
         self.reduce_scatter_bytes(&s.bytes, &mut recv, s.dtype, op)?;
         let mut shape = dims.to_vec();
         shape[dim] /= n;
-        Ok(unstage(
-            Bytes::from_bytes_vec(recv),
-            shape,
-            s.burn_dtype,
-            &device,
-        ))
+        Ok(unstage(recv, shape, s.burn_dtype, &device))
     }
 
     fn send_tensor<const D: usize>(&self, tensor: &Tensor<D>, dst: usize) -> CommResult<()> {
@@ -241,13 +243,8 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         device: &burn::tensor::Device,
     ) -> CommResult<Tensor<D>> {
         let tag = checked_dtype(self, OpKind::Recv, dtype)?;
-        let mut bytes = vec![0u8; shape.iter().product::<usize>() * tag.size()];
+        let mut bytes = zeroed(shape.iter().product::<usize>() * tag.size(), tag);
         self.recv_bytes(&mut bytes, tag, src)?;
-        Ok(unstage(
-            Bytes::from_bytes_vec(bytes),
-            shape.to_vec(),
-            dtype,
-            device,
-        ))
+        Ok(unstage(bytes, shape.to_vec(), dtype, device))
     }
 }
