@@ -5,9 +5,9 @@
 //! its own buffer, the engine works on it in place and the result is built on that same buffer,
 //! so an all-reduce or broadcast copies nothing outside the engine (a shared tensor is copied
 //! once). These move values, not gradients: results are fresh tensors on the input's device,
-//! outside any autodiff graph. Differentiable collectives (Megatron's conjugate operators) live with the
-//! strategies that need them. On CUDA with the NCCL engine the same trait will move device
-//! memory directly; the host path stays as the portable fallback.
+//! outside any autodiff graph. Differentiable collectives (Megatron's conjugate operators) live
+//! with the strategies that need them. On CUDA with the NCCL engine the same trait will move
+//! device memory directly; the host path stays as the portable fallback.
 
 use burn::tensor::{Bytes, DType as BurnDType, Tensor, TensorData};
 use flashover_comm::{CommError, CommResult, Communicator, DType, OpKind, ReduceOp};

@@ -45,7 +45,7 @@ impl Role {
     }
 
     /// The role of a module entry labelled `container_type`, when a [`Moe`] entered it.
-    pub(crate) fn of_entry(container_type: &str) -> Option<Role> {
+    fn of_entry(container_type: &str) -> Option<Role> {
         Role::ALL.into_iter().find(|r| r.label() == container_type)
     }
 }
