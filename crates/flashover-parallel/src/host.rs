@@ -5,7 +5,6 @@
 //! (wgpu, CUDA). On a GPU the values pass through host memory: correct everywhere, not the
 //! zero-copy path NCCL on device pointers would give.
 
-use burn::backend::TensorMetadata;
 use burn::backend::{Backend, tensor::FloatTensor};
 use burn::tensor::TensorData;
 
@@ -17,20 +16,4 @@ pub(crate) fn read<B: Backend>(x: FloatTensor<B>) -> TensorData {
 /// `data` as a tensor on `device`.
 pub(crate) fn write<B: Backend>(data: TensorData, device: &B::Device) -> FloatTensor<B> {
     B::float_from_data(data, device)
-}
-
-/// `f` applied to `x`'s values, on `x`'s device, in `x`'s dtype (host functions may work in
-/// f32 on a bf16 or f16 tensor: the result is cast back).
-pub(crate) fn map<B: Backend>(
-    x: FloatTensor<B>,
-    f: impl FnOnce(TensorData) -> TensorData,
-) -> FloatTensor<B> {
-    let (device, dtype) = (x.device(), x.dtype());
-    let out = f(read::<B>(x));
-    let out = if out.dtype() == dtype {
-        out
-    } else {
-        out.convert_dtype(dtype)
-    };
-    write::<B>(out, &device)
 }

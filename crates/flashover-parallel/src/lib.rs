@@ -33,6 +33,7 @@
 #![warn(missing_docs)]
 
 pub mod activation_checkpointing;
+mod collective_op;
 pub mod context_parallel;
 pub mod data_parallel;
 pub mod dropout;

@@ -41,6 +41,16 @@ pub trait TensorCollectives {
         dim: usize,
         op: ReduceOp,
     ) -> CommResult<Tensor<D>>;
+    /// Variable all-to-all along dim 0: the first `send_rows[j]` rows after those for ranks
+    /// before `j` go to rank `j`; the result is the `recv_rows[j]` rows from each rank `j`, in
+    /// rank order (a row being everything after dim 0). Counts must agree pairwise, as for
+    /// [`Communicator::all_to_all_v_bytes`].
+    fn all_to_all_tensor<const D: usize>(
+        &self,
+        tensor: Tensor<D>,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> CommResult<Tensor<D>>;
     /// Sends `tensor` to group rank `dst` (point to point).
     fn send_tensor<const D: usize>(&self, tensor: &Tensor<D>, dst: usize) -> CommResult<()>;
     /// Receives a tensor of `shape` and `dtype` from group rank `src` onto `device`.
@@ -227,6 +237,46 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         self.reduce_scatter_bytes(&s.bytes, &mut recv, s.dtype, op)?;
         let mut shape = dims.to_vec();
         shape[dim] /= n;
+        Ok(unstage(recv, shape, s.burn_dtype, &device))
+    }
+
+    fn all_to_all_tensor<const D: usize>(
+        &self,
+        tensor: Tensor<D>,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> CommResult<Tensor<D>> {
+        let n = self.size();
+        let dims = tensor.dims();
+        let sent: usize = send_rows.iter().sum();
+        if send_rows.len() != n || recv_rows.len() != n || sent != dims[0] {
+            return Err(CommError::InvalidArgument {
+                op: OpKind::AllToAll,
+                group: self.name().to_string(),
+                detail: format!(
+                    "{} send and {} receive counts for a group of {n}, sending {sent} of \
+                     {} rows",
+                    send_rows.len(),
+                    recv_rows.len(),
+                    dims[0]
+                ),
+            });
+        }
+        let device = tensor.device();
+        let row: usize = dims[1..].iter().product();
+        let s = stage(self, OpKind::AllToAll, tensor)?;
+        let elements = |rows: &[usize]| rows.iter().map(|r| r * row).collect::<Vec<_>>();
+        let received: usize = recv_rows.iter().sum();
+        let mut recv = zeroed(received * row * s.dtype.size(), s.dtype);
+        self.all_to_all_v_bytes(
+            &s.bytes,
+            &elements(send_rows),
+            &mut recv,
+            &elements(recv_rows),
+            s.dtype,
+        )?;
+        let mut shape = dims.to_vec();
+        shape[0] = received;
         Ok(unstage(recv, shape, s.burn_dtype, &device))
     }
 

@@ -1,127 +1,79 @@
 //! The context-parallel group's differentiable exchanges: the ring pass of key/value blocks
-//! and Ulysses' sequence/head all-to-alls. Each is a forward host function and its conjugate
-//! backward (the tensor-parallel operators' mechanism, so Flex only).
+//! and Ulysses' sequence/head all-to-alls. Each is a [`crate::collective_op`] pair: an
+//! all-to-all on the tensor (through [`flashover_runtime::TensorCollectives`]) between Burn
+//! ops that lay its blocks out, and the conjugate exchange backward.
 
-use crate::tensor_parallel::comm::{host, host_pair, ok, values};
-use burn::tensor::{Tensor, TensorData};
-use flashover_comm::{CommunicatorExt, Group};
-use std::sync::{Arc, Mutex};
+use crate::collective_op::{TensorFn, collective_pair, computed, ok, tensor_fn};
+use burn::tensor::Tensor;
+use flashover_comm::Group;
+use flashover_runtime::TensorCollectives;
 
-/// Sends `data` to the rank `hops` after this one on the ring and returns what the rank
-/// `hops` before sent (`hops` may be negative). One all-to-all with a single non-empty
-/// segment each way, so every engine (NCCL's blocking send included) runs it as one call.
-pub(crate) fn ring_shift(group: &Group, data: TensorData, hops: isize) -> TensorData {
-    let (v, shape) = values(data);
+/// Sends `x` to the rank `hops` after this one on the ring and returns what the rank `hops`
+/// before sent (`hops` may be negative). One all-to-all with a single non-empty segment each
+/// way, so every engine (NCCL's blocking send included) runs it as one call. `x` is moved
+/// whole: its dim 0 is one block of rows.
+pub(crate) fn ring_shift<const D: usize>(group: &Group, x: Tensor<D>, hops: isize) -> Tensor<D> {
     let n = group.size();
     if n == 1 {
-        return TensorData::new(v, shape);
+        return x;
     }
     let r = group.rank();
     let step = hops.rem_euclid(n as isize) as usize;
     let (dst, src) = ((r + step) % n, (r + n - step) % n);
-    let mut send_counts = vec![0; n];
-    let mut recv_counts = vec![0; n];
-    send_counts[dst] = v.len();
-    recv_counts[src] = v.len();
-    let mut out = vec![0.0f32; v.len()];
-    ok(group.all_to_all_v(&v, &send_counts, &mut out, &recv_counts));
-    TensorData::new(out, shape)
+    let rows = x.dims()[0];
+    let (mut send, mut recv) = (vec![0; n], vec![0; n]);
+    send[dst] = rows;
+    recv[src] = rows;
+    ok(group.all_to_all_tensor(x, &send, &recv))
+}
+
+/// [`ring_shift`] by `hops` as an op's function.
+fn shift<const D: usize>(group: &Group, hops: isize) -> TensorFn {
+    let g = group.clone();
+    tensor_fn::<D>(move |t| ring_shift(&g, t, hops))
 }
 
 /// The previous ring rank's `x`; backward sends the gradient back to it. `x` goes to the next
 /// rank.
 pub fn ring_pass<const D: usize>(x: Tensor<D>, group: &Group) -> Tensor<D> {
-    let (g, g2) = (group.clone(), group.clone());
-    host_pair(
-        x,
-        host(move |d| ring_shift(&g, d, 1)),
-        host(move |d| ring_shift(&g2, d, -1)),
-    )
+    collective_pair(x, shift::<D>(group, 1), shift::<D>(group, -1))
 }
 
 /// [`ring_pass`] whose forward exchange already ran (on a helper thread, overlapped with the
-/// previous block's attention): `received` is what it returned for `x`.
+/// previous block's attention): `received` is what it returned for `x`'s values (untracked).
 pub(crate) fn ring_passed<const D: usize>(
     x: Tensor<D>,
-    received: TensorData,
+    received: Tensor<D>,
     group: &Group,
 ) -> Tensor<D> {
-    let g = group.clone();
-    let received = Arc::new(Mutex::new(Some(received)));
-    host_pair(
-        x,
-        host(move |_| {
-            received
-                .lock()
-                .expect("ring pass")
-                .take()
-                .expect("a prefetched ring pass runs its forward once")
-        }),
-        host(move |d| ring_shift(&g, d, -1)),
-    )
+    collective_pair(x, computed(received), shift::<D>(group, -1))
 }
 
 /// `[batch, heads, local_seq, hd]` -> `[batch, heads / n, n x local_seq, hd]`: rank `j` gets
 /// head group `j` of every rank's positions, in rank order along the sequence.
-fn sequence_to_heads_host(group: &Group, data: TensorData) -> TensorData {
-    let (v, shape) = values(data);
+fn sequence_to_heads_on(group: &Group, x: Tensor<4>) -> Tensor<4> {
     let n = group.size();
-    let [b, h, t, hd] = [shape[0], shape[1], shape[2], shape[3]];
+    let [b, h, t, hd] = x.dims();
     let hc = h / n;
-    let block = hc * t * hd;
-    let mut send = Vec::with_capacity(v.len());
-    for j in 0..n {
-        for bi in 0..b {
-            let start = (bi * h + j * hc) * t * hd;
-            send.extend_from_slice(&v[start..start + block]);
-        }
-    }
-    let counts = vec![b * block; n];
-    let mut recv = vec![0.0f32; v.len()];
-    ok(group.all_to_all_v(&send, &counts, &mut recv, &counts));
+    // Head group j of every batch row, laid end to end per destination rank j.
+    let send = x.reshape([b, n, hc, t, hd]).swap_dims(0, 1);
+    let counts = vec![1; n];
+    let recv = ok(group.all_to_all_tensor(send, &counts, &counts));
     // recv: per source rank j, [b, hc, t, hd] of j's positions.
-    let mut out = vec![0.0f32; v.len()];
-    for j in 0..n {
-        for bi in 0..b {
-            for hh in 0..hc {
-                let from = ((j * b + bi) * hc + hh) * t * hd;
-                let to = ((bi * hc + hh) * n * t + j * t) * hd;
-                out[to..to + t * hd].copy_from_slice(&recv[from..from + t * hd]);
-            }
-        }
-    }
-    TensorData::new(out, [b, hc, n * t, hd])
+    recv.permute([1, 2, 0, 3, 4]).reshape([b, hc, n * t, hd])
 }
 
-/// The inverse of [`sequence_to_heads_host`].
-fn heads_to_sequence_host(group: &Group, data: TensorData) -> TensorData {
-    let (v, shape) = values(data);
+/// The inverse of [`sequence_to_heads_on`].
+fn heads_to_sequence_on(group: &Group, x: Tensor<4>) -> Tensor<4> {
     let n = group.size();
-    let (b, hc, hd) = (shape[0], shape[1], shape[3]);
-    let t = shape[2] / n;
-    let mut send = Vec::with_capacity(v.len());
-    for j in 0..n {
-        for bi in 0..b {
-            for hh in 0..hc {
-                let start = ((bi * hc + hh) * n * t + j * t) * hd;
-                send.extend_from_slice(&v[start..start + t * hd]);
-            }
-        }
-    }
-    let counts = vec![b * hc * t * hd; n];
-    let mut recv = vec![0.0f32; v.len()];
-    ok(group.all_to_all_v(&send, &counts, &mut recv, &counts));
+    let [b, hc, nt, hd] = x.dims();
+    let t = nt / n;
+    // Rank j's positions of this head group, per destination rank j.
+    let send = x.reshape([b, hc, n, t, hd]).permute([2, 0, 1, 3, 4]);
+    let counts = vec![1; n];
+    let recv = ok(group.all_to_all_tensor(send, &counts, &counts));
     // recv: per source rank j, its head group's [b, hc, t, hd] for this rank's positions.
-    let h = hc * n;
-    let mut out = vec![0.0f32; v.len()];
-    for j in 0..n {
-        for bi in 0..b {
-            let from = j * b * hc * t * hd + bi * hc * t * hd;
-            let to = (bi * h + j * hc) * t * hd;
-            out[to..to + hc * t * hd].copy_from_slice(&recv[from..from + hc * t * hd]);
-        }
-    }
-    TensorData::new(out, [b, h, t, hd])
+    recv.swap_dims(0, 1).reshape([b, n * hc, t, hd])
 }
 
 /// Ulysses' first all-to-all: `[batch, heads, local_seq, hd]` with this rank's positions ->
@@ -129,19 +81,19 @@ fn heads_to_sequence_host(group: &Group, data: TensorData) -> TensorData {
 /// positions). Backward is [`heads_to_sequence`]'s exchange.
 pub fn sequence_to_heads(x: Tensor<4>, group: &Group) -> Tensor<4> {
     let (g, g2) = (group.clone(), group.clone());
-    host_pair(
+    collective_pair(
         x,
-        host(move |d| sequence_to_heads_host(&g, d)),
-        host(move |d| heads_to_sequence_host(&g2, d)),
+        tensor_fn::<4>(move |t| sequence_to_heads_on(&g, t)),
+        tensor_fn::<4>(move |t| heads_to_sequence_on(&g2, t)),
     )
 }
 
 /// Ulysses' second all-to-all, the inverse of [`sequence_to_heads`].
 pub fn heads_to_sequence(x: Tensor<4>, group: &Group) -> Tensor<4> {
     let (g, g2) = (group.clone(), group.clone());
-    host_pair(
+    collective_pair(
         x,
-        host(move |d| heads_to_sequence_host(&g, d)),
-        host(move |d| sequence_to_heads_host(&g2, d)),
+        tensor_fn::<4>(move |t| heads_to_sequence_on(&g, t)),
+        tensor_fn::<4>(move |t| sequence_to_heads_on(&g2, t)),
     )
 }

@@ -50,9 +50,10 @@ impl AttentionOp for RingAttention {
         for step in 0..n {
             used = false;
             let theirs = layout.chunks((rank + n - step) % n);
-            let outgoing = (step + 1 < n).then(|| kv.clone().into_data());
+            // The block's values, untracked (the pass's own op carries its gradient).
+            let outgoing = (step + 1 < n).then(|| kv.clone().inner());
             let received = std::thread::scope(|scope| {
-                let pass = outgoing.map(|data| scope.spawn(|| ring_shift(group, data, 1)));
+                let pass = outgoing.map(|block| scope.spawn(|| ring_shift(group, block, 1)));
                 let started = Instant::now();
                 let mut elements = 0;
                 for (qi, q_range) in mine.iter().enumerate() {
@@ -83,8 +84,8 @@ impl AttentionOp for RingAttention {
                 self.work.add(elements, started.elapsed());
                 pass.map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
             });
-            if let Some(data) = received {
-                kv = ring_passed(kv, data, group);
+            if let Some(block) = received {
+                kv = ring_passed(kv, block, group);
             }
         }
         let outs = partials

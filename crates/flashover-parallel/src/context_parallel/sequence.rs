@@ -3,8 +3,8 @@
 //! rank's router logits into position order.
 
 use super::SequenceLayout;
+use crate::collective_op::ok;
 use crate::forward_context::SequenceShare;
-use crate::tensor_parallel::comm::ok;
 use flashover_comm::{CommunicatorExt, Group, ReduceOp};
 
 /// The `cp` group and which positions each of its ranks holds.

@@ -24,14 +24,15 @@ use crate::placement::PlacementTable;
 use crate::precision::cast_params;
 pub(crate) use replicas::{Replicas, take_recomputed_copies};
 
+use crate::collective_op::{collective_pair, ok, tensor_fn};
 use crate::error::ParallelError;
 use crate::moe::SwiGlu;
 use crate::moe::{ExpertDispatch, Moe, Routing, index_tensor, run_experts};
-use crate::tensor_parallel::comm::{host, host_pair, ok, values};
 use burn::module::{Module, ParamId};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::Tensor;
 use flashover_comm::{CommunicatorExt, Group};
 use flashover_runtime::Axis;
+use flashover_runtime::TensorCollectives;
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -164,35 +165,19 @@ fn exchange_rows(
     recv: Vec<usize>,
     ep: &ExpertParallel,
 ) -> Tensor<2> {
-    let d = x.dims()[1];
     ep.traffic.count(ep.group.rank(), &send);
     let forward = {
         let (ep, send, recv) = (ep.clone(), send.clone(), recv.clone());
-        move |data: TensorData| all_to_all_rows(&ep.group, data, &send, &recv, d)
+        tensor_fn::<2>(move |t| ok(ep.group.all_to_all_tensor(t, &send, &recv)))
     };
     let backward = {
         let ep = ep.clone();
-        move |data: TensorData| {
+        tensor_fn::<2>(move |t| {
             ep.traffic.count(ep.group.rank(), &recv);
-            all_to_all_rows(&ep.group, data, &recv, &send, d)
-        }
+            ok(ep.group.all_to_all_tensor(t, &recv, &send))
+        })
     };
-    host_pair(x, host(forward), host(backward))
-}
-
-fn all_to_all_rows(
-    group: &Group,
-    data: TensorData,
-    send: &[usize],
-    recv: &[usize],
-    d: usize,
-) -> TensorData {
-    let (v, _) = values(data);
-    let rows: usize = recv.iter().sum();
-    let mut out = vec![0f32; rows * d];
-    let elements = |rows: &[usize]| rows.iter().map(|r| r * d).collect::<Vec<_>>();
-    ok(group.all_to_all_v(&v, &elements(send), &mut out, &elements(recv)));
-    TensorData::new(out, [rows, d])
+    collective_pair(x, forward, backward)
 }
 
 impl ExpertDispatch for ExpertParallel {

@@ -69,3 +69,32 @@ fn reduce_scatter_of_an_indivisible_dim_is_refused() {
         "{err}"
     );
 }
+
+#[test]
+fn all_to_all_moves_uneven_blocks_of_rows_and_keeps_bf16() {
+    // Rank 0 sends its row 0 to itself and rows 1..3 to rank 1; rank 1 sends its row 0 to
+    // rank 0 and keeps none. Rows are pairs, so a row is everything after dim 0.
+    let got = launch(2, |ctx| {
+        let r = ctx.rank() as f32 * 10.0;
+        let x = Tensor::<2>::from_floats(
+            [[r, r + 1.0], [r + 2.0, r + 3.0], [r + 4.0, r + 5.0]],
+            ctx.device(),
+        );
+        let (send, recv) = if ctx.rank() == 0 {
+            ([1, 2], [1, 3])
+        } else {
+            ([3, 0], [2, 0])
+        };
+        let moved = ctx.world().all_to_all_tensor(x.clone(), &send, &recv)?;
+        let half = ctx
+            .world()
+            .all_to_all_tensor(x.cast(DType::BF16), &send, &recv)?;
+        Ok::<_, CommError>((moved.dims(), values(moved), half.dtype()))
+    })
+    .unwrap();
+    assert_eq!(got[0].0, [4, 2]);
+    assert_eq!(got[0].1, [0.0, 1.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0]);
+    assert_eq!(got[1].0, [2, 2]);
+    assert_eq!(got[1].1, [2.0, 3.0, 4.0, 5.0]);
+    assert_eq!(got[0].2, DType::BF16);
+}

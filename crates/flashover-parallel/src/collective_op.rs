@@ -1,0 +1,152 @@
+//! The one differentiable op behind the strategies' collectives on activations: a tensor
+//! function forward and its conjugate backward (Burn 0.22.1 has no autograd functions; see the
+//! project notes' custom-backward recipe).
+//!
+//! Both functions take and return Burn tensors of the inner backend (untracked), so a collective
+//! runs through [`flashover_runtime::TensorCollectives`], where the staging a (device, engine)
+//! pair needs lives, and everything else (identity, slicing, permuting) is a Burn op on the
+//! tensor's device with no transfer. The tensor keeps its dtype: bf16 travels as bf16.
+//!
+//! Megatron's conjugate operators ([`crate::tensor_parallel`]), the ring pass and Ulysses'
+//! all-to-alls ([`crate::context_parallel`]) and the expert all-to-alls
+//! ([`crate::expert_parallel`]) are pairs of this op. A failed collective inside backward
+//! panics with its `CommError` (the launcher reports it like a returned error).
+
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+use burn::backend::Cube;
+use burn::backend::autodiff::{
+    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+    grads::Gradients,
+    ops::{Backward, Ops, OpsKind, unary},
+};
+use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
+use burn::tensor::Tensor;
+use burn_dispatch::{BackendTensor, DispatchKindConversion, DispatchTensor};
+use flashover_comm::CommError;
+use std::sync::Arc;
+
+/// A function on a tensor, run in an op's forward or backward on the inner backend's (untracked)
+/// tensor. Rank-erased so that one op state serves every rank of tensor.
+#[derive(Clone)]
+pub(crate) struct TensorFn(Arc<dyn Fn(DispatchTensor) -> DispatchTensor + Send + Sync>);
+
+impl std::fmt::Debug for TensorFn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TensorFn")
+    }
+}
+
+/// `f` as an op's function, on tensors of rank `D`.
+pub(crate) fn tensor_fn<const D: usize>(
+    f: impl Fn(Tensor<D>) -> Tensor<D> + Send + Sync + 'static,
+) -> TensorFn {
+    TensorFn(Arc::new(move |t| {
+        f(Tensor::from_dispatch(t)).into_dispatch()
+    }))
+}
+
+/// The identity, for the side of a pair that moves nothing (Megatron's *f* forward, *g*
+/// backward).
+pub(crate) fn identity() -> TensorFn {
+    TensorFn(Arc::new(|t| t))
+}
+
+/// A forward that ignores its input and returns `value` (untracked): a collective whose result
+/// was computed ahead (a prefetched all-gather, a ring pass run on a helper thread), made a
+/// differentiable function of the input it was computed from.
+pub(crate) fn computed<const D: usize>(value: Tensor<D>) -> TensorFn {
+    let value = value.inner();
+    tensor_fn::<D>(move |_| value.clone())
+}
+
+#[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")), Autodiff)]
+pub(crate) trait CollectiveOps: Backend {
+    /// Forward: `forward(x)`. Backward: `backward(grad)`.
+    fn collective_pair(
+        x: FloatTensor<Self>,
+        forward: TensorFn,
+        backward: TensorFn,
+    ) -> FloatTensor<Self>;
+}
+
+/// `f` applied to a primitive of backend `B`, as a Burn tensor of that backend.
+fn apply<B: Backend>(x: FloatTensor<B>, f: &TensorFn) -> FloatTensor<B>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    let out = (f.0)(<DispatchTensor as DispatchKindConversion<B>>::from_backend(
+        BackendTensor::Float(x),
+    ));
+    match <DispatchTensor as DispatchKindConversion<B>>::try_into_backend(out) {
+        Ok(BackendTensor::Float(t)) => t,
+        Ok(_) => panic!("a collective op's function returned a tensor that is not float"),
+        Err(why) => panic!(
+            "a collective op's function returned a tensor of another backend or a tracked one \
+             ({why})"
+        ),
+    }
+}
+
+impl CollectiveOps for Flex {
+    fn collective_pair(x: FloatTensor<Self>, forward: TensorFn, _: TensorFn) -> FloatTensor<Self> {
+        apply::<Self>(x, &forward)
+    }
+}
+
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+impl CollectiveOps for Cube {
+    fn collective_pair(x: FloatTensor<Self>, forward: TensorFn, _: TensorFn) -> FloatTensor<Self> {
+        apply::<Self>(x, &forward)
+    }
+}
+
+#[derive(Debug)]
+struct PairBackward;
+
+impl<B: Backend> Backward<B, 1> for PairBackward
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    type State = TensorFn;
+
+    fn backward(self, ops: Ops<TensorFn, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let backward = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |g| apply::<B>(g, &backward));
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> CollectiveOps for Autodiff<B, C>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    fn collective_pair(
+        x: FloatTensor<Self>,
+        forward: TensorFn,
+        backward: TensorFn,
+    ) -> FloatTensor<Self> {
+        let node = x.node();
+        let out = apply::<B>(x.into_primitive(), &forward);
+        match PairBackward.prepare::<C>([node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(backward, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+}
+
+/// `forward(x)`, whose backward maps the output's gradient through `backward`.
+pub(crate) fn collective_pair<const D: usize>(
+    x: Tensor<D>,
+    forward: TensorFn,
+    backward: TensorFn,
+) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as CollectiveOps>::collective_pair(
+        x.into_dispatch(),
+        forward,
+        backward,
+    ))
+}
+
+/// Unwraps a collective's result inside an op, where errors cannot be returned.
+pub(crate) fn ok<T>(r: Result<T, CommError>) -> T {
+    r.unwrap_or_else(|e| std::panic::panic_any(e))
+}
