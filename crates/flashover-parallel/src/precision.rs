@@ -448,29 +448,6 @@ pub(crate) fn all_reduce_in(
     }
 }
 
-/// Every rank's `own`, in rank order, gathered in `wire` precision (bf16/f16: rounded first,
-/// half the bytes, widened back).
-pub(crate) fn all_gather_in(
-    group: &Group,
-    own: &[f32],
-    wire: Precision,
-) -> Result<Vec<f32>, CommError> {
-    fn narrowed<T: Element>(
-        group: &Group,
-        own: &[f32],
-        to: fn(f32) -> T,
-        from: fn(T) -> f32,
-    ) -> Result<Vec<f32>, CommError> {
-        let own: Vec<T> = own.iter().map(|&x| to(x)).collect();
-        Ok(group.all_gather_vec(&own)?.into_iter().map(from).collect())
-    }
-    match wire {
-        Precision::F32 => group.all_gather_vec(own),
-        Precision::BF16 => narrowed(group, own, bf16::from_f32, bf16::to_f32),
-        Precision::F16 => narrowed(group, own, f16::from_f32, f16::to_f32),
-    }
-}
-
 /// [`all_reduce_in`] for a reduce-scatter of `full` into `chunk`.
 pub(crate) fn reduce_scatter_in(
     group: &Group,

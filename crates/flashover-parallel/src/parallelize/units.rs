@@ -21,11 +21,11 @@
 //! keeps whatever a forward's graph read).
 
 use super::plan::ParallelizePlan;
+use crate::collective_op::{collective_pair, computed, ok, tensor_fn};
 use crate::error::ParallelError;
-use crate::params::to_f32;
-use crate::zero::{Pending, ScatterHook, ShardGroup, gather_shard};
+use crate::zero::{Pending, ShardGroup};
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor};
 use flashover_comm::CommError;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -208,10 +208,10 @@ impl UnitGathers {
         if shards.is_empty() || ahead.contains_key(&unit) {
             return;
         }
-        let values: Vec<f32> = shards.iter().flat_map(|(_, t)| to_f32(t.clone())).collect();
+        let own = Tensor::cat(shards.iter().map(|(_, t)| t.clone().inner()).collect(), 0);
         comm.stats()
-            .gathered(values.len() * comm.group().size() * 4, true);
-        ahead.insert(unit, comm.all_gather(values));
+            .gathered(own.dims()[0] * comm.group().size() * 4, true);
+        ahead.insert(unit, comm.all_gather(own));
     }
 
     /// Waits for every all-gather submitted ahead and forgets it (one no read took: a step
@@ -244,25 +244,19 @@ impl UnitGathers {
             .clone();
         let lens: Vec<usize> = shards.iter().map(|(_, t)| t.dims()[0]).collect();
         let total: usize = lens.iter().sum();
-        let bytes = total * comm.group().size() * 4;
+        let ranks = comm.group().size();
+        let bytes = total * ranks * 4;
         let (names, tensors): (Vec<String>, Vec<Tensor<1>>) = shards.into_iter().unzip();
         let shard = Tensor::cat(tensors, 0);
         let pending = prefetched.unwrap_or_else(|| {
             comm.stats().gathered(bytes, false);
-            comm.all_gather(to_f32(shard.clone()))
+            comm.all_gather(shard.clone().inner())
         });
         let started = Instant::now();
-        let full = pending.wait().unwrap_or_else(|e| std::panic::panic_any(e));
+        let full = ok(pending.wait());
         comm.stats().waited(started.elapsed());
-        let order = RowOrder {
-            lens: lens.clone(),
-            total,
-            ranks: comm.group().size(),
-        };
-        // Each parameter's rows contiguous, so that a read is one slice (its backward one
-        // buffer of the unit's size, not one per rank).
-        let full = order.param_major(&full);
-        let (device, dtype) = (shard.device(), shard.dtype());
+        let full = full.reshape([ranks, total]);
+        let dtype = shard.dtype();
         if !shard.is_tracked() {
             // No backward will release them: they go when the recomputation that gathered
             // them ends, or now.
@@ -279,42 +273,44 @@ impl UnitGathers {
         }
         // Two kinds of op, so that backward moves each gradient once: every read of a
         // parameter is its own op, whose backward adds the parameter's gradient to the unit's
-        // buffer; all of them take the output of one op on the unit's shard, whose backward
-        // runs after theirs (autodiff orders nodes by depth) and reduce-scatters the buffer
-        // into the shard's gradient. That output is a one-element token, so what the reads
-        // hand it back in backward is one zero each, not a shard of zeros.
-        let ranks = comm.group().size();
-        let unit_grad = Arc::new(Mutex::new(vec![0.0f32; full.len()]));
-        let (scatter, grads) = (comm.clone(), unit_grad.clone());
+        // (one slot per parameter); all of them take the output of one op on the unit's shard,
+        // whose backward runs after theirs (autodiff orders nodes by depth) and reduce-scatters
+        // the unit's gradient into the shard's. That output is a one-element token, so what
+        // the reads hand it back in backward is one zero each, not a shard of zeros.
+        let unit_grad: Arc<Mutex<Vec<Option<Tensor<1>>>>> =
+            Arc::new(Mutex::new(vec![None; lens.len()]));
+        let (scatter, grads, widths) = (comm.clone(), unit_grad.clone(), lens.clone());
         // Runs inside Burn's backward, which cannot return errors: a failed collective panics
         // with the `CommError` as payload, which the launcher reports like a returned error.
-        let reduce_scatter = ScatterHook(Arc::new(move |_zeros: Vec<f32>| {
+        let reduce_scatter = tensor_fn::<1>(move |token_grad| {
             scatter.stats().released(bytes);
-            let grad = std::mem::take(&mut *lock(&grads));
+            let grads = std::mem::take(&mut *lock(&grads));
+            let full = rank_major(grads, &widths, ranks, &token_grad.device());
             let started = Instant::now();
-            let rows = scatter.reduce_scatter(order.rank_major(&grad)).wait();
+            let rows = scatter.reduce_scatter(full).wait();
             scatter.stats().waited(started.elapsed());
-            rows.unwrap_or_else(|e| std::panic::panic_any(e))
-        }));
-        let token = Tensor::<1>::zeros([1], &device).cast(dtype);
-        let linked = gather_shard(shard, token, reduce_scatter);
+            ok(rows)
+        });
+        let token = Tensor::<1>::zeros([1], &shard.device()).cast(dtype);
+        let linked = collective_pair(shard, computed(token), reduce_scatter);
         let mut map = lock(&self.0.gathered);
         let mut offset = 0;
-        for (name, len) in names.into_iter().zip(lens) {
-            let span = offset..offset + ranks * len;
-            let whole = TensorData::new(full[span.clone()].to_vec(), [ranks * len]);
-            let whole = Tensor::<1>::from_data(whole, &device).cast(dtype);
+        for (slot, (name, len)) in names.into_iter().zip(lens).enumerate() {
+            let whole = param_rows(&full, offset, len).cast(dtype);
             let grads = unit_grad.clone();
-            let add_to_unit = ScatterHook(Arc::new(move |grad: Vec<f32>| {
+            let add_to_unit = tensor_fn::<1>(move |grad| {
+                let device = grad.device();
+                let grad = grad.cast(FloatDType::F32);
                 let mut unit = lock(&grads);
-                for (sum, g) in unit[span.clone()].iter_mut().zip(grad) {
-                    *sum += g;
-                }
-                vec![0.0]
-            }));
-            let read = gather_shard(linked.clone(), whole, add_to_unit);
+                unit[slot] = Some(match unit[slot].take() {
+                    Some(sum) => sum + grad,
+                    None => grad,
+                });
+                Tensor::zeros([1], &device)
+            });
+            let read = collective_pair(linked.clone(), computed(whole), add_to_unit);
             map.insert((depth(), name), read);
-            offset += ranks * len;
+            offset += len;
         }
         Some(linked)
     }
@@ -425,10 +421,12 @@ impl UnitGathers {
     /// Waits for the all-gathers submitted ahead (their results stay for their units), so
     /// that a collective over the same group on the training thread cannot overtake them.
     pub(super) fn settle(&self) {
-        for pending in lock(&self.0.ahead).values_mut() {
-            let done = std::mem::replace(pending, Pending::ready(Ok(vec![]))).wait();
-            *pending = Pending::ready(done);
-        }
+        let mut ahead = lock(&self.0.ahead);
+        let settled = std::mem::take(&mut *ahead)
+            .into_iter()
+            .map(|(unit, pending)| (unit, Pending::ready(pending.wait())))
+            .collect();
+        *ahead = settled;
     }
 
     /// Runs `f` with `scope`'s units gathered at their first reads; then waits for any
@@ -546,43 +544,33 @@ pub(crate) fn recomputing<T>(
     f()
 }
 
-/// How a unit's gathered rows are ordered: the all-gather returns every rank's shard in
-/// rank order (rank `r`'s rows of parameter `i` at `r * total + offset(i)`); reads want each
-/// parameter's rows of every rank together (`ranks * offset(i) + r * lens[i]`).
-struct RowOrder {
-    /// Each parameter's flattened shard length (equal on every rank).
-    lens: Vec<usize>,
-    /// Their sum: one rank's shard of the unit.
-    total: usize,
-    ranks: usize,
+/// Parameter `offset..offset + len` of every rank's shard of a unit, gathered (`full`:
+/// `[ranks, total]`, rank `r`'s shard in row `r`): the parameter's rows of every rank together,
+/// in rank order, as a read wants them.
+fn param_rows(full: &Tensor<2>, offset: usize, len: usize) -> Tensor<1> {
+    let ranks = full.dims()[0];
+    full.clone().narrow(1, offset, len).reshape([ranks * len])
 }
 
-impl RowOrder {
-    fn param_major(&self, rank_major: &[f32]) -> Vec<f32> {
-        let mut out = Vec::with_capacity(rank_major.len());
-        let mut offset = 0;
-        for &len in &self.lens {
-            for r in 0..self.ranks {
-                let start = r * self.total + offset;
-                out.extend_from_slice(&rank_major[start..start + len]);
-            }
-            offset += len;
-        }
-        out
-    }
-
-    fn rank_major(&self, param_major: &[f32]) -> Vec<f32> {
-        let mut out = Vec::with_capacity(param_major.len());
-        for r in 0..self.ranks {
-            let mut offset = 0;
-            for &len in &self.lens {
-                let start = self.ranks * offset + r * len;
-                out.extend_from_slice(&param_major[start..start + len]);
-                offset += len;
-            }
-        }
-        out
-    }
+/// The inverse of [`param_rows`] for a unit's gradient: per parameter its gradient (`None`:
+/// zero; each `ranks * lens[i]` long), laid out rank by rank (rank `r`'s rows of every
+/// parameter together), which the reduce-scatter cuts into the ranks' shards.
+fn rank_major(
+    grads: Vec<Option<Tensor<1>>>,
+    lens: &[usize],
+    ranks: usize,
+    device: &burn::tensor::Device,
+) -> Tensor<1> {
+    let blocks: Vec<Tensor<2>> = grads
+        .into_iter()
+        .zip(lens)
+        .map(|(grad, &len)| match grad {
+            Some(g) => g.reshape([ranks, len]),
+            None => Tensor::zeros([ranks, len], device),
+        })
+        .collect();
+    let total: usize = lens.iter().sum();
+    Tensor::cat(blocks, 1).reshape([ranks * total])
 }
 
 impl UnitScope {
@@ -683,15 +671,22 @@ mod tests {
     #[test]
     fn gathered_rows_reorder_by_parameter_and_back() {
         // Two ranks, parameters of 2 and 1 elements per rank: rank r holds [a_r0, a_r1, b_r].
-        let order = RowOrder {
-            lens: vec![2, 1],
-            total: 3,
-            ranks: 2,
-        };
-        let rank_major = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
-        let param_major = order.param_major(&rank_major);
-        assert_eq!(param_major, [1.0, 2.0, 4.0, 5.0, 3.0, 6.0]);
-        assert_eq!(order.rank_major(&param_major), rank_major);
+        let device = burn::tensor::Device::default();
+        let full = Tensor::<2>::from_floats([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], &device);
+        let a = param_rows(&full, 0, 2);
+        let b = param_rows(&full, 2, 1);
+        let values = |t: Tensor<1>| t.into_data().try_to_vec::<f32>().unwrap();
+        assert_eq!(values(a.clone()), [1.0, 2.0, 4.0, 5.0]);
+        assert_eq!(values(b.clone()), [3.0, 6.0]);
+        let back = rank_major(vec![Some(a), Some(b)], &[2, 1], 2, &device);
+        assert_eq!(values(back), [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+        let zeros = rank_major(
+            vec![None, Some(Tensor::ones([2], &device))],
+            &[2, 1],
+            2,
+            &device,
+        );
+        assert_eq!(values(zeros), [0.0, 0.0, 1.0, 0.0, 0.0, 1.0]);
     }
 
     #[test]

@@ -13,12 +13,10 @@
 //! Because [`crate::FlatAdamW`] is bit-identical to Burn's AdamW on Flex and a plan divides the
 //! sums as DDP does, ZeRO-1/2 without accumulation equal DDP bit for bit.
 
-mod ops;
 mod row_adamw;
 mod shard_group;
 mod unit_shards;
 
-pub(crate) use ops::{ScatterHook, gather_shard};
 pub use row_adamw::RowAdamW;
 pub(crate) use shard_group::Pending;
 pub use shard_group::{GatherCounts, GatherStats, ShardGroup};

@@ -5,8 +5,10 @@
 //! the same program order, so they issue the same collectives in the same order, and an
 //! all-gather submitted early (a prefetch) runs while the training thread computes.
 
-use crate::precision::{Precision, all_gather_in, reduce_scatter_in};
-use flashover_comm::{CommError, Group};
+use crate::precision::Precision;
+use burn::tensor::{FloatDType, Tensor};
+use flashover_comm::{CommError, Group, ReduceOp};
+use flashover_runtime::TensorCollectives;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -74,27 +76,28 @@ impl GatherStats {
     }
 }
 
+/// A unit's collective, on untracked tensors of the training thread's device.
 enum Job {
-    AllGather(Vec<f32>),
-    ReduceScatter(Vec<f32>),
+    AllGather(Tensor<1>),
+    ReduceScatter(Tensor<1>),
 }
 
-type Reply = Sender<Result<Vec<f32>, CommError>>;
+type Reply = Sender<Result<Tensor<1>, CommError>>;
 
 /// A submitted collective; [`Pending::wait`] returns its result.
 #[derive(Debug)]
-pub(crate) struct Pending(Receiver<Result<Vec<f32>, CommError>>);
+pub(crate) struct Pending(Receiver<Result<Tensor<1>, CommError>>);
 
 impl Pending {
     /// A collective already done, answering `result`.
-    pub(crate) fn ready(result: Result<Vec<f32>, CommError>) -> Self {
+    pub(crate) fn ready(result: Result<Tensor<1>, CommError>) -> Self {
         let (tx, rx) = channel();
         let _ = tx.send(result);
         Pending(rx)
     }
 
     /// Blocks until the collective is done.
-    pub(crate) fn wait(self) -> Result<Vec<f32>, CommError> {
+    pub(crate) fn wait(self) -> Result<Tensor<1>, CommError> {
         self.0.recv().unwrap_or_else(|_| {
             Err(CommError::Engine {
                 engine: "fsdp",
@@ -186,30 +189,38 @@ impl ShardGroup {
         Pending(rx)
     }
 
-    /// Submits an all-gather of this rank's shard (the result is every rank's, in rank order).
-    pub(crate) fn all_gather(&self, own: Vec<f32>) -> Pending {
+    /// Submits an all-gather of this rank's shard (the result is every rank's, in rank order,
+    /// in the shard's dtype).
+    pub(crate) fn all_gather(&self, own: Tensor<1>) -> Pending {
         self.submit(Job::AllGather(own))
     }
 
-    /// Submits a reduce-scatter (sum) of a padded full buffer.
-    pub(crate) fn reduce_scatter(&self, full: Vec<f32>) -> Pending {
+    /// Submits a reduce-scatter (sum) of a full buffer whose length divides by the group size
+    /// (the result is f32).
+    pub(crate) fn reduce_scatter(&self, full: Tensor<1>) -> Pending {
         self.stats.scattered();
         self.submit(Job::ReduceScatter(full))
     }
 }
 
+/// Runs `job` over `group`: parameters travel in `gather` (rounded to it, then back to their
+/// own dtype), gradients in `reduce` and come back as f32.
 fn run(
     group: &Group,
     job: Job,
     gather: Precision,
     reduce: Precision,
-) -> Result<Vec<f32>, CommError> {
+) -> Result<Tensor<1>, CommError> {
     match job {
-        Job::AllGather(own) => all_gather_in(group, &own, gather),
+        Job::AllGather(own) => {
+            let dtype = own.dtype();
+            let gathered = group.all_gather_tensor(own.cast(gather.float_dtype()), 0)?;
+            Ok(gathered.cast(dtype))
+        }
         Job::ReduceScatter(full) => {
-            let mut shard = vec![0.0; full.len() / group.size()];
-            reduce_scatter_in(group, &full, &mut shard, reduce)?;
-            Ok(shard)
+            let wire = full.cast(reduce.float_dtype());
+            let shard = group.reduce_scatter_tensor(wire, 0, ReduceOp::Sum)?;
+            Ok(shard.cast(FloatDType::F32))
         }
     }
 }
