@@ -215,7 +215,7 @@ fn time_on_rank(c: &dyn Communicator, op: OpKind, bytes: usize, target: Duration
 /// [`time_on_rank`] through [`TensorCollectives`] on Flex tensors, as a strategy calls them:
 /// each call is handed a fresh tensor (as a gradient or shard is handed over; made, and the
 /// result dropped, outside the timed region, with a barrier between) and returns a new one.
-/// All-to-all has no tensor form and is not timed this way.
+/// All-to-all moves equal blocks of rows, as the raw bench's equal counts do.
 fn time_tensor_on_rank(c: &dyn Communicator, op: OpKind, bytes: usize, target: Duration) -> f64 {
     let n = c.size();
     let elems = bytes / 4;
@@ -223,8 +223,10 @@ fn time_tensor_on_rank(c: &dyn Communicator, op: OpKind, bytes: usize, target: D
     let send_len = match op {
         OpKind::ReduceScatter => elems / n * n,
         OpKind::AllGather => elems / n,
+        OpKind::AllToAll => elems / n * n,
         _ => elems,
     };
+    let blocks = vec![send_len / n; n];
     let timed = |iters: u64| -> f64 {
         let mut total = 0.0;
         for _ in 0..iters {
@@ -236,6 +238,7 @@ fn time_tensor_on_rank(c: &dyn Communicator, op: OpKind, bytes: usize, target: D
                 OpKind::ReduceScatter => c.reduce_scatter_tensor(input, 0, ReduceOp::Sum),
                 OpKind::AllGather => c.all_gather_tensor(input, 0),
                 OpKind::Broadcast => c.broadcast_tensor(input, 0),
+                OpKind::AllToAll => c.all_to_all_tensor(input, &blocks, &blocks),
                 other => unreachable!("{other} has no tensor form"),
             }
             .expect("collective");
@@ -311,7 +314,7 @@ pub fn run(config: &CommBenchConfig, mut emit: impl FnMut(&Record)) {
                 if config.flight {
                     variants.push(Variant::Flight);
                 }
-                if config.tensors && op != OpKind::AllToAll {
+                if config.tensors {
                     variants.push(Variant::Tensor);
                 }
                 for variant in variants {
@@ -349,16 +352,9 @@ mod tests {
         for op in OPS {
             let t = time_collective(op, 3, 48 << 10, Duration::from_millis(5));
             assert!(t > 0.0 && t.is_finite(), "{op}: {t}");
-            if op != OpKind::AllToAll {
-                let t = time_thread_collective(
-                    op,
-                    3,
-                    48 << 10,
-                    Duration::from_millis(5),
-                    Variant::Tensor,
-                );
-                assert!(t > 0.0 && t.is_finite(), "{op} on tensors: {t}");
-            }
+            let t =
+                time_thread_collective(op, 3, 48 << 10, Duration::from_millis(5), Variant::Tensor);
+            assert!(t > 0.0 && t.is_finite(), "{op} on tensors: {t}");
         }
     }
 }

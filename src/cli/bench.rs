@@ -245,8 +245,7 @@ pub struct CommArgs {
     #[arg(long)]
     flight: bool,
     /// Time each thread-engine measurement a second time on Flex tensors through
-    /// `TensorCollectives` (backend `thread+tensor`), side by side; all_to_all has no tensor
-    /// form and is timed on buffers only.
+    /// `TensorCollectives` (backend `thread+tensor`), side by side.
     #[arg(long)]
     tensors: bool,
     /// `thread` (ranks as threads, --worlds) or `mpi` (one rank per process: run under
