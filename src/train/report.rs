@@ -1,6 +1,7 @@
 //! What a training run measured: per-step records (the JSONL log) and the final summary.
 
 use flashover_parallel::zero::MemoryReport;
+use flashover_runtime::transfers::{Cause, Transfers};
 use serde::Serialize;
 use std::fmt;
 
@@ -139,6 +140,9 @@ pub struct TrainReport {
     pub wall_s: f64,
     /// Tokens processed.
     pub tokens: usize,
+    /// Host transfers of the communication, gradient and optimizer paths over the run, by
+    /// cause, summed over this process's ranks (`flashover_runtime::transfers`).
+    pub host_transfers: Transfers,
 }
 
 /// Bytes per rank the usual formula gives for `params` fp32 parameters with AdamW, sharded
@@ -294,6 +298,26 @@ impl fmt::Display for TrainReport {
                 moe.iter().map(|m| m.imbalance).sum::<f64>() / n,
                 moe.iter().map(|m| m.a2a_remote_bytes as f64).sum::<f64>() / n / MIB,
                 moe.iter().map(|m| m.a2a_s).sum::<f64>() / n,
+            )?;
+        }
+        let steps = self.steps.len().max(1) as f64;
+        writeln!(
+            f,
+            "  host transfers per step (mean over the run, all ranks of this process; device->host / host->device, MiB):"
+        )?;
+        for cause in Cause::ALL {
+            let c = self.host_transfers.of(cause);
+            if c.to_host.count + c.to_device.count == 0 {
+                continue;
+            }
+            writeln!(
+                f,
+                "    {:<38} {:>8.1} / {:>8.1}  ({:.3} / {:.3} MiB)",
+                cause.name(),
+                c.to_host.count as f64 / steps,
+                c.to_device.count as f64 / steps,
+                c.to_host.bytes as f64 / steps / MIB,
+                c.to_device.bytes as f64 / steps / MIB,
             )?;
         }
         writeln!(f, "  per rank, steps 2..{} (seconds):", self.steps.len())?;

@@ -168,6 +168,7 @@ pub(crate) fn run_job(
     };
     let log_error = std::sync::Mutex::new(None::<String>);
     let started = Instant::now();
+    let transfers_before = flashover_runtime::transfers::snapshot();
     let launch = Launch::new(&mesh)
         .map_err(|e| e.to_string())?
         .device(device)
@@ -238,5 +239,6 @@ pub(crate) fn run_job(
         }),
         expert_degree: mesh.degree(Axis::Ep),
         wall_s: started.elapsed().as_secs_f64(),
+        host_transfers: flashover_runtime::transfers::snapshot().since(&transfers_before),
     }))
 }

@@ -245,6 +245,7 @@ mod tests {
             expert_degree: 1,
             wall_s: 1.0,
             tokens: 1,
+            host_transfers: Default::default(),
         }
     }
 

@@ -18,6 +18,7 @@ use burn::backend::autodiff::{
 };
 use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
 use burn::tensor::{Device, Tensor};
+use flashover_runtime::transfers::Cause;
 use std::sync::Arc;
 
 /// A function receiving a gradient's values (row-major f32).
@@ -67,7 +68,7 @@ impl<B: Backend> Backward<B, 1> for HookBackward {
     ) {
         let callback = ops.state;
         // Consumed, not registered for the parent: the parameter never receives it.
-        let data = crate::host::read::<B>(grads.consume::<B>(&ops.node));
+        let data = crate::host::read::<B>(grads.consume::<B>(&ops.node), Cause::GradientHook);
         match data.as_slice::<f32>() {
             Ok(values) => (callback.0)(values),
             Err(_) => (callback.0)(

@@ -7,13 +7,22 @@
 
 use burn::backend::{Backend, tensor::FloatTensor};
 use burn::tensor::TensorData;
+use flashover_runtime::transfers::{self, Cause};
 
-/// The values of `x`, waiting for the device.
-pub(crate) fn read<B: Backend>(x: FloatTensor<B>) -> TensorData {
-    burn::tensor::read_sync(B::float_into_data(x)).expect("reading a tensor to the host")
+/// The values of `x`, waiting for the device (counted as a transfer for `cause`).
+pub(crate) fn read<B: Backend>(x: FloatTensor<B>, cause: Cause) -> TensorData {
+    let data =
+        burn::tensor::read_sync(B::float_into_data(x)).expect("reading a tensor to the host");
+    transfers::to_host(cause, data.as_bytes().len());
+    data
 }
 
-/// `data` as a tensor on `device`.
-pub(crate) fn write<B: Backend>(data: TensorData, device: &B::Device) -> FloatTensor<B> {
+/// `data` as a tensor on `device` (counted as a transfer for `cause`).
+pub(crate) fn write<B: Backend>(
+    data: TensorData,
+    device: &B::Device,
+    cause: Cause,
+) -> FloatTensor<B> {
+    transfers::to_device(cause, data.as_bytes().len());
     B::float_from_data(data, device)
 }

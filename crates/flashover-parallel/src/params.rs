@@ -8,6 +8,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use flashover_comm::{CommError, Group};
 use flashover_kernels::{pack_scaled, unpack_scaled, uses_kernels};
 use flashover_runtime::TensorCollectives;
+use flashover_runtime::transfers::{self, Cause};
 
 /// One float parameter's place in the flat layout.
 #[derive(Debug, Clone, PartialEq)]
@@ -83,6 +84,7 @@ impl ParamLayout {
 /// Host copy of a tensor's values as f32.
 pub fn to_f32<const D: usize>(t: Tensor<D>) -> Vec<f32> {
     let data = t.into_data();
+    transfers::to_host(Cause::Flat, data.as_bytes().len());
     match data.as_slice::<f32>() {
         Ok(s) => s.to_vec(),
         Err(_) => data
@@ -119,7 +121,7 @@ fn write_split(flat: &[f32], lens: &[usize], device: &Device) -> Vec<Tensor<1>> 
         .map(|&numel| {
             let data = TensorData::new(flat[at..at + numel].to_vec(), [numel]);
             at += numel;
-            Tensor::from_data(data, device)
+            uploaded(data, device)
         })
         .collect()
 }
@@ -204,9 +206,15 @@ pub(crate) fn in_context_of<const D: usize, const E: usize>(
     }
 }
 
+/// `data` as a tensor on `device`, counted as a flat-vector transfer.
+fn uploaded<const D: usize>(data: TensorData, device: &Device) -> Tensor<D> {
+    transfers::to_device(Cause::Flat, data.as_bytes().len());
+    Tensor::from_data(data, device)
+}
+
 /// `values` as a flat tensor on `device`.
 pub fn upload(values: &[f32], device: &Device) -> Tensor<1> {
-    Tensor::from_data(TensorData::new(values.to_vec(), [values.len()]), device)
+    uploaded(TensorData::new(values.to_vec(), [values.len()]), device)
 }
 
 /// `module` with its float parameters replaced by the pieces of `flat` (layout order, on their
@@ -340,8 +348,7 @@ pub fn grads_from_parts<M: Module>(module: &M, parts: Vec<Vec<f32>>) -> Gradient
             let device = value.device().inner();
             let values = self.parts.next().expect("one gradient per parameter");
             let data = TensorData::new(values, dims);
-            self.grads
-                .register::<D>(param.id, Tensor::from_data(data, &device));
+            self.grads.register::<D>(param.id, uploaded(data, &device));
         }
     }
     let mut v = V {
@@ -449,7 +456,7 @@ pub fn load_shaped<M: Module>(module: M, layout: &ParamLayout, flat: &[f32]) -> 
             param.map(|t| {
                 let data = TensorData::new(values, slot.shape.clone());
                 let require_grad = t.is_require_grad();
-                Tensor::from_data(data, &t.device()).set_require_grad(require_grad)
+                uploaded(data, &t.device()).set_require_grad(require_grad)
             })
         }
     }
@@ -476,7 +483,7 @@ pub fn load_flat<M: Module>(module: M, flat: &[f32]) -> M {
                 let require_grad = t.is_require_grad();
                 let data = TensorData::new(flat[*offset..*offset + numel].to_vec(), dims);
                 *offset += numel;
-                Tensor::from_data(data, &t.device()).set_require_grad(require_grad)
+                uploaded(data, &t.device()).set_require_grad(require_grad)
             })
         }
     }

@@ -5,6 +5,10 @@
 //!   every rank's result, or the failure that caused the others, never a hang or a silent panic.
 //! - [`TensorCollectives`]: the collectives on Burn tensors (host-staged through `TensorData`;
 //!   the device-memory path comes with the NCCL engine).
+//! - [`transfers`]: host transfers counted by cause (collective staging, gradient hooks,
+//!   recomputation, flat vectors).
+//! - [`CommStream`]: a group's communication thread; collectives on tensors started now and
+//!   waited on later ([`Work`]), in submission order.
 //! - [`DeviceChoice`]: `flex | wgpu | cuda`, parsed from flags or `BURN_DEVICE`.
 //!
 //! ```
@@ -27,7 +31,9 @@ mod cuda_memory;
 mod device;
 mod launch;
 mod process_env;
+mod stream;
 mod tensor;
+pub mod transfers;
 
 pub use context::RankContext;
 pub use device::{DeviceChoice, DeviceError};
@@ -37,4 +43,5 @@ pub use flashover_comm::{
 pub use flashover_mesh::{Axis, DeviceMesh, MeshError};
 pub use launch::{IntoMesh, Launch, LaunchError, RankError, RankFailure, launch};
 pub use process_env::{Launcher, ProcessEnv};
+pub use stream::{CommStream, Work};
 pub use tensor::TensorCollectives;

@@ -9,6 +9,7 @@
 //! with the strategies that need them. On CUDA with the NCCL engine the same trait will move
 //! device memory directly; the host path stays as the portable fallback.
 
+use crate::transfers::{self, Cause};
 use burn::tensor::{Bytes, DType as BurnDType, Tensor, TensorData};
 use flashover_comm::{CommError, CommResult, Communicator, DType, OpKind, ReduceOp};
 
@@ -108,6 +109,7 @@ fn stage<C: Communicator + ?Sized, const D: usize>(
     tensor: Tensor<D>,
 ) -> CommResult<Staged> {
     let (bytes, shape, burn_dtype) = tensor.into_data().into_parts();
+    transfers::to_host(Cause::Collective, bytes.len());
     let dtype = checked_dtype(comm, op, burn_dtype)?;
     Ok(Staged {
         bytes,
@@ -136,6 +138,7 @@ fn unstage<const D: usize>(
     dtype: BurnDType,
     device: &burn::tensor::Device,
 ) -> Tensor<D> {
+    transfers::to_device(Cause::Collective, bytes.len());
     Tensor::<D>::from_data(TensorData::from_bytes(bytes, shape, dtype), (device, dtype))
 }
 

@@ -32,6 +32,7 @@ use crate::params::{ParamLayout, accumulate_grads};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
+use flashover_runtime::transfers::{self, Cause};
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
@@ -370,6 +371,8 @@ pub(crate) fn regrad<M, const D: usize, const E: usize>(
 where
     M: Module,
 {
+    transfers::to_device(Cause::Recompute, x.as_bytes().len());
+    transfers::to_device(Cause::Recompute, grad_y.as_bytes().len());
     let x = Tensor::<D>::from_data(x, device)
         .cast(x_dtype)
         .require_grad();
@@ -382,6 +385,7 @@ where
         let zeros = Tensor::<D>::zeros(x.shape(), &device.clone().inner());
         zeros.cast(x_dtype).into_data()
     });
+    transfers::to_host(Cause::Recompute, grad_x.as_bytes().len());
     let params = GradientsParams::from_grads(grads, module);
     let layout = ParamLayout::of(module);
     let mut whole = vec![0.0; layout.numel];

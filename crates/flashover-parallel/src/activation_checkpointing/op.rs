@@ -16,6 +16,7 @@ use burn::backend::autodiff::{
 };
 use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
 use burn::tensor::{DType, Tensor, TensorData};
+use flashover_runtime::transfers::Cause;
 use std::sync::Arc;
 
 /// Host function of [`recompute`]'s backward: (input, output gradient) in, (input gradient,
@@ -83,17 +84,25 @@ impl<B: Backend> Backward<B, 2> for RecomputeBackward {
         let (hook, x, params_dtype) = ops.state;
         let (device, x_dtype) = (x.device(), x.dtype());
         let grad_y = grads.consume::<B>(&ops.node);
-        let (grad_x, grad_params) =
-            (hook.0)(crate::host::read::<B>(x), crate::host::read::<B>(grad_y));
+        let (grad_x, grad_params) = (hook.0)(
+            crate::host::read::<B>(x, Cause::Recompute),
+            crate::host::read::<B>(grad_y, Cause::Recompute),
+        );
         let [x_node, params_node] = ops.parents;
         if let Some(node) = x_node {
             let grad_x = grad_x.convert_dtype(x_dtype);
-            grads.register::<B>(node.id, crate::host::write::<B>(grad_x, &device));
+            grads.register::<B>(
+                node.id,
+                crate::host::write::<B>(grad_x, &device, Cause::Recompute),
+            );
         }
         if let Some(node) = params_node {
             let len = grad_params.len();
             let data = TensorData::new(grad_params, [len]).convert_dtype(params_dtype);
-            grads.register::<B>(node.id, crate::host::write::<B>(data, &device));
+            grads.register::<B>(
+                node.id,
+                crate::host::write::<B>(data, &device, Cause::Recompute),
+            );
         }
     }
 }

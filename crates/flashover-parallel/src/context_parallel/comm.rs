@@ -39,7 +39,7 @@ pub fn ring_pass<const D: usize>(x: Tensor<D>, group: &Group) -> Tensor<D> {
     collective_pair(x, shift::<D>(group, 1), shift::<D>(group, -1))
 }
 
-/// [`ring_pass`] whose forward exchange already ran (on a helper thread, overlapped with the
+/// [`ring_pass`] whose forward exchange already ran (on a communication stream, overlapped with the
 /// previous block's attention): `received` is what it returned for `x`'s values (untracked).
 pub(crate) fn ring_passed<const D: usize>(
     x: Tensor<D>,

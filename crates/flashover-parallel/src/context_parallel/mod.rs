@@ -107,6 +107,7 @@ impl ContextParallel {
         let hook = match algorithm {
             CpAttention::Ring => AttentionHook(Arc::new(RingAttention {
                 group: group.clone(),
+                stream: flashover_runtime::CommStream::new(group, "ring attention stream"),
                 layout,
                 work: work.clone(),
             })),

@@ -5,9 +5,11 @@ use super::comm::{ring_passed, ring_shift};
 use super::layout::{SequenceLayout, Visibility};
 use super::merge_op;
 use super::work::WorkCounter;
+use crate::collective_op::ok;
 use crate::forward_context::{AttentionOp, ForwardContext};
 use burn::tensor::Tensor;
 use flashover_comm::Group;
+use flashover_runtime::CommStream;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -15,13 +17,16 @@ use std::time::Instant;
 ///
 /// In `cp` steps each rank attends its query chunks to the key/value block it holds, merging
 /// the blocks with the log-sum-exp rule, while the block moves on to the next rank (the
-/// exchange for step `s + 1` runs on a helper thread during step `s`'s attention). Chunk
+/// exchange for step `s + 1` runs on the cp group's communication stream during step `s`'s
+/// attention). Chunk
 /// pairs wholly in the future are skipped, which is the work load balancing evens out.
 /// Backward is autodiff through the same steps: each pass's gradient goes back one rank, so
 /// key/value gradients travel the ring in reverse and arrive home summed over every rank that
 /// used them.
 pub struct RingAttention {
     pub(super) group: Group,
+    /// Runs the passes of key/value blocks while attention computes.
+    pub(super) stream: Arc<CommStream>,
     pub(super) layout: SequenceLayout,
     pub(super) work: Arc<WorkCounter>,
 }
@@ -50,10 +55,13 @@ impl AttentionOp for RingAttention {
         for step in 0..n {
             used = false;
             let theirs = layout.chunks((rank + n - step) % n);
-            // The block's values, untracked (the pass's own op carries its gradient).
-            let outgoing = (step + 1 < n).then(|| kv.clone().inner());
-            let received = std::thread::scope(|scope| {
-                let pass = outgoing.map(|block| scope.spawn(|| ring_shift(group, block, 1)));
+            // The block's values, untracked (the pass's own op carries its gradient), start
+            // their trip to the next rank on the stream while this step's blocks compute.
+            let pass = (step + 1 < n).then(|| {
+                let block = kv.clone().inner();
+                self.stream.submit(move |g| Ok(ring_shift(g, block, 1)))
+            });
+            {
                 let started = Instant::now();
                 let mut elements = 0;
                 for (qi, q_range) in mine.iter().enumerate() {
@@ -82,9 +90,8 @@ impl AttentionOp for RingAttention {
                     }
                 }
                 self.work.add(elements, started.elapsed());
-                pass.map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-            });
-            if let Some(block) = received {
+            }
+            if let Some(block) = pass.map(|work| ok(work.wait())) {
                 kv = ring_passed(kv, block, group);
             }
         }

@@ -1,17 +1,12 @@
-//! The shard group of a fully sharded model: one communication thread per rank that runs the
-//! units' all-gathers and reduce-scatters in submission order, and the gathered-memory counters.
-//!
-//! Every collective of the units goes through this thread, first in, first out. Ranks submit in
-//! the same program order, so they issue the same collectives in the same order, and an
-//! all-gather submitted early (a prefetch) runs while the training thread computes.
+//! The shard group of a fully sharded model: one communication stream per rank
+//! ([`CommStream`]) that runs the units' all-gathers and reduce-scatters in submission order,
+//! and the gathered-memory counters.
 
 use crate::precision::Precision;
 use burn::tensor::{FloatDType, Tensor};
-use flashover_comm::{CommError, Group, ReduceOp};
-use flashover_runtime::TensorCollectives;
-use std::sync::mpsc::{Receiver, Sender, channel};
+use flashover_comm::{Group, ReduceOp};
+use flashover_runtime::{CommStream, TensorCollectives, Work};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 /// Gathered-parameter bytes alive on one rank and collectives issued, shared by the units of a
@@ -76,58 +71,33 @@ impl GatherStats {
     }
 }
 
-/// A unit's collective, on untracked tensors of the training thread's device.
-enum Job {
-    AllGather(Tensor<1>),
-    ReduceScatter(Tensor<1>),
-}
+/// A unit's collective submitted to its stream; `wait` returns its result.
+pub(crate) type Pending = Work<Tensor<1>>;
 
-type Reply = Sender<Result<Tensor<1>, CommError>>;
-
-/// A submitted collective; [`Pending::wait`] returns its result.
-#[derive(Debug)]
-pub(crate) struct Pending(Receiver<Result<Tensor<1>, CommError>>);
-
-impl Pending {
-    /// A collective already done, answering `result`.
-    pub(crate) fn ready(result: Result<Tensor<1>, CommError>) -> Self {
-        let (tx, rx) = channel();
-        let _ = tx.send(result);
-        Pending(rx)
-    }
-
-    /// Blocks until the collective is done.
-    pub(crate) fn wait(self) -> Result<Tensor<1>, CommError> {
-        self.0.recv().unwrap_or_else(|_| {
-            Err(CommError::Engine {
-                engine: "fsdp",
-                detail: "the sharding communication thread ended before answering".into(),
-            })
-        })
-    }
-}
-
-/// One communication thread per rank that runs the units' all-gathers and reduce-scatters in
-/// submission order (ranks submit in the same program order, so they issue the same
-/// collectives in the same order, and an all-gather submitted early, a prefetch, runs while
-/// the training thread computes), and the gathered-memory counters.
+/// The communication stream of a model's fully sharded units, with the dtypes they travel in
+/// and the gathered-memory counters. Every unit collective (gathers, prefetches, gradient
+/// reduce-scatters) runs on the stream in submission order: ranks submit in the same program
+/// order, so they issue the same collectives in the same order, and an all-gather submitted
+/// early (a prefetch) runs while the training thread computes.
 pub struct ShardGroup {
-    group: Group,
+    stream: Arc<CommStream>,
     stats: GatherStats,
-    jobs: Mutex<Option<Sender<(Job, Reply)>>>,
-    worker: Mutex<Option<JoinHandle<()>>>,
+    /// The dtype parameters are all-gathered in (FSDP2's `param_dtype`).
+    gather: Precision,
+    /// The dtype gradients are reduce-scattered in.
+    reduce: Precision,
 }
 
 impl std::fmt::Debug for ShardGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShardGroup")
-            .field("group", &self.group.name())
+            .field("group", &self.group().name())
             .finish()
     }
 }
 
 impl ShardGroup {
-    /// Units sharded over `group`, with their communication thread.
+    /// Units sharded over `group`, with their communication stream.
     pub fn new(group: &Group) -> Arc<Self> {
         Self::with_precision(group, Precision::F32, Precision::F32)
     }
@@ -135,38 +105,17 @@ impl ShardGroup {
     /// [`ShardGroup::new`] with parameters all-gathered in `gather` (bf16/f16: rounded first,
     /// half the bytes; FSDP2's `param_dtype`) and gradients reduce-scattered in `reduce`.
     pub fn with_precision(group: &Group, gather: Precision, reduce: Precision) -> Arc<Self> {
-        let (tx, rx) = channel::<(Job, Reply)>();
-        let worker_group = group.clone();
-        let worker = std::thread::Builder::new()
-            .name("fsdp-comm".into())
-            .spawn(move || {
-                for (job, reply) in rx {
-                    // A panic (a bug or an injected fault) must reach the waiting thread.
-                    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        run(&worker_group, job, gather, reduce)
-                    }))
-                    .unwrap_or_else(|payload| {
-                        Err(CommError::from_panic(
-                            "fsdp",
-                            "sharding communication thread",
-                            &*payload,
-                        ))
-                    });
-                    let _ = reply.send(result);
-                }
-            })
-            .expect("spawn the FSDP communication thread");
         Arc::new(ShardGroup {
-            group: group.clone(),
+            stream: CommStream::new(group, "sharding communication thread"),
             stats: GatherStats::default(),
-            jobs: Mutex::new(Some(tx)),
-            worker: Mutex::new(Some(worker)),
+            gather,
+            reduce,
         })
     }
 
     /// The process group the units are sharded over.
     pub fn group(&self) -> &Group {
-        &self.group
+        self.stream.group()
     }
 
     /// Gathered-memory and collective counters.
@@ -174,63 +123,24 @@ impl ShardGroup {
         &self.stats
     }
 
-    fn submit(&self, job: Job) -> Pending {
-        let (tx, rx) = channel();
-        let jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
-        match jobs.as_ref() {
-            Some(jobs) if jobs.send((job, tx.clone())).is_ok() => {}
-            _ => {
-                let _ = tx.send(Err(CommError::Engine {
-                    engine: "fsdp",
-                    detail: "the sharding communication thread is gone".into(),
-                }));
-            }
-        }
-        Pending(rx)
-    }
-
-    /// Submits an all-gather of this rank's shard (the result is every rank's, in rank order,
-    /// in the shard's dtype).
+    /// Submits an all-gather of this rank's shard (untracked; the result is every rank's, in
+    /// rank order, in the shard's dtype, rounded to the gather dtype on the way).
     pub(crate) fn all_gather(&self, own: Tensor<1>) -> Pending {
-        self.submit(Job::AllGather(own))
+        let wire = self.gather.float_dtype();
+        self.stream.submit(move |group| {
+            let dtype = own.dtype();
+            Ok(group.all_gather_tensor(own.cast(wire), 0)?.cast(dtype))
+        })
     }
 
-    /// Submits a reduce-scatter (sum) of a full buffer whose length divides by the group size
-    /// (the result is f32).
+    /// Submits a reduce-scatter (sum, in the reduce dtype) of a full buffer whose length
+    /// divides by the group size; the result is f32.
     pub(crate) fn reduce_scatter(&self, full: Tensor<1>) -> Pending {
         self.stats.scattered();
-        self.submit(Job::ReduceScatter(full))
-    }
-}
-
-/// Runs `job` over `group`: parameters travel in `gather` (rounded to it, then back to their
-/// own dtype), gradients in `reduce` and come back as f32.
-fn run(
-    group: &Group,
-    job: Job,
-    gather: Precision,
-    reduce: Precision,
-) -> Result<Tensor<1>, CommError> {
-    match job {
-        Job::AllGather(own) => {
-            let dtype = own.dtype();
-            let gathered = group.all_gather_tensor(own.cast(gather.float_dtype()), 0)?;
-            Ok(gathered.cast(dtype))
-        }
-        Job::ReduceScatter(full) => {
-            let wire = full.cast(reduce.float_dtype());
-            let shard = group.reduce_scatter_tensor(wire, 0, ReduceOp::Sum)?;
+        let wire = self.reduce.float_dtype();
+        self.stream.submit(move |group| {
+            let shard = group.reduce_scatter_tensor(full.cast(wire), 0, ReduceOp::Sum)?;
             Ok(shard.cast(FloatDType::F32))
-        }
-    }
-}
-
-impl Drop for ShardGroup {
-    fn drop(&mut self) {
-        // Closing the channel ends the worker's loop.
-        self.jobs.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(worker) = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            let _ = worker.join();
-        }
+        })
     }
 }

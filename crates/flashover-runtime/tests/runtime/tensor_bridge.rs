@@ -98,3 +98,33 @@ fn all_to_all_moves_uneven_blocks_of_rows_and_keeps_bf16() {
     assert_eq!(got[1].1, [2.0, 3.0, 4.0, 5.0]);
     assert_eq!(got[0].2, DType::BF16);
 }
+
+#[test]
+fn a_stream_runs_collectives_in_submission_order_while_the_caller_goes_on() {
+    use flashover_runtime::CommStream;
+    let got = launch(2, |ctx| {
+        let stream = CommStream::new(ctx.world(), "test-stream");
+        let r = ctx.rank() as f32;
+        let x = Tensor::<1>::from_floats([r, r + 1.0], ctx.device());
+        // Two collectives in flight at once, answered in order.
+        let gathered = stream.all_gather(x.clone(), 0);
+        let summed = stream.all_reduce(x, ReduceOp::Sum);
+        let (summed, gathered) = (summed.wait()?, gathered.wait()?);
+        // A panic carrying a collective's error comes back as that error.
+        let failed = stream
+            .submit(|g| -> Result<(), CommError> {
+                std::panic::panic_any(CommError::Engine {
+                    engine: "test",
+                    detail: format!("injected on {}", g.name()),
+                })
+            })
+            .wait();
+        Ok::<_, CommError>((values(gathered), values(summed), failed.unwrap_err()))
+    })
+    .unwrap();
+    for (gathered, summed, failed) in got {
+        assert_eq!(gathered, [0.0, 1.0, 1.0, 2.0]);
+        assert_eq!(summed, [1.0, 3.0]);
+        assert!(failed.to_string().contains("injected on"), "{failed}");
+    }
+}

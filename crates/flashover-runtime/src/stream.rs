@@ -1,0 +1,175 @@
+//! Asynchronous collectives: a group's communication stream runs collectives on a thread of its
+//! own, in submission order, and hands back a [`Work`] to wait on later (torch.distributed's
+//! `async_op=True`; a CUDA stream for NCCL).
+//!
+//! Ranks submit in the same program order, so every rank issues the same collectives in the
+//! same order on the group, and a collective started early (a prefetch, the next ring block)
+//! runs while the training thread computes. The collectives are the group's own, so deadlines,
+//! mismatch detection and flight-recorder entries are those of a blocking call. The training
+//! thread must not run a collective on the same group while work it submitted is in flight
+//! (wait first): the two threads' order would differ between ranks.
+
+use crate::TensorCollectives;
+use burn::tensor::Tensor;
+use flashover_comm::{CommError, CommResult, Group, ReduceOp};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+type Job = Box<dyn FnOnce(&Group) + Send>;
+
+/// A collective submitted to a [`CommStream`]; [`Work::wait`] returns its result.
+#[derive(Debug)]
+pub struct Work<T> {
+    reply: Receiver<CommResult<T>>,
+}
+
+impl<T> Work<T> {
+    /// Work already done, answering `result`.
+    pub fn ready(result: CommResult<T>) -> Self {
+        let (tx, rx) = channel();
+        let _ = tx.send(result);
+        Work { reply: rx }
+    }
+
+    /// Blocks until the collective is done and returns its result.
+    pub fn wait(self) -> CommResult<T> {
+        self.reply.recv().unwrap_or_else(|_| {
+            Err(CommError::Engine {
+                engine: "stream",
+                detail: "the communication stream ended before answering".into(),
+            })
+        })
+    }
+
+    /// [`Self::wait`], and how long the caller waited (the communication it did not hide).
+    pub fn wait_timed(self) -> (CommResult<T>, Duration) {
+        let started = Instant::now();
+        let result = self.wait();
+        (result, started.elapsed())
+    }
+}
+
+/// A group's communication thread: collectives submitted to it run one at a time, in
+/// submission order, while the submitter goes on.
+pub struct CommStream {
+    group: Group,
+    label: String,
+    jobs: Mutex<Option<Sender<Job>>>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+    /// Time the thread spent in collectives since it started.
+    busy: Arc<Mutex<Duration>>,
+}
+
+impl std::fmt::Debug for CommStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CommStream")
+            .field("group", &self.group.name())
+            .field("label", &self.label)
+            .finish()
+    }
+}
+
+impl CommStream {
+    /// A stream over `group`; `label` names its thread (and its errors).
+    pub fn new(group: &Group, label: &str) -> Arc<Self> {
+        let (tx, rx) = channel::<Job>();
+        let worker_group = group.clone();
+        let worker = std::thread::Builder::new()
+            .name(label.to_string())
+            .spawn(move || {
+                for job in rx {
+                    job(&worker_group);
+                }
+            })
+            .expect("spawn a communication stream thread");
+        Arc::new(CommStream {
+            group: group.clone(),
+            label: label.to_string(),
+            jobs: Mutex::new(Some(tx)),
+            worker: Mutex::new(Some(worker)),
+            busy: Arc::new(Mutex::new(Duration::ZERO)),
+        })
+    }
+
+    /// The group its collectives run on.
+    pub fn group(&self) -> &Group {
+        &self.group
+    }
+
+    /// Time the stream's thread has spent running collectives since it started.
+    pub fn busy(&self) -> Duration {
+        *self.busy.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `op` on the stream's thread after everything submitted before it. A panic in `op`
+    /// (a collective failing inside a helper that cannot return errors) comes back as the
+    /// error its payload carries.
+    pub fn submit<T: Send + 'static>(
+        &self,
+        op: impl FnOnce(&Group) -> CommResult<T> + Send + 'static,
+    ) -> Work<T> {
+        let (tx, rx) = channel();
+        let (label, busy) = (self.label.clone(), self.busy.clone());
+        let job: Job = Box::new(move |group| {
+            let started = Instant::now();
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| op(group)))
+                .unwrap_or_else(|payload| match payload.downcast::<CommError>() {
+                    Ok(e) => Err(*e),
+                    Err(payload) => Err(CommError::from_panic("stream", &label, &*payload)),
+                });
+            *busy.lock().unwrap_or_else(|e| e.into_inner()) += started.elapsed();
+            let _ = tx.send(result);
+        });
+        let jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        let sent = jobs.as_ref().map(|jobs| jobs.send(job).is_ok());
+        if sent != Some(true) {
+            return Work::ready(Err(CommError::Engine {
+                engine: "stream",
+                detail: format!("the communication stream `{}` is gone", self.label),
+            }));
+        }
+        Work { reply: rx }
+    }
+
+    /// Starts [`TensorCollectives::all_reduce_tensor`].
+    pub fn all_reduce<const D: usize>(&self, tensor: Tensor<D>, op: ReduceOp) -> Work<Tensor<D>> {
+        self.submit(move |g| g.all_reduce_tensor(tensor, op))
+    }
+
+    /// Starts [`TensorCollectives::all_gather_tensor`].
+    pub fn all_gather<const D: usize>(&self, tensor: Tensor<D>, dim: usize) -> Work<Tensor<D>> {
+        self.submit(move |g| g.all_gather_tensor(tensor, dim))
+    }
+
+    /// Starts [`TensorCollectives::reduce_scatter_tensor`].
+    pub fn reduce_scatter<const D: usize>(
+        &self,
+        tensor: Tensor<D>,
+        dim: usize,
+        op: ReduceOp,
+    ) -> Work<Tensor<D>> {
+        self.submit(move |g| g.reduce_scatter_tensor(tensor, dim, op))
+    }
+
+    /// Starts [`TensorCollectives::all_to_all_tensor`].
+    pub fn all_to_all<const D: usize>(
+        &self,
+        tensor: Tensor<D>,
+        send_rows: Vec<usize>,
+        recv_rows: Vec<usize>,
+    ) -> Work<Tensor<D>> {
+        self.submit(move |g| g.all_to_all_tensor(tensor, &send_rows, &recv_rows))
+    }
+}
+
+impl Drop for CommStream {
+    fn drop(&mut self) {
+        // Closing the channel ends the thread's loop once the work in flight is done.
+        self.jobs.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(worker) = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = worker.join();
+        }
+    }
+}
