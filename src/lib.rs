@@ -15,7 +15,8 @@
 //! - [`parallel`]: the strategies as Burn modules and optimizers (data parallel, ZeRO, tensor,
 //!   pipeline, context and expert parallelism, recomputation, placements); [`models`]: the
 //!   reference transformer and its forward context; [`checkpoint`]: sharded checkpoints.
-//! - [`TensorCollectives`]: collectives on Burn tensors.
+//! - [`TensorCollectives`]: collectives on Burn tensors; [`CommStream`]: the same started now
+//!   and waited on later; [`transfers`]: host transfers counted by cause.
 //! - [`train`]: the training job behind `flashover train` and `flashover verify`.
 //! - `learner` (feature `learner`): burn-train's `Learner` training a plan-parallelized model
 //!   (a custom training strategy).
@@ -102,7 +103,8 @@ pub use flashover_models as models;
 pub use flashover_parallel as parallel;
 pub use flashover_parallel::nn;
 pub use flashover_runtime::{
-    Axis, CommError, CommStats, Communicator, CommunicatorExt, DeviceChoice, DeviceError,
-    DeviceMesh, FaultPlan, Group, IntoMesh, Launch, LaunchError, Launcher, MeshError, OpKind,
-    ProcessEnv, RankContext, RankError, RankFailure, ReduceOp, TensorCollectives, launch,
+    Axis, CommError, CommStats, CommStream, Communicator, CommunicatorExt, DeviceChoice,
+    DeviceError, DeviceMesh, FaultPlan, Group, IntoMesh, Launch, LaunchError, Launcher, MeshError,
+    OpKind, ProcessEnv, RankContext, RankError, RankFailure, ReduceOp, TensorCollectives, Work,
+    launch, transfers,
 };

@@ -52,7 +52,7 @@ pub(crate) fn identity() -> TensorFn {
 }
 
 /// A forward that ignores its input and returns `value` (untracked): a collective whose result
-/// was computed ahead (a prefetched all-gather, a ring pass run on a helper thread), made a
+/// was computed ahead (a prefetched all-gather, a ring pass run on a communication stream), made a
 /// differentiable function of the input it was computed from.
 pub(crate) fn computed<const D: usize>(value: Tensor<D>) -> TensorFn {
     let value = value.inner();
@@ -69,22 +69,39 @@ pub(crate) trait CollectiveOps: Backend {
     ) -> FloatTensor<Self>;
 }
 
+/// A primitive of backend `B` as a Burn tensor (of that backend, untracked), for tensor code
+/// inside an op's forward or backward.
+pub(crate) fn to_tensor<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<D>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    Tensor::from_dispatch(<DispatchTensor as DispatchKindConversion<B>>::from_backend(
+        BackendTensor::Float(x),
+    ))
+}
+
+/// The inverse of [`to_tensor`]: `t` must be an untracked float tensor of backend `B`.
+pub(crate) fn from_tensor<B: Backend, const D: usize>(t: Tensor<D>) -> FloatTensor<B>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    match <DispatchTensor as DispatchKindConversion<B>>::try_into_backend(t.into_dispatch()) {
+        Ok(BackendTensor::Float(t)) => t,
+        Ok(_) => panic!("an op's tensor function returned a tensor that is not float"),
+        Err(why) => panic!(
+            "an op's tensor function returned a tensor of another backend or a tracked one \
+             ({why})"
+        ),
+    }
+}
+
 /// `f` applied to a primitive of backend `B`, as a Burn tensor of that backend.
 fn apply<B: Backend>(x: FloatTensor<B>, f: &TensorFn) -> FloatTensor<B>
 where
     DispatchTensor: DispatchKindConversion<B>,
 {
-    let out = (f.0)(<DispatchTensor as DispatchKindConversion<B>>::from_backend(
-        BackendTensor::Float(x),
-    ));
-    match <DispatchTensor as DispatchKindConversion<B>>::try_into_backend(out) {
-        Ok(BackendTensor::Float(t)) => t,
-        Ok(_) => panic!("a collective op's function returned a tensor that is not float"),
-        Err(why) => panic!(
-            "a collective op's function returned a tensor of another backend or a tracked one \
-             ({why})"
-        ),
-    }
+    let out = (f.0)(to_tensor::<B, 1>(x).into_dispatch());
+    from_tensor::<B, 1>(Tensor::from_dispatch(out))
 }
 
 impl CollectiveOps for Flex {

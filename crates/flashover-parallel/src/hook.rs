@@ -18,7 +18,7 @@ use burn::backend::autodiff::{
 };
 use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
 use burn::tensor::{Device, Tensor};
-use flashover_runtime::transfers::Cause;
+use flashover_runtime::transfers::{self, Cause};
 use std::sync::Arc;
 
 /// A function receiving a gradient's values (row-major f32).
@@ -54,6 +54,14 @@ impl GradHookOps for Cube {
     }
 }
 
+/// The values of `x` on the host, waiting for the device (a counted transfer).
+fn read<B: Backend>(x: FloatTensor<B>) -> burn::tensor::TensorData {
+    let data =
+        burn::tensor::read_sync(B::float_into_data(x)).expect("reading a gradient to the host");
+    transfers::to_host(Cause::GradientHook, data.as_bytes().len());
+    data
+}
+
 #[derive(Debug)]
 struct HookBackward;
 
@@ -68,7 +76,7 @@ impl<B: Backend> Backward<B, 1> for HookBackward {
     ) {
         let callback = ops.state;
         // Consumed, not registered for the parent: the parameter never receives it.
-        let data = crate::host::read::<B>(grads.consume::<B>(&ops.node), Cause::GradientHook);
+        let data = read::<B>(grads.consume::<B>(&ops.node));
         match data.as_slice::<f32>() {
             Ok(values) => (callback.0)(values),
             Err(_) => (callback.0)(

@@ -43,7 +43,6 @@ mod flat_adamw;
 pub mod forward_context;
 mod grad_clip;
 mod hook;
-mod host;
 pub mod moe;
 pub mod nn;
 pub mod parallelize;

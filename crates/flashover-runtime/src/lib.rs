@@ -5,8 +5,8 @@
 //!   every rank's result, or the failure that caused the others, never a hang or a silent panic.
 //! - [`TensorCollectives`]: the collectives on Burn tensors (host-staged through `TensorData`;
 //!   the device-memory path comes with the NCCL engine).
-//! - [`transfers`]: host transfers counted by cause (collective staging, gradient hooks,
-//!   recomputation, flat vectors).
+//! - [`transfers`]: host transfers counted by cause (collective staging, gradient hooks, flat
+//!   vectors).
 //! - [`CommStream`]: a group's communication thread; collectives on tensors started now and
 //!   waited on later ([`Work`]), in submission order.
 //! - [`DeviceChoice`]: `flex | wgpu | cuda`, parsed from flags or `BURN_DEVICE`.

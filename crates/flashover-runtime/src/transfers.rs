@@ -19,8 +19,6 @@ pub enum Cause {
     Collective,
     /// A gradient handed to a host callback during backward (DDP's buckets).
     GradientHook,
-    /// Activation checkpointing's recomputation in backward.
-    Recompute,
     /// Parameters and gradients as flat host vectors, for the gradient reducers and the
     /// sharded optimizers, and their results written back.
     Flat,
@@ -28,12 +26,7 @@ pub enum Cause {
 
 impl Cause {
     /// Every cause, in report order.
-    pub const ALL: [Cause; 4] = [
-        Cause::Collective,
-        Cause::GradientHook,
-        Cause::Recompute,
-        Cause::Flat,
-    ];
+    pub const ALL: [Cause; 3] = [Cause::Collective, Cause::GradientHook, Cause::Flat];
 
     fn index(self) -> usize {
         self as usize
@@ -44,7 +37,6 @@ impl Cause {
         match self {
             Cause::Collective => "collective staging",
             Cause::GradientHook => "gradient hooks",
-            Cause::Recompute => "recomputation",
             Cause::Flat => "flat vectors (reducers, optimizers)",
         }
     }
@@ -70,7 +62,7 @@ pub struct Crossings {
 
 /// Every cause's transfers, indexed as [`Cause::ALL`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct Transfers(pub [Crossings; 4]);
+pub struct Transfers(pub [Crossings; 3]);
 
 impl Transfers {
     /// `cause`'s transfers.
@@ -100,7 +92,7 @@ impl Transfers {
 }
 
 /// Per cause: reads, read bytes, writes, written bytes.
-static COUNTERS: [[AtomicU64; 4]; 4] = [const { [const { AtomicU64::new(0) }; 4] }; 4];
+static COUNTERS: [[AtomicU64; 4]; 3] = [const { [const { AtomicU64::new(0) }; 4] }; 3];
 
 /// Records a read of `bytes` from a device to the host.
 pub fn to_host(cause: Cause, bytes: usize) {
@@ -144,11 +136,11 @@ mod tests {
     fn counts_add_up_by_cause_and_direction() {
         // Other tests of this binary may count at the same time: compare lower bounds only.
         let before = snapshot();
-        to_host(Cause::Recompute, 12);
-        to_host(Cause::Recompute, 4);
+        to_host(Cause::GradientHook, 12);
+        to_host(Cause::GradientHook, 4);
         to_device(Cause::Flat, 8);
         let delta = snapshot().since(&before);
-        let recompute = delta.of(Cause::Recompute);
+        let recompute = delta.of(Cause::GradientHook);
         assert!(recompute.to_host.count >= 2 && recompute.to_host.bytes >= 16);
         let flat = delta.of(Cause::Flat);
         assert!(flat.to_device.count >= 1 && flat.to_device.bytes >= 8);
@@ -162,7 +154,6 @@ mod tests {
                 },
                 to_device: Moved { count: 1, bytes: 4 },
             },
-            Crossings::default(),
             Crossings::default(),
         ]);
         assert_eq!(exact.since(&Transfers::default()), exact);

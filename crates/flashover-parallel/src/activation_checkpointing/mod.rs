@@ -17,22 +17,23 @@
 //! coordinates) (`crate::dropout::Dropout`), not a stream: a recomputed forward draws exactly
 //! the masks the first one drew, so gradients equal those without recomputation.
 //!
-//! Block-level recomputation is a custom autodiff op with host code in its backward (module `op`),
-//! implemented for Flex and, with the `wgpu` / `cuda` features, the CubeCL backend.
+//! Block-level recomputation is a custom autodiff op whose backward reruns the forward on the
+//! device (module `op`), implemented for Flex and, with the `wgpu` / `cuda` features, the
+//! CubeCL backend.
 
 mod op;
 
-pub use op::{RecomputeHook, recompute};
+use op::{RecomputeHook, recompute};
 
 use crate::forward_context::{BlockFn, CheckpointHook, ForwardContext};
 use crate::hook::hooks_supported;
 use crate::moe::MoeHook;
 use crate::parallelize::units::recomputing;
-use crate::params::{ParamLayout, accumulate_grads};
+use crate::params::ParamLayout;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{DType, Device, FloatDType, Tensor, TensorData};
-use flashover_runtime::transfers::{self, Cause};
+use burn::tensor::{DType, FloatDType, GradientCheckpointingStrategy, Tensor};
+use burn_dispatch::DispatchTensor;
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
@@ -333,87 +334,115 @@ where
         forward(&values, untracked(x.clone()))
     });
     let dtypes = (x.dtype(), y.dtype());
-    let hook = RecomputeHook(Arc::new(move |x: TensorData, grad_y: TensorData| {
-        let module = values.clone().map(&mut Leaves);
-        let stored = marked_params(&module, part.as_deref())
-            .into_iter()
-            .collect();
-        recomputing(stored, true, || {
-            regrad(
-                &module,
-                &forward,
-                x,
-                grad_y,
-                dtypes,
-                &device,
-                part.as_deref(),
-            )
-        })
-    }));
+    let strategy = x.gradient_checkpointing_strategy();
+    let hook = RecomputeHook(Arc::new(
+        move |x: DispatchTensor, grad_y: DispatchTensor| {
+            let module = values.clone().map(&mut Leaves);
+            let stored = marked_params(&module, part.as_deref())
+                .into_iter()
+                .collect();
+            recomputing(stored, true, || {
+                let (grad_x, grad_params) = regrad(
+                    &module,
+                    &forward,
+                    Tensor::from_dispatch(x),
+                    Tensor::from_dispatch(grad_y),
+                    dtypes,
+                    strategy,
+                    part.as_deref(),
+                );
+                (grad_x.into_dispatch(), grad_params)
+            })
+        },
+    ));
     recompute(x, params, y, hook)
 }
 
 /// The body of a recomputation in backward: `forward(module, x)` run again with a graph from
-/// the saved input `x` and the output gradient `grad_y`, returning the input's gradient and the
-/// gradients of `module`'s parameters that `part` marks (all without it), flattened in layout
-/// order (zero where a parameter got none). `dtypes` are the input's and output's dtypes in
-/// the forward: `from_data` makes the device's default dtype, so both are cast back (bf16/f16
-/// under a precision policy).
+/// the saved input `x` and the output gradient `grad_y` (untracked tensors of the inner
+/// backend), returning the input's gradient and the gradients of `module`'s parameters that
+/// `part` marks (all without it), flattened in layout order in f32 (zero where a parameter got
+/// none), all on the device. `dtypes` are the input's and output's dtypes in the forward;
+/// `strategy` the forward's autodiff context (`None`: none).
 pub(crate) fn regrad<M, const D: usize, const E: usize>(
     module: &M,
     forward: &impl Fn(&M, Tensor<D>) -> Tensor<E>,
-    x: TensorData,
-    grad_y: TensorData,
+    x: Tensor<D>,
+    grad_y: Tensor<E>,
     (x_dtype, y_dtype): (DType, DType),
-    device: &Device,
+    strategy: Option<GradientCheckpointingStrategy>,
     part: Option<&[bool]>,
-) -> (TensorData, Vec<f32>)
+) -> (Tensor<D>, Tensor<1>)
 where
     M: Module,
 {
-    transfers::to_device(Cause::Recompute, x.as_bytes().len());
-    transfers::to_device(Cause::Recompute, grad_y.as_bytes().len());
-    let x = Tensor::<D>::from_data(x, device)
-        .cast(x_dtype)
-        .require_grad();
+    let inner = x.device();
+    let x = match strategy {
+        Some(s) => x.autodiff().with_gradient_checkpointing_strategy(s),
+        None => x,
+    };
+    let x = x.cast(x_dtype).require_grad();
     let y = forward(module, x.clone());
-    let grad_y = Tensor::<E>::from_data(grad_y, device).cast(y_dtype);
-    let mut grads = (y * grad_y).sum().backward();
+    let mut grads = (y * grad_y.cast(y_dtype)).sum().backward();
     // Hot-expert copies the layer ran on are not its parameters: their step folds them.
     crate::expert_parallel::take_recomputed_copies(&mut grads);
-    let grad_x = x.grad(&grads).map(|g| g.into_data()).unwrap_or_else(|| {
-        let zeros = Tensor::<D>::zeros(x.shape(), &device.clone().inner());
-        zeros.cast(x_dtype).into_data()
-    });
-    transfers::to_host(Cause::Recompute, grad_x.as_bytes().len());
+    let grad_x = x
+        .grad(&grads)
+        .unwrap_or_else(|| Tensor::<D>::zeros(x.shape(), &inner).cast(x_dtype));
     let params = GradientsParams::from_grads(grads, module);
     let layout = ParamLayout::of(module);
-    let mut whole = vec![0.0; layout.numel];
-    let found = accumulate_grads(module, &params, &mut whole, &[]);
-    let Some(part) = part else {
-        return (grad_x, whole);
-    };
-    if let Some(((read, _), _)) = layout
+    let found = flat_grads(module, &params);
+    let held = |i: usize| part.is_none_or(|p| p[i]);
+    if let Some((slot, _)) = layout
         .slots
         .iter()
         .zip(&found)
-        .zip(part)
-        .find(|((_, found), held)| **found && !**held)
+        .enumerate()
+        .find(|(i, (_, g))| g.is_some() && !held(*i))
+        .map(|(_, pair)| pair)
     {
         panic!(
             "a recomputed layer read `{}`, a parameter outside it: name the layers so that each \
              reads only its own parameters (its gradient would be lost)",
-            read.name
+            slot.name
         );
     }
-    let flat = layout
+    let pieces: Vec<Tensor<1>> = layout
         .slots
         .iter()
-        .zip(part)
-        .filter(|(_, held)| **held)
-        .flat_map(|(slot, _)| whole[slot.offset..slot.offset + slot.numel].iter().copied())
+        .zip(found)
+        .enumerate()
+        .filter(|(i, _)| held(*i))
+        .map(|(_, (slot, grad))| grad.unwrap_or_else(|| Tensor::zeros([slot.numel], &inner)))
         .collect();
+    let flat = match pieces.is_empty() {
+        true => Tensor::zeros([0], &inner),
+        false => Tensor::cat(pieces, 0),
+    };
     (grad_x, flat)
+}
+
+/// Per float parameter of `module` (layout order), its gradient in `grads` flattened, in f32.
+fn flat_grads<M: Module>(module: &M, grads: &GradientsParams) -> Vec<Option<Tensor<1>>> {
+    struct Collect<'a> {
+        grads: &'a GradientsParams,
+        found: Vec<Option<Tensor<1>>>,
+    }
+    impl ModuleVisitor for Collect<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let grad = self.grads.get::<D>(param.id).map(|g| {
+                let numel = g.shape().num_elements();
+                g.reshape([numel]).cast(FloatDType::F32)
+            });
+            self.found.push(grad);
+        }
+    }
+    let mut c = Collect {
+        grads,
+        found: vec![],
+    };
+    module.visit(&mut c);
+    c.found
 }
 
 /// The float parameters of `module` that `part` marks (all without it), in layout order, by

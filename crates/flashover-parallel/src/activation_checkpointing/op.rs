@@ -1,11 +1,11 @@
 //! The differentiable operation behind recomputation, a backend-extension op with a
 //! hand-written backward (Burn 0.22.1 has no autograd functions; see the project notes'
 //! custom-backward recipe): forward returns an output computed outside the graph as a function
-//! of the input and a flat parameter vector; backward calls a host function that recomputes the
-//! forward with a graph and returns the gradients of both. Host work goes through
-//! [`crate::host`], so it runs on Flex and (with the `wgpu` / `cuda` features) the CubeCL
-//! backend.
+//! of the input and a flat parameter vector; backward calls a function on tensors (of the inner
+//! backend, on the device) that recomputes the forward with a graph and returns the gradients
+//! of both. Implemented for Flex and (with the `wgpu` / `cuda` features) the CubeCL backend.
 
+use crate::collective_op::{from_tensor, to_tensor};
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 use burn::backend::Cube;
 use burn::backend::TensorMetadata;
@@ -15,17 +15,18 @@ use burn::backend::autodiff::{
     ops::{Backward, Ops, OpsKind},
 };
 use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
-use burn::tensor::{DType, Tensor, TensorData};
-use flashover_runtime::transfers::Cause;
+use burn::tensor::{DType, Tensor};
+use burn_dispatch::{DispatchKindConversion, DispatchTensor};
 use std::sync::Arc;
 
-/// Host function of [`recompute`]'s backward: (input, output gradient) in, (input gradient,
-/// flat parameter gradient) out.
-pub type RecomputeFn = dyn Fn(TensorData, TensorData) -> (TensorData, Vec<f32>) + Send + Sync;
+/// [`recompute`]'s backward: (input, output gradient) in, (input gradient, flat parameter
+/// gradient in f32) out; untracked tensors of the inner backend, rank-erased.
+pub(crate) type RecomputeFn =
+    dyn Fn(DispatchTensor, DispatchTensor) -> (DispatchTensor, Tensor<1>) + Send + Sync;
 
 /// `RecomputeFn` as an op state (states must be `Debug`).
 #[derive(Clone)]
-pub struct RecomputeHook(pub Arc<RecomputeFn>);
+pub(crate) struct RecomputeHook(pub Arc<RecomputeFn>);
 
 impl std::fmt::Debug for RecomputeHook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -34,7 +35,7 @@ impl std::fmt::Debug for RecomputeHook {
 }
 
 #[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")), Autodiff)]
-pub trait RecomputeOps: Backend {
+pub(crate) trait RecomputeOps: Backend {
     /// Forward: `y`, as a function of `x` and `params`. Backward: `hook` recomputes and returns
     /// the gradients of `x` and `params`.
     fn recompute(
@@ -71,7 +72,10 @@ impl RecomputeOps for Cube {
 #[derive(Debug)]
 struct RecomputeBackward;
 
-impl<B: Backend> Backward<B, 2> for RecomputeBackward {
+impl<B: Backend> Backward<B, 2> for RecomputeBackward
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
     /// The hook, the input, and the parameters' dtype (their gradient is computed in f32).
     type State = (RecomputeHook, FloatTensor<B>, DType);
 
@@ -82,32 +86,27 @@ impl<B: Backend> Backward<B, 2> for RecomputeBackward {
         _: &mut Checkpointer,
     ) {
         let (hook, x, params_dtype) = ops.state;
-        let (device, x_dtype) = (x.device(), x.dtype());
+        let x_dtype = x.dtype();
         let grad_y = grads.consume::<B>(&ops.node);
         let (grad_x, grad_params) = (hook.0)(
-            crate::host::read::<B>(x, Cause::Recompute),
-            crate::host::read::<B>(grad_y, Cause::Recompute),
+            to_tensor::<B, 1>(x).into_dispatch(),
+            to_tensor::<B, 1>(grad_y).into_dispatch(),
         );
         let [x_node, params_node] = ops.parents;
         if let Some(node) = x_node {
-            let grad_x = grad_x.convert_dtype(x_dtype);
-            grads.register::<B>(
-                node.id,
-                crate::host::write::<B>(grad_x, &device, Cause::Recompute),
-            );
+            let grad_x = Tensor::<1>::from_dispatch(grad_x).cast(x_dtype);
+            grads.register::<B>(node.id, from_tensor::<B, 1>(grad_x));
         }
         if let Some(node) = params_node {
-            let len = grad_params.len();
-            let data = TensorData::new(grad_params, [len]).convert_dtype(params_dtype);
-            grads.register::<B>(
-                node.id,
-                crate::host::write::<B>(data, &device, Cause::Recompute),
-            );
+            grads.register::<B>(node.id, from_tensor::<B, 1>(grad_params.cast(params_dtype)));
         }
     }
 }
 
-impl<B: Backend, C: CheckpointStrategy> RecomputeOps for Autodiff<B, C> {
+impl<B: Backend, C: CheckpointStrategy> RecomputeOps for Autodiff<B, C>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
     fn recompute(
         x: FloatTensor<Self>,
         params: FloatTensor<Self>,
@@ -131,7 +130,7 @@ impl<B: Backend, C: CheckpointStrategy> RecomputeOps for Autodiff<B, C> {
 
 /// `y` (computed untracked from `x`) as a differentiable function of `x` and `params` (a flat
 /// vector of the parameters `y` was computed with); `hook` recomputes in backward.
-pub fn recompute<const D: usize, const E: usize>(
+pub(crate) fn recompute<const D: usize, const E: usize>(
     x: Tensor<D>,
     params: Tensor<1>,
     y: Tensor<E>,
