@@ -1,5 +1,5 @@
-//! The one differentiable op behind the strategies' collectives on activations: a tensor
-//! function forward and its conjugate backward (Burn 0.22.1 has no autograd functions; see the
+//! The one differentiable op behind the strategies' collectives on activations and gathered
+//! parameters: a tensor function forward and its conjugate backward (Burn 0.22.1 has no autograd functions; see the
 //! project notes' custom-backward recipe).
 //!
 //! Both functions take and return Burn tensors of the inner backend (untracked), so a collective
@@ -8,8 +8,9 @@
 //! tensor's device with no transfer. The tensor keeps its dtype: bf16 travels as bf16.
 //!
 //! Megatron's conjugate operators ([`crate::tensor_parallel`]), the ring pass and Ulysses'
-//! all-to-alls ([`crate::context_parallel`]) and the expert all-to-alls
-//! ([`crate::expert_parallel`]) are pairs of this op. A failed collective inside backward
+//! all-to-alls ([`crate::context_parallel`]), the expert all-to-alls
+//! ([`crate::expert_parallel`]) and a ZeRO-3 unit's gathered reads and its reduce-scatter
+//! (`parallelize::units`) are pairs of this op. A failed collective inside backward
 //! panics with its `CommError` (the launcher reports it like a returned error).
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
@@ -26,7 +27,8 @@ use flashover_comm::CommError;
 use std::sync::Arc;
 
 /// A function on a tensor, run in an op's forward or backward on the inner backend's (untracked)
-/// tensor. Rank-erased so that one op state serves every rank of tensor.
+/// tensor. It takes Burn's dispatch tensor, whatever its number of dimensions, so that one op
+/// state type serves tensors of every shape.
 #[derive(Clone)]
 pub(crate) struct TensorFn(Arc<dyn Fn(DispatchTensor) -> DispatchTensor + Send + Sync>);
 
@@ -52,8 +54,8 @@ pub(crate) fn identity() -> TensorFn {
 }
 
 /// A forward that ignores its input and returns `value` (untracked): a collective whose result
-/// was computed ahead (a prefetched all-gather, a ring pass run on a communication stream), made a
-/// differentiable function of the input it was computed from.
+/// was computed ahead (a prefetched all-gather, a ring pass run on a communication stream),
+/// made a differentiable function of the input it was computed from.
 pub(crate) fn computed<const D: usize>(value: Tensor<D>) -> TensorFn {
     let value = value.inner();
     tensor_fn::<D>(move |_| value.clone())
