@@ -9,9 +9,7 @@
 //! thread must not run a collective on the same group while work it submitted is in flight
 //! (wait first): the two threads' order would differ between ranks.
 
-use crate::TensorCollectives;
-use burn::tensor::Tensor;
-use flashover_comm::{CommError, CommResult, Group, ReduceOp};
+use flashover_comm::{CommError, CommResult, Group};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -58,8 +56,6 @@ pub struct CommStream {
     label: String,
     jobs: Mutex<Option<Sender<Job>>>,
     worker: Mutex<Option<JoinHandle<()>>>,
-    /// Time the thread spent in collectives since it started.
-    busy: Arc<Mutex<Duration>>,
 }
 
 impl std::fmt::Debug for CommStream {
@@ -89,7 +85,6 @@ impl CommStream {
             label: label.to_string(),
             jobs: Mutex::new(Some(tx)),
             worker: Mutex::new(Some(worker)),
-            busy: Arc::new(Mutex::new(Duration::ZERO)),
         })
     }
 
@@ -98,28 +93,22 @@ impl CommStream {
         &self.group
     }
 
-    /// Time the stream's thread has spent running collectives since it started.
-    pub fn busy(&self) -> Duration {
-        *self.busy.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Runs `op` on the stream's thread after everything submitted before it. A panic in `op`
-    /// (a collective failing inside a helper that cannot return errors) comes back as the
-    /// error its payload carries.
+    /// Runs `op` on the stream's thread after everything submitted before it: any
+    /// [`crate::TensorCollectives`] call on the group, or several (`stream.submit(move |g|
+    /// g.all_gather_tensor(t, 0))`). A panic in `op` (a collective failing inside a helper
+    /// that cannot return errors) comes back as the error its payload carries.
     pub fn submit<T: Send + 'static>(
         &self,
         op: impl FnOnce(&Group) -> CommResult<T> + Send + 'static,
     ) -> Work<T> {
         let (tx, rx) = channel();
-        let (label, busy) = (self.label.clone(), self.busy.clone());
+        let label = self.label.clone();
         let job: Job = Box::new(move |group| {
-            let started = Instant::now();
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| op(group)))
                 .unwrap_or_else(|payload| match payload.downcast::<CommError>() {
                     Ok(e) => Err(*e),
                     Err(payload) => Err(CommError::from_panic("stream", &label, &*payload)),
                 });
-            *busy.lock().unwrap_or_else(|e| e.into_inner()) += started.elapsed();
             let _ = tx.send(result);
         });
         let jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
@@ -131,36 +120,6 @@ impl CommStream {
             }));
         }
         Work { reply: rx }
-    }
-
-    /// Starts [`TensorCollectives::all_reduce_tensor`].
-    pub fn all_reduce<const D: usize>(&self, tensor: Tensor<D>, op: ReduceOp) -> Work<Tensor<D>> {
-        self.submit(move |g| g.all_reduce_tensor(tensor, op))
-    }
-
-    /// Starts [`TensorCollectives::all_gather_tensor`].
-    pub fn all_gather<const D: usize>(&self, tensor: Tensor<D>, dim: usize) -> Work<Tensor<D>> {
-        self.submit(move |g| g.all_gather_tensor(tensor, dim))
-    }
-
-    /// Starts [`TensorCollectives::reduce_scatter_tensor`].
-    pub fn reduce_scatter<const D: usize>(
-        &self,
-        tensor: Tensor<D>,
-        dim: usize,
-        op: ReduceOp,
-    ) -> Work<Tensor<D>> {
-        self.submit(move |g| g.reduce_scatter_tensor(tensor, dim, op))
-    }
-
-    /// Starts [`TensorCollectives::all_to_all_tensor`].
-    pub fn all_to_all<const D: usize>(
-        &self,
-        tensor: Tensor<D>,
-        send_rows: Vec<usize>,
-        recv_rows: Vec<usize>,
-    ) -> Work<Tensor<D>> {
-        self.submit(move |g| g.all_to_all_tensor(tensor, &send_rows, &recv_rows))
     }
 }
 

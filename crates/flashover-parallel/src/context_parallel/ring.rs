@@ -18,8 +18,8 @@ use std::time::Instant;
 /// In `cp` steps each rank attends its query chunks to the key/value block it holds, merging
 /// the blocks with the log-sum-exp rule, while the block moves on to the next rank (the
 /// exchange for step `s + 1` runs on the cp group's communication stream during step `s`'s
-/// attention). Chunk
-/// pairs wholly in the future are skipped, which is the work load balancing evens out.
+/// attention). Chunk pairs wholly in the future are skipped, which is the work load balancing
+/// evens out.
 /// Backward is autodiff through the same steps: each pass's gradient goes back one rank, so
 /// key/value gradients travel the ring in reverse and arrive home summed over every rank that
 /// used them.
@@ -61,36 +61,34 @@ impl AttentionOp for RingAttention {
                 let block = kv.clone().inner();
                 self.stream.submit(move |g| Ok(ring_shift(g, block, 1)))
             });
-            {
-                let started = Instant::now();
-                let mut elements = 0;
-                for (qi, q_range) in mine.iter().enumerate() {
-                    for (ki, k_range) in theirs.iter().enumerate() {
-                        let visibility = Visibility::of(q_range, k_range);
-                        if visibility == Visibility::Hidden {
-                            continue;
-                        }
-                        let block = kv.clone().narrow(2, ki * c, c);
-                        let (kb, vb) = (
-                            block.clone().narrow(1, 0, heads),
-                            block.narrow(1, heads, heads),
-                        );
-                        let (q_pos, k_pos): (Vec<usize>, Vec<usize>) =
-                            (q_range.clone().collect(), k_range.clone().collect());
-                        let part = attend_block(queries[qi].clone(), kb, vb, visibility, |p| {
-                            ctx.attention_at(p, layer, ctx.head_offset, &q_pos, &k_pos)
-                        });
-                        elements += queries[qi].dims()[0] * heads * c * c;
-                        used = true;
-                        partials[qi] = Some(match partials[qi].take() {
-                            None => part,
-                            Some(acc) if merge_op::fuses(&acc) => merge_op::merge_fused(acc, part),
-                            Some(acc) => merge(acc, part),
-                        });
+            let started = Instant::now();
+            let mut elements = 0;
+            for (qi, q_range) in mine.iter().enumerate() {
+                for (ki, k_range) in theirs.iter().enumerate() {
+                    let visibility = Visibility::of(q_range, k_range);
+                    if visibility == Visibility::Hidden {
+                        continue;
                     }
+                    let block = kv.clone().narrow(2, ki * c, c);
+                    let (kb, vb) = (
+                        block.clone().narrow(1, 0, heads),
+                        block.narrow(1, heads, heads),
+                    );
+                    let (q_pos, k_pos): (Vec<usize>, Vec<usize>) =
+                        (q_range.clone().collect(), k_range.clone().collect());
+                    let part = attend_block(queries[qi].clone(), kb, vb, visibility, |p| {
+                        ctx.attention_at(p, layer, ctx.head_offset, &q_pos, &k_pos)
+                    });
+                    elements += queries[qi].dims()[0] * heads * c * c;
+                    used = true;
+                    partials[qi] = Some(match partials[qi].take() {
+                        None => part,
+                        Some(acc) if merge_op::fuses(&acc) => merge_op::merge_fused(acc, part),
+                        Some(acc) => merge(acc, part),
+                    });
                 }
-                self.work.add(elements, started.elapsed());
             }
+            self.work.add(elements, started.elapsed());
             if let Some(block) = pass.map(|work| ok(work.wait())) {
                 kv = ring_passed(kv, block, group);
             }

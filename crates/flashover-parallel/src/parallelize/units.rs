@@ -30,7 +30,6 @@ use flashover_comm::CommError;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Instant;
 
 /// Fully sharded parameters gathered ahead of their reads, a unit (one collective) at a time:
 /// by parameter path, the gathered rows flattened. One per rank, shared by its parameters.
@@ -252,9 +251,9 @@ impl UnitGathers {
             comm.stats().gathered(bytes, false);
             comm.all_gather(shard.clone().inner())
         });
-        let started = Instant::now();
-        let full = ok(pending.wait());
-        comm.stats().waited(started.elapsed());
+        let (full, waited) = pending.wait_timed();
+        comm.stats().waited(waited);
+        let full = ok(full);
         let full = full.reshape([ranks, total]);
         let dtype = shard.dtype();
         if !shard.is_tracked() {
@@ -286,9 +285,8 @@ impl UnitGathers {
             scatter.stats().released(bytes);
             let grads = std::mem::take(&mut *lock(&grads));
             let full = rank_major(grads, &widths, ranks, &token_grad.device());
-            let started = Instant::now();
-            let rows = scatter.reduce_scatter(full).wait();
-            scatter.stats().waited(started.elapsed());
+            let (rows, waited) = scatter.reduce_scatter(full).wait_timed();
+            scatter.stats().waited(waited);
             ok(rows)
         });
         let token = Tensor::<1>::zeros([1], &shard.device()).cast(dtype);

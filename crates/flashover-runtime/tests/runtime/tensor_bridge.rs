@@ -101,14 +101,15 @@ fn all_to_all_moves_uneven_blocks_of_rows_and_keeps_bf16() {
 
 #[test]
 fn a_stream_runs_collectives_in_submission_order_while_the_caller_goes_on() {
-    use flashover_runtime::CommStream;
+    use flashover_runtime::{CommStream, TensorCollectives};
     let got = launch(2, |ctx| {
         let stream = CommStream::new(ctx.world(), "test-stream");
         let r = ctx.rank() as f32;
         let x = Tensor::<1>::from_floats([r, r + 1.0], ctx.device());
         // Two collectives in flight at once, answered in order.
-        let gathered = stream.all_gather(x.clone(), 0);
-        let summed = stream.all_reduce(x, ReduceOp::Sum);
+        let y = x.clone();
+        let gathered = stream.submit(move |g| g.all_gather_tensor(y, 0));
+        let summed = stream.submit(move |g| g.all_reduce_tensor(x, ReduceOp::Sum));
         let (summed, gathered) = (summed.wait()?, gathered.wait()?);
         // A panic carrying a collective's error comes back as that error.
         let failed = stream
