@@ -21,7 +21,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover::nn::{Linear, LinearConfig}; // tp: Burn's Linear, whose forward follows a split
 use flashover::parallel::clip_global_norm;
 use flashover::parallel::params::{
-    ParamLayout, accumulate_grads, flatten_params, grads_from_flat, load_flat,
+    ParamLayout, accumulate_grads, flatten_params, grads_from_flat, load_flat, zero_grads,
 };
 use flashover::prelude::*;
 
@@ -107,9 +107,9 @@ fn single_rank(initial: &[f32]) -> Run {
         let loss = model.loss(x, y);
         losses.push(loss.clone().into_scalar::<f32>());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
-        let mut flat = vec![0.0; ParamLayout::of(&model).numel];
-        accumulate_grads(&model, &grads, &mut flat, &[]);
-        clip_global_norm(&mut flat, Some(MAX_NORM)).expect("one device");
+        let zeros = zero_grads(&model, &device.clone().inner());
+        let (flat, _) = accumulate_grads(&model, &grads, zeros, &[]);
+        let (flat, _norm) = clip_global_norm(flat, Some(MAX_NORM)).expect("one device");
         let grads = grads_from_flat(&model, &flat);
         model = optim.step(LR, model, grads);
     }

@@ -37,7 +37,9 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover::models::init;
 use flashover::nn::{CausalAttention, Embedding, Linear}; // tp, cp: layers that follow a split
 use flashover::parallel::clip_global_norm;
-use flashover::parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
+use flashover::parallel::params::{
+    ParamLayout, accumulate_grads, flatten_params, grads_from_flat, zero_grads,
+};
 use flashover::prelude::*;
 
 const VOCAB: usize = 32;
@@ -200,9 +202,9 @@ fn single_rank() -> Run {
 
 /// Global-norm clipping on one device, as `Parallelized::gradients` clips over the ranks.
 fn clip(model: &Gpt2, grads: GradientsParams) -> GradientsParams {
-    let mut flat = vec![0.0; ParamLayout::of(model).numel];
-    accumulate_grads(model, &grads, &mut flat, &[]);
-    clip_global_norm(&mut flat, Some(MAX_NORM)).expect("one device");
+    let device = model.devices()[0].clone().inner();
+    let (flat, _) = accumulate_grads(model, &grads, zero_grads(model, &device), &[]);
+    let (flat, _norm) = clip_global_norm(flat, Some(MAX_NORM)).expect("one device");
     grads_from_flat(model, &flat)
 }
 

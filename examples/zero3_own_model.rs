@@ -62,7 +62,8 @@ fn train_sharded(stage: usize) -> Run {
                     let loss = par.forward(&model, |m| mse(m.forward(x), y))?;
                     losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
                     let (rows, _norm) = par.row_gradients(&model, loss.backward(), None, &ctx)?;
-                    model = optim.step(1e-2, model, &rows, !rows.is_empty())?;
+                    let update = rows.dims()[0] > 0;
+                    model = optim.step(1e-2, model, rows, update)?;
                 }
                 // Whole parameters; gradients and two AdamW moments of the rank's rows.
                 let (params, rows) = optim.held_elements();

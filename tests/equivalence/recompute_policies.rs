@@ -7,7 +7,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_models::{Dropout, ForwardContext, Transformer, TransformerConfig, next_token_loss};
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
-use flashover_parallel::params::{ParamLayout, accumulate_grads};
+use flashover_parallel::params::{accumulate_grads, zero_grads};
 
 fn tokens(device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>) {
     let t: Vec<i64> = (0..2 * 9).map(|i| (i * 7 % 16) as i64).collect();
@@ -41,8 +41,8 @@ fn run(policy: &str) -> (f32, Vec<f32>) {
     let loss = next_token_loss(model.forward_with(inputs, &ctx), targets);
     let value = loss.clone().into_scalar::<f32>();
     let grads = GradientsParams::from_grads(loss.backward(), &model);
-    let mut flat = vec![0.0; ParamLayout::of(&model).numel];
-    let found = accumulate_grads(&model, &grads, &mut flat, &[]);
+    let zeros = zero_grads(&model, &device.clone().inner());
+    let (flat, found) = accumulate_grads(&model, &grads, zeros, &[]);
     assert!(
         found.iter().all(|&f| f),
         "{policy}: every parameter gets a gradient"
@@ -53,7 +53,7 @@ fn run(policy: &str) -> (f32, Vec<f32>) {
         expected,
         "{policy}: blocks run again in backward"
     );
-    (value, flat)
+    (value, flashover_parallel::params::to_f32(flat))
 }
 
 #[test]

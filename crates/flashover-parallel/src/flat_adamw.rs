@@ -258,16 +258,18 @@ impl ModuleAdamW {
         module: M,
         grads: &burn::optim::GradientsParams,
     ) -> Result<M, crate::ParallelError> {
-        // Where the kernels run, with every gradient there: pack both on the device, no host.
+        // Where the kernels run, with every gradient there: pack both on the device.
         if let Some(params) = crate::params::pack_params(&module)
             && let Some(flat_grads) = crate::params::pack_grads(&module, grads)
         {
             let params = self.adam.step_on_device(lr, params, flat_grads);
             return Ok(crate::params::load_packed(module, params));
         }
-        let params = crate::params::flatten_params(&module);
-        let mut flat_grads = vec![0.0; params.len()];
-        let found = crate::params::accumulate_grads(&module, grads, &mut flat_grads, &[]);
+        let Some(device) = module.devices().into_iter().next() else {
+            return Ok(module);
+        };
+        let zeros = crate::params::zero_grads(&module, &device.inner());
+        let (flat_grads, found) = crate::params::accumulate_grads(&module, grads, zeros, &[]);
         if let Some(i) = found.iter().position(|f| !f) {
             // Names are only needed for the error: no layout is built on the step's path.
             let layout = crate::params::ParamLayout::of(&module);
@@ -276,55 +278,35 @@ impl ModuleAdamW {
                 layout.slots[i].name
             )));
         }
-        self.apply(lr, module, params, &flat_grads)
+        self.step_flat(lr, module, flat_grads)
     }
 
-    /// One step of `module` with gradients already flat in layout order.
+    /// One step of `module` with gradients flat in layout order (f32, on the parameters'
+    /// device). Where the strategies use the kernels the parameters are packed on the device
+    /// and stepped by the fused AdamW kernel, no parameter crossing to the host; elsewhere (a
+    /// CPU, where host loops measured faster: `flashover_kernels::uses_kernels`) the loop
+    /// above runs on host copies.
     pub fn step_flat<M: burn::module::Module>(
         &mut self,
         lr: f64,
         module: M,
-        flat_grads: &[f32],
+        flat_grads: burn::tensor::Tensor<1>,
     ) -> Result<M, crate::ParallelError> {
-        let params = crate::params::flatten_params(&module);
-        self.apply(lr, module, params, flat_grads)
-    }
-
-    /// Steps `params` (the module's, flat) with `flat_grads` and loads them into `module`.
-    fn apply<M: burn::module::Module>(
-        &mut self,
-        lr: f64,
-        module: M,
-        mut params: Vec<f32>,
-        flat_grads: &[f32],
-    ) -> Result<M, crate::ParallelError> {
-        if let Some(module) = self.try_on_device(lr, &module, flat_grads) {
-            return Ok(module);
-        }
-        if flat_grads.len() != params.len() {
+        let numel = self.adam.moment_1.len();
+        if flat_grads.dims()[0] != numel {
             return Err(crate::ParallelError::Invalid(format!(
-                "{} gradient elements for {} parameters",
-                flat_grads.len(),
-                params.len()
+                "{} gradient elements for {numel} parameters",
+                flat_grads.dims()[0],
             )));
         }
-        self.adam.step(lr, &mut params, flat_grads);
+        if let Some(params) = crate::params::pack_params(&module) {
+            let params = self.adam.step_on_device(lr, params, flat_grads);
+            return Ok(crate::params::load_packed(module, params));
+        }
+        let mut params = crate::params::flatten_params(&module);
+        self.adam
+            .step(lr, &mut params, &crate::params::to_f32(flat_grads));
         Ok(crate::params::load_flat(module, &params))
-    }
-
-    /// Where the strategies use the kernels: the parameters packed on the device, the host
-    /// gradient uploaded once, the fused AdamW kernel, the parameters cut back into the module
-    /// there; no parameter crosses to the host. `None` elsewhere.
-    fn try_on_device<M: burn::module::Module>(
-        &mut self,
-        lr: f64,
-        module: &M,
-        flat_grads: &[f32],
-    ) -> Option<M> {
-        let params = crate::params::pack_params(module)?;
-        let grads = crate::params::upload(flat_grads, &params.device());
-        let params = self.adam.step_on_device(lr, params, grads);
-        Some(crate::params::load_packed(module.clone(), params))
     }
 
     /// The flat optimizer (moments in layout order, step count).

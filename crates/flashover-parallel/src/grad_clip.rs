@@ -2,23 +2,25 @@
 //! device version of what a plan's reduction does on many ranks.
 
 use crate::error::ParallelError;
+use burn::tensor::Tensor;
 
-/// The sum of the squares of `values`, accumulated in f64: the one place a gradient norm is
-/// computed (a plan sums this rank's counted parts and all-reduces it,
-/// [`crate::placement::global_grad_norm`]).
-pub(crate) fn squared_norm<'a>(values: impl IntoIterator<Item = &'a f32>) -> f64 {
-    values.into_iter().map(|&g| g as f64 * g as f64).sum()
-}
-
-/// The L2 norm of a whole gradient on one device, and the gradient scaled in place so its norm
-/// is at most `max_norm`, as `Parallelized::gradients` clips on many ranks (a single-device
-/// reference loop's clipping). Returns the norm before clipping.
-pub fn clip_global_norm(grads: &mut [f32], max_norm: Option<f32>) -> Result<f32, ParallelError> {
-    let norm = squared_norm(grads.iter()).sqrt() as f32;
-    if let Some(scale) = clip_scale(norm, max_norm)? {
-        grads.iter_mut().for_each(|g| *g *= scale);
+/// The L2 norm of a whole gradient on one device (`grads`: flat, as
+/// [`crate::params::accumulate_grads`] lays it out), and the gradient scaled so its norm is at
+/// most `max_norm`, as `Parallelized::gradients` clips on many ranks (a single-device
+/// reference loop's clipping). The squares are read to the host and accumulated in f64 (a
+/// reference's norm as exact as it can be); the scaling runs on the device. Returns the
+/// gradient and its norm before clipping.
+pub fn clip_global_norm(
+    grads: Tensor<1>,
+    max_norm: Option<f32>,
+) -> Result<(Tensor<1>, f32), ParallelError> {
+    let values = crate::params::to_f32(grads.clone());
+    let squares: f64 = values.iter().map(|&g| g as f64 * g as f64).sum();
+    let norm = squares.sqrt() as f32;
+    match clip_scale(norm, max_norm)? {
+        Some(scale) => Ok((grads.mul_scalar(scale), norm)),
+        None => Ok((grads, norm)),
     }
-    Ok(norm)
 }
 
 /// The factor that brings a gradient of global norm `norm` down to `max_norm` (`None` when it

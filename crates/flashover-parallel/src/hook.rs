@@ -1,5 +1,5 @@
-//! A gradient hook: forward identity; backward hands the gradient's values to a host callback,
-//! which takes them over: the parameter never receives the gradient, so Burn's gradient
+//! A gradient hook: forward identity; backward hands the gradient (flat, on its device) to a
+//! callback, which takes it over: the parameter never receives the gradient, so Burn's gradient
 //! container stays free of it (the reducer's bucket is the only copy, which is what lets ZeRO-2
 //! hold only a shard). This is how DDP learns, during backward, that a parameter's gradient is
 //! final, so its bucket can be reduced while backward continues.
@@ -18,11 +18,12 @@ use burn::backend::autodiff::{
 };
 use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
 use burn::tensor::{Device, Tensor};
-use flashover_runtime::transfers::{self, Cause};
+use burn_dispatch::{DispatchKindConversion, DispatchTensor};
 use std::sync::Arc;
 
-/// A function receiving a gradient's values (row-major f32).
-pub type GradFn = dyn Fn(&[f32]) + Send + Sync;
+/// A function receiving a gradient, flattened (row-major), as a tensor of the inner backend
+/// outside any graph, on the parameter's device and in the gradient's dtype.
+pub type GradFn = dyn Fn(Tensor<1>) + Send + Sync;
 
 /// The callback a hook calls with a gradient's values.
 #[derive(Clone)]
@@ -54,18 +55,13 @@ impl GradHookOps for Cube {
     }
 }
 
-/// The values of `x` on the host, waiting for the device (a counted transfer).
-fn read<B: Backend>(x: FloatTensor<B>) -> burn::tensor::TensorData {
-    let data =
-        burn::tensor::read_sync(B::float_into_data(x)).expect("reading a gradient to the host");
-    transfers::to_host(Cause::GradientHook, data.as_bytes().len());
-    data
-}
-
 #[derive(Debug)]
 struct HookBackward;
 
-impl<B: Backend> Backward<B, 1> for HookBackward {
+impl<B: Backend> Backward<B, 1> for HookBackward
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
     type State = GradCallback;
 
     fn backward(
@@ -76,19 +72,17 @@ impl<B: Backend> Backward<B, 1> for HookBackward {
     ) {
         let callback = ops.state;
         // Consumed, not registered for the parent: the parameter never receives it.
-        let data = read::<B>(grads.consume::<B>(&ops.node));
-        match data.as_slice::<f32>() {
-            Ok(values) => (callback.0)(values),
-            Err(_) => (callback.0)(
-                data.convert::<f32>()
-                    .as_slice::<f32>()
-                    .expect("converted to f32"),
-            ),
-        }
+        let grad: Tensor<1> =
+            crate::collective_op::to_tensor::<B, 1>(grads.consume::<B>(&ops.node));
+        let numel = grad.shape().num_elements();
+        (callback.0)(grad.reshape([numel]));
     }
 }
 
-impl<B: Backend, C: CheckpointStrategy> GradHookOps for Autodiff<B, C> {
+impl<B: Backend, C: CheckpointStrategy> GradHookOps for Autodiff<B, C>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
     fn grad_hook(x: FloatTensor<Self>, callback: GradCallback) -> FloatTensor<Self> {
         let node = x.node();
         match HookBackward.prepare::<C>([node]).compute_bound().stateful() {

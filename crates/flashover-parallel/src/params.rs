@@ -4,7 +4,7 @@
 use crate::error::ParallelError;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 use flashover_comm::{CommError, Group};
 use flashover_kernels::{pack_scaled, unpack_scaled, uses_kernels};
 use flashover_runtime::TensorCollectives;
@@ -95,6 +95,15 @@ pub fn to_f32<const D: usize>(t: Tensor<D>) -> Vec<f32> {
     }
 }
 
+/// Host copy of a tensor's values as f64 (exact for f32 and f64 tensors).
+pub(crate) fn to_f64<const D: usize>(t: Tensor<D>) -> Vec<f64> {
+    let data = t.into_data();
+    transfers::to_host(Cause::Flat, data.as_bytes().len());
+    data.convert::<f64>()
+        .try_into_vec::<f64>()
+        .expect("converted to f64")
+}
+
 /// `tensors` (outside any graph) read to the host as one f32 vector. On a CubeCL device they
 /// are packed into one device buffer first (`flashover_kernels::pack_scaled`): one transfer
 /// and one synchronisation instead of one per tensor. Elsewhere each is read in turn.
@@ -107,23 +116,6 @@ fn read_concatenated(tensors: Vec<Tensor<1>>) -> Vec<f32> {
         return to_f32(pack_scaled(tensors, 1.0));
     }
     tensors.into_iter().flat_map(to_f32).collect()
-}
-
-/// `flat` cut into 1-D tensors of `lens` elements on `device` (not an autodiff device). On a
-/// CubeCL device `flat` is uploaded once and cut there (`flashover_kernels::unpack_scaled`):
-/// one transfer instead of one per tensor. Elsewhere each piece is uploaded in turn.
-fn write_split(flat: &[f32], lens: &[usize], device: &Device) -> Vec<Tensor<1>> {
-    if uses_kernels(device) && lens.len() > 1 {
-        return unpack_scaled(upload(flat, device), lens, 1.0);
-    }
-    let mut at = 0;
-    lens.iter()
-        .map(|&numel| {
-            let data = TensorData::new(flat[at..at + numel].to_vec(), [numel]);
-            at += numel;
-            uploaded(data, device)
-        })
-        .collect()
 }
 
 /// Every float parameter of `module` packed into one flat tensor on their device by the pack
@@ -248,111 +240,93 @@ pub fn flatten_params<M: Module>(module: &M) -> Vec<f32> {
     read_concatenated(flat_params(module))
 }
 
-/// Adds each parameter's gradient in `grads` into `flat` at its layout offset; returns which
-/// parameters had one. Parameters without a gradient (unused in forward) are left as they are.
+/// Elements `offset..offset + len` of `flat` (Burn refuses to narrow to nothing: an empty
+/// range gives an empty tensor on the same device).
+pub fn part(flat: &Tensor<1>, offset: usize, len: usize) -> Tensor<1> {
+    match len {
+        0 => Tensor::zeros([0], &flat.device()),
+        _ => flat.clone().narrow(0, offset, len),
+    }
+}
+
+/// A zero gradient for every float parameter of `module`, laid end to end in layout order
+/// (f32, on `device`: not an autodiff device), what [`accumulate_grads`] adds into.
+pub fn zero_grads<M: Module>(module: &M, device: &Device) -> Tensor<1> {
+    Tensor::zeros([ParamLayout::of(module).numel], device)
+}
+
+/// `flat` (a gradient of every float parameter of `module`, laid end to end in layout order,
+/// f32, outside any graph) plus each parameter's gradient in `grads`, on the device; with
+/// which parameters had one. Parameters without a gradient (unused in forward), and those
+/// `skip` marks, add nothing.
 pub fn accumulate_grads<M: Module>(
     module: &M,
     grads: &GradientsParams,
-    flat: &mut [f32],
+    flat: Tensor<1>,
     skip: &[bool],
-) -> Vec<bool> {
+) -> (Tensor<1>, Vec<bool>) {
     struct V<'a> {
         grads: &'a GradientsParams,
         skip: &'a [bool],
-        offset: usize,
         index: usize,
         found: Vec<bool>,
-        /// Offset and length of each gradient found, in order.
-        present: Vec<(usize, usize)>,
-        tensors: Vec<Tensor<1>>,
+        /// Per parameter: its gradient, or its length where it has none.
+        pieces: Vec<Result<Tensor<1>, usize>>,
     }
     impl ModuleVisitor for V<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let numel: usize = param.val().dims().iter().product();
             let skip = self.skip.get(self.index).copied().unwrap_or(false);
-            let mut found = false;
-            if !skip && let Some(g) = self.grads.get::<D>(param.id) {
-                self.present.push((self.offset, numel));
-                self.tensors.push(g.reshape([numel]));
-                found = true;
-            }
-            self.found.push(found);
-            self.offset += numel;
+            let grad = match skip {
+                true => None,
+                false => self.grads.get::<D>(param.id),
+            };
+            self.found.push(grad.is_some());
+            self.pieces.push(match grad {
+                Some(g) => Ok(g.reshape([numel]).cast(DType::F32)),
+                None => Err(numel),
+            });
             self.index += 1;
         }
     }
     let mut v = V {
         grads,
         skip,
-        offset: 0,
         index: 0,
         found: vec![],
-        present: vec![],
-        tensors: vec![],
+        pieces: vec![],
     };
     module.visit(&mut v);
-    // All of this micro-batch's gradients in one read where the device packs them.
-    let values = read_concatenated(v.tensors);
-    let mut at = 0;
-    for (offset, numel) in v.present {
-        for (acc, x) in flat[offset..offset + numel]
-            .iter_mut()
-            .zip(&values[at..at + numel])
-        {
-            *acc += x;
-        }
-        at += numel;
+    if !v.found.contains(&true) {
+        return (flat, v.found);
     }
-    v.found
+    let device = flat.device();
+    let pieces = (v.pieces.into_iter())
+        .map(|piece| piece.unwrap_or_else(|numel| Tensor::zeros([numel], &device)))
+        .collect();
+    (flat + Tensor::cat(pieces, 0), v.found)
 }
 
-/// Gradients for every float parameter of `module`, read from `flat` in layout order, on the
-/// parameters' devices (outside any autodiff graph, as optimizers expect).
-pub fn grads_from_flat<M: Module>(module: &M, flat: &[f32]) -> GradientsParams {
-    let layout = ParamLayout::of(module);
-    let Some(device) = module.devices().into_iter().next() else {
-        return GradientsParams::new();
-    };
-    let lens: Vec<usize> = layout.slots.iter().map(|s| s.numel).collect();
-    struct V {
-        pieces: std::vec::IntoIter<Tensor<1>>,
+/// Gradients for every float parameter of `module`, cut from `flat` (layout order, on the
+/// device: no copy to the host), outside any autodiff graph, as optimizers expect.
+pub fn grads_from_flat<M: Module>(module: &M, flat: &Tensor<1>) -> GradientsParams {
+    struct V<'a> {
+        flat: &'a Tensor<1>,
+        offset: usize,
         grads: GradientsParams,
     }
-    impl ModuleVisitor for V {
+    impl ModuleVisitor for V<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let dims: [usize; D] = param.val().dims();
-            let piece = self.pieces.next().expect("one piece per parameter");
+            let numel = dims.iter().product();
+            let piece = part(self.flat, self.offset, numel);
+            self.offset += numel;
             self.grads.register::<D>(param.id, piece.reshape(dims));
         }
     }
     let mut v = V {
-        pieces: write_split(flat, &lens, &device.inner()).into_iter(),
-        grads: GradientsParams::new(),
-    };
-    module.visit(&mut v);
-    v.grads
-}
-
-/// Gradients for every float parameter of `module` from per-parameter values in layout order
-/// (consumed: each buffer becomes its tensor's data), on the parameters' devices outside any
-/// autodiff graph.
-pub fn grads_from_parts<M: Module>(module: &M, parts: Vec<Vec<f32>>) -> GradientsParams {
-    struct V {
-        parts: std::vec::IntoIter<Vec<f32>>,
-        grads: GradientsParams,
-    }
-    impl ModuleVisitor for V {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let value = param.val();
-            let dims = value.dims();
-            let device = value.device().inner();
-            let values = self.parts.next().expect("one gradient per parameter");
-            let data = TensorData::new(values, dims);
-            self.grads.register::<D>(param.id, uploaded(data, &device));
-        }
-    }
-    let mut v = V {
-        parts: parts.into_iter(),
+        flat,
+        offset: 0,
         grads: GradientsParams::new(),
     };
     module.visit(&mut v);

@@ -26,6 +26,7 @@
 use crate::error::ParallelError;
 use crate::params::{ParamLayout, ParamSlot};
 use burn::module::{Module, ParamId};
+use burn::tensor::{DType, Tensor};
 use flashover_comm::{CommunicatorExt, ReduceOp};
 use flashover_runtime::{Axis, DeviceMesh, RankContext};
 use std::collections::HashMap;
@@ -269,20 +270,32 @@ fn missing(id: ParamId) -> ParallelError {
     ParallelError::Invalid(format!("parameter {id:?} has no placement"))
 }
 
-/// The global L2 norm of a gradient held as `parts` (each a parameter's local gradient with
-/// its entry): the squares of the parts this rank counts ([`ParamPlacement::counted`]),
-/// accumulated in f64, summed over the world with one all-reduce of one element.
+/// The global L2 norm of a gradient held as `parts` (each a parameter's local gradient, flat
+/// on its device, with its entry): the squares of each part this rank counts
+/// ([`ParamPlacement::counted`]) summed on the device, in f64 where the device has it (so the
+/// norm does not depend on how the parameters are cut into parts: ZeRO-1's rows give DDP's
+/// bits), else in f32; the parts' sums read to the host as one vector and accumulated in f64,
+/// summed over the world with one all-reduce of one element.
 pub fn global_grad_norm<'a>(
-    parts: impl IntoIterator<Item = (&'a ParamPlacement, &'a [f32])>,
+    parts: impl IntoIterator<Item = (&'a ParamPlacement, Tensor<1>)>,
     ctx: &RankContext,
 ) -> Result<f32, ParallelError> {
     let coord = |a| ctx.coord(a);
-    let mut sq = [crate::grad_clip::squared_norm(
-        parts
-            .into_iter()
-            .filter(|(entry, _)| entry.counted(coord))
-            .flat_map(|(_, g)| g.iter()),
-    )];
+    let sums: Vec<Tensor<1>> = (parts.into_iter())
+        .filter(|(entry, _)| entry.counted(coord))
+        .map(|(_, g)| {
+            let g = match g.device().supports_dtype(DType::F64) {
+                true => g.cast(DType::F64),
+                false => g,
+            };
+            (g.clone() * g).sum()
+        })
+        .collect();
+    let partial = match sums.is_empty() {
+        true => vec![],
+        false => crate::params::to_f64(Tensor::cat(sums, 0)),
+    };
+    let mut sq = [partial.iter().sum::<f64>()];
     if ctx.world_size() > 1 {
         ctx.world().all_reduce(&mut sq, ReduceOp::Sum)?;
     }

@@ -30,8 +30,7 @@
 
 use crate::ParallelError;
 use burn::module::{Module, ModuleMapper, Param};
-use burn::tensor::{Device, FloatDType, Tensor, bf16, f16};
-use flashover_comm::{CommError, CommunicatorExt, Element, Group, ReduceOp};
+use burn::tensor::{Device, FloatDType, Tensor};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
@@ -420,58 +419,6 @@ impl LossScaler {
     pub fn restore(&mut self, (scale, clean_steps): (f32, usize)) {
         self.scale = scale;
         self.clean_steps = clean_steps;
-    }
-}
-
-/// Sums `data` over `group` in `wire` precision: f32 as it is; bf16 or f16 rounded first,
-/// summed at half the bytes, and widened back.
-pub(crate) fn all_reduce_in(
-    group: &Group,
-    data: &mut [f32],
-    wire: Precision,
-) -> Result<(), CommError> {
-    fn narrowed<T: Element>(
-        group: &Group,
-        data: &mut [f32],
-        to: fn(f32) -> T,
-        from: fn(T) -> f32,
-    ) -> Result<(), CommError> {
-        let mut wire: Vec<T> = data.iter().map(|&x| to(x)).collect();
-        group.all_reduce(&mut wire, ReduceOp::Sum)?;
-        data.iter_mut().zip(wire).for_each(|(d, w)| *d = from(w));
-        Ok(())
-    }
-    match wire {
-        Precision::F32 => group.all_reduce(data, ReduceOp::Sum),
-        Precision::BF16 => narrowed(group, data, bf16::from_f32, bf16::to_f32),
-        Precision::F16 => narrowed(group, data, f16::from_f32, f16::to_f32),
-    }
-}
-
-/// [`all_reduce_in`] for a reduce-scatter of `full` into `chunk`.
-pub(crate) fn reduce_scatter_in(
-    group: &Group,
-    full: &[f32],
-    chunk: &mut [f32],
-    wire: Precision,
-) -> Result<(), CommError> {
-    fn narrowed<T: Element + Default>(
-        group: &Group,
-        full: &[f32],
-        chunk: &mut [f32],
-        to: fn(f32) -> T,
-        from: fn(T) -> f32,
-    ) -> Result<(), CommError> {
-        let send: Vec<T> = full.iter().map(|&x| to(x)).collect();
-        let mut recv = vec![T::default(); chunk.len()];
-        group.reduce_scatter(&send, &mut recv, ReduceOp::Sum)?;
-        chunk.iter_mut().zip(recv).for_each(|(d, w)| *d = from(w));
-        Ok(())
-    }
-    match wire {
-        Precision::F32 => group.reduce_scatter(full, chunk, ReduceOp::Sum),
-        Precision::BF16 => narrowed(group, full, chunk, bf16::from_f32, bf16::to_f32),
-        Precision::F16 => narrowed(group, full, chunk, f16::from_f32, f16::to_f32),
     }
 }
 

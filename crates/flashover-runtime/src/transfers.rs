@@ -17,16 +17,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub enum Cause {
     /// Staging for an engine that works on host memory ([`crate::TensorCollectives`]).
     Collective,
-    /// A gradient handed to a host callback during backward (DDP's buckets).
-    GradientHook,
-    /// Parameters and gradients as flat host vectors, for the gradient reducers and the
-    /// sharded optimizers, and their results written back.
+    /// Parameters and gradients as flat host vectors: AdamW's host loop (where the device
+    /// takes no kernels) and its results written back, the norm's per-parameter sums, state
+    /// that still lives on the host (ZeRO-1/2 rows, hot-expert copies).
     Flat,
 }
 
 impl Cause {
     /// Every cause, in report order.
-    pub const ALL: [Cause; 3] = [Cause::Collective, Cause::GradientHook, Cause::Flat];
+    pub const ALL: [Cause; 2] = [Cause::Collective, Cause::Flat];
 
     fn index(self) -> usize {
         self as usize
@@ -36,8 +35,7 @@ impl Cause {
     pub fn name(self) -> &'static str {
         match self {
             Cause::Collective => "collective staging",
-            Cause::GradientHook => "gradient hooks",
-            Cause::Flat => "flat vectors (reducers, optimizers)",
+            Cause::Flat => "flat vectors (optimizers, norms)",
         }
     }
 }
@@ -62,7 +60,7 @@ pub struct Crossings {
 
 /// Every cause's transfers, indexed as [`Cause::ALL`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct Transfers(pub [Crossings; 3]);
+pub struct Transfers(pub [Crossings; Cause::ALL.len()]);
 
 impl Transfers {
     /// `cause`'s transfers.
@@ -84,7 +82,8 @@ impl Transfers {
 }
 
 /// Per cause: reads, read bytes, writes, written bytes.
-static COUNTERS: [[AtomicU64; 4]; 3] = [const { [const { AtomicU64::new(0) }; 4] }; 3];
+static COUNTERS: [[AtomicU64; 4]; Cause::ALL.len()] =
+    [const { [const { AtomicU64::new(0) }; 4] }; Cause::ALL.len()];
 
 /// Records a read of `bytes` from a device to the host.
 pub fn to_host(cause: Cause, bytes: usize) {
@@ -128,16 +127,15 @@ mod tests {
     fn counts_add_up_by_cause_and_direction() {
         // Other tests of this binary may count at the same time: compare lower bounds only.
         let before = snapshot();
-        to_host(Cause::GradientHook, 12);
-        to_host(Cause::GradientHook, 4);
+        to_host(Cause::Collective, 12);
+        to_host(Cause::Collective, 4);
         to_device(Cause::Flat, 8);
         let delta = snapshot().since(&before);
-        let recompute = delta.of(Cause::GradientHook);
-        assert!(recompute.to_host.count >= 2 && recompute.to_host.bytes >= 16);
+        let staged = delta.of(Cause::Collective);
+        assert!(staged.to_host.count >= 2 && staged.to_host.bytes >= 16);
         let flat = delta.of(Cause::Flat);
         assert!(flat.to_device.count >= 1 && flat.to_device.bytes >= 8);
         let exact = Transfers([
-            Crossings::default(),
             Crossings {
                 to_host: Moved {
                     count: 2,
@@ -149,6 +147,6 @@ mod tests {
         ]);
         assert_eq!(exact.since(&Transfers::default()), exact);
         assert_eq!(exact.since(&exact), Transfers::default());
-        assert_eq!(exact.of(Cause::GradientHook).to_host.count, 2);
+        assert_eq!(exact.of(Cause::Collective).to_host.count, 2);
     }
 }

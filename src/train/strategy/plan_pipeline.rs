@@ -45,7 +45,7 @@ use flashover_parallel::data_parallel::{
 use flashover_parallel::parallelize::{
     ContextParallelRule, ParallelizePlan, Parallelized, parallelize,
 };
-use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params};
+use flashover_parallel::params::{accumulate_grads, flatten_params, zero_grads};
 use flashover_parallel::pipeline::{PipelineStepReport, Schedule, ScheduleKind};
 use flashover_parallel::placement::PlacementTable;
 use flashover_parallel::precision::LossScaler;
@@ -303,22 +303,20 @@ impl RankStrategy for PlanPipeline {
         if let Some(state) = self.par.loss_scale_state() {
             scaler.restore(state);
         }
-        let scaled = |mut grads: Vec<f32>| {
-            if scale != 1.0 {
-                grads.iter_mut().for_each(|g| *g *= scale);
-            }
-            grads
+        let scaled = |grads: Tensor<1>| match scale {
+            1.0 => grads,
+            _ => grads.mul_scalar(scale),
         };
         match &mut self.optim {
             Optimizer::Whole { adam, .. } if !out.skipped => {
-                let mut grads = vec![0.0; ParamLayout::of(&self.model).numel];
-                accumulate_grads(&self.model, &out.grads, &mut grads, &[]);
-                self.model = adam.step_flat(lr, self.model, &scaled(grads))?;
+                let zeros = zero_grads(&self.model, &self.device.clone().inner());
+                let (grads, _) = accumulate_grads(&self.model, &out.grads, zeros, &[]);
+                self.model = adam.step_flat(lr, self.model, scaled(grads))?;
             }
             Optimizer::Whole { .. } => {}
             Optimizer::Rows(rows) => {
                 let grads = scaled(out.rows);
-                self.model = rows.step(lr, self.model, &grads, !out.skipped)?;
+                self.model = rows.step(lr, self.model, grads, !out.skipped)?;
             }
         }
         let step = Stepped {

@@ -26,14 +26,14 @@
 use super::reducer::{Mode, Reducer, RowSplit, Spans};
 use crate::error::ParallelError;
 use crate::hook::{grad_hook, hooks_supported};
-use crate::params::{ParamLayout, ParamSlot};
+use crate::params::{ParamLayout, ParamSlot, part};
 use crate::placement::{ParamPlacement, Tie, data_axis_sets};
-use crate::precision::{Precision, all_reduce_in};
+use crate::precision::Precision;
 use crate::zero::UnitShards;
 use burn::module::{Module, ModuleMapper, Param};
-use burn::tensor::Tensor;
-use flashover_comm::{CommunicatorExt, Group};
-use flashover_runtime::{Axis, RankContext};
+use burn::tensor::{Device, Tensor};
+use flashover_comm::{CommunicatorExt, Group, ReduceOp};
+use flashover_runtime::{Axis, RankContext, TensorCollectives};
 use serde::{Deserialize, Serialize};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -202,6 +202,8 @@ pub(crate) struct BucketedReduction {
     wire: Precision,
     overlap: bool,
     mode: Mode,
+    /// The device the gradients live on (the parameters', outside autodiff).
+    device: Device,
     step: Mutex<StepState>,
 }
 
@@ -226,10 +228,13 @@ pub(crate) fn reduction_groups(
 
 impl BucketedReduction {
     /// The reduction of a model whose parameters `entries` lists (layout order, with their
-    /// placements); `held[i]`: whether this rank holds parameter `i` (not a placeholder);
-    /// `tie`: the group summing tied copies, if any. Collective over the world.
+    /// placements) and whose gradients live on `device` (not an autodiff device); `held[i]`:
+    /// whether this rank holds parameter `i` (not a placeholder); `tie`: the group summing
+    /// tied copies, if any. Collective over the world.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         ctx: &RankContext,
+        device: Device,
         entries: &[(ParamSlot, &ParamPlacement)],
         held: &[bool],
         tie: Option<&Group>,
@@ -311,6 +316,7 @@ impl BucketedReduction {
                 row_groups: row_groups.as_ref(),
                 slots: &slots,
                 shapes: &shapes,
+                device: &device,
             };
             let order: Vec<usize> = (0..params.len()).rev().collect();
             let reducer = layout.reducer(&order, bucket_elems, mode, wire);
@@ -349,6 +355,7 @@ impl BucketedReduction {
             wire,
             overlap: settings.overlap,
             mode,
+            device,
             step: Mutex::new(StepState::default()),
         })
     }
@@ -418,9 +425,9 @@ impl BucketedReduction {
     pub(crate) fn end_micro(&self) -> Result<(), ParallelError> {
         for set in lock(&self.sets).iter() {
             let arrived = set.reducer.arrived();
-            for (local, &i) in set.params.iter().enumerate().rev() {
+            for local in (0..set.params.len()).rev() {
                 if !arrived[local] {
-                    set.reducer.add(local, &vec![0.0; self.slots[i].1]);
+                    set.reducer.mark_absent(local);
                 }
             }
             if self.mode == Mode::ReduceScatter && !set.reducer.is_last_micro() {
@@ -471,7 +478,7 @@ impl BucketedReduction {
     /// (this rank's gradients in the model's layout, summed over the step's micro-batches;
     /// zero where hooks took them), so every bucket completes and is reduced (whether or not
     /// a micro-batch was marked last).
-    pub(crate) fn add_remaining(&self, flat: &[f32]) {
+    pub(crate) fn add_remaining(&self, flat: &Tensor<1>) {
         for set in lock(&self.sets).iter() {
             set.reducer.launch_all();
             let arrived = set.reducer.arrived();
@@ -479,61 +486,82 @@ impl BucketedReduction {
             for (local, &i) in set.params.iter().enumerate().rev() {
                 if !arrived[local] {
                     let (offset, numel) = self.slots[i];
-                    set.reducer.add(local, &flat[offset..offset + numel]);
+                    set.reducer.add(local, part(flat, offset, numel));
                 }
             }
         }
         lock(&self.step).backward_end = Some(Instant::now());
     }
 
-    /// Waits for every bucket and writes the sums into `flat` (the model's layout; the other
-    /// parameters' values are left as they are), then sums the tied copies. Re-plans the
-    /// buckets from the arrival order after the first hooked step (collective).
-    pub(crate) fn finish(&self, flat: &mut [f32]) -> Result<ReductionReport, ParallelError> {
+    /// Waits for every bucket and returns `flat` (the model's layout) with the sums in place
+    /// of the reduced parameters' gradients (the others' left as they are), the tied copies
+    /// summed. Re-plans the buckets from the arrival order after the first hooked step
+    /// (collective).
+    pub(crate) fn finish(
+        &self,
+        flat: Tensor<1>,
+    ) -> Result<(Tensor<1>, ReductionReport), ParallelError> {
         let t0 = Instant::now();
         let mut sets = lock(&self.sets);
         let mut spans = vec![];
         let mut peak = 0;
+        let mut sums: Vec<Option<Tensor<1>>> = vec![None; self.slots.len()];
         for set in sets.iter() {
             let Spans { spans: s } = set.reducer.wait_reduced()?;
             spans.extend(s);
             peak += set.reducer.held_bytes().1;
-            for (local, values) in set.reducer.drain().into_iter().enumerate() {
-                let (offset, numel) = self.slots[set.params[local]];
-                flat[offset..offset + numel].copy_from_slice(&values);
+            for (local, sum) in set.reducer.drain().into_iter().enumerate() {
+                sums[set.params[local]] = Some(sum);
             }
         }
         let exposed = t0.elapsed();
+        let mut flat = match sums.iter().any(Option::is_some) {
+            true => Tensor::cat(
+                (sums.into_iter().zip(&self.slots))
+                    .map(|(sum, &(offset, numel))| {
+                        sum.unwrap_or_else(|| part(&flat, offset, numel))
+                    })
+                    .collect(),
+                0,
+            ),
+            false => flat,
+        };
         if let Some((group, tied)) = &self.tie {
             let places: Vec<(usize, usize)> = tied.iter().map(|&i| self.slots[i]).collect();
-            sum_tied(group, &places, flat)?;
+            flat = sum_tied(group, &places, flat)?;
         }
-        self.end_step(&mut sets, spans, t0, exposed, peak)
+        let report = self.end_step(&mut sets, spans, t0, exposed, peak)?;
+        Ok((flat, report))
     }
 
     /// [`Self::finish`] under rows (ZeRO-1/2): this rank's rows of every held parameter's
     /// reduced gradient, laid out as [`GradientRowLayout::shards`] lays out its shard.
     pub(crate) fn finish_rows(
         &self,
-        flat: &mut [f32],
-    ) -> Result<(Vec<f32>, ReductionReport), ParallelError> {
+        flat: Tensor<1>,
+    ) -> Result<(Tensor<1>, ReductionReport), ParallelError> {
         let (layout, index) = self.rows.as_ref().expect("rows were asked for");
         if self.mode == Mode::AllReduce {
-            // Rows over one rank are whole parameters: reduced whole, then laid out as rows.
-            let report = self.finish(flat)?;
-            let held: Vec<f32> = (index.iter().enumerate())
+            // Rows over one rank are whole parameters, laid out end to end as the shard is.
+            let (flat, report) = self.finish(flat)?;
+            let held: Vec<Tensor<1>> = (index.iter().enumerate())
                 .filter(|(_, h)| h.is_some())
-                .flat_map(|(i, _)| {
+                .map(|(i, _)| {
                     let (offset, numel) = self.slots[i];
-                    flat[offset..offset + numel].iter().copied()
+                    part(&flat, offset, numel)
                 })
                 .collect();
-            return Ok((layout.shards.take(0, &held), report));
+            let rows = match held.is_empty() {
+                true => Tensor::zeros([0], &self.device),
+                false => Tensor::cat(held, 0),
+            };
+            return Ok((rows, report));
         }
         let t0 = Instant::now();
         let mut sets = lock(&self.sets);
         let mut spans = vec![];
-        let mut rows = vec![0.0; layout.shards.shard_len()];
+        // Per held parameter: its rows (padding included), from the set that reduced it.
+        let mut pieces: Vec<Option<Tensor<1>>> = vec![None; layout.layout.slots.len()];
         let mut peak = 0;
         for set in sets.iter() {
             peak += set.reducer.held_bytes().1;
@@ -542,22 +570,30 @@ impl BucketedReduction {
             for (local, &i) in set.params.iter().enumerate() {
                 let (at, len) = set.reducer.rows_in_shard(local).expect("laid out by rows");
                 let held = index[i].expect("a reduced parameter is held");
-                let to = layout.shards.offset_in_shard(held);
-                rows[to..to + len].copy_from_slice(&shard[at..at + len]);
+                pieces[held] = Some(part(&shard, at, len));
             }
         }
         let exposed = t0.elapsed();
+        let shards = &layout.shards;
+        let rows_of = |h: usize| {
+            let slot = &layout.layout.slots[h];
+            shards.chunk_rows(h) * (slot.numel / slot.shape.first().copied().unwrap_or(1).max(1))
+        };
+        // The shard lays the held parameters' rows end to end in their order (zeros for one
+        // no set reduced).
+        let parts: Vec<Tensor<1>> = (pieces.into_iter().enumerate())
+            .map(|(h, piece)| piece.unwrap_or_else(|| Tensor::zeros([rows_of(h)], &self.device)))
+            .collect();
+        let mut rows = match parts.is_empty() {
+            true => Tensor::zeros([0], &self.device),
+            false => Tensor::cat(parts, 0),
+        };
         if let Some((group, tied)) = &self.tie {
             let places: Vec<(usize, usize)> = (tied.iter())
                 .filter_map(|&i| index[i])
-                .map(|h| {
-                    let rows = layout.shards.chunk_rows(h);
-                    let row_len =
-                        layout.layout.slots[h].numel / layout.layout.slots[h].shape[0].max(1);
-                    (layout.shards.offset_in_shard(h), rows * row_len)
-                })
+                .map(|h| (shards.offset_in_shard(h), rows_of(h)))
                 .collect();
-            sum_tied(group, &places, &mut rows)?;
+            rows = sum_tied(group, &places, rows)?;
         }
         Ok((rows, self.end_step(&mut sets, spans, t0, exposed, peak)?))
     }
@@ -612,6 +648,7 @@ impl BucketedReduction {
             row_groups: set.row_groups.as_ref(),
             slots: &self.slots,
             shapes: &self.shapes,
+            device: &self.device,
         };
         set.reducer = layout.reducer(&order, self.bucket_elems, self.mode, self.wire);
         set.rebuilt = true;
@@ -619,23 +656,30 @@ impl BucketedReduction {
     }
 }
 
-/// Sums the tied copies (each at `(offset, len)` of `flat`) over their group, in f32.
+/// `flat` with the tied copies (each at `(offset, len)`) summed over their group, in f32.
 fn sum_tied(
     group: &Group,
     places: &[(usize, usize)],
-    flat: &mut [f32],
-) -> Result<(), ParallelError> {
-    let mut packed: Vec<f32> = places
-        .iter()
-        .flat_map(|&(offset, len)| flat[offset..offset + len].iter().copied())
-        .collect();
-    all_reduce_in(group, &mut packed, Precision::F32)?;
+    flat: Tensor<1>,
+) -> Result<Tensor<1>, ParallelError> {
+    if places.is_empty() {
+        return Ok(flat);
+    }
+    let packed = Tensor::cat(
+        (places.iter())
+            .map(|&(offset, len)| part(&flat, offset, len))
+            .collect(),
+        0,
+    );
+    let summed = group.all_reduce_tensor(packed, ReduceOp::Sum)?;
+    let mut flat = flat;
     let mut at = 0;
     for &(offset, len) in places {
-        flat[offset..offset + len].copy_from_slice(&packed[at..at + len]);
+        let part = part(&summed, at, len);
+        flat = flat.slice_assign(offset..offset + len, part);
         at += len;
     }
-    Ok(())
+    Ok(flat)
 }
 
 /// What a set's bucketed reducer is made from.
@@ -648,6 +692,7 @@ struct SetLayout<'a> {
     slots: &'a [(usize, usize)],
     /// Per parameter of the model's layout: rows and elements per row.
     shapes: &'a [(usize, usize)],
+    device: &'a Device,
 }
 
 impl SetLayout<'_> {
@@ -667,6 +712,7 @@ impl SetLayout<'_> {
         });
         Reducer::new(
             self.group.clone(),
+            self.device.clone(),
             &numels,
             order,
             bucket_elems,

@@ -1,14 +1,16 @@
-//! The bucketed gradient reducer behind DDP and ZeRO-1/2: per-bucket host buffers that
-//! gradients are added into (from hooks during backward, or after it), and a per-rank
-//! communication thread that reduces buckets strictly in bucket order as soon as each is
-//! complete, so every rank issues the same collectives in the same order while backward goes on.
+//! The bucketed gradient reducer behind DDP and ZeRO-1/2: gradients added per parameter on
+//! their device (from hooks during backward, or after it), laid out into one bucket tensor when
+//! the bucket completes, and a per-rank communication thread that reduces buckets strictly in
+//! bucket order as soon as each is complete, so every rank issues the same collectives in the
+//! same order while backward goes on. The collectives take the bucket as a tensor
+//! ([`TensorCollectives`]): whatever staging an engine needs happens there, nowhere else.
 //!
-//! Three modes. **All-reduce** (DDP): buffers persist and accumulate over micro-batches; only
-//! the last micro-batch launches reductions. **All-reduce, then shard** (ZeRO-1): the same, but
-//! once reduced each bucket gives up this rank's chunk and is freed. **Reduce-scatter**
+//! Three modes. **All-reduce** (DDP): gradients accumulate over micro-batches; only the last
+//! micro-batch launches reductions. **All-reduce, then shard** (ZeRO-1): the same, but once
+//! reduced each bucket gives up this rank's chunk and the rest is dropped. **Reduce-scatter**
 //! (ZeRO-2): every micro-batch's buckets are reduce-scattered as they fill; each rank adds its
-//! chunk of every bucket into its gradient shard, and a bucket's buffer is freed once reduced,
-//! so a rank holds its shard plus the buckets in flight, not the whole gradient.
+//! chunk of every bucket into its gradient shard, so a rank holds its shard plus the buckets in
+//! flight, not the whole gradient.
 //!
 //! Buckets are first planned in reverse layout order, but backward does not finish parameters
 //! in exactly that order (norm weights, embeddings...): a bucket would then be allocated at its
@@ -21,8 +23,11 @@
 //! can report measured memory rather than formulas.
 
 use crate::hook::GradCallback;
-use crate::precision::{Precision, all_reduce_in, reduce_scatter_in};
-use flashover_comm::{CommError, Group};
+use crate::params::part;
+use crate::precision::Precision;
+use burn::tensor::{DType, Device, Tensor};
+use flashover_comm::{CommError, Group, ReduceOp};
+use flashover_runtime::TensorCollectives;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -70,19 +75,20 @@ pub(crate) fn plan_buckets(
 pub(crate) enum Mode {
     /// Every rank gets the whole sum (DDP).
     AllReduce,
-    /// All-reduce, then keep chunk `r` of every bucket and free the bucket (ZeRO-1).
+    /// All-reduce, then keep chunk `r` of every bucket and drop the rest (ZeRO-1).
     AllReduceShard,
     /// Rank `r` gets the sum of chunk `r` of every bucket (ZeRO-2).
     ReduceScatter,
 }
 
-/// Reduce-scatter mode keeps at most this many bucket buffers allocated while the
+/// Reduce-scatter mode keeps at most this many buckets holding gradients while the
 /// communication thread can drain them: one filling, one being reduced.
 const MAX_BUFFERS_IN_FLIGHT: usize = 2;
 
 struct State {
-    /// Bucket buffers allocated now (reduce-scatter mode).
+    /// Buckets holding gradients not yet reduced (reduce-scatter mode), and which.
     buffers: usize,
+    open: Vec<bool>,
     /// Parameters in the order their gradients arrived in the current micro-batch.
     arrivals: Vec<usize>,
     /// Reductions launch when a bucket fills (last micro-batch, or every one when scattering).
@@ -100,23 +106,28 @@ struct State {
 
 struct Shared {
     group: Group,
+    /// The device the gradients live on (zeros for parameters that got none are made there).
+    device: Device,
     /// Buckets laid out by rows (ZeRO-1/2 of whole parameters' rows), if they are.
     rows: Option<RowLayout>,
     mode: Mode,
     /// The dtype buckets travel and are summed in (f32, or rounded to bf16/f16).
     wire: Precision,
-    /// Per bucket: its chunk length (`ceil(len / size)`) and the chunk's offset in the shard.
+    /// Per bucket: its chunk length (`ceil(len / size)`, or the rows' under rows).
     chunks: Vec<usize>,
-    chunk_offsets: Vec<usize>,
-    /// This rank's gradient shard (reduce-scatter mode; allocated at the first reduction).
-    shard: Mutex<Vec<f32>>,
-    /// Gradient bytes held (buckets and shard) now, and at most since the step began.
+    /// Gradient bytes held (gradients, buckets and shard) now, and at most since the step began.
     held: Mutex<(usize, usize)>,
     /// Per parameter: element count.
     numels: Vec<usize>,
     buckets: Vec<BucketPlan>,
     location: Vec<(usize, usize)>,
-    data: Vec<Mutex<Vec<f32>>>,
+    /// Per parameter: its gradient summed over the micro-batches so far, until its bucket is
+    /// reduced.
+    grads: Vec<Mutex<Option<Tensor<1>>>>,
+    /// Per bucket: its sum over the ranks (all-reduce mode), until it is drained.
+    reduced: Vec<Mutex<Option<Tensor<1>>>>,
+    /// Per bucket: this rank's chunk of its sum (ZeRO modes), summed over the micro-batches.
+    shard: Vec<Mutex<Option<Tensor<1>>>>,
     state: Mutex<State>,
     changed: Condvar,
 }
@@ -125,54 +136,46 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Bytes of an f32 tensor.
+fn bytes(t: &Tensor<1>) -> usize {
+    t.dims()[0] * 4
+}
+
 impl Shared {
-    fn add(&self, param: usize, values: &[f32]) {
-        let (b, offset) = self.location[param];
-        if self.mode == Mode::ReduceScatter && lock(&self.data[b]).is_empty() {
+    fn add(&self, param: usize, grad: Tensor<1>) {
+        let b = self.location[param].0;
+        if self.mode == Mode::ReduceScatter && !lock(&self.state).open[b] {
             self.wait_for_room();
+            let mut st = lock(&self.state);
+            if !std::mem::replace(&mut st.open[b], true) {
+                st.buffers += 1;
+            }
         }
+        let grad = grad.cast(DType::F32);
         {
-            let mut data = lock(&self.data[b]);
-            if data.is_empty() {
-                // Freed after its last reduction: allocate again (padded to whole chunks).
-                let len = self.chunks[b] * self.chunk_rank_size().1;
-                data.resize(len, 0.0);
-                self.hold(len * 4);
-                if self.mode == Mode::ReduceScatter {
-                    lock(&self.state).buffers += 1;
-                }
-            }
-            match &self.rows {
+            let mut slot = lock(&self.grads[param]);
+            *slot = Some(match slot.take() {
+                Some(sum) => sum + grad,
                 None => {
-                    for (acc, v) in data[offset..offset + values.len()].iter_mut().zip(values) {
-                        *acc += v;
-                    }
+                    self.hold(bytes(&grad));
+                    grad
                 }
-                Some(rows) => {
-                    // Each rank's rows go to that rank's chunk of the bucket.
-                    let (n_rows, row_len) = rows.split.shapes[param];
-                    let chunk_rows = rows.cuts[param].0;
-                    let chunk = self.chunks[b];
-                    for r in 0..rows.split.group.size() {
-                        let start = (r * chunk_rows).min(n_rows);
-                        let end = (start + chunk_rows).min(n_rows);
-                        let src = &values[start * row_len..end * row_len];
-                        let dst = r * chunk + offset;
-                        for (acc, v) in data[dst..dst + src.len()].iter_mut().zip(src) {
-                            *acc += v;
-                        }
-                    }
-                }
-            }
+            });
         }
         let mut st = lock(&self.state);
         self.mark(&mut st, param);
     }
 
-    /// Backpressure for reduce-scatter mode: before another bucket buffer is allocated, waits
-    /// while [`MAX_BUFFERS_IN_FLIGHT`] are allocated and the communication thread can make
-    /// progress without this thread (its next bucket is complete). Waiting only then cannot
-    /// deadlock when backward fills buckets out of order.
+    /// Marks parameter `param` final for this micro-batch without a gradient (it got none).
+    fn mark_absent(&self, param: usize) {
+        let mut st = lock(&self.state);
+        self.mark(&mut st, param);
+    }
+
+    /// Backpressure for reduce-scatter mode: before another bucket starts holding gradients,
+    /// waits while [`MAX_BUFFERS_IN_FLIGHT`] do and the communication thread can make progress
+    /// without this thread (its next bucket is complete). Waiting only then cannot deadlock
+    /// when backward fills buckets out of order.
     fn wait_for_room(&self) {
         let mut st = lock(&self.state);
         while st.buffers >= MAX_BUFFERS_IN_FLIGHT
@@ -194,7 +197,8 @@ impl Shared {
 
     /// Counts `bytes` of gradient released.
     fn release(&self, bytes: usize) {
-        lock(&self.held).0 -= bytes;
+        let mut held = lock(&self.held);
+        held.0 = held.0.saturating_sub(bytes);
     }
 
     fn mark(&self, st: &mut State, param: usize) {
@@ -209,6 +213,62 @@ impl Shared {
             st.ready[b] = true;
             self.changed.notify_all();
         }
+    }
+
+    fn zeros(&self, len: usize) -> Tensor<1> {
+        Tensor::zeros([len], &self.device)
+    }
+
+    /// Bucket `b` as one tensor, its parameters' gradients taken (zeros for those without
+    /// one): end to end, padded to whole chunks, or rank-major by rows under rows.
+    fn assemble(&self, b: usize) -> Tensor<1> {
+        let params = &self.buckets[b].params;
+        let grads: Vec<Option<Tensor<1>>> = params
+            .iter()
+            .map(|&p| lock(&self.grads[p]).take())
+            .collect();
+        self.release(grads.iter().flatten().map(bytes).sum());
+        let (_, size) = self.chunk_rank_size();
+        let total = self.chunks[b] * size;
+        let mut pieces = vec![];
+        match &self.rows {
+            None => {
+                for (&p, grad) in params.iter().zip(grads) {
+                    pieces.push(grad.unwrap_or_else(|| self.zeros(self.numels[p])));
+                }
+                let len = self.buckets[b].len;
+                if total > len {
+                    pieces.push(self.zeros(total - len));
+                }
+            }
+            Some(rows) => {
+                // Each rank's rows of every parameter, padded to whole rows per rank.
+                for r in 0..size {
+                    for (&p, grad) in params.iter().zip(&grads) {
+                        let (n_rows, row_len) = rows.split.shapes[p];
+                        let chunk_rows = rows.cuts[p].0;
+                        let start = (r * chunk_rows).min(n_rows);
+                        let end = (start + chunk_rows).min(n_rows);
+                        let len = (end - start) * row_len;
+                        if len > 0 {
+                            pieces.push(match grad {
+                                Some(g) => g.clone().narrow(0, start * row_len, len),
+                                None => self.zeros(len),
+                            });
+                        }
+                        if chunk_rows * row_len > len {
+                            pieces.push(self.zeros(chunk_rows * row_len - len));
+                        }
+                    }
+                }
+            }
+        }
+        let bucket = match pieces.is_empty() {
+            true => self.zeros(total),
+            false => Tensor::cat(pieces, 0),
+        };
+        self.hold(bytes(&bucket));
+        bucket
     }
 }
 
@@ -251,19 +311,21 @@ pub(crate) struct Spans {
     pub spans: Vec<(Instant, Instant)>,
 }
 
-/// Owns the buffers and the communication thread of one rank.
+/// Owns the gradients and the communication thread of one rank.
 pub(crate) struct Reducer {
     shared: Arc<Shared>,
     worker: Option<JoinHandle<()>>,
 }
 
 impl Reducer {
-    /// A reducer over `group` for parameters of `numels` elements, bucketed in `order`, that
-    /// all-reduces whole buckets (`mode` all-reduce) or reduce-scatters them, its buckets laid
-    /// out by `rows` (see [`RowSplit`]) when given: all-reduce then keep this rank's rows
-    /// (ZeRO-1) or reduce-scatter them (ZeRO-2).
+    /// A reducer over `group` for parameters of `numels` elements whose gradients live on
+    /// `device`, bucketed in `order`, that all-reduces whole buckets (`mode` all-reduce) or
+    /// reduce-scatters them, its buckets laid out by `rows` (see [`RowSplit`]) when given:
+    /// all-reduce then keep this rank's rows (ZeRO-1) or reduce-scatter them (ZeRO-2).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         group: Group,
+        device: Device,
         numels: &[usize],
         order: &[usize],
         bucket_elems: usize,
@@ -290,29 +352,22 @@ impl Reducer {
             }
             RowLayout { split, cuts }
         });
-        let chunk_offsets = chunks
-            .iter()
-            .scan(0, |acc, &c| {
-                let o = *acc;
-                *acc += c;
-                Some(o)
-            })
-            .collect();
-        // Buffers are allocated at a bucket's first gradient of the step and freed once its
-        // sums are handed over, so between steps the reducer holds nothing.
+        let none = |n: usize| (0..n).map(|_| Mutex::new(None)).collect::<Vec<_>>();
         let shared = Arc::new(Shared {
             group,
+            device,
             rows,
             mode,
             wire,
-            chunk_offsets,
-            shard: Mutex::new(vec![]),
             held: Mutex::new((0, 0)),
             numels: numels.to_vec(),
-            data: buckets.iter().map(|_| Mutex::new(vec![])).collect(),
+            grads: none(numels.len()),
+            reduced: none(buckets.len()),
+            shard: none(buckets.len()),
             chunks,
             state: Mutex::new(State {
                 buffers: 0,
+                open: vec![false; buckets.len()],
                 arrivals: vec![],
                 launch: false,
                 last: false,
@@ -351,12 +406,8 @@ impl Reducer {
         let (b, at) = s.location[param];
         let (chunk_rows, _) = rows.cuts[param];
         let row_len = rows.split.shapes[param].1;
-        Some((s.chunk_offsets[b] + at, chunk_rows * row_len))
-    }
-
-    /// Elements of this rank's gradient shard (reduce-scatter mode).
-    pub(crate) fn shard_len(&self) -> usize {
-        self.shared.chunks.iter().sum()
+        let chunk_offset: usize = s.chunks[..b].iter().sum();
+        Some((chunk_offset + at, chunk_rows * row_len))
     }
 
     /// Parameters in the order their gradients arrived in the last micro-batch.
@@ -369,18 +420,19 @@ impl Reducer {
         *lock(&self.shared.held)
     }
 
-    /// Starts a step: zeroes the buffers; the worker waits for the first bucket.
+    /// Starts a step: drops whatever a failed step left; the worker waits for the first
+    /// bucket.
     pub(crate) fn begin_step(&self) {
-        for d in &self.shared.data {
-            lock(d).iter_mut().for_each(|x| *x = 0.0);
+        let s = &self.shared;
+        for slot in s.grads.iter().chain(&s.reduced).chain(&s.shard) {
+            lock(slot).take();
         }
-        {
-            let mut held = lock(&self.shared.held);
-            held.1 = held.0;
-        }
-        let mut st = lock(&self.shared.state);
+        *lock(&s.held) = (0, 0);
+        let mut st = lock(&s.state);
         st.next = 0;
         st.ready.iter_mut().for_each(|r| *r = false);
+        st.open.iter_mut().for_each(|o| *o = false);
+        st.buffers = 0;
         st.spans.clear();
         st.error = None;
     }
@@ -419,16 +471,21 @@ impl Reducer {
         lock(&self.shared.state).last
     }
 
-    /// Adds a gradient of parameter `param` into its bucket and marks it final for this
-    /// micro-batch.
-    pub(crate) fn add(&self, param: usize, values: &[f32]) {
-        self.shared.add(param, values);
+    /// Adds a gradient of parameter `param` (flat, on the reducer's device) into its bucket
+    /// and marks it final for this micro-batch.
+    pub(crate) fn add(&self, param: usize, grad: Tensor<1>) {
+        self.shared.add(param, grad);
+    }
+
+    /// Marks parameter `param` final for this micro-batch without a gradient.
+    pub(crate) fn mark_absent(&self, param: usize) {
+        self.shared.mark_absent(param);
     }
 
     /// A callback for gradient hooks: adds the gradient of parameter `param` during backward.
     pub(crate) fn callback(&self, param: usize) -> GradCallback {
         let shared = self.shared.clone();
-        GradCallback(Arc::new(move |values: &[f32]| shared.add(param, values)))
+        GradCallback(Arc::new(move |grad: Tensor<1>| shared.add(param, grad)))
     }
 
     /// Which parameters have reported this micro-batch.
@@ -437,7 +494,7 @@ impl Reducer {
     }
 
     /// Waits until every bucket of the current micro-batch is reduced (reduce-scatter mode
-    /// adds chunks into the shard; the buffers may then be reused).
+    /// adds chunks into the shard).
     pub(crate) fn wait_reduced(&self) -> Result<Spans, CommError> {
         let mut st = lock(&self.shared.state);
         while st.next < self.shared.buckets.len() && st.error.is_none() {
@@ -456,63 +513,42 @@ impl Reducer {
     }
 
     /// Waits until every bucket is reduced and hands over this rank's gradient shard (chunk `r`
-    /// of every bucket, in bucket order). ZeRO modes only; their bucket buffers are freed.
-    pub(crate) fn wait_shard(&self) -> Result<(Vec<f32>, Spans), CommError> {
+    /// of every bucket, in bucket order). ZeRO modes only.
+    pub(crate) fn wait_shard(&self) -> Result<(Tensor<1>, Spans), CommError> {
+        assert_ne!(
+            self.shared.mode,
+            Mode::AllReduce,
+            "wait_shard needs a ZeRO reduction mode"
+        );
         let spans = self.wait_reduced()?;
         let s = &self.shared;
-        let shard = match s.mode {
-            Mode::ReduceScatter => std::mem::take(&mut *lock(&s.shard)),
-            Mode::AllReduceShard => {
-                let rank = s.chunk_rank_size().0;
-                // Filled bucket by bucket while each bucket is freed: the peak stays near one
-                // whole gradient, not a gradient plus a shard.
-                let mut shard = Vec::with_capacity(self.shard_len());
-                for (b, data) in s.data.iter().enumerate() {
-                    let full = std::mem::take(&mut *lock(data));
-                    let c = s.chunks[b];
-                    let chunk = full.get(rank * c..(rank + 1) * c).unwrap_or(&[]);
-                    shard.extend_from_slice(chunk);
-                    shard.resize(s.chunk_offsets[b] + c, 0.0);
-                    s.hold(c * 4);
-                    s.release(full.len() * 4);
-                }
-                shard
-            }
-            Mode::AllReduce => panic!("wait_shard needs a ZeRO reduction mode"),
-        };
+        let chunks: Vec<Tensor<1>> = (s.shard.iter().zip(&s.chunks))
+            .map(|(slot, &c)| lock(slot).take().unwrap_or_else(|| s.zeros(c)))
+            .collect();
         // The shard now belongs to the caller, which accounts for it.
-        s.release(shard.len() * 4);
+        s.release(chunks.iter().map(bytes).sum());
+        let shard = match chunks.is_empty() {
+            true => s.zeros(0),
+            false => Tensor::cat(chunks, 0),
+        };
         Ok((shard, spans))
     }
 
-    /// Every parameter's reduced gradient, in layout order, each bucket freed as soon as its
-    /// last parameter is copied out (all-reduce modes, after [`Reducer::wait_reduced`]): the
-    /// peak stays near one gradient plus one bucket.
-    pub(crate) fn drain(&self) -> Vec<Vec<f32>> {
+    /// Every parameter's reduced gradient, in the reducer's numbering (all-reduce modes,
+    /// after [`Reducer::wait_reduced`]); the buckets are handed over with them.
+    pub(crate) fn drain(&self) -> Vec<Tensor<1>> {
         let s = &self.shared;
-        let last: Vec<usize> = s
-            .buckets
-            .iter()
-            .map(|b| b.params.iter().copied().max().unwrap_or(0))
-            .collect();
-        let mut out = Vec::with_capacity(s.numels.len());
-        for (p, &n) in s.numels.iter().enumerate() {
-            let (b, off) = s.location[p];
-            let mut data = lock(&s.data[b]);
-            let values = match data.get(off..off + n) {
-                Some(values) => values.to_vec(),
-                None => vec![0.0; n],
-            };
-            s.hold(n * 4);
-            if last[b] == p {
-                let freed = std::mem::take(&mut *data);
-                s.release(freed.len() * 4);
-            }
-            out.push(values);
-        }
-        // The copies now belong to the caller.
-        s.release(out.iter().map(|v| v.len() * 4).sum());
-        out
+        let sums: Vec<Option<Tensor<1>>> = s.reduced.iter().map(|slot| lock(slot).take()).collect();
+        s.release(sums.iter().flatten().map(bytes).sum());
+        (s.numels.iter().enumerate())
+            .map(|(p, &n)| {
+                let (b, offset) = s.location[p];
+                match &sums[b] {
+                    Some(sum) => part(sum, offset, n),
+                    None => s.zeros(n),
+                }
+            })
+            .collect()
     }
 }
 
@@ -556,43 +592,54 @@ fn worker_loop(shared: &Shared) {
     }
 }
 
-/// Reduces bucket `b`: in place (all-reduce), or into this rank's shard, freeing the buffer
-/// (reduce-scatter).
+/// Reduces bucket `b` in the wire dtype: whole (all-reduce), or into this rank's chunk of the
+/// shard (all-reduce then shard, reduce-scatter).
 fn reduce_bucket(shared: &Shared, b: usize) -> Result<(), CommError> {
-    let mut data = lock(&shared.data[b]);
-    match shared.mode {
-        Mode::AllReduce | Mode::AllReduceShard => {
-            all_reduce_in(&shared.group, &mut data, shared.wire)
+    let bucket = shared.assemble(b);
+    let full = bytes(&bucket);
+    let wire = bucket.cast(shared.wire.float_dtype());
+    let chunk = match shared.mode {
+        Mode::AllReduce => {
+            let sum = shared.group.all_reduce_tensor(wire, ReduceOp::Sum)?;
+            *lock(&shared.reduced[b]) = Some(sum.cast(DType::F32));
+            return Ok(());
         }
-        Mode::ReduceScatter => {
-            let full = std::mem::take(&mut *data);
-            drop(data);
-            let mut chunk = vec![0.0f32; shared.chunks[b]];
-            match &shared.rows {
-                None => reduce_scatter_in(&shared.group, &full, &mut chunk, shared.wire)?,
-                Some(rows) => {
-                    reduce_scatter_in(&rows.split.group, &full, &mut chunk, shared.wire)?;
-                    if let Some(rest) = &rows.split.rest {
-                        all_reduce_in(rest, &mut chunk, shared.wire)?;
-                    }
+        Mode::AllReduceShard => {
+            let sum = shared.group.all_reduce_tensor(wire, ReduceOp::Sum)?;
+            let c = shared.chunks[b];
+            part(&sum, shared.chunk_rank_size().0 * c, c)
+        }
+        Mode::ReduceScatter => match &shared.rows {
+            None => shared.group.reduce_scatter_tensor(wire, 0, ReduceOp::Sum)?,
+            Some(rows) => {
+                let chunk = rows
+                    .split
+                    .group
+                    .reduce_scatter_tensor(wire, 0, ReduceOp::Sum)?;
+                match &rows.split.rest {
+                    Some(rest) => rest.all_reduce_tensor(chunk, ReduceOp::Sum)?,
+                    None => chunk,
                 }
             }
-            shared.release(full.len() * 4);
-            drop(full);
-            lock(&shared.state).buffers -= 1;
-            let at = shared.chunk_offsets[b];
-            let mut shard = lock(&shared.shard);
-            if shard.is_empty() {
-                let len: usize = shared.chunks.iter().sum();
-                shard.resize(len, 0.0);
-                shared.hold(len * 4);
-            }
-            for (acc, g) in shard[at..at + chunk.len()].iter_mut().zip(&chunk) {
-                *acc += g;
-            }
-            Ok(())
+        },
+    };
+    shared.release(full);
+    {
+        let mut st = lock(&shared.state);
+        if std::mem::replace(&mut st.open[b], false) {
+            st.buffers -= 1;
         }
     }
+    let chunk = chunk.cast(DType::F32);
+    let mut shard = lock(&shared.shard[b]);
+    *shard = Some(match shard.take() {
+        Some(sum) => sum + chunk,
+        None => {
+            shared.hold(bytes(&chunk));
+            chunk
+        }
+    });
+    Ok(())
 }
 
 impl Drop for Reducer {

@@ -17,7 +17,7 @@ use crate::error::ParallelError;
 use crate::moe::Moe;
 use crate::moe::SwiGlu;
 use crate::nn::Linear;
-use crate::params::{accumulate_grads, flatten_params};
+use crate::params::{accumulate_grads, flatten_params, zero_grads};
 use burn::module::{Module, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Gradients;
@@ -256,7 +256,12 @@ impl Replicas {
                 .or_insert_with(|| vec![0.0; len * copies.len()]);
             for (i, copy) in copies.iter().enumerate() {
                 let g = GradientsParams::from_module(grads, copy);
-                accumulate_grads(copy, &g, &mut sum[i * len..(i + 1) * len], &[]);
+                let device = copy.w_gate.weight.val().device().inner();
+                let (flat, _) = accumulate_grads(copy, &g, zero_grads(copy, &device), &[]);
+                // The copies' sums are kept on the host (their all-reduce is a host one).
+                let values = crate::params::to_f32(flat);
+                let part = &mut sum[i * len..(i + 1) * len];
+                part.iter_mut().zip(values).for_each(|(acc, g)| *acc += g);
             }
         }
     }

@@ -138,6 +138,15 @@ pub struct Parallelized {
     last_reduction: std::sync::Mutex<ReductionReport>,
 }
 
+/// Where `model`'s gradients live: its parameters' device outside autodiff (the rank's for a
+/// model without parameters).
+pub(crate) fn grad_device<M: Module>(model: &M, ctx: &RankContext) -> burn::tensor::Device {
+    match model.devices().into_iter().next() {
+        Some(device) => device.inner(),
+        None => ctx.device().clone(),
+    }
+}
+
 /// Applies `plan` to `model` on this rank: the whole model as world rank 0 holds it
 /// (collective: every rank calls it with a model of the same structure), then each
 /// `tensor_parallel` layer cut to this rank's columns or rows over `tp`, then each
@@ -252,6 +261,7 @@ pub fn parallelize<M: Module>(
     let units = FullyShardedUnits::new(plan, &layout, held_shards, units, comm);
     let buckets = BucketedReduction::new(
         ctx,
+        grad_device(&model, ctx),
         &placements.entries_of(&model)?,
         &absent.held,
         stages.as_ref().and_then(Stages::tie_group),

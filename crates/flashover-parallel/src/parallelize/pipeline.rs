@@ -292,7 +292,7 @@ impl Stages {
         head: &HeadLoss<'_, M, D>,
         loss_scale: Option<f32>,
         hooks: Option<&BucketedReduction>,
-    ) -> Result<(Vec<f32>, [f32; 2], PipelineStepReport), ParallelError>
+    ) -> Result<(Tensor<1>, [f32; 2], PipelineStepReport), ParallelError>
     where
         M: PipelineModel<D> + Sync + 'static,
     {
@@ -386,10 +386,9 @@ impl Stages {
                     .into(),
             ));
         }
-        let mut flat = vec![0.0; ParamLayout::of(model).numel];
-        for chunk in &flats {
-            flat.iter_mut().zip(chunk).for_each(|(sum, g)| *sum += g);
-        }
+        let flat = (flats.into_iter())
+            .reduce(|sum, chunk| sum + chunk)
+            .expect("a schedule has a chunk per rank");
         // The mean loss (the last stage's) and the mean of every stage's auxiliary losses.
         let mut losses = [report.loss_sum, report.aux_loss_sum].map(|l| l as f32 / m as f32);
         if self.pp.size() > 1 {

@@ -41,16 +41,16 @@ pub struct PipelineStep {
     /// [`Parallelized::pipeline_gradients`], which does not reduce).
     pub reduction: ReductionReport,
     /// Under the plan's `gradient_buckets.rows` (ZeRO-1/2): this rank's rows of the reduced,
-    /// clipped gradients, laid out as [`Parallelized::gradient_rows`] says (`grads` is then
-    /// empty); empty otherwise.
-    pub rows: Vec<f32>,
+    /// clipped gradients on the device, laid out as [`Parallelized::gradient_rows`] says
+    /// (`grads` is then empty); empty otherwise, and on a skipped step.
+    pub rows: Tensor<1>,
 }
 
 /// What one run of a rank's pipeline stages computed.
 struct StagesRun {
-    /// This rank's gradients in the model's layout, not yet reduced: sums over the
-    /// micro-batches of the scaled losses' gradients (zero where hooks took them).
-    flat: Vec<f32>,
+    /// This rank's gradients in the model's layout on the device, not yet reduced: sums over
+    /// the micro-batches of the scaled losses' gradients (zero where hooks took them).
+    flat: Tensor<1>,
     /// What `flat` is divided by to make it the unscaled mean over micro-batches.
     divisor: f32,
     /// The share's mean loss and auxiliary loss (the same on every rank of `pp`).
@@ -141,12 +141,12 @@ impl Parallelized {
         M: PipelineModel<D> + Sync + 'static,
     {
         let loss_scale = self.loss_scale();
-        let mut run =
-            self.run_stages(model, 0..samples, micro_batch, head, loss_scale, None, ctx)?;
-        run.flat.iter_mut().for_each(|g| *g /= run.divisor);
+        let run = self.run_stages(model, 0..samples, micro_batch, head, loss_scale, None, ctx)?;
+        let flat = run.flat.div_scalar(run.divisor);
         let [loss, aux_loss] = run.losses;
         Ok(PipelineStep {
-            grads: grads_from_flat(model, &run.flat),
+            grads: grads_from_flat(model, &flat),
+            rows: Tensor::zeros([0], &flat.device()),
             loss,
             aux_loss,
             norm: f32::NAN,
@@ -155,7 +155,6 @@ impl Parallelized {
             loss_scale,
             skipped: false,
             reduction: ReductionReport::default(),
-            rows: vec![],
         })
     }
 
@@ -179,10 +178,10 @@ impl Parallelized {
         let stages = self.pipeline_stages()?;
         let device = step_device(model, ctx);
         let before = stages.recomputed();
-        let (mut flat, losses, report) =
+        let (flat, losses, report) =
             stages.step(model, share, &device, micro_batch, head, loss_scale, hooks)?;
         // The stages' gradients and the copies' are both sums of the scaled losses'.
-        self.fold_hot_experts(model, &mut flat, 1.0)?;
+        let flat = self.fold_hot_experts(model, flat, 1.0)?;
         let micro_batches = stages.schedule.micro_batches as f32;
         Ok(StagesRun {
             flat,
@@ -193,20 +192,22 @@ impl Parallelized {
         })
     }
 
-    /// Adds the step's hot-expert copies' gradients, summed over `ep` and times `scale`, to
-    /// the experts this rank owns in `flat` (`model`'s layout), under `replicate_hot_experts`
-    /// (collective over `ep`).
+    /// `flat` (`model`'s layout) with the step's hot-expert copies' gradients, summed over
+    /// `ep` and times `scale`, added to the experts this rank owns, under
+    /// `replicate_hot_experts` (collective over `ep`).
     pub(super) fn fold_hot_experts<M: Module>(
         &self,
         model: &M,
-        flat: &mut [f32],
+        flat: Tensor<1>,
         scale: f32,
-    ) -> Result<(), ParallelError> {
-        if let Some((replicas, ep)) = &self.hot_experts {
-            let folded = replicas.fold(ep, scale)?;
-            accumulate_grads(model, &folded, flat, &[]);
+    ) -> Result<Tensor<1>, ParallelError> {
+        match &self.hot_experts {
+            Some((replicas, ep)) => {
+                let folded = replicas.fold(ep, scale)?;
+                Ok(accumulate_grads(model, &folded, flat, &[]).0)
+            }
+            None => Ok(flat),
         }
-        Ok(())
     }
 
     /// The plan's pipeline stages, or why there are none.

@@ -6,18 +6,19 @@ use super::Parallelized;
 use crate::clip_scale;
 use crate::data_parallel::{GradientRowLayout, ReductionReport, ReductionTiming};
 use crate::error::ParallelError;
-use crate::params::{ParamLayout, accumulate_grads, grads_from_flat};
+use crate::params::{accumulate_grads, grads_from_flat, part, zero_grads};
 use crate::placement::global_grad_norm;
 use burn::module::Module;
 use burn::optim::GradientsParams;
-use burn::tensor::Gradients;
+use burn::tensor::{Gradients, Tensor};
 use flashover_runtime::RankContext;
 
 /// A step's gradients after the reduction.
 pub(super) struct Reduced {
     pub(super) grads: GradientsParams,
-    /// Under gradient rows: this rank's rows (and `grads` empty).
-    pub(super) rows: Vec<f32>,
+    /// Under gradient rows: this rank's rows (and `grads` empty); empty otherwise, and on a
+    /// step that does not apply.
+    pub(super) rows: Tensor<1>,
     /// The global norm before clipping.
     pub(super) norm: f32,
     /// Whether the step applies (false: a scaled gradient overflowed).
@@ -79,7 +80,7 @@ impl Parallelized {
         backward: Gradients,
         max_norm: Option<f32>,
         ctx: &RankContext,
-    ) -> Result<(Vec<f32>, f32), ParallelError> {
+    ) -> Result<(Tensor<1>, f32), ParallelError> {
         let grads = self.taken_gradients(model, backward)?;
         let reduced = self.reduce_taken(model, grads, max_norm, ctx, true)?;
         Ok((reduced.rows, reduced.norm))
@@ -135,11 +136,11 @@ impl Parallelized {
             false => self.precision.begin_reduction()?,
         };
         // Parameters without a gradient contribute zeros: every rank reduces the same layout.
-        let mut flat = vec![0.0; ParamLayout::of(model).numel];
-        accumulate_grads(model, &grads, &mut flat, &[]);
+        let device = super::grad_device(model, ctx);
+        let (mut flat, _) = accumulate_grads(model, &grads, zero_grads(model, &device), &[]);
         if !self.is_pipelined() {
             // The copies' gradients are summed like the model's (scaled alike under f16).
-            self.fold_hot_experts(model, &mut flat, 1.0)?;
+            flat = self.fold_hot_experts(model, flat, 1.0)?;
         }
         match (self.buckets.row_layout().is_some(), rows) {
             (true, false) => {
@@ -168,7 +169,7 @@ impl Parallelized {
         self.reduce_and_clip(model, flat, unscale.unwrap_or(1.0), max_norm, ctx)
     }
 
-    /// `flat` (this rank's gradients in `model`'s layout, not yet reduced: what hooks did not
+    /// `flat` (this rank's gradients in `model`'s layout on the device, not yet reduced: what hooks did not
     /// hand to the buckets of the step begun) summed over the ranks that hold the same values
     /// and read different samples, divided by `divisor` (micro-batches and loss scale) and by
     /// the data ranks, clipped by the global norm; with the norm before clipping. Under loss
@@ -177,7 +178,7 @@ impl Parallelized {
     pub(super) fn reduce_and_clip<M: Module>(
         &self,
         model: &M,
-        mut flat: Vec<f32>,
+        flat: Tensor<1>,
         divisor: f32,
         max_norm: Option<f32>,
         ctx: &RankContext,
@@ -188,11 +189,11 @@ impl Parallelized {
         let row_entries;
         let (mut values, entries, report) = match self.buckets.row_layout() {
             None => {
-                let report = self.buckets.finish(&mut flat)?;
+                let (flat, report) = self.buckets.finish(flat)?;
                 (flat, self.placements.entries_of(model)?, report)
             }
             Some(rows) => {
-                let (values, report) = self.buckets.finish_rows(&mut flat)?;
+                let (values, report) = self.buckets.finish_rows(flat)?;
                 row_entries = rows
                     .shards
                     .placed(&rows.layout, &self.placements, rows.axis, 0)?;
@@ -208,24 +209,24 @@ impl Parallelized {
         // DDP divides: the same bits as DDP's whatever the number of ranks.
         let denominator = divisor * self.averaged.size() as f32;
         if denominator != 1.0 {
-            values.iter_mut().for_each(|g| *g /= denominator);
+            values = values.div_scalar(denominator);
         }
-        let parts = entries
-            .iter()
-            .map(|(slot, entry)| (*entry, &values[slot.offset..slot.offset + slot.numel]));
+        let parts =
+            (entries.iter()).map(|(slot, entry)| (*entry, part(&values, slot.offset, slot.numel)));
         let norm = global_grad_norm(parts, ctx)?;
         let applied = self.precision.apply(norm);
         if applied && let Some(clip) = clip_scale(norm, max_norm)? {
-            values.iter_mut().for_each(|g| *g *= clip);
+            values = values.mul_scalar(clip);
         }
         *self
             .last_reduction
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = report.clone();
+        let empty = || Tensor::zeros([0], &values.device());
         let (grads, rows) = match (applied, self.buckets.row_layout()) {
-            (false, _) => (GradientsParams::new(), vec![]),
+            (false, _) => (GradientsParams::new(), empty()),
             (true, Some(_)) => (GradientsParams::new(), values),
-            (true, None) => (grads_from_flat(model, &values), vec![]),
+            (true, None) => (grads_from_flat(model, &values), empty()),
         };
         Ok(Reduced {
             grads,

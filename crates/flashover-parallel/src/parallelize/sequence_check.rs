@@ -5,11 +5,12 @@
 //! step compares them over `tp` and refuses, naming the parameter, where they do not.
 
 use crate::error::ParallelError;
-use crate::params::ParamSlot;
+use crate::params::{ParamSlot, part, to_f32};
 use crate::placement::{ParamPlacement, Placement};
 use burn::module::ParamId;
-use flashover_comm::{CommunicatorExt, Group, ReduceOp};
-use flashover_runtime::Axis;
+use burn::tensor::Tensor;
+use flashover_comm::{Group, ReduceOp};
+use flashover_runtime::{Axis, TensorCollectives};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -37,7 +38,7 @@ impl SequenceCheck {
     pub(super) fn first_step(
         &self,
         entries: &[(ParamSlot, &ParamPlacement)],
-        flat: &[f32],
+        flat: &Tensor<1>,
     ) -> Result<(), ParallelError> {
         if self.done.swap(true, Ordering::SeqCst) {
             return Ok(());
@@ -48,13 +49,18 @@ impl SequenceCheck {
                 entry.on(Axis::Tp) == Placement::Replicate && !self.partial.contains(&slot.id)
             })
             .collect();
-        let local: Vec<f32> = whole
-            .iter()
-            .flat_map(|(slot, _)| flat[slot.offset..slot.offset + slot.numel].iter().copied())
-            .collect();
-        let (mut max, mut min) = (local.clone(), local);
-        self.tp.all_reduce(&mut max, ReduceOp::Max)?;
-        self.tp.all_reduce(&mut min, ReduceOp::Min)?;
+        if whole.is_empty() {
+            return Ok(());
+        }
+        let local = Tensor::cat(
+            (whole.iter())
+                .map(|(slot, _)| part(flat, slot.offset, slot.numel))
+                .collect(),
+            0,
+        );
+        // The verdict is the host's: both extremes are read back once, on the first step.
+        let max = to_f32(self.tp.all_reduce_tensor(local.clone(), ReduceOp::Max)?);
+        let min = to_f32(self.tp.all_reduce_tensor(local, ReduceOp::Min)?);
         let mut at = 0;
         for (slot, _) in whole {
             let range = at..at + slot.numel;

@@ -212,7 +212,7 @@ impl<'a> PipelineExecutor<'a> {
         shape: [usize; D],
         device: &Device,
         forward: F,
-    ) -> Result<(Vec<Vec<f32>>, PipelineStepReport), ParallelError>
+    ) -> Result<(Vec<Tensor<1>>, PipelineStepReport), ParallelError>
     where
         M: Module,
         F: Fn(usize, &M, Option<Tensor<D>>, usize) -> StageOutput<D>,
@@ -227,7 +227,11 @@ impl<'a> PipelineExecutor<'a> {
             )));
         }
         let layouts: Vec<ParamLayout> = chunks.iter().map(ParamLayout::of).collect();
-        let mut flats: Vec<Vec<f32>> = layouts.iter().map(|l| vec![0.0; l.numel]).collect();
+        // Per chunk: its gradients summed over the micro-batches, on the device.
+        let grad_device = device.clone().inner();
+        let mut flats: Vec<Tensor<1>> = (layouts.iter())
+            .map(|l| Tensor::zeros([l.numel], &grad_device))
+            .collect();
         let offsets: Vec<HashMap<ParamId, usize>> = layouts
             .iter()
             .map(|l| l.slots.iter().map(|s| (s.id, s.offset)).collect())
@@ -361,7 +365,9 @@ impl<'a> PipelineExecutor<'a> {
                         grads_in.insert(key, gx);
                     }
                     let params = GradientsParams::from_grads(grads, &chunks[a.chunk]);
-                    accumulate_grads(&chunks[a.chunk], &params, &mut flats[a.chunk], &[]);
+                    let flat =
+                        std::mem::replace(&mut flats[a.chunk], Tensor::empty([0], &grad_device));
+                    flats[a.chunk] = accumulate_grads(&chunks[a.chunk], &params, flat, &[]).0;
                     if let Some(sink) = self.backward_sink {
                         sink.end_backward()?;
                     }
@@ -404,19 +410,18 @@ impl<'a> PipelineExecutor<'a> {
         );
         if !self.sums {
             let m = s.micro_batches as f32 * self.loss_scale;
-            for flat in &mut flats {
-                flat.iter_mut().for_each(|g| *g /= m);
-            }
+            flats = flats.into_iter().map(|flat| flat.div_scalar(m)).collect();
         }
         Ok((flats, report))
     }
 }
 
-/// Computes deferred weight gradients and adds each at its parameter's offset in `flat`.
+/// Computes deferred weight gradients and adds each at its parameter's offset in `flat` (on
+/// the device).
 fn add_weight_grads(
     pending: Vec<DeferredWeightGrad>,
     offsets: &HashMap<ParamId, usize>,
-    flat: &mut [f32],
+    flat: &mut Tensor<1>,
 ) -> Result<(), ParallelError> {
     for grad in pending {
         let offset = *offsets.get(&grad.param).ok_or_else(|| {
@@ -425,10 +430,17 @@ fn add_weight_grads(
                 grad.param
             ))
         })?;
-        let values = crate::params::to_f32(grad.compute());
-        for (acc, g) in flat[offset..offset + values.len()].iter_mut().zip(values) {
-            *acc += g;
-        }
+        let g = grad.compute();
+        let numel = g.shape().num_elements();
+        let range = offset..offset + numel;
+        // Computed in the layer's compute dtype; summed in f32 with the rest.
+        let g = g
+            .reshape([numel])
+            .cast(DType::F32)
+            .to_device(&flat.device());
+        let sum = flat.clone().slice(range.clone()) + g;
+        let whole = std::mem::replace(flat, Tensor::empty([0], &sum.device()));
+        *flat = whole.slice_assign(range, sum);
     }
     Ok(())
 }

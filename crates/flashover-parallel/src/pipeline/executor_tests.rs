@@ -183,7 +183,8 @@ fn pipelined(
         );
         // Every layer's gradient, averaged over data-parallel replicas.
         let mut per_layer = vec![];
-        for (c, mut flat) in flats.into_iter().enumerate() {
+        for (c, flat) in flats.into_iter().enumerate() {
+            let mut flat = crate::params::to_f32(flat);
             dp.all_reduce(&mut flat, ReduceOp::Avg)?;
             let first = stage_layers(schedule.stage_of(pp.rank(), c), stages).start;
             for (i, w) in flat.chunks(36).enumerate() {

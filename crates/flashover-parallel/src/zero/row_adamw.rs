@@ -10,10 +10,11 @@ use crate::data_parallel::GradientRowLayout;
 use crate::error::ParallelError;
 use crate::flat_adamw::{FlatAdamW, FlatAdamWConfig};
 use crate::parallelize::Parallelized;
-use crate::params::{ParamLayout, ParamSlot, flatten_params, load_shaped, placeholders};
+use crate::params::{ParamLayout, ParamSlot, flatten_params, load_shaped, placeholders, to_f32};
 use crate::placement::{ParamPlacement, PlacementTable};
 use crate::zero::UnitShards;
 use burn::module::Module;
+use burn::tensor::Tensor;
 use flashover_comm::Group;
 use flashover_runtime::{Axis, RankContext};
 
@@ -28,7 +29,8 @@ use flashover_runtime::{Axis, RankContext};
 /// model = optim.for_step(model)?;
 /// let loss = par.forward(&model, |m| loss_of(m, &batch))?;
 /// let (rows, norm) = par.row_gradients(&model, par.backward(loss), Some(1.0), &ctx)?;
-/// model = optim.step(lr, model, &rows, !rows.is_empty())?;
+/// let update = rows.dims()[0] > 0; // empty on a step whose scaled gradients overflowed
+/// model = optim.step(lr, model, rows, update)?;
 /// // a pipelined plan: `par.pipeline_step(..)?`, its rows in `PipelineStep::rows`
 /// ```
 pub struct RowAdamW {
@@ -100,28 +102,29 @@ impl RowAdamW {
         })
     }
 
-    /// AdamW on this rank's rows from `grads` (its rows of the reduced gradients, as the plan
-    /// lays them out) when `update` (not on a step whose scaled gradients overflowed: its
-    /// `grads` are then empty and left unread), then
+    /// AdamW on this rank's rows from `grads` (its rows of the reduced gradients on the
+    /// device, as the plan lays them out; stepped on host copies, read here) when `update`
+    /// (not on a step whose scaled gradients overflowed: its `grads` are then empty and left
+    /// unread), then
     /// `model` as it is kept between steps: the updated rows gathered back into it
     /// (collective), or its structure only.
     pub fn step<M: Module>(
         &mut self,
         lr: f64,
         model: M,
-        grads: &[f32],
+        grads: Tensor<1>,
         update: bool,
     ) -> Result<M, ParallelError> {
-        if update && grads.len() != self.own.len() {
+        if update && grads.dims()[0] != self.own.len() {
             return Err(ParallelError::Invalid(format!(
                 "RowAdamW: {} gradient rows for {} parameter rows (the plan's gradient_rows and \
                  this optimizer must come from the same parallelize)",
-                grads.len(),
+                grads.dims()[0],
                 self.own.len()
             )));
         }
         if update {
-            self.adam.step(lr, &mut self.own, grads);
+            self.adam.step(lr, &mut self.own, &to_f32(grads));
         }
         match self.keep_params {
             true => self.gathered(model),

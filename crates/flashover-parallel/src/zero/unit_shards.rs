@@ -15,7 +15,6 @@
 use crate::error::ParallelError;
 use crate::params::{ParamLayout, ParamSlot};
 use crate::placement::{ParamPlacement, Placement, PlacementTable};
-use crate::precision::{Precision, reduce_scatter_in};
 use flashover_comm::{CommunicatorExt, Group};
 use flashover_runtime::Axis;
 
@@ -130,19 +129,6 @@ impl UnitShards {
             }
         }
         flat
-    }
-
-    /// This rank's shard of the sum over `group` of every rank's `full` (parameter-major: the
-    /// parameters' gradient), summed in `dtype`.
-    pub fn reduce_scatter(
-        &self,
-        group: &Group,
-        full: &[f32],
-        dtype: Precision,
-    ) -> Result<Vec<f32>, ParallelError> {
-        let mut own = vec![0.0; self.shard];
-        reduce_scatter_in(group, &self.rank_major(full), &mut own, dtype)?;
-        Ok(own)
     }
 
     /// The unit's parameters (parameter-major) from every rank of `group`'s shard `own`.

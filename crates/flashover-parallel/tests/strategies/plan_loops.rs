@@ -7,8 +7,11 @@ use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Tensor};
 use flashover_parallel::ParallelError;
+use flashover_parallel::clip_global_norm;
 use flashover_parallel::parallelize::{ParallelizePlan, Parallelized, parallelize};
-use flashover_parallel::params::{ParamLayout, accumulate_grads, flatten_params, grads_from_flat};
+use flashover_parallel::params::{
+    ParamLayout, accumulate_grads, flatten_params, grads_from_flat, zero_grads,
+};
 use flashover_runtime::{Launch, RankContext};
 
 pub(crate) const GLOBAL_BATCH: usize = 8;
@@ -32,14 +35,10 @@ pub(crate) fn reference_loop<M: Module>(
         let loss = loss(&mut model, step * GLOBAL_BATCH..(step + 1) * GLOBAL_BATCH);
         losses.push(loss.clone().into_scalar::<f32>());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
-        let mut flat = vec![0.0; ParamLayout::of(&model).numel];
-        accumulate_grads(&model, &grads, &mut flat, &[]);
-        let norm = flat.iter().map(|g| (*g as f64).powi(2)).sum::<f64>().sqrt() as f32;
+        let device = model.devices()[0].clone().inner();
+        let (flat, _) = accumulate_grads(&model, &grads, zero_grads(&model, &device), &[]);
+        let (flat, norm) = clip_global_norm(flat, Some(MAX_NORM)).expect("one device");
         norms.push(norm);
-        if norm > MAX_NORM {
-            let by = MAX_NORM / (norm + 1e-6);
-            flat.iter_mut().for_each(|g| *g *= by);
-        }
         let grads = grads_from_flat(&model, &flat);
         model = optim.step(LR, model, grads);
     }

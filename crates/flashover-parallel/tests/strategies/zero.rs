@@ -145,7 +145,7 @@ fn try_train(
                         let (mean, total) = mean_loss(&net, step);
                         losses.push(mean);
                         let (rows, _) = par.row_gradients(&net, total.backward(), clip, &ctx)?;
-                        net = optim.step(LR, net, &rows, true)?;
+                        net = optim.step(LR, net, rows, true)?;
                     }
                     flatten_params(&net)
                 }
@@ -260,8 +260,9 @@ fn zero_shards_optimizer_state_and_gradients() {
             let mut optim = RowAdamW::new(&par, &net, &adamw(), true, &ctx)?;
             let l = loss(net.forward(batch(0, dp.rank(), 3, 0, 1, &device)));
             let (rows, _) = par.row_gradients(&net, l.backward(), None, &ctx)?;
-            let _ = optim.step(LR, net, &rows, true)?;
-            seen.push((optim.held_elements(), rows.len()));
+            let rows_len = rows.dims()[0];
+            let _ = optim.step(LR, net, rows, true)?;
+            seen.push((optim.held_elements(), rows_len));
         }
         Ok::<_, ParallelError>(seen)
     })
