@@ -190,6 +190,23 @@ impl FlatAdamW {
     }
 }
 
+impl FlatAdamW {
+    /// One step of `params` with `grads` (flat f32 tensors of this optimizer's length on one
+    /// device); returns the updated parameters. Where the strategies use the kernels
+    /// (`flashover_kernels::uses_kernels`) the fused kernel steps them there
+    /// ([`Self::step_on_device`]); elsewhere (a CPU, where host loops measured faster) the
+    /// host loop runs on their values, read and written back as flat vectors.
+    pub fn step_tensor(&mut self, lr: f64, params: Tensor<1>, grads: Tensor<1>) -> Tensor<1> {
+        let device = params.device();
+        if flashover_kernels::uses_kernels(&device) {
+            return self.step_on_device(lr, params, grads);
+        }
+        let mut values = crate::params::to_f32(params);
+        self.step(lr, &mut values, &crate::params::to_f32(grads));
+        crate::params::upload(&values, &device)
+    }
+}
+
 /// One step's constants.
 struct Kernel {
     b1: f32,

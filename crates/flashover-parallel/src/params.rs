@@ -235,6 +235,15 @@ pub fn load_packed<M: Module>(module: M, flat: Tensor<1>) -> M {
     })
 }
 
+/// Every float parameter's values laid end to end in layout order, as one f32 tensor on their
+/// device outside any graph (no host copy); `None` for a module without parameters.
+pub fn params_on_device<M: Module>(module: &M) -> Option<Tensor<1>> {
+    let parts: Vec<Tensor<1>> = (flat_params(module).into_iter())
+        .map(|p| p.cast(DType::F32))
+        .collect();
+    (!parts.is_empty()).then(|| Tensor::cat(parts, 0))
+}
+
 /// Every float parameter's values, concatenated in layout order.
 pub fn flatten_params<M: Module>(module: &M) -> Vec<f32> {
     read_concatenated(flat_params(module))
@@ -415,10 +424,11 @@ pub fn placeholders_except<M: Module>(model: M, held: &[bool]) -> M {
 }
 
 /// `module` (for example from [`placeholders`]) with every float parameter set to its values in
-/// `flat`, shaped as `layout` (the full module's) says; ids, devices and `require_grad` kept.
-pub fn load_shaped<M: Module>(module: M, layout: &ParamLayout, flat: &[f32]) -> M {
+/// `flat` (on the parameters' device, f32), shaped as `layout` (the full module's) says; ids,
+/// autodiff context and `require_grad` kept.
+pub fn load_shaped<M: Module>(module: M, layout: &ParamLayout, flat: &Tensor<1>) -> M {
     struct Mapper<'a> {
-        flat: &'a [f32],
+        flat: &'a Tensor<1>,
         layout: &'a ParamLayout,
         index: usize,
     }
@@ -426,11 +436,11 @@ pub fn load_shaped<M: Module>(module: M, layout: &ParamLayout, flat: &[f32]) -> 
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let slot = &self.layout.slots[self.index];
             self.index += 1;
-            let values = self.flat[slot.offset..slot.offset + slot.numel].to_vec();
+            let dims: [usize; D] = slot.shape.clone().try_into().expect("the layout's rank");
+            let piece = part(self.flat, slot.offset, slot.numel).reshape(dims);
             param.map(|t| {
-                let data = TensorData::new(values, slot.shape.clone());
                 let require_grad = t.is_require_grad();
-                uploaded(data, &t.device()).set_require_grad(require_grad)
+                in_context_of(piece, &t).set_require_grad(require_grad)
             })
         }
     }

@@ -475,7 +475,7 @@ fn rows_state(
     let replicas = replica_index(ctx, &sharing);
     let entries = rows.placed(placements)?;
     let segments = placed_segments(&borrowed(&entries), 0, &|a| ctx.coord(a), &sharing);
-    let state = with_moments(rows.rows().to_vec(), segments, rows.adam());
+    let state = with_moments(rows.rows(), segments, rows.adam());
     Ok((state, replicas, replicas))
 }
 

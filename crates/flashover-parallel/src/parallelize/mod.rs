@@ -71,6 +71,7 @@ use crate::data_parallel::{BucketedReduction, ReductionReport};
 use crate::error::ParallelError;
 use crate::params::{
     ParamLayout, ParamSlot, broadcast_module, flatten_params, load_shaped, placeholders_except,
+    upload,
 };
 use crate::placement::{ParamPlacement, Placement, PlacementTable};
 use crate::zero::ShardGroup;
@@ -433,7 +434,10 @@ impl Parallelized {
         };
         let local = ParamLayout::of(&model);
         let values = sum_counted(whole, &flatten_params(&model), &local, counted, group)?;
-        Ok(load_shaped(model, whole, &values))
+        let Some(device) = model.devices().into_iter().next() else {
+            return Ok(model);
+        };
+        Ok(load_shaped(model, whole, &upload(&values, &device.inner())))
     }
 
     /// `f(model)`, the model's forward, with the plan's fully sharded units gathered a unit at

@@ -10,13 +10,15 @@ use crate::data_parallel::GradientRowLayout;
 use crate::error::ParallelError;
 use crate::flat_adamw::{FlatAdamW, FlatAdamWConfig};
 use crate::parallelize::Parallelized;
-use crate::params::{ParamLayout, ParamSlot, flatten_params, load_shaped, placeholders, to_f32};
+use crate::params::{
+    ParamLayout, ParamSlot, load_shaped, params_on_device, part, placeholders, to_f32, upload,
+};
 use crate::placement::{ParamPlacement, PlacementTable};
 use crate::zero::UnitShards;
 use burn::module::Module;
-use burn::tensor::Tensor;
+use burn::tensor::{Device, Tensor};
 use flashover_comm::Group;
-use flashover_runtime::{Axis, RankContext};
+use flashover_runtime::{Axis, RankContext, TensorCollectives};
 
 /// AdamW on this rank's rows; see the module docs.
 ///
@@ -45,8 +47,8 @@ pub struct RowAdamW {
     /// The model's whole layout (other ranks' parameters as placeholders): what the gathered
     /// rows are loaded back into.
     shaped: ParamLayout,
-    /// This rank's rows of every held parameter.
-    own: Vec<f32>,
+    /// This rank's rows of every held parameter, on the parameters' device.
+    own: Tensor<1>,
     adam: FlatAdamW,
     /// The model keeps its parameters between steps (ZeRO-1/2); otherwise only its rows.
     keep_params: bool,
@@ -77,16 +79,17 @@ impl RowAdamW {
             )
         })?;
         let shaped = ParamLayout::of(model);
-        let flat = flatten_params(model);
+        let device = crate::parallelize::grad_device(model, ctx);
+        let flat = params_on_device(model).unwrap_or_else(|| Tensor::zeros([0], &device));
         let held: Vec<(usize, usize)> = par
             .held_entries(model)?
             .iter()
             .map(|(slot, _)| (slot.offset, slot.numel))
             .collect();
-        let values: Vec<f32> = held
-            .iter()
-            .flat_map(|&(offset, len)| flat[offset..offset + len].iter().copied())
-            .collect();
+        let values = match held.is_empty() {
+            true => Tensor::zeros([0], &device),
+            false => Tensor::cat(held.iter().map(|&(o, n)| part(&flat, o, n)).collect(), 0),
+        };
         let group = ctx.group(*axis).clone();
         let own = shards.take(group.rank(), &values);
         Ok(RowAdamW {
@@ -115,16 +118,17 @@ impl RowAdamW {
         grads: Tensor<1>,
         update: bool,
     ) -> Result<M, ParallelError> {
-        if update && grads.dims()[0] != self.own.len() {
+        if update && grads.dims()[0] != self.own.dims()[0] {
             return Err(ParallelError::Invalid(format!(
                 "RowAdamW: {} gradient rows for {} parameter rows (the plan's gradient_rows and \
                  this optimizer must come from the same parallelize)",
                 grads.dims()[0],
-                self.own.len()
+                self.own.dims()[0]
             )));
         }
         if update {
-            self.adam.step(lr, &mut self.own, &to_f32(grads));
+            let own = std::mem::replace(&mut self.own, Tensor::zeros([0], &grads.device()));
+            self.own = self.adam.step_tensor(lr, own, grads);
         }
         match self.keep_params {
             true => self.gathered(model),
@@ -152,13 +156,26 @@ impl RowAdamW {
     /// `model` with the parameters this rank holds gathered from every rank's rows
     /// (collective), the others left as the plan left them.
     fn gathered<M: Module>(&self, model: M) -> Result<M, ParallelError> {
-        let values = self.shards.all_gather(&self.group, &self.own)?;
-        let mut flat = vec![0.0; self.shaped.numel];
-        let mut at = 0;
+        let gathered = self.group.all_gather_tensor(self.own.clone(), 0)?;
+        let values = self.shards.assemble(gathered);
+        // The model's layout: the held parameters' values, zeros for the placeholders between.
+        let device = values.device();
+        let zeros = |n: usize| Tensor::zeros([n], &device);
+        let (mut pieces, mut end, mut at) = (vec![], 0, 0);
         for &(offset, len) in &self.held {
-            flat[offset..offset + len].copy_from_slice(&values[at..at + len]);
-            at += len;
+            if offset > end {
+                pieces.push(zeros(offset - end));
+            }
+            pieces.push(part(&values, at, len));
+            (at, end) = (at + len, offset + len);
         }
+        if self.shaped.numel > end {
+            pieces.push(zeros(self.shaped.numel - end));
+        }
+        let flat = match pieces.is_empty() {
+            true => zeros(0),
+            false => Tensor::cat(pieces, 0),
+        };
         Ok(load_shaped(model, &self.shaped, &flat))
     }
 
@@ -167,9 +184,10 @@ impl RowAdamW {
         self.axis
     }
 
-    /// This rank's rows (padding included), laid out as the plan's gradient rows.
-    pub fn rows(&self) -> &[f32] {
-        &self.own
+    /// This rank's rows (padding included), laid out as the plan's gradient rows, read to the
+    /// host (a checkpoint's).
+    pub fn rows(&self) -> Vec<f32> {
+        to_f32(self.own.clone())
     }
 
     /// The AdamW state of the rows.
@@ -200,7 +218,8 @@ impl RowAdamW {
         self.adam
             .restore(steps_taken, m1, m2)
             .map_err(ParallelError::Invalid)?;
-        self.own = rows;
+        let device: Device = self.own.device();
+        self.own = upload(&rows, &device);
         match self.keep_params {
             true => self.gathered(model),
             false => Ok(model),
@@ -210,8 +229,8 @@ impl RowAdamW {
     /// Elements this rank keeps between steps: (parameters, gradients and each moment).
     pub fn held_elements(&self) -> (usize, usize) {
         match self.keep_params {
-            true => (self.layout.numel, self.own.len()),
-            false => (self.own.len(), self.own.len()),
+            true => (self.layout.numel, self.own.dims()[0]),
+            false => (self.own.dims()[0], self.own.dims()[0]),
         }
     }
 

@@ -13,9 +13,9 @@
 //! [`UnitShards::rank_major`] lays a gradient out the other way for the reduce-scatter.
 
 use crate::error::ParallelError;
-use crate::params::{ParamLayout, ParamSlot};
+use crate::params::{ParamLayout, ParamSlot, part};
 use crate::placement::{ParamPlacement, Placement, PlacementTable};
-use flashover_comm::{CommunicatorExt, Group};
+use burn::tensor::Tensor;
 use flashover_runtime::Axis;
 
 /// One parameter's cut.
@@ -98,42 +98,51 @@ impl UnitShards {
         self.cuts[i].at
     }
 
-    /// The real rows `rank` holds of parameter `i` (as a range of its first dimension).
-    fn real_rows(&self, cut: &Cut, rank: usize) -> std::ops::Range<usize> {
-        let start = (rank * cut.chunk).min(cut.rows);
-        start..(start + cut.chunk).min(cut.rows)
+    /// Parameter `cut`'s rows in `flat` (parameter-major), padded to whole chunks: one row of
+    /// `[size, chunk x row_len]` per rank.
+    fn chunks_of(&self, cut: &Cut, flat: &Tensor<1>) -> Tensor<2> {
+        let real = part(flat, cut.flat, cut.rows * cut.row_len);
+        let padded = self.size * cut.chunk * cut.row_len;
+        let rows = match padded - cut.rows * cut.row_len {
+            0 => real,
+            pad => Tensor::cat(vec![real, Tensor::zeros([pad], &flat.device())], 0),
+        };
+        rows.reshape([self.size, cut.chunk * cut.row_len])
     }
 
-    /// Rank `rank`'s shard of `flat` (the unit's parameters, parameter-major), padding zeroed.
-    pub fn take(&self, rank: usize, flat: &[f32]) -> Vec<f32> {
-        let mut shard = vec![0.0; self.shard];
-        for cut in &self.cuts {
-            let rows = self.real_rows(cut, rank);
-            let from = cut.flat + rows.start * cut.row_len;
-            let len = rows.len() * cut.row_len;
-            shard[cut.at..cut.at + len].copy_from_slice(&flat[from..from + len]);
+    /// Rank `rank`'s shard of `flat` (the unit's parameters, parameter-major, on the device),
+    /// padding zeroed.
+    pub fn take(&self, rank: usize, flat: &Tensor<1>) -> Tensor<1> {
+        let parts: Vec<Tensor<1>> = (self.cuts.iter())
+            .filter(|cut| cut.chunk * cut.row_len > 0)
+            .map(|cut| {
+                let len = cut.chunk * cut.row_len;
+                self.chunks_of(cut, flat).narrow(0, rank, 1).reshape([len])
+            })
+            .collect();
+        match parts.is_empty() {
+            true => Tensor::zeros([self.shard], &flat.device()),
+            false => Tensor::cat(parts, 0),
         }
-        shard
     }
 
     /// The unit's parameters, parameter-major, from `gathered` (every rank's shard in turn).
-    pub fn assemble(&self, gathered: &[f32]) -> Vec<f32> {
-        let mut flat = vec![0.0; self.numel];
-        for rank in 0..self.size {
-            let shard = &gathered[rank * self.shard..(rank + 1) * self.shard];
-            for cut in &self.cuts {
-                let rows = self.real_rows(cut, rank);
-                let to = cut.flat + rows.start * cut.row_len;
-                let len = rows.len() * cut.row_len;
-                flat[to..to + len].copy_from_slice(&shard[cut.at..cut.at + len]);
-            }
+    pub fn assemble(&self, gathered: Tensor<1>) -> Tensor<1> {
+        let device = gathered.device();
+        let by_rank = gathered.reshape([self.size, self.shard]);
+        let parts: Vec<Tensor<1>> = (self.cuts.iter())
+            .filter(|cut| cut.rows * cut.row_len > 0)
+            .map(|cut| {
+                let len = cut.chunk * cut.row_len;
+                let rows = by_rank.clone().narrow(1, cut.at, len);
+                rows.reshape([self.size * len])
+                    .narrow(0, 0, cut.rows * cut.row_len)
+            })
+            .collect();
+        match parts.is_empty() {
+            true => Tensor::zeros([self.numel], &device),
+            false => Tensor::cat(parts, 0),
         }
-        flat
-    }
-
-    /// The unit's parameters (parameter-major) from every rank of `group`'s shard `own`.
-    pub fn all_gather(&self, group: &Group, own: &[f32]) -> Result<Vec<f32>, ParallelError> {
-        Ok(self.assemble(&group.all_gather_vec(own)?))
     }
 
     /// A shard laid out by this cut (from `base` in a flat vector) as pieces of the parameters
@@ -174,12 +183,11 @@ impl UnitShards {
 
     /// `flat` (parameter-major, e.g. the parameters' gradient) laid out rank-major and padded,
     /// as a reduce-scatter over the group takes it.
-    pub fn rank_major(&self, flat: &[f32]) -> Vec<f32> {
-        let mut out = Vec::with_capacity(self.padded());
-        for rank in 0..self.size {
-            out.extend(self.take(rank, flat));
-        }
-        out
+    pub fn rank_major(&self, flat: &Tensor<1>) -> Tensor<1> {
+        Tensor::cat(
+            (0..self.size).map(|rank| self.take(rank, flat)).collect(),
+            0,
+        )
     }
 }
 
@@ -188,6 +196,7 @@ mod tests {
     use super::*;
     use crate::params::ParamSlot;
     use burn::module::ParamId;
+    use burn::tensor::Device;
 
     fn layout(shapes: &[&[usize]]) -> ParamLayout {
         let mut offset = 0;
@@ -212,25 +221,40 @@ mod tests {
         }
     }
 
+    fn values(t: Tensor<1>) -> Vec<f32> {
+        t.into_data().try_to_vec::<f32>().unwrap()
+    }
+
     #[test]
     fn each_rank_holds_rows_of_every_parameter_and_they_assemble_back() {
         // A 5 x 2 matrix (3 rows per rank, one padded) and a vector of 3 over 2 ranks.
         let shards = UnitShards::new(&layout(&[&[5, 2], &[3]]), 2);
-        let flat: Vec<f32> = (0..13).map(|i| i as f32).collect();
+        let device = Device::flex();
+        let values_0_to_12: Vec<f32> = (0..13).map(|i| i as f32).collect();
+        let flat = Tensor::<1>::from_floats(values_0_to_12.as_slice(), &device);
         assert_eq!(shards.shard_len(), 3 * 2 + 2);
-        assert_eq!(shards.take(0, &flat), [0., 1., 2., 3., 4., 5., 10., 11.]);
-        assert_eq!(shards.take(1, &flat), [6., 7., 8., 9., 0., 0., 12., 0.]);
+        assert_eq!(
+            values(shards.take(0, &flat)),
+            [0., 1., 2., 3., 4., 5., 10., 11.]
+        );
+        assert_eq!(
+            values(shards.take(1, &flat)),
+            [6., 7., 8., 9., 0., 0., 12., 0.]
+        );
         let gathered = shards.rank_major(&flat);
-        assert_eq!(gathered.len(), shards.padded());
-        assert_eq!(shards.assemble(&gathered), flat);
+        assert_eq!(gathered.dims()[0], shards.padded());
+        assert_eq!(values(shards.assemble(gathered)), values(flat));
     }
 
     #[test]
     fn a_parameter_with_fewer_rows_than_ranks_leaves_the_last_ranks_padding() {
         let shards = UnitShards::new(&layout(&[&[1, 3]]), 4);
-        let flat = [1., 2., 3.];
-        assert_eq!(shards.take(0, &flat), [1., 2., 3.]);
-        assert_eq!(shards.take(3, &flat), [0., 0., 0.]);
-        assert_eq!(shards.assemble(&shards.rank_major(&flat)), flat);
+        let flat = Tensor::<1>::from_floats([1., 2., 3.], &Device::flex());
+        assert_eq!(values(shards.take(0, &flat)), [1., 2., 3.]);
+        assert_eq!(values(shards.take(3, &flat)), [0., 0., 0.]);
+        assert_eq!(
+            values(shards.assemble(shards.rank_major(&flat))),
+            [1., 2., 3.]
+        );
     }
 }
