@@ -169,6 +169,11 @@ impl FlatAdamW {
         assert_eq!(grads.dims()[0], self.moment_1.len(), "gradient length");
         let (m, v) = match self.on_device.take() {
             Some(moments) => moments,
+            // Before the first step the moments are zero: made there, not uploaded.
+            None if self.time == 0 => {
+                let zeros = || Tensor::zeros([self.moment_1.len()], &params.device());
+                (zeros(), zeros())
+            }
             None => {
                 let device = params.device();
                 let upload = |values: &[f32]| crate::params::upload(values, &device);
