@@ -242,24 +242,23 @@ impl Shared {
                 }
             }
             Some(rows) => {
-                // Each rank's rows of every parameter, padded to whole rows per rank.
-                for r in 0..size {
-                    for (&p, grad) in params.iter().zip(&grads) {
+                // Each parameter's rows padded to whole chunks and viewed as one row per rank
+                // (`[size, chunk x row_len]`): side by side, row `r` is rank `r`'s chunk.
+                let blocks: Vec<Tensor<2>> = (params.iter().zip(grads))
+                    .filter_map(|(&p, grad)| {
                         let (n_rows, row_len) = rows.split.shapes[p];
-                        let chunk_rows = rows.cuts[p].0;
-                        let start = (r * chunk_rows).min(n_rows);
-                        let end = (start + chunk_rows).min(n_rows);
-                        let len = (end - start) * row_len;
-                        if len > 0 {
-                            pieces.push(match grad {
-                                Some(g) => g.clone().narrow(0, start * row_len, len),
-                                None => self.zeros(len),
-                            });
-                        }
-                        if chunk_rows * row_len > len {
-                            pieces.push(self.zeros(chunk_rows * row_len - len));
-                        }
-                    }
+                        let width = rows.cuts[p].0 * row_len;
+                        let (real, padded) = (n_rows * row_len, size * width);
+                        let grad = grad.unwrap_or_else(|| self.zeros(real));
+                        let grad = match padded > real {
+                            true => Tensor::cat(vec![grad, self.zeros(padded - real)], 0),
+                            false => grad,
+                        };
+                        (width > 0).then(|| grad.reshape([size, width]))
+                    })
+                    .collect();
+                if !blocks.is_empty() {
+                    pieces.push(Tensor::cat(blocks, 1).reshape([total]));
                 }
             }
         }
