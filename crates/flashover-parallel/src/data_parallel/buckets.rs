@@ -575,10 +575,7 @@ impl BucketedReduction {
         }
         let exposed = t0.elapsed();
         let shards = &layout.shards;
-        let rows_of = |h: usize| {
-            let slot = &layout.layout.slots[h];
-            shards.chunk_rows(h) * (slot.numel / slot.shape.first().copied().unwrap_or(1).max(1))
-        };
+        let rows_of = |h: usize| shards.len_in_shard(h);
         // The shard lays the held parameters' rows end to end in their order (zeros for one
         // no set reduced).
         let parts: Vec<Tensor<1>> = (pieces.into_iter().enumerate())

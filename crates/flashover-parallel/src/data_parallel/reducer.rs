@@ -25,6 +25,7 @@
 use crate::hook::GradCallback;
 use crate::params::part;
 use crate::precision::Precision;
+use crate::zero::UnitShards;
 use burn::tensor::{DType, Device, Tensor};
 use flashover_comm::{CommError, Group, ReduceOp};
 use flashover_runtime::TensorCollectives;
@@ -86,8 +87,7 @@ pub(crate) enum Mode {
 const MAX_BUFFERS_IN_FLIGHT: usize = 2;
 
 struct State {
-    /// Buckets holding gradients not yet reduced (reduce-scatter mode), and which.
-    buffers: usize,
+    /// Per bucket: whether it holds gradients not yet reduced (reduce-scatter mode).
     open: Vec<bool>,
     /// Parameters in the order their gradients arrived in the current micro-batch.
     arrivals: Vec<usize>,
@@ -146,22 +146,9 @@ impl Shared {
         let b = self.location[param].0;
         if self.mode == Mode::ReduceScatter && !lock(&self.state).open[b] {
             self.wait_for_room();
-            let mut st = lock(&self.state);
-            if !std::mem::replace(&mut st.open[b], true) {
-                st.buffers += 1;
-            }
+            lock(&self.state).open[b] = true;
         }
-        let grad = grad.cast(DType::F32);
-        {
-            let mut slot = lock(&self.grads[param]);
-            *slot = Some(match slot.take() {
-                Some(sum) => sum + grad,
-                None => {
-                    self.hold(bytes(&grad));
-                    grad
-                }
-            });
-        }
+        self.sum_into(&self.grads[param], grad.cast(DType::F32));
         let mut st = lock(&self.state);
         self.mark(&mut st, param);
     }
@@ -178,7 +165,7 @@ impl Shared {
     /// when backward fills buckets out of order.
     fn wait_for_room(&self) {
         let mut st = lock(&self.state);
-        while st.buffers >= MAX_BUFFERS_IN_FLIGHT
+        while st.open.iter().filter(|&&open| open).count() >= MAX_BUFFERS_IN_FLIGHT
             && st.next < self.buckets.len()
             && st.ready[st.next]
             && st.error.is_none()
@@ -186,6 +173,18 @@ impl Shared {
         {
             st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
         }
+    }
+
+    /// Adds `value` into `slot` (taking it as the sum when the slot is empty, counted as held).
+    fn sum_into(&self, slot: &Mutex<Option<Tensor<1>>>, value: Tensor<1>) {
+        let mut slot = lock(slot);
+        *slot = Some(match slot.take() {
+            Some(sum) => sum + value,
+            None => {
+                self.hold(bytes(&value));
+                value
+            }
+        });
     }
 
     /// Counts `bytes` more gradient held.
@@ -242,24 +241,9 @@ impl Shared {
                 }
             }
             Some(rows) => {
-                // Each parameter's rows padded to whole chunks and viewed as one row per rank
-                // (`[size, chunk x row_len]`): side by side, row `r` is rank `r`'s chunk.
-                let blocks: Vec<Tensor<2>> = (params.iter().zip(grads))
-                    .filter_map(|(&p, grad)| {
-                        let (n_rows, row_len) = rows.split.shapes[p];
-                        let width = rows.cuts[p].0 * row_len;
-                        let (real, padded) = (n_rows * row_len, size * width);
-                        let grad = grad.unwrap_or_else(|| self.zeros(real));
-                        let grad = match padded > real {
-                            true => Tensor::cat(vec![grad, self.zeros(padded - real)], 0),
-                            false => grad,
-                        };
-                        (width > 0).then(|| grad.reshape([size, width]))
-                    })
-                    .collect();
-                if !blocks.is_empty() {
-                    pieces.push(Tensor::cat(blocks, 1).reshape([total]));
-                }
+                let values = (params.iter().zip(grads))
+                    .map(|(&p, grad)| grad.unwrap_or_else(|| self.zeros(self.numels[p])));
+                pieces.push(rows.shards[b].rank_major_of(values.collect(), &self.device));
             }
         }
         let bucket = match pieces.is_empty() {
@@ -289,8 +273,11 @@ pub(crate) struct RowSplit {
 /// A [`RowSplit`] laid out over the buckets.
 struct RowLayout {
     split: RowSplit,
-    /// Per parameter: rows per rank and where its rows start in a rank's chunk of its bucket.
-    cuts: Vec<(usize, usize)>,
+    /// Per bucket: its parameters (in bucket order) cut over the split's ranks, as ZeRO-3's
+    /// units cut theirs.
+    shards: Vec<UnitShards>,
+    /// Per parameter: its place among its bucket's.
+    index: Vec<usize>,
 }
 
 impl Shared {
@@ -336,20 +323,24 @@ impl Reducer {
         let size = group.size();
         let mut chunks: Vec<usize> = buckets.iter().map(|b| b.len.div_ceil(size)).collect();
         let rows = rows.map(|split| {
-            let n = split.group.size();
-            let mut cuts = vec![(0, 0); numels.len()];
-            for (b, bucket) in buckets.iter().enumerate() {
-                let mut at = 0;
-                for &p in &bucket.params {
-                    let (n_rows, row_len) = split.shapes[p];
-                    let chunk_rows = n_rows.div_ceil(n);
-                    cuts[p] = (chunk_rows, at);
-                    location[p] = (b, at);
-                    at += chunk_rows * row_len;
-                }
-                chunks[b] = at;
+            let mut index = vec![0; numels.len()];
+            let shards = (buckets.iter().enumerate())
+                .map(|(b, bucket)| {
+                    let shapes: Vec<_> = bucket.params.iter().map(|&p| split.shapes[p]).collect();
+                    let shards = UnitShards::of_shapes(&shapes, split.group.size());
+                    for (i, &p) in bucket.params.iter().enumerate() {
+                        index[p] = i;
+                        location[p] = (b, shards.offset_in_shard(i));
+                    }
+                    chunks[b] = shards.shard_len();
+                    shards
+                })
+                .collect();
+            RowLayout {
+                split,
+                shards,
+                index,
             }
-            RowLayout { split, cuts }
         });
         let none = |n: usize| (0..n).map(|_| Mutex::new(None)).collect::<Vec<_>>();
         let shared = Arc::new(Shared {
@@ -365,7 +356,6 @@ impl Reducer {
             shard: none(buckets.len()),
             chunks,
             state: Mutex::new(State {
-                buffers: 0,
                 open: vec![false; buckets.len()],
                 arrivals: vec![],
                 launch: false,
@@ -403,10 +393,11 @@ impl Reducer {
         let s = &self.shared;
         let rows = s.rows.as_ref()?;
         let (b, at) = s.location[param];
-        let (chunk_rows, _) = rows.cuts[param];
-        let row_len = rows.split.shapes[param].1;
         let chunk_offset: usize = s.chunks[..b].iter().sum();
-        Some((chunk_offset + at, chunk_rows * row_len))
+        Some((
+            chunk_offset + at,
+            rows.shards[b].len_in_shard(rows.index[param]),
+        ))
     }
 
     /// Parameters in the order their gradients arrived in the last micro-batch.
@@ -431,7 +422,6 @@ impl Reducer {
         st.next = 0;
         st.ready.iter_mut().for_each(|r| *r = false);
         st.open.iter_mut().for_each(|o| *o = false);
-        st.buffers = 0;
         st.spans.clear();
         st.error = None;
     }
@@ -623,21 +613,8 @@ fn reduce_bucket(shared: &Shared, b: usize) -> Result<(), CommError> {
         },
     };
     shared.release(full);
-    {
-        let mut st = lock(&shared.state);
-        if std::mem::replace(&mut st.open[b], false) {
-            st.buffers -= 1;
-        }
-    }
-    let chunk = chunk.cast(DType::F32);
-    let mut shard = lock(&shared.shard[b]);
-    *shard = Some(match shard.take() {
-        Some(sum) => sum + chunk,
-        None => {
-            shared.hold(bytes(&chunk));
-            chunk
-        }
-    });
+    lock(&shared.state).open[b] = false;
+    shared.sum_into(&shared.shard[b], chunk.cast(DType::F32));
     Ok(())
 }
 

@@ -15,7 +15,7 @@
 use crate::error::ParallelError;
 use crate::params::{ParamLayout, ParamSlot, part};
 use crate::placement::{ParamPlacement, Placement, PlacementTable};
-use burn::tensor::Tensor;
+use burn::tensor::{Device, Tensor};
 use flashover_runtime::Axis;
 
 /// One parameter's cut.
@@ -43,25 +43,35 @@ pub struct UnitShards {
 }
 
 impl UnitShards {
-    /// The cut of the parameters of `layout` over `size` ranks.
+    /// The cut of the parameters of `layout` (laid end to end, as [`ParamLayout::of`] lays
+    /// them) over `size` ranks.
     pub fn new(layout: &ParamLayout, size: usize) -> Self {
-        let size = size.max(1);
-        let mut at = 0;
-        let cuts = layout
-            .slots
-            .iter()
+        let shapes: Vec<(usize, usize)> = (layout.slots.iter())
             .map(|s| {
                 let rows = s.shape.first().copied().unwrap_or(1);
-                let row_len = s.numel / rows.max(1);
+                (rows, s.numel / rows.max(1))
+            })
+            .collect();
+        Self::of_shapes(&shapes, size)
+    }
+
+    /// The cut over `size` ranks of parameters laid end to end, each of `(rows, elements per
+    /// row)` in `shapes`.
+    pub fn of_shapes(shapes: &[(usize, usize)], size: usize) -> Self {
+        let size = size.max(1);
+        let (mut at, mut flat) = (0, 0);
+        let cuts = (shapes.iter())
+            .map(|&(rows, row_len)| {
                 let chunk = rows.div_ceil(size);
                 let cut = Cut {
                     rows,
                     row_len,
                     chunk,
                     at,
-                    flat: s.offset,
+                    flat,
                 };
                 at += chunk * row_len;
+                flat += rows * row_len;
                 cut
             })
             .collect();
@@ -69,7 +79,7 @@ impl UnitShards {
             cuts,
             size,
             shard: at,
-            numel: layout.numel,
+            numel: flat,
         }
     }
 
@@ -98,16 +108,28 @@ impl UnitShards {
         self.cuts[i].at
     }
 
-    /// Parameter `cut`'s rows in `flat` (parameter-major), padded to whole chunks: one row of
-    /// `[size, chunk x row_len]` per rank.
-    fn chunks_of(&self, cut: &Cut, flat: &Tensor<1>) -> Tensor<2> {
-        let real = part(flat, cut.flat, cut.rows * cut.row_len);
+    /// Elements of parameter `i`'s rows in a shard (padding included).
+    pub fn len_in_shard(&self, i: usize) -> usize {
+        self.cuts[i].chunk * self.cuts[i].row_len
+    }
+
+    /// A parameter's values (`cut.rows x cut.row_len` of them) padded to whole chunks: one row
+    /// of `[size, chunk x row_len]` per rank.
+    fn chunks_of(&self, cut: &Cut, values: Tensor<1>) -> Tensor<2> {
         let padded = self.size * cut.chunk * cut.row_len;
         let rows = match padded - cut.rows * cut.row_len {
-            0 => real,
-            pad => Tensor::cat(vec![real, Tensor::zeros([pad], &flat.device())], 0),
+            0 => values,
+            pad => {
+                let zeros = Tensor::zeros([pad], &values.device());
+                Tensor::cat(vec![values, zeros], 0)
+            }
         };
         rows.reshape([self.size, cut.chunk * cut.row_len])
+    }
+
+    /// Parameter `cut`'s values in `flat` (parameter-major).
+    fn values_of(cut: &Cut, flat: &Tensor<1>) -> Tensor<1> {
+        part(flat, cut.flat, cut.rows * cut.row_len)
     }
 
     /// Rank `rank`'s shard of `flat` (the unit's parameters, parameter-major, on the device),
@@ -117,7 +139,8 @@ impl UnitShards {
             .filter(|cut| cut.chunk * cut.row_len > 0)
             .map(|cut| {
                 let len = cut.chunk * cut.row_len;
-                self.chunks_of(cut, flat).narrow(0, rank, 1).reshape([len])
+                let chunks = self.chunks_of(cut, Self::values_of(cut, flat));
+                chunks.narrow(0, rank, 1).reshape([len])
             })
             .collect();
         match parts.is_empty() {
@@ -184,10 +207,22 @@ impl UnitShards {
     /// `flat` (parameter-major, e.g. the parameters' gradient) laid out rank-major and padded,
     /// as a reduce-scatter over the group takes it.
     pub fn rank_major(&self, flat: &Tensor<1>) -> Tensor<1> {
-        Tensor::cat(
-            (0..self.size).map(|rank| self.take(rank, flat)).collect(),
-            0,
-        )
+        let parts = (self.cuts.iter()).map(|cut| Self::values_of(cut, flat));
+        self.rank_major_of(parts.collect(), &flat.device())
+    }
+
+    /// [`Self::rank_major`] of the parameters' values given one tensor per parameter (on
+    /// `device`): each padded to whole chunks and viewed as one row per rank, all side by side,
+    /// so row `r` is rank `r`'s shard.
+    pub fn rank_major_of(&self, parts: Vec<Tensor<1>>, device: &Device) -> Tensor<1> {
+        let blocks: Vec<Tensor<2>> = (self.cuts.iter().zip(parts))
+            .filter(|(cut, _)| cut.chunk * cut.row_len > 0)
+            .map(|(cut, values)| self.chunks_of(cut, values))
+            .collect();
+        match blocks.is_empty() {
+            true => Tensor::zeros([self.padded()], device),
+            false => Tensor::cat(blocks, 1).reshape([self.padded()]),
+        }
     }
 }
 
@@ -196,7 +231,6 @@ mod tests {
     use super::*;
     use crate::params::ParamSlot;
     use burn::module::ParamId;
-    use burn::tensor::Device;
 
     fn layout(shapes: &[&[usize]]) -> ParamLayout {
         let mut offset = 0;
