@@ -440,7 +440,13 @@ pub fn train(args: &JobArgs, outputs: TrainOutputs) -> Result<(), String> {
     );
     let precision = &config.precision;
     if precision.policy()?.is_full_precision() {
-        println!("precision: f32");
+        match reduced_f32_matmuls(&config) {
+            Some(error) => println!(
+                "precision: f32, but this device's f32 matmuls measured at relative error \
+                 {error:.1e} (reduced-precision tensor cores: TF32 on CUDA)"
+            ),
+            None => println!("precision: f32"),
+        }
     } else {
         println!(
             "precision: compute {}, gradient reduction {}, loss scale {}; weights and AdamW state f32",
@@ -570,15 +576,43 @@ fn process_world(
     ))
 }
 
+/// `verify`'s default tolerance in f32 on a device whose f32 matmuls round their inputs to
+/// TF32 (10-bit mantissa, unit roundoff 4.9e-4): measured on an H200, three steps of every
+/// layout differed from one rank by at most 5.5e-4 in parameters (docs/benchmarks.md).
+const TF32_TOLERANCE: f64 = 5e-3;
+
+/// The measured relative error of the job's device's f32 matmuls, where it is above f32's
+/// ([`flashover_runtime::F32_MATMUL_ERROR_LIMIT`]); `None` on an f32 device, or where the
+/// device cannot be opened (the job then fails with that reason).
+fn reduced_f32_matmuls(config: &TrainConfig) -> Option<f64> {
+    let device = config.run.device.device(0).ok()?;
+    let error = flashover_runtime::f32_matmul_error(&device);
+    (error > flashover_runtime::F32_MATMUL_ERROR_LIMIT).then_some(error)
+}
+
 /// `flashover verify`.
 pub fn verify(args: &JobArgs, tolerance: Option<f64>) -> Result<bool, String> {
     let config = args.build()?;
     let full_precision = config.precision.policy()?.is_full_precision();
-    let tolerance = tolerance.unwrap_or(if full_precision { 1e-5 } else { 5e-2 });
+    let reduced_matmuls = full_precision
+        .then(|| reduced_f32_matmuls(&config))
+        .flatten();
+    let tolerance = tolerance.unwrap_or(match (full_precision, reduced_matmuls) {
+        (true, None) => 1e-5,
+        (true, Some(_)) => TF32_TOLERANCE,
+        (false, _) => 5e-2,
+    });
     println!(
         "verify: mesh {} (micro-batches {}) against one rank, {} steps, seed {}",
         config.parallel.mesh, config.run.micro_batches, config.run.steps, config.run.seed
     );
+    if let Some(error) = reduced_matmuls {
+        println!(
+            "verify: this device's f32 matmuls measured at relative error {error:.1e} \
+             (reduced-precision tensor cores: TF32 on CUDA), and its kernels are chosen per \
+             shape, so layouts agree to that precision: tolerance {tolerance:.0e}"
+        );
+    }
     let (reference, candidate, cmp) = flashover::train::verify(&config, tolerance)?;
     println!(
         "reference final loss {:.6}; candidate final loss {:.6}",

@@ -1,7 +1,7 @@
 //! Every collective of the NCCL engine on CUDA device memory, world size 1 (one GPU): for the
 //! GPU machine (`scripts/gpu_check.sh`). Exits non-zero on the first wrong result.
 
-use cudarc::driver::{CudaContext, DevicePtrMut};
+use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
 use flashover_comm::{CommunicatorExt, DType, Group, NcclWorld, ReduceOp};
 use std::time::Duration;
 
@@ -68,4 +68,38 @@ fn device_memory_in_place(g: &Group, x: &[f32]) {
         back, x,
         "in-place device all_reduce and broadcast over one rank"
     );
+    // The out-of-place operations, into memory the check allocated itself (so its address is
+    // certainly right): at world size 1 each one copies `x` into `out`.
+    let n = x.len();
+    let rows = [n];
+    type Op<'a> = (&'a str, Box<dyn Fn(u64, u64) -> flashover_comm::CommResult<()> + 'a>);
+    let ops: [Op; 3] = [
+        (
+            "all_gather_device",
+            // SAFETY (all three): `send` and `out` hold `n` f32 each on this GPU, written
+            // and synchronised before the call, untouched until it returns.
+            Box::new(|s, o| unsafe { device.all_gather_device(s, o, n, DType::F32) }),
+        ),
+        (
+            "reduce_scatter_device",
+            Box::new(|s, o| unsafe {
+                device.reduce_scatter_device(s, o, n, DType::F32, ReduceOp::Sum)
+            }),
+        ),
+        (
+            "all_to_all_v_device",
+            Box::new(|s, o| unsafe { device.all_to_all_v_device(s, &rows, o, &rows, DType::F32) }),
+        ),
+    ];
+    for (what, op) in ops {
+        let send = stream.clone_htod(x).expect("upload");
+        let mut out = stream.alloc_zeros::<f32>(n).expect("alloc");
+        stream.synchronize().expect("upload done");
+        {
+            let (s, _read) = send.device_ptr(&stream);
+            let (o, _written) = out.device_ptr_mut(&stream);
+            op(s, o).unwrap();
+        }
+        assert_eq!(stream.clone_dtoh(&out).expect("download"), x, "{what}");
+    }
 }

@@ -81,8 +81,9 @@ pub trait Communicator: Send + Sync {
 }
 
 /// Collectives on memory of the communicator's GPU, addressed by raw device pointer (what a
-/// tensor library hands out for its buffers). Each call is collective like its byte-level
-/// counterpart and returns once the result is in place on the device.
+/// tensor library hands out for its buffers): every operation of [`Communicator`], with no
+/// host copy. Each call is collective like its byte-level counterpart, checks its arguments as
+/// that one does, and returns once the result is in place on the device.
 pub trait DeviceCollectives {
     /// The ordinal of the GPU whose memory the pointers must address.
     fn device_ordinal(&self) -> usize;
@@ -111,6 +112,73 @@ pub trait DeviceCollectives {
         count: usize,
         dtype: DType,
         root: usize,
+    ) -> CommResult<()>;
+
+    /// Every rank's `count` elements at `send`, end to end in rank order, into the
+    /// `count * size()` elements at `recv`.
+    ///
+    /// # Safety
+    /// As [`DeviceCollectives::all_reduce_device`], for both buffers; they must not overlap.
+    unsafe fn all_gather_device(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+    ) -> CommResult<()>;
+
+    /// This rank's block (`count` elements at `recv`) of the reduction over the group of the
+    /// `count * size()` elements at `send`.
+    ///
+    /// # Safety
+    /// As [`DeviceCollectives::all_gather_device`].
+    unsafe fn reduce_scatter_device(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> CommResult<()>;
+
+    /// Variable all-to-all, counts in elements, as [`Communicator::all_to_all_v_bytes`]: the
+    /// `send_counts[j]` elements after those for ranks before `j` go to rank `j`; `recv` gets
+    /// the `recv_counts[j]` elements from each rank `j`, in rank order.
+    ///
+    /// # Safety
+    /// As [`DeviceCollectives::all_gather_device`], with `send` and `recv` holding the sums of
+    /// their counts.
+    unsafe fn all_to_all_v_device(
+        &self,
+        send: u64,
+        send_counts: &[usize],
+        recv: u64,
+        recv_counts: &[usize],
+        dtype: DType,
+    ) -> CommResult<()>;
+
+    /// Sends the `count` elements at `ptr` to group rank `dst`.
+    ///
+    /// # Safety
+    /// As [`DeviceCollectives::all_reduce_device`].
+    unsafe fn send_device(
+        &self,
+        ptr: u64,
+        count: usize,
+        dtype: DType,
+        dst: usize,
+    ) -> CommResult<()>;
+
+    /// Receives `count` elements from group rank `src` into `ptr`.
+    ///
+    /// # Safety
+    /// As [`DeviceCollectives::all_reduce_device`].
+    unsafe fn recv_device(
+        &self,
+        ptr: u64,
+        count: usize,
+        dtype: DType,
+        src: usize,
     ) -> CommResult<()>;
 }
 

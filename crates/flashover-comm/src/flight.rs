@@ -290,10 +290,113 @@ impl Communicator for Recorded {
         self.inner.stats()
     }
     fn device_collectives(&self) -> Option<&dyn DeviceCollectives> {
-        self.inner.device_collectives()
+        self.inner
+            .device_collectives()
+            .map(|_| self as &dyn DeviceCollectives)
     }
     fn abandon(&self, why: &str) {
         self.inner.abandon(why)
+    }
+}
+
+/// The engine's device collectives, each with its flight entry, like the host ones.
+impl DeviceCollectives for Recorded {
+    fn device_ordinal(&self) -> usize {
+        self.device().device_ordinal()
+    }
+    unsafe fn all_reduce_device(
+        &self,
+        ptr: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        self.record(OpKind::AllReduce, count * dtype.size(), || unsafe {
+            self.device().all_reduce_device(ptr, count, dtype, op)
+        })
+    }
+    unsafe fn broadcast_device(
+        &self,
+        ptr: u64,
+        count: usize,
+        dtype: DType,
+        root: usize,
+    ) -> CommResult<()> {
+        self.record(OpKind::Broadcast, count * dtype.size(), || unsafe {
+            self.device().broadcast_device(ptr, count, dtype, root)
+        })
+    }
+    unsafe fn all_gather_device(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+    ) -> CommResult<()> {
+        let bytes = count * dtype.size() * self.size();
+        self.record(OpKind::AllGather, bytes, || unsafe {
+            self.device().all_gather_device(send, recv, count, dtype)
+        })
+    }
+    unsafe fn reduce_scatter_device(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        let bytes = count * dtype.size() * self.size();
+        self.record(OpKind::ReduceScatter, bytes, || unsafe {
+            self.device()
+                .reduce_scatter_device(send, recv, count, dtype, op)
+        })
+    }
+    unsafe fn all_to_all_v_device(
+        &self,
+        send: u64,
+        send_counts: &[usize],
+        recv: u64,
+        recv_counts: &[usize],
+        dtype: DType,
+    ) -> CommResult<()> {
+        let bytes = send_counts.iter().sum::<usize>() * dtype.size();
+        self.record(OpKind::AllToAll, bytes, || unsafe {
+            self.device()
+                .all_to_all_v_device(send, send_counts, recv, recv_counts, dtype)
+        })
+    }
+    unsafe fn send_device(
+        &self,
+        ptr: u64,
+        count: usize,
+        dtype: DType,
+        dst: usize,
+    ) -> CommResult<()> {
+        self.record(OpKind::Send, count * dtype.size(), || unsafe {
+            self.device().send_device(ptr, count, dtype, dst)
+        })
+    }
+    unsafe fn recv_device(
+        &self,
+        ptr: u64,
+        count: usize,
+        dtype: DType,
+        src: usize,
+    ) -> CommResult<()> {
+        self.record(OpKind::Recv, count * dtype.size(), || unsafe {
+            self.device().recv_device(ptr, count, dtype, src)
+        })
+    }
+}
+
+impl Recorded {
+    /// The wrapped engine's device collectives (present: this is only reached through
+    /// [`Communicator::device_collectives`], which checks).
+    fn device(&self) -> &dyn DeviceCollectives {
+        self.inner
+            .device_collectives()
+            .expect("device collectives are offered only where the engine has them")
     }
 }
 

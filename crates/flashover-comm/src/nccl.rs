@@ -15,11 +15,12 @@
 //! `send` completes only with the matching `recv` (no buffering), so schedules that send
 //! before receiving in both directions (pipelines) need the thread or MPI engine for now.
 //!
-//! [`DeviceCollectives`] (through [`Communicator::device_collectives`]) runs all-reduce and
-//! broadcast in place on memory another library owns, addressed by raw device pointer: the path
-//! Burn's CUDA tensors take (flashover-runtime's `cuda` feature), with no host round trip.
-//!
-//! Not yet run on a GPU here (no GPU was available when it was written).
+//! [`DeviceCollectives`] (through [`Communicator::device_collectives`]) runs every operation on
+//! memory another library owns, addressed by raw device pointer: the path Burn's CUDA tensors
+//! take (flashover-runtime's `cuda_memory`, not in use yet: see there), with no host round
+//! trip. `nccl_check` (in `scripts/gpu_check.sh`) runs every operation but send/recv both ways
+//! on one GPU. On an H200 the byte-level ones and the in-place device ones passed; the
+//! out-of-place device ones were added after that run and have not run yet.
 
 use crate::args;
 use crate::communicator::{Communicator, CommunicatorExt, DeviceCollectives, Group};
@@ -112,10 +113,27 @@ enum Job {
     AllToAll(Vec<u8>, Vec<usize>, Vec<usize>),
     Send(Vec<u8>, usize),
     Recv(usize, usize),
-    /// In place on device memory: pointer, element count, dtype, and the reduction or the
-    /// broadcast root.
-    DeviceAllReduce(u64, usize, DType, ReduceOp),
-    DeviceBroadcast(u64, usize, DType, usize),
+    /// On memory another library owns ([`DeviceCollectives`]).
+    Device(DeviceJob),
+}
+
+/// A [`Job`] on device memory addressed by raw pointer: counts are elements of the dtype.
+enum DeviceJob {
+    AllReduce(u64, usize, DType, ReduceOp),
+    Broadcast(u64, usize, DType, usize),
+    /// Send pointer, receive pointer, elements per rank.
+    AllGather(u64, u64, usize, DType),
+    /// Send pointer, receive pointer, elements received.
+    ReduceScatter(u64, u64, usize, DType, ReduceOp),
+    AllToAll {
+        send: u64,
+        send_counts: Vec<usize>,
+        recv: u64,
+        recv_counts: Vec<usize>,
+        dtype: DType,
+    },
+    Send(u64, usize, DType, usize),
+    Recv(u64, usize, DType, usize),
 }
 
 type Reply = mpsc::Sender<CommResult<Vec<u8>>>;
@@ -339,11 +357,10 @@ fn run(stream: &Arc<CudaStream>, comm: &Comm, world: usize, job: Job) -> Result<
             stream.synchronize().map_err(|e| err(&e))?;
             Ok(vec![])
         }
-        Job::DeviceAllReduce(ptr, count, dtype, op) => {
-            on_device(stream, comm, ptr, count, dtype, DeviceOp::AllReduce(op))
-        }
-        Job::DeviceBroadcast(ptr, count, dtype, root) => {
-            on_device(stream, comm, ptr, count, dtype, DeviceOp::Broadcast(root))
+        Job::Device(job) => {
+            on_device(stream, comm, job)?;
+            stream.synchronize().map_err(|e| err(&e))?;
+            Ok(vec![])
         }
         Job::Recv(len, src) => {
             let mut recv: CudaSlice<u8> = stream.alloc_zeros(len.max(1)).map_err(|e| err(&e))?;
@@ -386,55 +403,114 @@ impl<T> DevicePtrMut<T> for ForeignBuffer<'_, T> {
     }
 }
 
-/// What [`on_device`] runs.
-#[derive(Clone, Copy)]
-enum DeviceOp {
-    AllReduce(ReduceOp),
-    Broadcast(usize),
-}
-
-/// `op` in place on `count` elements of `T` at `ptr`, then waits for the stream.
-fn on_device_as<T: cudarc::nccl::NcclType>(
-    stream: &Arc<CudaStream>,
-    comm: &Comm,
-    ptr: u64,
-    count: usize,
-    op: DeviceOp,
-) -> Result<Vec<u8>, String> {
-    let mut buf = ForeignBuffer::<T> {
+/// `len` elements of `T` at `ptr` (a byte offset into memory another library owns).
+fn foreign<T>(stream: &Arc<CudaStream>, ptr: u64, len: usize) -> ForeignBuffer<'_, T> {
+    ForeignBuffer {
         ptr,
-        len: count,
+        len,
         stream,
         _element: std::marker::PhantomData,
-    };
-    let status = match op {
-        DeviceOp::AllReduce(op) => comm.all_reduce_in_place(&mut buf, &nccl_op(op)),
-        DeviceOp::Broadcast(root) => comm.broadcast_in_place(&mut buf, root as i32),
-    };
-    status.map_err(|e| format!("{e:?}"))?;
-    stream.synchronize().map_err(|e| format!("{e:?}"))?;
-    Ok(vec![])
+    }
 }
 
-/// [`on_device_as`] for the element type `dtype` names.
-fn on_device(
+/// The reductions of `job` on elements of `T` (the data-moving jobs go as bytes).
+fn reduce_on_device<T: cudarc::nccl::NcclType>(
     stream: &Arc<CudaStream>,
     comm: &Comm,
-    ptr: u64,
-    count: usize,
-    dtype: DType,
-    op: DeviceOp,
-) -> Result<Vec<u8>, String> {
-    match dtype {
-        DType::F32 => on_device_as::<f32>(stream, comm, ptr, count, op),
-        DType::F64 => on_device_as::<f64>(stream, comm, ptr, count, op),
-        DType::F16 => on_device_as::<half::f16>(stream, comm, ptr, count, op),
-        DType::BF16 => on_device_as::<half::bf16>(stream, comm, ptr, count, op),
-        DType::I32 => on_device_as::<i32>(stream, comm, ptr, count, op),
-        DType::I64 => on_device_as::<i64>(stream, comm, ptr, count, op),
-        DType::U32 => on_device_as::<u32>(stream, comm, ptr, count, op),
-        DType::U64 => on_device_as::<u64>(stream, comm, ptr, count, op),
-        DType::U8 => on_device_as::<u8>(stream, comm, ptr, count, op),
+    job: &DeviceJob,
+) -> Result<(), String> {
+    let status = match *job {
+        DeviceJob::AllReduce(ptr, count, _, op) => {
+            comm.all_reduce_in_place(&mut foreign::<T>(stream, ptr, count), &nccl_op(op))
+        }
+        DeviceJob::ReduceScatter(send, recv, count, _, op) => comm.reduce_scatter(
+            &foreign::<T>(stream, send, count * comm.world_size()),
+            &mut foreign::<T>(stream, recv, count),
+            &nccl_op(op),
+        ),
+        _ => unreachable!("only reductions are typed"),
+    };
+    status.map(drop).map_err(|e| format!("{e:?}"))
+}
+
+/// `job` on the communicator's stream (the caller synchronises it).
+fn on_device(stream: &Arc<CudaStream>, comm: &Comm, job: DeviceJob) -> Result<(), String> {
+    let err = |e: &dyn std::fmt::Debug| format!("{e:?}");
+    let bytes =
+        |ptr: u64, count: usize, dtype: DType| foreign::<u8>(stream, ptr, count * dtype.size());
+    match job {
+        DeviceJob::AllReduce(_, _, dtype, _) | DeviceJob::ReduceScatter(_, _, _, dtype, _) => {
+            match dtype {
+                DType::F32 => reduce_on_device::<f32>(stream, comm, &job),
+                DType::F64 => reduce_on_device::<f64>(stream, comm, &job),
+                DType::F16 => reduce_on_device::<half::f16>(stream, comm, &job),
+                DType::BF16 => reduce_on_device::<half::bf16>(stream, comm, &job),
+                DType::I32 => reduce_on_device::<i32>(stream, comm, &job),
+                DType::I64 => reduce_on_device::<i64>(stream, comm, &job),
+                DType::U32 => reduce_on_device::<u32>(stream, comm, &job),
+                DType::U64 => reduce_on_device::<u64>(stream, comm, &job),
+                DType::U8 => reduce_on_device::<u8>(stream, comm, &job),
+            }
+        }
+        DeviceJob::Broadcast(ptr, count, dtype, root) => comm
+            .broadcast_in_place(&mut bytes(ptr, count, dtype), root as i32)
+            .map(drop)
+            .map_err(|e| err(&e)),
+        DeviceJob::AllGather(send, recv, count, dtype) => comm
+            .all_gather(
+                &bytes(send, count, dtype),
+                &mut bytes(recv, count * comm.world_size(), dtype),
+            )
+            .map(drop)
+            .map_err(|e| err(&e)),
+        DeviceJob::AllToAll {
+            send,
+            send_counts,
+            recv,
+            recv_counts,
+            dtype,
+        } => {
+            // One NCCL group of sends and receives, so no pair waits on another.
+            let size = dtype.size() as u64;
+            cudarc::nccl::group_start().map_err(|e| err(&e))?;
+            let (mut s_at, mut r_at) = (send, recv);
+            let mut posted = Ok(());
+            for (peer, (&s, &r)) in send_counts.iter().zip(&recv_counts).enumerate() {
+                if s > 0 && posted.is_ok() {
+                    posted = comm.send(&bytes(s_at, s, dtype), peer as i32).map(drop);
+                }
+                if r > 0 && posted.is_ok() {
+                    posted = comm.recv(&mut bytes(r_at, r, dtype), peer as i32).map(drop);
+                }
+                s_at += s as u64 * size;
+                r_at += r as u64 * size;
+            }
+            let ended = cudarc::nccl::group_end();
+            posted.map_err(|e| err(&e))?;
+            ended.map(drop).map_err(|e| err(&e))
+        }
+        DeviceJob::Send(ptr, count, dtype, dst) => comm
+            .send(&bytes(ptr, count, dtype), dst as i32)
+            .map_err(|e| err(&e)),
+        DeviceJob::Recv(ptr, count, dtype, src) => comm
+            .recv(&mut bytes(ptr, count, dtype), src as i32)
+            .map(drop)
+            .map_err(|e| err(&e)),
+    }
+}
+
+impl NcclComm {
+    /// Runs `job` on device memory after checking the call as the byte-level one is checked
+    /// (`check` gets the byte counts of what it is given).
+    fn device_call(
+        &self,
+        op: OpKind,
+        bytes: usize,
+        check: Result<(), String>,
+        job: DeviceJob,
+    ) -> CommResult<()> {
+        check.map_err(|e| self.invalid(op, e))?;
+        self.call(op, bytes, Job::Device(job)).map(drop)
     }
 }
 
@@ -450,9 +526,8 @@ impl DeviceCollectives for NcclComm {
         dtype: DType,
         op: ReduceOp,
     ) -> CommResult<()> {
-        let bytes = count * dtype.size();
-        let job = Job::DeviceAllReduce(ptr, count, dtype, op);
-        self.call(OpKind::AllReduce, bytes, job).map(drop)
+        let job = DeviceJob::AllReduce(ptr, count, dtype, op);
+        self.device_call(OpKind::AllReduce, count * dtype.size(), Ok(()), job)
     }
 
     unsafe fn broadcast_device(
@@ -462,13 +537,80 @@ impl DeviceCollectives for NcclComm {
         dtype: DType,
         root: usize,
     ) -> CommResult<()> {
-        if root >= self.size() {
-            let detail = format!("root {root} is not a rank of a group of {}", self.size());
-            return Err(self.invalid(OpKind::Broadcast, detail));
-        }
         let bytes = count * dtype.size();
-        let job = Job::DeviceBroadcast(ptr, count, dtype, root);
-        self.call(OpKind::Broadcast, bytes, job).map(drop)
+        let check = args::broadcast(self.size(), bytes, dtype, root).map(drop);
+        let job = DeviceJob::Broadcast(ptr, count, dtype, root);
+        self.device_call(OpKind::Broadcast, bytes, check, job)
+    }
+
+    unsafe fn all_gather_device(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+    ) -> CommResult<()> {
+        let bytes = count * dtype.size() * self.size();
+        let job = DeviceJob::AllGather(send, recv, count, dtype);
+        self.device_call(OpKind::AllGather, bytes, Ok(()), job)
+    }
+
+    unsafe fn reduce_scatter_device(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        let bytes = count * dtype.size() * self.size();
+        let job = DeviceJob::ReduceScatter(send, recv, count, dtype, op);
+        self.device_call(OpKind::ReduceScatter, bytes, Ok(()), job)
+    }
+
+    unsafe fn all_to_all_v_device(
+        &self,
+        send: u64,
+        send_counts: &[usize],
+        recv: u64,
+        recv_counts: &[usize],
+        dtype: DType,
+    ) -> CommResult<()> {
+        let total = |c: &[usize]| c.iter().sum::<usize>() * dtype.size();
+        let (sent, received) = (total(send_counts), total(recv_counts));
+        let check = args::all_to_all(self.size(), sent, send_counts, received, recv_counts, dtype);
+        let job = DeviceJob::AllToAll {
+            send,
+            send_counts: send_counts.to_vec(),
+            recv,
+            recv_counts: recv_counts.to_vec(),
+            dtype,
+        };
+        self.device_call(OpKind::AllToAll, sent, check, job)
+    }
+
+    unsafe fn send_device(
+        &self,
+        ptr: u64,
+        count: usize,
+        dtype: DType,
+        dst: usize,
+    ) -> CommResult<()> {
+        let check = args::peer(self.size(), self.rank, dst, "destination", true);
+        let job = DeviceJob::Send(ptr, count, dtype, dst);
+        self.device_call(OpKind::Send, count * dtype.size(), check, job)
+    }
+
+    unsafe fn recv_device(
+        &self,
+        ptr: u64,
+        count: usize,
+        dtype: DType,
+        src: usize,
+    ) -> CommResult<()> {
+        let check = args::peer(self.size(), self.rank, src, "source", true);
+        let job = DeviceJob::Recv(ptr, count, dtype, src);
+        self.device_call(OpKind::Recv, count * dtype.size(), check, job)
     }
 }
 

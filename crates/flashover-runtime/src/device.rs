@@ -103,3 +103,63 @@ impl fmt::Display for DeviceChoice {
         })
     }
 }
+
+/// Relative error above which a device's f32 matrix products are not f32 arithmetic: f32
+/// accumulation of the probe's products stays near 1e-6; TF32 tensor cores (10-bit mantissa,
+/// what Burn's CUDA matmul uses for f32 wherever the GPU has them) give about 1e-3.
+pub const F32_MATMUL_ERROR_LIMIT: f64 = 1e-5;
+
+/// The largest relative error of `device`'s f32 matrix products against the same products in
+/// f64 on the host, over a few shapes (a backend may pick its kernel by shape). Measured, not
+/// assumed from the device's name: [`F32_MATMUL_ERROR_LIMIT`] says what is f32.
+pub fn f32_matmul_error(device: &Device) -> f64 {
+    use burn::tensor::Tensor;
+    let mut worst = 0f64;
+    for (m, k, n) in [(8, 64, 64), (64, 172, 64), (128, 256, 128), (512, 512, 512)] {
+        // Values with full mantissas, so that rounding the inputs shows.
+        let a: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7919 % 1009) as f32 / 1009.0 - 0.5) * 1.337)
+            .collect();
+        let b: Vec<f32> = (0..k * n)
+            .map(|i| ((i * 104729 % 1013) as f32 / 1013.0 - 0.5) * 0.911)
+            .collect();
+        let on_device = Tensor::<1>::from_floats(a.as_slice(), device)
+            .reshape([m, k])
+            .matmul(Tensor::<1>::from_floats(b.as_slice(), device).reshape([k, n]));
+        let Ok(got) = on_device.into_data().try_to_vec::<f32>() else {
+            return f64::INFINITY;
+        };
+        let (mut diff, mut scale) = (0f64, 0f64);
+        for i in 0..m {
+            for j in 0..n {
+                let exact: f64 = (0..k)
+                    .map(|p| a[i * k + p] as f64 * b[p * n + j] as f64)
+                    .sum();
+                diff = diff.max((got[i * n + j] as f64 - exact).abs());
+                scale = scale.max(exact.abs());
+            }
+        }
+        worst = worst.max(diff / scale);
+    }
+    worst
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flex_multiplies_f32_as_f32_and_a_tf32_rounding_would_show() {
+        let error = f32_matmul_error(&Device::flex());
+        assert!(
+            error <= F32_MATMUL_ERROR_LIMIT,
+            "Flex f32 matmul error {error:e}"
+        );
+        // The probe's inputs carry full mantissas: rounding them to TF32's 10 bits, as tensor
+        // cores do, moves a product by far more than the limit.
+        let tf32 = |x: f32| f32::from_bits(x.to_bits() & !0x1fff);
+        let (a, b) = (0.5 * 1.337 * 0.123_456_79_f32, 0.911 * 0.376_543_2_f32);
+        let rel = ((tf32(a) * tf32(b)) as f64 - (a * b) as f64).abs() / (a * b) as f64;
+        assert!(rel > F32_MATMUL_ERROR_LIMIT, "{rel:e}");
+    }
+}

@@ -3,8 +3,9 @@
 //! - [`launch`] / [`Launch`]: run one closure per rank on its own thread, each with a
 //!   [`RankContext`] (rank, mesh, device, a process group per mesh axis); join them and return
 //!   every rank's result, or the failure that caused the others, never a hang or a silent panic.
-//! - [`TensorCollectives`]: the collectives on Burn tensors (host-staged through `TensorData`;
-//!   the device-memory path comes with the NCCL engine).
+//! - [`TensorCollectives`]: the collectives on Burn tensors, staged through host memory
+//!   (`TensorData`; on Flex without a copy). The device-memory path for CUDA tensors with NCCL
+//!   (`cuda_memory`, feature `cuda`) is not used yet: it gave wrong results on an H200.
 //! - [`transfers`]: host transfers counted by cause (collective staging, gradient hooks, flat
 //!   vectors).
 //! - [`CommStream`]: a group's communication thread; collectives on tensors started now and
@@ -27,7 +28,7 @@
 
 mod context;
 #[cfg(feature = "cuda")]
-mod cuda_memory;
+pub mod cuda_memory;
 mod device;
 mod launch;
 mod process_env;
@@ -36,7 +37,7 @@ mod tensor;
 pub mod transfers;
 
 pub use context::RankContext;
-pub use device::{DeviceChoice, DeviceError};
+pub use device::{DeviceChoice, DeviceError, F32_MATMUL_ERROR_LIMIT, f32_matmul_error};
 pub use flashover_comm::{
     CommError, CommStats, Communicator, CommunicatorExt, FaultPlan, Group, OpKind, ReduceOp,
 };

@@ -6,8 +6,9 @@
 //! so an all-reduce or broadcast copies nothing outside the engine (a shared tensor is copied
 //! once). These move values, not gradients: results are fresh tensors on the input's device,
 //! outside any autodiff graph. Differentiable collectives (Megatron's conjugate operators) live
-//! with the strategies that need them. On CUDA with the NCCL engine the same trait will move
-//! device memory directly; the host path stays as the portable fallback.
+//! with the strategies that need them. CUDA tensors take this path too, with every engine:
+//! [`crate::cuda_memory`], which hands their device buffers to NCCL directly, read back wrong
+//! results on an H200 and is not used here until it is fixed (docs/benchmarks.md).
 
 use crate::transfers::{self, Cause};
 use burn::tensor::{Bytes, DType as BurnDType, Tensor, TensorData};
@@ -142,29 +143,12 @@ fn unstage<const D: usize>(
     Tensor::<D>::from_data(TensorData::from_bytes(bytes, shape, dtype), (device, dtype))
 }
 
-/// `op` in place on the tensor's GPU memory where the engine has device collectives and the
-/// tensor is a CUDA tensor on its GPU; `None` otherwise (the host-staged path runs).
-#[cfg(feature = "cuda")]
-fn on_device<C: Communicator + ?Sized, const D: usize>(
-    comm: &C,
-    tensor: &Tensor<D>,
-    op: crate::cuda_memory::InPlace,
-) -> Option<CommResult<Tensor<D>>> {
-    let device = comm.device_collectives()?;
-    let dtype = comm_dtype(tensor.dtype())?;
-    crate::cuda_memory::in_place(device, tensor, dtype, op)
-}
-
 impl<C: Communicator + ?Sized> TensorCollectives for C {
     fn all_reduce_tensor<const D: usize>(
         &self,
         tensor: Tensor<D>,
         op: ReduceOp,
     ) -> CommResult<Tensor<D>> {
-        #[cfg(feature = "cuda")]
-        if let Some(done) = on_device(self, &tensor, crate::cuda_memory::InPlace::AllReduce(op)) {
-            return done;
-        }
         let device = tensor.device();
         let mut s = stage(self, OpKind::AllReduce, tensor)?;
         self.all_reduce_bytes(&mut s.bytes, s.dtype, op)?;
@@ -176,10 +160,6 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         tensor: Tensor<D>,
         root: usize,
     ) -> CommResult<Tensor<D>> {
-        #[cfg(feature = "cuda")]
-        if let Some(done) = on_device(self, &tensor, crate::cuda_memory::InPlace::Broadcast(root)) {
-            return done;
-        }
         let device = tensor.device();
         let mut s = stage(self, OpKind::Broadcast, tensor)?;
         self.broadcast_bytes(&mut s.bytes, s.dtype, root)?;
@@ -192,8 +172,8 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         dim: usize,
     ) -> CommResult<Tensor<D>> {
         let device = tensor.device();
-        let s = stage(self, OpKind::AllGather, tensor)?;
         let n = self.size();
+        let s = stage(self, OpKind::AllGather, tensor)?;
         let mut recv = zeroed(s.bytes.len() * n, s.dtype);
         self.all_gather_bytes(&s.bytes, &mut recv, s.dtype)?;
         if recv.is_empty() {
