@@ -72,7 +72,10 @@ fn device_memory_in_place(g: &Group, x: &[f32]) {
     // certainly right): at world size 1 each one copies `x` into `out`.
     let n = x.len();
     let rows = [n];
-    type Op<'a> = (&'a str, Box<dyn Fn(u64, u64) -> flashover_comm::CommResult<()> + 'a>);
+    type Op<'a> = (
+        &'a str,
+        Box<dyn Fn(u64, u64) -> flashover_comm::CommResult<()> + 'a>,
+    );
     let ops: [Op; 3] = [
         (
             "all_gather_device",

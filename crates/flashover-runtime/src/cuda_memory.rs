@@ -5,7 +5,11 @@
 //! out-of-place operation (all-gather, reduce-scatter, all-to-all) read back values that were
 //! neither NCCL's result nor the output's zero fill; at world size 1 the in-place all-reduce and
 //! broadcast are identities, so their passing proves nothing. The likeliest cause is that the
-//! address taken below is not where Burn reads the tensor from; not yet found. So
+//! address taken below is not where Burn reads the tensor from; not yet found. Unchecked leads
+//! in cubecl-server 0.11.3: allocations are materialised lazily and outdated pools relocated,
+//! and a handle's stream need not be the one `client.sync()` waits for. `nccl_check` now runs
+//! the same pointer operations on memory it allocates itself, which tells the engine's side
+//! from Burn's on the next GPU run. So
 //! [`crate::TensorCollectives`] stages CUDA tensors through host memory, which is correct
 //! (every layout matched one rank on that GPU), and this module is public only so that
 //! `scripts/gpu_check.sh` keeps checking it on every GPU run until it is fixed.
