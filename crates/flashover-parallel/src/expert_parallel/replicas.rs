@@ -17,12 +17,13 @@ use crate::error::ParallelError;
 use crate::moe::Moe;
 use crate::moe::SwiGlu;
 use crate::nn::Linear;
-use crate::params::{accumulate_grads, flatten_params, zero_grads};
+use crate::params::{accumulate_grads, in_context_of, params_on_device, part, zero_grads};
 use burn::module::{Module, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Gradients;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::Tensor;
 use flashover_comm::{CommError, CommunicatorExt, Group, ReduceOp};
+use flashover_runtime::TensorCollectives;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -45,16 +46,16 @@ struct HotCopies {
     /// counted again).
     counted: HashMap<ParamId, Vec<u64>>,
     /// Per layer: this step's hot experts, ascending, and their weights as their owners
-    /// broadcast them.
-    weights: HashMap<ParamId, (Vec<usize>, Vec<Vec<f32>>)>,
+    /// broadcast them (flat, f32, on the device).
+    weights: HashMap<ParamId, (Vec<usize>, Vec<Tensor<1>>)>,
     /// Per layer: the copies of experts this rank owns.
     owned: HashMap<ParamId, Vec<OwnedCopy>>,
     /// Per layer: this step's hot experts and their trained copies (shared by every forward
     /// that trains, so their gradients add up).
     trained: HashMap<ParamId, (Vec<usize>, Vec<SwiGlu>)>,
-    /// Per layer: the trained copies' gradients summed over the step's backwards, in hot
-    /// order.
-    grads: HashMap<ParamId, Vec<f32>>,
+    /// Per layer: each trained copy's gradient summed over the step's backwards (flat, f32,
+    /// on the device), in hot order.
+    grads: HashMap<ParamId, Vec<Tensor<1>>>,
     /// Whether a backward's gradients were handed to [`Replicas::take_grads`] this step.
     taken: bool,
 }
@@ -155,22 +156,23 @@ impl Replicas {
             };
             let hot = hottest(loads, state.n);
             let me = group.rank();
+            let device = template.w_gate.weight.val().device().inner();
             let (mut weights, mut owned) = (vec![], vec![]);
             for (slot, &x) in hot.iter().enumerate() {
                 let owner = x / per_rank;
-                let mut flat = vec![0.0; template.num_params()];
-                if owner == me {
+                let flat = if owner == me {
                     let expert = &moe.experts[x - moe.first_expert];
-                    flat = flatten_params(expert);
                     let linears = [&expert.w_gate, &expert.w_up, &expert.w_down];
                     let ids = linears.map(|l| (l.weight.id, l.weight.val().dims()));
                     owned.push(OwnedCopy {
                         slot,
                         weights: ids.to_vec(),
                     });
-                }
-                group.broadcast(&mut flat, owner)?;
-                weights.push(flat);
+                    params_on_device(expert).expect("an expert has parameters")
+                } else {
+                    Tensor::zeros([template.num_params()], &device)
+                };
+                weights.push(group.broadcast_tensor(flat, owner)?);
             }
             state.owned.insert(id, owned);
             state.weights.insert(id, (hot, weights));
@@ -218,19 +220,19 @@ impl Replicas {
                 continue;
             };
             let len = copies[0].num_params();
-            let mut sums = sums_of
-                .remove(&id)
-                .unwrap_or_else(|| vec![0.0; len * hot.len()]);
-            group.all_reduce(&mut sums, ReduceOp::Sum)?;
             // The copies live where their owners' weights do.
-            let device = copies[0].w_gate.weight.val().device();
+            let device = copies[0].w_gate.weight.val().device().inner();
+            let sums = match sums_of.remove(&id) {
+                Some(parts) => Tensor::cat(parts, 0),
+                None => Tensor::zeros([len * hot.len()], &device),
+            };
+            let sums = group.all_reduce_tensor(sums, ReduceOp::Sum)?;
             for copy in owned.get(&id).into_iter().flatten() {
                 let mut at = copy.slot * len;
                 for (weight, dims) in &copy.weights {
                     let n = dims[0] * dims[1];
-                    let g: Vec<f32> = sums[at..at + n].iter().map(|g| g * scale).collect();
-                    let data = TensorData::new(g, *dims);
-                    folded.register::<2>(*weight, Tensor::from_data(data, &device));
+                    let g = part(&sums, at, n).mul_scalar(scale).reshape(*dims);
+                    folded.register::<2>(*weight, g);
                     at += n;
                 }
             }
@@ -247,21 +249,15 @@ impl Replicas {
         let state = &mut *state;
         state.taken = true;
         for (id, (_, copies)) in &state.trained {
-            let Some(len) = copies.first().map(Module::num_params) else {
-                continue;
-            };
-            let sum = state
-                .grads
-                .entry(*id)
-                .or_insert_with(|| vec![0.0; len * copies.len()]);
+            let sums = state.grads.entry(*id).or_default();
             for (i, copy) in copies.iter().enumerate() {
                 let g = GradientsParams::from_module(grads, copy);
                 let device = copy.w_gate.weight.val().device().inner();
                 let (flat, _) = accumulate_grads(copy, &g, zero_grads(copy, &device), &[]);
-                // The copies' sums are kept on the host (their all-reduce is a host one).
-                let values = crate::params::to_f32(flat);
-                let part = &mut sum[i * len..(i + 1) * len];
-                part.iter_mut().zip(values).for_each(|(acc, g)| *acc += g);
+                match sums.get_mut(i) {
+                    Some(sum) => *sum = sum.clone().add(flat),
+                    None => sums.push(flat),
+                }
             }
         }
     }
@@ -279,13 +275,13 @@ fn hottest(loads: &[u64], n: usize) -> Vec<usize> {
 /// A copy of `template`'s shape holding `flat`, as new parameters (new ids: the copy's
 /// gradients must not mix with the owner's), trainable where the template's are tracked (a
 /// parameter, or a compute-dtype view of one).
-fn fresh_copy(template: &SwiGlu, flat: &[f32]) -> SwiGlu {
+fn fresh_copy(template: &SwiGlu, flat: &Tensor<1>) -> SwiGlu {
     let mut at = 0;
     let mut linear = |l: &Linear| {
         let w = l.weight.val();
-        let (dims, device) = (w.dims(), w.device());
+        let dims = w.dims();
         let n = dims[0] * dims[1];
-        let t = Tensor::<2>::from_data(TensorData::new(flat[at..at + n].to_vec(), dims), &device);
+        let t = in_context_of(part(flat, at, n).reshape(dims), &w);
         at += n;
         let t = match w.is_tracked() {
             true => t.require_grad(),
