@@ -130,13 +130,21 @@ pub fn f32_matmul_error(device: &Device) -> f64 {
             return f64::INFINITY;
         };
         let (mut diff, mut scale) = (0f64, 0f64);
+        let mut exact = vec![0f64; n];
         for i in 0..m {
-            for j in 0..n {
-                let exact: f64 = (0..k)
-                    .map(|p| a[i * k + p] as f64 * b[p * n + j] as f64)
-                    .sum();
-                diff = diff.max((got[i * n + j] as f64 - exact).abs());
-                scale = scale.max(exact.abs());
+            // Row `i` of the f64 product, accumulated along `b`'s rows (contiguous reads).
+            exact.iter_mut().for_each(|e| *e = 0.0);
+            for p in 0..k {
+                let a_ip = a[i * k + p] as f64;
+                let b_row = &b[p * n..(p + 1) * n];
+                exact
+                    .iter_mut()
+                    .zip(b_row)
+                    .for_each(|(e, &b_pj)| *e += a_ip * b_pj as f64);
+            }
+            for (j, e) in exact.iter().enumerate() {
+                diff = diff.max((got[i * n + j] as f64 - e).abs());
+                scale = scale.max(e.abs());
             }
         }
         worst = worst.max(diff / scale);
