@@ -3,9 +3,9 @@
 # the number of failed checks (0: all passed). Every check runs even when an earlier one fails,
 # each under a time limit, so one run shows everything:
 #   1. the NCCL engine through every collective at world size 1, staged and in place on device
-#      memory (`nccl_check`); the tensor collectives on Burn CUDA tensors, and the device-memory
-#      path for them that is not in use (`cuda_collectives`: it fails while that path reads
-#      back wrong results, as it did on an H200);
+#      memory (`nccl_check`); the tensor collectives on Burn CUDA tensors, on their GPU buffers
+#      with no host staging (`cuda_collectives`); `bench comm --backend nccl --tensors`: those
+#      collectives' time on CUDA tensors next to the same tensors staged through host memory;
 #   2. Burn's CUDA backend (NVRTC): the reference model trained at f32 and bf16, then
 #      `verify` (every layout against one rank, all ranks as threads on the one GPU) for data,
 #      ZeRO-1/3, tensor, pipeline and context parallelism, and a few layouts again on the same
@@ -33,9 +33,8 @@ mkdir -p "$LOG_DIR"
 if [[ -n "${FLASHOVER_BIN:-}" ]]; then
   BIN=$FLASHOVER_BIN
 else
-  cargo build --release --features wgpu,cuda,nccl --bin flashover || exit 1
-  cargo build --release -p flashover-comm --features nccl --example nccl_check || exit 1
-  cargo build --release -p flashover-runtime --features nccl --example cuda_collectives || exit 1
+  cargo build --release --workspace --features wgpu,cuda,nccl,flashover-runtime/nccl \
+    --bin flashover --example nccl_check --example cuda_collectives || exit 1
   BIN=target/release
   cp target/release/examples/{nccl_check,cuda_collectives} "$BIN/" || exit 1
 fi
@@ -89,6 +88,9 @@ mfu() {
 
 check nccl_check 60 "$BIN/nccl_check"
 check cuda_collectives 60 "$BIN/cuda_collectives"
+check nccl_bench 150 "$BIN/flashover" bench comm --backend nccl --tensors --min-bytes 1M \
+  --max-bytes 256M --target-ms 100
+grep -E "^all_reduce .* 67108864 " "$LOG_DIR/nccl_bench.log" 2>/dev/null
 for precision in f32 bf16; do
   check "cuda_train_$precision" 180 "$BIN/flashover" train --device cuda --mesh dp=1 --steps 20 \
     --precision "$precision"

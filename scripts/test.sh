@@ -39,8 +39,10 @@ cargo run --quiet --features learner --example learner_parallel | grep -v 'Progr
 # The MPI engine, one rank per process under mpirun.
 scripts/mpi_check.sh
 
-# The NCCL engine builds without CUDA and, without a GPU, fails naming the missing library.
+# The NCCL engine builds without CUDA and, without a GPU, fails naming the missing library; its
+# refusal of ranks that share a GPU is checked on the ranks' exchanged blobs.
 cargo test -p flashover-comm --features nccl --test nccl_engine
+cargo test -p flashover-comm --features nccl --lib nccl::
 
 # Examples run as a user would run them (same features as the tests: no second build;
 # multi_process needs MPI and runs in scripts/mpi_check.sh).

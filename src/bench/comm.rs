@@ -163,7 +163,9 @@ fn time_thread_collective(
                         group = group.recorded(FlightRecorder::new(rank, 256));
                     }
                     match variant {
-                        Variant::Tensor => time_tensor_on_rank(&*group, op, bytes, target),
+                        Variant::Tensor => {
+                            time_tensor_on_rank(&*group, op, bytes, target, &Device::flex())
+                        }
                         _ => time_on_rank(&*group, op, bytes, target),
                     }
                 })
@@ -212,14 +214,20 @@ fn time_on_rank(c: &dyn Communicator, op: OpKind, bytes: usize, target: Duration
     t.elapsed().as_secs_f64() / iters[0] as f64
 }
 
-/// [`time_on_rank`] through [`TensorCollectives`] on Flex tensors, as a strategy calls them:
-/// each call is handed a fresh tensor (as a gradient or shard is handed over; made, and the
-/// result dropped, outside the timed region, with a barrier between) and returns a new one.
-/// All-to-all moves equal blocks of rows, as the raw bench's equal counts do.
-fn time_tensor_on_rank(c: &dyn Communicator, op: OpKind, bytes: usize, target: Duration) -> f64 {
+/// [`time_on_rank`] through [`TensorCollectives`] on tensors of `device`, as a strategy calls
+/// them: each call is handed a fresh tensor (as a gradient or shard is handed over; made, and
+/// the result dropped, outside the timed region, with a barrier between) and returns a new one,
+/// its device synchronised before the clock stops. All-to-all moves equal blocks of rows, as
+/// the raw bench's equal counts do.
+fn time_tensor_on_rank(
+    c: &dyn Communicator,
+    op: OpKind,
+    bytes: usize,
+    target: Duration,
+    device: &Device,
+) -> f64 {
     let n = c.size();
     let elems = bytes / 4;
-    let device = Device::flex();
     let send_len = match op {
         OpKind::ReduceScatter => elems / n * n,
         OpKind::AllGather => elems / n,
@@ -230,7 +238,8 @@ fn time_tensor_on_rank(c: &dyn Communicator, op: OpKind, bytes: usize, target: D
     let timed = |iters: u64| -> f64 {
         let mut total = 0.0;
         for _ in 0..iters {
-            let input = Tensor::<1>::ones([send_len], &device);
+            let input = Tensor::<1>::ones([send_len], device);
+            device.sync().expect("device");
             c.barrier().expect("barrier");
             let t = Instant::now();
             let out = match op {
@@ -242,6 +251,7 @@ fn time_tensor_on_rank(c: &dyn Communicator, op: OpKind, bytes: usize, target: D
                 other => unreachable!("{other} has no tensor form"),
             }
             .expect("collective");
+            device.sync().expect("device");
             total += t.elapsed().as_secs_f64();
             drop(out);
         }
@@ -292,6 +302,67 @@ pub fn run_mpi(config: &CommBenchConfig, mut emit: impl FnMut(&Record)) -> Resul
                     algbw_gbps: algbw,
                     busbw_gbps: algbw * bus_bandwidth_factor(op, n),
                 });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The benchmark on the NCCL engine over `world` (one rank per process, each on its GPU
+/// `device`; only rank 0 emits; each figure the slowest rank's time): byte-level calls on host
+/// buffers, which the engine copies through its GPU (backend `nccl`), and with `tensors`, Burn
+/// CUDA tensors through [`TensorCollectives`], which hands their device buffers to NCCL
+/// (`nccl+tensor`). At world size 1 the thread engine follows on the same CUDA tensors
+/// (`thread+tensor`: staged through host memory, as every engine but NCCL does), so the cost of
+/// staging is measured side by side.
+#[cfg(all(feature = "nccl", feature = "cuda"))]
+pub fn run_nccl(
+    config: &CommBenchConfig,
+    world: &dyn Communicator,
+    device: &Device,
+    mut emit: impl FnMut(&Record),
+) -> Result<(), String> {
+    let n = world.size();
+    let leader = world.rank() == 0;
+    let slowest = |time_s: f64| -> Result<f64, String> {
+        let mut t = [time_s];
+        world
+            .all_reduce(&mut t, ReduceOp::Max)
+            .map_err(|e| e.to_string())?;
+        Ok(t[0])
+    };
+    let staged = (n == 1 && config.tensors).then(|| {
+        Group::new(std::sync::Arc::new(
+            ThreadWorld::new(1).build().pop().expect("a world of one"),
+        ))
+    });
+    for &op in &config.ops {
+        for bytes in sizes(config.min_bytes, config.max_bytes) {
+            let mut timed = vec![(
+                "nccl",
+                slowest(time_on_rank(world, op, bytes, config.target))?,
+            )];
+            if config.tensors {
+                let on_device = time_tensor_on_rank(world, op, bytes, config.target, device);
+                timed.push(("nccl+tensor", slowest(on_device)?));
+            }
+            if let Some(staged) = &staged {
+                let through_host = time_tensor_on_rank(&**staged, op, bytes, config.target, device);
+                timed.push(("thread+tensor", through_host));
+            }
+            for (backend, time_s) in timed {
+                let algbw = bytes as f64 / time_s / 1e9;
+                if leader {
+                    emit(&Record::Collective {
+                        op: op.name(),
+                        backend,
+                        world: n,
+                        bytes,
+                        time_s,
+                        algbw_gbps: algbw,
+                        busbw_gbps: algbw * bus_bandwidth_factor(op, n),
+                    });
+                }
             }
         }
     }

@@ -245,13 +245,40 @@ pub struct CommArgs {
     #[arg(long)]
     flight: bool,
     /// Time each thread-engine measurement a second time on Flex tensors through
-    /// `TensorCollectives` (backend `thread+tensor`), side by side.
+    /// `TensorCollectives` (backend `thread+tensor`), side by side; with `--backend nccl`, CUDA
+    /// tensors (`nccl+tensor`, and at world size 1 `thread+tensor` on the same tensors).
     #[arg(long)]
     tensors: bool,
-    /// `thread` (ranks as threads, --worlds) or `mpi` (one rank per process: run under
-    /// `mpirun`; needs the `mpi` feature).
+    /// `thread` (ranks as threads, --worlds), `mpi` (one rank per process: run under
+    /// `mpirun`; needs the `mpi` feature) or `nccl` (one rank per GPU and process, started by
+    /// `flashover launch --engine nccl`, or alone a world of one; needs the `cuda` and `nccl`
+    /// features; `--tensors` times CUDA tensors, on their device buffers).
     #[arg(long, default_value = "thread")]
     backend: String,
+}
+
+/// `bench comm --backend nccl`'s world and GPU: this process's rank of a job started with
+/// torchrun-style variables (`flashover launch --engine nccl`), or alone a world of one on GPU 0.
+#[cfg(all(feature = "nccl", feature = "cuda"))]
+fn nccl_world() -> Result<(flashover_comm::Group, burn::tensor::Device), String> {
+    let timeout = Duration::from_secs(600);
+    let (world, local_rank) = match super::job::process_world(timeout)? {
+        Some((world, _)) if world.device_collectives().is_none() => {
+            return Err(
+                "--backend nccl: this process's world is not NCCL's (started by mpirun or Slurm?); start the ranks with `flashover launch --engine nccl -n N`".into(),
+            );
+        }
+        Some(world) => world,
+        None => (
+            flashover_comm::NcclWorld::group(0, 1, 0, timeout, |id| Ok(vec![id.to_vec()]))
+                .map_err(|e| e.to_string())?,
+            0,
+        ),
+    };
+    let device = flashover_runtime::DeviceChoice::Cuda
+        .device(local_rank)
+        .map_err(|e| e.to_string())?;
+    Ok((world, device))
 }
 
 fn parse_op(name: &str) -> Result<OpKind, String> {
@@ -683,7 +710,20 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                         "--backend mpi: this build has no MPI engine; build with --features mpi and run under mpirun".into(),
                     );
                 }
-                other => return Err(format!("--backend `{other}`: expected thread or mpi")),
+                #[cfg(all(feature = "nccl", feature = "cuda"))]
+                "nccl" => {
+                    let (world, device) = nccl_world()?;
+                    comm::run_nccl(&config, &*world, &device, emit)?
+                }
+                #[cfg(not(all(feature = "nccl", feature = "cuda")))]
+                "nccl" => {
+                    return Err(
+                        "--backend nccl: this build has no NCCL engine with CUDA tensors; build with --features cuda,nccl and run it on a GPU machine (alone for a world of one, or under `flashover launch --engine nccl -n N`)".into(),
+                    );
+                }
+                other => {
+                    return Err(format!("--backend `{other}`: expected thread, mpi or nccl"));
+                }
             }
             Ok(())
         }

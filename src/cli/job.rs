@@ -414,7 +414,9 @@ pub fn train(args: &JobArgs, outputs: TrainOutputs) -> Result<(), String> {
         return Err(format!("invalid job:\n  {}", errors.join("\n  ")));
     }
     // Under mpirun (and built with the MPI engine) this process is one rank; rank 0 reports.
-    let world = process_world(&config)?;
+    let world = process_world(std::time::Duration::from_secs_f64(
+        config.parallel.timeout_s,
+    ))?;
     let leader = world.as_ref().is_none_or(|(w, _)| w.rank() == 0);
     if let Some((world, local_rank)) = world.clone().filter(|_| !leader) {
         return flashover::train::train_process(&config, &|_| {}, world, local_rank).map(|_| ());
@@ -525,9 +527,10 @@ pub fn train(args: &JobArgs, outputs: TrainOutputs) -> Result<(), String> {
 }
 
 /// This process's world group and local rank when a launcher started it as one rank of a job
-/// (`mpirun` or Slurm with the MPI engine built in); `None` when ranks are threads here.
-fn process_world(
-    config: &flashover::train::TrainConfig,
+/// (`mpirun` or Slurm with the MPI engine built in, torchrun-style variables with NCCL), each
+/// collective waiting at most `timeout`; `None` when ranks are threads here.
+pub(crate) fn process_world(
+    timeout: std::time::Duration,
 ) -> Result<Option<(flashover::Group, usize)>, String> {
     let Some(env) = flashover::ProcessEnv::detect()? else {
         return Ok(None);
@@ -547,13 +550,11 @@ fn process_world(
                 mpi.size()
             ));
         }
-        let timeout = std::time::Duration::from_secs_f64(config.parallel.timeout_s);
         return Ok(Some((mpi.group(timeout), env.local_rank)));
     }
     #[cfg(feature = "nccl")]
     if env.launcher == flashover::Launcher::Torchrun {
         // NCCL ranks: rank 0's unique id travels through the TCP rendezvous.
-        let timeout = std::time::Duration::from_secs_f64(config.parallel.timeout_s);
         let rdzv = env.rendezvous(timeout)?;
         let rank = env.rank;
         let exchange = |blob: &[u8]| {
@@ -569,7 +570,7 @@ fn process_world(
                 .map_err(|e| e.to_string())?;
         return Ok(Some((world, env.local_rank)));
     }
-    let _ = config;
+    let _ = timeout;
     Err(format!(
         "started by {:?} as rank {} of {}, but this build has no engine for one rank per process there: build with --features mpi and start it with mpirun or srun (or --features nccl for ranks started with torchrun-style variables, e.g. by `flashover launch --engine nccl`)",
         env.launcher, env.rank, env.world

@@ -17,10 +17,9 @@
 //!
 //! [`DeviceCollectives`] (through [`Communicator::device_collectives`]) runs every operation on
 //! memory another library owns, addressed by raw device pointer: the path Burn's CUDA tensors
-//! take (flashover-runtime's `cuda_memory`, not in use yet: see there), with no host round
-//! trip. `nccl_check` (in `scripts/gpu_check.sh`) runs every operation but send/recv both ways
-//! on one GPU. On an H200 the byte-level ones and the in-place device ones passed; the
-//! out-of-place device ones were added after that run and have not run yet.
+//! take (flashover-runtime's `cuda_memory`), with no host round trip. `nccl_check` (in
+//! `scripts/gpu_check.sh`) runs every operation but send/recv both ways on one GPU, byte-level
+//! and on device pointers; all passed on an H200.
 
 use crate::args;
 use crate::communicator::{Communicator, CommunicatorExt, DeviceCollectives, Group};
@@ -63,8 +62,9 @@ impl NcclWorld {
     }
 
     /// The world group for `rank` of `world` processes on GPU `device`. Rank 0 creates NCCL's
-    /// unique id; `exchange` must hand every rank every rank's blob (rank 0's is the id; e.g.
-    /// [`crate::Rendezvous`] or an MPI all-gather). Calls time out after `timeout`.
+    /// unique id; `exchange` must hand every rank every rank's blob (each names its GPU, rank
+    /// 0's also carries the id; e.g. [`crate::Rendezvous`] or an MPI all-gather). Ranks that
+    /// share a GPU are refused: NCCL needs one GPU per rank. Calls time out after `timeout`.
     pub fn group(
         rank: usize,
         world: usize,
@@ -73,21 +73,46 @@ impl NcclWorld {
         exchange: impl FnOnce(&[u8]) -> Result<Vec<Vec<u8>>, String>,
     ) -> CommResult<Group> {
         Self::available()?;
-        let mine = if rank == 0 {
-            id_bytes(&Id::new().map_err(|e| engine(format!("creating the unique id: {e:?}")))?)
-        } else {
-            vec![]
-        };
+        let gpu = CudaContext::new(device)
+            .and_then(|ctx| ctx.uuid())
+            .map_err(|e| engine(format!("GPU {device}: {e:?}")))?;
+        let mut mine = gpu.bytes.iter().map(|&b| b as u8).collect::<Vec<u8>>();
+        if rank == 0 {
+            let id = Id::new().map_err(|e| engine(format!("creating the unique id: {e:?}")))?;
+            mine.extend(id_bytes(&id));
+        }
         let blobs =
             exchange(&mine).map_err(|e| engine(format!("exchanging the unique id: {e}")))?;
-        let id = id_from(
-            blobs
-                .first()
-                .ok_or_else(|| engine("no unique id from rank 0"))?,
-        )?;
+        let id = world_id(&blobs, world)?;
         let members = (0..world).collect();
         NcclComm::start("world".into(), members, rank, device, id, timeout)
     }
+}
+
+/// Bytes of a GPU's UUID at the start of every rank's blob.
+const UUID_BYTES: usize = 16;
+
+/// NCCL's unique id from every rank's blob (its GPU's UUID, then on rank 0 the id), after
+/// checking that no two ranks name the same GPU.
+fn world_id(blobs: &[Vec<u8>], world: usize) -> CommResult<Id> {
+    if blobs.len() != world || blobs.iter().any(|b| b.len() < UUID_BYTES) {
+        return Err(engine(format!(
+            "the exchange gave {} blobs for {world} ranks, or one without its GPU",
+            blobs.len()
+        )));
+    }
+    let gpu = |r: usize| &blobs[r][..UUID_BYTES];
+    for b in 1..world {
+        if let Some(a) = (0..b).find(|&a| gpu(a) == gpu(b)) {
+            let uuid: String = gpu(b).iter().map(|x| format!("{x:02x}")).collect();
+            return Err(engine(format!(
+                "ranks {a} and {b} are on the same GPU (UUID {uuid}); NCCL needs one GPU per rank: \
+                 start at most as many ranks on a machine as it has GPUs, each on its own \
+                 (LOCAL_RANK picks it)"
+            )));
+        }
+    }
+    id_from(&blobs[0][UUID_BYTES..])
 }
 
 fn id_bytes(id: &Id) -> Vec<u8> {
@@ -106,15 +131,70 @@ fn id_from(bytes: &[u8]) -> CommResult<Id> {
 
 /// Work for a communicator's thread; the reply carries the output bytes.
 enum Job {
-    AllReduce(Vec<u8>, DType, ReduceOp),
-    ReduceScatter(Vec<u8>, DType, ReduceOp),
-    AllGather(Vec<u8>),
-    Broadcast(Vec<u8>, usize),
-    AllToAll(Vec<u8>, Vec<usize>, Vec<usize>),
-    Send(Vec<u8>, usize),
-    Recv(usize, usize),
+    /// A byte-level call on host memory, staged through the thread's device scratch.
+    Staged(Staged),
     /// On memory another library owns ([`DeviceCollectives`]).
     Device(DeviceJob),
+}
+
+/// A byte-level call: `input` is copied into the device scratch, `job` runs there (given the
+/// input's address and the output's: the same for an in-place operation), and `output` bytes
+/// are copied back. So the byte-level API is the device one plus two copies.
+struct Staged {
+    input: Vec<u8>,
+    output: usize,
+    in_place: bool,
+    job: Box<dyn FnOnce(u64, u64) -> DeviceJob + Send>,
+}
+
+impl Staged {
+    /// An in-place call on `data` (all-reduce, broadcast).
+    fn in_place(data: &[u8], job: impl FnOnce(u64) -> DeviceJob + Send + 'static) -> Job {
+        Job::Staged(Staged {
+            input: data.to_vec(),
+            output: data.len(),
+            in_place: true,
+            job: Box::new(move |at, _| job(at)),
+        })
+    }
+
+    /// A call from `send` into `output` fresh bytes.
+    fn out_of_place(
+        send: &[u8],
+        output: usize,
+        job: impl FnOnce(u64, u64) -> DeviceJob + Send + 'static,
+    ) -> Job {
+        Job::Staged(Staged {
+            input: send.to_vec(),
+            output,
+            in_place: false,
+            job: Box::new(job),
+        })
+    }
+}
+
+/// Device memory the byte-level calls are staged through: allocated at the largest size asked
+/// for so far and kept, so a call costs two copies rather than an allocation and a free.
+#[derive(Default)]
+struct Scratch {
+    buf: Option<CudaSlice<u8>>,
+}
+
+impl Scratch {
+    /// The address of at least `len` bytes of it.
+    fn at_least(&mut self, stream: &Arc<CudaStream>, len: usize) -> Result<u64, String> {
+        if self.buf.as_ref().is_none_or(|b| b.len() < len) {
+            // The old buffer goes first, so growing never holds both.
+            self.buf = None;
+            let grown = stream
+                .alloc_zeros::<u8>(len.max(1))
+                .map_err(|e| format!("staging buffer of {len} bytes: {e:?}"))?;
+            self.buf = Some(grown);
+        }
+        let buf = self.buf.as_ref().expect("allocated above");
+        let (ptr, _synced) = buf.device_ptr(stream);
+        Ok(ptr)
+    }
 }
 
 /// A [`Job`] on device memory addressed by raw pointer: counts are elements of the dtype.
@@ -185,8 +265,9 @@ impl NcclComm {
                         return;
                     }
                 };
+                let mut scratch = Scratch::default();
                 for (job, reply) in rx {
-                    let _ = reply.send(run(&stream, &comm, world, job).map_err(engine));
+                    let _ = reply.send(run(&stream, &comm, &mut scratch, job).map_err(engine));
                 }
             })
             .map_err(|e| engine(format!("starting the NCCL thread: {e}")))?;
@@ -265,108 +346,44 @@ fn nccl_op(op: ReduceOp) -> cudarc::nccl::ReduceOp {
     }
 }
 
-/// A reduction of `data` as elements of `T`: `scatter` keeps this rank's block only.
-fn reduce<T>(
+/// One job on the communicator's thread; its stream is synchronised before the reply.
+fn run(
     stream: &Arc<CudaStream>,
     comm: &Comm,
-    data: &[u8],
-    op: ReduceOp,
-    scatter: Option<usize>,
-) -> Result<Vec<u8>, String>
-where
-    T: bytemuck::Pod
-        + cudarc::driver::DeviceRepr
-        + cudarc::driver::ValidAsZeroBits
-        + cudarc::nccl::NcclType,
-{
-    let host: Vec<T> = data
-        .chunks_exact(std::mem::size_of::<T>())
-        .map(bytemuck::pod_read_unaligned)
-        .collect();
-    let send = stream.clone_htod(&host).map_err(|e| format!("{e:?}"))?;
-    let out_len = scatter.map_or(host.len(), |n| host.len() / n);
-    let mut recv: CudaSlice<T> = stream.alloc_zeros(out_len).map_err(|e| format!("{e:?}"))?;
-    let status = match scatter {
-        None => comm.all_reduce(&send, &mut recv, &nccl_op(op)),
-        Some(_) => comm.reduce_scatter(&send, &mut recv, &nccl_op(op)),
-    };
-    status.map_err(|e| format!("{e:?}"))?;
-    let out = stream.clone_dtoh(&recv).map_err(|e| format!("{e:?}"))?;
-    Ok(bytemuck::cast_slice(&out).to_vec())
-}
-
-/// One job on the communicator's thread.
-fn run(stream: &Arc<CudaStream>, comm: &Comm, world: usize, job: Job) -> Result<Vec<u8>, String> {
+    scratch: &mut Scratch,
+    job: Job,
+) -> Result<Vec<u8>, String> {
     let err = |e: &dyn std::fmt::Debug| format!("{e:?}");
-    let upload = |bytes: &[u8]| stream.clone_htod(bytes).map_err(|e| err(&e));
-    let download = |slice: &CudaSlice<u8>| stream.clone_dtoh(slice).map_err(|e| err(&e));
     match job {
-        Job::AllReduce(data, dtype, op) => reduce_as(stream, comm, &data, dtype, op, None),
-        Job::ReduceScatter(data, dtype, op) => {
-            reduce_as(stream, comm, &data, dtype, op, Some(world))
-        }
-        Job::AllGather(data) => {
-            let send = upload(&data)?;
-            let mut recv: CudaSlice<u8> = stream
-                .alloc_zeros(data.len() * world)
-                .map_err(|e| err(&e))?;
-            comm.all_gather(&send, &mut recv).map_err(|e| err(&e))?;
-            download(&recv)
-        }
-        Job::Broadcast(data, root) => {
-            let mut buf = upload(&data)?;
-            comm.broadcast_in_place(&mut buf, root as i32)
-                .map_err(|e| err(&e))?;
-            download(&buf)
-        }
-        Job::AllToAll(data, send_bytes, recv_bytes) => {
-            let send = upload(&data)?;
-            // One receive buffer per peer: the grouped calls need disjoint mutable views.
-            let mut recvs: Vec<CudaSlice<u8>> = recv_bytes
-                .iter()
-                .map(|&r| stream.alloc_zeros(r.max(1)))
-                .collect::<Result<_, _>>()
-                .map_err(|e| err(&e))?;
-            {
-                let mut group = comm.group();
-                let mut s_at = 0;
-                for (peer, recv) in recvs.iter_mut().enumerate() {
-                    let (s, r) = (send_bytes[peer], recv_bytes[peer]);
-                    if s > 0 {
-                        group
-                            .send(send.slice(s_at..s_at + s), peer as i32)
-                            .map_err(|e| err(&e))?;
-                    }
-                    if r > 0 {
-                        group
-                            .recv(recv.slice_mut(0..r), peer as i32)
-                            .map_err(|e| err(&e))?;
-                    }
-                    s_at += s;
-                }
-            }
-            let mut out = Vec::with_capacity(recv_bytes.iter().sum());
-            for (recv, &r) in recvs.iter().zip(&recv_bytes) {
-                out.extend_from_slice(&download(recv)?[..r]);
-            }
-            Ok(out)
-        }
-        Job::Send(data, dst) => {
-            let send = upload(&data)?;
-            comm.send(&send, dst as i32).map_err(|e| err(&e))?;
-            stream.synchronize().map_err(|e| err(&e))?;
-            Ok(vec![])
-        }
         Job::Device(job) => {
             on_device(stream, comm, job)?;
             stream.synchronize().map_err(|e| err(&e))?;
             Ok(vec![])
         }
-        Job::Recv(len, src) => {
-            let mut recv: CudaSlice<u8> = stream.alloc_zeros(len.max(1)).map_err(|e| err(&e))?;
-            comm.recv(&mut recv, src as i32).map_err(|e| err(&e))?;
-            let mut out = download(&recv)?;
-            out.truncate(len);
+        Job::Staged(staged) => {
+            // The output after the input, on an alignment NCCL is happy with.
+            let output_at = if staged.in_place {
+                0
+            } else {
+                staged.input.len().next_multiple_of(256)
+            };
+            let base = scratch.at_least(stream, output_at + staged.output)?;
+            let output = base + output_at as u64;
+            if !staged.input.is_empty() {
+                let mut input = foreign::<u8>(stream, base, staged.input.len());
+                stream
+                    .memcpy_htod(staged.input.as_slice(), &mut input)
+                    .map_err(|e| err(&e))?;
+            }
+            on_device(stream, comm, (staged.job)(base, output))?;
+            let mut out = vec![0u8; staged.output];
+            if !out.is_empty() {
+                let result = foreign::<u8>(stream, output, out.len());
+                stream
+                    .memcpy_dtoh(&result, out.as_mut_slice())
+                    .map_err(|e| err(&e))?;
+            }
+            stream.synchronize().map_err(|e| err(&e))?;
             Ok(out)
         }
     }
@@ -614,28 +631,6 @@ impl DeviceCollectives for NcclComm {
     }
 }
 
-/// [`reduce`] for the element type `dtype` names.
-fn reduce_as(
-    stream: &Arc<CudaStream>,
-    comm: &Comm,
-    data: &[u8],
-    dtype: DType,
-    op: ReduceOp,
-    scatter: Option<usize>,
-) -> Result<Vec<u8>, String> {
-    match dtype {
-        DType::F32 => reduce::<f32>(stream, comm, data, op, scatter),
-        DType::F64 => reduce::<f64>(stream, comm, data, op, scatter),
-        DType::I32 => reduce::<i32>(stream, comm, data, op, scatter),
-        DType::I64 => reduce::<i64>(stream, comm, data, op, scatter),
-        DType::U32 => reduce::<u32>(stream, comm, data, op, scatter),
-        DType::U64 => reduce::<u64>(stream, comm, data, op, scatter),
-        DType::U8 => reduce::<u8>(stream, comm, data, op, scatter),
-        DType::F16 => reduce::<half::f16>(stream, comm, data, op, scatter),
-        DType::BF16 => reduce::<half::bf16>(stream, comm, data, op, scatter),
-    }
-}
-
 impl Communicator for NcclComm {
     fn rank(&self) -> usize {
         self.rank
@@ -655,11 +650,9 @@ impl Communicator for NcclComm {
 
     fn all_reduce_bytes(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> CommResult<()> {
         args::elements(buf.len(), dtype).map_err(|e| self.invalid(OpKind::AllReduce, e))?;
-        let out = self.call(
-            OpKind::AllReduce,
-            buf.len(),
-            Job::AllReduce(buf.to_vec(), dtype, op),
-        )?;
+        let count = buf.len() / dtype.size();
+        let job = Staged::in_place(buf, move |at| DeviceJob::AllReduce(at, count, dtype, op));
+        let out = self.call(OpKind::AllReduce, buf.len(), job)?;
         buf.copy_from_slice(&out);
         Ok(())
     }
@@ -673,11 +666,11 @@ impl Communicator for NcclComm {
     ) -> CommResult<()> {
         args::reduce_scatter(self.size(), send.len(), recv.len(), dtype)
             .map_err(|e| self.invalid(OpKind::ReduceScatter, e))?;
-        let out = self.call(
-            OpKind::ReduceScatter,
-            send.len(),
-            Job::ReduceScatter(send.to_vec(), dtype, op),
-        )?;
+        let count = recv.len() / dtype.size();
+        let job = Staged::out_of_place(send, recv.len(), move |s, r| {
+            DeviceJob::ReduceScatter(s, r, count, dtype, op)
+        });
+        let out = self.call(OpKind::ReduceScatter, send.len(), job)?;
         recv.copy_from_slice(&out);
         Ok(())
     }
@@ -685,7 +678,11 @@ impl Communicator for NcclComm {
     fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8], dtype: DType) -> CommResult<()> {
         args::all_gather(self.size(), send.len(), recv.len(), dtype)
             .map_err(|e| self.invalid(OpKind::AllGather, e))?;
-        let out = self.call(OpKind::AllGather, recv.len(), Job::AllGather(send.to_vec()))?;
+        let count = send.len() / dtype.size();
+        let job = Staged::out_of_place(send, recv.len(), move |s, r| {
+            DeviceJob::AllGather(s, r, count, dtype)
+        });
+        let out = self.call(OpKind::AllGather, recv.len(), job)?;
         recv.copy_from_slice(&out);
         Ok(())
     }
@@ -693,11 +690,9 @@ impl Communicator for NcclComm {
     fn broadcast_bytes(&self, buf: &mut [u8], dtype: DType, root: usize) -> CommResult<()> {
         args::broadcast(self.size(), buf.len(), dtype, root)
             .map_err(|e| self.invalid(OpKind::Broadcast, e))?;
-        let out = self.call(
-            OpKind::Broadcast,
-            buf.len(),
-            Job::Broadcast(buf.to_vec(), root),
-        )?;
+        let count = buf.len() / dtype.size();
+        let job = Staged::in_place(buf, move |at| DeviceJob::Broadcast(at, count, dtype, root));
+        let out = self.call(OpKind::Broadcast, buf.len(), job)?;
         buf.copy_from_slice(&out);
         Ok(())
     }
@@ -719,13 +714,15 @@ impl Communicator for NcclComm {
             dtype,
         )
         .map_err(|e| self.invalid(OpKind::AllToAll, e))?;
-        let bytes = |c: &[usize]| c.iter().map(|x| x * dtype.size()).collect::<Vec<_>>();
-        let (sb, rb) = (bytes(send_counts), bytes(recv_counts));
-        let out = self.call(
-            OpKind::AllToAll,
-            send.len(),
-            Job::AllToAll(send.to_vec(), sb, rb),
-        )?;
+        let (send_counts, recv_counts) = (send_counts.to_vec(), recv_counts.to_vec());
+        let job = Staged::out_of_place(send, recv.len(), move |s, r| DeviceJob::AllToAll {
+            send: s,
+            send_counts,
+            recv: r,
+            recv_counts,
+            dtype,
+        });
+        let out = self.call(OpKind::AllToAll, send.len(), job)?;
         recv.copy_from_slice(&out);
         Ok(())
     }
@@ -733,14 +730,22 @@ impl Communicator for NcclComm {
     fn send_bytes(&self, buf: &[u8], _dtype: DType, dst: usize) -> CommResult<()> {
         args::peer(self.size(), self.rank, dst, "destination", true)
             .map_err(|e| self.invalid(OpKind::Send, e))?;
-        self.call(OpKind::Send, buf.len(), Job::Send(buf.to_vec(), dst))
-            .map(|_| ())
+        // As bytes: the message's length need not be whole elements of its tag.
+        let count = buf.len();
+        let job = Staged::out_of_place(buf, 0, move |s, _| {
+            DeviceJob::Send(s, count, DType::U8, dst)
+        });
+        self.call(OpKind::Send, buf.len(), job).map(|_| ())
     }
 
     fn recv_bytes(&self, buf: &mut [u8], _dtype: DType, src: usize) -> CommResult<()> {
         args::peer(self.size(), self.rank, src, "source", true)
             .map_err(|e| self.invalid(OpKind::Recv, e))?;
-        let out = self.call(OpKind::Recv, buf.len(), Job::Recv(buf.len(), src))?;
+        let count = buf.len();
+        let job = Staged::out_of_place(&[], count, move |_, r| {
+            DeviceJob::Recv(r, count, DType::U8, src)
+        });
+        let out = self.call(OpKind::Recv, buf.len(), job)?;
         buf.copy_from_slice(&out);
         Ok(())
     }
@@ -791,5 +796,41 @@ impl Communicator for NcclComm {
 
     fn device_collectives(&self) -> Option<&dyn DeviceCollectives> {
         Some(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A blob as rank `r` would send it: its GPU's UUID (`gpu` repeated), then on rank 0 an id.
+    fn blob(r: usize, gpu: u8) -> Vec<u8> {
+        let mut b = vec![gpu; UUID_BYTES];
+        if r == 0 {
+            b.extend(vec![7u8; 128]);
+        }
+        b
+    }
+
+    #[test]
+    fn ranks_on_distinct_gpus_join() {
+        let blobs = vec![blob(0, 1), blob(1, 2), blob(2, 3)];
+        assert!(world_id(&blobs, 3).is_ok());
+    }
+
+    #[test]
+    fn ranks_sharing_a_gpu_are_refused_by_name() {
+        let blobs = vec![blob(0, 1), blob(1, 2), blob(2, 1)];
+        let err = world_id(&blobs, 3).unwrap_err().to_string();
+        assert!(err.contains("ranks 0 and 2 are on the same GPU"), "{err}");
+        assert!(err.contains("one GPU per rank"), "{err}");
+    }
+
+    #[test]
+    fn a_short_exchange_is_refused() {
+        let err = world_id(&[blob(0, 1)], 2).unwrap_err().to_string();
+        assert!(err.contains("1 blobs for 2 ranks"), "{err}");
+        let err = world_id(&[blob(0, 1), vec![]], 2).unwrap_err().to_string();
+        assert!(err.contains("without its GPU"), "{err}");
     }
 }

@@ -1,21 +1,78 @@
-//! The tensor collectives on Burn CUDA tensors with the NCCL engine, world size 1 (one GPU), for
-//! the GPU machine (`scripts/gpu_check.sh`); exits 2 where CUDA or NCCL cannot be loaded.
+//! The tensor collectives on Burn CUDA tensors, world size 1 (one GPU), for the GPU machine
+//! (`scripts/gpu_check.sh`); exits 2 where CUDA or NCCL cannot be loaded, 1 on a wrong result.
 //!
-//! 1. [`TensorCollectives`] (staged through host memory): every operation's result is checked,
-//!    and the flight recorder must have seen each call.
-//! 2. [`flashover_runtime::cuda_memory`], the device-memory path that is not in use: each
-//!    operation's result is checked and printed, and must stage nothing through host memory.
-//!    It read back wrong results on an H200, so this part fails (exit 1) until that is fixed.
+//! 1. With the NCCL engine, [`TensorCollectives`] hands CUDA tensors' device buffers to NCCL
+//!    ([`flashover_runtime::cuda_memory`]): every operation's result is checked against the
+//!    input (at world size 1 each one is an identity or a copy), none may stage through host
+//!    memory, and the flight recorder must see every call.
+//! 2. With a thread group (no device collectives) the same tensors are staged through host
+//!    memory: the results are checked and the staging counted.
 //!
-//! Send and receive are not run: at world size 1 a rank would send to itself, which NCCL
-//! completes only inside one group of calls (all-to-all covers that path).
+//! The tensors are shaped to catch layout mistakes: CubeCL pads the rows of CUDA tensors of
+//! rank 2 and more (a row of 5 f32 takes 8), so `[6, 5]` and `[2, 3, 5]` have gaps in their
+//! buffers; a view cut from a larger tensor starts past its buffer's start. At world size 1 an
+//! in-place all-reduce or broadcast leaves any buffer as it was, so only the out-of-place
+//! operations (all-gather, reduce-scatter, all-to-all) can show a wrong address. Send and
+//! receive are not run: at world size 1 a rank would send to itself, which NCCL completes only
+//! inside one group of calls.
 
-use burn::tensor::{DType as BurnDType, Tensor};
-use flashover_comm::{DType, FlightRecorder, NcclWorld};
-use flashover_runtime::cuda_memory::{self, DeviceOp};
+use burn::tensor::{DType as BurnDType, Device, Tensor};
+use flashover_comm::{FlightRecorder, NcclWorld, ThreadWorld};
 use flashover_runtime::transfers::{self, Cause};
-use flashover_runtime::{DeviceChoice, ReduceOp, TensorCollectives};
+use flashover_runtime::{Communicator, DeviceChoice, ReduceOp, TensorCollectives};
 use std::time::Duration;
+
+/// The inputs: a padded 2-D tensor, a padded 3-D one, and a view into a larger buffer.
+fn inputs(device: &Device, dtype: BurnDType) -> Vec<(&'static str, Tensor<3>)> {
+    let ramp = |n: usize| -> Vec<f32> { (0..n).map(|i| i as f32 * 0.25 - 3.0).collect() };
+    let t = |n: usize, shape: [usize; 3]| {
+        Tensor::<1>::from_floats(ramp(n).as_slice(), device)
+            .reshape(shape)
+            .cast(dtype)
+    };
+    vec![
+        ("[6, 1, 5]", t(30, [6, 1, 5])),
+        ("[2, 3, 5]", t(30, [2, 3, 5])),
+        ("rows 1..7 of [8, 1, 5]", t(40, [8, 1, 5]).narrow(0, 1, 6)),
+    ]
+}
+
+/// Runs every tensor collective on `x` over `group` (one rank) and counts the wrong results.
+fn check_all<C: Communicator + ?Sized>(group: &C, what: &str, x: &Tensor<3>) -> usize {
+    let expected = x.clone().cast(BurnDType::F32).into_data();
+    let rows = x.dims()[0];
+    let sum = ReduceOp::Sum;
+    let results = [
+        ("all_reduce", group.all_reduce_tensor(x.clone(), sum)),
+        ("broadcast", group.broadcast_tensor(x.clone(), 0)),
+        ("all_gather dim 0", group.all_gather_tensor(x.clone(), 0)),
+        ("all_gather dim 2", group.all_gather_tensor(x.clone(), 2)),
+        (
+            "reduce_scatter dim 0",
+            group.reduce_scatter_tensor(x.clone(), 0, sum),
+        ),
+        (
+            "reduce_scatter dim 2",
+            group.reduce_scatter_tensor(x.clone(), 2, sum),
+        ),
+        (
+            "all_to_all",
+            group.all_to_all_tensor(x.clone(), &[rows], &[rows]),
+        ),
+    ];
+    let mut wrong = 0;
+    for (op, result) in results {
+        let got = result
+            .unwrap_or_else(|e| panic!("{op} on {what}: {e}"))
+            .cast(BurnDType::F32)
+            .into_data();
+        if got != expected {
+            println!("cuda_collectives: WRONG {op} on {what}: {got:?}");
+            wrong += 1;
+        }
+    }
+    wrong
+}
 
 fn main() {
     if let Err(e) = NcclWorld::available() {
@@ -26,82 +83,54 @@ fn main() {
         eprintln!("cuda_collectives: {e}");
         std::process::exit(2);
     });
-    let recorder = FlightRecorder::new(0, 64);
-    let group = NcclWorld::group(0, 1, 0, Duration::from_secs(60), |id| Ok(vec![id.to_vec()]))
+    let recorder = FlightRecorder::new(0, 256);
+    let nccl = NcclWorld::group(0, 1, 0, Duration::from_secs(60), |id| Ok(vec![id.to_vec()]))
         .expect("NCCL world of one")
         .recorded(recorder.clone());
-    let on_gpu = group
-        .device_collectives()
-        .expect("the NCCL engine has device collectives");
-    let values: Vec<f32> = (0..6 * 5).map(|i| i as f32 * 0.25 - 3.0).collect();
-    let mut wrong_on_device = 0;
-    for (dtype, tag) in [(BurnDType::F32, DType::F32), (BurnDType::BF16, DType::BF16)] {
-        let x = Tensor::<1>::from_floats(values.as_slice(), &device)
-            .reshape([6, 5])
-            .cast(dtype);
-        let expected = x.clone().cast(BurnDType::F32).into_data();
-        let read = |t: Tensor<2>| t.cast(BurnDType::F32).into_data();
-
-        // 1. The staged collectives: must be right.
-        let staged = [
-            (
-                "all_reduce",
-                group.all_reduce_tensor(x.clone(), ReduceOp::Sum),
-            ),
-            ("broadcast", group.broadcast_tensor(x.clone(), 0)),
-            ("all_gather dim 0", group.all_gather_tensor(x.clone(), 0)),
-            ("all_gather dim 1", group.all_gather_tensor(x.clone(), 1)),
-            (
-                "reduce_scatter",
-                group.reduce_scatter_tensor(x.clone(), 0, ReduceOp::Sum),
-            ),
-            ("all_to_all", group.all_to_all_tensor(x.clone(), &[6], &[6])),
-        ];
-        for (what, result) in staged {
-            assert_eq!(read(result.unwrap()), expected, "staged {what} {dtype:?}");
-        }
-
-        // 2. The device-memory path: reported, op by op.
-        let before = transfers::snapshot();
-        let ops = [
-            ("all_reduce", DeviceOp::AllReduce(ReduceOp::Sum)),
-            ("broadcast", DeviceOp::Broadcast(0)),
-            ("all_gather", DeviceOp::AllGather),
-            ("reduce_scatter", DeviceOp::ReduceScatter(ReduceOp::Sum)),
-            (
-                "all_to_all",
-                DeviceOp::AllToAll {
-                    send_rows: &[6],
-                    recv_rows: &[6],
-                },
-            ),
-        ];
-        for (what, op) in ops {
-            let result = cuda_memory::run(on_gpu, 1, &x, tag, op)
-                .unwrap_or_else(|| panic!("{what} {dtype:?}: the tensor's buffer was not reached"))
-                .unwrap_or_else(|e| panic!("{what} {dtype:?}: {e}"));
-            let got = read(result);
-            if got == expected {
-                println!("cuda_collectives: device path {what} {dtype:?}: right");
-            } else {
-                println!("cuda_collectives: device path {what} {dtype:?}: WRONG: {got:?}");
-                wrong_on_device += 1;
-            }
-        }
-        let staged = transfers::snapshot().since(&before).of(Cause::Collective);
-        assert_eq!(
-            (staged.to_host.count, staged.to_device.count),
-            (0, 0),
-            "the device path staged through host memory: {staged:?}"
-        );
-    }
-    let recorded = recorder.dump_data().entries.len();
-    assert_eq!(recorded, 2 * (6 + 5), "flight entries of both paths");
-    println!(
-        "cuda_collectives: staged collectives right (f32, bf16); device path: {wrong_on_device} \
-         wrong of 10, no host staging; {recorded} flight entries"
+    assert!(
+        nccl.device_collectives().is_some(),
+        "the NCCL engine has device collectives"
     );
-    if wrong_on_device > 0 {
+    let threads = ThreadWorld::new(1).build().pop().expect("one thread rank");
+
+    let mut wrong = 0;
+    let mut checked = 0;
+    for dtype in [BurnDType::F32, BurnDType::BF16] {
+        for (shape, x) in inputs(&device, dtype) {
+            let before = transfers::snapshot();
+            wrong += check_all(&*nccl, &format!("{shape} {dtype:?} (NCCL)"), &x);
+            let staged = transfers::snapshot().since(&before).of(Cause::Collective);
+            if (staged.to_host.count, staged.to_device.count) != (0, 0) {
+                println!(
+                    "cuda_collectives: NCCL staged {shape} {dtype:?} through host memory: \
+                     {staged:?}"
+                );
+                wrong += 1;
+            }
+
+            let before = transfers::snapshot();
+            wrong += check_all(&threads, &format!("{shape} {dtype:?} (staged)"), &x);
+            let staged = transfers::snapshot().since(&before).of(Cause::Collective);
+            assert_eq!(
+                staged.to_host.count, 7,
+                "the thread group stages every call"
+            );
+            checked += 2 * 7;
+        }
+    }
+    // Every NCCL call is recorded; an all-gather or reduce-scatter along dim 2 is one call.
+    let recorded = recorder.dump_data().entries.len();
+    let expected_entries = 2 * 3 * 7;
+    if recorded != expected_entries {
+        println!("cuda_collectives: {recorded} flight entries, expected {expected_entries}");
+        wrong += 1;
+    }
+    println!(
+        "cuda_collectives: {} of {checked} results right (f32, bf16; padded, 3-D and offset \
+         tensors); NCCL staged nothing through host memory; {recorded} flight entries",
+        checked - wrong.min(checked)
+    );
+    if wrong > 0 {
         std::process::exit(1);
     }
 }

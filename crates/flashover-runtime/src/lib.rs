@@ -3,9 +3,9 @@
 //! - [`launch`] / [`Launch`]: run one closure per rank on its own thread, each with a
 //!   [`RankContext`] (rank, mesh, device, a process group per mesh axis); join them and return
 //!   every rank's result, or the failure that caused the others, never a hang or a silent panic.
-//! - [`TensorCollectives`]: the collectives on Burn tensors, staged through host memory
-//!   (`TensorData`; on Flex without a copy). The device-memory path for CUDA tensors with NCCL
-//!   (`cuda_memory`, feature `cuda`) is not used yet: it gave wrong results on an H200.
+//! - [`TensorCollectives`]: the collectives on Burn tensors: CUDA tensors on an engine with
+//!   device collectives (NCCL) go to it as their GPU buffers (`cuda_memory`, feature `cuda`);
+//!   everything else is staged through host memory (`TensorData`; on Flex without a copy).
 //! - [`transfers`]: host transfers counted by cause (collective staging, gradient hooks, flat
 //!   vectors).
 //! - [`CommStream`]: a group's communication thread; collectives on tensors started now and

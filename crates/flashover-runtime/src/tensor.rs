@@ -1,14 +1,16 @@
-//! Collectives on Burn tensors, staged through host memory (`TensorData`).
+//! Collectives on Burn tensors: on the device where the engine and the tensor allow it, else
+//! staged through host memory (`TensorData`).
 //!
-//! A tensor is taken by value and its bytes are handed to the engine as they come out of
+//! A CUDA tensor on a communicator with device collectives (NCCL, one GPU per rank) goes to
+//! the engine as its device buffer ([`crate::cuda_memory`], feature `cuda`): nothing passes
+//! through host memory. Every other (device, engine) pair is staged, the one place that does:
+//! a tensor is taken by value and its bytes are handed to the engine as they come out of
 //! `into_data`: on Flex, whose tensors are host memory, a tensor no other value shares gives up
 //! its own buffer, the engine works on it in place and the result is built on that same buffer,
 //! so an all-reduce or broadcast copies nothing outside the engine (a shared tensor is copied
 //! once). These move values, not gradients: results are fresh tensors on the input's device,
 //! outside any autodiff graph. Differentiable collectives (Megatron's conjugate operators) live
-//! with the strategies that need them. CUDA tensors take this path too, with every engine:
-//! [`crate::cuda_memory`], which hands their device buffers to NCCL directly, read back wrong
-//! results on an H200 and is not used here until it is fixed (docs/benchmarks.md).
+//! with the strategies that need them.
 
 use crate::transfers::{self, Cause};
 use burn::tensor::{Bytes, DType as BurnDType, Tensor, TensorData};
@@ -63,6 +65,105 @@ pub trait TensorCollectives {
         src: usize,
         device: &burn::tensor::Device,
     ) -> CommResult<Tensor<D>>;
+}
+
+/// What a device collective does to a tensor's buffer (see [`crate::cuda_memory`]); counts are
+/// rows along dim 0.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub enum DeviceOp<'a> {
+    /// In place: reduce over the group.
+    AllReduce(ReduceOp),
+    /// In place: take `root`'s values.
+    Broadcast(usize),
+    /// Every rank's tensor end to end along dim 0.
+    AllGather,
+    /// This rank's block (along dim 0) of the reduction.
+    ReduceScatter(ReduceOp),
+    /// Rows (dim 0) to and from every rank.
+    AllToAll {
+        /// Rows sent to each rank.
+        send_rows: &'a [usize],
+        /// Rows received from each rank.
+        recv_rows: &'a [usize],
+    },
+}
+
+/// `op` on `tensor`'s device buffer where `comm` has device collectives and the tensor lives
+/// on its GPU; the tensor back, untouched, for the staged path otherwise.
+#[cfg(feature = "cuda")]
+fn on_device<C: Communicator + ?Sized, const D: usize>(
+    comm: &C,
+    tensor: Tensor<D>,
+    op: DeviceOp<'_>,
+) -> Result<CommResult<Tensor<D>>, Box<Tensor<D>>> {
+    match (comm.device_collectives(), comm_dtype(tensor.dtype())) {
+        (Some(collectives), Some(dtype)) => {
+            crate::cuda_memory::run(collectives, comm.size(), tensor, dtype, op)
+        }
+        _ => Err(Box::new(tensor)),
+    }
+}
+
+/// [`on_device`] for a send.
+#[cfg(feature = "cuda")]
+fn send_on_device<C: Communicator + ?Sized, const D: usize>(
+    comm: &C,
+    tensor: Tensor<D>,
+    dst: usize,
+) -> Result<CommResult<()>, Box<Tensor<D>>> {
+    match (comm.device_collectives(), comm_dtype(tensor.dtype())) {
+        (Some(collectives), Some(dtype)) => {
+            crate::cuda_memory::send(collectives, tensor, dtype, dst)
+        }
+        _ => Err(Box::new(tensor)),
+    }
+}
+
+/// [`on_device`] for a receive into fresh memory of `device`; `None` for the staged path.
+#[cfg(feature = "cuda")]
+fn recv_on_device<C: Communicator + ?Sized, const D: usize>(
+    comm: &C,
+    shape: [usize; D],
+    burn_dtype: BurnDType,
+    dtype: DType,
+    src: usize,
+    device: &burn::tensor::Device,
+) -> Option<CommResult<Tensor<D>>> {
+    let collectives = comm.device_collectives()?;
+    crate::cuda_memory::recv(collectives, shape, burn_dtype, dtype, src, device)
+}
+
+/// Without the `cuda` feature no tensor lives in memory an engine can address.
+#[cfg(not(feature = "cuda"))]
+fn on_device<C: Communicator + ?Sized, const D: usize>(
+    _comm: &C,
+    tensor: Tensor<D>,
+    _op: DeviceOp<'_>,
+) -> Result<CommResult<Tensor<D>>, Box<Tensor<D>>> {
+    Err(Box::new(tensor))
+}
+
+/// Without the `cuda` feature: the staged path.
+#[cfg(not(feature = "cuda"))]
+fn send_on_device<C: Communicator + ?Sized, const D: usize>(
+    _comm: &C,
+    tensor: Tensor<D>,
+    _dst: usize,
+) -> Result<CommResult<()>, Box<Tensor<D>>> {
+    Err(Box::new(tensor))
+}
+
+/// Without the `cuda` feature: the staged path.
+#[cfg(not(feature = "cuda"))]
+fn recv_on_device<C: Communicator + ?Sized, const D: usize>(
+    _comm: &C,
+    _shape: [usize; D],
+    _burn_dtype: BurnDType,
+    _dtype: DType,
+    _src: usize,
+    _device: &burn::tensor::Device,
+) -> Option<CommResult<Tensor<D>>> {
+    None
 }
 
 /// The collective layer's tag for a Burn dtype, if it can move it.
@@ -149,6 +250,10 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         tensor: Tensor<D>,
         op: ReduceOp,
     ) -> CommResult<Tensor<D>> {
+        let tensor = match on_device(self, tensor, DeviceOp::AllReduce(op)) {
+            Ok(done) => return done,
+            Err(tensor) => *tensor,
+        };
         let device = tensor.device();
         let mut s = stage(self, OpKind::AllReduce, tensor)?;
         self.all_reduce_bytes(&mut s.bytes, s.dtype, op)?;
@@ -160,6 +265,10 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         tensor: Tensor<D>,
         root: usize,
     ) -> CommResult<Tensor<D>> {
+        let tensor = match on_device(self, tensor, DeviceOp::Broadcast(root)) {
+            Ok(done) => return done,
+            Err(tensor) => *tensor,
+        };
         let device = tensor.device();
         let mut s = stage(self, OpKind::Broadcast, tensor)?;
         self.broadcast_bytes(&mut s.bytes, s.dtype, root)?;
@@ -171,22 +280,29 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         tensor: Tensor<D>,
         dim: usize,
     ) -> CommResult<Tensor<D>> {
-        let device = tensor.device();
         let n = self.size();
-        let s = stage(self, OpKind::AllGather, tensor)?;
-        let mut recv = zeroed(s.bytes.len() * n, s.dtype);
-        self.all_gather_bytes(&s.bytes, &mut recv, s.dtype)?;
-        if recv.is_empty() {
-            let mut shape = s.shape.clone();
-            shape[dim] *= n;
-            return Ok(unstage(recv, shape, s.burn_dtype, &device));
-        }
-        // The ranks' blocks end to end: the concatenation along dim 0.
-        let mut stacked = s.shape.clone();
-        stacked[0] *= n;
-        let gathered = unstage(recv, stacked, s.burn_dtype, &device);
+        // The ranks' tensors end to end: the concatenation along dim 0.
+        let gathered = match on_device(self, tensor, DeviceOp::AllGather) {
+            Ok(done) => done?,
+            Err(tensor) => {
+                let device = tensor.device();
+                let s = stage(self, OpKind::AllGather, *tensor)?;
+                let mut recv = zeroed(s.bytes.len() * n, s.dtype);
+                self.all_gather_bytes(&s.bytes, &mut recv, s.dtype)?;
+                let mut stacked = s.shape.clone();
+                stacked[0] *= n;
+                unstage(recv, stacked, s.burn_dtype, &device)
+            }
+        };
         if dim == 0 || n == 1 {
             return Ok(gathered);
+        }
+        let mut shape = gathered.dims();
+        if shape.contains(&0) {
+            // Nothing to cut: the empty result, with `dim` scaled instead of dim 0.
+            shape[0] /= n;
+            shape[dim] *= n;
+            return Ok(gathered.reshape(shape));
         }
         Ok(Tensor::cat(gathered.chunk(n, 0), dim))
     }
@@ -214,6 +330,11 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
             tensor
         } else {
             Tensor::cat(tensor.chunk(n, dim), 0)
+        };
+        let blocks = match on_device(self, blocks, DeviceOp::ReduceScatter(op)) {
+            // The blocks' shape with dim 0 divided: `dims` with `dim` divided.
+            Ok(done) => return done,
+            Err(blocks) => *blocks,
         };
         let s = stage(self, OpKind::ReduceScatter, blocks)?;
         let mut recv = zeroed(s.bytes.len() / n, s.dtype);
@@ -245,6 +366,17 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
                 ),
             });
         }
+        let tensor = match on_device(
+            self,
+            tensor,
+            DeviceOp::AllToAll {
+                send_rows,
+                recv_rows,
+            },
+        ) {
+            Ok(done) => return done,
+            Err(tensor) => *tensor,
+        };
         let device = tensor.device();
         let row: usize = dims[1..].iter().product();
         let s = stage(self, OpKind::AllToAll, tensor)?;
@@ -264,7 +396,11 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
     }
 
     fn send_tensor<const D: usize>(&self, tensor: &Tensor<D>, dst: usize) -> CommResult<()> {
-        let s = stage(self, OpKind::Send, tensor.clone())?;
+        let tensor = match send_on_device(self, tensor.clone(), dst) {
+            Ok(done) => return done,
+            Err(tensor) => *tensor,
+        };
+        let s = stage(self, OpKind::Send, tensor)?;
         self.send_bytes(&s.bytes, s.dtype, dst)
     }
 
@@ -276,6 +412,9 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         device: &burn::tensor::Device,
     ) -> CommResult<Tensor<D>> {
         let tag = checked_dtype(self, OpKind::Recv, dtype)?;
+        if let Some(done) = recv_on_device(self, shape, dtype, tag, src, device) {
+            return done;
+        }
         let mut bytes = zeroed(shape.iter().product::<usize>() * tag.size(), tag);
         self.recv_bytes(&mut bytes, tag, src)?;
         Ok(unstage(bytes, shape.to_vec(), dtype, device))
