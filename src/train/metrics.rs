@@ -3,7 +3,7 @@
 //! Ranks send their [`RankMetrics`] to rank 0 as one small all-gather of f64s; the order of the
 //! fields on the wire lives in [`RankMetrics::to_wire`] and [`RankMetrics::from_wire`] only.
 
-use super::report::{DeviceMemory, MoeRecord, RankTimes, StepRecord};
+use super::report::{AXIS_BUCKETS, AxisComm, DeviceMemory, MoeRecord, RankTimes, StepRecord};
 use flashover_parallel::zero::MemoryReport;
 
 /// One rank's measurements of one step.
@@ -39,11 +39,17 @@ pub(crate) struct RankMetrics {
     pub recomputed_blocks: u64,
     /// Device memory from the allocator, where the backend reports it.
     pub device_memory: Option<DeviceMemory>,
+    /// Every collective by mesh axis.
+    pub axes: [AxisComm; AXIS_BUCKETS],
 }
 
 impl RankMetrics {
+    /// The fixed fields on the wire, before the axes'.
+    const FIXED_LEN: usize = 19;
+    /// f64s per axis bucket on the wire.
+    const AXIS_LEN: usize = 5;
     /// Number of f64s on the wire.
-    pub const WIRE_LEN: usize = 19;
+    pub const WIRE_LEN: usize = Self::FIXED_LEN + Self::AXIS_LEN * AXIS_BUCKETS;
 
     /// The f64s sent to rank 0.
     pub fn to_wire(self) -> [f64; Self::WIRE_LEN] {
@@ -51,7 +57,7 @@ impl RankMetrics {
         let (in_use, reserved) = self
             .device_memory
             .map_or((-1.0, -1.0), |d| (d.in_use as f64, d.reserved as f64));
-        [
+        let fixed = [
             self.loss,
             self.step_s,
             self.comm_s,
@@ -71,7 +77,23 @@ impl RankMetrics {
             self.recomputed_blocks as f64,
             in_use,
             reserved,
-        ]
+        ];
+        let mut wire = [0.0; Self::WIRE_LEN];
+        wire[..Self::FIXED_LEN].copy_from_slice(&fixed);
+        for (a, slot) in self
+            .axes
+            .iter()
+            .zip(wire[Self::FIXED_LEN..].chunks_exact_mut(Self::AXIS_LEN))
+        {
+            slot.copy_from_slice(&[
+                a.calls as f64,
+                a.bytes as f64,
+                a.comm_s,
+                a.overlapped_s,
+                a.exposed_s,
+            ]);
+        }
+        wire
     }
 
     /// The metrics [`RankMetrics::to_wire`] sent.
@@ -100,6 +122,16 @@ impl RankMetrics {
                 in_use: w[17] as u64,
                 reserved: w[18] as u64,
             }),
+            axes: std::array::from_fn(|i| {
+                let a = &w[Self::FIXED_LEN + i * Self::AXIS_LEN..][..Self::AXIS_LEN];
+                AxisComm {
+                    calls: a[0] as u64,
+                    bytes: a[1] as u64,
+                    comm_s: a[2],
+                    overlapped_s: a[3],
+                    exposed_s: a[4],
+                }
+            }),
         }
     }
 
@@ -119,6 +151,7 @@ impl RankMetrics {
             attention_s: self.attention_s,
             attention_scores: self.attention_scores,
             device_memory: self.device_memory,
+            axes: self.axes,
         }
     }
 }
@@ -184,6 +217,13 @@ mod tests {
             device_memory: Some(DeviceMemory {
                 in_use: 7,
                 reserved: 8,
+            }),
+            axes: std::array::from_fn(|i| AxisComm {
+                calls: i as u64 + 1,
+                bytes: 100 * i as u64,
+                comm_s: 0.5 * i as f64,
+                overlapped_s: 0.25 * i as f64,
+                exposed_s: 0.125 * i as f64,
             }),
         };
         assert_eq!(RankMetrics::from_wire(&m.to_wire()), m);

@@ -5,7 +5,7 @@
 use super::checkpoint::Saver;
 use super::config::TrainConfig;
 use super::metrics::{RankMetrics, StepFacts, step_record};
-use super::report::{DeviceMemory, StepRecord};
+use super::report::{DeviceMemory, StepRecord, axis_comm};
 use super::run::make_batch;
 use super::strategy::{self, RankStrategy, StepOutcome};
 use super::trace::Trace;
@@ -121,6 +121,7 @@ impl<'a> Rank<'a> {
     ) -> Result<(Box<dyn RankStrategy>, StepOutcome, RankMetrics, Instant), RankError> {
         let ctx = self.ctx;
         let stats_before = ctx.comm_stats();
+        let traffic_before = ctx.traffic_by_axis();
         let t0 = Instant::now();
         let attention_before = self
             .context
@@ -162,6 +163,7 @@ impl<'a> Rank<'a> {
                 in_use: u.bytes_in_use,
                 reserved: u.bytes_reserved,
             }),
+            axes: axis_comm(&ctx.traffic_by_axis(), &traffic_before),
         };
         Ok((strategy, outcome, metrics, t0))
     }

@@ -2,8 +2,94 @@
 
 use flashover_parallel::zero::MemoryReport;
 use flashover_runtime::transfers::{Cause, Transfers};
-use serde::Serialize;
+use flashover_runtime::{Axis, GroupTraffic};
+use serde::ser::SerializeMap;
+use serde::{Serialize, Serializer};
 use std::fmt;
+
+/// Bytes in a MiB, for the summary.
+const MIB: f64 = (1 << 20) as f64;
+
+/// Buckets of [`RankTimes::axes`]: one per mesh axis, in [`Axis::ALL`] order, then the world
+/// group, then the groups over several axes of more than one rank (HSDP's `dp+fsdp`, data
+/// parallelism over `dp+cp`).
+pub const AXIS_BUCKETS: usize = Axis::ALL.len() + 2;
+
+/// The name of bucket `i` of [`RankTimes::axes`].
+pub fn axis_bucket_name(i: usize) -> &'static str {
+    match Axis::ALL.get(i) {
+        Some(axis) => axis.name(),
+        None if i == Axis::ALL.len() => "world",
+        None => "several",
+    }
+}
+
+/// The bucket of a traffic label ([`flashover_runtime::RankContext::traffic_by_axis`]).
+fn axis_bucket(label: &str) -> usize {
+    match Axis::ALL.iter().position(|a| a.name() == label) {
+        Some(axis) => axis,
+        None if label == "world" => Axis::ALL.len(),
+        None => Axis::ALL.len() + 1,
+    }
+}
+
+/// One bucket's collectives in one step on one rank.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+pub struct AxisComm {
+    /// Calls.
+    pub calls: u64,
+    /// Bytes of this rank's largest buffer, summed over calls.
+    pub bytes: u64,
+    /// Wall time inside the collectives, on any thread.
+    pub comm_s: f64,
+    /// Of that, on communication threads while nothing waited for it.
+    pub overlapped_s: f64,
+    /// Time the computing thread spent in them or waiting for them.
+    pub exposed_s: f64,
+}
+
+impl AxisComm {
+    fn add(&mut self, other: &AxisComm) {
+        self.calls += other.calls;
+        self.bytes += other.bytes;
+        self.comm_s += other.comm_s;
+        self.overlapped_s += other.overlapped_s;
+        self.exposed_s += other.exposed_s;
+    }
+}
+
+/// Each bucket's traffic between two snapshots of a rank's groups (`before` may lack groups
+/// made during the step).
+pub(crate) fn axis_comm(now: &[GroupTraffic], before: &[GroupTraffic]) -> [AxisComm; AXIS_BUCKETS] {
+    let mut axes = [AxisComm::default(); AXIS_BUCKETS];
+    for group in now {
+        let step = match before.iter().find(|b| b.label == group.label) {
+            Some(b) => group.since(b),
+            None => group.clone(),
+        };
+        axes[axis_bucket(&group.label)].add(&AxisComm {
+            calls: step.calls,
+            bytes: step.bytes,
+            comm_s: step.time.as_secs_f64(),
+            overlapped_s: step.overlapped().as_secs_f64(),
+            exposed_s: step.exposed().as_secs_f64(),
+        });
+    }
+    axes
+}
+
+/// The buckets with calls, as a map from bucket name.
+fn serialize_axes<S: Serializer>(
+    axes: &[AxisComm; AXIS_BUCKETS],
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    let used = axes.iter().filter(|a| a.calls > 0).count();
+    let mut map = serializer.serialize_map(Some(used))?;
+    for (i, a) in axes.iter().enumerate().filter(|(_, a)| a.calls > 0) {
+        map.serialize_entry(axis_bucket_name(i), a)?;
+    }
+    map.end()
+}
 
 /// Where one rank's time went in one step.
 #[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
@@ -43,6 +129,11 @@ pub struct RankTimes {
     /// on Flex). Ranks sharing one device (threads on one GPU or adapter) report the same
     /// device-wide figure.
     pub device_memory: Option<DeviceMemory>,
+    /// Every collective of the step by the mesh axis its group spans (see [`AXIS_BUCKETS`]):
+    /// all of the rank's communication, where `comm_s` is the strategy's gradient reduction
+    /// only. In the log, a map from axis name over the axes with calls.
+    #[serde(serialize_with = "serialize_axes")]
+    pub axes: [AxisComm; AXIS_BUCKETS],
 }
 
 /// What a device's allocator holds, as Burn reports it (`Device::memory_pool_usage`).
@@ -188,6 +279,9 @@ impl TrainReport {
                 t.overlapped_s += r.overlapped_s;
                 t.exposed_comm_s += r.exposed_comm_s;
                 t.idle_s += r.idle_s;
+                for (total, axis) in t.axes.iter_mut().zip(&r.axes) {
+                    total.add(axis);
+                }
             }
         }
         totals
@@ -238,7 +332,6 @@ impl fmt::Display for TrainReport {
                 self.buckets, self.reduction
             )?;
         }
-        const MIB: f64 = (1 << 20) as f64;
         let formula = memory_formula(self.zero, self.params_per_rank(), self.shard_degree);
         let experts = if self.expert_params > 0 {
             format!("; experts over {} ranks", self.expert_degree)
@@ -330,6 +423,44 @@ impl fmt::Display for TrainReport {
                 f,
                 "    {:>4} {:>7.3} {:>8.3} {:>10.3} {:>11.3} {:>8.3} {:>6.3}",
                 t.rank, t.step_s, t.compute_s, t.comm_s, t.overlapped_s, t.exposed_comm_s, t.idle_s
+            )?;
+        }
+        self.write_axes(f)
+    }
+}
+
+impl TrainReport {
+    /// Every collective by mesh axis, summed over ranks and steps 2..N.
+    fn write_axes(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut totals = [AxisComm::default(); AXIS_BUCKETS];
+        for t in self.rank_totals() {
+            for (total, axis) in totals.iter_mut().zip(&t.axes) {
+                total.add(axis);
+            }
+        }
+        if totals.iter().all(|a| a.calls == 0) {
+            return Ok(());
+        }
+        writeln!(
+            f,
+            "  collectives by mesh axis, steps 2..{}, all ranks (seconds; `several`: groups \
+             over several axes, such as dp+fsdp):",
+            self.steps.len()
+        )?;
+        writeln!(
+            f,
+            "    axis        calls        MiB      time  overlapped   exposed"
+        )?;
+        for (i, a) in totals.iter().enumerate().filter(|(_, a)| a.calls > 0) {
+            writeln!(
+                f,
+                "    {:<8} {:>8} {:>10.1} {:>9.3} {:>11.3} {:>9.3}",
+                axis_bucket_name(i),
+                a.calls,
+                a.bytes as f64 / MIB,
+                a.comm_s,
+                a.overlapped_s,
+                a.exposed_s
             )?;
         }
         Ok(())

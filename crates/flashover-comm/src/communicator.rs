@@ -78,6 +78,13 @@ pub trait Communicator: Send + Sync {
     fn abandon(&self, why: &str) {
         let _ = why;
     }
+    /// The calling thread waited `waited` for collectives it had handed to a communication
+    /// thread on this group (a stream's result). Recorded where the group is flight-recorded
+    /// ([`crate::FlightRecorder::traffic`]), so exposed communication can be told from
+    /// overlapped; the engines themselves ignore it.
+    fn record_wait(&self, waited: std::time::Duration) {
+        let _ = waited;
+    }
 }
 
 /// Collectives on memory of the communicator's GPU, addressed by raw device pointer (what a

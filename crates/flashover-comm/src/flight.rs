@@ -12,12 +12,13 @@ use crate::dtype::DType;
 use crate::error::CommResult;
 use crate::op::{OpKind, ReduceOp};
 use crate::stats::CommStats;
+use crate::traffic::{GroupTraffic, TrafficTable};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// How a recorded call ended.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -61,6 +62,8 @@ pub struct FlightRecorder {
     /// Every recorded group's name and members, registered once (a call stores the index,
     /// so recording allocates nothing).
     groups: Mutex<Vec<(String, Vec<usize>)>>,
+    /// Each registered group's collective time, indexed like `groups`.
+    traffic: TrafficTable,
     entries: Mutex<VecDeque<Slot>>,
     next_id: AtomicU64,
 }
@@ -94,6 +97,7 @@ impl FlightRecorder {
             capacity: capacity.max(1),
             origin: Instant::now(),
             groups: Mutex::new(vec![]),
+            traffic: TrafficTable::default(),
             entries: Mutex::new(VecDeque::with_capacity(capacity.max(1))),
             next_id: AtomicU64::new(0),
         })
@@ -106,6 +110,8 @@ impl FlightRecorder {
     fn register(&self, group: &dyn Communicator) -> usize {
         let mut groups = self.groups.lock().unwrap_or_else(|p| p.into_inner());
         groups.push((group.name().to_string(), group.members().to_vec()));
+        // Under the same lock, so the two tables keep one numbering.
+        self.traffic.register(group.name());
         groups.len() - 1
     }
 
@@ -166,6 +172,12 @@ impl FlightRecorder {
         }
     }
 
+    /// Every recorded group's collective traffic so far (one entry per group, in the order
+    /// they were recorded; groups split alike share a label).
+    pub fn traffic(&self) -> Vec<GroupTraffic> {
+        self.traffic.snapshot()
+    }
+
     /// Writes the record to `dir/flight-rank{rank}.json` (the directory is created).
     pub fn dump(&self, dir: &Path) -> std::io::Result<PathBuf> {
         std::fs::create_dir_all(dir)?;
@@ -195,7 +207,11 @@ impl Recorded {
     ) -> CommResult<T> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let id = self.recorder.start(self.index, seq, op, bytes);
+        let started = Instant::now();
         let result = call();
+        self.recorder
+            .traffic
+            .call(self.index, bytes, started.elapsed());
         self.recorder.finish(id, &result);
         result
     }
@@ -296,6 +312,9 @@ impl Communicator for Recorded {
     }
     fn abandon(&self, why: &str) {
         self.inner.abandon(why)
+    }
+    fn record_wait(&self, waited: Duration) {
+        self.recorder.traffic.wait(self.index, waited);
     }
 }
 

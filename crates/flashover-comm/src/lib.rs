@@ -51,6 +51,7 @@ mod op;
 mod rendezvous;
 mod stats;
 mod thread;
+mod traffic;
 
 pub use communicator::{Communicator, CommunicatorExt, DeviceCollectives, Group};
 pub use dtype::{DType, Element};
@@ -65,6 +66,7 @@ pub use op::{OpKind, ReduceOp};
 pub use rendezvous::{MAX_BLOB, MAX_FRAME, Rendezvous, RendezvousError};
 pub use stats::{CommStats, OpStats};
 pub use thread::{DEFAULT_TIMEOUT, ThreadComm, ThreadWorld};
+pub use traffic::{GroupTraffic, mark_background_thread};
 
 /// Bus-bandwidth factor of an operation at world size `n`, as nccl-tests defines it: the ratio
 /// between the bandwidth each link must carry and the algorithm bandwidth `bytes / time`.

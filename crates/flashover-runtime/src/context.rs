@@ -1,9 +1,9 @@
 //! What each rank's closure receives: its rank, the mesh, its device and its process groups.
 
 use burn::tensor::Device;
-use flashover_comm::{CommResult, CommStats, Group};
+use flashover_comm::{CommResult, CommStats, FlightRecorder, Group, GroupTraffic};
 use flashover_mesh::{Axis, DeviceMesh};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// One rank's view of the job. Built by the launcher (threads here; one process per rank later
 /// with the same type), handed by value to the rank's code. Groups are values, never globals.
@@ -16,6 +16,9 @@ pub struct RankContext {
     axes: Vec<Group>,
     /// Groups over several axes created on request, kept for statistics.
     extra: Mutex<Vec<Group>>,
+    /// The flight recorder of `world` and every group split from it, where the launcher
+    /// records them: it also keeps their traffic.
+    recorder: Option<Arc<FlightRecorder>>,
 }
 
 /// A second handle to the same rank: its groups are shared, not split again (for what keeps
@@ -29,6 +32,7 @@ impl Clone for RankContext {
             world: self.world.clone(),
             axes: self.axes.clone(),
             extra: Mutex::new(self.extra.lock().unwrap_or_else(|e| e.into_inner()).clone()),
+            recorder: self.recorder.clone(),
         }
     }
 }
@@ -51,7 +55,52 @@ impl RankContext {
             world,
             axes,
             extra: Mutex::new(vec![]),
+            recorder: None,
         })
+    }
+
+    /// This context with `recorder`, the flight recorder of its world group (and so of every
+    /// group split from it), as the launcher sets it up.
+    pub fn with_flight_recorder(mut self, recorder: Arc<FlightRecorder>) -> Self {
+        self.recorder = Some(recorder);
+        self
+    }
+
+    /// Collective traffic since the rank started, per mesh axis: every recorded group's,
+    /// merged under the axes it spans that have more than one rank (`tp`; `dp+fsdp` for
+    /// HSDP's replicas; `world` for the world group). Empty where the groups are not
+    /// flight-recorded (a context built without [`Self::with_flight_recorder`]).
+    pub fn traffic_by_axis(&self) -> Vec<GroupTraffic> {
+        let Some(recorder) = &self.recorder else {
+            return vec![];
+        };
+        let mut merged: Vec<GroupTraffic> = vec![];
+        for group in recorder.traffic() {
+            let label = self.axis_label(&group.label);
+            match merged.iter_mut().find(|m| m.label == label) {
+                Some(m) => m.add(&group),
+                None => merged.push(GroupTraffic { label, ..group }),
+            }
+        }
+        merged
+    }
+
+    /// `label` (`dp+fsdp`, `tp`, `world`) with the axes of one rank dropped; a label that
+    /// names no axis, or only axes of one rank, is kept as it is.
+    fn axis_label(&self, label: &str) -> String {
+        let axes: Vec<Axis> = label
+            .split('+')
+            .filter_map(|name| Axis::ALL.into_iter().find(|a| a.name() == name))
+            .collect();
+        let wide: Vec<&str> = axes
+            .iter()
+            .filter(|&&a| self.mesh.degree(a) > 1)
+            .map(|a| a.name())
+            .collect();
+        match wide.is_empty() {
+            true => label.to_string(),
+            false => wide.join("+"),
+        }
     }
 
     /// This rank's global index.

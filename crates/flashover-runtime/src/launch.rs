@@ -268,8 +268,9 @@ where
     let recorder = FlightRecorder::new(world.rank(), FLIGHT_CAPACITY);
     let world = world.recorded(recorder.clone());
     let outcome = catch_unwind(AssertUnwindSafe(|| {
-        let ctx =
-            RankContext::new(rank, mesh, device, world).map_err(|e| Box::new(e) as RankError)?;
+        let ctx = RankContext::new(rank, mesh, device, world)
+            .map_err(|e| Box::new(e) as RankError)?
+            .with_flight_recorder(recorder.clone());
         body(ctx).map_err(Into::into)
     }));
     let result = match outcome {

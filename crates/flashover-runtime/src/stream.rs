@@ -21,6 +21,8 @@ type Job = Box<dyn FnOnce(&Group) + Send>;
 #[derive(Debug)]
 pub struct Work<T> {
     reply: Receiver<CommResult<T>>,
+    /// The stream's group, told how long its result was waited for (none: work done already).
+    group: Option<Group>,
 }
 
 impl<T> Work<T> {
@@ -28,17 +30,27 @@ impl<T> Work<T> {
     pub fn ready(result: CommResult<T>) -> Self {
         let (tx, rx) = channel();
         let _ = tx.send(result);
-        Work { reply: rx }
+        Work {
+            reply: rx,
+            group: None,
+        }
     }
 
-    /// Blocks until the collective is done and returns its result.
+    /// Blocks until the collective is done and returns its result. The time blocked is
+    /// recorded on the group as communication not hidden
+    /// ([`flashover_comm::Communicator::record_wait`]).
     pub fn wait(self) -> CommResult<T> {
-        self.reply.recv().unwrap_or_else(|_| {
+        let started = Instant::now();
+        let result = self.reply.recv().unwrap_or_else(|_| {
             Err(CommError::Engine {
                 engine: "stream",
                 detail: "the communication stream ended before answering".into(),
             })
-        })
+        });
+        if let Some(group) = &self.group {
+            group.record_wait(started.elapsed());
+        }
+        result
     }
 
     /// [`Self::wait`], and how long the caller waited (the communication it did not hide).
@@ -75,6 +87,7 @@ impl CommStream {
         let worker = std::thread::Builder::new()
             .name(label.to_string())
             .spawn(move || {
+                flashover_comm::mark_background_thread();
                 for job in rx {
                     job(&worker_group);
                 }
@@ -119,7 +132,10 @@ impl CommStream {
                 detail: format!("the communication stream `{}` is gone", self.label),
             }));
         }
-        Work { reply: rx }
+        Work {
+            reply: rx,
+            group: Some(self.group.clone()),
+        }
     }
 }
 

@@ -375,7 +375,10 @@ impl Reducer {
         let worker_shared = shared.clone();
         let worker = std::thread::Builder::new()
             .name("ddp-reducer".into())
-            .spawn(move || worker_loop(&worker_shared))
+            .spawn(move || {
+                flashover_comm::mark_background_thread();
+                worker_loop(&worker_shared)
+            })
             .expect("spawn the DDP communication thread");
         Reducer {
             shared,
@@ -485,6 +488,7 @@ impl Reducer {
     /// Waits until every bucket of the current micro-batch is reduced (reduce-scatter mode
     /// adds chunks into the shard).
     pub(crate) fn wait_reduced(&self) -> Result<Spans, CommError> {
+        let started = Instant::now();
         let mut st = lock(&self.shared.state);
         while st.next < self.shared.buckets.len() && st.error.is_none() {
             st = self
@@ -493,6 +497,8 @@ impl Reducer {
                 .wait(st)
                 .unwrap_or_else(|e| e.into_inner());
         }
+        // What the training thread did not hide, on the reducer's group.
+        self.shared.group.record_wait(started.elapsed());
         if let Some(e) = st.error.take() {
             return Err(e);
         }

@@ -129,3 +129,35 @@ fn a_stream_runs_collectives_in_submission_order_while_the_caller_goes_on() {
         assert!(failed.to_string().contains("injected on"), "{failed}");
     }
 }
+
+#[test]
+fn traffic_is_counted_per_axis_and_split_into_exposed_and_overlapped() {
+    use flashover_runtime::{Axis, CommStream};
+    use std::time::Duration;
+    let got = launch("dp=2,tp=2", |ctx| {
+        let x = Tensor::<1>::from_floats([1.0, 2.0], ctx.device());
+        // On the training thread: all of it exposed.
+        let tp = ctx.group(Axis::Tp);
+        tp.all_reduce_tensor(x.clone(), ReduceOp::Sum)?;
+        // On a stream, waited for only after the caller slept: mostly overlapped (the barrier
+        // lines the ranks up, so no peer arrives late at it).
+        let stream = CommStream::new(ctx.group(Axis::Dp), "test-stream");
+        ctx.world().barrier()?;
+        let work = stream.submit(move |g| g.all_reduce_tensor(x, ReduceOp::Sum));
+        std::thread::sleep(Duration::from_millis(50));
+        work.wait()?;
+        Ok::<_, CommError>(ctx.traffic_by_axis())
+    })
+    .unwrap();
+    for traffic in got {
+        let axis = |label: &str| traffic.iter().find(|t| t.label == label).cloned().unwrap();
+        let (tp, dp) = (axis("tp"), axis("dp"));
+        assert_eq!((tp.calls, tp.bytes), (1, 8));
+        assert_eq!(tp.background, Duration::ZERO);
+        assert_eq!(tp.exposed(), tp.time);
+        assert_eq!(dp.calls, 1);
+        assert_eq!(dp.background, dp.time, "the stream's call is background");
+        assert!(dp.waited < Duration::from_millis(50), "{dp:?}");
+        assert_eq!(dp.exposed(), dp.waited);
+    }
+}
