@@ -95,6 +95,10 @@ pub struct JobArgs {
     /// With a cp axis: one contiguous chunk per rank instead of a head and a tail chunk.
     #[arg(long)]
     no_cp_load_balance: bool,
+    /// For ranks as threads: threads (the thread engine) or nccl (rank r on GPU r; needs
+    /// --device cuda and the cuda and nccl features).
+    #[arg(long)]
+    engine: Option<flashover::train::Engine>,
     /// Untie the LM head from the embedding (needed with a pp axis).
     #[arg(long)]
     untie_embeddings: bool,
@@ -187,6 +191,7 @@ impl JobArgs {
         set(&mut c.parallel.pp_schedule, self.pp_schedule);
         set(&mut c.parallel.pp_chunks, self.pp_chunks);
         set(&mut c.parallel.cp_attention, self.cp_attention);
+        set(&mut c.parallel.engine, self.engine);
         set(&mut c.precision.param_dtype, self.precision);
         set(&mut c.precision.reduce_dtype, self.reduce_dtype);
         set(&mut c.precision.loss_scale, self.loss_scale.clone());
@@ -499,6 +504,12 @@ pub fn train(args: &JobArgs, outputs: TrainOutputs) -> Result<(), String> {
         Some((world, local_rank)) => {
             flashover::train::train_process(&config, &on_step, world, local_rank)?
                 .ok_or("rank 0 gave no report")?
+        }
+        None if outputs.elastic && config.parallel.engine == flashover::train::Engine::Nccl => {
+            return Err(
+                "--elastic restarts ranks on the thread engine; --engine nccl has no restarts"
+                    .into(),
+            );
         }
         None if outputs.elastic => {
             let options = flashover::train::ElasticOptions {

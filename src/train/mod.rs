@@ -48,13 +48,16 @@ mod trace;
 mod verify;
 
 pub use config::{
-    CheckpointSection, DataSection, GradientReduction, KillDrill, ModelSection, MoeSection,
+    CheckpointSection, DataSection, Engine, GradientReduction, KillDrill, ModelSection, MoeSection,
     OptimSection, ParallelSection, RunSection, TrainConfig,
 };
 pub use elastic::{
     ElasticOptions, ElasticReport, NextAttempt, Restart, next_attempt, survivor_mesh, train_elastic,
 };
-pub use report::{DeviceMemory, MoeRecord, RankTimes, StepRecord, TrainReport, memory_formula};
+pub use report::{
+    AXIS_BUCKETS, AxisComm, DeviceMemory, MoeRecord, RankTimes, StepRecord, TrainReport,
+    axis_bucket_name, memory_formula,
+};
 pub use run::{make_batch, token_source, train, train_process};
 pub use stage_split::{split_blocks, split_blocks_by_cost};
 pub use verify::{Comparison, compare, verify};

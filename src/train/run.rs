@@ -2,7 +2,7 @@
 //! [`RankStrategy`] (`super::strategy`) and loops over the steps: batches, the step, the record,
 //! checkpoints.
 
-use super::config::TrainConfig;
+use super::config::{Engine, TrainConfig};
 use super::report::{StepRecord, TrainReport};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_data::{MarkovSource, TextSource, TokenSource};
@@ -169,10 +169,23 @@ pub(crate) fn run_job(
     let log_error = std::sync::Mutex::new(None::<String>);
     let started = Instant::now();
     let transfers_before = flashover_runtime::transfers::snapshot();
+    let timeout = Duration::from_secs_f64(config.parallel.timeout_s);
     let launch = Launch::new(&mesh)
         .map_err(|e| e.to_string())?
         .device(device)
-        .timeout(Duration::from_secs_f64(config.parallel.timeout_s));
+        .timeout(timeout);
+    let launch = match (config.parallel.engine, &process) {
+        (Engine::Threads, _) => launch,
+        (Engine::Nccl, None) => nccl_threads(launch, timeout)?,
+        (Engine::Nccl, Some(_)) => {
+            return Err(
+                "parallel.engine = nccl is for ranks run as threads of one process; \
+                 this process was started as one rank of a job, whose launcher's engine it uses"
+                    .to_string()
+                    .into(),
+            );
+        }
+    };
     let body = |ctx: RankContext| {
         let emit = |record: &StepRecord| {
             on_step(record);
@@ -241,4 +254,29 @@ pub(crate) fn run_job(
         wall_s: started.elapsed().as_secs_f64(),
         host_transfers: flashover_runtime::transfers::snapshot().since(&transfers_before),
     }))
+}
+
+/// `launch` with rank thread `r` on GPU `r`, in an NCCL world of the launch's threads.
+#[cfg(all(feature = "nccl", feature = "cuda"))]
+fn nccl_threads(launch: Launch, timeout: Duration) -> Result<Launch, String> {
+    Ok(launch.own_worlds(
+        move |rank, size, exchange| {
+            flashover_comm::NcclWorld::group(rank, size, rank, timeout, exchange)
+        },
+        |rank| {
+            flashover_runtime::DeviceChoice::Cuda
+                .device(rank)
+                .map_err(|e| e.to_string())
+        },
+    ))
+}
+
+/// Without the `cuda` and `nccl` features there is no NCCL engine for CUDA tensors.
+#[cfg(not(all(feature = "nccl", feature = "cuda")))]
+fn nccl_threads(_launch: Launch, _timeout: Duration) -> Result<Launch, String> {
+    Err(
+        "parallel.engine = nccl: this build has no NCCL engine for CUDA tensors; build with \
+         --features cuda,nccl"
+            .into(),
+    )
 }

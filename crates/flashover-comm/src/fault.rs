@@ -48,6 +48,11 @@ pub struct FaultPlan {
 }
 
 impl FaultPlan {
+    /// Whether the plan injects nothing.
+    pub fn is_empty(&self) -> bool {
+        self.rules.is_empty()
+    }
+
     /// An empty plan (no faults).
     pub fn new() -> Self {
         Self::default()

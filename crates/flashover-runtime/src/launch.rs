@@ -7,7 +7,7 @@ use flashover_mesh::{DeviceMesh, MeshError};
 use std::error::Error;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 /// The error type rank closures return: anything that converts into a boxed error
@@ -102,6 +102,92 @@ pub struct Launch {
     faults: FaultPlan,
     /// Where a failing rank writes its flight record (none: not written).
     flight_dir: Option<PathBuf>,
+    /// Each rank thread's own world and device, instead of the thread engine's world.
+    own_worlds: Option<OwnWorlds>,
+}
+
+/// How a rank thread joins a world of its own engine: `join(rank, size, exchange)` returns its
+/// world group, where `exchange` hands every rank every rank's blob once all have given theirs
+/// (NCCL's unique id and each rank's GPU, say).
+pub type JoinWorld = dyn Fn(
+        usize,
+        usize,
+        &dyn Fn(&[u8]) -> Result<Vec<Vec<u8>>, String>,
+    ) -> flashover_comm::CommResult<Group>
+    + Send
+    + Sync;
+
+/// The device of each rank thread, by rank.
+pub type RankDevice = dyn Fn(usize) -> Result<Device, String> + Send + Sync;
+
+/// Rank threads that each join their own engine's world on their own device.
+#[derive(Clone)]
+struct OwnWorlds {
+    join: Arc<JoinWorld>,
+    device: Arc<RankDevice>,
+}
+
+impl std::fmt::Debug for OwnWorlds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OwnWorlds")
+    }
+}
+
+/// What a rank gave the exchange: its blob, or why it could not join.
+type Given = Option<Result<Vec<u8>, String>>;
+
+/// The blobs of a launch's rank threads, handed to every rank once all have given theirs; a
+/// rank that fails before giving its blob ends every wait at once, naming itself.
+struct ThreadExchange {
+    blobs: Mutex<Vec<Given>>,
+    changed: Condvar,
+}
+
+impl ThreadExchange {
+    fn new(size: usize) -> Self {
+        ThreadExchange {
+            blobs: Mutex::new(vec![None; size]),
+            changed: Condvar::new(),
+        }
+    }
+
+    /// Gives rank `rank`'s blob (or its failure) and, for a blob, waits at most `timeout` for
+    /// every other rank's.
+    fn all_gather(
+        &self,
+        rank: usize,
+        blob: Result<&[u8], String>,
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>, String> {
+        let mut blobs = self.blobs.lock().unwrap_or_else(|p| p.into_inner());
+        let failed = blob.is_err();
+        blobs[rank] = Some(blob.map(<[u8]>::to_vec));
+        self.changed.notify_all();
+        if failed {
+            return Err("this rank could not join".into());
+        }
+        let waiting = |b: &mut Vec<Given>| {
+            b.iter().any(Option::is_none) && !b.iter().flatten().any(Result::is_err)
+        };
+        let (blobs, waited) = self
+            .changed
+            .wait_timeout_while(blobs, timeout, waiting)
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some((r, Some(Err(why)))) = blobs
+            .iter()
+            .enumerate()
+            .find(|(_, b)| matches!(b, Some(Err(_))))
+        {
+            return Err(format!("rank {r} could not join the world: {why}"));
+        }
+        if waited.timed_out() {
+            let missing: Vec<usize> = (0..blobs.len()).filter(|&r| blobs[r].is_none()).collect();
+            return Err(format!(
+                "ranks {missing:?} did not join the world within {timeout:?}"
+            ));
+        }
+        Ok(blobs.iter().flatten().flatten().cloned().collect())
+    }
 }
 
 /// Calls each rank's flight recorder keeps (see [`flashover_comm::FlightRecorder`]).
@@ -116,7 +202,31 @@ impl Launch {
             timeout: flashover_comm::DEFAULT_TIMEOUT,
             faults: FaultPlan::new(),
             flight_dir: std::env::var_os("FLASHOVER_FLIGHT_DIR").map(PathBuf::from),
+            own_worlds: None,
         })
+    }
+
+    /// Every rank thread joins a world of another engine with `join` (e.g. NCCL's, one GPU
+    /// per rank) on its own device, `device(rank)`, instead of sharing the thread engine's
+    /// world and [`Self::device`]. A rank that cannot get its device or join fails naming why,
+    /// and its peers stop at once. Faults cannot be injected into such a world.
+    pub fn own_worlds(
+        mut self,
+        join: impl Fn(
+            usize,
+            usize,
+            &dyn Fn(&[u8]) -> Result<Vec<Vec<u8>>, String>,
+        ) -> flashover_comm::CommResult<Group>
+        + Send
+        + Sync
+        + 'static,
+        device: impl Fn(usize) -> Result<Device, String> + Send + Sync + 'static,
+    ) -> Self {
+        self.own_worlds = Some(OwnWorlds {
+            join: Arc::new(join),
+            device: Arc::new(device),
+        });
+        self
     }
 
     /// Every rank records its last collectives; a rank whose work fails writes them to
@@ -154,35 +264,56 @@ impl Launch {
         F: Fn(RankContext) -> Result<T, E> + Sync,
     {
         let n = self.mesh.world_size();
-        let comms = ThreadWorld::new(n)
-            .timeout(self.timeout)
-            .faults(self.faults.clone())
-            .build();
-        let outcomes: Vec<Result<T, RankFailure>> = std::thread::scope(|s| {
-            let handles: Vec<_> = comms
-                .into_iter()
-                .enumerate()
-                .map(|(rank, comm)| {
-                    let (body, mesh, device) = (&body, self.mesh.clone(), self.device.clone());
-                    let flight = self.flight_dir.as_deref();
-                    std::thread::Builder::new()
-                        .name(format!("rank-{rank}"))
-                        // Autodiff graphs of deep models recurse; give each rank room.
-                        .stack_size(64 << 20)
-                        .spawn_scoped(s, move || {
-                            let comm = Arc::new(comm);
-                            let world = Group::new(comm.clone());
-                            let leave = |reason: &str| comm.leave(reason);
-                            run_rank(rank, world, (mesh, device), flight, body, leave)
-                        })
-                        .expect("spawn rank thread")
+        let flight = self.flight_dir.as_deref();
+        let outcomes: Vec<Result<T, RankFailure>> = match &self.own_worlds {
+            None => {
+                let comms = ThreadWorld::new(n)
+                    .timeout(self.timeout)
+                    .faults(self.faults.clone())
+                    .build();
+                let comms: Vec<Mutex<Option<_>>> =
+                    comms.into_iter().map(|c| Mutex::new(Some(c))).collect();
+                on_rank_threads(n, |rank| {
+                    let comm = comms[rank].lock().unwrap_or_else(|p| p.into_inner()).take();
+                    let comm = Arc::new(comm.expect("each rank takes its communicator once"));
+                    let world = Group::new(comm.clone());
+                    let leave = |reason: &str| comm.leave(reason);
+                    let place = (self.mesh.clone(), self.device.clone());
+                    run_rank(rank, world, place, flight, &body, leave)
                 })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("rank threads catch their panics"))
-                .collect()
-        });
+            }
+            Some(own) => {
+                if !self.faults.is_empty() {
+                    return Err(LaunchError::Rank {
+                        cause: unjoined(
+                            0,
+                            "faults cannot be injected into an engine's own world".into(),
+                        ),
+                        all: vec![],
+                    });
+                }
+                let exchange = ThreadExchange::new(n);
+                on_rank_threads(n, |rank| {
+                    let device = match (own.device)(rank) {
+                        Ok(device) => device,
+                        Err(why) => {
+                            let _ = exchange.all_gather(rank, Err(why.clone()), self.timeout);
+                            return Err(unjoined(rank, why));
+                        }
+                    };
+                    let gather = |blob: &[u8]| exchange.all_gather(rank, Ok(blob), self.timeout);
+                    let world = match (own.join)(rank, n, &gather) {
+                        Ok(world) => world,
+                        Err(e) => {
+                            let _ = exchange.all_gather(rank, Err(e.to_string()), self.timeout);
+                            return Err(unjoined(rank, e.to_string()));
+                        }
+                    };
+                    let place = (self.mesh.clone(), device);
+                    run_rank(rank, world, place, flight, &body, |_| {})
+                })
+            }
+        };
         let mut results = Vec::with_capacity(n);
         let mut failures = vec![];
         for outcome in outcomes {
@@ -319,6 +450,41 @@ where
     };
     leave(&reason);
     result
+}
+
+/// Runs `rank_body(rank)` on `n` threads, one per rank, and returns their outcomes in rank
+/// order.
+fn on_rank_threads<T: Send>(
+    n: usize,
+    rank_body: impl Fn(usize) -> Result<T, RankFailure> + Sync,
+) -> Vec<Result<T, RankFailure>> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let rank_body = &rank_body;
+                std::thread::Builder::new()
+                    .name(format!("rank-{rank}"))
+                    // Autodiff graphs of deep models recurse; give each rank room.
+                    .stack_size(64 << 20)
+                    .spawn_scoped(s, move || rank_body(rank))
+                    .expect("spawn rank thread")
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank threads catch their panics"))
+            .collect()
+    })
+}
+
+/// The failure of a rank that could not get its device or join its world.
+fn unjoined(rank: usize, message: String) -> RankFailure {
+    RankFailure {
+        rank,
+        panicked: false,
+        message,
+        severity: 1,
+    }
 }
 
 /// The error's display followed by its sources.

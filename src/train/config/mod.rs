@@ -14,7 +14,7 @@ pub use checkpoint::CheckpointSection;
 pub use data::DataSection;
 pub use model::{ModelSection, MoeSection};
 pub use optim::OptimSection;
-pub use parallel::{GradientReduction, ParallelSection};
+pub use parallel::{Engine, GradientReduction, ParallelSection};
 pub use run::{KillDrill, RunSection};
 
 use flashover_models::TransformerConfig;
@@ -219,6 +219,19 @@ mod tests {
         let c = TrainConfig::from_toml("").unwrap();
         assert_eq!(c, TrainConfig::default());
         assert!(c.validate().is_empty(), "{:?}", c.validate());
+    }
+
+    #[test]
+    fn the_nccl_engine_is_refused_off_cuda_and_a_bad_engine_when_read() {
+        let c = TrainConfig::from_toml("[parallel]\nengine = \"nccl\"\n").unwrap();
+        assert_eq!(c.parallel.engine, Engine::Nccl);
+        let all = c.validate().join("\n");
+        assert!(
+            all.contains("parallel.engine = nccl needs run.device = cuda"),
+            "{all}"
+        );
+        let bad = TrainConfig::from_toml("[parallel]\nengine = \"gloo\"\n").unwrap_err();
+        assert!(bad.contains("expected threads or nccl"), "{bad}");
     }
 
     #[test]

@@ -35,6 +35,37 @@ impl std::fmt::Display for GradientReduction {
     }
 }
 
+/// What carries the collectives of ranks run as threads of this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Engine {
+    /// The thread engine: host memory shared by the rank threads, all on the job's device.
+    #[default]
+    Threads,
+    /// NCCL: rank thread `r` on GPU `r`, collectives on the tensors' GPU memory (needs
+    /// `run.device = cuda`, a GPU per rank, and a build with the `cuda` and `nccl` features).
+    Nccl,
+}
+
+impl std::str::FromStr for Engine {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "threads" => Ok(Engine::Threads),
+            "nccl" => Ok(Engine::Nccl),
+            other => Err(format!("`{other}`: expected threads or nccl")),
+        }
+    }
+}
+
+impl std::fmt::Display for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Engine::Threads => "threads",
+            Engine::Nccl => "nccl",
+        })
+    }
+}
+
 /// Settings written as text in job files (`1f1b`, `every:2`) and held typed: serialised with
 /// `Display`, read with `FromStr`, so a bad value fails when the file is read, naming it.
 mod as_text {
@@ -69,6 +100,11 @@ pub struct ParallelSection {
     pub overlap: bool,
     /// Collective timeout in seconds.
     pub timeout_s: f64,
+    /// For ranks run as threads of this process: `threads` (the thread engine) or `nccl` (one
+    /// GPU per rank). Ranks started as processes (mpirun, `flashover launch`) take the
+    /// launcher's engine, and this must stay `threads`.
+    #[serde(with = "as_text")]
+    pub engine: Engine,
     /// `mean` (losses are per-sample means: gradients averaged over ranks and micro-batches)
     /// or `sum` (losses are sums: gradients summed).
     #[serde(with = "as_text")]
@@ -114,6 +150,7 @@ impl Default for ParallelSection {
             bucket_mb: 1.0,
             overlap: true,
             timeout_s: 300.0,
+            engine: Engine::Threads,
             gradient_reduction: GradientReduction::Mean,
             zero: 0,
             reshard_after_forward: true,

@@ -48,6 +48,14 @@ impl TrainConfig {
                 self.model.dropout
             ));
         }
+        if self.parallel.engine == super::Engine::Nccl
+            && self.run.device != flashover_runtime::DeviceChoice::Cuda
+        {
+            errors.push(format!(
+                "parallel.engine = nccl needs run.device = cuda (NCCL moves GPU memory), not {}",
+                self.run.device
+            ));
+        }
         if self.data.seq_len == 0 {
             errors.push("data.seq_len must be at least 1".into());
         }

@@ -162,3 +162,77 @@ fn failing_ranks_write_flight_records_that_name_the_rank_everyone_waited_for() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A world of `n` thread-engine communicators handed out by rank, as an engine of its own
+/// would build one per rank thread.
+fn own_world(n: usize) -> impl Fn(usize) -> flashover_comm::CommResult<flashover_comm::Group> {
+    let comms: Vec<std::sync::Mutex<Option<flashover_comm::ThreadComm>>> =
+        flashover_comm::ThreadWorld::new(n)
+            .build()
+            .into_iter()
+            .map(|c| std::sync::Mutex::new(Some(c)))
+            .collect();
+    move |rank| {
+        let comm = comms[rank].lock().unwrap().take().expect("joined once");
+        Ok(flashover_comm::Group::new(std::sync::Arc::new(comm)))
+    }
+}
+
+#[test]
+fn rank_threads_can_join_worlds_of_their_own_through_the_exchange() {
+    let world = own_world(2);
+    let launch = Launch::new(2).unwrap().own_worlds(
+        move |rank, size, exchange| {
+            // Every rank sees every rank's blob, in rank order, before it joins.
+            let blobs = exchange(&[rank as u8 * 10]).expect("exchange");
+            assert_eq!((size, blobs), (2, vec![vec![0], vec![10]]));
+            world(rank)
+        },
+        |_rank| Ok(burn::tensor::Device::flex()),
+    );
+    let sums = launch
+        .run(|ctx| {
+            let mut x = [ctx.rank() as f32 + 1.0];
+            ctx.world().all_reduce(&mut x, ReduceOp::Sum)?;
+            Ok::<_, CommError>(x[0])
+        })
+        .unwrap();
+    assert_eq!(sums, [3.0, 3.0]);
+}
+
+#[test]
+fn a_rank_without_its_device_stops_its_peers_at_once_naming_why() {
+    let world = own_world(2);
+    let started = Instant::now();
+    let err = Launch::new(2)
+        .unwrap()
+        .timeout(Duration::from_secs(60))
+        .own_worlds(
+            move |rank, _, exchange| {
+                exchange(&[0]).map_err(|e| CommError::Engine {
+                    engine: "test",
+                    detail: e,
+                })?;
+                world(rank)
+            },
+            |rank| match rank {
+                1 => Err("no GPU 1 on this machine".to_string()),
+                _ => Ok(burn::tensor::Device::flex()),
+            },
+        )
+        .run(|_ctx| Ok::<_, CommError>(()))
+        .unwrap_err();
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "waited for the timeout"
+    );
+    assert_eq!(
+        err.failure_of(1).unwrap().message,
+        "no GPU 1 on this machine"
+    );
+    let peer = &err.failure_of(0).unwrap().message;
+    assert!(
+        peer.contains("rank 1 could not join the world: no GPU 1"),
+        "{peer}"
+    );
+}
