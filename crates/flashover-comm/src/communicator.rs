@@ -78,6 +78,13 @@ pub trait Communicator: Send + Sync {
     fn abandon(&self, why: &str) {
         let _ = why;
     }
+    /// Whether [`Communicator::send_bytes`] can return before the receiver calls
+    /// [`Communicator::recv_bytes`] (the engine buffers the message). Schedules in which two
+    /// ranks send to each other at once (pipelines) need it. NCCL's sends wait for their
+    /// receives.
+    fn sends_are_buffered(&self) -> bool {
+        true
+    }
     /// The calling thread waited `waited` for collectives it had handed to a communication
     /// thread on this group (a stream's result). Recorded where the group is flight-recorded
     /// ([`crate::FlightRecorder::traffic`]), so exposed communication can be told from

@@ -316,6 +316,9 @@ impl Communicator for Recorded {
     fn record_wait(&self, waited: Duration) {
         self.recorder.traffic.wait(self.index, waited);
     }
+    fn sends_are_buffered(&self) -> bool {
+        self.inner.sends_are_buffered()
+    }
 }
 
 /// The engine's device collectives, each with its flight entry, like the host ones.

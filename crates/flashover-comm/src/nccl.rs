@@ -13,7 +13,8 @@
 //! rounding, not bit for bit. Variable all-to-all is grouped send/recv; sub-groups get their own
 //! NCCL communicator, whose unique id the group leader shares over the parent group. NCCL's
 //! `send` completes only with the matching `recv` (no buffering), so schedules that send
-//! before receiving in both directions (pipelines) need the thread or MPI engine for now.
+//! before receiving in both directions (pipelines) need the thread or MPI engine: this engine
+//! says so (`sends_are_buffered` is false) and pipelines refuse it.
 //!
 //! [`DeviceCollectives`] (through [`Communicator::device_collectives`]) runs every operation on
 //! memory another library owns, addressed by raw device pointer: the path Burn's CUDA tensors
@@ -796,6 +797,10 @@ impl Communicator for NcclComm {
 
     fn device_collectives(&self) -> Option<&dyn DeviceCollectives> {
         Some(self)
+    }
+
+    fn sends_are_buffered(&self) -> bool {
+        false
     }
 }
 

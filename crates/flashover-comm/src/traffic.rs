@@ -40,10 +40,11 @@ pub struct GroupTraffic {
 }
 
 impl GroupTraffic {
-    /// Communication the waiting thread did not hide: its own calls, plus its waits for
-    /// background ones.
+    /// Communication the computing thread did not hide: its own calls, plus its waits for
+    /// background ones up to their time (a wait beyond it was for the other work on the
+    /// communication thread, staging or device work, not for a collective).
     pub fn exposed(&self) -> Duration {
-        self.time.saturating_sub(self.background) + self.waited
+        self.time.saturating_sub(self.background) + self.waited.min(self.background)
     }
 
     /// Background communication nobody waited for: hidden behind compute.
@@ -138,6 +139,12 @@ mod tests {
             assert_eq!(g.background, Duration::from_millis(10));
             assert_eq!(g.exposed(), Duration::from_millis(7));
             assert_eq!(g.overlapped(), Duration::from_millis(6));
+            // A wait longer than the background collectives exposes no more than they took.
+            table.wait(0, Duration::from_millis(20));
+            let g = &table.snapshot()[0];
+            assert_eq!(g.exposed(), Duration::from_millis(13));
+            assert_eq!(g.overlapped(), Duration::ZERO);
+            assert_eq!(g.exposed() + g.overlapped(), g.time);
         })
         .join()
         .unwrap();

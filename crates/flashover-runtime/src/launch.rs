@@ -298,7 +298,11 @@ impl Launch {
                         Ok(device) => device,
                         Err(why) => {
                             let _ = exchange.all_gather(rank, Err(why.clone()), self.timeout);
-                            return Err(unjoined(rank, why));
+                            // A missing device is a cause; its peers' failed joins follow.
+                            return Err(RankFailure {
+                                severity: 0,
+                                ..unjoined(rank, why)
+                            });
                         }
                     };
                     let gather = |blob: &[u8]| exchange.all_gather(rank, Ok(blob), self.timeout);

@@ -147,6 +147,14 @@ impl<'a> PipelineExecutor<'a> {
             )));
         }
         validate(schedule).map_err(|e| ParallelError::Invalid(e.to_string()))?;
+        if group.size() > 1 && !group.sends_are_buffered() {
+            return Err(ParallelError::Invalid(format!(
+                "a pipeline over `{}`: its engine's sends wait for their receives (NCCL), and \
+                 pipeline stages send to each other at once, which would deadlock; run \
+                 pipeline parallelism on the thread or MPI engine",
+                group.name()
+            )));
+        }
         Ok(PipelineExecutor {
             schedule,
             group,

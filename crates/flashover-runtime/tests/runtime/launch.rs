@@ -230,6 +230,10 @@ fn a_rank_without_its_device_stops_its_peers_at_once_naming_why() {
         err.failure_of(1).unwrap().message,
         "no GPU 1 on this machine"
     );
+    match &err {
+        LaunchError::Rank { cause, .. } => assert_eq!(cause.rank, 1, "{err}"),
+        LaunchError::Mesh(_) => unreachable!("{err}"),
+    }
     let peer = &err.failure_of(0).unwrap().message;
     assert!(
         peer.contains("rank 1 could not join the world: no GPU 1"),
