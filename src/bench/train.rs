@@ -5,10 +5,13 @@
 
 use super::median;
 use burn::optim::{AdamWConfig, GradientsParams};
-use flashover::train::{TrainConfig, make_batch, token_source, train};
+use flashover::train::{
+    StepRecord, TrainConfig, axis_bucket_name, make_batch, token_source, train,
+};
 use flashover_data::{BatchPlan, TokenSource};
 use flashover_models::next_token_loss;
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 /// One variant's result.
@@ -24,6 +27,26 @@ pub struct TrainBenchRecord {
     pub samples: Vec<f64>,
     /// Parameter bytes rank 0 held (0 for the plain loop: the whole model).
     pub param_bytes: usize,
+    /// Per mesh axis with collectives (`tp`, `fsdp`, `world`, ...), milliseconds per step and
+    /// rank of communication the computing thread did not hide, in the last repeat (empty for
+    /// the plain loop).
+    pub exposed_ms: BTreeMap<String, f64>,
+    /// The same for communication hidden behind compute.
+    pub overlapped_ms: BTreeMap<String, f64>,
+}
+
+/// Exposed and overlapped milliseconds per step and rank, per axis, over `steps`.
+fn comm_by_axis(steps: &[StepRecord]) -> (BTreeMap<String, f64>, BTreeMap<String, f64>) {
+    let (mut exposed, mut overlapped) = (BTreeMap::new(), BTreeMap::new());
+    let samples = steps.iter().map(|s| s.ranks.len()).sum::<usize>().max(1) as f64;
+    for rank in steps.iter().flat_map(|s| &s.ranks) {
+        for (i, axis) in rank.axes.iter().enumerate().filter(|(_, a)| a.calls > 0) {
+            let name = axis_bucket_name(i).to_string();
+            *exposed.entry(name.clone()).or_insert(0.0) += axis.exposed_s * 1e3 / samples;
+            *overlapped.entry(name).or_insert(0.0) += axis.overlapped_s * 1e3 / samples;
+        }
+    }
+    (exposed, overlapped)
 }
 
 /// Seconds per step (after the first) of a plain Burn loop: forward, backward, AdamW step.
@@ -93,6 +116,7 @@ pub fn run(
         variants.push((format!("tp{tp}"), format!("tp={tp}"), 0));
     }
     let mut param_bytes = vec![0; variants.len() + 1];
+    let mut comm = vec![(BTreeMap::new(), BTreeMap::new()); variants.len() + 1];
     let mut samples: Vec<(String, Vec<f64>)> = vec![("plain_burn".into(), vec![])];
     samples.extend(variants.iter().map(|(name, ..)| (name.clone(), vec![])));
     for _ in 0..repeats.max(1) {
@@ -106,6 +130,7 @@ pub fn run(
             let report = train(&c, &|_| {})?;
             param_bytes[i + 1] = report.memory.first().map_or(0, |m| m.params);
             let timed = &report.steps[1..];
+            comm[i + 1] = comm_by_axis(timed);
             let step_s =
                 timed.iter().map(|s| s.step_time_s).sum::<f64>() / timed.len().max(1) as f64;
             samples[i + 1].1.push(tokens_per_step / step_s);
@@ -114,15 +139,20 @@ pub fn run(
     Ok(samples
         .into_iter()
         .zip(param_bytes)
-        .map(|((variant, s), param_bytes)| {
-            let tps = median(s.clone());
-            TrainBenchRecord {
-                variant,
-                tokens_per_s: tps,
-                step_ms: tokens_per_step / tps * 1e3,
-                samples: s,
-                param_bytes,
-            }
-        })
+        .zip(comm)
+        .map(
+            |(((variant, s), param_bytes), (exposed_ms, overlapped_ms))| {
+                let tps = median(s.clone());
+                TrainBenchRecord {
+                    variant,
+                    tokens_per_s: tps,
+                    step_ms: tokens_per_step / tps * 1e3,
+                    samples: s,
+                    param_bytes,
+                    exposed_ms,
+                    overlapped_ms,
+                }
+            },
+        )
         .collect())
 }

@@ -627,8 +627,20 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                 if args.json {
                     println!("{}", serde_json::to_string(r).expect("records serialise"));
                 } else {
+                    let comm: Vec<String> = r
+                        .exposed_ms
+                        .iter()
+                        .map(|(axis, exposed)| {
+                            let hidden = r.overlapped_ms.get(axis).copied().unwrap_or(0.0);
+                            format!("{axis} {exposed:.2}/{hidden:.2}")
+                        })
+                        .collect();
+                    let comm = match comm.is_empty() {
+                        true => String::new(),
+                        false => format!("  comm ms/step exposed/overlapped: {}", comm.join(", ")),
+                    };
                     println!(
-                        "{:<16} {:>10.0} tokens/s {:>9.2} ms/step  ratio to plain Burn {:.3}  params/rank {:.3} MiB",
+                        "{:<16} {:>10.0} tokens/s {:>9.2} ms/step  ratio to plain Burn {:.3}  params/rank {:.3} MiB{comm}",
                         r.variant,
                         r.tokens_per_s,
                         r.step_ms,
