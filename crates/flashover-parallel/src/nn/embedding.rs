@@ -60,12 +60,23 @@ impl Embedding {
 
     /// The positions of a `seq`-long sequence that [`Self::forward`]'s output holds: all of
     /// them, or under sequence parallelism this rank's `seq / tp` (for position embeddings
-    /// added to it).
+    /// added to it). It reads the plan's split only, never the table, so it makes no
+    /// collective (under `fsdp` reading the table would gather it) and one rank may call it
+    /// alone.
+    ///
+    /// # Panics
+    /// Under sequence parallelism, when `seq` does not divide by the `tp` degree.
     pub fn local_positions(&self, seq: usize) -> std::ops::Range<usize> {
-        match table_split(&self.weight).1 {
-            Some((_, tp)) if tp.sequence_parallel => {
-                let part = seq / tp.group.size();
-                tp.group.rank() * part..(tp.group.rank() + 1) * part
+        match tp_split(&self.weight) {
+            Some(split) if split.sequence_parallel => {
+                let (rank, tp) = (split.group.rank(), split.group.size());
+                assert!(
+                    seq.is_multiple_of(tp),
+                    "sequence parallelism splits the sequence evenly over tp: a sequence of \
+                     {seq} positions does not divide by tp = {tp}"
+                );
+                let part = seq / tp;
+                rank * part..(rank + 1) * part
             }
             _ => 0..seq,
         }

@@ -335,3 +335,30 @@ fn context_parallel_plans_that_do_not_fit_are_refused_with_the_reason() {
     let err = parallel("cp=3", &ring()).unwrap_err();
     assert!(err.contains("sequence length 8"), "{err}");
 }
+
+#[test]
+fn local_positions_makes_no_collective_so_one_rank_may_call_it_alone() {
+    use flashover_runtime::Axis;
+    let plan = sequence_parallel(with_tp(ParallelizePlan::new())).fully_shard("");
+    let got = Launch::new("fsdp=2,tp=2")
+        .unwrap()
+        .timeout(std::time::Duration::from_secs(5))
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (model, _par) = parallelize(AttentionLm::new(&device), &plan, &ctx)?;
+            // Only fsdp rank 0 asks: a collective inside (gathering the sharded table) would
+            // leave it waiting for a peer that never comes.
+            let asks = ctx.coord(Axis::Fsdp) == 0;
+            let positions = asks.then(|| model.embed.local_positions(SEQ));
+            ctx.world().barrier()?;
+            Ok::<_, ParallelError>((ctx.coord(Axis::Tp), positions))
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+    let asked = got.iter().filter(|(_, p)| p.is_some()).count();
+    assert_eq!(asked, 2, "fsdp rank 0 of each tp rank asked");
+    for (tp, positions) in got {
+        if let Some(p) = positions {
+            assert_eq!(p, tp * SEQ / 2..(tp + 1) * SEQ / 2);
+        }
+    }
+}
