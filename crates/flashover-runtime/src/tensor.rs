@@ -89,38 +89,42 @@ pub enum DeviceOp<'a> {
 }
 
 /// `op` on `tensor`'s device buffer where `comm` has device collectives and the tensor lives
-/// on its GPU; the tensor back, untouched, for the staged path otherwise.
-#[cfg(feature = "cuda")]
+/// on its GPU (only with the `cuda` feature); the tensor back, untouched, for the staged path
+/// otherwise.
 fn on_device<C: Communicator + ?Sized, const D: usize>(
     comm: &C,
     tensor: Tensor<D>,
     op: DeviceOp<'_>,
 ) -> Result<CommResult<Tensor<D>>, Box<Tensor<D>>> {
-    match (comm.device_collectives(), comm_dtype(tensor.dtype())) {
-        (Some(collectives), Some(dtype)) => {
-            crate::cuda_memory::run(collectives, comm.size(), tensor, dtype, op)
-        }
-        _ => Err(Box::new(tensor)),
+    #[cfg(feature = "cuda")]
+    if let (Some(collectives), Some(dtype)) =
+        (comm.device_collectives(), comm_dtype(tensor.dtype()))
+    {
+        return crate::cuda_memory::run(collectives, comm.size(), tensor, dtype, op);
     }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (comm, op);
+    Err(Box::new(tensor))
 }
 
 /// [`on_device`] for a send.
-#[cfg(feature = "cuda")]
 fn send_on_device<C: Communicator + ?Sized, const D: usize>(
     comm: &C,
     tensor: Tensor<D>,
     dst: usize,
 ) -> Result<CommResult<()>, Box<Tensor<D>>> {
-    match (comm.device_collectives(), comm_dtype(tensor.dtype())) {
-        (Some(collectives), Some(dtype)) => {
-            crate::cuda_memory::send(collectives, tensor, dtype, dst)
-        }
-        _ => Err(Box::new(tensor)),
+    #[cfg(feature = "cuda")]
+    if let (Some(collectives), Some(dtype)) =
+        (comm.device_collectives(), comm_dtype(tensor.dtype()))
+    {
+        return crate::cuda_memory::send(collectives, tensor, dtype, dst);
     }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (comm, dst);
+    Err(Box::new(tensor))
 }
 
 /// [`on_device`] for a receive into fresh memory of `device`; `None` for the staged path.
-#[cfg(feature = "cuda")]
 fn recv_on_device<C: Communicator + ?Sized, const D: usize>(
     comm: &C,
     shape: [usize; D],
@@ -129,41 +133,20 @@ fn recv_on_device<C: Communicator + ?Sized, const D: usize>(
     src: usize,
     device: &burn::tensor::Device,
 ) -> Option<CommResult<Tensor<D>>> {
-    let collectives = comm.device_collectives()?;
-    crate::cuda_memory::recv(collectives, shape, burn_dtype, dtype, src, device)
-}
-
-/// Without the `cuda` feature no tensor lives in memory an engine can address.
-#[cfg(not(feature = "cuda"))]
-fn on_device<C: Communicator + ?Sized, const D: usize>(
-    _comm: &C,
-    tensor: Tensor<D>,
-    _op: DeviceOp<'_>,
-) -> Result<CommResult<Tensor<D>>, Box<Tensor<D>>> {
-    Err(Box::new(tensor))
-}
-
-/// Without the `cuda` feature: the staged path.
-#[cfg(not(feature = "cuda"))]
-fn send_on_device<C: Communicator + ?Sized, const D: usize>(
-    _comm: &C,
-    tensor: Tensor<D>,
-    _dst: usize,
-) -> Result<CommResult<()>, Box<Tensor<D>>> {
-    Err(Box::new(tensor))
-}
-
-/// Without the `cuda` feature: the staged path.
-#[cfg(not(feature = "cuda"))]
-fn recv_on_device<C: Communicator + ?Sized, const D: usize>(
-    _comm: &C,
-    _shape: [usize; D],
-    _burn_dtype: BurnDType,
-    _dtype: DType,
-    _src: usize,
-    _device: &burn::tensor::Device,
-) -> Option<CommResult<Tensor<D>>> {
-    None
+    #[cfg(feature = "cuda")]
+    return crate::cuda_memory::recv(
+        comm.device_collectives()?,
+        shape,
+        burn_dtype,
+        dtype,
+        src,
+        device,
+    );
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (comm, shape, burn_dtype, dtype, src, device);
+        None
+    }
 }
 
 /// The collective layer's tag for a Burn dtype, if it can move it.
