@@ -97,6 +97,31 @@ impl Parallelized {
         }
     }
 
+    /// Checks that a `seq`-long sequence splits as the plan splits sequences: into `cp` equal
+    /// shares (`2 x cp` chunks when load-balanced) and, under sequence parallelism, each share
+    /// into `tp` equal parts. Call it on every stream's length (an encoder's inputs, a
+    /// decoder's targets) before the first forward: a length that does not split fails here,
+    /// naming the axis, instead of inside a layer after the layers before it have run.
+    pub fn check_sequence(&self, seq: usize) -> Result<(), ParallelError> {
+        let share = match &self.context {
+            None => seq,
+            Some(split) => {
+                split.layout(seq)?;
+                seq / split.group.size()
+            }
+        };
+        match &self.sequence_check {
+            Some(check) if !share.is_multiple_of(check.tp.size()) => {
+                Err(ParallelError::Invalid(format!(
+                    "a sequence of {seq} positions ({share} on this rank) does not divide by \
+                     tp = {}: sequence parallelism splits it into tp equal parts",
+                    check.tp.size()
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// The `cp` ranks that hold the other positions of this rank's sequences, when the plan
     /// splits sequences on this mesh (to put per-position outputs back together).
     pub fn sequence_ranks(&self) -> Option<&Group> {

@@ -362,3 +362,42 @@ fn local_positions_makes_no_collective_so_one_rank_may_call_it_alone() {
         }
     }
 }
+
+#[test]
+fn sequence_lengths_that_do_not_split_are_refused_before_any_forward() {
+    let sp = sequence_parallel(with_tp(ParallelizePlan::new()));
+    let cp_sp = sequence_parallel(with_tp(ring()));
+    let contiguous = ParallelizePlan::new()
+        .context_parallel(ContextParallelRule::ring(&["layers.*.attn.core"]).contiguous());
+    let contiguous_sp = sequence_parallel(with_tp(contiguous));
+    for (mesh, plan, fits, short, axis) in [
+        ("tp=2", sp, 8, 7, "does not divide by tp = 2"),
+        // Load-balanced cp = 2 cuts 4 chunks: 12 does (a share of 6 splits over tp = 2); 10
+        // cuts into no 4 equal chunks.
+        ("tp=2,cp=2", cp_sp, 12, 10, "cp"),
+        // Contiguous cp = 2 cuts 2 shares: 6 does, but a share of 3 does not split over tp.
+        (
+            "tp=2,cp=2",
+            contiguous_sp,
+            8,
+            6,
+            "does not divide by tp = 2",
+        ),
+    ] {
+        let got = Launch::new(mesh)
+            .unwrap()
+            .run(|ctx| {
+                let device = Device::flex().autodiff();
+                let (_model, par) = parallelize(AttentionLm::new(&device), &plan, &ctx)?;
+                Ok::<_, ParallelError>((par.check_sequence(fits), par.check_sequence(short)))
+            })
+            .unwrap_or_else(|e| panic!("{mesh}: {e}"));
+        for (fits_ok, short_err) in got {
+            assert!(fits_ok.is_ok(), "{mesh}: {fits}: {fits_ok:?}");
+            let err = short_err
+                .expect_err(&format!("{mesh}: {short} should not split"))
+                .to_string();
+            assert!(err.contains(axis), "{mesh}, {short}: {err}");
+        }
+    }
+}
