@@ -2,7 +2,7 @@
 //! (`scripts/gpu_check.sh`); exits 2 where CUDA or NCCL cannot be loaded, 1 on a wrong result.
 //!
 //! 1. With the NCCL engine, [`TensorCollectives`] hands CUDA tensors' device buffers to NCCL
-//!    ([`flashover_runtime::cuda_memory`]): every operation's result is checked against the
+//!    (its private `cuda_memory` module): every operation's result is checked against the
 //!    input (at world size 1 each one is an identity or a copy), none may stage through host
 //!    memory, and the flight recorder must see every call.
 //! 2. With a thread group (no device collectives) the same tensors are staged through host

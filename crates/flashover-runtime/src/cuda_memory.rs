@@ -27,7 +27,7 @@ use cubecl_cuda::CudaRuntime;
 use cubecl_runtime::runtime::Runtime;
 use flashover_comm::{CommResult, DType, DeviceCollectives};
 
-pub use crate::tensor::DeviceOp;
+use crate::tensor::DeviceOp;
 
 /// Whether `device` is the communicator's GPU as a Burn CUDA device (not autodiff: collectives
 /// move values).
@@ -56,11 +56,14 @@ fn flat_on_gpu<const D: usize>(
     if flat.meta.strides()[..] != [1] {
         // Not reached with CubeCL 0.11.3 (one dimension is never padded); kept as a refusal
         // rather than a wrong count.
-        return Err(Box::new(
-            Tensor::<1>::from_primitive::<Cube>(flat).reshape(shape),
-        ));
+        return Err(Box::new(shaped(flat, shape)));
     }
     Ok(flat)
+}
+
+/// A one-dimensional buffer as a tensor of `shape` (same element count).
+fn shaped<const D: usize>(flat: CubeTensor, shape: [usize; D]) -> Tensor<D> {
+    Tensor::<1>::from_primitive::<Cube>(flat).reshape(shape)
 }
 
 /// A fresh one-dimensional buffer of `count` elements of `dtype` on `device` (every element is
@@ -95,7 +98,7 @@ fn with_pointers<R>(buffers: &[&CubeTensor], f: impl FnOnce(&[u64]) -> R) -> Opt
 /// the engine's device collectives. The tensor comes back untouched (`Err`) where it is not a
 /// CUDA tensor of the communicator's GPU or Burn does not hand out its buffer (boxed: a
 /// tensor is large to move, and most calls decline).
-pub fn run<const D: usize>(
+pub(crate) fn run<const D: usize>(
     collectives: &dyn DeviceCollectives,
     size: usize,
     tensor: Tensor<D>,
@@ -105,8 +108,7 @@ pub fn run<const D: usize>(
     let device = tensor.device();
     let shape = tensor.dims();
     let input = flat_on_gpu(collectives, tensor)?;
-    let back =
-        |flat: CubeTensor| Box::new(Tensor::<1>::from_primitive::<Cube>(flat).reshape(shape));
+    let back = |flat: CubeTensor| Box::new(shaped(flat, shape));
     let burn_dtype = input.dtype();
     let count = shape.iter().product::<usize>();
     let row = shape[1..].iter().product::<usize>();
@@ -164,12 +166,12 @@ pub fn run<const D: usize>(
         return Err(back(input));
     };
     let done = output.unwrap_or(input);
-    Ok(result.map(|()| Tensor::<1>::from_primitive::<Cube>(done).reshape(out_shape)))
+    Ok(result.map(|()| shaped(done, out_shape)))
 }
 
 /// Sends `tensor` to `dst` from its GPU memory; the tensor back (`Err`) where it is not a CUDA
 /// tensor of the communicator's GPU.
-pub fn send<const D: usize>(
+pub(crate) fn send<const D: usize>(
     collectives: &dyn DeviceCollectives,
     tensor: Tensor<D>,
     dtype: DType,
@@ -183,12 +185,12 @@ pub fn send<const D: usize>(
     with_pointers(&[&input], |ptr| unsafe {
         collectives.send_device(ptr[0], count, dtype, dst)
     })
-    .ok_or_else(|| Box::new(Tensor::<1>::from_primitive::<Cube>(input).reshape(shape)))
+    .ok_or_else(|| Box::new(shaped(input, shape)))
 }
 
 /// A tensor of `shape` received from `src` into fresh memory of `on`, when that is the
 /// communicator's GPU; `None` otherwise.
-pub fn recv<const D: usize>(
+pub(crate) fn recv<const D: usize>(
     collectives: &dyn DeviceCollectives,
     shape: [usize; D],
     burn_dtype: BurnDType,
@@ -206,5 +208,5 @@ pub fn recv<const D: usize>(
     let result = with_pointers(&[&out], |ptr| unsafe {
         collectives.recv_device(ptr[0], count, dtype, src)
     })?;
-    Some(result.map(|()| Tensor::<1>::from_primitive::<Cube>(out).reshape(shape)))
+    Some(result.map(|()| shaped(out, shape)))
 }

@@ -109,7 +109,7 @@ pub struct Launch {
 /// How a rank thread joins a world of its own engine: `join(rank, size, exchange)` returns its
 /// world group, where `exchange` hands every rank every rank's blob once all have given theirs
 /// (NCCL's unique id and each rank's GPU, say).
-pub type JoinWorld = dyn Fn(
+type JoinWorld = dyn Fn(
         usize,
         usize,
         &dyn Fn(&[u8]) -> Result<Vec<Vec<u8>>, String>,
@@ -118,7 +118,7 @@ pub type JoinWorld = dyn Fn(
     + Sync;
 
 /// The device of each rank thread, by rank.
-pub type RankDevice = dyn Fn(usize) -> Result<Device, String> + Send + Sync;
+type RankDevice = dyn Fn(usize) -> Result<Device, String> + Send + Sync;
 
 /// Rank threads that each join their own engine's world on their own device.
 #[derive(Clone)]
@@ -271,11 +271,8 @@ impl Launch {
                     .timeout(self.timeout)
                     .faults(self.faults.clone())
                     .build();
-                let comms: Vec<Mutex<Option<_>>> =
-                    comms.into_iter().map(|c| Mutex::new(Some(c))).collect();
-                on_rank_threads(n, |rank| {
-                    let comm = comms[rank].lock().unwrap_or_else(|p| p.into_inner()).take();
-                    let comm = Arc::new(comm.expect("each rank takes its communicator once"));
+                on_rank_threads(comms, |rank, comm| {
+                    let comm = Arc::new(comm);
                     let world = Group::new(comm.clone());
                     let leave = |reason: &str| comm.leave(reason);
                     let place = (self.mesh.clone(), self.device.clone());
@@ -284,16 +281,17 @@ impl Launch {
             }
             Some(own) => {
                 if !self.faults.is_empty() {
+                    let cause = unjoined(
+                        0,
+                        "faults cannot be injected into an engine's own world".into(),
+                    );
                     return Err(LaunchError::Rank {
-                        cause: unjoined(
-                            0,
-                            "faults cannot be injected into an engine's own world".into(),
-                        ),
-                        all: vec![],
+                        all: vec![cause.clone()],
+                        cause,
                     });
                 }
                 let exchange = ThreadExchange::new(n);
-                on_rank_threads(n, |rank| {
+                on_rank_threads(vec![(); n], |rank, ()| {
                     let device = match (own.device)(rank) {
                         Ok(device) => device,
                         Err(why) => {
@@ -456,21 +454,23 @@ where
     result
 }
 
-/// Runs `rank_body(rank)` on `n` threads, one per rank, and returns their outcomes in rank
-/// order.
-fn on_rank_threads<T: Send>(
-    n: usize,
-    rank_body: impl Fn(usize) -> Result<T, RankFailure> + Sync,
+/// Runs `rank_body(rank, input)` on one thread per rank, each handed its own of `inputs` (in
+/// rank order), and returns their outcomes in rank order.
+fn on_rank_threads<I: Send, T: Send>(
+    inputs: Vec<I>,
+    rank_body: impl Fn(usize, I) -> Result<T, RankFailure> + Sync,
 ) -> Vec<Result<T, RankFailure>> {
     std::thread::scope(|s| {
-        let handles: Vec<_> = (0..n)
-            .map(|rank| {
+        let handles: Vec<_> = inputs
+            .into_iter()
+            .enumerate()
+            .map(|(rank, input)| {
                 let rank_body = &rank_body;
                 std::thread::Builder::new()
                     .name(format!("rank-{rank}"))
                     // Autodiff graphs of deep models recurse; give each rank room.
                     .stack_size(64 << 20)
-                    .spawn_scoped(s, move || rank_body(rank))
+                    .spawn_scoped(s, move || rank_body(rank, input))
                     .expect("spawn rank thread")
             })
             .collect();

@@ -28,7 +28,7 @@
 
 mod context;
 #[cfg(feature = "cuda")]
-pub mod cuda_memory;
+mod cuda_memory;
 mod device;
 mod launch;
 mod process_env;

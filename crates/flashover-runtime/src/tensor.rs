@@ -2,7 +2,7 @@
 //! staged through host memory (`TensorData`).
 //!
 //! A CUDA tensor on a communicator with device collectives (NCCL, one GPU per rank) goes to
-//! the engine as its device buffer ([`crate::cuda_memory`], feature `cuda`): nothing passes
+//! the engine as its device buffer (the private `cuda_memory` module, feature `cuda`): nothing passes
 //! through host memory. Every other (device, engine) pair is staged, the one place that does:
 //! a tensor is taken by value and its bytes are handed to the engine as they come out of
 //! `into_data`: on Flex, whose tensors are host memory, a tensor no other value shares gives up
@@ -67,10 +67,10 @@ pub trait TensorCollectives {
     ) -> CommResult<Tensor<D>>;
 }
 
-/// What a device collective does to a tensor's buffer (see [`crate::cuda_memory`]); counts are
+/// What a device collective does to a tensor's buffer (see `cuda_memory`); counts are
 /// rows along dim 0.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub enum DeviceOp<'a> {
+pub(crate) enum DeviceOp<'a> {
     /// In place: reduce over the group.
     AllReduce(ReduceOp),
     /// In place: take `root`'s values.
