@@ -122,7 +122,8 @@ impl InferenceStep for Classifier {
 
 // ---- What a pipelined plan adds: the forward in parts (`classify` cut at the blocks). ----
 
-impl PipelineModel<2> for Classifier {
+impl PipelineModel for Classifier {
+    type Activation = Tensor<2>;
     type Batch = SampleBatch;
 
     fn embed(&self, batch: &SampleBatch) -> Tensor<2> {
@@ -139,7 +140,7 @@ impl PipelineModel<2> for Classifier {
     }
 }
 
-impl PipelineLearnerModel<2> for Classifier {
+impl PipelineLearnerModel for Classifier {
     fn samples(batch: &SampleBatch) -> usize {
         batch.labels.dims()[0]
     }
@@ -268,7 +269,7 @@ fn train_rank(
     let (model, par) = parallelize(model, plan, &ctx)?; // +
     let mut training = training(dir, ShareBatcher::new(SampleBatcher, &par)); // + (the wrapper)
     let strategy: TrainingStrategy<Classifier> = if par.has_pipeline() {
-        let strategy = ParallelLearning::pipelined::<2>(&ctx, par)?; // + (pipelined plans)
+        let strategy = ParallelLearning::pipelined(&ctx, par)?; // + (pipelined plans)
         with_checkpoints(strategy, checkpointing).into()
     } else {
         with_checkpoints(ParallelLearning::new(&ctx, par)?, checkpointing).into() // +

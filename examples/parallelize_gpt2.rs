@@ -123,7 +123,8 @@ impl Gpt2 {
 type Batch = (Tensor<2, Int>, Tensor<1, Int>, Tensor<2, Int>);
 
 /// pp: the forward in three parts, so a pipeline stage can run its share of it.
-impl PipelineModel<3> for Gpt2 {
+impl PipelineModel for Gpt2 {
+    type Activation = Tensor<3>;
     type Batch = Batch;
 
     /// Token and position embeddings, `[batch, seq, width]`.

@@ -59,7 +59,8 @@ impl Stack {
 }
 
 /// + The forward in the parts a pipeline runs: the input as it is, one layer, the loss.
-impl PipelineModel<2> for Stack {
+impl PipelineModel for Stack {
+    type Activation = Tensor<2>;
     type Batch = Tensor<2>;
 
     fn embed(&self, x: &Tensor<2>) -> Tensor<2> {

@@ -90,7 +90,7 @@ pub mod prelude {
         ContextParallelRule, ModulePath, ParallelizePlan, Parallelized, PipelineModel,
         PipelineRule, PipelineStep, TensorParallelRule, TpStyle, parallelize,
     };
-    pub use flashover_parallel::pipeline::ScheduleKind;
+    pub use flashover_parallel::pipeline::{NoGrad, ScheduleKind, StageBoundary};
     pub use flashover_parallel::precision::{LossScale, MixedPrecision, Precision};
     pub use flashover_parallel::zero::RowAdamW;
     pub use flashover_parallel::{FlatAdamWConfig, ParallelError};

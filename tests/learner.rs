@@ -63,7 +63,8 @@ impl Net {
     }
 }
 
-impl PipelineModel<2> for Net {
+impl PipelineModel for Net {
+    type Activation = Tensor<2>;
     type Batch = Rows;
     fn embed(&self, batch: &Rows) -> Tensor<2> {
         self.input.forward(batch.x.clone()).tanh()
@@ -76,7 +77,7 @@ impl PipelineModel<2> for Net {
     }
 }
 
-impl PipelineLearnerModel<2> for Net {
+impl PipelineLearnerModel for Net {
     fn samples(batch: &Rows) -> usize {
         batch.y.dims()[0]
     }
@@ -234,7 +235,7 @@ fn train(run: Run, initial: &[f32], name: &str) -> Result<Vec<f32>, String> {
             ),
         };
         let strategy: TrainingStrategy<Net> = match run.pipelined {
-            true => configured(ParallelLearning::pipelined::<2>(&ctx, par)?, &run).into(),
+            true => configured(ParallelLearning::pipelined(&ctx, par)?, &run).into(),
             false => configured(ParallelLearning::new(&ctx, par)?, &run).into(),
         };
         let mut training = SupervisedTraining::new(&directory, train_loader, valid_loader)
@@ -707,7 +708,8 @@ impl InferenceStep for Lm {
     }
 }
 
-impl PipelineModel<3> for Lm {
+impl PipelineModel for Lm {
+    type Activation = Tensor<3>;
     type Batch = TextBatch;
     fn embed(&self, batch: &TextBatch) -> Tensor<3> {
         self.tokens.forward(batch.tokens.clone())
@@ -726,7 +728,7 @@ impl PipelineModel<3> for Lm {
     }
 }
 
-impl PipelineLearnerModel<3> for Lm {
+impl PipelineLearnerModel for Lm {
     fn samples(batch: &TextBatch) -> usize {
         batch.tokens.dims()[0]
     }
@@ -827,10 +829,8 @@ fn train_lm(
             match (plan.pipeline.is_some(), split) {
                 (false, false) => reported(ParallelLearning::new(&ctx, par)?),
                 (false, true) => reported(ParallelLearning::new(&ctx, par)?.split_sequences()),
-                (true, false) => reported(ParallelLearning::pipelined::<3>(&ctx, par)?),
-                (true, true) => {
-                    reported(ParallelLearning::pipelined::<3>(&ctx, par)?.split_sequences())
-                }
+                (true, false) => reported(ParallelLearning::pipelined(&ctx, par)?),
+                (true, true) => reported(ParallelLearning::pipelined(&ctx, par)?.split_sequences()),
             };
         let reports = ctx.rank() == reporter;
         let directory = dir(&format!("{name}-{}", ctx.rank()));

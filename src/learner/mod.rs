@@ -131,16 +131,15 @@ impl ParallelLearning {
         Self::with_steps(ctx, par, WholeForward)
     }
 
-    /// The strategy of this rank for a model a pipelined plan cuts into stages (`D`: the number
-    /// of dimensions of the activations between them, as in its `PipelineModel<D>`, 3 for
-    /// `[batch, seq, width]`): each training step runs the plan's
+    /// The strategy of this rank for a model a pipelined plan cuts into stages: each training
+    /// step runs the plan's
     /// schedule over micro-batches of this rank's share, each validation step runs the stages
     /// forward; the model implements [`PipelineLearnerModel`]. Fails when the plan has no
     /// pipeline rule. Collective over the world.
-    pub fn pipelined<const D: usize>(
+    pub fn pipelined(
         ctx: &RankContext,
         par: Parallelized,
-    ) -> Result<ParallelLearning<StagedForward<D>>, ParallelError> {
+    ) -> Result<ParallelLearning<StagedForward>, ParallelError> {
         if !par.has_pipeline() {
             return Err(ParallelError::Invalid(
                 "ParallelLearning::pipelined needs a plan with a pipeline rule \

@@ -90,7 +90,7 @@ impl<M: LearnerModel> RankSteps<M> for WholeForward {
 /// validation.
 ///
 /// ```text
-/// impl PipelineLearnerModel<2> for MyModel {
+/// impl PipelineLearnerModel for MyModel {
 ///     fn samples(batch: &MyBatch) -> usize { batch.labels.dims()[0] }
 ///     fn micro_batch(batch: &MyBatch, samples: Range<usize>) -> MyBatch {
 ///         MyBatch {
@@ -106,9 +106,9 @@ impl<M: LearnerModel> RankSteps<M> for WholeForward {
 ///     }
 /// }
 /// ```
-pub trait PipelineLearnerModel<const D: usize>:
+pub trait PipelineLearnerModel:
     LearnerModel
-    + PipelineModel<D, Batch = <Self as TrainStep>::Input>
+    + PipelineModel<Batch = <Self as TrainStep>::Input>
     + InferenceStep<Input = <Self as TrainStep>::Input>
     + Sync
 {
@@ -122,22 +122,25 @@ pub trait PipelineLearnerModel<const D: usize>:
     /// What the model's `TrainStep` computes after the layers, from their output `x`: the
     /// micro-batch's output item, whose loss ([`MicroBatchOutput::loss`]) the pipeline
     /// backpropagates.
-    fn train_head(&self, x: Tensor<D>, batch: &Self::Batch) -> <Self as TrainStep>::Output;
+    fn train_head(&self, x: Self::Activation, batch: &Self::Batch) -> <Self as TrainStep>::Output;
 
     /// What the model's `InferenceStep` computes after the layers, from their output `x`.
-    fn inference_head(&self, x: Tensor<D>, batch: &Self::Batch) -> <Self as InferenceStep>::Output;
+    fn inference_head(
+        &self,
+        x: Self::Activation,
+        batch: &Self::Batch,
+    ) -> <Self as InferenceStep>::Output;
 }
 
-/// Each rank runs its pipeline stages ([`PipelineLearnerModel`], `D`-dimensional activations
-/// between stages): training through the plan's schedule over micro-batches of the rank's
+/// Each rank runs its pipeline stages ([`PipelineLearnerModel`]): training through the plan's schedule over micro-batches of the rank's
 /// share, validation forward only over the whole share; the last stage's ranks hold the
 /// outputs.
 #[derive(Debug, Default)]
-pub struct StagedForward<const D: usize>(PhantomData<()>);
+pub struct StagedForward(PhantomData<()>);
 
-impl<M, const D: usize> RankSteps<M> for StagedForward<D>
+impl<M> RankSteps<M> for StagedForward
 where
-    M: PipelineLearnerModel<D>,
+    M: PipelineLearnerModel,
     <M as TrainStep>::Input: Sync,
     TrainItem<M>: MicroBatchOutput + Send,
 {
@@ -155,7 +158,7 @@ where
         // The last stage's outputs, by micro-batch.
         let outputs: Mutex<Vec<(usize, TrainItem<M>)>> = Mutex::default();
         let micro_batch = |samples: Range<usize>| M::micro_batch(&batch, samples);
-        let head = |m: &M, x: Tensor<D>, micro: &M::Batch, k: usize| {
+        let head = |m: &M, x: M::Activation, micro: &M::Batch, k: usize| {
             let output = m.train_head(x, micro);
             let loss = output.loss();
             outputs

@@ -76,7 +76,8 @@ impl Tower {
 
 type Batch = (Tensor<2>, Tensor<1, Int>);
 
-impl PipelineModel<2> for Tower {
+impl PipelineModel for Tower {
+    type Activation = Tensor<2>;
     type Batch = Batch;
 
     fn embed(&self, (x, _): &Batch) -> Tensor<2> {

@@ -213,7 +213,8 @@ impl From<(Tensor<2, Int>, Tensor<2, Int>)> for LmBatch {
 }
 
 /// The reference transformer's stages, each micro-batch an [`LmBatch`].
-impl PipelineModel<3> for Transformer {
+impl PipelineModel for Transformer {
+    type Activation = Tensor<3>;
     type Batch = LmBatch;
 
     fn embed(&self, batch: &LmBatch) -> Tensor<3> {

@@ -64,7 +64,8 @@ pub use pipeline::PipelineModel;
 pub use pipeline_step::PipelineStep;
 pub use placed::{ContextSplit, ExpertSplit, Placed, TpSplit, local_value, tp_split};
 pub use plan::{
-    ContextParallelRule, ModulePath, ParallelizePlan, PipelineRule, TensorParallelRule, TpStyle,
+    AttachedModule, ContextParallelRule, ModulePath, ParallelizePlan, PipelineRule,
+    TensorParallelRule, TpStyle,
 };
 
 use crate::data_parallel::{BucketedReduction, ReductionReport};

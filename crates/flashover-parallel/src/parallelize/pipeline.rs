@@ -9,7 +9,7 @@
 //! copies stay equal, and the first stage's copy is the one counted and gathered.
 
 use super::placed::UnitGathers;
-use super::plan::PipelineRule;
+use super::plan::{ModulePath, PipelineRule};
 use super::units::{Unit, replaying, unit_shards};
 use crate::activation_checkpointing::{CheckpointPolicy, Replays, checkpoint_part};
 use crate::data_parallel::BucketedReduction;
@@ -17,8 +17,9 @@ use crate::error::ParallelError;
 use crate::expert_parallel::Replicas;
 use crate::params::{ParamLayout, ParamSlot};
 use crate::pipeline::{
-    ActionKind, PipelineExecutor, PipelineStepReport, Schedule, ScheduleKind, StageOutput,
-    WeightGradStore, deferral_supported,
+    ActionKind, BoundaryTensor, PartSpec, PipelineExecutor, PipelineStepReport, Schedule,
+    ScheduleKind, StageBoundary, StageOutput, WeightGradStore, boundary_tensors,
+    deferral_supported, from_boundary_tensors,
 };
 use crate::placement::{PlacementTable, Tie};
 use crate::precision::{MixedPrecision, Precision};
@@ -35,18 +36,29 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// of what the model's own forward does (and the single-device loss is
 /// `head_loss(layers(embed(batch)), batch)`, so there is one forward).
 ///
-/// `D` is the rank of the activations between layers (3 for `[batch, seq, width]`).
-pub trait PipelineModel<const D: usize>: Module {
+/// What runs between the parts is [`Self::Activation`]: one tensor (`Tensor<3>` for
+/// `[batch, seq, width]`), or several for a model of more than one stream, such as an
+/// encoder-decoder's `(memory, target)`: the encoder's layers change the first, the decoder's
+/// read it and change the second. Every one of them crosses each stage boundary with its own
+/// gradient, so a tensor read by several later stages gets the sum of their gradients back
+/// at the stage that made it.
+pub trait PipelineModel: Module {
     /// One micro-batch: the inputs the first stage reads, the targets the last one does, and
     /// whatever its layers read besides their activation ([`Self::layer_for`]). Every stage
     /// builds its micro-batches; a recomputed layer keeps its micro-batch until backward.
     type Batch: Send + Sync + 'static;
 
-    /// The first stage's part before the layers: the micro-batch's input activation.
-    fn embed(&self, batch: &Self::Batch) -> Tensor<D>;
+    /// What every layer takes and returns, and what crosses stage boundaries: a tensor, a
+    /// tuple of them, or a struct of the model's own ([`StageBoundary`]). Every layer returns
+    /// the shapes and dtypes it is given.
+    type Activation: StageBoundary;
 
-    /// Layer `index` of the plan's `layers` (`self.blocks[index].forward(x)`).
-    fn layer(&self, index: usize, x: Tensor<D>) -> Tensor<D>;
+    /// The first stage's part before the layers: the micro-batch's input activation.
+    fn embed(&self, batch: &Self::Batch) -> Self::Activation;
+
+    /// Layer `index` of the plan's `layers` (`self.blocks[index].forward(x)`), numbered on
+    /// through its lists when it names several (`encoder.blocks` then `decoder.blocks`).
+    fn layer(&self, index: usize, x: Self::Activation) -> Self::Activation;
 
     /// Layer `index` and the auxiliary loss it adds to the micro-batch's (a mixture-of-experts
     /// layer's, from `flashover::nn::MoeForward`): the pipeline adds it to the loss that the
@@ -57,7 +69,11 @@ pub trait PipelineModel<const D: usize>: Module {
     /// as `self.layer_with_aux(index, x).0`: the pipeline calls only this one (through
     /// [`Self::layer_for`]), and nothing can tell a default that drops a loss from a layer
     /// without one, so a `layer` that drops it trains without its gradient, silently.
-    fn layer_with_aux(&self, index: usize, x: Tensor<D>) -> (Tensor<D>, Option<Tensor<1>>) {
+    fn layer_with_aux(
+        &self,
+        index: usize,
+        x: Self::Activation,
+    ) -> (Self::Activation, Option<Tensor<1>>) {
         (self.layer(index, x), None)
     }
 
@@ -68,15 +84,15 @@ pub trait PipelineModel<const D: usize>: Module {
     fn layer_for(
         &self,
         index: usize,
-        x: Tensor<D>,
+        x: Self::Activation,
         batch: &Self::Batch,
-    ) -> (Tensor<D>, Option<Tensor<1>>) {
+    ) -> (Self::Activation, Option<Tensor<1>>) {
         let _ = batch;
         self.layer_with_aux(index, x)
     }
 
     /// The last stage's part after the layers: the micro-batch's mean loss.
-    fn head_loss(&self, x: Tensor<D>, batch: &Self::Batch) -> Tensor<1>;
+    fn head_loss(&self, x: Self::Activation, batch: &Self::Batch) -> Tensor<1>;
 }
 
 /// Where a plan's pipeline puts each layer and parameter, seen from one rank.
@@ -94,9 +110,9 @@ pub(super) struct Stages {
     pp: Group,
     /// The ranks of the first and last stage, which sum tied copies (on both of them).
     tie: Option<Group>,
-    /// What the layers take for a micro-batch of so many samples, once known
-    /// ([`Stages::activation_shape`]).
-    activation: std::sync::Mutex<Option<(usize, Vec<usize>)>>,
+    /// What crosses stage boundaries for a micro-batch of so many samples, once known
+    /// ([`Stages::boundary`]).
+    boundary: std::sync::Mutex<Option<(usize, Vec<PartSpec>)>>,
     /// Which layers are recomputed in backward.
     recompute: CheckpointPolicy,
     /// Per layer, which parameters (layout order) are its own: what its recomputation carries.
@@ -136,17 +152,13 @@ impl Stages {
     ) -> Result<Self, ParallelError> {
         let schedule = schedule(rule, pp.size())?;
         let stages = schedule.stages();
-        let layer_of: Vec<Option<usize>> = whole
-            .slots
-            .iter()
-            .map(|s| layer_index(rule, s))
-            .collect::<Result<_, _>>()?;
+        let layer_of = layer_indices(rule, &whole.slots)?;
         let count = layer_of.iter().flatten().max().map_or(0, |i| i + 1);
         if count < stages {
             return Err(ParallelError::Invalid(format!(
                 "pipeline layers `{}`: {count} layers cannot fill {stages} stages (pp = {} x \
                  chunks = {}); every stage runs at least one layer",
-                rule.layers.as_str(),
+                rule.layers_named(),
                 pp.size(),
                 schedule.chunks
             )));
@@ -157,7 +169,7 @@ impl Stages {
             return Err(ParallelError::Invalid(format!(
                 "activation_checkpointing `{recompute}` names layer {beyond}, but `{}` has \
                  {count} layers (0..{count})",
-                rule.layers.as_str()
+                rule.layers_named()
             )));
         }
         let parts = (0..count)
@@ -189,9 +201,9 @@ impl Stages {
                 return Err(ParallelError::Invalid(format!(
                     "parameter `{}` is in no pipeline stage: it is not under `{}` (the \
                      layers); name its module in the pipeline's `first` (run before the \
-                     layers) or `last` (after them)",
+                     layers), `last` (after them) or `attach` (with one layer)",
                     slot.name,
-                    rule.layers.as_str()
+                    rule.layers_named()
                 )));
             }
             let holds = stages_of.iter().any(|s| mine.contains(s));
@@ -218,7 +230,7 @@ impl Stages {
             whole,
             pp: pp.clone(),
             tie,
-            activation: Default::default(),
+            boundary: Default::default(),
             recompute: recompute.clone(),
             parts,
             recomputed: Default::default(),
@@ -283,18 +295,18 @@ impl Stages {
     /// hooked parameters that hand their gradients to the reduction's buckets during
     /// backward (those are then zero in the returned sums): see [`Self::hooks_allowed`].
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn step<M, const D: usize>(
+    pub(super) fn step<M>(
         &self,
         model: &M,
         share: Range<usize>,
         device: &Device,
         micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
-        head: &HeadLoss<'_, M, D>,
+        head: &HeadLoss<'_, M>,
         loss_scale: Option<f32>,
         hooks: Option<&BucketedReduction>,
     ) -> Result<(Tensor<1>, [f32; 2], PipelineStepReport), ParallelError>
     where
-        M: PipelineModel<D> + Sync + 'static,
+        M: PipelineModel + Sync + 'static,
     {
         let m = self.schedule.micro_batches;
         if !share.len().is_multiple_of(m) {
@@ -310,10 +322,10 @@ impl Stages {
         }
         let per = share.len() / m;
         let micro = |k: usize| share.start + k * per..share.start + (k + 1) * per;
-        let activation = self.activation_shape(model, micro(0), micro_batch)?;
+        let boundary = self.boundary(model, micro(0), micro_batch)?;
         let last = self.schedule.stages() - 1;
         let rank = self.pp.rank();
-        let forward = |chunk: usize, master: &M, input: Option<Tensor<D>>, k: usize| {
+        let forward = |chunk: usize, master: &M, input: Option<Vec<BoundaryTensor>>, k: usize| {
             // Hooks on the f32 parameters, under the casts: the buckets receive f32.
             let hooked = hooks.map(|h| h.hooked(master));
             let master = hooked.as_ref().unwrap_or(master);
@@ -327,7 +339,7 @@ impl Stages {
             // whole micro-batch (from the f32 rows, read in the view's dtype).
             let root = self.units.as_deref().map(|u| u.gather_root(master));
             let mut x = match input {
-                Some(x) => x,
+                Some(parts) => from_boundary_tensors(parts),
                 None => m.embed(&batch),
             };
             let mut aux: Option<Tensor<1>> = None;
@@ -341,7 +353,7 @@ impl Stages {
             }
             let output = match stage == last {
                 true => StageOutput::Loss(head(m, x, &batch, k)),
-                false => StageOutput::Activation(x),
+                false => StageOutput::Activation(boundary_tensors(x)),
             };
             if let (Some(units), Some(names)) = (self.units.as_deref(), root) {
                 units.gathers.release(names.iter().map(String::as_str));
@@ -356,9 +368,6 @@ impl Stages {
             .summing();
         if let Some(hooks) = hooks {
             executor = executor.with_backward_sink(hooks);
-        }
-        if let Some(policy) = &self.precision {
-            executor = executor.with_activation_dtype(policy.param_dtype.float_dtype().into());
         }
         if let Some(scale) = loss_scale {
             // Losses scaled before backward, the gradients returned unscaled.
@@ -375,7 +384,7 @@ impl Stages {
             executor = executor.deferring_weight_grads(WeightGradStore::default());
         }
         // Every chunk is the same model (its own stages' parameters): sum them in place.
-        let (flats, report) = executor.step_flat(&chunks, activation, device, forward)?;
+        let (flats, report) = executor.step_flat(&chunks, &boundary, device, forward)?;
         // A zero-bubble step whose weight gradients were not deferred would silently be 1F1B.
         if zero_bubble && report.deferred_weight_grads == 0 {
             return Err(ParallelError::Invalid(
@@ -473,16 +482,16 @@ impl Stages {
     /// otherwise. Fully sharded parameters are gathered from `master`'s stored rows, read in
     /// the view's dtype: their reduce-scattered gradient reaches the f32 rows in f32 whether or
     /// not the layer is recomputed.
-    fn layer<M, const D: usize>(
+    fn layer<M>(
         &self,
         master: &M,
         view: &M,
         index: usize,
-        x: Tensor<D>,
+        x: M::Activation,
         batch: &Arc<M::Batch>,
-    ) -> (Tensor<D>, Option<Tensor<1>>)
+    ) -> (M::Activation, Option<Tensor<1>>)
     where
-        M: PipelineModel<D> + Sync + 'static,
+        M: PipelineModel + Sync + 'static,
     {
         let units = self.units.clone();
         let stage = self.layers.iter().find(|l| l.contains(&index)).cloned();
@@ -502,7 +511,7 @@ impl Stages {
         }
         let (part, precision) = (self.parts[index].clone(), self.precision);
         let cast_part = part.clone();
-        let run = move |m: &M, x: Tensor<D>| {
+        let run = move |m: &M, x: M::Activation| {
             let view = precision.map(|p| p.compute_view_of(m.clone(), &cast_part));
             run_layer(
                 units.as_deref(),
@@ -514,37 +523,42 @@ impl Stages {
                 &batch,
             )
         };
-        // The auxiliary loss leaves the recomputed function as one more element after the
-        // output, so its gradient reaches the layer through the recomputation too (a layer
-        // keeps its activation's shape, as every stage's input and output have one).
-        let dims = x.dims();
-        let numel: usize = dims.iter().product();
+        // The recomputed function takes the activation's tensors as one and returns the
+        // output's and then the auxiliary loss as one, so their gradients reach the layer
+        // through the recomputation (a layer keeps its activation's shapes and dtypes, as
+        // every stage's input and output have them).
+        let (packing, input) = Packing::of(boundary_tensors(x));
         let replays = Replays::new(self.recomputed.clone());
-        let forward = move |m: &M, x: Tensor<D>| {
+        let unpack = packing.clone();
+        let forward = move |m: &M, x: Tensor<1>| {
             replays.next_is_replay();
-            let (y, aux) = run(m, x);
+            let (y, aux) = run(m, from_boundary_tensors(unpack.unpack(x)));
+            let y = unpack.pack(boundary_tensors(y));
             let aux = aux.unwrap_or_else(|| Tensor::zeros([1], &y.device()));
             let dtype = y.dtype();
-            Tensor::cat(vec![y.reshape([numel]), aux.cast(dtype).reshape([1])], 0)
+            Tensor::cat(vec![y, aux.cast(dtype).reshape([1])], 0)
         };
-        let output = checkpoint_part(master, x, forward, Some(part));
+        let output = checkpoint_part(master, input, forward, Some(part));
+        let numel = packing.numel();
         let aux = output.clone().narrow(0, numel, 1);
-        (output.narrow(0, 0, numel).reshape(dims), Some(aux))
+        let y = packing.unpack(output.narrow(0, 0, numel));
+        (from_boundary_tensors(y), Some(aux))
     }
 
     /// `batch` forward through every stage, without gradients (validation, inference): the
     /// layers' output on the rank that runs the last stage, `None` on the others. Each stage's
-    /// output travels to the next stage's rank in f32, its shape first. Collective over `pp`.
-    pub(super) fn forward<M, const D: usize>(
+    /// output travels to the next stage's rank in f32, its tensors' shapes first. Collective
+    /// over `pp`.
+    pub(super) fn forward<M>(
         &self,
         model: &M,
         batch: &M::Batch,
-    ) -> Result<Option<Tensor<D>>, ParallelError>
+    ) -> Result<Option<M::Activation>, ParallelError>
     where
-        M: PipelineModel<D>,
+        M: PipelineModel,
     {
         let (rank, last) = (self.pp.rank(), self.schedule.stages() - 1);
-        let mut carried: Option<Tensor<D>> = None;
+        let mut carried: Option<M::Activation> = None;
         for stage in 0..=last {
             if self.schedule.place(stage).0 != rank {
                 continue;
@@ -554,13 +568,21 @@ impl Stages {
                 (_, Some(x)) => x, // the previous stage ran here too
                 (_, None) => {
                     let src = self.schedule.place(stage - 1).0;
-                    let mut dims = [0u64; D];
-                    self.pp.recv(&mut dims, src)?;
+                    let mut len = [0u64];
+                    self.pp.recv(&mut len, src)?;
+                    let mut code = vec![0u64; len[0] as usize];
+                    self.pp.recv(&mut code, src)?;
                     let device = model.devices().into_iter().next().ok_or_else(|| {
                         ParallelError::Invalid("a pipeline stage with no parameters".into())
                     })?;
-                    let shape = dims.map(|d| d as usize);
-                    self.pp.recv_tensor(shape, DType::F32, src, &device)?
+                    let mut parts = vec![];
+                    for spec in decode_specs(&code)? {
+                        let flat = self
+                            .pp
+                            .recv_tensor([spec.numel()], DType::F32, src, &device)?;
+                        parts.push(BoundaryTensor::new(flat.cast(spec.dtype), spec));
+                    }
+                    from_boundary_tensors(parts)
                 }
             };
             for i in self.layers[stage].clone() {
@@ -574,8 +596,14 @@ impl Stages {
             if dst == rank {
                 carried = Some(x);
             } else {
-                self.pp.send(&x.dims().map(|d| d as u64), dst)?;
-                self.pp.send_tensor(&x.cast(DType::F32), dst)?;
+                let parts = boundary_tensors(x);
+                let specs: Vec<PartSpec> = parts.iter().map(BoundaryTensor::spec).collect();
+                let code = encode_specs(&specs)?;
+                self.pp.send(&[code.len() as u64], dst)?;
+                self.pp.send(&code, dst)?;
+                for part in parts {
+                    self.pp.send_tensor(&part.flat.cast(DType::F32), dst)?;
+                }
             }
         }
         Ok(None)
@@ -591,65 +619,175 @@ impl Stages {
         self.recomputed.load(Ordering::Relaxed)
     }
 
-    /// The shape of what the layers take for one micro-batch: the first stage's `embed` of
-    /// `first`'s samples, broadcast over `pp` on the first step and kept while micro-batches
-    /// keep that many samples (the micro-batches of a run have one shape). Collective over
-    /// `pp`.
-    fn activation_shape<M, const D: usize>(
+    /// What crosses every stage boundary for one micro-batch: the tensors of the first
+    /// stage's `embed` of `first`'s samples (their shapes, dtypes and which carry gradients),
+    /// broadcast over `pp` on the first step and kept while micro-batches keep that many
+    /// samples (the micro-batches of a run have one shape). Collective over `pp`.
+    fn boundary<M>(
         &self,
         model: &M,
         first: Range<usize>,
         micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
-    ) -> Result<[usize; D], ParallelError>
+    ) -> Result<Vec<PartSpec>, ParallelError>
     where
-        M: PipelineModel<D>,
+        M: PipelineModel,
     {
-        let mut known = self.activation.lock().unwrap_or_else(|p| p.into_inner());
+        let mut known = self.boundary.lock().unwrap_or_else(|p| p.into_inner());
         let samples = first.len();
-        if let Some(dims) = known
-            .as_ref()
-            .filter(|(n, _)| *n == samples)
-            .and_then(|(_, d)| <[usize; D]>::try_from(&d[..]).ok())
-        {
-            return Ok(dims);
+        if let Some((_, specs)) = known.as_ref().filter(|(n, _)| *n == samples) {
+            return Ok(specs.clone());
         }
         let root = self.schedule.place(0).0;
-        let mut dims = [0u64; D];
+        let mut code = vec![];
         if self.pp.rank() == root {
             let view = self.compute_view(model);
             let x = view.as_ref().unwrap_or(model).embed(&micro_batch(first));
-            dims = x.dims().map(|d| d as u64);
+            let specs: Vec<PartSpec> = (boundary_tensors(x).iter())
+                .map(BoundaryTensor::spec)
+                .collect();
+            code = encode_specs(&specs)?;
         }
         if self.pp.size() > 1 {
-            self.pp.broadcast(&mut dims, root)?;
+            let mut len = [code.len() as u64];
+            self.pp.broadcast(&mut len, root)?;
+            code.resize(len[0] as usize, 0);
+            self.pp.broadcast(&mut code, root)?;
         }
-        let dims = dims.map(|d| d as usize);
-        *known = Some((samples, dims.to_vec()));
-        Ok(dims)
+        let specs = decode_specs(&code)?;
+        *known = Some((samples, specs.clone()));
+        Ok(specs)
+    }
+}
+
+/// The dtypes a stage boundary's tensors may have, by their code in [`encode_specs`].
+const BOUNDARY_DTYPES: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::F64];
+
+/// `specs` as numbers, for a broadcast or a send: their count, then per tensor its dtype's
+/// code, whether it carries a gradient, its rank and its dimensions.
+fn encode_specs(specs: &[PartSpec]) -> Result<Vec<u64>, ParallelError> {
+    let mut code = vec![specs.len() as u64];
+    for spec in specs {
+        let dtype = BOUNDARY_DTYPES.iter().position(|d| *d == spec.dtype);
+        let dtype = dtype.ok_or_else(|| {
+            ParallelError::Invalid(format!(
+                "a stage boundary's tensor of dtype {:?}: stages pass float tensors (f32, bf16, \
+                 f16, f64); build integer inputs from the micro-batch on every stage \
+                 (PipelineModel::layer_for)",
+                spec.dtype
+            ))
+        })?;
+        code.extend([dtype as u64, u64::from(spec.grad), spec.shape.len() as u64]);
+        code.extend(spec.shape.iter().map(|&d| d as u64));
+    }
+    Ok(code)
+}
+
+/// The specs [`encode_specs`] wrote.
+fn decode_specs(code: &[u64]) -> Result<Vec<PartSpec>, ParallelError> {
+    let malformed = || ParallelError::Invalid("a malformed stage boundary description".into());
+    let mut numbers = code.iter().map(|&n| n as usize);
+    let mut next = || numbers.next().ok_or_else(malformed);
+    let count = next()?;
+    let mut specs = Vec::with_capacity(count);
+    for _ in 0..count {
+        let dtype = *BOUNDARY_DTYPES.get(next()?).ok_or_else(malformed)?;
+        let grad = next()? == 1;
+        let rank = next()?;
+        let shape = (0..rank).map(|_| next()).collect::<Result<_, _>>()?;
+        specs.push(PartSpec { shape, dtype, grad });
+    }
+    Ok(specs)
+}
+
+/// A boundary's tensors as one flat tensor, for a recomputed layer (whose function takes and
+/// returns one tensor): concatenated in order, in their common dtype (f32 when they differ,
+/// which every float dtype converts to and back exactly).
+#[derive(Clone)]
+struct Packing {
+    specs: Vec<PartSpec>,
+    dtype: DType,
+}
+
+impl Packing {
+    /// How `parts` pack, and them packed.
+    fn of(parts: Vec<BoundaryTensor>) -> (Self, Tensor<1>) {
+        let specs: Vec<PartSpec> = parts.iter().map(BoundaryTensor::spec).collect();
+        let dtype = match specs.iter().all(|s| s.dtype == specs[0].dtype) {
+            true => specs[0].dtype,
+            false => DType::F32,
+        };
+        let packing = Packing { specs, dtype };
+        let packed = packing.pack(parts);
+        (packing, packed)
+    }
+
+    /// Elements of the packed tensor.
+    fn numel(&self) -> usize {
+        self.specs.iter().map(PartSpec::numel).sum()
+    }
+
+    /// `parts` (shaped as this packing's) as one tensor.
+    fn pack(&self, parts: Vec<BoundaryTensor>) -> Tensor<1> {
+        let shapes: Vec<&[usize]> = parts.iter().map(|p| &p.shape[..]).collect();
+        let expected: Vec<&[usize]> = self.specs.iter().map(|s| &s.shape[..]).collect();
+        assert_eq!(
+            shapes, expected,
+            "a recomputed pipeline layer returned other shapes than it was given"
+        );
+        let mut flats: Vec<Tensor<1>> = parts
+            .into_iter()
+            .map(|p| match p.flat.dtype() == self.dtype {
+                true => p.flat,
+                false => p.flat.cast(self.dtype),
+            })
+            .collect();
+        match flats.len() {
+            1 => flats.pop().expect("one"),
+            _ => Tensor::cat(flats, 0),
+        }
+    }
+
+    /// The tensors `packed` holds, in their dtypes (those without a gradient detached).
+    fn unpack(&self, packed: Tensor<1>) -> Vec<BoundaryTensor> {
+        let mut start = 0;
+        let mut parts = vec![];
+        for spec in &self.specs {
+            let mut flat = packed.clone().narrow(0, start, spec.numel());
+            start += spec.numel();
+            if flat.dtype() != spec.dtype {
+                flat = flat.cast(spec.dtype);
+            }
+            if !spec.grad {
+                flat = flat.detach();
+            }
+            parts.push(BoundaryTensor::new(flat, spec.clone()));
+        }
+        parts
     }
 }
 
 /// The last stage's loss of a micro-batch: `head(model, x, batch, k)` of micro-batch `k`'s
 /// layers' output `x` (`PipelineModel::head_loss`, or a head that also keeps the micro-batch's
 /// outputs).
-pub type HeadLoss<'a, M, const D: usize> =
-    dyn Fn(&M, Tensor<D>, &<M as PipelineModel<D>>::Batch, usize) -> Tensor<1> + Sync + 'a;
+pub type HeadLoss<'a, M> = dyn Fn(&M, <M as PipelineModel>::Activation, &<M as PipelineModel>::Batch, usize) -> Tensor<1>
+    + Sync
+    + 'a;
 
 /// Layer `index` of `view` on `x` of micro-batch `batch` and its auxiliary loss, its fully
 /// sharded parameters gathered at once first from `stored`'s rows (the f32 parameters `view`
 /// may be a cast view of) when the layers are `units`, and then the all-gather of layer
 /// `next` submitted (not in a rerun in backward).
-fn run_layer<M, const D: usize>(
+fn run_layer<M>(
     units: Option<&LayerUnits>,
     stored: &M,
     view: &M,
     index: usize,
     ahead: Ahead,
-    x: Tensor<D>,
+    x: M::Activation,
     batch: &M::Batch,
-) -> (Tensor<D>, Option<Tensor<1>>)
+) -> (M::Activation, Option<Tensor<1>>)
 where
-    M: PipelineModel<D>,
+    M: PipelineModel,
 {
     let model = view;
     match units {
@@ -718,7 +856,7 @@ fn layer_counts(
             "pipeline layers_per_stage = {counts:?}: `{}` has {count} layers for {stages} \
              stages (pp = {} x chunks = {}); give {stages} counts of at least 1 summing to \
              {count}",
-            rule.layers.as_str(),
+            rule.layers_named(),
             schedule.pp,
             schedule.chunks
         )));
@@ -726,19 +864,91 @@ fn layer_counts(
     Ok(counts.clone())
 }
 
-/// The index of the layer `slot` belongs to, if it is under the rule's layers.
-fn layer_index(rule: &PipelineRule, slot: &ParamSlot) -> Result<Option<usize>, ParallelError> {
-    if !rule.layers.contains(&slot.name) {
-        return Ok(None);
+/// For each parameter, the index of the layer it belongs to (numbered on through the rule's
+/// lists), if it is under one of them or under a module attached to one.
+fn layer_indices(
+    rule: &PipelineRule,
+    slots: &[ParamSlot],
+) -> Result<Vec<Option<usize>>, ParallelError> {
+    let invalid = |why: String| Err(ParallelError::Invalid(format!("pipeline layers: {why}")));
+    // Per parameter, its list and its index in that list.
+    let mut in_list = vec![];
+    for slot in slots {
+        let lists: Vec<usize> = (0..rule.layers.len())
+            .filter(|&l| rule.layers[l].contains(&slot.name))
+            .collect();
+        in_list.push(match lists[..] {
+            [] => None,
+            [l] => Some((l, list_position(&rule.layers[l], &slot.name)?)),
+            _ => {
+                return invalid(format!(
+                    "parameter `{}` is under two of the lists `{}`; name lists that do not \
+                     contain each other",
+                    slot.name,
+                    rule.layers_named()
+                ));
+            }
+        });
     }
-    let depth = rule.layers.depth();
-    match slot.name.split('.').nth(depth).map(str::parse::<usize>) {
-        Some(Ok(i)) if slot.name.split('.').count() > depth + 1 => Ok(Some(i)),
+    let mut counts = vec![0; rule.layers.len()];
+    for &(l, i) in in_list.iter().flatten() {
+        counts[l] = counts[l].max(i + 1);
+    }
+    let offsets: Vec<usize> = (counts.iter())
+        .scan(0, |sum, n| Some(std::mem::replace(sum, *sum + n)))
+        .collect();
+    let mut layer_of: Vec<Option<usize>> = in_list
+        .iter()
+        .map(|at| at.map(|(l, i)| offsets[l] + i))
+        .collect();
+    for attached in &rule.attach {
+        let layer = attached.layer.as_str();
+        let index = (0..rule.layers.len()).find_map(|l| {
+            let list = rule.layers[l].as_str();
+            let i = layer
+                .strip_prefix(list)?
+                .strip_prefix('.')?
+                .parse::<usize>()
+                .ok()?;
+            (i < counts[l]).then_some(offsets[l] + i)
+        });
+        let Some(index) = index else {
+            return invalid(format!(
+                "`{}` is attached to `{layer}`, which is not a layer of `{}` (a list's path and \
+                 a layer's index in it, such as `{}.0`)",
+                attached.module.as_str(),
+                rule.layers_named(),
+                rule.layers[0].as_str()
+            ));
+        };
+        for (slot, at) in slots.iter().zip(&mut layer_of) {
+            if !attached.module.contains(&slot.name) {
+                continue;
+            }
+            if at.is_some() || (rule.first.iter().chain(&rule.last)).any(|p| p.contains(&slot.name))
+            {
+                return invalid(format!(
+                    "parameter `{}` of the attached module `{}` is also under the layers, \
+                     `first`, `last` or another attached module: name each module once",
+                    slot.name,
+                    attached.module.as_str()
+                ));
+            }
+            *at = Some(index);
+        }
+    }
+    Ok(layer_of)
+}
+
+/// The index in `list` (a `Vec` of layers) of the layer holding the parameter at `name`.
+fn list_position(list: &ModulePath, name: &str) -> Result<usize, ParallelError> {
+    let depth = list.depth();
+    match name.split('.').nth(depth).map(str::parse::<usize>) {
+        Some(Ok(i)) if name.split('.').count() > depth + 1 => Ok(i),
         _ => Err(ParallelError::Invalid(format!(
             "pipeline layers `{}` must name a Vec of layers (`{0}.0`, `{0}.1`, ...), but it \
-             holds `{}`",
-            rule.layers.as_str(),
-            slot.name
+             holds `{name}`",
+            list.as_str(),
         ))),
     }
 }

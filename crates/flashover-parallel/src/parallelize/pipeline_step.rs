@@ -75,11 +75,11 @@ impl Parallelized {
     /// built by `micro_batch(samples)` on every stage (layers may read it:
     /// [`PipelineModel::layer_for`]), run through the plan's schedule over this rank's stages
     /// of `model` ([`PipelineModel`]). What travels between
-    /// stages has the shape of the first stage's `embed` output, learned on the first step
+    /// stages has the shapes of the first stage's `embed` output, learned on the first step
     /// (every micro-batch of a run has one shape). The gradients are reduced and clipped as
     /// [`Self::gradients`] does; tied copies (an embedding the first and the last stage both
     /// hold) summed. Collective.
-    pub fn pipeline_step<M, const D: usize>(
+    pub fn pipeline_step<M>(
         &self,
         model: &M,
         global_batch: usize,
@@ -89,7 +89,7 @@ impl Parallelized {
         ctx: &RankContext,
     ) -> Result<PipelineStep, ParallelError>
     where
-        M: PipelineModel<D> + Sync + 'static,
+        M: PipelineModel + Sync + 'static,
     {
         let share = self.share(global_batch, step)?;
         let head = |m: &M, x, batch: &M::Batch, _| m.head_loss(x, batch);
@@ -129,16 +129,16 @@ impl Parallelized {
     /// gradients come back unscaled; whether the step overflowed is decided from the reduced
     /// norm, by [`Self::reduce_gradients`] (which then returns no gradients and moves the
     /// scale). Collective over `pp`.
-    pub fn pipeline_gradients<M, const D: usize>(
+    pub fn pipeline_gradients<M>(
         &self,
         model: &M,
         samples: usize,
         micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
-        head: &pipeline::HeadLoss<'_, M, D>,
+        head: &pipeline::HeadLoss<'_, M>,
         ctx: &RankContext,
     ) -> Result<PipelineStep, ParallelError>
     where
-        M: PipelineModel<D> + Sync + 'static,
+        M: PipelineModel + Sync + 'static,
     {
         let loss_scale = self.loss_scale();
         let run = self.run_stages(model, 0..samples, micro_batch, head, loss_scale, None, ctx)?;
@@ -162,18 +162,18 @@ impl Parallelized {
     /// scaled by `loss_scale`; with `hooks`, the forwards run on hooked parameters that hand
     /// their gradients to the buckets.
     #[allow(clippy::too_many_arguments)]
-    fn run_stages<M, const D: usize>(
+    fn run_stages<M>(
         &self,
         model: &M,
         share: Range<usize>,
         micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
-        head: &pipeline::HeadLoss<'_, M, D>,
+        head: &pipeline::HeadLoss<'_, M>,
         loss_scale: Option<f32>,
         hooks: Option<&BucketedReduction>,
         ctx: &RankContext,
     ) -> Result<StagesRun, ParallelError>
     where
-        M: PipelineModel<D> + Sync + 'static,
+        M: PipelineModel + Sync + 'static,
     {
         let stages = self.pipeline_stages()?;
         let device = step_device(model, ctx);
@@ -225,13 +225,13 @@ impl Parallelized {
     /// where the model's head reads it, `None` on the others. The first stage embeds `batch`
     /// (its whole samples, no micro-batches); each stage's output travels to the next one's
     /// rank in f32. Collective over `pp`.
-    pub fn pipeline_forward<M, const D: usize>(
+    pub fn pipeline_forward<M>(
         &self,
         model: &M,
         batch: &M::Batch,
-    ) -> Result<Option<Tensor<D>>, ParallelError>
+    ) -> Result<Option<M::Activation>, ParallelError>
     where
-        M: PipelineModel<D>,
+        M: PipelineModel,
     {
         self.pipeline_stages()?.forward(model, batch)
     }

@@ -136,11 +136,24 @@ impl TensorParallelRule {
 /// consecutive runs, one per stage, the `first` modules on the first stage and the `last` on
 /// the last (a module in both, a tied embedding and head, is held by both and kept in step).
 /// The model runs its stage through [`super::PipelineModel`].
+///
+/// `layers` may name several lists, run one after another and numbered on through them: an
+/// encoder-decoder model's `["encoder.blocks", "decoder.blocks"]` with two blocks each has
+/// layers 0-1 (the encoder's) and 2-3 (the decoder's), so `layers_per_stage = [2, 2]` cuts it
+/// between encoder and decoder and `[3, 1]` inside the decoder, with no change to the model
+/// or its parameter paths. A module that runs with one layer (the encoder's final norm) is
+/// `attach`ed to it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PipelineRule {
-    /// The repeated layers, a `Vec` of modules (`blocks`): `blocks.0`, `blocks.1`, ...
-    pub layers: ModulePath,
+    /// The repeated layers, a `Vec` of modules (`blocks`: `blocks.0`, `blocks.1`, ...), or
+    /// several such lists in the order the model runs them (in TOML a string or a list).
+    #[serde(with = "layer_lists")]
+    pub layers: Vec<ModulePath>,
+    /// Modules that run with one of the layers (an encoder's final norm, after its last
+    /// block): held by that layer's stage, recomputed and fully sharded with it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attach: Vec<AttachedModule>,
     /// What the first stage runs before the layers (embeddings): module paths, or the paths
     /// of single parameters held outside a module (a learned class token).
     #[serde(default)]
@@ -172,7 +185,8 @@ impl PipelineRule {
     /// rank; nothing before or after the layers until [`Self::first`] and [`Self::last`] say.
     pub fn new(layers: &str, schedule: ScheduleKind, micro_batches: usize) -> Self {
         PipelineRule {
-            layers: ModulePath::new(layers),
+            layers: vec![ModulePath::new(layers)],
+            attach: vec![],
             first: vec![],
             last: vec![],
             schedule,
@@ -180,6 +194,29 @@ impl PipelineRule {
             chunks: 1,
             layers_per_stage: None,
         }
+    }
+
+    /// One more list of layers, run after those named so far (a decoder's blocks after the
+    /// encoder's): its layers are numbered on from theirs.
+    pub fn then_layers(mut self, layers: &str) -> Self {
+        self.layers.push(ModulePath::new(layers));
+        self
+    }
+
+    /// Module `module` runs with layer `layer` (a path to one layer of the lists, such as
+    /// `encoder.blocks.5`), on its stage.
+    pub fn attach(mut self, module: &str, layer: &str) -> Self {
+        self.attach.push(AttachedModule {
+            module: ModulePath::new(module),
+            layer: ModulePath::new(layer),
+        });
+        self
+    }
+
+    /// The layer lists as written, joined for messages.
+    pub(crate) fn layers_named(&self) -> String {
+        let names: Vec<&str> = self.layers.iter().map(ModulePath::as_str).collect();
+        names.join("` then `")
     }
 
     /// The modules the first stage runs before the layers.
@@ -271,6 +308,46 @@ mod attention_name {
 }
 
 /// A schedule by the name `ScheduleKind`'s `FromStr` reads (`1f1b`).
+/// A module of a pipeline's model that runs with one of its layers (see
+/// [`PipelineRule::attach`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AttachedModule {
+    /// The module (`encoder.norm`).
+    pub module: ModulePath,
+    /// The layer it runs with (`encoder.blocks.5`).
+    pub layer: ModulePath,
+}
+
+/// A pipeline's layer lists: one path as a string, several as a list.
+mod layer_lists {
+    use super::*;
+
+    #[derive(Serialize, Deserialize)]
+    #[serde(untagged)]
+    enum Lists {
+        One(ModulePath),
+        Several(Vec<ModulePath>),
+    }
+
+    pub fn serialize<S: Serializer>(lists: &[ModulePath], s: S) -> Result<S::Ok, S::Error> {
+        match lists {
+            [one] => one.serialize(s),
+            several => several.serialize(s),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<ModulePath>, D::Error> {
+        match Lists::deserialize(d)? {
+            Lists::One(one) => Ok(vec![one]),
+            Lists::Several(several) if several.is_empty() => Err(serde::de::Error::custom(
+                "pipeline layers: name at least one list of layers",
+            )),
+            Lists::Several(several) => Ok(several),
+        }
+    }
+}
+
 mod schedule_name {
     use super::*;
 

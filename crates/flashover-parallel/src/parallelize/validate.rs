@@ -84,7 +84,13 @@ pub(super) fn check_plan(
     if let Some(rule) = &plan.pipeline {
         // Checked like every rule's paths, before the stages are cut: a mistyped path is
         // named as such, not as the parameters it left without a stage.
-        names_a_module(&rule.layers, "pipeline layers", &names)?;
+        for path in &rule.layers {
+            names_a_module(path, "pipeline layers", &names)?;
+        }
+        for attached in &rule.attach {
+            names_a_module(&attached.module, "pipeline attach", &names)?;
+            names_a_module(&attached.layer, "pipeline attach's layer", &names)?;
+        }
         for path in &rule.first {
             names_a_module(path, "pipeline first", &names)?;
         }

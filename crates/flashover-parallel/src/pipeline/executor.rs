@@ -15,6 +15,7 @@
 //! plan-aware linear layers (`crate::nn::Linear`, the reference transformer's layer hooks)
 //! defer without being handed the store.
 
+use super::boundary::{BoundaryTensor, PartSpec};
 use super::schedule::{Action, ActionKind, Schedule};
 use super::simulate::validate;
 use super::weight_grad::{DeferredWeightGrad, WeightGradStore, deferring_in};
@@ -28,23 +29,23 @@ use flashover_runtime::TensorCollectives;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-/// What a chunk's forward returns: the activation for the next stage, or on the last virtual
-/// stage the micro-batch's loss.
-pub enum StageOutput<const D: usize> {
-    /// Output activation.
-    Activation(Tensor<D>),
+/// What a chunk's forward returns: the activation for the next stage (the tensors of its
+/// [`super::StageBoundary`]), or on the last virtual stage the micro-batch's loss.
+pub enum StageOutput {
+    /// Output activation, as its boundary's tensors.
+    Activation(Vec<BoundaryTensor>),
     /// Mean loss of the micro-batch.
     Loss(Tensor<1>),
     /// Either of the above and a loss of the chunk's own (a mixture-of-experts router's
     /// auxiliary losses): its backward adds it to what it backpropagates, scaled as the
     /// losses are, so its gradient stays on this stage (Megatron's auxiliary-loss scaler);
     /// it is not part of the reported loss.
-    WithAuxLoss(Box<StageOutput<D>>, Tensor<1>),
+    WithAuxLoss(Box<StageOutput>, Tensor<1>),
 }
 
-impl<const D: usize> StageOutput<D> {
+impl StageOutput {
     /// `output` with the auxiliary loss `aux`, if there is one.
-    pub fn with_aux_loss(output: StageOutput<D>, aux: Option<Tensor<1>>) -> Self {
+    pub fn with_aux_loss(output: StageOutput, aux: Option<Tensor<1>>) -> Self {
         match aux {
             Some(aux) => StageOutput::WithAuxLoss(Box::new(output), aux),
             None => output,
@@ -52,7 +53,7 @@ impl<const D: usize> StageOutput<D> {
     }
 
     /// The activation or loss itself.
-    fn main(&self) -> &StageOutput<D> {
+    fn main(&self) -> &StageOutput {
         match self {
             StageOutput::WithAuxLoss(main, _) => main.main(),
             main => main,
@@ -70,7 +71,7 @@ impl<const D: usize> StageOutput<D> {
     }
 
     /// The activation or loss, and the auxiliary losses (summed).
-    fn split(self) -> (StageOutput<D>, Option<Tensor<1>>) {
+    fn split(self) -> (StageOutput, Option<Tensor<1>>) {
         match self {
             StageOutput::WithAuxLoss(main, aux) => match main.split() {
                 (main, Some(more)) => (main, Some(aux + more)),
@@ -113,8 +114,6 @@ pub struct PipelineExecutor<'a> {
     weight_grads: Option<WeightGradStore>,
     /// Called with each backward's gradients before the chunk's are read.
     take_gradients: Option<&'a (dyn Fn(&mut Gradients) + Sync)>,
-    /// The dtype activations and their gradients travel in between stages.
-    activation_dtype: DType,
     /// The factor the last stage's losses are multiplied by before backward.
     loss_scale: f32,
     /// Told before each backward whether it is the step's last (a gradient reduction whose
@@ -160,7 +159,6 @@ impl<'a> PipelineExecutor<'a> {
             group,
             weight_grads: None,
             take_gradients: None,
-            activation_dtype: DType::F32,
             loss_scale: 1.0,
             backward_sink: None,
             sums: false,
@@ -177,13 +175,6 @@ impl<'a> PipelineExecutor<'a> {
     /// (not averaged nor unscaled): for a caller that reduces the sums and divides after.
     pub(crate) fn summing(mut self) -> Self {
         self.sums = true;
-        self
-    }
-
-    /// Activations (and their gradients) cross stages in `dtype`: the compute dtype of a
-    /// precision policy (f32 by default). Stages must produce activations of that dtype.
-    pub fn with_activation_dtype(mut self, dtype: DType) -> Self {
-        self.activation_dtype = dtype;
         self
     }
 
@@ -211,19 +202,20 @@ impl<'a> PipelineExecutor<'a> {
 
     /// One step over every micro-batch: `forward(chunk, module, input, micro)` runs chunk
     /// `chunk` (its module is `chunks[chunk]`) on `input` (`None` on the first virtual stage,
-    /// which reads micro-batch `micro` itself). Activations have shape `shape` and live on
-    /// `device` (an autodiff device). Returns, per chunk, its gradients averaged over
-    /// micro-batches in its flat layout ([`ParamLayout`]), and what the step measured.
-    pub fn step_flat<M, F, const D: usize>(
+    /// which reads micro-batch `micro` itself). Every boundary carries tensors as `boundary`
+    /// says (in order: shape, dtype, whether a gradient comes back), on `device` (an autodiff
+    /// device). Returns, per chunk, its gradients averaged over micro-batches in its flat
+    /// layout ([`ParamLayout`]), and what the step measured.
+    pub fn step_flat<M, F>(
         &self,
         chunks: &[M],
-        shape: [usize; D],
+        boundary: &[PartSpec],
         device: &Device,
         forward: F,
     ) -> Result<(Vec<Tensor<1>>, PipelineStepReport), ParallelError>
     where
         M: Module,
-        F: Fn(usize, &M, Option<Tensor<D>>, usize) -> StageOutput<D>,
+        F: Fn(usize, &M, Option<Vec<BoundaryTensor>>, usize) -> StageOutput,
     {
         let s = self.schedule;
         let rank = self.group.rank();
@@ -248,13 +240,15 @@ impl<'a> PipelineExecutor<'a> {
         if let Some(store) = &self.weight_grads {
             store.take(); // Nothing left over from a failed step may leak into this one.
         }
-        let mut inputs: HashMap<(usize, usize), Tensor<D>> = HashMap::new();
-        let mut outputs: HashMap<(usize, usize), (Option<Tensor<D>>, StageOutput<D>)> =
-            HashMap::new();
-        let mut grads_in: HashMap<(usize, usize), Tensor<D>> = HashMap::new();
-        let mut grads_out: HashMap<(usize, usize), Tensor<D>> = HashMap::new();
+        type Parts = Vec<BoundaryTensor>;
+        let mut inputs: HashMap<(usize, usize), Parts> = HashMap::new();
+        let mut outputs: HashMap<(usize, usize), (Option<Parts>, StageOutput)> = HashMap::new();
+        // Gradients of the boundary's differentiable tensors, in its order.
+        let mut grads_in: HashMap<(usize, usize), Vec<Tensor<1>>> = HashMap::new();
+        let mut grads_out: HashMap<(usize, usize), Vec<Tensor<1>>> = HashMap::new();
         let mut report = PipelineStepReport::default();
-        let dtype = self.activation_dtype;
+        let inner = device.clone().inner();
+        let differentiable = || boundary.iter().filter(|p| p.grad);
         let is_backward =
             |a: &Action| matches!(a.kind, ActionKind::Backward | ActionKind::BackwardInput);
         let last_backward = s.ranks[rank].iter().rposition(is_backward);
@@ -266,20 +260,33 @@ impl<'a> PipelineExecutor<'a> {
                 ActionKind::RecvActivation => {
                     let src = s.place(stage - 1).0;
                     let t0 = Instant::now();
-                    let x = self.group.recv_tensor(shape, dtype, src, device)?;
+                    let mut parts = Vec::with_capacity(boundary.len());
+                    for spec in boundary {
+                        let x = self
+                            .group
+                            .recv_tensor([spec.numel()], spec.dtype, src, device)?;
+                        parts.push(BoundaryTensor {
+                            flat: if spec.grad { x.require_grad() } else { x },
+                            shape: spec.shape.clone(),
+                            grad: spec.grad,
+                        });
+                    }
                     report.recv_wait += t0.elapsed();
                     report.events.push((*a, t0, Instant::now()));
-                    inputs.insert(key, x.require_grad());
+                    inputs.insert(key, parts);
                 }
                 ActionKind::RecvGrad => {
                     let src = s.place(stage + 1).0;
                     let t0 = Instant::now();
-                    let g = self
-                        .group
-                        .recv_tensor(shape, dtype, src, &device.clone().inner())?;
+                    let grads = differentiable()
+                        .map(|spec| {
+                            self.group
+                                .recv_tensor([spec.numel()], spec.dtype, src, &inner)
+                        })
+                        .collect::<Result<Vec<_>, _>>()?;
                     report.recv_wait += t0.elapsed();
                     report.events.push((*a, t0, Instant::now()));
-                    grads_out.insert(key, g);
+                    grads_out.insert(key, grads);
                 }
                 ActionKind::Forward => {
                     let t0 = Instant::now();
@@ -301,18 +308,11 @@ impl<'a> PipelineExecutor<'a> {
                 ActionKind::SendActivation => {
                     let dst = s.place(stage + 1).0;
                     match outputs.get(&key).map(|(_, out)| out.main()) {
-                        Some(StageOutput::Activation(y)) if y.dims() != shape => {
-                            return Err(ParallelError::Invalid(format!(
-                                "rank {rank}: stage {stage} produced an activation of shape \
-                                 {:?}, but activations travel between stages as {shape:?} (under \
-                                 a plan: the first stage's `embed` output; every stage must \
-                                 return the shape it is given, so a tensor-parallel pair cannot \
-                                 be split between `embed` and a layer, or between stages)",
-                                y.dims()
-                            )));
-                        }
-                        Some(StageOutput::Activation(y)) => {
-                            self.group.send_tensor(&y.clone().detach(), dst)?
+                        Some(StageOutput::Activation(parts)) => {
+                            check_boundary(rank, stage, parts, boundary)?;
+                            for part in parts {
+                                self.group.send_tensor(&part.flat.clone().detach(), dst)?;
+                            }
                         }
                         _ => {
                             return Err(ParallelError::Invalid(format!(
@@ -347,14 +347,33 @@ impl<'a> PipelineExecutor<'a> {
                             (StageOutput::Loss(loss), Some(aux)) => {
                                 (loss.cast(DType::F32).mul_scalar(self.loss_scale) + aux).backward()
                             }
-                            (StageOutput::Activation(y), aux) => {
-                                let g = grads_out.remove(&key).ok_or_else(missing)?;
+                            (StageOutput::Activation(parts), aux) => {
+                                let grads = grads_out.remove(&key).ok_or_else(missing)?;
+                                let ys = parts.into_iter().filter(|p| p.grad).map(|p| p.flat);
                                 // Received in the output's dtype; into the graph's autodiff
                                 // context on the device, as a constant (no host round trip).
-                                let g = crate::params::in_context_of(g, &y);
+                                let mut products: Vec<Tensor<1>> = (ys.zip(grads))
+                                    .map(|(y, g)| {
+                                        let g = crate::params::in_context_of(g, &y);
+                                        (y * g).sum()
+                                    })
+                                    .collect();
+                                if products.is_empty() {
+                                    return Err(missing());
+                                }
+                                // One tensor (and no auxiliary loss) backpropagates in its own
+                                // dtype, as a single-tensor boundary always did.
+                                let first = products.remove(0);
+                                let mut objective = match (products.len(), &aux) {
+                                    (0, None) => first,
+                                    _ => first.cast(DType::F32),
+                                };
+                                for more in products {
+                                    objective = objective + more.cast(DType::F32);
+                                }
                                 match aux {
-                                    Some(aux) => ((y * g).sum().cast(DType::F32) + aux).backward(),
-                                    None => (y * g).sum().backward(),
+                                    Some(aux) => (objective + aux).backward(),
+                                    None => objective.backward(),
                                 }
                             }
                             (StageOutput::WithAuxLoss(..), _) => unreachable!("split"),
@@ -367,10 +386,22 @@ impl<'a> PipelineExecutor<'a> {
                     if let Some(take) = self.take_gradients {
                         take(&mut grads);
                     }
-                    if let Some(x) = input
-                        && let Some(gx) = x.grad(&grads)
-                    {
-                        grads_in.insert(key, gx);
+                    if let Some(parts) = input {
+                        // A tensor the stage did not read (an encoder's output past the last
+                        // layer that reads it) has a zero gradient; one that none got means a
+                        // stage cut off from its input, reported when its gradient is due.
+                        let got: Vec<Option<Tensor<1>>> = (parts.iter().filter(|p| p.grad))
+                            .map(|p| p.flat.grad(&grads))
+                            .collect();
+                        if got.iter().any(Option::is_some) {
+                            let zeros = |spec: &PartSpec| {
+                                Tensor::<1>::zeros([spec.numel()], &inner).cast(spec.dtype)
+                            };
+                            let grads = (got.into_iter().zip(differentiable()))
+                                .map(|(g, spec)| g.unwrap_or_else(|| zeros(spec)))
+                                .collect();
+                            grads_in.insert(key, grads);
+                        }
                     }
                     let params = GradientsParams::from_grads(grads, &chunks[a.chunk]);
                     let flat =
@@ -401,13 +432,15 @@ impl<'a> PipelineExecutor<'a> {
                 }
                 ActionKind::SendGrad => {
                     let dst = s.place(stage - 1).0;
-                    let g = grads_in.remove(&key).ok_or_else(|| {
+                    let grads = grads_in.remove(&key).ok_or_else(|| {
                         ParallelError::Invalid(format!(
                             "rank {rank}: chunk {}'s input got no gradient for micro-batch {}",
                             a.chunk, a.micro
                         ))
                     })?;
-                    self.group.send_tensor(&g, dst)?;
+                    for g in &grads {
+                        self.group.send_tensor(g, dst)?;
+                    }
                 }
             }
         }
@@ -422,6 +455,41 @@ impl<'a> PipelineExecutor<'a> {
         }
         Ok((flats, report))
     }
+}
+
+/// Checks that the tensors stage `stage` produced are those every boundary carries (`boundary`,
+/// learned from the first stage's `embed`).
+fn check_boundary(
+    rank: usize,
+    stage: usize,
+    parts: &[BoundaryTensor],
+    boundary: &[PartSpec],
+) -> Result<(), ParallelError> {
+    let produced: Vec<PartSpec> = parts.iter().map(BoundaryTensor::spec).collect();
+    if produced == boundary {
+        return Ok(());
+    }
+    let show = |specs: &[PartSpec]| {
+        let each: Vec<String> = (specs.iter())
+            .map(|p| {
+                format!(
+                    "{:?} {:?}{}",
+                    p.shape,
+                    p.dtype,
+                    ["", " (no grad)"][usize::from(!p.grad)]
+                )
+            })
+            .collect();
+        each.join(", ")
+    };
+    Err(ParallelError::Invalid(format!(
+        "rank {rank}: stage {stage} produced [{}], but every stage boundary carries [{}] (under \
+         a plan: what the first stage's `embed` returns; every stage must return the shapes and \
+         dtypes it is given, so a tensor-parallel pair cannot be split between `embed` and a \
+         layer, or between stages)",
+        show(&produced),
+        show(boundary)
+    )))
 }
 
 /// Computes deferred weight gradients and adds each at its parameter's offset in `flat` (on

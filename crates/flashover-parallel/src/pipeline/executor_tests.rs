@@ -7,8 +7,8 @@ use burn::nn::Linear;
 
 use crate::ParallelError;
 use crate::pipeline::{
-    ActionKind, PipelineExecutor, Schedule, ScheduleKind, StageOutput, WeightGradStore,
-    deferred_linear,
+    ActionKind, PartSpec, PipelineExecutor, Schedule, ScheduleKind, StageOutput, WeightGradStore,
+    boundary_tensors, deferred_linear, from_boundary_tensors,
 };
 use burn::tensor::{Device, Tensor, TensorData};
 use flashover_comm::{CommunicatorExt, ReduceOp};
@@ -62,6 +62,15 @@ fn rows(first: usize, n: usize, device: &Device) -> Tensor<2> {
         .map(|i| (i as f32 * 0.23).cos())
         .collect();
     Tensor::from_data(TensorData::new(v, [n, 6]), device)
+}
+
+/// What crosses every boundary: one micro-batch's rows, f32, with a gradient.
+fn boundary() -> Vec<PartSpec> {
+    vec![PartSpec {
+        shape: vec![ROWS_PER_MICRO, 6],
+        dtype: burn::tensor::DType::F32,
+        grad: true,
+    }]
 }
 
 fn loss(y: Tensor<2>) -> Tensor<1> {
@@ -158,18 +167,18 @@ fn pipelined(
         }
         let (flats, report) = executor.step_flat(
             &chunks,
-            [ROWS_PER_MICRO, 6],
+            &boundary(),
             &device,
             |chunk, module: &Stack, input, micro| {
                 let stage = schedule.stage_of(pp.rank(), chunk);
-                let x = input.unwrap_or_else(|| {
+                let x = input.map(from_boundary_tensors).unwrap_or_else(|| {
                     rows(first_row + micro * ROWS_PER_MICRO, ROWS_PER_MICRO, &device)
                 });
                 let y = module.forward(x, store.as_ref());
                 if stage == last {
                     StageOutput::Loss(loss(y))
                 } else {
-                    StageOutput::Activation(y)
+                    StageOutput::Activation(boundary_tensors(y))
                 }
             },
         )?;
@@ -309,15 +318,16 @@ fn three_stage_step(
     let chunks = vec![Stack::new(stage_layers(pp.rank(), 3), &device)];
     let (_, report) = PipelineExecutor::new(&schedule, pp)?.step_flat(
         &chunks,
-        [ROWS_PER_MICRO, 6],
+        &boundary(),
         &device,
         |_, module: &Stack, input, micro| {
-            let x = input.unwrap_or_else(|| rows(micro * ROWS_PER_MICRO, ROWS_PER_MICRO, &device));
+            let x = (input.map(from_boundary_tensors))
+                .unwrap_or_else(|| rows(micro * ROWS_PER_MICRO, ROWS_PER_MICRO, &device));
             let y = module.forward(x, None);
             if pp.rank() == 2 {
                 StageOutput::Loss(loss(y))
             } else {
-                StageOutput::Activation(y)
+                StageOutput::Activation(boundary_tensors(y))
             }
         },
     )?;

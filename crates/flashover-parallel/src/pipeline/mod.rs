@@ -7,10 +7,12 @@
 //! schedule before anything runs (a backward before its forward, an unmatched or misordered
 //! message, deadlock); [`simulate`] times it with given costs, giving each rank's bubble and
 //! peak activations in flight; [`render_table`] prints the time x stage table.
-//! The crate's executor runs a schedule on this rank's model chunks, under
+//! What crosses a stage boundary is one tensor or several ([`StageBoundary`]). The crate's
+//! executor runs a schedule on this rank's model chunks, under
 //! `Parallelized::pipeline_step` (the one way a plan's model is pipelined); [`deferred_linear`]
 //! lets linear layers leave their weight gradients to the schedule's weight-gradient actions.
 
+mod boundary;
 mod executor;
 #[cfg(test)]
 mod executor_tests;
@@ -18,6 +20,8 @@ mod schedule;
 mod simulate;
 pub(crate) mod weight_grad;
 
+pub use boundary::{BoundaryTensor, NoGrad, StageBoundary};
+pub(crate) use boundary::{PartSpec, boundary_tensors, from_boundary_tensors};
 pub(crate) use executor::BackwardSink;
 pub use executor::PipelineStepReport;
 pub(crate) use executor::{PipelineExecutor, StageOutput};

@@ -12,6 +12,7 @@ mod parallelize;
 mod parallelize_context;
 mod parallelize_experts;
 mod parallelize_precision;
+mod parallelize_streams;
 mod plan_loops;
 mod tensor_parallel;
 mod zero;

@@ -498,7 +498,8 @@ impl StackLayer {
     }
 }
 
-impl PipelineModel<2> for Stack {
+impl PipelineModel for Stack {
+    type Activation = Tensor<2>;
     type Batch = (Tensor<2>, Tensor<1, Int>);
 
     fn embed(&self, (x, _): &Self::Batch) -> Tensor<2> {
@@ -1693,7 +1694,8 @@ struct BurnLayers {
     layers: Vec<Linear>,
 }
 
-impl PipelineModel<2> for BurnLayers {
+impl PipelineModel for BurnLayers {
+    type Activation = Tensor<2>;
     type Batch = (Tensor<2>, Tensor<1, Int>);
 
     fn embed(&self, (x, _): &Self::Batch) -> Tensor<2> {

@@ -113,7 +113,8 @@ impl AttentionLm {
     }
 }
 
-impl PipelineModel<3> for AttentionLm {
+impl PipelineModel for AttentionLm {
+    type Activation = Tensor<3>;
     type Batch = Batch;
 
     fn embed(&self, (inputs, positions, _): &Batch) -> Tensor<3> {

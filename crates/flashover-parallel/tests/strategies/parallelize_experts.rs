@@ -146,7 +146,8 @@ impl MoeLm {
 /// Inputs and next tokens, `[batch, SEQ]` each.
 type Batch = (Tensor<2, Int>, Tensor<2, Int>);
 
-impl PipelineModel<3> for MoeLm {
+impl PipelineModel for MoeLm {
+    type Activation = Tensor<3>;
     type Batch = Batch;
 
     fn embed(&self, (inputs, _): &Batch) -> Tensor<3> {
