@@ -544,7 +544,7 @@ fn what_the_strategy_cannot_run_is_refused_with_the_reason() {
                 pipelined: true,
                 ..Run::default()
             },
-            "every stage must return the shape it is given",
+            "every stage must return the shapes and dtypes it is given",
         ),
         (
             Run {

@@ -5,7 +5,6 @@
 
 use super::output::{GatherOutput, MicroBatchOutput};
 use burn::optim::GradientsParams;
-use burn::tensor::Tensor;
 use burn_train::{InferenceStep, LearnerModel, TrainStep};
 use flashover_parallel::ParallelError;
 use flashover_parallel::parallelize::{Parallelized, PipelineModel};

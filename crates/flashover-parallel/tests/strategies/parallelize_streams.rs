@@ -5,8 +5,9 @@
 //! `decoder`) with the encoder's final norm attached to its last layer, and the cuts fall
 //! between the lists and inside the decoder, so the memory's gradient comes back from several
 //! later stages. Every schedule, and 1F1B with dp, fsdp, tp with sequence parallelism, cp and
-//! recomputation, against the plain single-rank Burn loop: losses and every weight within
-//! 1e-5; bf16 stages against the same plan without pp.
+//! recomputation, and with a mixture of experts in every decoder layer over ep, against the
+//! plain single-rank Burn loop: losses and every weight within 1e-5; bf16 stages against the
+//! same plan without pp.
 
 use crate::common::{assert_matches, max_scaled};
 use burn::module::{Module, Param};
@@ -15,7 +16,8 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_parallel::ParallelError;
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
-use flashover_parallel::nn;
+use flashover_parallel::moe::{Moe, MoeConfig, SwiGlu};
+use flashover_parallel::nn::{self, MoeForward};
 use flashover_parallel::parallelize::{
     ContextParallelRule, ParallelizePlan, PipelineModel, PipelineRule, TensorParallelRule,
     parallelize,
@@ -52,13 +54,15 @@ struct EncoderLayer {
     attn: SelfAttention,
 }
 
-/// Causal self-attention over its stream, and the memory read position by position.
+/// Causal self-attention over its stream, the memory read position by position, and in
+/// the model with experts a mixture of experts over the stream.
 #[derive(Module, Debug)]
 struct DecoderLayer {
     norm: LayerNorm,
     attn: SelfAttention,
     read_in: nn::Linear,
     read_out: nn::Linear,
+    experts: Option<Moe>,
 }
 
 #[derive(Module, Debug)]
@@ -119,8 +123,36 @@ type Batch = (Tensor<2, Int>, Tensor<2, Int>, Vec<usize>, Tensor<2, Int>);
 /// The memory, the decoder's stream, and a mask the decoder weighs the memory with.
 type Streams = (Tensor<3>, Tensor<3>, NoGrad<Tensor<3>>);
 
+/// 4 experts of hidden width 6, top-2, capacity-limited, with load-balancing and z-losses.
+fn experts(salt: f32, device: &Device) -> Moe {
+    let mut config = MoeConfig::new(4, 2, 6);
+    config.capacity_factor = Some(1.0);
+    config.z_loss_coef = 1e-3;
+    let matrix = |rows, cols, salt| burn::nn::Linear {
+        weight: table(rows, cols, salt, device),
+        bias: None,
+    };
+    let expert = |e: usize| {
+        let salt = salt + e as f32;
+        SwiGlu {
+            w_gate: matrix(WIDTH, 6, salt + 0.1).into(),
+            w_up: matrix(WIDTH, 6, salt + 0.2).into(),
+            w_down: matrix(6, WIDTH, salt + 0.3).into(),
+        }
+    };
+    Moe {
+        router: matrix(WIDTH, 4, salt + 0.5),
+        experts: (0..4).map(expert).collect(),
+        shared: None,
+        first_expert: 0,
+        config,
+        expert_bias: vec![],
+    }
+}
+
 impl TwoStreams {
-    fn new(device: &Device) -> Self {
+    /// The model, with a mixture of experts in every decoder layer when `with_experts`.
+    fn new(with_experts: bool, device: &Device) -> Self {
         TwoStreams {
             embed: nn::Embedding {
                 weight: table(VOCAB, WIDTH, 0.8, device),
@@ -141,15 +173,23 @@ impl TwoStreams {
                     attn: SelfAttention::new(3.0 + i as f32, device),
                     read_in: linear(7.1 + i as f32, true, device),
                     read_out: linear(7.7 + i as f32, true, device),
+                    experts: with_experts.then(|| experts(11.0 * (i + 1) as f32, device)),
                 })
                 .collect(),
             out_norm: LayerNormConfig::new(WIDTH).init(device),
         }
     }
 
+    /// The loss and the experts' auxiliary losses: the pipeline's parts in a row.
     fn loss(&self, batch: &Batch) -> Tensor<1> {
-        let x = (0..2 * LAYERS).fold(self.embed(batch), |x, i| self.layer(i, x));
-        self.head_loss(x, batch)
+        let mut x = self.embed(batch);
+        let mut loss = Tensor::zeros([1], &x.0.device());
+        for i in 0..2 * LAYERS {
+            let (y, aux) = self.layer_with_aux(i, x);
+            x = y;
+            loss = loss + aux.unwrap_or_else(|| Tensor::zeros([1], &x.0.device()));
+        }
+        loss + self.head_loss(x, batch)
     }
 }
 
@@ -179,14 +219,22 @@ impl PipelineModel for TwoStreams {
         (memory, place(target), NoGrad(keep))
     }
 
-    fn layer(&self, index: usize, (memory, stream, keep): Streams) -> Streams {
+    fn layer(&self, index: usize, x: Streams) -> Streams {
+        self.layer_with_aux(index, x).0
+    }
+
+    fn layer_with_aux(
+        &self,
+        index: usize,
+        (memory, stream, keep): Streams,
+    ) -> (Streams, Option<Tensor<1>>) {
         if index < LAYERS {
             let layer = &self.encoder[index];
             let mut memory = memory.clone() + layer.attn.forward(layer.norm.forward(memory));
             if index == LAYERS - 1 {
                 memory = self.encoder_norm.forward(memory); // attached to encoder.1
             }
-            return (memory, stream, keep);
+            return ((memory, stream, keep), None);
         }
         let layer = &self.decoder[index - LAYERS];
         let stream = stream.clone() + layer.attn.forward(layer.norm.forward(stream));
@@ -194,7 +242,13 @@ impl PipelineModel for TwoStreams {
             .read_out
             .forward(layer.read_in.forward(memory.clone()).tanh());
         let stream = stream + read * keep.0.clone();
-        (memory, stream, keep)
+        match &layer.experts {
+            Some(experts) => {
+                let (y, aux) = experts.forward(stream.clone());
+                ((memory, stream + y, keep), aux)
+            }
+            None => ((memory, stream, keep), None),
+        }
     }
 
     fn head_loss(&self, (_, stream, _): Streams, (_, _, _, targets): &Batch) -> Tensor<1> {
@@ -225,9 +279,9 @@ fn tokens(samples: std::ops::Range<usize>, device: &Device) -> [Tensor<2, Int>; 
 /// Losses and final weights.
 type Run = (Vec<f32>, Vec<f32>);
 
-fn single_rank() -> Run {
+fn single_rank(with_experts: bool) -> Run {
     let device = Device::flex().autodiff();
-    let mut model = TwoStreams::new(&device);
+    let mut model = TwoStreams::new(with_experts, &device);
     let mut optim = AdamWConfig::new().init();
     let mut losses = vec![];
     for step in 0..STEPS {
@@ -244,11 +298,22 @@ fn single_rank() -> Run {
 /// The same loop under `plan` on `mesh`: rank 0's losses, the gathered weights, and the
 /// layer forwards rank 0 ran again in backward.
 fn parallel(mesh: &str, plan: &ParallelizePlan) -> Result<(Run, usize), String> {
+    parallel_model(mesh, plan, false)
+}
+
+/// [`parallel`] of the model with experts when `with_experts`; its losses are the objective
+/// trained (next-token and auxiliary losses).
+fn parallel_model(
+    mesh: &str,
+    plan: &ParallelizePlan,
+    with_experts: bool,
+) -> Result<(Run, usize), String> {
     let out = Launch::new(mesh)
         .unwrap()
         .run(|ctx| {
             let device = Device::flex().autodiff();
-            let (mut model, par) = parallelize(TwoStreams::new(&device), plan, &ctx)?;
+            let model = TwoStreams::new(with_experts, &device);
+            let (mut model, par) = parallelize(model, plan, &ctx)?;
             let mut optim = AdamWConfig::new().init();
             let (mut losses, mut recomputed) = (vec![], 0);
             let positions = par.positions(SEQ)?;
@@ -260,7 +325,7 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> Result<(Run, usize), String> 
             for step in 0..STEPS {
                 let out =
                     par.pipeline_step(&model, GLOBAL_BATCH, step, &micro_batch, None, &ctx)?;
-                losses.push(out.loss);
+                losses.push(out.loss + out.aux_loss);
                 recomputed += out.recomputed;
                 model = optim.step(LR, model, out.grads);
             }
@@ -296,7 +361,7 @@ fn with_tp(plan: ParallelizePlan) -> ParallelizePlan {
 
 #[test]
 fn two_streams_and_a_mask_cross_every_schedule_and_composition_as_one_rank() {
-    let reference = single_rank();
+    let reference = single_rank(false);
     let one_f = ScheduleKind::OneFOneB;
     let plan = |rule: PipelineRule| ParallelizePlan::new().pipeline(rule);
     let ring = ContextParallelRule::ring(&["encoder.*.attn.core", "decoder.*.attn.core"]);
@@ -373,11 +438,41 @@ fn two_streams_and_a_mask_cross_every_schedule_and_composition_as_one_rank() {
 }
 
 #[test]
+fn two_streams_cross_stages_with_experts_spread_over_ep_as_one_rank() {
+    let reference = single_rank(true);
+    let one_f = ScheduleKind::OneFOneB;
+    let spread = |counts: &[usize]| {
+        ParallelizePlan::new()
+            .pipeline(cut(one_f, counts))
+            .expert_parallel("decoder.*.experts")
+    };
+    let ring = ContextParallelRule::ring(&["encoder.*.attn.core", "decoder.*.attn.core"]);
+    for (mesh, what, plan) in [
+        ("pp=2,ep=2", "1F1B, inside the decoder", spread(&[3, 1])),
+        ("dp=2,pp=2", "1F1B, experts whole", plan_without_ep(&[3, 1])),
+        (
+            "pp=2,ep=2,cp=2",
+            "1F1B, encoder | decoder, ring",
+            spread(&[2, 2]).context_parallel(ring),
+        ),
+    ] {
+        let what = format!("{mesh} ({what})");
+        let (run, _) = parallel_model(mesh, &plan, true).unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_matches(&what, &run, &reference);
+    }
+}
+
+/// The model with experts cut as `counts` says, its experts on every rank.
+fn plan_without_ep(counts: &[usize]) -> ParallelizePlan {
+    ParallelizePlan::new().pipeline(cut(ScheduleKind::OneFOneB, counts))
+}
+
+#[test]
 fn two_streams_cross_stages_in_a_precision_policys_dtype() {
     // bf16 stages, plain and recomputed: the first step's loss (one forward of the same
     // weights) is the same plan's on a mesh without pp, bit for bit, and not f32's; the run
     // stays within bf16's rounding of it.
-    let f32_one_rank = single_rank();
+    let f32_one_rank = single_rank(false);
     let bf16 = ParallelizePlan::new()
         .pipeline(cut(ScheduleKind::OneFOneB, &[3, 1]))
         .mixed_precision(MixedPrecision::new(Precision::BF16));
