@@ -15,11 +15,11 @@ pub const ASSUMPTIONS: &[&str] = &[
     "activations per block and micro-batch: s b h (10 + 24/t) + 5 a s S b / t bytes at 16 bits, s b h 34/t + 5 a s S b / t with sequence parallelism (Korthikanti et al. 2022; a GPT block, s the local and S the whole sequence, scores materialised); selective recomputation (Burn's balanced checkpointing, which keeps matrix products' outputs) keeps the scores q k^T, 2 of the score term's 5 bytes, full recomputation keeps 2 s b h per block plus one block live again in backward; fp32 doubles them",
     "pipelines hold activations of min(m, pp - i) micro-batches on stage i (1F1B, ZB-H1), m with GPipe, x (1 + (pp-1)/(pp v)) interleaved; the last stage also holds fp32 logits and their gradient; stages hold the blocks the training job's cost split gives them (pp_split = \"cost\"; any number of blocks, at least one per virtual stage), memory is the busiest stage's",
     "micro-batch size: searched over powers of two dividing each rank's share of the global batch (unless fixed); a rank runs share / size micro-batches per step",
-    "compute: 6 N_active + 12 L h S FLOPs per token (PaLM), split evenly over the devices, at the hardware's efficiency x peak; full recomputation adds a forward of the blocks (1/3), selective the attention scores' forward",
+    "compute: 6 N_active + 12 L h S FLOPs per token (PaLM), split evenly over the devices, at the hardware's efficiency x peak; full recomputation adds a forward of the blocks (1/3), selective the attention scores' forward; ZeRO-3 recomputes every block, as the training job's units reshard after forward by recomputing (parallel.reshard_after_forward, on by default), so a ZeRO-3 layout is costed and listed with recompute=full",
     "pipeline bubble: (pp - 1)/m of the compute for GPipe and 1F1B, (pp - 1)/(v m) interleaved, a third of 1F1B's for ZB-H1",
     "pipeline stage imbalance: stages hold whole blocks (6 N_block + 12 h S FLOPs per token) and the last also the LM head (6 h V), cut to balance them as the training job cuts them; the busiest stage's excess over the mean is added to the compute",
     "collectives: latency x steps + bytes x (nccl-tests busbw factor) / busbw of the link (intra-node if the group's ranks fit in one node given the rank order pp, dp, fsdp, ep, cp, tp from outermost), ring algorithms",
-    "tensor-parallel all-reduces (4 per block and micro-batch, 6 with full recomputation) and expert all-to-alls are exposed; ring attention's key/value passes hide behind the forward's attention compute, their gradients' passes in backward are exposed; gradient reduction (once per step) hides behind the last micro-batch's backward (2/3 of its compute); ZeRO-3 gathers and reduce-scatters hide behind the whole step's compute",
+    "tensor-parallel all-reduces (4 per block and micro-batch, 6 with full recomputation) and expert all-to-alls are exposed; ring attention's key/value passes hide behind the forward's attention compute, their gradients' passes in backward are exposed; gradient reduction (once per step) hides behind the last micro-batch's backward (2/3 of its compute); ZeRO-3, per block and micro-batch, as the units overlap them: the block's all-gather hides behind the forward of the block before it (prefetched), its all-gather again in backward behind the rerun and backward of the block after it (prefetched), and its gradient's reduce-scatter is exposed (backward waits for it); the parameters outside the blocks (embedding, head) are gathered and reduce-scattered once per micro-batch, exposed",
 ];
 
 /// Per-device memory, bytes.
@@ -192,6 +192,15 @@ fn edge_params_per_device(model: &ModelSpec, layout: &Layout, rank: usize, last:
     }
 }
 
+/// What the training job recomputes under `layout`: its own choice, except that ZeRO-3's
+/// units reshard after forward by recomputing every block in backward.
+pub fn recomputed(layout: &Layout) -> Recompute {
+    match layout.zero {
+        3 => Recompute::Full,
+        _ => layout.recompute,
+    }
+}
+
 /// Per-device memory of `layout`.
 pub fn memory(
     model: &ModelSpec,
@@ -290,10 +299,10 @@ fn activation_bytes(
     layout: &Layout,
     precision: Precision,
 ) -> f64 {
-    let per_block = block_activations(model, work, layout, precision, layout.recompute);
+    let per_block = block_activations(model, work, layout, precision, recomputed(layout));
     let m = layout.micro_batches(work);
     // Full recomputation brings one block's activations back during its backward.
-    let live_again = if layout.recompute == Recompute::Full {
+    let live_again = if recomputed(layout) == Recompute::Full {
         block_activations(model, work, layout, precision, Recompute::None)
     } else {
         0.0
@@ -347,7 +356,7 @@ pub fn step_time(
         model.hidden as f64,
         work.seq_len as f64,
     );
-    let recompute = match layout.recompute {
+    let recompute = match recomputed(layout) {
         Recompute::None => 0.0,
         // One more forward: 2 N + 4 L h S of the 6 N + 12 L h S per token.
         Recompute::Full => compute / 3.0,
@@ -385,7 +394,7 @@ pub fn step_time(
     // Tensor parallelism: all-reduces of the block's activations (or their all-gather /
     // reduce-scatter halves with sequence parallelism: the same bytes).
     let (bw, lat) = link(layout, &[Axis::Tp], hw);
-    let per_block = if layout.recompute == Recompute::Full {
+    let per_block = if recomputed(layout) == Recompute::Full {
         6.0
     } else {
         4.0
@@ -430,10 +439,20 @@ pub fn step_time(
         let n = layout.fsdp;
         let (bw, lat) = link(layout, &[Axis::Fsdp], hw);
         let factor = (n as f64 - 1.0) / n as f64;
-        // Gather for forward, again for backward, reduce-scatter the gradients: every
-        // micro-batch, hidden behind compute.
-        let per_micro =
-            2.0 * collective(n, p * w, factor, bw, lat) + collective(n, p * g, factor, bw, lat);
+        let units = blocks.max(1.0);
+        let block = block_params_per_device(model, layout);
+        let edges = (p - units * block).max(0.0);
+        // Per micro-batch, as the units overlap them (see ASSUMPTIONS): each block's gather
+        // behind the forward of the block before it, its gather in backward behind the rerun
+        // and backward of the block after it, its reduce-scatter exposed; the parameters
+        // outside the blocks gathered and reduce-scattered once, exposed.
+        let forward = compute / (3.0 * m * units);
+        let gather = collective(n, block * w, factor, bw, lat);
+        let scatter = collective(n, block * g, factor, bw, lat);
+        let per_block = (gather - forward).max(0.0) + (gather - 3.0 * forward).max(0.0) + scatter;
+        let per_micro = units * per_block
+            + collective(n, edges * w, factor, bw, lat)
+            + collective(n, edges * g, factor, bw, lat);
         let replicas = if layout.dp > 1 {
             let (bw, lat) = link(layout, &[Axis::Dp], hw);
             let dp = layout.dp as f64;
@@ -441,7 +460,7 @@ pub fn step_time(
         } else {
             0.0
         };
-        (m * per_micro - compute).max(0.0) + replicas
+        m * per_micro + replicas
     } else {
         let n = layout.dp * layout.cp * layout.ep;
         let (bw, lat) = link(layout, &[Axis::Dp, Axis::Ep, Axis::Cp], hw);
@@ -487,6 +506,36 @@ mod tests {
 
     fn layout() -> Layout {
         Layout::single()
+    }
+
+    #[test]
+    fn zero3_is_charged_its_recomputation_and_the_reduce_scatters_its_units_wait_for() {
+        let model = ModelSpec::preset("llama-8b").unwrap();
+        let work = Workload {
+            seq_len: 4096,
+            global_batch: 64,
+        };
+        let hw = Hardware::preset("h100").unwrap();
+        let mut sharded = layout();
+        (sharded.fsdp, sharded.zero) = (8, 3);
+        let time = step_time(&model, &work, &sharded, &hw, Precision::Mixed);
+        // Every block recomputed, whatever the layout asks: a forward of the blocks more.
+        assert_eq!(time.recompute, time.compute / 3.0);
+        // At least each block's reduce-scatter per micro-batch; the gathers hide behind a
+        // block's forward here (a 4k-token micro-batch of an 8B block on 8 GPUs of a node).
+        let (bw, lat) = link(&sharded, &[Axis::Fsdp], &hw);
+        let block = block_params_per_device(&model, &sharded);
+        let scatter = collective(8, block * 2.0, 7.0 / 8.0, bw, lat);
+        let m = sharded.micro_batches(&work) as f64;
+        let blocks = model.layers as f64;
+        assert!(time.data_parallel >= m * blocks * scatter, "{time:?}");
+        assert!(time.data_parallel < 1.5 * m * blocks * scatter, "{time:?}");
+        // Asking for no recomputation is the same job.
+        sharded.recompute = Recompute::None;
+        assert_eq!(
+            step_time(&model, &work, &sharded, &hw, Precision::Mixed),
+            time
+        );
     }
 
     #[test]

@@ -174,9 +174,15 @@ pub fn enumerate(req: &PlanRequest) -> Vec<Layout> {
                         } else {
                             vec![PipelineSchedule::OneFOneB]
                         };
-                        let recomputes = match f.recompute {
-                            Some(r) => vec![r],
-                            None => vec![Recompute::None, Recompute::Selective, Recompute::Full],
+                        // ZeRO-3 recomputes every block (its units reshard after forward):
+                        // the layouts that ask for less are the same job.
+                        let recomputes = match (f.recompute, zero) {
+                            (Some(r), 3) if r != Recompute::Full => vec![],
+                            (_, 3) => vec![Recompute::Full],
+                            (Some(r), _) => vec![r],
+                            (None, _) => {
+                                vec![Recompute::None, Recompute::Selective, Recompute::Full]
+                            }
                         };
                         let share = req.workload.global_batch / (dp * fsdp * ep).max(1);
                         let sizes = micro_batch_sizes(f.micro_batch, share);
