@@ -387,6 +387,11 @@ impl BucketedReduction {
         }
     }
 
+    /// Whether a bucket reduces parameter `index` (the model's layout order).
+    pub(crate) fn reduces_param(&self, index: usize) -> bool {
+        lock(&self.sets).iter().any(|s| s.params.contains(&index))
+    }
+
     /// Buckets per step, over every set of axes.
     pub(crate) fn buckets(&self) -> usize {
         lock(&self.sets)

@@ -320,6 +320,14 @@ impl Stages {
             // A step that failed half-way may have left a layer's all-gather of old values.
             units.gathers.discard_prefetches()?;
         }
+        // The units' reduce-scatters run while backward goes on and join the gradients after
+        // the last backward, unless a bucket takes a unit's gradient during backward.
+        let deferring = (self.units.as_deref())
+            .filter(|u| hooks.is_none_or(|h| !u.sharded().any(|i| h.reduces_param(i))));
+        if let Some(units) = deferring {
+            units.gathers.defer_scatters()?;
+        }
+        let _stop = deferring.map(|u| StopDeferring(&u.gathers));
         let per = share.len() / m;
         let micro = |k: usize| share.start + k * per..share.start + (k + 1) * per;
         let boundary = self.boundary(model, micro(0), micro_batch)?;
@@ -398,6 +406,10 @@ impl Stages {
         let flat = (flats.into_iter())
             .reduce(|sum, chunk| sum + chunk)
             .expect("a schedule has a chunk per rank");
+        let flat = match deferring {
+            Some(units) => units.gathers.add_deferred(&ParamLayout::of(model), flat)?,
+            None => flat,
+        };
         // The mean loss (the last stage's) and the mean of every stage's auxiliary losses.
         let mut losses = [report.loss_sum, report.aux_loss_sum].map(|l| l as f32 / m as f32);
         if self.pp.size() > 1 {
@@ -953,7 +965,22 @@ fn list_position(list: &ModulePath, name: &str) -> Result<usize, ParallelError> 
     }
 }
 
+/// Stops a step's deferral of the units' reduce-scatters however the step ends.
+struct StopDeferring<'a>(&'a UnitGathers);
+
+impl Drop for StopDeferring<'_> {
+    fn drop(&mut self) {
+        self.0.stop_deferring();
+    }
+}
+
 impl LayerUnits {
+    /// The fully sharded parameters (layout order) the units gather.
+    fn sharded(&self) -> impl Iterator<Item = usize> + '_ {
+        let in_layer = |i: usize| self.slots.iter().any(|slots| slots[i].is_some());
+        (0..self.root.len()).filter(move |&i| self.root[i].is_some() || in_layer(i))
+    }
+
     /// Gathers the root unit's shards of `model` (the parameters outside the layers) in one
     /// collective, for their reads until released; returns their paths.
     fn gather_root<M: Module>(&self, model: &M) -> Vec<String> {

@@ -23,6 +23,7 @@
 use super::plan::ParallelizePlan;
 use crate::collective_op::{collective_pair, computed, ok, tensor_fn};
 use crate::error::ParallelError;
+use crate::params::ParamLayout;
 use crate::zero::{Pending, ShardGroup};
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{FloatDType, Tensor};
@@ -47,6 +48,9 @@ struct UnitState {
     scope: Mutex<Option<UnitScope>>,
     /// All-gathers submitted before their unit's first read.
     ahead: Mutex<HashMap<Unit, Pending>>,
+    /// While a pipeline step defers them ([`UnitGathers::defer_scatters`]): the units'
+    /// reduce-scatters submitted in backward and not waited for, in submission order.
+    deferred: Mutex<Option<Vec<DeferredScatter>>>,
     /// Which parameters make each unit (set when the plan has units).
     layout: OnceLock<UnitLayout>,
     /// The whole units checkpointed forwards gathered since the scope began, in forward order,
@@ -57,6 +61,15 @@ struct UnitState {
 
 /// A unit's fully sharded parameters: each one's path and stored rows, flattened.
 type UnitShards = Vec<(String, Tensor<1>)>;
+
+/// A unit's reduce-scatter submitted in backward: its parameters' paths and stored lengths,
+/// in the order of the rows it returns.
+#[derive(Debug)]
+struct DeferredScatter {
+    names: Vec<String>,
+    lens: Vec<usize>,
+    rows: Pending,
+}
 
 /// A plan's units on this rank: the fully sharded parameters it holds, grouped.
 #[derive(Debug, Default)]
@@ -213,6 +226,63 @@ impl UnitGathers {
         ahead.insert(unit, comm.all_gather(own));
     }
 
+    /// From now until [`Self::add_deferred`], a unit's backward submits the reduce-scatter of
+    /// its gradient and hands its shard a zero gradient instead of waiting for it: the
+    /// backward of the units before it runs while the collective does (FSDP2 waits for its
+    /// reduce-scatters at the end of backward too). The caller adds the rows where the
+    /// gradients are summed, after the step's last backward. Forgets (after waiting for) any a
+    /// failed step left.
+    pub(crate) fn defer_scatters(&self) -> Result<(), CommError> {
+        let left = lock(&self.0.deferred).replace(vec![]).unwrap_or_default();
+        let mut outcome = Ok(());
+        for scatter in left {
+            if let Err(e) = scatter.rows.wait() {
+                outcome = Err(e);
+            }
+        }
+        outcome
+    }
+
+    /// Stops deferring, dropping what was deferred (a step that failed: its gradients are
+    /// not used).
+    pub(crate) fn stop_deferring(&self) {
+        lock(&self.0.deferred).take();
+    }
+
+    /// Waits for the reduce-scatters deferred since [`Self::defer_scatters`] and adds each
+    /// parameter's rows to `flat` (gradients in `layout`, by parameter path), in the order
+    /// they were submitted; stops deferring. Fails with the first failed collective.
+    pub(crate) fn add_deferred(
+        &self,
+        layout: &ParamLayout,
+        mut flat: Tensor<1>,
+    ) -> Result<Tensor<1>, CommError> {
+        let Some(deferred) = lock(&self.0.deferred).take() else {
+            return Ok(flat);
+        };
+        let offsets: HashMap<&str, usize> = (layout.slots.iter())
+            .map(|s| (s.name.as_str(), s.offset))
+            .collect();
+        for scatter in deferred {
+            let (rows, waited) = scatter.rows.wait_timed();
+            if let Some(comm) = self.comm() {
+                comm.stats().waited(waited);
+            }
+            let rows = rows?.to_device(&flat.device());
+            let mut start = 0;
+            for (name, len) in scatter.names.iter().zip(scatter.lens) {
+                let offset = *offsets
+                    .get(name.as_str())
+                    .expect("a unit's parameters are the model's");
+                let range = offset..offset + len;
+                let sum = flat.clone().slice(range.clone()) + rows.clone().narrow(0, start, len);
+                flat = flat.slice_assign(range, sum);
+                start += len;
+            }
+        }
+        Ok(flat)
+    }
+
     /// Waits for every all-gather submitted ahead and forgets it (one no read took: a step
     /// that failed half-way must not hand the next one its stale values). Fails with the
     /// first failed collective.
@@ -279,13 +349,25 @@ impl UnitGathers {
         let unit_grad: Arc<Mutex<Vec<Option<Tensor<1>>>>> =
             Arc::new(Mutex::new(vec![None; lens.len()]));
         let (scatter, grads, widths) = (comm.clone(), unit_grad.clone(), lens.clone());
+        let (state, unit_names) = (self.0.clone(), names.clone());
         // Runs inside Burn's backward, which cannot return errors: a failed collective panics
         // with the `CommError` as payload, which the launcher reports like a returned error.
         let reduce_scatter = tensor_fn::<1>(move |token_grad| {
             scatter.stats().released(bytes);
             let grads = std::mem::take(&mut *lock(&grads));
-            let full = rank_major(grads, &widths, ranks, &token_grad.device());
-            let (rows, waited) = scatter.reduce_scatter(full).wait_timed();
+            let device = token_grad.device();
+            let full = rank_major(grads, &widths, ranks, &device);
+            let pending = scatter.reduce_scatter(full);
+            if let Some(deferred) = lock(&state.deferred).as_mut() {
+                deferred.push(DeferredScatter {
+                    names: unit_names.clone(),
+                    lens: widths.clone(),
+                    rows: pending,
+                });
+                // The rows arrive with `add_deferred`; the shard's own gradient is none.
+                return Tensor::zeros([total], &device);
+            }
+            let (rows, waited) = pending.wait_timed();
             scatter.stats().waited(waited);
             ok(rows)
         });
