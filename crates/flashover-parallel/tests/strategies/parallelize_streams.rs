@@ -551,3 +551,48 @@ fn layer_lists_and_attached_modules_read_from_toml_and_refuse_what_does_not_fit(
     let err = refused(twice.attach("encoder_norm", "encoder.1"));
     assert!(err.contains("name each module once"), "{err}");
 }
+
+#[test]
+fn a_pipelined_forward_hands_the_last_stage_every_stream() {
+    // Validation and inference: the stages forward only, each boundary's tensors sent with
+    // their shapes; the last stage's ranks get what one device's layers return.
+    let batch = |device: &Device| -> Batch {
+        let [source, target, next] = tokens(0..4, device);
+        (source, target, (0..SEQ).collect(), next)
+    };
+    let device = Device::flex().autodiff();
+    let whole = TwoStreams::new(false, &device);
+    let one = batch(&device);
+    let (memory, stream, NoGrad(keep)) =
+        (0..2 * LAYERS).fold(whole.embed(&one), |x, i| whole.layer(i, x));
+    let expected: Vec<Vec<f32>> = [memory, stream, keep]
+        .map(|t| t.into_data().to_vec().unwrap())
+        .into();
+    for (mesh, counts) in [("pp=2", &[3, 1][..]), ("pp=4", &[1, 1, 1, 1][..])] {
+        let plan = ParallelizePlan::new().pipeline(cut(ScheduleKind::OneFOneB, counts));
+        let out = Launch::new(mesh)
+            .unwrap()
+            .run(|ctx| {
+                let device = Device::flex().autodiff();
+                let (model, par) = parallelize(TwoStreams::new(false, &device), &plan, &ctx)?;
+                let got = par.pipeline_forward(&model, &batch(&device))?;
+                Ok::<_, ParallelError>(got.map(|(memory, stream, NoGrad(keep))| {
+                    [memory, stream, keep].map(|t| t.into_data().to_vec::<f32>().unwrap())
+                }))
+            })
+            .unwrap_or_else(|e| panic!("{mesh}: {e}"));
+        let last: Vec<_> = out.into_iter().flatten().collect();
+        assert_eq!(
+            last.len(),
+            1,
+            "{mesh}: only the last stage holds the output"
+        );
+        for (got, want) in last[0].iter().zip(&expected) {
+            assert!(
+                max_scaled(got, want) < 1e-6,
+                "{mesh}: {}",
+                max_scaled(got, want)
+            );
+        }
+    }
+}
