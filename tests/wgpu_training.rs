@@ -77,6 +77,10 @@ fn tensor_pipeline_and_sharded_layouts_on_wgpu_match_flex() {
     let mut pp = tiny("pp=2");
     pp.model.tie_embeddings = false;
     pp.run.micro_batches = 2;
+    flex_and_wgpu_agree(pp.clone());
+    // Zero-bubble: the weight gradients deferred to the W actions through the CubeCL op (a
+    // step that deferred nothing fails).
+    pp.parallel.pp_schedule = "zb-h1".parse().unwrap();
     flex_and_wgpu_agree(pp);
     let mut zero3 = tiny("fsdp=2");
     zero3.parallel.zero = 3;

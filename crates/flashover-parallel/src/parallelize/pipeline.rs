@@ -386,7 +386,8 @@ impl Stages {
             if !deferral_supported(device) {
                 return Err(ParallelError::Invalid(format!(
                     "pipeline schedule: zb-h1 defers the layers' weight gradients through an op \
-                     built for Flex only, not for {device:?}; use 1f1b there"
+                     built for Flex and the CubeCL backend (wgpu, CUDA), not for {device:?}; \
+                     use 1f1b there"
                 )));
             }
             executor = executor.deferring_weight_grads(WeightGradStore::default());

@@ -163,8 +163,8 @@ pub struct PipelineRule {
     #[serde(default)]
     pub last: Vec<ModulePath>,
     /// The schedule: `gpipe`, `1f1b`, `interleaved` or `zb-h1` (zero-bubble: the weight
-    /// gradients of [`crate::nn::Linear`] layers wait for the schedule's weight actions; Flex
-    /// only, and not with `fully_shard`).
+    /// gradients of [`crate::nn::Linear`] layers wait for the schedule's weight actions; on
+    /// Flex and the CubeCL backend, and not with `fully_shard`).
     #[serde(with = "schedule_name")]
     pub schedule: ScheduleKind,
     /// Micro-batches per step (each data rank's share of the batch is cut into this many).

@@ -9,19 +9,21 @@
 //! ([`DeferredWeightGrad::compute`]). The weight never receives a gradient from autodiff.
 //!
 //! A backend-extension op with a hand-written backward (the project notes' custom-backward
-//! recipe), implemented for Flex.
+//! recipe), implemented for Flex and for the CubeCL backend (wgpu, CUDA).
 
+use crate::collective_op::{from_tensor, to_tensor};
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+use burn::backend::Cube;
 use burn::backend::autodiff::{
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
     ops::{Backward, Ops, OpsKind},
 };
-use burn::backend::{
-    Autodiff, Backend, Dispatch, Flex, backend_extension, flex::FlexTensor, tensor::FloatTensor,
-};
+use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
 use burn::module::ParamId;
 use burn::nn::Linear;
 use burn::tensor::{DType, Tensor};
+use burn_dispatch::{DispatchKindConversion, DispatchTensor};
 use std::sync::{Arc, Mutex};
 
 /// A weight gradient whose computation was deferred: the layer's input and output gradient.
@@ -29,16 +31,14 @@ use std::sync::{Arc, Mutex};
 pub struct DeferredWeightGrad {
     /// The weight it belongs to.
     pub param: ParamId,
-    input: FlexTensor,
-    output_grad: FlexTensor,
+    input: Tensor<2>,
+    output_grad: Tensor<2>,
 }
 
 impl DeferredWeightGrad {
-    /// The weight's gradient `x^T dy`, `[d_in, d_out]`, on the Flex device.
+    /// The weight's gradient `x^T dy`, `[d_in, d_out]`, on the layer's device (untracked).
     pub fn compute(self) -> Tensor<2> {
-        let x = Tensor::<2>::from_primitive::<Flex>(self.input);
-        let dy = Tensor::<2>::from_primitive::<Flex>(self.output_grad);
-        x.transpose().matmul(dy)
+        self.input.transpose().matmul(self.output_grad)
     }
 }
 
@@ -71,16 +71,17 @@ impl WeightGradStore {
     }
 }
 
-/// State of one deferred product: its input and weight, and where to record.
+/// State of one deferred product: its input and weight (untracked tensors of the inner
+/// backend), and where to record.
 #[derive(Clone, Debug)]
 struct Deferral {
-    input: FlexTensor,
-    weight: FlexTensor,
+    input: Tensor<2>,
+    weight: Tensor<2>,
     param: ParamId,
     store: WeightGradStore,
 }
 
-#[backend_extension(Flex, Autodiff)]
+#[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")), Autodiff)]
 pub trait DeferredMatmulOps: Backend {
     /// Forward: `x W` (`x: [n, d_in]`, `W: [d_in, d_out]`). Backward: `dx = dy W^T` only;
     /// `(x, dy)` is recorded in `store` for `param`, whose gradient autodiff never sees.
@@ -92,10 +93,12 @@ pub trait DeferredMatmulOps: Backend {
     ) -> FloatTensor<Self>;
 }
 
-fn matmul(x: FlexTensor, w: FlexTensor) -> FlexTensor {
-    let y = Tensor::<2>::from_primitive::<Flex>(x).matmul(Tensor::<2>::from_primitive::<Flex>(w));
-    y.try_into_primitive::<Flex>()
-        .expect("a product of Flex tensors is a Flex tensor")
+/// `x W` of two primitives of backend `B`.
+fn matmul<B: Backend>(x: FloatTensor<B>, w: FloatTensor<B>) -> FloatTensor<B>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    from_tensor::<B, 2>(to_tensor::<B, 2>(x).matmul(to_tensor::<B, 2>(w)))
 }
 
 impl DeferredMatmulOps for Flex {
@@ -105,30 +108,41 @@ impl DeferredMatmulOps for Flex {
         _: ParamId,
         _: WeightGradStore,
     ) -> FloatTensor<Self> {
-        matmul(x, weight)
+        matmul::<Self>(x, weight)
+    }
+}
+
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+impl DeferredMatmulOps for Cube {
+    fn deferred_matmul(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        _: ParamId,
+        _: WeightGradStore,
+    ) -> FloatTensor<Self> {
+        matmul::<Self>(x, weight)
     }
 }
 
 #[derive(Debug)]
 struct DeferredMatmulBackward;
 
-impl Backward<Flex, 2> for DeferredMatmulBackward {
+impl<B: Backend> Backward<B, 2> for DeferredMatmulBackward
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
     type State = Deferral;
 
     fn backward(self, ops: Ops<Deferral, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [input_node, weight_node] = ops.parents;
         let d = ops.state;
-        let dy = grads.consume::<Flex>(&ops.node);
+        let dy = to_tensor::<B, 2>(grads.consume::<B>(&ops.node));
         if let Some(node) = weight_node {
             // Under a reduced-precision policy the weight is a cast of the f32 parameter, and
             // the cast's backward needs a gradient to pass on: zero here, the real one is
             // added from the store by parameter id.
             if d.weight.dtype() != DType::F32 {
-                let zeros = Tensor::<2>::from_primitive::<Flex>(d.weight.clone())
-                    .zeros_like()
-                    .try_into_primitive::<Flex>()
-                    .expect("a Flex tensor stays one");
-                grads.register::<Flex>(node.id, zeros);
+                grads.register::<B>(node.id, from_tensor::<B, 2>(d.weight.zeros_like()));
             }
             d.store.push(DeferredWeightGrad {
                 param: d.param,
@@ -137,16 +151,18 @@ impl Backward<Flex, 2> for DeferredMatmulBackward {
             });
         }
         if let Some(node) = input_node {
-            let w_t = Tensor::<2>::from_primitive::<Flex>(d.weight).transpose();
-            let w_t = w_t
-                .try_into_primitive::<Flex>()
-                .expect("a Flex tensor stays one");
-            grads.register::<Flex>(node.id, matmul(dy, w_t));
+            grads.register::<B>(
+                node.id,
+                from_tensor::<B, 2>(dy.matmul(d.weight.transpose())),
+            );
         }
     }
 }
 
-impl<C: CheckpointStrategy> DeferredMatmulOps for Autodiff<Flex, C> {
+impl<B: Backend, C: CheckpointStrategy> DeferredMatmulOps for Autodiff<B, C>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
     fn deferred_matmul(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
@@ -155,7 +171,7 @@ impl<C: CheckpointStrategy> DeferredMatmulOps for Autodiff<Flex, C> {
     ) -> FloatTensor<Self> {
         let nodes = [x.node(), weight.node()];
         let (input, weight) = (x.into_primitive(), weight.into_primitive());
-        let out = matmul(input.clone(), weight.clone());
+        let out = matmul::<B>(input.clone(), weight.clone());
         match DeferredMatmulBackward
             .prepare::<C>(nodes)
             .compute_bound()
@@ -163,8 +179,8 @@ impl<C: CheckpointStrategy> DeferredMatmulOps for Autodiff<Flex, C> {
         {
             OpsKind::Tracked(prep) => prep.finish(
                 Deferral {
-                    input,
-                    weight,
+                    input: to_tensor::<B, 2>(input),
+                    weight: to_tensor::<B, 2>(weight),
                     param,
                     store,
                 },
@@ -205,14 +221,14 @@ pub(crate) fn forward_store() -> Option<WeightGradStore> {
     FORWARD_STORE.with(|s| s.borrow().clone())
 }
 
-/// Whether deferred weight gradients work on `device` (Flex with autodiff; elsewhere a
-/// zero-bubble schedule runs its weight-gradient actions empty, with autodiff's gradients).
+/// Whether deferred weight gradients work on `device`: an autodiff device of Flex or of the
+/// CubeCL backend (wgpu, CUDA) when the crate is built with it.
 pub fn deferral_supported(device: &burn::tensor::Device) -> bool {
-    device.is_autodiff() && device.clone().inner() == burn::tensor::Device::flex()
+    crate::hook::hooks_supported(device)
 }
 
 /// `linear` applied to `x: [.., d_in]` with its weight gradient deferred to `store` (the bias,
-/// if any, gets its gradient from autodiff as usual). Flex only.
+/// if any, gets its gradient from autodiff as usual). On Flex and the CubeCL backend.
 pub fn deferred_linear<const D: usize>(
     linear: &Linear,
     x: Tensor<D>,
@@ -224,7 +240,7 @@ pub fn deferred_linear<const D: usize>(
 
 /// `x weight + bias` for `x: [.., d_in]` and the value `weight` of parameter `param`, its
 /// gradient deferred to `store` (what [`deferred_linear`] computes, for a weight read
-/// otherwise: a rank's tensor-parallel part). Flex only.
+/// otherwise: a rank's tensor-parallel part). On Flex and the CubeCL backend.
 pub(crate) fn deferred_product<const D: usize>(
     x: Tensor<D>,
     weight: Tensor<2>,

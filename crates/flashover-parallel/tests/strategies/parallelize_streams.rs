@@ -566,7 +566,7 @@ fn a_pipelined_forward_hands_the_last_stage_every_stream() {
     let (memory, stream, NoGrad(keep)) =
         (0..2 * LAYERS).fold(whole.embed(&one), |x, i| whole.layer(i, x));
     let expected: Vec<Vec<f32>> = [memory, stream, keep]
-        .map(|t| t.into_data().to_vec().unwrap())
+        .map(|t| t.into_data().try_to_vec::<f32>().unwrap())
         .into();
     for (mesh, counts) in [("pp=2", &[3, 1][..]), ("pp=4", &[1, 1, 1, 1][..])] {
         let plan = ParallelizePlan::new().pipeline(cut(ScheduleKind::OneFOneB, counts));
@@ -577,7 +577,7 @@ fn a_pipelined_forward_hands_the_last_stage_every_stream() {
                 let (model, par) = parallelize(TwoStreams::new(false, &device), &plan, &ctx)?;
                 let got = par.pipeline_forward(&model, &batch(&device))?;
                 Ok::<_, ParallelError>(got.map(|(memory, stream, NoGrad(keep))| {
-                    [memory, stream, keep].map(|t| t.into_data().to_vec::<f32>().unwrap())
+                    [memory, stream, keep].map(|t| t.into_data().try_to_vec::<f32>().unwrap())
                 }))
             })
             .unwrap_or_else(|e| panic!("{mesh}: {e}"));
