@@ -9,8 +9,8 @@
 #   2. Burn's CUDA backend (NVRTC): the reference model trained at f32 and bf16, then
 #      `verify` (every layout against one rank, all ranks as threads on the one GPU) for data,
 #      ZeRO-1/3, tensor, pipeline (1F1B and zero-bubble) and context parallelism, and a few
-#      layouts again on the same
-#      GPU through wgpu/Vulkan (whose f32 matmuls are f32: CUDA's are TF32, see `verify`);
+#      layouts again on the same GPU through wgpu/Vulkan (whose f32 matmuls are f32: CUDA's
+#      are TF32, see `verify`);
 #   3. a model that uses the GPU (examples/configs/gpu.toml: 0.82B parameters, sequences of 2048,
 #      bf16 compute) through CUDA, and at f16 with 8 of its 16 blocks through wgpu/Vulkan
 #      (Burn's wgpu has no bf16 there; see wgpu_large below): tokens/s, memory and MFU;
