@@ -3,6 +3,7 @@
 use crate::parallelize::{TpSplit, TpStyle, local_value, tp_split};
 use crate::pipeline::deferred_product;
 use crate::pipeline::weight_grad::forward_store;
+use crate::tensor_parallel::async_colwise::colwise_product;
 use crate::tensor_parallel::{TensorParallel, VocabShard};
 use burn::config::Config;
 use burn::module::{Module, Param, ParamId};
@@ -129,6 +130,23 @@ fn local_product<const D: usize>(
     }
 }
 
+/// The `tp` stream on which a column-wise layer's backward all-reduces its input's gradient
+/// while it computes its weight's (Megatron's asynchronous tensor parallelism): without
+/// sequence parallelism (whose entry is an all-gather, kept by [`TensorParallel::enter`]), and
+/// not while a zero-bubble step defers weight gradients to its weight actions.
+fn overlapping_stream(split: &TpSplit) -> Option<&std::sync::Arc<flashover_runtime::CommStream>> {
+    let overlaps = !split.sequence_parallel && forward_store().is_none();
+    split.stream.as_ref().filter(|_| overlaps)
+}
+
+/// `y + b`, the bias broadcast over `y`'s leading dimensions.
+fn with_bias<const D: usize>(y: Tensor<D>, bias: Option<Tensor<1>>) -> Tensor<D> {
+    match bias {
+        Some(b) => y + b.unsqueeze(),
+        None => y,
+    }
+}
+
 /// What [`Linear::forward`] computes, for a linear layer's parameters held by any module (the
 /// reference transformer's Burn `Linear`s): `x W + b` with the collectives of the split the
 /// plan recorded on `weight`, or Burn's `linear` when it is not split (see [`local_product`]).
@@ -144,7 +162,13 @@ pub(crate) fn placed_linear<const D: usize>(
     };
     let tp = TensorParallel::new(&split.group).with_sequence_parallel(split.sequence_parallel);
     match split.style {
-        TpStyle::Colwise => local_product(tp.enter(x), weight, id, bias.map(|b| local_value(b).0)),
+        TpStyle::Colwise => {
+            let bias = bias.map(|b| local_value(b).0);
+            match overlapping_stream(split) {
+                Some(stream) => with_bias(colwise_product(x, weight, stream), bias),
+                None => local_product(tp.enter(x), weight, id, bias),
+            }
+        }
         TpStyle::Rowwise => {
             let y = tp.exit(local_product(x, weight, id, None));
             // The bias's gradient is summed over tp under sequence parallelism (its value
@@ -187,6 +211,21 @@ pub(crate) fn placed_linears<const D: usize>(
             .map(|(w, b)| placed_linear(w, *b, x.clone()))
             .collect();
     };
+    if let Some(stream) = overlapping_stream(split) {
+        // One product with the layers' parts side by side: one all-reduce of the input's
+        // gradient, overlapped with their weights' gradients.
+        let weights: Vec<Tensor<2>> = layers.iter().map(|(w, _)| local_value(w).0).collect();
+        let widths: Vec<usize> = weights.iter().map(|w| w.dims()[1]).collect();
+        let y = colwise_product(x, Tensor::cat(weights, 1), stream);
+        let mut start = 0;
+        return (layers.iter().zip(widths))
+            .map(|((_, b), width)| {
+                let part = y.clone().narrow(D - 1, start, width);
+                start += width;
+                with_bias(part, b.map(|b| local_value(b).0))
+            })
+            .collect();
+    }
     let tp = TensorParallel::new(&split.group).with_sequence_parallel(split.sequence_parallel);
     let x = tp.enter(x);
     layers

@@ -214,6 +214,8 @@ pub fn parallelize<M: Module>(
         plan,
         fsdp: ctx.group(Axis::Fsdp).clone(),
         tp: tp.clone(),
+        tp_stream: (tp.size() > 1)
+            .then(|| flashover_runtime::CommStream::new(&tp, "tensor-parallel stream")),
         context: context.as_ref(),
         routers: &experts.routers,
         all_routers: &experts.all_routers,

@@ -30,7 +30,7 @@ use crate::tensor_parallel::split_dim;
 use burn::module::{Module, ModuleVisitor, Param, Reparameterization, Reparameterizer};
 use burn::tensor::Tensor;
 use flashover_comm::Group;
-use flashover_runtime::Axis;
+use flashover_runtime::{Axis, CommStream};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -115,6 +115,9 @@ pub struct TpSplit {
     pub rows: usize,
     /// The `tp` group.
     pub group: Group,
+    /// The group's communication stream, on which a column-wise layer's backward all-reduces
+    /// its input's gradient while it computes its weight's (none for a group of one).
+    pub stream: Option<Arc<CommStream>>,
 }
 
 /// What `Param::val` answers besides the value a layer computes with (one mode per rank,
@@ -493,6 +496,8 @@ pub(super) struct PlaceParams<'a> {
     pub(super) plan: &'a ParallelizePlan,
     pub(super) fsdp: Group,
     pub(super) tp: Group,
+    /// The `tp` group's communication stream (none for a group of one).
+    pub(super) tp_stream: Option<Arc<CommStream>>,
     /// The sequence split, when the plan splits sequences over `cp` on this mesh.
     pub(super) context: Option<&'a ContextSplit>,
     /// Per router parameter path of an `expert_parallel` layer, its experts' split.
@@ -642,6 +647,7 @@ impl Reparameterizer for PlaceParams<'_> {
                 sequence_parallel: self.sequence_parallel(),
                 rows,
                 group: self.tp.clone(),
+                stream: self.tp_stream.clone(),
             });
         }
         let mut rows = None;

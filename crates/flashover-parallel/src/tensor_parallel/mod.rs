@@ -13,6 +13,7 @@
 //! A model splits its layers with a plan's `tensor_parallel` rules on `crate::nn`'s `Linear`
 //! and `Embedding`, which compute with these pieces.
 
+pub(crate) mod async_colwise;
 pub mod comm;
 mod loss_op;
 mod region;
