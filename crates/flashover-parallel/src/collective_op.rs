@@ -97,6 +97,15 @@ where
     }
 }
 
+/// `x W` of two primitives of backend `B` (the forward, on the inner backend, of the ops
+/// whose backward computes the product's gradients its own way).
+pub(crate) fn matmul<B: Backend>(x: FloatTensor<B>, w: FloatTensor<B>) -> FloatTensor<B>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    from_tensor::<B, 2>(to_tensor::<B, 2>(x).matmul(to_tensor::<B, 2>(w)))
+}
+
 /// `f` applied to a primitive of backend `B`, as a Burn tensor of that backend.
 fn apply<B: Backend>(x: FloatTensor<B>, f: &TensorFn) -> FloatTensor<B>
 where

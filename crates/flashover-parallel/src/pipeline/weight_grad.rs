@@ -11,7 +11,7 @@
 //! A backend-extension op with a hand-written backward (the project notes' custom-backward
 //! recipe), implemented for Flex and for the CubeCL backend (wgpu, CUDA).
 
-use crate::collective_op::{from_tensor, to_tensor};
+use crate::collective_op::{from_tensor, matmul, to_tensor};
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 use burn::backend::Cube;
 use burn::backend::autodiff::{
@@ -91,14 +91,6 @@ pub trait DeferredMatmulOps: Backend {
         param: ParamId,
         store: WeightGradStore,
     ) -> FloatTensor<Self>;
-}
-
-/// `x W` of two primitives of backend `B`.
-fn matmul<B: Backend>(x: FloatTensor<B>, w: FloatTensor<B>) -> FloatTensor<B>
-where
-    DispatchTensor: DispatchKindConversion<B>,
-{
-    from_tensor::<B, 2>(to_tensor::<B, 2>(x).matmul(to_tensor::<B, 2>(w)))
 }
 
 impl DeferredMatmulOps for Flex {

@@ -9,7 +9,7 @@
 //! group at once. Without sequence parallelism only: with it the entry is an all-gather whose
 //! backward reduce-scatters, which stays [`super::TensorParallel::enter`]'s.
 
-use crate::collective_op::{from_tensor, ok, to_tensor};
+use crate::collective_op::{from_tensor, matmul, ok, to_tensor};
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 use burn::backend::Cube;
 use burn::backend::autodiff::{
@@ -47,14 +47,6 @@ pub(crate) trait ColwiseOps: Backend {
         weight: FloatTensor<Self>,
         stream: TpStream,
     ) -> FloatTensor<Self>;
-}
-
-/// `x W` of two primitives of backend `B`.
-fn matmul<B: Backend>(x: FloatTensor<B>, w: FloatTensor<B>) -> FloatTensor<B>
-where
-    DispatchTensor: DispatchKindConversion<B>,
-{
-    from_tensor::<B, 2>(to_tensor::<B, 2>(x).matmul(to_tensor::<B, 2>(w)))
 }
 
 impl ColwiseOps for Flex {
