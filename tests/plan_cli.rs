@@ -41,17 +41,16 @@ fn plan_proposes_meshes_that_use_the_world_and_explains_the_best() {
     ]);
     assert!(ok, "{text}");
     // Sharded optimizer state inside pipeline stages is the best that fits, now that the rule
-    // table lets stages shard (with cp = 2: without sequence parallelism the backward
-    // all-reduces of tp overlap the weight gradients); FSDP over TP pays for recomputing every
-    // block (its units reshard after forward that way) and is set against #1 saying so.
-    assert!(text.contains("| 1 | pp=2,dp=2,cp=2,tp=8 zero1"), "{text}");
+    // table lets stages shard; FSDP over TP pays for recomputing every block (its units
+    // reshard after forward that way) and is set against #1 saying so.
+    assert!(text.contains("| 1 | pp=2,dp=4,tp=8 zero1"), "{text}");
     let zero = text.lines().find(|l| l.starts_with("  zero = 1:"));
     assert!(
         zero.is_some_and(|l| l.contains(" 3 ") && l.contains("slower (more recomputation)")),
         "{text}"
     );
     assert!(text.contains("tp   8 ranks, inside a node"), "{text}");
-    assert!(text.contains("dp   2 ranks, across nodes"), "{text}");
+    assert!(text.contains("dp   4 ranks, across nodes"), "{text}");
     let (ok, json) = flashover(&[
         "plan",
         "--world",

@@ -19,7 +19,7 @@ pub const ASSUMPTIONS: &[&str] = &[
     "pipeline bubble: (pp - 1)/m of the compute for GPipe and 1F1B, (pp - 1)/(v m) interleaved, a third of 1F1B's for ZB-H1",
     "pipeline stage imbalance: stages hold whole blocks (6 N_block + 12 h S FLOPs per token) and the last also the LM head (6 h V), cut to balance them as the training job cuts them; the busiest stage's excess over the mean is added to the compute",
     "collectives: latency x steps + bytes x (nccl-tests busbw factor) / busbw of the link (intra-node if the group's ranks fit in one node given the rank order pp, dp, fsdp, ep, cp, tp from outermost), ring algorithms",
-    "tensor-parallel all-reduces (4 per block and micro-batch, 6 with full recomputation) and expert all-to-alls are exposed, except, without sequence parallelism, the two in backward where activations enter the column-parallel layers (attention's q, k, v; the MLP's gate and up), each hidden behind those layers' weight gradients when shorter (Megatron's asynchronous tensor parallelism, as Flashover runs it); ring attention's key/value passes hide behind the forward's attention compute, their gradients' passes in backward are exposed; gradient reduction (once per step) hides behind the last micro-batch's backward (2/3 of its compute); ZeRO-3, as the units overlap them: every block's all-gather in forward, its all-gather again for its rerun in backward and its gradient's reduce-scatter run in turn on one communication stream, prefetched or (the reduce-scatters) waited for after the step's last backward, so they are exposed only where the stream's time per micro-batch exceeds the blocks' compute (a forward, its rerun and a backward of twice a forward), plus the last reduce-scatter of the step; the parameters outside the blocks (embedding, head) are gathered and reduce-scattered once per micro-batch, exposed",
+    "tensor-parallel all-reduces (4 per block and micro-batch, 6 with full recomputation) and expert all-to-alls are exposed, except the two in backward where activations enter the column-parallel layers (attention's q, k, v; the MLP's gate and up): each all-reduce (with sequence parallelism, reduce-scatter: half of one) is hidden behind those layers' weight gradients when shorter (Megatron's asynchronous tensor parallelism, as Flashover runs it); ring attention's key/value passes hide behind the forward's attention compute, their gradients' passes in backward are exposed; gradient reduction (once per step) hides behind the last micro-batch's backward (2/3 of its compute); ZeRO-3, as the units overlap them: every block's all-gather in forward, its all-gather again for its rerun in backward and its gradient's reduce-scatter run in turn on one communication stream, prefetched or (the reduce-scatters) waited for after the step's last backward, so they are exposed only where the stream's time per micro-batch exceeds the blocks' compute (a forward, its rerun and a backward of twice a forward), plus the last reduce-scatter of the step; the parameters outside the blocks (embedding, head) are gathered and reduce-scattered once per micro-batch, exposed",
 ];
 
 /// Per-device memory, bytes.
@@ -406,16 +406,21 @@ pub fn step_time(
         bw,
         lat,
     );
-    // Without sequence parallelism the input gradient's all-reduce at each column-parallel
-    // entry runs while the entry's weight gradients are computed (2 x tokens x their
-    // parameters on this rank): q, k, v, and the MLP's gate and up (two of its three).
-    let overlapped = if layout.sequence_parallel || t == 1 {
+    // The input gradient's collective at each column-parallel entry (an all-reduce; with
+    // sequence parallelism a reduce-scatter, half of one) runs while the entry's weight
+    // gradients are computed (2 x tokens x their parameters on this rank): q, k, v, and the
+    // MLP's gate and up (two of its three).
+    let overlapped = if t == 1 {
         0.0
     } else {
         let tokens = s * b;
+        let entry = match layout.sequence_parallel {
+            true => all_reduce / 2.0,
+            false => all_reduce,
+        };
         let qkv = (h * h + 2.0 * h * model.kv_width()) / t as f64;
         let gate_up = model.mlp_params() * 2.0 / 3.0 / t as f64;
-        let hidden_by = |params: f64| all_reduce.min(2.0 * tokens * params / rate);
+        let hidden_by = |params: f64| entry.min(2.0 * tokens * params / rate);
         hidden_by(qkv) + hidden_by(gate_up)
     };
     let tensor_parallel = m * blocks * (per_block * all_reduce - overlapped);

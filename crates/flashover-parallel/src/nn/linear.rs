@@ -130,13 +130,12 @@ fn local_product<const D: usize>(
     }
 }
 
-/// The `tp` stream on which a column-wise layer's backward all-reduces its input's gradient
-/// while it computes its weight's (Megatron's asynchronous tensor parallelism): without
-/// sequence parallelism (whose entry is an all-gather, kept by [`TensorParallel::enter`]), and
-/// not while a zero-bubble step defers weight gradients to its weight actions.
+/// The `tp` stream on which a column-wise layer's backward all-reduces (with sequence
+/// parallelism, reduce-scatters) its input's gradient while it computes its weight's
+/// (Megatron's asynchronous tensor parallelism): not while a zero-bubble step defers weight
+/// gradients to its weight actions.
 fn overlapping_stream(split: &TpSplit) -> Option<&std::sync::Arc<flashover_runtime::CommStream>> {
-    let overlaps = !split.sequence_parallel && forward_store().is_none();
-    split.stream.as_ref().filter(|_| overlaps)
+    split.stream.as_ref().filter(|_| forward_store().is_none())
 }
 
 /// `y + b`, the bias broadcast over `y`'s leading dimensions.
@@ -164,8 +163,11 @@ pub(crate) fn placed_linear<const D: usize>(
     match split.style {
         TpStyle::Colwise => {
             let bias = bias.map(|b| local_value(b).0);
-            match overlapping_stream(split) {
-                Some(stream) => with_bias(colwise_product(x, weight, stream), bias),
+            let sp = split.sequence_parallel;
+            let overlapped = overlapping_stream(split)
+                .and_then(|stream| colwise_product(x.clone(), weight.clone(), stream, sp));
+            match overlapped {
+                Some(y) => with_bias(y, bias),
                 None => local_product(tp.enter(x), weight, id, bias),
             }
         }
@@ -211,12 +213,14 @@ pub(crate) fn placed_linears<const D: usize>(
             .map(|(w, b)| placed_linear(w, *b, x.clone()))
             .collect();
     };
-    if let Some(stream) = overlapping_stream(split) {
-        // One product with the layers' parts side by side: one all-reduce of the input's
+    let stream = overlapping_stream(split).filter(|_| !split.sequence_parallel || D == 3);
+    if let Some(stream) = stream {
+        // One product with the layers' parts side by side: one collective on the input's
         // gradient, overlapped with their weights' gradients.
         let weights: Vec<Tensor<2>> = layers.iter().map(|(w, _)| local_value(w).0).collect();
         let widths: Vec<usize> = weights.iter().map(|w| w.dims()[1]).collect();
-        let y = colwise_product(x, Tensor::cat(weights, 1), stream);
+        let y = colwise_product(x, Tensor::cat(weights, 1), stream, split.sequence_parallel)
+            .expect("a sequence split of [batch, seq, d_in] (checked above)");
         let mut start = 0;
         return (layers.iter().zip(widths))
             .map(|((_, b), width)| {

@@ -1,13 +1,16 @@
 //! Megatron's asynchronous tensor parallelism in backward, for column-parallel layers: the
-//! layer's backward computes its input's gradient first, hands the gradient's all-reduce over
+//! layer's backward computes its input's gradient first, hands the gradient's collective over
 //! `tp` to the group's communication stream, computes its weight's gradient while that runs,
-//! and only then waits. Forward it is `x W` on the whole input, what *f* (identity forward,
-//! all-reduce backward) followed by the product computes, in one op.
+//! and only then waits. Forward it is what the region's entry followed by the product
+//! computes, in one op:
+//! - without sequence parallelism *f*: `x W` on the whole input, the input's gradient
+//!   all-reduced;
+//! - with it, the input `[batch, seq / tp, d_in]` all-gathered along the sequence first, the
+//!   gradient reduce-scattered back.
 //!
-//! Every rank's backward submits the same all-reduces in the same order, and waits for each
+//! Every rank's backward submits the same collectives in the same order, and waits for each
 //! before its next collective on `tp`, so the stream and the computing thread never use the
-//! group at once. Without sequence parallelism only: with it the entry is an all-gather whose
-//! backward reduce-scatters, which stays [`super::TensorParallel::enter`]'s.
+//! group at once.
 
 use crate::collective_op::{from_tensor, matmul, ok, to_tensor};
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
@@ -24,49 +27,73 @@ use flashover_comm::ReduceOp;
 use flashover_runtime::{CommStream, TensorCollectives};
 use std::sync::Arc;
 
-/// The `tp` group's communication stream, as an op's argument.
+/// How activations enter the region: the op's argument besides its tensors.
 #[derive(Clone, Debug)]
-pub(crate) struct TpStream(pub(crate) Arc<CommStream>);
+pub(crate) struct Entry {
+    /// The `tp` group's communication stream.
+    stream: Arc<CommStream>,
+    /// Whether the input holds this rank's positions of each sequence (`[batch, seq / tp,
+    /// d_in]`), gathered along dim 1 before the product.
+    sequence_parallel: bool,
+}
 
-/// What one product keeps for its backward: its input and weight (untracked tensors of the
-/// inner backend) and the stream.
+/// What one product keeps for its backward: its whole input as rows, its weight (untracked
+/// tensors of the inner backend), the input's shape as given, and how it entered.
 #[derive(Clone, Debug)]
 struct Saved {
-    input: Tensor<2>,
+    rows: Tensor<2>,
     weight: Tensor<2>,
-    stream: TpStream,
+    whole: [usize; 3],
+    entry: Entry,
 }
 
 #[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")), Autodiff)]
 pub(crate) trait ColwiseOps: Backend {
-    /// Forward: `x W` (`x: [n, d_in]` whole on every rank, `W: [d_in, d_out / tp]`).
-    /// Backward: `dx = dy W^T` all-reduced over `tp` on `stream` while `dW = x^T dy` is
-    /// computed.
+    /// Forward: the entry's gather (with sequence parallelism), then `x W` as rows (`x:
+    /// [batch, seq, d_in]`, `W: [d_in, d_out / tp]`, the result `[batch x whole seq, d_out /
+    /// tp]`). Backward: `dx = dy W^T`, all-reduced (reduce-scattered along the sequence) on
+    /// the stream while `dW = x^T dy` is computed.
     fn colwise_matmul(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
-        stream: TpStream,
+        entry: Entry,
     ) -> FloatTensor<Self>;
 }
 
+/// The entry's forward: `x` (`[batch, seq, d_in]`) as rows of the whole sequences, gathered
+/// over `tp` with sequence parallelism; and the whole input's shape. A failed gather panics
+/// with its `CommError`, as inside every op.
+fn whole_rows<B: Backend>(x: FloatTensor<B>, entry: &Entry) -> (Tensor<2>, [usize; 3])
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    let mut x = to_tensor::<B, 3>(x);
+    if entry.sequence_parallel {
+        x = ok(entry.stream.group().all_gather_tensor(x, 1));
+    }
+    let whole = x.dims();
+    (x.reshape([whole[0] * whole[1], whole[2]]), whole)
+}
+
+/// The forward of the op without autodiff.
+fn forward<B: Backend>(x: FloatTensor<B>, w: FloatTensor<B>, entry: &Entry) -> FloatTensor<B>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    let (rows, _) = whole_rows::<B>(x, entry);
+    matmul::<B>(from_tensor::<B, 2>(rows), w)
+}
+
 impl ColwiseOps for Flex {
-    fn colwise_matmul(
-        x: FloatTensor<Self>,
-        w: FloatTensor<Self>,
-        _: TpStream,
-    ) -> FloatTensor<Self> {
-        matmul::<Self>(x, w)
+    fn colwise_matmul(x: FloatTensor<Self>, w: FloatTensor<Self>, e: Entry) -> FloatTensor<Self> {
+        forward::<Self>(x, w, &e)
     }
 }
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 impl ColwiseOps for Cube {
-    fn colwise_matmul(
-        x: FloatTensor<Self>,
-        w: FloatTensor<Self>,
-        _: TpStream,
-    ) -> FloatTensor<Self> {
-        matmul::<Self>(x, w)
+    fn colwise_matmul(x: FloatTensor<Self>, w: FloatTensor<Self>, e: Entry) -> FloatTensor<Self> {
+        forward::<Self>(x, w, &e)
     }
 }
 
@@ -85,17 +112,21 @@ where
         let [input_node, weight_node] = ops.parents;
         let saved = ops.state;
         let dy = to_tensor::<B, 2>(grads.consume::<B>(&ops.node));
-        // The input's gradient first: its all-reduce runs while the weight's is computed.
+        // The input's gradient first: its collective runs while the weight's is computed.
         let reduced = input_node.as_ref().map(|_| {
-            let partial = dy.clone().matmul(saved.weight.transpose());
-            (saved.stream.0).submit(move |tp| tp.all_reduce_tensor(partial, ReduceOp::Sum))
+            let partial = (dy.clone().matmul(saved.weight.transpose())).reshape(saved.whole);
+            let sequence_parallel = saved.entry.sequence_parallel;
+            (saved.entry.stream).submit(move |tp| match sequence_parallel {
+                true => tp.reduce_scatter_tensor(partial, 1, ReduceOp::Sum),
+                false => tp.all_reduce_tensor(partial, ReduceOp::Sum),
+            })
         });
         if let Some(node) = weight_node {
-            let dw = saved.input.transpose().matmul(dy);
+            let dw = saved.rows.transpose().matmul(dy);
             grads.register::<B>(node.id, from_tensor::<B, 2>(dw));
         }
         if let (Some(node), Some(reduced)) = (input_node, reduced) {
-            grads.register::<B>(node.id, from_tensor::<B, 2>(ok(reduced.wait())));
+            grads.register::<B>(node.id, from_tensor::<B, 3>(ok(reduced.wait())));
         }
     }
 }
@@ -107,11 +138,12 @@ where
     fn colwise_matmul(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
-        stream: TpStream,
+        entry: Entry,
     ) -> FloatTensor<Self> {
         let nodes = [x.node(), weight.node()];
         let (input, weight) = (x.into_primitive(), weight.into_primitive());
-        let out = matmul::<B>(input.clone(), weight.clone());
+        let (rows, whole) = whole_rows::<B>(input, &entry);
+        let out = matmul::<B>(from_tensor::<B, 2>(rows.clone()), weight.clone());
         match ColwiseBackward
             .prepare::<C>(nodes)
             .compute_bound()
@@ -119,9 +151,10 @@ where
         {
             OpsKind::Tracked(prep) => prep.finish(
                 Saved {
-                    input: to_tensor::<B, 2>(input),
+                    rows,
                     weight: to_tensor::<B, 2>(weight),
-                    stream,
+                    whole,
+                    entry,
                 },
                 out,
             ),
@@ -130,21 +163,39 @@ where
     }
 }
 
-/// `x W` for `x: [.., d_in]` whole on every `tp` rank and `weight` a column-wise layer's
-/// part, the input's gradient all-reduced on `stream` while the weight's is computed.
+/// `x W` for `x: [.., d_in]` entering a column-parallel region of the `tp` group whose stream
+/// is `stream` (with `sequence_parallel`, `x` is `[batch, seq / tp, d_in]`, this rank's
+/// positions) and `weight` the layer's part: the input's gradient all-reduced
+/// (reduce-scattered) on the stream while the weight's is computed. `None` for a sequence
+/// split of a tensor that is not `[batch, seq, d_in]`.
 pub(crate) fn colwise_product<const D: usize>(
     x: Tensor<D>,
     weight: Tensor<2>,
     stream: &Arc<CommStream>,
-) -> Tensor<D> {
+    sequence_parallel: bool,
+) -> Option<Tensor<D>> {
+    if sequence_parallel && D != 3 {
+        return None;
+    }
     let mut dims = x.dims();
     let d_in = dims[D - 1];
-    let rows = dims[..D - 1].iter().product();
+    let rows: usize = dims[..D - 1].iter().product();
+    let x = match sequence_parallel {
+        true => x.reshape([dims[0], dims[1], d_in]),
+        false => x.reshape([1, rows, d_in]),
+    };
+    let entry = Entry {
+        stream: stream.clone(),
+        sequence_parallel,
+    };
     dims[D - 1] = weight.dims()[1];
+    if sequence_parallel {
+        dims[1] *= stream.group().size();
+    }
     let y: Tensor<2> = Tensor::from_dispatch(<Dispatch as ColwiseOps>::colwise_matmul(
-        x.reshape([rows, d_in]).into_dispatch(),
+        x.into_dispatch(),
         weight.into_dispatch(),
-        TpStream(stream.clone()),
+        entry,
     ));
-    y.reshape(dims)
+    Some(y.reshape(dims))
 }
