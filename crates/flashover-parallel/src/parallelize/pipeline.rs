@@ -19,7 +19,7 @@ use crate::params::{ParamLayout, ParamSlot};
 use crate::pipeline::{
     ActionKind, BoundaryTensor, PartSpec, PipelineExecutor, PipelineStepReport, Schedule,
     ScheduleKind, StageBoundary, StageOutput, WeightGradStore, boundary_tensors,
-    deferral_supported, from_boundary_tensors,
+    deferral_supported, from_boundary_tensors, specs_of,
 };
 use crate::placement::{PlacementTable, Tie};
 use crate::precision::{MixedPrecision, Precision};
@@ -610,8 +610,7 @@ impl Stages {
                 carried = Some(x);
             } else {
                 let parts = boundary_tensors(x);
-                let specs: Vec<PartSpec> = parts.iter().map(BoundaryTensor::spec).collect();
-                let code = encode_specs(&specs)?;
+                let code = encode_specs(&specs_of(&parts))?;
                 self.pp.send(&[code.len() as u64], dst)?;
                 self.pp.send(&code, dst)?;
                 for part in parts {
@@ -655,10 +654,7 @@ impl Stages {
         if self.pp.rank() == root {
             let view = self.compute_view(model);
             let x = view.as_ref().unwrap_or(model).embed(&micro_batch(first));
-            let specs: Vec<PartSpec> = (boundary_tensors(x).iter())
-                .map(BoundaryTensor::spec)
-                .collect();
-            code = encode_specs(&specs)?;
+            code = encode_specs(&specs_of(&boundary_tensors(x)))?;
         }
         if self.pp.size() > 1 {
             let mut len = [code.len() as u64];
@@ -724,7 +720,7 @@ struct Packing {
 impl Packing {
     /// How `parts` pack, and them packed.
     fn of(parts: Vec<BoundaryTensor>) -> (Self, Tensor<1>) {
-        let specs: Vec<PartSpec> = parts.iter().map(BoundaryTensor::spec).collect();
+        let specs = specs_of(&parts);
         let dtype = match specs.iter().all(|s| s.dtype == specs[0].dtype) {
             true => specs[0].dtype,
             false => DType::F32,

@@ -98,6 +98,11 @@ pub trait StageBoundary: Sized + 'static {
 #[derive(Clone, Debug)]
 pub struct NoGrad<T>(pub T);
 
+/// What the receiving side needs to know of `parts`, in their order.
+pub(crate) fn specs_of(parts: &[BoundaryTensor]) -> Vec<PartSpec> {
+    parts.iter().map(BoundaryTensor::spec).collect()
+}
+
 /// `value`'s tensors, in its order.
 pub(crate) fn boundary_tensors<A: StageBoundary>(value: A) -> Vec<BoundaryTensor> {
     let mut out = vec![];
@@ -189,7 +194,7 @@ mod tests {
         );
         let b = Tensor::<2>::from_data(TensorData::new(vec![1.0f32; 6], [2, 3]), &device);
         let parts = boundary_tensors((a.clone(), NoGrad(b.clone())));
-        let specs: Vec<_> = parts.iter().map(BoundaryTensor::spec).collect();
+        let specs = specs_of(&parts);
         assert_eq!(specs[0].shape, vec![2, 3, 4]);
         assert!(specs[0].grad && !specs[1].grad);
         assert_eq!(specs[1].numel(), 6);

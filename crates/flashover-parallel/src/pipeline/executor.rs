@@ -15,7 +15,7 @@
 //! plan-aware linear layers (`crate::nn::Linear`, the reference transformer's layer hooks)
 //! defer without being handed the store.
 
-use super::boundary::{BoundaryTensor, PartSpec};
+use super::boundary::{BoundaryTensor, PartSpec, specs_of};
 use super::schedule::{Action, ActionKind, Schedule};
 use super::simulate::validate;
 use super::weight_grad::{DeferredWeightGrad, WeightGradStore, deferring_in};
@@ -265,11 +265,8 @@ impl<'a> PipelineExecutor<'a> {
                         let x = self
                             .group
                             .recv_tensor([spec.numel()], spec.dtype, src, device)?;
-                        parts.push(BoundaryTensor {
-                            flat: if spec.grad { x.require_grad() } else { x },
-                            shape: spec.shape.clone(),
-                            grad: spec.grad,
-                        });
+                        let x = if spec.grad { x.require_grad() } else { x };
+                        parts.push(BoundaryTensor::new(x, spec.clone()));
                     }
                     report.recv_wait += t0.elapsed();
                     report.events.push((*a, t0, Instant::now()));
@@ -465,7 +462,7 @@ fn check_boundary(
     parts: &[BoundaryTensor],
     boundary: &[PartSpec],
 ) -> Result<(), ParallelError> {
-    let produced: Vec<PartSpec> = parts.iter().map(BoundaryTensor::spec).collect();
+    let produced = specs_of(parts);
     if produced == boundary {
         return Ok(());
     }

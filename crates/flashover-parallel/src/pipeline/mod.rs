@@ -21,7 +21,7 @@ mod simulate;
 pub(crate) mod weight_grad;
 
 pub use boundary::{BoundaryTensor, NoGrad, StageBoundary};
-pub(crate) use boundary::{PartSpec, boundary_tensors, from_boundary_tensors};
+pub(crate) use boundary::{PartSpec, boundary_tensors, from_boundary_tensors, specs_of};
 pub(crate) use executor::BackwardSink;
 pub use executor::PipelineStepReport;
 pub(crate) use executor::{PipelineExecutor, StageOutput};
