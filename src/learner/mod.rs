@@ -78,7 +78,7 @@ use burn_train::{
     TrainStep, TrainingComponents, TrainingError, TrainingItem, TrainingStrategy, ValidLoader,
 };
 use checkpoint::LearnerCheckpoints;
-use flashover_comm::CommunicatorExt;
+use flashover_comm::{CommunicatorExt, control};
 use flashover_parallel::ParallelError;
 use flashover_parallel::parallelize::Parallelized;
 use flashover_parallel::precision::Precision;
@@ -165,9 +165,7 @@ impl<S> ParallelLearning<S> {
         let computes_outputs = [u8::from(par.runs_last_stage())];
         let reporter = match ctx.world_size() {
             1 => 0,
-            _ => ctx
-                .world()
-                .all_gather_vec(&computes_outputs)?
+            _ => control(|| ctx.world().all_gather_vec(&computes_outputs))?
                 .iter()
                 .position(|&c| c == 1)
                 .expect("some rank runs the last stage"),
@@ -242,7 +240,7 @@ impl<S> ParallelLearning<S> {
     fn agreed(&self, decision: bool) -> Result<bool, ParallelError> {
         let mut flag = [decision as u8];
         if self.ctx.world_size() > 1 {
-            self.ctx.world().broadcast(&mut flag, self.reporter)?;
+            control(|| self.ctx.world().broadcast(&mut flag, self.reporter))?;
         }
         Ok(flag[0] != 0)
     }

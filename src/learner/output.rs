@@ -5,7 +5,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_train::{
     ClassificationOutput, MultiLabelClassificationOutput, RegressionOutput, SequenceOutput,
 };
-use flashover_comm::{CommunicatorExt, Group, ReduceOp};
+use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
 use flashover_parallel::ParallelError;
 use flashover_parallel::parallelize::Parallelized;
 use flashover_runtime::TensorCollectives;
@@ -83,7 +83,8 @@ fn all_gather_ints<const D: usize>(
         .convert::<i64>()
         .try_into_vec::<i64>()
         .map_err(|e| ParallelError::Invalid(format!("integer tensor: {e:?}")))?;
-    let all = group.all_gather_vec(&values)?;
+    // Metric inputs (targets, predicted classes), read on the host by the metrics anyway.
+    let all = control(|| group.all_gather_vec(&values))?;
     let pieces = all
         .chunks(values.len().max(1))
         .take(group.size())
@@ -102,7 +103,7 @@ fn position_order(
 ) -> Result<Tensor<1, Int>, ParallelError> {
     let seq = local * cp.size();
     let mine: Vec<u64> = par.positions(seq)?.into_iter().map(|p| p as u64).collect();
-    let all = cp.all_gather_vec(&mine)?;
+    let all = control(|| cp.all_gather_vec(&mine))?;
     let mut order = vec![0i64; seq];
     for (at, &position) in all.iter().enumerate() {
         order[position as usize] = at as i64;

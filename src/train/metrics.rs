@@ -3,7 +3,9 @@
 //! Ranks send their [`RankMetrics`] to rank 0 as one small all-gather of f64s; the order of the
 //! fields on the wire lives in [`RankMetrics::to_wire`] and [`RankMetrics::from_wire`] only.
 
-use super::report::{AXIS_BUCKETS, AxisComm, DeviceMemory, MoeRecord, RankTimes, StepRecord};
+use super::report::{
+    AXIS_BUCKETS, AxisComm, DeviceMemory, HostBufferCalls, MoeRecord, RankTimes, StepRecord,
+};
 use flashover_parallel::zero::MemoryReport;
 
 /// One rank's measurements of one step.
@@ -41,11 +43,13 @@ pub(crate) struct RankMetrics {
     pub device_memory: Option<DeviceMemory>,
     /// Every collective by mesh axis.
     pub axes: [AxisComm; AXIS_BUCKETS],
+    /// Byte-level collective calls on host buffers, by purpose.
+    pub host_buffers: HostBufferCalls,
 }
 
 impl RankMetrics {
     /// The fixed fields on the wire, before the axes'.
-    const FIXED_LEN: usize = 19;
+    const FIXED_LEN: usize = 22;
     /// f64s per axis bucket on the wire.
     const AXIS_LEN: usize = 5;
     /// Number of f64s on the wire.
@@ -77,6 +81,9 @@ impl RankMetrics {
             self.recomputed_blocks as f64,
             in_use,
             reserved,
+            self.host_buffers.staged as f64,
+            self.host_buffers.control as f64,
+            self.host_buffers.outside_adapter as f64,
         ];
         let mut wire = [0.0; Self::WIRE_LEN];
         wire[..Self::FIXED_LEN].copy_from_slice(&fixed);
@@ -122,6 +129,11 @@ impl RankMetrics {
                 in_use: w[17] as u64,
                 reserved: w[18] as u64,
             }),
+            host_buffers: HostBufferCalls {
+                staged: w[19] as u64,
+                control: w[20] as u64,
+                outside_adapter: w[21] as u64,
+            },
             axes: std::array::from_fn(|i| {
                 let a = &w[Self::FIXED_LEN + i * Self::AXIS_LEN..][..Self::AXIS_LEN];
                 AxisComm {
@@ -152,6 +164,7 @@ impl RankMetrics {
             attention_scores: self.attention_scores,
             device_memory: self.device_memory,
             axes: self.axes,
+            host_buffers: self.host_buffers,
         }
     }
 }
@@ -225,6 +238,11 @@ mod tests {
                 overlapped_s: 0.25 * i as f64,
                 exposed_s: 0.125 * i as f64,
             }),
+            host_buffers: HostBufferCalls {
+                staged: 5,
+                control: 6,
+                outside_adapter: 7,
+            },
         };
         assert_eq!(RankMetrics::from_wire(&m.to_wire()), m);
         let none = RankMetrics::default();

@@ -5,7 +5,7 @@
 use super::checkpoint::Saver;
 use super::config::TrainConfig;
 use super::metrics::{RankMetrics, StepFacts, step_record};
-use super::report::{DeviceMemory, StepRecord, axis_comm};
+use super::report::{DeviceMemory, StepRecord, axis_comm, host_buffer_calls};
 use super::run::make_batch;
 use super::strategy::{self, RankStrategy, StepOutcome};
 use super::trace::Trace;
@@ -15,7 +15,7 @@ use flashover_models::{Dropout, ForwardContext, Transformer, TransformerConfig};
 use flashover_parallel::context_parallel::{AttentionWork, ContextParallel};
 use flashover_parallel::data_parallel::ReductionTiming;
 use flashover_parallel::precision::LossScaler;
-use flashover_runtime::{Axis, CommunicatorExt, Group, RankContext, RankError};
+use flashover_runtime::{Axis, CommunicatorExt, Group, RankContext, RankError, control};
 use std::time::Instant;
 
 /// What rank 0 hands back: its step records, the final parameters by name, buckets per step,
@@ -122,6 +122,7 @@ impl<'a> Rank<'a> {
         let ctx = self.ctx;
         let stats_before = ctx.comm_stats();
         let traffic_before = ctx.traffic_by_axis();
+        let buffers_before = ctx.host_buffers().unwrap_or_default();
         let t0 = Instant::now();
         let attention_before = self
             .context
@@ -164,6 +165,10 @@ impl<'a> Rank<'a> {
                 reserved: u.bytes_reserved,
             }),
             axes: axis_comm(&ctx.traffic_by_axis(), &traffic_before),
+            host_buffers: host_buffer_calls(
+                &ctx.host_buffers().unwrap_or_default(),
+                &buffers_before,
+            ),
         };
         Ok((strategy, outcome, metrics, t0))
     }
@@ -300,7 +305,7 @@ pub(crate) fn train_rank(
                 std::mem::take(&mut outcome.events),
             );
         }
-        let all = ctx.world().all_gather_vec(&mine.to_wire())?;
+        let all = control(|| ctx.world().all_gather_vec(&mine.to_wire()))?;
         if ctx.rank() == 0 {
             let ranks: Vec<RankMetrics> = all
                 .chunks(RankMetrics::WIRE_LEN)

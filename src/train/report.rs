@@ -2,7 +2,7 @@
 
 use flashover_parallel::zero::MemoryReport;
 use flashover_runtime::transfers::{Cause, Transfers};
-use flashover_runtime::{Axis, GroupTraffic};
+use flashover_runtime::{Axis, GroupTraffic, HostBuffers};
 use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
 use std::fmt;
@@ -55,6 +55,15 @@ impl AxisComm {
         self.comm_s += other.comm_s;
         self.overlapped_s += other.overlapped_s;
         self.exposed_s += other.exposed_s;
+    }
+}
+
+/// The calls on host buffers between two snapshots of a rank's tally.
+pub(crate) fn host_buffer_calls(now: &HostBuffers, before: &HostBuffers) -> HostBufferCalls {
+    HostBufferCalls {
+        staged: now.staged.calls - before.staged.calls,
+        control: now.control.calls - before.control.calls,
+        outside_adapter: now.unmarked.calls - before.unmarked.calls,
     }
 }
 
@@ -134,6 +143,21 @@ pub struct RankTimes {
     /// only. In the log, a map from axis name over the axes with calls.
     #[serde(serialize_with = "serialize_axes")]
     pub axes: [AxisComm; AXIS_BUCKETS],
+    /// The step's byte-level collective calls on host buffers, by purpose.
+    pub host_buffers: HostBufferCalls,
+}
+
+/// One rank's byte-level collective calls on host buffers in a step, by purpose
+/// (`flashover_comm::host_buffers`): every tensor should reach its engine through the tensor
+/// adapter, so `outside_adapter` should be 0.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+pub struct HostBufferCalls {
+    /// A tensor's bytes staged by the adapter for an engine that takes host memory.
+    pub staged: u64,
+    /// Control values: counts, flags, codes, scalar metrics.
+    pub control: u64,
+    /// Host buffers handed to an engine outside the adapter.
+    pub outside_adapter: u64,
 }
 
 /// What a device's allocator holds, as Burn reports it (`Device::memory_pool_usage`).
@@ -397,6 +421,17 @@ impl fmt::Display for TrainReport {
         writeln!(
             f,
             "  host transfers per step (mean over the run, all ranks of this process; device->host / host->device, MiB):"
+        )?;
+        let calls = |of: fn(&HostBufferCalls) -> u64| {
+            let all = self.steps.iter().flat_map(|s| &s.ranks);
+            all.map(|r| of(&r.host_buffers)).sum::<u64>() as f64 / steps
+        };
+        writeln!(
+            f,
+            "  collective calls on host buffers per step (all ranks): {:.1} staged by the tensor adapter, {:.1} control values, {:.1} outside the adapter",
+            calls(|c| c.staged),
+            calls(|c| c.control),
+            calls(|c| c.outside_adapter),
         )?;
         for cause in Cause::ALL {
             let c = self.host_transfers.of(cause);

@@ -2,7 +2,7 @@
 //! receive wait, as Chrome trace JSON (one track per rank; open it in Perfetto).
 
 use flashover_parallel::pipeline::{Action, ActionKind};
-use flashover_runtime::{CommunicatorExt, RankContext, RankError};
+use flashover_runtime::{CommunicatorExt, RankContext, RankError, control};
 use std::path::Path;
 use std::time::Instant;
 
@@ -79,14 +79,14 @@ impl Trace {
     pub fn write(&self, ctx: &RankContext, path: &Path) -> Result<(), RankError> {
         let world = ctx.world();
         let mut longest = [self.events.len() as u64];
-        world.all_reduce(&mut longest, flashover_runtime::ReduceOp::Max)?;
+        control(|| world.all_reduce(&mut longest, flashover_runtime::ReduceOp::Max))?;
         let width = longest[0] as usize * 6;
         let mut mine: Vec<f64> = self.events.iter().flatten().copied().collect();
         // Padding rows have kind -1.
         while mine.len() < width {
             mine.extend([-1.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
         }
-        let all = world.all_gather_vec(&mine)?;
+        let all = control(|| world.all_gather_vec(&mine))?;
         if ctx.rank() != 0 {
             return Ok(());
         }

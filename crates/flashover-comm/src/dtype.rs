@@ -39,6 +39,11 @@ impl DType {
             DType::F64 | DType::I64 | DType::U64 => 8,
         }
     }
+
+    /// Whether the elements are floating point.
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+    }
 }
 
 impl fmt::Display for DType {

@@ -10,6 +10,7 @@
 use crate::communicator::{Communicator, DeviceCollectives, Group};
 use crate::dtype::DType;
 use crate::error::CommResult;
+use crate::host_buffers::HostBuffers;
 use crate::op::{OpKind, ReduceOp};
 use crate::stats::CommStats;
 use crate::traffic::{GroupTraffic, TrafficTable};
@@ -66,6 +67,8 @@ pub struct FlightRecorder {
     traffic: TrafficTable,
     entries: Mutex<VecDeque<Slot>>,
     next_id: AtomicU64,
+    /// Every byte-level call on a host buffer, by purpose (not a ring: all of them).
+    host_buffers: Mutex<HostBuffers>,
 }
 
 /// A recorded call as kept in the ring.
@@ -100,7 +103,17 @@ impl FlightRecorder {
             traffic: TrafficTable::default(),
             entries: Mutex::new(VecDeque::with_capacity(capacity.max(1))),
             next_id: AtomicU64::new(0),
+            host_buffers: Mutex::new(HostBuffers::default()),
         })
+    }
+
+    /// This rank's byte-level calls on host buffers so far, by purpose: staged by the tensor
+    /// adapter, control values, or neither (see [`crate::host_buffers`]).
+    pub fn host_buffers(&self) -> HostBuffers {
+        self.host_buffers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     fn now_us(&self) -> u64 {
@@ -215,6 +228,20 @@ impl Recorded {
         self.recorder.finish(id, &result);
         result
     }
+
+    /// [`Self::record`] of a call on a host buffer of `dtype`, tallied by its purpose.
+    fn record_host<T>(
+        &self,
+        op: OpKind,
+        bytes: usize,
+        dtype: DType,
+        call: impl FnOnce() -> CommResult<T>,
+    ) -> CommResult<T> {
+        (self.recorder.host_buffers.lock())
+            .unwrap_or_else(|p| p.into_inner())
+            .note(op, self.inner.name(), dtype, bytes);
+        self.record(op, bytes, call)
+    }
 }
 
 impl Group {
@@ -245,7 +272,7 @@ impl Communicator for Recorded {
     }
     fn all_reduce_bytes(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> CommResult<()> {
         let n = buf.len();
-        self.record(OpKind::AllReduce, n, || {
+        self.record_host(OpKind::AllReduce, n, dtype, || {
             self.inner.all_reduce_bytes(buf, dtype, op)
         })
     }
@@ -256,19 +283,19 @@ impl Communicator for Recorded {
         dtype: DType,
         op: ReduceOp,
     ) -> CommResult<()> {
-        self.record(OpKind::ReduceScatter, send.len(), || {
+        self.record_host(OpKind::ReduceScatter, send.len(), dtype, || {
             self.inner.reduce_scatter_bytes(send, recv, dtype, op)
         })
     }
     fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8], dtype: DType) -> CommResult<()> {
         let n = recv.len();
-        self.record(OpKind::AllGather, n, || {
+        self.record_host(OpKind::AllGather, n, dtype, || {
             self.inner.all_gather_bytes(send, recv, dtype)
         })
     }
     fn broadcast_bytes(&self, buf: &mut [u8], dtype: DType, root: usize) -> CommResult<()> {
         let n = buf.len();
-        self.record(OpKind::Broadcast, n, || {
+        self.record_host(OpKind::Broadcast, n, dtype, || {
             self.inner.broadcast_bytes(buf, dtype, root)
         })
     }
@@ -281,19 +308,21 @@ impl Communicator for Recorded {
         dtype: DType,
     ) -> CommResult<()> {
         let n = send.len().max(recv.len());
-        self.record(OpKind::AllToAll, n, || {
+        self.record_host(OpKind::AllToAll, n, dtype, || {
             self.inner
                 .all_to_all_v_bytes(send, send_counts, recv, recv_counts, dtype)
         })
     }
     fn send_bytes(&self, buf: &[u8], dtype: DType, dst: usize) -> CommResult<()> {
-        self.record(OpKind::Send, buf.len(), || {
+        self.record_host(OpKind::Send, buf.len(), dtype, || {
             self.inner.send_bytes(buf, dtype, dst)
         })
     }
     fn recv_bytes(&self, buf: &mut [u8], dtype: DType, src: usize) -> CommResult<()> {
         let n = buf.len();
-        self.record(OpKind::Recv, n, || self.inner.recv_bytes(buf, dtype, src))
+        self.record_host(OpKind::Recv, n, dtype, || {
+            self.inner.recv_bytes(buf, dtype, src)
+        })
     }
     fn barrier(&self) -> CommResult<()> {
         self.record(OpKind::Barrier, 0, || self.inner.barrier())

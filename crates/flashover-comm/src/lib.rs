@@ -43,6 +43,7 @@ mod dtype;
 mod error;
 mod fault;
 mod flight;
+pub mod host_buffers;
 #[cfg(feature = "mpi")]
 mod mpi;
 #[cfg(feature = "nccl")]
@@ -58,6 +59,7 @@ pub use dtype::{DType, Element};
 pub use error::{CommError, CommResult, panic_message};
 pub use fault::{FaultAction, FaultPlan, FaultRule};
 pub use flight::{FlightDump, FlightEntry, FlightRecorder, FlightState, diagnose, read_dumps};
+pub use host_buffers::{HostBuffers, Purpose, control};
 #[cfg(feature = "mpi")]
 pub use mpi::{MpiComm, MpiWorld};
 #[cfg(feature = "nccl")]

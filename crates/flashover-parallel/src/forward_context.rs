@@ -78,10 +78,10 @@ macro_rules! shared_hook {
 pub trait SequenceShare: Send + Sync {
     /// Ranks sharing each sequence.
     fn ranks(&self) -> usize;
-    /// Every rank's `rows` (`[batch, local_seq, width]`, row-major: this rank's positions of
-    /// each sequence) as the whole sequences, `[batch, seq_len, width]` in position order
+    /// Every rank's `rows` (`[batch, local_seq, width]`: this rank's positions of each
+    /// sequence) as the whole sequences, `[batch, seq_len, width]` in position order
     /// (collective).
-    fn gather(&self, rows: &[f32], batch: usize, width: usize) -> Vec<f32>;
+    fn gather(&self, rows: Tensor<3>) -> Tensor<3>;
     /// `value` summed over the ranks (collective).
     fn sum(&self, value: f64) -> f64;
 }

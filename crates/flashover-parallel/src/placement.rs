@@ -27,7 +27,7 @@ use crate::error::ParallelError;
 use crate::params::{ParamLayout, ParamSlot};
 use burn::module::{Module, ParamId};
 use burn::tensor::{DType, Tensor};
-use flashover_comm::{CommunicatorExt, ReduceOp};
+use flashover_comm::{CommunicatorExt, ReduceOp, control};
 use flashover_runtime::{Axis, DeviceMesh, RankContext};
 use std::collections::HashMap;
 
@@ -297,7 +297,7 @@ pub fn global_grad_norm<'a>(
     };
     let mut sq = [partial.iter().sum::<f64>()];
     if ctx.world_size() > 1 {
-        ctx.world().all_reduce(&mut sq, ReduceOp::Sum)?;
+        control(|| ctx.world().all_reduce(&mut sq, ReduceOp::Sum))?;
     }
     Ok(sq[0].sqrt() as f32)
 }

@@ -1,7 +1,7 @@
 //! What each rank's closure receives: its rank, the mesh, its device and its process groups.
 
 use burn::tensor::Device;
-use flashover_comm::{CommResult, CommStats, FlightRecorder, Group, GroupTraffic};
+use flashover_comm::{CommResult, CommStats, FlightRecorder, Group, GroupTraffic, HostBuffers};
 use flashover_mesh::{Axis, DeviceMesh};
 use std::sync::{Arc, Mutex};
 
@@ -83,6 +83,13 @@ impl RankContext {
             }
         }
         merged
+    }
+
+    /// This rank's byte-level collectives on host buffers so far, by purpose: a tensor's bytes
+    /// staged by [`crate::TensorCollectives`], control values, or neither (a strategy handing
+    /// the engine a host buffer of its own). `None` where the groups are not flight-recorded.
+    pub fn host_buffers(&self) -> Option<HostBuffers> {
+        self.recorder.as_ref().map(|r| r.host_buffers())
     }
 
     /// `label` (`dp+fsdp`, `tp`, `world`) with the axes of one rank dropped; a label that

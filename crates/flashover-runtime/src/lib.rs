@@ -39,8 +39,8 @@ pub mod transfers;
 pub use context::RankContext;
 pub use device::{DeviceChoice, DeviceError, F32_MATMUL_ERROR_LIMIT, f32_matmul_error};
 pub use flashover_comm::{
-    CommError, CommStats, Communicator, CommunicatorExt, FaultPlan, Group, GroupTraffic, OpKind,
-    ReduceOp,
+    CommError, CommStats, Communicator, CommunicatorExt, FaultPlan, Group, GroupTraffic,
+    HostBuffers, OpKind, ReduceOp, control,
 };
 pub use flashover_mesh::{Axis, DeviceMesh, MeshError};
 pub use launch::{IntoMesh, Launch, LaunchError, RankError, RankFailure, launch};

@@ -14,6 +14,7 @@
 
 use crate::transfers::{self, Cause};
 use burn::tensor::{Bytes, DType as BurnDType, Tensor, TensorData};
+use flashover_comm::host_buffers::{self, Purpose};
 use flashover_comm::{CommError, CommResult, Communicator, DType, OpKind, ReduceOp};
 
 /// The collective operations on whole tensors, for every [`Communicator`] (and so every
@@ -227,6 +228,12 @@ fn unstage<const D: usize>(
     Tensor::<D>::from_data(TensorData::from_bytes(bytes, shape, dtype), (device, dtype))
 }
 
+/// Runs the engine call `f` on a tensor's staged bytes, marked as staging (the one place that
+/// hands an engine a tensor's bytes: [`flashover_comm::host_buffers`]).
+fn staged<R>(f: impl FnOnce() -> R) -> R {
+    host_buffers::marked(Purpose::Staging, f)
+}
+
 impl<C: Communicator + ?Sized> TensorCollectives for C {
     fn all_reduce_tensor<const D: usize>(
         &self,
@@ -239,7 +246,7 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         };
         let device = tensor.device();
         let mut s = stage(self, OpKind::AllReduce, tensor)?;
-        self.all_reduce_bytes(&mut s.bytes, s.dtype, op)?;
+        staged(|| self.all_reduce_bytes(&mut s.bytes, s.dtype, op))?;
         Ok(unstage(s.bytes, s.shape, s.burn_dtype, &device))
     }
 
@@ -254,7 +261,7 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         };
         let device = tensor.device();
         let mut s = stage(self, OpKind::Broadcast, tensor)?;
-        self.broadcast_bytes(&mut s.bytes, s.dtype, root)?;
+        staged(|| self.broadcast_bytes(&mut s.bytes, s.dtype, root))?;
         Ok(unstage(s.bytes, s.shape, s.burn_dtype, &device))
     }
 
@@ -271,7 +278,7 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
                 let device = tensor.device();
                 let s = stage(self, OpKind::AllGather, *tensor)?;
                 let mut recv = zeroed(s.bytes.len() * n, s.dtype);
-                self.all_gather_bytes(&s.bytes, &mut recv, s.dtype)?;
+                staged(|| self.all_gather_bytes(&s.bytes, &mut recv, s.dtype))?;
                 let mut stacked = s.shape.clone();
                 stacked[0] *= n;
                 unstage(recv, stacked, s.burn_dtype, &device)
@@ -321,7 +328,7 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         };
         let s = stage(self, OpKind::ReduceScatter, blocks)?;
         let mut recv = zeroed(s.bytes.len() / n, s.dtype);
-        self.reduce_scatter_bytes(&s.bytes, &mut recv, s.dtype, op)?;
+        staged(|| self.reduce_scatter_bytes(&s.bytes, &mut recv, s.dtype, op))?;
         let mut shape = dims.to_vec();
         shape[dim] /= n;
         Ok(unstage(recv, shape, s.burn_dtype, &device))
@@ -366,13 +373,15 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         let elements = |rows: &[usize]| rows.iter().map(|r| r * row).collect::<Vec<_>>();
         let received: usize = recv_rows.iter().sum();
         let mut recv = zeroed(received * row * s.dtype.size(), s.dtype);
-        self.all_to_all_v_bytes(
-            &s.bytes,
-            &elements(send_rows),
-            &mut recv,
-            &elements(recv_rows),
-            s.dtype,
-        )?;
+        staged(|| {
+            self.all_to_all_v_bytes(
+                &s.bytes,
+                &elements(send_rows),
+                &mut recv,
+                &elements(recv_rows),
+                s.dtype,
+            )
+        })?;
         let mut shape = dims.to_vec();
         shape[0] = received;
         Ok(unstage(recv, shape, s.burn_dtype, &device))
@@ -384,7 +393,7 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
             Err(tensor) => *tensor,
         };
         let s = stage(self, OpKind::Send, tensor)?;
-        self.send_bytes(&s.bytes, s.dtype, dst)
+        staged(|| self.send_bytes(&s.bytes, s.dtype, dst))
     }
 
     fn recv_tensor<const D: usize>(
@@ -399,7 +408,7 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
             return done;
         }
         let mut bytes = zeroed(shape.iter().product::<usize>() * tag.size(), tag);
-        self.recv_bytes(&mut bytes, tag, src)?;
+        staged(|| self.recv_bytes(&mut bytes, tag, src))?;
         Ok(unstage(bytes, shape.to_vec(), dtype, device))
     }
 }

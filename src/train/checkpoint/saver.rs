@@ -2,7 +2,7 @@
 //! with every other rank on each phase, and let rank 0 commit and prune.
 
 use flashover_checkpoint::{CheckpointError, PieceData, ShardManifest};
-use flashover_comm::{CommunicatorExt, Group};
+use flashover_comm::{CommunicatorExt, Group, control};
 use std::path::Path;
 
 /// Every rank's `value` of `world`, in rank order (collective; JSON bytes padded to the
@@ -13,12 +13,11 @@ pub(crate) fn all_gather_json<T: serde::Serialize + serde::de::DeserializeOwned>
 ) -> Result<Vec<T>, String> {
     let bytes = serde_json::to_vec(value).map_err(|e| e.to_string())?;
     let mut longest = [bytes.len() as u64];
-    world
-        .all_reduce(&mut longest, flashover_comm::ReduceOp::Max)
+    control(|| world.all_reduce(&mut longest, flashover_comm::ReduceOp::Max))
         .map_err(|e| e.to_string())?;
     let mut padded = bytes;
     padded.resize(longest[0] as usize, b' ');
-    let all = world.all_gather_vec(&padded).map_err(|e| e.to_string())?;
+    let all = control(|| world.all_gather_vec(&padded)).map_err(|e| e.to_string())?;
     all.chunks(longest[0].max(1) as usize)
         .map(|chunk| serde_json::from_slice(chunk).map_err(|e| e.to_string()))
         .collect()
@@ -128,8 +127,7 @@ impl Saver {
 /// Every rank's outcome of one phase of a save: all succeed, or all fail with a message naming
 /// the ranks that failed (and this rank's own error).
 fn agree(world: &Group, phase: &str, step: u64, mine: Result<(), String>) -> Result<(), String> {
-    let failed = world
-        .all_gather_vec(&[mine.is_err() as u8])
+    let failed = control(|| world.all_gather_vec(&[mine.is_err() as u8]))
         .map_err(|e| format!("checkpoint of step {step} ({phase}): {e}"))?;
     let ranks: Vec<usize> = (0..failed.len()).filter(|&r| failed[r] != 0).collect();
     if ranks.is_empty() {

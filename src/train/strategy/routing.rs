@@ -4,7 +4,7 @@
 
 use crate::train::report::MoeRecord;
 use flashover_models::moe::MoeStats;
-use flashover_runtime::{CommunicatorExt, Group, RankError, ReduceOp};
+use flashover_runtime::{CommunicatorExt, Group, RankError, ReduceOp, control};
 
 /// A step's routing summed over the ranks that read different samples (and under pipelines
 /// over the stages, which route disjoint layers).
@@ -49,7 +49,7 @@ impl RoutingSums {
             remote as f64,
         ]);
         for group in groups {
-            group.all_reduce(&mut sums, ReduceOp::Sum)?;
+            control(|| group.all_reduce(&mut sums, ReduceOp::Sum))?;
         }
         let per_layer = |part: usize| -> Vec<Vec<u64>> {
             sums[part * layers * experts..(part + 1) * layers * experts]

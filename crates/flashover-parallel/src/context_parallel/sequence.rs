@@ -5,7 +5,10 @@
 use super::SequenceLayout;
 use crate::collective_op::ok;
 use crate::forward_context::SequenceShare;
-use flashover_comm::{CommunicatorExt, Group, ReduceOp};
+use crate::moe::index_tensor;
+use burn::tensor::Tensor;
+use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
+use flashover_runtime::TensorCollectives;
 
 /// The `cp` group and which positions each of its ranks holds.
 pub struct CpSequences {
@@ -28,28 +31,25 @@ impl SequenceShare for CpSequences {
         self.group.size()
     }
 
-    fn gather(&self, rows: &[f32], batch: usize, width: usize) -> Vec<f32> {
+    fn gather(&self, rows: Tensor<3>) -> Tensor<3> {
         let local = self.layout.local_len();
-        let seq_len = local * self.group.size();
-        // A failed collective inside a forward has no error path: it panics with the error,
-        // which the launcher reports as this rank's failure.
-        let all = ok(self.group.all_gather_vec(rows));
-        let mut whole = vec![0.0; batch * seq_len * width];
-        for (q, part) in all.chunks(batch * local * width).enumerate() {
+        // Every rank's positions side by side in rank order, then each position's column
+        // picked into place. A failed collective inside a forward has no error path: it
+        // panics with the error, which the launcher reports as this rank's failure.
+        let device = rows.device();
+        let side_by_side = ok(self.group.all_gather_tensor(rows, 1));
+        let mut column = vec![0; local * self.group.size()];
+        for q in 0..self.group.size() {
             for (i, p) in self.layout.positions(q).into_iter().enumerate() {
-                for s in 0..batch {
-                    let from = (s * local + i) * width;
-                    let to = (s * seq_len + p) * width;
-                    whole[to..to + width].copy_from_slice(&part[from..from + width]);
-                }
+                column[p] = q * local + i;
             }
         }
-        whole
+        side_by_side.select(1, index_tensor(&column, [column.len()], &device))
     }
 
     fn sum(&self, value: f64) -> f64 {
         let mut v = [value];
-        ok(self.group.all_reduce(&mut v, ReduceOp::Sum));
+        ok(control(|| self.group.all_reduce(&mut v, ReduceOp::Sum)));
         v[0]
     }
 }

@@ -32,7 +32,7 @@ use crate::precision::Precision;
 use crate::zero::UnitShards;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{Device, Tensor};
-use flashover_comm::{CommunicatorExt, Group, ReduceOp};
+use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
 use flashover_runtime::{Axis, RankContext, TensorCollectives};
 use serde::{Deserialize, Serialize};
 use std::sync::{Mutex, MutexGuard};
@@ -642,7 +642,7 @@ impl BucketedReduction {
                 order.push(p as u64);
             }
         }
-        set.group.broadcast(&mut order, 0)?;
+        control(|| set.group.broadcast(&mut order, 0))?;
         let order: Vec<usize> = order.into_iter().map(|p| p as usize).collect();
         let layout = SetLayout {
             group: &set.group,

@@ -30,7 +30,7 @@ use crate::moe::SwiGlu;
 use crate::moe::{ExpertDispatch, Moe, Routing, index_tensor, run_experts};
 use burn::module::{Module, ParamId};
 use burn::tensor::Tensor;
-use flashover_comm::{CommunicatorExt, Group};
+use flashover_comm::{CommunicatorExt, Group, control};
 use flashover_runtime::Axis;
 use flashover_runtime::TensorCollectives;
 use std::ops::Range;
@@ -238,9 +238,9 @@ impl ExpertDispatch for ExpertParallel {
         };
         // Each rank learns how many rows per slot every rank sends it.
         let mut incoming = vec![0u64; p * slots];
-        ok(self
-            .group
-            .all_to_all_v(&outgoing, &vec![slots; p], &mut incoming, &vec![slots; p]));
+        ok(control(|| {
+            (self.group).all_to_all_v(&outgoing, &vec![slots; p], &mut incoming, &vec![slots; p])
+        }));
         let incoming: Vec<usize> = incoming.iter().map(|&c| c as usize).collect();
         let recv: Vec<usize> = incoming.chunks(slots).map(|c| c.iter().sum()).collect();
         let received = exchange_rows(tokens, send.clone(), recv.clone(), self);

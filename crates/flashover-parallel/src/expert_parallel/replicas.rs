@@ -22,7 +22,7 @@ use burn::module::{Module, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Gradients;
 use burn::tensor::Tensor;
-use flashover_comm::{CommError, CommunicatorExt, Group, ReduceOp};
+use flashover_comm::{CommError, CommunicatorExt, Group, ReduceOp, control};
 use flashover_runtime::TensorCollectives;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -214,7 +214,7 @@ impl Replicas {
         }
         for id in order {
             let mut loads = counted.remove(&id).unwrap_or_default();
-            group.all_reduce(&mut loads, ReduceOp::Sum)?;
+            control(|| group.all_reduce(&mut loads, ReduceOp::Sum))?;
             state.loads.insert(id, loads);
             let Some((hot, copies)) = trained.get(&id).filter(|(hot, _)| !hot.is_empty()) else {
                 continue;

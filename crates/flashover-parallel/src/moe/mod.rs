@@ -691,23 +691,23 @@ impl Moe {
         let xf = x.reshape([n, d]);
         // Routing runs in f32 under any precision policy (scores, weights, auxiliary losses).
         let logits = self.router.forward(xf.clone()).cast(FloatDType::F32); // [n, e]
-        let host: Vec<f32> = logits
-            .clone()
-            .into_data()
-            .convert::<f32>()
-            .try_into_vec::<f32>()
-            .expect("router logits are f32");
+        let host = |logits: Tensor<2>| -> Vec<f32> {
+            (logits.into_data().convert::<f32>().try_into_vec::<f32>())
+                .expect("router logits are f32")
+        };
         let bias = (!self.expert_bias.is_empty()).then_some(self.expert_bias.as_slice());
         // Under context parallelism, the whole sequences are routed (on every rank alike).
         let (routing, whole) = match (&ctx.sequence, &ctx.positions) {
             (Some(SequenceHook(sequence)), Some(positions)) if sequence.ranks() > 1 => {
-                let all = sequence.gather(&host, b, self.config.n_experts);
-                let seq_len = all.len() / (b * self.config.n_experts).max(1);
+                let e = self.config.n_experts;
+                let all = sequence.gather(logits.clone().reshape([b, t, e]));
+                let seq_len = all.dims()[1];
+                let all = host(all.reshape([b * seq_len, e]));
                 let whole = route(&all, seq_len, &self.config, bias);
                 let mine = whole.restrict(b, seq_len, &positions[ctx.seq_offset..][..t]);
                 (mine, Some((whole, seq_len, sequence.clone())))
             }
-            _ => (route(&host, t, &self.config, bias), None),
+            _ => (route(&host(logits.clone()), t, &self.config, bias), None),
         };
         let device = xf.device();
         let scores = match self.config.router {

@@ -5,7 +5,7 @@ use super::Parallelized;
 use super::placed::ContextSplit;
 use crate::error::ParallelError;
 use burn::tensor::{Int, Tensor, TensorData};
-use flashover_comm::{CommunicatorExt, Group, ReduceOp};
+use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
 
 impl Parallelized {
     /// This rank's positions of `x`'s sequences along dimension `dim` (`x: [batch, seq]`
@@ -72,7 +72,7 @@ impl Parallelized {
         let mut advanced = [u64::from(now != *seen)];
         *seen = now;
         if let Some(pp) = self.pipeline_ranks() {
-            pp.all_reduce(&mut advanced, ReduceOp::Max)?;
+            control(|| pp.all_reduce(&mut advanced, ReduceOp::Max))?;
         }
         match advanced[0] {
             0 => Err(ParallelError::Invalid(

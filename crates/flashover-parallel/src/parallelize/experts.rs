@@ -11,7 +11,7 @@ use crate::moe::{Role, moe_params};
 use crate::params::ParamLayout;
 use crate::placement::PlacementTable;
 use burn::module::Module;
-use flashover_comm::{CommunicatorExt, Group, ReduceOp};
+use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
 use flashover_runtime::Axis;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -290,10 +290,10 @@ impl super::Parallelized {
             sums[layer * n_experts..][..counts.len()].copy_from_slice(counts);
         }
         if self.averaged.size() > 1 {
-            self.averaged.all_reduce(&mut sums, ReduceOp::Sum)?;
+            control(|| self.averaged.all_reduce(&mut sums, ReduceOp::Sum))?;
         }
         if let Some(pp) = self.pipeline_ranks() {
-            pp.all_reduce(&mut sums, ReduceOp::Sum)?;
+            control(|| pp.all_reduce(&mut sums, ReduceOp::Sum))?;
         }
         Ok(sums
             .chunks(n_experts.max(1))

@@ -77,9 +77,10 @@ use crate::params::{
 use crate::placement::{ParamPlacement, Placement, PlacementTable};
 use crate::zero::ShardGroup;
 use burn::module::Module;
+use burn::tensor::Tensor;
 use experts::{ExpertShares, Experts};
-use flashover_comm::{CommunicatorExt, Group, ReduceOp};
-use flashover_runtime::{Axis, RankContext};
+use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
+use flashover_runtime::{Axis, RankContext, TensorCollectives};
 use pipeline::Stages;
 use placed::{Elsewhere, WholeReads};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -436,11 +437,19 @@ impl Parallelized {
                 && self.experts.as_ref().is_none_or(|e| e.counts(i))
         };
         let local = ParamLayout::of(&model);
-        let values = sum_counted(whole, &flatten_params(&model), &local, counted, group)?;
         let Some(device) = model.devices().into_iter().next() else {
             return Ok(model);
         };
-        Ok(load_shaped(model, whole, &upload(&values, &device.inner())))
+        let local_values = flatten_params(&model);
+        let values = sum_counted(
+            whole,
+            &local_values,
+            &local,
+            counted,
+            group,
+            &device.inner(),
+        )?;
+        Ok(load_shaped(model, whole, &values))
     }
 
     /// `f(model)`, the model's forward, with the plan's fully sharded units gathered a unit at
@@ -563,7 +572,7 @@ impl Parallelized {
     /// [`Self::mean_loss`] of several values at once.
     fn mean_over_ranks(&self, values: &mut [f32]) -> Result<(), ParallelError> {
         if self.averaged.size() > 1 {
-            self.averaged.all_reduce(values, ReduceOp::Avg)?;
+            control(|| self.averaged.all_reduce(values, ReduceOp::Avg))?;
         }
         Ok(())
     }
@@ -602,14 +611,16 @@ impl Parallelized {
 /// The whole model's parameter values in `whole`'s layout, from this rank's `local` ones (laid
 /// out as `local_layout`, parameter for parameter, each gathered whole over `tp` and `fsdp`
 /// already): the parameters `counted` marks (by index) copied, the rest zero, summed over
-/// `group`. Each parameter must be counted by exactly one rank of the group (collective).
+/// `group` on `device`. Each parameter must be counted by exactly one rank of the group
+/// (collective).
 fn sum_counted(
     whole: &ParamLayout,
     local: &[f32],
     local_layout: &ParamLayout,
     counted: impl Fn(usize) -> bool,
     group: &Group,
-) -> Result<Vec<f32>, ParallelError> {
+    device: &burn::tensor::Device,
+) -> Result<Tensor<1>, ParallelError> {
     let mut values = vec![0.0; whole.numel];
     for (i, (slot, here)) in whole.slots.iter().zip(&local_layout.slots).enumerate() {
         if counted(i) {
@@ -617,10 +628,11 @@ fn sum_counted(
                 .copy_from_slice(&local[here.offset..here.offset + here.numel]);
         }
     }
-    if group.size() > 1 {
-        group.all_reduce(&mut values, ReduceOp::Sum)?;
+    let values = upload(&values, device);
+    match group.size() > 1 {
+        true => Ok(group.all_reduce_tensor(values, ReduceOp::Sum)?),
+        false => Ok(values),
     }
-    Ok(values)
 }
 
 /// A module visitor's path (one name per level entered; the root's is empty) as a dotted

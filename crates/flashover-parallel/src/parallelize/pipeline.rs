@@ -25,7 +25,7 @@ use crate::placement::{PlacementTable, Tie};
 use crate::precision::{MixedPrecision, Precision};
 use burn::module::Module;
 use burn::tensor::{DType, Device, Gradients, Tensor};
-use flashover_comm::{CommunicatorExt, Group, ReduceOp};
+use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
 use flashover_runtime::{Axis, TensorCollectives};
 use std::collections::HashSet;
 use std::ops::Range;
@@ -414,7 +414,7 @@ impl Stages {
         // The mean loss (the last stage's) and the mean of every stage's auxiliary losses.
         let mut losses = [report.loss_sum, report.aux_loss_sum].map(|l| l as f32 / m as f32);
         if self.pp.size() > 1 {
-            self.pp.all_reduce(&mut losses, ReduceOp::Sum)?;
+            control(|| self.pp.all_reduce(&mut losses, ReduceOp::Sum))?;
         }
         Ok((flat, losses, report))
     }
@@ -582,9 +582,9 @@ impl Stages {
                 (_, None) => {
                     let src = self.schedule.place(stage - 1).0;
                     let mut len = [0u64];
-                    self.pp.recv(&mut len, src)?;
+                    control(|| self.pp.recv(&mut len, src))?;
                     let mut code = vec![0u64; len[0] as usize];
-                    self.pp.recv(&mut code, src)?;
+                    control(|| self.pp.recv(&mut code, src))?;
                     let device = model.devices().into_iter().next().ok_or_else(|| {
                         ParallelError::Invalid("a pipeline stage with no parameters".into())
                     })?;
@@ -611,8 +611,8 @@ impl Stages {
             } else {
                 let parts = boundary_tensors(x);
                 let code = encode_specs(&specs_of(&parts))?;
-                self.pp.send(&[code.len() as u64], dst)?;
-                self.pp.send(&code, dst)?;
+                control(|| self.pp.send(&[code.len() as u64], dst))?;
+                control(|| self.pp.send(&code, dst))?;
                 for part in parts {
                     self.pp.send_tensor(&part.flat.cast(DType::F32), dst)?;
                 }
@@ -658,9 +658,9 @@ impl Stages {
         }
         if self.pp.size() > 1 {
             let mut len = [code.len() as u64];
-            self.pp.broadcast(&mut len, root)?;
+            control(|| self.pp.broadcast(&mut len, root))?;
             code.resize(len[0] as usize, 0);
-            self.pp.broadcast(&mut code, root)?;
+            control(|| self.pp.broadcast(&mut code, root))?;
         }
         let specs = decode_specs(&code)?;
         *known = Some((samples, specs.clone()));

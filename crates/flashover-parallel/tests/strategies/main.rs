@@ -7,6 +7,7 @@ mod common;
 mod context_parallel;
 mod ddp_faults;
 mod expert_parallel;
+mod host_buffers;
 mod loop_overlap;
 mod parallelize;
 mod parallelize_context;

@@ -27,19 +27,19 @@ use flashover_parallel::pipeline::{NoGrad, ScheduleKind};
 use flashover_parallel::precision::{MixedPrecision, Precision};
 use flashover_runtime::Launch;
 
-const VOCAB: usize = 11;
-const WIDTH: usize = 8;
-const HEADS: usize = 2;
-const HEAD_DIM: usize = WIDTH / HEADS;
-const SEQ: usize = 8;
-const GLOBAL_BATCH: usize = 8;
-const STEPS: usize = 4;
-const LR: f64 = 2e-2;
+pub(crate) const VOCAB: usize = 11;
+pub(crate) const WIDTH: usize = 8;
+pub(crate) const HEADS: usize = 2;
+pub(crate) const HEAD_DIM: usize = WIDTH / HEADS;
+pub(crate) const SEQ: usize = 8;
+pub(crate) const GLOBAL_BATCH: usize = 8;
+pub(crate) const STEPS: usize = 4;
+pub(crate) const LR: f64 = 2e-2;
 /// Layers per list.
-const LAYERS: usize = 2;
+pub(crate) const LAYERS: usize = 2;
 
 #[derive(Module, Debug)]
-struct TwoStreams {
+pub(crate) struct TwoStreams {
     embed: nn::Embedding,
     positions: nn::Embedding,
     encoder: Vec<EncoderLayer>,
@@ -118,7 +118,7 @@ impl SelfAttention {
 }
 
 /// Source tokens, target inputs, the positions held, target outputs.
-type Batch = (Tensor<2, Int>, Tensor<2, Int>, Vec<usize>, Tensor<2, Int>);
+pub(crate) type Batch = (Tensor<2, Int>, Tensor<2, Int>, Vec<usize>, Tensor<2, Int>);
 
 /// The memory, the decoder's stream, and a mask the decoder weighs the memory with.
 type Streams = (Tensor<3>, Tensor<3>, NoGrad<Tensor<3>>);
@@ -152,7 +152,7 @@ fn experts(salt: f32, device: &Device) -> Moe {
 
 impl TwoStreams {
     /// The model, with a mixture of experts in every decoder layer when `with_experts`.
-    fn new(with_experts: bool, device: &Device) -> Self {
+    pub(crate) fn new(with_experts: bool, device: &Device) -> Self {
         TwoStreams {
             embed: nn::Embedding {
                 weight: table(VOCAB, WIDTH, 0.8, device),
@@ -259,7 +259,7 @@ impl PipelineModel for TwoStreams {
 }
 
 /// Source, target inputs and outputs of samples `samples`: `[n, SEQ]` each.
-fn tokens(samples: std::ops::Range<usize>, device: &Device) -> [Tensor<2, Int>; 3] {
+pub(crate) fn tokens(samples: std::ops::Range<usize>, device: &Device) -> [Tensor<2, Int>; 3] {
     let n = samples.len();
     let make = |f: &dyn Fn(usize, usize) -> usize| {
         let t: Vec<i64> = (samples.clone())
@@ -337,7 +337,7 @@ fn parallel_model(
 }
 
 /// Encoder then decoder, cut as `counts` says, `kind` over 4 micro-batches.
-fn cut(kind: ScheduleKind, counts: &[usize]) -> PipelineRule {
+pub(crate) fn cut(kind: ScheduleKind, counts: &[usize]) -> PipelineRule {
     PipelineRule::new("encoder", kind, 4)
         .then_layers("decoder")
         .attach("encoder_norm", "encoder.1")
@@ -346,7 +346,7 @@ fn cut(kind: ScheduleKind, counts: &[usize]) -> PipelineRule {
         .layers_per_stage(counts)
 }
 
-fn with_tp(plan: ParallelizePlan) -> ParallelizePlan {
+pub(crate) fn with_tp(plan: ParallelizePlan) -> ParallelizePlan {
     let heads = ["*.*.attn.query", "*.*.attn.key", "*.*.attn.value"];
     plan.tensor_parallel(TensorParallelRule::vocab(&["embed"]))
         .tensor_parallel(TensorParallelRule::colwise(&heads).in_units(HEAD_DIM))
