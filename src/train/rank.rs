@@ -49,9 +49,12 @@ impl<'a> Rank<'a> {
         model_config: &TransformerConfig,
         source: &'a dyn TokenSource,
     ) -> Result<Self, RankError> {
-        // Burn's balanced checkpointing is the autodiff device's; block-level recomputation is
-        // the plan's (its pipeline rule's layers).
-        let device = match config.parallel.activation_checkpointing.is_selective() {
+        // Burn's balanced checkpointing is the autodiff device's (selective recomputation, and
+        // ZeRO-3's units resharding after forward); block-level recomputation is the plan's
+        // (its pipeline rule's layers).
+        let balanced = config.parallel.activation_checkpointing.is_selective()
+            || strategy::plan_pipeline::reshards(config);
+        let device = match balanced {
             true => ctx.device().clone().autodiff().gradient_checkpointing(),
             false => ctx.device().clone().autodiff(),
         };

@@ -182,8 +182,8 @@ pub struct StepRecord {
     pub grad_norm: f64,
     /// Activation checkpointing: block forwards run again in backward this step because the
     /// job's policy names them (the most on any rank; 0 without block-level recomputation).
-    /// ZeRO-3's resharding after forward recomputes every block too, but that is how its
-    /// units free their gathered parameters, not the policy's work, and is not counted.
+    /// ZeRO-3's resharding after forward recomputes nothing: its units gather again in
+    /// backward.
     pub recomputed_blocks: u64,
     /// Tokens per second over the whole job.
     pub tokens_per_s: f64,

@@ -132,10 +132,10 @@ fn recomputation_composes_with_tensor_pipeline_zero3_and_context_parallelism() {
     same_as_without("pp=2", &[("full", 4)], &|c| {
         c.parallel.pp_schedule = "zb-h1".parse().unwrap();
     });
-    // ZeRO-3 units that keep their parameters: the blocks recompute inside the unit. Units
-    // that reshard after forward recompute their block already: the policy adds nothing.
-    for (reshard, recomputed) in [(false, 8), (true, 0)] {
-        same_as_without("fsdp=2", &[("full", recomputed)], &|c| {
+    // ZeRO-3 units, kept from forward to backward or resharded after forward (gathered again
+    // in backward, nothing recomputed for it): the policy's blocks recompute inside the unit.
+    for reshard in [false, true] {
+        same_as_without("fsdp=2", &[("full", 8)], &|c| {
             c.parallel.zero = 3;
             c.parallel.reshard_after_forward = reshard;
         });

@@ -16,7 +16,11 @@
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 use burn::backend::Cube;
 use burn::backend::autodiff::{
-    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+    NodeId,
+    checkpoint::{
+        base::Checkpointer, retro_forward::RetroForward, state::BackwardStates,
+        strategy::CheckpointStrategy,
+    },
     grads::Gradients,
     ops::{Backward, Ops, OpsKind, unary},
 };
@@ -24,6 +28,7 @@ use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension, tensor
 use burn::tensor::Tensor;
 use burn_dispatch::{BackendTensor, DispatchKindConversion, DispatchTensor};
 use flashover_comm::CommError;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 /// A function on a tensor, run in an op's forward or backward on the inner backend's (untracked)
@@ -68,6 +73,16 @@ pub(crate) trait CollectiveOps: Backend {
         x: FloatTensor<Self>,
         forward: TensorFn,
         backward: TensorFn,
+    ) -> FloatTensor<Self>;
+
+    /// [`Self::collective_pair`] marked memory bound: under Burn's balanced gradient
+    /// checkpointing no backward state keeps its output; a backward op that needs the
+    /// output gets `regather(x)` instead, computed when first asked.
+    fn regathered_pair(
+        x: FloatTensor<Self>,
+        forward: TensorFn,
+        backward: TensorFn,
+        regather: TensorFn,
     ) -> FloatTensor<Self>;
 }
 
@@ -119,12 +134,48 @@ impl CollectiveOps for Flex {
     fn collective_pair(x: FloatTensor<Self>, forward: TensorFn, _: TensorFn) -> FloatTensor<Self> {
         apply::<Self>(x, &forward)
     }
+
+    fn regathered_pair(
+        x: FloatTensor<Self>,
+        forward: TensorFn,
+        _: TensorFn,
+        _: TensorFn,
+    ) -> FloatTensor<Self> {
+        apply::<Self>(x, &forward)
+    }
 }
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 impl CollectiveOps for Cube {
     fn collective_pair(x: FloatTensor<Self>, forward: TensorFn, _: TensorFn) -> FloatTensor<Self> {
         apply::<Self>(x, &forward)
+    }
+
+    fn regathered_pair(
+        x: FloatTensor<Self>,
+        forward: TensorFn,
+        _: TensorFn,
+        _: TensorFn,
+    ) -> FloatTensor<Self> {
+        apply::<Self>(x, &forward)
+    }
+}
+
+/// How a [`CollectiveOps::regathered_pair`]'s output is computed again in backward.
+#[derive(Debug)]
+struct Regather<B> {
+    input: NodeId,
+    regather: TensorFn,
+    _backend: PhantomData<fn() -> B>,
+}
+
+impl<B: Backend> RetroForward for Regather<B>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+        let input = states.get_state::<FloatTensor<B>>(&self.input);
+        states.save(out_node, apply::<B>(input, &self.regather));
     }
 }
 
@@ -159,6 +210,28 @@ where
             OpsKind::UnTracked(prep) => prep.finish(out),
         }
     }
+
+    fn regathered_pair(
+        x: FloatTensor<Self>,
+        forward: TensorFn,
+        backward: TensorFn,
+        regather: TensorFn,
+    ) -> FloatTensor<Self> {
+        let retro = Regather::<B> {
+            input: x.node().id(),
+            regather,
+            _backend: PhantomData,
+        };
+        let prep = (PairBackward.prepare::<C>([x.node()]))
+            .memory_bound()
+            .retro_forward(retro)
+            .parents([&x]);
+        let out = apply::<B>(x.into_primitive(), &forward);
+        match prep.stateful() {
+            OpsKind::Tracked(prep) => prep.finish(backward, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
 }
 
 /// `forward(x)`, whose backward maps the output's gradient through `backward`.
@@ -171,6 +244,24 @@ pub(crate) fn collective_pair<const D: usize>(
         x.into_dispatch(),
         forward,
         backward,
+    ))
+}
+
+/// [`collective_pair`] whose output no backward state keeps under balanced gradient
+/// checkpointing (`Device::gradient_checkpointing`): a backward op that needs it gets
+/// `regather(x)`, computed when first asked. On any other device, exactly
+/// [`collective_pair`].
+pub(crate) fn regathered_pair<const D: usize>(
+    x: Tensor<D>,
+    forward: TensorFn,
+    backward: TensorFn,
+    regather: TensorFn,
+) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as CollectiveOps>::regathered_pair(
+        x.into_dispatch(),
+        forward,
+        backward,
+        regather,
     ))
 }
 

@@ -15,11 +15,11 @@ pub const ASSUMPTIONS: &[&str] = &[
     "activations per block and micro-batch: s b h (10 + 24/t) + 5 a s S b / t bytes at 16 bits, s b h 34/t + 5 a s S b / t with sequence parallelism (Korthikanti et al. 2022; a GPT block, s the local and S the whole sequence, scores materialised); selective recomputation (Burn's balanced checkpointing, which keeps matrix products' outputs) keeps the scores q k^T, 2 of the score term's 5 bytes, full recomputation keeps 2 s b h per block plus one block live again in backward; fp32 doubles them",
     "pipelines hold activations of min(m, pp - i) micro-batches on stage i (1F1B, ZB-H1), m with GPipe, x (1 + (pp-1)/(pp v)) interleaved; the last stage also holds fp32 logits and their gradient; stages hold the blocks the training job's cost split gives them (pp_split = \"cost\"; any number of blocks, at least one per virtual stage), memory is the busiest stage's",
     "micro-batch size: searched over powers of two dividing each rank's share of the global batch (unless fixed); a rank runs share / size micro-batches per step",
-    "compute: 6 N_active + 12 L h S FLOPs per token (PaLM), split evenly over the devices, at the hardware's efficiency x peak; full recomputation adds a forward of the blocks (1/3), selective the attention scores' forward; ZeRO-3 recomputes every block, as the training job's units reshard after forward by recomputing (parallel.reshard_after_forward, on by default), so a ZeRO-3 layout is costed and listed with recompute=full",
+    "compute: 6 N_active + 12 L h S FLOPs per token (PaLM), split evenly over the devices, at the hardware's efficiency x peak; full recomputation adds a forward of the blocks (1/3), selective the attention scores' forward; ZeRO-3 recomputes at least selectively: the training job's units reshard after forward (parallel.reshard_after_forward, on by default) on a device with Burn's balanced checkpointing, which gathers them again in backward and recomputes the memory-bound ops as selective recomputation does, so a ZeRO-3 layout asking for none is costed and listed as recompute=selective",
     "pipeline bubble: (pp - 1)/m of the compute for GPipe and 1F1B, (pp - 1)/(v m) interleaved, a third of 1F1B's for ZB-H1",
     "pipeline stage imbalance: stages hold whole blocks (6 N_block + 12 h S FLOPs per token) and the last also the LM head (6 h V), cut to balance them as the training job cuts them; the busiest stage's excess over the mean is added to the compute",
     "collectives: latency x steps + bytes x (nccl-tests busbw factor) / busbw of the link (intra-node if the group's ranks fit in one node given the rank order pp, dp, fsdp, ep, cp, tp from outermost), ring algorithms",
-    "tensor-parallel all-reduces (4 per block and micro-batch, 6 with full recomputation) and expert all-to-alls are exposed, except the two in backward where activations enter the column-parallel layers (attention's q, k, v; the MLP's gate and up): each all-reduce (with sequence parallelism, reduce-scatter: half of one) is hidden behind those layers' weight gradients when shorter (Megatron's asynchronous tensor parallelism, as Flashover runs it); ring attention's key/value passes hide behind the forward's attention compute, their gradients' passes in backward are exposed; gradient reduction (once per step) hides behind the last micro-batch's backward (2/3 of its compute); ZeRO-3, as the units overlap them: every block's all-gather in forward, its all-gather again for its rerun in backward and its gradient's reduce-scatter run in turn on one communication stream, prefetched or (the reduce-scatters) waited for after the step's last backward, so they are exposed only where the stream's time per micro-batch exceeds the blocks' compute (a forward, its rerun and a backward of twice a forward), plus the last reduce-scatter of the step; the parameters outside the blocks (embedding, head) are gathered and reduce-scattered once per micro-batch, exposed",
+    "tensor-parallel all-reduces (4 per block and micro-batch, 6 with full recomputation) and expert all-to-alls are exposed, except the two in backward where activations enter the column-parallel layers (attention's q, k, v; the MLP's gate and up): each all-reduce (with sequence parallelism, reduce-scatter: half of one) is hidden behind those layers' weight gradients when shorter (Megatron's asynchronous tensor parallelism, as Flashover runs it); ring attention's key/value passes hide behind the forward's attention compute, their gradients' passes in backward are exposed; gradient reduction (once per step) hides behind the last micro-batch's backward (2/3 of its compute); ZeRO-3, as the units overlap them: every block's all-gather in forward, its all-gather again in backward and its gradient's reduce-scatter run in turn on one communication stream, prefetched or (the reduce-scatters) waited for after the step's last backward, so they are exposed only where the stream's time per micro-batch exceeds the blocks' compute (a forward and a backward of twice a forward, and a rerun under full recomputation), plus the last reduce-scatter of the step; the parameters outside the blocks (embedding, head) are gathered and reduce-scattered once per micro-batch, exposed",
 ];
 
 /// Per-device memory, bytes.
@@ -192,12 +192,14 @@ fn edge_params_per_device(model: &ModelSpec, layout: &Layout, rank: usize, last:
     }
 }
 
-/// What the training job recomputes under `layout`: its own choice, except that ZeRO-3's
-/// units reshard after forward by recomputing every block in backward.
+/// What the training job recomputes under `layout`: its own choice, and under ZeRO-3 at least
+/// selectively (its units reshard after forward on a device with Burn's balanced
+/// checkpointing, which also recomputes the memory-bound ops, as selective recomputation
+/// does).
 pub fn recomputed(layout: &Layout) -> Recompute {
-    match layout.zero {
-        3 => Recompute::Full,
-        _ => layout.recompute,
+    match (layout.zero, layout.recompute) {
+        (3, Recompute::None) => Recompute::Selective,
+        (_, recompute) => recompute,
     }
 }
 
@@ -458,14 +460,19 @@ pub fn step_time(
         let block = block_params_per_device(model, layout);
         let edges = (p - units * block).max(0.0);
         // As the units overlap them (see ASSUMPTIONS): the blocks' gathers and reduce-scatters
-        // on one stream, exposed where it takes longer than the blocks' compute (forward,
-        // rerun, backward: four forwards), and the step's last reduce-scatter; the parameters
-        // outside the blocks gathered and reduce-scattered once a micro-batch, exposed.
+        // on one stream, exposed where it takes longer than the blocks' compute (forward and
+        // backward: three forwards, four with the rerun of full recomputation), and the step's
+        // last reduce-scatter; the parameters outside the blocks gathered and reduce-scattered
+        // once a micro-batch, exposed.
         let forward = compute / (3.0 * m * units);
+        let forwards = match recomputed(layout) {
+            Recompute::Full => 4.0,
+            _ => 3.0,
+        };
         let gather = collective(n, block * w, factor, bw, lat);
         let scatter = collective(n, block * g, factor, bw, lat);
         let stream = units * (2.0 * gather + scatter);
-        let per_micro = (stream - 4.0 * units * forward).max(0.0)
+        let per_micro = (stream - forwards * units * forward).max(0.0)
             + collective(n, edges * w, factor, bw, lat)
             + collective(n, edges * g, factor, bw, lat);
         let replicas = if layout.dp > 1 {
@@ -524,7 +531,7 @@ mod tests {
     }
 
     #[test]
-    fn zero3_is_charged_its_recomputation_and_what_its_stream_does_not_hide() {
+    fn zero3_is_charged_selective_recomputation_and_what_its_stream_does_not_hide() {
         let model = ModelSpec::preset("llama-8b").unwrap();
         let work = Workload {
             seq_len: 4096,
@@ -534,8 +541,12 @@ mod tests {
         let mut sharded = layout();
         (sharded.fsdp, sharded.zero) = (8, 3);
         let time = step_time(&model, &work, &sharded, &hw, Precision::Mixed);
-        // Every block recomputed, whatever the layout asks: a forward of the blocks more.
-        assert_eq!(time.recompute, time.compute / 3.0);
+        // Selective recomputation (Burn's balanced checkpointing) when it asks for none.
+        let mut selective = sharded.clone();
+        selective.recompute = Recompute::Selective;
+        let selective = step_time(&model, &work, &selective, &hw, Precision::Mixed);
+        assert!(time.recompute > 0.0 && time.recompute < time.compute / 3.0);
+        assert_eq!(time, selective);
         // Inside a node the blocks' collectives hide behind their compute (a 4k-token
         // micro-batch of an 8B block on 8 GPUs): what is exposed is the step's last
         // reduce-scatter and, every micro-batch, the embedding's and head's collectives.
@@ -552,12 +563,10 @@ mod tests {
         hw_slow.devices_per_node = 1;
         let slow = step_time(&model, &work, &sharded, &hw_slow, Precision::Mixed);
         assert!(slow.data_parallel > 10.0 * time.data_parallel, "{slow:?}");
-        // Asking for no recomputation is the same job.
-        sharded.recompute = Recompute::None;
-        assert_eq!(
-            step_time(&model, &work, &sharded, &hw, Precision::Mixed),
-            time
-        );
+        // Full recomputation costs a forward of the blocks more.
+        sharded.recompute = Recompute::Full;
+        let full = step_time(&model, &work, &sharded, &hw, Precision::Mixed);
+        assert_eq!(full.recompute, full.compute / 3.0);
     }
 
     #[test]

@@ -174,11 +174,12 @@ pub fn enumerate(req: &PlanRequest) -> Vec<Layout> {
                         } else {
                             vec![PipelineSchedule::OneFOneB]
                         };
-                        // ZeRO-3 recomputes every block (its units reshard after forward):
-                        // the layouts that ask for less are the same job.
+                        // ZeRO-3 recomputes at least selectively (its units reshard after
+                        // forward under Burn's balanced checkpointing): asking for none is
+                        // the selective job.
                         let recomputes = match (f.recompute, zero) {
-                            (Some(r), 3) if r != Recompute::Full => vec![],
-                            (_, 3) => vec![Recompute::Full],
+                            (Some(Recompute::None), 3) => vec![],
+                            (None, 3) => vec![Recompute::Selective, Recompute::Full],
                             (Some(r), _) => vec![r],
                             (None, _) => {
                                 vec![Recompute::None, Recompute::Selective, Recompute::Full]

@@ -114,7 +114,8 @@ pub struct ParallelSection {
     /// sharded units over `fsdp`, replicated over `dp`: HSDP).
     pub zero: u8,
     /// ZeRO-3: free each block's gathered parameters after its forward and gather them again
-    /// (recomputing the block) in backward. `false` keeps them from forward to backward.
+    /// in backward (the autodiff device gets Burn's balanced checkpointing, whose backward
+    /// states do not keep them). `false` keeps them from forward to backward.
     pub reshard_after_forward: bool,
     /// With a `tp` axis: split the activations between the tensor-parallel regions along the
     /// sequence (Megatron's sequence parallelism).

@@ -67,14 +67,19 @@ pub(crate) fn steps_rows(config: &TrainConfig) -> bool {
     matches!(p.zero, 1 | 2) || (p.zero == 3 && rows_for_zero3)
 }
 
+/// Whether ZeRO-3's units free their gathered parameters after forward and gather them again
+/// in backward: on a device with Burn's balanced checkpointing, whose backward states do not
+/// keep the units' gathered reads (`Rank::new` makes the device so).
+pub(crate) fn reshards(config: &TrainConfig) -> bool {
+    let p = &config.parallel;
+    p.zero == 3 && p.reshard_after_forward && !steps_rows(config)
+}
+
 /// A rank's model under the plan, its AdamW and what a step reads.
 struct PlanPipeline {
     model: Transformer,
     /// The autodiff device the model computes on.
     device: burn::tensor::Device,
-    /// ZeRO-3's units reshard after forward: every layer is recomputed for that, not for the
-    /// job's recomputation policy (whose count the step reports).
-    reshards: bool,
     /// With `parallel.gradient_reduction = sum`: the ranks whose gradients are summed (the
     /// plan averages over them and the micro-batches).
     summed_over: Option<usize>,
@@ -129,12 +134,10 @@ pub(crate) fn build(
     let rule = transformer::pipeline(model_config, p.pp_schedule, micro)
         .chunks(p.pp_chunks)
         .layers_per_stage(&counts);
-    // Burn's balanced checkpointing is the device's (`Rank::new` made it); the plan recomputes
-    // the layers a block-level policy names. ZeRO-3's units reshard after forward by
-    // recomputing every layer: Burn keeps what a recorded forward read until its backward.
-    let reshards = p.zero == 3 && p.reshard_after_forward && !steps_rows(config);
+    // Burn's balanced checkpointing is the device's (`Rank::new` made it; with it ZeRO-3's
+    // units reshard after forward, see `reshards`); the plan recomputes the layers a
+    // block-level policy names.
     let recompute = match &p.activation_checkpointing {
-        _ if reshards => CheckpointPolicy::Full,
         policy if policy.is_selective() => CheckpointPolicy::None,
         policy => policy.clone(),
     };
@@ -191,7 +194,6 @@ pub(crate) fn build(
     Ok(Box::new(PlanPipeline {
         optim,
         device,
-        reshards,
         summed_over: sum.then(|| grad_group.size()),
         model,
         par,
@@ -365,10 +367,7 @@ impl RankStrategy for PlanPipeline {
                 optimizer: held * 8,
                 gathered_peak,
             },
-            recomputed: match self.reshards {
-                true => 0,
-                false => step.recomputed,
-            },
+            recomputed: step.recomputed,
             attention: self
                 .par
                 .attention_work()

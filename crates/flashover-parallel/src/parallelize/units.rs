@@ -17,16 +17,21 @@
 //! backward) gathers the units of the module it recomputes on their first reads too, from
 //! that module's own parameters, and forgets them when it ends. So a unit whose forward is
 //! checkpointed holds its gathered parameters only while it computes, and gathers them again
-//! for its backward: FSDP's `reshard_after_forward`, which Burn allows only this way (autodiff
-//! keeps whatever a forward's graph read).
+//! for its backward.
+//!
+//! FSDP's `reshard_after_forward` without recomputing: on a device with Burn's balanced
+//! gradient checkpointing a unit's reads are memory-bound ops (`regathered_pair`), which no
+//! backward state keeps; the first backward op that needs one of the unit's values gathers the
+//! unit again (once, from the shards the forward read), and the unit's reduce-scatter frees it.
+//! On any other device autodiff keeps what the forward read until backward.
 
 use super::plan::ParallelizePlan;
-use crate::collective_op::{collective_pair, computed, ok, tensor_fn};
+use crate::collective_op::{collective_pair, computed, ok, regathered_pair, tensor_fn};
 use crate::error::ParallelError;
 use crate::params::ParamLayout;
 use crate::zero::{Pending, ShardGroup};
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::tensor::{FloatDType, Tensor};
+use burn::tensor::{FloatDType, GradientCheckpointingStrategy, Tensor};
 use flashover_comm::CommError;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -326,6 +331,19 @@ impl UnitGathers {
         let full = ok(full);
         let full = full.reshape([ranks, total]);
         let dtype = shard.dtype();
+        // Under Burn's balanced gradient checkpointing the reads are memory bound: no backward
+        // state keeps them, so the gathered values go with the unit's forward, and the backward
+        // ops that need a parameter's value gather the unit again (FSDP2's reshard after
+        // forward, without recomputing the unit). Not inside a recomputation, which gathers
+        // for its backward anyway.
+        let regathers = shard.is_tracked()
+            && depth() == 0
+            && shard.device().gradient_checkpointing_strategy()
+                == Some(GradientCheckpointingStrategy::Balanced);
+        let regathered: Arc<Mutex<Option<Tensor<2>>>> = Arc::default();
+        if regathers {
+            comm.stats().released(bytes);
+        }
         if !shard.is_tracked() {
             // No backward will release them: they go when the recomputation that gathered
             // them ends, or now.
@@ -349,11 +367,15 @@ impl UnitGathers {
         let unit_grad: Arc<Mutex<Vec<Option<Tensor<1>>>>> =
             Arc::new(Mutex::new(vec![None; lens.len()]));
         let (scatter, grads, widths) = (comm.clone(), unit_grad.clone(), lens.clone());
-        let (state, unit_names) = (self.0.clone(), names.clone());
+        let (state, unit_names, held) = (self.0.clone(), names.clone(), regathered.clone());
         // Runs inside Burn's backward, which cannot return errors: a failed collective panics
         // with the `CommError` as payload, which the launcher reports like a returned error.
         let reduce_scatter = tensor_fn::<1>(move |token_grad| {
-            scatter.stats().released(bytes);
+            // After every read's backward: the values gathered for them (in forward, or
+            // again for backward) go now.
+            if !regathers || lock(&held).take().is_some() {
+                scatter.stats().released(bytes);
+            }
             let grads = std::mem::take(&mut *lock(&grads));
             let device = token_grad.device();
             let full = rank_major(grads, &widths, ranks, &device);
@@ -372,6 +394,7 @@ impl UnitGathers {
             ok(rows)
         });
         let token = Tensor::<1>::zeros([1], &shard.device()).cast(dtype);
+        let stored = shard.clone().inner();
         let linked = collective_pair(shard, computed(token), reduce_scatter);
         let mut map = lock(&self.0.gathered);
         let mut offset = 0;
@@ -388,7 +411,25 @@ impl UnitGathers {
                 });
                 Tensor::zeros([1], &device)
             });
-            let read = collective_pair(linked.clone(), computed(whole), add_to_unit);
+            let read = match regathers {
+                false => collective_pair(linked.clone(), computed(whole), add_to_unit),
+                true => {
+                    let (comm, held, stored) = (comm.clone(), regathered.clone(), stored.clone());
+                    // Once per backward for the whole unit, at the first read a backward op
+                    // needs: the stored rows are the forward's (the optimizer steps after).
+                    let regather = tensor_fn::<1>(move |_| {
+                        let mut held = lock(&held);
+                        let full = held.get_or_insert_with(|| {
+                            comm.stats().gathered(bytes, false);
+                            let (full, waited) = comm.all_gather(stored.clone()).wait_timed();
+                            comm.stats().waited(waited);
+                            ok(full).reshape([ranks, total])
+                        });
+                        param_rows(full, offset, len).cast(dtype)
+                    });
+                    regathered_pair(linked.clone(), computed(whole), add_to_unit, regather)
+                }
+            };
             map.insert((depth(), name), read);
             offset += len;
         }

@@ -5,7 +5,8 @@
 
 use crate::common::max_scaled;
 pub(crate) use crate::plan_loops::{
-    GLOBAL_BATCH, LR, MAX_NORM, Run, STEPS, differences, max_rel, plan_loop, reference_loop,
+    GLOBAL_BATCH, LR, MAX_NORM, Run, STEPS, differences, max_rel, plan_loop, plan_loop_on,
+    reference_loop,
 };
 use burn::module::{Module, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -1058,6 +1059,63 @@ fn checkpointed_units_reshard_after_forward_and_gather_again_in_backward() {
         assert_eq!(resharded.2, (root, root + 2 * layer));
         // Everything gathered is released by the end of backward.
         assert_eq!((kept.3, resharded.3), (0, 0));
+    }
+}
+
+#[test]
+fn units_under_balanced_checkpointing_gather_again_in_backward_without_recomputing() {
+    // On a device with Burn's balanced gradient checkpointing no backward state keeps a
+    // unit's gathered parameters: the backward ops that need them gather the unit again.
+    let device = Device::flex().autodiff().gradient_checkpointing();
+    let plan = ParallelizePlan::new().fully_shard("");
+    let reference = stack_single_rank();
+    for mesh in ["fsdp=2", "dp=2,fsdp=2", "fsdp=4"] {
+        let (run, _) = plan_loop_on(
+            &device,
+            mesh,
+            &plan,
+            Stack::new,
+            |model, par, step, ctx, device| {
+                let samples = par.batch_share(GLOBAL_BATCH, step)?;
+                let loss = par.forward(model, |m| m.loss(&batch(samples, device)))?;
+                let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+                let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
+                Ok((grads, mean, norm))
+            },
+        );
+        let (loss, norm, weights) = differences(&run, &reference);
+        assert!(
+            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+            "{mesh}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+        );
+    }
+    let counts = Launch::new("fsdp=2")
+        .unwrap()
+        .run(|ctx| {
+            let (model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
+            let fsdp = ctx.group(Axis::Fsdp);
+            let units = par.unit_stats().expect("sharded over fsdp=2");
+            let before = fsdp.stats();
+            let loss = par.forward(&model, |m| m.loss(&batch(0..4, &device)))?;
+            let after_forward = units.snapshot();
+            let _ = loss.backward();
+            let ops = fsdp.stats().since(&before).ops;
+            let calls = |op| ops.get(&op).map_or(0, |s| s.calls);
+            let gathers = (calls(OpKind::AllGather), calls(OpKind::ReduceScatter));
+            Ok::<_, ParallelError>((
+                gathers,
+                after_forward.live_bytes,
+                units.snapshot().live_bytes,
+            ))
+        })
+        .unwrap();
+    let units = LAYERS as u64 + 1;
+    for (gathers, after_forward, after_backward) in counts {
+        // Every unit gathered in forward and again in backward (each holds a value some
+        // backward op needs: a norm's scale, a matrix), reduce-scattered once.
+        assert_eq!(gathers, (2 * units, units));
+        // Nothing gathered is held between forward and backward, nor after.
+        assert_eq!((after_forward, after_backward), (0, 0));
     }
 }
 

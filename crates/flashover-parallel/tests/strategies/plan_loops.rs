@@ -58,10 +58,21 @@ pub(crate) fn plan_loop<M: Module>(
     new: impl Fn(&Device) -> M + Sync,
     step: impl Fn(&mut M, &Parallelized, usize, &RankContext, &Device) -> Step + Sync,
 ) -> (Run, Vec<usize>) {
+    plan_loop_on(&Device::flex().autodiff(), mesh, plan, new, step)
+}
+
+/// [`plan_loop`] with the model and batches on `device` (an autodiff device).
+pub(crate) fn plan_loop_on<M: Module>(
+    device: &Device,
+    mesh: &str,
+    plan: &ParallelizePlan,
+    new: impl Fn(&Device) -> M + Sync,
+    step: impl Fn(&mut M, &Parallelized, usize, &RankContext, &Device) -> Step + Sync,
+) -> (Run, Vec<usize>) {
     let out = Launch::new(mesh)
         .unwrap()
         .run(|ctx| {
-            let device = Device::flex().autodiff();
+            let device = device.clone();
             let (mut model, par) = parallelize(new(&device), plan, &ctx)?;
             let held = ParamLayout::of(&model).numel;
             let mut optim = AdamWConfig::new().init();
