@@ -189,6 +189,7 @@ pub fn parallelize<M: Module>(
     let model = placeholders_except(model, &absent.held);
     let whole_reads = WholeReads::default();
     let units = UnitGathers::default();
+    units.set_vectors(&layout);
     // Routed experts are sharded too: their layer gathers them all at once on every rank,
     // whatever the routing (`nn::MoeForward`).
     let kept_whole = if plan.fully_shard.is_empty() {

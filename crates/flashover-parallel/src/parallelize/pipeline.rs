@@ -334,6 +334,9 @@ impl Stages {
         let last = self.schedule.stages() - 1;
         let rank = self.pp.rank();
         let forward = |chunk: usize, master: &M, input: Option<Vec<BoundaryTensor>>, k: usize| {
+            if let Some(units) = &self.units {
+                units.gathers.new_forward();
+            }
             // Hooks on the f32 parameters, under the casts: the buckets receive f32.
             let hooked = hooks.map(|h| h.hooked(master));
             let master = hooked.as_ref().unwrap_or(master);

@@ -35,6 +35,7 @@ use burn::tensor::{FloatDType, GradientCheckpointingStrategy, Tensor};
 use flashover_comm::CommError;
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// Fully sharded parameters gathered ahead of their reads, a unit (one collective) at a time:
@@ -62,6 +63,112 @@ struct UnitState {
     /// with their stored rows: their reruns in backward come in reverse order, each
     /// prefetching the one before.
     to_rerun: Mutex<Vec<(usize, UnitShards)>>,
+    /// The units the current forward gathered to be gathered again in backward (balanced
+    /// checkpointing), in forward order ([`UnitGathers::new_forward`] starts a new list).
+    regather_order: Mutex<Arc<RegatherOrder>>,
+    /// The parameters of at most one dimension (norm scales, biases), by path: their reads
+    /// stay in backward states (a vector each), so that the ops Burn recomputes at the start
+    /// of backward from them (a residual stream's bias additions) do not gather every unit
+    /// again at once; only matrices are gathered again, when their backward needs them.
+    vectors: OnceLock<std::collections::HashSet<String>>,
+}
+
+/// One forward's units that gather again in backward, in the order it gathered them.
+type RegatherOrder = Mutex<Vec<std::sync::Weak<Regather>>>;
+
+/// A unit's values gathered again for backward (under balanced checkpointing), from the
+/// shards its forward read.
+#[derive(Debug)]
+struct Regather {
+    comm: Arc<ShardGroup>,
+    /// The unit's stored rows, as the forward read them.
+    stored: Tensor<1>,
+    ranks: usize,
+    total: usize,
+    bytes: usize,
+    state: Mutex<Regathered>,
+    /// Its forward's units in order: the next to prefetch is the latest not gathered again.
+    order: Arc<RegatherOrder>,
+    /// Its reads gathered again in backward that have not taken their values yet: at 0 the
+    /// gathered values go (each read's own rows stay in Burn's backward states until used).
+    reads: std::sync::atomic::AtomicUsize,
+}
+
+/// Where a unit's second all-gather stands.
+#[derive(Debug)]
+enum Regathered {
+    /// Not asked for yet.
+    No,
+    /// Submitted ahead (prefetched by the unit backward reached before it).
+    Pending(Pending),
+    /// Gathered, `[ranks, total]`: every backward op that needs a value of the unit reads it.
+    Ready(Tensor<2>),
+    /// Every read took its rows: the gathered values are gone.
+    Spent,
+    /// Its reduce-scatter ran: the unit's backward is over.
+    Done,
+}
+
+impl Regather {
+    /// The unit's gathered values, `[ranks, total]`: gathered now, or the prefetch taken,
+    /// once; the first time, the all-gather of the unit its forward gathered last before the
+    /// ones gathered again already is submitted (FSDP2's backward prefetch).
+    fn values(&self) -> Tensor<2> {
+        let mut state = lock(&self.state);
+        if let Regathered::Ready(full) = &*state {
+            return full.clone();
+        }
+        let pending = match std::mem::replace(&mut *state, Regathered::No) {
+            Regathered::Pending(pending) => pending,
+            _ => {
+                self.comm.stats().gathered(self.bytes, false);
+                self.comm.all_gather(self.stored.clone())
+            }
+        };
+        let (full, waited) = pending.wait_timed();
+        self.comm.stats().waited(waited);
+        let full = ok(full).reshape([self.ranks, self.total]);
+        *state = Regathered::Ready(full.clone());
+        drop(state);
+        self.prefetch_next();
+        full
+    }
+
+    /// Submits the all-gather of the latest unit of this forward not gathered again yet.
+    fn prefetch_next(&self) {
+        let order = lock(&self.order);
+        for unit in order.iter().rev().filter_map(std::sync::Weak::upgrade) {
+            if std::ptr::eq(Arc::as_ptr(&unit), self) {
+                continue;
+            }
+            let mut state = lock(&unit.state);
+            if matches!(*state, Regathered::No) {
+                unit.comm.stats().gathered(unit.bytes, true);
+                *state = Regathered::Pending(unit.comm.all_gather(unit.stored.clone()));
+                return;
+            }
+        }
+    }
+
+    /// `len` rows at `offset` of every rank (a read's values), gathered again; the unit's
+    /// gathered values go once its last read took its rows.
+    fn rows(&self, offset: usize, len: usize) -> Tensor<1> {
+        let rows = param_rows(&self.values(), offset, len);
+        if self.reads.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let mut state = lock(&self.state);
+            if matches!(*state, Regathered::Ready(_)) {
+                *state = Regathered::Spent;
+                self.comm.stats().released(self.bytes);
+            }
+        }
+        rows
+    }
+
+    /// Ends the unit's backward; whether gathered values are still held for it (to release).
+    fn finish(&self) -> bool {
+        let was = std::mem::replace(&mut *lock(&self.state), Regathered::Done);
+        matches!(was, Regathered::Ready(_) | Regathered::Pending(_))
+    }
 }
 
 /// A unit's fully sharded parameters: each one's path and stored rows, flattened.
@@ -288,6 +395,20 @@ impl UnitGathers {
         Ok(flat)
     }
 
+    /// Records which of `layout`'s parameters are vectors (see `UnitState::vectors`).
+    pub(crate) fn set_vectors(&self, layout: &ParamLayout) {
+        let vectors = (layout.slots.iter())
+            .filter(|slot| slot.shape.len() <= 1)
+            .map(|slot| slot.name.clone());
+        let _ = self.0.vectors.set(vectors.collect());
+    }
+
+    /// A new forward begins (a scope's, a micro-batch's): the units it gathers to gather again
+    /// in backward are its own list, whose order their backward prefetches follow.
+    pub(crate) fn new_forward(&self) {
+        *lock(&self.0.regather_order) = Arc::default();
+    }
+
     /// Waits for every all-gather submitted ahead and forgets it (one no read took: a step
     /// that failed half-way must not hand the next one its stale values). Fails with the
     /// first failed collective.
@@ -340,10 +461,22 @@ impl UnitGathers {
             && depth() == 0
             && shard.device().gradient_checkpointing_strategy()
                 == Some(GradientCheckpointingStrategy::Balanced);
-        let regathered: Arc<Mutex<Option<Tensor<2>>>> = Arc::default();
-        if regathers {
+        let regathered = regathers.then(|| {
             comm.stats().released(bytes);
-        }
+            let order = lock(&self.0.regather_order).clone();
+            let regather = Arc::new(Regather {
+                comm: comm.clone(),
+                stored: shard.clone().inner(),
+                ranks,
+                total,
+                bytes,
+                state: Mutex::new(Regathered::No),
+                order: order.clone(),
+                reads: Default::default(),
+            });
+            lock(&order).push(Arc::downgrade(&regather));
+            regather
+        });
         if !shard.is_tracked() {
             // No backward will release them: they go when the recomputation that gathered
             // them ends, or now.
@@ -367,13 +500,13 @@ impl UnitGathers {
         let unit_grad: Arc<Mutex<Vec<Option<Tensor<1>>>>> =
             Arc::new(Mutex::new(vec![None; lens.len()]));
         let (scatter, grads, widths) = (comm.clone(), unit_grad.clone(), lens.clone());
-        let (state, unit_names, held) = (self.0.clone(), names.clone(), regathered.clone());
+        let (state, unit_names, again) = (self.0.clone(), names.clone(), regathered.clone());
         // Runs inside Burn's backward, which cannot return errors: a failed collective panics
         // with the `CommError` as payload, which the launcher reports like a returned error.
         let reduce_scatter = tensor_fn::<1>(move |token_grad| {
             // After every read's backward: the values gathered for them (in forward, or
             // again for backward) go now.
-            if !regathers || lock(&held).take().is_some() {
+            if again.as_ref().is_none_or(|again| again.finish()) {
                 scatter.stats().released(bytes);
             }
             let grads = std::mem::take(&mut *lock(&grads));
@@ -394,7 +527,6 @@ impl UnitGathers {
             ok(rows)
         });
         let token = Tensor::<1>::zeros([1], &shard.device()).cast(dtype);
-        let stored = shard.clone().inner();
         let linked = collective_pair(shard, computed(token), reduce_scatter);
         let mut map = lock(&self.0.gathered);
         let mut offset = 0;
@@ -411,24 +543,17 @@ impl UnitGathers {
                 });
                 Tensor::zeros([1], &device)
             });
-            let read = match regathers {
-                false => collective_pair(linked.clone(), computed(whole), add_to_unit),
-                true => {
-                    let (comm, held, stored) = (comm.clone(), regathered.clone(), stored.clone());
+            let vector = self.0.vectors.get().is_some_and(|v| v.contains(&name));
+            let read = match &regathered {
+                Some(again) if !vector => {
                     // Once per backward for the whole unit, at the first read a backward op
                     // needs: the stored rows are the forward's (the optimizer steps after).
-                    let regather = tensor_fn::<1>(move |_| {
-                        let mut held = lock(&held);
-                        let full = held.get_or_insert_with(|| {
-                            comm.stats().gathered(bytes, false);
-                            let (full, waited) = comm.all_gather(stored.clone()).wait_timed();
-                            comm.stats().waited(waited);
-                            ok(full).reshape([ranks, total])
-                        });
-                        param_rows(full, offset, len).cast(dtype)
-                    });
+                    again.reads.fetch_add(1, Ordering::AcqRel);
+                    let again = again.clone();
+                    let regather = tensor_fn::<1>(move |_| again.rows(offset, len).cast(dtype));
                     regathered_pair(linked.clone(), computed(whole), add_to_unit, regather)
                 }
+                _ => collective_pair(linked.clone(), computed(whole), add_to_unit),
             };
             map.insert((depth(), name), read);
             offset += len;
@@ -571,6 +696,7 @@ impl UnitGathers {
             // prefetch behind, of values the optimizer has changed since.
             lock(&self.0.to_rerun).clear();
             self.discard_prefetches().map_err(ParallelError::Comm)?;
+            self.new_forward();
             *current = Some(scope);
         }
         // Ends the scope even when `f` panics, so that the rank's next forward can run.

@@ -1095,25 +1095,33 @@ fn units_under_balanced_checkpointing_gather_again_in_backward_without_recomputi
             let (model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
             let fsdp = ctx.group(Axis::Fsdp);
             let units = par.unit_stats().expect("sharded over fsdp=2");
-            let before = fsdp.stats();
+            let (before, prefetches) = (fsdp.stats(), units.snapshot().prefetches);
             let loss = par.forward(&model, |m| m.loss(&batch(0..4, &device)))?;
             let after_forward = units.snapshot();
+            units.reset_peak();
             let _ = loss.backward();
             let ops = fsdp.stats().since(&before).ops;
             let calls = |op| ops.get(&op).map_or(0, |s| s.calls);
             let gathers = (calls(OpKind::AllGather), calls(OpKind::ReduceScatter));
-            Ok::<_, ParallelError>((
-                gathers,
-                after_forward.live_bytes,
-                units.snapshot().live_bytes,
-            ))
+            let prefetched = units.snapshot().prefetches - prefetches;
+            let live = (after_forward.live_bytes, units.snapshot().live_bytes);
+            Ok::<_, ParallelError>((gathers, prefetched, live, units.snapshot().peak_bytes))
         })
         .unwrap();
     let units = LAYERS as u64 + 1;
-    for (gathers, after_forward, after_backward) in counts {
+    // Gathered bytes of a layer (see the test above).
+    let layer = 2 * 4 * (4 + 4 + 4 * 12 + 6 + 6 * 8 + 4);
+    for (gathers, prefetched, (after_forward, after_backward), peak) in counts {
+        // Backward holds at most the layer whose matrices' backward runs and the one prefetched
+        // before it (a unit's gathered values go when its last matrix takes its rows; vectors
+        // stay in the backward states), never every layer at once.
+        assert_eq!(peak, 2 * layer);
         // Every unit gathered in forward and again in backward (each holds a value some
         // backward op needs: a norm's scale, a matrix), reduce-scattered once.
         assert_eq!(gathers, (2 * units, units));
+        // In forward each layer prefetched by the unit before it; in backward, which needs
+        // the root unit first (the tied head), each layer by the unit backward reached before.
+        assert_eq!(prefetched, 2 * LAYERS);
         // Nothing gathered is held between forward and backward, nor after.
         assert_eq!((after_forward, after_backward), (0, 0));
     }
