@@ -102,7 +102,7 @@ enum Regathered {
     /// Submitted ahead (prefetched by the unit backward reached before it).
     Pending(Pending),
     /// Gathered, `[ranks, total]`: every backward op that needs a value of the unit reads it.
-    Ready(Tensor<2>),
+    Ready(Box<Tensor<2>>),
     /// Every read took its rows: the gathered values are gone.
     Spent,
     /// Its reduce-scatter ran: the unit's backward is over.
@@ -116,7 +116,7 @@ impl Regather {
     fn values(&self) -> Tensor<2> {
         let mut state = lock(&self.state);
         if let Regathered::Ready(full) = &*state {
-            return full.clone();
+            return (**full).clone();
         }
         let pending = match std::mem::replace(&mut *state, Regathered::No) {
             Regathered::Pending(pending) => pending,
@@ -128,7 +128,7 @@ impl Regather {
         let (full, waited) = pending.wait_timed();
         self.comm.stats().waited(waited);
         let full = ok(full).reshape([self.ranks, self.total]);
-        *state = Regathered::Ready(full.clone());
+        *state = Regathered::Ready(Box::new(full.clone()));
         drop(state);
         self.prefetch_next();
         full
