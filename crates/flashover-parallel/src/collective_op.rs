@@ -130,36 +130,33 @@ where
     from_tensor::<B, 1>(Tensor::from_dispatch(out))
 }
 
-impl CollectiveOps for Flex {
-    fn collective_pair(x: FloatTensor<Self>, forward: TensorFn, _: TensorFn) -> FloatTensor<Self> {
-        apply::<Self>(x, &forward)
-    }
+/// On an inner backend (no autodiff) both ops are their forward.
+macro_rules! forward_only {
+    ($backend:ty) => {
+        impl CollectiveOps for $backend {
+            fn collective_pair(
+                x: FloatTensor<Self>,
+                forward: TensorFn,
+                _: TensorFn,
+            ) -> FloatTensor<Self> {
+                apply::<Self>(x, &forward)
+            }
 
-    fn regathered_pair(
-        x: FloatTensor<Self>,
-        forward: TensorFn,
-        _: TensorFn,
-        _: TensorFn,
-    ) -> FloatTensor<Self> {
-        apply::<Self>(x, &forward)
-    }
+            fn regathered_pair(
+                x: FloatTensor<Self>,
+                forward: TensorFn,
+                _: TensorFn,
+                _: TensorFn,
+            ) -> FloatTensor<Self> {
+                apply::<Self>(x, &forward)
+            }
+        }
+    };
 }
 
+forward_only!(Flex);
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
-impl CollectiveOps for Cube {
-    fn collective_pair(x: FloatTensor<Self>, forward: TensorFn, _: TensorFn) -> FloatTensor<Self> {
-        apply::<Self>(x, &forward)
-    }
-
-    fn regathered_pair(
-        x: FloatTensor<Self>,
-        forward: TensorFn,
-        _: TensorFn,
-        _: TensorFn,
-    ) -> FloatTensor<Self> {
-        apply::<Self>(x, &forward)
-    }
-}
+forward_only!(Cube);
 
 /// How a [`CollectiveOps::regathered_pair`]'s output is computed again in backward.
 #[derive(Debug)]

@@ -939,15 +939,31 @@ fn units_train_as_one_rank(
     meshes: &[&str],
     loss: fn(&Stack, &(Tensor<2>, Tensor<1, Int>)) -> Tensor<1>,
 ) {
+    units_train_as_one_rank_on(&Device::flex().autodiff(), plan, meshes, loss)
+}
+
+/// [`units_train_as_one_rank`] with the model on `device` (an autodiff device).
+fn units_train_as_one_rank_on(
+    device: &Device,
+    plan: &ParallelizePlan,
+    meshes: &[&str],
+    loss: fn(&Stack, &(Tensor<2>, Tensor<1, Int>)) -> Tensor<1>,
+) {
     let reference = stack_single_rank();
     for mesh in meshes {
-        let (run, _) = plan_loop(mesh, plan, Stack::new, |model, par, step, ctx, device| {
-            let samples = par.batch_share(GLOBAL_BATCH, step)?;
-            let loss = par.forward(model, |m| loss(m, &batch(samples, device)))?;
-            let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
-            let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
-            Ok((grads, mean, norm))
-        });
+        let (run, _) = plan_loop_on(
+            device,
+            mesh,
+            plan,
+            Stack::new,
+            |model, par, step, ctx, device| {
+                let samples = par.batch_share(GLOBAL_BATCH, step)?;
+                let loss = par.forward(model, |m| loss(m, &batch(samples, device)))?;
+                let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+                let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
+                Ok((grads, mean, norm))
+            },
+        );
         let (loss, norm, weights) = differences(&run, &reference);
         assert!(
             loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
@@ -1068,27 +1084,8 @@ fn units_under_balanced_checkpointing_gather_again_in_backward_without_recomputi
     // unit's gathered parameters: the backward ops that need them gather the unit again.
     let device = Device::flex().autodiff().gradient_checkpointing();
     let plan = ParallelizePlan::new().fully_shard("");
-    let reference = stack_single_rank();
-    for mesh in ["fsdp=2", "dp=2,fsdp=2", "fsdp=4"] {
-        let (run, _) = plan_loop_on(
-            &device,
-            mesh,
-            &plan,
-            Stack::new,
-            |model, par, step, ctx, device| {
-                let samples = par.batch_share(GLOBAL_BATCH, step)?;
-                let loss = par.forward(model, |m| m.loss(&batch(samples, device)))?;
-                let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
-                let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
-                Ok((grads, mean, norm))
-            },
-        );
-        let (loss, norm, weights) = differences(&run, &reference);
-        assert!(
-            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
-            "{mesh}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
-        );
-    }
+    let meshes = ["fsdp=2", "dp=2,fsdp=2", "fsdp=4"];
+    units_train_as_one_rank_on(&device, &plan, &meshes, Stack::loss);
     let counts = Launch::new("fsdp=2")
         .unwrap()
         .run(|ctx| {
