@@ -84,6 +84,16 @@ pub(crate) trait CollectiveOps: Backend {
         backward: TensorFn,
         regather: TensorFn,
     ) -> FloatTensor<Self>;
+
+    /// [`Self::collective_pair`] placed in the backward tape right after `after`: Burn runs
+    /// backward by depth, and this op is as deep as `after` (whose value it ignores and to
+    /// which it hands no gradient), not as shallow as `x`.
+    fn collective_pair_after(
+        x: FloatTensor<Self>,
+        after: FloatTensor<Self>,
+        forward: TensorFn,
+        backward: TensorFn,
+    ) -> FloatTensor<Self>;
 }
 
 /// A primitive of backend `B` as a Burn tensor (of that backend, untracked), for tensor code
@@ -150,6 +160,15 @@ macro_rules! forward_only {
             ) -> FloatTensor<Self> {
                 apply::<Self>(x, &forward)
             }
+
+            fn collective_pair_after(
+                x: FloatTensor<Self>,
+                _: FloatTensor<Self>,
+                forward: TensorFn,
+                _: TensorFn,
+            ) -> FloatTensor<Self> {
+                apply::<Self>(x, &forward)
+            }
         }
     };
 }
@@ -157,6 +176,24 @@ macro_rules! forward_only {
 forward_only!(Flex);
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 forward_only!(Cube);
+
+#[derive(Debug)]
+struct PairAfterBackward;
+
+impl<B: Backend> Backward<B, 2> for PairAfterBackward
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    type State = TensorFn;
+
+    fn backward(self, ops: Ops<TensorFn, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [x, _after] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(x) = x {
+            grads.register::<B>(x.id, apply::<B>(grad, &ops.state));
+        }
+    }
+}
 
 /// How a [`CollectiveOps::regathered_pair`]'s output is computed again in backward.
 #[derive(Debug)]
@@ -208,6 +245,24 @@ where
         }
     }
 
+    fn collective_pair_after(
+        x: FloatTensor<Self>,
+        after: FloatTensor<Self>,
+        forward: TensorFn,
+        backward: TensorFn,
+    ) -> FloatTensor<Self> {
+        let nodes = [x.node(), after.node()];
+        let out = apply::<B>(x.into_primitive(), &forward);
+        match PairAfterBackward
+            .prepare::<C>(nodes)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(backward, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
     fn regathered_pair(
         x: FloatTensor<Self>,
         forward: TensorFn,
@@ -239,6 +294,23 @@ pub(crate) fn collective_pair<const D: usize>(
 ) -> Tensor<D> {
     Tensor::from_dispatch(<Dispatch as CollectiveOps>::collective_pair(
         x.into_dispatch(),
+        forward,
+        backward,
+    ))
+}
+
+/// [`collective_pair`] whose backward runs right after `after`'s consumers' (Burn runs the
+/// tape by depth; this op is as deep as `after`, whose value it ignores and to which it hands
+/// no gradient).
+pub(crate) fn collective_pair_after<const D: usize, const E: usize>(
+    x: Tensor<D>,
+    after: Tensor<E>,
+    forward: TensorFn,
+    backward: TensorFn,
+) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as CollectiveOps>::collective_pair_after(
+        x.into_dispatch(),
+        after.into_dispatch(),
         forward,
         backward,
     ))

@@ -85,6 +85,12 @@ impl RankContext {
         merged
     }
 
+    /// The flight recorder of this rank's groups (its last calls, in order), where the launcher
+    /// set one.
+    pub fn flight_recorder(&self) -> Option<&Arc<FlightRecorder>> {
+        self.recorder.as_ref()
+    }
+
     /// This rank's byte-level collectives on host buffers so far, by purpose: a tensor's bytes
     /// staged by [`crate::TensorCollectives`], control values, or neither (a strategy handing
     /// the engine a host buffer of its own). `None` where the groups are not flight-recorded.

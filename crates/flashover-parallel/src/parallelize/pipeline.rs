@@ -807,7 +807,13 @@ where
         Some(u) => {
             let shards = u.shards(stored, index);
             let names: Vec<String> = shards.iter().map(|(n, _)| n.clone()).collect();
-            let _gathered = u.gathers.gather_prefetched(Unit::Layer(index), shards);
+            // The layer's input, so that its unit reduce-scatters right after its backward.
+            let parts = boundary_tensors(x);
+            let input = parts.iter().find(|p| p.grad).map(|p| p.flat.clone());
+            let x = from_boundary_tensors(parts);
+            let _gathered = super::units::after_input(input, || {
+                u.gathers.gather_prefetched(Unit::Layer(index), shards)
+            });
             let prefetch = match replaying() {
                 false => ahead.next,
                 true => ahead.rerun_next,

@@ -26,7 +26,9 @@
 //! On any other device autodiff keeps what the forward read until backward.
 
 use super::plan::ParallelizePlan;
-use crate::collective_op::{collective_pair, computed, ok, regathered_pair, tensor_fn};
+use crate::collective_op::{
+    collective_pair, collective_pair_after, computed, ok, regathered_pair, tensor_fn,
+};
 use crate::error::ParallelError;
 use crate::params::ParamLayout;
 use crate::zero::{Pending, ShardGroup};
@@ -527,7 +529,13 @@ impl UnitGathers {
             ok(rows)
         });
         let token = Tensor::<1>::zeros([1], &shard.device()).cast(dtype);
-        let linked = collective_pair(shard, computed(token), reduce_scatter);
+        let input = LAYER_INPUT
+            .with(|i| i.borrow().clone())
+            .filter(|_| depth() == 0);
+        let linked = match input {
+            Some(input) => collective_pair_after(shard, input, computed(token), reduce_scatter),
+            None => collective_pair(shard, computed(token), reduce_scatter),
+        };
         let mut map = lock(&self.0.gathered);
         let mut offset = 0;
         for (slot, (name, len)) in names.into_iter().zip(lens).enumerate() {
@@ -727,6 +735,25 @@ thread_local! {
     static RECOMPUTING: std::cell::Cell<(usize, usize)> = const { std::cell::Cell::new((0, 0)) };
     /// Per checkpointed forward this thread is inside, innermost last: what it recomputes.
     static FRAMES: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
+    /// The input of the layer running now, where a caller names it ([`after_input`]).
+    static LAYER_INPUT: RefCell<Option<Tensor<1>>> = const { RefCell::new(None) };
+}
+
+/// Runs `f`, a layer's forward on `input` (one of its input's tensors): the units it gathers
+/// reduce-scatter their gradients right after the layer's backward rather than at the end of
+/// backward. Burn runs the backward tape by depth, deepest first, so the op that
+/// reduce-scatters a unit is put as deep as the layer's input, not as shallow as the unit's
+/// shards (parameters, depth 0).
+pub(crate) fn after_input<T>(input: Option<Tensor<1>>, f: impl FnOnce() -> T) -> T {
+    let before = LAYER_INPUT.with(|i| i.replace(input));
+    struct Restore(Option<Tensor<1>>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            LAYER_INPUT.with(|i| *i.borrow_mut() = self.0.take());
+        }
+    }
+    let _restore = Restore(before);
+    f()
 }
 
 /// One checkpointed forward's parameters and the gathers made inside it.

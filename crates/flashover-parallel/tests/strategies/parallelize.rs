@@ -1125,6 +1125,40 @@ fn units_under_balanced_checkpointing_gather_again_in_backward_without_recomputi
 }
 
 #[test]
+fn a_pipelined_units_reduce_scatter_follows_its_layers_backward_not_the_whole_backward() {
+    // Burn runs backward by depth: a unit's reduce-scatter op placed as deep as its layer's
+    // input runs right after that layer's backward, before the layers below it gather again.
+    let device = Device::flex().autodiff().gradient_checkpointing();
+    let rule = PipelineRule::new("layers", ScheduleKind::OneFOneB, 1)
+        .first(&["input"])
+        .last(&["norm", "input"]);
+    let plan = ParallelizePlan::new().pipeline(rule).fully_shard("");
+    let orders = Launch::new("fsdp=2")
+        .unwrap()
+        .run(|ctx| {
+            let (model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
+            let micro_batch = |samples| batch(samples, &device);
+            par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
+            let entries = ctx.flight_recorder().expect("launched").dump_data().entries;
+            let ops: Vec<OpKind> = (entries.into_iter())
+                .filter(|e| e.group.starts_with("fsdp"))
+                .map(|e| e.op)
+                .filter(|op| matches!(op, OpKind::AllGather | OpKind::ReduceScatter))
+                .collect();
+            Ok::<_, ParallelError>(ops)
+        })
+        .unwrap();
+    for ops in orders {
+        let first_scatter = ops.iter().position(|op| *op == OpKind::ReduceScatter);
+        let last_gather = ops.iter().rposition(|op| *op == OpKind::AllGather);
+        let (Some(first_scatter), Some(last_gather)) = (first_scatter, last_gather) else {
+            panic!("no fsdp gathers or reduce-scatters recorded: {ops:?}");
+        };
+        assert!(first_scatter < last_gather, "{ops:?}");
+    }
+}
+
+#[test]
 fn a_forward_scope_refuses_nesting_and_pipelined_plans_and_survives_a_panic() {
     let plan = ParallelizePlan::new().fully_shard("");
     let errors = Launch::new("fsdp=2")
