@@ -13,8 +13,6 @@
 //! (`parallelize::units`) are pairs of this op. A failed collective inside backward
 //! panics with its `CommError` (the launcher reports it like a returned error).
 
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-use burn::backend::Cube;
 use burn::backend::autodiff::{
     NodeId,
     checkpoint::{
@@ -24,7 +22,7 @@ use burn::backend::autodiff::{
     grads::Gradients,
     ops::{Backward, Ops, OpsKind, unary},
 };
-use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
+use burn::backend::{Autodiff, Backend, Dispatch, backend_extension, tensor::FloatTensor};
 use burn::tensor::Tensor;
 use burn_dispatch::{BackendTensor, DispatchKindConversion, DispatchTensor};
 use flashover_comm::CommError;
@@ -140,42 +138,51 @@ where
     from_tensor::<B, 1>(Tensor::from_dispatch(out))
 }
 
-/// On an inner backend (no autodiff) both ops are their forward.
-macro_rules! forward_only {
-    ($backend:ty) => {
-        impl CollectiveOps for $backend {
-            fn collective_pair(
-                x: FloatTensor<Self>,
-                forward: TensorFn,
-                _: TensorFn,
-            ) -> FloatTensor<Self> {
-                apply::<Self>(x, &forward)
-            }
-
-            fn regathered_pair(
-                x: FloatTensor<Self>,
-                forward: TensorFn,
-                _: TensorFn,
-                _: TensorFn,
-            ) -> FloatTensor<Self> {
-                apply::<Self>(x, &forward)
-            }
-
-            fn collective_pair_after(
-                x: FloatTensor<Self>,
-                _: FloatTensor<Self>,
-                forward: TensorFn,
-                _: TensorFn,
-            ) -> FloatTensor<Self> {
-                apply::<Self>(x, &forward)
-            }
+/// One impl of a backend extension for every inner backend: Flex, and with `wgpu` or `cuda`
+/// the CubeCL backend. On an inner backend (no autodiff) an op is only its forward; the
+/// `Autodiff` impl adds the backward.
+macro_rules! for_inner_backends {
+    (impl $extension:ident { $($body:tt)* }) => {
+        impl $extension for burn::backend::Flex {
+            $($body)*
+        }
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        impl $extension for burn::backend::Cube {
+            $($body)*
         }
     };
 }
+pub(crate) use for_inner_backends;
 
-forward_only!(Flex);
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-forward_only!(Cube);
+for_inner_backends! {
+    impl CollectiveOps {
+        fn collective_pair(
+            x: FloatTensor<Self>,
+            forward: TensorFn,
+            _: TensorFn,
+        ) -> FloatTensor<Self> {
+            apply::<Self>(x, &forward)
+        }
+
+        fn regathered_pair(
+            x: FloatTensor<Self>,
+            forward: TensorFn,
+            _: TensorFn,
+            _: TensorFn,
+        ) -> FloatTensor<Self> {
+            apply::<Self>(x, &forward)
+        }
+
+        fn collective_pair_after(
+            x: FloatTensor<Self>,
+            _: FloatTensor<Self>,
+            forward: TensorFn,
+            _: TensorFn,
+        ) -> FloatTensor<Self> {
+            apply::<Self>(x, &forward)
+        }
+    }
+}
 
 #[derive(Debug)]
 struct PairAfterBackward;

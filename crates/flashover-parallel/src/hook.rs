@@ -9,14 +9,12 @@
 //! `wgpu` / `cuda` features, for the CubeCL backend; on other backends the strategies fall
 //! back to reading gradients after backward.
 
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-use burn::backend::Cube;
 use burn::backend::autodiff::{
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
     ops::{Backward, Ops, OpsKind},
 };
-use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
+use burn::backend::{Autodiff, Backend, Dispatch, backend_extension, tensor::FloatTensor};
 use burn::tensor::{Device, Tensor};
 use burn_dispatch::{DispatchKindConversion, DispatchTensor};
 use std::sync::Arc;
@@ -42,16 +40,11 @@ pub trait GradHookOps: Backend {
     fn grad_hook(x: FloatTensor<Self>, callback: GradCallback) -> FloatTensor<Self>;
 }
 
-impl GradHookOps for Flex {
-    fn grad_hook(x: FloatTensor<Self>, _callback: GradCallback) -> FloatTensor<Self> {
-        x
-    }
-}
-
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-impl GradHookOps for Cube {
-    fn grad_hook(x: FloatTensor<Self>, _callback: GradCallback) -> FloatTensor<Self> {
-        x
+crate::collective_op::for_inner_backends! {
+    impl GradHookOps {
+        fn grad_hook(x: FloatTensor<Self>, _callback: GradCallback) -> FloatTensor<Self> {
+            x
+        }
     }
 }
 

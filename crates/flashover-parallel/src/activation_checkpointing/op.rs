@@ -6,15 +6,13 @@
 //! of both. Implemented for Flex and (with the `wgpu` / `cuda` features) the CubeCL backend.
 
 use crate::collective_op::{from_tensor, to_tensor};
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-use burn::backend::Cube;
 use burn::backend::TensorMetadata;
 use burn::backend::autodiff::{
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
     ops::{Backward, Ops, OpsKind},
 };
-use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
+use burn::backend::{Autodiff, Backend, Dispatch, backend_extension, tensor::FloatTensor};
 use burn::tensor::{DType, Tensor};
 use burn_dispatch::{DispatchKindConversion, DispatchTensor};
 use std::sync::Arc;
@@ -46,26 +44,16 @@ pub(crate) trait RecomputeOps: Backend {
     ) -> FloatTensor<Self>;
 }
 
-impl RecomputeOps for Flex {
-    fn recompute(
-        _: FloatTensor<Self>,
-        _: FloatTensor<Self>,
-        y: FloatTensor<Self>,
-        _: RecomputeHook,
-    ) -> FloatTensor<Self> {
-        y
-    }
-}
-
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-impl RecomputeOps for Cube {
-    fn recompute(
-        _: FloatTensor<Self>,
-        _: FloatTensor<Self>,
-        y: FloatTensor<Self>,
-        _: RecomputeHook,
-    ) -> FloatTensor<Self> {
-        y
+crate::collective_op::for_inner_backends! {
+    impl RecomputeOps {
+        fn recompute(
+            _: FloatTensor<Self>,
+            _: FloatTensor<Self>,
+            y: FloatTensor<Self>,
+            _: RecomputeHook,
+        ) -> FloatTensor<Self> {
+            y
+        }
     }
 }
 

@@ -10,15 +10,13 @@
 //! for `out` (all four inputs) and one for `lse` (the two log-sum-exps).
 
 use super::blocks::Partial;
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-use burn::backend::Cube;
 use burn::backend::autodiff::{
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
     ops::{Backward, Ops, OpsKind},
 };
 use burn::backend::{
-    Autodiff, Backend, Dispatch, Flex, TensorMetadata, backend_extension, tensor::FloatTensor,
+    Autodiff, Backend, Dispatch, TensorMetadata, backend_extension, tensor::FloatTensor,
 };
 use burn::tensor::{DType, Shape, Tensor};
 use flashover_kernels::MergeOps;
@@ -34,26 +32,16 @@ pub trait MergeGradOps: Backend {
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 }
 
-impl MergeGradOps for Flex {
-    fn merge_with_grad(
-        out_a: FloatTensor<Self>,
-        lse_a: FloatTensor<Self>,
-        out_b: FloatTensor<Self>,
-        lse_b: FloatTensor<Self>,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        <Self as MergeOps>::merge_partials(out_a, lse_a, out_b, lse_b)
-    }
-}
-
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-impl MergeGradOps for Cube {
-    fn merge_with_grad(
-        out_a: FloatTensor<Self>,
-        lse_a: FloatTensor<Self>,
-        out_b: FloatTensor<Self>,
-        lse_b: FloatTensor<Self>,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        <Self as MergeOps>::merge_partials(out_a, lse_a, out_b, lse_b)
+crate::collective_op::for_inner_backends! {
+    impl MergeGradOps {
+        fn merge_with_grad(
+            out_a: FloatTensor<Self>,
+            lse_a: FloatTensor<Self>,
+            out_b: FloatTensor<Self>,
+            lse_b: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            <Self as MergeOps>::merge_partials(out_a, lse_a, out_b, lse_b)
+        }
     }
 }
 

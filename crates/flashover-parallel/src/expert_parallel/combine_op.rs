@@ -5,15 +5,13 @@
 //! `d out_r = w_c d y_t`, each choice `d w_c = out_r · d y_t` (0 where dropped).
 
 use crate::moe::Routing;
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-use burn::backend::Cube;
 use burn::backend::autodiff::{
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
     ops::{Backward, Ops, OpsKind},
 };
 use burn::backend::{
-    Autodiff, Backend, Dispatch, Flex, TensorMetadata, backend_extension, tensor::FloatTensor,
+    Autodiff, Backend, Dispatch, TensorMetadata, backend_extension, tensor::FloatTensor,
     tensor::IntTensor,
 };
 use burn::tensor::{DType, IndexingUpdateOp, IntDType, Shape, Tensor, TensorData};
@@ -80,24 +78,15 @@ fn forward<B: Backend + MoePermuteOps>(
     B::unpermute_rows(outputs, positions, weights)
 }
 
-impl CombineGradOps for Flex {
-    fn combine_with_grad(
-        outputs: FloatTensor<Self>,
-        weights: FloatTensor<Self>,
-        plan: CombinePlan,
-    ) -> FloatTensor<Self> {
-        forward::<Self>(outputs, weights, &plan)
-    }
-}
-
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-impl CombineGradOps for Cube {
-    fn combine_with_grad(
-        outputs: FloatTensor<Self>,
-        weights: FloatTensor<Self>,
-        plan: CombinePlan,
-    ) -> FloatTensor<Self> {
-        forward::<Self>(outputs, weights, &plan)
+crate::collective_op::for_inner_backends! {
+    impl CombineGradOps {
+        fn combine_with_grad(
+            outputs: FloatTensor<Self>,
+            weights: FloatTensor<Self>,
+            plan: CombinePlan,
+        ) -> FloatTensor<Self> {
+            forward::<Self>(outputs, weights, &plan)
+        }
     }
 }
 
@@ -204,16 +193,11 @@ fn permute_forward<B: Backend + MoePermuteOps>(
     B::permute_rows(x, order)
 }
 
-impl PermuteGradOps for Flex {
-    fn permute_with_grad(x: FloatTensor<Self>, plan: PermutePlan) -> FloatTensor<Self> {
-        permute_forward::<Self>(x, &plan)
-    }
-}
-
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-impl PermuteGradOps for Cube {
-    fn permute_with_grad(x: FloatTensor<Self>, plan: PermutePlan) -> FloatTensor<Self> {
-        permute_forward::<Self>(x, &plan)
+crate::collective_op::for_inner_backends! {
+    impl PermuteGradOps {
+        fn permute_with_grad(x: FloatTensor<Self>, plan: PermutePlan) -> FloatTensor<Self> {
+            permute_forward::<Self>(x, &plan)
+        }
     }
 }
 

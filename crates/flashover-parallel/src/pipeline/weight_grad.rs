@@ -12,14 +12,12 @@
 //! recipe), implemented for Flex and for the CubeCL backend (wgpu, CUDA).
 
 use crate::collective_op::{from_tensor, matmul, to_tensor};
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-use burn::backend::Cube;
 use burn::backend::autodiff::{
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
     ops::{Backward, Ops, OpsKind},
 };
-use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
+use burn::backend::{Autodiff, Backend, Dispatch, backend_extension, tensor::FloatTensor};
 use burn::module::ParamId;
 use burn::nn::Linear;
 use burn::tensor::{DType, Tensor};
@@ -93,26 +91,16 @@ pub trait DeferredMatmulOps: Backend {
     ) -> FloatTensor<Self>;
 }
 
-impl DeferredMatmulOps for Flex {
-    fn deferred_matmul(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        _: ParamId,
-        _: WeightGradStore,
-    ) -> FloatTensor<Self> {
-        matmul::<Self>(x, weight)
-    }
-}
-
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-impl DeferredMatmulOps for Cube {
-    fn deferred_matmul(
-        x: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        _: ParamId,
-        _: WeightGradStore,
-    ) -> FloatTensor<Self> {
-        matmul::<Self>(x, weight)
+crate::collective_op::for_inner_backends! {
+    impl DeferredMatmulOps {
+        fn deferred_matmul(
+            x: FloatTensor<Self>,
+            weight: FloatTensor<Self>,
+            _: ParamId,
+            _: WeightGradStore,
+        ) -> FloatTensor<Self> {
+            matmul::<Self>(x, weight)
+        }
     }
 }
 

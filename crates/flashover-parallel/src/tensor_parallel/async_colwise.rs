@@ -13,14 +13,12 @@
 //! group at once.
 
 use crate::collective_op::{from_tensor, matmul, ok, to_tensor};
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-use burn::backend::Cube;
 use burn::backend::autodiff::{
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
     ops::{Backward, Ops, OpsKind},
 };
-use burn::backend::{Autodiff, Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
+use burn::backend::{Autodiff, Backend, Dispatch, backend_extension, tensor::FloatTensor};
 use burn::tensor::Tensor;
 use burn_dispatch::{DispatchKindConversion, DispatchTensor};
 use flashover_comm::ReduceOp;
@@ -84,16 +82,15 @@ where
     matmul::<B>(from_tensor::<B, 2>(rows), w)
 }
 
-impl ColwiseOps for Flex {
-    fn colwise_matmul(x: FloatTensor<Self>, w: FloatTensor<Self>, e: Entry) -> FloatTensor<Self> {
-        forward::<Self>(x, w, &e)
-    }
-}
-
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-impl ColwiseOps for Cube {
-    fn colwise_matmul(x: FloatTensor<Self>, w: FloatTensor<Self>, e: Entry) -> FloatTensor<Self> {
-        forward::<Self>(x, w, &e)
+crate::collective_op::for_inner_backends! {
+    impl ColwiseOps {
+        fn colwise_matmul(
+            x: FloatTensor<Self>,
+            w: FloatTensor<Self>,
+            e: Entry,
+        ) -> FloatTensor<Self> {
+            forward::<Self>(x, w, &e)
+        }
     }
 }
 

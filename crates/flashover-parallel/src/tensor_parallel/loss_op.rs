@@ -4,15 +4,13 @@
 //! gradient with respect to the logits is `exp(logit - max) * d sum`, the maximum is a constant
 //! (it only keeps the exponentials in range). The target logit stays an ordinary gather.
 
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-use burn::backend::Cube;
 use burn::backend::autodiff::{
     checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
     grads::Gradients,
     ops::{Backward, Ops, OpsKind},
 };
 use burn::backend::{
-    Autodiff, Backend, Dispatch, Flex, TensorMetadata, backend_extension, tensor::FloatTensor,
+    Autodiff, Backend, Dispatch, TensorMetadata, backend_extension, tensor::FloatTensor,
 };
 use burn::tensor::{DType, Shape, Tensor};
 
@@ -27,24 +25,15 @@ pub trait SumExpGradOps: Backend {
     ) -> FloatTensor<Self>;
 }
 
-impl SumExpGradOps for Flex {
-    fn with_sum_exp_grad(
-        _: FloatTensor<Self>,
-        _: FloatTensor<Self>,
-        sum: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        sum
-    }
-}
-
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-impl SumExpGradOps for Cube {
-    fn with_sum_exp_grad(
-        _: FloatTensor<Self>,
-        _: FloatTensor<Self>,
-        sum: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        sum
+crate::collective_op::for_inner_backends! {
+    impl SumExpGradOps {
+        fn with_sum_exp_grad(
+            _: FloatTensor<Self>,
+            _: FloatTensor<Self>,
+            sum: FloatTensor<Self>,
+        ) -> FloatTensor<Self> {
+            sum
+        }
     }
 }
 
