@@ -38,11 +38,28 @@ pub trait GradHookOps: Backend {
     /// Forward: identity. Backward: calls `callback` with the gradient, which does not reach
     /// `x` (the callback took it over).
     fn grad_hook(x: FloatTensor<Self>, callback: GradCallback) -> FloatTensor<Self>;
+
+    /// [`Self::grad_hook`] placed in the backward tape right after `after`'s consumers: Burn
+    /// runs backward by depth, and this op is as deep as `after` (whose value it ignores and
+    /// to which it hands no gradient), not as shallow as `x`.
+    fn grad_hook_after(
+        x: FloatTensor<Self>,
+        after: FloatTensor<Self>,
+        callback: GradCallback,
+    ) -> FloatTensor<Self>;
 }
 
 crate::collective_op::for_inner_backends! {
     impl GradHookOps {
         fn grad_hook(x: FloatTensor<Self>, _callback: GradCallback) -> FloatTensor<Self> {
+            x
+        }
+
+        fn grad_hook_after(
+            x: FloatTensor<Self>,
+            _after: FloatTensor<Self>,
+            _callback: GradCallback,
+        ) -> FloatTensor<Self> {
             x
         }
     }
@@ -51,7 +68,7 @@ crate::collective_op::for_inner_backends! {
 #[derive(Debug)]
 struct HookBackward;
 
-impl<B: Backend> Backward<B, 1> for HookBackward
+impl<B: Backend, const N: usize> Backward<B, N> for HookBackward
 where
     DispatchTensor: DispatchKindConversion<B>,
 {
@@ -59,12 +76,13 @@ where
 
     fn backward(
         self,
-        ops: Ops<GradCallback, 1>,
+        ops: Ops<GradCallback, N>,
         grads: &mut Gradients,
         _checkpointer: &mut Checkpointer,
     ) {
         let callback = ops.state;
-        // Consumed, not registered for the parent: the parameter never receives it.
+        // Consumed, not registered for a parent: the parameter never receives it (nor does
+        // the op that only places the hook, `after`).
         let grad: Tensor<1> =
             crate::collective_op::to_tensor::<B, 1>(grads.consume::<B>(&ops.node));
         let numel = grad.shape().num_elements();
@@ -79,6 +97,18 @@ where
     fn grad_hook(x: FloatTensor<Self>, callback: GradCallback) -> FloatTensor<Self> {
         let node = x.node();
         match HookBackward.prepare::<C>([node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(callback, x.into_primitive()),
+            OpsKind::UnTracked(prep) => prep.finish(x.into_primitive()),
+        }
+    }
+
+    fn grad_hook_after(
+        x: FloatTensor<Self>,
+        after: FloatTensor<Self>,
+        callback: GradCallback,
+    ) -> FloatTensor<Self> {
+        let nodes = [x.node(), after.node()];
+        match HookBackward.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish(callback, x.into_primitive()),
             OpsKind::UnTracked(prep) => prep.finish(x.into_primitive()),
         }
@@ -99,4 +129,67 @@ pub fn grad_hook<const D: usize>(x: Tensor<D>, callback: GradCallback) -> Tensor
         x.into_dispatch(),
         callback,
     ))
+}
+
+/// [`grad_hook`] whose callback runs right after the backward of `after`'s consumers, not at
+/// the end of backward: `x` is a parameter (depth 0 in the tape, which Burn runs deepest
+/// first), so a plain hook on it runs after every layer's backward; hooked after its layer's
+/// input, it runs when that layer's backward is done. `after`'s value is ignored and gets no
+/// gradient from the hook.
+pub fn grad_hook_after<const D: usize, const E: usize>(
+    x: Tensor<D>,
+    after: Tensor<E>,
+    callback: GradCallback,
+) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as GradHookOps>::grad_hook_after(
+        x.into_dispatch(),
+        after.into_dispatch(),
+        callback,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// A callback that logs `name` and the gradient's first value when its hook runs.
+    fn probe(log: &Arc<Mutex<Vec<(&'static str, f32)>>>, name: &'static str) -> GradCallback {
+        let log = log.clone();
+        GradCallback(Arc::new(move |grad: Tensor<1>| {
+            let first = grad.into_data().try_to_vec::<f32>().expect("f32")[0];
+            log.lock().unwrap().push((name, first));
+        }))
+    }
+
+    #[test]
+    fn a_hook_placed_after_a_layers_input_runs_before_the_layers_below_it() {
+        let device = Device::flex().autodiff();
+        for placed in [false, true] {
+            let log = Arc::new(Mutex::new(vec![]));
+            // Layer one, three ops deep, probed in its middle: the probe takes the gradient
+            // of a side branch, so it runs during layer one's backward.
+            let x = Tensor::<1>::ones([4], &device).require_grad();
+            let h1 = x.clone() * 2.0;
+            let h2 = h1.clone() * 2.0 + grad_hook(h1, probe(&log, "layer one"));
+            // Layer two: its input times a weight, whose hook is the one under test.
+            let input = h2 * 2.0;
+            let weight = Tensor::<1>::ones([4], &device).require_grad();
+            let weight = match placed {
+                true => grad_hook_after(weight, input.clone(), probe(&log, "weight")),
+                false => grad_hook(weight, probe(&log, "weight")),
+            };
+            let grads = (input * weight).sum().backward();
+            let order: Vec<_> = log.lock().unwrap().clone();
+            // The weight's gradient is layer two's input, (2x 2 + 2) x 2 = 12, either way.
+            let expected = match placed {
+                true => vec![("weight", 12.0), ("layer one", 2.0)],
+                false => vec![("layer one", 2.0), ("weight", 12.0)],
+            };
+            assert_eq!(order, expected, "placed after the input: {placed}");
+            // The placement hands `input` no gradient: x's is the chain's 2 x 2 x 2 alone.
+            let dx = x.grad(&grads).expect("x has a gradient");
+            assert_eq!(dx.into_data().try_to_vec::<f32>().unwrap(), vec![8.0; 4]);
+        }
+    }
 }

@@ -25,7 +25,7 @@
 
 use super::reducer::{Mode, Reducer, RowSplit, Spans};
 use crate::error::ParallelError;
-use crate::hook::{grad_hook, hooks_supported};
+use crate::hook::{grad_hook, grad_hook_after, hooks_supported};
 use crate::params::{ParamLayout, ParamSlot, part};
 use crate::placement::{ParamPlacement, Tie, data_axis_sets};
 use crate::precision::Precision;
@@ -468,12 +468,28 @@ impl BucketedReduction {
     }
 
     /// `model` with a gradient hook on every parameter this rank reduces, each handing its
-    /// gradient to its bucket (the parameter then receives none).
+    /// gradient to its bucket (the parameter then receives none). The hooks run at the end of
+    /// backward; [`Self::hooked_after`] runs a layer's when its backward is done.
     pub(crate) fn hooked<M: Module>(&self, model: &M) -> M {
+        self.hooked_where(model, &|_| true, None)
+    }
+
+    /// [`Self::hooked`] on the parameters `select` picks (by layout index), each hook placed
+    /// right after `after` when given: `after` is the input of the layer that reads them, so
+    /// their buckets fill as backward leaves that layer, not at its end (Burn runs the tape by
+    /// depth, and a parameter is as shallow as a node gets).
+    pub(crate) fn hooked_where<M: Module>(
+        &self,
+        model: &M,
+        select: &dyn Fn(usize) -> bool,
+        after: Option<&Tensor<1>>,
+    ) -> M {
         let sets = lock(&self.sets);
         let mut mapper = HookMapper {
             sets: &sets,
             member: &self.member,
+            select,
+            after,
             index: 0,
         };
         model.clone().map(&mut mapper)
@@ -757,21 +773,29 @@ fn row_layout(
     (rows, index)
 }
 
-/// Puts a gradient hook on every parameter a set reduces.
+/// Puts a gradient hook on every selected parameter a set reduces.
 struct HookMapper<'a> {
     sets: &'a [ReduceSet],
     member: &'a [Option<(usize, usize)>],
+    /// Which parameters (layout index) to hook.
+    select: &'a dyn Fn(usize) -> bool,
+    /// What the hooks run right after in backward, if not at its end.
+    after: Option<&'a Tensor<1>>,
     index: usize,
 }
 
 impl ModuleMapper for HookMapper<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let member = self.member.get(self.index).copied().flatten();
+        let index = self.index;
         self.index += 1;
-        match member {
+        let member = self.member.get(index).copied().flatten();
+        match member.filter(|_| (self.select)(index)) {
             Some((set, local)) => {
                 let callback = self.sets[set].reducer.callback(local);
-                param.map(|t| grad_hook(t, callback))
+                match self.after {
+                    Some(after) => param.map(|t| grad_hook_after(t, after.clone(), callback)),
+                    None => param.map(|t| grad_hook(t, callback)),
+                }
             }
             None => param,
         }

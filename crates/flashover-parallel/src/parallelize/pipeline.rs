@@ -115,8 +115,12 @@ pub(super) struct Stages {
     boundary: std::sync::Mutex<Option<(usize, Vec<PartSpec>)>>,
     /// Which layers are recomputed in backward.
     recompute: CheckpointPolicy,
-    /// Per layer, which parameters (layout order) are its own: what its recomputation carries.
+    /// Per layer, which parameters (layout order) are its own: what its recomputation carries,
+    /// what it casts to the compute dtype, and whose gradient hooks follow its backward.
     parts: Vec<Arc<[bool]>>,
+    /// Which parameters (layout order) are in no layer (the embedding, the final norm, the
+    /// head): cast and hooked once per micro-batch.
+    outside: Arc<[bool]>,
     /// Layer forwards run again in backward so far.
     recomputed: Arc<AtomicUsize>,
     /// With fully sharded layers: how each layer gathers its sharded parameters at once.
@@ -175,6 +179,7 @@ impl Stages {
         let parts = (0..count)
             .map(|i| layer_of.iter().map(|l| *l == Some(i)).collect())
             .collect();
+        let outside = layer_of.iter().map(Option::is_none).collect();
         let counts = layer_counts(rule, count, &schedule)?;
         let mut layers = vec![];
         let mut start = 0;
@@ -233,6 +238,7 @@ impl Stages {
             boundary: Default::default(),
             recompute: recompute.clone(),
             parts,
+            outside,
             recomputed: Default::default(),
             units: None,
             precision: None,
@@ -337,12 +343,14 @@ impl Stages {
             if let Some(units) = &self.units {
                 units.gathers.new_forward();
             }
-            // Hooks on the f32 parameters, under the casts: the buckets receive f32.
-            let hooked = hooks.map(|h| h.hooked(master));
+            // Hooks on the f32 parameters, under the casts: the buckets receive f32. Those
+            // outside the layers run at the end of backward; each layer hooks its own (`layer`).
+            let hooked = hooks.map(|h| h.hooked_where(master, &|i| self.outside[i], None));
             let master = hooked.as_ref().unwrap_or(master);
             // Each micro-batch's graph casts the parameters anew (the view's casts are nodes
-            // of that graph): their gradients reach the f32 parameters in f32.
-            let view = self.compute_view(master);
+            // of that graph): their gradients reach the f32 parameters in f32. The layers'
+            // are left in f32 here: each layer casts its own.
+            let view = self.compute_view_of(master, &self.outside);
             let m = view.as_ref().unwrap_or(master);
             let stage = self.schedule.stage_of(rank, chunk);
             let batch = Arc::new(micro_batch(micro(k)));
@@ -355,7 +363,7 @@ impl Stages {
             };
             let mut aux: Option<Tensor<1>> = None;
             for i in self.layers[stage].clone() {
-                let (y, layer_aux) = self.layer(master, m, i, x, &batch);
+                let (y, layer_aux) = self.layer(m, i, x, &batch, hooks);
                 x = y;
                 aux = match (aux, layer_aux) {
                     (Some(sum), Some(more)) => Some(sum + more),
@@ -446,10 +454,11 @@ impl Stages {
         }
     }
 
-    /// `model` cast to the step's compute dtype, when it is not f32.
-    fn compute_view<M: Module>(&self, model: &M) -> Option<M> {
+    /// `model` with the parameters `part` marks (layout order) cast to the step's compute
+    /// dtype, when it is not f32.
+    fn compute_view_of<M: Module>(&self, model: &M, part: &[bool]) -> Option<M> {
         let policy = self.precision.as_ref()?;
-        Some(policy.compute_view(model.clone()))
+        Some(policy.compute_view_of(model.clone(), part))
     }
 
     /// Whether the schedule splits backward into input- and weight-gradient actions
@@ -491,20 +500,21 @@ impl Stages {
         }
     }
 
-    /// Layer `index` on `x` of micro-batch `batch` and its auxiliary loss, computed on `view`
-    /// (the step's compute view of `master`, or `master` itself): recomputed in backward when
-    /// the plan's policy names it (carrying only the layer's own parameters of `master`, cast
-    /// to the compute dtype inside the recomputation, and the micro-batch), plainly
-    /// otherwise. Fully sharded parameters are gathered from `master`'s stored rows, read in
-    /// the view's dtype: their reduce-scattered gradient reaches the f32 rows in f32 whether or
-    /// not the layer is recomputed.
+    /// Layer `index` on `x` of micro-batch `batch` and its auxiliary loss, computed on
+    /// `model` (whose layers' parameters are f32) with the layer's own parameters cast to the
+    /// compute dtype: recomputed in backward when the plan's policy names it (carrying only
+    /// the layer's own parameters, cast inside the recomputation, and the micro-batch),
+    /// plainly otherwise. Fully sharded parameters are gathered from the f32 rows, read in
+    /// the compute dtype: their reduce-scattered gradient reaches the f32 rows in f32 whether
+    /// or not the layer is recomputed. With `hooks`, the layer's parameters hand their
+    /// gradients to their buckets right after the layer's backward.
     fn layer<M>(
         &self,
-        master: &M,
-        view: &M,
+        model: &M,
         index: usize,
         x: M::Activation,
         batch: &Arc<M::Batch>,
+        hooks: Option<&BucketedReduction>,
     ) -> (M::Activation, Option<Tensor<1>>)
     where
         M: PipelineModel + Sync + 'static,
@@ -522,22 +532,28 @@ impl Stages {
                 .find(|&i| self.recompute.recomputes_block(i)),
         };
         let batch = batch.clone();
+        let part = self.parts[index].clone();
+        // The layer's input, when something goes right after the layer's backward (Burn runs
+        // the tape by depth: placed as deep as the input, not as shallow as the parameters):
+        // its parameters' gradient hooks and its unit's reduce-scatter.
+        let placing = hooks.is_some() || units.is_some();
+        let (x, input) = match placing {
+            true => with_input(x),
+            false => (x, None),
+        };
+        let hooked = hooks.map(|h| h.hooked_where(model, &|i| part[i], input.as_ref()));
+        let model = hooked.as_ref().unwrap_or(model);
         if !self.recompute.recomputes_block(index) {
-            return run_layer(units.as_deref(), master, view, index, ahead, x, &batch);
+            let view = self.compute_view_of(model, &part);
+            let view = view.as_ref().unwrap_or(model);
+            return run_layer(units.as_deref(), model, view, index, ahead, x, input, &batch);
         }
-        let (part, precision) = (self.parts[index].clone(), self.precision);
-        let cast_part = part.clone();
+        let (precision, cast_part) = (self.precision, part.clone());
         let run = move |m: &M, x: M::Activation| {
             let view = precision.map(|p| p.compute_view_of(m.clone(), &cast_part));
-            run_layer(
-                units.as_deref(),
-                m,
-                view.as_ref().unwrap_or(m),
-                index,
-                ahead,
-                x,
-                &batch,
-            )
+            let view = view.as_ref().unwrap_or(m);
+            // Inside the recomputation the unit's reduce-scatter is the recomputation's.
+            run_layer(units.as_deref(), m, view, index, ahead, x, None, &batch)
         };
         // The recomputed function takes the activation's tensors as one and returns the
         // output's and then the auxiliary loss as one, so their gradients reach the layer
@@ -554,7 +570,7 @@ impl Stages {
             let dtype = y.dtype();
             Tensor::cat(vec![y, aux.cast(dtype).reshape([1])], 0)
         };
-        let output = checkpoint_part(master, input, forward, Some(part));
+        let output = checkpoint_part(model, input, forward, Some(part));
         let numel = packing.numel();
         let aux = output.clone().narrow(0, numel, 1);
         let y = packing.unpack(output.narrow(0, 0, numel));
@@ -603,7 +619,7 @@ impl Stages {
             };
             for i in self.layers[stage].clone() {
                 let ahead = Ahead::default();
-                x = run_layer(self.units.as_deref(), model, model, i, ahead, x, batch).0;
+                x = run_layer(self.units.as_deref(), model, model, i, ahead, x, None, batch).0;
             }
             if stage == last {
                 return Ok(Some(x));
@@ -655,7 +671,7 @@ impl Stages {
         let root = self.schedule.place(0).0;
         let mut code = vec![];
         if self.pp.rank() == root {
-            let view = self.compute_view(model);
+            let view = self.compute_view_of(model, &self.outside);
             let x = view.as_ref().unwrap_or(model).embed(&micro_batch(first));
             code = encode_specs(&specs_of(&boundary_tensors(x)))?;
         }
@@ -785,10 +801,21 @@ pub type HeadLoss<'a, M> = dyn Fn(&M, <M as PipelineModel>::Activation, &<M as P
     + Sync
     + 'a;
 
+/// `x`, and one of its tensors that carries a gradient (flattened): what an op is placed after
+/// to run in backward right after the backward of the layer `x` goes into.
+fn with_input<A: StageBoundary>(x: A) -> (A, Option<Tensor<1>>) {
+    let parts = boundary_tensors(x);
+    let input = parts.iter().find(|p| p.grad).map(|p| p.flat.clone());
+    (from_boundary_tensors(parts), input)
+}
+
 /// Layer `index` of `view` on `x` of micro-batch `batch` and its auxiliary loss, its fully
 /// sharded parameters gathered at once first from `stored`'s rows (the f32 parameters `view`
 /// may be a cast view of) when the layers are `units`, and then the all-gather of layer
-/// `next` submitted (not in a rerun in backward).
+/// `next` submitted (not in a rerun in backward). The unit reduce-scatters right after the
+/// layer's backward when `input` is one of `x`'s tensors ([`with_input`]), at the end of
+/// backward without it.
+#[allow(clippy::too_many_arguments)]
 fn run_layer<M>(
     units: Option<&LayerUnits>,
     stored: &M,
@@ -796,6 +823,7 @@ fn run_layer<M>(
     index: usize,
     ahead: Ahead,
     x: M::Activation,
+    input: Option<Tensor<1>>,
     batch: &M::Batch,
 ) -> (M::Activation, Option<Tensor<1>>)
 where
@@ -807,10 +835,6 @@ where
         Some(u) => {
             let shards = u.shards(stored, index);
             let names: Vec<String> = shards.iter().map(|(n, _)| n.clone()).collect();
-            // The layer's input, so that its unit reduce-scatters right after its backward.
-            let parts = boundary_tensors(x);
-            let input = parts.iter().find(|p| p.grad).map(|p| p.flat.clone());
-            let x = from_boundary_tensors(parts);
             let _gathered = super::units::after_input(input, || {
                 u.gathers.gather_prefetched(Unit::Layer(index), shards)
             });

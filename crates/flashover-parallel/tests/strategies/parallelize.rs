@@ -25,6 +25,9 @@ use flashover_parallel::pipeline::ScheduleKind;
 use flashover_parallel::zero::RowAdamW;
 use flashover_parallel::{FlatAdamWConfig, ParallelError};
 use flashover_runtime::{Axis, Launch, OpKind};
+use std::cell::RefCell;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 const FEATURES: usize = 6;
 /// Odd on purpose: the last layer's rows do not split evenly over two ranks.
@@ -1155,6 +1158,98 @@ fn a_pipelined_units_reduce_scatter_follows_its_layers_backward_not_the_whole_ba
             panic!("no fsdp gathers or reduce-scatters recorded: {ops:?}");
         };
         assert!(first_scatter < last_gather, "{ops:?}");
+    }
+}
+
+thread_local! {
+    /// Called at each forward of [`Probed`]'s layer 0 on this thread (a rank's).
+    static LAYER_ZERO_PROBE: RefCell<Option<Box<dyn FnMut()>>> = const { RefCell::new(None) };
+}
+
+/// [`Stack`] whose layer 0 calls this thread's [`LAYER_ZERO_PROBE`] each time it runs.
+#[derive(Module, Debug)]
+struct Probed {
+    stack: Stack,
+}
+
+impl PipelineModel for Probed {
+    type Activation = Tensor<2>;
+    type Batch = (Tensor<2>, Tensor<1, Int>);
+
+    fn embed(&self, batch: &Self::Batch) -> Tensor<2> {
+        self.stack.embed(batch)
+    }
+
+    fn layer(&self, index: usize, x: Tensor<2>) -> Tensor<2> {
+        if index == 0 {
+            LAYER_ZERO_PROBE.with(|p| p.borrow_mut().as_mut().map(|probe| probe()));
+        }
+        self.stack.layer(index, x)
+    }
+
+    fn head_loss(&self, x: Tensor<2>, batch: &Self::Batch) -> Tensor<1> {
+        self.stack.head_loss(x, batch)
+    }
+}
+
+#[test]
+fn a_pipelined_layers_gradient_buckets_are_reduced_before_the_layers_below_run_backward() {
+    // Layer 0 is recomputed: its forward runs again in backward, once the layers above it are
+    // done. There the probe waits (at most 20 s) for a gradient bucket's all-reduce on dp.
+    // The hooks of layers 1-3, placed after their layer's input, have filled buckets by then
+    // (one parameter per bucket); hooks on the parameters alone run at the end of backward,
+    // after it, and no bucket could be reduced.
+    let device = Device::flex().autodiff();
+    let rule = PipelineRule::new("stack.layers", ScheduleKind::OneFOneB, 1)
+        .first(&["stack.input"])
+        .last(&["stack.norm"]);
+    let tiny = GradientBuckets::default().bucket_mb(4.0 / (1 << 20) as f64);
+    let plan = (ParallelizePlan::new().pipeline(rule))
+        .activation_checkpointing(CheckpointPolicy::Blocks(vec![0]))
+        .gradient_buckets(tiny);
+    let reduced = Launch::new("dp=2")
+        .unwrap()
+        .run(|ctx| {
+            let probed = Probed {
+                stack: Stack::new(&device),
+            };
+            let (model, par) = parallelize(probed, &plan, &ctx)?;
+            let micro_batch = |samples| batch(samples, &device);
+            let recorder = ctx.flight_recorder().expect("launched").clone();
+            let buckets_done = move || {
+                let entries = recorder.dump_data().entries.into_iter();
+                entries
+                    .filter(|e| e.group.starts_with("dp[") && e.op == OpKind::AllReduce)
+                    .filter(|e| e.end_us.is_some())
+                    .count()
+            };
+            // The first step reduces buckets in layout order, then replans them in the order
+            // the gradients arrived (as DDP does): the second step is the one probed.
+            par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
+            let before = buckets_done();
+            let seen = Arc::new(Mutex::new(None));
+            let (mut forwards, saw) = (0, seen.clone());
+            let probe = move || {
+                forwards += 1;
+                if forwards == 2 {
+                    // The rerun in backward.
+                    let deadline = Instant::now() + Duration::from_secs(20);
+                    while buckets_done() == before && Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    *saw.lock().unwrap() = Some(buckets_done() > before);
+                }
+            };
+            LAYER_ZERO_PROBE.with(|p| *p.borrow_mut() = Some(Box::new(probe)));
+            let stepped = par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx);
+            LAYER_ZERO_PROBE.with(|p| p.borrow_mut().take());
+            stepped?;
+            let seen = *seen.lock().unwrap();
+            Ok::<_, ParallelError>(seen)
+        })
+        .unwrap();
+    for seen in reduced {
+        assert_eq!(seen, Some(true), "no bucket was reduced before layer 0's backward");
     }
 }
 
