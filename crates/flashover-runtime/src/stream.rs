@@ -11,7 +11,7 @@
 
 use flashover_comm::{CommError, CommResult, Group};
 use std::sync::mpsc::{Receiver, Sender, channel};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -58,6 +58,41 @@ impl<T> Work<T> {
         let started = Instant::now();
         let result = self.wait();
         (result, started.elapsed())
+    }
+}
+
+impl<T: Clone> Work<T> {
+    /// This work, waited for by whichever of its holders asks first (the others get the same
+    /// result): one collective's result read by several consumers, on any thread.
+    pub fn shared(self) -> SharedWork<T> {
+        SharedWork {
+            work: Mutex::new(Some(self)),
+            result: OnceLock::new(),
+        }
+    }
+}
+
+/// A [`Work`] several holders read ([`Work::shared`]).
+#[derive(Debug)]
+pub struct SharedWork<T> {
+    work: Mutex<Option<Work<T>>>,
+    result: OnceLock<CommResult<T>>,
+}
+
+impl<T: Clone> SharedWork<T> {
+    /// The collective's result, waiting for it the first time (as [`Work::wait`]).
+    pub fn get(&self) -> CommResult<T> {
+        // The lock is held through the wait, so the result is taken from the channel once.
+        let mut work = self.work.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(work) = work.take() {
+            let _ = self.result.set(work.wait());
+        }
+        self.result.get().cloned().unwrap_or_else(|| {
+            Err(CommError::Engine {
+                engine: "stream",
+                detail: "a shared collective's result was never set".into(),
+            })
+        })
     }
 }
 

@@ -23,7 +23,7 @@
 //! reduce-scatter hands each rank only the sum of its rows (ZeRO-2, every micro-batch when
 //! hooks report the gradients, so a rank holds its rows and the buckets in flight).
 
-use super::reducer::{Mode, Reducer, RowSplit, Spans};
+use super::reducer::{LaterHandle, Mode, Reducer, RowSplit, Spans};
 use crate::error::ParallelError;
 use crate::hook::{grad_hook, grad_hook_after, hooks_supported};
 use crate::params::{ParamLayout, ParamSlot, part};
@@ -465,6 +465,16 @@ impl BucketedReduction {
     /// Where this rank's rows of the reduced gradients are, under rows (ZeRO-1/2).
     pub(crate) fn row_layout(&self) -> Option<&GradientRowLayout> {
         self.rows.as_ref().map(|(layout, _)| layout)
+    }
+
+    /// Per parameter (layout order), where a collective still computing its gradient can hand
+    /// it to the parameter's bucket ([`LaterHandle::hand`]); `None` for those no bucket
+    /// reduces. Valid for one step (the first step's end re-plans the buckets).
+    pub(crate) fn later_handles(&self) -> Vec<Option<LaterHandle>> {
+        let sets = lock(&self.sets);
+        (self.member.iter())
+            .map(|m| m.map(|(set, local)| sets[set].reducer.later_handle(local)))
+            .collect()
     }
 
     /// `model` with a gradient hook on every parameter this rank reduces, each handing its

@@ -48,3 +48,4 @@ pub(crate) use buckets::BucketedReduction;
 pub use buckets::{
     GradientBuckets, GradientRowLayout, GradientRows, ReductionReport, ReductionTiming,
 };
+pub(crate) use reducer::{LaterGrad, LaterHandle};

@@ -28,10 +28,42 @@ use crate::precision::Precision;
 use crate::zero::UnitShards;
 use burn::tensor::{DType, Device, Tensor};
 use flashover_comm::{CommError, Group, ReduceOp};
-use flashover_runtime::TensorCollectives;
+use flashover_runtime::{SharedWork, TensorCollectives};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
+
+/// A parameter's gradient that a collective still computes: rows `start..start + len` of
+/// what `rows` returns (a fully sharded unit's reduce-scatter, which returns the unit's
+/// parameters' rows end to end). Its bucket waits for it when laid out, on the communication
+/// thread, so backward goes on meanwhile.
+#[derive(Debug, Clone)]
+pub(crate) struct LaterGrad {
+    pub(crate) rows: Arc<SharedWork<Tensor<1>>>,
+    pub(crate) start: usize,
+    pub(crate) len: usize,
+}
+
+/// One parameter of a reducer, taking [`LaterGrad`]s ([`Reducer::later_handle`]).
+#[derive(Clone)]
+pub(crate) struct LaterHandle {
+    shared: Arc<Shared>,
+    param: usize,
+}
+
+impl std::fmt::Debug for LaterHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "LaterHandle({})", self.param)
+    }
+}
+
+impl LaterHandle {
+    /// Adds `later` to the parameter's gradient of this micro-batch. It does not mark the
+    /// gradient final: the parameter's hook still reports it (with a zero gradient), after.
+    pub(crate) fn hand(&self, later: LaterGrad) {
+        lock(&self.shared.later[self.param]).push(later);
+    }
+}
 
 /// Which parameters (by layout index) a bucket holds and where.
 #[derive(Debug, Clone)]
@@ -124,6 +156,9 @@ struct Shared {
     /// Per parameter: its gradient summed over the micro-batches so far, until its bucket is
     /// reduced.
     grads: Vec<Mutex<Option<Tensor<1>>>>,
+    /// Per parameter: gradients still being reduce-scattered ([`LaterGrad`]), added to
+    /// `grads` when the bucket is laid out.
+    later: Vec<Mutex<Vec<LaterGrad>>>,
     /// Per bucket: its sum over the ranks (all-reduce mode), until it is drained.
     reduced: Vec<Mutex<Option<Tensor<1>>>>,
     /// Per bucket: this rank's chunk of its sum (ZeRO modes), summed over the micro-batches.
@@ -218,14 +253,31 @@ impl Shared {
         Tensor::zeros([len], &self.device)
     }
 
+    /// Parameter `param`'s gradient, taken: what was added, and the rows handed later, waited
+    /// for now (on the communication thread).
+    fn take_grad(&self, param: usize) -> Result<Option<Tensor<1>>, CommError> {
+        let mut grad = lock(&self.grads[param]).take();
+        for later in std::mem::take(&mut *lock(&self.later[param])) {
+            let rows = later.rows.get()?.narrow(0, later.start, later.len);
+            let rows = rows.to_device(&self.device).cast(DType::F32);
+            self.hold(bytes(&rows));
+            grad = Some(match grad {
+                Some(sum) => sum + rows,
+                None => rows,
+            });
+        }
+        Ok(grad)
+    }
+
     /// Bucket `b` as one tensor, its parameters' gradients taken (zeros for those without
-    /// one): end to end, padded to whole chunks, or rank-major by rows under rows.
-    fn assemble(&self, b: usize) -> Tensor<1> {
+    /// one): end to end, padded to whole chunks, or rank-major by rows under rows. Fails when
+    /// a reduce-scatter whose rows were handed to it failed.
+    fn assemble(&self, b: usize) -> Result<Tensor<1>, CommError> {
         let params = &self.buckets[b].params;
         let grads: Vec<Option<Tensor<1>>> = params
             .iter()
-            .map(|&p| lock(&self.grads[p]).take())
-            .collect();
+            .map(|&p| self.take_grad(p))
+            .collect::<Result<_, _>>()?;
         self.release(grads.iter().flatten().map(bytes).sum());
         let (_, size) = self.chunk_rank_size();
         let total = self.chunks[b] * size;
@@ -251,7 +303,7 @@ impl Shared {
             false => Tensor::cat(pieces, 0),
         };
         self.hold(bytes(&bucket));
-        bucket
+        Ok(bucket)
     }
 }
 
@@ -352,6 +404,7 @@ impl Reducer {
             held: Mutex::new((0, 0)),
             numels: numels.to_vec(),
             grads: none(numels.len()),
+            later: (0..numels.len()).map(|_| Mutex::new(vec![])).collect(),
             reduced: none(buckets.len()),
             shard: none(buckets.len()),
             chunks,
@@ -420,6 +473,7 @@ impl Reducer {
         for slot in s.grads.iter().chain(&s.reduced).chain(&s.shard) {
             lock(slot).take();
         }
+        s.later.iter().for_each(|later| lock(later).clear());
         *lock(&s.held) = (0, 0);
         let mut st = lock(&s.state);
         st.next = 0;
@@ -472,6 +526,15 @@ impl Reducer {
     /// Marks parameter `param` final for this micro-batch without a gradient.
     pub(crate) fn mark_absent(&self, param: usize) {
         self.shared.mark_absent(param);
+    }
+
+    /// Where parameter `param`'s gradient can be handed while a collective still computes it
+    /// ([`LaterHandle::hand`]).
+    pub(crate) fn later_handle(&self, param: usize) -> LaterHandle {
+        LaterHandle {
+            shared: self.shared.clone(),
+            param,
+        }
     }
 
     /// A callback for gradient hooks: adds the gradient of parameter `param` during backward.
@@ -590,7 +653,7 @@ fn worker_loop(shared: &Shared) {
 /// Reduces bucket `b` in the wire dtype: whole (all-reduce), or into this rank's chunk of the
 /// shard (all-reduce then shard, reduce-scatter).
 fn reduce_bucket(shared: &Shared, b: usize) -> Result<(), CommError> {
-    let bucket = shared.assemble(b);
+    let bucket = shared.assemble(b)?;
     let full = bytes(&bucket);
     let wire = bucket.cast(shared.wire.float_dtype());
     let chunk = match shared.mode {

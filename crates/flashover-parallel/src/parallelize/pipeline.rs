@@ -327,13 +327,23 @@ impl Stages {
             units.gathers.discard_prefetches()?;
         }
         // The units' reduce-scatters run while backward goes on and join the gradients after
-        // the last backward, unless a bucket takes a unit's gradient during backward.
-        let deferring = (self.units.as_deref())
-            .filter(|u| hooks.is_none_or(|h| !u.sharded().any(|i| h.reduces_param(i))));
+        // the last backward; where a bucket reduces a unit's gradient over the other data
+        // axes (HSDP), the bucket takes the reduce-scatter unwaited and waits for it on its
+        // own thread.
+        let handing = (self.units.as_deref())
+            .zip(hooks)
+            .filter(|(u, h)| u.sharded().any(|i| h.reduces_param(i)));
+        let deferring = (self.units.as_deref()).filter(|_| handing.is_none());
         if let Some(units) = deferring {
             units.gathers.defer_scatters()?;
         }
-        let _stop = deferring.map(|u| StopDeferring(&u.gathers));
+        if let Some((units, hooks)) = handing {
+            let handles = (self.whole.slots.iter().zip(hooks.later_handles()))
+                .filter_map(|(slot, handle)| Some((slot.name.clone(), handle?)))
+                .collect();
+            units.gathers.hand_scatters_to(handles);
+        }
+        let _stop = self.units.as_deref().map(|u| StopDeferring(&u.gathers));
         let per = share.len() / m;
         let micro = |k: usize| share.start + k * per..share.start + (k + 1) * per;
         let boundary = self.boundary(model, micro(0), micro_batch)?;
@@ -546,7 +556,16 @@ impl Stages {
         if !self.recompute.recomputes_block(index) {
             let view = self.compute_view_of(model, &part);
             let view = view.as_ref().unwrap_or(model);
-            return run_layer(units.as_deref(), model, view, index, ahead, x, input, &batch);
+            return run_layer(
+                units.as_deref(),
+                model,
+                view,
+                index,
+                ahead,
+                x,
+                input,
+                &batch,
+            );
         }
         let (precision, cast_part) = (self.precision, part.clone());
         let run = move |m: &M, x: M::Activation| {
@@ -619,7 +638,17 @@ impl Stages {
             };
             for i in self.layers[stage].clone() {
                 let ahead = Ahead::default();
-                x = run_layer(self.units.as_deref(), model, model, i, ahead, x, None, batch).0;
+                x = run_layer(
+                    self.units.as_deref(),
+                    model,
+                    model,
+                    i,
+                    ahead,
+                    x,
+                    None,
+                    batch,
+                )
+                .0;
             }
             if stage == last {
                 return Ok(Some(x));
@@ -995,12 +1024,13 @@ fn list_position(list: &ModulePath, name: &str) -> Result<usize, ParallelError> 
     }
 }
 
-/// Stops a step's deferral of the units' reduce-scatters however the step ends.
+/// Ends a step's deferral (or handing on) of the units' reduce-scatters however the step ends.
 struct StopDeferring<'a>(&'a UnitGathers);
 
 impl Drop for StopDeferring<'_> {
     fn drop(&mut self) {
         self.0.stop_deferring();
+        self.0.stop_handing();
     }
 }
 

@@ -29,6 +29,7 @@ use super::plan::ParallelizePlan;
 use crate::collective_op::{
     collective_pair, collective_pair_after, computed, ok, regathered_pair, tensor_fn,
 };
+use crate::data_parallel::{LaterGrad, LaterHandle};
 use crate::error::ParallelError;
 use crate::params::ParamLayout;
 use crate::zero::{Pending, ShardGroup};
@@ -59,6 +60,9 @@ struct UnitState {
     /// While a pipeline step defers them ([`UnitGathers::defer_scatters`]): the units'
     /// reduce-scatters submitted in backward and not waited for, in submission order.
     deferred: Mutex<Option<Vec<DeferredScatter>>>,
+    /// While a pipeline step hands them on ([`UnitGathers::hand_scatters_to`]): by parameter
+    /// path, the gradient bucket that takes the rows of its unit's reduce-scatter unwaited.
+    handed: Mutex<Option<HashMap<String, LaterHandle>>>,
     /// Which parameters make each unit (set when the plan has units).
     layout: OnceLock<UnitLayout>,
     /// The whole units checkpointed forwards gathered since the scope began, in forward order,
@@ -363,6 +367,19 @@ impl UnitGathers {
         lock(&self.0.deferred).take();
     }
 
+    /// From now until [`Self::stop_handing`], a unit whose every parameter is in `buckets`
+    /// (by path: the bucket that reduces its shard's gradient over the other data axes, as
+    /// HSDP's) hands its reduce-scatter to those buckets unwaited and its shard a zero
+    /// gradient: the buckets wait for the rows on their own thread, and backward goes on.
+    pub(crate) fn hand_scatters_to(&self, buckets: HashMap<String, LaterHandle>) {
+        *lock(&self.0.handed) = Some(buckets);
+    }
+
+    /// Ends [`Self::hand_scatters_to`].
+    pub(crate) fn stop_handing(&self) {
+        lock(&self.0.handed).take();
+    }
+
     /// Waits for the reduce-scatters deferred since [`Self::defer_scatters`] and adds each
     /// parameter's rows to `flat` (gradients in `layout`, by parameter path), in the order
     /// they were submitted; stops deferring. Fails with the first failed collective.
@@ -515,6 +532,19 @@ impl UnitGathers {
             let device = token_grad.device();
             let full = rank_major(grads, &widths, ranks, &device);
             let pending = scatter.reduce_scatter(full);
+            let handles: Option<Vec<LaterHandle>> = (lock(&state.handed).as_ref())
+                .and_then(|buckets| unit_names.iter().map(|n| buckets.get(n).cloned()).collect());
+            if let Some(handles) = handles {
+                let rows = Arc::new(pending.shared());
+                let mut start = 0;
+                for (handle, &len) in handles.iter().zip(&widths) {
+                    let rows = rows.clone();
+                    handle.hand(LaterGrad { rows, start, len });
+                    start += len;
+                }
+                // The shard's hook reports it final with this zero gradient, after the above.
+                return Tensor::zeros([total], &device);
+            }
             if let Some(deferred) = lock(&state.deferred).as_mut() {
                 deferred.push(DeferredScatter {
                     names: unit_names.clone(),

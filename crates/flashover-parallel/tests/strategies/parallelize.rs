@@ -24,7 +24,7 @@ use flashover_parallel::params::{ParamLayout, flatten_params};
 use flashover_parallel::pipeline::ScheduleKind;
 use flashover_parallel::zero::RowAdamW;
 use flashover_parallel::{FlatAdamWConfig, ParallelError};
-use flashover_runtime::{Axis, Launch, OpKind};
+use flashover_runtime::{Axis, FaultPlan, Launch, OpKind};
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -1249,7 +1249,79 @@ fn a_pipelined_layers_gradient_buckets_are_reduced_before_the_layers_below_run_b
         })
         .unwrap();
     for seen in reduced {
-        assert_eq!(seen, Some(true), "no bucket was reduced before layer 0's backward");
+        assert_eq!(
+            seen,
+            Some(true),
+            "no bucket was reduced before layer 0's backward"
+        );
+    }
+}
+
+#[test]
+fn under_hsdp_backward_goes_on_while_a_units_reduce_scatter_runs() {
+    // Layers 1-3 are fully sharded units over fsdp, reduced over dp by gradient buckets
+    // (HSDP); layer 0 is replicated and recomputed. Every rank's reduce-scatters are 300 ms late.
+    // The bucket takes each unit's reduce-scatter unwaited, so backward reaches layer 0's
+    // rerun before any reduce-scatter of the step is done; waiting for each in backward, it
+    // would get there after all three.
+    let device = Device::flex().autodiff();
+    let rule = PipelineRule::new("stack.layers", ScheduleKind::OneFOneB, 1)
+        .first(&["stack.input"])
+        .last(&["stack.norm"]);
+    let plan = (ParallelizePlan::new().pipeline(rule))
+        .fully_shard("stack.layers.1")
+        .fully_shard("stack.layers.2")
+        .fully_shard("stack.layers.3")
+        .activation_checkpointing(CheckpointPolicy::Blocks(vec![0]));
+    let slow = (0..4).fold(FaultPlan::new(), |plan, rank| {
+        plan.delay_every(rank, OpKind::ReduceScatter, Duration::from_millis(300))
+    });
+    let done_at_rerun = Launch::new("dp=2,fsdp=2")
+        .unwrap()
+        .faults(slow)
+        .run(|ctx| {
+            let probed = Probed {
+                stack: Stack::new(&device),
+            };
+            let (model, par) = parallelize(probed, &plan, &ctx)?;
+            let micro_batch = |samples| batch(samples, &device);
+            let recorder = ctx.flight_recorder().expect("launched").clone();
+            let scatters_done = move || {
+                let entries = recorder.dump_data().entries.into_iter();
+                entries
+                    .filter(|e| e.op == OpKind::ReduceScatter && e.end_us.is_some())
+                    .count()
+            };
+            par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
+            let before = scatters_done();
+            assert_eq!(
+                before,
+                LAYERS - 1,
+                "the first step reduce-scatters each unit"
+            );
+            let seen = Arc::new(Mutex::new(None));
+            let (mut forwards, saw) = (0, seen.clone());
+            let probe = move || {
+                forwards += 1;
+                if forwards == 2 {
+                    // The rerun in backward.
+                    *saw.lock().unwrap() = Some(scatters_done() - before);
+                }
+            };
+            LAYER_ZERO_PROBE.with(|p| *p.borrow_mut() = Some(Box::new(probe)));
+            let stepped = par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx);
+            LAYER_ZERO_PROBE.with(|p| p.borrow_mut().take());
+            stepped?;
+            let seen = *seen.lock().unwrap();
+            Ok::<_, ParallelError>(seen)
+        })
+        .unwrap();
+    for done in done_at_rerun {
+        assert_eq!(
+            done,
+            Some(0),
+            "reduce-scatters done when layer 0's backward began"
+        );
     }
 }
 
