@@ -59,10 +59,21 @@ impl std::fmt::Debug for LaterHandle {
 
 impl LaterHandle {
     /// Adds `later` to the parameter's gradient of this micro-batch. It does not mark the
-    /// gradient final: the parameter's hook still reports it (with a zero gradient), after.
+    /// gradient final: the parameter's hook still reports it, after, with a zero gradient
+    /// that is not added.
     pub(crate) fn hand(&self, later: LaterGrad) {
-        lock(&self.shared.later[self.param]).push(later);
+        let mut handed = lock(&self.shared.later[self.param]);
+        handed.grads.push(later);
+        handed.zero_owed = true;
     }
+}
+
+/// A parameter's gradients handed later ([`LaterHandle::hand`]).
+#[derive(Debug, Default)]
+struct Later {
+    grads: Vec<LaterGrad>,
+    /// Its hook's next report is the zero that follows a handed gradient.
+    zero_owed: bool,
 }
 
 /// Which parameters (by layout index) a bucket holds and where.
@@ -156,9 +167,9 @@ struct Shared {
     /// Per parameter: its gradient summed over the micro-batches so far, until its bucket is
     /// reduced.
     grads: Vec<Mutex<Option<Tensor<1>>>>,
-    /// Per parameter: gradients still being reduce-scattered ([`LaterGrad`]), added to
-    /// `grads` when the bucket is laid out.
-    later: Vec<Mutex<Vec<LaterGrad>>>,
+    /// Per parameter: gradients still being reduce-scattered, added to `grads` when the
+    /// bucket is laid out.
+    later: Vec<Mutex<Later>>,
     /// Per bucket: its sum over the ranks (all-reduce mode), until it is drained.
     reduced: Vec<Mutex<Option<Tensor<1>>>>,
     /// Per bucket: this rank's chunk of its sum (ZeRO modes), summed over the micro-batches.
@@ -183,7 +194,11 @@ impl Shared {
             self.wait_for_room();
             lock(&self.state).open[b] = true;
         }
-        self.sum_into(&self.grads[param], grad.cast(DType::F32));
+        // The zero a hook reports after its gradient was handed later is not added.
+        let owed = std::mem::take(&mut lock(&self.later[param]).zero_owed);
+        if !owed {
+            self.sum_into(&self.grads[param], grad.cast(DType::F32));
+        }
         let mut st = lock(&self.state);
         self.mark(&mut st, param);
     }
@@ -257,7 +272,8 @@ impl Shared {
     /// for now (on the communication thread).
     fn take_grad(&self, param: usize) -> Result<Option<Tensor<1>>, CommError> {
         let mut grad = lock(&self.grads[param]).take();
-        for later in std::mem::take(&mut *lock(&self.later[param])) {
+        let handed = std::mem::take(&mut *lock(&self.later[param]));
+        for later in handed.grads {
             let rows = later.rows.get()?.narrow(0, later.start, later.len);
             let rows = rows.to_device(&self.device).cast(DType::F32);
             self.hold(bytes(&rows));
@@ -404,7 +420,7 @@ impl Reducer {
             held: Mutex::new((0, 0)),
             numels: numels.to_vec(),
             grads: none(numels.len()),
-            later: (0..numels.len()).map(|_| Mutex::new(vec![])).collect(),
+            later: (0..numels.len()).map(|_| Mutex::default()).collect(),
             reduced: none(buckets.len()),
             shard: none(buckets.len()),
             chunks,
@@ -473,7 +489,7 @@ impl Reducer {
         for slot in s.grads.iter().chain(&s.reduced).chain(&s.shard) {
             lock(slot).take();
         }
-        s.later.iter().for_each(|later| lock(later).clear());
+        s.later.iter().for_each(|later| *lock(later) = Later::default());
         *lock(&s.held) = (0, 0);
         let mut st = lock(&s.state);
         st.next = 0;
