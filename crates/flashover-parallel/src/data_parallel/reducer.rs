@@ -489,7 +489,9 @@ impl Reducer {
         for slot in s.grads.iter().chain(&s.reduced).chain(&s.shard) {
             lock(slot).take();
         }
-        s.later.iter().for_each(|later| *lock(later) = Later::default());
+        s.later
+            .iter()
+            .for_each(|later| *lock(later) = Later::default());
         *lock(&s.held) = (0, 0);
         let mut st = lock(&s.state);
         st.next = 0;
