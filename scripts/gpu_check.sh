@@ -8,7 +8,7 @@
 #      collectives' time on CUDA tensors next to the same tensors staged through host memory;
 #   2. Burn's CUDA backend (NVRTC): the reference model trained at f32 and bf16, then
 #      `verify` (every layout against one rank, all ranks as threads on the one GPU) for data,
-#      ZeRO-1/3, tensor, pipeline (1F1B and zero-bubble) and context parallelism, and a few
+#      ZeRO-1/3, HSDP, tensor, pipeline (1F1B and zero-bubble) and context parallelism, and a few
 #      layouts again on the same GPU through wgpu/Vulkan (whose f32 matmuls are f32: CUDA's
 #      are TF32, see `verify`);
 #   3. a model that uses the GPU (examples/configs/gpu.toml: 0.82B parameters, sequences of 2048,
@@ -96,8 +96,9 @@ for precision in f32 bf16; do
   check "cuda_train_$precision" 180 "$BIN/flashover" train --device cuda --mesh dp=1 --steps 20 \
     --precision "$precision"
 done
-for layout in "dp=2" "fsdp=2 --zero 1" "fsdp=2 --zero 3" "tp=2" "pp=2 --micro-batches 2" "cp=2" \
-  "fsdp=2,tp=2,pp=2 --zero 3 --micro-batches 2" "pp=2 --micro-batches 2 --pp-schedule zb-h1"; do
+for layout in "dp=2" "fsdp=2 --zero 1" "fsdp=2 --zero 3" "dp=2,fsdp=2 --zero 3" "tp=2" \
+  "pp=2 --micro-batches 2" "cp=2" "fsdp=2,tp=2,pp=2 --zero 3 --micro-batches 2" \
+  "pp=2 --micro-batches 2 --pp-schedule zb-h1"; do
   # shellcheck disable=SC2086 # the layout is several arguments
   check "cuda_verify_${layout//[^a-z0-9]/_}" 180 "$BIN/flashover" verify --device cuda --steps 3 \
     --mesh $layout
