@@ -556,23 +556,24 @@ impl Stages {
         if !self.recompute.recomputes_block(index) {
             let view = self.compute_view_of(model, &part);
             let view = view.as_ref().unwrap_or(model);
-            return run_layer(
-                units.as_deref(),
-                model,
-                view,
-                index,
+            let units = units.as_deref().map(|units| UnitRun {
+                units,
                 ahead,
-                x,
                 input,
-                &batch,
-            );
+            });
+            return run_layer(units, model, view, index, x, &batch);
         }
         let (precision, cast_part) = (self.precision, part.clone());
         let run = move |m: &M, x: M::Activation| {
             let view = precision.map(|p| p.compute_view_of(m.clone(), &cast_part));
             let view = view.as_ref().unwrap_or(m);
             // Inside the recomputation the unit's reduce-scatter is the recomputation's.
-            run_layer(units.as_deref(), m, view, index, ahead, x, None, &batch)
+            let units = units.as_deref().map(|units| UnitRun {
+                units,
+                ahead,
+                input: None,
+            });
+            run_layer(units, m, view, index, x, &batch)
         };
         // The recomputed function takes the activation's tensors as one and returns the
         // output's and then the auxiliary loss as one, so their gradients reach the layer
@@ -637,18 +638,12 @@ impl Stages {
                 }
             };
             for i in self.layers[stage].clone() {
-                let ahead = Ahead::default();
-                x = run_layer(
-                    self.units.as_deref(),
-                    model,
-                    model,
-                    i,
-                    ahead,
-                    x,
-                    None,
-                    batch,
-                )
-                .0;
+                let units = self.units.as_deref().map(|units| UnitRun {
+                    units,
+                    ahead: Ahead::default(),
+                    input: None,
+                });
+                x = run_layer(units, model, model, i, x, batch).0;
             }
             if stage == last {
                 return Ok(Some(x));
@@ -838,21 +833,26 @@ fn with_input<A: StageBoundary>(x: A) -> (A, Option<Tensor<1>>) {
     (from_boundary_tensors(parts), input)
 }
 
-/// Layer `index` of `view` on `x` of micro-batch `batch` and its auxiliary loss, its fully
-/// sharded parameters gathered at once first from `stored`'s rows (the f32 parameters `view`
-/// may be a cast view of) when the layers are `units`, and then the all-gather of layer
-/// `next` submitted (not in a rerun in backward). The unit reduce-scatters right after the
-/// layer's backward when `input` is one of `x`'s tensors ([`with_input`]), at the end of
-/// backward without it.
-#[allow(clippy::too_many_arguments)]
+/// How a layer whose parameters are fully sharded units runs ([`run_layer`]).
+struct UnitRun<'a> {
+    units: &'a LayerUnits,
+    /// The layers whose all-gathers the run submits.
+    ahead: Ahead,
+    /// One of the layer's input tensors ([`with_input`]): the unit reduce-scatters right
+    /// after the layer's backward; without it, at the end of backward.
+    input: Option<Tensor<1>>,
+}
+
+/// Layer `index` of `view` on `x` of micro-batch `batch` and its auxiliary loss. When the
+/// layers are `units`, its fully sharded parameters are gathered at once first from
+/// `stored`'s rows (the f32 parameters `view` may be a cast view of), and then the all-gathers
+/// of the layers ahead submitted.
 fn run_layer<M>(
-    units: Option<&LayerUnits>,
+    units: Option<UnitRun<'_>>,
     stored: &M,
     view: &M,
     index: usize,
-    ahead: Ahead,
     x: M::Activation,
-    input: Option<Tensor<1>>,
     batch: &M::Batch,
 ) -> (M::Activation, Option<Tensor<1>>)
 where
@@ -861,7 +861,11 @@ where
     let model = view;
     match units {
         None => model.layer_for(index, x, batch),
-        Some(u) => {
+        Some(UnitRun {
+            units: u,
+            ahead,
+            input,
+        }) => {
             let shards = u.shards(stored, index);
             let names: Vec<String> = shards.iter().map(|(n, _)| n.clone()).collect();
             let _gathered = super::units::after_input(input, || {

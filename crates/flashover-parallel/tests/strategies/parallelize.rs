@@ -1192,6 +1192,59 @@ impl PipelineModel for Probed {
     }
 }
 
+/// Two pipeline steps of [`Probed`] under `plan` (which recomputes layer 0) on `mesh`, with
+/// `faults`: per rank, what `probe` returned when layer 0 ran again in backward in the second
+/// step. `probe` is made after the first step from the rank's flight recorder (the first step
+/// reduces buckets in layout order, then replans them in the order the gradients arrived, as
+/// DDP does).
+fn at_layer_zero_rerun<T, P>(
+    mesh: &str,
+    faults: FaultPlan,
+    plan: &ParallelizePlan,
+    probe: impl Fn(Arc<flashover_comm::FlightRecorder>) -> P + Sync,
+) -> Vec<Option<T>>
+where
+    T: Send + 'static,
+    P: FnMut() -> T + 'static,
+{
+    let device = Device::flex().autodiff();
+    Launch::new(mesh)
+        .unwrap()
+        .faults(faults)
+        .run(|ctx| {
+            let probed = Probed {
+                stack: Stack::new(&device),
+            };
+            let (model, par) = parallelize(probed, plan, &ctx)?;
+            let micro_batch = |samples| batch(samples, &device);
+            par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
+            let mut probe = probe(ctx.flight_recorder().expect("launched").clone());
+            let seen = Arc::new(Mutex::new(None));
+            let (mut forwards, saw) = (0, seen.clone());
+            let at_forward = move || {
+                forwards += 1;
+                // The first run is the forward; the second, the rerun in backward.
+                if forwards == 2 {
+                    *saw.lock().unwrap() = Some(probe());
+                }
+            };
+            LAYER_ZERO_PROBE.with(|p| *p.borrow_mut() = Some(Box::new(at_forward)));
+            let stepped = par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx);
+            LAYER_ZERO_PROBE.with(|p| p.borrow_mut().take());
+            stepped?;
+            let seen = seen.lock().unwrap().take();
+            Ok::<_, ParallelError>(seen)
+        })
+        .unwrap()
+}
+
+/// [`Stack`]'s pipeline rule for [`Probed`].
+fn probed_rule() -> PipelineRule {
+    PipelineRule::new("stack.layers", ScheduleKind::OneFOneB, 1)
+        .first(&["stack.input"])
+        .last(&["stack.norm"])
+}
+
 #[test]
 fn a_pipelined_layers_gradient_buckets_are_reduced_before_the_layers_below_run_backward() {
     // Layer 0 is recomputed: its forward runs again in backward, once the layers above it are
@@ -1199,76 +1252,41 @@ fn a_pipelined_layers_gradient_buckets_are_reduced_before_the_layers_below_run_b
     // The hooks of layers 1-3, placed after their layer's input, have filled buckets by then
     // (one parameter per bucket); hooks on the parameters alone run at the end of backward,
     // after it, and no bucket could be reduced.
-    let device = Device::flex().autodiff();
-    let rule = PipelineRule::new("stack.layers", ScheduleKind::OneFOneB, 1)
-        .first(&["stack.input"])
-        .last(&["stack.norm"]);
     let tiny = GradientBuckets::default().bucket_mb(4.0 / (1 << 20) as f64);
-    let plan = (ParallelizePlan::new().pipeline(rule))
+    let plan = (ParallelizePlan::new().pipeline(probed_rule()))
         .activation_checkpointing(CheckpointPolicy::Blocks(vec![0]))
         .gradient_buckets(tiny);
-    let reduced = Launch::new("dp=2")
-        .unwrap()
-        .run(|ctx| {
-            let probed = Probed {
-                stack: Stack::new(&device),
-            };
-            let (model, par) = parallelize(probed, &plan, &ctx)?;
-            let micro_batch = |samples| batch(samples, &device);
-            let recorder = ctx.flight_recorder().expect("launched").clone();
-            let buckets_done = move || {
-                let entries = recorder.dump_data().entries.into_iter();
-                entries
-                    .filter(|e| e.group.starts_with("dp[") && e.op == OpKind::AllReduce)
-                    .filter(|e| e.end_us.is_some())
-                    .count()
-            };
-            // The first step reduces buckets in layout order, then replans them in the order
-            // the gradients arrived (as DDP does): the second step is the one probed.
-            par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
-            let before = buckets_done();
-            let seen = Arc::new(Mutex::new(None));
-            let (mut forwards, saw) = (0, seen.clone());
-            let probe = move || {
-                forwards += 1;
-                if forwards == 2 {
-                    // The rerun in backward.
-                    let deadline = Instant::now() + Duration::from_secs(20);
-                    while buckets_done() == before && Instant::now() < deadline {
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
-                    *saw.lock().unwrap() = Some(buckets_done() > before);
-                }
-            };
-            LAYER_ZERO_PROBE.with(|p| *p.borrow_mut() = Some(Box::new(probe)));
-            let stepped = par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx);
-            LAYER_ZERO_PROBE.with(|p| p.borrow_mut().take());
-            stepped?;
-            let seen = *seen.lock().unwrap();
-            Ok::<_, ParallelError>(seen)
-        })
-        .unwrap();
+    let reduced = at_layer_zero_rerun("dp=2", FaultPlan::new(), &plan, |recorder| {
+        let buckets_done = move || {
+            let entries = recorder.dump_data().entries.into_iter();
+            entries
+                .filter(|e| e.group.starts_with("dp[") && e.op == OpKind::AllReduce)
+                .filter(|e| e.end_us.is_some())
+                .count()
+        };
+        let before = buckets_done();
+        move || {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while buckets_done() == before && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            buckets_done() > before
+        }
+    });
     for seen in reduced {
-        assert_eq!(
-            seen,
-            Some(true),
-            "no bucket was reduced before layer 0's backward"
-        );
+        let message = "no bucket was reduced before layer 0's backward";
+        assert_eq!(seen, Some(true), "{message}");
     }
 }
 
 #[test]
 fn under_hsdp_backward_goes_on_while_a_units_reduce_scatter_runs() {
     // Layers 1-3 are fully sharded units over fsdp, reduced over dp by gradient buckets
-    // (HSDP); layer 0 is replicated and recomputed. Every rank's reduce-scatters are 300 ms late.
-    // The bucket takes each unit's reduce-scatter unwaited, so backward reaches layer 0's
-    // rerun before any reduce-scatter of the step is done; waiting for each in backward, it
-    // would get there after all three.
-    let device = Device::flex().autodiff();
-    let rule = PipelineRule::new("stack.layers", ScheduleKind::OneFOneB, 1)
-        .first(&["stack.input"])
-        .last(&["stack.norm"]);
-    let plan = (ParallelizePlan::new().pipeline(rule))
+    // (HSDP); layer 0 is replicated and recomputed. Every rank's reduce-scatters are 300 ms
+    // late. The bucket takes each unit's reduce-scatter unwaited, so backward reaches layer
+    // 0's rerun before any reduce-scatter of the step is done; waiting for each in backward,
+    // it would get there after all three.
+    let plan = (ParallelizePlan::new().pipeline(probed_rule()))
         .fully_shard("stack.layers.1")
         .fully_shard("stack.layers.2")
         .fully_shard("stack.layers.3")
@@ -1276,52 +1294,24 @@ fn under_hsdp_backward_goes_on_while_a_units_reduce_scatter_runs() {
     let slow = (0..4).fold(FaultPlan::new(), |plan, rank| {
         plan.delay_every(rank, OpKind::ReduceScatter, Duration::from_millis(300))
     });
-    let done_at_rerun = Launch::new("dp=2,fsdp=2")
-        .unwrap()
-        .faults(slow)
-        .run(|ctx| {
-            let probed = Probed {
-                stack: Stack::new(&device),
-            };
-            let (model, par) = parallelize(probed, &plan, &ctx)?;
-            let micro_batch = |samples| batch(samples, &device);
-            let recorder = ctx.flight_recorder().expect("launched").clone();
-            let scatters_done = move || {
-                let entries = recorder.dump_data().entries.into_iter();
-                entries
-                    .filter(|e| e.op == OpKind::ReduceScatter && e.end_us.is_some())
-                    .count()
-            };
-            par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
-            let before = scatters_done();
-            assert_eq!(
-                before,
-                LAYERS - 1,
-                "the first step reduce-scatters each unit"
-            );
-            let seen = Arc::new(Mutex::new(None));
-            let (mut forwards, saw) = (0, seen.clone());
-            let probe = move || {
-                forwards += 1;
-                if forwards == 2 {
-                    // The rerun in backward.
-                    *saw.lock().unwrap() = Some(scatters_done() - before);
-                }
-            };
-            LAYER_ZERO_PROBE.with(|p| *p.borrow_mut() = Some(Box::new(probe)));
-            let stepped = par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx);
-            LAYER_ZERO_PROBE.with(|p| p.borrow_mut().take());
-            stepped?;
-            let seen = *seen.lock().unwrap();
-            Ok::<_, ParallelError>(seen)
-        })
-        .unwrap();
-    for done in done_at_rerun {
+    let done_at_rerun = at_layer_zero_rerun("dp=2,fsdp=2", slow, &plan, |recorder| {
+        let scatters_done = move || {
+            let entries = recorder.dump_data().entries.into_iter();
+            entries
+                .filter(|e| e.op == OpKind::ReduceScatter && e.end_us.is_some())
+                .count()
+        };
+        let before = scatters_done();
         assert_eq!(
-            done,
-            Some(0),
-            "reduce-scatters done when layer 0's backward began"
+            before,
+            LAYERS - 1,
+            "the first step reduce-scatters each unit"
         );
+        move || scatters_done() - before
+    });
+    for done in done_at_rerun {
+        let message = "reduce-scatters done when layer 0's backward began";
+        assert_eq!(done, Some(0), "{message}");
     }
 }
 
