@@ -5,9 +5,8 @@
 //! computes, in one op:
 //! - without sequence parallelism *f*: `x W` on the whole input, the input's gradient
 //!   all-reduced;
-//! - with it, the input `[batch, seq / tp, d_in]` all-gathered along the sequence (on the
-//!   stream, while this rank's own positions are multiplied), the gradient reduce-scattered
-//!   back.
+//! - with it, the input `[batch, seq / tp, d_in]` all-gathered along the sequence first, the
+//!   gradient reduce-scattered back.
 //!
 //! Every rank's backward submits the same collectives in the same order, and waits for each
 //! before its next collective on `tp`, so the stream and the computing thread never use the
@@ -59,51 +58,19 @@ pub(crate) trait ColwiseOps: Backend {
     ) -> FloatTensor<Self>;
 }
 
-/// The entry's forward and the product: `x` (`[batch, seq, d_in]`) as rows of the whole
-/// sequences, the whole input's shape, and `rows W`. With sequence parallelism the all-gather
-/// of the other ranks' positions runs on the stream while this rank's own positions are
-/// multiplied, and theirs are multiplied once they arrive (TorchTitan's async TP, the gather
-/// hidden behind a `1 / tp` share of the product). A failed gather panics with its
-/// `CommError`, as inside every op.
-fn gathered_product<B: Backend>(
-    x: FloatTensor<B>,
-    w: FloatTensor<B>,
-    entry: &Entry,
-) -> (Tensor<2>, [usize; 3], FloatTensor<B>)
+/// The entry's forward: `x` (`[batch, seq, d_in]`) as rows of the whole sequences, gathered
+/// over `tp` with sequence parallelism; and the whole input's shape. A failed gather panics
+/// with its `CommError`, as inside every op.
+fn whole_rows<B: Backend>(x: FloatTensor<B>, entry: &Entry) -> (Tensor<2>, [usize; 3])
 where
     DispatchTensor: DispatchKindConversion<B>,
 {
-    let x = to_tensor::<B, 3>(x);
-    if !entry.sequence_parallel {
-        let whole = x.dims();
-        let rows = x.reshape([whole[0] * whole[1], whole[2]]);
-        let out = matmul::<B>(from_tensor::<B, 2>(rows.clone()), w);
-        return (rows, whole, out);
+    let mut x = to_tensor::<B, 3>(x);
+    if entry.sequence_parallel {
+        x = ok(entry.stream.group().all_gather_tensor(x, 1));
     }
-    let [batch, local, d_in] = x.dims();
-    let gathering = {
-        let x = x.clone();
-        entry.stream.submit(move |tp| tp.all_gather_tensor(x, 1))
-    };
-    let w = to_tensor::<B, 2>(w);
-    let d_out = w.dims()[1];
-    let product = |part: Tensor<3>| {
-        let rows = part.reshape([batch * local, d_in]);
-        rows.matmul(w.clone()).reshape([batch, local, d_out])
-    };
-    let mut own = Some(product(x));
-    let gathered = ok(gathering.wait());
-    let tp = entry.stream.group();
-    let parts = (0..tp.size())
-        .map(|r| match r == tp.rank() {
-            true => own.take().expect("one own part"),
-            false => product(gathered.clone().narrow(1, r * local, local)),
-        })
-        .collect();
-    let whole = [batch, local * tp.size(), d_in];
-    let out = Tensor::cat(parts, 1).reshape([whole[0] * whole[1], d_out]);
-    let rows = gathered.reshape([whole[0] * whole[1], d_in]);
-    (rows, whole, from_tensor::<B, 2>(out))
+    let whole = x.dims();
+    (x.reshape([whole[0] * whole[1], whole[2]]), whole)
 }
 
 /// The forward of the op without autodiff.
@@ -111,7 +78,8 @@ fn forward<B: Backend>(x: FloatTensor<B>, w: FloatTensor<B>, entry: &Entry) -> F
 where
     DispatchTensor: DispatchKindConversion<B>,
 {
-    gathered_product::<B>(x, w, entry).2
+    let (rows, _) = whole_rows::<B>(x, entry);
+    matmul::<B>(from_tensor::<B, 2>(rows), w)
 }
 
 crate::collective_op::for_inner_backends! {
@@ -171,7 +139,8 @@ where
     ) -> FloatTensor<Self> {
         let nodes = [x.node(), weight.node()];
         let (input, weight) = (x.into_primitive(), weight.into_primitive());
-        let (rows, whole, out) = gathered_product::<B>(input, weight.clone(), &entry);
+        let (rows, whole) = whole_rows::<B>(input, &entry);
+        let out = matmul::<B>(from_tensor::<B, 2>(rows.clone()), weight.clone());
         match ColwiseBackward
             .prepare::<C>(nodes)
             .compute_bound()
