@@ -9,7 +9,7 @@
 
 use crate::communicator::{Communicator, DeviceCollectives, Group};
 use crate::dtype::DType;
-use crate::error::CommResult;
+use crate::error::{CommError, CommResult};
 use crate::host_buffers::HostBuffers;
 use crate::op::{OpKind, ReduceOp};
 use crate::stats::CommStats;
@@ -17,7 +17,7 @@ use crate::traffic::{GroupTraffic, TrafficTable};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -69,6 +69,9 @@ pub struct FlightRecorder {
     next_id: AtomicU64,
     /// Every byte-level call on a host buffer, by purpose (not a ring: all of them).
     host_buffers: Mutex<HostBuffers>,
+    /// Whether a host buffer that is neither the tensor adapter's staging nor control values
+    /// fails its call ([`FlightRecorder::refuse_unmarked`]).
+    refuse_unmarked: AtomicBool,
 }
 
 /// A recorded call as kept in the ring.
@@ -104,7 +107,16 @@ impl FlightRecorder {
             entries: Mutex::new(VecDeque::with_capacity(capacity.max(1))),
             next_id: AtomicU64::new(0),
             host_buffers: Mutex::new(HostBuffers::default()),
+            refuse_unmarked: AtomicBool::new(false),
         })
+    }
+
+    /// From now on, the recorded groups take only what an engine of device memory would: a
+    /// tensor's bytes through the tensor adapter (which stages them where the engine takes
+    /// host memory) and control values. Any other host buffer fails its call, on the caller's
+    /// rank only, naming the call (see [`crate::host_buffers`]).
+    pub fn refuse_unmarked(&self) {
+        self.refuse_unmarked.store(true, Ordering::Relaxed);
     }
 
     /// This rank's byte-level calls on host buffers so far, by purpose: staged by the tensor
@@ -237,9 +249,19 @@ impl Recorded {
         dtype: DType,
         call: impl FnOnce() -> CommResult<T>,
     ) -> CommResult<T> {
-        (self.recorder.host_buffers.lock())
+        let unmarked = (self.recorder.host_buffers.lock())
             .unwrap_or_else(|p| p.into_inner())
             .note(op, self.inner.name(), dtype, bytes);
+        if unmarked && self.recorder.refuse_unmarked.load(Ordering::Relaxed) {
+            return Err(CommError::Engine {
+                engine: "flight recorder",
+                detail: format!(
+                    "{op:?} of {bytes} B {dtype:?} on {}: a host buffer outside the tensor \
+                     adapter, refused (an engine of device memory could not take it)",
+                    self.inner.name()
+                ),
+            });
+        }
         self.record(op, bytes, call)
     }
 }
@@ -602,5 +624,29 @@ mod tests {
             );
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn refusing_unmarked_host_buffers_fails_their_call_and_takes_staging_and_control() {
+        let comms = ThreadWorld::new(1).build();
+        let recorder = FlightRecorder::new(0, 8);
+        let comm = comms.into_iter().next().expect("one rank");
+        let group = Group::new(Arc::new(comm)).recorded(recorder.clone());
+        recorder.refuse_unmarked();
+        let mut v = [1.0f32; 4];
+        let refused = group
+            .all_reduce(&mut v, ReduceOp::Sum)
+            .unwrap_err()
+            .to_string();
+        assert!(refused.contains("outside the tensor adapter"), "{refused}");
+        assert!(refused.contains("AllReduce of 16 B"), "{refused}");
+        crate::control(|| group.all_reduce(&mut v, ReduceOp::Sum)).unwrap();
+        crate::host_buffers::marked(crate::host_buffers::Purpose::Staging, || {
+            group.all_reduce(&mut v, ReduceOp::Sum)
+        })
+        .unwrap();
+        let tally = recorder.host_buffers();
+        assert_eq!((tally.unmarked.calls, tally.control.calls), (1, 1));
+        assert_eq!(tally.staged.calls, 1);
     }
 }

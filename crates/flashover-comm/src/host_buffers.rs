@@ -86,7 +86,8 @@ pub struct HostBuffers {
 }
 
 impl HostBuffers {
-    pub(crate) fn note(&mut self, op: OpKind, group: &str, dtype: DType, bytes: usize) {
+    /// Tallies a call; whether it was unmarked (neither staging nor control).
+    pub(crate) fn note(&mut self, op: OpKind, group: &str, dtype: DType, bytes: usize) -> bool {
         match current() {
             Some(Purpose::Staging) => self.staged.add(bytes),
             Some(Purpose::Control) => {
@@ -102,7 +103,9 @@ impl HostBuffers {
                     self.first_unmarked
                         .push(format!("{op:?} of {bytes} B {dtype:?} on {group}"));
                 }
+                return true;
             }
         }
+        false
     }
 }

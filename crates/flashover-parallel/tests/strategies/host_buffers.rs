@@ -1,8 +1,9 @@
 //! Tensors reach the engines only through the tensor adapter. Every rank's groups are
 //! flight-recorded, and the recorder tallies each byte-level call on a host buffer by purpose:
 //! a tensor's bytes staged by `TensorCollectives` (the one place allowed to stage), control
-//! values (counts, flags, codes, scalar metrics), or neither. Two steps and the whole-model
-//! gather of every strategy, alone and composed, make no call of the third kind, and their
+//! values (counts, flags, codes, scalar metrics), or neither; set to refuse the third kind, it
+//! fails such a call as an engine of device memory would. Two steps and the whole-model gather
+//! of every strategy, alone and composed, run so, make no call of the third kind, and their
 //! control calls carry no more than a few floats: no strategy hands the engine a host buffer of
 //! its own, so on an engine that takes device memory every tensor would go as device memory.
 
@@ -68,6 +69,12 @@ fn tallies(
     Launch::new(mesh)
         .unwrap()
         .run(|ctx| {
+            // As an engine of device memory would: a host buffer of a strategy's own fails
+            // its call, naming it.
+            let recorder = ctx
+                .flight_recorder()
+                .expect("the launcher records every group");
+            recorder.refuse_unmarked();
             let device = Device::flex().autodiff();
             let (mut model, par) = parallelize(TwoStreams::new(experts, &device), &plan, &ctx)?;
             let micro_batch = micro_batches(&par, &device)?;
