@@ -31,6 +31,7 @@ mod context;
 mod cuda_memory;
 mod device;
 mod launch;
+mod output_pool;
 mod process_env;
 mod stream;
 mod tensor;

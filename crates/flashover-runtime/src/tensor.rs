@@ -12,6 +12,7 @@
 //! outside any autodiff graph. Differentiable collectives (Megatron's conjugate operators) live
 //! with the strategies that need them.
 
+use crate::output_pool::output;
 use crate::transfers::{self, Cause};
 use burn::tensor::{Bytes, DType as BurnDType, Tensor, TensorData};
 use flashover_comm::host_buffers::{self, Purpose};
@@ -205,18 +206,6 @@ fn stage<C: Communicator + ?Sized, const D: usize>(
     })
 }
 
-/// `len` zero bytes for elements of `dtype`, aligned for them. (`Bytes::from_bytes_vec` would
-/// copy a `Vec<u8>` into a new allocation to align it; a vector of the element's width is
-/// taken as it is.)
-fn zeroed(len: usize, dtype: DType) -> Bytes {
-    match dtype.size() {
-        2 => Bytes::from_elems(vec![0u16; len / 2]),
-        4 => Bytes::from_elems(vec![0u32; len / 4]),
-        8 => Bytes::from_elems(vec![0u64; len / 8]),
-        _ => Bytes::from_elems(vec![0u8; len]),
-    }
-}
-
 /// A tensor of `dtype` on `device` built on `bytes` (on Flex, without a copy).
 fn unstage<const D: usize>(
     bytes: Bytes,
@@ -277,7 +266,7 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
             Err(tensor) => {
                 let device = tensor.device();
                 let s = stage(self, OpKind::AllGather, *tensor)?;
-                let mut recv = zeroed(s.bytes.len() * n, s.dtype);
+                let mut recv = output(s.bytes.len() * n, s.dtype.size());
                 staged(|| self.all_gather_bytes(&s.bytes, &mut recv, s.dtype))?;
                 let mut stacked = s.shape.clone();
                 stacked[0] *= n;
@@ -327,7 +316,7 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
             Err(blocks) => *blocks,
         };
         let s = stage(self, OpKind::ReduceScatter, blocks)?;
-        let mut recv = zeroed(s.bytes.len() / n, s.dtype);
+        let mut recv = output(s.bytes.len() / n, s.dtype.size());
         staged(|| self.reduce_scatter_bytes(&s.bytes, &mut recv, s.dtype, op))?;
         let mut shape = dims.to_vec();
         shape[dim] /= n;
@@ -372,7 +361,7 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         let s = stage(self, OpKind::AllToAll, tensor)?;
         let elements = |rows: &[usize]| rows.iter().map(|r| r * row).collect::<Vec<_>>();
         let received: usize = recv_rows.iter().sum();
-        let mut recv = zeroed(received * row * s.dtype.size(), s.dtype);
+        let mut recv = output(received * row * s.dtype.size(), s.dtype.size());
         staged(|| {
             self.all_to_all_v_bytes(
                 &s.bytes,
@@ -407,7 +396,7 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         if let Some(done) = recv_on_device(self, shape, dtype, tag, src, device) {
             return done;
         }
-        let mut bytes = zeroed(shape.iter().product::<usize>() * tag.size(), tag);
+        let mut bytes = output(shape.iter().product::<usize>() * tag.size(), tag.size());
         staged(|| self.recv_bytes(&mut bytes, tag, src))?;
         Ok(unstage(bytes, shape.to_vec(), dtype, device))
     }
