@@ -71,17 +71,12 @@ pub(crate) fn output(len: usize, align: usize) -> Bytes {
     // The lengths a buffer for `len` bytes has: whole 8-byte words, or whole 4-byte ones.
     let sizes = [len.div_ceil(8) * 8, len.div_ceil(4) * 4];
     let reused = pool().as_mut().and_then(|pool| {
-        let fits = |b: &Buffer| b.align() >= align;
-        let size = *sizes.iter().find(|size| {
-            pool.free
-                .get(size)
-                .is_some_and(|free| free.iter().any(fits))
-        })?;
-        let free = pool.free.get_mut(&size)?;
-        let at = free.iter().position(fits)?;
-        let buffer = free.swap_remove(at);
-        pool.bytes -= buffer.bytes();
-        Some(buffer)
+        sizes.iter().find_map(|size| {
+            let free = pool.free.get_mut(size)?;
+            let buffer = free.swap_remove(free.iter().position(|b| b.align() >= align)?);
+            pool.bytes -= buffer.bytes();
+            Some(buffer)
+        })
     });
     let buffer = reused.unwrap_or_else(|| match align > 4 || len.is_multiple_of(8) {
         true => Buffer::U64(vec![0; len.div_ceil(8)]),

@@ -479,7 +479,7 @@ impl BucketedReduction {
 
     /// `model` with a gradient hook on every parameter this rank reduces, each handing its
     /// gradient to its bucket (the parameter then receives none). The hooks run at the end of
-    /// backward; [`Self::hooked_after`] runs a layer's when its backward is done.
+    /// backward; [`Self::hooked_where`] places a layer's to run when its backward is done.
     pub(crate) fn hooked<M: Module>(&self, model: &M) -> M {
         self.hooked_where(model, &|_| true, None)
     }
