@@ -12,6 +12,7 @@
 //! outside any autodiff graph. Differentiable collectives (Megatron's conjugate operators) live
 //! with the strategies that need them.
 
+use crate::input_release::release;
 use crate::output_pool::output;
 use crate::transfers::{self, Cause};
 use burn::tensor::{Bytes, DType as BurnDType, Tensor, TensorData};
@@ -268,6 +269,7 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
                 let s = stage(self, OpKind::AllGather, *tensor)?;
                 let mut recv = output(s.bytes.len() * n, s.dtype.size());
                 staged(|| self.all_gather_bytes(&s.bytes, &mut recv, s.dtype))?;
+                release(s.bytes);
                 let mut stacked = s.shape.clone();
                 stacked[0] *= n;
                 unstage(recv, stacked, s.burn_dtype, &device)
@@ -318,6 +320,7 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         let s = stage(self, OpKind::ReduceScatter, blocks)?;
         let mut recv = output(s.bytes.len() / n, s.dtype.size());
         staged(|| self.reduce_scatter_bytes(&s.bytes, &mut recv, s.dtype, op))?;
+        release(s.bytes);
         let mut shape = dims.to_vec();
         shape[dim] /= n;
         Ok(unstage(recv, shape, s.burn_dtype, &device))
@@ -371,6 +374,7 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
                 s.dtype,
             )
         })?;
+        release(s.bytes);
         let mut shape = dims.to_vec();
         shape[0] = received;
         Ok(unstage(recv, shape, s.burn_dtype, &device))
@@ -382,7 +386,9 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
             Err(tensor) => *tensor,
         };
         let s = stage(self, OpKind::Send, tensor)?;
-        staged(|| self.send_bytes(&s.bytes, s.dtype, dst))
+        staged(|| self.send_bytes(&s.bytes, s.dtype, dst))?;
+        release(s.bytes);
+        Ok(())
     }
 
     fn recv_tensor<const D: usize>(
