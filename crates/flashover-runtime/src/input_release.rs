@@ -11,7 +11,6 @@
 //! [`IN_FLIGHT`] buffers wait: past that the caller frees its own, so the memory held for
 //! release stays bounded.
 
-use burn::tensor::Bytes;
 use std::sync::OnceLock;
 use std::sync::mpsc::{SyncSender, sync_channel};
 
@@ -22,13 +21,16 @@ const RELEASED_FROM: usize = 32 << 20;
 /// The most buffers waiting to be freed at once.
 const IN_FLIGHT: usize = 4;
 
-/// The release thread's queue; `None` where the thread could not be started.
-static RELEASER: OnceLock<Option<SyncSender<Bytes>>> = OnceLock::new();
+/// Something holding a buffer, to be dropped.
+type Held = Box<dyn Send>;
 
-fn releaser() -> Option<&'static SyncSender<Bytes>> {
+/// The release thread's queue; `None` where the thread could not be started.
+static RELEASER: OnceLock<Option<SyncSender<Held>>> = OnceLock::new();
+
+fn releaser() -> Option<&'static SyncSender<Held>> {
     RELEASER
         .get_or_init(|| {
-            let (send, receive) = sync_channel::<Bytes>(IN_FLIGHT);
+            let (send, receive) = sync_channel::<Held>(IN_FLIGHT);
             std::thread::Builder::new()
                 .name("flashover-release".into())
                 .spawn(move || receive.into_iter().for_each(drop))
@@ -38,22 +40,22 @@ fn releaser() -> Option<&'static SyncSender<Bytes>> {
         .as_ref()
 }
 
-/// Frees `bytes`, a buffer nothing reads any more: on the release thread when it is large
-/// and the queue has room, else here.
-pub(crate) fn release(bytes: Bytes) {
-    if bytes.len() < RELEASED_FROM {
+/// Drops `held`, which frees a buffer of `bytes` nothing reads any more: on the release
+/// thread when the buffer is large and the queue has room, else here.
+pub(crate) fn release(held: impl Send + 'static, bytes: usize) {
+    if bytes < RELEASED_FROM {
         return;
     }
     if let Some(releaser) = releaser() {
         // A full queue hands the buffer back inside the error, which frees it here.
-        let _ = releaser.try_send(bytes);
+        let _ = releaser.try_send(Box::new(held));
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::tensor::AllocationProperty;
+    use burn::tensor::{AllocationProperty, Bytes};
     use burn_std::{AccessError, AccessPolicy, AllocationController};
     use std::mem::MaybeUninit;
     use std::sync::mpsc::{Sender, channel};
@@ -105,13 +107,13 @@ mod tests {
     fn a_large_consumed_buffer_is_freed_off_the_callers_thread_and_a_small_one_on_it() {
         let (freed_on, freed) = channel();
         let here = std::thread::current().id();
-        release(reporting(RELEASED_FROM - 1, &freed_on));
+        release(reporting(RELEASED_FROM - 1, &freed_on), RELEASED_FROM - 1);
         assert_eq!(
             freed.recv().unwrap(),
             here,
             "a small buffer is freed by the caller"
         );
-        release(reporting(RELEASED_FROM, &freed_on));
+        release(reporting(RELEASED_FROM, &freed_on), RELEASED_FROM);
         let there = freed
             .recv_timeout(std::time::Duration::from_secs(10))
             .expect("the release thread frees the buffer");

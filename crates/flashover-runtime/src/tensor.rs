@@ -8,16 +8,21 @@
 //! `into_data`: on Flex, whose tensors are host memory, a tensor no other value shares gives up
 //! its own buffer, the engine works on it in place and the result is built on that same buffer,
 //! so an all-reduce or broadcast copies nothing outside the engine (a shared tensor is copied
-//! once). These move values, not gradients: results are fresh tensors on the input's device,
+//! once). An engine that only reads a tensor (all-gather, reduce-scatter, all-to-all, send)
+//! reads a contiguous Flex tensor where it lies, shared or a view into a larger buffer, with
+//! no copy. These move values, not gradients: results are fresh tensors on the input's device,
 //! outside any autodiff graph. Differentiable collectives (Megatron's conjugate operators) live
 //! with the strategies that need them.
 
 use crate::input_release::release;
 use crate::output_pool::output;
 use crate::transfers::{self, Cause};
+use burn::backend::Flex;
+use burn::backend::tensor::FloatTensor;
 use burn::tensor::{Bytes, DType as BurnDType, Tensor, TensorData};
 use flashover_comm::host_buffers::{self, Purpose};
 use flashover_comm::{CommError, CommResult, Communicator, DType, OpKind, ReduceOp};
+use std::ops::Range;
 
 /// The collective operations on whole tensors, for every [`Communicator`] (and so every
 /// [`flashover_comm::Group`]).
@@ -207,6 +212,83 @@ fn stage<C: Communicator + ?Sized, const D: usize>(
     })
 }
 
+/// Where an engine that only reads a tensor finds its values.
+enum Values {
+    /// A Flex tensor's buffer, and the bytes of the tensor's values in it.
+    Flex(FloatTensor<Flex>, Range<usize>),
+    /// The tensor's staged bytes.
+    Staged(Bytes),
+}
+
+/// A tensor's values for an engine that only reads them, its shape and dtypes.
+struct ReadOnly {
+    values: Values,
+    shape: Vec<usize>,
+    burn_dtype: BurnDType,
+    dtype: DType,
+}
+
+impl ReadOnly {
+    fn bytes(&self) -> &[u8] {
+        match &self.values {
+            Values::Flex(tensor, range) => &tensor.bytes()[range.clone()],
+            Values::Staged(bytes) => bytes,
+        }
+    }
+
+    /// Done reading: a buffer now held by nothing else is freed ([`release`]).
+    fn release(self) {
+        match self.values {
+            Values::Flex(tensor, _) if tensor.is_unique() => {
+                let len = tensor.bytes().len();
+                release(tensor, len);
+            }
+            Values::Flex(..) => {}
+            Values::Staged(bytes) => {
+                let len = bytes.len();
+                release(bytes, len);
+            }
+        }
+    }
+}
+
+/// `tensor`'s values for an engine that only reads them: a contiguous Flex tensor's own
+/// buffer (shared with other tensors or not, a view or not), else its staged bytes.
+fn read_only<C: Communicator + ?Sized, const D: usize>(
+    comm: &C,
+    op: OpKind,
+    tensor: Tensor<D>,
+) -> CommResult<ReadOnly> {
+    // From a clone, so the tensor is still at hand when it is not on Flex (dropped before the
+    // engine runs, so a tensor nothing else holds stays this call's alone).
+    if let Ok(flex) = tensor.clone().try_into_primitive::<Flex>()
+        && let Some((start, end)) = flex.layout().contiguous_offsets()
+    {
+        let burn_dtype = flex.dtype();
+        let size = burn_dtype.size();
+        let range = start * size..end * size;
+        if range.end <= flex.bytes().len() {
+            let dtype = checked_dtype(comm, op, burn_dtype)?;
+            let shape = tensor.dims().to_vec();
+            drop(tensor);
+            transfers::to_host(Cause::Collective, range.len());
+            return Ok(ReadOnly {
+                values: Values::Flex(flex, range),
+                shape,
+                burn_dtype,
+                dtype,
+            });
+        }
+    }
+    let s = stage(comm, op, tensor)?;
+    Ok(ReadOnly {
+        values: Values::Staged(s.bytes),
+        shape: s.shape,
+        burn_dtype: s.burn_dtype,
+        dtype: s.dtype,
+    })
+}
+
 /// A tensor of `dtype` on `device` built on `bytes` (on Flex, without a copy).
 fn unstage<const D: usize>(
     bytes: Bytes,
@@ -266,13 +348,14 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
             Ok(done) => done?,
             Err(tensor) => {
                 let device = tensor.device();
-                let s = stage(self, OpKind::AllGather, *tensor)?;
-                let mut recv = output(s.bytes.len() * n, s.dtype.size());
-                staged(|| self.all_gather_bytes(&s.bytes, &mut recv, s.dtype))?;
-                release(s.bytes);
+                let s = read_only(self, OpKind::AllGather, *tensor)?;
+                let mut recv = output(s.bytes().len() * n, s.dtype.size());
+                staged(|| self.all_gather_bytes(s.bytes(), &mut recv, s.dtype))?;
                 let mut stacked = s.shape.clone();
                 stacked[0] *= n;
-                unstage(recv, stacked, s.burn_dtype, &device)
+                let burn_dtype = s.burn_dtype;
+                s.release();
+                unstage(recv, stacked, burn_dtype, &device)
             }
         };
         if dim == 0 || n == 1 {
@@ -317,13 +400,14 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
             Ok(done) => return done,
             Err(blocks) => *blocks,
         };
-        let s = stage(self, OpKind::ReduceScatter, blocks)?;
-        let mut recv = output(s.bytes.len() / n, s.dtype.size());
-        staged(|| self.reduce_scatter_bytes(&s.bytes, &mut recv, s.dtype, op))?;
-        release(s.bytes);
+        let s = read_only(self, OpKind::ReduceScatter, blocks)?;
+        let mut recv = output(s.bytes().len() / n, s.dtype.size());
+        staged(|| self.reduce_scatter_bytes(s.bytes(), &mut recv, s.dtype, op))?;
         let mut shape = dims.to_vec();
         shape[dim] /= n;
-        Ok(unstage(recv, shape, s.burn_dtype, &device))
+        let burn_dtype = s.burn_dtype;
+        s.release();
+        Ok(unstage(recv, shape, burn_dtype, &device))
     }
 
     fn all_to_all_tensor<const D: usize>(
@@ -361,23 +445,24 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         };
         let device = tensor.device();
         let row: usize = dims[1..].iter().product();
-        let s = stage(self, OpKind::AllToAll, tensor)?;
+        let s = read_only(self, OpKind::AllToAll, tensor)?;
         let elements = |rows: &[usize]| rows.iter().map(|r| r * row).collect::<Vec<_>>();
         let received: usize = recv_rows.iter().sum();
         let mut recv = output(received * row * s.dtype.size(), s.dtype.size());
         staged(|| {
             self.all_to_all_v_bytes(
-                &s.bytes,
+                s.bytes(),
                 &elements(send_rows),
                 &mut recv,
                 &elements(recv_rows),
                 s.dtype,
             )
         })?;
-        release(s.bytes);
+        let burn_dtype = s.burn_dtype;
+        s.release();
         let mut shape = dims.to_vec();
         shape[0] = received;
-        Ok(unstage(recv, shape, s.burn_dtype, &device))
+        Ok(unstage(recv, shape, burn_dtype, &device))
     }
 
     fn send_tensor<const D: usize>(&self, tensor: &Tensor<D>, dst: usize) -> CommResult<()> {
@@ -385,9 +470,9 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
             Ok(done) => return done,
             Err(tensor) => *tensor,
         };
-        let s = stage(self, OpKind::Send, tensor)?;
-        staged(|| self.send_bytes(&s.bytes, s.dtype, dst))?;
-        release(s.bytes);
+        let s = read_only(self, OpKind::Send, tensor)?;
+        staged(|| self.send_bytes(s.bytes(), s.dtype, dst))?;
+        s.release();
         Ok(())
     }
 

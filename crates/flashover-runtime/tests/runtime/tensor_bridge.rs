@@ -54,6 +54,59 @@ fn tensor_collectives_match_hand_computed_values() {
     }
 }
 
+/// Engines that only read a tensor read a Flex tensor where it lies: a view into a larger
+/// buffer (rows 1..3 of 4, at an offset) and a transposed (not contiguous) tensor must give
+/// the same values as a fresh tensor, and the tensors they were read from stay as they were.
+#[test]
+fn collectives_that_read_views_and_transposes_see_their_values() {
+    let got = launch(2, |ctx| {
+        let dev = ctx.device().clone();
+        let w = ctx.world();
+        let r = ctx.rank() as f32 * 10.0;
+        // [[r, r+1], [r+2, r+3], [r+4, r+5], [r+6, r+7]]
+        let whole =
+            Tensor::<2>::from_floats([[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]], &dev) + r;
+        let view = whole.clone().narrow(0, 1, 2); // rows 1 and 2
+        let transposed = whole.clone().narrow(0, 0, 2).transpose(); // [[r, r+2], [r+1, r+3]]
+        let gathered = w.all_gather_tensor(view.clone(), 0)?;
+        let gathered_t = w.all_gather_tensor(transposed.clone(), 0)?;
+        let scattered = w.reduce_scatter_tensor(view.clone(), 0, ReduceOp::Sum)?;
+        let moved = w.all_to_all_tensor(view.clone(), &[1, 1], &[1, 1])?;
+        let passed = if ctx.rank() == 0 {
+            w.send_tensor(&view, 1)?;
+            None
+        } else {
+            Some(values(w.recv_tensor::<2>([2, 2], DType::F32, 0, &dev)?))
+        };
+        Ok::<_, CommError>((
+            values(gathered),
+            values(gathered_t),
+            (scattered.dims(), values(scattered)),
+            values(moved),
+            passed,
+            values(whole),
+        ))
+    })
+    .unwrap();
+    for (rank, (gathered, gathered_t, scattered, moved, passed, whole)) in
+        got.into_iter().enumerate()
+    {
+        assert_eq!(gathered, [2.0, 3.0, 4.0, 5.0, 12.0, 13.0, 14.0, 15.0]);
+        assert_eq!(gathered_t, [0.0, 2.0, 1.0, 3.0, 10.0, 12.0, 11.0, 13.0]);
+        // Row `rank` of the sum of the views.
+        let row = [14.0 + 4.0 * rank as f32, 16.0 + 4.0 * rank as f32];
+        assert_eq!(scattered, ([1, 2], row.to_vec()));
+        // Row `rank` of each rank's view, in rank order.
+        let r = 2.0 * rank as f32;
+        assert_eq!(moved, [2.0 + r, 3.0 + r, 12.0 + r, 13.0 + r]);
+        if rank == 1 {
+            assert_eq!(passed, Some(vec![2.0, 3.0, 4.0, 5.0]));
+        }
+        let base = 10.0 * rank as f32;
+        assert_eq!(whole, (0..8).map(|i| i as f32 + base).collect::<Vec<_>>());
+    }
+}
+
 #[test]
 fn reduce_scatter_of_an_indivisible_dim_is_refused() {
     let err = launch(2, |ctx| {
