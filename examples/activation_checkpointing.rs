@@ -21,7 +21,7 @@ use flashover_parallel::parallelize::{ParallelizePlan, parallelize};
 
 // Counts live heap bytes, so the example can show what the graph keeps.
 #[global_allocator]
-static HEAP: flashover::heap::CountingAllocator = flashover::heap::CountingAllocator;
+static HEAP: flashover::heap::Allocator = flashover::heap::Allocator;
 
 const WIDTH: usize = 64;
 const HIDDEN: usize = 256;

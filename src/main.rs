@@ -7,7 +7,7 @@ use clap::Parser;
 
 // Memory benchmarks read the heap's peak.
 #[global_allocator]
-static HEAP: flashover::heap::CountingAllocator = flashover::heap::CountingAllocator;
+static HEAP: flashover::heap::Allocator = flashover::heap::Allocator;
 
 fn main() {
     let cli = cli::Cli::parse();

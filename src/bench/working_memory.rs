@@ -1,6 +1,6 @@
 //! The heap a training step works in: its peak above what was live when the previous step
 //! ended (activations, gradients, attention blocks; parameters and optimizer state are the
-//! baseline), counted by [`flashover::heap::CountingAllocator`] while a job runs.
+//! baseline), counted by [`flashover::heap::Allocator`] while a job runs.
 
 use flashover::heap;
 use flashover::train::{StepRecord, TrainConfig, TrainReport, train};

@@ -30,7 +30,6 @@ mod context;
 #[cfg(feature = "cuda")]
 mod cuda_memory;
 mod device;
-mod input_release;
 mod launch;
 mod output_pool;
 mod process_env;

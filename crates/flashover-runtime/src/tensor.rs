@@ -14,7 +14,6 @@
 //! outside any autodiff graph. Differentiable collectives (Megatron's conjugate operators) live
 //! with the strategies that need them.
 
-use crate::input_release::release;
 use crate::output_pool::output;
 use crate::transfers::{self, Cause};
 use burn::backend::Flex;
@@ -235,21 +234,6 @@ impl ReadOnly {
             Values::Staged(bytes) => bytes,
         }
     }
-
-    /// Done reading: a buffer now held by nothing else is freed ([`release`]).
-    fn release(self) {
-        match self.values {
-            Values::Flex(tensor, _) if tensor.is_unique() => {
-                let len = tensor.bytes().len();
-                release(tensor, len);
-            }
-            Values::Flex(..) => {}
-            Values::Staged(bytes) => {
-                let len = bytes.len();
-                release(bytes, len);
-            }
-        }
-    }
 }
 
 /// `tensor`'s values for an engine that only reads them: a contiguous Flex tensor's own
@@ -353,9 +337,7 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
                 staged(|| self.all_gather_bytes(s.bytes(), &mut recv, s.dtype))?;
                 let mut stacked = s.shape.clone();
                 stacked[0] *= n;
-                let burn_dtype = s.burn_dtype;
-                s.release();
-                unstage(recv, stacked, burn_dtype, &device)
+                unstage(recv, stacked, s.burn_dtype, &device)
             }
         };
         if dim == 0 || n == 1 {
@@ -405,9 +387,7 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         staged(|| self.reduce_scatter_bytes(s.bytes(), &mut recv, s.dtype, op))?;
         let mut shape = dims.to_vec();
         shape[dim] /= n;
-        let burn_dtype = s.burn_dtype;
-        s.release();
-        Ok(unstage(recv, shape, burn_dtype, &device))
+        Ok(unstage(recv, shape, s.burn_dtype, &device))
     }
 
     fn all_to_all_tensor<const D: usize>(
@@ -458,11 +438,9 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
                 s.dtype,
             )
         })?;
-        let burn_dtype = s.burn_dtype;
-        s.release();
         let mut shape = dims.to_vec();
         shape[0] = received;
-        Ok(unstage(recv, shape, burn_dtype, &device))
+        Ok(unstage(recv, shape, s.burn_dtype, &device))
     }
 
     fn send_tensor<const D: usize>(&self, tensor: &Tensor<D>, dst: usize) -> CommResult<()> {
@@ -471,9 +449,7 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
             Err(tensor) => *tensor,
         };
         let s = read_only(self, OpKind::Send, tensor)?;
-        staged(|| self.send_bytes(s.bytes(), s.dtype, dst))?;
-        s.release();
-        Ok(())
+        staged(|| self.send_bytes(s.bytes(), s.dtype, dst))
     }
 
     fn recv_tensor<const D: usize>(
