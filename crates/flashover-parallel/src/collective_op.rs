@@ -20,7 +20,7 @@ use burn::backend::autodiff::{
         strategy::CheckpointStrategy,
     },
     grads::Gradients,
-    ops::{Backward, Ops, OpsKind, unary},
+    ops::{Backward, Ops, OpsKind},
 };
 use burn::backend::{Autodiff, Backend, Dispatch, backend_extension, tensor::FloatTensor};
 use burn::tensor::Tensor;
@@ -184,24 +184,6 @@ for_inner_backends! {
     }
 }
 
-#[derive(Debug)]
-struct PairAfterBackward;
-
-impl<B: Backend> Backward<B, 2> for PairAfterBackward
-where
-    DispatchTensor: DispatchKindConversion<B>,
-{
-    type State = TensorFn;
-
-    fn backward(self, ops: Ops<TensorFn, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [x, _after] = ops.parents;
-        let grad = grads.consume::<B>(&ops.node);
-        if let Some(x) = x {
-            grads.register::<B>(x.id, apply::<B>(grad, &ops.state));
-        }
-    }
-}
-
 /// How a [`CollectiveOps::regathered_pair`]'s output is computed again in backward.
 #[derive(Debug)]
 struct Regather<B> {
@@ -220,18 +202,23 @@ where
     }
 }
 
+/// The backward of every pair: `backward(grad)` for the first parent, `x`. Any other parent
+/// (`after`, for [`CollectiveOps::collective_pair_after`]) only places the op in the tape and
+/// gets no gradient.
 #[derive(Debug)]
 struct PairBackward;
 
-impl<B: Backend> Backward<B, 1> for PairBackward
+impl<B: Backend, const N: usize> Backward<B, N> for PairBackward
 where
     DispatchTensor: DispatchKindConversion<B>,
 {
     type State = TensorFn;
 
-    fn backward(self, ops: Ops<TensorFn, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let backward = ops.state;
-        unary::<B, _>(ops.parents, ops.node, grads, |g| apply::<B>(g, &backward));
+    fn backward(self, ops: Ops<TensorFn, N>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(x) = &ops.parents[0] {
+            grads.register::<B>(x.id, apply::<B>(grad, &ops.state));
+        }
     }
 }
 
@@ -260,11 +247,7 @@ where
     ) -> FloatTensor<Self> {
         let nodes = [x.node(), after.node()];
         let out = apply::<B>(x.into_primitive(), &forward);
-        match PairAfterBackward
-            .prepare::<C>(nodes)
-            .compute_bound()
-            .stateful()
-        {
+        match PairBackward.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish(backward, out),
             OpsKind::UnTracked(prep) => prep.finish(out),
         }
