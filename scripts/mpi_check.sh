@@ -4,6 +4,9 @@
 # Needs OpenMPI (libopenmpi-dev openmpi-bin) and libclang (clang libclang-dev) to build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The features of scripts/test.sh's build (with mpi), so Burn is built once for both.
+features="mpi,${FLASHOVER_TEST_FEATURES:-wgpu,cuda,nccl,flashover-runtime/nccl}"
+export BURN_DEVICE="${BURN_DEVICE:-flex}"  # as in scripts/test.sh
 
 cargo build --quiet -p flashover-comm --features mpi --example mpi_check
 check="${CARGO_TARGET_DIR:-target}/debug/examples/mpi_check"
@@ -15,7 +18,7 @@ run -np 4 "$check"
 # Training: one rank per process gives the thread launcher's losses and gradient norms bit for
 # bit (DDP + TP, ZeRO-3/HSDP, DDP + pipeline, expert parallel: tokens by MPI all-to-all,
 # context parallel: ring attention's exchanges from a helper thread).
-cargo build --quiet --features mpi,wgpu --bin flashover
+cargo build --quiet --features "$features" --bin flashover
 flashover="${CARGO_TARGET_DIR:-target}/debug/flashover"
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
@@ -76,7 +79,7 @@ fi
 echo "mpi_check: launch --elastic: rank killed at step 5, restarted on dp=3 from step 4, bit for bit"
 
 # The multi_process example: the same script as threads and under mpirun.
-cargo build --quiet --features mpi,wgpu --example multi_process
+cargo build --quiet --features "$features" --example multi_process
 example="${CARGO_TARGET_DIR:-target}/debug/examples/multi_process"
 "$example" | grep -q "^match" || { echo "mpi_check: multi_process as threads failed" >&2; exit 1; }
 run -np 2 "$example" | grep -q "^match" || { echo "mpi_check: multi_process under mpirun failed" >&2; exit 1; }

@@ -29,7 +29,15 @@ fi
 
 # Mesa's Vulkan loader wants a runtime directory; headless machines often have none.
 export XDG_RUNTIME_DIR="${XDG_RUNTIME_DIR:-$(mktemp -d)}"
-cargo test --workspace --features wgpu "$@"
+# One feature set for the tests, the examples and the MPI checks' binaries (one build of Burn):
+# wgpu, and Burn's CUDA backend and the NCCL engine, which build offline and so are built and
+# linked here too. Without a GPU they refuse by name (tests `nccl_engine`, `launch`). The tests
+# choose their devices; Burn's own default device, which would be CUDA in such a build, is
+# only used by Burn's `ModuleOptimizer::load_record` (resume tests): BURN_DEVICE puts it on
+# Flex, which every build has.
+export FLASHOVER_TEST_FEATURES=wgpu,cuda,nccl,flashover-runtime/nccl
+export BURN_DEVICE=flex
+cargo test --workspace --features "$FLASHOVER_TEST_FEATURES" "$@"
 
 # burn-train's Learner on a mesh (feature `learner`: burn-train turns on Flex's SIMD and rayon
 # kernels, so this is a build of its own, without wgpu).
@@ -39,15 +47,10 @@ cargo run --quiet --features learner --example learner_parallel | grep -v 'Progr
 # The MPI engine, one rank per process under mpirun.
 scripts/mpi_check.sh
 
-# The NCCL engine builds without CUDA and, without a GPU, fails naming the missing library; its
-# refusal of ranks that share a GPU is checked on the ranks' exchanged blobs.
-cargo test -p flashover-comm --features nccl --test nccl_engine
-cargo test -p flashover-comm --features nccl --lib nccl::
-
 # Examples run as a user would run them (same features as the tests: no second build;
 # multi_process needs MPI and runs in scripts/mpi_check.sh).
 for example in ddp_own_model zero3_own_model parallelize_gpt2 parallelize_seq2seq parallelize_classifier checkpoint_reshard \
     tensor_parallel pipeline \
     moe_expert_parallel context_parallel_long_sequence activation_checkpointing mixed_precision; do
-  cargo run --quiet --features wgpu --example "$example"
+  cargo run --quiet --features "$FLASHOVER_TEST_FEATURES" --example "$example"
 done

@@ -206,6 +206,11 @@ impl Checkpoints {
     /// rank's mesh and plan) loaded from the checkpoint at `dir`, whatever layout saved it, and
     /// the run state saved with it. Fails naming the parameter when the checkpoint is of
     /// another model.
+    ///
+    /// Burn's `ModuleOptimizer::load_record` builds the optimizer state on Burn's default
+    /// device, and each parameter's first step moves it to the parameter's device. In a build
+    /// with Burn's `cuda` feature that default is GPU 0 for every rank; `BURN_DEVICE=flex`
+    /// keeps the loaded state in host memory until those first steps.
     pub fn resume<M: Module>(
         par: &Parallelized,
         ctx: &RankContext,

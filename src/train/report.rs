@@ -418,10 +418,6 @@ impl fmt::Display for TrainReport {
             )?;
         }
         let steps = self.steps.len().max(1) as f64;
-        writeln!(
-            f,
-            "  host transfers per step (mean over the run, all ranks of this process; device->host / host->device, MiB):"
-        )?;
         let calls = |of: fn(&HostBufferCalls) -> u64| {
             let all = self.steps.iter().flat_map(|s| &s.ranks);
             all.map(|r| of(&r.host_buffers)).sum::<u64>() as f64 / steps
@@ -432,6 +428,10 @@ impl fmt::Display for TrainReport {
             calls(|c| c.staged),
             calls(|c| c.control),
             calls(|c| c.outside_adapter),
+        )?;
+        writeln!(
+            f,
+            "  host transfers per step (mean over the run, all ranks of this process; device->host / host->device, MiB):"
         )?;
         for cause in Cause::ALL {
             let c = self.host_transfers.of(cause);

@@ -13,9 +13,12 @@
 //!
 //! How it works: the tensor's primitive is burn-cubecl's `CubeTensor`; the buffer's
 //! `CUdeviceptr` comes from `ComputeClient::get_resource` with the CUDA server's storage (the
-//! resource keeps the buffer in place while NCCL runs). Burn's CUDA stream is private, so the
-//! client is synchronised before NCCL reads or writes (a device-wide wait, not an event: Burn
-//! 0.22.1 hands out no stream); the engine synchronises its own stream before returning.
+//! resource keeps the buffer in place while NCCL runs). Taking the resource makes the client's
+//! stream wait for the streams that wrote the buffer; the client is then synchronised before
+//! NCCL reads or writes: CubeCL records a fence (a CUDA event) on that stream and the host waits
+//! for it. NCCL's stream cannot wait for the event on the device instead, because CubeCL 0.11.3
+//! hands out neither its streams nor its fences. The engine synchronises its own stream before
+//! returning.
 //! Outputs are fresh buffers NCCL writes whole; an in-place operation on a buffer shared with
 //! another tensor (`can_mut` false) first copies it on the device, since Burn's tensors are
 //! values.
@@ -75,7 +78,8 @@ fn fresh(count: usize, dtype: BurnDType, device: &Device) -> Option<CubeTensor> 
 }
 
 /// Runs `f` with the device address of each buffer, every one kept in place until it returns,
-/// after every kernel queued on the buffers' GPU has finished.
+/// after the work queued on the client's stream, and on the streams that wrote the buffers, has
+/// finished.
 fn with_pointers<R>(buffers: &[&CubeTensor], f: impl FnOnce(&[u64]) -> R) -> Option<R> {
     let mut held = Vec::with_capacity(buffers.len());
     for b in buffers {

@@ -975,7 +975,7 @@ mod tests {
     #[test]
     fn gathered_rows_reorder_by_parameter_and_back() {
         // Two ranks, parameters of 2 and 1 elements per rank: rank r holds [a_r0, a_r1, b_r].
-        let device = burn::tensor::Device::default();
+        let device = burn::tensor::Device::flex();
         let full = Tensor::<2>::from_floats([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], &device);
         let a = param_rows(&full, 0, 2);
         let b = param_rows(&full, 2, 1);
