@@ -11,7 +11,7 @@ use crate::pipeline::{
     boundary_tensors, deferred_linear, from_boundary_tensors,
 };
 use burn::tensor::{Device, Tensor, TensorData};
-use flashover_comm::{CommunicatorExt, ReduceOp};
+use flashover_comm::{CommResult, CommunicatorExt, DType, ReduceOp};
 use flashover_runtime::{Axis, launch};
 
 const LAYERS: usize = 8;
@@ -303,6 +303,97 @@ fn an_invalid_schedule_is_refused_before_anything_runs() {
         err.contains("before its input activation was received"),
         "{err}"
     );
+}
+
+/// A group whose sends wait for their receives, as NCCL's do; everything else is the thread
+/// engine's.
+struct RendezvousSends(flashover_comm::Group);
+
+impl flashover_comm::Communicator for RendezvousSends {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn size(&self) -> usize {
+        self.0.size()
+    }
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+    fn members(&self) -> &[usize] {
+        self.0.members()
+    }
+    fn all_reduce_bytes(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> CommResult<()> {
+        self.0.all_reduce_bytes(buf, dtype, op)
+    }
+    fn reduce_scatter_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> CommResult<()> {
+        self.0.reduce_scatter_bytes(send, recv, dtype, op)
+    }
+    fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8], dtype: DType) -> CommResult<()> {
+        self.0.all_gather_bytes(send, recv, dtype)
+    }
+    fn broadcast_bytes(&self, buf: &mut [u8], dtype: DType, root: usize) -> CommResult<()> {
+        self.0.broadcast_bytes(buf, dtype, root)
+    }
+    fn all_to_all_v_bytes(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+        dtype: DType,
+    ) -> CommResult<()> {
+        (self.0).all_to_all_v_bytes(send, send_counts, recv, recv_counts, dtype)
+    }
+    fn send_bytes(&self, buf: &[u8], dtype: DType, dst: usize) -> CommResult<()> {
+        self.0.send_bytes(buf, dtype, dst)
+    }
+    fn recv_bytes(&self, buf: &mut [u8], dtype: DType, src: usize) -> CommResult<()> {
+        self.0.recv_bytes(buf, dtype, src)
+    }
+    fn barrier(&self) -> CommResult<()> {
+        self.0.barrier()
+    }
+    fn split(&self, color: usize, key: usize, label: &str) -> CommResult<flashover_comm::Group> {
+        self.0.split(color, key, label)
+    }
+    fn stats(&self) -> flashover_comm::CommStats {
+        self.0.stats()
+    }
+    fn sends_are_buffered(&self) -> bool {
+        false
+    }
+}
+
+#[test]
+fn an_engine_whose_sends_wait_for_their_receives_is_refused_naming_the_group() {
+    // Stages send to each other at once in 1F1B's steady state: on such an engine each would
+    // wait for the other's receive until the deadline.
+    let errs = launch("pp=2", |ctx| {
+        let schedule = Schedule::build(ScheduleKind::OneFOneB, 2, 4, 1).unwrap();
+        let group = flashover_comm::Group::new(std::sync::Arc::new(RendezvousSends(
+            ctx.group(Axis::Pp).clone(),
+        )));
+        let buffered = PipelineExecutor::new(&schedule, ctx.group(Axis::Pp)).is_ok();
+        let refused = PipelineExecutor::new(&schedule, &group)
+            .map(|_| ())
+            .unwrap_err();
+        Ok::<_, ParallelError>((buffered, refused.to_string(), group.name().to_string()))
+    })
+    .unwrap();
+    for (buffered, err, name) in errs {
+        assert!(buffered, "the thread engine buffers its sends");
+        assert!(err.contains(&format!("a pipeline over `{name}`")), "{err}");
+        assert!(
+            err.contains("would deadlock") && err.contains("thread or MPI"),
+            "{err}"
+        );
+    }
 }
 
 /// One step of `kind` with `m` micro-batches on a 3-stage split (one chunk per rank) of the
