@@ -8,7 +8,8 @@
 #      collectives' time on CUDA tensors next to the same tensors staged through host memory;
 #   2. Burn's CUDA backend (NVRTC): the reference model trained at f32 and bf16, then
 #      `verify` (every layout against one rank, all ranks as threads on the one GPU) for data,
-#      ZeRO-1/3, HSDP, tensor, pipeline (1F1B and zero-bubble) and context parallelism, and a few
+#      ZeRO-1/3, HSDP, tensor, pipeline (1F1B and zero-bubble) and context parallelism; with two
+#      GPUs or more, data, ZeRO-3 and pipeline parallelism on NCCL, one GPU per rank; and a few
 #      layouts again on the same GPU through wgpu/Vulkan (whose f32 matmuls are f32: CUDA's
 #      are TF32, see `verify`);
 #   3. a model that uses the GPU (examples/configs/gpu.toml: 0.82B parameters, sequences of 2048,
@@ -103,6 +104,19 @@ for layout in "dp=2" "fsdp=2 --zero 1" "fsdp=2 --zero 3" "dp=2,fsdp=2 --zero 3" 
   check "cuda_verify_${layout//[^a-z0-9]/_}" 180 "$BIN/flashover" verify --device cuda --steps 3 \
     --mesh $layout
 done
+# NCCL worlds of two ranks, one GPU each (ranks as threads): data parallel, and pipelines,
+# whose sends and receives go as NCCL groups (never run before a machine with two GPUs).
+gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+if ((gpus >= 2)); then
+  for layout in "dp=2" "pp=2 --micro-batches 4" "pp=2 --micro-batches 4 --pp-schedule zb-h1" \
+    "fsdp=2 --zero 3"; do
+    # shellcheck disable=SC2086 # the layout is several arguments
+    check "nccl_verify_${layout//[^a-z0-9]/_}" 180 "$BIN/flashover" verify --device cuda \
+      --engine nccl --steps 3 --mesh $layout
+  done
+else
+  echo "gpu_check: $gpus GPU(s): the NCCL worlds of two ranks (nccl_verify_*) need two"
+fi
 for layout in "dp=2" "tp=2" "fsdp=2,tp=2,pp=2 --zero 3 --micro-batches 2"; do
   # shellcheck disable=SC2086 # the layout is several arguments
   check "wgpu_verify_${layout//[^a-z0-9]/_}" 180 "$BIN/flashover" verify --device wgpu --steps 3 \

@@ -1,8 +1,11 @@
-//! Every collective of the NCCL engine on CUDA device memory, world size 1 (one GPU): for the
-//! GPU machine (`scripts/gpu_check.sh`). Exits non-zero on the first wrong result.
+//! Every collective of the NCCL engine (and a batch of a send and a receive) on CUDA device
+//! memory, world size 1 (one GPU): for the GPU machine (`scripts/gpu_check.sh`). Exits non-zero
+//! on the first wrong result.
 
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
-use flashover_comm::{CommunicatorExt, DType, Group, NcclWorld, ReduceOp};
+use flashover_comm::{
+    CommunicatorExt, DType, DeviceTransfer, Group, NcclWorld, ReduceOp, Transfer,
+};
 use std::time::Duration;
 
 fn main() {
@@ -35,6 +38,23 @@ fn main() {
     let expected = halves.clone();
     g.all_reduce(&mut halves, ReduceOp::Sum).unwrap();
     assert_eq!(halves, expected, "bf16 all_reduce");
+    // Send and receive to oneself: NCCL completes them only as one group, as a batch runs.
+    let mut back = vec![0u8; 4 * 1001];
+    let sent: &[u8] = bytemuck::cast_slice(&x);
+    g.exchange_bytes(&mut [
+        Transfer::Send {
+            buf: sent,
+            dtype: DType::F32,
+            dst: 0,
+        },
+        Transfer::Recv {
+            buf: &mut back,
+            dtype: DType::F32,
+            src: 0,
+        },
+    ])
+    .unwrap();
+    assert_eq!(back, sent, "exchange_bytes with oneself");
     device_memory_in_place(&g, &x);
     g.barrier().unwrap();
     println!("nccl_check: every collective correct on one GPU (world size 1)");
@@ -76,10 +96,10 @@ fn device_memory_in_place(g: &Group, x: &[f32]) {
         &'a str,
         Box<dyn Fn(u64, u64) -> flashover_comm::CommResult<()> + 'a>,
     );
-    let ops: [Op; 3] = [
+    let ops: [Op; 4] = [
         (
             "all_gather_device",
-            // SAFETY (all three): `send` and `out` hold `n` f32 each on this GPU, written
+            // SAFETY (all four): `send` and `out` hold `n` f32 each on this GPU, written
             // and synchronised before the call, untouched until it returns.
             Box::new(|s, o| unsafe { device.all_gather_device(s, o, n, DType::F32) }),
         ),
@@ -92,6 +112,19 @@ fn device_memory_in_place(g: &Group, x: &[f32]) {
         (
             "all_to_all_v_device",
             Box::new(|s, o| unsafe { device.all_to_all_v_device(s, &rows, o, &rows, DType::F32) }),
+        ),
+        (
+            "exchange_device",
+            Box::new(|s, o| unsafe {
+                let to_self = |ptr, send| DeviceTransfer {
+                    ptr,
+                    count: n,
+                    dtype: DType::F32,
+                    peer: 0,
+                    send,
+                };
+                device.exchange_device(&[to_self(s, true), to_self(o, false)])
+            }),
         ),
     ];
     for (what, op) in ops {

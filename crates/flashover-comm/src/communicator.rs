@@ -59,6 +59,25 @@ pub trait Communicator: Send + Sync {
     /// Point to point (not collective): receives the next message from group rank `src` into
     /// `buf`, whose length and dtype must match the message.
     fn recv_bytes(&self, buf: &mut [u8], dtype: DType, src: usize) -> CommResult<()>;
+    /// Point to point (not collective): the sends and receives of `transfers`, progressing
+    /// together, returning once all are done. Two ranks that send to each other at once put
+    /// both transfers in one batch on each side, so the exchange cannot deadlock on an engine
+    /// whose sends wait for their receives ([`Communicator::sends_are_buffered`] false; NCCL
+    /// runs a batch as one group). Messages between a pair still arrive in order. The default
+    /// sends, then receives, which is right wherever sends are buffered.
+    fn exchange_bytes(&self, transfers: &mut [Transfer<'_>]) -> CommResult<()> {
+        for t in transfers.iter() {
+            if let Transfer::Send { buf, dtype, dst } = t {
+                self.send_bytes(buf, *dtype, *dst)?;
+            }
+        }
+        for t in transfers.iter_mut() {
+            if let Transfer::Recv { buf, dtype, src } = t {
+                self.recv_bytes(buf, *dtype, *src)?;
+            }
+        }
+        Ok(())
+    }
     /// Returns once every rank of the group has called `barrier`.
     fn barrier(&self) -> CommResult<()>;
     /// Collective: splits the group into sub-groups of the ranks that pass the same `color`,
@@ -79,9 +98,9 @@ pub trait Communicator: Send + Sync {
         let _ = why;
     }
     /// Whether [`Communicator::send_bytes`] can return before the receiver calls
-    /// [`Communicator::recv_bytes`] (the engine buffers the message). Schedules in which two
-    /// ranks send to each other at once (pipelines) need it. NCCL's sends wait for their
-    /// receives.
+    /// [`Communicator::recv_bytes`] (the engine buffers the message). NCCL's sends wait for
+    /// their receives: two ranks that send to each other at once must then do it in one
+    /// [`Communicator::exchange_bytes`] batch, as pipelines do.
     fn sends_are_buffered(&self) -> bool {
         true
     }
@@ -92,6 +111,59 @@ pub trait Communicator: Send + Sync {
     fn record_wait(&self, waited: std::time::Duration) {
         let _ = waited;
     }
+}
+
+/// One transfer of a batch ([`Communicator::exchange_bytes`]).
+pub enum Transfer<'a> {
+    /// `buf` to group rank `dst`.
+    Send {
+        /// The bytes sent.
+        buf: &'a [u8],
+        /// Their element type.
+        dtype: DType,
+        /// Group rank they go to.
+        dst: usize,
+    },
+    /// The next message from group rank `src` into `buf` (length and dtype must match it).
+    Recv {
+        /// Where the message goes.
+        buf: &'a mut [u8],
+        /// Its element type.
+        dtype: DType,
+        /// Group rank it comes from.
+        src: usize,
+    },
+}
+
+impl Transfer<'_> {
+    /// The bytes this transfer moves.
+    pub fn len(&self) -> usize {
+        match self {
+            Transfer::Send { buf, .. } => buf.len(),
+            Transfer::Recv { buf, .. } => buf.len(),
+        }
+    }
+
+    /// Whether it moves no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One transfer of a batch on device memory ([`DeviceCollectives::exchange_device`]): `count`
+/// elements of `dtype` at `ptr`, sent to or received from group rank `peer`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceTransfer {
+    /// Device address of the elements.
+    pub ptr: u64,
+    /// How many elements.
+    pub count: usize,
+    /// Their type.
+    pub dtype: DType,
+    /// The group rank at the other end.
+    pub peer: usize,
+    /// Whether this rank sends them (else it receives into `ptr`).
+    pub send: bool,
 }
 
 /// Collectives on memory of the communicator's GPU, addressed by raw device pointer (what a
@@ -194,6 +266,14 @@ pub trait DeviceCollectives {
         dtype: DType,
         src: usize,
     ) -> CommResult<()>;
+
+    /// The sends and receives of `transfers` as one batch, as
+    /// [`Communicator::exchange_bytes`].
+    ///
+    /// # Safety
+    /// As [`DeviceCollectives::all_reduce_device`], for every transfer's buffer; no buffer may
+    /// overlap a receive's.
+    unsafe fn exchange_device(&self, transfers: &[DeviceTransfer]) -> CommResult<()>;
 }
 
 /// Typed convenience methods for every [`Communicator`].

@@ -7,7 +7,7 @@
 //! [`FlightRecorder::dump`] writes it as JSON; [`diagnose`] reads every rank's dump and names,
 //! per group, the ranks that stopped early and the ranks left waiting on them.
 
-use crate::communicator::{Communicator, DeviceCollectives, Group};
+use crate::communicator::{Communicator, DeviceCollectives, DeviceTransfer, Group, Transfer};
 use crate::dtype::DType;
 use crate::error::{CommError, CommResult};
 use crate::host_buffers::HostBuffers;
@@ -346,6 +346,17 @@ impl Communicator for Recorded {
             self.inner.recv_bytes(buf, dtype, src)
         })
     }
+    fn exchange_bytes(&self, transfers: &mut [Transfer<'_>]) -> CommResult<()> {
+        // One entry for the batch: the engine runs it as one call.
+        let n = transfers.iter().map(Transfer::len).sum();
+        let dtype = match transfers.first() {
+            Some(Transfer::Send { dtype, .. } | Transfer::Recv { dtype, .. }) => *dtype,
+            None => DType::U8,
+        };
+        self.record_host(OpKind::Exchange, n, dtype, || {
+            self.inner.exchange_bytes(transfers)
+        })
+    }
     fn barrier(&self) -> CommResult<()> {
         self.record(OpKind::Barrier, 0, || self.inner.barrier())
     }
@@ -459,6 +470,12 @@ impl DeviceCollectives for Recorded {
     ) -> CommResult<()> {
         self.record(OpKind::Recv, count * dtype.size(), || unsafe {
             self.device().recv_device(ptr, count, dtype, src)
+        })
+    }
+    unsafe fn exchange_device(&self, transfers: &[DeviceTransfer]) -> CommResult<()> {
+        let bytes = transfers.iter().map(|t| t.count * t.dtype.size()).sum();
+        self.record(OpKind::Exchange, bytes, || unsafe {
+            self.device().exchange_device(transfers)
         })
     }
 }

@@ -54,7 +54,9 @@ mod stats;
 mod thread;
 mod traffic;
 
-pub use communicator::{Communicator, CommunicatorExt, DeviceCollectives, Group};
+pub use communicator::{
+    Communicator, CommunicatorExt, DeviceCollectives, DeviceTransfer, Group, Transfer,
+};
 pub use dtype::{DType, Element};
 pub use error::{CommError, CommResult, panic_message};
 pub use fault::{FaultAction, FaultPlan, FaultRule};

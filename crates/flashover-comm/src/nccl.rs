@@ -12,9 +12,11 @@
 //! copy out). Reductions use NCCL's own order, so results match the thread and MPI engines to
 //! rounding, not bit for bit. Variable all-to-all is grouped send/recv; sub-groups get their own
 //! NCCL communicator, whose unique id the group leader shares over the parent group. NCCL's
-//! `send` completes only with the matching `recv` (no buffering), so schedules that send
-//! before receiving in both directions (pipelines) need the thread or MPI engine: this engine
-//! says so (`sends_are_buffered` is false) and pipelines refuse it.
+//! `send` completes only with the matching `recv` (no buffering): this engine says so
+//! (`sends_are_buffered` is false), and runs [`Communicator::exchange_bytes`] (and its device
+//! form) as one NCCL group, so two ranks that send to each other in one batch do not deadlock.
+//! Pipelines batch each run of sends and receives, and refuse a schedule that would still
+//! deadlock with unbuffered sends.
 //!
 //! [`DeviceCollectives`] (through [`Communicator::device_collectives`]) runs every operation on
 //! memory another library owns, addressed by raw device pointer: the path Burn's CUDA tensors
@@ -23,7 +25,9 @@
 //! and on device pointers; all passed on an H200.
 
 use crate::args;
-use crate::communicator::{Communicator, CommunicatorExt, DeviceCollectives, Group};
+use crate::communicator::{
+    Communicator, CommunicatorExt, DeviceCollectives, DeviceTransfer, Group, Transfer,
+};
 use crate::dtype::DType;
 use crate::error::{CommError, CommResult};
 use crate::op::{OpKind, ReduceOp};
@@ -215,6 +219,8 @@ enum DeviceJob {
     },
     Send(u64, usize, DType, usize),
     Recv(u64, usize, DType, usize),
+    /// Sends and receives as one NCCL group.
+    Exchange(Vec<DeviceTransfer>),
 }
 
 type Reply = mpsc::Sender<CommResult<Vec<u8>>>;
@@ -514,6 +520,25 @@ fn on_device(stream: &Arc<CudaStream>, comm: &Comm, job: DeviceJob) -> Result<()
             .recv(&mut bytes(ptr, count, dtype), src as i32)
             .map(drop)
             .map_err(|e| err(&e)),
+        DeviceJob::Exchange(transfers) => {
+            // One NCCL group, so a pair that sends to each other does not wait on itself.
+            cudarc::nccl::group_start().map_err(|e| err(&e))?;
+            let mut posted = Ok(());
+            for t in transfers.iter().filter(|t| t.count > 0) {
+                if posted.is_err() {
+                    break;
+                }
+                let mut at = bytes(t.ptr, t.count, t.dtype);
+                posted = if t.send {
+                    comm.send(&at, t.peer as i32)
+                } else {
+                    comm.recv(&mut at, t.peer as i32).map(drop)
+                };
+            }
+            let ended = cudarc::nccl::group_end();
+            posted.map_err(|e| err(&e))?;
+            ended.map(drop).map_err(|e| err(&e))
+        }
     }
 }
 
@@ -629,6 +654,16 @@ impl DeviceCollectives for NcclComm {
         let check = args::peer(self.size(), self.rank, src, "source", true);
         let job = DeviceJob::Recv(ptr, count, dtype, src);
         self.device_call(OpKind::Recv, count * dtype.size(), check, job)
+    }
+
+    unsafe fn exchange_device(&self, transfers: &[DeviceTransfer]) -> CommResult<()> {
+        let check = transfers.iter().try_for_each(|t| {
+            let what = if t.send { "destination" } else { "source" };
+            args::peer(self.size(), self.rank, t.peer, what, true)
+        });
+        let bytes = transfers.iter().map(|t| t.count * t.dtype.size()).sum();
+        let job = DeviceJob::Exchange(transfers.to_vec());
+        self.device_call(OpKind::Exchange, bytes, check, job)
     }
 }
 
@@ -748,6 +783,65 @@ impl Communicator for NcclComm {
         });
         let out = self.call(OpKind::Recv, buf.len(), job)?;
         buf.copy_from_slice(&out);
+        Ok(())
+    }
+
+    fn exchange_bytes(&self, transfers: &mut [Transfer<'_>]) -> CommResult<()> {
+        // Sends laid end to end in the scratch's input, receives in its output, each on an
+        // alignment NCCL is happy with; one group runs them all.
+        let at = |len: usize, end: &mut usize| {
+            let start = *end;
+            *end = (start + len).next_multiple_of(256);
+            start
+        };
+        let (mut input, mut output) = (vec![], 0usize);
+        let mut places = Vec::with_capacity(transfers.len());
+        for t in transfers.iter() {
+            let (peer, send, what) = match t {
+                Transfer::Send { dst, .. } => (*dst, true, "destination"),
+                Transfer::Recv { src, .. } => (*src, false, "source"),
+            };
+            args::peer(self.size(), self.rank, peer, what, true)
+                .map_err(|e| self.invalid(OpKind::Exchange, e))?;
+            let offset = match t {
+                Transfer::Send { buf, .. } => {
+                    let mut end = input.len();
+                    let offset = at(buf.len(), &mut end);
+                    input.extend_from_slice(buf);
+                    input.resize(end, 0);
+                    offset
+                }
+                Transfer::Recv { buf, .. } => at(buf.len(), &mut output),
+            };
+            places.push((offset, t.len(), peer, send));
+        }
+        let bytes = transfers.iter().map(Transfer::len).sum();
+        let job = Job::Staged(Staged {
+            input,
+            output,
+            in_place: false,
+            job: Box::new(move |s, r| {
+                DeviceJob::Exchange(
+                    (places.into_iter())
+                        .map(|(offset, count, peer, send)| DeviceTransfer {
+                            ptr: if send { s } else { r } + offset as u64,
+                            count,
+                            dtype: DType::U8,
+                            peer,
+                            send,
+                        })
+                        .collect(),
+                )
+            }),
+        });
+        let out = self.call(OpKind::Exchange, bytes, job)?;
+        let mut end = 0;
+        for t in transfers.iter_mut() {
+            if let Transfer::Recv { buf, .. } = t {
+                let offset = at(buf.len(), &mut end);
+                buf.copy_from_slice(&out[offset..offset + buf.len()]);
+            }
+        }
         Ok(())
     }
 

@@ -34,6 +34,8 @@ pub enum OpKind {
     Send,
     /// [`crate::Communicator::recv_bytes`].
     Recv,
+    /// [`crate::Communicator::exchange_bytes`]: sends and receives as one batch.
+    Exchange,
     /// [`crate::Communicator::barrier`].
     Barrier,
     /// [`crate::Communicator::split`].
@@ -42,7 +44,7 @@ pub enum OpKind {
 
 impl OpKind {
     /// Every kind, in a stable order.
-    pub const ALL: [OpKind; 9] = [
+    pub const ALL: [OpKind; 10] = [
         OpKind::AllReduce,
         OpKind::ReduceScatter,
         OpKind::AllGather,
@@ -50,6 +52,7 @@ impl OpKind {
         OpKind::AllToAll,
         OpKind::Send,
         OpKind::Recv,
+        OpKind::Exchange,
         OpKind::Barrier,
         OpKind::Split,
     ];
@@ -64,6 +67,7 @@ impl OpKind {
             OpKind::AllToAll => "all_to_all",
             OpKind::Send => "send",
             OpKind::Recv => "recv",
+            OpKind::Exchange => "exchange",
             OpKind::Barrier => "barrier",
             OpKind::Split => "split",
         }

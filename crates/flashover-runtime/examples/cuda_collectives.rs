@@ -13,13 +13,14 @@
 //! buffers; a view cut from a larger tensor starts past its buffer's start. At world size 1 an
 //! in-place all-reduce or broadcast leaves any buffer as it was, so only the out-of-place
 //! operations (all-gather, reduce-scatter, all-to-all) can show a wrong address. Send and
-//! receive are not run: at world size 1 a rank would send to itself, which NCCL completes only
-//! inside one group of calls.
+//! receive run as one batch (`exchange_flat`, as pipelines send): at world size 1 the rank
+//! sends to itself, which NCCL completes only inside one group of calls. The thread engine
+//! refuses a send to oneself, so the staged check leaves it out.
 
 use burn::tensor::{DType as BurnDType, Device, Tensor};
 use flashover_comm::{FlightRecorder, NcclWorld, ThreadWorld};
 use flashover_runtime::transfers::{self, Cause};
-use flashover_runtime::{Communicator, DeviceChoice, ReduceOp, TensorCollectives};
+use flashover_runtime::{Communicator, DeviceChoice, Incoming, ReduceOp, TensorCollectives};
 use std::time::Duration;
 
 /// The inputs: a padded 2-D tensor, a padded 3-D one, and a view into a larger buffer.
@@ -74,6 +75,31 @@ fn check_all<C: Communicator + ?Sized>(group: &C, what: &str, x: &Tensor<3>) -> 
     wrong
 }
 
+/// `x` sent to this rank and received from it in one batch (NCCL only: see the top); the
+/// wrong results counted.
+fn check_exchange<C: Communicator + ?Sized>(group: &C, what: &str, x: &Tensor<3>) -> usize {
+    let numel = x.shape().num_elements();
+    let incoming = Incoming {
+        numel,
+        dtype: x.dtype(),
+        src: 0,
+    };
+    let flat = x.clone().reshape([numel]);
+    let got = group
+        .exchange_flat(&[(flat, 0)], &[incoming], &x.device())
+        .unwrap_or_else(|e| panic!("exchange_flat on {what}: {e}"));
+    let got = got[0]
+        .clone()
+        .reshape(x.dims())
+        .cast(BurnDType::F32)
+        .into_data();
+    if got != x.clone().cast(BurnDType::F32).into_data() {
+        println!("cuda_collectives: WRONG exchange_flat on {what}: {got:?}");
+        return 1;
+    }
+    0
+}
+
 fn main() {
     if let Err(e) = NcclWorld::available() {
         eprintln!("cuda_collectives: {e}");
@@ -99,6 +125,7 @@ fn main() {
         for (shape, x) in inputs(&device, dtype) {
             let before = transfers::snapshot();
             wrong += check_all(&*nccl, &format!("{shape} {dtype:?} (NCCL)"), &x);
+            wrong += check_exchange(&*nccl, &format!("{shape} {dtype:?} (NCCL)"), &x);
             let staged = transfers::snapshot().since(&before).of(Cause::Collective);
             if (staged.to_host.count, staged.to_device.count) != (0, 0) {
                 println!(
@@ -115,12 +142,13 @@ fn main() {
                 staged.to_host.count, 7,
                 "the thread group stages every call"
             );
-            checked += 2 * 7;
+            checked += 8 + 7;
         }
     }
-    // Every NCCL call is recorded; an all-gather or reduce-scatter along dim 2 is one call.
+    // Every NCCL call is recorded; an all-gather or reduce-scatter along dim 2 is one call, and
+    // so is a batch.
     let recorded = recorder.dump_data().entries.len();
-    let expected_entries = 2 * 3 * 7;
+    let expected_entries = 2 * 3 * 8;
     if recorded != expected_entries {
         println!("cuda_collectives: {recorded} flight entries, expected {expected_entries}");
         wrong += 1;

@@ -28,9 +28,9 @@ use burn::tensor::{DType as BurnDType, Device, Tensor};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl_cuda::CudaRuntime;
 use cubecl_runtime::runtime::Runtime;
-use flashover_comm::{CommResult, DType, DeviceCollectives};
+use flashover_comm::{CommResult, DType, DeviceCollectives, DeviceTransfer};
 
-use crate::tensor::DeviceOp;
+use crate::tensor::{DeviceOp, Incoming};
 
 /// Whether `device` is the communicator's GPU as a Burn CUDA device (not autodiff: collectives
 /// move values).
@@ -213,4 +213,59 @@ pub(crate) fn recv<const D: usize>(
         collectives.recv_device(ptr[0], count, dtype, src)
     })?;
     Some(result.map(|()| shaped(out, shape)))
+}
+
+/// `sends` (each with its dtype and destination) and tensors received from `incoming` into
+/// fresh memory of `on`, as one batch, when every send is a CUDA tensor of the communicator's
+/// GPU and `on` is that GPU; `None` otherwise.
+pub(crate) fn exchange(
+    collectives: &dyn DeviceCollectives,
+    sends: Vec<(Tensor<1>, DType, usize)>,
+    incoming: &[(Incoming, DType)],
+    on: &Device,
+) -> Option<CommResult<Vec<Tensor<1>>>> {
+    if !is_communicator_gpu(collectives, on) {
+        return None;
+    }
+    let mut sent = Vec::with_capacity(sends.len());
+    for (tensor, dtype, dst) in sends {
+        sent.push((flat_on_gpu(collectives, tensor).ok()?, dtype, dst));
+    }
+    let outs = (incoming.iter())
+        .map(|(i, _)| fresh(i.numel, i.dtype, on))
+        .collect::<Option<Vec<CubeTensor>>>()?;
+    if sent.is_empty() && outs.is_empty() {
+        return Some(Ok(vec![]));
+    }
+    let buffers: Vec<&CubeTensor> = (sent.iter().map(|(flat, ..)| flat)).chain(&outs).collect();
+    let result = with_pointers(&buffers, |ptr| {
+        let sends = sent
+            .iter()
+            .zip(ptr)
+            .map(|((flat, dtype, dst), &ptr)| DeviceTransfer {
+                ptr,
+                count: flat.shape().num_elements(),
+                dtype: *dtype,
+                peer: *dst,
+                send: true,
+            });
+        let receives =
+            (incoming.iter().zip(&ptr[sent.len()..])).map(|((i, dtype), &ptr)| DeviceTransfer {
+                ptr,
+                count: i.numel,
+                dtype: *dtype,
+                peer: i.src,
+                send: false,
+            });
+        let transfers: Vec<DeviceTransfer> = sends.chain(receives).collect();
+        // SAFETY: as in `run`: dense buffers of these element counts on the communicator's
+        // GPU, the receives' fresh and apart from every other, writes complete, kept in place
+        // until the engine returns.
+        unsafe { collectives.exchange_device(&transfers) }
+    })?;
+    Some(result.map(|()| {
+        (outs.into_iter())
+            .map(Tensor::<1>::from_primitive::<Cube>)
+            .collect()
+    }))
 }

@@ -47,4 +47,4 @@ pub use flashover_mesh::{Axis, DeviceMesh, MeshError};
 pub use launch::{IntoMesh, Launch, LaunchError, RankError, RankFailure, launch};
 pub use process_env::{Launcher, ProcessEnv};
 pub use stream::{CommStream, SharedWork, Work};
-pub use tensor::TensorCollectives;
+pub use tensor::{Incoming, TensorCollectives};

@@ -20,7 +20,7 @@ use burn::backend::Flex;
 use burn::backend::tensor::FloatTensor;
 use burn::tensor::{Bytes, DType as BurnDType, Tensor, TensorData};
 use flashover_comm::host_buffers::{self, Purpose};
-use flashover_comm::{CommError, CommResult, Communicator, DType, OpKind, ReduceOp};
+use flashover_comm::{CommError, CommResult, Communicator, DType, OpKind, ReduceOp, Transfer};
 use std::ops::Range;
 
 /// The collective operations on whole tensors, for every [`Communicator`] (and so every
@@ -72,6 +72,27 @@ pub trait TensorCollectives {
         src: usize,
         device: &burn::tensor::Device,
     ) -> CommResult<Tensor<D>>;
+    /// Point to point, as one batch ([`Communicator::exchange_bytes`]): each of `sends` to its
+    /// group rank, and for each of `incoming` a flat tensor received onto `device`, returned
+    /// in order. Two ranks that send to each other at once put both sides in one batch, which
+    /// an engine whose sends wait for their receives (NCCL) needs.
+    fn exchange_flat(
+        &self,
+        sends: &[(Tensor<1>, usize)],
+        incoming: &[Incoming],
+        device: &burn::tensor::Device,
+    ) -> CommResult<Vec<Tensor<1>>>;
+}
+
+/// A flat tensor [`TensorCollectives::exchange_flat`] receives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Incoming {
+    /// Its element count.
+    pub numel: usize,
+    /// Its dtype.
+    pub dtype: BurnDType,
+    /// The group rank that sends it.
+    pub src: usize,
 }
 
 /// What a device collective does to a tensor's buffer (see `cuda_memory`); counts are
@@ -152,6 +173,32 @@ fn recv_on_device<C: Communicator + ?Sized, const D: usize>(
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (comm, shape, burn_dtype, dtype, src, device);
+        None
+    }
+}
+
+/// [`on_device`] for a batch of sends and receives, when every tensor of it can go (sends on
+/// the communicator's GPU, received onto it); `None` for the staged path.
+fn exchange_on_device<C: Communicator + ?Sized>(
+    comm: &C,
+    sends: &[(Tensor<1>, usize)],
+    incoming: &[Incoming],
+    device: &burn::tensor::Device,
+) -> Option<CommResult<Vec<Tensor<1>>>> {
+    #[cfg(feature = "cuda")]
+    {
+        let collectives = comm.device_collectives()?;
+        let sends = (sends.iter())
+            .map(|(t, dst)| Some((t.clone(), comm_dtype(t.dtype())?, *dst)))
+            .collect::<Option<Vec<_>>>()?;
+        let incoming = (incoming.iter())
+            .map(|i| Some((*i, comm_dtype(i.dtype)?)))
+            .collect::<Option<Vec<_>>>()?;
+        crate::cuda_memory::exchange(collectives, sends, &incoming, device)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (comm, sends, incoming, device);
         None
     }
 }
@@ -466,5 +513,44 @@ impl<C: Communicator + ?Sized> TensorCollectives for C {
         let mut bytes = output(shape.iter().product::<usize>() * tag.size(), tag.size());
         staged(|| self.recv_bytes(&mut bytes, tag, src))?;
         Ok(unstage(bytes, shape.to_vec(), dtype, device))
+    }
+
+    fn exchange_flat(
+        &self,
+        sends: &[(Tensor<1>, usize)],
+        incoming: &[Incoming],
+        device: &burn::tensor::Device,
+    ) -> CommResult<Vec<Tensor<1>>> {
+        if let Some(done) = exchange_on_device(self, sends, incoming, device) {
+            return done;
+        }
+        let sent = (sends.iter())
+            .map(|(t, dst)| Ok((read_only(self, OpKind::Exchange, t.clone())?, *dst)))
+            .collect::<CommResult<Vec<_>>>()?;
+        let tags = (incoming.iter())
+            .map(|i| checked_dtype(self, OpKind::Exchange, i.dtype))
+            .collect::<CommResult<Vec<_>>>()?;
+        let mut received: Vec<Bytes> = (incoming.iter().zip(&tags))
+            .map(|(i, tag)| output(i.numel * tag.size(), tag.size()))
+            .collect();
+        let mut transfers: Vec<Transfer<'_>> = (sent.iter())
+            .map(|(s, dst)| Transfer::Send {
+                buf: s.bytes(),
+                dtype: s.dtype,
+                dst: *dst,
+            })
+            .collect();
+        transfers.extend(
+            (received.iter_mut().zip(incoming).zip(&tags)).map(|((buf, i), tag)| Transfer::Recv {
+                buf,
+                dtype: *tag,
+                src: i.src,
+            }),
+        );
+        staged(|| self.exchange_bytes(&mut transfers))?;
+        drop(transfers);
+        Ok((received.into_iter().zip(incoming))
+            .map(|(bytes, i)| unstage(bytes, vec![i.numel], i.dtype, device))
+            .collect())
     }
 }

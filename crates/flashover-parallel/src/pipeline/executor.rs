@@ -17,7 +17,7 @@
 
 use super::boundary::{BoundaryTensor, PartSpec, specs_of};
 use super::schedule::{Action, ActionKind, Schedule};
-use super::simulate::validate;
+use super::simulate::{unbuffered_deadlock, validate};
 use super::weight_grad::{DeferredWeightGrad, WeightGradStore, deferring_in};
 use crate::error::ParallelError;
 use crate::params::{ParamLayout, accumulate_grads};
@@ -25,7 +25,7 @@ use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Gradients, Tensor};
 use flashover_comm::Group;
-use flashover_runtime::TensorCollectives;
+use flashover_runtime::{Incoming, TensorCollectives};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -146,11 +146,15 @@ impl<'a> PipelineExecutor<'a> {
             )));
         }
         validate(schedule).map_err(|e| ParallelError::Invalid(e.to_string()))?;
-        if group.size() > 1 && !group.sends_are_buffered() {
+        if group.size() > 1
+            && !group.sends_are_buffered()
+            && let Some(stuck) = unbuffered_deadlock(schedule)
+        {
             return Err(ParallelError::Invalid(format!(
                 "a pipeline over `{}`: its engine's sends wait for their receives (NCCL), and \
-                 pipeline stages send to each other at once, which would deadlock; run \
-                 pipeline parallelism on the thread or MPI engine",
+                 this schedule would deadlock there even with each rank's consecutive \
+                 transfers in one batch ({stuck}); use another schedule, or the thread or \
+                 MPI engine",
                 group.name()
             )));
         }
@@ -240,12 +244,7 @@ impl<'a> PipelineExecutor<'a> {
         if let Some(store) = &self.weight_grads {
             store.take(); // Nothing left over from a failed step may leak into this one.
         }
-        type Parts = Vec<BoundaryTensor>;
-        let mut inputs: HashMap<(usize, usize), Parts> = HashMap::new();
-        let mut outputs: HashMap<(usize, usize), (Option<Parts>, StageOutput)> = HashMap::new();
-        // Gradients of the boundary's differentiable tensors, in its order.
-        let mut grads_in: HashMap<(usize, usize), Vec<Tensor<1>>> = HashMap::new();
-        let mut grads_out: HashMap<(usize, usize), Vec<Tensor<1>>> = HashMap::new();
+        let mut held = InFlight::default();
         let mut report = PipelineStepReport::default();
         let inner = device.clone().inner();
         let differentiable = || boundary.iter().filter(|p| p.grad);
@@ -253,38 +252,34 @@ impl<'a> PipelineExecutor<'a> {
             |a: &Action| matches!(a.kind, ActionKind::Backward | ActionKind::BackwardInput);
         let last_backward = s.ranks[rank].iter().rposition(is_backward);
         let started = Instant::now();
-        for (index, a) in s.ranks[rank].iter().enumerate() {
+        let actions = &s.ranks[rank];
+        let mut index = 0;
+        while index < actions.len() {
+            let a = &actions[index];
+            if !a.is_compute() {
+                // The transfers between two computations go as one batch: where sends wait for
+                // their receives (NCCL), two stages sending to each other at once need that.
+                let end = (index..actions.len())
+                    .find(|&j| actions[j].is_compute())
+                    .unwrap_or(actions.len());
+                self.exchange(
+                    &actions[index..end],
+                    boundary,
+                    device,
+                    &mut held,
+                    &mut report,
+                )?;
+                index = end;
+                continue;
+            }
+            let InFlight {
+                inputs,
+                outputs,
+                grads_in,
+                grads_out,
+            } = &mut held;
             let key = (a.micro, a.chunk);
-            let stage = s.stage_of(rank, a.chunk);
             match a.kind {
-                ActionKind::RecvActivation => {
-                    let src = s.place(stage - 1).0;
-                    let t0 = Instant::now();
-                    let mut parts = Vec::with_capacity(boundary.len());
-                    for spec in boundary {
-                        let x = self
-                            .group
-                            .recv_tensor([spec.numel()], spec.dtype, src, device)?;
-                        let x = if spec.grad { x.require_grad() } else { x };
-                        parts.push(BoundaryTensor::new(x, spec.clone()));
-                    }
-                    report.recv_wait += t0.elapsed();
-                    report.events.push((*a, t0, Instant::now()));
-                    inputs.insert(key, parts);
-                }
-                ActionKind::RecvGrad => {
-                    let src = s.place(stage + 1).0;
-                    let t0 = Instant::now();
-                    let grads = differentiable()
-                        .map(|spec| {
-                            self.group
-                                .recv_tensor([spec.numel()], spec.dtype, src, &inner)
-                        })
-                        .collect::<Result<Vec<_>, _>>()?;
-                    report.recv_wait += t0.elapsed();
-                    report.events.push((*a, t0, Instant::now()));
-                    grads_out.insert(key, grads);
-                }
                 ActionKind::Forward => {
                     let t0 = Instant::now();
                     let input = inputs.remove(&key);
@@ -301,23 +296,6 @@ impl<'a> PipelineExecutor<'a> {
                     report.forward += t0.elapsed();
                     report.events.push((*a, t0, Instant::now()));
                     report.peak_in_flight = report.peak_in_flight.max(outputs.len());
-                }
-                ActionKind::SendActivation => {
-                    let dst = s.place(stage + 1).0;
-                    match outputs.get(&key).map(|(_, out)| out.main()) {
-                        Some(StageOutput::Activation(parts)) => {
-                            check_boundary(rank, stage, parts, boundary)?;
-                            for part in parts {
-                                self.group.send_tensor(&part.flat.clone().detach(), dst)?;
-                            }
-                        }
-                        _ => {
-                            return Err(ParallelError::Invalid(format!(
-                                "rank {rank}: chunk {} returned a loss where an activation was due",
-                                a.chunk
-                            )));
-                        }
-                    }
                 }
                 ActionKind::Backward | ActionKind::BackwardInput => {
                     let t0 = Instant::now();
@@ -427,19 +405,12 @@ impl<'a> PipelineExecutor<'a> {
                     report.weight_grad += t0.elapsed();
                     report.events.push((*a, t0, Instant::now()));
                 }
-                ActionKind::SendGrad => {
-                    let dst = s.place(stage - 1).0;
-                    let grads = grads_in.remove(&key).ok_or_else(|| {
-                        ParallelError::Invalid(format!(
-                            "rank {rank}: chunk {}'s input got no gradient for micro-batch {}",
-                            a.chunk, a.micro
-                        ))
-                    })?;
-                    for g in &grads {
-                        self.group.send_tensor(g, dst)?;
-                    }
-                }
+                ActionKind::SendActivation
+                | ActionKind::RecvActivation
+                | ActionKind::SendGrad
+                | ActionKind::RecvGrad => unreachable!("transfers go in batches"),
             }
+            index += 1;
         }
         report.wall = started.elapsed();
         debug_assert!(
@@ -451,6 +422,129 @@ impl<'a> PipelineExecutor<'a> {
             flats = flats.into_iter().map(|flat| flat.div_scalar(m)).collect();
         }
         Ok((flats, report))
+    }
+}
+
+type Parts = Vec<BoundaryTensor>;
+
+/// What a step holds between its actions, by (micro-batch, chunk).
+#[derive(Default)]
+struct InFlight {
+    /// Received inputs not yet run forward.
+    inputs: HashMap<(usize, usize), Parts>,
+    /// Forwards not yet run backward: their inputs and outputs.
+    outputs: HashMap<(usize, usize), (Option<Parts>, StageOutput)>,
+    /// Gradients of the inputs (the boundary's differentiable tensors, in its order), to send.
+    grads_in: HashMap<(usize, usize), Vec<Tensor<1>>>,
+    /// Received gradients of the outputs.
+    grads_out: HashMap<(usize, usize), Vec<Tensor<1>>>,
+}
+
+impl PipelineExecutor<'_> {
+    /// The transfers of `run` (consecutive sends and receives of this rank's schedule) as one
+    /// batch: what the sends carry comes out of `held`, what arrives goes into it.
+    fn exchange(
+        &self,
+        run: &[Action],
+        boundary: &[PartSpec],
+        device: &Device,
+        held: &mut InFlight,
+        report: &mut PipelineStepReport,
+    ) -> Result<(), ParallelError> {
+        let s = self.schedule;
+        let rank = self.group.rank();
+        let inner = device.clone().inner();
+        let differentiable = || boundary.iter().filter(|p| p.grad);
+        let mut sends: Vec<(Tensor<1>, usize)> = vec![];
+        let mut incoming: Vec<Incoming> = vec![];
+        for a in run {
+            let key = (a.micro, a.chunk);
+            let stage = s.stage_of(rank, a.chunk);
+            let from = |src: usize, spec: &PartSpec| Incoming {
+                numel: spec.numel(),
+                dtype: spec.dtype,
+                src,
+            };
+            match a.kind {
+                ActionKind::SendActivation => {
+                    let dst = s.place(stage + 1).0;
+                    match held.outputs.get(&key).map(|(_, out)| out.main()) {
+                        Some(StageOutput::Activation(parts)) => {
+                            check_boundary(rank, stage, parts, boundary)?;
+                            sends.extend(parts.iter().map(|p| (p.flat.clone().detach(), dst)));
+                        }
+                        _ => {
+                            return Err(ParallelError::Invalid(format!(
+                                "rank {rank}: chunk {} returned a loss where an activation was due",
+                                a.chunk
+                            )));
+                        }
+                    }
+                }
+                ActionKind::SendGrad => {
+                    let dst = s.place(stage - 1).0;
+                    let grads = held.grads_in.remove(&key).ok_or_else(|| {
+                        ParallelError::Invalid(format!(
+                            "rank {rank}: chunk {}'s input got no gradient for micro-batch {}",
+                            a.chunk, a.micro
+                        ))
+                    })?;
+                    sends.extend(grads.into_iter().map(|g| (g, dst)));
+                }
+                ActionKind::RecvActivation => {
+                    let src = s.place(stage - 1).0;
+                    incoming.extend(boundary.iter().map(|spec| from(src, spec)));
+                }
+                ActionKind::RecvGrad => {
+                    let src = s.place(stage + 1).0;
+                    incoming.extend(differentiable().map(|spec| from(src, spec)));
+                }
+                _ => unreachable!("a run of transfers"),
+            }
+        }
+        let t0 = Instant::now();
+        // Received outside autodiff (so a CUDA tensor's buffer can go to the engine); an input
+        // joins the graph below, as a leaf on `device` would.
+        let mut received = self
+            .group
+            .exchange_flat(&sends, &incoming, &inner)?
+            .into_iter();
+        drop(sends);
+        let done = Instant::now();
+        let strategy = device.gradient_checkpointing_strategy();
+        for a in run {
+            let key = (a.micro, a.chunk);
+            match a.kind {
+                ActionKind::RecvActivation => {
+                    let parts = (boundary.iter().zip(received.by_ref()))
+                        .map(|(spec, x)| {
+                            let x = match strategy {
+                                Some(strategy) => {
+                                    x.autodiff().with_gradient_checkpointing_strategy(strategy)
+                                }
+                                None => x,
+                            };
+                            let x = if spec.grad { x.require_grad() } else { x };
+                            BoundaryTensor::new(x, spec.clone())
+                        })
+                        .collect();
+                    held.inputs.insert(key, parts);
+                }
+                ActionKind::RecvGrad => {
+                    let grads = received.by_ref().take(differentiable().count()).collect();
+                    held.grads_out.insert(key, grads);
+                }
+                _ => continue,
+            }
+            report.events.push((*a, t0, done));
+        }
+        if run
+            .iter()
+            .any(|a| matches!(a.kind, ActionKind::RecvActivation | ActionKind::RecvGrad))
+        {
+            report.recv_wait += done - t0;
+        }
+        Ok(())
     }
 }
 

@@ -11,8 +11,8 @@ use crate::pipeline::{
     boundary_tensors, deferred_linear, from_boundary_tensors,
 };
 use burn::tensor::{Device, Tensor, TensorData};
-use flashover_comm::{CommResult, CommunicatorExt, DType, ReduceOp};
-use flashover_runtime::{Axis, launch};
+use flashover_comm::{CommResult, CommunicatorExt, DType, ReduceOp, Transfer};
+use flashover_runtime::{Axis, Launch, launch};
 
 const LAYERS: usize = 8;
 const ROWS_PER_MICRO: usize = 2;
@@ -144,68 +144,91 @@ fn pipelined(
     v: usize,
     defer: bool,
 ) -> Result<(f32, Vec<Vec<f32>>), String> {
-    let out = launch(mesh, |ctx| {
-        let device = Device::flex().autodiff();
-        let pp = ctx.group(Axis::Pp);
-        let dp = ctx.group(Axis::Dp);
-        let schedule = Schedule::build(kind, pp.size(), m, v).map_err(ParallelError::Invalid)?;
-        let stages = schedule.stages();
-        let chunks: Vec<Stack> = (0..schedule.chunks)
-            .map(|c| {
-                Stack::new(
-                    stage_layers(schedule.stage_of(pp.rank(), c), stages),
-                    &device,
-                )
-            })
-            .collect();
-        let first_row = dp.rank() * m * ROWS_PER_MICRO;
-        let last = stages - 1;
-        let store = defer.then(WeightGradStore::default);
-        let mut executor = PipelineExecutor::new(&schedule, pp)?;
-        if let Some(store) = &store {
-            executor = executor.deferring_weight_grads(store.clone());
-        }
-        let (flats, report) = executor.step_flat(
-            &chunks,
-            &boundary(),
-            &device,
-            |chunk, module: &Stack, input, micro| {
-                let stage = schedule.stage_of(pp.rank(), chunk);
-                let x = input.map(from_boundary_tensors).unwrap_or_else(|| {
-                    rows(first_row + micro * ROWS_PER_MICRO, ROWS_PER_MICRO, &device)
-                });
-                let y = module.forward(x, store.as_ref());
-                if stage == last {
-                    StageOutput::Loss(loss(y))
-                } else {
-                    StageOutput::Activation(boundary_tensors(y))
-                }
-            },
-        )?;
-        let splits = schedule.ranks[pp.rank()]
-            .iter()
-            .any(|a| a.kind == ActionKind::BackwardWeight);
-        assert_eq!(
-            report.deferred_weight_grads > 0,
-            defer && splits,
-            "weight-gradient actions computed something exactly when deferring"
-        );
-        // Every layer's gradient, averaged over data-parallel replicas.
-        let mut per_layer = vec![];
-        for (c, flat) in flats.into_iter().enumerate() {
-            let mut flat = crate::params::to_f32(flat);
-            dp.all_reduce(&mut flat, ReduceOp::Avg)?;
-            let first = stage_layers(schedule.stage_of(pp.rank(), c), stages).start;
-            for (i, w) in flat.chunks(36).enumerate() {
-                per_layer.push((first + i, w.to_vec()));
+    pipelined_on(mesh, kind, m, v, defer, false)
+}
+
+/// [`pipelined`], with `rendezvous`, on a pipeline group whose sends wait for their receives
+/// ([`RendezvousSends`]; a deadlock then fails within seconds).
+fn pipelined_on(
+    mesh: &str,
+    kind: ScheduleKind,
+    m: usize,
+    v: usize,
+    defer: bool,
+    rendezvous: bool,
+) -> Result<(f32, Vec<Vec<f32>>), String> {
+    let launcher = Launch::new(mesh).map_err(|e| e.to_string())?;
+    let launcher = match rendezvous {
+        true => launcher.timeout(std::time::Duration::from_secs(10)),
+        false => launcher,
+    };
+    let out = launcher
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let pp = &match rendezvous {
+                true => RendezvousSends::wrap(ctx.group(Axis::Pp))?,
+                false => ctx.group(Axis::Pp).clone(),
+            };
+            let dp = ctx.group(Axis::Dp);
+            let schedule =
+                Schedule::build(kind, pp.size(), m, v).map_err(ParallelError::Invalid)?;
+            let stages = schedule.stages();
+            let chunks: Vec<Stack> = (0..schedule.chunks)
+                .map(|c| {
+                    Stack::new(
+                        stage_layers(schedule.stage_of(pp.rank(), c), stages),
+                        &device,
+                    )
+                })
+                .collect();
+            let first_row = dp.rank() * m * ROWS_PER_MICRO;
+            let last = stages - 1;
+            let store = defer.then(WeightGradStore::default);
+            let mut executor = PipelineExecutor::new(&schedule, pp)?;
+            if let Some(store) = &store {
+                executor = executor.deferring_weight_grads(store.clone());
             }
-        }
-        let mut l = [report.loss_sum / m as f64];
-        ctx.world().all_reduce(&mut l, ReduceOp::Sum)?;
-        // Only the dp replicas' last stages contributed a loss.
-        Ok::<_, ParallelError>((l[0] as f32 / dp.size() as f32, per_layer))
-    })
-    .map_err(|e| e.to_string())?;
+            let (flats, report) = executor.step_flat(
+                &chunks,
+                &boundary(),
+                &device,
+                |chunk, module: &Stack, input, micro| {
+                    let stage = schedule.stage_of(pp.rank(), chunk);
+                    let x = input.map(from_boundary_tensors).unwrap_or_else(|| {
+                        rows(first_row + micro * ROWS_PER_MICRO, ROWS_PER_MICRO, &device)
+                    });
+                    let y = module.forward(x, store.as_ref());
+                    if stage == last {
+                        StageOutput::Loss(loss(y))
+                    } else {
+                        StageOutput::Activation(boundary_tensors(y))
+                    }
+                },
+            )?;
+            let splits = schedule.ranks[pp.rank()]
+                .iter()
+                .any(|a| a.kind == ActionKind::BackwardWeight);
+            assert_eq!(
+                report.deferred_weight_grads > 0,
+                defer && splits,
+                "weight-gradient actions computed something exactly when deferring"
+            );
+            // Every layer's gradient, averaged over data-parallel replicas.
+            let mut per_layer = vec![];
+            for (c, flat) in flats.into_iter().enumerate() {
+                let mut flat = crate::params::to_f32(flat);
+                dp.all_reduce(&mut flat, ReduceOp::Avg)?;
+                let first = stage_layers(schedule.stage_of(pp.rank(), c), stages).start;
+                for (i, w) in flat.chunks(36).enumerate() {
+                    per_layer.push((first + i, w.to_vec()));
+                }
+            }
+            let mut l = [report.loss_sum / m as f64];
+            ctx.world().all_reduce(&mut l, ReduceOp::Sum)?;
+            // Only the dp replicas' last stages contributed a loss.
+            Ok::<_, ParallelError>((l[0] as f32 / dp.size() as f32, per_layer))
+        })
+        .map_err(|e| e.to_string())?;
     let mut layers = vec![vec![]; LAYERS];
     for (_, per_layer) in &out {
         for (i, w) in per_layer {
@@ -305,25 +328,49 @@ fn an_invalid_schedule_is_refused_before_anything_runs() {
     );
 }
 
-/// A group whose sends wait for their receives, as NCCL's do; everything else is the thread
-/// engine's.
-struct RendezvousSends(flashover_comm::Group);
+/// A thread group whose sends wait for their receives, as NCCL's do: a receiver acknowledges
+/// each message on a second group, and a send returns with the acknowledgement. A batch posts
+/// its sends, takes its receives, then waits for its sends' acknowledgements, so its transfers
+/// progress together as an NCCL group's do.
+struct RendezvousSends {
+    data: flashover_comm::Group,
+    acks: flashover_comm::Group,
+}
+
+impl RendezvousSends {
+    /// `group` with rendezvous sends (collective: every rank of `group` calls it).
+    fn wrap(group: &flashover_comm::Group) -> CommResult<flashover_comm::Group> {
+        let acks = group.split(0, group.rank(), "acks")?;
+        let data = group.clone();
+        Ok(flashover_comm::Group::new(std::sync::Arc::new(
+            RendezvousSends { data, acks },
+        )))
+    }
+
+    fn acknowledged(&self, dst: usize) -> CommResult<()> {
+        self.acks.recv_bytes(&mut [0u8], DType::U8, dst)
+    }
+
+    fn acknowledge(&self, src: usize) -> CommResult<()> {
+        self.acks.send_bytes(&[1u8], DType::U8, src)
+    }
+}
 
 impl flashover_comm::Communicator for RendezvousSends {
     fn rank(&self) -> usize {
-        self.0.rank()
+        self.data.rank()
     }
     fn size(&self) -> usize {
-        self.0.size()
+        self.data.size()
     }
     fn name(&self) -> &str {
-        self.0.name()
+        self.data.name()
     }
     fn members(&self) -> &[usize] {
-        self.0.members()
+        self.data.members()
     }
     fn all_reduce_bytes(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> CommResult<()> {
-        self.0.all_reduce_bytes(buf, dtype, op)
+        self.data.all_reduce_bytes(buf, dtype, op)
     }
     fn reduce_scatter_bytes(
         &self,
@@ -332,13 +379,13 @@ impl flashover_comm::Communicator for RendezvousSends {
         dtype: DType,
         op: ReduceOp,
     ) -> CommResult<()> {
-        self.0.reduce_scatter_bytes(send, recv, dtype, op)
+        self.data.reduce_scatter_bytes(send, recv, dtype, op)
     }
     fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8], dtype: DType) -> CommResult<()> {
-        self.0.all_gather_bytes(send, recv, dtype)
+        self.data.all_gather_bytes(send, recv, dtype)
     }
     fn broadcast_bytes(&self, buf: &mut [u8], dtype: DType, root: usize) -> CommResult<()> {
-        self.0.broadcast_bytes(buf, dtype, root)
+        self.data.broadcast_bytes(buf, dtype, root)
     }
     fn all_to_all_v_bytes(
         &self,
@@ -348,22 +395,42 @@ impl flashover_comm::Communicator for RendezvousSends {
         recv_counts: &[usize],
         dtype: DType,
     ) -> CommResult<()> {
-        (self.0).all_to_all_v_bytes(send, send_counts, recv, recv_counts, dtype)
+        (self.data).all_to_all_v_bytes(send, send_counts, recv, recv_counts, dtype)
     }
     fn send_bytes(&self, buf: &[u8], dtype: DType, dst: usize) -> CommResult<()> {
-        self.0.send_bytes(buf, dtype, dst)
+        self.data.send_bytes(buf, dtype, dst)?;
+        self.acknowledged(dst)
     }
     fn recv_bytes(&self, buf: &mut [u8], dtype: DType, src: usize) -> CommResult<()> {
-        self.0.recv_bytes(buf, dtype, src)
+        self.data.recv_bytes(buf, dtype, src)?;
+        self.acknowledge(src)
+    }
+    fn exchange_bytes(&self, transfers: &mut [Transfer<'_>]) -> CommResult<()> {
+        for t in transfers.iter() {
+            if let Transfer::Send { buf, dtype, dst } = t {
+                self.data.send_bytes(buf, *dtype, *dst)?;
+            }
+        }
+        for t in transfers.iter_mut() {
+            if let Transfer::Recv { buf, dtype, src } = t {
+                self.recv_bytes(buf, *dtype, *src)?;
+            }
+        }
+        for t in transfers.iter() {
+            if let Transfer::Send { dst, .. } = t {
+                self.acknowledged(*dst)?;
+            }
+        }
+        Ok(())
     }
     fn barrier(&self) -> CommResult<()> {
-        self.0.barrier()
+        self.data.barrier()
     }
     fn split(&self, color: usize, key: usize, label: &str) -> CommResult<flashover_comm::Group> {
-        self.0.split(color, key, label)
+        self.data.split(color, key, label)
     }
     fn stats(&self) -> flashover_comm::CommStats {
-        self.0.stats()
+        self.data.stats()
     }
     fn sends_are_buffered(&self) -> bool {
         false
@@ -371,29 +438,55 @@ impl flashover_comm::Communicator for RendezvousSends {
 }
 
 #[test]
-fn an_engine_whose_sends_wait_for_their_receives_is_refused_naming_the_group() {
-    // Stages send to each other at once in 1F1B's steady state: on such an engine each would
-    // wait for the other's receive until the deadline.
-    let errs = launch("pp=2", |ctx| {
-        let schedule = Schedule::build(ScheduleKind::OneFOneB, 2, 4, 1).unwrap();
-        let group = flashover_comm::Group::new(std::sync::Arc::new(RendezvousSends(
-            ctx.group(Axis::Pp).clone(),
-        )));
-        let buffered = PipelineExecutor::new(&schedule, ctx.group(Axis::Pp)).is_ok();
-        let refused = PipelineExecutor::new(&schedule, &group)
-            .map(|_| ())
-            .unwrap_err();
-        Ok::<_, ParallelError>((buffered, refused.to_string(), group.name().to_string()))
-    })
-    .unwrap();
-    for (buffered, err, name) in errs {
-        assert!(buffered, "the thread engine buffers its sends");
-        assert!(err.contains(&format!("a pipeline over `{name}`")), "{err}");
-        assert!(
-            err.contains("would deadlock") && err.contains("thread or MPI"),
-            "{err}"
-        );
+fn with_sends_that_wait_for_their_receives_a_schedule_runs_exactly_or_is_refused_naming_where() {
+    // Each rank's consecutive transfers go as one batch; 1F1B's steady state (a stage sends its
+    // activation while the next sends a gradient back) deadlocks without that.
+    let mut refused = 0;
+    for p in [2, 3, 4] {
+        let mut runs = vec![];
+        for m in [1, p, 2 * p + 1] {
+            for (kind, defer) in [
+                (ScheduleKind::GPipe, false),
+                (ScheduleKind::OneFOneB, false),
+                (ScheduleKind::ZeroBubbleH1, true),
+            ] {
+                runs.push((kind, m, 1, defer));
+            }
+        }
+        runs.push((ScheduleKind::Interleaved1F1B, 2 * p, 2, false));
+        runs.push((ScheduleKind::Interleaved1F1B, p, 2, false));
+        for (kind, m, v, defer) in runs {
+            let what = format!("{kind:?} p={p} m={m} v={v}, rendezvous sends");
+            let schedule = Schedule::build(kind, p, m, v).unwrap();
+            let mesh = format!("pp={p}");
+            match super::unbuffered_deadlock(&schedule) {
+                None => {
+                    let got = pipelined_on(&mesh, kind, m, v, defer, true).unwrap();
+                    assert_close(&got, &reference_accumulated(m), 1e-6, &what);
+                }
+                Some(stuck) => {
+                    // GPipe, 1F1B and zero-bubble run with their transfers batched.
+                    assert_eq!(
+                        kind,
+                        ScheduleKind::Interleaved1F1B,
+                        "{what}: refused ({stuck})"
+                    );
+                    let err = pipelined_on(&mesh, kind, m, v, defer, true).unwrap_err();
+                    assert!(
+                        err.contains("would deadlock there") && err.contains(&stuck),
+                        "{what}: {err}"
+                    );
+                    refused += 1;
+                }
+            }
+        }
     }
+    // Megatron's interleaving posts each receive just before its forward: with more
+    // micro-batches than stages, some rank waits on a send whose receiver waits on its own.
+    assert!(
+        refused > 0,
+        "no schedule was refused: the check was not exercised"
+    );
 }
 
 /// One step of `kind` with `m` micro-batches on a 3-stage split (one chunk per rank) of the

@@ -26,6 +26,8 @@ pub(crate) use executor::BackwardSink;
 pub use executor::PipelineStepReport;
 pub(crate) use executor::{PipelineExecutor, StageOutput};
 pub use schedule::{Action, ActionKind, Schedule, ScheduleKind};
-pub use simulate::{Costs, ScheduleError, Slot, Timeline, render_table, simulate, validate};
+pub use simulate::{
+    Costs, ScheduleError, Slot, Timeline, render_table, simulate, unbuffered_deadlock, validate,
+};
 pub(crate) use weight_grad::deferred_product;
 pub use weight_grad::{DeferredWeightGrad, WeightGradStore, deferral_supported, deferred_linear};

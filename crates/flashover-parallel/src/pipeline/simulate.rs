@@ -3,7 +3,8 @@
 //! [`validate`] plays a schedule with buffered point-to-point channels (as the collective layer
 //! has) and reports, before anything runs, a backward before its forward, a receive that can
 //! never be matched, messages that arrive in another order than they are received, deadlock, or
-//! work left undone. [`simulate`] times a valid schedule with given costs: the bubble of each
+//! work left undone; [`unbuffered_deadlock`] plays it again with sends that wait for their
+//! receives (NCCL's). [`simulate`] times a valid schedule with given costs: the bubble of each
 //! rank and the peak number of micro-batches whose activations a rank holds.
 
 use super::schedule::{Action, ActionKind, Schedule};
@@ -156,6 +157,90 @@ fn play(
         }
     }
     Ok(true)
+}
+
+/// Plays a valid `schedule` (see [`validate`]) on an engine whose sends wait for their
+/// receives (NCCL), each rank's consecutive transfers run as one batch as the executor runs
+/// them: `None` when every rank gets to its end, else where the ranks stop, e.g. `rank 0 at
+/// [sa3 rg1], rank 1 at [sg1 ra4]`.
+pub fn unbuffered_deadlock(schedule: &Schedule) -> Option<String> {
+    // Per rank, its steps: one compute action, or the transfers between two.
+    let steps: Vec<Vec<&[Action]>> = (schedule.ranks.iter())
+        .map(|actions| {
+            let mut steps = vec![];
+            let mut i = 0;
+            while i < actions.len() {
+                let end = if actions[i].is_compute() {
+                    i + 1
+                } else {
+                    (i..actions.len())
+                        .find(|&j| actions[j].is_compute())
+                        .unwrap_or(actions.len())
+                };
+                steps.push(&actions[i..end]);
+                i = end;
+            }
+            steps
+        })
+        .collect();
+    let p = schedule.pp;
+    let mut at = vec![0usize; p];
+    // Per rank, the transfers of its current step that met their other end.
+    let mut met: Vec<HashSet<usize>> = vec![HashSet::new(); p];
+    loop {
+        let mut progress = false;
+        for r in 0..p {
+            let Some(step) = steps[r].get(at[r]) else {
+                continue;
+            };
+            for (i, a) in step.iter().enumerate() {
+                if a.is_compute() || met[r].contains(&i) {
+                    continue;
+                }
+                let Some((msg, peer, send)) = message_of(schedule, r, a) else {
+                    continue;
+                };
+                let Some(other) = steps[peer].get(at[peer]) else {
+                    continue;
+                };
+                // The other end must be in the peer's current step: a send waits for it.
+                let other_end = other.iter().enumerate().position(|(j, b)| {
+                    (peer, j) != (r, i)
+                        && !met[peer].contains(&j)
+                        && message_of(schedule, peer, b)
+                            .is_some_and(|(m, q, s)| m == msg && q == r && s != send)
+                });
+                if let Some(j) = other_end {
+                    met[r].insert(i);
+                    met[peer].insert(j);
+                    progress = true;
+                }
+            }
+        }
+        for r in 0..p {
+            let Some(step) = steps[r].get(at[r]) else {
+                continue;
+            };
+            if (step.iter().enumerate()).all(|(i, a)| a.is_compute() || met[r].contains(&i)) {
+                at[r] += 1;
+                met[r].clear();
+                progress = true;
+            }
+        }
+        if (0..p).all(|r| at[r] == steps[r].len()) {
+            return None;
+        }
+        if !progress {
+            let stuck: Vec<String> = (0..p)
+                .filter(|&r| at[r] < steps[r].len())
+                .map(|r| {
+                    let step: Vec<String> = steps[r][at[r]].iter().map(|a| a.to_string()).collect();
+                    format!("rank {r} at [{}]", step.join(" "))
+                })
+                .collect();
+            return Some(stuck.join(", "));
+        }
+    }
 }
 
 /// Plays `schedule` and reports the first problem; see the module docs.
