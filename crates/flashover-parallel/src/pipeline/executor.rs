@@ -471,7 +471,10 @@ impl PipelineExecutor<'_> {
                     match held.outputs.get(&key).map(|(_, out)| out.main()) {
                         Some(StageOutput::Activation(parts)) => {
                             check_boundary(rank, stage, parts, boundary)?;
-                            sends.extend(parts.iter().map(|p| (p.flat.clone().detach(), dst)));
+                            // Outside autodiff, as values: so a CUDA tensor's buffer, or a Flex
+                            // tensor's, goes to the engine where it lies.
+                            let values = |p: &BoundaryTensor| p.flat.clone().without_autodiff();
+                            sends.extend(parts.iter().map(|p| (values(p), dst)));
                         }
                         _ => {
                             return Err(ParallelError::Invalid(format!(
