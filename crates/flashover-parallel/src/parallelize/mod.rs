@@ -464,7 +464,7 @@ impl Parallelized {
     /// each parameter is gathered where it is read, one collective per parameter: the same
     /// values, more collectives. The gathered parameters are kept until backward has used
     /// them, as without units. Under the plan's `mixed_precision`, `f` computes on
-    /// [`MixedPrecision::compute_view`] of the model (every float parameter cast inside the
+    /// [`crate::precision::MixedPrecision::compute_view`] of the model (every float parameter cast inside the
     /// graph, so gradients reach the f32 parameters in f32; cast float inputs yourself), and
     /// the units are all-gathered in the compute dtype. Where the plan's gradient buckets can
     /// be reduced during backward ([`Self::gradient_buckets`]), `f` computes on parameters

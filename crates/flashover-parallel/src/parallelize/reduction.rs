@@ -73,7 +73,7 @@ impl Parallelized {
     /// [`Self::gradient_rows`] says (what [`crate::zero::RowAdamW::step`] steps), with the
     /// norm before clipping. The rows are empty on a step whose scaled gradients overflowed.
     /// Fails without `gradient_buckets.rows`, and under a pipelined plan (whose rows come in
-    /// [`PipelineStep::rows`]). Collective: every rank calls it once per step.
+    /// [`super::PipelineStep::rows`]). Collective: every rank calls it once per step.
     pub fn row_gradients<M: Module>(
         &self,
         model: &M,
@@ -238,7 +238,7 @@ impl Parallelized {
     }
 
     /// What the last gradient reduction did and cost (a pipeline step's is also its
-    /// [`PipelineStep::reduction`]): whether hooks reported the gradients during backward, and
+    /// [`super::PipelineStep::reduction`]): whether hooks reported the gradients during backward, and
     /// how much of the communication ran before backward ended.
     pub fn last_reduction(&self) -> ReductionReport {
         self.last_reduction
@@ -248,7 +248,7 @@ impl Parallelized {
     }
 
     /// Under the plan's `gradient_buckets.rows` (ZeRO-1/2): which rows of which parameters
-    /// [`PipelineStep::rows`] holds.
+    /// [`super::PipelineStep::rows`] holds.
     pub fn gradient_rows(&self) -> Option<&GradientRowLayout> {
         self.buckets.row_layout()
     }

@@ -1,6 +1,7 @@
 //! Runs a [`Schedule`] on this rank's model chunks: forwards and backwards in the schedule's
 //! order, activations and their gradients sent to the neighbouring stages through the
-//! collective layer's send/recv.
+//! collective layer, each run of consecutive sends and receives as one batch
+//! ([`flashover_runtime::TensorCollectives::exchange_flat`]; NCCL runs it as one group).
 //!
 //! A stage's input arrives as a new autodiff leaf; its backward is `(output * grad).sum()`
 //! backpropagated, after which the input's gradient goes back upstream (the recipe the
@@ -97,7 +98,7 @@ pub struct PipelineStepReport {
     pub weight_grad: Duration,
     /// How many weight gradients the weight-gradient actions computed (deferred ones).
     pub deferred_weight_grads: usize,
-    /// Time waiting in receives.
+    /// Time in the batches of transfers that receive something (their sends included).
     pub recv_wait: Duration,
     /// Wall time of the whole schedule on this rank (first action to last).
     pub wall: Duration,

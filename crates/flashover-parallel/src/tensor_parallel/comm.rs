@@ -1,7 +1,7 @@
 //! Megatron's differentiable communication operators over the tensor-parallel group.
 //!
-//! Each is one [`crate::collective_op`] pair: a tensor function forward and its conjugate
-//! backward, on the tensor's device, in its dtype.
+//! Each is one pair of the crate's private `collective_op` module: a tensor function forward
+//! and its conjugate backward, on the tensor's device, in its dtype.
 //!
 //! | op | forward | backward |
 //! |---|---|---|
