@@ -27,6 +27,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Gradients, Tensor};
 use flashover_comm::Group;
 use flashover_runtime::{Incoming, TensorCollectives};
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -110,7 +111,8 @@ pub struct PipelineStepReport {
 
 /// Runs `schedule` for pipeline rank `group.rank()`; see the module docs.
 pub struct PipelineExecutor<'a> {
-    schedule: &'a Schedule,
+    /// The schedule run: as given, or with its transfers placed for an unbuffered engine.
+    schedule: Cow<'a, Schedule>,
     group: &'a Group,
     weight_grads: Option<WeightGradStore>,
     /// Called with each backward's gradients before the chunk's are read.
@@ -147,17 +149,23 @@ impl<'a> PipelineExecutor<'a> {
             )));
         }
         validate(schedule).map_err(|e| ParallelError::Invalid(e.to_string()))?;
+        let mut schedule = Cow::Borrowed(schedule);
         if group.size() > 1
             && !group.sends_are_buffered()
-            && let Some(stuck) = unbuffered_deadlock(schedule)
+            && let Some(stuck) = unbuffered_deadlock(&schedule)
         {
-            return Err(ParallelError::Invalid(format!(
-                "a pipeline over `{}`: its engine's sends wait for their receives (NCCL), and \
-                 this schedule would deadlock there even with each rank's consecutive \
-                 transfers in one batch ({stuck}); use another schedule, or the thread or \
-                 MPI engine",
-                group.name()
-            )));
+            // The same computations with Megatron's steady-state placement of the transfers.
+            let paired = schedule.as_ref().clone().with_steady_pairs();
+            if validate(&paired).is_err() || unbuffered_deadlock(&paired).is_some() {
+                return Err(ParallelError::Invalid(format!(
+                    "a pipeline over `{}`: its engine's sends wait for their receives (NCCL), \
+                     and this schedule would deadlock there even with each rank's consecutive \
+                     transfers in one batch ({stuck}), with its transfers placed as built or \
+                     as Megatron places them; use another schedule, or the thread or MPI engine",
+                    group.name()
+                )));
+            }
+            schedule = Cow::Owned(paired);
         }
         Ok(PipelineExecutor {
             schedule,
@@ -222,7 +230,7 @@ impl<'a> PipelineExecutor<'a> {
         M: Module,
         F: Fn(usize, &M, Option<Vec<BoundaryTensor>>, usize) -> StageOutput,
     {
-        let s = self.schedule;
+        let s = &*self.schedule;
         let rank = self.group.rank();
         if chunks.len() != s.chunks {
             return Err(ParallelError::Invalid(format!(
@@ -452,7 +460,7 @@ impl PipelineExecutor<'_> {
         held: &mut InFlight,
         report: &mut PipelineStepReport,
     ) -> Result<(), ParallelError> {
-        let s = self.schedule;
+        let s = &*self.schedule;
         let rank = self.group.rank();
         let inner = device.clone().inner();
         let differentiable = || boundary.iter().filter(|p| p.grad);

@@ -438,10 +438,12 @@ impl flashover_comm::Communicator for RendezvousSends {
 }
 
 #[test]
-fn with_sends_that_wait_for_their_receives_a_schedule_runs_exactly_or_is_refused_naming_where() {
+fn with_sends_that_wait_for_their_receives_every_schedule_runs_exactly() {
     // Each rank's consecutive transfers go as one batch; 1F1B's steady state (a stage sends its
-    // activation while the next sends a gradient back) deadlocks without that.
-    let mut refused = 0;
+    // activation while the next sends a gradient back) deadlocks without that. Interleaved
+    // 1F1B with more micro-batches than stages also needs Megatron's placement of the steady
+    // state's transfers, which the executor takes when the schedule as built would deadlock.
+    let mut placed_again = 0;
     for p in [2, 3, 4] {
         let mut runs = vec![];
         for m in [1, p, 2 * p + 1] {
@@ -453,40 +455,22 @@ fn with_sends_that_wait_for_their_receives_a_schedule_runs_exactly_or_is_refused
                 runs.push((kind, m, 1, defer));
             }
         }
-        runs.push((ScheduleKind::Interleaved1F1B, 2 * p, 2, false));
-        runs.push((ScheduleKind::Interleaved1F1B, p, 2, false));
+        // Two chunks per rank: the stack's 8 layers fill at most 8 virtual stages.
+        for (m, v) in [(p, 2), (2 * p, 2), (3 * p, 2)] {
+            runs.push((ScheduleKind::Interleaved1F1B, m, v, false));
+        }
         for (kind, m, v, defer) in runs {
             let what = format!("{kind:?} p={p} m={m} v={v}, rendezvous sends");
             let schedule = Schedule::build(kind, p, m, v).unwrap();
-            let mesh = format!("pp={p}");
-            match super::unbuffered_deadlock(&schedule) {
-                None => {
-                    let got = pipelined_on(&mesh, kind, m, v, defer, true).unwrap();
-                    assert_close(&got, &reference_accumulated(m), 1e-6, &what);
-                }
-                Some(stuck) => {
-                    // GPipe, 1F1B and zero-bubble run with their transfers batched.
-                    assert_eq!(
-                        kind,
-                        ScheduleKind::Interleaved1F1B,
-                        "{what}: refused ({stuck})"
-                    );
-                    let err = pipelined_on(&mesh, kind, m, v, defer, true).unwrap_err();
-                    assert!(
-                        err.contains("would deadlock there") && err.contains(&stuck),
-                        "{what}: {err}"
-                    );
-                    refused += 1;
-                }
+            if super::unbuffered_deadlock(&schedule).is_some() {
+                assert_eq!(kind, ScheduleKind::Interleaved1F1B, "{what} as built");
+                placed_again += 1;
             }
+            let got = pipelined_on(&format!("pp={p}"), kind, m, v, defer, true).unwrap();
+            assert_close(&got, &reference_accumulated(m), 1e-6, &what);
         }
     }
-    // Megatron's interleaving posts each receive just before its forward: with more
-    // micro-batches than stages, some rank waits on a send whose receiver waits on its own.
-    assert!(
-        refused > 0,
-        "no schedule was refused: the check was not exercised"
-    );
+    assert!(placed_again > 0, "no schedule needed Megatron's placement");
 }
 
 /// One step of `kind` with `m` micro-batches on a 3-stage split (one chunk per rank) of the

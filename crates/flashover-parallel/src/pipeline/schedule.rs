@@ -7,6 +7,7 @@
 //! receives each compute action implies, so a user can also write the compute order alone.
 
 use serde::Serialize;
+use std::collections::HashMap;
 use std::fmt;
 
 /// What an action does.
@@ -191,6 +192,52 @@ impl Schedule {
                 }
             }
             self.ranks[rank] = out;
+        }
+        self
+    }
+
+    /// The same actions with Megatron's placement in the steady state: no transfers between a
+    /// forward and the backward right after it. The backward's output gradient is received
+    /// before the forward instead, and the forward's output sent after the backward, so the
+    /// pair's transfers meet the neighbours' in fewer, larger batches. On an engine whose sends
+    /// wait for their receives this is what interleaved 1F1B needs to run with more
+    /// micro-batches than stages; the pipeline executor uses it there when the schedule as
+    /// built would deadlock ([`super::unbuffered_deadlock`]).
+    pub fn with_steady_pairs(mut self) -> Self {
+        for actions in &mut self.ranks {
+            let computes: Vec<usize> = (0..actions.len())
+                .filter(|&i| actions[i].is_compute())
+                .collect();
+            // Per compute action, the transfers moved to just before or just after it.
+            let mut before: HashMap<usize, Vec<Action>> = HashMap::new();
+            let mut after: HashMap<usize, Vec<Action>> = HashMap::new();
+            let mut moved = vec![false; actions.len()];
+            for pair in computes.windows(2) {
+                let (f, b) = (pair[0], pair[1]);
+                if actions[f].kind != ActionKind::Forward || actions[b].kind != ActionKind::Backward
+                {
+                    continue;
+                }
+                for i in f + 1..b {
+                    let to = match actions[i].kind {
+                        ActionKind::RecvGrad => before.entry(f).or_default(),
+                        ActionKind::SendActivation => after.entry(b).or_default(),
+                        _ => continue,
+                    };
+                    to.push(actions[i]);
+                    moved[i] = true;
+                }
+            }
+            let mut placed = Vec::with_capacity(actions.len());
+            for (i, a) in actions.iter().enumerate() {
+                if moved[i] {
+                    continue;
+                }
+                placed.extend(before.remove(&i).unwrap_or_default());
+                placed.push(*a);
+                placed.extend(after.remove(&i).unwrap_or_default());
+            }
+            *actions = placed;
         }
         self
     }

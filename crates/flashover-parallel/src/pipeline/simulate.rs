@@ -683,4 +683,51 @@ mod tests {
         assert_eq!(rows.len(), 1 + 9, "{table}");
         assert!(rows[1].ends_with("F0      -"), "{table}");
     }
+
+    #[test]
+    fn sends_that_wait_for_their_receives_deadlock_where_buffered_ones_do_not() {
+        use ActionKind::*;
+        let act = |kind, micro| Action::new(kind, micro, 0);
+        // Each rank sends, computes, then receives what the other sent: buffered sends pass,
+        // sends that wait for their receives each wait on a receive the other has not reached.
+        let cycle = Schedule {
+            pp: 2,
+            chunks: 1,
+            micro_batches: 1,
+            ranks: vec![
+                vec![
+                    act(Forward, 0),
+                    act(SendActivation, 0),
+                    act(Forward, 1),
+                    act(RecvGrad, 0),
+                ],
+                vec![
+                    act(Backward, 0),
+                    act(SendGrad, 0),
+                    act(Forward, 1),
+                    act(RecvActivation, 0),
+                ],
+            ],
+        };
+        assert_eq!(
+            unbuffered_deadlock(&cycle).as_deref(),
+            Some("rank 0 at [sa0], rank 1 at [sg0]")
+        );
+        // Both ends of each transfer in one batch on each side: no wait.
+        let batched = Schedule {
+            ranks: vec![
+                vec![act(Forward, 0), act(SendActivation, 0), act(RecvGrad, 0)],
+                vec![act(Backward, 0), act(SendGrad, 0), act(RecvActivation, 0)],
+            ],
+            ..cycle
+        };
+        assert_eq!(unbuffered_deadlock(&batched), None);
+        // Interleaved 1F1B with more micro-batches than stages: as built it stops; with
+        // Megatron's steady-state placement it runs, and stays valid.
+        let built = Schedule::build(ScheduleKind::Interleaved1F1B, 2, 4, 2).unwrap();
+        assert!(unbuffered_deadlock(&built).is_some());
+        let paired = built.with_steady_pairs();
+        assert!(validate(&paired).is_ok());
+        assert_eq!(unbuffered_deadlock(&paired), None);
+    }
 }
