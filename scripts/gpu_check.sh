@@ -3,7 +3,8 @@
 # the number of failed checks (0: all passed). Every check runs even when an earlier one fails,
 # each under a time limit, so one run shows everything:
 #   1. the NCCL engine through every collective at world size 1, staged and in place on device
-#      memory (`nccl_check`); the tensor collectives on Burn CUDA tensors, on their GPU buffers
+#      memory, and with two GPUs or more at world size = the number of GPUs against the
+#      sequential reference (`nccl_check`); the tensor collectives on Burn CUDA tensors, on their GPU buffers
 #      with no host staging (`cuda_collectives`); `bench comm --backend nccl --tensors`: those
 #      collectives' time on CUDA tensors next to the same tensors staged through host memory;
 #   2. Burn's CUDA backend (NVRTC): the reference model trained at f32 and bf16, then
@@ -88,7 +89,7 @@ mfu() {
   grep -A3 "memory per rank" "$LOG_DIR/$1.log" | tail -n 2
 }
 
-check nccl_check 60 "$BIN/nccl_check"
+check nccl_check 180 "$BIN/nccl_check"
 check cuda_collectives 60 "$BIN/cuda_collectives"
 check nccl_bench 150 "$BIN/flashover" bench comm --backend nccl --tensors --min-bytes 1M \
   --max-bytes 256M --target-ms 100

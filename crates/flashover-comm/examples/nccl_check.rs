@@ -1,12 +1,16 @@
 //! Every collective of the NCCL engine (and a batch of a send and a receive) on CUDA device
-//! memory, world size 1 (one GPU): for the GPU machine (`scripts/gpu_check.sh`). Exits non-zero
+//! memory, world size 1 (one GPU); then, on a machine with several GPUs, every operation at
+//! world size = the number of GPUs, one rank thread per GPU, against the sequential reference
+//! (`flashover_comm::conformance`). For the GPU machine (`scripts/gpu_check.sh`). Exits non-zero
 //! on the first wrong result.
 
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
+use flashover_comm::conformance::{Match, exercise_world};
 use flashover_comm::{
     CommunicatorExt, DType, DeviceTransfer, Group, NcclWorld, ReduceOp, Transfer,
 };
-use std::time::Duration;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 fn main() {
     if let Err(e) = NcclWorld::available() {
@@ -58,6 +62,56 @@ fn main() {
     device_memory_in_place(&g, &x);
     g.barrier().unwrap();
     println!("nccl_check: every collective correct on one GPU (world size 1)");
+    let gpus = CudaContext::device_count().unwrap_or(1).max(1) as usize;
+    if gpus >= 2 {
+        every_gpu(gpus);
+    } else {
+        println!("nccl_check: one GPU: the check at world size > 1 needs two or more");
+    }
+}
+
+/// [`exercise_world`] at world size `n`, one rank thread per GPU: every collective against the
+/// sequential reference (to f32 rounding: NCCL reduces in an order of its own), on the world
+/// and on its even and odd ranks.
+fn every_gpu(n: usize) {
+    let blobs: Mutex<Vec<Option<Vec<u8>>>> = Mutex::new(vec![None; n]);
+    let given = Condvar::new();
+    let results: Vec<Result<(), String>> = std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..n)
+            .map(|rank| {
+                let (blobs, given) = (&blobs, &given);
+                s.spawn(move || {
+                    // Every rank's blob to every rank (rank 0's carries NCCL's unique id).
+                    let exchange = |mine: &[u8]| -> Result<Vec<Vec<u8>>, String> {
+                        let deadline = Instant::now() + Duration::from_secs(60);
+                        let mut all = blobs.lock().unwrap();
+                        all[rank] = Some(mine.to_vec());
+                        given.notify_all();
+                        while all.iter().any(Option::is_none) {
+                            let left = deadline.saturating_duration_since(Instant::now());
+                            if left.is_zero() {
+                                return Err("a rank thread gave no blob within 60 s".into());
+                            }
+                            all = given.wait_timeout(all, left).unwrap().0;
+                        }
+                        Ok(all.iter().flatten().cloned().collect())
+                    };
+                    let timeout = Duration::from_secs(120);
+                    let world = NcclWorld::group(rank, n, rank, timeout, exchange)
+                        .map_err(|e| format!("rank {rank} joining: {e}"))?;
+                    exercise_world(&world, Match::Within(1e-5))
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, result) in results.into_iter().enumerate() {
+        if let Err(e) = result {
+            eprintln!("nccl_check: rank {rank} at world size {n}: {e}");
+            std::process::exit(1);
+        }
+    }
+    println!("nccl_check: every collective correct at world size {n}, one rank per GPU");
 }
 
 /// The device-pointer path Burn's CUDA tensors take: memory the engine does not own (here

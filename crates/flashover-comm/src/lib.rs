@@ -37,6 +37,7 @@
 
 mod args;
 mod communicator;
+pub mod conformance;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod dtype;
