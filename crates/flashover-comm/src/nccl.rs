@@ -15,14 +15,16 @@
 //! `send` completes only with the matching `recv` (no buffering): this engine says so
 //! (`sends_are_buffered` is false), and runs [`Communicator::exchange_bytes`] (and its device
 //! form) as one NCCL group, so two ranks that send to each other in one batch do not deadlock.
-//! Pipelines batch each run of sends and receives, and refuse a schedule that would still
-//! deadlock with unbuffered sends.
+//! Pipelines batch each run of sends and receives (placing interleaved 1F1B's steady-state
+//! transfers as Megatron does where that is needed), and refuse only a schedule that would
+//! still deadlock with unbuffered sends.
 //!
 //! [`DeviceCollectives`] (through [`Communicator::device_collectives`]) runs every operation on
 //! memory another library owns, addressed by raw device pointer: the path Burn's CUDA tensors
 //! take (flashover-runtime's `cuda_memory`), with no host round trip. `nccl_check` (in
-//! `scripts/gpu_check.sh`) runs every operation but send/recv both ways on one GPU, byte-level
-//! and on device pointers; all passed on an H200.
+//! `scripts/gpu_check.sh`) runs every operation on one GPU, byte-level and on device pointers
+//! (all but the send/receive batch passed on an H200; that batch is newer), and on a machine
+//! with several GPUs every operation at world size = their number (not yet run).
 
 use crate::args;
 use crate::communicator::{
