@@ -132,40 +132,30 @@ pub fn exercise(g: &Group, members: &[usize], me: usize, how: Match) -> Result<(
     // receive from each, which an engine whose sends wait for their receives needs together.
     let (to_next, to_prev) = (input(me, 33, 6), input(me, 17, 7));
     let (mut from_prev, mut from_next) = (vec![0f32; 33], vec![0f32; 17]);
-    let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
-    let (sent_next, sent_prev) = (bytes(&to_next), bytes(&to_prev));
-    let (mut got_prev, mut got_next) = (vec![0u8; 33 * 4], vec![0u8; 17 * 4]);
     let f32s = DType::F32;
     g.exchange_bytes(&mut [
         Transfer::Send {
-            buf: &sent_next,
+            buf: bytemuck::cast_slice(&to_next),
             dtype: f32s,
             dst: next,
         },
         Transfer::Send {
-            buf: &sent_prev,
+            buf: bytemuck::cast_slice(&to_prev),
             dtype: f32s,
             dst: prev,
         },
         Transfer::Recv {
-            buf: &mut got_prev,
+            buf: bytemuck::cast_slice_mut(&mut from_prev),
             dtype: f32s,
             src: prev,
         },
         Transfer::Recv {
-            buf: &mut got_next,
+            buf: bytemuck::cast_slice_mut(&mut from_next),
             dtype: f32s,
             src: next,
         },
     ])
     .map_err(|e| fail("exchange", e))?;
-    let floats = |b: &[u8], out: &mut [f32]| {
-        for (x, c) in out.iter_mut().zip(b.chunks_exact(4)) {
-            *x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-        }
-    };
-    floats(&got_prev, &mut from_prev);
-    floats(&got_next, &mut from_next);
     let want = input(members[prev], 33, 6);
     compare(
         format!("{name} exchange from the previous rank"),

@@ -545,6 +545,15 @@ fn on_device(stream: &Arc<CudaStream>, comm: &Comm, job: DeviceJob) -> Result<()
 }
 
 impl NcclComm {
+    /// Every transfer's peer is a rank of the group (oneself included: NCCL completes a
+    /// transfer to oneself inside a group).
+    fn check_peers(&self, transfers: &[DeviceTransfer]) -> Result<(), String> {
+        transfers.iter().try_for_each(|t| {
+            let what = if t.send { "destination" } else { "source" };
+            args::peer(self.size(), self.rank, t.peer, what, true)
+        })
+    }
+
     /// Runs `job` on device memory after checking the call as the byte-level one is checked
     /// (`check` gets the byte counts of what it is given).
     fn device_call(
@@ -659,10 +668,7 @@ impl DeviceCollectives for NcclComm {
     }
 
     unsafe fn exchange_device(&self, transfers: &[DeviceTransfer]) -> CommResult<()> {
-        let check = transfers.iter().try_for_each(|t| {
-            let what = if t.send { "destination" } else { "source" };
-            args::peer(self.size(), self.rank, t.peer, what, true)
-        });
+        let check = self.check_peers(transfers);
         let bytes = transfers.iter().map(|t| t.count * t.dtype.size()).sum();
         let job = DeviceJob::Exchange(transfers.to_vec());
         self.device_call(OpKind::Exchange, bytes, check, job)
@@ -789,58 +795,55 @@ impl Communicator for NcclComm {
     }
 
     fn exchange_bytes(&self, transfers: &mut [Transfer<'_>]) -> CommResult<()> {
-        // Sends laid end to end in the scratch's input, receives in its output, each on an
-        // alignment NCCL is happy with; one group runs them all.
-        let at = |len: usize, end: &mut usize| {
-            let start = *end;
-            *end = (start + len).next_multiple_of(256);
-            start
-        };
-        let (mut input, mut output) = (vec![], 0usize);
-        let mut places = Vec::with_capacity(transfers.len());
-        for t in transfers.iter() {
-            let (peer, send, what) = match t {
-                Transfer::Send { dst, .. } => (*dst, true, "destination"),
-                Transfer::Recv { src, .. } => (*src, false, "source"),
-            };
-            args::peer(self.size(), self.rank, peer, what, true)
-                .map_err(|e| self.invalid(OpKind::Exchange, e))?;
-            let offset = match t {
-                Transfer::Send { buf, .. } => {
-                    let mut end = input.len();
-                    let offset = at(buf.len(), &mut end);
-                    input.extend_from_slice(buf);
-                    input.resize(end, 0);
-                    offset
+        // Sends laid end to end in the scratch's input, receives in its output, each at an
+        // offset NCCL is happy with (`ptr` holds the offset until the scratch's address is
+        // known); one group runs them all.
+        let mut input = vec![];
+        let mut output = 0usize;
+        let placed: Vec<DeviceTransfer> = (transfers.iter())
+            .map(|t| {
+                let (peer, send, start) = match t {
+                    Transfer::Send { buf, dst, .. } => {
+                        let start = input.len();
+                        input.extend_from_slice(buf);
+                        input.resize((start + buf.len()).next_multiple_of(256), 0);
+                        (*dst, true, start)
+                    }
+                    Transfer::Recv { buf, src, .. } => {
+                        let start = output;
+                        output = (start + buf.len()).next_multiple_of(256);
+                        (*src, false, start)
+                    }
+                };
+                DeviceTransfer {
+                    ptr: start as u64,
+                    count: t.len(),
+                    dtype: DType::U8,
+                    peer,
+                    send,
                 }
-                Transfer::Recv { buf, .. } => at(buf.len(), &mut output),
-            };
-            places.push((offset, t.len(), peer, send));
-        }
+            })
+            .collect();
+        self.check_peers(&placed)
+            .map_err(|e| self.invalid(OpKind::Exchange, e))?;
         let bytes = transfers.iter().map(Transfer::len).sum();
+        let offsets = placed.clone();
         let job = Job::Staged(Staged {
             input,
             output,
             in_place: false,
             job: Box::new(move |s, r| {
-                DeviceJob::Exchange(
-                    (places.into_iter())
-                        .map(|(offset, count, peer, send)| DeviceTransfer {
-                            ptr: if send { s } else { r } + offset as u64,
-                            count,
-                            dtype: DType::U8,
-                            peer,
-                            send,
-                        })
-                        .collect(),
-                )
+                let at = |t: DeviceTransfer| DeviceTransfer {
+                    ptr: t.ptr + if t.send { s } else { r },
+                    ..t
+                };
+                DeviceJob::Exchange(placed.into_iter().map(at).collect())
             }),
         });
         let out = self.call(OpKind::Exchange, bytes, job)?;
-        let mut end = 0;
-        for t in transfers.iter_mut() {
+        for (t, place) in transfers.iter_mut().zip(offsets) {
             if let Transfer::Recv { buf, .. } = t {
-                let offset = at(buf.len(), &mut end);
+                let offset = place.ptr as usize;
                 buf.copy_from_slice(&out[offset..offset + buf.len()]);
             }
         }
