@@ -17,7 +17,7 @@
 //! defer without being handed the store.
 
 use super::boundary::{BoundaryTensor, PartSpec, specs_of};
-use super::schedule::{Action, ActionKind, Schedule};
+use super::schedule::{Action, ActionKind, Schedule, steps_of};
 use super::simulate::{unbuffered_deadlock, validate};
 use super::weight_grad::{DeferredWeightGrad, WeightGradStore, deferring_in};
 use crate::error::ParallelError;
@@ -259,26 +259,15 @@ impl<'a> PipelineExecutor<'a> {
         let differentiable = || boundary.iter().filter(|p| p.grad);
         let is_backward =
             |a: &Action| matches!(a.kind, ActionKind::Backward | ActionKind::BackwardInput);
-        let last_backward = s.ranks[rank].iter().rposition(is_backward);
+        // The transfers between two computations go as one batch: where sends wait for their
+        // receives (NCCL), two stages sending to each other at once need that.
+        let steps: Vec<&[Action]> = steps_of(&s.ranks[rank]).collect();
+        let last_backward = steps.iter().rposition(|step| is_backward(&step[0]));
         let started = Instant::now();
-        let actions = &s.ranks[rank];
-        let mut index = 0;
-        while index < actions.len() {
-            let a = &actions[index];
+        for (index, step) in steps.iter().enumerate() {
+            let a = &step[0];
             if !a.is_compute() {
-                // The transfers between two computations go as one batch: where sends wait for
-                // their receives (NCCL), two stages sending to each other at once need that.
-                let end = (index..actions.len())
-                    .find(|&j| actions[j].is_compute())
-                    .unwrap_or(actions.len());
-                self.exchange(
-                    &actions[index..end],
-                    boundary,
-                    device,
-                    &mut held,
-                    &mut report,
-                )?;
-                index = end;
+                self.exchange(step, boundary, device, &mut held, &mut report)?;
                 continue;
             }
             let InFlight {
@@ -419,7 +408,6 @@ impl<'a> PipelineExecutor<'a> {
                 | ActionKind::SendGrad
                 | ActionKind::RecvGrad => unreachable!("transfers go in batches"),
             }
-            index += 1;
         }
         report.wall = started.elapsed();
         debug_assert!(

@@ -123,6 +123,12 @@ impl fmt::Display for ScheduleKind {
     }
 }
 
+/// `actions` as the steps a rank takes: each compute action alone, and each run of consecutive
+/// sends and receives together (one batch: see [`super::unbuffered_deadlock`]).
+pub(crate) fn steps_of(actions: &[Action]) -> impl Iterator<Item = &[Action]> {
+    actions.chunk_by(|a, b| !a.is_compute() && !b.is_compute())
+}
+
 /// A schedule: per rank, its actions in order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Schedule {

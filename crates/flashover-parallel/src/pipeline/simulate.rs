@@ -7,7 +7,7 @@
 //! receives (NCCL's). [`simulate`] times a valid schedule with given costs: the bubble of each
 //! rank and the peak number of micro-batches whose activations a rank holds.
 
-use super::schedule::{Action, ActionKind, Schedule};
+use super::schedule::{Action, ActionKind, Schedule, steps_of};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 
@@ -164,24 +164,8 @@ fn play(
 /// them: `None` when every rank gets to its end, else where the ranks stop, e.g. `rank 0 at
 /// [sa3 rg1], rank 1 at [sg1 ra4]`.
 pub fn unbuffered_deadlock(schedule: &Schedule) -> Option<String> {
-    // Per rank, its steps: one compute action, or the transfers between two.
     let steps: Vec<Vec<&[Action]>> = (schedule.ranks.iter())
-        .map(|actions| {
-            let mut steps = vec![];
-            let mut i = 0;
-            while i < actions.len() {
-                let end = if actions[i].is_compute() {
-                    i + 1
-                } else {
-                    (i..actions.len())
-                        .find(|&j| actions[j].is_compute())
-                        .unwrap_or(actions.len())
-                };
-                steps.push(&actions[i..end]);
-                i = end;
-            }
-            steps
-        })
+        .map(|actions| steps_of(actions).collect())
         .collect();
     let p = schedule.pp;
     let mut at = vec![0usize; p];
