@@ -1,10 +1,21 @@
 //! Collectives on Burn tensors (Flex), against values computed by hand.
 
 use burn::tensor::{DType, Tensor};
-use flashover_runtime::{CommError, ReduceOp, TensorCollectives, launch};
+use flashover_runtime::{CommError, RankContext, ReduceOp, TensorCollectives, launch};
 
 fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
     t.into_data().try_to_vec::<f32>().unwrap()
+}
+
+/// `t` (a `[2, 2]` f32 tensor) sent by world rank 0 and received by rank 1: its values there.
+fn rank_0_to_rank_1(ctx: &RankContext, t: &Tensor<2>) -> Result<Option<Vec<f32>>, CommError> {
+    let w = ctx.world();
+    if ctx.rank() == 0 {
+        w.send_tensor(t, 1)?;
+        return Ok(None);
+    }
+    let got = w.recv_tensor::<2>([2, 2], DType::F32, 0, ctx.device())?;
+    Ok(Some(values(got)))
 }
 
 #[test]
@@ -20,12 +31,7 @@ fn tensor_collectives_match_hand_computed_values() {
         let gathered1 = w.all_gather_tensor(x.clone(), 1)?;
         let scattered = w.reduce_scatter_tensor(x.clone(), 1, ReduceOp::Sum)?;
         let bcast = w.broadcast_tensor(x.clone(), 1)?;
-        let passed = if ctx.rank() == 0 {
-            w.send_tensor(&x, 1)?;
-            None
-        } else {
-            Some(values(w.recv_tensor::<2>([2, 2], DType::F32, 0, &dev)?))
-        };
+        let passed = rank_0_to_rank_1(&ctx, &x)?;
         Ok::<_, CommError>((
             values(sum),
             (gathered0.dims(), values(gathered0)),
@@ -72,12 +78,7 @@ fn collectives_that_read_views_and_transposes_see_their_values() {
         let gathered_t = w.all_gather_tensor(transposed.clone(), 0)?;
         let scattered = w.reduce_scatter_tensor(view.clone(), 0, ReduceOp::Sum)?;
         let moved = w.all_to_all_tensor(view.clone(), &[1, 1], &[1, 1])?;
-        let passed = if ctx.rank() == 0 {
-            w.send_tensor(&view, 1)?;
-            None
-        } else {
-            Some(values(w.recv_tensor::<2>([2, 2], DType::F32, 0, &dev)?))
-        };
+        let passed = rank_0_to_rank_1(&ctx, &view)?;
         Ok::<_, CommError>((
             values(gathered),
             values(gathered_t),
