@@ -4,7 +4,7 @@
 use crate::error::ParallelError;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, GradientCheckpointingStrategy, Tensor, TensorData};
 use flashover_comm::{CommError, Group};
 use flashover_kernels::{pack_scaled, unpack_scaled, uses_kernels};
 use flashover_runtime::TensorCollectives;
@@ -190,7 +190,16 @@ pub(crate) fn in_context_of<const D: usize, const E: usize>(
     value: Tensor<D>,
     reference: &Tensor<E>,
 ) -> Tensor<D> {
-    match reference.gradient_checkpointing_strategy() {
+    with_autodiff(value, reference.gradient_checkpointing_strategy())
+}
+
+/// `value` (outside autodiff) with autodiff and `strategy` where there is one (an autodiff
+/// context's), as it is where there is none.
+pub(crate) fn with_autodiff<const D: usize>(
+    value: Tensor<D>,
+    strategy: Option<GradientCheckpointingStrategy>,
+) -> Tensor<D> {
+    match strategy {
         Some(strategy) => value
             .autodiff()
             .with_gradient_checkpointing_strategy(strategy),

@@ -21,7 +21,7 @@ use super::schedule::{Action, ActionKind, Schedule, steps_of};
 use super::simulate::{unbuffered_deadlock, validate};
 use super::weight_grad::{DeferredWeightGrad, WeightGradStore, deferring_in};
 use crate::error::ParallelError;
-use crate::params::{ParamLayout, accumulate_grads};
+use crate::params::{ParamLayout, accumulate_grads, with_autodiff};
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Gradients, Tensor};
@@ -518,12 +518,7 @@ impl PipelineExecutor<'_> {
                 ActionKind::RecvActivation => {
                     let parts = (boundary.iter().zip(received.by_ref()))
                         .map(|(spec, x)| {
-                            let x = match strategy {
-                                Some(strategy) => {
-                                    x.autodiff().with_gradient_checkpointing_strategy(strategy)
-                                }
-                                None => x,
-                            };
+                            let x = with_autodiff(x, strategy);
                             let x = if spec.grad { x.require_grad() } else { x };
                             BoundaryTensor::new(x, spec.clone())
                         })
