@@ -7,10 +7,9 @@
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
 use flashover_comm::conformance::{Match, exercise_world};
 use flashover_comm::{
-    CommunicatorExt, DType, DeviceTransfer, Group, NcclWorld, ReduceOp, Transfer,
+    BlobExchange, CommunicatorExt, DType, DeviceTransfer, Group, NcclWorld, ReduceOp, Transfer,
 };
-use std::sync::{Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 fn main() {
     if let Err(e) = NcclWorld::available() {
@@ -74,29 +73,14 @@ fn main() {
 /// sequential reference (to f32 rounding: NCCL reduces in an order of its own), on the world
 /// and on its even and odd ranks.
 fn every_gpu(n: usize) {
-    let blobs: Mutex<Vec<Option<Vec<u8>>>> = Mutex::new(vec![None; n]);
-    let given = Condvar::new();
+    let blobs = BlobExchange::new(n);
+    let timeout = Duration::from_secs(120);
     let results: Vec<Result<(), String>> = std::thread::scope(|s| {
         let ranks: Vec<_> = (0..n)
             .map(|rank| {
-                let (blobs, given) = (&blobs, &given);
+                let blobs = &blobs;
                 s.spawn(move || {
-                    // Every rank's blob to every rank (rank 0's carries NCCL's unique id).
-                    let exchange = |mine: &[u8]| -> Result<Vec<Vec<u8>>, String> {
-                        let deadline = Instant::now() + Duration::from_secs(60);
-                        let mut all = blobs.lock().unwrap();
-                        all[rank] = Some(mine.to_vec());
-                        given.notify_all();
-                        while all.iter().any(Option::is_none) {
-                            let left = deadline.saturating_duration_since(Instant::now());
-                            if left.is_zero() {
-                                return Err("a rank thread gave no blob within 60 s".into());
-                            }
-                            all = given.wait_timeout(all, left).unwrap().0;
-                        }
-                        Ok(all.iter().flatten().cloned().collect())
-                    };
-                    let timeout = Duration::from_secs(120);
+                    let exchange = |mine: &[u8]| blobs.all_gather(rank, Ok(mine), timeout);
                     let world = NcclWorld::group(rank, n, rank, timeout, exchange)
                         .map_err(|e| format!("rank {rank} joining: {e}"))?;
                     exercise_world(&world, Match::Within(1e-5))

@@ -1,4 +1,4 @@
-//! Every operation of a [`Communicator`] checked against a sequential reference, for any
+//! Every operation of a [`Communicator`](crate::Communicator) checked against a sequential reference, for any
 //! engine at any world size: what `mpi_check` runs under `mpirun`, `nccl_check` on every GPU
 //! of a machine, and this crate's tests on the thread engine.
 //!

@@ -36,6 +36,7 @@
 #![warn(missing_docs)]
 
 mod args;
+mod blob_exchange;
 mod communicator;
 pub mod conformance;
 #[cfg(feature = "cuda")]
@@ -55,6 +56,7 @@ mod stats;
 mod thread;
 mod traffic;
 
+pub use blob_exchange::BlobExchange;
 pub use communicator::{
     Communicator, CommunicatorExt, DeviceCollectives, DeviceTransfer, Group, Transfer,
 };

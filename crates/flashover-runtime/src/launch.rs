@@ -2,12 +2,12 @@
 
 use crate::context::RankContext;
 use burn::tensor::Device;
-use flashover_comm::{CommError, FaultPlan, FlightRecorder, Group, ThreadWorld};
+use flashover_comm::{BlobExchange, CommError, FaultPlan, FlightRecorder, Group, ThreadWorld};
 use flashover_mesh::{DeviceMesh, MeshError};
 use std::error::Error;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The error type rank closures return: anything that converts into a boxed error
@@ -133,63 +133,6 @@ impl std::fmt::Debug for OwnWorlds {
     }
 }
 
-/// What a rank gave the exchange: its blob, or why it could not join.
-type Given = Option<Result<Vec<u8>, String>>;
-
-/// The blobs of a launch's rank threads, handed to every rank once all have given theirs; a
-/// rank that fails before giving its blob ends every wait at once, naming itself.
-struct ThreadExchange {
-    blobs: Mutex<Vec<Given>>,
-    changed: Condvar,
-}
-
-impl ThreadExchange {
-    fn new(size: usize) -> Self {
-        ThreadExchange {
-            blobs: Mutex::new(vec![None; size]),
-            changed: Condvar::new(),
-        }
-    }
-
-    /// Gives rank `rank`'s blob (or its failure) and, for a blob, waits at most `timeout` for
-    /// every other rank's.
-    fn all_gather(
-        &self,
-        rank: usize,
-        blob: Result<&[u8], String>,
-        timeout: Duration,
-    ) -> Result<Vec<Vec<u8>>, String> {
-        let mut blobs = self.blobs.lock().unwrap_or_else(|p| p.into_inner());
-        let failed = blob.is_err();
-        blobs[rank] = Some(blob.map(<[u8]>::to_vec));
-        self.changed.notify_all();
-        if failed {
-            return Err("this rank could not join".into());
-        }
-        let waiting = |b: &mut Vec<Given>| {
-            b.iter().any(Option::is_none) && !b.iter().flatten().any(Result::is_err)
-        };
-        let (blobs, waited) = self
-            .changed
-            .wait_timeout_while(blobs, timeout, waiting)
-            .unwrap_or_else(|p| p.into_inner());
-        if let Some((r, Some(Err(why)))) = blobs
-            .iter()
-            .enumerate()
-            .find(|(_, b)| matches!(b, Some(Err(_))))
-        {
-            return Err(format!("rank {r} could not join the world: {why}"));
-        }
-        if waited.timed_out() {
-            let missing: Vec<usize> = (0..blobs.len()).filter(|&r| blobs[r].is_none()).collect();
-            return Err(format!(
-                "ranks {missing:?} did not join the world within {timeout:?}"
-            ));
-        }
-        Ok(blobs.iter().flatten().flatten().cloned().collect())
-    }
-}
-
 /// Calls each rank's flight recorder keeps (see [`flashover_comm::FlightRecorder`]).
 pub const FLIGHT_CAPACITY: usize = 256;
 
@@ -290,7 +233,7 @@ impl Launch {
                         cause,
                     });
                 }
-                let exchange = ThreadExchange::new(n);
+                let exchange = BlobExchange::new(n);
                 on_rank_threads(vec![(); n], |rank, ()| {
                     let device = match (own.device)(rank) {
                         Ok(device) => device,
