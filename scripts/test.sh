@@ -49,7 +49,8 @@ scripts/mpi_check.sh
 
 # Examples run as a user would run them (same features as the tests: no second build;
 # multi_process needs MPI and runs in scripts/mpi_check.sh).
-for example in ddp_own_model zero3_own_model parallelize_gpt2 parallelize_seq2seq parallelize_classifier checkpoint_reshard \
+for example in ddp_own_model zero3_own_model parallelize_gpt2 parallelize_seq2seq parallelize_classifier \
+    parallelize_burn_transformer checkpoint_reshard \
     tensor_parallel pipeline \
     moe_expert_parallel context_parallel_long_sequence activation_checkpointing mixed_precision; do
   cargo run --quiet --features "$FLASHOVER_TEST_FEATURES" --example "$example"

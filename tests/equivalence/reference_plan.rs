@@ -543,11 +543,12 @@ fn each_fully_sharded_weight_is_gathered_once_per_read() {
             Ok::<_, ParallelError>((one_by_one, in_units, par.units().to_vec()))
         })
         .unwrap();
-    // Read one by one: seven weights per block (the norms stay whole), and the tied table as
-    // embedding and as head. In units: one per block and one for the rest.
+    // Read one by one: nine parameters per block (seven weights, two norms), the final norm,
+    // and the tied table as embedding and as head. In units: one per block and one for the
+    // rest.
     let blocks = config.n_layers as u64;
     for (one_by_one, in_units, units) in gathers {
-        assert_eq!(one_by_one, 7 * blocks + 2);
+        assert_eq!(one_by_one, 9 * blocks + 3);
         assert_eq!(in_units, blocks + 1, "{units:?}");
     }
 }

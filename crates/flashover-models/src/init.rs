@@ -5,9 +5,10 @@
 //! SplitMix64 generator keyed by (model seed, parameter name), on the host.
 
 use burn::module::Param;
-use burn::nn::{Embedding, Linear, RmsNorm};
+use burn::nn::{Embedding, Linear};
 use burn::tensor::{Device, Tensor, TensorData};
 use flashover_data::SplitMix64;
+use flashover_parallel::nn::RmsNorm;
 
 /// FNV-1a hash of a parameter name: its stream index.
 fn stream_of(name: &str) -> u64 {

@@ -1,13 +1,13 @@
 //! The transformer's layers: causal attention with RoPE, SwiGLU MLP, and the block.
 
 use burn::module::Module;
-use burn::nn::RmsNorm;
 use burn::tensor::FloatDType;
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Tensor};
 use flashover_parallel::dropout::Site;
 use flashover_parallel::forward_context::ForwardContext;
 use flashover_parallel::moe::{Moe, SwiGlu};
+use flashover_parallel::nn::RmsNorm;
 use flashover_parallel::nn::{Linear, MoeForward};
 
 /// Applies rotary embeddings to `x: [batch, heads, seq, head_dim]` ("rotate half" layout).

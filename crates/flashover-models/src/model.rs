@@ -4,10 +4,10 @@ use crate::init;
 use crate::layers::{Attention, Block};
 use burn::config::Config;
 use burn::module::Module;
-use burn::nn::RmsNorm;
 use burn::tensor::{Device, Int, Tensor};
 use flashover_parallel::forward_context::ForwardContext;
 use flashover_parallel::moe::{Moe, MoeConfig, SwiGlu};
+use flashover_parallel::nn::RmsNorm;
 use flashover_parallel::nn::{Embedding, Linear, OutputHead};
 
 /// Configuration of the reference transformer.

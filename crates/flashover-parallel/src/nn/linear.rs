@@ -1,6 +1,6 @@
 //! Burn's `Linear`, splittable column- or row-wise.
 
-use crate::parallelize::{TpSplit, TpStyle, local_value, tp_split};
+use crate::parallelize::{TpSplit, TpStyle, local_value, tp_split, value_dims};
 use crate::pipeline::deferred_product;
 use crate::pipeline::weight_grad::forward_store;
 use crate::tensor_parallel::async_colwise::colwise_product;
@@ -104,14 +104,7 @@ impl Linear {
     }
 
     fn local_dims(&self) -> [usize; 2] {
-        let stored = self.weight.base().dims();
-        match self
-            .weight
-            .reparameterization::<crate::parallelize::Placed>()
-        {
-            Some(placed) => placed.local_dims(stored),
-            None => stored,
-        }
+        value_dims(&self.weight)
     }
 }
 

@@ -110,8 +110,8 @@ impl Parallelized {
                 seq / split.group.size()
             }
         };
-        match &self.sequence_check {
-            Some(check) if !share.is_multiple_of(check.tp.size()) => {
+        match &self.replica_check {
+            Some(check) if check.sequence_parallel && !share.is_multiple_of(check.tp.size()) => {
                 Err(ParallelError::Invalid(format!(
                     "a sequence of {seq} positions ({share} on this rank) does not divide by \
                      tp = {}: sequence parallelism splits it into tp equal parts",

@@ -15,7 +15,8 @@
 //! What each mesh axis does to the model:
 //! - `dp`: replicas; each reads its share of the batch; gradients averaged.
 //! - `fsdp`: as `dp` for the batch; the plan's `fully_shard` modules keep `1/fsdp` of each
-//!   parameter per rank (but see [`Parallelized::kept_whole`]), gathered where the forward reads them (Burn's parameter
+//!   parameter per rank (all of them, unless the plan's `keep_whole` names some), gathered
+//!   where the forward reads them (Burn's parameter
 //!   reparameterization, see [`placed`]), so the model's code does not change and any
 //!   Burn optimizer steps the shards.
 //! - `tp`: the plan's `tensor_parallel` linear layers hold their columns or rows
@@ -56,13 +57,13 @@ mod pipeline_step;
 pub mod placed;
 mod plan;
 mod reduction;
-mod sequence_check;
+mod replica_check;
 pub(crate) mod units;
 mod validate;
 
 pub use pipeline::PipelineModel;
 pub use pipeline_step::PipelineStep;
-pub use placed::{ContextSplit, ExpertSplit, Placed, TpSplit, local_value, tp_split};
+pub use placed::{ContextSplit, ExpertSplit, Placed, TpSplit, local_value, tp_split, value_dims};
 pub use plan::{
     AttachedModule, ContextParallelRule, ModulePath, ParallelizePlan, PipelineRule,
     TensorParallelRule, TpStyle,
@@ -83,7 +84,7 @@ use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
 use flashover_runtime::{Axis, RankContext, TensorCollectives};
 use pipeline::Stages;
 use placed::{Elsewhere, WholeReads};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::ops::Range;
 use std::sync::Arc;
 use units::FullyShardedUnits;
@@ -118,12 +119,12 @@ pub struct Parallelized {
     /// For a model cut into stages or experts: the ranks that hold its other parts (`pp` x
     /// `ep`), which `whole` gathers over, and the whole model's parameters.
     held_elsewhere: Option<(Group, ParamLayout)>,
-    /// Parameters under `fully_shard` paths left whole, with the layer type that needs it (or
-    /// `keep_whole`, the plan's rule).
-    kept_whole: BTreeMap<String, &'static str>,
-    /// Under sequence parallelism, the first step's check that every whole parameter that runs
-    /// on sequence shards is named.
-    sequence_check: Option<sequence_check::SequenceCheck>,
+    /// Parameters under `fully_shard` paths the plan's `keep_whole` leaves whole.
+    kept_whole: BTreeSet<String>,
+    /// With `tp`, the first step's check that the parameters whole on every `tp` rank got the
+    /// same gradient on each (under sequence parallelism, that every whole parameter that runs
+    /// on sequence shards is named).
+    replica_check: Option<replica_check::ReplicaCheck>,
     /// The fully sharded units (one collective per unit inside [`Self::forward`]).
     units: FullyShardedUnits,
     /// With sequences split over `cp`: the attention work counted at the last reduction (each
@@ -192,19 +193,12 @@ pub fn parallelize<M: Module>(
     units.set_vectors(&layout);
     // Routed experts are sharded too: their layer gathers them all at once on every rank,
     // whatever the routing (`nn::MoeForward`).
-    let kept_whole = if plan.fully_shard.is_empty() {
-        Default::default()
-    } else {
-        let mut kept = placed::reads_stored_shape(&model);
-        for slot in &layout.slots {
-            if plan.keep_whole.iter().any(|p| p.contains(&slot.name)) {
-                kept.entry(slot.name.clone()).or_insert("keep_whole");
-            }
-        }
-        // Only what would otherwise have been sharded is kept whole.
-        kept.retain(|path, _| plan.shard_path(path).is_some());
-        kept
-    };
+    // No layer is recognised by its type: a parameter stays whole only where the plan says so.
+    let kept_whole: BTreeSet<String> = (layout.slots.iter())
+        .map(|slot| slot.name.clone())
+        .filter(|name| plan.keep_whole.iter().any(|p| p.contains(name)))
+        .filter(|name| plan.shard_path(name).is_some())
+        .collect();
     let context = plan
         .context_parallel
         .as_ref()
@@ -290,8 +284,10 @@ pub fn parallelize<M: Module>(
         expert_traffic: experts.traffic.clone(),
         experts: experts.shares,
         kept_whole,
-        sequence_check: (tp.size() > 1 && !plan.sequence_parallel.is_empty())
-            .then(|| sequence_check::SequenceCheck::new(tp.clone(), sequence_partial)),
+        replica_check: (tp.size() > 1).then(|| {
+            let sequence_parallel = !plan.sequence_parallel.is_empty();
+            replica_check::ReplicaCheck::new(tp.clone(), sequence_parallel, sequence_partial)
+        }),
         units,
         attended: Default::default(),
         precision: mixed_precision::PlanPrecision::new(policy),
@@ -394,13 +390,11 @@ impl Parallelized {
         &self.placements
     }
 
-    /// The parameters under the plan's `fully_shard` paths that stay whole, each with why: the
-    /// Burn layer it belongs to, for layers whose forward reads the parameter's stored shape
-    /// (`RmsNorm`, `BatchNorm`, `PositionWiseFeedForward` in Burn 0.22.1), which a shard would
-    /// answer wrongly, or `keep_whole` for the plan's rule of that name. Empty for most
-    /// models. (Mixture-of-experts layers' routed experts are sharded: `nn::MoeForward`
-    /// gathers them all before routing, on every rank.)
-    pub fn kept_whole(&self) -> &BTreeMap<String, &'static str> {
+    /// The parameters under the plan's `fully_shard` paths that its `keep_whole` rule leaves
+    /// whole, by path: nothing else under those paths is kept whole. (Mixture-of-experts
+    /// layers' routed experts are sharded: `nn::MoeForward` gathers them all before routing,
+    /// on every rank.)
+    pub fn kept_whole(&self) -> &BTreeSet<String> {
         &self.kept_whole
     }
 
@@ -634,14 +628,4 @@ fn sum_counted(
         true => Ok(group.all_reduce_tensor(values, ReduceOp::Sum)?),
         false => Ok(values),
     }
-}
-
-/// A module visitor's path (one name per level entered; the root's is empty) as a dotted
-/// parameter path (`blocks.0.attn.weight`).
-fn dotted(path: &[String]) -> String {
-    path.iter()
-        .map(String::as_str)
-        .filter(|s| !s.is_empty())
-        .collect::<Vec<_>>()
-        .join(".")
 }

@@ -27,11 +27,11 @@ use crate::error::ParallelError;
 use crate::placement::PlacementTable;
 use crate::tensor_parallel::comm::{copy_to_tp, gather_from_sp, gather_from_tp};
 use crate::tensor_parallel::split_dim;
-use burn::module::{Module, ModuleVisitor, Param, Reparameterization, Reparameterizer};
+use burn::module::{Module, Param, Reparameterization, Reparameterizer};
 use burn::tensor::Tensor;
 use flashover_comm::Group;
 use flashover_runtime::{Axis, CommStream};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -411,63 +411,16 @@ pub fn local_value<const D: usize>(param: &Param<Tensor<D>>) -> (Tensor<D>, Opti
     }
 }
 
-/// Burn 0.22.1 layers whose forward reads a parameter's *stored* shape (`Param::shape()`,
-/// which a fully sharded parameter's shard answers) before calling `Param::val`: their
-/// parameters stay whole under `fully_shard`.
-fn reads_stored_shape_layers() -> [&'static str; 3] {
-    [
-        short_type_name::<burn::nn::RmsNorm>(),
-        short_type_name::<burn::nn::BatchNorm>(),
-        short_type_name::<burn::nn::transformer::PositionWiseFeedForward>(),
-    ]
-}
-
-/// `T`'s name without its module path: what Burn's derived `Module` labels its fields with
-/// (after `Struct:`). Burn's visitors see labels, never types; naming the types here makes the
-/// compiler check the list against Burn.
-fn short_type_name<T>() -> &'static str {
-    let name = std::any::type_name::<T>();
-    name.rsplit("::").next().unwrap_or(name)
-}
-
-/// The parameters of `model` inside a layer of [`reads_stored_shape_layers`], by path, with the
-/// layer's type.
-pub(super) fn reads_stored_shape<M: Module>(model: &M) -> BTreeMap<String, &'static str> {
-    struct Find {
-        layer_types: [&'static str; 3],
-        path: Vec<String>,
-        /// The innermost enclosing layer of the list, per depth.
-        layers: Vec<Option<&'static str>>,
-        found: BTreeMap<String, &'static str>,
+/// The shape of the value a layer computes with from `param` (its `tp` part when the plan
+/// split it over `tp`, whole otherwise), read from the stored shape and the plan's record,
+/// never from the value (which under `fsdp` is a collective). A layer checks its input against
+/// this, not against `Param::shape()`: a fully sharded parameter stores only its rows.
+pub fn value_dims<const D: usize>(param: &Param<Tensor<D>>) -> [usize; D] {
+    let stored = param.base().dims();
+    match param.reparameterization::<Placed>() {
+        Some(placed) => placed.local_dims(stored),
+        None => stored,
     }
-    impl ModuleVisitor for Find {
-        fn enter_module(&mut self, name: &str, container_type: &str) {
-            let this = self
-                .layer_types
-                .into_iter()
-                .find(|t| container_type.strip_prefix("Struct:") == Some(*t));
-            let outer = self.layers.last().copied().flatten();
-            self.path.push(name.to_string());
-            self.layers.push(this.or(outer));
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.path.pop();
-            self.layers.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, _param: &Param<Tensor<D>>) {
-            if let Some(layer) = self.layers.last().copied().flatten() {
-                self.found.insert(super::dotted(&self.path), layer);
-            }
-        }
-    }
-    let mut find = Find {
-        layer_types: reads_stored_shape_layers(),
-        path: vec![],
-        layers: vec![],
-        found: BTreeMap::new(),
-    };
-    model.visit(&mut find);
-    find.found
 }
 
 /// Rows `rank * chunk .. (rank + 1) * chunk` of `t`'s first dimension, `chunk = ceil(rows /
@@ -509,8 +462,8 @@ pub(super) struct PlaceParams<'a> {
     pub(super) units: UnitGathers,
     /// Parameters other ranks hold (placeholders here), by path, and why: reading them panics.
     pub(super) absent: &'a HashMap<String, Elsewhere>,
-    /// Parameters `fully_shard` leaves whole ([`reads_stored_shape`]), by path.
-    pub(super) kept_whole: &'a BTreeMap<String, &'static str>,
+    /// Parameters the plan's `keep_whole` leaves whole inside `fully_shard` paths, by path.
+    pub(super) kept_whole: &'a BTreeSet<String>,
     /// The parameters marked as running on sequence shards, as they are placed.
     pub(super) sequence_partials: &'a mut HashSet<burn::module::ParamId>,
     pub(super) error: &'a mut Option<ParallelError>,
@@ -595,7 +548,7 @@ impl Reparameterizer for PlaceParams<'_> {
         // A parameter without elements (an attention core's) has no rows to shard.
         let fully_shard = self.fsdp.size() > 1
             && self.plan.shard_path(&path).is_some()
-            && !self.kept_whole.contains_key(&path)
+            && !self.kept_whole.contains(&path)
             && param.shape().num_elements() > 0;
         let routes_whole_sequences = self.all_routers.contains(&path);
         let context = self

@@ -434,11 +434,13 @@ pub struct ParallelizePlan {
     /// over `fsdp` as over `dp`.
     #[serde(default)]
     pub fully_shard: Vec<ModulePath>,
-    /// Modules inside `fully_shard` paths whose parameters stay whole all the same: layers of
-    /// your own whose forward reads a parameter's stored shape (`Param::shape()`, which a
-    /// shard answers with its own rows) before `val()`. Burn's layers that do so (`RmsNorm`,
-    /// `BatchNorm`, `PositionWiseFeedForward`) stay whole without a rule; the report is
-    /// [`super::Parallelized::kept_whole`].
+    /// Modules inside `fully_shard` paths whose parameters stay whole all the same: layers
+    /// whose forward reads a parameter's stored shape (`Param::shape()`, which a shard
+    /// answers with its own rows) before `val()`. Nothing else is kept whole. Burn 0.22.1's
+    /// `RmsNorm`, `BatchNorm` and `PositionWiseFeedForward` read it (their shape check then
+    /// fails in the first forward): use [`crate::nn::RmsNorm`] and
+    /// [`crate::nn::transformer`]'s layers, which read [`super::value_dims`], or name them
+    /// here. The report is [`super::Parallelized::kept_whole`].
     #[serde(default)]
     pub keep_whole: Vec<ModulePath>,
     /// Linear layers split over the `tp` axis (ignored on a mesh without `tp`). The layers
@@ -567,6 +569,16 @@ impl ParallelizePlan {
     /// Also split the linear layers of `rule` over `tp`.
     pub fn tensor_parallel(mut self, rule: TensorParallelRule) -> Self {
         self.tensor_parallel.push(rule);
+        self
+    }
+
+    /// Also split the linear layers of every rule of `rules` over `tp` (a layer's ready-made
+    /// set, such as [`crate::nn::transformer::TransformerEncoder::tensor_parallel_rules`]).
+    pub fn tensor_parallel_rules(
+        mut self,
+        rules: impl IntoIterator<Item = TensorParallelRule>,
+    ) -> Self {
+        self.tensor_parallel.extend(rules);
         self
     }
 

@@ -202,7 +202,7 @@ impl Parallelized {
             }
         };
         // The tp ranks of one data coordinate reduce equal values over the same data ranks.
-        if let Some(check) = &self.sequence_check {
+        if let Some(check) = &self.replica_check {
             check.first_step(&entries, &values)?;
         }
         // One division by the whole denominator (micro-batches, loss scale, data ranks), as

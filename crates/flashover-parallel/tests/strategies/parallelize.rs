@@ -1639,17 +1639,41 @@ fn pipeline_rules_that_do_not_fit_are_refused_with_the_reason() {
     assert!(err.contains("pipeline_step"), "{err}");
 }
 
-/// A model with Burn's RmsNorm, whose forward reads its scale's stored shape.
+/// A model with an RMS norm between two linear layers: Flashover's drop-in for Burn's
+/// `RmsNorm` (which checks its input against its scale's stored shape).
 #[derive(Module, Debug)]
 struct RmsNormed {
     input: Linear,
-    norm: burn::nn::RmsNorm,
+    norm: nn::RmsNorm,
     head: Linear,
 }
 
 impl Net for RmsNormed {
     fn new(device: &Device) -> Self {
         RmsNormed {
+            input: linear(FEATURES, HIDDEN, 0.2, device),
+            norm: burn::nn::RmsNormConfig::new(HIDDEN).init(device).into(),
+            head: linear(HIDDEN, CLASSES, 0.4, device),
+        }
+    }
+
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        self.head
+            .forward(self.norm.forward(gelu(self.input.forward(x))))
+    }
+}
+
+/// The same model with Burn's own `RmsNorm`.
+#[derive(Module, Debug)]
+struct BurnRmsNormed {
+    input: Linear,
+    norm: burn::nn::RmsNorm,
+    head: Linear,
+}
+
+impl Net for BurnRmsNormed {
+    fn new(device: &Device) -> Self {
+        BurnRmsNormed {
             input: linear(FEATURES, HIDDEN, 0.2, device),
             norm: burn::nn::RmsNormConfig::new(HIDDEN).init(device),
             head: linear(HIDDEN, CLASSES, 0.4, device),
@@ -1663,10 +1687,10 @@ impl Net for RmsNormed {
 }
 
 /// Trains `M` under `plan` at fsdp=2 against one rank (1e-5), and returns the parameters the
-/// plan kept whole, with why.
-fn trains_as_one_rank_keeping_whole<M: Net>(plan: &ParallelizePlan) -> Vec<(String, &'static str)> {
+/// plan kept whole and the parameter elements each rank stored.
+fn trains_as_one_rank_keeping_whole<M: Net>(plan: &ParallelizePlan) -> (Vec<String>, Vec<usize>) {
     let reference = single_rank::<M>();
-    let (run, _) = parallel::<M>("fsdp=2", plan.clone());
+    let (run, held) = parallel::<M>("fsdp=2", plan.clone());
     let (loss, weights) = (
         max_rel(&run.0, &reference.0),
         max_scaled(&run.2, &reference.2),
@@ -1683,19 +1707,43 @@ fn trains_as_one_rank_keeping_whole<M: Net>(plan: &ParallelizePlan) -> Vec<(Stri
             Ok::<_, ParallelError>(par.kept_whole().clone())
         })
         .unwrap();
-    kept[0].iter().map(|(p, why)| (p.clone(), *why)).collect()
+    (kept[0].iter().cloned().collect(), held)
 }
 
 #[test]
-fn layers_that_read_their_stored_shape_stay_whole_under_fully_shard() {
-    let kept =
+fn fully_shard_shards_every_parameter_of_flashovers_rms_norm() {
+    let (kept, held) =
         trains_as_one_rank_keeping_whole::<RmsNormed>(&ParallelizePlan::new().fully_shard(""));
-    assert_eq!(kept, [("norm.gamma".to_string(), "RmsNorm")]);
-    // A norm outside every fully_shard path was never to be sharded: nothing is reported.
-    let plan = ParallelizePlan::new()
-        .fully_shard("input")
-        .fully_shard("head");
-    assert_eq!(trains_as_one_rank_keeping_whole::<RmsNormed>(&plan), []);
+    assert!(kept.is_empty(), "{kept:?}");
+    // Every parameter is cut into two shards of ceil(rows / 2) rows: within a row per
+    // parameter of half the model.
+    let whole = ParamLayout::of(&RmsNormed::new(&Device::flex())).numel;
+    let row_slack = HIDDEN + CLASSES + 1;
+    for h in held {
+        assert!(h <= whole / 2 + row_slack, "a rank holds {h} of {whole}");
+    }
+}
+
+#[test]
+fn burns_own_rms_norm_under_fully_shard_fails_loudly_in_its_first_forward() {
+    // No layer is recognised by its type: Burn's RmsNorm, sharded like everything else,
+    // checks its input against the shard's stored shape and panics. Never silently wrong.
+    let err = Launch::new("fsdp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let plan = ParallelizePlan::new().fully_shard("");
+            let (model, par) = parallelize(BurnRmsNormed::new(&device), &plan, &ctx)?;
+            let (x, _) = batch(par.batch_share(GLOBAL_BATCH, 0)?, &device);
+            Ok::<_, ParallelError>(model.forward(x).into_data())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("assert_shape"), "{err}");
+    // Named in the plan's keep_whole, it stays whole and trains as one rank.
+    let plan = ParallelizePlan::new().fully_shard("").keep_whole("norm");
+    let (kept, _) = trains_as_one_rank_keeping_whole::<BurnRmsNormed>(&plan);
+    assert_eq!(kept, ["norm.gamma"]);
 }
 
 /// A scale of one's own whose forward reads its stored shape, as Burn's `RmsNorm` does: a
@@ -1738,8 +1786,8 @@ impl Net for OwnScaled {
 #[test]
 fn a_layer_of_ones_own_that_reads_its_stored_shape_stays_whole_by_the_plans_rule() {
     let plan = ParallelizePlan::new().fully_shard("").keep_whole("scale");
-    let kept = trains_as_one_rank_keeping_whole::<OwnScaled>(&plan);
-    assert_eq!(kept, [("scale.gamma".to_string(), "keep_whole")]);
+    let (kept, _) = trains_as_one_rank_keeping_whole::<OwnScaled>(&plan);
+    assert_eq!(kept, ["scale.gamma"]);
     // A rule that would keep whole what no fully_shard path shards does nothing: refused.
     let idle = ParallelizePlan::new()
         .fully_shard("input")

@@ -1,8 +1,12 @@
-//! Under sequence parallelism, a whole parameter that runs on this rank's positions must be
-//! named in the plan's `sequence_parallel` (its gradient is then summed over `tp`); one that is
-//! not would silently train a different model on each `tp` rank. Every other whole parameter
-//! computes on the same values on every `tp` rank, so its gradients agree there: the first
-//! step compares them over `tp` and refuses, naming the parameter, where they do not.
+//! A parameter the plan leaves whole on every `tp` rank is computed on the same values on each
+//! of them, so its gradient agrees there, bit for bit in every exact layout. Where it does not,
+//! the `tp` ranks are silently training different models, so the first step compares these
+//! gradients over `tp` (before any is applied) and refuses, naming the first parameter that
+//! differs. Two mistakes make them differ: under sequence parallelism, a whole parameter that
+//! runs on this rank's positions but is not named in the plan's `sequence_parallel` (its
+//! gradient must be summed over `tp`); and, with or without it, anything in the forward that
+//! computes differently on each `tp` rank, such as Burn's `Dropout`, which draws every rank's
+//! mask from its own device generator.
 
 use crate::error::ParallelError;
 use crate::params::{ParamSlot, part, to_f32};
@@ -15,18 +19,21 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The first-step check (see the module docs).
-pub(super) struct SequenceCheck {
+pub(super) struct ReplicaCheck {
     /// The `tp` group.
     pub(super) tp: Group,
+    /// Whether the plan runs sequence parallelism.
+    pub(super) sequence_parallel: bool,
     /// The parameters the plan marks as running on sequence shards.
     pub(super) partial: HashSet<ParamId>,
     done: AtomicBool,
 }
 
-impl SequenceCheck {
-    pub(super) fn new(tp: Group, partial: HashSet<ParamId>) -> Self {
-        SequenceCheck {
+impl ReplicaCheck {
+    pub(super) fn new(tp: Group, sequence_parallel: bool, partial: HashSet<ParamId>) -> Self {
+        ReplicaCheck {
             tp,
+            sequence_parallel,
             partial,
             done: AtomicBool::new(false),
         }
@@ -71,11 +78,21 @@ impl SequenceCheck {
                 .fold(0f32, |m, g| m.max(g.abs()));
             let spread = range.map(|i| max[i] - min[i]).fold(0f32, f32::max);
             if spread > 1e-4 * scale.max(1e-12) {
+                let sequence = match self.sequence_parallel {
+                    true => {
+                        "if it runs on this rank's positions only (norms, position \
+                         embeddings: everything whole between the split layers under sequence \
+                         parallelism), name its module in the plan's sequence_parallel; "
+                    }
+                    false => "",
+                };
                 return Err(ParallelError::Invalid(format!(
-                    "sequence parallelism: `{}` is whole on every tp rank, but its gradient \
-                     differs between them (by {spread:e}): it runs on this rank's positions \
-                     only, so name its module in the plan's sequence_parallel (norms, \
-                     position embeddings: everything whole between the split layers)",
+                    "`{}` is whole on every tp rank, but its gradient differs between them \
+                     (by {spread:e} of {scale:e}) on the first step, which is not applied: \
+                     the tp ranks compute different models. {sequence}if something in the \
+                     forward draws random numbers on each rank (Burn's Dropout draws every \
+                     rank's mask from its own device generator), train the split with it off \
+                     (dropout 0)",
                     slot.name
                 )));
             }

@@ -1,0 +1,342 @@
+//! Burn's own text classifier (as in Burn's text-classification example: token and position
+//! embeddings, a transformer encoder with a padding mask, a linear head on the first
+//! position), with one changed import: the encoder comes from `flashover_parallel::nn::transformer`.
+//! Every layout trains as the plain single-rank Burn loop does (losses, clipped gradient
+//! norms, every weight within 1e-5), and under `fully_shard` every parameter is sharded.
+
+use crate::plan_loops::{GLOBAL_BATCH, MAX_NORM, differences, plan_loop, reference_loop};
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Dropout, DropoutConfig, Embedding, EmbeddingConfig, Linear, LinearConfig};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use flashover_parallel::ParallelError;
+use flashover_parallel::nn::transformer::{
+    TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
+};
+use flashover_parallel::parallelize::{ParallelizePlan, PipelineModel, PipelineRule, parallelize};
+use flashover_parallel::params::{ParamLayout, load_flat};
+use flashover_parallel::pipeline::ScheduleKind;
+use flashover_runtime::Launch;
+
+const VOCAB: usize = 11;
+const SEQ: usize = 6;
+const D_MODEL: usize = 16;
+const HEADS: usize = 4;
+const CLASSES: usize = 3;
+
+#[derive(Module, Debug)]
+struct TextClassifier {
+    transformer: TransformerEncoder,
+    embedding_token: Embedding,
+    embedding_pos: Embedding,
+    output: Linear,
+}
+
+fn config() -> TransformerEncoderConfig {
+    TransformerEncoderConfig::new(D_MODEL, 2 * D_MODEL, HEADS, 2)
+        .with_norm_first(true)
+        .with_dropout(0.0)
+}
+
+impl TextClassifier {
+    /// Built from Burn's configs, then every parameter set from its index, so that every rank
+    /// and the reference start alike (Burn's generator is shared by the rank threads).
+    fn new(device: &Device) -> Self {
+        Self::with_dropout(device, 0.0)
+    }
+
+    /// [`Self::new`] with the encoder's dropout at `p`.
+    fn with_dropout(device: &Device, p: f64) -> Self {
+        let model = TextClassifier {
+            transformer: config().with_dropout(p).init(device),
+            embedding_token: EmbeddingConfig::new(VOCAB, D_MODEL).init(device),
+            embedding_pos: EmbeddingConfig::new(SEQ, D_MODEL).init(device),
+            output: LinearConfig::new(D_MODEL, CLASSES).init(device),
+        };
+        let n = ParamLayout::of(&model).numel;
+        let values: Vec<f32> = (0..n)
+            .map(|i| ((i as f32 * 0.37 + 0.1).sin()) * 0.3)
+            .collect();
+        load_flat(model, &values)
+    }
+
+    /// `tokens: [batch, seq]`, `pad: [batch, seq]` (true past each sample's end) -> logits
+    /// `[batch, classes]` read at the first position.
+    fn forward(&self, tokens: Tensor<2, Int>, pad: Tensor<2, Bool>) -> Tensor<2> {
+        let x = self.embed(tokens);
+        self.head(
+            self.transformer
+                .forward(TransformerEncoderInput::new(x).mask_pad(pad)),
+        )
+    }
+
+    /// Token and position embeddings of `tokens: [batch, seq]`.
+    fn embed(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let [batch, seq] = tokens.dims();
+        let positions = Tensor::<1, Int>::arange(0..seq as i64, &tokens.device())
+            .reshape([1, seq])
+            .repeat_dim(0, batch);
+        self.embedding_token.forward(tokens) + self.embedding_pos.forward(positions)
+    }
+
+    /// Class logits read at the first position of `encoded: [batch, seq, d_model]`.
+    fn head(&self, encoded: Tensor<3>) -> Tensor<2> {
+        let batch = encoded.dims()[0];
+        self.output
+            .forward(encoded)
+            .narrow(1, 0, 1)
+            .reshape([batch, CLASSES])
+    }
+}
+
+/// Burn's mean cross-entropy of `logits` against `labels`.
+fn cross_entropy(logits: Tensor<2>, labels: Tensor<1, Int>) -> Tensor<1> {
+    CrossEntropyLossConfig::new()
+        .init(&logits.device())
+        .forward(logits, labels)
+}
+
+/// Sentences: tokens, padding, labels.
+type Sentences = (Tensor<2, Int>, Tensor<2, Bool>, Tensor<1, Int>);
+
+/// The classifier's forward in the pipeline's three parts; its layers read the padding mask.
+impl PipelineModel for TextClassifier {
+    type Batch = Sentences;
+    type Activation = Tensor<3>;
+
+    fn embed(&self, (tokens, _, _): &Sentences) -> Tensor<3> {
+        TextClassifier::embed(self, tokens.clone())
+    }
+
+    fn layer(&self, index: usize, x: Tensor<3>) -> Tensor<3> {
+        self.transformer.layers[index].forward(x, None, None)
+    }
+
+    fn layer_for(
+        &self,
+        index: usize,
+        x: Tensor<3>,
+        batch: &Sentences,
+    ) -> (Tensor<3>, Option<Tensor<1>>) {
+        let pad = Some(batch.1.clone());
+        (self.transformer.layers[index].forward(x, pad, None), None)
+    }
+
+    fn head_loss(&self, x: Tensor<3>, (_, _, labels): &Sentences) -> Tensor<1> {
+        cross_entropy(self.head(x), labels.clone())
+    }
+}
+
+/// The mean cross-entropy of samples `samples` of an endless data set of padded sentences.
+fn loss(model: &TextClassifier, samples: std::ops::Range<usize>, device: &Device) -> Tensor<1> {
+    let (tokens, pad, labels) = sentences(samples, device);
+    cross_entropy(model.forward(tokens, pad), labels)
+}
+
+/// Samples `samples` of an endless data set of padded sentences: tokens, padding, labels.
+fn sentences(samples: std::ops::Range<usize>, device: &Device) -> Sentences {
+    let n = samples.len();
+    let (mut tokens, mut pad, mut labels) = (vec![], vec![], vec![]);
+    for s in samples {
+        let len = 3 + s % 4;
+        for p in 0..SEQ {
+            tokens.push(if p < len {
+                ((s * 5 + p * 3) % (VOCAB - 1) + 1) as i64
+            } else {
+                0
+            });
+            pad.push(p >= len);
+        }
+        labels.push(((s * 7 + len) % CLASSES) as i64);
+    }
+    let tokens = Tensor::<2, Int>::from_data(TensorData::new(tokens, [n, SEQ]), device);
+    let pad = Tensor::<2, Bool>::from_data(TensorData::new(pad, [n, SEQ]), device);
+    let labels = Tensor::<1, Int>::from_data(TensorData::new(labels, [n]), device);
+    (tokens, pad, labels)
+}
+
+/// Trains the classifier on `mesh` under `plan`: rank 0's run and every rank's stored
+/// parameter elements.
+fn parallel(mesh: &str, plan: &ParallelizePlan) -> (crate::plan_loops::Run, Vec<usize>) {
+    plan_loop(
+        mesh,
+        plan,
+        TextClassifier::new,
+        |model, par, step, ctx, device| {
+            let loss = loss(model, par.batch_share(GLOBAL_BATCH, step)?, device);
+            let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+            let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
+            Ok((grads, mean, norm))
+        },
+    )
+}
+
+/// The encoder's Megatron split (attention by whole heads, the feed-forward's pair).
+fn tp_plan() -> ParallelizePlan {
+    tp_plan_at("transformer")
+}
+
+/// [`tp_plan`] for an encoder at `path`.
+fn tp_plan_at(path: &str) -> ParallelizePlan {
+    let encoder = config().init(&Device::flex());
+    ParallelizePlan::new().tensor_parallel_rules(encoder.tensor_parallel_rules(path))
+}
+
+#[test]
+fn burns_text_classifier_trains_as_one_rank_on_every_layout() {
+    let device = Device::flex().autodiff();
+    let reference = reference_loop(TextClassifier::new(&device), |model, samples| {
+        loss(model, samples, &device)
+    });
+    let layouts = [
+        ("dp=2", ParallelizePlan::new()),
+        ("fsdp=2", ParallelizePlan::new().fully_shard("")),
+        ("tp=2", tp_plan()),
+        ("fsdp=2,tp=2", tp_plan().fully_shard("")),
+    ];
+    let mut held = vec![];
+    for (mesh, plan) in layouts {
+        let (run, per_rank) = parallel(mesh, &plan);
+        let (loss, norm, weights) = differences(&run, &reference);
+        assert!(
+            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+            "{mesh}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+        );
+        held.push(per_rank.into_iter().max().unwrap());
+    }
+    // What each rank stores: the whole under dp; half under fsdp (within a row of padding per
+    // parameter); less than the whole under tp (the encoder's linear layers are split, the
+    // embeddings and head replicated); and fsdp halves what tp leaves.
+    // Burn's `layers` cut as they are into two stages, the mask riding in each micro-batch.
+    let rule = PipelineRule::new("transformer.layers", ScheduleKind::OneFOneB, 4)
+        .first(&["embedding_token", "embedding_pos"])
+        .last(&["output"]);
+    for (mesh, plan) in [
+        ("pp=2", ParallelizePlan::new().pipeline(rule.clone())),
+        ("fsdp=2,tp=2,pp=2", tp_plan().fully_shard("").pipeline(rule)),
+    ] {
+        let (run, _) = plan_loop(
+            mesh,
+            &plan,
+            TextClassifier::new,
+            |model, par, step, ctx, device| {
+                let micro_batch = |samples| sentences(samples, device);
+                let out = par.pipeline_step(
+                    model,
+                    GLOBAL_BATCH,
+                    step,
+                    &micro_batch,
+                    Some(MAX_NORM),
+                    ctx,
+                )?;
+                Ok((out.grads, out.loss, out.norm))
+            },
+        );
+        let (loss, norm, weights) = differences(&run, &reference);
+        assert!(
+            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+            "{mesh}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+        );
+    }
+    let whole = reference.2.len();
+    let slack = ParamLayout::of(&TextClassifier::new(&Device::flex()))
+        .slots
+        .len()
+        * D_MODEL;
+    assert_eq!(held[0], whole);
+    assert!(
+        held[1] <= whole / 2 + slack,
+        "fsdp=2: {} of {whole}",
+        held[1]
+    );
+    assert!(held[2] < whole, "tp=2: {} of {whole}", held[2]);
+    assert!(
+        held[3] <= held[2] / 2 + slack,
+        "fsdp=2,tp=2: {} of {}",
+        held[3],
+        held[2]
+    );
+}
+
+#[test]
+fn fully_shard_leaves_no_parameter_of_burns_text_classifier_whole() {
+    let held = Launch::new("fsdp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let plan = ParallelizePlan::new().fully_shard("");
+            let (model, par) = parallelize(TextClassifier::new(&device), &plan, &ctx)?;
+            assert!(par.kept_whole().is_empty());
+            // Every stored parameter is a shard: half the rows of the whole, rounded up.
+            let whole = ParamLayout::of(&TextClassifier::new(&Device::flex()));
+            let held = ParamLayout::of(&model);
+            for (mine, all) in held.slots.iter().zip(&whole.slots) {
+                assert!(
+                    mine.numel < all.numel,
+                    "`{}` is whole: {} elements",
+                    all.name,
+                    all.numel
+                );
+            }
+            Ok::<_, ParallelError>(held.numel)
+        })
+        .unwrap();
+    let whole = ParamLayout::of(&TextClassifier::new(&Device::flex())).numel;
+    for h in held {
+        assert!(h * 2 <= whole + 64 * 2, "{h} of {whole}");
+    }
+}
+
+#[test]
+fn the_encoder_split_over_tp_refuses_dropout_it_cannot_make_exact() {
+    let err = Launch::new("tp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let model = TextClassifier::with_dropout(&device, 0.1);
+            let (model, par) = parallelize(model, &tp_plan(), &ctx)?;
+            Ok::<_, ParallelError>(loss(&model, par.batch_share(GLOBAL_BATCH, 0)?, &device))
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("is split over tp=2 and has dropout 0.1"),
+        "{err}"
+    );
+}
+
+/// Burn's text classifier with Burn's own `Dropout` on the embeddings: a value replicated
+/// over `tp`, on which each rank draws its own mask from the device.
+#[derive(Module, Debug)]
+struct DroppedEmbeddings {
+    classifier: TextClassifier,
+    dropout: Dropout,
+}
+
+#[test]
+fn burns_own_dropout_under_tp_is_refused_on_the_first_step_naming_a_parameter() {
+    let out = Launch::new("tp=2").unwrap().run(|ctx| {
+        let device = Device::flex().autodiff();
+        let model = DroppedEmbeddings {
+            classifier: TextClassifier::new(&device),
+            dropout: DropoutConfig::new(0.1).init(),
+        };
+        let (model, par) = parallelize(model, &tp_plan_at("classifier.transformer"), &ctx)?;
+        let samples = par.batch_share(GLOBAL_BATCH, 0)?;
+        let (tokens, pad, labels) = sentences(samples, &device);
+        let c = &model.classifier;
+        let x = model.dropout.forward(TextClassifier::embed(c, tokens));
+        let encoded = c
+            .transformer
+            .forward(TransformerEncoderInput::new(x).mask_pad(pad));
+        let loss = cross_entropy(c.head(encoded), labels);
+        par.gradients(&model, loss.backward(), None, &ctx)
+            .map(|_| ())
+    });
+    let err = out.unwrap_err().to_string();
+    assert!(
+        err.contains("is whole on every tp rank, but its gradient differs")
+            && err.contains("Dropout"),
+        "{err}"
+    );
+}
