@@ -126,9 +126,10 @@ fn single_rank(initial: &[f32]) -> Run {
 /// stored parameter elements.
 fn parallel(mesh: &str, plan: &ParallelizePlan, initial: &[f32]) -> (Run, Vec<usize>) {
     let out = launch(mesh, |ctx| {
+        // +
         let device = ctx.device().clone().autodiff();
         let model = load_flat(TextClassifier::new(&device), initial);
-        // The lines a plan adds to the loop are marked `+`.
+        // The lines a plan adds to the loop are marked `+`, those it changes `~`.
         let (mut model, par) = parallelize(model, plan, &ctx)?; // +
         let stored = ParamLayout::of(&model).numel;
         let mut optim = AdamWConfig::new().init();

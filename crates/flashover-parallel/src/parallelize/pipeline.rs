@@ -58,7 +58,17 @@ pub trait PipelineModel: Module {
 
     /// Layer `index` of the plan's `layers` (`self.blocks[index].forward(x)`), numbered on
     /// through its lists when it names several (`encoder.blocks` then `decoder.blocks`).
-    fn layer(&self, index: usize, x: Self::Activation) -> Self::Activation;
+    ///
+    /// Implement this, or [`Self::layer_with_aux`], or [`Self::layer_for`] (the one the
+    /// pipeline calls; a model whose layers read their micro-batch, such as a padding mask,
+    /// implements only that one). The default panics at the first step, saying so.
+    fn layer(&self, index: usize, x: Self::Activation) -> Self::Activation {
+        let _ = x;
+        panic!(
+            "PipelineModel: implement `layer` (or `layer_with_aux`, or `layer_for` when the \
+             layers read their micro-batch): the pipeline runs layer {index} through them"
+        )
+    }
 
     /// Layer `index` and the auxiliary loss it adds to the micro-batch's (a mixture-of-experts
     /// layer's, from `flashover::nn::MoeForward`): the pipeline adds it to the loss that the

@@ -155,9 +155,9 @@ pub(super) fn check_plan(
     Ok(())
 }
 
-/// Megatron's pairing, checked: where a module's column-wise layer feeds a row-wise one (its
-/// output features are the row-wise layer's input features), the module's other linear layers
-/// of the same shape are split column-wise too. A query split by heads beside a whole key and
+/// Megatron's pairing, checked: a module's column-wise layer has a row-wise layer beside it that
+/// reads its output features (see [`check_row_partner`]), and where it does, the module's
+/// other linear layers of the same shape are split column-wise too. A query split by heads beside a whole key and
 /// value would otherwise meet them with `tp` times the width, and fail in the first step as a
 /// shape mismatch deep in the model's forward, with no word of the plan.
 fn check_split_alike(plan: &ParallelizePlan, slots: &[ParamSlot]) -> Result<(), ParallelError> {
@@ -179,6 +179,7 @@ fn check_split_alike(plan: &ParallelizePlan, slots: &[ParamSlot]) -> Result<(), 
                 l.d_in == layer.d_out
                     && style_of(l).is_some_and(|(rule, _)| rule.style == TpStyle::Rowwise)
             }) else {
+                check_row_partner(layer, path, siblings, &style_of)?;
                 continue;
             };
             let whole: Vec<&str> = siblings
@@ -210,6 +211,37 @@ fn check_split_alike(plan: &ParallelizePlan, slots: &[ParamSlot]) -> Result<(), 
         }
     }
     Ok(())
+}
+
+/// A column-wise `layer` (split by `path`) with no row-wise layer beside it that takes its
+/// output features: refused when a whole sibling takes that many input features, since it
+/// would read the split output (`tp` times too narrow) and fail in the first step as a matmul
+/// of mismatched widths naming no layer. A column-wise layer with no such sibling (an output
+/// head read by its loss) passes.
+fn check_row_partner<'a>(
+    layer: &LinearLayer<'a>,
+    path: &ModulePath,
+    siblings: &[LinearLayer<'a>],
+    style_of: &dyn Fn(&LinearLayer<'a>) -> Option<(&'a TensorParallelRule, &'a ModulePath)>,
+) -> Result<(), ParallelError> {
+    let whole_reader = siblings
+        .iter()
+        .find(|l| l.path != layer.path && l.d_in == layer.d_out && style_of(l).is_none());
+    match whole_reader {
+        None => Ok(()),
+        Some(reader) => Err(refuse(
+            path,
+            "colwise",
+            format!(
+                "splits `{}` by output features, but `{}` beside it, which takes as many input \
+                 features ({}), stays whole: it would read tp times too few of them (a matmul \
+                 of mismatched widths in the first step). Split `{}` row-wise, as Megatron \
+                 pairs a column-wise layer with the row-wise one that reads it, or leave `{}` \
+                 whole",
+                layer.path, reader.path, layer.d_out, reader.path, layer.path,
+            ),
+        )),
+    }
 }
 
 /// Every module of the model that holds, directly, one `[d_in, d_out]` weight and at most one

@@ -13,7 +13,9 @@ use flashover_parallel::ParallelError;
 use flashover_parallel::nn::transformer::{
     TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
 };
-use flashover_parallel::parallelize::{ParallelizePlan, PipelineModel, PipelineRule, parallelize};
+use flashover_parallel::parallelize::{
+    ParallelizePlan, PipelineModel, PipelineRule, TensorParallelRule, parallelize,
+};
 use flashover_parallel::params::{ParamLayout, load_flat};
 use flashover_parallel::pipeline::ScheduleKind;
 use flashover_runtime::Launch;
@@ -99,17 +101,14 @@ fn cross_entropy(logits: Tensor<2>, labels: Tensor<1, Int>) -> Tensor<1> {
 /// Sentences: tokens, padding, labels.
 type Sentences = (Tensor<2, Int>, Tensor<2, Bool>, Tensor<1, Int>);
 
-/// The classifier's forward in the pipeline's three parts; its layers read the padding mask.
+/// The classifier's forward in the pipeline's three parts; its layers read the padding mask
+/// (so `layer_for` is the one layer method it writes).
 impl PipelineModel for TextClassifier {
     type Batch = Sentences;
     type Activation = Tensor<3>;
 
     fn embed(&self, (tokens, _, _): &Sentences) -> Tensor<3> {
         TextClassifier::embed(self, tokens.clone())
-    }
-
-    fn layer(&self, index: usize, x: Tensor<3>) -> Tensor<3> {
-        self.transformer.layers[index].forward(x, None, None)
     }
 
     fn layer_for(
@@ -337,6 +336,32 @@ fn burns_own_dropout_under_tp_is_refused_on_the_first_step_naming_a_parameter() 
     assert!(
         err.contains("is whole on every tp rank, but its gradient differs")
             && err.contains("Dropout"),
+        "{err}"
+    );
+}
+
+#[test]
+fn column_wise_projections_whose_reader_stays_whole_are_refused_naming_both() {
+    let qkv_only = ParallelizePlan::new().tensor_parallel(
+        TensorParallelRule::colwise(&[
+            "transformer.layers.*.mha.query",
+            "transformer.layers.*.mha.key",
+            "transformer.layers.*.mha.value",
+        ])
+        .in_units(D_MODEL / HEADS),
+    );
+    let err = Launch::new("tp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            parallelize(TextClassifier::new(&device), &qkv_only, &ctx).map(|_| ())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`transformer.layers.0.mha.query`")
+            && err.contains("`transformer.layers.0.mha.output` beside it")
+            && err.contains("row-wise"),
         "{err}"
     );
 }

@@ -1438,8 +1438,9 @@ fn tensor_parallel_rules_that_do_not_fit_the_model_are_refused_with_the_path() {
     // The same checks without a mesh: every one with the widths, the paths and styles alone
     // without them (what a model of the same structure and other widths can check).
     let model = SplitMlp::new(&Device::flex());
-    let units_of_5 =
-        ParallelizePlan::new().tensor_parallel(TensorParallelRule::colwise(&["up"]).in_units(5));
+    let units_of_5 = ParallelizePlan::new()
+        .tensor_parallel(TensorParallelRule::colwise(&["up"]).in_units(5))
+        .tensor_parallel(TensorParallelRule::rowwise(&["down"]));
     let err = units_of_5.check(&model, 2).unwrap_err().to_string();
     assert!(err.contains("units of 5"), "{err}");
     units_of_5.check_paths(&model).unwrap();
