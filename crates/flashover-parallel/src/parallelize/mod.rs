@@ -58,6 +58,7 @@ pub mod placed;
 mod plan;
 mod reduction;
 mod replica_check;
+mod split_check;
 pub(crate) mod units;
 mod validate;
 
@@ -68,6 +69,7 @@ pub use plan::{
     AttachedModule, ContextParallelRule, ModulePath, ParallelizePlan, PipelineRule,
     TensorParallelRule, TpStyle,
 };
+pub use split_check::SplitCheck;
 
 use crate::data_parallel::{BucketedReduction, ReductionReport};
 use crate::error::ParallelError;

@@ -365,3 +365,118 @@ fn column_wise_projections_whose_reader_stays_whole_are_refused_naming_both() {
         "{err}"
     );
 }
+
+/// Self-attention of one's own that reshapes by the head count of its configuration, as
+/// many do: right on one device, wrong when its projections are split over `tp` (each rank
+/// holds `HEADS / tp` heads, but reshapes its part into `HEADS` narrower ones).
+#[derive(Module, Debug)]
+struct ConfiguredHeads {
+    embedding: Embedding,
+    query: flashover_parallel::nn::Linear,
+    key: flashover_parallel::nn::Linear,
+    value: flashover_parallel::nn::Linear,
+    out: flashover_parallel::nn::Linear,
+    head: Linear,
+    n_heads: usize,
+}
+
+impl ConfiguredHeads {
+    fn new(device: &Device) -> Self {
+        let linear =
+            |d_in, d_out| flashover_parallel::nn::LinearConfig::new(d_in, d_out).init(device);
+        let model = ConfiguredHeads {
+            embedding: EmbeddingConfig::new(VOCAB, D_MODEL).init(device),
+            query: linear(D_MODEL, D_MODEL),
+            key: linear(D_MODEL, D_MODEL),
+            value: linear(D_MODEL, D_MODEL),
+            out: linear(D_MODEL, D_MODEL),
+            head: LinearConfig::new(D_MODEL, CLASSES).init(device),
+            n_heads: HEADS,
+        };
+        let n = ParamLayout::of(&model).numel;
+        load_flat(
+            model,
+            &(0..n)
+                .map(|i| (i as f32 * 0.29).cos() * 0.3)
+                .collect::<Vec<_>>(),
+        )
+    }
+
+    fn loss(&self, (tokens, _, labels): Sentences) -> Tensor<1> {
+        let x = self.embedding.forward(tokens);
+        let [b, s, _] = x.dims();
+        let heads = |t: Tensor<3>| {
+            let width = t.dims()[2];
+            t.reshape([b, s, self.n_heads, width / self.n_heads])
+                .swap_dims(1, 2)
+        };
+        let [q, k, v] = flashover_parallel::nn::Linear::forward_shared(
+            [&self.query, &self.key, &self.value],
+            x,
+        );
+        let width = q.dims()[2];
+        let weights = burn::tensor::activation::softmax(heads(q).matmul(heads(k).transpose()), 3);
+        let context = weights
+            .matmul(heads(v))
+            .swap_dims(1, 2)
+            .reshape([b, s, width]);
+        let logits = self
+            .head
+            .forward(self.out.forward(context))
+            .narrow(1, 0, 1)
+            .reshape([b, CLASSES]);
+        cross_entropy(logits, labels)
+    }
+}
+
+#[test]
+fn check_split_names_the_layer_whose_forward_does_not_follow_the_split() {
+    let rules = |path: &str| {
+        let at = |name: &str| format!("{path}{name}");
+        ParallelizePlan::new()
+            .tensor_parallel(
+                TensorParallelRule::colwise(&[&at("query"), &at("key"), &at("value")])
+                    .in_units(D_MODEL / HEADS),
+            )
+            .tensor_parallel(TensorParallelRule::rowwise(&[&at("out")]))
+    };
+    let check = |mesh: &str, plan: ParallelizePlan, configured: bool| {
+        Launch::new(mesh)
+            .unwrap()
+            .run(|ctx| {
+                let device = Device::flex().autodiff();
+                let samples = 0..GLOBAL_BATCH;
+                if configured {
+                    let (model, par) = parallelize(ConfiguredHeads::new(&device), &plan, &ctx)?;
+                    par.check_split(
+                        &model,
+                        |m| m.loss(sentences(samples.clone(), &device)),
+                        1e-4,
+                        &ctx,
+                    )
+                } else {
+                    let (model, par) = parallelize(TextClassifier::new(&device), &plan, &ctx)?;
+                    par.check_split(&model, |m| loss(m, samples.clone(), &device), 1e-4, &ctx)
+                }
+            })
+            .map(|checks| checks.into_iter().next().unwrap())
+    };
+    // Burn's encoder through the drop-in follows every split.
+    for (mesh, plan) in [
+        ("tp=2", tp_plan()),
+        ("fsdp=2,tp=2", tp_plan().fully_shard("")),
+    ] {
+        let passed = check(mesh, plan, false).unwrap();
+        assert!(
+            passed.compared > 0 && passed.max_gradient_difference < 1e-5,
+            "{mesh}: {passed:?}"
+        );
+    }
+    // On one rank the configured head count is right; split, it is not, and the check names
+    // the first parameter whose gradient differs (the split layers all do; the query comes
+    // first).
+    let err = check("tp=2", rules(""), true).unwrap_err().to_string();
+    assert!(err.contains("`query.weight`'s gradient"), "{err}");
+    let err = check("dp=2", rules(""), true);
+    assert!(err.is_ok(), "{err:?}");
+}
