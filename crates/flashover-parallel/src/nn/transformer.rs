@@ -399,6 +399,26 @@ mod tests {
         }
     }
 
+    /// A record of Burn's encoder loads into the drop-in built from the same configuration,
+    /// which then computes what Burn's does, bit for bit.
+    #[test]
+    fn a_record_of_burns_encoder_loads_into_the_drop_in() {
+        let device = Device::flex();
+        let burns = burn::nn::transformer::TransformerEncoderConfig::new(16, 32, 4, 2)
+            .with_dropout(0.0)
+            .init(&device);
+        let x = Tensor::<3>::random([2, 5, 16], Distribution::Default, &device);
+        let expected = burns.forward(burn::nn::transformer::TransformerEncoderInput::new(
+            x.clone(),
+        ));
+        let ours = TransformerEncoderConfig::new(16, 32, 4, 2)
+            .with_dropout(0.0)
+            .init(&device)
+            .load_record(burns.into_record());
+        let got = ours.forward(TransformerEncoderInput::new(x));
+        got.into_data().assert_eq(&expected.into_data(), true);
+    }
+
     /// The drop-in's configuration makes the same parameters, under the same names, as
     /// Burn's: a record saved from one loads into the other.
     #[test]

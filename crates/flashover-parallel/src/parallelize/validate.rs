@@ -155,18 +155,26 @@ pub(super) fn check_plan(
     Ok(())
 }
 
-/// Megatron's pairing, checked: a module's column-wise layer has a row-wise layer beside it that
-/// reads its output features (see [`check_row_partner`]), and where it does, the module's
-/// other linear layers of the same shape are split column-wise too. A query split by heads beside a whole key and
-/// value would otherwise meet them with `tp` times the width, and fail in the first step as a
-/// shape mismatch deep in the model's forward, with no word of the plan.
+/// Megatron's pairing, checked: a column-wise layer has a row-wise layer that reads its output
+/// features (see [`check_row_partner`]), and where that one is beside it, the module's other
+/// linear layers of the same shape are split column-wise too. A query split by heads beside a
+/// whole key and value would otherwise meet them with `tp` times the width, and fail in the
+/// first step as a shape mismatch deep in the model's forward, with no word of the plan.
 fn check_split_alike(plan: &ParallelizePlan, slots: &[ParamSlot]) -> Result<(), ParallelError> {
-    let mut modules: std::collections::BTreeMap<&str, Vec<LinearLayer>> = Default::default();
-    for layer in linear_like(slots) {
+    let layers = linear_like(slots);
+    let style_of = |layer: &LinearLayer| plan.tp_rule(layer.weight);
+    // Whether some row-wise layer of the plan reads `width` input features: a column-wise
+    // layer's partner need not be its sibling (a pipeline's input layer and its first block).
+    let row_wise_reader = |width: usize| {
+        (layers.iter()).any(|l| {
+            l.d_in == width && style_of(l).is_some_and(|(r, _)| r.style == TpStyle::Rowwise)
+        })
+    };
+    let mut modules: std::collections::BTreeMap<&str, Vec<&LinearLayer>> = Default::default();
+    for layer in &layers {
         let module = layer.path.rsplit_once('.').map_or("", |(m, _)| m);
         modules.entry(module).or_default().push(layer);
     }
-    let style_of = |layer: &LinearLayer| plan.tp_rule(layer.weight);
     for siblings in modules.values() {
         for layer in siblings {
             let Some((rule, path)) = style_of(layer) else {
@@ -179,7 +187,9 @@ fn check_split_alike(plan: &ParallelizePlan, slots: &[ParamSlot]) -> Result<(), 
                 l.d_in == layer.d_out
                     && style_of(l).is_some_and(|(rule, _)| rule.style == TpStyle::Rowwise)
             }) else {
-                check_row_partner(layer, path, siblings, &style_of)?;
+                if !row_wise_reader(layer.d_out) {
+                    check_row_partner(layer, path, siblings, &style_of)?;
+                }
                 continue;
             };
             let whole: Vec<&str> = siblings
@@ -213,15 +223,15 @@ fn check_split_alike(plan: &ParallelizePlan, slots: &[ParamSlot]) -> Result<(), 
     Ok(())
 }
 
-/// A column-wise `layer` (split by `path`) with no row-wise layer beside it that takes its
-/// output features: refused when a whole sibling takes that many input features, since it
-/// would read the split output (`tp` times too narrow) and fail in the first step as a matmul
-/// of mismatched widths naming no layer. A column-wise layer with no such sibling (an output
-/// head read by its loss) passes.
+/// A column-wise `layer` (split by `path`) that no row-wise layer of the plan reads (none takes
+/// its output features): refused when a whole sibling takes that many input features, since
+/// it would read the split output (`tp` times too narrow) and fail in the first step as a
+/// matmul of mismatched widths naming no layer. A column-wise layer with no such sibling (an
+/// output head read by its loss) passes.
 fn check_row_partner<'a>(
     layer: &LinearLayer<'a>,
     path: &ModulePath,
-    siblings: &[LinearLayer<'a>],
+    siblings: &[&LinearLayer<'a>],
     style_of: &dyn Fn(&LinearLayer<'a>) -> Option<(&'a TensorParallelRule, &'a ModulePath)>,
 ) -> Result<(), ParallelError> {
     let whole_reader = siblings
