@@ -181,10 +181,19 @@ fn sharded_memory_shrinks_with_the_stage_and_follows_the_formula() {
         // ZeRO-2 also holds up to two bucket buffers in flight; the largest bucket here is one
         // 64 x 32 MLP matrix.
         let in_flight = if zero == 2 { 2.0 * 4.0 * 2048.0 } else { 0.0 };
+        // ZeRO-1's gradients are what its buckets held at once: the whole gradient when
+        // backward ends before the communication thread reduces them, less when buckets are
+        // all-reduced to rows during backward (as little as ZeRO-2's rows): which one depends
+        // on the threads' timing, so ZeRO-1 is bounded below by ZeRO-2's formula.
+        let floor = if zero == 1 {
+            memory_formula(2, report.num_params, 4)
+        } else {
+            formula
+        };
         if zero > 0 {
             // Measured state (padding included) within 10% of the formula.
             assert!(
-                without_gathered <= formula * 1.10 + in_flight && without_gathered >= formula * 0.9,
+                without_gathered <= formula * 1.10 + in_flight && without_gathered >= floor * 0.9,
                 "ZeRO-{zero}: measured {without_gathered} vs formula {formula}: {m:?}"
             );
         }

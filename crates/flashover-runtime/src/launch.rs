@@ -8,6 +8,7 @@ use std::error::Error;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 /// The error type rank closures return: anything that converts into a boxed error
@@ -403,17 +404,23 @@ fn on_rank_threads<I: Send, T: Send>(
     inputs: Vec<I>,
     rank_body: impl Fn(usize, I) -> Result<T, RankFailure> + Sync,
 ) -> Vec<Result<T, RankFailure>> {
+    // The first rank to panic prints Rust's report, the others a line each.
+    let reported = Arc::new(AtomicBool::new(false));
     std::thread::scope(|s| {
         let handles: Vec<_> = inputs
             .into_iter()
             .enumerate()
             .map(|(rank, input)| {
                 let rank_body = &rank_body;
+                let reported = reported.clone();
                 std::thread::Builder::new()
                     .name(format!("rank-{rank}"))
                     // Autodiff graphs of deep models recurse; give each rank room.
                     .stack_size(64 << 20)
-                    .spawn_scoped(s, move || rank_body(rank, input))
+                    .spawn_scoped(s, move || {
+                        crate::panic_report::mark_rank_thread(rank, reported);
+                        rank_body(rank, input)
+                    })
                     .expect("spawn rank thread")
             })
             .collect();

@@ -32,6 +32,7 @@ mod cuda_memory;
 mod device;
 mod launch;
 mod output_pool;
+mod panic_report;
 mod process_env;
 mod stream;
 mod tensor;

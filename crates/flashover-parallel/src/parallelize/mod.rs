@@ -288,7 +288,12 @@ pub fn parallelize<M: Module>(
         kept_whole,
         replica_check: (tp.size() > 1).then(|| {
             let sequence_parallel = !plan.sequence_parallel.is_empty();
-            replica_check::ReplicaCheck::new(tp.clone(), sequence_parallel, sequence_partial)
+            replica_check::ReplicaCheck::new(
+                tp.clone(),
+                sequence_parallel,
+                sequence_partial,
+                policy.param_dtype,
+            )
         }),
         units,
         attended: Default::default(),
