@@ -7,10 +7,10 @@
 //! with the tied head ([`Embedding::logits`]) and the loss ([`Embedding::cross_entropy`]) that
 //! a split table needs. Swapping Burn's layers for these is the only change a model needs for
 //! tensor parallelism, besides sizing attention heads from [`Linear::d_output`].
-//! [`MultiHeadAttention`] and [`transformer`]'s encoder and feed-forward are Burn's, built on
-//! these (heads counted from the split, ready-made `tp` rules); they and [`RmsNorm`] check
-//! their input against [`crate::parallelize::value_dims`] rather than a parameter's stored
-//! shape, so `fully_shard` shards every one of their parameters.
+//! [`MultiHeadAttention`] and [`transformer`]'s encoder, decoder and feed-forward are Burn's,
+//! built on these (heads counted from the split, ready-made `tp` rules); they and [`RmsNorm`]
+//! check their input against [`crate::parallelize::value_dims`] rather than a parameter's
+//! stored shape, so `fully_shard` shards every one of their parameters.
 //! [`CausalAttention`] is attention's core (`softmax(q k^T / sqrt(d) + mask) v`), which a
 //! plan's `context_parallel` rule makes attend across the ranks that hold a sequence's other
 //! positions. [`MoeForward`] runs a mixture-of-experts layer (`flashover::models::Moe`) whose

@@ -480,3 +480,78 @@ fn check_split_names_the_layer_whose_forward_does_not_follow_the_split() {
     let err = check("dp=2", rules(""), true);
     assert!(err.is_ok(), "{err:?}");
 }
+
+/// Burn's decoder (one changed import too) in a model of its own: a target embedding decoded
+/// over a memory, with a causal mask.
+#[derive(Module, Debug)]
+struct Decoded {
+    embedding: Embedding,
+    decoder: flashover_parallel::nn::transformer::TransformerDecoder,
+    output: Linear,
+}
+
+impl Decoded {
+    fn new(device: &Device) -> Self {
+        let model = Decoded {
+            embedding: EmbeddingConfig::new(VOCAB, D_MODEL).init(device),
+            decoder: flashover_parallel::nn::transformer::TransformerDecoderConfig::new(
+                D_MODEL,
+                2 * D_MODEL,
+                HEADS,
+                2,
+            )
+            .with_dropout(0.0)
+            .init(device),
+            output: LinearConfig::new(D_MODEL, CLASSES).init(device),
+        };
+        let n = ParamLayout::of(&model).numel;
+        load_flat(
+            model,
+            &(0..n)
+                .map(|i| (i as f32 * 0.23).sin() * 0.3)
+                .collect::<Vec<_>>(),
+        )
+    }
+
+    fn loss(&self, (tokens, pad, labels): Sentences) -> Tensor<1> {
+        let [batch, seq] = tokens.dims();
+        let device = tokens.device();
+        let target = self.embedding.forward(tokens);
+        let memory = target.clone().flip([1]) * 0.5;
+        let causal = burn::nn::attention::generate_autoregressive_mask(batch, seq, &device);
+        let input =
+            flashover_parallel::nn::transformer::TransformerDecoderInput::new(target, memory)
+                .target_mask_attn(causal)
+                .memory_mask_pad(pad);
+        let decoded = self.decoder.forward(input);
+        let logits = self
+            .output
+            .forward(decoded)
+            .narrow(1, 0, 1)
+            .reshape([batch, CLASSES]);
+        cross_entropy(logits, labels)
+    }
+}
+
+#[test]
+fn burns_decoder_split_over_tp_computes_its_loss_and_gradients_as_whole() {
+    for (mesh, fsdp) in [("tp=2", false), ("fsdp=2,tp=2", true)] {
+        let checks = Launch::new(mesh)
+            .unwrap()
+            .run(|ctx| {
+                let device = Device::flex().autodiff();
+                let model = Decoded::new(&device);
+                let rules = model.decoder.tensor_parallel_rules("decoder");
+                let plan = ParallelizePlan::new().tensor_parallel_rules(rules);
+                let plan = if fsdp { plan.fully_shard("") } else { plan };
+                let (model, par) = parallelize(model, &plan, &ctx)?;
+                let data = || sentences(0..GLOBAL_BATCH, &device);
+                par.check_split(&model, |m| m.loss(data()), 1e-5, &ctx)
+            })
+            .unwrap();
+        for check in checks {
+            assert!(check.compared > 0, "{mesh}: {check:?}");
+            assert!(check.max_gradient_difference < 1e-5, "{mesh}: {check:?}");
+        }
+    }
+}

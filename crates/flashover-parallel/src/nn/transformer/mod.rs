@@ -1,5 +1,5 @@
-//! Burn's transformer encoder and position-wise feed-forward, splittable over `tp` and fully
-//! shardable: `use flashover::nn::transformer::{..}` in place of `burn::nn::transformer::{..}`
+//! Burn's transformer encoder, decoder and position-wise feed-forward, splittable over `tp` and
+//! fully shardable: `use flashover::nn::transformer::{..}` in place of `burn::nn::transformer::{..}`
 //! is the only change a model built from them needs. Same configs, same fields (so Burn's
 //! saved records load), same initialisation and, on one rank, the same forward.
 //!
@@ -9,6 +9,12 @@
 //! input against `linear_inner.weight.shape()`, which a fully sharded weight answers with its
 //! shard's rows). [`TransformerEncoder::tensor_parallel_rules`] gives the Megatron split of
 //! every block.
+
+mod decoder;
+
+pub use decoder::{
+    TransformerDecoder, TransformerDecoderConfig, TransformerDecoderInput, TransformerDecoderLayer,
+};
 
 use super::multi_head_attention::refuse_device_dropout;
 use super::{Linear, LinearConfig, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
@@ -233,27 +239,61 @@ impl TransformerEncoderConfig {
     }
 
     fn layer(&self, device: &Device) -> TransformerEncoderLayer {
-        let norm = || {
-            LayerNormConfig::new(self.d_model)
-                .with_epsilon(self.layer_norm_eps)
-                .init(device)
+        let parts = LayerParts {
+            d_model: self.d_model,
+            d_ff: self.d_ff,
+            n_heads: self.n_heads,
+            dropout: self.dropout,
+            quiet_softmax: self.quiet_softmax,
+            initializer: &self.initializer,
+            activation: &self.activation,
+            layer_norm_eps: self.layer_norm_eps,
         };
         TransformerEncoderLayer {
-            mha: MultiHeadAttentionConfig::new(self.d_model, self.n_heads)
-                .with_initializer(self.initializer.clone())
-                .with_dropout(self.dropout)
-                .with_quiet_softmax(self.quiet_softmax)
-                .init(device),
-            norm_1: norm(),
-            norm_2: norm(),
-            pwff: PositionWiseFeedForwardConfig::new(self.d_model, self.d_ff)
-                .with_initializer(self.initializer.clone())
-                .with_dropout(self.dropout)
-                .with_activation(self.activation.clone())
-                .init(device),
+            mha: parts.attention(device),
+            norm_1: parts.norm(device),
+            norm_2: parts.norm(device),
+            pwff: parts.feed_forward(device),
             dropout: DropoutConfig::new(self.dropout).init(),
             norm_first: self.norm_first,
         }
+    }
+}
+
+/// What an encoder's or decoder's configuration says of each layer's parts, which both build
+/// as Burn's do (in the same order, so from the same draws).
+struct LayerParts<'a> {
+    d_model: usize,
+    d_ff: usize,
+    n_heads: usize,
+    dropout: f64,
+    quiet_softmax: bool,
+    initializer: &'a Initializer,
+    activation: &'a ActivationConfig,
+    layer_norm_eps: f64,
+}
+
+impl LayerParts<'_> {
+    fn attention(&self, device: &Device) -> MultiHeadAttention {
+        MultiHeadAttentionConfig::new(self.d_model, self.n_heads)
+            .with_initializer(self.initializer.clone())
+            .with_dropout(self.dropout)
+            .with_quiet_softmax(self.quiet_softmax)
+            .init(device)
+    }
+
+    fn norm(&self, device: &Device) -> LayerNorm {
+        LayerNormConfig::new(self.d_model)
+            .with_epsilon(self.layer_norm_eps)
+            .init(device)
+    }
+
+    fn feed_forward(&self, device: &Device) -> PositionWiseFeedForward {
+        PositionWiseFeedForwardConfig::new(self.d_model, self.d_ff)
+            .with_initializer(self.initializer.clone())
+            .with_dropout(self.dropout)
+            .with_activation(self.activation.clone())
+            .init(device)
     }
 }
 
