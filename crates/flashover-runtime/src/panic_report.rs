@@ -27,9 +27,7 @@ pub(crate) fn mark_rank_thread(rank: usize, reported: Arc<AtomicBool>) {
                         .location()
                         .map(|l| format!(" at {l}"))
                         .unwrap_or_default();
-                    let message = (info.payload().downcast_ref::<&str>().copied())
-                        .or_else(|| info.payload().downcast_ref::<String>().map(String::as_str))
-                        .unwrap_or("(no message)");
+                    let message = flashover_comm::panic_message(info.payload());
                     eprintln!("rank {rank} panicked{at}: {message}");
                 }
                 _ => default(info),

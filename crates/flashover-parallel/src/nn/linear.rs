@@ -93,18 +93,14 @@ impl Linear {
 
     /// Input features this rank's part reads (`d_in / tp` when split row-wise).
     pub fn d_input(&self) -> usize {
-        self.local_dims()[0]
+        value_dims(&self.weight)[0]
     }
 
     /// Output features this rank's part computes (`d_out / tp` when split column-wise): size
     /// attention heads from it (`heads = query.d_output() / head_dim`) so a split layer
     /// yields `heads / tp` of them.
     pub fn d_output(&self) -> usize {
-        self.local_dims()[1]
-    }
-
-    fn local_dims(&self) -> [usize; 2] {
-        value_dims(&self.weight)
+        value_dims(&self.weight)[1]
     }
 }
 

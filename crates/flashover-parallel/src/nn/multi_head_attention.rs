@@ -200,7 +200,7 @@ impl MultiHeadAttention {
     }
 
     /// Attention heads this rank computes: `n_heads`, or under `tp` its share of them.
-    pub fn local_heads(&self) -> usize {
+    fn local_heads(&self) -> usize {
         let width = self.query.d_output();
         assert_eq!(
             width % self.d_k,

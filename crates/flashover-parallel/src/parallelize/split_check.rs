@@ -7,7 +7,7 @@
 
 use super::Parallelized;
 use crate::error::ParallelError;
-use crate::params::{ParamLayout, accumulate_grads, part, to_f32, zero_grads};
+use crate::params::{ParamLayout, accumulate_grads, to_f32, zero_grads};
 use crate::placement::Placement;
 use burn::module::Module;
 use burn::optim::GradientsParams;
@@ -91,10 +91,18 @@ impl Parallelized {
         // are too.
         let fsdp = ctx.group(Axis::Fsdp);
         let summed = match fsdp.size() {
-            1 => whole_grads.clone(),
-            _ => fsdp.all_reduce_tensor(whole_grads.clone(), ReduceOp::Sum)?,
+            1 => None,
+            _ => Some(to_f32(
+                fsdp.all_reduce_tensor(whole_grads.clone(), ReduceOp::Sum)?,
+            )),
         };
-        let largest = to_f32(whole_grads.clone().abs().max())[0].max(1e-12);
+        // Each flat gradient read to the host once: the comparison is the host's.
+        let (split_grads, whole_grads) = (to_f32(split_grads), to_f32(whole_grads));
+        let summed = summed.as_ref().unwrap_or(&whole_grads);
+        let largest = whole_grads
+            .iter()
+            .fold(0f32, |m, g| m.max(g.abs()))
+            .max(1e-12);
         let entries = self.placements.entries_of(model)?;
         // The split parameters first: their gradients are their own layer's doing, while a
         // whole parameter's also carries whatever the split layers after it got wrong.
@@ -107,18 +115,18 @@ impl Parallelized {
             }
             let reference = match entry.on(Axis::Fsdp) {
                 Placement::Replicate => &whole_grads,
-                _ => &summed,
+                _ => summed,
             };
             let held = entry.held(|axis| ctx.coord(axis));
-            let mine = to_f32(part(&split_grads, slot.offset, slot.numel));
-            let all = to_f32(part(reference, whole_slot.offset, whole_slot.numel));
+            let mine = &split_grads[slot.offset..slot.offset + slot.numel];
+            let all = &reference[whole_slot.offset..whole_slot.offset + whole_slot.numel];
             // A gradient that is zero in exact arithmetic (a key bias under softmax) is
             // rounding on both sides: measured against the model's largest gradient too.
             let scale = all
                 .iter()
                 .fold(0f32, |m, g| m.max(g.abs()))
                 .max(1e-3 * largest);
-            let difference = box_difference(&mine, &slot.shape, &all, &whole_slot.shape, &held);
+            let difference = box_difference(mine, &slot.shape, all, &whole_slot.shape, &held);
             check.compared += 1;
             check.max_gradient_difference = check.max_gradient_difference.max(difference / scale);
             if difference > tolerance * scale {
