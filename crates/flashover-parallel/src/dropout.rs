@@ -81,11 +81,21 @@ impl Dropout {
         site: Site,
         coords: [Coords<'_>; D],
     ) -> Tensor<D> {
+        self.apply_site(x, layer as u64 * 8 + site as u64, coords)
+    }
+
+    /// `x` with the mask of site `site` (any number naming where in the forward it is drawn)
+    /// applied; `coords` place `x` in the logical tensor.
+    pub(crate) fn apply_site<const D: usize>(
+        &self,
+        x: Tensor<D>,
+        site: u64,
+        coords: [Coords<'_>; D],
+    ) -> Tensor<D> {
         if self.p <= 0.0 {
             return x;
         }
         let dims = x.dims();
-        let site = layer as u64 * 8 + site as u64;
         let scale = (1.0 / (1.0 - self.p)) as f32;
         let numel: usize = dims.iter().product();
         let mut mask = Vec::with_capacity(numel);

@@ -17,6 +17,7 @@
 //! experts a plan's `expert_parallel` rule spreads over `ep`.
 
 mod attention;
+pub(crate) mod dropout;
 pub(crate) mod embedding;
 mod head;
 pub(crate) mod linear;
@@ -27,6 +28,7 @@ mod rms_norm;
 pub mod transformer;
 
 pub use attention::CausalAttention;
+pub use dropout::{Dropout, DropoutConfig, clear_dropout_draws, set_dropout_draws};
 pub use embedding::{Embedding, EmbeddingConfig};
 pub use head::{OutputHead, next_token_loss};
 pub use linear::{Linear, LinearConfig};

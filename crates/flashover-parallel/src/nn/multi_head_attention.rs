@@ -1,5 +1,6 @@
 //! Burn's `MultiHeadAttention`, splittable by whole heads over `tp` and fully shardable.
 
+use super::dropout::drop_elements;
 use super::{Linear, LinearConfig};
 use crate::parallelize::{TensorParallelRule, tp_split};
 use burn::config::Config;
@@ -51,9 +52,9 @@ pub struct MultiHeadAttentionConfig {
 /// its heads, the output row-wise. It counts its heads from the query projection's width on
 /// this rank (`query.d_output() / d_k`), never from `n_heads`, which stays the model's.
 ///
-/// Dropout on the attention weights draws from the device's generator (Burn's `Dropout`),
-/// so under `tp` each rank would drop its own mask: a split layer with `dropout > 0` refuses
-/// its forward in training, naming the reason.
+/// Dropout on the attention weights draws the one-device mask's part of this rank's heads
+/// ([`super::dropout`]'s draws; without them, a split layer with `dropout > 0` refuses its
+/// forward in training).
 #[derive(Module, Debug)]
 pub struct MultiHeadAttention {
     /// `[d_model, d_model]` (column-wise under `tp`: this rank's heads).
@@ -227,7 +228,6 @@ impl MultiHeadAttention {
                 "MultiHeadAttention: the {name}'s last dimension is not d_model"
             );
         }
-        self.refuse_split_dropout();
         let [q, k, v] = match input.shared {
             true => Linear::forward_shared([&self.query, &self.key, &self.value], input.query),
             false => [
@@ -276,29 +276,17 @@ impl MultiHeadAttention {
             true => quiet_softmax(scores, 3),
             false => softmax(scores, 3),
         };
-        self.dropout.forward(weights)
-    }
-
-    /// Panics when the layer is split over `tp` and would drop attention weights in training:
-    /// each rank's mask would come from its own device generator.
-    fn refuse_split_dropout(&self) {
-        if let Some(split) = tp_split(&self.query.weight) {
-            refuse_device_dropout(&self.dropout, "MultiHeadAttention", split.group.size());
-        }
-    }
-}
-
-/// Panics, saying why, when `dropout` would drop elements in training inside a `layer` split
-/// over `tp` ranks: Burn's `Dropout` draws each rank's mask from its own device generator, so
-/// the ranks would not drop what one device drops.
-pub(crate) fn refuse_device_dropout(dropout: &Dropout, layer: &str, tp: usize) {
-    if dropout.prob > 0.0 && dropout.training.is_enabled() {
-        panic!(
-            "{layer} is split over tp={tp} and has dropout {} in training: Burn's Dropout draws \
-             every rank's mask from its own device generator, so the tp ranks would drop \
-             different elements, which one device does not compute. Train it split with \
-             dropout 0 (an exact dropout for split layers is not built yet)",
-            dropout.prob
-        );
+        // This rank's heads are heads `rank * local..` of the whole layer's.
+        let split = tp_split(&self.query.weight);
+        let first_head = split.map_or(0, |s| s.group.rank() * weights.dims()[1]);
+        let split = split.map(|s| ("MultiHeadAttention", s.group.size()));
+        let dropout = &self.dropout;
+        drop_elements(
+            dropout.prob,
+            &dropout.training,
+            weights,
+            [0, first_head, 0, 0],
+            split,
+        )
     }
 }

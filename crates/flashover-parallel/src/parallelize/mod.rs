@@ -142,6 +142,9 @@ pub struct Parallelized {
     loop_overlap: loop_overlap::LoopOverlap,
     /// What the last gradient reduction did and cost.
     last_reduction: std::sync::Mutex<ReductionReport>,
+    /// The plan's dropout seed, and why the layout cannot draw one-device dropout masks, if it
+    /// cannot.
+    dropout: (u64, Option<&'static str>),
 }
 
 /// Where `model`'s gradients live: its parameters' device outside autodiff (the rank's for a
@@ -303,8 +306,24 @@ pub fn parallelize<M: Module>(
             .map(|(replicas, _)| (replicas, ctx.group(Axis::Ep).clone())),
         loop_overlap: Default::default(),
         last_reduction: Default::default(),
+        dropout: (plan.dropout_seed, dropout_refusal(plan, ctx)),
     };
     Ok((model, par))
+}
+
+/// Why `plan` on this mesh cannot give [`crate::nn`]'s dropout the one-device masks, if it
+/// cannot: their draws place a tensor's samples, heads and hidden features, not its positions.
+fn dropout_refusal(plan: &ParallelizePlan, ctx: &RankContext) -> Option<&'static str> {
+    if ctx.group(Axis::Tp).size() > 1 && !plan.sequence_parallel.is_empty() {
+        return Some(
+            "sequence parallelism splits activations by position, which flashover::nn's \
+             dropout draws do not place yet: train it with dropout 0",
+        );
+    }
+    (ctx.group(Axis::Cp).size() > 1 && plan.context_parallel.is_some()).then_some(
+        "context parallelism splits sequences by position, which flashover::nn's dropout \
+         draws do not place yet: train it with dropout 0",
+    )
 }
 
 /// Per parameter of `layout`, whether `placements` cut its rows over `fsdp`.
@@ -531,7 +550,9 @@ impl Parallelized {
     /// rank (`dp` x `fsdp` x `ep`) takes a contiguous share of it (rank 1 of 2 at step 1 of a batch
     /// of 8: `12..16`). Fails when the batch does not split evenly, and when the plan cuts the
     /// model into pipeline stages (a rank's forward is then a stage's:
-    /// [`Self::pipeline_step`] reads the batch and runs the schedule).
+    /// [`Self::pipeline_step`] reads the batch and runs the schedule). Sets this rank's
+    /// dropout draws to the share's samples of step `step` ([`crate::nn::Dropout`]): the
+    /// forward that follows drops what one device drops of them.
     pub fn batch_share(
         &self,
         global_batch: usize,
@@ -545,7 +566,15 @@ impl Parallelized {
                     .into(),
             ));
         }
-        self.share(global_batch, step)
+        let share = self.share(global_batch, step)?;
+        crate::nn::dropout::set_draws(Some(self.draws(step, share.clone())));
+        Ok(share)
+    }
+
+    /// The dropout draws of `samples` of step `step` under this plan.
+    pub(crate) fn draws(&self, step: usize, samples: Range<usize>) -> crate::nn::dropout::Draws {
+        let (seed, refusal) = self.dropout;
+        crate::nn::dropout::Draws::new(seed, step, samples, refusal)
     }
 
     /// [`Self::batch_share`], pipelined or not.

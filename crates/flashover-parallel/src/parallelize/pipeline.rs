@@ -15,6 +15,7 @@ use crate::activation_checkpointing::{CheckpointPolicy, Replays, checkpoint_part
 use crate::data_parallel::BucketedReduction;
 use crate::error::ParallelError;
 use crate::expert_parallel::Replicas;
+use crate::nn::dropout::{self, Draws, Scope};
 use crate::params::{ParamLayout, ParamSlot};
 use crate::pipeline::{
     ActionKind, BoundaryTensor, PartSpec, PipelineExecutor, PipelineStepReport, Schedule,
@@ -310,11 +311,15 @@ impl Stages {
     /// of the share (the same on every rank of `pp`). With `hooks`, every forward runs on
     /// hooked parameters that hand their gradients to the reduction's buckets during
     /// backward (those are then zero in the returned sums): see [`Self::hooks_allowed`].
+    /// With `draws` (the share's), each micro-batch's dropout draws its samples' one-device
+    /// masks, its embedding, each layer and its head in their own scopes (whichever rank runs
+    /// them); without, the device's generator draws them.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn step<M>(
         &self,
         model: &M,
         share: Range<usize>,
+        draws: Option<&Draws>,
         device: &Device,
         micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
         head: &HeadLoss<'_, M>,
@@ -374,16 +379,18 @@ impl Stages {
             let m = view.as_ref().unwrap_or(master);
             let stage = self.schedule.stage_of(rank, chunk);
             let batch = Arc::new(micro_batch(micro(k)));
+            let draws = draws.map(|d| d.for_samples(micro(k)));
+            let draws = draws.as_ref();
             // The stage's parameters outside the layers, gathered in one collective for the
             // whole micro-batch (from the f32 rows, read in the view's dtype).
             let root = self.units.as_deref().map(|u| u.gather_root(master));
             let mut x = match input {
                 Some(parts) => from_boundary_tensors(parts),
-                None => m.embed(&batch),
+                None => dropout::in_scope(draws, Scope::Before, || m.embed(&batch)),
             };
             let mut aux: Option<Tensor<1>> = None;
             for i in self.layers[stage].clone() {
-                let (y, layer_aux) = self.layer(m, i, x, &batch, hooks);
+                let (y, layer_aux) = self.layer(m, i, x, &batch, draws, hooks);
                 x = y;
                 aux = match (aux, layer_aux) {
                     (Some(sum), Some(more)) => Some(sum + more),
@@ -391,7 +398,9 @@ impl Stages {
                 };
             }
             let output = match stage == last {
-                true => StageOutput::Loss(head(m, x, &batch, k)),
+                true => StageOutput::Loss(dropout::in_scope(draws, Scope::After, || {
+                    head(m, x, &batch, k)
+                })),
                 false => StageOutput::Activation(boundary_tensors(x)),
             };
             if let (Some(units), Some(names)) = (self.units.as_deref(), root) {
@@ -534,6 +543,7 @@ impl Stages {
         index: usize,
         x: M::Activation,
         batch: &Arc<M::Batch>,
+        draws: Option<&Draws>,
         hooks: Option<&BucketedReduction>,
     ) -> (M::Activation, Option<Tensor<1>>)
     where
@@ -571,8 +581,10 @@ impl Stages {
                 ahead,
                 input,
             });
-            return run_layer(units, model, view, index, x, &batch);
+            return run_layer(units, model, view, index, x, &batch, draws);
         }
+        // A recomputation in backward draws the masks the forward drew.
+        let draws = draws.cloned();
         let (precision, cast_part) = (self.precision, part.clone());
         let run = move |m: &M, x: M::Activation| {
             let view = precision.map(|p| p.compute_view_of(m.clone(), &cast_part));
@@ -583,7 +595,7 @@ impl Stages {
                 ahead,
                 input: None,
             });
-            run_layer(units, m, view, index, x, &batch)
+            run_layer(units, m, view, index, x, &batch, draws.as_ref())
         };
         // The recomputed function takes the activation's tensors as one and returns the
         // output's and then the auxiliary loss as one, so their gradients reach the layer
@@ -653,7 +665,7 @@ impl Stages {
                     ahead: Ahead::default(),
                     input: None,
                 });
-                x = run_layer(units, model, model, i, x, batch).0;
+                x = run_layer(units, model, model, i, x, batch, None).0;
             }
             if stage == last {
                 return Ok(Some(x));
@@ -706,7 +718,9 @@ impl Stages {
         let mut code = vec![];
         if self.pp.rank() == root {
             let view = self.compute_view_of(model, &self.outside);
-            let x = view.as_ref().unwrap_or(model).embed(&micro_batch(first));
+            let model = view.as_ref().unwrap_or(model);
+            // Only its shapes are kept: no draws (they are the first micro-batch's forward's).
+            let x = dropout::in_scope(None, Scope::Before, || model.embed(&micro_batch(first)));
             code = encode_specs(&specs_of(&boundary_tensors(x)))?;
         }
         if self.pp.size() > 1 {
@@ -853,10 +867,10 @@ struct UnitRun<'a> {
     input: Option<Tensor<1>>,
 }
 
-/// Layer `index` of `view` on `x` of micro-batch `batch` and its auxiliary loss. When the
-/// layers are `units`, its fully sharded parameters are gathered at once first from
-/// `stored`'s rows (the f32 parameters `view` may be a cast view of), and then the all-gathers
-/// of the layers ahead submitted.
+/// Layer `index` of `view` on `x` of micro-batch `batch` and its auxiliary loss, its dropout
+/// drawn from `draws` as layer `index`. When the layers are `units`, its fully sharded
+/// parameters are gathered at once first from `stored`'s rows (the f32 parameters `view` may
+/// be a cast view of), and then the all-gathers of the layers ahead submitted.
 fn run_layer<M>(
     units: Option<UnitRun<'_>>,
     stored: &M,
@@ -864,13 +878,18 @@ fn run_layer<M>(
     index: usize,
     x: M::Activation,
     batch: &M::Batch,
+    draws: Option<&Draws>,
 ) -> (M::Activation, Option<Tensor<1>>)
 where
     M: PipelineModel,
 {
-    let model = view;
+    let layer_for = |x| {
+        dropout::in_scope(draws, Scope::Layer(index), || {
+            view.layer_for(index, x, batch)
+        })
+    };
     match units {
-        None => model.layer_for(index, x, batch),
+        None => layer_for(x),
         Some(UnitRun {
             units: u,
             ahead,
@@ -889,7 +908,7 @@ where
                 let shards = u.shards(stored, next);
                 u.gathers.prefetch(Unit::Layer(next), &shards);
             }
-            let out = model.layer_for(index, x, batch);
+            let out = layer_for(x);
             u.gathers.release(names.iter().map(String::as_str));
             out
         }

@@ -5,6 +5,7 @@ use super::Parallelized;
 use super::pipeline::{self, PipelineModel, Stages};
 use crate::data_parallel::{BucketedReduction, ReductionReport};
 use crate::error::ParallelError;
+use crate::nn::dropout::Draws;
 use crate::params::{accumulate_grads, grads_from_flat};
 use crate::pipeline::PipelineStepReport;
 use burn::module::Module;
@@ -98,7 +99,17 @@ impl Parallelized {
         let hooked = self.pipeline_stages()?.hooks_allowed() && self.buckets.hooks_on(&device);
         self.buckets.begin_step(hooked);
         let hooks = hooked.then_some(&self.buckets);
-        let mut run = self.run_stages(model, share, micro_batch, &head, loss_scale, hooks, ctx)?;
+        let draws = self.draws(step, share.clone());
+        let mut run = self.run_stages(
+            model,
+            share,
+            Some(&draws),
+            micro_batch,
+            &head,
+            loss_scale,
+            hooks,
+            ctx,
+        )?;
         self.mean_over_ranks(&mut run.losses)?;
         let [loss, aux_loss] = run.losses;
         let reduced = self.reduce_and_clip(model, run.flat, run.divisor, max_norm, ctx)?;
@@ -141,7 +152,17 @@ impl Parallelized {
         M: PipelineModel + Sync + 'static,
     {
         let loss_scale = self.loss_scale();
-        let run = self.run_stages(model, 0..samples, micro_batch, head, loss_scale, None, ctx)?;
+        // No step and no global sample indices: the device's generator draws the masks.
+        let run = self.run_stages(
+            model,
+            0..samples,
+            None,
+            micro_batch,
+            head,
+            loss_scale,
+            None,
+            ctx,
+        )?;
         let flat = run.flat.div_scalar(run.divisor);
         let [loss, aux_loss] = run.losses;
         Ok(PipelineStep {
@@ -166,6 +187,7 @@ impl Parallelized {
         &self,
         model: &M,
         share: Range<usize>,
+        draws: Option<&Draws>,
         micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
         head: &pipeline::HeadLoss<'_, M>,
         loss_scale: Option<f32>,
@@ -178,8 +200,16 @@ impl Parallelized {
         let stages = self.pipeline_stages()?;
         let device = step_device(model, ctx);
         let before = stages.recomputed();
-        let (flat, losses, report) =
-            stages.step(model, share, &device, micro_batch, head, loss_scale, hooks)?;
+        let (flat, losses, report) = stages.step(
+            model,
+            share,
+            draws,
+            &device,
+            micro_batch,
+            head,
+            loss_scale,
+            hooks,
+        )?;
         // The stages' gradients and the copies' are both sums of the scaled losses'.
         let flat = self.fold_hot_experts(model, flat, 1.0)?;
         let micro_batches = stages.schedule.micro_batches as f32;

@@ -507,6 +507,11 @@ pub struct ParallelizePlan {
     /// whether they did), else right after backward. Defaults: 4 MiB, overlapped.
     #[serde(default)]
     pub gradient_buckets: GradientBuckets,
+    /// The seed of the dropout masks of [`crate::nn`]'s layers: with it, each step's masks are
+    /// those a one-device loop draws after `flashover::nn::set_dropout_draws(dropout_seed,
+    /// step, samples)` (see [`crate::nn::Dropout`]). Default 0.
+    #[serde(default)]
+    pub dropout_seed: u64,
 }
 
 /// A precision policy as the settings table it is written as.
@@ -629,6 +634,12 @@ impl ParallelizePlan {
     /// Also sum gradients in buckets as `buckets` says (see the field's docs).
     pub fn gradient_buckets(mut self, buckets: GradientBuckets) -> Self {
         self.gradient_buckets = buckets;
+        self
+    }
+
+    /// Seeds the dropout masks (see the field's docs).
+    pub fn dropout_seed(mut self, seed: u64) -> Self {
+        self.dropout_seed = seed;
         self
     }
 

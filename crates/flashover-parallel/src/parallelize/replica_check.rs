@@ -109,8 +109,8 @@ impl ReplicaCheck {
                      (by {spread:e} of {scale:e}) on the first step, which is not applied: \
                      the tp ranks compute different models. {sequence}if something in the \
                      forward draws random numbers on each rank (Burn's Dropout draws every \
-                     rank's mask from its own device generator), train the split with it off \
-                     (dropout 0)",
+                     rank's mask from its own device generator), use flashover::nn::Dropout, \
+                     whose masks every layout draws alike, or train with dropout 0",
                     slot.name
                 )));
             }

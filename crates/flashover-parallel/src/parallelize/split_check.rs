@@ -7,6 +7,7 @@
 
 use super::Parallelized;
 use crate::error::ParallelError;
+use crate::nn::dropout::{self, Scope};
 use crate::params::{ParamLayout, accumulate_grads, to_f32, zero_grads};
 use crate::placement::Placement;
 use burn::module::Module;
@@ -76,8 +77,14 @@ impl Parallelized {
             )));
         }
         let whole = self.whole(model.clone())?;
-        let (split_loss, split_grads) = loss_and_flat_grads(model, &loss);
-        let (whole_loss, whole_grads) = loss_and_flat_grads(&whole, &loss);
+        // Both forwards drop what this rank's dropout draws would drop next.
+        let draws = dropout::current_draws();
+        let (split_loss, split_grads) = dropout::in_scope(draws.as_ref(), Scope::Before, || {
+            loss_and_flat_grads(model, &loss)
+        });
+        let (whole_loss, whole_grads) = dropout::in_scope(draws.as_ref(), Scope::Before, || {
+            loss_and_flat_grads(&whole, &loss)
+        });
         let partial = self.replica_check.as_ref().map(|c| &c.partial);
         let whole_layout = ParamLayout::of(&whole);
         let mut check = SplitCheck {

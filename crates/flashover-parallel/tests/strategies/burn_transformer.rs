@@ -2,7 +2,9 @@
 //! embeddings, a transformer encoder with a padding mask, a linear head on the first
 //! position), with one changed import: the encoder comes from `flashover_parallel::nn::transformer`.
 //! Every layout trains as the plain single-rank Burn loop does (losses, clipped gradient
-//! norms, every weight within 1e-5), and under `fully_shard` every parameter is sharded.
+//! norms, every weight within 1e-5), without dropout and with dropout 0.1 (the encoder's and
+//! a `flashover_parallel::nn::Dropout` on the embeddings), and under `fully_shard` every
+//! parameter is sharded.
 
 use crate::plan_loops::{GLOBAL_BATCH, MAX_NORM, differences, plan_loop, reference_loop};
 use burn::module::Module;
@@ -10,6 +12,7 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Dropout, DropoutConfig, Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use flashover_parallel::ParallelError;
+use flashover_parallel::activation_checkpointing::CheckpointPolicy;
 use flashover_parallel::nn::transformer::{
     TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
 };
@@ -31,8 +34,13 @@ struct TextClassifier {
     transformer: TransformerEncoder,
     embedding_token: Embedding,
     embedding_pos: Embedding,
+    /// On the embeddings (not in Burn's example; Burn's `Dropout` with one changed import).
+    dropout: flashover_parallel::nn::Dropout,
     output: Linear,
 }
+
+/// The dropout masks' seed, on one device and in the plans.
+const SEED: u64 = 17;
 
 fn config() -> TransformerEncoderConfig {
     TransformerEncoderConfig::new(D_MODEL, 2 * D_MODEL, HEADS, 2)
@@ -53,6 +61,7 @@ impl TextClassifier {
             transformer: config().with_dropout(p).init(device),
             embedding_token: EmbeddingConfig::new(VOCAB, D_MODEL).init(device),
             embedding_pos: EmbeddingConfig::new(SEQ, D_MODEL).init(device),
+            dropout: flashover_parallel::nn::DropoutConfig::new(p).init(),
             output: LinearConfig::new(D_MODEL, CLASSES).init(device),
         };
         let n = ParamLayout::of(&model).numel;
@@ -78,7 +87,8 @@ impl TextClassifier {
         let positions = Tensor::<1, Int>::arange(0..seq as i64, &tokens.device())
             .reshape([1, seq])
             .repeat_dim(0, batch);
-        self.embedding_token.forward(tokens) + self.embedding_pos.forward(positions)
+        let x = self.embedding_token.forward(tokens) + self.embedding_pos.forward(positions);
+        self.dropout.forward(x)
     }
 
     /// Class logits read at the first position of `encoded: [batch, seq, d_model]`.
@@ -154,13 +164,13 @@ fn sentences(samples: std::ops::Range<usize>, device: &Device) -> Sentences {
     (tokens, pad, labels)
 }
 
-/// Trains the classifier on `mesh` under `plan`: rank 0's run and every rank's stored
-/// parameter elements.
-fn parallel(mesh: &str, plan: &ParallelizePlan) -> (crate::plan_loops::Run, Vec<usize>) {
+/// Trains the classifier with dropout `p` on `mesh` under `plan`: rank 0's run and every
+/// rank's stored parameter elements.
+fn parallel(mesh: &str, plan: &ParallelizePlan, p: f64) -> (crate::plan_loops::Run, Vec<usize>) {
     plan_loop(
         mesh,
-        plan,
-        TextClassifier::new,
+        &plan.clone().dropout_seed(SEED),
+        |device| TextClassifier::with_dropout(device, p),
         |model, par, step, ctx, device| {
             let loss = loss(model, par.batch_share(GLOBAL_BATCH, step)?, device);
             let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
@@ -183,10 +193,32 @@ fn tp_plan_at(path: &str) -> ParallelizePlan {
 
 #[test]
 fn burns_text_classifier_trains_as_one_rank_on_every_layout() {
+    trains_as_one_rank_on_every_layout(0.0);
+}
+
+#[test]
+fn with_dropout_burns_text_classifier_trains_as_one_rank_on_every_layout() {
+    trains_as_one_rank_on_every_layout(0.1);
+}
+
+/// Every layout with dropout `p` against the one-device loop, whose masks are drawn by
+/// `set_dropout_draws` as the plans' are.
+fn trains_as_one_rank_on_every_layout(p: f64) {
     let device = Device::flex().autodiff();
-    let reference = reference_loop(TextClassifier::new(&device), |model, samples| {
+    let model = TextClassifier::with_dropout(&device, p);
+    let reference = reference_loop(model, |model, samples| {
+        let step = samples.start / GLOBAL_BATCH;
+        flashover_parallel::nn::set_dropout_draws(SEED, step, samples.clone());
         loss(model, samples, &device)
     });
+    if p > 0.0 {
+        // The masks change what is computed (or the comparison below would not test them).
+        let undropped = reference_loop(TextClassifier::new(&device), |model, samples| {
+            loss(model, samples, &device)
+        });
+        let (loss, _, _) = differences(&undropped, &reference);
+        assert!(loss > 1e-3, "dropout {p} changed the losses by {loss:e}");
+    }
     let layouts = [
         ("dp=2", ParallelizePlan::new()),
         ("fsdp=2", ParallelizePlan::new().fully_shard("")),
@@ -195,7 +227,7 @@ fn burns_text_classifier_trains_as_one_rank_on_every_layout() {
     ];
     let mut held = vec![];
     for (mesh, plan) in layouts {
-        let (run, per_rank) = parallel(mesh, &plan);
+        let (run, per_rank) = parallel(mesh, &plan, p);
         let (loss, norm, weights) = differences(&run, &reference);
         assert!(
             loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
@@ -210,14 +242,19 @@ fn burns_text_classifier_trains_as_one_rank_on_every_layout() {
     let rule = PipelineRule::new("transformer.layers", ScheduleKind::OneFOneB, 4)
         .first(&["embedding_token", "embedding_pos"])
         .last(&["output"]);
+    // Recomputed in backward, a layer draws the masks its forward drew.
+    let recomputed = ParallelizePlan::new()
+        .pipeline(rule.clone())
+        .activation_checkpointing(CheckpointPolicy::Full);
     for (mesh, plan) in [
         ("pp=2", ParallelizePlan::new().pipeline(rule.clone())),
+        ("pp=2", recomputed),
         ("fsdp=2,tp=2,pp=2", tp_plan().fully_shard("").pipeline(rule)),
     ] {
         let (run, _) = plan_loop(
             mesh,
-            &plan,
-            TextClassifier::new,
+            &plan.dropout_seed(SEED),
+            |device| TextClassifier::with_dropout(device, p),
             |model, par, step, ctx, device| {
                 let micro_batch = |samples| sentences(samples, device);
                 let out = par.pipeline_step(
@@ -287,19 +324,23 @@ fn fully_shard_leaves_no_parameter_of_burns_text_classifier_whole() {
 }
 
 #[test]
-fn the_encoder_split_over_tp_refuses_dropout_it_cannot_make_exact() {
+fn the_encoder_split_over_tp_refuses_dropout_without_draws() {
     let err = Launch::new("tp=2")
         .unwrap()
         .run(|ctx| {
             let device = Device::flex().autodiff();
             let model = TextClassifier::with_dropout(&device, 0.1);
             let (model, par) = parallelize(model, &tp_plan(), &ctx)?;
-            Ok::<_, ParallelError>(loss(&model, par.batch_share(GLOBAL_BATCH, 0)?, &device))
+            let samples = par.batch_share(GLOBAL_BATCH, 0)?;
+            // A loop of one's own that forgets the draws: each rank's device would draw.
+            flashover_parallel::nn::clear_dropout_draws();
+            Ok::<_, ParallelError>(loss(&model, samples, &device))
         })
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("is split over tp=2 and has dropout 0.1"),
+        err.contains("MultiHeadAttention is split over tp=2 and has dropout 0.1")
+            && err.contains("no dropout draws set"),
         "{err}"
     );
 }

@@ -2,7 +2,7 @@
 //! feed-forward), splittable over `tp` and fully shardable.
 
 use super::{LayerParts, PositionWiseFeedForward};
-use crate::nn::multi_head_attention::refuse_device_dropout;
+use crate::nn::dropout::{self, drop_elements};
 use crate::nn::{MhaInput, MultiHeadAttention};
 use crate::parallelize::{TensorParallelRule, tp_split};
 use burn::config::Config;
@@ -215,8 +215,8 @@ impl From<burn::nn::transformer::TransformerDecoderLayer> for TransformerDecoder
 impl TransformerDecoder {
     /// The target after every layer, `[batch, seq_t, d_model]`.
     pub fn forward(&self, mut input: TransformerDecoderInput) -> Tensor<3> {
-        for layer in &self.layers {
-            input = layer.forward(input);
+        for (i, layer) in self.layers.iter().enumerate() {
+            input = dropout::in_layer(i, || layer.forward(input));
         }
         input.target
     }
@@ -247,10 +247,7 @@ impl TransformerDecoderLayer {
     /// branches, each with dropout and a residual, normalised before (pre-norm) or after
     /// (post-norm). Returns `input` with its target replaced.
     pub fn forward(&self, mut input: TransformerDecoderInput) -> TransformerDecoderInput {
-        if let Some(split) = tp_split(&self.self_attn.query.weight) {
-            // The residual stream is replicated over tp: each rank would draw its own mask.
-            refuse_device_dropout(&self.dropout, "TransformerDecoderLayer", split.group.size());
-        }
+        dropout::mark_layer_kind(dropout::DECODER_LAYER);
         let x = input.target;
         let self_in = match self.norm_first {
             true => self.norm_3.forward(x.clone()),
@@ -263,7 +260,7 @@ impl TransformerDecoderLayer {
         if let Some(mask) = &input.target_mask_attn {
             attend = attend.mask_attn(mask.clone());
         }
-        let mut x = x + self.dropout.forward(self.self_attn.forward(attend).context);
+        let mut x = x + self.drop_branch(self.self_attn.forward(attend).context);
         let cross_in = match self.norm_first {
             true => self.norm_1.forward(x.clone()),
             false => {
@@ -279,9 +276,7 @@ impl TransformerDecoderLayer {
         if let Some(mask) = &input.memory_mask_attn {
             attend = attend.mask_attn(mask.clone());
         }
-        let mut x = x + self
-            .dropout
-            .forward(self.cross_attn.forward(attend).context);
+        let mut x = x + self.drop_branch(self.cross_attn.forward(attend).context);
         let ff_in = match self.norm_first {
             true => self.norm_2.forward(x.clone()),
             false => {
@@ -289,12 +284,20 @@ impl TransformerDecoderLayer {
                 x.clone()
             }
         };
-        let x = x + self.dropout.forward(self.pwff.forward(ff_in));
+        let x = x + self.drop_branch(self.pwff.forward(ff_in));
         input.target = match self.norm_first {
             true => x,
             false => self.norm_3.forward(x),
         };
         input
+    }
+
+    /// Dropout on a branch's output, replicated over `tp`: every rank draws the whole mask.
+    fn drop_branch(&self, branch: Tensor<3>) -> Tensor<3> {
+        let split = tp_split(&self.self_attn.query.weight);
+        let split = split.map(|s| ("TransformerDecoderLayer", s.group.size()));
+        let dropout = &self.dropout;
+        drop_elements(dropout.prob, &dropout.training, branch, [0; 3], split)
     }
 }
 

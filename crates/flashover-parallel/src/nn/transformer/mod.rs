@@ -16,7 +16,7 @@ pub use decoder::{
     TransformerDecoder, TransformerDecoderConfig, TransformerDecoderInput, TransformerDecoderLayer,
 };
 
-use super::multi_head_attention::refuse_device_dropout;
+use super::dropout::{self, drop_elements};
 use super::{Linear, LinearConfig, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
 use crate::parallelize::{TensorParallelRule, tp_split};
 use burn::config::Config;
@@ -101,11 +101,15 @@ impl PositionWiseFeedForward {
             d_model,
             "PositionWiseFeedForward: the input's last dimension is not d_model"
         );
-        if let Some(split) = tp_split(&self.linear_inner.weight) {
-            refuse_device_dropout(&self.dropout, "PositionWiseFeedForward", split.group.size());
-        }
         let hidden = self.activation.forward(self.linear_inner.forward(x));
-        self.linear_outer.forward(self.dropout.forward(hidden))
+        // This rank's hidden features are features `rank * local..` of the whole layer's.
+        let split = tp_split(&self.linear_inner.weight);
+        let mut offsets = [0; D];
+        offsets[D - 1] = split.map_or(0, |s| s.group.rank() * hidden.dims()[D - 1]);
+        let split = split.map(|s| ("PositionWiseFeedForward", s.group.size()));
+        let dropout = &self.dropout;
+        let hidden = drop_elements(dropout.prob, &dropout.training, hidden, offsets, split);
+        self.linear_outer.forward(hidden)
     }
 
     /// The plan's rules that split this layer at `path` over `tp` (`path` may hold `*`
@@ -329,8 +333,9 @@ impl TransformerEncoder {
     /// `input: [batch, seq, d_model]` -> `[batch, seq, d_model]`, through every layer.
     pub fn forward(&self, input: TransformerEncoderInput) -> Tensor<3> {
         let mut x = input.tensor;
-        for layer in &self.layers {
-            x = layer.forward(x, input.mask_pad.clone(), input.mask_attn.clone());
+        for (i, layer) in self.layers.iter().enumerate() {
+            let (pad, attn) = (input.mask_pad.clone(), input.mask_attn.clone());
+            x = dropout::in_layer(i, || layer.forward(x, pad, attn));
         }
         x
     }
@@ -371,10 +376,7 @@ impl TransformerEncoderLayer {
         mask_pad: Option<Tensor<2, Bool>>,
         mask_attn: Option<Tensor<3, Bool>>,
     ) -> Tensor<3> {
-        if let Some(split) = tp_split(&self.mha.query.weight) {
-            // The residual stream is replicated over tp: each rank would draw its own mask.
-            refuse_device_dropout(&self.dropout, "TransformerEncoderLayer", split.group.size());
-        }
+        dropout::mark_layer_kind(dropout::ENCODER_LAYER);
         let attention_in = match self.norm_first {
             true => self.norm_2.forward(x.clone()),
             false => x.clone(),
@@ -386,7 +388,7 @@ impl TransformerEncoderLayer {
         if let Some(mask) = mask_attn {
             input = input.mask_attn(mask);
         }
-        let attended = self.dropout.forward(self.mha.forward(input).context);
+        let attended = self.drop_branch(self.mha.forward(input).context);
         let mut x = x + attended;
         let ff_in = match self.norm_first {
             true => self.norm_1.forward(x.clone()),
@@ -395,11 +397,19 @@ impl TransformerEncoderLayer {
                 x.clone()
             }
         };
-        let x = x + self.dropout.forward(self.pwff.forward(ff_in));
+        let x = x + self.drop_branch(self.pwff.forward(ff_in));
         match self.norm_first {
             true => x,
             false => self.norm_2.forward(x),
         }
+    }
+
+    /// Dropout on a branch's output, replicated over `tp`: every rank draws the whole mask.
+    fn drop_branch(&self, branch: Tensor<3>) -> Tensor<3> {
+        let split = tp_split(&self.mha.query.weight);
+        let split = split.map(|s| ("TransformerEncoderLayer", s.group.size()));
+        let dropout = &self.dropout;
+        drop_elements(dropout.prob, &dropout.training, branch, [0; 3], split)
     }
 }
 

@@ -1,0 +1,336 @@
+//! Burn's `Dropout`, drawing the masks one device draws, whatever the layout.
+//!
+//! Burn's `Dropout` draws each mask from the device's generator, so under `tp` every rank
+//! drops different elements of the same replicated activation, and no layout drops what one
+//! device drops. Here a mask element is a hash of the run's seed, the step, the site and the
+//! element's coordinates in the logical tensor ([`crate::dropout`]'s counter-based masks): a
+//! rank holding part of the tensor (its samples, its heads, its hidden features) draws exactly
+//! that part of the one-device mask, and ranks holding the same part draw the same.
+//!
+//! What a Burn forward does not carry, a rank's *draws* hold: the seed, the step and the
+//! global indices of the local batch's samples. [`crate::parallelize::Parallelized`]
+//! sets them in `batch_share` and for each micro-batch of `pipeline_step` (seeded by the
+//! plan's `dropout_seed`); a one-device loop sets them with [`set_dropout_draws`]. Sites are
+//! numbered in call order within a scope: before the layer stack, layer `i` (entered by the
+//! encoder's and decoder's forward, and by a pipeline around each of its layers), and after
+//! it; so the numbering does not depend on which rank runs which layer. Without draws, the
+//! layers drop as Burn's does (the device's generator), and a layer split over `tp` refuses.
+
+use crate::dropout::{Coords, Dropout as CounterDropout};
+use burn::module::{Flag, Module, Param};
+use burn::tensor::Tensor;
+use std::cell::RefCell;
+use std::ops::Range;
+
+/// Burn's [`burn::nn::DropoutConfig`] for [`Dropout`].
+#[derive(burn::config::Config, Debug)]
+pub struct DropoutConfig {
+    /// The probability of zeroing an element in training.
+    pub prob: f64,
+}
+
+impl DropoutConfig {
+    /// A new layer, as Burn's `DropoutConfig::init` makes it (panics on a probability outside
+    /// `[0, 1)`).
+    pub fn init(&self) -> Dropout {
+        burn::nn::DropoutConfig::new(self.prob).init().into()
+    }
+}
+
+/// Burn's [`burn::nn::Dropout`] with the same fields (so the same record) whose masks are the
+/// one-device masks under every layout (see the module's docs). Dimension 0 of its input is
+/// the batch.
+#[derive(Module, Debug)]
+pub struct Dropout {
+    /// The probability of zeroing an element in training.
+    pub prob: f64,
+    /// Whether the layer behaves as in training (Burn's flag, cleared by `freeze`).
+    pub training: Param<Flag>,
+}
+
+impl From<burn::nn::Dropout> for Dropout {
+    fn from(dropout: burn::nn::Dropout) -> Self {
+        Dropout {
+            prob: dropout.prob,
+            training: dropout.training,
+        }
+    }
+}
+
+impl Dropout {
+    /// `input` with elements zeroed with probability `prob` and the rest scaled by `1 / (1 -
+    /// prob)`, in training on an autodiff device (Burn's conditions); the input otherwise.
+    pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
+        drop_elements(self.prob, &self.training, input, [0; D], None)
+    }
+}
+
+/// What one rank's masks are drawn from: the run's seed, the step, and the global indices of
+/// the samples of the batch the forward computes.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Draws {
+    seed: u64,
+    step: u64,
+    samples: Range<usize>,
+    /// Why the layers cannot draw one-device masks under this layout, if they cannot.
+    refusal: Option<&'static str>,
+}
+
+impl Draws {
+    /// Draws for `samples` of step `step` of a run seeded `seed`; `refusal`: why the layout
+    /// cannot draw one-device masks, if it cannot (a dropout in training then refuses).
+    pub(crate) fn new(
+        seed: u64,
+        step: usize,
+        samples: Range<usize>,
+        refusal: Option<&'static str>,
+    ) -> Self {
+        Draws {
+            seed,
+            step: step as u64,
+            samples,
+            refusal,
+        }
+    }
+
+    /// The same draws for `samples` (a micro-batch of the step).
+    pub(crate) fn for_samples(&self, samples: Range<usize>) -> Self {
+        Draws {
+            samples,
+            ..self.clone()
+        }
+    }
+}
+
+/// Where in a forward a mask is drawn: sites are numbered within one of these.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Scope {
+    /// Before the layer stack (embeddings).
+    Before,
+    /// Layer `i` of the stack.
+    Layer(usize),
+    /// After the layer stack (the head).
+    After,
+}
+
+/// A rank's draws and where its forward is.
+#[derive(Debug, Clone)]
+struct State {
+    draws: Draws,
+    scope: Scope,
+    /// What kind of layer the scope is ([`mark_layer_kind`]): an encoder's layer `i` and a
+    /// decoder's layer `i` draw different masks.
+    kind: u64,
+    /// Sites drawn in the scope so far.
+    drawn: u64,
+}
+
+thread_local! {
+    /// This rank's draws: a rank is a thread (one per process under MPI), and its forward
+    /// runs on it.
+    static STATE: RefCell<Option<State>> = const { RefCell::new(None) };
+}
+
+/// Makes this thread's dropout masks those of `samples` (global sample indices: the batch the
+/// next forward computes) of step `step` of a run seeded `seed`, as every layout draws them:
+/// the call a one-device loop makes before each step's forward to train as a plan does with
+/// the same `dropout_seed` (a plan's `batch_share` and `pipeline_step` make it themselves).
+pub fn set_dropout_draws(seed: u64, step: usize, samples: Range<usize>) {
+    set_draws(Some(Draws::new(seed, step, samples, None)));
+}
+
+/// Makes this thread's dropout draw from the device's generator again, as Burn's does.
+pub fn clear_dropout_draws() {
+    set_draws(None);
+}
+
+/// Sets this thread's draws, its forward before the layer stack.
+pub(crate) fn set_draws(draws: Option<Draws>) {
+    STATE.with(|s| *s.borrow_mut() = draws.map(fresh(Scope::Before)));
+}
+
+fn fresh(scope: Scope) -> impl FnOnce(Draws) -> State {
+    move |draws| State {
+        draws,
+        scope,
+        kind: 0,
+        drawn: 0,
+    }
+}
+
+/// This thread's draws, if set.
+pub(crate) fn current_draws() -> Option<Draws> {
+    STATE.with(|s| s.borrow().as_ref().map(|s| s.draws.clone()))
+}
+
+/// `f()` with `draws` (none: the device's generator) at the start of `scope`, then the
+/// state before: a pipeline stage's part of a micro-batch's forward, whichever rank runs it,
+/// and its recomputation in backward.
+pub(crate) fn in_scope<R>(draws: Option<&Draws>, scope: Scope, f: impl FnOnce() -> R) -> R {
+    let state = draws.cloned().map(fresh(scope));
+    let before = STATE.with(|s| std::mem::replace(&mut *s.borrow_mut(), state));
+    let out = f();
+    STATE.with(|s| *s.borrow_mut() = before);
+    out
+}
+
+/// `f()` as layer `index` of the stack, with the draws already set: the encoder's and
+/// decoder's forward around each layer. Afterwards the forward is after the stack.
+pub(crate) fn in_layer<R>(index: usize, f: impl FnOnce() -> R) -> R {
+    let after = STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        let state = s.as_mut()?;
+        let after = match state.scope {
+            Scope::After => state.drawn,
+            _ => 0,
+        };
+        (state.scope, state.kind, state.drawn) = (Scope::Layer(index), 0, 0);
+        Some(after)
+    });
+    let out = f();
+    STATE.with(|s| {
+        if let (Some(state), Some(drawn)) = (s.borrow_mut().as_mut(), after) {
+            (state.scope, state.kind, state.drawn) = (Scope::After, 0, drawn);
+        }
+    });
+    out
+}
+
+/// Marks the current layer scope as a layer of kind `kind` (its sites draw apart from those
+/// of another kind of layer at the same index).
+pub(crate) fn mark_layer_kind(kind: u64) {
+    STATE.with(|s| {
+        if let Some(state) = s.borrow_mut().as_mut() {
+            state.kind = kind;
+        }
+    });
+}
+
+/// Layer kinds for [`mark_layer_kind`].
+pub(crate) const ENCODER_LAYER: u64 = 1;
+/// See [`ENCODER_LAYER`].
+pub(crate) const DECODER_LAYER: u64 = 2;
+
+/// A layer split over `tp` (its name and the group's size), for the refusal without draws.
+pub(crate) type SplitLayer<'a> = Option<(&'a str, usize)>;
+
+/// Dropout with probability `prob` of `x`, whose elements sit at `offsets` of the logical
+/// tensor past dimension 0 (dimension 0 is the batch, placed by the draws): the one-device
+/// mask's part with draws set, Burn's device-drawn mask without (which a layer `split` over
+/// `tp` refuses). Nothing in eval, off autodiff or at `prob` 0, as Burn's.
+pub(crate) fn drop_elements<const D: usize>(
+    prob: f64,
+    training: &Param<Flag>,
+    x: Tensor<D>,
+    offsets: [usize; D],
+    split: SplitLayer<'_>,
+) -> Tensor<D> {
+    if !training.is_enabled() || !x.device().is_autodiff() || prob == 0.0 {
+        return x;
+    }
+    let drawn = STATE.with(|s| {
+        let mut s = s.borrow_mut();
+        let state = s.as_mut()?;
+        let site = site_number(state);
+        state.drawn += 1;
+        Some((state.draws.clone(), site))
+    });
+    let Some((draws, site)) = drawn else {
+        if let Some((layer, tp)) = split {
+            panic!(
+                "{layer} is split over tp={tp} and has dropout {prob} in training, with no \
+                 dropout draws set on this rank: Burn's device generator would give every tp \
+                 rank its own mask. Parallelized::batch_share and pipeline_step set the draws; \
+                 a loop of one's own calls flashover::nn::set_dropout_draws before the forward"
+            );
+        }
+        return burn::nn::Dropout {
+            prob,
+            training: training.clone(),
+        }
+        .forward(x);
+    };
+    if let Some(why) = draws.refusal {
+        panic!("dropout {prob} in training is refused under this plan: {why}");
+    }
+    let batch = x.dims()[0];
+    assert_eq!(
+        batch,
+        draws.samples.len(),
+        "dropout: the tensor's dimension 0 holds {batch} samples, but this rank's draws are for \
+         samples {:?}: dimension 0 must be the batch of the forward, and a forward over part \
+         of a step's samples (a micro-batch) sets its own with flashover::nn::set_dropout_draws",
+        draws.samples
+    );
+    let mut coords = offsets.map(Coords::From);
+    coords[0] = Coords::From(draws.samples.start + offsets[0]);
+    let masks = CounterDropout {
+        p: prob,
+        seed: draws.seed,
+        step: draws.step,
+    };
+    masks.apply_site(x, site, coords)
+}
+
+/// The site number of the next mask drawn in `state`'s scope: the scope, its layer kind and
+/// how many it drew before, packed apart.
+fn site_number(state: &State) -> u64 {
+    let scope = match state.scope {
+        Scope::Before => 0,
+        Scope::Layer(i) => 1 + i as u64,
+        Scope::After => u32::MAX as u64,
+    };
+    (scope << 24) | (state.kind << 16) | state.drawn
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::Device;
+
+    fn mask(dropout: &Dropout, dims: [usize; 2]) -> Vec<f32> {
+        let x = Tensor::<2>::ones(dims, &Device::flex().autodiff());
+        dropout.forward(x).into_data().try_to_vec::<f32>().unwrap()
+    }
+
+    #[test]
+    fn a_rank_draws_its_samples_part_of_the_one_device_mask_in_each_scope() {
+        let dropout = DropoutConfig::new(0.3).init();
+        set_dropout_draws(7, 2, 0..4);
+        let whole_before = mask(&dropout, [4, 6]);
+        let whole_layer = in_layer(0, || mask(&dropout, [4, 6]));
+        let whole_after = mask(&dropout, [4, 6]);
+        assert_ne!(whole_before, whole_layer);
+        assert_ne!(whole_before, whole_after);
+        // The second half of the samples, as a data-parallel rank, or a pipeline's second
+        // micro-batch, draws them.
+        let half = Draws::new(7, 2, 2..4, None);
+        let part_before = in_scope(Some(&half), Scope::Before, || mask(&dropout, [2, 6]));
+        let part_layer = in_scope(Some(&half), Scope::Layer(0), || mask(&dropout, [2, 6]));
+        let part_after = in_scope(Some(&half), Scope::After, || mask(&dropout, [2, 6]));
+        assert_eq!(part_before, whole_before[12..]);
+        assert_eq!(part_layer, whole_layer[12..]);
+        assert_eq!(part_after, whole_after[12..]);
+        let dropped = whole_before.iter().filter(|&&v| v == 0.0).count();
+        assert!(dropped > 0 && dropped < 24, "{dropped} of 24 dropped");
+        clear_dropout_draws();
+    }
+
+    #[test]
+    fn without_draws_or_in_eval_it_is_burns_dropout() {
+        clear_dropout_draws();
+        let dropout = DropoutConfig::new(0.5).init();
+        let x = Tensor::<2>::ones([3, 4], &Device::flex());
+        let off_autodiff = dropout.forward(x.clone());
+        assert_eq!(off_autodiff.into_data(), x.into_data());
+        let drawn = mask(&dropout, [8, 8]);
+        assert!(drawn.iter().all(|&v| v == 0.0 || v == 2.0));
+    }
+
+    #[test]
+    #[should_panic(expected = "dimension 0 holds 3 samples")]
+    fn a_batch_other_than_the_draws_samples_is_refused() {
+        set_dropout_draws(1, 0, 0..4);
+        mask(&DropoutConfig::new(0.1).init(), [3, 5]);
+    }
+}
