@@ -11,10 +11,13 @@
 //! (`set_dropout_draws`), the plans do it in `batch_share` and `pipeline_step`. Under
 //! `fsdp=2` every parameter is sharded: each rank stores half of the model's parameter bytes.
 //!
-//! Layouts: `dp=2`, `fsdp=2`, `tp=2`, `fsdp=2,tp=2`, and, with the forward cut in three for
-//! the pipeline (`impl PipelineModel`), `pp=2` and `fsdp=2,tp=2,pp=2`.
+//! Layouts: `dp=2`, `fsdp=2`, `tp=2`, `tp=2` with sequence parallelism, `fsdp=2,tp=2`, and,
+//! with the forward cut in three for the pipeline (`impl PipelineModel`), `pp=2` and
+//! `fsdp=2,tp=2,pp=2`.
 //!
-//! Not yet here: sequence and context parallelism of this model.
+//! Not yet here: context parallelism of this model, and sequence parallelism in a pipeline
+//! (the encoder splits sequences in its own forward, which a stage calling its layers one by
+//! one bypasses: refused).
 //!
 //! Run: `cargo run --example parallelize_burn_transformer`
 
@@ -244,6 +247,11 @@ fn main() {
         .dropout_seed(SEED)
         .tensor_parallel_rules(encoder.tensor_parallel_rules("transformer"));
     let plan = ParallelizePlan::new().dropout_seed(SEED);
+    // Sequence parallelism: the encoder splits each sequence over tp between its split
+    // layers (its norms, residuals and dropout run on this rank's positions).
+    let sp = tp
+        .clone()
+        .sequence_parallel_rules(encoder.sequence_parallel_rules("transformer"));
     // Burn's `layers` cut as they are into stages, the embeddings on the first, the head on
     // the last.
     let stages = PipelineRule::new("transformer.layers", ScheduleKind::OneFOneB, 4)
@@ -253,11 +261,13 @@ fn main() {
         ("dp=2", plan.clone()),
         ("fsdp=2", plan.clone().fully_shard("")),
         ("tp=2", tp.clone()),
+        ("tp=2 (sp)", sp),
         ("fsdp=2,tp=2", tp.clone().fully_shard("")),
         ("pp=2", plan.pipeline(stages.clone())),
         ("fsdp=2,tp=2,pp=2", tp.fully_shard("").pipeline(stages)),
     ];
-    for (mesh, plan) in &layouts {
+    for (layout, plan) in &layouts {
+        let mesh = layout.trim_end_matches(" (sp)");
         let (run, stored) = match plan.pipeline {
             None => parallel(mesh, plan, &initial),
             Some(_) => pipelined(mesh, plan, &initial),
@@ -265,13 +275,13 @@ fn main() {
         let losses = flashover::check::relative_difference(&reference.0, &run.0);
         let weights = flashover::check::relative_difference(&reference.1, &run.1);
         println!(
-            "{mesh:<17} stores {stored:?} of {whole} parameters per rank; max relative difference: losses {losses:.2e}, weights {weights:.2e}"
+            "{layout:<17} stores {stored:?} of {whole} parameters per rank; max relative difference: losses {losses:.2e}, weights {weights:.2e}"
         );
         assert!(
             losses < 1e-5 && weights < 1e-5,
-            "{mesh} must match one rank"
+            "{layout} must match one rank"
         );
-        if *mesh == "fsdp=2" {
+        if mesh == "fsdp=2" {
             // ZeRO-3: every parameter sharded, so each rank holds half the bytes (a parameter
             // of an odd number of rows pads one row).
             let bytes: Vec<usize> = stored.iter().map(|s| s * 4).collect();

@@ -61,7 +61,9 @@ impl Dropout {
     /// `input` with elements zeroed with probability `prob` and the rest scaled by `1 / (1 -
     /// prob)`, in training on an autodiff device (Burn's conditions); the input otherwise.
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
-        drop_elements(self.prob, &self.training, input, [0; D], None)
+        // Dimension 1, if any, may be a sequence split outside a stack: refused there.
+        let sequence = (D > 1).then_some(1);
+        drop_elements(self.prob, &self.training, input, [0; D], sequence, None)
     }
 }
 
@@ -74,22 +76,47 @@ pub(crate) struct Draws {
     samples: Range<usize>,
     /// Why the layers cannot draw one-device masks under this layout, if they cannot.
     refusal: Option<&'static str>,
+    /// Why a sequence's positions outside a splitting stack are not known, if they are not
+    /// (sequence parallelism from a vocabulary-parallel embedding on).
+    outside_split: Option<&'static str>,
 }
 
 impl Draws {
-    /// Draws for `samples` of step `step` of a run seeded `seed`; `refusal`: why the layout
-    /// cannot draw one-device masks, if it cannot (a dropout in training then refuses).
-    pub(crate) fn new(
-        seed: u64,
-        step: usize,
-        samples: Range<usize>,
-        refusal: Option<&'static str>,
-    ) -> Self {
+    /// Draws for `samples` of step `step` of a run seeded `seed`, with everything placed.
+    pub(crate) fn new(seed: u64, step: usize, samples: Range<usize>) -> Self {
         Draws {
             seed,
             step: step as u64,
             samples,
-            refusal,
+            refusal: None,
+            outside_split: None,
+        }
+    }
+
+    /// These draws under a layout that cannot draw one-device masks, for reason `why` (a
+    /// dropout in training then refuses).
+    pub(crate) fn refused(self, why: Option<&'static str>) -> Self {
+        Draws {
+            refusal: why,
+            ..self
+        }
+    }
+
+    /// These draws under a layout whose activations are split by sequence outside splitting
+    /// stacks, where the positions are not known (dropout there refuses, saying `why`).
+    pub(crate) fn split_outside_stacks(self, why: Option<&'static str>) -> Self {
+        Draws {
+            outside_split: why,
+            ..self
+        }
+    }
+
+    /// The same draws for `samples` of step `step`.
+    pub(crate) fn at(&self, step: usize, samples: Range<usize>) -> Self {
+        Draws {
+            step: step as u64,
+            samples,
+            ..self.clone()
         }
     }
 
@@ -136,7 +163,7 @@ thread_local! {
 /// the call a one-device loop makes before each step's forward to train as a plan does with
 /// the same `dropout_seed` (a plan's `batch_share` and `pipeline_step` make it themselves).
 pub fn set_dropout_draws(seed: u64, step: usize, samples: Range<usize>) {
-    set_draws(Some(Draws::new(seed, step, samples, None)));
+    set_draws(Some(Draws::new(seed, step, samples)));
 }
 
 /// Makes this thread's dropout draw from the device's generator again, as Burn's does.
@@ -215,14 +242,17 @@ pub(crate) const DECODER_LAYER: u64 = 2;
 pub(crate) type SplitLayer<'a> = Option<(&'a str, usize)>;
 
 /// Dropout with probability `prob` of `x`, whose elements sit at `offsets` of the logical
-/// tensor past dimension 0 (dimension 0 is the batch, placed by the draws): the one-device
-/// mask's part with draws set, Burn's device-drawn mask without (which a layer `split` over
-/// `tp` refuses). Nothing in eval, off autodiff or at `prob` 0, as Burn's.
+/// tensor past dimension 0 (dimension 0 is the batch, placed by the draws; dimension
+/// `sequence`, if any, is a residual stream's sequence, placed by a splitting stack under
+/// sequence parallelism): the one-device mask's part with draws set, Burn's device-drawn mask
+/// without (which a layer `split` over `tp` refuses). Nothing in eval, off autodiff or at
+/// `prob` 0, as Burn's.
 pub(crate) fn drop_elements<const D: usize>(
     prob: f64,
     training: &Param<Flag>,
     x: Tensor<D>,
-    offsets: [usize; D],
+    mut offsets: [usize; D],
+    sequence: Option<usize>,
     split: SplitLayer<'_>,
 ) -> Tensor<D> {
     if !training.is_enabled() || !x.device().is_autodiff() || prob == 0.0 {
@@ -252,6 +282,15 @@ pub(crate) fn drop_elements<const D: usize>(
     };
     if let Some(why) = draws.refusal {
         panic!("dropout {prob} in training is refused under this plan: {why}");
+    }
+    if let Some(dim) = sequence {
+        match (super::sequence_split::first_position(), draws.outside_split) {
+            (Some(first), _) => offsets[dim] += first,
+            (None, Some(why)) => {
+                panic!("dropout {prob} in training is refused under this plan: {why}")
+            }
+            (None, None) => {}
+        }
     }
     let batch = x.dims()[0];
     assert_eq!(
@@ -304,7 +343,7 @@ mod tests {
         assert_ne!(whole_before, whole_after);
         // The second half of the samples, as a data-parallel rank, or a pipeline's second
         // micro-batch, draws them.
-        let half = Draws::new(7, 2, 2..4, None);
+        let half = Draws::new(7, 2, 2..4);
         let part_before = in_scope(Some(&half), Scope::Before, || mask(&dropout, [2, 6]));
         let part_layer = in_scope(Some(&half), Scope::Layer(0), || mask(&dropout, [2, 6]));
         let part_after = in_scope(Some(&half), Scope::After, || mask(&dropout, [2, 6]));

@@ -143,11 +143,12 @@ pub(crate) fn placed_linear<const D: usize>(
     bias: Option<&Param<Tensor<1>>>,
     x: Tensor<D>,
 ) -> Tensor<D> {
-    let id = weight.id;
+    let (id, param) = (weight.id, weight);
     let (weight, split) = local_value(weight);
     let Some(split) = split else {
         return local_product(x, weight, id, bias.map(|b| local_value(b).0));
     };
+    super::sequence_split::check_inside_stack(param, split);
     let tp = TensorParallel::new(&split.group).with_sequence_parallel(split.sequence_parallel);
     match split.style {
         TpStyle::Colwise => {
@@ -202,6 +203,7 @@ pub(crate) fn placed_linears<const D: usize>(
             .map(|(w, b)| placed_linear(w, *b, x.clone()))
             .collect();
     };
+    super::sequence_split::check_inside_stack(layers[0].0, split);
     let stream = overlapping_stream(split).filter(|_| !split.sequence_parallel || D == 3);
     if let Some(stream) = stream {
         // One product with the layers' parts side by side: one collective on the input's

@@ -25,6 +25,7 @@ mod moe;
 mod multi_head_attention;
 mod placed_layers;
 mod rms_norm;
+mod sequence_split;
 pub mod transformer;
 
 pub use attention::CausalAttention;

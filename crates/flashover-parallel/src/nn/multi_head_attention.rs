@@ -286,6 +286,7 @@ impl MultiHeadAttention {
             &dropout.training,
             weights,
             [0, first_head, 0, 0],
+            None,
             split,
         )
     }

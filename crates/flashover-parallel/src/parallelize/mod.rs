@@ -67,7 +67,7 @@ pub use pipeline_step::PipelineStep;
 pub use placed::{ContextSplit, ExpertSplit, Placed, TpSplit, local_value, tp_split, value_dims};
 pub use plan::{
     AttachedModule, ContextParallelRule, ModulePath, ParallelizePlan, PipelineRule,
-    TensorParallelRule, TpStyle,
+    SequenceParallelRules, TensorParallelRule, TpStyle,
 };
 pub use split_check::SplitCheck;
 
@@ -85,6 +85,7 @@ use experts::{ExpertShares, Experts};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
 use flashover_runtime::{Axis, RankContext, TensorCollectives};
 use pipeline::Stages;
+pub(crate) use placed::placed_name;
 use placed::{Elsewhere, WholeReads};
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::ops::Range;
@@ -142,9 +143,9 @@ pub struct Parallelized {
     loop_overlap: loop_overlap::LoopOverlap,
     /// What the last gradient reduction did and cost.
     last_reduction: std::sync::Mutex<ReductionReport>,
-    /// The plan's dropout seed, and why the layout cannot draw one-device dropout masks, if it
-    /// cannot.
-    dropout: (u64, Option<&'static str>),
+    /// The plan's dropout draws (of no samples yet): its seed, and what the layout cannot
+    /// place.
+    dropout: crate::nn::dropout::Draws,
 }
 
 /// Where `model`'s gradients live: its parameters' device outside autodiff (the rank's for a
@@ -306,24 +307,30 @@ pub fn parallelize<M: Module>(
             .map(|(replicas, _)| (replicas, ctx.group(Axis::Ep).clone())),
         loop_overlap: Default::default(),
         last_reduction: Default::default(),
-        dropout: (plan.dropout_seed, dropout_refusal(plan, ctx)),
+        dropout: dropout_draws(plan, ctx),
     };
     Ok((model, par))
 }
 
-/// Why `plan` on this mesh cannot give [`crate::nn`]'s dropout the one-device masks, if it
-/// cannot: their draws place a tensor's samples, heads and hidden features, not its positions.
-fn dropout_refusal(plan: &ParallelizePlan, ctx: &RankContext) -> Option<&'static str> {
-    if ctx.group(Axis::Tp).size() > 1 && !plan.sequence_parallel.is_empty() {
-        return Some(
-            "sequence parallelism splits activations by position, which flashover::nn's \
-             dropout draws do not place yet: train it with dropout 0",
-        );
-    }
-    (ctx.group(Axis::Cp).size() > 1 && plan.context_parallel.is_some()).then_some(
-        "context parallelism splits sequences by position, which flashover::nn's dropout \
-         draws do not place yet: train it with dropout 0",
-    )
+/// `plan`'s dropout draws on this mesh, and what they cannot place: [`crate::nn`]'s dropout
+/// knows a tensor's samples, heads and hidden features, and a sequence's positions only inside
+/// a stack that split it (`sequence_parallel_inputs`).
+fn dropout_draws(plan: &ParallelizePlan, ctx: &RankContext) -> crate::nn::dropout::Draws {
+    let vocab = (plan.tensor_parallel.iter()).any(|r| r.style == TpStyle::Vocab);
+    let split_outside =
+        ctx.group(Axis::Tp).size() > 1 && !plan.sequence_parallel.is_empty() && vocab;
+    let context = ctx.group(Axis::Cp).size() > 1 && plan.context_parallel.is_some();
+    crate::nn::dropout::Draws::new(plan.dropout_seed, 0, 0..0)
+        .refused(context.then_some(
+            "context parallelism splits sequences by position, which flashover::nn's dropout \
+             draws do not place yet: train it with dropout 0",
+        ))
+        .split_outside_stacks(split_outside.then_some(
+            "sequence parallelism from a vocabulary-parallel embedding splits activations by \
+             position outside the layer stacks, which flashover::nn's dropout draws do not \
+             place: split whole sequences in a sequence_parallel_inputs stack instead, or train \
+             with dropout 0",
+        ))
 }
 
 /// Per parameter of `layout`, whether `placements` cut its rows over `fsdp`.
@@ -573,8 +580,7 @@ impl Parallelized {
 
     /// The dropout draws of `samples` of step `step` under this plan.
     pub(crate) fn draws(&self, step: usize, samples: Range<usize>) -> crate::nn::dropout::Draws {
-        let (seed, refusal) = self.dropout;
-        crate::nn::dropout::Draws::new(seed, step, samples, refusal)
+        self.dropout.at(step, samples)
     }
 
     /// [`Self::batch_share`], pipelined or not.

@@ -111,6 +111,10 @@ pub struct TpSplit {
     pub dim: usize,
     /// Whether activations outside the tensor-parallel regions are split by sequence.
     pub sequence_parallel: bool,
+    /// Under sequence parallelism, whether the layer is inside a `sequence_parallel_inputs`
+    /// stack, which splits its whole input by sequence (the layer runs only inside the
+    /// stack's forward).
+    pub in_splitting_stack: bool,
     /// That dimension's extent in the whole parameter (the vocabulary, for `vocab`).
     pub rows: usize,
     /// The `tp` group.
@@ -402,6 +406,11 @@ pub fn tp_split<const D: usize>(param: &Param<Tensor<D>>) -> Option<&TpSplit> {
     param.reparameterization::<Placed>()?.tp()
 }
 
+/// The path the plan placed `param` at, for messages (none for a parameter no plan placed).
+pub(crate) fn placed_name<const D: usize>(param: &Param<Tensor<D>>) -> Option<&str> {
+    Some(param.reparameterization::<Placed>()?.name.as_str())
+}
+
 /// The value a layer computes with: this rank's `tp` part of `param` when the plan split it
 /// over `tp` (with the split), otherwise the whole value.
 pub fn local_value<const D: usize>(param: &Param<Tensor<D>>) -> (Tensor<D>, Option<&TpSplit>) {
@@ -598,6 +607,8 @@ impl Reparameterizer for PlaceParams<'_> {
                 style,
                 dim,
                 sequence_parallel: self.sequence_parallel(),
+                in_splitting_stack: self.sequence_parallel()
+                    && (self.plan.sequence_parallel_inputs.iter()).any(|p| p.contains(&path)),
                 rows,
                 group: self.tp.clone(),
                 stream: self.tp_stream.clone(),

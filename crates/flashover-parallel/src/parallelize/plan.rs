@@ -453,10 +453,18 @@ pub struct ParallelizePlan {
     /// Non-empty turns it on: column-wise layers all-gather their input along the sequence
     /// and row-wise ones reduce-scatter their output; the parameters of these modules and
     /// row-wise biases see only their rank's positions, so their gradients are summed over
-    /// `tp`. The token embedding must be split by a `vocab` rule (its lookups leave it split
-    /// by sequence).
+    /// `tp`. Something must split activations by sequence before the first split layer: the
+    /// token embedding under a `vocab` rule (its lookups leave it split by sequence), or a
+    /// `sequence_parallel_inputs` stack.
     #[serde(default)]
     pub sequence_parallel: Vec<ModulePath>,
+    /// Under sequence parallelism, layer stacks that take whole sequences and split them by
+    /// sequence themselves, returning whole sequences ([`crate::nn::transformer`]'s encoder
+    /// and decoder, as Burn's contract has them), so activations outside them stay whole and
+    /// replicated (TorchTitan's input and output layouts of a module). A split layer inside
+    /// one refuses to run outside its stack's forward.
+    #[serde(default)]
+    pub sequence_parallel_inputs: Vec<ModulePath>,
     /// How the model is cut into pipeline stages over `pp` (on a mesh without `pp`, one stage
     /// runs every micro-batch).
     #[serde(default)]
@@ -551,6 +559,17 @@ mod policy_name {
     }
 }
 
+/// Sequence parallelism of one layer stack that splits its whole input itself
+/// ([`crate::nn::transformer::TransformerEncoder::sequence_parallel_rules`]): the paths a plan
+/// adds to `sequence_parallel_inputs` and `sequence_parallel`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SequenceParallelRules {
+    /// The stack (a `sequence_parallel_inputs` path).
+    pub stack: String,
+    /// Its whole modules between split layers (`sequence_parallel` paths: norms).
+    pub modules: Vec<String>,
+}
+
 impl ParallelizePlan {
     /// A plan that transforms nothing: the model replicated, its batch split over `dp`
     /// and `fsdp` (plain data parallelism).
@@ -590,6 +609,23 @@ impl ParallelizePlan {
     /// Also run the module at `path` on sequence shards (see the field's docs).
     pub fn sequence_parallel(mut self, path: &str) -> Self {
         self.sequence_parallel.push(ModulePath::new(path));
+        self
+    }
+
+    /// Also run a layer stack under sequence parallelism as `rules` says: the stack splits
+    /// its whole input, its modules between split layers run on this rank's positions.
+    pub fn sequence_parallel_rules(mut self, rules: SequenceParallelRules) -> Self {
+        self = self.sequence_parallel_inputs(&rules.stack);
+        for module in &rules.modules {
+            self = self.sequence_parallel(module);
+        }
+        self
+    }
+
+    /// Also let the layer stack at `path` split its whole input by sequence under sequence
+    /// parallelism (see the field's docs).
+    pub fn sequence_parallel_inputs(mut self, path: &str) -> Self {
+        self.sequence_parallel_inputs.push(ModulePath::new(path));
         self
     }
 

@@ -53,11 +53,26 @@ pub(super) fn check_plan(
         .tensor_parallel
         .iter()
         .any(|r| r.style == TpStyle::Vocab);
-    if tp.is_some_and(|tp| tp > 1) && !plan.sequence_parallel.is_empty() && !vocab {
+    for path in &plan.sequence_parallel_inputs {
+        names_a_module(path, "sequence_parallel_inputs", &names)?;
+        if plan.sequence_parallel.is_empty() {
+            return Err(refuse(
+                path,
+                "sequence_parallel_inputs",
+                "splits its input for sequence parallelism, which the plan does not turn on: \
+                 name the modules between the split layers (norms) in sequence_parallel"
+                    .into(),
+            ));
+        }
+    }
+    let stacks = !plan.sequence_parallel_inputs.is_empty();
+    if tp.is_some_and(|tp| tp > 1) && !plan.sequence_parallel.is_empty() && !vocab && !stacks {
         return Err(ParallelError::Invalid(
             "sequence_parallel: activations must reach the blocks split by sequence, which a \
              vocabulary-parallel token embedding does (its lookups are reduce-scattered along \
-             the sequence): add a `vocab` rule for the token embedding"
+             the sequence), or a stack that splits its whole input itself \
+             (flashover::nn::transformer's encoder and decoder): add a `vocab` rule for the \
+             token embedding, or name the stack in sequence_parallel_inputs"
                 .into(),
         ));
     }

@@ -185,6 +185,13 @@ fn tp_plan() -> ParallelizePlan {
     tp_plan_at("transformer")
 }
 
+/// [`tp_plan`] with Megatron's sequence parallelism: the encoder splits each sequence over
+/// `tp` between its split layers.
+fn sp_plan() -> ParallelizePlan {
+    let encoder = config().init(&Device::flex());
+    tp_plan().sequence_parallel_rules(encoder.sequence_parallel_rules("transformer"))
+}
+
 /// [`tp_plan`] for an encoder at `path`.
 fn tp_plan_at(path: &str) -> ParallelizePlan {
     let encoder = config().init(&Device::flex());
@@ -224,14 +231,20 @@ fn trains_as_one_rank_on_every_layout(p: f64) {
         ("fsdp=2", ParallelizePlan::new().fully_shard("")),
         ("tp=2", tp_plan()),
         ("fsdp=2,tp=2", tp_plan().fully_shard("")),
+        ("tp=2", sp_plan()),
+        ("dp=2,tp=2", sp_plan()),
     ];
     let mut held = vec![];
     for (mesh, plan) in layouts {
         let (run, per_rank) = parallel(mesh, &plan, p);
         let (loss, norm, weights) = differences(&run, &reference);
+        let sp = match plan.sequence_parallel.is_empty() {
+            true => "",
+            false => " with sp",
+        };
         assert!(
             loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
-            "{mesh}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+            "{mesh}{sp}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
         );
         held.push(per_rank.into_iter().max().unwrap());
     }
@@ -286,6 +299,10 @@ fn trains_as_one_rank_on_every_layout(p: f64) {
         held[1]
     );
     assert!(held[2] < whole, "tp=2: {} of {whole}", held[2]);
+    assert_eq!(
+        held[4], held[2],
+        "sequence parallelism splits activations only"
+    );
     assert!(
         held[3] <= held[2] / 2 + slack,
         "fsdp=2,tp=2: {} of {}",
@@ -523,7 +540,7 @@ fn check_split_names_the_layer_whose_forward_does_not_follow_the_split() {
 }
 
 /// Burn's decoder (one changed import too) in a model of its own: a target embedding decoded
-/// over a memory, with a causal mask.
+/// over a memory, with a causal mask and dropout 0.1.
 #[derive(Module, Debug)]
 struct Decoded {
     embedding: Embedding,
@@ -541,7 +558,7 @@ impl Decoded {
                 HEADS,
                 2,
             )
-            .with_dropout(0.0)
+            .with_dropout(0.1)
             .init(device),
             output: LinearConfig::new(D_MODEL, CLASSES).init(device),
         };
@@ -576,7 +593,11 @@ impl Decoded {
 
 #[test]
 fn burns_decoder_split_over_tp_computes_its_loss_and_gradients_as_whole() {
-    for (mesh, fsdp) in [("tp=2", false), ("fsdp=2,tp=2", true)] {
+    for (mesh, fsdp, sp) in [
+        ("tp=2", false, false),
+        ("fsdp=2,tp=2", true, false),
+        ("tp=2", false, true),
+    ] {
         let checks = Launch::new(mesh)
             .unwrap()
             .run(|ctx| {
@@ -585,8 +606,15 @@ fn burns_decoder_split_over_tp_computes_its_loss_and_gradients_as_whole() {
                 let rules = model.decoder.tensor_parallel_rules("decoder");
                 let plan = ParallelizePlan::new().tensor_parallel_rules(rules);
                 let plan = if fsdp { plan.fully_shard("") } else { plan };
+                let plan = match sp {
+                    true => plan
+                        .sequence_parallel_rules(model.decoder.sequence_parallel_rules("decoder")),
+                    false => plan,
+                };
                 let (model, par) = parallelize(model, &plan, &ctx)?;
                 let data = || sentences(0..GLOBAL_BATCH, &device);
+                // Both forwards drop what one device drops of these samples.
+                flashover_parallel::nn::set_dropout_draws(SEED, 0, 0..GLOBAL_BATCH);
                 par.check_split(&model, |m| m.loss(data()), 1e-5, &ctx)
             })
             .unwrap();
@@ -595,4 +623,28 @@ fn burns_decoder_split_over_tp_computes_its_loss_and_gradients_as_whole() {
             assert!(check.max_gradient_difference < 1e-5, "{mesh}: {check:?}");
         }
     }
+}
+
+#[test]
+fn a_splitting_stack_s_layer_run_by_a_pipeline_stage_is_refused_naming_it() {
+    let rule = PipelineRule::new("transformer.layers", ScheduleKind::OneFOneB, 2)
+        .first(&["embedding_token", "embedding_pos"])
+        .last(&["output"]);
+    let plan = sp_plan().pipeline(rule);
+    let err = Launch::new("tp=2,pp=2")
+        .unwrap()
+        .run(|ctx| {
+            let device = Device::flex().autodiff();
+            let (model, par) = parallelize(TextClassifier::new(&device), &plan, &ctx)?;
+            let micro_batch = |samples| sentences(samples, &device);
+            par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)
+                .map(|_| ())
+        })
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`transformer.layers.0.mha.")
+            && err.contains("ran outside the stack's forward"),
+        "{err}"
+    );
 }

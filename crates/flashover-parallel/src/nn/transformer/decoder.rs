@@ -3,8 +3,9 @@
 
 use super::{LayerParts, PositionWiseFeedForward};
 use crate::nn::dropout::{self, drop_elements};
+use crate::nn::sequence_split;
 use crate::nn::{MhaInput, MultiHeadAttention};
-use crate::parallelize::{TensorParallelRule, tp_split};
+use crate::parallelize::{SequenceParallelRules, TensorParallelRule, tp_split};
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::activation::ActivationConfig;
@@ -215,10 +216,26 @@ impl From<burn::nn::transformer::TransformerDecoderLayer> for TransformerDecoder
 impl TransformerDecoder {
     /// The target after every layer, `[batch, seq_t, d_model]`.
     pub fn forward(&self, mut input: TransformerDecoderInput) -> Tensor<3> {
-        for (i, layer) in self.layers.iter().enumerate() {
-            input = dropout::in_layer(i, || layer.forward(input));
-        }
-        input.target
+        let run = |mut input: TransformerDecoderInput| {
+            for (i, layer) in self.layers.iter().enumerate() {
+                input = dropout::in_layer(i, || layer.forward(input));
+            }
+            input.target
+        };
+        let split = self
+            .layers
+            .first()
+            .and_then(|l| tp_split(&l.self_attn.query.weight));
+        let Some(group) = sequence_split::splitting_group(split) else {
+            return run(input);
+        };
+        // Sequence parallelism: the layers run on this rank's positions of the target and of
+        // the memory (the cross-attention's keys and values gather it whole again).
+        input.target = sequence_split::split(input.target, group, "TransformerDecoder (target)");
+        input.memory = sequence_split::split(input.memory, group, "TransformerDecoder (memory)");
+        let first = group.rank() * input.target.dims()[1];
+        let target = sequence_split::in_stack(first, || run(input));
+        sequence_split::join(target, group)
     }
 
     /// The plan's rules that split every layer of this decoder at `path` over `tp`: both
@@ -238,6 +255,18 @@ impl TransformerDecoder {
                 first.pwff.tensor_parallel_rules(&format!("{layer}.pwff")),
             ]
             .concat(),
+        }
+    }
+
+    /// The plan's sequence parallelism of this decoder at `path`, as
+    /// [`super::TransformerEncoder::sequence_parallel_rules`]'s: it splits its whole target
+    /// and memory by sequence and returns the whole target.
+    pub fn sequence_parallel_rules(&self, path: &str) -> SequenceParallelRules {
+        SequenceParallelRules {
+            stack: path.to_string(),
+            modules: ["norm_1", "norm_2", "norm_3"]
+                .map(|norm| format!("{path}.layers.*.{norm}"))
+                .to_vec(),
         }
     }
 }
@@ -297,7 +326,15 @@ impl TransformerDecoderLayer {
         let split = tp_split(&self.self_attn.query.weight);
         let split = split.map(|s| ("TransformerDecoderLayer", s.group.size()));
         let dropout = &self.dropout;
-        drop_elements(dropout.prob, &dropout.training, branch, [0; 3], split)
+        // The residual stream: split by sequence inside a splitting stack.
+        drop_elements(
+            dropout.prob,
+            &dropout.training,
+            branch,
+            [0; 3],
+            Some(1),
+            split,
+        )
     }
 }
 

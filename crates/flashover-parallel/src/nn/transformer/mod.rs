@@ -17,8 +17,9 @@ pub use decoder::{
 };
 
 use super::dropout::{self, drop_elements};
+use super::sequence_split;
 use super::{Linear, LinearConfig, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
-use crate::parallelize::{TensorParallelRule, tp_split};
+use crate::parallelize::{SequenceParallelRules, TensorParallelRule, tp_split};
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::activation::{Activation, ActivationConfig};
@@ -108,7 +109,15 @@ impl PositionWiseFeedForward {
         offsets[D - 1] = split.map_or(0, |s| s.group.rank() * hidden.dims()[D - 1]);
         let split = split.map(|s| ("PositionWiseFeedForward", s.group.size()));
         let dropout = &self.dropout;
-        let hidden = drop_elements(dropout.prob, &dropout.training, hidden, offsets, split);
+        // Inside the split region the sequence is whole.
+        let hidden = drop_elements(
+            dropout.prob,
+            &dropout.training,
+            hidden,
+            offsets,
+            None,
+            split,
+        );
         self.linear_outer.forward(hidden)
     }
 
@@ -332,12 +341,28 @@ impl From<burn::nn::transformer::TransformerEncoderLayer> for TransformerEncoder
 impl TransformerEncoder {
     /// `input: [batch, seq, d_model]` -> `[batch, seq, d_model]`, through every layer.
     pub fn forward(&self, input: TransformerEncoderInput) -> Tensor<3> {
-        let mut x = input.tensor;
-        for (i, layer) in self.layers.iter().enumerate() {
-            let (pad, attn) = (input.mask_pad.clone(), input.mask_attn.clone());
-            x = dropout::in_layer(i, || layer.forward(x, pad, attn));
+        let run = |mut x: Tensor<3>| {
+            for (i, layer) in self.layers.iter().enumerate() {
+                let (pad, attn) = (input.mask_pad.clone(), input.mask_attn.clone());
+                x = dropout::in_layer(i, || layer.forward(x, pad, attn));
+            }
+            x
+        };
+        let split = self
+            .layers
+            .first()
+            .and_then(|l| tp_split(&l.mha.query.weight));
+        match sequence_split::splitting_group(split) {
+            None => run(input.tensor),
+            // Sequence parallelism: the layers run on this rank's positions (the masks stay
+            // whole: attention reads every position's keys).
+            Some(group) => {
+                let x = sequence_split::split(input.tensor, group, "TransformerEncoder");
+                let first = group.rank() * x.dims()[1];
+                let x = sequence_split::in_stack(first, || run(x));
+                sequence_split::join(x, group)
+            }
         }
-        x
     }
 
     /// The plan's rules that split every layer of this encoder at `path` over `tp`, as
@@ -362,6 +387,20 @@ impl TransformerEncoder {
                 rules.extend(first.pwff.tensor_parallel_rules(&format!("{layer}.pwff")));
                 rules
             }
+        }
+    }
+
+    /// The plan's sequence parallelism of this encoder at `path`, with
+    /// [`Self::tensor_parallel_rules`]: the encoder splits its whole input by sequence over
+    /// `tp` and returns whole sequences; each layer's norms, residuals and dropout run on this
+    /// rank's positions, the split layers all-gather their input along the sequence and
+    /// reduce-scatter their output (Megatron's sequence parallelism).
+    pub fn sequence_parallel_rules(&self, path: &str) -> SequenceParallelRules {
+        SequenceParallelRules {
+            stack: path.to_string(),
+            modules: ["norm_1", "norm_2"]
+                .map(|norm| format!("{path}.layers.*.{norm}"))
+                .to_vec(),
         }
     }
 }
@@ -409,7 +448,15 @@ impl TransformerEncoderLayer {
         let split = tp_split(&self.mha.query.weight);
         let split = split.map(|s| ("TransformerEncoderLayer", s.group.size()));
         let dropout = &self.dropout;
-        drop_elements(dropout.prob, &dropout.training, branch, [0; 3], split)
+        // The residual stream: split by sequence inside a splitting stack.
+        drop_elements(
+            dropout.prob,
+            &dropout.training,
+            branch,
+            [0; 3],
+            Some(1),
+            split,
+        )
     }
 }
 
