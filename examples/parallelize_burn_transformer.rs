@@ -11,13 +11,13 @@
 //! (`set_dropout_draws`), the plans do it in `batch_share` and `pipeline_step`. Under
 //! `fsdp=2` every parameter is sharded: each rank stores half of the model's parameter bytes.
 //!
-//! Layouts: `dp=2`, `fsdp=2`, `tp=2`, `tp=2` with sequence parallelism, `fsdp=2,tp=2`, and,
-//! with the forward cut in three for the pipeline (`impl PipelineModel`), `pp=2` and
-//! `fsdp=2,tp=2,pp=2`.
+//! Layouts: `dp=2`, `fsdp=2`, `tp=2`, `tp=2` with sequence parallelism, `cp=2` (context
+//! parallelism: the encoder splits each sequence's positions, its attention all-to-all),
+//! `fsdp=2,tp=2`, and, with the forward cut in three for the pipeline (`impl
+//! PipelineModel`), `pp=2` and `fsdp=2,tp=2,pp=2`.
 //!
-//! Not yet here: context parallelism of this model, and sequence parallelism in a pipeline
-//! (the encoder splits sequences in its own forward, which a stage calling its layers one by
-//! one bypasses: refused).
+//! Not yet here: sequence or context parallelism in a pipeline (the encoder splits sequences
+//! in its own forward, which a stage calling its layers one by one bypasses: refused).
 //!
 //! Run: `cargo run --example parallelize_burn_transformer`
 
@@ -252,6 +252,12 @@ fn main() {
     let sp = tp
         .clone()
         .sequence_parallel_rules(encoder.sequence_parallel_rules("transformer"));
+    // Context parallelism: the encoder splits each sequence over cp, its attention swapping
+    // positions for heads.
+    let cp = plan
+        .clone()
+        .context_parallel(ContextParallelRule::all_to_all(&[]))
+        .sequence_split_stack("transformer");
     // Burn's `layers` cut as they are into stages, the embeddings on the first, the head on
     // the last.
     let stages = PipelineRule::new("transformer.layers", ScheduleKind::OneFOneB, 4)
@@ -262,6 +268,7 @@ fn main() {
         ("fsdp=2", plan.clone().fully_shard("")),
         ("tp=2", tp.clone()),
         ("tp=2 (sp)", sp),
+        ("cp=2", cp),
         ("fsdp=2,tp=2", tp.clone().fully_shard("")),
         ("pp=2", plan.pipeline(stages.clone())),
         ("fsdp=2,tp=2,pp=2", tp.fully_shard("").pipeline(stages)),

@@ -61,9 +61,12 @@ impl Dropout {
     /// `input` with elements zeroed with probability `prob` and the rest scaled by `1 / (1 -
     /// prob)`, in training on an autodiff device (Burn's conditions); the input otherwise.
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
-        // Dimension 1, if any, may be a sequence split outside a stack: refused there.
-        let sequence = (D > 1).then_some(1);
-        drop_elements(self.prob, &self.training, input, [0; D], sequence, None)
+        // Dimension 1, if any, may be a residual stream's sequence.
+        let positions = match D {
+            1 => Positions::Whole,
+            _ => Positions::Residual(1),
+        };
+        drop_elements(self.prob, &self.training, input, [0; D], positions, None)
     }
 }
 
@@ -238,21 +241,35 @@ pub(crate) const ENCODER_LAYER: u64 = 1;
 /// See [`ENCODER_LAYER`].
 pub(crate) const DECODER_LAYER: u64 = 2;
 
+/// Which dimension of a dropped tensor, if any, holds a sequence's positions that a stack may
+/// have split (a splitting stack places them; [`drop_elements`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Positions {
+    /// None of its dimensions is split by position (attention weights: whole sequences on
+    /// every rank, under `sp` and under a stack's all-to-all `cp`).
+    Whole,
+    /// This dimension is a residual stream's sequence: this rank's positions inside a
+    /// splitting stack.
+    Residual(usize),
+    /// This dimension is a sequence inside a tensor-parallel region: whole under sequence
+    /// parallelism (the region gathered it), this rank's positions under a `cp` stack.
+    InRegion(usize),
+}
+
 /// A layer split over `tp` (its name and the group's size), for the refusal without draws.
 pub(crate) type SplitLayer<'a> = Option<(&'a str, usize)>;
 
 /// Dropout with probability `prob` of `x`, whose elements sit at `offsets` of the logical
-/// tensor past dimension 0 (dimension 0 is the batch, placed by the draws; dimension
-/// `sequence`, if any, is a residual stream's sequence, placed by a splitting stack under
-/// sequence parallelism): the one-device mask's part with draws set, Burn's device-drawn mask
-/// without (which a layer `split` over `tp` refuses). Nothing in eval, off autodiff or at
-/// `prob` 0, as Burn's.
+/// tensor past dimension 0 (dimension 0 is the batch, placed by the draws; the dimension
+/// `positions` names, if any, placed by a splitting stack): the one-device mask's part with
+/// draws set, Burn's device-drawn mask without (which a layer `split` over `tp` refuses).
+/// Nothing in eval, off autodiff or at `prob` 0, as Burn's.
 pub(crate) fn drop_elements<const D: usize>(
     prob: f64,
     training: &Param<Flag>,
     x: Tensor<D>,
     mut offsets: [usize; D],
-    sequence: Option<usize>,
+    positions: Positions,
     split: SplitLayer<'_>,
 ) -> Tensor<D> {
     if !training.is_enabled() || !x.device().is_autodiff() || prob == 0.0 {
@@ -283,14 +300,16 @@ pub(crate) fn drop_elements<const D: usize>(
     if let Some(why) = draws.refusal {
         panic!("dropout {prob} in training is refused under this plan: {why}");
     }
-    if let Some(dim) = sequence {
-        match (super::sequence_split::first_position(), draws.outside_split) {
-            (Some(first), _) => offsets[dim] += first,
-            (None, Some(why)) => {
-                panic!("dropout {prob} in training is refused under this plan: {why}")
+    let held = super::sequence_split::held_positions();
+    match (positions, held) {
+        (Positions::Residual(dim), Some((first, _))) => offsets[dim] += first,
+        (Positions::InRegion(dim), Some((first, true))) => offsets[dim] += first,
+        (Positions::Residual(_), None) => {
+            if let Some(why) = draws.outside_split {
+                panic!("dropout {prob} in training is refused under this plan: {why}");
             }
-            (None, None) => {}
         }
+        _ => {}
     }
     let batch = x.dims()[0];
     assert_eq!(

@@ -1,8 +1,10 @@
 //! Burn's `MultiHeadAttention`, splittable by whole heads over `tp` and fully shardable.
 
-use super::dropout::drop_elements;
+use super::dropout::{Positions, drop_elements};
+use super::sequence_split;
 use super::{Linear, LinearConfig};
-use crate::parallelize::{TensorParallelRule, tp_split};
+use crate::context_parallel::{heads_to_sequence, sequence_to_heads};
+use crate::parallelize::{TensorParallelRule, context_split, tp_split};
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Gelu, Initializer};
@@ -51,6 +53,10 @@ pub struct MultiHeadAttentionConfig {
 /// ([`Self::tensor_parallel_rules`]): query, key and value column-wise, each rank computing
 /// its heads, the output row-wise. It counts its heads from the query projection's width on
 /// this rank (`query.d_output() / d_k`), never from `n_heads`, which stays the model's.
+/// Inside a stack that splits sequences over `cp` (a plan's `sequence_split_stacks` with a
+/// `context_parallel` rule), its input is this rank's positions, and it attends all-to-all:
+/// each rank's heads at its positions become every position of its share of the heads, and
+/// back after (the heads it computes must divide by `cp`).
 ///
 /// Dropout on the attention weights draws the one-device mask's part of this rank's heads
 /// ([`super::dropout`]'s draws; without them, a split layer with `dropout > 0` refuses its
@@ -242,27 +248,46 @@ impl MultiHeadAttention {
             let [b, s, _] = x.dims();
             x.reshape([b, s, heads, self.d_k]).swap_dims(1, 2)
         };
-        let scores = by_heads(q)
-            .matmul(by_heads(k).transpose())
-            .div_scalar((self.d_k as f32).sqrt());
-        let weights = self.weights(scores, input.mask_pad, input.mask_attn);
-        let context = weights
-            .clone()
-            .matmul(by_heads(v))
-            .swap_dims(1, 2)
-            .reshape([batch, seq_q, width]);
+        let [mut q, mut k, mut v] = [q, k, v].map(by_heads);
+        // This rank's heads are heads `rank * heads..` of the whole layer's over tp.
+        let mut first_head = tp_split(&self.query.weight).map_or(0, |s| s.group.rank() * heads);
+        let cp = context_split(&self.query.weight);
+        if let Some(split) = cp {
+            // In a stack splitting sequences over cp: this rank's positions of its heads
+            // become every position of its share of them (all-to-all), and back after.
+            sequence_split::refuse_outside_stack(&self.query.weight);
+            let n = split.group.size();
+            assert!(
+                heads.is_multiple_of(n),
+                "MultiHeadAttention: all-to-all attention over cp={n} splits the {heads} heads \
+                 this rank computes, which do not divide by {n}: use a head count divisible by \
+                 cp (x tp)"
+            );
+            first_head += split.group.rank() * heads / n;
+            [q, k, v] = [q, k, v].map(|x| sequence_to_heads(x, &split.group));
+        }
+        let scores = q.matmul(k.transpose()).div_scalar((self.d_k as f32).sqrt());
+        let weights = self.weights(scores, input.mask_pad, input.mask_attn, first_head);
+        let mut context = weights.clone().matmul(v);
+        if let Some(split) = cp {
+            split.count_scores(weights.shape().num_elements() as u64);
+            context = heads_to_sequence(context, &split.group);
+        }
+        let context = context.swap_dims(1, 2).reshape([batch, seq_q, width]);
         MhaOutput {
             weights,
             context: self.output.forward(context),
         }
     }
 
-    /// The masked softmax of `scores: [batch, heads, seq_q, seq_k]`, with dropout.
+    /// The masked softmax of `scores: [batch, heads, seq_q, seq_k]` of the layer's heads
+    /// from `first_head`, with dropout.
     fn weights(
         &self,
         mut scores: Tensor<4>,
         mask_pad: Option<Tensor<2, Bool>>,
         mask_attn: Option<Tensor<3, Bool>>,
+        first_head: usize,
     ) -> Tensor<4> {
         if let Some(mask) = mask_pad {
             let [batch, seq_k] = mask.dims();
@@ -276,17 +301,14 @@ impl MultiHeadAttention {
             true => quiet_softmax(scores, 3),
             false => softmax(scores, 3),
         };
-        // This rank's heads are heads `rank * local..` of the whole layer's.
-        let split = tp_split(&self.query.weight);
-        let first_head = split.map_or(0, |s| s.group.rank() * weights.dims()[1]);
-        let split = split.map(|s| ("MultiHeadAttention", s.group.size()));
+        let split = tp_split(&self.query.weight).map(|s| ("MultiHeadAttention", s.group.size()));
         let dropout = &self.dropout;
         drop_elements(
             dropout.prob,
             &dropout.training,
             weights,
             [0, first_head, 0, 0],
-            None,
+            Positions::Whole,
             split,
         )
     }

@@ -64,7 +64,9 @@ mod validate;
 
 pub use pipeline::PipelineModel;
 pub use pipeline_step::PipelineStep;
-pub use placed::{ContextSplit, ExpertSplit, Placed, TpSplit, local_value, tp_split, value_dims};
+pub use placed::{
+    ContextSplit, ExpertSplit, Placed, TpSplit, context_split, local_value, tp_split, value_dims,
+};
 pub use plan::{
     AttachedModule, ContextParallelRule, ModulePath, ParallelizePlan, PipelineRule,
     SequenceParallelRules, TensorParallelRule, TpStyle,
@@ -314,12 +316,16 @@ pub fn parallelize<M: Module>(
 
 /// `plan`'s dropout draws on this mesh, and what they cannot place: [`crate::nn`]'s dropout
 /// knows a tensor's samples, heads and hidden features, and a sequence's positions only inside
-/// a stack that split it (`sequence_parallel_inputs`).
+/// a stack that split it (`sequence_split_stacks`).
 fn dropout_draws(plan: &ParallelizePlan, ctx: &RankContext) -> crate::nn::dropout::Draws {
     let vocab = (plan.tensor_parallel.iter()).any(|r| r.style == TpStyle::Vocab);
     let split_outside =
         ctx.group(Axis::Tp).size() > 1 && !plan.sequence_parallel.is_empty() && vocab;
-    let context = ctx.group(Axis::Cp).size() > 1 && plan.context_parallel.is_some();
+    // A stack splitting sequences over cp places its positions; models that split them
+    // before their blocks (attention cores) do not tell the dropout where.
+    let context = ctx.group(Axis::Cp).size() > 1
+        && plan.context_parallel.is_some()
+        && plan.sequence_split_stacks.is_empty();
     crate::nn::dropout::Draws::new(plan.dropout_seed, 0, 0..0)
         .refused(context.then_some(
             "context parallelism splits sequences by position, which flashover::nn's dropout \
@@ -328,7 +334,7 @@ fn dropout_draws(plan: &ParallelizePlan, ctx: &RankContext) -> crate::nn::dropou
         .split_outside_stacks(split_outside.then_some(
             "sequence parallelism from a vocabulary-parallel embedding splits activations by \
              position outside the layer stacks, which flashover::nn's dropout draws do not \
-             place: split whole sequences in a sequence_parallel_inputs stack instead, or train \
+             place: split whole sequences in a sequence_split_stacks stack instead, or train \
              with dropout 0",
         ))
 }

@@ -111,7 +111,7 @@ pub struct TpSplit {
     pub dim: usize,
     /// Whether activations outside the tensor-parallel regions are split by sequence.
     pub sequence_parallel: bool,
-    /// Under sequence parallelism, whether the layer is inside a `sequence_parallel_inputs`
+    /// Under sequence parallelism, whether the layer is inside a `sequence_split_stacks`
     /// stack, which splits its whole input by sequence (the layer runs only inside the
     /// stack's forward).
     pub in_splitting_stack: bool,
@@ -231,6 +231,12 @@ impl ContextSplit {
             self.retired.fetch_add(work, Ordering::Relaxed);
         }
         Ok(cp)
+    }
+
+    /// Counts `scores` attention scores computed across the `cp` ranks outside this split's
+    /// own attentions (a sequence-splitting stack's all-to-all attention).
+    pub(crate) fn count_scores(&self, scores: u64) {
+        self.retired.fetch_add(scores, Ordering::Relaxed);
     }
 
     /// Which positions of a `seq`-long sequence each rank holds (fails naming the sizes when
@@ -406,6 +412,12 @@ pub fn tp_split<const D: usize>(param: &Param<Tensor<D>>) -> Option<&TpSplit> {
     param.reparameterization::<Placed>()?.tp()
 }
 
+/// The sequence split over `cp` the plan attached to `param`, if it did (an attention core's,
+/// or a layer's in a stack that splits sequences over `cp`).
+pub fn context_split<const D: usize>(param: &Param<Tensor<D>>) -> Option<&ContextSplit> {
+    param.reparameterization::<Placed>()?.context()
+}
+
 /// The path the plan placed `param` at, for messages (none for a parameter no plan placed).
 pub(crate) fn placed_name<const D: usize>(param: &Param<Tensor<D>>) -> Option<&str> {
     Some(param.reparameterization::<Placed>()?.name.as_str())
@@ -479,6 +491,11 @@ pub(super) struct PlaceParams<'a> {
 }
 
 impl PlaceParams<'_> {
+    /// Whether the parameter at `path` is in a `sequence_split_stacks` stack.
+    fn in_stack(&self, path: &str) -> bool {
+        (self.plan.sequence_split_stacks.iter()).any(|p| p.contains(path))
+    }
+
     /// Whether the plan runs sequence parallelism on this mesh.
     fn sequence_parallel(&self) -> bool {
         self.tp.size() > 1 && !self.plan.sequence_parallel.is_empty()
@@ -560,9 +577,12 @@ impl Reparameterizer for PlaceParams<'_> {
             && !self.kept_whole.contains(&path)
             && param.shape().num_elements() > 0;
         let routes_whole_sequences = self.all_routers.contains(&path);
+        // A stack splitting sequences over cp: its layers find the split on their parameters.
         let context = self
             .context
-            .filter(|_| self.plan.attention_core(&path) || routes_whole_sequences)
+            .filter(|_| {
+                self.plan.attention_core(&path) || routes_whole_sequences || self.in_stack(&path)
+            })
             .cloned();
         let experts = self.routers.get(&path).cloned();
         let sequence_tp =
@@ -607,8 +627,7 @@ impl Reparameterizer for PlaceParams<'_> {
                 style,
                 dim,
                 sequence_parallel: self.sequence_parallel(),
-                in_splitting_stack: self.sequence_parallel()
-                    && (self.plan.sequence_parallel_inputs.iter()).any(|p| p.contains(&path)),
+                in_splitting_stack: self.sequence_parallel() && self.in_stack(&path),
                 rows,
                 group: self.tp.clone(),
                 stream: self.tp_stream.clone(),

@@ -455,16 +455,19 @@ pub struct ParallelizePlan {
     /// row-wise biases see only their rank's positions, so their gradients are summed over
     /// `tp`. Something must split activations by sequence before the first split layer: the
     /// token embedding under a `vocab` rule (its lookups leave it split by sequence), or a
-    /// `sequence_parallel_inputs` stack.
+    /// `sequence_split_stacks` stack.
     #[serde(default)]
     pub sequence_parallel: Vec<ModulePath>,
-    /// Under sequence parallelism, layer stacks that take whole sequences and split them by
-    /// sequence themselves, returning whole sequences ([`crate::nn::transformer`]'s encoder
-    /// and decoder, as Burn's contract has them), so activations outside them stay whole and
-    /// replicated (TorchTitan's input and output layouts of a module). A split layer inside
-    /// one refuses to run outside its stack's forward.
+    /// Layer stacks that take whole sequences and split them by position themselves, returning
+    /// whole sequences ([`crate::nn::transformer`]'s encoder and decoder, as Burn's contract
+    /// has them), so activations outside them stay whole and replicated (TorchTitan's input
+    /// and output layouts of a module): over `tp` under sequence parallelism, over `cp` under
+    /// a `context_parallel` rule (contiguous chunks: a stack's attention is not causal, so
+    /// every chunk does the same work; its attention swaps positions for heads, all-to-all,
+    /// whatever the rule's algorithm). A split layer inside one refuses to run outside its
+    /// stack's forward.
     #[serde(default)]
-    pub sequence_parallel_inputs: Vec<ModulePath>,
+    pub sequence_split_stacks: Vec<ModulePath>,
     /// How the model is cut into pipeline stages over `pp` (on a mesh without `pp`, one stage
     /// runs every micro-batch).
     #[serde(default)]
@@ -561,10 +564,10 @@ mod policy_name {
 
 /// Sequence parallelism of one layer stack that splits its whole input itself
 /// ([`crate::nn::transformer::TransformerEncoder::sequence_parallel_rules`]): the paths a plan
-/// adds to `sequence_parallel_inputs` and `sequence_parallel`.
+/// adds to `sequence_split_stacks` and `sequence_parallel`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SequenceParallelRules {
-    /// The stack (a `sequence_parallel_inputs` path).
+    /// The stack (a `sequence_split_stacks` path).
     pub stack: String,
     /// Its whole modules between split layers (`sequence_parallel` paths: norms).
     pub modules: Vec<String>,
@@ -615,17 +618,17 @@ impl ParallelizePlan {
     /// Also run a layer stack under sequence parallelism as `rules` says: the stack splits
     /// its whole input, its modules between split layers run on this rank's positions.
     pub fn sequence_parallel_rules(mut self, rules: SequenceParallelRules) -> Self {
-        self = self.sequence_parallel_inputs(&rules.stack);
+        self = self.sequence_split_stack(&rules.stack);
         for module in &rules.modules {
             self = self.sequence_parallel(module);
         }
         self
     }
 
-    /// Also let the layer stack at `path` split its whole input by sequence under sequence
-    /// parallelism (see the field's docs).
-    pub fn sequence_parallel_inputs(mut self, path: &str) -> Self {
-        self.sequence_parallel_inputs.push(ModulePath::new(path));
+    /// Also let the layer stack at `path` split its whole input by position (see the field's
+    /// docs).
+    pub fn sequence_split_stack(mut self, path: &str) -> Self {
+        self.sequence_split_stacks.push(ModulePath::new(path));
         self
     }
 

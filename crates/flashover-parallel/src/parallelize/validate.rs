@@ -53,26 +53,36 @@ pub(super) fn check_plan(
         .tensor_parallel
         .iter()
         .any(|r| r.style == TpStyle::Vocab);
-    for path in &plan.sequence_parallel_inputs {
-        names_a_module(path, "sequence_parallel_inputs", &names)?;
-        if plan.sequence_parallel.is_empty() {
-            return Err(refuse(
-                path,
-                "sequence_parallel_inputs",
-                "splits its input for sequence parallelism, which the plan does not turn on: \
-                 name the modules between the split layers (norms) in sequence_parallel"
-                    .into(),
-            ));
+    for path in &plan.sequence_split_stacks {
+        names_a_module(path, "sequence_split_stacks", &names)?;
+        let why = match (plan.sequence_parallel.is_empty(), &plan.context_parallel) {
+            (true, None) => Some(
+                "splits its input by position, but the plan splits sequences over neither tp \
+                 (name the modules between the split layers, norms, in sequence_parallel) nor \
+                 cp (add a context_parallel rule)",
+            ),
+            (false, Some(_)) => Some(
+                "would split its input over both tp (sequence_parallel) and cp \
+                 (context_parallel), which a stack does not do yet: choose one",
+            ),
+            (true, Some(rule)) if !rule.attention.is_empty() => Some(
+                "splits whole sequences itself, while the context_parallel rule names attention \
+                 cores, whose models split sequences before their blocks: use one or the other",
+            ),
+            _ => None,
+        };
+        if let Some(why) = why {
+            return Err(refuse(path, "sequence_split_stacks", why.into()));
         }
     }
-    let stacks = !plan.sequence_parallel_inputs.is_empty();
+    let stacks = !plan.sequence_split_stacks.is_empty();
     if tp.is_some_and(|tp| tp > 1) && !plan.sequence_parallel.is_empty() && !vocab && !stacks {
         return Err(ParallelError::Invalid(
             "sequence_parallel: activations must reach the blocks split by sequence, which a \
              vocabulary-parallel token embedding does (its lookups are reduce-scattered along \
              the sequence), or a stack that splits its whole input itself \
              (flashover::nn::transformer's encoder and decoder): add a `vocab` rule for the \
-             token embedding, or name the stack in sequence_parallel_inputs"
+             token embedding, or name the stack in sequence_split_stacks"
                 .into(),
         ));
     }

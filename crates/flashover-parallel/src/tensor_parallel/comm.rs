@@ -83,6 +83,38 @@ pub fn on_whole_sequences(
     scatter_to_tp(f(gather_from_tp(x, 1, group)), 1, group)
 }
 
+/// [`scatter_to_tp`] whose backward divides the gathered gradient by `scale`, and
+/// [`gather_from_tp`] whose backward multiplies its slice by `scale`: around a part of a model
+/// whose ranks of `group` compute on different positions of the same samples, each a partial
+/// gradient that the data-parallel reduction averages (over `cp`) rather than sums. Scaling
+/// inside by the group's size makes the average the sum; outside, every rank computes the
+/// whole, as the average expects.
+pub fn scatter_to_tp_scaled<const D: usize>(
+    x: Tensor<D>,
+    dim: usize,
+    group: &Group,
+    scale: f32,
+) -> Tensor<D> {
+    let g = group.clone();
+    let unscale = tensor_fn::<D>(move |t| ok(g.all_gather_tensor(t, dim)).div_scalar(scale));
+    collective_pair(x, own_slice::<D>(group, dim), unscale)
+}
+
+/// See [`scatter_to_tp_scaled`].
+pub fn gather_from_tp_scaled<const D: usize>(
+    x: Tensor<D>,
+    dim: usize,
+    group: &Group,
+    scale: f32,
+) -> Tensor<D> {
+    let (rank, n) = (group.rank(), group.size());
+    let rescale = tensor_fn::<D>(move |t| {
+        let part = t.dims()[dim] / n;
+        t.narrow(dim, rank * part, part).mul_scalar(scale)
+    });
+    collective_pair(x, all_gather::<D>(group, dim), rescale)
+}
+
 /// Reduce-scatter along `dim` forward (sequence parallel's exit from a row-parallel region);
 /// backward all-gathers the gradient.
 pub fn reduce_scatter_to_tp<const D: usize>(x: Tensor<D>, dim: usize, group: &Group) -> Tensor<D> {

@@ -17,7 +17,8 @@ use flashover_parallel::nn::transformer::{
     TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
 };
 use flashover_parallel::parallelize::{
-    ParallelizePlan, PipelineModel, PipelineRule, TensorParallelRule, parallelize,
+    ContextParallelRule, ParallelizePlan, PipelineModel, PipelineRule, TensorParallelRule,
+    parallelize,
 };
 use flashover_parallel::params::{ParamLayout, load_flat};
 use flashover_parallel::pipeline::ScheduleKind;
@@ -192,6 +193,13 @@ fn sp_plan() -> ParallelizePlan {
     tp_plan().sequence_parallel_rules(encoder.sequence_parallel_rules("transformer"))
 }
 
+/// `plan` with context parallelism of the encoder: it splits each sequence over `cp`, its
+/// attention swapping positions for heads (all-to-all).
+fn cp_plan(plan: ParallelizePlan) -> ParallelizePlan {
+    plan.context_parallel(ContextParallelRule::all_to_all(&[]))
+        .sequence_split_stack("transformer")
+}
+
 /// [`tp_plan`] for an encoder at `path`.
 fn tp_plan_at(path: &str) -> ParallelizePlan {
     let encoder = config().init(&Device::flex());
@@ -233,6 +241,12 @@ fn trains_as_one_rank_on_every_layout(p: f64) {
         ("fsdp=2,tp=2", tp_plan().fully_shard("")),
         ("tp=2", sp_plan()),
         ("dp=2,tp=2", sp_plan()),
+        ("cp=2", cp_plan(ParallelizePlan::new())),
+        (
+            "fsdp=2,cp=2",
+            cp_plan(ParallelizePlan::new().fully_shard("")),
+        ),
+        ("tp=2,cp=2", cp_plan(tp_plan())),
     ];
     let mut held = vec![];
     for (mesh, plan) in layouts {
@@ -647,4 +661,70 @@ fn a_splitting_stack_s_layer_run_by_a_pipeline_stage_is_refused_naming_it() {
             && err.contains("ran outside the stack's forward"),
         "{err}"
     );
+}
+
+#[test]
+fn burns_decoder_with_dropout_trains_as_one_rank_split_by_heads_and_by_positions() {
+    let device = Device::flex().autodiff();
+    let reference = reference_loop(Decoded::new(&device), |model, samples| {
+        let step = samples.start / GLOBAL_BATCH;
+        flashover_parallel::nn::set_dropout_draws(SEED, step, samples.clone());
+        model.loss(sentences(samples, &device))
+    });
+    let decoder = Decoded::new(&Device::flex()).decoder;
+    let tp = ParallelizePlan::new().tensor_parallel_rules(decoder.tensor_parallel_rules("decoder"));
+    // Heads over tp; positions over tp between the split layers (sp); positions over cp.
+    let layouts = [
+        ("tp=2", tp.clone()),
+        (
+            "dp=2,tp=2",
+            tp.sequence_parallel_rules(decoder.sequence_parallel_rules("decoder")),
+        ),
+        (
+            "cp=2",
+            ParallelizePlan::new()
+                .context_parallel(ContextParallelRule::all_to_all(&[]))
+                .sequence_split_stack("decoder"),
+        ),
+    ];
+    for (mesh, plan) in layouts {
+        let (run, _) = plan_loop(
+            mesh,
+            &plan.dropout_seed(SEED),
+            Decoded::new,
+            |model, par, step, ctx, device| {
+                let samples = par.batch_share(GLOBAL_BATCH, step)?;
+                let loss = model.loss(sentences(samples, device));
+                let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+                let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
+                Ok((grads, mean, norm))
+            },
+        );
+        let (loss, norm, weights) = differences(&run, &reference);
+        assert!(
+            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+            "{mesh}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
+        );
+    }
+}
+
+#[test]
+fn a_splitting_stack_without_a_sequence_split_or_with_two_is_refused_at_parallelize() {
+    let refused = |mesh: &str, plan: ParallelizePlan| {
+        Launch::new(mesh)
+            .unwrap()
+            .run(|ctx| {
+                let device = Device::flex().autodiff();
+                parallelize(TextClassifier::new(&device), &plan, &ctx).map(|_| ())
+            })
+            .unwrap_err()
+            .to_string()
+    };
+    let err = refused("dp=2", tp_plan().sequence_split_stack("transformer"));
+    assert!(
+        err.contains("`transformer` (sequence_split_stacks)") && err.contains("over neither tp"),
+        "{err}"
+    );
+    let err = refused("tp=2,cp=2", cp_plan(sp_plan()));
+    assert!(err.contains("both tp"), "{err}");
 }

@@ -2,8 +2,8 @@
 //! feed-forward), splittable over `tp` and fully shardable.
 
 use super::{LayerParts, PositionWiseFeedForward};
-use crate::nn::dropout::{self, drop_elements};
-use crate::nn::sequence_split;
+use crate::nn::dropout::{self, Positions, drop_elements};
+use crate::nn::sequence_split::StackSplit;
 use crate::nn::{MhaInput, MultiHeadAttention};
 use crate::parallelize::{SequenceParallelRules, TensorParallelRule, tp_split};
 use burn::config::Config;
@@ -222,20 +222,17 @@ impl TransformerDecoder {
             }
             input.target
         };
-        let split = self
-            .layers
-            .first()
-            .and_then(|l| tp_split(&l.self_attn.query.weight));
-        let Some(group) = sequence_split::splitting_group(split) else {
+        let first = self.layers.first();
+        let Some(split) = first.and_then(|l| StackSplit::of(&l.self_attn.query.weight)) else {
             return run(input);
         };
-        // Sequence parallelism: the layers run on this rank's positions of the target and of
-        // the memory (the cross-attention's keys and values gather it whole again).
-        input.target = sequence_split::split(input.target, group, "TransformerDecoder (target)");
-        input.memory = sequence_split::split(input.memory, group, "TransformerDecoder (memory)");
-        let first = group.rank() * input.target.dims()[1];
-        let target = sequence_split::in_stack(first, || run(input));
-        sequence_split::join(target, group)
+        // Sequence or context parallelism: the layers run on this rank's positions of the
+        // target and of the memory (the cross-attention's keys and values meet every position
+        // of it again).
+        input.target = split.split(input.target, "TransformerDecoder (target)");
+        input.memory = split.split(input.memory, "TransformerDecoder (memory)");
+        let local = input.target.dims()[1];
+        split.join(split.run(local, || run(input)))
     }
 
     /// The plan's rules that split every layer of this decoder at `path` over `tp`: both
@@ -332,7 +329,7 @@ impl TransformerDecoderLayer {
             &dropout.training,
             branch,
             [0; 3],
-            Some(1),
+            Positions::Residual(1),
             split,
         )
     }

@@ -16,8 +16,8 @@ pub use decoder::{
     TransformerDecoder, TransformerDecoderConfig, TransformerDecoderInput, TransformerDecoderLayer,
 };
 
-use super::dropout::{self, drop_elements};
-use super::sequence_split;
+use super::dropout::{self, Positions, drop_elements};
+use super::sequence_split::StackSplit;
 use super::{Linear, LinearConfig, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
 use crate::parallelize::{SequenceParallelRules, TensorParallelRule, tp_split};
 use burn::config::Config;
@@ -109,13 +109,15 @@ impl PositionWiseFeedForward {
         offsets[D - 1] = split.map_or(0, |s| s.group.rank() * hidden.dims()[D - 1]);
         let split = split.map(|s| ("PositionWiseFeedForward", s.group.size()));
         let dropout = &self.dropout;
-        // Inside the split region the sequence is whole.
+        // Inside a split region: whole sequences under sequence parallelism, this rank's
+        // positions under context parallelism.
+        let positions = Positions::InRegion(D - 2);
         let hidden = drop_elements(
             dropout.prob,
             &dropout.training,
             hidden,
             offsets,
-            None,
+            positions,
             split,
         );
         self.linear_outer.forward(hidden)
@@ -351,16 +353,15 @@ impl TransformerEncoder {
         let split = self
             .layers
             .first()
-            .and_then(|l| tp_split(&l.mha.query.weight));
-        match sequence_split::splitting_group(split) {
+            .and_then(|l| StackSplit::of(&l.mha.query.weight));
+        match split {
             None => run(input.tensor),
-            // Sequence parallelism: the layers run on this rank's positions (the masks stay
-            // whole: attention reads every position's keys).
-            Some(group) => {
-                let x = sequence_split::split(input.tensor, group, "TransformerEncoder");
-                let first = group.rank() * x.dims()[1];
-                let x = sequence_split::in_stack(first, || run(x));
-                sequence_split::join(x, group)
+            // Sequence or context parallelism: the layers run on this rank's positions (the
+            // masks stay whole: attention reads every position's keys).
+            Some(split) => {
+                let x = split.split(input.tensor, "TransformerEncoder");
+                let local = x.dims()[1];
+                split.join(split.run(local, || run(x)))
             }
         }
     }
@@ -454,7 +455,7 @@ impl TransformerEncoderLayer {
             &dropout.training,
             branch,
             [0; 3],
-            Some(1),
+            Positions::Residual(1),
             split,
         )
     }
