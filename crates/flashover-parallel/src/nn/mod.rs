@@ -7,7 +7,7 @@
 //! with the tied head ([`Embedding::logits`]) and the loss ([`Embedding::cross_entropy`]) that
 //! a split table needs. Swapping Burn's layers for these is the only change a model needs for
 //! tensor parallelism, besides sizing attention heads from [`Linear::d_output`].
-//! [`MultiHeadAttention`] and [`transformer`]'s encoder, decoder and feed-forward are Burn's,
+//! [`MultiHeadAttention`], [`SwiGlu`] and [`transformer`]'s encoder, decoder and feed-forward are Burn's,
 //! built on these (heads counted from the split, ready-made `tp` rules); they and [`RmsNorm`]
 //! check their input against [`crate::parallelize::value_dims`] rather than a parameter's
 //! stored shape, so `fully_shard` shards every one of their parameters.
@@ -26,6 +26,7 @@ mod multi_head_attention;
 mod placed_layers;
 mod rms_norm;
 mod sequence_split;
+mod swiglu;
 pub mod transformer;
 
 pub use attention::CausalAttention;
@@ -37,6 +38,7 @@ pub use moe::MoeForward;
 pub use multi_head_attention::{MhaInput, MhaOutput, MultiHeadAttention, MultiHeadAttentionConfig};
 pub use placed_layers::placed_context;
 pub use rms_norm::{RmsNorm, RmsNormConfig};
+pub use swiglu::{SwiGlu, SwiGluConfig};
 
 use crate::tensor_parallel::{VocabShard, vocab_parallel_cross_entropy};
 use burn::nn::loss::CrossEntropyLossConfig;

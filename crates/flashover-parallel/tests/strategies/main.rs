@@ -3,6 +3,7 @@
 //! (the pipeline executor's own tests are the crate's unit tests, `pipeline/executor_tests.rs`).
 
 mod activation_checkpointing;
+mod burn_layers;
 mod burn_transformer;
 mod common;
 mod context_parallel;
