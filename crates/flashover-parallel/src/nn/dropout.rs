@@ -17,6 +17,7 @@
 //! layers drop as Burn's does (the device's generator), and a layer split over `tp` refuses.
 
 use crate::dropout::{Coords, Dropout as CounterDropout};
+use crate::parallelize::tp_split;
 use burn::module::{Flag, Module, Param};
 use burn::tensor::Tensor;
 use std::cell::RefCell;
@@ -254,6 +255,28 @@ pub(crate) enum Positions {
     /// This dimension is a sequence inside a tensor-parallel region: whole under sequence
     /// parallelism (the region gathered it), this rank's positions under a `cp` stack.
     InRegion(usize),
+}
+
+/// Dropout on the output of a residual branch of `layer`, whose attention's query projection
+/// is `query` (which says whether the layer is split over `tp`): the residual stream is
+/// replicated over `tp`, so every rank draws the whole mask; inside a splitting stack it holds
+/// this rank's positions.
+pub(crate) fn drop_residual(
+    dropout: &burn::nn::Dropout,
+    branch: Tensor<3>,
+    query: &Param<Tensor<2>>,
+    layer: &str,
+) -> Tensor<3> {
+    let split = tp_split(query).map(|s| (layer, s.group.size()));
+    let positions = Positions::Residual(1);
+    drop_elements(
+        dropout.prob,
+        &dropout.training,
+        branch,
+        [0; 3],
+        positions,
+        split,
+    )
 }
 
 /// A layer split over `tp` (its name and the group's size), for the refusal without draws.

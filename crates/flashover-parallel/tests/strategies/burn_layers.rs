@@ -5,7 +5,8 @@
 //! `fsdp` x `tp` and `dp` as its plain single-rank Burn loop does (losses, clipped gradient
 //! norms, every weight within 1e-5).
 
-use crate::plan_loops::{GLOBAL_BATCH, MAX_NORM, differences, plan_loop, reference_loop};
+use crate::common::{assert_run_matches, plain_step};
+use crate::plan_loops::{GLOBAL_BATCH, plan_loop, reference_loop};
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Embedding, EmbeddingConfig, RotaryEncoding, RotaryEncodingConfig};
@@ -135,15 +136,8 @@ fn a_llama_block_of_burns_layers_with_dropout_trains_as_one_rank() {
         ("dp=2", ParallelizePlan::new().dropout_seed(SEED)),
     ] {
         let (run, _) = plan_loop(mesh, &plan, Llama::new, |model, par, step, ctx, device| {
-            let loss = model.loss(par.batch_share(GLOBAL_BATCH, step)?, device);
-            let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
-            let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
-            Ok((grads, mean, norm))
+            plain_step(model, par, step, ctx, |m, samples| m.loss(samples, device))
         });
-        let (loss, norm, weights) = differences(&run, &reference);
-        assert!(
-            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
-            "{mesh}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
-        );
+        assert_run_matches(mesh, &run, &reference);
     }
 }

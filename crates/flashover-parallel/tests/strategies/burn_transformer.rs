@@ -6,6 +6,7 @@
 //! a `flashover_parallel::nn::Dropout` on the embeddings), and under `fully_shard` every
 //! parameter is sharded.
 
+use crate::common::{assert_run_matches, plain_step};
 use crate::plan_loops::{GLOBAL_BATCH, MAX_NORM, differences, plan_loop, reference_loop};
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -173,10 +174,7 @@ fn parallel(mesh: &str, plan: &ParallelizePlan, p: f64) -> (crate::plan_loops::R
         &plan.clone().dropout_seed(SEED),
         |device| TextClassifier::with_dropout(device, p),
         |model, par, step, ctx, device| {
-            let loss = loss(model, par.batch_share(GLOBAL_BATCH, step)?, device);
-            let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
-            let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
-            Ok((grads, mean, norm))
+            plain_step(model, par, step, ctx, |m, samples| loss(m, samples, device))
         },
     )
 }
@@ -693,18 +691,12 @@ fn burns_decoder_with_dropout_trains_as_one_rank_split_by_heads_and_by_positions
             &plan.dropout_seed(SEED),
             Decoded::new,
             |model, par, step, ctx, device| {
-                let samples = par.batch_share(GLOBAL_BATCH, step)?;
-                let loss = model.loss(sentences(samples, device));
-                let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
-                let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
-                Ok((grads, mean, norm))
+                plain_step(model, par, step, ctx, |m, samples| {
+                    m.loss(sentences(samples, device))
+                })
             },
         );
-        let (loss, norm, weights) = differences(&run, &reference);
-        assert!(
-            loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
-            "{mesh}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
-        );
+        assert_run_matches(mesh, &run, &reference);
     }
 }
 

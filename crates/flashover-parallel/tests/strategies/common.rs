@@ -1,9 +1,13 @@
-//! What the strategy tests share: a tiny two-layer model with deterministic weights, and the
-//! check that a failed run names the rank that caused it.
+//! What the strategy tests share: a tiny two-layer model with deterministic weights, the
+//! check that a failed run names the rank that caused it, and a plain loop's step and check
+//! under a plan ([`crate::plan_loops`]).
 
+use crate::plan_loops::{GLOBAL_BATCH, MAX_NORM, Run, Step, differences};
 use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::tensor::{Device, Tensor, TensorData};
+use flashover_parallel::parallelize::Parallelized;
+use flashover_runtime::RankContext;
 
 /// `b(tanh(a(x)))`: 6 -> 16 -> 2, 128 weights, no biases.
 #[derive(Module, Debug)]
@@ -74,5 +78,30 @@ pub fn assert_matches(what: &str, run: &(Vec<f32>, Vec<f32>), reference: &(Vec<f
     assert!(
         losses < 1e-5 && weights < 1e-5,
         "{what}: losses {losses:e}, weights {weights:e}"
+    );
+}
+
+/// One step of a plain loop under a plan: `loss(model, samples)` of this rank's share of step
+/// `step`, its whole-batch mean, and the gradients reduced and clipped to [`MAX_NORM`].
+pub(crate) fn plain_step<M: Module>(
+    model: &M,
+    par: &Parallelized,
+    step: usize,
+    ctx: &RankContext,
+    loss: impl FnOnce(&M, std::ops::Range<usize>) -> Tensor<1>,
+) -> Step {
+    let loss = loss(model, par.batch_share(GLOBAL_BATCH, step)?);
+    let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+    let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
+    Ok((grads, mean, norm))
+}
+
+/// [`assert_matches`] for a [`Run`] of [`crate::plan_loops`]: losses, gradient norms and
+/// weights (see [`differences`]) within 1e-5.
+pub(crate) fn assert_run_matches(layout: &str, run: &Run, reference: &Run) {
+    let (loss, norm, weights) = differences(run, reference);
+    assert!(
+        loss < 1e-5 && norm < 1e-5 && weights < 1e-5,
+        "{layout}: losses {loss:e}, norms {norm:e}, weights {weights:e}"
     );
 }

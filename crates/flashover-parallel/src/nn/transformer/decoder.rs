@@ -2,10 +2,10 @@
 //! feed-forward), splittable over `tp` and fully shardable.
 
 use super::{LayerParts, PositionWiseFeedForward};
-use crate::nn::dropout::{self, Positions, drop_elements};
+use crate::nn::dropout;
 use crate::nn::sequence_split::StackSplit;
 use crate::nn::{MhaInput, MultiHeadAttention};
-use crate::parallelize::{SequenceParallelRules, TensorParallelRule, tp_split};
+use crate::parallelize::{SequenceParallelRules, TensorParallelRule};
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::activation::ActivationConfig;
@@ -318,20 +318,10 @@ impl TransformerDecoderLayer {
         input
     }
 
-    /// Dropout on a branch's output, replicated over `tp`: every rank draws the whole mask.
+    /// Dropout on a branch's output (see [`dropout::drop_residual`]).
     fn drop_branch(&self, branch: Tensor<3>) -> Tensor<3> {
-        let split = tp_split(&self.self_attn.query.weight);
-        let split = split.map(|s| ("TransformerDecoderLayer", s.group.size()));
-        let dropout = &self.dropout;
-        // The residual stream: split by sequence inside a splitting stack.
-        drop_elements(
-            dropout.prob,
-            &dropout.training,
-            branch,
-            [0; 3],
-            Positions::Residual(1),
-            split,
-        )
+        let query = &self.self_attn.query.weight;
+        dropout::drop_residual(&self.dropout, branch, query, "TransformerDecoderLayer")
     }
 }
 

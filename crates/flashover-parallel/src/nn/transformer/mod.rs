@@ -444,20 +444,10 @@ impl TransformerEncoderLayer {
         }
     }
 
-    /// Dropout on a branch's output, replicated over `tp`: every rank draws the whole mask.
+    /// Dropout on a branch's output (see [`dropout::drop_residual`]).
     fn drop_branch(&self, branch: Tensor<3>) -> Tensor<3> {
-        let split = tp_split(&self.mha.query.weight);
-        let split = split.map(|s| ("TransformerEncoderLayer", s.group.size()));
-        let dropout = &self.dropout;
-        // The residual stream: split by sequence inside a splitting stack.
-        drop_elements(
-            dropout.prob,
-            &dropout.training,
-            branch,
-            [0; 3],
-            Positions::Residual(1),
-            split,
-        )
+        let query = &self.mha.query.weight;
+        dropout::drop_residual(&self.dropout, branch, query, "TransformerEncoderLayer")
     }
 }
 
