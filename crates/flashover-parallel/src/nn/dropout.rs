@@ -20,6 +20,7 @@ use crate::dropout::{Coords, Dropout as CounterDropout};
 use crate::parallelize::tp_split;
 use burn::module::{Flag, Module, Param};
 use burn::tensor::Tensor;
+use flashover_comm::Group;
 use std::cell::RefCell;
 use std::ops::Range;
 
@@ -72,12 +73,16 @@ impl Dropout {
 }
 
 /// What one rank's masks are drawn from: the run's seed, the step, and the global indices of
-/// the samples of the batch the forward computes.
-#[derive(Debug, Clone, PartialEq)]
+/// the samples of the batch the forward computes; and the ranks that compute the batch's other
+/// samples, for layers whose statistics span the batch ([`super::BatchNorm`]).
+#[derive(Debug, Clone)]
 pub(crate) struct Draws {
     seed: u64,
     step: u64,
     samples: Range<usize>,
+    /// The data-parallel ranks whose samples make up the batch with this rank's (absent on one
+    /// device), and whether the forward computes one micro-batch of a pipeline's.
+    batch: Option<(Group, bool)>,
     /// Why the layers cannot draw one-device masks under this layout, if they cannot.
     refusal: Option<&'static str>,
     /// Why a sequence's positions outside a splitting stack are not known, if they are not
@@ -92,8 +97,17 @@ impl Draws {
             seed,
             step: step as u64,
             samples,
+            batch: None,
             refusal: None,
             outside_split: None,
+        }
+    }
+
+    /// These draws on a rank whose batch's other samples the ranks of `data` compute.
+    pub(crate) fn with_data_ranks(self, data: Group) -> Self {
+        Draws {
+            batch: Some((data, false)),
+            ..self
         }
     }
 
@@ -124,10 +138,14 @@ impl Draws {
         }
     }
 
-    /// The same draws for `samples` (a micro-batch of the step).
+    /// The same draws for `samples` (a pipeline's micro-batch of the step).
     pub(crate) fn for_samples(&self, samples: Range<usize>) -> Self {
+        // Part of the share: one micro-batch of several.
+        let part = samples != self.samples;
+        let batch = self.batch.clone().map(|(data, _)| (data, part));
         Draws {
             samples,
+            batch,
             ..self.clone()
         }
     }
@@ -187,6 +205,12 @@ fn fresh(scope: Scope) -> impl FnOnce(Draws) -> State {
         kind: 0,
         drawn: 0,
     }
+}
+
+/// The data-parallel ranks whose samples make up this rank's batch, and whether the forward
+/// computes a pipeline's micro-batch, when a plan set this thread's draws.
+pub(crate) fn batch_ranks() -> Option<(Group, bool)> {
+    STATE.with(|s| s.borrow().as_ref().and_then(|s| s.draws.batch.clone()))
 }
 
 /// This thread's draws, if set.

@@ -8,7 +8,8 @@
 //! a split table needs. Swapping Burn's layers for these is the only change a model needs for
 //! tensor parallelism, besides sizing attention heads from [`Linear::d_output`].
 //! [`MultiHeadAttention`], [`SwiGlu`] and [`transformer`]'s encoder, decoder and feed-forward are Burn's,
-//! built on these (heads counted from the split, ready-made `tp` rules); they and [`RmsNorm`]
+//! built on these (heads counted from the split, ready-made `tp` rules); they, [`RmsNorm`] and
+//! [`BatchNorm`] (whose training statistics span the data-parallel ranks)
 //! check their input against [`crate::parallelize::value_dims`] rather than a parameter's
 //! stored shape, so `fully_shard` shards every one of their parameters.
 //! [`CausalAttention`] is attention's core (`softmax(q k^T / sqrt(d) + mask) v`), which a
@@ -17,6 +18,7 @@
 //! experts a plan's `expert_parallel` rule spreads over `ep`.
 
 mod attention;
+mod batch_norm;
 pub(crate) mod dropout;
 pub(crate) mod embedding;
 mod head;
@@ -30,6 +32,7 @@ mod swiglu;
 pub mod transformer;
 
 pub use attention::CausalAttention;
+pub use batch_norm::{BatchNorm, BatchNormConfig};
 pub use dropout::{Dropout, DropoutConfig, clear_dropout_draws, set_dropout_draws};
 pub use embedding::{Embedding, EmbeddingConfig};
 pub use head::{OutputHead, next_token_loss};

@@ -228,6 +228,7 @@ pub fn parallelize<M: Module>(
         units: units.clone(),
         absent: &absent.by_path,
         kept_whole: &kept_whole,
+        buffers: &placed::buffers(&model),
         sequence_partials: &mut sequence_partial,
         error: &mut error,
     };
@@ -309,7 +310,7 @@ pub fn parallelize<M: Module>(
             .map(|(replicas, _)| (replicas, ctx.group(Axis::Ep).clone())),
         loop_overlap: Default::default(),
         last_reduction: Default::default(),
-        dropout: dropout_draws(plan, ctx),
+        dropout: dropout_draws(plan, ctx).with_data_ranks(ctx.subgroup(&DATA_AXES)?),
     };
     Ok((model, par))
 }

@@ -27,7 +27,7 @@ use crate::error::ParallelError;
 use crate::placement::PlacementTable;
 use crate::tensor_parallel::comm::{copy_to_tp, gather_from_sp, gather_from_tp};
 use crate::tensor_parallel::split_dim;
-use burn::module::{Module, Param, Reparameterization, Reparameterizer};
+use burn::module::{Module, ModuleVisitor, Param, ParamId, Reparameterization, Reparameterizer};
 use burn::tensor::Tensor;
 use flashover_comm::Group;
 use flashover_runtime::{Axis, CommStream};
@@ -418,6 +418,55 @@ pub fn context_split<const D: usize>(param: &Param<Tensor<D>>) -> Option<&Contex
     param.reparameterization::<Placed>()?.context()
 }
 
+/// A reparameterization that changes nothing: [`buffers`] attaches it everywhere to see which
+/// module tensors keep it.
+#[derive(Module, Debug)]
+struct Probe {
+    #[module(skip)]
+    _mark: (),
+}
+
+impl Reparameterization for Probe {
+    const NAME: &'static str = "probe";
+
+    fn apply<const D: usize>(&self, base: Tensor<D>) -> Tensor<D> {
+        base
+    }
+}
+
+/// The ids of `model`'s module tensors that cannot carry a reparameterization: Burn's
+/// `RunningState` (buffers, such as BatchNorm's running statistics), which drops one and is
+/// read without `Param::val`, so nothing could gather a shard of it back. A plan keeps them
+/// whole (as FSDP shards parameters, not buffers).
+pub(super) fn buffers<M: Module>(model: &M) -> HashSet<ParamId> {
+    struct ProbeAll;
+    impl Reparameterizer for ProbeAll {
+        type Reparam = Probe;
+
+        fn reparameterize<const D: usize>(
+            &mut self,
+            _path: &str,
+            param: Param<Tensor<D>>,
+        ) -> (Param<Tensor<D>>, Option<Probe>) {
+            (param, Some(Probe { _mark: () }))
+        }
+    }
+    struct Unmarked(HashSet<ParamId>);
+    impl ModuleVisitor for Unmarked {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if param.reparameterization::<Probe>().is_none() {
+                self.0.insert(param.id);
+            }
+        }
+    }
+    let mut unmarked = Unmarked(HashSet::new());
+    model
+        .clone()
+        .apply_reparameterization(ProbeAll)
+        .visit(&mut unmarked);
+    unmarked.0
+}
+
 /// The path the plan placed `param` at, for messages (none for a parameter no plan placed).
 pub(crate) fn placed_name<const D: usize>(param: &Param<Tensor<D>>) -> Option<&str> {
     Some(param.reparameterization::<Placed>()?.name.as_str())
@@ -485,6 +534,8 @@ pub(super) struct PlaceParams<'a> {
     pub(super) absent: &'a HashMap<String, Elsewhere>,
     /// Parameters the plan's `keep_whole` leaves whole inside `fully_shard` paths, by path.
     pub(super) kept_whole: &'a BTreeSet<String>,
+    /// Module tensors that are buffers ([`buffers`]): never sharded.
+    pub(super) buffers: &'a HashSet<ParamId>,
     /// The parameters marked as running on sequence shards, as they are placed.
     pub(super) sequence_partials: &'a mut HashSet<burn::module::ParamId>,
     pub(super) error: &'a mut Option<ParallelError>,
@@ -571,10 +622,12 @@ impl Reparameterizer for PlaceParams<'_> {
         if sequence_partial.is_some() {
             self.sequence_partials.insert(param.id);
         }
-        // A parameter without elements (an attention core's) has no rows to shard.
+        // A parameter without elements (an attention core's) has no rows to shard; a buffer
+        // could not be gathered back.
         let fully_shard = self.fsdp.size() > 1
             && self.plan.shard_path(&path).is_some()
             && !self.kept_whole.contains(&path)
+            && !self.buffers.contains(&param.id)
             && param.shape().num_elements() > 0;
         let routes_whole_sequences = self.all_routers.contains(&path);
         // A stack splitting sequences over cp: its layers find the split on their parameters.

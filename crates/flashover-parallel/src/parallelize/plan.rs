@@ -436,9 +436,10 @@ pub struct ParallelizePlan {
     pub fully_shard: Vec<ModulePath>,
     /// Modules inside `fully_shard` paths whose parameters stay whole all the same: layers
     /// whose forward reads a parameter's stored shape (`Param::shape()`, which a shard
-    /// answers with its own rows) before `val()`. Nothing else is kept whole. Burn 0.22.1's
-    /// `RmsNorm`, `BatchNorm` and `PositionWiseFeedForward` read it (their shape check then
-    /// fails in the first forward): use [`crate::nn::RmsNorm`] and
+    /// answers with its own rows) before `val()`. Nothing else is kept whole but buffers (Burn's
+    /// `RunningState`, which no gather could bring back). Burn 0.22.1's `RmsNorm`, `BatchNorm`
+    /// and `PositionWiseFeedForward` read it (their shape check then fails in the first
+    /// forward): use [`crate::nn::RmsNorm`], [`crate::nn::BatchNorm`] and
     /// [`crate::nn::transformer`]'s layers, which read [`super::value_dims`], or name them
     /// here. The report is [`super::Parallelized::kept_whole`].
     #[serde(default)]

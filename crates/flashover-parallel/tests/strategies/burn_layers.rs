@@ -141,3 +141,66 @@ fn a_llama_block_of_burns_layers_with_dropout_trains_as_one_rank() {
         assert_run_matches(mesh, &run, &reference);
     }
 }
+
+/// Burn's `BatchNorm` between two of Burn's linear layers, with the drop-in's one changed
+/// import: its training statistics are the whole batch's on every layout (the running ones,
+/// which the weights compared include, too).
+#[derive(Module, Debug)]
+struct Normed {
+    input: burn::nn::Linear,
+    norm: flashover_parallel::nn::BatchNorm,
+    output: burn::nn::Linear,
+}
+
+impl Normed {
+    fn new(device: &Device) -> Self {
+        let model = Normed {
+            // No bias before a norm that subtracts the mean (its gradient is rounding noise,
+            // which Adam would scale up differently on every layout).
+            input: burn::nn::LinearConfig::new(6, 16)
+                .with_bias(false)
+                .init(device),
+            norm: flashover_parallel::nn::BatchNormConfig::new(16).init(device),
+            output: burn::nn::LinearConfig::new(16, 2).init(device),
+        };
+        let n = ParamLayout::of(&model).numel;
+        let values: Vec<f32> = (0..n).map(|i| (i as f32 * 0.43).cos() * 0.4).collect();
+        load_flat(model, &values)
+    }
+
+    /// The mean squared error of samples `samples` of an endless regression set.
+    fn loss(&self, samples: std::ops::Range<usize>, device: &Device) -> Tensor<1> {
+        let n = samples.len();
+        let x: Vec<f32> = samples
+            .clone()
+            .flat_map(|s| (0..6).map(move |j| ((s * 5 + j * 3) % 11) as f32 / 5.0 - 1.0))
+            .collect();
+        let y: Vec<f32> = x
+            .chunks(6)
+            .flat_map(|r| [r[0] - r[3], r[1] * r[2]])
+            .collect();
+        let x = Tensor::<2>::from_data(TensorData::new(x, [n, 6]), device);
+        let y = Tensor::<2>::from_data(TensorData::new(y, [n, 2]), device);
+        let hidden = self.norm.forward(self.input.forward(x));
+        let out = self.output.forward(burn::tensor::activation::relu(hidden));
+        (out - y).square().mean()
+    }
+}
+
+#[test]
+fn burns_batch_norm_normalises_by_the_whole_batch_on_every_data_layout() {
+    let device = Device::flex().autodiff();
+    let reference = reference_loop(Normed::new(&device), |model, samples| {
+        model.loss(samples, &device)
+    });
+    for (mesh, plan) in [
+        ("dp=2", ParallelizePlan::new()),
+        ("fsdp=2", ParallelizePlan::new().fully_shard("")),
+        ("dp=2,fsdp=2", ParallelizePlan::new().fully_shard("")),
+    ] {
+        let (run, _) = plan_loop(mesh, &plan, Normed::new, |model, par, step, ctx, device| {
+            plain_step(model, par, step, ctx, |m, samples| m.loss(samples, device))
+        });
+        assert_run_matches(mesh, &run, &reference);
+    }
+}
