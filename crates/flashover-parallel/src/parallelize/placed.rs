@@ -451,20 +451,34 @@ pub(super) fn buffers<M: Module>(model: &M) -> HashSet<ParamId> {
             (param, Some(Probe { _mark: () }))
         }
     }
-    struct Unmarked(HashSet<ParamId>);
+    // Burn visits a parameter's base, then enters its reparameterization as a module of that
+    // container type: a tensor followed by no probe lost it.
+    #[derive(Default)]
+    struct Unmarked {
+        last: Option<ParamId>,
+        buffers: HashSet<ParamId>,
+    }
     impl ModuleVisitor for Unmarked {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if param.reparameterization::<Probe>().is_none() {
-                self.0.insert(param.id);
+            self.buffers.insert(param.id);
+            self.last = Some(param.id);
+        }
+
+        fn enter_module(&mut self, name: &str, container_type: &str) {
+            if container_type == "Reparameterization"
+                && name == Probe::NAME
+                && let Some(id) = self.last.take()
+            {
+                self.buffers.remove(&id);
             }
         }
     }
-    let mut unmarked = Unmarked(HashSet::new());
+    let mut unmarked = Unmarked::default();
     model
         .clone()
         .apply_reparameterization(ProbeAll)
         .visit(&mut unmarked);
-    unmarked.0
+    unmarked.buffers
 }
 
 /// The path the plan placed `param` at, for messages (none for a parameter no plan placed).

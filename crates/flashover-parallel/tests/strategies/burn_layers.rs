@@ -198,9 +198,26 @@ fn burns_batch_norm_normalises_by_the_whole_batch_on_every_data_layout() {
         ("fsdp=2", ParallelizePlan::new().fully_shard("")),
         ("dp=2,fsdp=2", ParallelizePlan::new().fully_shard("")),
     ] {
-        let (run, _) = plan_loop(mesh, &plan, Normed::new, |model, par, step, ctx, device| {
+        let (run, held) = plan_loop(mesh, &plan, Normed::new, |model, par, step, ctx, device| {
             plain_step(model, par, step, ctx, |m, samples| m.loss(samples, device))
         });
         assert_run_matches(mesh, &run, &reference);
+        // Under fully_shard every parameter is half its rows (rounded up), and the running
+        // statistics, buffers, stay whole.
+        let layout = ParamLayout::of(&Normed::new(&Device::flex()));
+        let sharded = |numel: usize, rows: usize| match plan.fully_shard.is_empty() {
+            true => numel,
+            false => rows.div_ceil(2) * (numel / rows),
+        };
+        let expected: usize = (layout.slots.iter())
+            .map(|slot| match slot.name.starts_with("norm.running_") {
+                true => slot.numel,
+                false => sharded(slot.numel, slot.shape[0]),
+            })
+            .sum();
+        assert!(
+            held.iter().all(|h| *h == expected),
+            "{mesh}: {held:?} of {expected}"
+        );
     }
 }
