@@ -7,8 +7,8 @@
 //! rank holding part of the tensor (its samples, its heads, its hidden features) draws exactly
 //! that part of the one-device mask, and ranks holding the same part draw the same.
 //!
-//! What a Burn forward does not carry, a rank's *draws* hold: the seed, the step and the
-//! global indices of the local batch's samples. [`crate::parallelize::Parallelized`]
+//! What a Burn forward does not carry, a rank's *draws* hold ([`crate::dropout::draws`]): the
+//! seed, the step and the global indices of the local batch's samples. [`crate::parallelize::Parallelized`]
 //! sets them in `batch_share` and for each micro-batch of `pipeline_step` (seeded by the
 //! plan's `dropout_seed`); a one-device loop sets them with [`set_dropout_draws`]. Sites are
 //! numbered in call order within a scope: before the layer stack, layer `i` (entered by the
@@ -16,12 +16,11 @@
 //! it; so the numbering does not depend on which rank runs which layer. Without draws, the
 //! layers drop as Burn's does (the device's generator), and a layer split over `tp` refuses.
 
+use crate::dropout::draws::{self, Draws};
 use crate::dropout::{Coords, Dropout as CounterDropout};
 use crate::parallelize::tp_split;
 use burn::module::{Flag, Module, Param};
 use burn::tensor::Tensor;
-use flashover_comm::Group;
-use std::cell::RefCell;
 use std::ops::Range;
 
 /// Burn's [`burn::nn::DropoutConfig`] for [`Dropout`].
@@ -72,199 +71,18 @@ impl Dropout {
     }
 }
 
-/// What one rank's masks are drawn from: the run's seed, the step, and the global indices of
-/// the samples of the batch the forward computes; and the ranks that compute the batch's other
-/// samples, for layers whose statistics span the batch ([`super::BatchNorm`]).
-#[derive(Debug, Clone)]
-pub(crate) struct Draws {
-    seed: u64,
-    step: u64,
-    samples: Range<usize>,
-    /// The data-parallel ranks whose samples make up the batch with this rank's (absent on one
-    /// device), and whether the forward computes one micro-batch of a pipeline's.
-    batch: Option<(Group, bool)>,
-    /// Why the layers cannot draw one-device masks under this layout, if they cannot.
-    refusal: Option<&'static str>,
-    /// Why a sequence's positions outside a splitting stack are not known, if they are not
-    /// (sequence parallelism from a vocabulary-parallel embedding on).
-    outside_split: Option<&'static str>,
-}
-
-impl Draws {
-    /// Draws for `samples` of step `step` of a run seeded `seed`, with everything placed.
-    pub(crate) fn new(seed: u64, step: usize, samples: Range<usize>) -> Self {
-        Draws {
-            seed,
-            step: step as u64,
-            samples,
-            batch: None,
-            refusal: None,
-            outside_split: None,
-        }
-    }
-
-    /// These draws on a rank whose batch's other samples the ranks of `data` compute.
-    pub(crate) fn with_data_ranks(self, data: Group) -> Self {
-        Draws {
-            batch: Some((data, false)),
-            ..self
-        }
-    }
-
-    /// These draws under a layout that cannot draw one-device masks, for reason `why` (a
-    /// dropout in training then refuses).
-    pub(crate) fn refused(self, why: Option<&'static str>) -> Self {
-        Draws {
-            refusal: why,
-            ..self
-        }
-    }
-
-    /// These draws under a layout whose activations are split by sequence outside splitting
-    /// stacks, where the positions are not known (dropout there refuses, saying `why`).
-    pub(crate) fn split_outside_stacks(self, why: Option<&'static str>) -> Self {
-        Draws {
-            outside_split: why,
-            ..self
-        }
-    }
-
-    /// The same draws for `samples` of step `step`.
-    pub(crate) fn at(&self, step: usize, samples: Range<usize>) -> Self {
-        Draws {
-            step: step as u64,
-            samples,
-            ..self.clone()
-        }
-    }
-
-    /// The same draws for `samples` (a pipeline's micro-batch of the step).
-    pub(crate) fn for_samples(&self, samples: Range<usize>) -> Self {
-        // Part of the share: one micro-batch of several.
-        let part = samples != self.samples;
-        let batch = self.batch.clone().map(|(data, _)| (data, part));
-        Draws {
-            samples,
-            batch,
-            ..self.clone()
-        }
-    }
-}
-
-/// Where in a forward a mask is drawn: sites are numbered within one of these.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) enum Scope {
-    /// Before the layer stack (embeddings).
-    Before,
-    /// Layer `i` of the stack.
-    Layer(usize),
-    /// After the layer stack (the head).
-    After,
-}
-
-/// A rank's draws and where its forward is.
-#[derive(Debug, Clone)]
-struct State {
-    draws: Draws,
-    scope: Scope,
-    /// What kind of layer the scope is ([`mark_layer_kind`]): an encoder's layer `i` and a
-    /// decoder's layer `i` draw different masks.
-    kind: u64,
-    /// Sites drawn in the scope so far.
-    drawn: u64,
-}
-
-thread_local! {
-    /// This rank's draws: a rank is a thread (one per process under MPI), and its forward
-    /// runs on it.
-    static STATE: RefCell<Option<State>> = const { RefCell::new(None) };
-}
-
 /// Makes this thread's dropout masks those of `samples` (global sample indices: the batch the
 /// next forward computes) of step `step` of a run seeded `seed`, as every layout draws them:
 /// the call a one-device loop makes before each step's forward to train as a plan does with
 /// the same `dropout_seed` (a plan's `batch_share` and `pipeline_step` make it themselves).
 pub fn set_dropout_draws(seed: u64, step: usize, samples: Range<usize>) {
-    set_draws(Some(Draws::new(seed, step, samples)));
+    draws::set_draws(Some(Draws::new(seed, step, samples)));
 }
 
 /// Makes this thread's dropout draw from the device's generator again, as Burn's does.
 pub fn clear_dropout_draws() {
-    set_draws(None);
+    draws::set_draws(None);
 }
-
-/// Sets this thread's draws, its forward before the layer stack.
-pub(crate) fn set_draws(draws: Option<Draws>) {
-    STATE.with(|s| *s.borrow_mut() = draws.map(fresh(Scope::Before)));
-}
-
-fn fresh(scope: Scope) -> impl FnOnce(Draws) -> State {
-    move |draws| State {
-        draws,
-        scope,
-        kind: 0,
-        drawn: 0,
-    }
-}
-
-/// The data-parallel ranks whose samples make up this rank's batch, and whether the forward
-/// computes a pipeline's micro-batch, when a plan set this thread's draws.
-pub(crate) fn batch_ranks() -> Option<(Group, bool)> {
-    STATE.with(|s| s.borrow().as_ref().and_then(|s| s.draws.batch.clone()))
-}
-
-/// This thread's draws, if set.
-pub(crate) fn current_draws() -> Option<Draws> {
-    STATE.with(|s| s.borrow().as_ref().map(|s| s.draws.clone()))
-}
-
-/// `f()` with `draws` (none: the device's generator) at the start of `scope`, then the
-/// state before: a pipeline stage's part of a micro-batch's forward, whichever rank runs it,
-/// and its recomputation in backward.
-pub(crate) fn in_scope<R>(draws: Option<&Draws>, scope: Scope, f: impl FnOnce() -> R) -> R {
-    let state = draws.cloned().map(fresh(scope));
-    let before = STATE.with(|s| std::mem::replace(&mut *s.borrow_mut(), state));
-    let out = f();
-    STATE.with(|s| *s.borrow_mut() = before);
-    out
-}
-
-/// `f()` as layer `index` of the stack, with the draws already set: the encoder's and
-/// decoder's forward around each layer. Afterwards the forward is after the stack.
-pub(crate) fn in_layer<R>(index: usize, f: impl FnOnce() -> R) -> R {
-    let after = STATE.with(|s| {
-        let mut s = s.borrow_mut();
-        let state = s.as_mut()?;
-        let after = match state.scope {
-            Scope::After => state.drawn,
-            _ => 0,
-        };
-        (state.scope, state.kind, state.drawn) = (Scope::Layer(index), 0, 0);
-        Some(after)
-    });
-    let out = f();
-    STATE.with(|s| {
-        if let (Some(state), Some(drawn)) = (s.borrow_mut().as_mut(), after) {
-            (state.scope, state.kind, state.drawn) = (Scope::After, 0, drawn);
-        }
-    });
-    out
-}
-
-/// Marks the current layer scope as a layer of kind `kind` (its sites draw apart from those
-/// of another kind of layer at the same index).
-pub(crate) fn mark_layer_kind(kind: u64) {
-    STATE.with(|s| {
-        if let Some(state) = s.borrow_mut().as_mut() {
-            state.kind = kind;
-        }
-    });
-}
-
-/// Layer kinds for [`mark_layer_kind`].
-pub(crate) const ENCODER_LAYER: u64 = 1;
-/// See [`ENCODER_LAYER`].
-pub(crate) const DECODER_LAYER: u64 = 2;
 
 /// Which dimension of a dropped tensor, if any, holds a sequence's positions that a stack may
 /// have split (a splitting stack places them; [`drop_elements`]).
@@ -322,14 +140,7 @@ pub(crate) fn drop_elements<const D: usize>(
     if !training.is_enabled() || !x.device().is_autodiff() || prob == 0.0 {
         return x;
     }
-    let drawn = STATE.with(|s| {
-        let mut s = s.borrow_mut();
-        let state = s.as_mut()?;
-        let site = site_number(state);
-        state.drawn += 1;
-        Some((state.draws.clone(), site))
-    });
-    let Some((draws, site)) = drawn else {
+    let Some((draws, site)) = draws::next_site() else {
         if let Some((layer, tp)) = split {
             panic!(
                 "{layer} is split over tp={tp} and has dropout {prob} in training, with no \
@@ -377,20 +188,10 @@ pub(crate) fn drop_elements<const D: usize>(
     masks.apply_site(x, site, coords)
 }
 
-/// The site number of the next mask drawn in `state`'s scope: the scope, its layer kind and
-/// how many it drew before, packed apart.
-fn site_number(state: &State) -> u64 {
-    let scope = match state.scope {
-        Scope::Before => 0,
-        Scope::Layer(i) => 1 + i as u64,
-        Scope::After => u32::MAX as u64,
-    };
-    (scope << 24) | (state.kind << 16) | state.drawn
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dropout::draws::{Scope, in_layer, in_scope};
     use burn::tensor::Device;
 
     fn mask(dropout: &Dropout, dims: [usize; 2]) -> Vec<f32> {

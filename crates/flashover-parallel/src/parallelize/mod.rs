@@ -147,7 +147,7 @@ pub struct Parallelized {
     last_reduction: std::sync::Mutex<ReductionReport>,
     /// The plan's dropout draws (of no samples yet): its seed, and what the layout cannot
     /// place.
-    dropout: crate::nn::dropout::Draws,
+    dropout: crate::dropout::draws::Draws,
 }
 
 /// Where `model`'s gradients live: its parameters' device outside autodiff (the rank's for a
@@ -318,7 +318,7 @@ pub fn parallelize<M: Module>(
 /// `plan`'s dropout draws on this mesh, and what they cannot place: [`crate::nn`]'s dropout
 /// knows a tensor's samples, heads and hidden features, and a sequence's positions only inside
 /// a stack that split it (`sequence_split_stacks`).
-fn dropout_draws(plan: &ParallelizePlan, ctx: &RankContext) -> crate::nn::dropout::Draws {
+fn dropout_draws(plan: &ParallelizePlan, ctx: &RankContext) -> crate::dropout::draws::Draws {
     let vocab = (plan.tensor_parallel.iter()).any(|r| r.style == TpStyle::Vocab);
     let split_outside =
         ctx.group(Axis::Tp).size() > 1 && !plan.sequence_parallel.is_empty() && vocab;
@@ -327,7 +327,7 @@ fn dropout_draws(plan: &ParallelizePlan, ctx: &RankContext) -> crate::nn::dropou
     let context = ctx.group(Axis::Cp).size() > 1
         && plan.context_parallel.is_some()
         && plan.sequence_split_stacks.is_empty();
-    crate::nn::dropout::Draws::new(plan.dropout_seed, 0, 0..0)
+    crate::dropout::draws::Draws::new(plan.dropout_seed, 0, 0..0)
         .refused(context.then_some(
             "context parallelism splits sequences by position, which flashover::nn's dropout \
              draws do not place yet: train it with dropout 0",
@@ -581,12 +581,12 @@ impl Parallelized {
             ));
         }
         let share = self.share(global_batch, step)?;
-        crate::nn::dropout::set_draws(Some(self.draws(step, share.clone())));
+        crate::dropout::draws::set_draws(Some(self.draws(step, share.clone())));
         Ok(share)
     }
 
     /// The dropout draws of `samples` of step `step` under this plan.
-    pub(crate) fn draws(&self, step: usize, samples: Range<usize>) -> crate::nn::dropout::Draws {
+    pub(crate) fn draws(&self, step: usize, samples: Range<usize>) -> crate::dropout::draws::Draws {
         self.dropout.at(step, samples)
     }
 

@@ -13,9 +13,9 @@ use super::plan::{ModulePath, PipelineRule};
 use super::units::{Unit, replaying, unit_shards};
 use crate::activation_checkpointing::{CheckpointPolicy, Replays, checkpoint_part};
 use crate::data_parallel::BucketedReduction;
+use crate::dropout::draws::{self, Draws, Scope};
 use crate::error::ParallelError;
 use crate::expert_parallel::Replicas;
-use crate::nn::dropout::{self, Draws, Scope};
 use crate::params::{ParamLayout, ParamSlot};
 use crate::pipeline::{
     ActionKind, BoundaryTensor, PartSpec, PipelineExecutor, PipelineStepReport, Schedule,
@@ -386,7 +386,7 @@ impl Stages {
             let root = self.units.as_deref().map(|u| u.gather_root(master));
             let mut x = match input {
                 Some(parts) => from_boundary_tensors(parts),
-                None => dropout::in_scope(draws, Scope::Before, || m.embed(&batch)),
+                None => draws::in_scope(draws, Scope::Before, || m.embed(&batch)),
             };
             let mut aux: Option<Tensor<1>> = None;
             for i in self.layers[stage].clone() {
@@ -398,7 +398,7 @@ impl Stages {
                 };
             }
             let output = match stage == last {
-                true => StageOutput::Loss(dropout::in_scope(draws, Scope::After, || {
+                true => StageOutput::Loss(draws::in_scope(draws, Scope::After, || {
                     head(m, x, &batch, k)
                 })),
                 false => StageOutput::Activation(boundary_tensors(x)),
@@ -720,7 +720,7 @@ impl Stages {
             let view = self.compute_view_of(model, &self.outside);
             let model = view.as_ref().unwrap_or(model);
             // Only its shapes are kept: no draws (they are the first micro-batch's forward's).
-            let x = dropout::in_scope(None, Scope::Before, || model.embed(&micro_batch(first)));
+            let x = draws::in_scope(None, Scope::Before, || model.embed(&micro_batch(first)));
             code = encode_specs(&specs_of(&boundary_tensors(x)))?;
         }
         if self.pp.size() > 1 {
@@ -884,7 +884,7 @@ where
     M: PipelineModel,
 {
     let layer_for = |x| {
-        dropout::in_scope(draws, Scope::Layer(index), || {
+        draws::in_scope(draws, Scope::Layer(index), || {
             view.layer_for(index, x, batch)
         })
     };

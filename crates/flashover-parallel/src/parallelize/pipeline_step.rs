@@ -4,8 +4,8 @@
 use super::Parallelized;
 use super::pipeline::{self, PipelineModel, Stages};
 use crate::data_parallel::{BucketedReduction, ReductionReport};
+use crate::dropout::draws::Draws;
 use crate::error::ParallelError;
-use crate::nn::dropout::Draws;
 use crate::params::{accumulate_grads, grads_from_flat};
 use crate::pipeline::PipelineStepReport;
 use burn::module::Module;

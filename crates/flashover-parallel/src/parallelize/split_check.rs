@@ -6,8 +6,8 @@
 //! that differs, and the first parameter whose gradient differs names the layer.
 
 use super::Parallelized;
+use crate::dropout::draws::{self, Scope};
 use crate::error::ParallelError;
-use crate::nn::dropout::{self, Scope};
 use crate::params::{ParamLayout, accumulate_grads, to_f32, zero_grads};
 use crate::placement::Placement;
 use burn::module::Module;
@@ -78,11 +78,11 @@ impl Parallelized {
         }
         let whole = self.whole(model.clone())?;
         // Both forwards drop what this rank's dropout draws would drop next.
-        let draws = dropout::current_draws();
-        let (split_loss, split_grads) = dropout::in_scope(draws.as_ref(), Scope::Before, || {
+        let draws = draws::current_draws();
+        let (split_loss, split_grads) = draws::in_scope(draws.as_ref(), Scope::Before, || {
             loss_and_flat_grads(model, &loss)
         });
-        let (whole_loss, whole_grads) = dropout::in_scope(draws.as_ref(), Scope::Before, || {
+        let (whole_loss, whole_grads) = draws::in_scope(draws.as_ref(), Scope::Before, || {
             loss_and_flat_grads(&whole, &loss)
         });
         let partial = self.replica_check.as_ref().map(|c| &c.partial);

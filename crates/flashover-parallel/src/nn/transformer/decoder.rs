@@ -2,6 +2,7 @@
 //! feed-forward), splittable over `tp` and fully shardable.
 
 use super::{LayerParts, PositionWiseFeedForward};
+use crate::dropout::draws;
 use crate::nn::dropout;
 use crate::nn::sequence_split::StackSplit;
 use crate::nn::{MhaInput, MultiHeadAttention};
@@ -218,7 +219,7 @@ impl TransformerDecoder {
     pub fn forward(&self, mut input: TransformerDecoderInput) -> Tensor<3> {
         let run = |mut input: TransformerDecoderInput| {
             for (i, layer) in self.layers.iter().enumerate() {
-                input = dropout::in_layer(i, || layer.forward(input));
+                input = draws::in_layer(i, || layer.forward(input));
             }
             input.target
         };
@@ -273,7 +274,7 @@ impl TransformerDecoderLayer {
     /// branches, each with dropout and a residual, normalised before (pre-norm) or after
     /// (post-norm). Returns `input` with its target replaced.
     pub fn forward(&self, mut input: TransformerDecoderInput) -> TransformerDecoderInput {
-        dropout::mark_layer_kind(dropout::DECODER_LAYER);
+        draws::mark_layer_kind(draws::DECODER_LAYER);
         let x = input.target;
         let self_in = match self.norm_first {
             true => self.norm_3.forward(x.clone()),

@@ -19,6 +19,7 @@ pub use decoder::{
 use super::dropout::{self, Positions, drop_elements};
 use super::sequence_split::StackSplit;
 use super::{Linear, LinearConfig, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
+use crate::dropout::draws;
 use crate::parallelize::{SequenceParallelRules, TensorParallelRule, tp_split};
 use burn::config::Config;
 use burn::module::Module;
@@ -346,7 +347,7 @@ impl TransformerEncoder {
         let run = |mut x: Tensor<3>| {
             for (i, layer) in self.layers.iter().enumerate() {
                 let (pad, attn) = (input.mask_pad.clone(), input.mask_attn.clone());
-                x = dropout::in_layer(i, || layer.forward(x, pad, attn));
+                x = draws::in_layer(i, || layer.forward(x, pad, attn));
             }
             x
         };
@@ -416,7 +417,7 @@ impl TransformerEncoderLayer {
         mask_pad: Option<Tensor<2, Bool>>,
         mask_attn: Option<Tensor<3, Bool>>,
     ) -> Tensor<3> {
-        dropout::mark_layer_kind(dropout::ENCODER_LAYER);
+        draws::mark_layer_kind(draws::ENCODER_LAYER);
         let attention_in = match self.norm_first {
             true => self.norm_2.forward(x.clone()),
             false => x.clone(),

@@ -8,6 +8,8 @@
 //! (replicated activations) match, masks of split activations differ where the elements
 //! differ, and every layout drops the same elements as one rank, reproducibly from the seed.
 
+pub(crate) mod draws;
+
 use burn::tensor::{Shape, Tensor, TensorData};
 use flashover_data::SplitMix64;
 

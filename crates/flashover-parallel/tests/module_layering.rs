@@ -1,0 +1,149 @@
+//! The import graph of flashover-parallel's top-level modules (issue "Layers you can read").
+//!
+//! Each `crate::module` path in a file under `src/module...` is an edge; modules that reach
+//! each other through edges form a loop. The library should have none. Today one loop of nine
+//! modules remains; this test holds it to exactly those nine, so a change that pulls another
+//! module in fails here, and one that unties a module must take it off the list (the list only
+//! shrinks, until the test asserts no loop at all).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+/// The modules of the one import loop left, to shrink as it is untied.
+const KNOT: [&str; 9] = [
+    "activation_checkpointing",
+    "context_parallel",
+    "data_parallel",
+    "expert_parallel",
+    "forward_context",
+    "moe",
+    "nn",
+    "parallelize",
+    "zero",
+];
+
+/// Every `.rs` file under `dir`, with its path.
+fn sources(dir: &Path, out: &mut Vec<(std::path::PathBuf, String)>) {
+    for entry in std::fs::read_dir(dir).expect("src is readable") {
+        let path = entry.expect("a directory entry").path();
+        if path.is_dir() {
+            sources(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            let text = std::fs::read_to_string(&path).expect("a source file");
+            out.push((path, text));
+        }
+    }
+}
+
+/// `text` without its `//` comments (doc links name modules without importing them).
+fn code(text: &str) -> String {
+    text.lines()
+        .map(|line| line.split("//").next().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The top-level modules a file's code names through `crate::`: `crate::a::..` and each item
+/// of `crate::{a::.., b}`.
+fn named_modules(code: &str) -> BTreeSet<String> {
+    let ident = |s: &str| -> String {
+        s.chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect()
+    };
+    let mut named = BTreeSet::new();
+    for (at, _) in code.match_indices("crate::") {
+        let rest = &code[at + "crate::".len()..];
+        match rest.strip_prefix('{') {
+            None => {
+                named.insert(ident(rest));
+            }
+            Some(group) => {
+                // Items at the group's top level, up to its closing brace.
+                let (mut depth, mut item_start) = (0usize, true);
+                for (i, c) in group.char_indices() {
+                    match c {
+                        '{' => depth += 1,
+                        '}' if depth == 0 => break,
+                        '}' => depth -= 1,
+                        ',' if depth == 0 => item_start = true,
+                        c if item_start && !c.is_whitespace() => {
+                            named.insert(ident(&group[i..]));
+                            item_start = false;
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+    named
+}
+
+/// The modules on import loops of `edges` (strongly connected components of more than one).
+fn looped(edges: &BTreeMap<String, BTreeSet<String>>) -> BTreeSet<String> {
+    let reaches = |from: &str| -> BTreeSet<String> {
+        let mut seen = BTreeSet::new();
+        let mut todo = vec![from.to_string()];
+        while let Some(m) = todo.pop() {
+            for next in edges.get(&m).into_iter().flatten() {
+                if seen.insert(next.clone()) {
+                    todo.push(next.clone());
+                }
+            }
+        }
+        seen
+    };
+    let reach: BTreeMap<&String, BTreeSet<String>> =
+        edges.keys().map(|m| (m, reaches(m))).collect();
+    edges
+        .keys()
+        .filter(|m| {
+            reach[m]
+                .iter()
+                .any(|other| other != *m && reach[other].contains(*m))
+        })
+        .cloned()
+        .collect()
+}
+
+#[test]
+fn the_import_loop_between_top_level_modules_does_not_grow() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = vec![];
+    sources(&src, &mut files);
+    let module_of = |path: &Path| -> Option<String> {
+        let first = path.strip_prefix(&src).ok()?.components().next()?;
+        let name = first.as_os_str().to_str()?;
+        let name = name.strip_suffix(".rs").unwrap_or(name);
+        (name != "lib").then(|| name.to_string())
+    };
+    let modules: BTreeSet<String> = files.iter().filter_map(|(p, _)| module_of(p)).collect();
+    let mut edges: BTreeMap<String, BTreeSet<String>> = modules
+        .iter()
+        .map(|m| (m.clone(), BTreeSet::new()))
+        .collect();
+    for (path, text) in &files {
+        let Some(from) = module_of(path) else {
+            continue;
+        };
+        for to in named_modules(&code(text)) {
+            if to != from && modules.contains(&to) {
+                edges.get_mut(&from).expect("a module").insert(to);
+            }
+        }
+    }
+    // Imports the parse must find: a `use crate::m::{..}` group and a `crate::m::item` path.
+    assert!(
+        edges["nn"].contains("parallelize") && edges["data_parallel"].contains("zero"),
+        "the parse finds nn -> parallelize and data_parallel -> zero"
+    );
+    let knot: BTreeSet<String> = KNOT.iter().map(|m| m.to_string()).collect();
+    let found = looped(&edges);
+    assert_eq!(
+        found, knot,
+        "flashover-parallel's import loop changed: modules on a loop now {found:?}. A module \
+         that joined must import only downward (docs/architecture.md's layering); one that \
+         left comes off KNOT"
+    );
+}
