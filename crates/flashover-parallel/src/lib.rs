@@ -51,6 +51,7 @@ pub mod pipeline;
 pub mod placement;
 pub mod precision;
 pub mod tensor_parallel;
+mod unit_shards;
 pub mod zero;
 
 pub use error::ParallelError;

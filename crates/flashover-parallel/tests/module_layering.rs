@@ -1,8 +1,8 @@
 //! The import graph of flashover-parallel's top-level modules (issue "Layers you can read").
 //!
 //! Each `crate::module` path in a file under `src/module...` is an edge; modules that reach
-//! each other through edges form a loop. The library should have none. Today one loop of nine
-//! modules remains; this test holds it to exactly those nine, so a change that pulls another
+//! each other through edges form a loop. The library should have none. Today one loop of seven
+//! modules remains; this test holds it to exactly those seven, so a change that pulls another
 //! module in fails here, and one that unties a module must take it off the list (the list only
 //! shrinks, until the test asserts no loop at all).
 
@@ -10,16 +10,16 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 /// The modules of the one import loop left, to shrink as it is untied.
-const KNOT: [&str; 9] = [
+/// (data_parallel and zero left it when the unit shards moved below them and the row
+/// optimizer stopped taking the composer.)
+const KNOT: [&str; 7] = [
     "activation_checkpointing",
     "context_parallel",
-    "data_parallel",
     "expert_parallel",
     "forward_context",
     "moe",
     "nn",
     "parallelize",
-    "zero",
 ];
 
 /// Every `.rs` file under `dir`, with its path.
@@ -135,8 +135,8 @@ fn the_import_loop_between_top_level_modules_does_not_grow() {
     }
     // Imports the parse must find: a `use crate::m::{..}` group and a `crate::m::item` path.
     assert!(
-        edges["nn"].contains("parallelize") && edges["data_parallel"].contains("zero"),
-        "the parse finds nn -> parallelize and data_parallel -> zero"
+        edges["nn"].contains("parallelize") && edges["zero"].contains("data_parallel"),
+        "the parse finds nn -> parallelize and zero -> data_parallel"
     );
     let knot: BTreeSet<String> = KNOT.iter().map(|m| m.to_string()).collect();
     let found = looped(&edges);

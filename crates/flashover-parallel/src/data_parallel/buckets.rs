@@ -29,7 +29,7 @@ use crate::hook::{grad_hook, grad_hook_after, hooks_supported};
 use crate::params::{ParamLayout, ParamSlot, part};
 use crate::placement::{ParamPlacement, Tie, data_axis_sets};
 use crate::precision::Precision;
-use crate::zero::UnitShards;
+use crate::unit_shards::UnitShards;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{Device, Tensor};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};

@@ -25,7 +25,7 @@
 use crate::hook::GradCallback;
 use crate::params::part;
 use crate::precision::Precision;
-use crate::zero::UnitShards;
+use crate::unit_shards::UnitShards;
 use burn::tensor::{DType, Device, Tensor};
 use flashover_comm::{CommError, Group, ReduceOp};
 use flashover_runtime::{SharedWork, TensorCollectives};

@@ -58,6 +58,7 @@ pub mod placed;
 mod plan;
 mod reduction;
 mod replica_check;
+mod row_optimizer;
 mod split_check;
 pub(crate) mod units;
 mod validate;

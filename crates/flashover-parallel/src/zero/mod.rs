@@ -15,12 +15,11 @@
 
 mod row_adamw;
 mod shard_group;
-mod unit_shards;
 
+pub use crate::unit_shards::UnitShards;
 pub use row_adamw::RowAdamW;
 pub(crate) use shard_group::Pending;
 pub use shard_group::{GatherCounts, GatherStats, ShardGroup};
-pub use unit_shards::UnitShards;
 
 /// Bytes one rank holds for training state, by kind.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]

@@ -9,16 +9,15 @@
 use crate::data_parallel::GradientRowLayout;
 use crate::error::ParallelError;
 use crate::flat_adamw::{FlatAdamW, FlatAdamWConfig};
-use crate::parallelize::Parallelized;
 use crate::params::{
     ParamLayout, ParamSlot, load_shaped, params_on_device, part, placeholders, to_f32, upload,
 };
 use crate::placement::{ParamPlacement, PlacementTable};
-use crate::zero::UnitShards;
+use crate::unit_shards::UnitShards;
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
 use flashover_comm::Group;
-use flashover_runtime::{Axis, RankContext, TensorCollectives};
+use flashover_runtime::{Axis, TensorCollectives};
 
 /// AdamW on this rank's rows; see the module docs.
 ///
@@ -55,44 +54,33 @@ pub struct RowAdamW {
 }
 
 impl RowAdamW {
-    /// AdamW (`config`) on this rank's rows of `model`'s parameters, as `par` (a plan with
-    /// `gradient_buckets.rows`) cuts them; `keep_params`: ZeRO-1/2 (the model keeps its
-    /// parameters), or ZeRO-3 by rows (only the rows stay between steps:
-    /// [`Self::between_steps`], [`Self::for_step`]). Fails when the plan keeps no rows.
-    pub fn new<M: Module>(
-        par: &Parallelized,
+    /// AdamW (`config`) on this rank's rows (over `group`, the rows' axis) of the parameters
+    /// of `model` it holds, cut as `rows` lays them out; `held`: each held parameter's offset
+    /// and length in `model`'s flat layout; `keep_params` as [`Self::new`] says (which builds
+    /// it from a plan).
+    pub(crate) fn from_rows<M: Module>(
+        rows: &GradientRowLayout,
+        held: Vec<(usize, usize)>,
         model: &M,
         config: &FlatAdamWConfig,
         keep_params: bool,
-        ctx: &RankContext,
-    ) -> Result<Self, ParallelError> {
+        group: Group,
+        device: &Device,
+    ) -> Self {
         let GradientRowLayout {
             axis,
             layout,
             shards,
             ..
-        } = par.gradient_rows().ok_or_else(|| {
-            ParallelError::Invalid(
-                "RowAdamW steps the rows of the gradients a plan reduces to rows: set the plan's \
-                 gradient_buckets.rows"
-                    .into(),
-            )
-        })?;
+        } = rows;
         let shaped = ParamLayout::of(model);
-        let device = crate::parallelize::grad_device(model, ctx);
-        let flat = params_on_device(model).unwrap_or_else(|| Tensor::zeros([0], &device));
-        let held: Vec<(usize, usize)> = par
-            .held_entries(model)?
-            .iter()
-            .map(|(slot, _)| (slot.offset, slot.numel))
-            .collect();
+        let flat = params_on_device(model).unwrap_or_else(|| Tensor::zeros([0], device));
         let values = match held.is_empty() {
-            true => Tensor::zeros([0], &device),
+            true => Tensor::zeros([0], device),
             false => Tensor::cat(held.iter().map(|&(o, n)| part(&flat, o, n)).collect(), 0),
         };
-        let group = ctx.group(*axis).clone();
         let own = shards.take(group.rank(), &values);
-        Ok(RowAdamW {
+        RowAdamW {
             axis: *axis,
             adam: FlatAdamW::new(config, shards.shard_len()),
             group,
@@ -102,7 +90,7 @@ impl RowAdamW {
             shaped,
             own,
             keep_params,
-        })
+        }
     }
 
     /// AdamW on this rank's rows from `grads` (its rows of the reduced gradients on the
