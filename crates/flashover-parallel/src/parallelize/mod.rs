@@ -65,9 +65,7 @@ mod validate;
 
 pub use pipeline::PipelineModel;
 pub use pipeline_step::PipelineStep;
-pub use placed::{
-    ContextSplit, ExpertSplit, Placed, TpSplit, context_split, local_value, tp_split, value_dims,
-};
+pub use placed::{ContextSplit, ExpertSplit, Placed, TpSplit, local_value, tp_split, value_dims};
 pub use plan::{
     AttachedModule, ContextParallelRule, ModulePath, ParallelizePlan, PipelineRule,
     SequenceParallelRules, TensorParallelRule, TpStyle,
@@ -88,8 +86,8 @@ use experts::{ExpertShares, Experts};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
 use flashover_runtime::{Axis, RankContext, TensorCollectives};
 use pipeline::Stages;
-pub(crate) use placed::placed_name;
 use placed::{Elsewhere, WholeReads};
+pub(crate) use placed::{context_split, placed_name};
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::ops::Range;
 use std::sync::Arc;
@@ -215,6 +213,11 @@ pub fn parallelize<M: Module>(
         .map(|rule| ContextSplit::new(ctx.group(Axis::Cp), rule));
     let mut error = None;
     let mut sequence_partial = std::collections::HashSet::new();
+    // Buffers matter only where fully_shard cuts rows.
+    let buffers = match ctx.group(Axis::Fsdp).size() > 1 && !plan.fully_shard.is_empty() {
+        true => placed::buffers(&model),
+        false => Default::default(),
+    };
     let place = placed::PlaceParams {
         plan,
         fsdp: ctx.group(Axis::Fsdp).clone(),
@@ -229,7 +232,7 @@ pub fn parallelize<M: Module>(
         units: units.clone(),
         absent: &absent.by_path,
         kept_whole: &kept_whole,
-        buffers: &placed::buffers(&model),
+        buffers: &buffers,
         sequence_partials: &mut sequence_partial,
         error: &mut error,
     };

@@ -414,7 +414,7 @@ pub fn tp_split<const D: usize>(param: &Param<Tensor<D>>) -> Option<&TpSplit> {
 
 /// The sequence split over `cp` the plan attached to `param`, if it did (an attention core's,
 /// or a layer's in a stack that splits sequences over `cp`).
-pub fn context_split<const D: usize>(param: &Param<Tensor<D>>) -> Option<&ContextSplit> {
+pub(crate) fn context_split<const D: usize>(param: &Param<Tensor<D>>) -> Option<&ContextSplit> {
     param.reparameterization::<Placed>()?.context()
 }
 

@@ -89,7 +89,7 @@ pub fn on_whole_sequences(
 /// gradient that the data-parallel reduction averages (over `cp`) rather than sums. Scaling
 /// inside by the group's size makes the average the sum; outside, every rank computes the
 /// whole, as the average expects.
-pub fn scatter_to_tp_scaled<const D: usize>(
+pub(crate) fn scatter_to_tp_scaled<const D: usize>(
     x: Tensor<D>,
     dim: usize,
     group: &Group,
@@ -101,7 +101,7 @@ pub fn scatter_to_tp_scaled<const D: usize>(
 }
 
 /// See [`scatter_to_tp_scaled`].
-pub fn gather_from_tp_scaled<const D: usize>(
+pub(crate) fn gather_from_tp_scaled<const D: usize>(
     x: Tensor<D>,
     dim: usize,
     group: &Group,

@@ -204,13 +204,21 @@ fn burns_batch_norm_normalises_by_the_whole_batch_on_every_data_layout() {
         assert_run_matches(mesh, &run, &reference);
         // Under fully_shard every parameter is half its rows (rounded up), and the running
         // statistics, buffers, stay whole.
-        let layout = ParamLayout::of(&Normed::new(&Device::flex()));
+        let model = Normed::new(&Device::flex());
+        let (mean, var) = (
+            model.norm.running_mean.clone(),
+            model.norm.running_var.clone(),
+        );
+        let buffers: Vec<_> = [ParamLayout::of(&mean), ParamLayout::of(&var)]
+            .iter()
+            .flat_map(|l| l.slots.iter().map(|slot| slot.id))
+            .collect();
         let sharded = |numel: usize, rows: usize| match plan.fully_shard.is_empty() {
             true => numel,
             false => rows.div_ceil(2) * (numel / rows),
         };
-        let expected: usize = (layout.slots.iter())
-            .map(|slot| match slot.name.starts_with("norm.running_") {
+        let expected: usize = (ParamLayout::of(&model).slots.iter())
+            .map(|slot| match buffers.contains(&slot.id) {
                 true => slot.numel,
                 false => sharded(slot.numel, slot.shape[0]),
             })
