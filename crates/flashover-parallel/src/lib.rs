@@ -49,8 +49,11 @@ pub mod parallelize;
 pub mod params;
 pub mod pipeline;
 pub mod placement;
+pub mod plan;
 pub mod precision;
+mod recompute;
 pub mod tensor_parallel;
+mod tensor_util;
 mod unit_shards;
 pub mod zero;
 

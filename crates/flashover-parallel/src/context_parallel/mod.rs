@@ -30,40 +30,10 @@ pub use work::{AttentionWork, WorkCounter};
 
 use crate::ParallelError;
 use crate::forward_context::{AttentionHook, ForwardContext, SequenceHook};
+pub use crate::plan::CpAttention;
 use burn::tensor::{Int, Tensor, TensorData};
 use flashover_comm::Group;
-use std::str::FromStr;
 use std::sync::Arc;
-
-/// How attention reaches the keys and values of other ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CpAttention {
-    /// Ring attention (any head count).
-    Ring,
-    /// Ulysses all-to-all attention (heads must divide by `cp`).
-    AllToAll,
-}
-
-impl std::fmt::Display for CpAttention {
-    /// The name [`CpAttention::from_str`] reads back.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            CpAttention::Ring => "ring",
-            CpAttention::AllToAll => "all-to-all",
-        })
-    }
-}
-
-impl FromStr for CpAttention {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "ring" => Ok(CpAttention::Ring),
-            "all-to-all" | "ulysses" => Ok(CpAttention::AllToAll),
-            other => Err(format!("`{other}`: expected ring or all-to-all")),
-        }
-    }
-}
 
 /// One rank's share of a context-parallel layout and the attention hook that serves it.
 #[derive(Clone)]

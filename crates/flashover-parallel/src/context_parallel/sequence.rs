@@ -5,7 +5,7 @@
 use super::SequenceLayout;
 use crate::collective_op::ok;
 use crate::forward_context::SequenceShare;
-use crate::moe::index_tensor;
+use crate::tensor_util::index_tensor;
 use burn::tensor::Tensor;
 use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
 use flashover_runtime::TensorCollectives;

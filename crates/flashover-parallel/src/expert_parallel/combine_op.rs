@@ -281,7 +281,7 @@ mod tests {
             let y = if fused {
                 gather_fused(leaf.clone(), &rows)
             } else {
-                let index = crate::moe::index_tensor(&rows, [rows.len()], &device);
+                let index = crate::tensor_util::index_tensor(&rows, [rows.len()], &device);
                 leaf.clone().select(0, index)
             };
             let grads = (y.clone() * r.clone()).sum().backward();

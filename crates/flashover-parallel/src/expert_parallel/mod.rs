@@ -22,12 +22,13 @@ mod replicas;
 
 use crate::placement::PlacementTable;
 use crate::precision::cast_params;
-pub(crate) use replicas::{Replicas, take_recomputed_copies};
+pub(crate) use replicas::Replicas;
 
 use crate::collective_op::{collective_pair, ok, tensor_fn};
 use crate::error::ParallelError;
 use crate::moe::SwiGlu;
-use crate::moe::{ExpertDispatch, Moe, Routing, index_tensor, run_experts};
+use crate::moe::{ExpertDispatch, Moe, Routing, run_experts};
+use crate::tensor_util::index_tensor;
 use burn::module::{Module, ParamId};
 use burn::tensor::Tensor;
 use flashover_comm::{CommunicatorExt, Group, control};

@@ -69,21 +69,6 @@ struct OwnedCopy {
     weights: Vec<(ParamId, [usize; 2])>,
 }
 
-thread_local! {
-    /// The copies a recomputation in backward (activation checkpointing) ran on this thread:
-    /// their gradients come out of the recomputation's own backward
-    /// ([`take_recomputed_copies`]), not the step's.
-    static RECOMPUTED: std::cell::RefCell<Vec<Replicas>> = const { std::cell::RefCell::new(vec![]) };
-}
-
-/// Moves the gradients of the hot-expert copies that a recomputation ran on this thread out
-/// of `grads`, the recomputation's backward, into their step's sums.
-pub(crate) fn take_recomputed_copies(grads: &mut Gradients) {
-    for replicas in RECOMPUTED.take() {
-        replicas.take_grads(grads);
-    }
-}
-
 impl Replicas {
     /// Whether these are a plan's copies (`replicate_hot_experts`), not the default that
     /// copies none.
@@ -127,7 +112,7 @@ impl Replicas {
         };
         let state = &mut *state;
         let id = moe.router.weight.id;
-        let replay = crate::parallelize::units::replaying();
+        let replay = crate::recompute::replaying();
         if !replay {
             let counted = state.counted.entry(id).or_insert_with(|| {
                 state.order.push(id);
@@ -141,7 +126,9 @@ impl Replicas {
         // Tracked: a parameter or a compute-dtype view of one (a cast is no leaf).
         let trains = template.w_gate.weight.val().is_tracked();
         if trains && replay {
-            RECOMPUTED.with(|r| r.borrow_mut().push(self.clone()));
+            // Their gradients come out of the recomputation's own backward, not the step's.
+            let replicas = self.clone();
+            crate::recompute::claim_gradients(Box::new(move |grads| replicas.take_grads(grads)));
         }
         if let Some(made) = state.trained.get(&id).filter(|_| trains) {
             return Ok(made.clone());

@@ -19,9 +19,10 @@ use crate::forward_context::{ForwardContext, SequenceHook, SequenceShare};
 use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::activation::{sigmoid, silu, softmax};
-use burn::tensor::{Device, FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 
 mod module;
+pub use crate::tensor_util::index_tensor;
 pub(crate) use module::{Role, moe_params};
 use serde::{Deserialize, Serialize};
 use std::sync::{Arc, Mutex};
@@ -438,16 +439,6 @@ fn sinkhorn_log_scaling(rows: &[f32], e: usize, iterations: usize) -> Option<Vec
         }
     }
     Some(c.iter().map(|&v| v.ln() as f32).collect())
-}
-
-/// Row indices as an `Int` tensor on `device` (for `select` and `gather`), shaped `shape`.
-pub fn index_tensor<const D: usize>(
-    v: &[usize],
-    shape: [usize; D],
-    device: &Device,
-) -> Tensor<D, Int> {
-    let data = v.iter().map(|&i| i as i64).collect::<Vec<_>>();
-    Tensor::from_data(TensorData::new(data, shape), device)
 }
 
 /// Runs a layer's experts on tokens grouped by expert.

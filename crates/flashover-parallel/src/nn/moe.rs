@@ -8,7 +8,7 @@ use crate::moe::{ExpertDispatch, LocalExperts, Moe};
 use crate::moe::{MoeHook, SwiGlu};
 use crate::parallelize::Placed;
 use crate::parallelize::placed::UnitGathers;
-use crate::parallelize::units::replaying;
+use crate::recompute::replaying;
 use crate::tensor_parallel::comm::on_whole_sequences;
 use burn::tensor::Tensor;
 use std::sync::Arc;

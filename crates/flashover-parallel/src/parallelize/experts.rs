@@ -4,12 +4,12 @@
 //! token to the rank that holds its expert and back.
 
 use super::placed::ExpertSplit;
-use super::plan::{ModulePath, ParallelizePlan};
 use crate::error::ParallelError;
 use crate::expert_parallel::{ExpertTraffic, Replicas};
 use crate::moe::{Role, moe_params};
 use crate::params::ParamLayout;
 use crate::placement::PlacementTable;
+use crate::plan::{ModulePath, ParallelizePlan};
 use burn::module::Module;
 use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
 use flashover_runtime::Axis;

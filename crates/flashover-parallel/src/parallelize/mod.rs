@@ -55,21 +55,19 @@ mod mixed_precision;
 pub mod pipeline;
 mod pipeline_step;
 pub mod placed;
-mod plan;
 mod reduction;
 mod replica_check;
 mod row_optimizer;
 mod split_check;
 pub(crate) mod units;
-mod validate;
 
-pub use pipeline::PipelineModel;
-pub use pipeline_step::PipelineStep;
-pub use placed::{ContextSplit, ExpertSplit, Placed, TpSplit, local_value, tp_split, value_dims};
-pub use plan::{
+pub use crate::plan::{
     AttachedModule, ContextParallelRule, ModulePath, ParallelizePlan, PipelineRule,
     SequenceParallelRules, TensorParallelRule, TpStyle,
 };
+pub use pipeline::PipelineModel;
+pub use pipeline_step::PipelineStep;
+pub use placed::{ContextSplit, ExpertSplit, Placed, TpSplit, local_value, tp_split, value_dims};
 pub use split_check::SplitCheck;
 
 use crate::data_parallel::{BucketedReduction, ReductionReport};
@@ -175,7 +173,7 @@ pub fn parallelize<M: Module>(
     policy.check(ctx.device())?;
     let tp = ctx.group(Axis::Tp).clone();
     let layout = ParamLayout::of(&model);
-    validate::check_plan(plan, &layout.slots, Some(tp.size()))?;
+    crate::plan::check_plan(plan, &layout.slots, Some(tp.size()))?;
     let experts = Experts::of(&model, plan, &layout, ctx.group(Axis::Ep))?;
     let mut stages = match &plan.pipeline {
         Some(rule) => Some(Stages::new(

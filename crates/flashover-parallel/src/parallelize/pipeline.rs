@@ -9,8 +9,7 @@
 //! copies stay equal, and the first stage's copy is the one counted and gathered.
 
 use super::placed::UnitGathers;
-use super::plan::{ModulePath, PipelineRule};
-use super::units::{Unit, replaying, unit_shards};
+use super::units::{Unit, unit_shards};
 use crate::activation_checkpointing::{CheckpointPolicy, Replays, checkpoint_part};
 use crate::data_parallel::BucketedReduction;
 use crate::dropout::draws::{self, Draws, Scope};
@@ -23,7 +22,9 @@ use crate::pipeline::{
     deferral_supported, from_boundary_tensors, specs_of,
 };
 use crate::placement::{PlacementTable, Tie};
+use crate::plan::{ModulePath, PipelineRule};
 use crate::precision::{MixedPrecision, Precision};
+use crate::recompute::replaying;
 use burn::module::Module;
 use burn::tensor::{DType, Device, Gradients, Tensor};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};

@@ -20,11 +20,11 @@
 //! `reshard_after_forward = false`): between steps a rank holds `1/fsdp` of the parameters,
 //! gradients and optimizer state, during forward and backward also the gathered parameters.
 
-use super::plan::{ContextParallelRule, ParallelizePlan, TpStyle};
 pub(crate) use super::units::UnitGathers;
 use crate::context_parallel::{AttentionWork, ContextParallel, CpAttention, SequenceLayout};
 use crate::error::ParallelError;
 use crate::placement::PlacementTable;
+use crate::plan::{ContextParallelRule, ParallelizePlan, TpStyle};
 use crate::tensor_parallel::comm::{copy_to_tp, gather_from_sp, gather_from_tp};
 use crate::tensor_parallel::split_dim;
 use burn::module::{Module, ModuleVisitor, Param, ParamId, Reparameterization, Reparameterizer};

@@ -13,7 +13,7 @@
 //! they issue the same collectives in the same order; a per-parameter gather on the training
 //! thread (a read no unit covers) first waits for the prefetches in flight.
 //!
-//! A recomputed forward ([`recomputing`]: activation checkpointing, in forward and again in
+//! A recomputed forward ([`recomputing`](crate::recompute::recomputing): activation checkpointing, in forward and again in
 //! backward) gathers the units of the module it recomputes on their first reads too, from
 //! that module's own parameters, and forgets them when it ends. So a unit whose forward is
 //! checkpointed holds its gathered parameters only while it computes, and gathers them again
@@ -25,13 +25,14 @@
 //! unit again (once, from the shards the forward read), and the unit's reduce-scatter frees it.
 //! On any other device autodiff keeps what the forward read until backward.
 
-use super::plan::ParallelizePlan;
 use crate::collective_op::{
     collective_pair, collective_pair_after, computed, ok, regathered_pair, tensor_fn,
 };
 use crate::data_parallel::{LaterGrad, LaterHandle};
 use crate::error::ParallelError;
 use crate::params::ParamLayout;
+use crate::plan::ParallelizePlan;
+use crate::recompute::{self, depth, replaying};
 use crate::zero::{Pending, ShardGroup};
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{FloatDType, GradientCheckpointingStrategy, Tensor};
@@ -48,7 +49,7 @@ pub(crate) struct UnitGathers(Arc<UnitState>);
 
 #[derive(Debug, Default)]
 struct UnitState {
-    /// By the recomputation depth it was gathered at (see [`recomputing`]) and parameter
+    /// By the recomputation depth it was gathered at (see [`crate::recompute::recomputing`]) and parameter
     /// path: its gathered rows.
     gathered: Mutex<HashMap<(usize, String), Tensor<1>>>,
     /// The communication thread of the `fsdp` group (set when the plan shards anything).
@@ -499,15 +500,10 @@ impl UnitGathers {
         if !shard.is_tracked() {
             // No backward will release them: they go when the recomputation that gathered
             // them ends, or now.
-            let deferred = FRAMES.with(|frames| match frames.borrow_mut().last_mut() {
-                Some(frame) => {
-                    frame.releases.push((comm.clone(), bytes));
-                    true
-                }
-                None => false,
-            });
-            if !deferred {
-                comm.stats().released(bytes);
+            let comm = comm.clone();
+            let release = Box::new(move |_depth: usize| comm.stats().released(bytes));
+            if let Err(now) = recompute::on_leave(release) {
+                now(0);
             }
         }
         // Two kinds of op, so that backward moves each gradient once: every read of a
@@ -649,15 +645,11 @@ impl UnitGathers {
         let layout = self.0.layout.get()?;
         let unit = *layout.unit_of.get(name)?;
         let members = &layout.members[unit];
-        let shards: Vec<(String, Tensor<1>)> = FRAMES.with(|frames| {
-            let frames = frames.borrow();
-            let stored = &frames.last()?.stored;
-            Some(
-                members
-                    .iter()
-                    .filter_map(|(n, id)| Some((n.clone(), stored.get(id)?.clone())))
-                    .collect(),
-            )
+        let shards: Vec<(String, Tensor<1>)> = recompute::with_stored(|stored| {
+            members
+                .iter()
+                .filter_map(|(n, id)| Some((n.clone(), stored.get(id)?.clone())))
+                .collect()
         })?;
         if shards.is_empty() {
             return None;
@@ -687,11 +679,9 @@ impl UnitGathers {
         if let Some((next, shards)) = next {
             self.prefetch(Unit::Scoped(next), &shards);
         }
-        FRAMES.with(|frames| {
-            if let Some(frame) = frames.borrow_mut().last_mut() {
-                frame.gathers.push(self.clone());
-            }
-        });
+        let gathers = self.clone();
+        // Outside a frame nothing was gathered at a recomputation's depth.
+        let _ = recompute::on_leave(Box::new(move |depth| gathers.forget_depth(depth)));
         lock(&self.0.gathered)
             .get(&(depth(), name.to_string()))
             .cloned()
@@ -760,11 +750,6 @@ impl UnitGathers {
 }
 
 thread_local! {
-    /// How many checkpointed forwards (activation checkpointing) this thread is inside, and
-    /// of those, how many are reruns in backward.
-    static RECOMPUTING: std::cell::Cell<(usize, usize)> = const { std::cell::Cell::new((0, 0)) };
-    /// Per checkpointed forward this thread is inside, innermost last: what it recomputes.
-    static FRAMES: RefCell<Vec<Frame>> = const { RefCell::new(Vec::new()) };
     /// The input of the layer running now, where a caller names it ([`after_input`]).
     static LAYER_INPUT: RefCell<Option<Tensor<1>>> = const { RefCell::new(None) };
 }
@@ -783,68 +768,6 @@ pub(crate) fn after_input<T>(input: Option<Tensor<1>>, f: impl FnOnce() -> T) ->
         }
     }
     let _restore = Restore(before);
-    f()
-}
-
-/// One checkpointed forward's parameters and the gathers made inside it.
-struct Frame {
-    /// The recomputed module's parameters, by id: their stored values, flattened.
-    stored: HashMap<ParamId, Tensor<1>>,
-    /// Where units were gathered inside it (forgotten when it ends).
-    gathers: Vec<UnitGathers>,
-    /// Gathered bytes no backward releases (a forward without a graph), released when it ends.
-    releases: Vec<(Arc<ShardGroup>, usize)>,
-}
-
-fn depth() -> usize {
-    RECOMPUTING.with(|d| d.get().0)
-}
-
-/// Whether this thread reruns a checkpointed forward in backward (see [`recomputing`]). A
-/// pipeline's layer rerun there prefetches nothing (the schedule interleaves micro-batches, so
-/// the layer before is not what reruns next); a scope's checkpointed unit prefetches the one
-/// checkpointed before it.
-pub(crate) fn replaying() -> bool {
-    RECOMPUTING.with(|d| d.get().1 > 0)
-}
-
-/// Runs `f`, a checkpointed forward (`replay`: its rerun in backward) of a module whose
-/// parameters' stored values `stored` holds by id (flattened), apart from the gathers around
-/// it: its reads take only what was gathered inside it, never a tensor of the enclosing
-/// forward's graph (its gradient would bypass the recomputation, and inside backward,
-/// registering an op on that graph would wait for the graph's own lock). A unit whose
-/// parameters `stored` holds is gathered at its first read from them, and forgotten when `f`
-/// returns.
-pub(crate) fn recomputing<T>(
-    stored: HashMap<ParamId, Tensor<1>>,
-    replay: bool,
-    f: impl FnOnce() -> T,
-) -> T {
-    let step = (1, replay as usize);
-    struct Leave((usize, usize));
-    impl Drop for Leave {
-        fn drop(&mut self) {
-            let depth = depth();
-            if let Some(frame) = FRAMES.with(|f| f.borrow_mut().pop()) {
-                for gathers in frame.gathers {
-                    gathers.forget_depth(depth);
-                }
-                for (comm, bytes) in frame.releases {
-                    comm.stats().released(bytes);
-                }
-            }
-            RECOMPUTING.with(|d| d.set((d.get().0 - self.0.0, d.get().1 - self.0.1)));
-        }
-    }
-    RECOMPUTING.with(|d| d.set((d.get().0 + step.0, d.get().1 + step.1)));
-    FRAMES.with(|f| {
-        f.borrow_mut().push(Frame {
-            stored,
-            gathers: vec![],
-            releases: vec![],
-        })
-    });
-    let _leave = Leave(step);
     f()
 }
 

@@ -2,14 +2,13 @@
 //! something, every tensor-parallel path names a linear layer, and every split width divides.
 //! Each refusal names the path and the reason.
 
-use super::plan::{ModulePath, ParallelizePlan, TensorParallelRule, TpStyle};
-use crate::activation_checkpointing::CheckpointPolicy;
+use super::{CheckpointPolicy, ModulePath, ParallelizePlan, TensorParallelRule, TpStyle};
 use crate::error::ParallelError;
 use crate::params::ParamSlot;
 
 /// Checks `plan` against the parameters `slots` of a model to be split over `tp` ranks (its
 /// paths and styles only, not the widths, with `None`).
-pub(super) fn check_plan(
+pub(crate) fn check_plan(
     plan: &ParallelizePlan,
     slots: &[ParamSlot],
     tp: Option<usize>,

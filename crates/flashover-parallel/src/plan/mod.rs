@@ -1,8 +1,12 @@
 //! A parallelization plan as data: which modules of a model each strategy transforms, named by
 //! their paths in the model (`blocks.*.attn`), as a Rust value or a TOML table.
 
-use crate::activation_checkpointing::CheckpointPolicy;
-use crate::context_parallel::CpAttention;
+mod validate;
+mod vocabulary;
+
+pub(crate) use validate::check_plan;
+pub use vocabulary::{CheckpointPolicy, CpAttention};
+
 use crate::data_parallel::GradientBuckets;
 use crate::error::ParallelError;
 use crate::pipeline::ScheduleKind;
@@ -135,7 +139,7 @@ impl TensorParallelRule {
 /// How a pipeline plan cuts a model into stages over `pp`: the repeated `layers` split into
 /// consecutive runs, one per stage, the `first` modules on the first stage and the `last` on
 /// the last (a module in both, a tied embedding and head, is held by both and kept in step).
-/// The model runs its stage through [`super::PipelineModel`].
+/// The model runs its stage through [`crate::parallelize::PipelineModel`].
 ///
 /// `layers` may name several lists, run one after another and numbered on through them: an
 /// encoder-decoder model's `["encoder.blocks", "decoder.blocks"]` with two blocks each has
@@ -362,7 +366,7 @@ mod schedule_name {
     }
 }
 
-/// Which modules of a model each strategy transforms (see [`super::parallelize`]).
+/// Which modules of a model each strategy transforms (see [`crate::parallelize::parallelize`]).
 ///
 /// ```
 /// use flashover_parallel::activation_checkpointing::CheckpointPolicy;
@@ -440,8 +444,8 @@ pub struct ParallelizePlan {
     /// `RunningState`, which no gather could bring back). Burn 0.22.1's `RmsNorm`, `BatchNorm`
     /// and `PositionWiseFeedForward` read it (their shape check then fails in the first
     /// forward): use [`crate::nn::RmsNorm`], [`crate::nn::BatchNorm`] and
-    /// [`crate::nn::transformer`]'s layers, which read [`super::value_dims`], or name them
-    /// here. The report is [`super::Parallelized::kept_whole`].
+    /// [`crate::nn::transformer`]'s layers, which read [`crate::parallelize::value_dims`], or name them
+    /// here. The report is [`crate::parallelize::Parallelized::kept_whole`].
     #[serde(default)]
     pub keep_whole: Vec<ModulePath>,
     /// Linear layers split over the `tp` axis (ignored on a mesh without `tp`). The layers
@@ -497,25 +501,25 @@ pub struct ParallelizePlan {
     /// tokens for them then stay on the rank instead of crossing the all-to-all; the copies'
     /// gradients are summed over `ep` and added to the owners' before the reduction. The same
     /// computation, with gradients summed in another order. Take backward passes with
-    /// [`super::Parallelized::backward`] (the pipeline's steps do), which hands the copies'
+    /// [`crate::parallelize::Parallelized::backward`] (the pipeline's steps do), which hands the copies'
     /// gradients over. Not for experts a `fully_shard` rule shards.
     #[serde(default)]
     pub replicate_hot_experts: usize,
     /// What the model computes in and its gradients are reduced in (FSDP2's
     /// `MixedPrecisionPolicy`; f32 throughout when absent). The parameters and the
-    /// optimizer's state stay f32: [`super::Parallelized::forward`] and the pipeline's steps
+    /// optimizer's state stay f32: [`crate::parallelize::Parallelized::forward`] and the pipeline's steps
     /// compute on [`MixedPrecision::compute_view`] of the model, so gradients come back in f32;
     /// fully sharded units are all-gathered in `param_dtype` (half the bytes for bf16) and
     /// reduce-scattered in `reduce_dtype`, as every other gradient is reduced. A policy that
-    /// scales the loss (f16) scales it in [`super::Parallelized::backward`] (in
-    /// [`super::Parallelized::pipeline_step`] under a pipeline) and skips a step whose
+    /// scales the loss (f16) scales it in [`crate::parallelize::Parallelized::backward`] (in
+    /// [`crate::parallelize::Parallelized::pipeline_step`] under a pipeline) and skips a step whose
     /// gradients overflowed. The TOML table is a job file's `[precision]`
     /// ([`crate::precision::PrecisionSettings`]).
     #[serde(default, with = "policy_settings")]
     pub mixed_precision: Option<MixedPrecision>,
     /// How gradients are summed over the data axes: buckets of `bucket_mb` MiB, reduced while
     /// backward runs (`overlap`) where the step's executor lets gradient hooks report them
-    /// ([`super::Parallelized::pipeline_step`], pipelined or one stage; its report says
+    /// ([`crate::parallelize::Parallelized::pipeline_step`], pipelined or one stage; its report says
     /// whether they did), else right after backward. Defaults: 4 MiB, overlapped.
     #[serde(default)]
     pub gradient_buckets: GradientBuckets,
@@ -685,7 +689,7 @@ impl ParallelizePlan {
 
     /// Fails, naming the path and the reason, when the plan does not fit `model` split over
     /// `tp` ranks: a path that names nothing, a tensor-parallel path that is not a linear
-    /// layer, a width that does not divide (what [`super::parallelize`] checks first), without
+    /// layer, a width that does not divide (what [`crate::parallelize::parallelize`] checks first), without
     /// a mesh.
     pub fn check<M: burn::module::Module>(
         &self,
@@ -693,14 +697,14 @@ impl ParallelizePlan {
         tp: usize,
     ) -> Result<(), ParallelError> {
         let layout = crate::params::ParamLayout::of(model);
-        super::validate::check_plan(self, &layout.slots, Some(tp))
+        validate::check_plan(self, &layout.slots, Some(tp))
     }
 
     /// [`Self::check`] of the paths and styles only, not the widths: a model of the same
     /// structure and smaller widths checks a plan meant for a large one.
     pub fn check_paths<M: burn::module::Module>(&self, model: &M) -> Result<(), ParallelError> {
         let layout = crate::params::ParamLayout::of(model);
-        super::validate::check_plan(self, &layout.slots, None)
+        validate::check_plan(self, &layout.slots, None)
     }
 
     /// A plan read from a TOML table (`fully_shard = ["blocks"]`); unknown keys are refused.
