@@ -8,7 +8,6 @@ use super::plan_loops::{
     GLOBAL_BATCH, MAX_NORM, Run, STEPS, differences, plan_loop, reference_loop,
 };
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use flashover_models::moe::LocalExperts;
 use flashover_models::transformer::{self, LmBatch};
 use flashover_models::{
     Block, Dropout, ForwardContext, MoeConfig, MoeHook, Transformer, TransformerConfig,
@@ -18,7 +17,6 @@ use flashover_parallel::activation_checkpointing::CheckpointPolicy;
 use flashover_parallel::parallelize::{ContextParallelRule, ParallelizePlan, parallelize};
 use flashover_parallel::pipeline::ScheduleKind;
 use flashover_runtime::{Axis, Launch, OpKind};
-use std::sync::Arc;
 
 const VOCAB: usize = 32;
 /// Divisible by 2 (sequence parallelism over tp = 2).
@@ -70,7 +68,7 @@ fn single_rank_with(config: &TransformerConfig, p: f64) -> Run {
         let step = samples.start / GLOBAL_BATCH;
         let sample_offset = samples.start;
         let (x, y) = batch(samples, &device);
-        let hook = MoeHook::new(Arc::new(LocalExperts));
+        let hook = MoeHook::new();
         let ctx = ForwardContext {
             moe: Some(hook.clone()),
             dropout: (p > 0.0).then(|| dropout(p, step)),

@@ -35,7 +35,6 @@ use crate::train::checkpoint::{LocalState, placed_segments};
 use crate::train::config::{GradientReduction, TrainConfig};
 use burn::module::Module;
 use burn::tensor::{Int, Tensor};
-use flashover_models::moe::LocalExperts;
 use flashover_models::transformer::{self, LmBatch};
 use flashover_models::{ForwardContext, MoeHook, Transformer, TransformerConfig};
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
@@ -53,7 +52,6 @@ use flashover_parallel::zero::{MemoryReport, RowAdamW};
 use flashover_parallel::{FlatAdamWConfig, ModuleAdamW, clip_scale};
 use flashover_runtime::{Axis, Group, RankContext, RankError};
 use std::ops::Range;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// Whether the job's ZeRO stage steps rows of what a rank holds ([`RowAdamW`]): ZeRO-1/2, and
@@ -256,10 +254,7 @@ impl RankStrategy for PlanPipeline {
             self.par.restore_loss_scale(scaler.state())?;
         }
         // Every layer of every micro-batch counts its routing into the step's one hook.
-        let routing = self
-            .moe
-            .is_some()
-            .then(|| MoeHook::new(Arc::new(LocalExperts)));
+        let routing = self.moe.is_some().then(|| MoeHook::new());
         let a2a_before = ctx.group(Axis::Ep).stats();
         let data = (0..micro_batches)
             .map(|k| {

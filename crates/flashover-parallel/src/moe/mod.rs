@@ -16,6 +16,7 @@
 //! averaged (as DeepSeek-V3's sequence-wise balance loss), for the same reason.
 
 use crate::forward_context::{ForwardContext, SequenceHook, SequenceShare};
+pub use crate::forward_context::{MoeHook, MoeStats};
 use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::activation::{sigmoid, silu, softmax};
@@ -25,7 +26,7 @@ mod module;
 pub use crate::tensor_util::index_tensor;
 pub(crate) use module::{Role, moe_params};
 use serde::{Deserialize, Serialize};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// SwiGLU feed-forward: `(silu(x W_gate) * (x W_up)) W_down`.
 #[derive(Module, Debug)]
@@ -513,139 +514,8 @@ pub fn run_experts(experts: &[SwiGlu], tokens: Tensor<2>, counts: &[usize]) -> T
     Tensor::cat(outputs, 0)
 }
 
-/// One step's routing statistics, summed over layers and micro-batches (per layer).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct MoeStats {
-    /// Per layer: assignments per expert before dropping.
-    pub routed: Vec<Vec<u64>>,
-    /// Per layer: assignments per expert kept.
-    pub kept: Vec<Vec<u64>>,
-    /// Sum of the load-balancing losses (unweighted) over layers and micro-batches.
-    pub aux_loss: f64,
-    /// Sum of the router z-losses (unweighted) over layers and micro-batches.
-    pub z_loss: f64,
-    /// How many (layer, micro-batch) forwards the sums cover.
-    pub forwards: u64,
-}
-
-impl MoeStats {
-    /// Adds `routing` as layer `layer`.
-    fn record(&mut self, layer: usize, routing: &Routing) {
-        let as_u64 = |counts: &[usize]| counts.iter().map(|&c| c as u64).collect::<Vec<_>>();
-        self.add_counts(layer, &as_u64(&routing.routed), &as_u64(&routing.kept));
-    }
-
-    /// Adds `other`, the statistics of one layer's forwards recorded as layer 0, as layer
-    /// `layer`.
-    fn add_layer(&mut self, layer: usize, other: MoeStats) {
-        let first = |per_layer: &[Vec<u64>]| per_layer.first().cloned().unwrap_or_default();
-        self.add_counts(layer, &first(&other.routed), &first(&other.kept));
-        self.aux_loss += other.aux_loss;
-        self.z_loss += other.z_loss;
-        self.forwards += other.forwards;
-    }
-
-    /// Adds per-expert counts to layer `layer`'s.
-    fn add_counts(&mut self, layer: usize, routed: &[u64], kept: &[u64]) {
-        if self.routed.len() <= layer {
-            self.routed.resize(layer + 1, vec![]);
-            self.kept.resize(layer + 1, vec![]);
-        }
-        for (sums, counts) in [
-            (&mut self.routed[layer], routed),
-            (&mut self.kept[layer], kept),
-        ] {
-            if sums.len() < counts.len() {
-                sums.resize(counts.len(), 0);
-            }
-            sums.iter_mut().zip(counts).for_each(|(s, &c)| *s += c);
-        }
-    }
-}
-
 /// The routing of whole sequences split across ranks, their length, and the split.
 type WholeSequences = (Routing, usize, Arc<dyn SequenceShare>);
-
-/// What a forward through MoE layers needs besides the tokens: who runs the experts, and where
-/// the auxiliary losses and statistics go. Shared by a step's micro-batches.
-#[derive(Clone)]
-pub struct MoeHook {
-    /// Runs the experts.
-    pub dispatch: Arc<dyn ExpertDispatch>,
-    /// The auxiliary losses of the forwards since the last [`MoeHook::take_aux_loss`].
-    aux: Arc<Mutex<Vec<Tensor<1>>>>,
-    /// Routing statistics since the last [`MoeHook::take_stats`].
-    stats: Arc<Mutex<MoeStats>>,
-}
-
-impl std::fmt::Debug for MoeHook {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("MoeHook")
-    }
-}
-
-impl PartialEq for MoeHook {
-    fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.aux, &other.aux)
-    }
-}
-
-impl MoeHook {
-    /// A hook whose experts run through `dispatch`.
-    pub fn new(dispatch: Arc<dyn ExpertDispatch>) -> Self {
-        MoeHook {
-            dispatch,
-            aux: Arc::default(),
-            stats: Arc::default(),
-        }
-    }
-
-    /// The weighted auxiliary losses added since the last call, summed (`None` if there were
-    /// none): add it to the training loss before backward.
-    pub fn take_aux_loss(&self) -> Option<Tensor<1>> {
-        let terms = std::mem::take(&mut *self.aux.lock().expect("aux losses"));
-        terms.into_iter().reduce(|a, b| a + b)
-    }
-
-    /// The statistics gathered since the last call.
-    pub fn take_stats(&self) -> MoeStats {
-        std::mem::take(&mut *self.stats.lock().expect("moe stats"))
-    }
-
-    /// Adds `stats`, what a layer's own hook recorded (as layer 0), as layer `layer`'s: for a
-    /// layer that runs its experts through a hook of its own (spread over `ep` by a plan)
-    /// inside a forward whose hook counts every layer.
-    pub fn add_layer_stats(&self, layer: usize, stats: MoeStats) {
-        self.stats
-            .lock()
-            .expect("moe stats")
-            .add_layer(layer, stats);
-    }
-
-    /// Adds a weighted auxiliary loss, as an MoE layer's forward does.
-    pub fn push_aux_loss(&self, aux: Tensor<1>) {
-        self.aux.lock().expect("aux losses").push(aux);
-    }
-
-    /// The same experts and statistics, with auxiliary losses collected apart (for a caller
-    /// that routes them itself: a recomputed block returns them with its output).
-    pub fn with_own_aux_losses(&self) -> Self {
-        MoeHook {
-            aux: Arc::default(),
-            ..self.clone()
-        }
-    }
-
-    /// The same experts, recording neither auxiliary losses nor statistics where this hook
-    /// does: a forward run a second time (recomputation in backward) must not count twice.
-    pub fn replaying(&self) -> Self {
-        MoeHook {
-            aux: Arc::default(),
-            stats: Arc::default(),
-            ..self.clone()
-        }
-    }
-}
 
 /// [`Moe::update_bias`] on a layer's routing bias `bias` held apart from its layer (a pipeline
 /// rank keeps every layer's, so that any rank can save them).
@@ -673,9 +543,22 @@ impl Moe {
         update_expert_bias(&mut self.expert_bias, routed, &self.config);
     }
 
-    /// `x: [batch, seq, d_model]` -> same shape, as layer `layer`. Without an [`MoeHook`] in
-    /// `ctx` the experts run locally and the auxiliary losses are not collected.
+    /// `x: [batch, seq, d_model]` -> same shape, as layer `layer`, every expert run here
+    /// ([`LocalExperts`]). Without an [`MoeHook`] in `ctx` the auxiliary losses and routing
+    /// statistics are not collected.
     pub fn forward_with(&self, x: Tensor<3>, ctx: &ForwardContext, layer: usize) -> Tensor<3> {
+        self.forward_dispatched(x, ctx, layer, &LocalExperts)
+    }
+
+    /// [`Self::forward_with`], the experts run through `dispatch` (the expert-parallel
+    /// dispatcher when this layer holds only its rank's experts).
+    pub fn forward_dispatched(
+        &self,
+        x: Tensor<3>,
+        ctx: &ForwardContext,
+        layer: usize,
+        dispatch: &dyn ExpertDispatch,
+    ) -> Tensor<3> {
         let [b, t, d] = x.dims();
         let n = b * t;
         let k = self.config.top_k;
@@ -712,11 +595,7 @@ impl Moe {
         }
         if let Some(hook) = &ctx.moe {
             let (aux, values) = self.aux_losses(logits, scores, &routing, [b, t], whole);
-            let mut stats = hook.stats.lock().expect("moe stats");
-            stats.record(layer, &routing);
-            stats.aux_loss += values[0];
-            stats.z_loss += values[1];
-            stats.forwards += 1;
+            hook.record(layer, [&routing.routed, &routing.kept], values);
             if let Some(aux) = aux {
                 hook.push_aux_loss(aux);
             }
@@ -726,18 +605,9 @@ impl Moe {
         let routed = if rows == 0 {
             Tensor::<2>::zeros([n, d], &device).cast(dtype)
         } else {
-            match &ctx.moe {
-                Some(hook) => {
-                    let tokens = hook.dispatch.gather(xf.clone(), &routing.token);
-                    let out = hook.dispatch.dispatch(self, tokens, &routing.kept);
-                    hook.dispatch.combine(out, weights, &routing)
-                }
-                None => {
-                    let tokens = LocalExperts.gather(xf.clone(), &routing.token);
-                    let out = LocalExperts.dispatch(self, tokens, &routing.kept);
-                    LocalExperts.combine(out, weights, &routing)
-                }
-            }
+            let tokens = dispatch.gather(xf.clone(), &routing.token);
+            let out = dispatch.dispatch(self, tokens, &routing.kept);
+            dispatch.combine(out, weights, &routing)
         };
         let out = match &self.shared {
             Some(shared) => routed + shared.forward_expert(xf.reshape([1, n, d])).reshape([n, d]),

@@ -3,9 +3,8 @@
 
 use crate::context_parallel::CpSequences;
 use crate::expert_parallel::ExpertParallel;
-use crate::forward_context::{ForwardContext, SequenceHook};
-use crate::moe::{ExpertDispatch, LocalExperts, Moe};
-use crate::moe::{MoeHook, SwiGlu};
+use crate::forward_context::{ForwardContext, MoeHook, SequenceHook};
+use crate::moe::{ExpertDispatch, LocalExperts, Moe, SwiGlu};
 use crate::parallelize::Placed;
 use crate::parallelize::placed::UnitGathers;
 use crate::recompute::replaying;
@@ -121,12 +120,12 @@ fn forward_routed(
                 (std::borrow::Cow::Owned(held), Arc::new(ep))
             }
         };
-    let hook = MoeHook::new(dispatch);
+    let hook = MoeHook::new();
     ctx.moe = Some(hook.clone());
     // Fully sharded experts: gathered together before routing, on every rank of their
     // `fsdp` group, since which experts run depends on this rank's tokens.
     let gathered = gather_experts(&layer.experts);
-    let mut y = layer.forward_with(x, &ctx, 0);
+    let mut y = layer.forward_dispatched(x, &ctx, 0, dispatch.as_ref());
     if let Some((units, names, gathered)) = gathered {
         units.release(names.iter().map(String::as_str));
         // A rank whose tokens reached none of its experts still joins their gradients'

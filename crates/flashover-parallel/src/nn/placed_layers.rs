@@ -1,9 +1,7 @@
 //! The forward context of a model whose mixture-of-experts layers report to one (the
 //! reference transformer).
 
-use crate::forward_context::ForwardContext;
-use crate::moe::{LocalExperts, MoeHook};
-use std::sync::Arc;
+use crate::forward_context::{ForwardContext, MoeHook};
 
 /// A forward context that counts the mixture-of-experts layers' routing and collects their
 /// auxiliary losses in its `moe` hook. The layers themselves compute as the plan placed their
@@ -11,7 +9,7 @@ use std::sync::Arc;
 /// layers).
 pub fn placed_context() -> ForwardContext {
     ForwardContext {
-        moe: Some(MoeHook::new(Arc::new(LocalExperts))),
+        moe: Some(MoeHook::new()),
         ..ForwardContext::default()
     }
 }

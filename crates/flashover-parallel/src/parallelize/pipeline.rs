@@ -10,7 +10,6 @@
 
 use super::placed::UnitGathers;
 use super::units::{Unit, unit_shards};
-use crate::activation_checkpointing::{CheckpointPolicy, Replays, checkpoint_part};
 use crate::data_parallel::BucketedReduction;
 use crate::dropout::draws::{self, Draws, Scope};
 use crate::error::ParallelError;
@@ -22,9 +21,11 @@ use crate::pipeline::{
     deferral_supported, from_boundary_tensors, specs_of,
 };
 use crate::placement::{PlacementTable, Tie};
+use crate::plan::CheckpointPolicy;
 use crate::plan::{ModulePath, PipelineRule};
 use crate::precision::{MixedPrecision, Precision};
 use crate::recompute::replaying;
+use crate::recompute::{Replays, checkpoint_part};
 use burn::module::Module;
 use burn::tensor::{DType, Device, Gradients, Tensor};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};

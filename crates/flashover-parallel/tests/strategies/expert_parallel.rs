@@ -8,10 +8,11 @@ use burn::tensor::{Device, Tensor, TensorData};
 use flashover_parallel::ParallelError;
 use flashover_parallel::expert_parallel::{ExpertParallel, expert_slots};
 use flashover_parallel::forward_context::ForwardContext;
-use flashover_parallel::moe::{DropPolicy, Moe, MoeConfig, MoeHook, SwiGlu};
+use flashover_parallel::moe::{
+    DropPolicy, ExpertDispatch, LocalExperts, Moe, MoeConfig, MoeHook, SwiGlu,
+};
 use flashover_parallel::params::to_f32;
 use flashover_runtime::{Axis, CommunicatorExt, ReduceOp, launch};
-use std::sync::Arc;
 
 const D: usize = 8;
 const SEQ: usize = 6;
@@ -63,7 +64,13 @@ struct Pass {
     routed: Vec<u64>,
 }
 
-fn pass(moe: &Moe, samples: std::ops::Range<usize>, hook: MoeHook, device: &Device) -> Pass {
+fn pass(
+    moe: &Moe,
+    samples: std::ops::Range<usize>,
+    dispatch: &dyn ExpertDispatch,
+    device: &Device,
+) -> Pass {
+    let hook = MoeHook::new();
     let all = values(BATCH * SEQ * D, 0.11);
     let rows = &all[samples.start * SEQ * D..samples.end * SEQ * D];
     let x = Tensor::<3>::from_data(
@@ -75,7 +82,7 @@ fn pass(moe: &Moe, samples: std::ops::Range<usize>, hook: MoeHook, device: &Devi
         moe: Some(hook.clone()),
         ..ForwardContext::default()
     };
-    let y = moe.forward_with(x.clone(), &ctx, 0);
+    let y = moe.forward_dispatched(x.clone(), &ctx, 0, dispatch);
     let grads = (y.clone() * y.clone()).sum().backward();
     let stats = hook.take_stats();
     Pass {
@@ -108,8 +115,7 @@ fn close(a: &[f32], b: &[f32], what: &str) {
 fn check(config: &MoeConfig, ep: usize, router_scale: f32) -> Pass {
     let device = Device::flex().autodiff();
     let whole = layer(config, 0..config.n_experts, router_scale, &device);
-    let local = MoeHook::new(Arc::new(flashover_parallel::moe::LocalExperts));
-    let reference = pass(&whole, 0..BATCH, local, &device);
+    let reference = pass(&whole, 0..BATCH, &LocalExperts, &device);
     let results = launch(format!("ep={ep}").as_str(), |ctx| {
         let device = Device::flex().autodiff();
         let group = ctx.group(Axis::Ep);
@@ -118,7 +124,7 @@ fn check(config: &MoeConfig, ep: usize, router_scale: f32) -> Pass {
         let moe = layer(config, mine.clone(), router_scale, &device);
         let per = BATCH / ep;
         let samples = group.rank() * per..(group.rank() + 1) * per;
-        let mut out = pass(&moe, samples, MoeHook::new(Arc::new(experts)), &device);
+        let mut out = pass(&moe, samples, &experts, &device);
         group.all_reduce(&mut out.g_router, ReduceOp::Sum)?;
         group.all_reduce(&mut out.kept, ReduceOp::Sum)?;
         group.all_reduce(&mut out.routed, ReduceOp::Sum)?;

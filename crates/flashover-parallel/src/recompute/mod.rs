@@ -7,6 +7,15 @@
 //! values and register what to forget when the frame ends ([`on_leave`]); hot-expert copies
 //! claim the gradients a recomputation's backward gives them ([`claim_gradients`]); a rerun
 //! counts nothing twice ([`replaying`]).
+//!
+//! The frame's forward is recomputed by a custom autodiff op whose backward reruns it on the
+//! device ([`checkpoint`]; module `op`).
+
+mod checkpoint;
+mod op;
+
+pub use checkpoint::checkpoint;
+pub(crate) use checkpoint::{Replays, checkpoint_part};
 
 use burn::module::ParamId;
 use burn::tensor::{Gradients, Tensor};

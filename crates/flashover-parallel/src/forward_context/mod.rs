@@ -8,13 +8,16 @@
 //! what the layers' own types cannot: attention's core over keys and values on other ranks
 //! ([`AttentionOp`], context parallelism), a block run again in backward ([`CheckpointHook`],
 //! activation checkpointing), a mixture-of-experts layer's experts and auxiliary losses
-//! ([`crate::moe::MoeHook`]; a plan's layers find their experts' placement themselves,
+//! ([`MoeHook`]; a plan's layers find their experts' placement themselves,
 //! `crate::nn::MoeForward`), and the
 //! sequences split across ranks that such a layer routes whole ([`SequenceShare`], context
 //! parallelism). Linear layers, embeddings and the loss need none: `crate::nn`'s layers
 //! compute as the plan placed them.
 
-use crate::activation_checkpointing::BlockRecompute;
+mod moe_record;
+
+pub use moe_record::{MoeHook, MoeStats};
+
 use crate::dropout::{Coords, Dropout, Site};
 use burn::module::Module;
 use burn::tensor::{Device, Tensor, TensorData};
@@ -36,9 +39,9 @@ pub struct ForwardContext {
     /// (context parallelism: a rank holds chunks of every sequence). Rotary embeddings and
     /// dropout masks use them; `None` means `seq_offset..`.
     pub positions: Option<Arc<[usize]>>,
-    /// Runs mixture-of-experts layers' experts and collects their auxiliary losses when set
-    /// (without it, experts run locally and auxiliary losses are not added).
-    pub moe: Option<crate::moe::MoeHook>,
+    /// Collects mixture-of-experts layers' auxiliary losses and routing statistics when set
+    /// (without it, auxiliary losses are not added).
+    pub moe: Option<MoeHook>,
     /// Computes attention's core (softmax of scores times values) in place of the local causal
     /// attention when set: context parallelism, whose keys and values live on other ranks too.
     pub core_attention: Option<AttentionHook>,
@@ -93,20 +96,59 @@ shared_hook!(SequenceHook, SequenceShare);
 /// recomputed mixture-of-experts block records its auxiliary losses elsewhere.
 pub type BlockFn<B> = Arc<dyn Fn(&B, Tensor<3>, &ForwardContext) -> Tensor<3> + Send + Sync>;
 
-/// Runs a model's blocks under a [`crate::activation_checkpointing::CheckpointPolicy`]: the
-/// blocks it names keep only their input and run again in backward.
-#[derive(Clone)]
-pub struct CheckpointHook(pub Arc<BlockRecompute>);
-
-impl std::fmt::Debug for CheckpointHook {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("CheckpointHook")
-    }
+/// Runs a model's blocks, each plainly or recomputed in backward (activation checkpointing:
+/// `crate::activation_checkpointing::BlockRecompute` picks the blocks a policy names).
+pub trait BlockCheckpoint: Send + Sync {
+    /// `block`'s forward as block `layer` on `x`. `aux_losses`: whether the block adds
+    /// auxiliary losses to `ctx`'s `moe` hook (a mixture-of-experts block), which a
+    /// recomputation must carry out of its function.
+    fn run(
+        &self,
+        layer: usize,
+        block: &dyn RecomputableBlock,
+        x: Tensor<3>,
+        ctx: &ForwardContext,
+        aux_losses: bool,
+    ) -> Tensor<3>;
 }
 
-impl PartialEq for CheckpointHook {
-    fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
+shared_hook!(CheckpointHook, BlockCheckpoint);
+
+/// A block's forward given its input and context, as a [`BlockRun`] calls it: over the
+/// parameters the run at hand reads (the recomputation's own in backward).
+pub type BlockForward<'a> = &'a dyn Fn(Tensor<3>, &ForwardContext) -> Tensor<3>;
+
+/// What a checkpointed block runs, each time (in forward, and again in backward): its
+/// forward and input -> its output. Where the context differs between the runs, the run picks
+/// it.
+pub type BlockRun = Arc<dyn Fn(BlockForward<'_>, Tensor<3>) -> Tensor<3> + Send + Sync>;
+
+/// One of a model's blocks and its forward, type-erased for a [`BlockCheckpoint`].
+pub trait RecomputableBlock {
+    /// The forward, run plainly.
+    fn forward(&self, x: Tensor<3>, ctx: &ForwardContext) -> Tensor<3>;
+
+    /// `run` on the block, keeping only `x` for backward and calling `run` again there
+    /// (`crate::activation_checkpointing::checkpoint` of the block).
+    fn checkpointed(&self, x: Tensor<3>, run: BlockRun) -> Tensor<3>;
+}
+
+/// A Burn module and its [`BlockFn`] as a [`RecomputableBlock`].
+struct ModuleBlock<'a, B> {
+    block: &'a B,
+    forward: BlockFn<B>,
+}
+
+impl<B: Module + Send + Sync + 'static> RecomputableBlock for ModuleBlock<'_, B> {
+    fn forward(&self, x: Tensor<3>, ctx: &ForwardContext) -> Tensor<3> {
+        (self.forward)(self.block, x, ctx)
+    }
+
+    fn checkpointed(&self, x: Tensor<3>, run: BlockRun) -> Tensor<3> {
+        let forward = self.forward.clone();
+        crate::recompute::checkpoint(self.block, x, move |block: &B, x: Tensor<3>| {
+            run(&|x, ctx| forward(block, x, ctx), x)
+        })
     }
 }
 
@@ -143,9 +185,11 @@ impl ForwardContext {
         forward: impl Fn(&B, Tensor<3>, &ForwardContext) -> Tensor<3> + Send + Sync + 'static,
     ) -> Tensor<3> {
         match &self.checkpointing {
-            Some(hook) => hook
-                .0
-                .run(layer, block, x, self, aux_losses, Arc::new(forward)),
+            Some(hook) => {
+                let forward = Arc::new(forward);
+                let block = ModuleBlock { block, forward };
+                hook.0.run(layer, &block, x, self, aux_losses)
+            }
             None => forward(block, x, self),
         }
     }
