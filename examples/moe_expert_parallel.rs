@@ -21,7 +21,7 @@ use common::{GLOBAL_BATCH, STEPS, batch, differences, mse};
 use flashover::launch;
 use flashover_models::moe::{Moe, MoeConfig};
 use flashover_models::{SwiGlu, init};
-use flashover_parallel::nn::MoeForward;
+use flashover_parallel::expert_parallel::MoeForward;
 use flashover_parallel::parallelize::{ParallelizePlan, parallelize};
 
 const EXPERTS: usize = 4;

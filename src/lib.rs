@@ -101,7 +101,12 @@ pub use flashover_comm as comm;
 pub use flashover_mesh as mesh;
 pub use flashover_models as models;
 pub use flashover_parallel as parallel;
-pub use flashover_parallel::nn;
+/// Burn's layers, splittable by a plan (`flashover_parallel::nn`), and the forward of a
+/// mixture-of-experts layer under a plan.
+pub mod nn {
+    pub use flashover_parallel::expert_parallel::MoeForward;
+    pub use flashover_parallel::nn::*;
+}
 pub use flashover_runtime::{
     Axis, CommError, CommStats, CommStream, Communicator, CommunicatorExt, DeviceChoice,
     DeviceError, DeviceMesh, FaultPlan, Group, IntoMesh, Launch, LaunchError, Launcher, MeshError,

@@ -5,10 +5,11 @@ use burn::tensor::FloatDType;
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Tensor};
 use flashover_parallel::dropout::Site;
+use flashover_parallel::expert_parallel::MoeForward;
 use flashover_parallel::forward_context::ForwardContext;
 use flashover_parallel::moe::{Moe, SwiGlu};
+use flashover_parallel::nn::Linear;
 use flashover_parallel::nn::RmsNorm;
-use flashover_parallel::nn::{Linear, MoeForward};
 
 /// Applies rotary embeddings to `x: [batch, heads, seq, head_dim]` ("rotate half" layout).
 fn apply_rope(x: Tensor<4>, cos: &Tensor<2>, sin: &Tensor<2>) -> Tensor<4> {

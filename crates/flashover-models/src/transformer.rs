@@ -84,7 +84,7 @@ pub fn pipeline(
 /// The forward context in which the reference transformer computes with the parameters as a
 /// plan placed them: its linear layers, embedding and head through [`flashover_parallel::nn`]'s functions
 /// (Megatron's collectives around split layers, Burn's forward for whole ones), and its
-/// mixture-of-experts layers through [`flashover_parallel::nn::MoeForward`], their auxiliary losses
+/// mixture-of-experts layers through [`flashover_parallel::expert_parallel::MoeForward`], their auxiliary losses
 /// collected in the context's `moe` hook ([`objective`] adds them). Without dropout
 /// ([`dropout_context`] adds it).
 pub fn forward_context() -> ForwardContext {

@@ -48,6 +48,7 @@ pub mod nn;
 pub mod parallelize;
 pub mod params;
 pub mod pipeline;
+pub mod placed;
 pub mod placement;
 pub mod plan;
 pub mod precision;

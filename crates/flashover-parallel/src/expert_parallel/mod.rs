@@ -18,10 +18,13 @@
 //! are owned over `ep`, and a plan's gradient buckets (by each entry's `reduce_axes`) do the rest.
 
 mod combine_op;
+mod moe_forward;
 mod replicas;
 
+use crate::placed::{ExpertSplit, SharedExpertState};
 use crate::placement::PlacementTable;
 use crate::precision::cast_params;
+pub use moe_forward::MoeForward;
 pub(crate) use replicas::Replicas;
 
 use crate::collective_op::{collective_pair, ok, tensor_fn};
@@ -94,6 +97,20 @@ impl ExpertTraffic {
     }
 }
 
+/// What the expert-parallel layers of one plan share: the rows their dispatches sent, and the
+/// step's hot-expert copies (none without `replicate_hot_experts`).
+struct Shared {
+    traffic: Arc<ExpertTraffic>,
+    replicas: Replicas,
+}
+
+/// The state a plan's expert-parallel layers share, for their routers' records
+/// ([`ExpertSplit`]): their dispatches count into `traffic` and copy hot experts into
+/// `replicas`.
+pub(crate) fn share(traffic: Arc<ExpertTraffic>, replicas: Replicas) -> SharedExpertState {
+    SharedExpertState(Arc::new(Shared { traffic, replicas }))
+}
+
 /// The ep group and which experts each of its ranks holds; the [`ExpertDispatch`] that sends
 /// tokens to their experts' ranks.
 #[derive(Debug, Clone)]
@@ -122,18 +139,17 @@ impl ExpertParallel {
         })
     }
 
-    /// The dispatch counting the rows it sends into `traffic` (shared with whoever reads it)
-    /// instead of a counter of its own.
-    pub(crate) fn counting_into(mut self, traffic: Arc<ExpertTraffic>) -> Self {
-        self.traffic = traffic;
-        self
-    }
-
-    /// The dispatch copying hot experts into `replicas` (shared with whoever folds their
-    /// gradients); without it, it copies none.
-    pub(crate) fn copying_into(mut self, replicas: Replicas) -> Self {
-        self.replicas = replicas;
-        self
+    /// The dispatch of a layer a plan spread over `ep` (`split`, from its router's record):
+    /// counting the rows it sends, and copying hot experts, into what the plan's layers share
+    /// ([`share`]).
+    pub(crate) fn placed(split: &ExpertSplit) -> Result<Self, ParallelError> {
+        let shared = (split.shared.0.downcast_ref::<Shared>())
+            .expect("an expert split's shared state is made by expert_parallel::share");
+        Ok(ExpertParallel {
+            traffic: shared.traffic.clone(),
+            replicas: shared.replicas.clone(),
+            ..Self::new(&split.group, split.n_experts)?
+        })
     }
 
     /// The ep group.

@@ -9,7 +9,7 @@
 //! ([`AttentionOp`], context parallelism), a block run again in backward ([`CheckpointHook`],
 //! activation checkpointing), a mixture-of-experts layer's experts and auxiliary losses
 //! ([`MoeHook`]; a plan's layers find their experts' placement themselves,
-//! `crate::nn::MoeForward`), and the
+//! `crate::expert_parallel::MoeForward`), and the
 //! sequences split across ranks that such a layer routes whole ([`SequenceShare`], context
 //! parallelism). Linear layers, embeddings and the loss need none: `crate::nn`'s layers
 //! compute as the plan placed them.

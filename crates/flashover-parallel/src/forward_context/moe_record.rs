@@ -57,7 +57,7 @@ impl MoeStats {
 
 /// Where a forward's mixture-of-experts layers leave their weighted auxiliary losses and
 /// routing statistics. Shared by a step's micro-batches. (Where the experts run is the
-/// layer's own business: `crate::nn::MoeForward`.)
+/// layer's own business: `crate::expert_parallel::MoeForward`.)
 #[derive(Clone, Default)]
 pub struct MoeHook {
     /// The auxiliary losses of the forwards since the last [`MoeHook::take_aux_loss`].

@@ -1,7 +1,7 @@
 //! Causal attention's core, splittable over `cp` by a plan's `context_parallel` rule.
 
 use crate::forward_context::ForwardContext;
-use crate::parallelize::{ContextSplit, Placed};
+use crate::placed::{ContextSplit, Placed};
 use burn::module::{Module, Param};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Device, Tensor};

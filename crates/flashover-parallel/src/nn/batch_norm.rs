@@ -1,7 +1,7 @@
 //! Burn's `BatchNorm`, fully shardable, with its statistics over the whole batch.
 
 use crate::dropout::draws::batch_ranks;
-use crate::parallelize::value_dims;
+use crate::placed::value_dims;
 use crate::tensor_parallel::comm::{copy_to_tp, reduce_from_tp};
 use burn::config::Config;
 use burn::module::{Flag, Module, Param, RunningState};

@@ -18,7 +18,7 @@
 
 use crate::dropout::draws::{self, Draws};
 use crate::dropout::{Coords, Dropout as CounterDropout};
-use crate::parallelize::tp_split;
+use crate::placed::tp_split;
 use burn::module::{Flag, Module, Param};
 use burn::tensor::Tensor;
 use std::ops::Range;

@@ -1,7 +1,8 @@
 //! Burn's `Embedding`, splittable by vocabulary, with the tied head and the loss that go with a
 //! split table.
 
-use crate::parallelize::{TpStyle, local_value, tp_split};
+use crate::placed::{local_value, tp_split};
+use crate::plan::TpStyle;
 use crate::tensor_parallel::comm::{copy_to_tp, gather_from_sp};
 use crate::tensor_parallel::{TensorParallel, VocabShard, vocab_parallel_embedding};
 use burn::config::Config;

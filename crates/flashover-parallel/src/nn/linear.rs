@@ -1,8 +1,9 @@
 //! Burn's `Linear`, splittable column- or row-wise.
 
-use crate::parallelize::{TpSplit, TpStyle, local_value, tp_split, value_dims};
 use crate::pipeline::deferred_product;
 use crate::pipeline::weight_grad::forward_store;
+use crate::placed::{TpSplit, local_value, tp_split, value_dims};
+use crate::plan::TpStyle;
 use crate::tensor_parallel::async_colwise::colwise_product;
 use crate::tensor_parallel::{TensorParallel, VocabShard};
 use burn::config::Config;

@@ -14,8 +14,9 @@
 //! stored shape, so `fully_shard` shards every one of their parameters.
 //! [`CausalAttention`] is attention's core (`softmax(q k^T / sqrt(d) + mask) v`), which a
 //! plan's `context_parallel` rule makes attend across the ranks that hold a sequence's other
-//! positions. [`MoeForward`] runs a mixture-of-experts layer (`flashover::models::Moe`) whose
-//! experts a plan's `expert_parallel` rule spreads over `ep`.
+//! positions. A mixture-of-experts layer (`flashover::models::Moe`) whose experts a plan's
+//! `expert_parallel` rule spreads over `ep` runs through
+//! `crate::expert_parallel::MoeForward` (`flashover::nn::MoeForward`).
 
 mod attention;
 mod batch_norm;
@@ -23,7 +24,6 @@ pub(crate) mod dropout;
 pub(crate) mod embedding;
 mod head;
 pub(crate) mod linear;
-mod moe;
 mod multi_head_attention;
 mod placed_layers;
 mod rms_norm;
@@ -37,7 +37,6 @@ pub use dropout::{Dropout, DropoutConfig, clear_dropout_draws, set_dropout_draws
 pub use embedding::{Embedding, EmbeddingConfig};
 pub use head::{OutputHead, next_token_loss};
 pub use linear::{Linear, LinearConfig};
-pub use moe::MoeForward;
 pub use multi_head_attention::{MhaInput, MhaOutput, MultiHeadAttention, MultiHeadAttentionConfig};
 pub use placed_layers::placed_context;
 pub use rms_norm::{RmsNorm, RmsNormConfig};

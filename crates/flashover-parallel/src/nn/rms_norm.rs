@@ -1,6 +1,6 @@
 //! Burn's `RmsNorm`, fully shardable.
 
-use crate::parallelize::value_dims;
+use crate::placed::value_dims;
 use burn::config::Config;
 use burn::module::{Module, Param};
 use burn::nn::Initializer;

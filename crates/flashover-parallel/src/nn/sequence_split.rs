@@ -9,7 +9,7 @@
 //! (called outside, as a pipeline stage calls a layer, it would read whole sequences as its
 //! positions).
 
-use crate::parallelize::{ContextSplit, TpSplit, context_split, placed_name, tp_split};
+use crate::placed::{ContextSplit, TpSplit, context_split, placed_name, tp_split};
 use crate::tensor_parallel::comm::{
     gather_from_tp, gather_from_tp_scaled, scatter_to_tp, scatter_to_tp_scaled,
 };

@@ -1,7 +1,7 @@
 //! Burn's `SwiGlu`, splittable over `tp`.
 
 use super::{Linear, LinearConfig};
-use crate::parallelize::TensorParallelRule;
+use crate::plan::TensorParallelRule;
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::Initializer;

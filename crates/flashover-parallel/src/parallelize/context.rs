@@ -2,8 +2,8 @@
 //! whose attention runs through one, and the check that attention reached across the ranks.
 
 use super::Parallelized;
-use super::placed::ContextSplit;
 use crate::error::ParallelError;
+use crate::placed::ContextSplit;
 use burn::tensor::{Int, Tensor, TensorData};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
 

@@ -1,13 +1,13 @@
 //! A plan's `expert_parallel` layers: each `ep` rank holds `n_experts / ep` of the experts of
 //! every named mixture-of-experts layer ([`crate::moe::Moe`], found by type), and the
-//! others become placeholders; the layer's forward ([`crate::nn::MoeForward`]) sends each
+//! others become placeholders; the layer's forward ([`crate::expert_parallel::MoeForward`]) sends each
 //! token to the rank that holds its expert and back.
 
-use super::placed::ExpertSplit;
 use crate::error::ParallelError;
 use crate::expert_parallel::{ExpertTraffic, Replicas};
 use crate::moe::{Role, moe_params};
 use crate::params::ParamLayout;
+use crate::placed::ExpertSplit;
 use crate::placement::PlacementTable;
 use crate::plan::{ModulePath, ParallelizePlan};
 use burn::module::Module;
@@ -147,8 +147,10 @@ impl Experts {
                 let split = ExpertSplit {
                     group: ep.clone(),
                     n_experts: l.n_experts,
-                    traffic: traffic.clone(),
-                    replicas: hot.as_ref().map(|(r, _)| r.clone()).unwrap_or_default(),
+                    shared: crate::expert_parallel::share(
+                        traffic.clone(),
+                        hot.as_ref().map(|(r, _)| r.clone()).unwrap_or_default(),
+                    ),
                 };
                 l.router.iter().map(move |p| (p.clone(), split.clone()))
             })
@@ -263,7 +265,7 @@ impl ExpertShares {
 
 impl super::Parallelized {
     /// The whole batch's routing loads of a step, the same on every rank: `stats`, what this
-    /// rank's forwards counted ([`crate::nn::MoeForward::forward_counted`] into a hook,
+    /// rank's forwards counted ([`crate::expert_parallel::MoeForward::forward_counted`] into a hook,
     /// layers by index, `n_experts` each), summed over the ranks that route different tokens
     /// (`dp` x `fsdp` x `ep`, and `cp`, whose ranks route their own positions) and over the
     /// pipeline stages (each counts its own layers). `tp` ranks route the same tokens, and

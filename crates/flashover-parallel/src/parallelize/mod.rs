@@ -37,7 +37,7 @@
 //!
 //! - `ep`: the plan's `expert_parallel` layers ([`crate::moe::Moe`]) keep `1/ep` of their
 //!   routed experts per rank (placeholders for the rest), and their forward
-//!   ([`crate::nn::MoeForward`]) sends each token to the rank holding its expert and back.
+//!   ([`crate::expert_parallel::MoeForward`]) sends each token to the rank holding its expert and back.
 //!   `ep` ranks read different samples, as `dp` ranks do.
 //!
 //! A mesh with `tp`, `pp`, `cp` or `ep` is refused when the plan has no rule for that axis: the
@@ -54,20 +54,21 @@ mod loop_overlap;
 mod mixed_precision;
 pub mod pipeline;
 mod pipeline_step;
-pub mod placed;
+mod place;
 mod reduction;
 mod replica_check;
 mod row_optimizer;
 mod split_check;
-pub(crate) mod units;
 
+pub use crate::placed::{
+    ContextSplit, ExpertSplit, Placed, TpSplit, local_value, tp_split, value_dims,
+};
 pub use crate::plan::{
     AttachedModule, ContextParallelRule, ModulePath, ParallelizePlan, PipelineRule,
     SequenceParallelRules, TensorParallelRule, TpStyle,
 };
 pub use pipeline::PipelineModel;
 pub use pipeline_step::PipelineStep;
-pub use placed::{ContextSplit, ExpertSplit, Placed, TpSplit, local_value, tp_split, value_dims};
 pub use split_check::SplitCheck;
 
 use crate::data_parallel::{BucketedReduction, ReductionReport};
@@ -76,21 +77,19 @@ use crate::params::{
     ParamLayout, ParamSlot, broadcast_module, flatten_params, load_shaped, placeholders_except,
     upload,
 };
+use crate::placed::{Elsewhere, WholeReads};
 use crate::placement::{ParamPlacement, Placement, PlacementTable};
 use crate::zero::ShardGroup;
+use crate::zero::units::{FullyShardedUnits, UnitGathers};
 use burn::module::Module;
 use burn::tensor::Tensor;
 use experts::{ExpertShares, Experts};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
 use flashover_runtime::{Axis, RankContext, TensorCollectives};
 use pipeline::Stages;
-use placed::{Elsewhere, WholeReads};
-pub(crate) use placed::{context_split, placed_name};
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::ops::Range;
 use std::sync::Arc;
-use units::FullyShardedUnits;
-use units::UnitGathers;
 
 /// The axes whose ranks read different samples.
 const DATA_AXES: [Axis; 3] = [Axis::Dp, Axis::Fsdp, Axis::Ep];
@@ -197,7 +196,7 @@ pub fn parallelize<M: Module>(
     let units = UnitGathers::default();
     units.set_vectors(&layout);
     // Routed experts are sharded too: their layer gathers them all at once on every rank,
-    // whatever the routing (`nn::MoeForward`).
+    // whatever the routing (`expert_parallel::MoeForward`).
     // No layer is recognised by its type: a parameter stays whole only where the plan says so.
     let kept_whole: BTreeSet<String> = (layout.slots.iter())
         .map(|slot| slot.name.clone())
@@ -213,10 +212,10 @@ pub fn parallelize<M: Module>(
     let mut sequence_partial = std::collections::HashSet::new();
     // Buffers matter only where fully_shard cuts rows.
     let buffers = match ctx.group(Axis::Fsdp).size() > 1 && !plan.fully_shard.is_empty() {
-        true => placed::buffers(&model),
+        true => place::buffers(&model),
         false => Default::default(),
     };
-    let place = placed::PlaceParams {
+    let place = place::PlaceParams {
         plan,
         fsdp: ctx.group(Axis::Fsdp).clone(),
         tp: tp.clone(),
@@ -434,7 +433,7 @@ impl Parallelized {
 
     /// The parameters under the plan's `fully_shard` paths that its `keep_whole` rule leaves
     /// whole, by path: nothing else under those paths is kept whole. (Mixture-of-experts
-    /// layers' routed experts are sharded: `nn::MoeForward` gathers them all before routing,
+    /// layers' routed experts are sharded: `expert_parallel::MoeForward` gathers them all before routing,
     /// on every rank.)
     pub fn kept_whole(&self) -> &BTreeSet<String> {
         &self.kept_whole

@@ -8,8 +8,6 @@
 //! run (an embedding tied to the head) is held by both; their gradients are summed so the
 //! copies stay equal, and the first stage's copy is the one counted and gathered.
 
-use super::placed::UnitGathers;
-use super::units::{Unit, unit_shards};
 use crate::data_parallel::BucketedReduction;
 use crate::dropout::draws::{self, Draws, Scope};
 use crate::error::ParallelError;
@@ -26,6 +24,8 @@ use crate::plan::{ModulePath, PipelineRule};
 use crate::precision::{MixedPrecision, Precision};
 use crate::recompute::replaying;
 use crate::recompute::{Replays, checkpoint_part};
+use crate::zero::units::UnitGathers;
+use crate::zero::units::{Unit, after_input, unit_shards};
 use burn::module::Module;
 use burn::tensor::{DType, Device, Gradients, Tensor};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
@@ -899,7 +899,7 @@ where
         }) => {
             let shards = u.shards(stored, index);
             let names: Vec<String> = shards.iter().map(|(n, _)| n.clone()).collect();
-            let _gathered = super::units::after_input(input, || {
+            let _gathered = after_input(input, || {
                 u.gathers.gather_prefetched(Unit::Layer(index), shards)
             });
             let prefetch = match replaying() {

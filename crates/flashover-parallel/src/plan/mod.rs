@@ -492,7 +492,7 @@ pub struct ParallelizePlan {
     /// Mixture-of-experts layers ([`crate::moe::Moe`]) whose routed experts are spread
     /// over `ep`: each rank holds `n_experts / ep` of every layer's and runs the tokens of every
     /// `ep` rank that chose them; the router and shared expert stay whole. The layer's forward is
-    /// [`crate::nn::MoeForward::forward`]. `ep` ranks read different samples, as `dp` ranks do.
+    /// [`crate::expert_parallel::MoeForward::forward`]. `ep` ranks read different samples, as `dp` ranks do.
     #[serde(default)]
     pub expert_parallel: Vec<ModulePath>,
     /// Hot-expert replication for the `expert_parallel` layers (0, the default, copies none):

@@ -15,6 +15,7 @@
 
 mod row_adamw;
 mod shard_group;
+pub(crate) mod units;
 
 pub use crate::unit_shards::UnitShards;
 pub use row_adamw::RowAdamW;

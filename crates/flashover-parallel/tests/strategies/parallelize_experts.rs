@@ -10,8 +10,9 @@ use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_parallel::ParallelError;
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
+use flashover_parallel::expert_parallel::MoeForward;
 use flashover_parallel::moe::{Moe, MoeConfig, SwiGlu};
-use flashover_parallel::nn::{self, MoeForward};
+use flashover_parallel::nn;
 use flashover_parallel::parallelize::{
     ContextParallelRule, ParallelizePlan, PipelineModel, PipelineRule, TensorParallelRule,
     parallelize,

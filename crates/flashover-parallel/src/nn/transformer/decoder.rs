@@ -6,7 +6,7 @@ use crate::dropout::draws;
 use crate::nn::dropout;
 use crate::nn::sequence_split::StackSplit;
 use crate::nn::{MhaInput, MultiHeadAttention};
-use crate::parallelize::{SequenceParallelRules, TensorParallelRule};
+use crate::plan::{SequenceParallelRules, TensorParallelRule};
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::activation::ActivationConfig;

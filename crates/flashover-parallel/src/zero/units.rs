@@ -1,10 +1,10 @@
 //! A plan's fully sharded units: the parameters that are all-gathered together, in one
 //! collective, and the scope in which a forward gathers them a unit at a time with the next
-//! unit prefetched ([`super::Parallelized::forward`]).
+//! unit prefetched ([`crate::parallelize::Parallelized::forward`]).
 //!
 //! FSDP2 starts a unit's all-gather in a pre-forward hook. Burn has no module hooks, so a unit
 //! is gathered when the forward first reads one of its parameters (`Param::val`, through
-//! [`super::Placed`]): inside a [`UnitScope`] that read gathers every parameter of the unit at
+//! [`crate::parallelize::Placed`]): inside a [`UnitScope`] that read gathers every parameter of the unit at
 //! once and submits the all-gather of the unit after it, which then runs on the rank's
 //! communication thread ([`ShardGroup`]) while the unit computes.
 //!
@@ -25,6 +25,7 @@
 //! unit again (once, from the shards the forward read), and the unit's reduce-scatter frees it.
 //! On any other device autodiff keeps what the forward read until backward.
 
+use super::{Pending, ShardGroup};
 use crate::collective_op::{
     collective_pair, collective_pair_after, computed, ok, regathered_pair, tensor_fn,
 };
@@ -33,7 +34,6 @@ use crate::error::ParallelError;
 use crate::params::ParamLayout;
 use crate::plan::ParallelizePlan;
 use crate::recompute::{self, depth, replaying};
-use crate::zero::{Pending, ShardGroup};
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::{FloatDType, GradientCheckpointingStrategy, Tensor};
 use flashover_comm::CommError;
@@ -54,7 +54,7 @@ struct UnitState {
     gathered: Mutex<HashMap<(usize, String), Tensor<1>>>,
     /// The communication thread of the `fsdp` group (set when the plan shards anything).
     comm: OnceLock<Arc<ShardGroup>>,
-    /// The forward running in [`super::Parallelized::forward`], if one is.
+    /// The forward running in [`crate::parallelize::Parallelized::forward`], if one is.
     scope: Mutex<Option<UnitScope>>,
     /// All-gathers submitted before their unit's first read.
     ahead: Mutex<HashMap<Unit, Pending>>,
@@ -200,7 +200,7 @@ pub(crate) struct UnitLayout {
 }
 
 /// A model's fully sharded units on one rank, and the forward scope that gathers them a unit
-/// at a time: what [`super::Parallelized::forward`] runs.
+/// at a time: what [`crate::parallelize::Parallelized::forward`] runs.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct FullyShardedUnits {
     gathers: UnitGathers,
@@ -243,7 +243,7 @@ impl FullyShardedUnits {
     }
 
     /// `f(model)` with the units gathered a unit at a time (see
-    /// [`super::Parallelized::forward`]); `model` as the units were placed, or a cast view of
+    /// [`crate::parallelize::Parallelized::forward`]); `model` as the units were placed, or a cast view of
     /// it (`MixedPrecision::compute_view`), whose reads come in the view's dtype.
     pub fn forward<M: Module, T>(
         &self,
@@ -612,7 +612,7 @@ impl UnitGathers {
     /// of its unit when a forward scope holds it (prefetching the next unit; not inside a
     /// recomputation). `None` when neither: the caller gathers it alone, on the training
     /// thread, after [`Self::settle`].
-    pub(super) fn get(&self, name: &str) -> Option<Tensor<1>> {
+    pub(crate) fn get(&self, name: &str) -> Option<Tensor<1>> {
         let key = (depth(), name.to_string());
         if let Some(t) = lock(&self.0.gathered).get(&key) {
             return Some(t.clone());
@@ -694,7 +694,7 @@ impl UnitGathers {
 
     /// Waits for the all-gathers submitted ahead (their results stay for their units), so
     /// that a collective over the same group on the training thread cannot overtake them.
-    pub(super) fn settle(&self) {
+    pub(crate) fn settle(&self) {
         let mut ahead = lock(&self.0.ahead);
         let settled = std::mem::take(&mut *ahead)
             .into_iter()
@@ -706,7 +706,7 @@ impl UnitGathers {
     /// Runs `f` with `scope`'s units gathered at their first reads; then waits for any
     /// all-gather still in flight and forgets every gathered parameter (autodiff keeps what
     /// backward needs). Fails when a scope is running already or a prefetch failed.
-    pub(super) fn run_scope<T>(
+    pub(crate) fn run_scope<T>(
         &self,
         scope: UnitScope,
         f: impl FnOnce() -> T,
@@ -802,7 +802,7 @@ fn rank_major(
 
 impl UnitScope {
     /// A forward's scope over `shards` (per unit, its parameters' stored rows by path).
-    pub(super) fn new(shards: Vec<UnitShards>) -> Self {
+    pub(crate) fn new(shards: Vec<UnitShards>) -> Self {
         UnitScope {
             waiting: shards
                 .into_iter()
@@ -822,7 +822,7 @@ impl UnitScope {
 /// Per unit, the stored rows of its parameters in `model` (flattened, by path): `slots` says
 /// for each parameter (layout order) its path and unit, if it has one, of `units`. What
 /// [`UnitScope::new`] and a pipeline layer's gather take.
-pub(super) fn unit_shards<M: Module>(
+pub(crate) fn unit_shards<M: Module>(
     model: &M,
     slots: &[Option<(String, usize)>],
     units: usize,
@@ -858,7 +858,7 @@ pub(super) fn unit_shards<M: Module>(
 /// that module is a unit of its own (TorchTitan shards each block, then the root): under
 /// `fully_shard("")`, `blocks.0.attn.wq.weight` is unit `blocks.0` and `embed.weight` unit
 /// `""`. Units are numbered in order of their first parameter.
-pub(super) fn units_of<'a>(
+pub(crate) fn units_of<'a>(
     plan: &ParallelizePlan,
     names: impl IntoIterator<Item = &'a str>,
 ) -> (HashMap<String, usize>, Vec<String>) {

@@ -1,14 +1,14 @@
 //! A mixture-of-experts layer's forward under a plan: experts spread over `ep` by an
 //! `expert_parallel` rule, whole sequences routed under context parallelism.
 
+use super::ExpertParallel;
 use crate::context_parallel::CpSequences;
-use crate::expert_parallel::ExpertParallel;
 use crate::forward_context::{ForwardContext, MoeHook, SequenceHook};
 use crate::moe::{ExpertDispatch, LocalExperts, Moe, SwiGlu};
-use crate::parallelize::Placed;
-use crate::parallelize::placed::UnitGathers;
+use crate::placed::Placed;
 use crate::recompute::replaying;
 use crate::tensor_parallel::comm::on_whole_sequences;
+use crate::zero::units::UnitGathers;
 use burn::tensor::Tensor;
 use std::sync::Arc;
 
@@ -103,10 +103,8 @@ fn forward_routed(
         match placed.and_then(Placed::experts) {
             None => (std::borrow::Cow::Borrowed(moe), Arc::new(LocalExperts)),
             Some(split) => {
-                let ep = ExpertParallel::new(&split.group, split.n_experts)
-                    .unwrap_or_else(|e| panic!("expert parallelism: {e}"))
-                    .counting_into(split.traffic.clone())
-                    .copying_into(split.replicas.clone());
+                let ep = ExpertParallel::placed(split)
+                    .unwrap_or_else(|e| panic!("expert parallelism: {e}"));
                 let mine = ep.experts_of(split.group.rank());
                 // This rank's experts only (the others are placeholders here).
                 let held = Moe {
