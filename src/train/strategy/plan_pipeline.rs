@@ -254,7 +254,7 @@ impl RankStrategy for PlanPipeline {
             self.par.restore_loss_scale(scaler.state())?;
         }
         // Every layer of every micro-batch counts its routing into the step's one hook.
-        let routing = self.moe.is_some().then(|| MoeHook::new());
+        let routing = self.moe.is_some().then(MoeHook::new);
         let a2a_before = ctx.group(Axis::Ep).stats();
         let data = (0..micro_batches)
             .map(|k| {

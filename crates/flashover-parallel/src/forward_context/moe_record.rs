@@ -126,8 +126,8 @@ impl MoeHook {
         self.aux.lock().expect("aux losses").push(aux);
     }
 
-    /// The same experts and statistics, with auxiliary losses collected apart (for a caller
-    /// that routes them itself: a recomputed block returns them with its output).
+    /// The same statistics, with auxiliary losses collected apart (for a caller that routes
+    /// them itself: a recomputed block returns them with its output).
     pub fn with_own_aux_losses(&self) -> Self {
         MoeHook {
             aux: Arc::default(),
@@ -135,13 +135,9 @@ impl MoeHook {
         }
     }
 
-    /// The same experts, recording neither auxiliary losses nor statistics where this hook
-    /// does: a forward run a second time (recomputation in backward) must not count twice.
+    /// A hook recording neither auxiliary losses nor statistics where this one does: a
+    /// forward run a second time (recomputation in backward) must not count twice.
     pub fn replaying(&self) -> Self {
-        MoeHook {
-            aux: Arc::default(),
-            stats: Arc::default(),
-            ..self.clone()
-        }
+        MoeHook::default()
     }
 }
