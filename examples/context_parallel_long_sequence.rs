@@ -83,19 +83,22 @@ fn train_context_parallel() -> (Vec<f32>, Vec<f32>) {
         let mut losses = vec![];
         for step in 0..STEPS {
             let (inputs, targets) = batch(step, &device);
-            let inputs = par.sequence_share(inputs, 1)?; // + this rank's positions
-            let targets = par.sequence_share(targets, 1)?; // +
+            let inputs = par.sequences().share(inputs, 1)?; // + this rank's positions
+            let targets = par.sequences().share(targets, 1)?; // +
             let fwd = split_sequences(&par, &model, ForwardContext::default(), SEQ)?; // +
             let loss = next_token_loss(model.forward_with(inputs, &fwd), targets);
             losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?); // + the whole loss
             let (grads, _norm) = par.gradients(&model, loss.backward(), None, &ctx)?; // +
             model = optim.step(3e-3, model, grads);
         }
-        let work = par.attention_work().map_or(0, |w| w.score_elements);
+        let work = par
+            .sequences()
+            .attention_work()
+            .map_or(0, |w| w.score_elements);
         println!(
             "rank {} held positions {:?}..., computed {work} attention scores",
             ctx.coord(Axis::Cp),
-            &par.positions(SEQ)?[..3],
+            &par.sequences().positions(SEQ)?[..3],
         );
         Ok::<_, flashover_parallel::ParallelError>((losses, weights(&model)))
     })

@@ -224,8 +224,8 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> (Run, Vec<usize>, usize) {
             let clip = Some(MAX_NORM);
             // cp: this rank's positions of each sequence (all of them without cp).
             let share = |(x, p, y): Batch| -> Result<Batch, ParallelError> {
-                let (x, y) = (par.sequence_share(x, 1)?, par.sequence_share(y, 1)?);
-                Ok((x, par.sequence_share(p, 0)?, y))
+                let (x, y) = (par.sequences().share(x, 1)?, par.sequences().share(y, 1)?);
+                Ok((x, par.sequences().share(p, 0)?, y))
             };
             for step in 0..STEPS {
                 let grads = if plan.pipeline.is_none() {

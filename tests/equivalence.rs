@@ -283,8 +283,8 @@ fn tp_collectives(sequence_parallel: bool, cp: usize) -> (u64, u64, u64) {
         };
         // Each rank's share of every sequence under cp (all of it without).
         let fwd = transformer::split_sequences(&par, &model, transformer::forward_context(), 8)?;
-        let inputs = par.sequence_share(ids(1), 1)?;
-        let targets = par.sequence_share(ids(2), 1)?;
+        let inputs = par.sequences().share(ids(1), 1)?;
+        let targets = par.sequences().share(ids(2), 1)?;
         let before = tp.stats();
         let _ = model.forward_loss(inputs, targets, &fwd).backward();
         let ops = tp.stats().since(&before).ops;

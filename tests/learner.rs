@@ -628,9 +628,9 @@ struct TextBatch {
 impl SequenceBatch for TextBatch {
     fn sequence_share(self, par: &Parallelized) -> Result<Self, ParallelError> {
         Ok(TextBatch {
-            tokens: par.sequence_share(self.tokens, 1)?,
-            positions: par.sequence_share(self.positions, 0)?,
-            targets: par.sequence_share(self.targets, 1)?,
+            tokens: par.sequences().share(self.tokens, 1)?,
+            positions: par.sequences().share(self.positions, 0)?,
+            targets: par.sequences().share(self.targets, 1)?,
         })
     }
 }

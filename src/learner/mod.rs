@@ -523,7 +523,7 @@ where
     ) -> (M, SupervisedTrainingEventProcessor<M>) {
         let mut events = components.event_processor;
         let interrupter = components.interrupter;
-        if self.par.splits_sequences() && !self.steps.splits_sequences() {
+        if self.par.sequences().is_split() && !self.steps.splits_sequences() {
             interrupter.fail(self.failure(
                 "the plan splits sequences over cp, but the strategy gives each step whole \
                  sequences: implement flashover::learner::SequenceBatch for the batch type and \

@@ -23,14 +23,14 @@ pub trait GatherOutput: Sized {
     fn gather(self, data: &Group) -> Result<Self, ParallelError>;
 
     /// The output of whole sequences from this rank's positions of them, when `par`'s plan
-    /// splits sequences over `cp` (collective over [`Parallelized::sequence_ranks`]; the output
+    /// splits sequences over `cp` (collective over [`SequenceSplit::ranks`](flashover_parallel::parallelize::SequenceSplit::ranks); the output
     /// itself otherwise): per-position tensors gathered in position order
     /// ([`gather_positions`], [`gather_position_ints`]), means averaged ([`mean_over`]).
     /// Implemented for burn-train's [`SequenceOutput`]. By default refused: an output of
     /// per-sample tensors (a class per sequence) has no positions to put together, and whether
     /// each `cp` rank's is partial or whole depends on the model.
     fn gather_sequences(self, par: &Parallelized) -> Result<Self, ParallelError> {
-        match par.sequence_ranks() {
+        match par.sequences().ranks() {
             None => Ok(self),
             Some(_) => Err(ParallelError::Invalid(format!(
                 "the plan splits sequences over cp, and {} has no per-position tensors to put \
@@ -50,7 +50,7 @@ pub fn gather_positions<const D: usize>(
     par: &Parallelized,
 ) -> Result<Tensor<D>, ParallelError> {
     let tensor = tensor.detach();
-    let Some(cp) = par.sequence_ranks() else {
+    let Some(cp) = par.sequences().ranks() else {
         return Ok(tensor);
     };
     let order = position_order(par, cp, tensor.dims()[dim], &tensor.device())?;
@@ -63,7 +63,7 @@ pub fn gather_position_ints<const D: usize>(
     dim: usize,
     par: &Parallelized,
 ) -> Result<Tensor<D, Int>, ParallelError> {
-    let Some(cp) = par.sequence_ranks() else {
+    let Some(cp) = par.sequences().ranks() else {
         return Ok(tensor);
     };
     let order = position_order(par, cp, tensor.dims()[dim], &tensor.device())?;
@@ -102,7 +102,12 @@ fn position_order(
     device: &Device,
 ) -> Result<Tensor<1, Int>, ParallelError> {
     let seq = local * cp.size();
-    let mine: Vec<u64> = par.positions(seq)?.into_iter().map(|p| p as u64).collect();
+    let mine: Vec<u64> = par
+        .sequences()
+        .positions(seq)?
+        .into_iter()
+        .map(|p| p as u64)
+        .collect();
     let all = control(|| cp.all_gather_vec(&mine))?;
     let mut order = vec![0i64; seq];
     for (at, &position) in all.iter().enumerate() {
@@ -219,7 +224,7 @@ impl GatherOutput for SequenceOutput {
     }
 
     fn gather_sequences(self, par: &Parallelized) -> Result<Self, ParallelError> {
-        let Some(cp) = par.sequence_ranks() else {
+        let Some(cp) = par.sequences().ranks() else {
             return Ok(self);
         };
         let predictions = self.predictions.map(|p| gather_position_ints(p, 1, par));

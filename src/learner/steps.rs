@@ -189,16 +189,16 @@ where
 
 /// A batch whose sequences a plan's `context_parallel` rule splits over `cp`: what
 /// [`SplitSequences`] needs. Keep this rank's positions of every per-position tensor,
-/// `par.sequence_share(tensor, dim)` with `dim` its sequence dimension, positions included
+/// `par.sequences().share(tensor, dim)` with `dim` its sequence dimension, positions included
 /// (the model's position embeddings read them):
 ///
 /// ```text
 /// impl SequenceBatch for TextBatch {
 ///     fn sequence_share(self, par: &Parallelized) -> Result<Self, ParallelError> {
 ///         Ok(TextBatch {
-///             tokens: par.sequence_share(self.tokens, 1)?,
-///             positions: par.sequence_share(self.positions, 0)?,
-///             targets: par.sequence_share(self.targets, 1)?,
+///             tokens: par.sequences().share(self.tokens, 1)?,
+///             positions: par.sequences().share(self.positions, 0)?,
+///             targets: par.sequences().share(self.targets, 1)?,
 ///         })
 ///     }
 /// }

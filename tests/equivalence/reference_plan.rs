@@ -110,7 +110,8 @@ fn parallel_with(
                 let (x, y) = batch(samples, device);
                 // Under context parallelism, this rank's positions of every sequence.
                 let share = |t| {
-                    par.sequence_share(t, 1)
+                    par.sequences()
+                        .share(t, 1)
                         .expect("the sequence splits over cp")
                 };
                 let mut batch = LmBatch::from((share(x), share(y)));
@@ -134,7 +135,7 @@ fn parallel_with(
             fwd.moe = counted.clone();
             let fwd = transformer::split_sequences(par, model, fwd, SEQ)?;
             let (x, y) = batch(samples, device);
-            let (x, y) = (par.sequence_share(x, 1)?, par.sequence_share(y, 1)?);
+            let (x, y) = (par.sequences().share(x, 1)?, par.sequences().share(y, 1)?);
             // Fully sharded units gathered one collective each (a no-op without any).
             let loss = par.forward(model, |m| transformer::objective_in(m, x, y, &fwd))?;
             let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
@@ -470,7 +471,7 @@ fn the_reference_transformer_splits_sequences_under_a_plan() {
             let device = Device::flex().autodiff();
             let (model, par) = parallelize(config.init(SEED, &device), &plan, &ctx)?;
             let (x, y) = batch(0..2, &device);
-            let (x, y) = (par.sequence_share(x, 1)?, par.sequence_share(y, 1)?);
+            let (x, y) = (par.sequences().share(x, 1)?, par.sequences().share(y, 1)?);
             let loss = transformer::objective(&model, x, y);
             par.gradients(&model, loss.backward(), None, &ctx)
                 .map(|_| ())
@@ -478,7 +479,7 @@ fn the_reference_transformer_splits_sequences_under_a_plan() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("no attention attended") && err.contains("context_forward"),
+        err.contains("no attention attended") && err.contains("sequences().forward_context"),
         "{err}"
     );
 }

@@ -132,7 +132,7 @@ pub fn split_sequences(
         .map(|(heads, split)| heads / split.group.size())
         .or_else(|| model.blocks.first().map(|b| b.attn.n_heads))
         .unwrap_or(1);
-    par.context_forward(ctx, seq, heads)
+    par.sequences().forward_context(ctx, seq, heads)
 }
 
 /// The attention heads of `block` and how the plan split them over `tp` (read from its query

@@ -266,7 +266,7 @@ impl RankStrategy for PlanPipeline {
             })
             .collect::<Result<Vec<_>, RankError>>()?;
         let rows = data[0].inputs.dims()[0];
-        let attention_before = self.par.attention_work();
+        let attention_before = self.par.sequences().attention_work();
         // Pipeline steps count samples from the data rank's first (step 0 of a batch of this
         // step's size): all a micro-batch's place in `data` needs.
         let data_ranks = self.par.data_ranks();
@@ -365,6 +365,7 @@ impl RankStrategy for PlanPipeline {
             recomputed: step.recomputed,
             attention: self
                 .par
+                .sequences()
                 .attention_work()
                 .zip(attention_before)
                 .map(|(now, before)| now.since(&before)),

@@ -8,7 +8,7 @@ use burn::tensor::{Bool, Device, Tensor};
 
 /// `softmax(q k^T / sqrt(head_dim) + causal mask) v`, the part of self-attention where
 /// sequence positions meet. Under a plan's `context_parallel` rule each rank holds some
-/// positions of every sequence ([`crate::parallelize::Parallelized::sequence_share`]), and this
+/// positions of every sequence ([`crate::parallelize::SequenceSplit::share`]), and this
 /// core attends over the whole sequence's keys and values: ring attention passes key/value
 /// blocks around the `cp` ranks, all-to-all attention swaps the sequence split for a head
 /// split. Without the rule (or the axis) it attends locally, as one device does.

@@ -30,7 +30,7 @@
 //!   [`Parallelized::pipeline_step`], running its part of the forward ([`PipelineModel`]).
 //!
 //! - `cp`: the plan's `context_parallel` rule splits every sequence: each rank holds some of
-//!   its positions ([`Parallelized::sequence_share`], [`Parallelized::positions`]) for the
+//!   its positions ([`SequenceSplit::share`], [`SequenceSplit::positions`], through [`Parallelized::sequences`]) for the
 //!   whole model, and the attention cores it names ([`crate::nn::CausalAttention`]) attend
 //!   over the other ranks' keys and values. Losses and gradients are averaged over `cp` as
 //!   over the data axes.
@@ -48,7 +48,6 @@
 //! data-parallel part), `pipeline_step` runs a pipelined plan's stages, `context` serves the
 //! sequence split, `mixed_precision` the backward and loss scale, `experts` the routing loads.
 
-mod context;
 mod experts;
 mod loop_overlap;
 mod mixed_precision;
@@ -58,6 +57,7 @@ mod place;
 mod reduction;
 mod replica_check;
 mod row_optimizer;
+mod sequences;
 mod split_check;
 
 pub use crate::placed::{
@@ -69,6 +69,7 @@ pub use crate::plan::{
 };
 pub use pipeline::PipelineModel;
 pub use pipeline_step::PipelineStep;
+pub use sequences::SequenceSplit;
 pub use split_check::SplitCheck;
 
 use crate::data_parallel::{BucketedReduction, ReductionReport};
@@ -105,8 +106,8 @@ pub struct Parallelized {
     /// The ranks whose mean losses make the whole batch's (`dp` x `fsdp` x `ep` x `cp`): each
     /// holds as many of the batch's tokens.
     averaged: Group,
-    /// The sequence split, when the plan splits sequences over `cp` on this mesh.
-    context: Option<ContextSplit>,
+    /// The plan's sequence split on this rank ([`Self::sequences`]).
+    sequences: SequenceSplit,
     whole_reads: WholeReads,
     /// The pipeline's stages, when the plan has one.
     stages: Option<Stages>,
@@ -128,9 +129,6 @@ pub struct Parallelized {
     replica_check: Option<replica_check::ReplicaCheck>,
     /// The fully sharded units (one collective per unit inside [`Self::forward`]).
     units: FullyShardedUnits,
-    /// With sequences split over `cp`: the attention work counted at the last reduction (each
-    /// step must attend across the ranks, or its positions saw only their own).
-    attended: std::sync::Mutex<u64>,
     /// The plan's mixed precision (f32 throughout without one) and its running loss scale.
     precision: mixed_precision::PlanPrecision,
     /// Under `replicate_hot_experts` (with more than one `ep` rank): the step's hot-expert
@@ -283,7 +281,10 @@ pub fn parallelize<M: Module>(
         buckets,
         data: ctx.subgroup(&DATA_AXES)?,
         averaged: ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep, Axis::Cp])?,
-        context,
+        sequences: SequenceSplit::new(
+            context,
+            (tp.size() > 1 && !plan.sequence_parallel.is_empty()).then(|| tp.clone()),
+        ),
         whole_reads,
         held_elsewhere: match stages.is_some() || experts.shares.is_some() {
             true => Some((ctx.subgroup(&[Axis::Pp, Axis::Ep])?, layout)),
@@ -304,7 +305,6 @@ pub fn parallelize<M: Module>(
             )
         }),
         units,
-        attended: Default::default(),
         precision: mixed_precision::PlanPrecision::new(policy),
         hot_experts: experts
             .hot
@@ -620,6 +620,12 @@ impl Parallelized {
             control(|| self.averaged.all_reduce(values, ReduceOp::Avg))?;
         }
         Ok(())
+    }
+
+    /// The plan's sequence split on this rank: its positions of each sequence, the forward
+    /// context of a model whose attention runs through one, and the sequence checks.
+    pub fn sequences(&self) -> &SequenceSplit {
+        &self.sequences
     }
 
     /// The ranks that read different samples (`dp` x `fsdp` x `ep`): a global batch is cut

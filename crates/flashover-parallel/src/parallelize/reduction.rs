@@ -183,7 +183,7 @@ impl Parallelized {
         max_norm: Option<f32>,
         ctx: &RankContext,
     ) -> Result<Reduced, ParallelError> {
-        self.check_attended()?;
+        self.sequences.check_attended(self.pipeline_ranks())?;
         self.buckets.add_remaining(&flat);
         // Whole gradients in the model's layout, or this rank's rows of them.
         let row_entries;

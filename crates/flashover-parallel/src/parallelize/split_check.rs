@@ -58,7 +58,7 @@ impl Parallelized {
         let unsupported = [
             (self.stages.is_some(), "a pipeline (a rank runs one stage)"),
             (
-                self.context.is_some(),
+                self.sequences.is_split(),
                 "cp (a rank holds part of each sequence)",
             ),
             (

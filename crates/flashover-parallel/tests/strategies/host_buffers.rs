@@ -40,9 +40,13 @@ fn micro_batches<'a>(
     par: &'a Parallelized,
     device: &'a Device,
 ) -> Result<impl Fn(std::ops::Range<usize>) -> Batch + Sync + 'a, ParallelError> {
-    let positions = par.positions(SEQ)?;
+    let positions = par.sequences().positions(SEQ)?;
     Ok(move |samples| -> Batch {
-        let share = |t| par.sequence_share(t, 1).expect("SEQ cuts into cp chunks");
+        let share = |t| {
+            par.sequences()
+                .share(t, 1)
+                .expect("SEQ cuts into cp chunks")
+        };
         let [source, target, next] = tokens(samples, device).map(share);
         (source, target, positions.clone(), next)
     })

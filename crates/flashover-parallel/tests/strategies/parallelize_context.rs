@@ -217,10 +217,14 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> Result<(Vec<f32>, Vec<f32>), 
             let (mut model, par) = parallelize(AttentionLm::new(&device), plan, &ctx)?;
             let mut optim = AdamWConfig::new().init();
             let mut losses = vec![];
-            let positions = par.positions(SEQ)?;
+            let positions = par.sequences().positions(SEQ)?;
             let micro_batch = |samples| -> Batch {
                 let (inputs, targets) = shifted(tokens(samples, &device));
-                let share = |t| par.sequence_share(t, 1).expect("SEQ cuts into cp chunks");
+                let share = |t| {
+                    par.sequences()
+                        .share(t, 1)
+                        .expect("SEQ cuts into cp chunks")
+                };
                 (share(inputs), positions.clone(), share(targets))
             };
             for step in 0..STEPS {
@@ -390,7 +394,7 @@ fn sequence_lengths_that_do_not_split_are_refused_before_any_forward() {
             .run(|ctx| {
                 let device = Device::flex().autodiff();
                 let (_model, par) = parallelize(AttentionLm::new(&device), &plan, &ctx)?;
-                Ok::<_, ParallelError>((par.check_sequence(fits), par.check_sequence(short)))
+                Ok::<_, ParallelError>((par.sequences().check(fits), par.sequences().check(short)))
             })
             .unwrap_or_else(|e| panic!("{mesh}: {e}"));
         for (fits_ok, short_err) in got {

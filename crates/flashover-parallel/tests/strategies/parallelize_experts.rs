@@ -239,7 +239,11 @@ fn parallel_counting(
             let mut optim = AdamWConfig::new().init();
             let (mut losses, mut rows_sent) = (vec![], 0);
             let share = |(x, y): Batch| -> Batch {
-                let share = |t| par.sequence_share(t, 1).expect("SEQ cuts into cp chunks");
+                let share = |t| {
+                    par.sequences()
+                        .share(t, 1)
+                        .expect("SEQ cuts into cp chunks")
+                };
                 (share(x), share(y))
             };
             for step in 0..STEPS {

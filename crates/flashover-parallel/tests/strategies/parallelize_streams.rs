@@ -317,9 +317,13 @@ fn parallel_model(
             let (mut model, par) = parallelize(model, plan, &ctx)?;
             let mut optim = AdamWConfig::new().init();
             let (mut losses, mut recomputed) = (vec![], 0);
-            let positions = par.positions(SEQ)?;
+            let positions = par.sequences().positions(SEQ)?;
             let micro_batch = |samples| -> Batch {
-                let share = |t| par.sequence_share(t, 1).expect("SEQ cuts into cp chunks");
+                let share = |t| {
+                    par.sequences()
+                        .share(t, 1)
+                        .expect("SEQ cuts into cp chunks")
+                };
                 let [source, target, next] = tokens(samples, &device).map(share);
                 (source, target, positions.clone(), next)
             };

@@ -1,18 +1,41 @@
-//! A plan's sequence split over `cp`: each rank's positions, the forward context of a model
-//! whose attention runs through one, and the check that attention reached across the ranks.
+//! A plan's sequence split over `cp`, as one rank sees it ([`SequenceSplit`],
+//! `Parallelized::sequences`): each rank's positions, the forward context of a model whose
+//! attention runs through one, and the check that attention reached across the ranks.
 
-use super::Parallelized;
 use crate::error::ParallelError;
 use crate::placed::ContextSplit;
 use burn::tensor::{Int, Tensor, TensorData};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
 
-impl Parallelized {
+/// The plan's sequence split on this rank: which positions of each sequence it computes
+/// (all of them without context parallelism), and the checks that a sequence cuts as the plan
+/// cuts it and that attention reached the other ranks' positions.
+#[derive(Debug, Default)]
+pub struct SequenceSplit {
+    /// The split over `cp`, when the plan splits sequences on this mesh.
+    context: Option<ContextSplit>,
+    /// Under sequence parallelism, the `tp` group a rank's positions are cut over again.
+    sequence_tp: Option<Group>,
+    /// Attention scores computed across the `cp` ranks at the last check.
+    attended: std::sync::Mutex<u64>,
+}
+
+impl SequenceSplit {
+    /// The split `context` (none: sequences whole on every rank), cut again over
+    /// `sequence_tp` under sequence parallelism.
+    pub(super) fn new(context: Option<ContextSplit>, sequence_tp: Option<Group>) -> Self {
+        SequenceSplit {
+            context,
+            sequence_tp,
+            attended: Default::default(),
+        }
+    }
+
     /// This rank's positions of `x`'s sequences along dimension `dim` (`x: [batch, seq]`
     /// tokens or targets, `dim = 1`): all of them, or, when the plan splits sequences over
     /// `cp`, the positions [`Self::positions`] lists, in that order. Fails when the sequence
     /// does not cut into the rank's chunks.
-    pub fn sequence_share<const D: usize, K>(
+    pub fn share<const D: usize, K>(
         &self,
         x: Tensor<D, K>,
         dim: usize,
@@ -41,7 +64,7 @@ impl Parallelized {
     /// [`crate::nn::CausalAttention`] cores, under a `context_parallel` rule that names none
     /// (`ContextParallelRule::ring(&[])`). `ctx` itself without a sequence split. Fails when
     /// the sequence or the heads do not cut over `cp`.
-    pub fn context_forward(
+    pub fn forward_context(
         &self,
         ctx: crate::forward_context::ForwardContext,
         seq: usize,
@@ -63,7 +86,7 @@ impl Parallelized {
     /// Fails when sequences are split over `cp` and no attention reached across the ranks
     /// since the last check (on any pipeline stage): the model computed each rank's
     /// positions alone, which no reduction can repair. Collective over `pp` when pipelined.
-    pub(super) fn check_attended(&self) -> Result<(), ParallelError> {
+    pub(super) fn check_attended(&self, pipeline: Option<&Group>) -> Result<(), ParallelError> {
         let Some(split) = &self.context else {
             return Ok(());
         };
@@ -71,7 +94,7 @@ impl Parallelized {
         let mut seen = self.attended.lock().unwrap_or_else(|p| p.into_inner());
         let mut advanced = [u64::from(now != *seen)];
         *seen = now;
-        if let Some(pp) = self.pipeline_ranks() {
+        if let Some(pp) = pipeline {
             control(|| pp.all_reduce(&mut advanced, ReduceOp::Max))?;
         }
         match advanced[0] {
@@ -79,7 +102,7 @@ impl Parallelized {
                 "the plan splits sequences over cp, but no attention attended across the cp \
                  ranks this step: each rank's positions saw only each other. Name the \
                  attention cores (flashover::nn::CausalAttention) in context_parallel's \
-                 `attention`, or run the forward in Parallelized::context_forward's context"
+                 `attention`, or run the forward in the context of Parallelized::sequences().forward_context"
                     .into(),
             )),
             _ => Ok(()),
@@ -87,7 +110,7 @@ impl Parallelized {
     }
 
     /// The positions of a `seq`-long sequence this rank computes, in the order its share
-    /// holds them ([`Self::sequence_share`]): `0..seq`, or with context parallelism this
+    /// holds them ([`Self::share`]): `0..seq`, or with context parallelism this
     /// rank's chunks (for position embeddings and rotary tables). Fails when `seq` does not cut
     /// into `cp` equal shares (`2 x cp` chunks when load-balanced).
     pub fn positions(&self, seq: usize) -> Result<Vec<usize>, ParallelError> {
@@ -102,7 +125,7 @@ impl Parallelized {
     /// into `tp` equal parts. Call it on every stream's length (an encoder's inputs, a
     /// decoder's targets) before the first forward: a length that does not split fails here,
     /// naming the axis, instead of inside a layer after the layers before it have run.
-    pub fn check_sequence(&self, seq: usize) -> Result<(), ParallelError> {
+    pub fn check(&self, seq: usize) -> Result<(), ParallelError> {
         let share = match &self.context {
             None => seq,
             Some(split) => {
@@ -110,27 +133,25 @@ impl Parallelized {
                 seq / split.group.size()
             }
         };
-        match &self.replica_check {
-            Some(check) if check.sequence_parallel && !share.is_multiple_of(check.tp.size()) => {
-                Err(ParallelError::Invalid(format!(
-                    "a sequence of {seq} positions ({share} on this rank) does not divide by \
-                     tp = {}: sequence parallelism splits it into tp equal parts",
-                    check.tp.size()
-                )))
-            }
+        match &self.sequence_tp {
+            Some(tp) if !share.is_multiple_of(tp.size()) => Err(ParallelError::Invalid(format!(
+                "a sequence of {seq} positions ({share} on this rank) does not divide by tp = \
+                 {}: sequence parallelism splits it into tp equal parts",
+                tp.size()
+            ))),
             _ => Ok(()),
         }
     }
 
     /// The `cp` ranks that hold the other positions of this rank's sequences, when the plan
     /// splits sequences on this mesh (to put per-position outputs back together).
-    pub fn sequence_ranks(&self) -> Option<&Group> {
+    pub fn ranks(&self) -> Option<&Group> {
         self.context.as_ref().map(|split| &split.group)
     }
 
     /// Whether the plan splits sequences over `cp` on this mesh (a rank then computes its
-    /// positions of every sequence: [`Self::sequence_share`]).
-    pub fn splits_sequences(&self) -> bool {
+    /// positions of every sequence: [`Self::share`]).
+    pub fn is_split(&self) -> bool {
         self.context.is_some()
     }
 }
