@@ -118,14 +118,14 @@ impl ParallelLearning {
                     .into(),
             ));
         }
-        if par.precision().param_dtype != Precision::F32 {
+        if par.precision().policy().param_dtype != Precision::F32 {
             return Err(ParallelError::Invalid(format!(
                 "the plan's mixed_precision computes in {}, on a cast view of the model, but a \
                  Learner's TrainStep takes its gradients of the model it is handed \
                  (GradientsParams::from_grads(.., self)), which finds none on a view: train \
                  the plan in a loop of your own (Parallelized::forward, backward, gradients), \
                  or leave mixed_precision out",
-                par.precision().param_dtype
+                par.precision().policy().param_dtype
             )));
         }
         Self::with_steps(ctx, par, WholeForward)
@@ -155,7 +155,7 @@ impl<S> ParallelLearning<S> {
     /// The strategy computing steps as `steps` (collective over the world: the ranks agree on
     /// the reporting one).
     fn with_steps(ctx: &RankContext, par: Parallelized, steps: S) -> Result<Self, ParallelError> {
-        if par.loss_scale().is_some() {
+        if par.precision().loss_scale().is_some() {
             return Err(ParallelError::Invalid(
                 "the plan's mixed_precision scales the loss (f16), which a Learner's TrainStep \
                  does not: compute in bf16, which needs no loss scaling"

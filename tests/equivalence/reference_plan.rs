@@ -143,7 +143,9 @@ fn parallel_with(
             (grads, mean, norm)
         };
         if let Some(hook) = counted.filter(|_| experts > 0) {
-            let loads = par.routing_loads(&hook.take_stats(), config.n_layers, experts)?;
+            let loads = par
+                .experts()
+                .loads(&hook.take_stats(), config.n_layers, experts)?;
             transformer::update_routing_biases(model, &loads);
         }
         Ok((grads, loss, norm))
@@ -392,7 +394,7 @@ fn routing_biases_move_by_the_whole_batchs_loads_under_the_reference_plan() {
             };
             par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
             let stats = counted.expect("a hook").take_stats();
-            let loads = par.routing_loads(&stats, config.n_layers, 4)?;
+            let loads = par.experts().loads(&stats, config.n_layers, 4)?;
             transformer::update_routing_biases(&mut model, &loads);
             let bias = |b: &Block| b.moe.as_ref().map(|moe| moe.expert_bias.clone());
             Ok::<_, ParallelError>(model.blocks.iter().map(bias).collect::<Vec<_>>())

@@ -45,7 +45,7 @@ use flashover_parallel::pipeline::ScheduleKind;
 /// sequences between the regions), a mixture-of-experts model's experts over `ep`. Add
 /// `fully_shard` units and a pipeline ([`pipeline`]) as the job asks. Routing biases that
 /// move during training (`bias_update_rate`) move by the whole batch's loads: the context's
-/// `moe` hook counts every layer's routing, [`Parallelized::routing_loads`] sums a
+/// `moe` hook counts every layer's routing, [`ExpertRouting::loads`](flashover_parallel::parallelize::ExpertRouting::loads) sums a
 /// step's counts over the ranks, and [`update_routing_biases`] moves the biases.
 pub fn plan(config: &TransformerConfig) -> Result<ParallelizePlan, ParallelError> {
     config.validate().map_err(ParallelError::Invalid)?;
@@ -53,7 +53,7 @@ pub fn plan(config: &TransformerConfig) -> Result<ParallelizePlan, ParallelError
 }
 
 /// Moves every mixture-of-experts layer's routing bias of `model` by `loads` (per layer, the
-/// whole batch's assignments per expert: [`Parallelized::routing_loads`]), as
+/// whole batch's assignments per expert: [`ExpertRouting::loads`](flashover_parallel::parallelize::ExpertRouting::loads)), as
 /// `Moe::update_bias` does on one device. Every rank moves every layer's bias, its stage's or
 /// not, so they stay equal everywhere.
 pub fn update_routing_biases(model: &mut Transformer, loads: &[Vec<u64>]) {

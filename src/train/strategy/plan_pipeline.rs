@@ -251,7 +251,7 @@ impl RankStrategy for PlanPipeline {
         let before = ctx.comm_stats();
         if scaler.is_active() {
             // The job's scale (a resumed checkpoint's) is the one the plan scales by.
-            self.par.restore_loss_scale(scaler.state())?;
+            self.par.precision().restore_loss_scale(scaler.state())?;
         }
         // Every layer of every micro-batch counts its routing into the step's one hook.
         let routing = self.moe.is_some().then(MoeHook::new);
@@ -297,7 +297,7 @@ impl RankStrategy for PlanPipeline {
             }
             None => (out.norm, 1.0),
         };
-        if let Some(state) = self.par.loss_scale_state() {
+        if let Some(state) = self.par.precision().loss_scale_state() {
             scaler.restore(state);
         }
         let scaled = |grads: Tensor<1>| match scale {
@@ -328,7 +328,7 @@ impl RankStrategy for PlanPipeline {
         let (moe, a2a) = match (&self.moe, routing) {
             (Some(moe), Some(hook)) => {
                 let pp = ctx.group(Axis::Pp);
-                let remote = self.par.expert_rows_sent();
+                let remote = self.par.experts().rows_sent();
                 let sums =
                     RoutingSums::over(hook.take_stats(), remote, moe.shape, &[&moe.batch, pp])?;
                 transformer::update_routing_biases(&mut self.model, &sums.routed);

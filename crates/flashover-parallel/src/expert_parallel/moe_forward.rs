@@ -31,7 +31,7 @@ pub trait MoeForward {
 
     /// [`Self::forward`], adding this rank's routing statistics (assignments per expert) to
     /// `stats` as layer `layer` (not again when a recomputation reruns it in backward): for
-    /// auxiliary-loss-free balancing, `Parallelized::routing_loads` of a step's statistics
+    /// auxiliary-loss-free balancing, `Parallelized::experts().loads` of a step's statistics
     /// gives every rank the whole batch's loads, which `Moe::update_bias` takes.
     fn forward_counted(
         &self,

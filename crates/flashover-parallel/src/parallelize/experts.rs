@@ -263,7 +263,33 @@ impl ExpertShares {
     }
 }
 
-impl super::Parallelized {
+/// What the plan's mixture-of-experts layers routed and sent on this rank
+/// (`Parallelized::experts`): the whole batch's routing loads, and the token rows the
+/// expert-parallel all-to-alls moved between ranks.
+#[derive(Debug)]
+pub struct ExpertRouting {
+    /// The ranks that route different tokens (`dp` x `fsdp` x `ep` x `cp`).
+    routed_apart: Group,
+    /// The pipeline ranks, each of which counts its own layers (none without `pp`).
+    pipeline: Option<Group>,
+    /// Token rows the `expert_parallel` layers sent to other `ep` ranks.
+    traffic: Arc<ExpertTraffic>,
+}
+
+impl ExpertRouting {
+    /// Loads summed over `routed_apart` and `pipeline`; rows counted into `traffic`.
+    pub(super) fn new(
+        routed_apart: Group,
+        pipeline: Option<Group>,
+        traffic: Arc<ExpertTraffic>,
+    ) -> Self {
+        ExpertRouting {
+            routed_apart,
+            pipeline,
+            traffic,
+        }
+    }
+
     /// The whole batch's routing loads of a step, the same on every rank: `stats`, what this
     /// rank's forwards counted ([`crate::expert_parallel::MoeForward::forward_counted`] into a hook,
     /// layers by index, `n_experts` each), summed over the ranks that route different tokens
@@ -271,7 +297,7 @@ impl super::Parallelized {
     /// pipeline stages (each counts its own layers). `tp` ranks route the same tokens, and
     /// are not summed. Per layer (`layers` of them) and expert: what `Moe::update_bias` takes.
     /// Fails when `stats` counts more layers or experts. Collective.
-    pub fn routing_loads(
+    pub fn loads(
         &self,
         stats: &crate::moe::MoeStats,
         layers: usize,
@@ -291,10 +317,10 @@ impl super::Parallelized {
         for (layer, counts) in stats.routed.iter().enumerate() {
             sums[layer * n_experts..][..counts.len()].copy_from_slice(counts);
         }
-        if self.averaged.size() > 1 {
-            control(|| self.averaged.all_reduce(&mut sums, ReduceOp::Sum))?;
+        if self.routed_apart.size() > 1 {
+            control(|| self.routed_apart.all_reduce(&mut sums, ReduceOp::Sum))?;
         }
-        if let Some(pp) = self.pipeline_ranks() {
+        if let Some(pp) = &self.pipeline {
             control(|| pp.all_reduce(&mut sums, ReduceOp::Sum))?;
         }
         Ok(sums
@@ -307,7 +333,7 @@ impl super::Parallelized {
     /// Token rows this rank's `expert_parallel` layers sent to other `ep` ranks since the last
     /// call (forward and backward, counted by the sender; a rank's rows to itself move no
     /// bytes and are not counted): what the all-to-alls moved between ranks.
-    pub fn expert_rows_sent(&self) -> u64 {
-        self.expert_traffic.take()
+    pub fn rows_sent(&self) -> u64 {
+        self.traffic.take()
     }
 }

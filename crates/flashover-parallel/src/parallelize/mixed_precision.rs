@@ -10,9 +10,10 @@ use burn::tensor::{Gradients, Tensor};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// See the module docs.
+/// A plan's mixed precision on one rank (`Parallelized::precision`): the policy and the
+/// running loss scale, and what the step's checks count (see the module docs).
 #[derive(Default)]
-pub(super) struct PlanPrecision {
+pub struct PlanPrecision {
     policy: MixedPrecision,
     /// The running loss scale, under a policy that scales the loss (f16).
     scaler: Mutex<Option<LossScaler>>,
@@ -31,7 +32,8 @@ impl PlanPrecision {
         }
     }
 
-    pub(super) fn policy(&self) -> MixedPrecision {
+    /// The plan's precision policy (f32 throughout without `mixed_precision`).
+    pub fn policy(&self) -> MixedPrecision {
         self.policy
     }
 
@@ -54,9 +56,29 @@ impl PlanPrecision {
         self.scaler.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The loss scale of the step in progress, under a policy that scales the loss.
-    pub(super) fn loss_scale(&self) -> Option<f32> {
+    /// The loss scale the next step runs with, under a `mixed_precision` that scales the loss.
+    pub fn loss_scale(&self) -> Option<f32> {
         self.scaler().as_ref().map(LossScaler::scale)
+    }
+
+    /// The running loss scale and its overflow-free steps, under a `mixed_precision` that
+    /// scales the loss: what a checkpoint keeps so that a resumed run scales as the
+    /// uninterrupted one.
+    pub fn loss_scale_state(&self) -> Option<(f32, usize)> {
+        self.scaler().as_ref().map(LossScaler::state)
+    }
+
+    /// Resumes the running loss scale from [`Self::loss_scale_state`]. Fails without a
+    /// policy that scales the loss.
+    pub fn restore_loss_scale(&self, state: (f32, usize)) -> Result<(), ParallelError> {
+        let mut scaler = self.scaler();
+        let scaler = scaler.as_mut().ok_or_else(|| {
+            ParallelError::Invalid(
+                "no loss scale to restore: the plan's mixed_precision scales no loss".into(),
+            )
+        })?;
+        scaler.restore(state);
+        Ok(())
     }
 
     /// `loss.backward()` of the loss scaled by the running scale (counted for the step's
@@ -124,33 +146,9 @@ impl super::Parallelized {
         grads
     }
 
-    /// The plan's precision policy (f32 throughout without `mixed_precision`).
-    pub fn precision(&self) -> MixedPrecision {
-        self.precision.policy()
-    }
-
-    /// The loss scale the next step runs with, under a `mixed_precision` that scales the loss.
-    pub fn loss_scale(&self) -> Option<f32> {
-        self.precision.loss_scale()
-    }
-
-    /// The running loss scale and its overflow-free steps, under a `mixed_precision` that
-    /// scales the loss: what a checkpoint keeps so that a resumed run scales as the
-    /// uninterrupted one.
-    pub fn loss_scale_state(&self) -> Option<(f32, usize)> {
-        self.precision.scaler().as_ref().map(LossScaler::state)
-    }
-
-    /// Resumes the running loss scale from [`Self::loss_scale_state`]. Fails without a
-    /// policy that scales the loss.
-    pub fn restore_loss_scale(&self, state: (f32, usize)) -> Result<(), ParallelError> {
-        let mut scaler = self.precision.scaler();
-        let scaler = scaler.as_mut().ok_or_else(|| {
-            ParallelError::Invalid(
-                "no loss scale to restore: the plan's mixed_precision scales no loss".into(),
-            )
-        })?;
-        scaler.restore(state);
-        Ok(())
+    /// The plan's mixed precision on this rank: its policy (f32 throughout without
+    /// `mixed_precision`) and its running loss scale.
+    pub fn precision(&self) -> &PlanPrecision {
+        &self.precision
     }
 }

@@ -67,6 +67,7 @@ pub use crate::plan::{
     AttachedModule, ContextParallelRule, ModulePath, ParallelizePlan, PipelineRule,
     SequenceParallelRules, TensorParallelRule, TpStyle,
 };
+pub use mixed_precision::PlanPrecision;
 pub use pipeline::PipelineModel;
 pub use pipeline_step::PipelineStep;
 pub use sequences::SequenceSplit;
@@ -84,13 +85,13 @@ use crate::zero::ShardGroup;
 use crate::zero::units::{FullyShardedUnits, UnitGathers};
 use burn::module::Module;
 use burn::tensor::Tensor;
+pub use experts::ExpertRouting;
 use experts::{ExpertShares, Experts};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
 use flashover_runtime::{Axis, RankContext, TensorCollectives};
 use pipeline::Stages;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::ops::Range;
-use std::sync::Arc;
 
 /// The axes whose ranks read different samples.
 const DATA_AXES: [Axis; 3] = [Axis::Dp, Axis::Fsdp, Axis::Ep];
@@ -113,8 +114,8 @@ pub struct Parallelized {
     stages: Option<Stages>,
     /// Which experts this rank holds, when the plan spreads them over `ep`.
     experts: Option<ExpertShares>,
-    /// Token rows the `expert_parallel` layers sent to other `ep` ranks.
-    expert_traffic: Arc<crate::expert_parallel::ExpertTraffic>,
+    /// What the plan's mixture-of-experts layers routed and sent ([`Self::experts`]).
+    expert_routing: ExpertRouting,
     /// The parameters this rank keeps placeholders for (other stages', other ep ranks'
     /// experts), by path.
     absent: HashSet<String>,
@@ -276,11 +277,17 @@ pub fn parallelize<M: Module>(
         plan.gradient_buckets,
         policy.reduce_dtype,
     )?;
+    let averaged = ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep, Axis::Cp])?;
+    let pipeline_ranks = (stages.as_ref())
+        .filter(|s| s.schedule.pp > 1)
+        .map(|s| s.pipeline_group().clone());
+    let expert_routing =
+        ExpertRouting::new(averaged.clone(), pipeline_ranks, experts.traffic.clone());
     let par = Parallelized {
         placements,
         buckets,
         data: ctx.subgroup(&DATA_AXES)?,
-        averaged: ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep, Axis::Cp])?,
+        averaged,
         sequences: SequenceSplit::new(
             context,
             (tp.size() > 1 && !plan.sequence_parallel.is_empty()).then(|| tp.clone()),
@@ -292,7 +299,7 @@ pub fn parallelize<M: Module>(
         },
         absent: absent.by_path.into_keys().collect(),
         stages,
-        expert_traffic: experts.traffic.clone(),
+        expert_routing,
         experts: experts.shares,
         kept_whole,
         replica_check: (tp.size() > 1).then(|| {
@@ -620,6 +627,13 @@ impl Parallelized {
             control(|| self.averaged.all_reduce(values, ReduceOp::Avg))?;
         }
         Ok(())
+    }
+
+    /// What the plan's mixture-of-experts layers routed and sent on this rank: the whole
+    /// batch's routing loads (for auxiliary-loss-free balancing) and the token rows the
+    /// expert-parallel all-to-alls moved.
+    pub fn experts(&self) -> &ExpertRouting {
+        &self.expert_routing
     }
 
     /// The plan's sequence split on this rank: its positions of each sequence, the forward

@@ -151,7 +151,7 @@ impl Parallelized {
     where
         M: PipelineModel + Sync + 'static,
     {
-        let loss_scale = self.loss_scale();
+        let loss_scale = self.precision.loss_scale();
         // No step and no global sample indices: the device's generator draws the masks.
         let run = self.run_stages(
             model,

@@ -66,7 +66,7 @@ impl Parallelized {
                 "ep (a rank runs part of the experts)",
             ),
             (
-                self.precision().param_dtype != crate::precision::Precision::F32,
+                self.precision.policy().param_dtype != crate::precision::Precision::F32,
                 "mixed precision (the whole model computes in f32)",
             ),
         ];

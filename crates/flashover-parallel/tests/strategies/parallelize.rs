@@ -555,7 +555,7 @@ pub(crate) fn stack_pipelined_on(
             let held = ParamLayout::of(&model).numel;
             let mut optim = AdamWConfig::new().init();
             let (mut losses, mut norms, mut recomputed) = (vec![], vec![], 0);
-            let dtype = par.precision().param_dtype.float_dtype();
+            let dtype = par.precision().policy().param_dtype.float_dtype();
             let micro_batch = |samples| {
                 let (x, y) = batch(samples, &device);
                 (x.cast(dtype), y)

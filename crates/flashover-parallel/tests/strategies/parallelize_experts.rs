@@ -263,7 +263,7 @@ fn parallel_counting(
                     par.gradients(&model, loss.backward(), None, &ctx)?.0
                 };
                 model = optim.step(LR, model, grads);
-                let sent = par.expert_rows_sent();
+                let sent = par.experts().rows_sent();
                 rows_sent += if step > 0 { sent } else { 0 };
             }
             let weights = flatten_params(&par.whole(model)?);

@@ -142,7 +142,7 @@ fn a_pipelined_plan_scales_the_loss_and_skips_overflowing_steps() {
                     steps.push((!norm.is_finite(), scale, unchanged));
                 }
                 assert_eq!(
-                    par.loss_scale_state().map(|(s, _)| s),
+                    par.precision().loss_scale_state().map(|(s, _)| s),
                     steps.last().unwrap().1
                 );
                 Ok::<_, ParallelError>(steps)
@@ -345,7 +345,7 @@ fn a_plans_loss_scale_skips_overflowing_steps_and_forwards_outside_it_are_refuse
             for step in 0..12 {
                 let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
                 let x = (x.cast(Precision::F16.float_dtype()), y);
-                let scale = par.loss_scale();
+                let scale = par.precision().loss_scale();
                 let loss = par.forward(&model, |m| m.loss(&x))?;
                 let backward = par.backward(loss);
                 let before = flatten_params(&par.whole(model.clone())?);
@@ -366,12 +366,16 @@ fn a_plans_loss_scale_skips_overflowing_steps_and_forwards_outside_it_are_refuse
             .run(|ctx| {
                 let device = Device::flex().autodiff();
                 let (model, par) = parallelize(Stack::new(&device), plan, &ctx)?;
-                let dtype = par.precision().param_dtype.float_dtype();
+                let dtype = par.precision().policy().param_dtype.float_dtype();
                 let (x, y) = batch(par.batch_share(GLOBAL_BATCH, 0)?, &device);
                 let x = (x.cast(dtype), y);
                 let loss = match inside {
                     true => par.forward(&model, |m| m.loss(&x))?,
-                    false => par.precision().compute_view(model.clone()).loss(&x),
+                    false => par
+                        .precision()
+                        .policy()
+                        .compute_view(model.clone())
+                        .loss(&x),
                 };
                 let backward = match scaled {
                     true => par.backward(loss),
