@@ -36,9 +36,9 @@ fn train(world: usize, to: usize, dir: &Path) -> (Vec<f32>, Vec<f32>) {
         };
         let mut losses = vec![];
         for step in state.step as usize..to {
-            let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
+            let (x, y) = batch(par.data().batch_share(GLOBAL_BATCH, step)?, &device);
             let loss = par.forward(&model, |m| mse(m.forward(x), y))?;
-            losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+            losses.push(par.data().mean_loss(loss.clone().into_scalar::<f32>())?);
             let (grads, _norm) = par.gradients(&model, loss.backward(), None, &ctx)?;
             model = optim.step(1e-2, model, grads);
         }

@@ -87,7 +87,7 @@ fn train_context_parallel() -> (Vec<f32>, Vec<f32>) {
             let targets = par.sequences().share(targets, 1)?; // +
             let fwd = split_sequences(&par, &model, ForwardContext::default(), SEQ)?; // +
             let loss = next_token_loss(model.forward_with(inputs, &fwd), targets);
-            losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?); // + the whole loss
+            losses.push(par.data().mean_loss(loss.clone().into_scalar::<f32>())?); // + the whole loss
             let (grads, _norm) = par.gradients(&model, loss.backward(), None, &ctx)?; // +
             model = optim.step(3e-3, model, grads);
         }

@@ -29,9 +29,9 @@ fn train_ddp() -> (Vec<f32>, Vec<f32>) {
         let mut optim = AdamWConfig::new().init();
         let mut losses = vec![];
         for step in 0..STEPS {
-            let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device); // + this rank's slice
+            let (x, y) = batch(par.data().batch_share(GLOBAL_BATCH, step)?, &device); // + this rank's slice
             let loss = par.forward(&model, |m| mse(m.forward(x), y))?; // + hooked parameters
-            losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?); // + the global loss
+            losses.push(par.data().mean_loss(loss.clone().into_scalar::<f32>())?); // + the global loss
             let (grads, _norm) = par.gradients(&model, loss.backward(), None, &ctx)?; // + averaged
             model = optim.step(1e-2, model, grads);
         }

@@ -56,10 +56,10 @@ fn train_ddp_bf16(policy: &MixedPrecision) -> (Vec<f32>, Vec<f32>) {
         let mut optim = AdamWConfig::new().init();
         let mut losses = vec![];
         for step in 0..STEPS {
-            let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
+            let (x, y) = batch(par.data().batch_share(GLOBAL_BATCH, step)?, &device);
             let x = x.cast(policy.param_dtype.float_dtype()); // + bf16 input
             let loss = par.forward(&model, |m| mse(m.forward(x).cast(FloatDType::F32), y))?;
-            losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+            losses.push(par.data().mean_loss(loss.clone().into_scalar::<f32>())?);
             let (grads, _norm) = par.gradients(&model, par.backward(loss), None, &ctx)?;
             model = optim.step(1e-2, model, grads);
         }

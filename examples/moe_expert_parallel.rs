@@ -99,9 +99,9 @@ fn train_expert_parallel() -> (Vec<f32>, Vec<f32>) {
         let mut optim = AdamWConfig::new().init();
         let mut losses = vec![];
         for step in 0..STEPS {
-            let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device); // + this rank's
+            let (x, y) = batch(par.data().batch_share(GLOBAL_BATCH, step)?, &device); // + this rank's
             let (l, value) = model.loss(x, y);
-            losses.push(par.mean_loss(value)?); // + (for printing only)
+            losses.push(par.data().mean_loss(value)?); // + (for printing only)
             let (grads, _norm) = par.gradients(&model, l.backward(), None, &ctx)?; // +
             model = optim.step(1e-2, model, grads);
         }

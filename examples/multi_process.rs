@@ -27,9 +27,9 @@ fn train_rank(ctx: RankContext) -> Result<(Vec<f32>, Vec<f32>), ParallelError> {
     let mut optim = AdamWConfig::new().init();
     let mut losses = vec![];
     for step in 0..STEPS {
-        let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
+        let (x, y) = batch(par.data().batch_share(GLOBAL_BATCH, step)?, &device);
         let loss = par.forward(&model, |m| mse(m.forward(x), y))?;
-        losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+        losses.push(par.data().mean_loss(loss.clone().into_scalar::<f32>())?);
         let (grads, _norm) = par.gradients(&model, loss.backward(), None, &ctx)?;
         model = optim.step(1e-2, model, grads);
     }

@@ -193,8 +193,8 @@ fn parallel(mesh: &str, plan: &ParallelizePlan, initial: &[f32]) -> (Run, Vec<us
         let mut optim = AdamWConfig::new().init();
         let mut losses = vec![];
         for step in 0..STEPS {
-            let loss = loss(&model, par.batch_share(GLOBAL_BATCH, step)?, &device); // ~
-            losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?); // ~
+            let loss = loss(&model, par.data().batch_share(GLOBAL_BATCH, step)?, &device); // ~
+            losses.push(par.data().mean_loss(loss.clone().into_scalar::<f32>())?); // ~
             let (grads, _) = par.gradients(&model, loss.backward(), None, &ctx)?; // ~
             model = optim.step(LR, model, grads);
         }

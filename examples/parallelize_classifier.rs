@@ -128,9 +128,9 @@ fn parallel(mesh: &str, plan: &ParallelizePlan, initial: &[f32]) -> (Run, Vec<us
         let mut optim = AdamWConfig::new().init();
         let mut losses = vec![];
         for step in 0..STEPS {
-            let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device); // +
+            let (x, y) = batch(par.data().batch_share(GLOBAL_BATCH, step)?, &device); // +
             let loss = model.loss(x, y);
-            losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?); // +
+            losses.push(par.data().mean_loss(loss.clone().into_scalar::<f32>())?); // +
             let (grads, _) = par.gradients(&model, loss.backward(), Some(MAX_NORM), &ctx)?; // +
             model = optim.step(LR, model, grads);
         }

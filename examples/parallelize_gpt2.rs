@@ -229,11 +229,11 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> (Run, Vec<usize>, usize) {
             };
             for step in 0..STEPS {
                 let grads = if plan.pipeline.is_none() {
-                    let samples = batch(par.batch_share(GLOBAL_BATCH, step)?, &device); // +
+                    let samples = batch(par.data().batch_share(GLOBAL_BATCH, step)?, &device); // +
                     let samples = share(samples)?; // cp
                     // fsdp: each block's shards gathered in one collective, the next prefetched
                     let loss = par.forward(&model, |m| m.loss(&samples))?; // + (optional)
-                    losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?); // +
+                    losses.push(par.data().mean_loss(loss.clone().into_scalar::<f32>())?); // +
                     par.gradients(&model, loss.backward(), clip, &ctx)?.0 // +
                 } else {
                     // pp: the schedule runs this rank's stages over the micro-batches.

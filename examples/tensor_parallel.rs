@@ -58,9 +58,9 @@ fn train_tensor_parallel() -> (Vec<f32>, Vec<f32>) {
         let mut losses = vec![];
         for step in 0..STEPS {
             // Every tp rank computes on the whole batch.
-            let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
+            let (x, y) = batch(par.data().batch_share(GLOBAL_BATCH, step)?, &device);
             let loss = mse(model.forward(x), y);
-            losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+            losses.push(par.data().mean_loss(loss.clone().into_scalar::<f32>())?);
             let (grads, _norm) = par.gradients(&model, loss.backward(), None, &ctx)?; // +
             model = optim.step(1e-2, model, grads); // each rank steps its own share
         }

@@ -46,9 +46,9 @@ fn train_sharded(stage: usize) -> Run {
             let bytes = if stage == 3 {
                 let mut optim = AdamWConfig::new().init();
                 for step in 0..STEPS {
-                    let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
+                    let (x, y) = batch(par.data().batch_share(GLOBAL_BATCH, step)?, &device);
                     let loss = par.forward(&model, |m| mse(m.forward(x), y))?;
-                    losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+                    losses.push(par.data().mean_loss(loss.clone().into_scalar::<f32>())?);
                     let (grads, _norm) = par.gradients(&model, loss.backward(), None, &ctx)?;
                     model = optim.step(1e-2, model, grads);
                 }
@@ -58,9 +58,9 @@ fn train_sharded(stage: usize) -> Run {
                 // = Burn's AdamWConfig::new(), bit for bit, on this rank's rows.
                 let mut optim = RowAdamW::new(&par, &model, &FlatAdamWConfig::new(), true, &ctx)?;
                 for step in 0..STEPS {
-                    let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
+                    let (x, y) = batch(par.data().batch_share(GLOBAL_BATCH, step)?, &device);
                     let loss = par.forward(&model, |m| mse(m.forward(x), y))?;
-                    losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+                    losses.push(par.data().mean_loss(loss.clone().into_scalar::<f32>())?);
                     let (rows, _norm) = par.row_gradients(&model, loss.backward(), None, &ctx)?;
                     let update = rows.dims()[0] > 0;
                     model = optim.step(1e-2, model, rows, update)?;

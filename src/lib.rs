@@ -67,10 +67,10 @@ pub mod train;
 ///     let (mut net, par) = parallelize(net, &ParallelizePlan::new().fully_shard(""), &ctx)?;
 ///     let mut optim = AdamWConfig::new().init();
 ///     // Step 0's batch is samples 0..8 of the data set; this rank's share is 4 of them.
-///     let samples = par.batch_share(8, 0)?;
+///     let samples = par.data().batch_share(8, 0)?;
 ///     let x = Tensor::<2>::ones([samples.len(), 4], &device);
 ///     let loss = net.layer.forward(x).square().mean();
-///     let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+///     let mean = par.data().mean_loss(loss.clone().into_scalar::<f32>())?;
 ///     let (grads, _norm) = par.gradients(&net, loss.backward(), Some(1.0), &ctx)?;
 ///     net = optim.step(1e-3, net, grads);
 ///     Ok::<_, ParallelError>(mean)

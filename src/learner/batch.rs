@@ -45,7 +45,7 @@ pub struct ShareBatcher<B> {
 impl<B> ShareBatcher<B> {
     /// `inner` batching this rank's share, for the ranks `par` reads different samples on.
     pub fn new(inner: B, par: &Parallelized) -> Self {
-        let data = par.data_ranks();
+        let data = par.data().ranks();
         ShareBatcher {
             inner,
             rank: data.rank(),

@@ -247,7 +247,7 @@ impl<S> ParallelLearning<S> {
 
     /// This rank's share of a `batch`-sample batch.
     fn share_of(&self, batch: usize) -> Result<usize, String> {
-        let ranks = self.par.data_ranks().size();
+        let ranks = self.par.data().ranks().size();
         if !batch.is_multiple_of(ranks) {
             return Err(format!(
                 "a batch of {batch} samples does not split over {ranks} data-parallel ranks (dp \
@@ -443,7 +443,7 @@ where
             let (output, lr) = step(batch, &progress, s.share_of(samples)?)?;
             // The ranks of one data group all compute outputs (they run the same stages) or
             // none does.
-            let item = output.map(|o| o.gather(s.par.data_ranks()));
+            let item = output.map(|o| o.gather(s.par.data().ranks()));
             match item.transpose().map_err(|e| e.to_string())? {
                 Some(item) => {
                     let item = TrainingItem::new(item, progress, Some(iteration), lr);

@@ -258,7 +258,7 @@ where
 /// share of the batch is `share` samples.
 pub(super) fn check_share(samples: usize, share: usize, par: &Parallelized) -> Result<(), String> {
     if samples != share {
-        let ranks = par.data_ranks().size();
+        let ranks = par.data().ranks().size();
         return Err(format!(
             "a step of a {}-sample batch had {samples} samples on this rank, not its share of \
              {share} over {ranks} data-parallel ranks (dp x fsdp x ep): build the data loaders \

@@ -157,8 +157,8 @@ fn span(
             let device = ctx.device().clone().autodiff();
             match &plan.pipeline {
                 None => {
-                    let loss = model.loss(&batch(par.batch_share(BATCH, step)?, &device));
-                    let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+                    let loss = model.loss(&batch(par.data().batch_share(BATCH, step)?, &device));
+                    let mean = par.data().mean_loss(loss.clone().into_scalar::<f32>())?;
                     Ok((mean, par.gradients(model, loss.backward(), None, ctx)?.0))
                 }
                 Some(_) => {

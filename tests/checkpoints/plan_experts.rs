@@ -107,8 +107,8 @@ fn span(
         MoeNet::new,
         |model, par, step, ctx| {
             let device = ctx.device().clone().autodiff();
-            let loss = model.loss(&batch(par.batch_share(BATCH, step)?, &device));
-            let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+            let loss = model.loss(&batch(par.data().batch_share(BATCH, step)?, &device));
+            let mean = par.data().mean_loss(loss.clone().into_scalar::<f32>())?;
             Ok((mean, par.gradients(model, loss.backward(), None, ctx)?.0))
         },
     )

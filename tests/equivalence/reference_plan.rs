@@ -127,7 +127,7 @@ fn parallel_with(
             let out = par.pipeline_step(model, GLOBAL_BATCH, step, &micro_batch, clip, ctx)?;
             (out.grads, out.loss + out.aux_loss, out.norm)
         } else {
-            let samples = par.batch_share(GLOBAL_BATCH, step)?;
+            let samples = par.data().batch_share(GLOBAL_BATCH, step)?;
             let mut fwd = match p > 0.0 {
                 true => transformer::dropout_context(model, dropout(p, step), samples.start, SEQ),
                 false => transformer::forward_context(),
@@ -138,7 +138,7 @@ fn parallel_with(
             let (x, y) = (par.sequences().share(x, 1)?, par.sequences().share(y, 1)?);
             // Fully sharded units gathered one collective each (a no-op without any).
             let loss = par.forward(model, |m| transformer::objective_in(m, x, y, &fwd))?;
-            let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+            let mean = par.data().mean_loss(loss.clone().into_scalar::<f32>())?;
             let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
             (grads, mean, norm)
         };

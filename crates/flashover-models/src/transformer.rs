@@ -92,7 +92,7 @@ pub fn forward_context() -> ForwardContext {
 }
 
 /// [`forward_context`] with `dropout` on the samples from global index `sample_offset` (this
-/// rank's first: `Parallelized::batch_share(..).start`, or a pipeline micro-batch's first:
+/// rank's first: `Parallelized::data().batch_share(..).start`, or a pipeline micro-batch's first:
 /// the start of the samples `micro_batch` receives), each of `seq` tokens: every rank draws
 /// its part of the one-device masks, at its attention heads under tensor parallelism and its
 /// positions under sequence parallelism, read from how the plan split `model`'s attention

@@ -269,7 +269,7 @@ impl RankStrategy for PlanPipeline {
         let attention_before = self.par.sequences().attention_work();
         // Pipeline steps count samples from the data rank's first (step 0 of a batch of this
         // step's size): all a micro-batch's place in `data` needs.
-        let data_ranks = self.par.data_ranks();
+        let data_ranks = self.par.data().ranks();
         let first = data_ranks.rank() * rows * micro_batches;
         let global_batch = data_ranks.size() * rows * micro_batches;
         let micro_batch = |samples: Range<usize>| {

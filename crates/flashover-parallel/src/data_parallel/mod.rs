@@ -3,7 +3,7 @@
 //!
 //! **What is replicated:** under data parallelism alone (`parallelize` with a plan that splits
 //! nothing), parameters, gradients and optimizer state, on every `dp` rank. **What is split:**
-//! the batch ([`crate::parallelize::Parallelized::batch_share`]). **Communication per step:**
+//! the batch ([`crate::parallelize::DataSplit::batch_share`]). **Communication per step:**
 //! one broadcast per parameter at `parallelize` (rank 0's values win), then an all-reduce (sum)
 //! of every gradient in buckets of about [`GradientBuckets::bucket_mb`], i.e.
 //! `2 (n-1)/n x 4 bytes x params` of bus traffic (half in bf16 under a `mixed_precision` that

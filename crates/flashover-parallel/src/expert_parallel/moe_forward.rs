@@ -20,7 +20,7 @@ pub trait MoeForward {
     /// `x: [batch, seq, d_model]` -> the layer's output (same shape) and the weighted sum of
     /// its auxiliary losses (load balancing, z-loss), `None` when both weights are 0: add it to
     /// your loss. Every layout gives each rank a value whose mean over the ranks
-    /// (`Parallelized::mean_loss` of `loss + aux`) is the one-device value: with `ep` and `dp`
+    /// (`Parallelized::data().mean_loss` of `loss + aux`) is the one-device value: with `ep` and `dp`
     /// each rank's is its samples' (a mean over sequences), with `cp` each rank's part is
     /// weighted so. Nothing else changes between layouts: the plan's rules (`expert_parallel`,
     /// `context_parallel`, sequence parallelism) reach the layer through its router, and

@@ -145,7 +145,7 @@ pub(crate) fn drop_elements<const D: usize>(
             panic!(
                 "{layer} is split over tp={tp} and has dropout {prob} in training, with no \
                  dropout draws set on this rank: Burn's device generator would give every tp \
-                 rank its own mask. Parallelized::batch_share and pipeline_step set the draws; \
+                 rank its own mask. Parallelized::data().batch_share and pipeline_step set the draws; \
                  a loop of one's own calls flashover::nn::set_dropout_draws before the forward"
             );
         }

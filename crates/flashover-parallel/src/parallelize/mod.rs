@@ -4,9 +4,9 @@
 //! let plan = ParallelizePlan::new().fully_shard("blocks").fully_shard("embed");
 //! let (model, par) = parallelize(MyModel::new(&config, &device), &plan, &ctx)?;
 //! for step in 0..steps {
-//!     let (x, y) = my_batch(par.batch_share(global_batch, step)?);   // this rank's samples
+//!     let (x, y) = my_batch(par.data().batch_share(global_batch, step)?);   // this rank's samples
 //!     let loss = model.forward(x, y);                                // the unchanged forward
-//!     println!("{}", par.mean_loss(loss.clone().into_scalar())?);   // the same on every rank
+//!     println!("{}", par.data().mean_loss(loss.clone().into_scalar())?);   // the same on every rank
 //!     let (grads, norm) = par.gradients(&model, loss.backward(), Some(1.0), &ctx)?;
 //!     model = optim.step(lr, model, grads);                          // any Burn optimizer
 //! }
@@ -48,6 +48,7 @@
 //! data-parallel part), `pipeline_step` runs a pipelined plan's stages, `context` serves the
 //! sequence split, `mixed_precision` the backward and loss scale, `experts` the routing loads.
 
+mod data_split;
 mod experts;
 mod loop_overlap;
 mod mixed_precision;
@@ -85,13 +86,13 @@ use crate::zero::ShardGroup;
 use crate::zero::units::{FullyShardedUnits, UnitGathers};
 use burn::module::Module;
 use burn::tensor::Tensor;
+pub use data_split::DataSplit;
 pub use experts::ExpertRouting;
 use experts::{ExpertShares, Experts};
-use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
+use flashover_comm::{Group, ReduceOp};
 use flashover_runtime::{Axis, RankContext, TensorCollectives};
 use pipeline::Stages;
 use std::collections::{BTreeSet, HashMap, HashSet};
-use std::ops::Range;
 
 /// The axes whose ranks read different samples.
 const DATA_AXES: [Axis; 3] = [Axis::Dp, Axis::Fsdp, Axis::Ep];
@@ -101,12 +102,8 @@ pub struct Parallelized {
     placements: PlacementTable,
     /// Every gradient summed over the ranks its placement says, in buckets.
     buckets: BucketedReduction,
-    /// The ranks that read different samples (`dp` x `fsdp` x `ep`), in which this rank is
-    /// `data.rank()`.
-    data: Group,
-    /// The ranks whose mean losses make the whole batch's (`dp` x `fsdp` x `ep` x `cp`): each
-    /// holds as many of the batch's tokens.
-    averaged: Group,
+    /// The plan's data split on this rank ([`Self::data`]).
+    data_split: DataSplit,
     /// The plan's sequence split on this rank ([`Self::sequences`]).
     sequences: SequenceSplit,
     whole_reads: WholeReads,
@@ -140,9 +137,6 @@ pub struct Parallelized {
     loop_overlap: loop_overlap::LoopOverlap,
     /// What the last gradient reduction did and cost.
     last_reduction: std::sync::Mutex<ReductionReport>,
-    /// The plan's dropout draws (of no samples yet): its seed, and what the layout cannot
-    /// place.
-    dropout: crate::dropout::draws::Draws,
 }
 
 /// Where `model`'s gradients live: its parameters' device outside autodiff (the rank's for a
@@ -281,13 +275,20 @@ pub fn parallelize<M: Module>(
     let pipeline_ranks = (stages.as_ref())
         .filter(|s| s.schedule.pp > 1)
         .map(|s| s.pipeline_group().clone());
-    let expert_routing =
-        ExpertRouting::new(averaged.clone(), pipeline_ranks, experts.traffic.clone());
+    let expert_routing = ExpertRouting::new(
+        averaged.clone(),
+        pipeline_ranks.clone(),
+        experts.traffic.clone(),
+    );
     let par = Parallelized {
         placements,
         buckets,
-        data: ctx.subgroup(&DATA_AXES)?,
-        averaged,
+        data_split: DataSplit::new(
+            ctx.subgroup(&DATA_AXES)?,
+            averaged.clone(),
+            dropout_draws(plan, ctx).with_data_ranks(ctx.subgroup(&DATA_AXES)?),
+            pipeline_ranks.is_some(),
+        ),
         sequences: SequenceSplit::new(
             context,
             (tp.size() > 1 && !plan.sequence_parallel.is_empty()).then(|| tp.clone()),
@@ -318,7 +319,6 @@ pub fn parallelize<M: Module>(
             .map(|(replicas, _)| (replicas, ctx.group(Axis::Ep).clone())),
         loop_overlap: Default::default(),
         last_reduction: Default::default(),
-        dropout: dropout_draws(plan, ctx).with_data_ranks(ctx.subgroup(&DATA_AXES)?),
     };
     Ok((model, par))
 }
@@ -567,66 +567,10 @@ impl Parallelized {
         f()
     }
 
-    /// This rank's samples of step `step`, numbered over the whole run: step `s`'s batch is
-    /// samples `s * global_batch .. (s + 1) * global_batch` of the data set, and each data
-    /// rank (`dp` x `fsdp` x `ep`) takes a contiguous share of it (rank 1 of 2 at step 1 of a batch
-    /// of 8: `12..16`). Fails when the batch does not split evenly, and when the plan cuts the
-    /// model into pipeline stages (a rank's forward is then a stage's:
-    /// [`Self::pipeline_step`] reads the batch and runs the schedule). Sets this rank's
-    /// dropout draws to the share's samples of step `step` ([`crate::nn::Dropout`]): the
-    /// forward that follows drops what one device drops of them.
-    pub fn batch_share(
-        &self,
-        global_batch: usize,
-        step: usize,
-    ) -> Result<Range<usize>, ParallelError> {
-        if self.is_pipelined() {
-            return Err(ParallelError::Invalid(
-                "the plan cuts the model into pipeline stages: a rank's forward is a stage's, \
-                 so train with Parallelized::pipeline_step, which reads each micro-batch and \
-                 runs the schedule"
-                    .into(),
-            ));
-        }
-        let share = self.share(global_batch, step)?;
-        crate::dropout::draws::set_draws(Some(self.draws(step, share.clone())));
-        Ok(share)
-    }
-
-    /// The dropout draws of `samples` of step `step` under this plan.
-    pub(crate) fn draws(&self, step: usize, samples: Range<usize>) -> crate::dropout::draws::Draws {
-        self.dropout.at(step, samples)
-    }
-
-    /// [`Self::batch_share`], pipelined or not.
-    fn share(&self, global_batch: usize, step: usize) -> Result<Range<usize>, ParallelError> {
-        let n = self.data.size();
-        if !global_batch.is_multiple_of(n) {
-            return Err(ParallelError::Invalid(format!(
-                "a global batch of {global_batch} samples does not split over {n} data-parallel \
-                 ranks (dp x fsdp x ep): use a multiple of {n}"
-            )));
-        }
-        let per = global_batch / n;
-        let start = step * global_batch + self.data.rank() * per;
-        Ok(start..start + per)
-    }
-
-    /// The mean over the data ranks (and, with context parallelism, the `cp` ranks) of each
-    /// rank's mean `loss`: the loss of the whole batch, the same on every rank (collective
-    /// over `dp` x `fsdp` x `ep` x `cp`).
-    pub fn mean_loss(&self, loss: f32) -> Result<f32, ParallelError> {
-        let mut value = [loss];
-        self.mean_over_ranks(&mut value)?;
-        Ok(value[0])
-    }
-
-    /// [`Self::mean_loss`] of several values at once.
-    fn mean_over_ranks(&self, values: &mut [f32]) -> Result<(), ParallelError> {
-        if self.averaged.size() > 1 {
-            control(|| self.averaged.all_reduce(values, ReduceOp::Avg))?;
-        }
-        Ok(())
+    /// The plan's data split on this rank: its share of each step's batch (which sets its
+    /// dropout draws), the whole batch's mean loss, and the ranks that read different samples.
+    pub fn data(&self) -> &DataSplit {
+        &self.data_split
     }
 
     /// What the plan's mixture-of-experts layers routed and sent on this rank: the whole
@@ -640,12 +584,6 @@ impl Parallelized {
     /// context of a model whose attention runs through one, and the sequence checks.
     pub fn sequences(&self) -> &SequenceSplit {
         &self.sequences
-    }
-
-    /// The ranks that read different samples (`dp` x `fsdp` x `ep`): a global batch is cut
-    /// into `data_ranks().size()` equal shares, this rank's is share `data_ranks().rank()`.
-    pub fn data_ranks(&self) -> &Group {
-        &self.data
     }
 
     /// Whether the plan cuts the model into pipeline stages on this mesh (a rank then trains

@@ -72,7 +72,7 @@ fn step_device<M: Module>(model: &M, ctx: &RankContext) -> burn::tensor::Device 
 
 impl Parallelized {
     /// One training step of a pipelined plan: this rank's samples of step `step` of batches of
-    /// `global_batch` (as [`Self::batch_share`]) cut into the plan's micro-batches, each
+    /// `global_batch` (as [`DataSplit::batch_share`](super::DataSplit::batch_share)) cut into the plan's micro-batches, each
     /// built by `micro_batch(samples)` on every stage (layers may read it:
     /// [`PipelineModel::layer_for`]), run through the plan's schedule over this rank's stages
     /// of `model` ([`PipelineModel`]). What travels between
@@ -92,14 +92,14 @@ impl Parallelized {
     where
         M: PipelineModel + Sync + 'static,
     {
-        let share = self.share(global_batch, step)?;
+        let share = self.data_split.share(global_batch, step)?;
         let head = |m: &M, x, batch: &M::Batch, _| m.head_loss(x, batch);
         let loss_scale = self.precision.loss_scale();
         let device = step_device(model, ctx);
         let hooked = self.pipeline_stages()?.hooks_allowed() && self.buckets.hooks_on(&device);
         self.buckets.begin_step(hooked);
         let hooks = hooked.then_some(&self.buckets);
-        let draws = self.draws(step, share.clone());
+        let draws = self.data_split.draws(step, share.clone());
         let mut run = self.run_stages(
             model,
             share,
@@ -110,7 +110,7 @@ impl Parallelized {
             hooks,
             ctx,
         )?;
-        self.mean_over_ranks(&mut run.losses)?;
+        self.data_split.mean_over_ranks(&mut run.losses)?;
         let [loss, aux_loss] = run.losses;
         let reduced = self.reduce_and_clip(model, run.flat, run.divisor, max_norm, ctx)?;
         Ok(PipelineStep {

@@ -207,7 +207,7 @@ impl Parallelized {
         }
         // One division by the whole denominator (micro-batches, loss scale, data ranks), as
         // DDP divides: the same bits as DDP's whatever the number of ranks.
-        let denominator = divisor * self.averaged.size() as f32;
+        let denominator = divisor * self.data_split.averaged().size() as f32;
         if denominator != 1.0 {
             values = values.div_scalar(denominator);
         }

@@ -360,7 +360,7 @@ fn the_encoder_split_over_tp_refuses_dropout_without_draws() {
             let device = Device::flex().autodiff();
             let model = TextClassifier::with_dropout(&device, 0.1);
             let (model, par) = parallelize(model, &tp_plan(), &ctx)?;
-            let samples = par.batch_share(GLOBAL_BATCH, 0)?;
+            let samples = par.data().batch_share(GLOBAL_BATCH, 0)?;
             // A loop of one's own that forgets the draws: each rank's device would draw.
             flashover_parallel::nn::clear_dropout_draws();
             Ok::<_, ParallelError>(loss(&model, samples, &device))
@@ -391,7 +391,7 @@ fn burns_own_dropout_under_tp_is_refused_on_the_first_step_naming_a_parameter() 
             dropout: DropoutConfig::new(0.1).init(),
         };
         let (model, par) = parallelize(model, &tp_plan_at("classifier.transformer"), &ctx)?;
-        let samples = par.batch_share(GLOBAL_BATCH, 0)?;
+        let samples = par.data().batch_share(GLOBAL_BATCH, 0)?;
         let (tokens, pad, labels) = sentences(samples, &device);
         let c = &model.classifier;
         let x = model.dropout.forward(TextClassifier::embed(c, tokens));

@@ -90,8 +90,8 @@ pub(crate) fn plain_step<M: Module>(
     ctx: &RankContext,
     loss: impl FnOnce(&M, std::ops::Range<usize>) -> Tensor<1>,
 ) -> Step {
-    let loss = loss(model, par.batch_share(GLOBAL_BATCH, step)?);
-    let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+    let loss = loss(model, par.data().batch_share(GLOBAL_BATCH, step)?);
+    let mean = par.data().mean_loss(loss.clone().into_scalar::<f32>())?;
     let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
     Ok((grads, mean, norm))
 }

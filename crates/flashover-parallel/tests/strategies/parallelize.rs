@@ -166,13 +166,13 @@ fn a_users_own_checkpoint_call_recomputes_placed_parameters() {
         &plan,
         RecomputedMlp::new,
         |model, par, step, ctx, device| {
-            let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, device);
+            let (x, y) = batch(par.data().batch_share(GLOBAL_BATCH, step)?, device);
             let (loss, grads) = par.forward(model, |m| {
                 let loss = loss(m, x, y);
                 let grads = loss.backward();
                 (loss, grads)
             })?;
-            let mean = par.mean_loss(loss.into_scalar::<f32>())?;
+            let mean = par.data().mean_loss(loss.into_scalar::<f32>())?;
             let (grads, norm) = par.gradients(model, grads, Some(MAX_NORM), ctx)?;
             Ok((grads, mean, norm))
         },
@@ -317,9 +317,9 @@ fn single_rank<M: Net>() -> Run {
 /// elements.
 fn parallel<M: Net>(mesh: &str, plan: ParallelizePlan) -> (Run, Vec<usize>) {
     plan_loop(mesh, &plan, M::new, |model, par, step, ctx, device| {
-        let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, device);
+        let (x, y) = batch(par.data().batch_share(GLOBAL_BATCH, step)?, device);
         let loss = loss(model, x, y);
-        let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+        let mean = par.data().mean_loss(loss.clone().into_scalar::<f32>())?;
         let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
         Ok((grads, mean, norm))
     })
@@ -743,9 +743,9 @@ fn a_users_own_loop_stepped_by_rows_trains_as_one_rank() {
                 let (mut losses, mut norms) = (vec![], vec![]);
                 for step in 0..STEPS {
                     model = optim.for_step(model)?;
-                    let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
+                    let (x, y) = batch(par.data().batch_share(GLOBAL_BATCH, step)?, &device);
                     let loss = par.forward(&model, |m| loss(m, x, y))?;
-                    losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+                    losses.push(par.data().mean_loss(loss.clone().into_scalar::<f32>())?);
                     let (rows, norm) =
                         par.row_gradients(&model, par.backward(loss), Some(MAX_NORM), &ctx)?;
                     norms.push(norm);
@@ -753,7 +753,7 @@ fn a_users_own_loop_stepped_by_rows_trains_as_one_rank() {
                     model = optim.step(LR, model, rows, update)?;
                 }
                 // Whole gradients are refused while the plan keeps rows, with what to call.
-                let (x, y) = batch(par.batch_share(GLOBAL_BATCH, 0)?, &device);
+                let (x, y) = batch(par.data().batch_share(GLOBAL_BATCH, 0)?, &device);
                 let loss = par.forward(&model, |m| loss(m, x, y))?;
                 let refused = par
                     .gradients(&model, par.backward(loss), None, &ctx)
@@ -960,9 +960,9 @@ fn units_train_as_one_rank_on(
             plan,
             Stack::new,
             |model, par, step, ctx, device| {
-                let samples = par.batch_share(GLOBAL_BATCH, step)?;
+                let samples = par.data().batch_share(GLOBAL_BATCH, step)?;
                 let loss = par.forward(model, |m| loss(m, &batch(samples, device)))?;
-                let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+                let mean = par.data().mean_loss(loss.clone().into_scalar::<f32>())?;
                 let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
                 Ok((grads, mean, norm))
             },
@@ -1620,7 +1620,7 @@ fn pipeline_rules_that_do_not_fit_are_refused_with_the_reason() {
             let device = Device::flex().autodiff();
             let plan = plan(rule(ScheduleKind::GPipe));
             let (_, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
-            par.batch_share(GLOBAL_BATCH, 0).map(|_| ())
+            par.data().batch_share(GLOBAL_BATCH, 0).map(|_| ())
         })
         .unwrap_err()
         .to_string();
@@ -1735,7 +1735,7 @@ fn burns_own_rms_norm_under_fully_shard_fails_loudly_in_its_first_forward() {
             let device = Device::flex().autodiff();
             let plan = ParallelizePlan::new().fully_shard("");
             let (model, par) = parallelize(BurnRmsNormed::new(&device), &plan, &ctx)?;
-            let (x, _) = batch(par.batch_share(GLOBAL_BATCH, 0)?, &device);
+            let (x, _) = batch(par.data().batch_share(GLOBAL_BATCH, 0)?, &device);
             Ok::<_, ParallelError>(model.forward(x).into_data())
         })
         .unwrap_err()
@@ -1911,8 +1911,11 @@ fn train_lm<M: Lm>(mesh: Option<&str>, plan: &ParallelizePlan) -> (Vec<f32>, Vec
             let mut optim = AdamWConfig::new().init();
             let mut losses = vec![];
             for step in 0..STEPS {
-                let loss = model.loss(token_batch(par.batch_share(GLOBAL_BATCH, step)?, &device));
-                losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+                let loss = model.loss(token_batch(
+                    par.data().batch_share(GLOBAL_BATCH, step)?,
+                    &device,
+                ));
+                losses.push(par.data().mean_loss(loss.clone().into_scalar::<f32>())?);
                 let (grads, _) = par.gradients(&model, loss.backward(), None, &ctx)?;
                 model = optim.step(LR, model, grads);
             }
@@ -1978,7 +1981,10 @@ fn a_whole_module_left_out_of_sequence_parallel_is_named_on_the_first_step() {
         .run(|ctx| {
             let device = Device::flex().autodiff();
             let (model, par) = parallelize(TiedLm::new(&device), &plan, &ctx)?;
-            let loss = model.loss(token_batch(par.batch_share(GLOBAL_BATCH, 0)?, &device));
+            let loss = model.loss(token_batch(
+                par.data().batch_share(GLOBAL_BATCH, 0)?,
+                &device,
+            ));
             par.gradients(&model, loss.backward(), None, &ctx)
                 .map(|_| ())
         })

@@ -233,8 +233,9 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> Result<(Vec<f32>, Vec<f32>), 
                         par.pipeline_step(&model, GLOBAL_BATCH, step, &micro_batch, None, &ctx)?;
                     (out.loss, out.grads)
                 } else {
-                    let loss = model.loss(&micro_batch(par.batch_share(GLOBAL_BATCH, step)?));
-                    let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+                    let loss =
+                        model.loss(&micro_batch(par.data().batch_share(GLOBAL_BATCH, step)?));
+                    let mean = par.data().mean_loss(loss.clone().into_scalar::<f32>())?;
                     (mean, par.gradients(&model, loss.backward(), None, &ctx)?.0)
                 };
                 losses.push(loss);

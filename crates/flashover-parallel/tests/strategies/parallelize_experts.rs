@@ -254,12 +254,13 @@ fn parallel_counting(
                     losses.push(out.loss + out.aux_loss);
                     out.grads
                 } else {
-                    let samples = share(batch(par.batch_share(GLOBAL_BATCH, step)?, &device));
+                    let samples =
+                        share(batch(par.data().batch_share(GLOBAL_BATCH, step)?, &device));
                     let loss = match in_units {
                         true => par.forward(&model, |m| m.loss(&samples))?,
                         false => model.loss(&samples),
                     };
-                    losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+                    losses.push(par.data().mean_loss(loss.clone().into_scalar::<f32>())?);
                     par.gradients(&model, loss.backward(), None, &ctx)?.0
                 };
                 model = optim.step(LR, model, grads);
@@ -408,7 +409,7 @@ fn hot_expert_copies_that_cannot_be_made_are_refused_with_the_reason() {
             let plan = experts().replicate_hot_experts(1);
             let (model, par) = parallelize(MoeLm::new(&device), &plan, &ctx)?;
             for step in 0..2 {
-                let samples = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
+                let samples = batch(par.data().batch_share(GLOBAL_BATCH, step)?, &device);
                 let grads = GradientsParams::from_grads(model.loss(&samples).backward(), &model);
                 par.reduce_gradients(&model, grads, None, &ctx)?;
             }
@@ -547,7 +548,7 @@ fn a_rank_whose_tokens_reach_none_of_its_experts_still_joins_their_collectives()
                 let (mut model, par) = parallelize(Routed::new(&device), &plan, &ctx)?;
                 let mut optim = AdamWConfig::new().init();
                 for _ in 0..2 {
-                    let loss = model.loss(routed_batch(par.batch_share(4, 0)?, &device));
+                    let loss = model.loss(routed_batch(par.data().batch_share(4, 0)?, &device));
                     let (grads, _) = par.gradients(&model, loss.backward(), None, &ctx)?;
                     model = optim.step(LR, model, grads);
                 }

@@ -126,8 +126,8 @@ fn a_pipelined_plan_scales_the_loss_and_skips_overflowing_steps() {
                             (out.grads, out.norm, out.loss_scale)
                         }
                         true => {
-                            let share = GLOBAL_BATCH / par.data_ranks().size();
-                            let first = step * GLOBAL_BATCH + par.data_ranks().rank() * share;
+                            let share = GLOBAL_BATCH / par.data().ranks().size();
+                            let first = step * GLOBAL_BATCH + par.data().ranks().rank() * share;
                             let mine = |s: std::ops::Range<usize>| {
                                 micro_batch(first + s.start..first + s.end)
                             };
@@ -171,7 +171,7 @@ fn a_compute_view_inside_the_scope_computes_in_its_dtype() {
     };
     let run = |mesh: &str, plan: &ParallelizePlan, recompute: bool| {
         plan_loop(mesh, plan, Stack::new, |model, par, step, ctx, device| {
-            let samples = par.batch_share(GLOBAL_BATCH, step)?;
+            let samples = par.data().batch_share(GLOBAL_BATCH, step)?;
             let (loss, dtype) = par.forward(model, |m| {
                 let view = policy.compute_view(m.clone());
                 let dtype = view.layers[0].up.weight.val().dtype();
@@ -183,7 +183,7 @@ fn a_compute_view_inside_the_scope_computes_in_its_dtype() {
                 (loss, dtype)
             })?;
             assert_eq!(dtype, burn::tensor::DType::BF16);
-            let mean = par.mean_loss(loss.clone().into_scalar::<f32>())?;
+            let mean = par.data().mean_loss(loss.clone().into_scalar::<f32>())?;
             let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
             Ok((grads, mean, norm))
         })
@@ -224,7 +224,7 @@ fn stack_loop(mesh: &str, plan: &ParallelizePlan, users_view: bool) -> (Run, Mov
             let (mut losses, mut norms) = (vec![], vec![]);
             let before = ctx.comm_stats();
             for step in 0..STEPS {
-                let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
+                let (x, y) = batch(par.data().batch_share(GLOBAL_BATCH, step)?, &device);
                 let x = (x.cast(Precision::BF16.float_dtype()), y);
                 let loss = par.forward(&model, |m| match users_view {
                     true => MixedPrecision::new(Precision::BF16)
@@ -235,7 +235,7 @@ fn stack_loop(mesh: &str, plan: &ParallelizePlan, users_view: bool) -> (Run, Mov
                         m.loss(&x)
                     }
                 })?;
-                losses.push(par.mean_loss(loss.clone().into_scalar::<f32>())?);
+                losses.push(par.data().mean_loss(loss.clone().into_scalar::<f32>())?);
                 let backward = par.backward(loss);
                 let (grads, norm) = par.gradients(&model, backward, Some(MAX_NORM), &ctx)?;
                 norms.push(norm);
@@ -343,7 +343,7 @@ fn a_plans_loss_scale_skips_overflowing_steps_and_forwards_outside_it_are_refuse
             let mut optim = AdamWConfig::new().init();
             let mut steps = vec![];
             for step in 0..12 {
-                let (x, y) = batch(par.batch_share(GLOBAL_BATCH, step)?, &device);
+                let (x, y) = batch(par.data().batch_share(GLOBAL_BATCH, step)?, &device);
                 let x = (x.cast(Precision::F16.float_dtype()), y);
                 let scale = par.precision().loss_scale();
                 let loss = par.forward(&model, |m| m.loss(&x))?;
@@ -367,7 +367,7 @@ fn a_plans_loss_scale_skips_overflowing_steps_and_forwards_outside_it_are_refuse
                 let device = Device::flex().autodiff();
                 let (model, par) = parallelize(Stack::new(&device), plan, &ctx)?;
                 let dtype = par.precision().policy().param_dtype.float_dtype();
-                let (x, y) = batch(par.batch_share(GLOBAL_BATCH, 0)?, &device);
+                let (x, y) = batch(par.data().batch_share(GLOBAL_BATCH, 0)?, &device);
                 let x = (x.cast(dtype), y);
                 let loss = match inside {
                     true => par.forward(&model, |m| m.loss(&x))?,
