@@ -7,7 +7,7 @@ use super::config::TrainConfig;
 use super::metrics::{RankMetrics, StepFacts, step_record};
 use super::report::{DeviceMemory, StepRecord, axis_comm, host_buffer_calls};
 use super::run::make_batch;
-use super::strategy::{self, RankStrategy, StepOutcome};
+use super::strategy::{self, PlanPipeline, StepOutcome};
 use super::trace::Trace;
 use burn::tensor::{Device, Int, Tensor};
 use flashover_data::{BatchPlan, TokenSource};
@@ -118,10 +118,10 @@ impl<'a> Rank<'a> {
     /// One step of `strategy`, and what this rank measured of it.
     fn step(
         &self,
-        strategy: Box<dyn RankStrategy>,
+        strategy: Box<PlanPipeline>,
         step: usize,
         scaler: &mut LossScaler,
-    ) -> Result<(Box<dyn RankStrategy>, StepOutcome, RankMetrics, Instant), RankError> {
+    ) -> Result<(Box<PlanPipeline>, StepOutcome, RankMetrics, Instant), RankError> {
         let ctx = self.ctx;
         let stats_before = ctx.comm_stats();
         let traffic_before = ctx.traffic_by_axis();
@@ -180,7 +180,7 @@ impl<'a> Rank<'a> {
     fn save(
         &self,
         saver: &mut Saver,
-        strategy: &dyn RankStrategy,
+        strategy: &PlanPipeline,
         scaler: &LossScaler,
         done: usize,
     ) -> Result<(), RankError> {
@@ -207,7 +207,7 @@ impl<'a> Rank<'a> {
     /// `checkpoint.init_from`'s weights if set).
     fn load_initial(
         &self,
-        strategy: &mut dyn RankStrategy,
+        strategy: &mut PlanPipeline,
         scaler: &mut LossScaler,
     ) -> Result<usize, RankError> {
         let ckpt = &self.config.checkpoint;
@@ -268,7 +268,7 @@ pub(crate) fn train_rank(
     policy.check(&rank.device)?;
     // The job's running loss scale (a resumed checkpoint's), which the plan scales by.
     let mut scaler = policy.scaler();
-    let first_step = rank.load_initial(&mut *strategy, &mut scaler)?;
+    let first_step = rank.load_initial(&mut strategy, &mut scaler)?;
     let mut saver = rank.saver();
     let last_step = config
         .run
@@ -278,7 +278,7 @@ pub(crate) fn train_rank(
     if first_step >= last_step
         && let Some(saver) = saver.as_mut()
     {
-        rank.save(saver, &*strategy, &scaler, first_step)?;
+        rank.save(saver, &strategy, &scaler, first_step)?;
     }
     let tokens_per_step = (config.run.global_batch * config.data.seq_len) as f64;
     let mut records = vec![];
@@ -330,7 +330,7 @@ pub(crate) fn train_rank(
         if let Some(saver) = saver.as_mut()
             && (done.is_multiple_of(config.checkpoint.save_every) || done == last_step)
         {
-            rank.save(saver, &*strategy, &scaler, done)?;
+            rank.save(saver, &strategy, &scaler, done)?;
         }
     }
     if let Some(saver) = saver.as_mut() {
@@ -352,7 +352,7 @@ pub(crate) fn train_rank(
 fn resume(
     ctx: &RankContext,
     config: &TrainConfig,
-    strategy: &mut dyn RankStrategy,
+    strategy: &mut PlanPipeline,
     scaler: &mut LossScaler,
     grad_group: &Group,
     path: &std::path::Path,

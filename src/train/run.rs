@@ -1,5 +1,5 @@
 //! The training job: one closure per rank under the launcher; each rank builds its
-//! [`RankStrategy`] (`super::strategy`) and loops over the steps: batches, the step, the record,
+//! [`PlanPipeline`](super::strategy::PlanPipeline) and loops over the steps: batches, the step, the record,
 //! checkpoints.
 
 use super::config::{Engine, TrainConfig};

@@ -1,6 +1,6 @@
 //! How one rank holds and steps the reference transformer: [`plan_pipeline::build`]
-//! parallelizes it with the job's plan and returns the [`RankStrategy`] that runs its steps;
-//! the training loop only ever talks to that trait.
+//! parallelizes it with the job's plan and returns the [`PlanPipeline`] that runs its steps;
+//! the training loop talks to it only.
 //!
 //! Every layout runs through the plan ([`plan_pipeline`]): `parallelize` with a pipeline rule
 //! (one stage without `pp`), then `Parallelized::pipeline_step` each step, AdamW on what the
@@ -10,6 +10,8 @@
 //! checkpoint view of a rank's state.
 
 pub(crate) mod plan_pipeline;
+
+pub(crate) use plan_pipeline::PlanPipeline;
 mod routing;
 
 use super::checkpoint::{LocalState, Segment};
@@ -19,13 +21,11 @@ use burn::tensor::{Int, Tensor};
 use flashover_models::ForwardContext;
 use flashover_parallel::FlatAdamW;
 use flashover_parallel::context_parallel::AttentionWork;
-use flashover_parallel::data_parallel::ReductionTiming;
 use flashover_parallel::params::ParamSlot;
 use flashover_parallel::pipeline::{Action, PipelineStepReport};
 use flashover_parallel::placement::ParamPlacement;
-use flashover_parallel::precision::LossScaler;
 use flashover_parallel::zero::MemoryReport;
-use flashover_runtime::{Axis, Group, RankContext, RankError};
+use flashover_runtime::{Axis, RankContext, RankError};
 use std::time::{Duration, Instant};
 
 /// A step's micro-batches: `batches(i)` gives micro-batch `i`'s inputs, targets and forward
@@ -36,48 +36,6 @@ pub(crate) type Batches<'a> =
 /// A rank's [`LocalState`] and, for its parameters and then its moments, `(index, count)` of
 /// the ranks holding the same data, which share writing it.
 pub(crate) type SharedState = (LocalState, (usize, usize), (usize, usize));
-
-/// How one rank holds the model and takes optimizer steps; see the module docs.
-pub(crate) trait RankStrategy {
-    /// One optimizer step over `micro_batches` micro-batches from `batches`, at learning rate
-    /// `lr`, clipping the global gradient norm to `clip`.
-    fn step(
-        self: Box<Self>,
-        ctx: &RankContext,
-        clip: Option<f32>,
-        batches: Batches<'_>,
-        micro_batches: usize,
-        lr: f64,
-        scaler: &mut LossScaler,
-    ) -> Result<(Box<dyn RankStrategy>, StepOutcome), RankError>;
-
-    /// Gradient buckets per step and when they are reduced (during backward, or after it and
-    /// why).
-    fn buckets(&self) -> (usize, ReductionTiming) {
-        (0, ReductionTiming::AfterBackward("no gradient buckets"))
-    }
-
-    /// This rank's parameters and optimizer state with where each part belongs in the whole
-    /// model, and which ranks hold the same data (they share the writing).
-    fn local_state(&self, ctx: &RankContext, grad_group: &Group) -> Result<SharedState, RankError>;
-
-    /// Puts a loaded [`LocalState`] (from `local_state`, filled by a checkpoint) back.
-    fn restore(&mut self, state: LocalState) -> Result<(), RankError>;
-
-    /// Mixture of experts: every layer's routing bias (`None` for dense models).
-    fn moe_bias(&self) -> Option<Vec<Vec<f32>>> {
-        None
-    }
-
-    /// Restores `moe_bias`'s output.
-    fn set_moe_bias(&mut self, _bias: &[Vec<f32>]) -> Result<(), RankError> {
-        Ok(())
-    }
-
-    /// The whole model's parameters by name, on world rank 0 (collective where the model is
-    /// split; empty elsewhere).
-    fn full_params(&self, ctx: &RankContext) -> Result<Vec<(String, Vec<f32>)>, RankError>;
-}
 
 /// Whether a checkpoint's routing biases (`checkpoint` layers) fit the model (`model` layers).
 fn routing_bias_layers(checkpoint: usize, model: usize) -> Result<(), RankError> {

@@ -28,8 +28,8 @@
 //! rank holds at the start of each.
 use super::routing::RoutingSums;
 use super::{
-    Batches, RankStrategy, SHARING, SharedState, StepOutcome, borrowed, named_params,
-    replica_index, restore_flat, with_moments,
+    Batches, SHARING, SharedState, StepOutcome, borrowed, named_params, replica_index,
+    restore_flat, with_moments,
 };
 use crate::train::checkpoint::{LocalState, placed_segments};
 use crate::train::config::{GradientReduction, TrainConfig};
@@ -74,7 +74,7 @@ pub(crate) fn reshards(config: &TrainConfig) -> bool {
 }
 
 /// A rank's model under the plan, its AdamW and what a step reads.
-struct PlanPipeline {
+pub(crate) struct PlanPipeline {
     model: Transformer,
     /// The autodiff device the model computes on.
     device: burn::tensor::Device,
@@ -118,7 +118,7 @@ pub(crate) fn build(
     model_config: &TransformerConfig,
     model: Transformer,
     grad_group: &Group,
-) -> Result<Box<dyn RankStrategy>, RankError> {
+) -> Result<Box<PlanPipeline>, RankError> {
     let p = &config.parallel;
     let micro = config.run.micro_batches;
     let schedule = Schedule::build(
@@ -238,8 +238,10 @@ impl PlanPipeline {
     }
 }
 
-impl RankStrategy for PlanPipeline {
-    fn step(
+impl PlanPipeline {
+    /// One optimizer step over `micro_batches` micro-batches from `batches`, at learning rate
+    /// `lr`, clipping the global gradient norm to `clip`.
+    pub(crate) fn step(
         mut self: Box<Self>,
         ctx: &RankContext,
         clip: Option<f32>,
@@ -247,7 +249,7 @@ impl RankStrategy for PlanPipeline {
         micro_batches: usize,
         lr: f64,
         scaler: &mut LossScaler,
-    ) -> Result<(Box<dyn RankStrategy>, StepOutcome), RankError> {
+    ) -> Result<(Box<Self>, StepOutcome), RankError> {
         let before = ctx.comm_stats();
         if scaler.is_active() {
             // The job's scale (a resumed checkpoint's) is the one the plan scales by.
@@ -384,11 +386,15 @@ impl RankStrategy for PlanPipeline {
         Ok((self, outcome))
     }
 
-    fn buckets(&self) -> (usize, ReductionTiming) {
+    /// Gradient buckets per step and when they are reduced (during backward, or after it and
+    /// why).
+    pub(crate) fn buckets(&self) -> (usize, ReductionTiming) {
         self.par.gradient_buckets(&self.device)
     }
 
-    fn local_state(
+    /// This rank's parameters and optimizer state with where each part belongs in the whole
+    /// model, and which ranks hold the same data (they share the writing).
+    pub(crate) fn local_state(
         &self,
         ctx: &RankContext,
         _grad_group: &Group,
@@ -404,7 +410,8 @@ impl RankStrategy for PlanPipeline {
         Ok((state, replicas, replicas))
     }
 
-    fn restore(&mut self, state: LocalState) -> Result<(), RankError> {
+    /// Puts a loaded [`LocalState`] (from `local_state`, filled by a checkpoint) back.
+    pub(crate) fn restore(&mut self, state: LocalState) -> Result<(), RankError> {
         let model = self.model.clone();
         self.model = match &mut self.optim {
             Optimizer::Rows(rows) => {
@@ -421,7 +428,8 @@ impl RankStrategy for PlanPipeline {
         Ok(())
     }
 
-    fn moe_bias(&self) -> Option<Vec<Vec<f32>>> {
+    /// Mixture of experts: every layer's routing bias (`None` for dense models).
+    pub(crate) fn moe_bias(&self) -> Option<Vec<Vec<f32>>> {
         self.moe.as_ref()?;
         let bias = |b: &flashover_models::Block| b.moe.as_ref().map(|m| m.expert_bias.clone());
         Some(
@@ -433,7 +441,8 @@ impl RankStrategy for PlanPipeline {
         )
     }
 
-    fn set_moe_bias(&mut self, bias: &[Vec<f32>]) -> Result<(), RankError> {
+    /// Restores `moe_bias`'s output.
+    pub(crate) fn set_moe_bias(&mut self, bias: &[Vec<f32>]) -> Result<(), RankError> {
         if self.moe.is_none() {
             return Ok(());
         }
@@ -446,7 +455,12 @@ impl RankStrategy for PlanPipeline {
         Ok(())
     }
 
-    fn full_params(&self, ctx: &RankContext) -> Result<Vec<(String, Vec<f32>)>, RankError> {
+    /// The whole model's parameters by name, on world rank 0 (collective where the model is
+    /// split; empty elsewhere).
+    pub(crate) fn full_params(
+        &self,
+        ctx: &RankContext,
+    ) -> Result<Vec<(String, Vec<f32>)>, RankError> {
         let model = match &self.optim {
             Optimizer::Rows(rows) => rows.for_step(self.model.clone())?,
             Optimizer::Whole { .. } => self.model.clone(),
