@@ -256,7 +256,6 @@ impl<'a> PipelineExecutor<'a> {
         let mut held = InFlight::default();
         let mut report = PipelineStepReport::default();
         let inner = device.clone().inner();
-        let differentiable = || boundary.iter().filter(|p| p.grad);
         let is_backward =
             |a: &Action| matches!(a.kind, ActionKind::Backward | ActionKind::BackwardInput);
         // The transfers between two computations go as one batch: where sends wait for their
@@ -311,46 +310,10 @@ impl<'a> PipelineExecutor<'a> {
                         ))
                     };
                     // A layer recomputed in this backward defers as its first forward did.
+                    let output_grads = grads_out.remove(&key);
                     let backward = || -> Result<Gradients, ParallelError> {
-                        Ok(match (out, aux) {
-                            (StageOutput::Loss(loss), None) if self.loss_scale != 1.0 => {
-                                loss.mul_scalar(self.loss_scale).backward()
-                            }
-                            (StageOutput::Loss(loss), None) => loss.backward(),
-                            (StageOutput::Loss(loss), Some(aux)) => {
-                                (loss.cast(DType::F32).mul_scalar(self.loss_scale) + aux).backward()
-                            }
-                            (StageOutput::Activation(parts), aux) => {
-                                let grads = grads_out.remove(&key).ok_or_else(missing)?;
-                                let ys = parts.into_iter().filter(|p| p.grad).map(|p| p.flat);
-                                // Received in the output's dtype; into the graph's autodiff
-                                // context on the device, as a constant (no host round trip).
-                                let mut products: Vec<Tensor<1>> = (ys.zip(grads))
-                                    .map(|(y, g)| {
-                                        let g = crate::params::in_context_of(g, &y);
-                                        (y * g).sum()
-                                    })
-                                    .collect();
-                                if products.is_empty() {
-                                    return Err(missing());
-                                }
-                                // One tensor (and no auxiliary loss) backpropagates in its own
-                                // dtype, as a single-tensor boundary always did.
-                                let first = products.remove(0);
-                                let mut objective = match (products.len(), &aux) {
-                                    (0, None) => first,
-                                    _ => first.cast(DType::F32),
-                                };
-                                for more in products {
-                                    objective = objective + more.cast(DType::F32);
-                                }
-                                match aux {
-                                    Some(aux) => (objective + aux).backward(),
-                                    None => objective.backward(),
-                                }
-                            }
-                            (StageOutput::WithAuxLoss(..), _) => unreachable!("split"),
-                        })
+                        let objective = backward_objective(out, aux, output_grads, self.loss_scale);
+                        Ok(objective.ok_or_else(missing)?.backward())
                     };
                     let mut grads = match &self.weight_grads {
                         Some(store) => deferring_in(store, backward)?,
@@ -359,22 +322,10 @@ impl<'a> PipelineExecutor<'a> {
                     if let Some(take) = self.take_gradients {
                         take(&mut grads);
                     }
-                    if let Some(parts) = input {
-                        // A tensor the stage did not read (an encoder's output past the last
-                        // layer that reads it) has a zero gradient; one that none got means a
-                        // stage cut off from its input, reported when its gradient is due.
-                        let got: Vec<Option<Tensor<1>>> = (parts.iter().filter(|p| p.grad))
-                            .map(|p| p.flat.grad(&grads))
-                            .collect();
-                        if got.iter().any(Option::is_some) {
-                            let zeros = |spec: &PartSpec| {
-                                Tensor::<1>::zeros([spec.numel()], &inner).cast(spec.dtype)
-                            };
-                            let grads = (got.into_iter().zip(differentiable()))
-                                .map(|(g, spec)| g.unwrap_or_else(|| zeros(spec)))
-                                .collect();
-                            grads_in.insert(key, grads);
-                        }
+                    if let Some(got) =
+                        input.and_then(|parts| input_gradients(&parts, &grads, boundary, &inner))
+                    {
+                        grads_in.insert(key, got);
                     }
                     let params = GradientsParams::from_grads(grads, &chunks[a.chunk]);
                     let flat =
@@ -423,6 +374,78 @@ impl<'a> PipelineExecutor<'a> {
 }
 
 type Parts = Vec<BoundaryTensor>;
+
+/// What a stage's backward differentiates for one micro-batch: its loss scaled by
+/// `loss_scale` (the last stage), or the sum of each output tensor times its gradient
+/// received from the next stage (`output_grads`, in the order of the outputs that carry one),
+/// plus the chunk's own auxiliary loss `aux` (in f32, scaled). `None` when gradients are due
+/// but none came.
+fn backward_objective(
+    out: StageOutput,
+    aux: Option<Tensor<1>>,
+    output_grads: Option<Vec<Tensor<1>>>,
+    loss_scale: f32,
+) -> Option<Tensor<1>> {
+    Some(match (out, aux) {
+        (StageOutput::Loss(loss), None) if loss_scale != 1.0 => loss.mul_scalar(loss_scale),
+        (StageOutput::Loss(loss), None) => loss,
+        (StageOutput::Loss(loss), Some(aux)) => loss.cast(DType::F32).mul_scalar(loss_scale) + aux,
+        (StageOutput::Activation(parts), aux) => {
+            let ys = parts.into_iter().filter(|p| p.grad).map(|p| p.flat);
+            // Received in the output's dtype; into the graph's autodiff context on the device,
+            // as a constant (no host round trip).
+            let mut products: Vec<Tensor<1>> = (ys.zip(output_grads?))
+                .map(|(y, g)| {
+                    let g = crate::params::in_context_of(g, &y);
+                    (y * g).sum()
+                })
+                .collect();
+            if products.is_empty() {
+                return None;
+            }
+            // One tensor (and no auxiliary loss) backpropagates in its own dtype, as a
+            // single-tensor boundary always did.
+            let first = products.remove(0);
+            let mut objective = match (products.len(), &aux) {
+                (0, None) => first,
+                _ => first.cast(DType::F32),
+            };
+            for more in products {
+                objective = objective + more.cast(DType::F32);
+            }
+            match aux {
+                Some(aux) => objective + aux,
+                None => objective,
+            }
+        }
+        (StageOutput::WithAuxLoss(..), _) => unreachable!("split"),
+    })
+}
+
+/// The gradients a stage's backward (`grads`) gave its input `parts` that carry one, to send
+/// to the stage before; `None` when none got one. A tensor the stage did not read (an
+/// encoder's output past the last layer that reads it) has a zero gradient; one that none got
+/// means a stage cut off from its input, reported when its gradient is due.
+fn input_gradients(
+    parts: &[BoundaryTensor],
+    grads: &Gradients,
+    boundary: &[PartSpec],
+    device: &Device,
+) -> Option<Vec<Tensor<1>>> {
+    let got: Vec<Option<Tensor<1>>> = (parts.iter().filter(|p| p.grad))
+        .map(|p| p.flat.grad(grads))
+        .collect();
+    if !got.iter().any(Option::is_some) {
+        return None;
+    }
+    let zeros = |spec: &PartSpec| Tensor::<1>::zeros([spec.numel()], device).cast(spec.dtype);
+    let differentiable = boundary.iter().filter(|p| p.grad);
+    Some(
+        (got.into_iter().zip(differentiable))
+            .map(|(g, spec)| g.unwrap_or_else(|| zeros(spec)))
+            .collect(),
+    )
+}
 
 /// What a step holds between its actions, by (micro-batch, chunk).
 #[derive(Default)]
