@@ -60,28 +60,7 @@ impl Stages {
                 share.len()
             )));
         }
-        if let Some(units) = &self.units {
-            // A step that failed half-way may have left a layer's all-gather of old values.
-            units.gathers.discard_prefetches()?;
-        }
-        // The units' reduce-scatters run while backward goes on and join the gradients after
-        // the last backward; where a bucket reduces a unit's gradient over the other data
-        // axes (HSDP), the bucket takes the reduce-scatter unwaited and waits for it on its
-        // own thread.
-        let handing = (self.units.as_deref())
-            .zip(hooks)
-            .filter(|(u, h)| u.sharded().any(|i| h.reduces_param(i)));
-        let deferring = (self.units.as_deref()).filter(|_| handing.is_none());
-        if let Some(units) = deferring {
-            units.gathers.defer_scatters()?;
-        }
-        if let Some((units, hooks)) = handing {
-            let handles = (self.whole.slots.iter().zip(hooks.later_handles()))
-                .filter_map(|(slot, handle)| Some((slot.name.clone(), handle?)))
-                .collect();
-            units.gathers.hand_scatters_to(handles);
-        }
-        let _stop = self.units.as_deref().map(|u| StopDeferring(&u.gathers));
+        let (deferring, _stop) = self.route_unit_scatters(hooks)?;
         let per = share.len() / m;
         let micro = |k: usize| share.start + k * per..share.start + (k + 1) * per;
         let boundary = self.boundary(model, micro(0), micro_batch)?;
@@ -134,31 +113,11 @@ impl Stages {
         let chunks = vec![model.clone(); self.schedule.chunks];
         // Gradients of parameters outside the model (hot-expert copies) go to them.
         let take = |grads: &mut Gradients| self.copies.take_grads(grads);
-        let mut executor = PipelineExecutor::new(&self.schedule, &self.pp)?
-            .taking_gradients(&take)
-            .summing();
-        if let Some(hooks) = hooks {
-            executor = executor.with_backward_sink(hooks);
-        }
-        if let Some(scale) = loss_scale {
-            // Losses scaled before backward, the gradients returned unscaled.
-            executor = executor.with_loss_scale(scale);
-        }
-        let zero_bubble = self.splits_backward();
-        if zero_bubble {
-            if !deferral_supported(device) {
-                return Err(ParallelError::Invalid(format!(
-                    "pipeline schedule: zb-h1 defers the layers' weight gradients through an op \
-                     built for Flex and the CubeCL backend (wgpu, CUDA), not for {device:?}; \
-                     use 1f1b there"
-                )));
-            }
-            executor = executor.deferring_weight_grads(WeightGradStore::default());
-        }
+        let executor = self.executor(&take, hooks, loss_scale, device)?;
         // Every chunk is the same model (its own stages' parameters): sum them in place.
         let (flats, report) = executor.step_flat(&chunks, &boundary, device, forward)?;
         // A zero-bubble step whose weight gradients were not deferred would silently be 1F1B.
-        if zero_bubble && report.deferred_weight_grads == 0 {
+        if self.splits_backward() && report.deferred_weight_grads == 0 {
             return Err(ParallelError::Invalid(
                 "pipeline schedule: zb-h1 deferred no weight gradient: it defers those of \
                  flashover::nn::Linear layers (Burn's Linear computes its weight gradient with \
@@ -180,6 +139,69 @@ impl Stages {
             control(|| self.pp.all_reduce(&mut losses, ReduceOp::Sum))?;
         }
         Ok((flat, losses, report))
+    }
+
+    /// Where this step's unit reduce-scatters go: they run while backward goes on and join the
+    /// gradients after the last backward (the units returned, deferring); where a bucket
+    /// reduces a unit's gradient over the other data axes (HSDP), the bucket takes the
+    /// reduce-scatter unwaited and waits for it on its own thread. With the guard that ends
+    /// either however the step ends.
+    fn route_unit_scatters(
+        &self,
+        hooks: Option<&BucketedReduction>,
+    ) -> Result<(Option<&LayerUnits>, Option<StopDeferring<'_>>), ParallelError> {
+        if let Some(units) = &self.units {
+            // A step that failed half-way may have left a layer's all-gather of old values.
+            units.gathers.discard_prefetches()?;
+        }
+        let handing = (self.units.as_deref())
+            .zip(hooks)
+            .filter(|(u, h)| u.sharded().any(|i| h.reduces_param(i)));
+        let deferring = (self.units.as_deref()).filter(|_| handing.is_none());
+        if let Some(units) = deferring {
+            units.gathers.defer_scatters()?;
+        }
+        if let Some((units, hooks)) = handing {
+            let handles = (self.whole.slots.iter().zip(hooks.later_handles()))
+                .filter_map(|(slot, handle)| Some((slot.name.clone(), handle?)))
+                .collect();
+            units.gathers.hand_scatters_to(handles);
+        }
+        let stop = self.units.as_deref().map(|u| StopDeferring(&u.gathers));
+        Ok((deferring, stop))
+    }
+
+    /// The executor of this rank's schedule for one step: gradients of parameters outside the
+    /// model taken by `take`, summed over micro-batches, handed to `hooks` during backward,
+    /// losses scaled by `loss_scale` before backward (gradients returned unscaled), weight
+    /// gradients deferred under zero-bubble (refused on a device without the deferral op).
+    fn executor<'a>(
+        &'a self,
+        take: &'a (dyn Fn(&mut Gradients) + Sync),
+        hooks: Option<&'a BucketedReduction>,
+        loss_scale: Option<f32>,
+        device: &Device,
+    ) -> Result<PipelineExecutor<'a>, ParallelError> {
+        let mut executor = PipelineExecutor::new(&self.schedule, &self.pp)?
+            .taking_gradients(take)
+            .summing();
+        if let Some(hooks) = hooks {
+            executor = executor.with_backward_sink(hooks);
+        }
+        if let Some(scale) = loss_scale {
+            executor = executor.with_loss_scale(scale);
+        }
+        if self.splits_backward() {
+            if !deferral_supported(device) {
+                return Err(ParallelError::Invalid(format!(
+                    "pipeline schedule: zb-h1 defers the layers' weight gradients through an op \
+                     built for Flex and the CubeCL backend (wgpu, CUDA), not for {device:?}; \
+                     use 1f1b there"
+                )));
+            }
+            executor = executor.deferring_weight_grads(WeightGradStore::default());
+        }
+        Ok(executor)
     }
 }
 
