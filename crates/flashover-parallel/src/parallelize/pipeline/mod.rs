@@ -16,7 +16,7 @@ use crate::placement::{PlacementTable, Tie};
 use crate::plan::CheckpointPolicy;
 use crate::plan::{ModulePath, PipelineRule};
 use crate::precision::{MixedPrecision, Precision};
-use crate::zero::units::UnitGathers;
+use crate::zero::units::{UnitGathers, unit_shards};
 use burn::module::Module;
 use burn::tensor::Tensor;
 use flashover_comm::Group;
@@ -432,5 +432,38 @@ fn list_position(list: &ModulePath, name: &str) -> Result<usize, ParallelError> 
              holds `{name}`",
             list.as_str(),
         ))),
+    }
+}
+
+/// Ends a step's deferral (or handing on) of the units' reduce-scatters however the step ends.
+struct StopDeferring<'a>(&'a UnitGathers);
+
+impl Drop for StopDeferring<'_> {
+    fn drop(&mut self) {
+        self.0.stop_deferring();
+        self.0.stop_handing();
+    }
+}
+
+impl LayerUnits {
+    /// The fully sharded parameters (layout order) the units gather.
+    fn sharded(&self) -> impl Iterator<Item = usize> + '_ {
+        let in_layer = |i: usize| self.slots.iter().any(|slots| slots[i].is_some());
+        (0..self.root.len()).filter(move |&i| self.root[i].is_some() || in_layer(i))
+    }
+
+    /// Gathers the root unit's shards of `model` (the parameters outside the layers) in one
+    /// collective, for their reads until released; returns their paths.
+    fn gather_root<M: Module>(&self, model: &M) -> Vec<String> {
+        let shards = unit_shards(model, &self.root, 1).pop().unwrap_or_default();
+        let names = shards.iter().map(|(n, _)| n.clone()).collect();
+        let _linked = self.gathers.gather(shards);
+        names
+    }
+
+    /// The stored rows of layer `index`'s fully sharded parameters in `model`, by path.
+    fn shards<M: Module>(&self, model: &M, index: usize) -> Vec<(String, Tensor<1>)> {
+        let mut units = unit_shards(model, &self.slots[index], 1);
+        units.pop().unwrap_or_default()
     }
 }

@@ -3,7 +3,7 @@
 //! gradients handed on.
 
 use super::boundary::{Packing, decode_specs, encode_specs};
-use super::{LayerUnits, PipelineModel, Stages};
+use super::{LayerUnits, PipelineModel, Stages, StopDeferring};
 use crate::data_parallel::BucketedReduction;
 use crate::dropout::draws::{self, Draws, Scope};
 use crate::error::ParallelError;
@@ -16,7 +16,7 @@ use crate::pipeline::{
 use crate::recompute::replaying;
 use crate::recompute::{Replays, checkpoint_part};
 use crate::zero::units::UnitGathers;
-use crate::zero::units::{Unit, after_input, unit_shards};
+use crate::zero::units::{Unit, after_input};
 use burn::module::Module;
 use burn::tensor::{DType, Device, Gradients, Tensor};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
@@ -565,37 +565,4 @@ struct Ahead {
     next: Option<usize>,
     /// In a rerun in backward: the stage's recomputed layer that reruns next.
     rerun_next: Option<usize>,
-}
-
-/// Ends a step's deferral (or handing on) of the units' reduce-scatters however the step ends.
-struct StopDeferring<'a>(&'a UnitGathers);
-
-impl Drop for StopDeferring<'_> {
-    fn drop(&mut self) {
-        self.0.stop_deferring();
-        self.0.stop_handing();
-    }
-}
-
-impl LayerUnits {
-    /// The fully sharded parameters (layout order) the units gather.
-    fn sharded(&self) -> impl Iterator<Item = usize> + '_ {
-        let in_layer = |i: usize| self.slots.iter().any(|slots| slots[i].is_some());
-        (0..self.root.len()).filter(move |&i| self.root[i].is_some() || in_layer(i))
-    }
-
-    /// Gathers the root unit's shards of `model` (the parameters outside the layers) in one
-    /// collective, for their reads until released; returns their paths.
-    fn gather_root<M: Module>(&self, model: &M) -> Vec<String> {
-        let shards = unit_shards(model, &self.root, 1).pop().unwrap_or_default();
-        let names = shards.iter().map(|(n, _)| n.clone()).collect();
-        let _linked = self.gathers.gather(shards);
-        names
-    }
-
-    /// The stored rows of layer `index`'s fully sharded parameters in `model`, by path.
-    fn shards<M: Module>(&self, model: &M, index: usize) -> Vec<(String, Tensor<1>)> {
-        let mut units = unit_shards(model, &self.slots[index], 1);
-        units.pop().unwrap_or_default()
-    }
 }
