@@ -28,84 +28,15 @@ use crate::error::ParallelError;
 use crate::hook::{grad_hook, grad_hook_after, hooks_supported};
 use crate::params::{ParamLayout, ParamSlot, part};
 use crate::placement::{ParamPlacement, Tie, data_axis_sets};
+use crate::plan::{GradientBuckets, GradientRows};
 use crate::precision::Precision;
 use crate::unit_shards::UnitShards;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::{Device, Tensor};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
 use flashover_runtime::{Axis, RankContext, TensorCollectives};
-use serde::{Deserialize, Serialize};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
-
-/// How a plan's gradients travel between ranks: in buckets of about `bucket_mb` MiB (f32
-/// elements; a larger parameter gets a bucket of its own), reduced during backward where the
-/// executor lets gradient hooks report them (`overlap`), else right after backward.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct GradientBuckets {
-    /// Target size of one bucket, in MiB of f32 gradient.
-    pub bucket_mb: f64,
-    /// Reduce buckets while backward runs (gradient hooks), where the executor and the device
-    /// allow; the step's report says whether it did.
-    pub overlap: bool,
-    /// Keep only this rank's rows of each reduced gradient (ZeRO-1/2 of parameters held
-    /// whole; see the module docs). `None`: every rank keeps whole gradients.
-    pub rows: Option<GradientRows>,
-}
-
-/// How a rank comes to hold only its rows of each reduced gradient, the parameters cut along
-/// their first dimension over `fsdp` (or `dp` on a mesh without it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum GradientRows {
-    /// Every rank gets the whole sum (all-reduce) and keeps its rows: ZeRO-1.
-    AllReduce,
-    /// Each rank gets only the sum of its rows (reduce-scatter): ZeRO-2.
-    ReduceScatter,
-}
-
-impl Default for GradientBuckets {
-    fn default() -> Self {
-        GradientBuckets {
-            bucket_mb: 4.0,
-            overlap: true,
-            rows: None,
-        }
-    }
-}
-
-impl GradientBuckets {
-    /// Buckets of `bucket_mb` MiB.
-    pub fn bucket_mb(mut self, bucket_mb: f64) -> Self {
-        self.bucket_mb = bucket_mb;
-        self
-    }
-
-    /// Whether buckets are reduced while backward runs.
-    pub fn overlap(mut self, overlap: bool) -> Self {
-        self.overlap = overlap;
-        self
-    }
-
-    /// Each rank keeps only its rows of the reduced gradients, as `rows` says.
-    pub fn rows(mut self, rows: GradientRows) -> Self {
-        self.rows = Some(rows);
-        self
-    }
-
-    /// Elements per bucket; fails when the size holds no f32.
-    fn bucket_elems(&self) -> Result<usize, ParallelError> {
-        let elems = (self.bucket_mb * (1 << 20) as f64 / 4.0) as usize;
-        if self.bucket_mb.is_nan() || elems == 0 {
-            return Err(ParallelError::Invalid(format!(
-                "gradient buckets of {} MiB hold no f32: use a positive bucket_mb",
-                self.bucket_mb
-            )));
-        }
-        Ok(elems)
-    }
-}
 
 /// When a plan's gradient buckets are reduced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

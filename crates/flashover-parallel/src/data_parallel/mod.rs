@@ -44,8 +44,7 @@
 mod buckets;
 mod reducer;
 
+pub use crate::plan::{GradientBuckets, GradientRows};
 pub(crate) use buckets::BucketedReduction;
-pub use buckets::{
-    GradientBuckets, GradientRowLayout, GradientRows, ReductionReport, ReductionTiming,
-};
+pub use buckets::{GradientRowLayout, ReductionReport, ReductionTiming};
 pub(crate) use reducer::{LaterGrad, LaterHandle};

@@ -20,12 +20,13 @@ mod schedule;
 mod simulate;
 pub(crate) mod weight_grad;
 
+pub use crate::plan::ScheduleKind;
 pub use boundary::{BoundaryTensor, NoGrad, StageBoundary};
 pub(crate) use boundary::{PartSpec, boundary_tensors, from_boundary_tensors, specs_of};
 pub(crate) use executor::BackwardSink;
 pub use executor::PipelineStepReport;
 pub(crate) use executor::{PipelineExecutor, StageOutput};
-pub use schedule::{Action, ActionKind, Schedule, ScheduleKind};
+pub use schedule::{Action, ActionKind, Schedule};
 pub use simulate::{
     Costs, ScheduleError, Slot, Timeline, render_table, simulate, unbuffered_deadlock, validate,
 };

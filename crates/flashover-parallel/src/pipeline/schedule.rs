@@ -6,6 +6,7 @@
 //! generator produces compute actions; [`Schedule::with_communication`] inserts the sends and
 //! receives each compute action implies, so a user can also write the compute order alone.
 
+use crate::plan::ScheduleKind;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::fmt;
@@ -77,49 +78,6 @@ impl fmt::Display for Action {
             write!(f, ".{}", self.chunk)?;
         }
         Ok(())
-    }
-}
-
-/// The built-in schedules.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub enum ScheduleKind {
-    /// Fill-drain: every forward, then every backward.
-    GPipe,
-    /// One forward, one backward in the steady state: at most `p - r` micro-batches in flight.
-    OneFOneB,
-    /// 1F1B over `v` chunks per rank (Megatron's interleaved schedule); needs `m % p == 0`.
-    Interleaved1F1B,
-    /// Zero-bubble H1: backward split into input and weight gradients; weight gradients fill
-    /// the bubbles, with 1F1B's activation memory.
-    ZeroBubbleH1,
-}
-
-impl std::str::FromStr for ScheduleKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Ok(match s.to_ascii_lowercase().as_str() {
-            "gpipe" => ScheduleKind::GPipe,
-            "1f1b" => ScheduleKind::OneFOneB,
-            "interleaved" | "interleaved-1f1b" => ScheduleKind::Interleaved1F1B,
-            "zb" | "zbh1" | "zb-h1" | "zero-bubble" => ScheduleKind::ZeroBubbleH1,
-            other => {
-                return Err(format!(
-                    "unknown schedule `{other}`: expected gpipe, 1f1b, interleaved or zb-h1"
-                ));
-            }
-        })
-    }
-}
-
-impl fmt::Display for ScheduleKind {
-    /// The name [`ScheduleKind::from_str`](std::str::FromStr) reads back.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            ScheduleKind::GPipe => "gpipe",
-            ScheduleKind::OneFOneB => "1f1b",
-            ScheduleKind::Interleaved1F1B => "interleaved",
-            ScheduleKind::ZeroBubbleH1 => "zb-h1",
-        })
     }
 }
 

@@ -9,9 +9,8 @@ pub use rules::{
     AttachedModule, ContextParallelRule, ModulePath, PipelineRule, TensorParallelRule, TpStyle,
 };
 pub(crate) use validate::check_plan;
-pub use vocabulary::{CheckpointPolicy, CpAttention};
+pub use vocabulary::{CheckpointPolicy, CpAttention, GradientBuckets, GradientRows, ScheduleKind};
 
-use crate::data_parallel::GradientBuckets;
 use crate::error::ParallelError;
 use crate::precision::MixedPrecision;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};

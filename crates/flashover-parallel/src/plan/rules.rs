@@ -3,7 +3,7 @@
 //! (`ContextParallelRule`), and how they read from and write to TOML.
 
 use super::CpAttention;
-use crate::pipeline::ScheduleKind;
+use super::ScheduleKind;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// A dotted module path (`blocks.3.attn.wq`) naming a module and everything inside it. A `*`
