@@ -60,7 +60,7 @@ pub struct MultiHeadAttentionConfig {
 /// back after (the heads it computes must divide by `cp`).
 ///
 /// Dropout on the attention weights draws the one-device mask's part of this rank's heads
-/// ([`super::dropout`]'s draws; without them, a split layer with `dropout > 0` refuses its
+/// ([`crate::nn::Dropout`]'s draws; without them, a split layer with `dropout > 0` refuses its
 /// forward in training).
 #[derive(Module, Debug)]
 pub struct MultiHeadAttention {
@@ -225,7 +225,7 @@ impl MultiHeadAttention {
     /// times `v`, heads joined and projected. Shapes as Burn's: queries `[batch, seq_q,
     /// d_model]`, keys and values `[batch, seq_k, d_model]` (under sequence parallelism, this
     /// rank's positions of a self-attention input). Under `tp` it computes its
-    /// [`Self::local_heads`] and the output projection sums the ranks' parts.
+    /// `local_heads` and the output projection sums the ranks' parts.
     pub fn forward(&self, input: MhaInput) -> MhaOutput {
         let d_model = self.query.d_input();
         for (name, x) in [("query", &input.query), ("key", &input.key)] {

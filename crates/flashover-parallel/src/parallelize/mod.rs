@@ -17,7 +17,7 @@
 //! - `fsdp`: as `dp` for the batch; the plan's `fully_shard` modules keep `1/fsdp` of each
 //!   parameter per rank (all of them, unless the plan's `keep_whole` names some), gathered
 //!   where the forward reads them (Burn's parameter
-//!   reparameterization, see [`placed`]), so the model's code does not change and any
+//!   reparameterization, see [`crate::placed`]), so the model's code does not change and any
 //!   Burn optimizer steps the shards.
 //! - `tp`: the plan's `tensor_parallel` linear layers hold their columns or rows
 //!   ([`TpStyle`]); the model declares them as [`crate::nn::Linear`] (Burn's `Linear` with the
