@@ -56,7 +56,7 @@ pub struct Attention {
 }
 
 impl Attention {
-    /// `x: [batch, seq, d_model]` -> `[batch, seq, d_model]`; `rope` from [`rope_tables`].
+    /// `x: [batch, seq, d_model]` -> `[batch, seq, d_model]`; `rope` from [`crate::rope_tables`].
     pub fn forward(&self, x: Tensor<3>, rope: &(Tensor<2>, Tensor<2>)) -> Tensor<3> {
         self.forward_with(x, rope, &ForwardContext::default(), 0)
     }
