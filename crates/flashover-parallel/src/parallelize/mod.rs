@@ -110,7 +110,7 @@ pub struct Parallelized {
     /// The pipeline's stages, when the plan has one.
     stages: Option<Stages>,
     /// Which experts this rank holds, when the plan spreads them over `ep`.
-    experts: Option<ExpertShares>,
+    expert_shares: Option<ExpertShares>,
     /// What the plan's mixture-of-experts layers routed and sent ([`Self::experts`]).
     expert_routing: ExpertRouting,
     /// The parameters this rank keeps placeholders for (other stages', other ep ranks'
@@ -272,9 +272,7 @@ pub fn parallelize<M: Module>(
         policy.reduce_dtype,
     )?;
     let averaged = ctx.subgroup(&[Axis::Dp, Axis::Fsdp, Axis::Ep, Axis::Cp])?;
-    let pipeline_ranks = (stages.as_ref())
-        .filter(|s| s.schedule.pp > 1)
-        .map(|s| s.pipeline_group().clone());
+    let pipeline_ranks = stages.as_ref().and_then(Stages::split_ranks).cloned();
     let expert_routing = ExpertRouting::new(
         averaged.clone(),
         pipeline_ranks.clone(),
@@ -301,7 +299,7 @@ pub fn parallelize<M: Module>(
         absent: absent.by_path.into_keys().collect(),
         stages,
         expert_routing,
-        experts: experts.shares,
+        expert_shares: experts.shares,
         kept_whole,
         replica_check: (tp.size() > 1).then(|| {
             let sequence_parallel = !plan.sequence_parallel.is_empty();
@@ -477,7 +475,7 @@ impl Parallelized {
         // Each parameter counted on one rank of pp x ep: its stage's, its expert's holder.
         let counted = |i: usize| {
             self.stages.as_ref().is_none_or(|s| s.counts(i))
-                && self.experts.as_ref().is_none_or(|e| e.counts(i))
+                && self.expert_shares.as_ref().is_none_or(|e| e.counts(i))
         };
         let local = ParamLayout::of(&model);
         let Some(device) = model.devices().into_iter().next() else {
@@ -594,8 +592,7 @@ impl Parallelized {
 
     /// The `pp` ranks, when the plan cuts the model into stages over more than one.
     fn pipeline_ranks(&self) -> Option<&Group> {
-        let stages = self.stages.as_ref().filter(|s| s.schedule.pp > 1)?;
-        Some(stages.pipeline_group())
+        self.stages.as_ref().and_then(Stages::split_ranks)
     }
 
     /// The ranks of the first and the last pipeline stage when this rank holds a module both

@@ -62,7 +62,7 @@ impl Parallelized {
                 "cp (a rank holds part of each sequence)",
             ),
             (
-                self.experts.is_some(),
+                self.expert_shares.is_some(),
                 "ep (a rank runs part of the experts)",
             ),
             (

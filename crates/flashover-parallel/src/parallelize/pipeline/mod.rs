@@ -281,9 +281,10 @@ impl Stages {
         Ok(())
     }
 
-    /// The pipeline's ranks.
-    pub(super) fn pipeline_group(&self) -> &Group {
-        &self.pp
+    /// The pipeline's ranks when the stages span more than one (a rank's forward is then a
+    /// stage's); `None` for a pipeline rule of one stage.
+    pub(super) fn split_ranks(&self) -> Option<&Group> {
+        (self.schedule.pp > 1).then_some(&self.pp)
     }
 
     /// The group tied copies are summed over, on the ranks that hold one.
