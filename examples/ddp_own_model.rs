@@ -36,7 +36,7 @@ fn train_ddp() -> (Vec<f32>, Vec<f32>) {
             model = optim.step(1e-2, model, grads);
         }
         // From the second step, each bucket was all-reduced as soon as backward completed it.
-        let reduction = par.last_reduction();
+        let reduction = par.reducer().last_reduction();
         assert!(reduction.reduced_during_backward, "{reduction:?}");
         Ok::<_, ParallelError>((losses, model.l1_weights()))
     })

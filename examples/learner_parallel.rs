@@ -268,7 +268,7 @@ fn train_rank(
     let model = load_flat(Classifier::new(&device), initial);
     let (model, par) = parallelize(model, plan, &ctx)?; // +
     let mut training = training(dir, ShareBatcher::new(SampleBatcher, &par)); // + (the wrapper)
-    let strategy: TrainingStrategy<Classifier> = if par.has_pipeline() {
+    let strategy: TrainingStrategy<Classifier> = if par.pipeline().is_ok() {
         let strategy = ParallelLearning::pipelined(&ctx, par)?; // + (pipelined plans)
         with_checkpoints(strategy, checkpointing).into()
     } else {

@@ -8,7 +8,7 @@
 //! the encoder's dropout at 0.1 as in Burn's example; losses and every final weight match
 //! within 1e-5 (fp32). The drop-in draws every layout's dropout masks as one device draws
 //! them: the one-device loop says which samples of which step it computes
-//! (`set_dropout_draws`), the plans do it in `batch_share` and `pipeline_step`. Under
+//! (`set_dropout_draws`), the plans do it in `batch_share` and `pipeline()?.step`. Under
 //! `fsdp=2` every parameter is sharded: each rank stores half of the model's parameter bytes.
 //!
 //! Layouts: `dp=2`, `fsdp=2`, `tp=2`, `tp=2` with sequence parallelism, `cp=2` (context
@@ -198,7 +198,7 @@ fn parallel(mesh: &str, plan: &ParallelizePlan, initial: &[f32]) -> (Run, Vec<us
             let (grads, _) = par.gradients(&model, loss.backward(), None, &ctx)?; // ~
             model = optim.step(LR, model, grads);
         }
-        let weights = flatten_params(&par.whole(model)?); // +
+        let weights = flatten_params(&par.sharded().whole(model)?); // +
         Ok::<_, ParallelError>(((losses, weights), stored))
     })
     .expect("parallel training");
@@ -219,11 +219,13 @@ fn pipelined(mesh: &str, plan: &ParallelizePlan, initial: &[f32]) -> (Run, Vec<u
         let mut losses = vec![];
         let micro_batch = |samples| sentences(samples, &device); // +
         for step in 0..STEPS {
-            let out = par.pipeline_step(&model, GLOBAL_BATCH, step, &micro_batch, None, &ctx)?; // ~
+            let out = par
+                .pipeline()?
+                .step(&model, GLOBAL_BATCH, step, &micro_batch, None, &ctx)?; // ~
             losses.push(out.loss); // ~
             model = optim.step(LR, model, out.grads);
         }
-        let weights = flatten_params(&par.whole(model)?); // +
+        let weights = flatten_params(&par.sharded().whole(model)?); // +
         Ok::<_, ParallelError>(((losses, weights), stored))
     })
     .expect("pipelined training");

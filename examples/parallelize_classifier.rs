@@ -134,7 +134,7 @@ fn parallel(mesh: &str, plan: &ParallelizePlan, initial: &[f32]) -> (Run, Vec<us
             let (grads, _) = par.gradients(&model, loss.backward(), Some(MAX_NORM), &ctx)?; // +
             model = optim.step(LR, model, grads);
         }
-        let weights = flatten_params(&par.whole(model)?); // +
+        let weights = flatten_params(&par.sharded().whole(model)?); // +
         Ok::<_, ParallelError>(((losses, weights), stored))
     })
     .expect("parallel training");

@@ -24,7 +24,7 @@
 //! `flashover::nn::CausalAttention`, and its batch carries the positions it holds, marked
 //! `cp`). Losses and every final weight match the single rank within 1e-5 (fp32), and each
 //! rank stores its share of the parameters. `fsdp=2,tp=2` runs once more with every block
-//! recomputed in backward (the plan's `activation_checkpointing`, through `pipeline_step` on a
+//! recomputed in backward (the plan's `activation_checkpointing`, through `pipeline()?.step` on a
 //! mesh without `pp`).
 //!
 //! Run: `cargo run --example parallelize_gpt2`
@@ -238,14 +238,16 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> (Run, Vec<usize>, usize) {
                 } else {
                     // pp: the schedule runs this rank's stages over the micro-batches.
                     let micro = |samples| share(batch(samples, &device)).expect("SEQ splits"); // pp
-                    let out = par.pipeline_step(&model, GLOBAL_BATCH, step, &micro, clip, &ctx)?; // pp
+                    let out =
+                        par.pipeline()?
+                            .step(&model, GLOBAL_BATCH, step, &micro, clip, &ctx)?; // pp
                     losses.push(out.loss); // pp
                     recomputed += out.recomputed;
                     out.grads // pp
                 };
                 model = optim.step(LR, model, grads);
             }
-            let weights = flatten_params(&par.whole(model)?); // + (gathers the shards)
+            let weights = flatten_params(&par.sharded().whole(model)?); // + (gathers the shards)
             Ok::<_, ParallelError>(((losses, weights), stored, recomputed))
         })
         .expect("parallel training");

@@ -325,11 +325,13 @@ fn pipelined(mesh: &str, plan: &ParallelizePlan) -> (Run, Vec<usize>) {
             let mut losses = vec![];
             let micro = |samples| batch(samples, &device); // +: every stage builds micro-batches
             for step in 0..STEPS {
-                let out = par.pipeline_step(&model, GLOBAL_BATCH, step, &micro, None, &ctx)?; // +
+                let out = par
+                    .pipeline()?
+                    .step(&model, GLOBAL_BATCH, step, &micro, None, &ctx)?; // +
                 losses.push(out.loss);
                 model = optim.step(LR, model, out.grads);
             }
-            let weights = flatten_params(&par.whole(model)?); // + (gathers the stages)
+            let weights = flatten_params(&par.sharded().whole(model)?); // + (gathers the stages)
             Ok::<_, ParallelError>(((losses, weights), stored))
         })
         .expect("parallel training");

@@ -118,14 +118,16 @@ fn train_pipeline() -> (Vec<f32>, Vec<f32>, Vec<f64>) {
         let (mut losses, mut bubble) = (vec![], 0.0);
         for step in 0..STEPS {
             let micro_batch = |range| samples(range, &device);
-            let run = par.pipeline_step(&model, BATCH, step, &micro_batch, None, &ctx)?; // +
+            let run = par
+                .pipeline()?
+                .step(&model, BATCH, step, &micro_batch, None, &ctx)?; // +
             losses.push(run.loss);
             let busy = run.report.forward + run.report.backward;
             bubble = 1.0 - busy.as_secs_f64() / run.report.wall.as_secs_f64();
             // Each rank steps its stage's layers (the others are placeholders without gradients).
             model = optim.step(1e-2, model, run.grads);
         }
-        let weights = flatten_params(&par.whole(model)?); // + every stage's layers
+        let weights = flatten_params(&par.sharded().whole(model)?); // + every stage's layers
         Ok::<_, ParallelError>((losses, weights, bubble))
     })
     .expect("pipeline training");

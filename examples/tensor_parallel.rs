@@ -64,7 +64,7 @@ fn train_tensor_parallel() -> (Vec<f32>, Vec<f32>) {
             let (grads, _norm) = par.gradients(&model, loss.backward(), None, &ctx)?; // +
             model = optim.step(1e-2, model, grads); // each rank steps its own share
         }
-        let l1 = par.whole(model)?.l1.weight.val(); // + the whole layer, gathered from the ranks
+        let l1 = par.sharded().whole(model)?.l1.weight.val(); // + the whole layer, gathered from the ranks
         Ok::<_, ParallelError>((losses, l1.into_data().try_to_vec::<f32>().unwrap()))
     })
     .expect("tensor-parallel training");

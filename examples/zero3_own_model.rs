@@ -69,7 +69,7 @@ fn train_sharded(stage: usize) -> Run {
                 let (params, rows) = optim.held_elements();
                 params * 4 + rows * (4 + 8)
             };
-            let weights = par.whole(model)?.l1_weights();
+            let weights = par.sharded().whole(model)?.l1_weights();
             Ok::<_, ParallelError>((losses, weights, bytes))
         })
         .expect("sharded training");

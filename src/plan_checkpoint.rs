@@ -179,7 +179,7 @@ impl Checkpoints {
         optim: OptimizerRecord,
         user: serde_json::Value,
     ) -> Result<(), ParallelError> {
-        let entries = par.held_entries(model)?;
+        let entries = par.sharded().held_entries(model)?;
         let coord = |a: Axis| ctx.coord(a);
         let params = flatten_params(model);
         let segments: Vec<Segment> = entries
@@ -238,7 +238,7 @@ impl Checkpoints {
             ))
         })?;
         let coord = |a: Axis| ctx.coord(a);
-        let entries = par.held_entries(&model)?;
+        let entries = par.sharded().held_entries(&model)?;
         let mut params = flatten_params(&model);
         for (slot, entry) in &entries {
             let segment = placed_segment(entry, slot.offset, &coord, &[]);

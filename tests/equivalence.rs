@@ -328,7 +328,7 @@ fn sharding_a_single_rank_model_and_gathering_it_back_is_exact() {
             let full = config.init(3, &device);
             let plan = transformer::plan(&config)?;
             let (local, par) = parallelize(full.clone(), &plan, &ctx)?;
-            let back = par.whole(local)?;
+            let back = par.sharded().whole(local)?;
             Ok::<_, ParallelError>((flatten_params(&full), flatten_params(&back)))
         })
         .unwrap();

@@ -84,7 +84,7 @@ pub fn run(
                         par.forward(model, |m| m.forward_loss(x.clone(), y.clone(), &fwd))?;
                     par.gradients(model, loss.backward(), None, &ctx)?;
                     let time = started.elapsed().as_secs_f64();
-                    let r = par.last_reduction();
+                    let r = par.reducer().last_reduction();
                     if r.reduced_during_backward != (way == 1 && !learning) {
                         // Overlap off never reduces during backward; on, from the second step.
                         return Err(ParallelError::Invalid(format!(

@@ -7,7 +7,7 @@
 //! flight is counted by the executor.
 //!
 //! `flashover train` runs these dense pipelines through the reference model's plan
-//! (`parallelize` with a pipeline rule, then `Parallelized::pipeline_step`), the path a user's
+//! (`parallelize` with a pipeline rule, then `PipelineRunner::step`), the path a user's
 //! model takes.
 
 use flashover::train::{TrainConfig, train};

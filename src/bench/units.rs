@@ -86,7 +86,7 @@ pub fn run(
                 resharding.checkpointing = Some(recompute.hook());
                 // One step of `way`: its time, collectives, prefetches and gathered peak.
                 let step = |way: usize| -> Result<StepMeasure, ParallelError> {
-                    let stats = par.unit_stats();
+                    let stats = par.sharded().unit_stats();
                     let prefetched_before = stats.map_or(0, |s| s.snapshot().prefetches);
                     if let Some(stats) = stats {
                         stats.reset_peak();

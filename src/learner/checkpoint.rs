@@ -90,7 +90,7 @@ impl LearnerCheckpoints {
                 ))
             })?;
         let (model, optim, run) = Checkpoints::resume_record(par, ctx, &dir, learner.model())?;
-        learner.load_model(par.with_stored_reads(|| model.into_record()));
+        learner.load_model(par.sharded().with_stored_reads(|| model.into_record()));
         learner.load_optim(optim);
         learner.load_scheduler(scheduler_of(&run, &dir)?);
         Ok(())
@@ -126,7 +126,7 @@ fn records<M: LearnerModel>(
 ) -> Result<(OptimizerRecord, LrSchedulerRecord), ParallelError> {
     let optim = Kept::default();
     let scheduler = Kept::default();
-    par.with_stored_reads(|| {
+    par.sharded().with_stored_reads(|| {
         let mut checkpointer = LearningCheckpointer::new(
             AsyncCheckpointer::new(Kept::<ModuleRecord>::default()),
             AsyncCheckpointer::new(optim.clone()),

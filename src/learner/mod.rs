@@ -109,7 +109,7 @@ impl ParallelLearning {
     /// step the model's `TrainStep` on this rank's share. Fails when the plan cuts the model
     /// into pipeline stages (use [`Self::pipelined`]). Collective over the world.
     pub fn new(ctx: &RankContext, par: Parallelized) -> Result<Self, ParallelError> {
-        if par.is_pipelined() {
+        if par.pipeline().is_ok_and(|p| p.is_split()) {
             return Err(ParallelError::Invalid(
                 "the plan cuts the model into pipeline stages, but a Learner's TrainStep runs \
                  the whole model's forward and backward on every rank: implement \
@@ -140,7 +140,7 @@ impl ParallelLearning {
         ctx: &RankContext,
         par: Parallelized,
     ) -> Result<ParallelLearning<StagedForward>, ParallelError> {
-        if !par.has_pipeline() {
+        if par.pipeline().is_err() {
             return Err(ParallelError::Invalid(
                 "ParallelLearning::pipelined needs a plan with a pipeline rule \
                  (ParallelizePlan::pipeline); for other plans use ParallelLearning::new"
@@ -162,7 +162,10 @@ impl<S> ParallelLearning<S> {
                     .into(),
             ));
         }
-        let computes_outputs = [u8::from(par.runs_last_stage())];
+        // Every rank computes the outputs without a pipeline.
+        let computes_outputs = [u8::from(
+            par.pipeline().ok().is_none_or(|p| p.runs_last_stage()),
+        )];
         let reporter = match ctx.world_size() {
             1 => 0,
             _ => control(|| ctx.world().all_gather_vec(&computes_outputs))?
@@ -615,7 +618,7 @@ where
         if interrupter.error().is_some() {
             return (learner.model(), events);
         }
-        let model = match self.par.whole(learner.model()) {
+        let model = match self.par.sharded().whole(learner.model()) {
             Ok(model) => model,
             Err(e) => {
                 interrupter.fail(self.failure(e));

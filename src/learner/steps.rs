@@ -166,7 +166,9 @@ where
                 .push((k, output));
             loss
         };
-        let step = par.pipeline_gradients(model, share, &micro_batch, &head, ctx)?;
+        let step = par
+            .pipeline()?
+            .gradients(model, share, &micro_batch, &head, ctx)?;
         let mut outputs = outputs.into_inner().unwrap_or_else(|e| e.into_inner());
         outputs.sort_by_key(|(k, _)| *k);
         let output = (!outputs.is_empty())
@@ -182,7 +184,7 @@ where
         share: usize,
     ) -> Result<Option<InferenceItem<M>>, ParallelError> {
         check_share(M::samples(&batch), share, par).map_err(ParallelError::Invalid)?;
-        let x = par.pipeline_forward(model, &batch)?;
+        let x = par.pipeline()?.forward(model, &batch)?;
         Ok(x.map(|x| model.inference_head(x, &batch)))
     }
 }

@@ -163,7 +163,9 @@ fn span(
                 }
                 Some(_) => {
                     let micro = |samples| batch(samples, &device);
-                    let out = par.pipeline_step(model, BATCH, step, &micro, None, ctx)?;
+                    let out = par
+                        .pipeline()?
+                        .step(model, BATCH, step, &micro, None, ctx)?;
                     Ok((out.loss, out.grads))
                 }
             }
@@ -207,7 +209,7 @@ pub(super) fn span_of<M: Module + 'static>(
         }
         let user = serde_json::json!({ "mesh": mesh });
         checkpoints.save_with(&par, &ctx, steps.end as u64, &model, &optim, &user)?;
-        Ok::<_, ParallelError>((losses, flatten_params(&par.whole(model)?)))
+        Ok::<_, ParallelError>((losses, flatten_params(&par.sharded().whole(model)?)))
     })
     .expect("training span");
     out.into_iter().next().unwrap()

@@ -103,7 +103,7 @@ fn parallel_with(
     plan_loop(mesh, plan, new, |model, par, step, ctx, device| {
         // One hook counts the step's routing, over its layers and micro-batches.
         let counted = transformer::forward_context().moe;
-        let (grads, loss, norm) = if par.has_pipeline() {
+        let (grads, loss, norm) = if par.pipeline().is_ok() {
             // Each micro-batch runs in its samples' context: the masks of its sample indices.
             let micro_batch = |samples: std::ops::Range<usize>| {
                 let start = samples.start;
@@ -124,7 +124,9 @@ fn parallel_with(
                 batch
             };
             let clip = Some(MAX_NORM);
-            let out = par.pipeline_step(model, GLOBAL_BATCH, step, &micro_batch, clip, ctx)?;
+            let out = par
+                .pipeline()?
+                .step(model, GLOBAL_BATCH, step, &micro_batch, clip, ctx)?;
             (out.grads, out.loss + out.aux_loss, out.norm)
         } else {
             let samples = par.data().batch_share(GLOBAL_BATCH, step)?;
@@ -392,7 +394,8 @@ fn routing_biases_move_by_the_whole_batchs_loads_under_the_reference_plan() {
                 batch.ctx.moe = counted.clone();
                 batch
             };
-            par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
+            par.pipeline()?
+                .step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
             let stats = counted.expect("a hook").take_stats();
             let loads = par.experts().loads(&stats, config.n_layers, 4)?;
             transformer::update_routing_biases(&mut model, &loads);
@@ -541,7 +544,7 @@ fn each_fully_sharded_weight_is_gathered_once_per_read() {
             };
             let one_by_one = all_gathers(&|| drop(forward(&model)));
             let in_units = all_gathers(&|| drop(par.forward(&model, |m| forward(m)).unwrap()));
-            Ok::<_, ParallelError>((one_by_one, in_units, par.units().to_vec()))
+            Ok::<_, ParallelError>((one_by_one, in_units, par.sharded().units().to_vec()))
         })
         .unwrap();
     // Read one by one: nine parameters per block (seven weights, two norms), the final norm,

@@ -3,7 +3,7 @@
 //! the training loop talks to it only.
 //!
 //! Every layout runs through the plan ([`plan_pipeline`]): `parallelize` with a pipeline rule
-//! (one stage without `pp`), then `Parallelized::pipeline_step` each step, AdamW on what the
+//! (one stage without `pp`), then `PipelineRunner::step` each step, AdamW on what the
 //! rank holds or, under ZeRO-1/2 (and ZeRO-3 by rows), on its rows (the library's `RowAdamW`).
 //!
 //! What is shared is here: the step's outcome, the precision policy's loss scale and the

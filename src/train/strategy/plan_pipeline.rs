@@ -3,7 +3,7 @@
 //! job's plan (`TrainConfig::model_plan`: the tensor- and sequence-parallel split, under ZeRO-3
 //! every layer a fully sharded unit) with a pipeline rule cut from `[parallel]`, its
 //! recomputation and precision, applied by `flashover_parallel::parallelize`. Each step is
-//! `Parallelized::pipeline_step` over the job's micro-batches: every rank keeps the model's
+//! `PipelineRunner::step` over the job's micro-batches: every rank keeps the model's
 //! whole structure with its stages' parameters (placeholders for the rest), the schedule runs
 //! the stages through the model's `PipelineModel` forward, and the gradients come back reduced
 //! (tied embedding copies summed over their two stages) and clipped. AdamW then steps what the
@@ -31,6 +31,7 @@ use super::{
     Batches, SHARING, SharedState, StepOutcome, borrowed, named_params, replica_index,
     restore_flat, with_moments,
 };
+use crate::train::MoeRecord;
 use crate::train::checkpoint::{LocalState, placed_segments};
 use crate::train::config::{GradientReduction, TrainConfig};
 use burn::module::Module;
@@ -38,19 +39,17 @@ use burn::tensor::{Int, Tensor};
 use flashover_models::transformer::{self, LmBatch};
 use flashover_models::{ForwardContext, MoeHook, Transformer, TransformerConfig};
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
-use flashover_parallel::data_parallel::{
-    GradientBuckets, GradientRows, ReductionReport, ReductionTiming,
-};
+use flashover_parallel::data_parallel::{GradientBuckets, GradientRows, ReductionTiming};
 use flashover_parallel::parallelize::{
-    ContextParallelRule, ParallelizePlan, Parallelized, parallelize,
+    ContextParallelRule, ParallelizePlan, Parallelized, PipelineStep, parallelize,
 };
 use flashover_parallel::params::{accumulate_grads, flatten_params, zero_grads};
-use flashover_parallel::pipeline::{PipelineStepReport, Schedule, ScheduleKind};
+use flashover_parallel::pipeline::{Schedule, ScheduleKind};
 use flashover_parallel::placement::PlacementTable;
 use flashover_parallel::precision::LossScaler;
 use flashover_parallel::zero::{MemoryReport, RowAdamW};
 use flashover_parallel::{FlatAdamWConfig, ModuleAdamW, clip_scale};
-use flashover_runtime::{Axis, Group, RankContext, RankError};
+use flashover_runtime::{Axis, CommStats, Group, RankContext, RankError};
 use std::ops::Range;
 use std::time::Duration;
 
@@ -176,7 +175,12 @@ pub(crate) fn build(
             Optimizer::Rows(Box::new(rows))
         }
         false => {
-            let held = par.held_entries(&model)?.iter().map(|(s, _)| s.numel).sum();
+            let held = par
+                .sharded()
+                .held_entries(&model)?
+                .iter()
+                .map(|(s, _)| s.numel)
+                .sum();
             Optimizer::Whole {
                 adam: Box::new(ModuleAdamW::new(&adamw, &model)),
                 held,
@@ -242,7 +246,7 @@ impl PlanPipeline {
     /// One optimizer step over `micro_batches` micro-batches from `batches`, at learning rate
     /// `lr`, clipping the global gradient norm to `clip`.
     pub(crate) fn step(
-        mut self: Box<Self>,
+        self: Box<Self>,
         ctx: &RankContext,
         clip: Option<f32>,
         batches: Batches<'_>,
@@ -258,6 +262,7 @@ impl PlanPipeline {
         // Every layer of every micro-batch counts its routing into the step's one hook.
         let routing = self.moe.is_some().then(MoeHook::new);
         let a2a_before = ctx.group(Axis::Ep).stats();
+        let attention_before = self.par.sequences().attention_work();
         let data = (0..micro_batches)
             .map(|k| {
                 let mut batch = self.micro_batch(batches(k))?;
@@ -267,8 +272,40 @@ impl PlanPipeline {
                 Ok(batch)
             })
             .collect::<Result<Vec<_>, RankError>>()?;
+        let (this, out) = self.run_schedule(&data, clip, ctx)?;
+        if let Some(state) = this.par.precision().loss_scale_state() {
+            scaler.restore(state);
+        }
+        let (mut this, norm) = this.apply_gradients(&out, clip, micro_batches, lr)?;
+        let (moe, a2a) = match (&this.moe, routing) {
+            (Some(_), Some(hook)) => this.update_routing(hook, ctx, &a2a_before)?,
+            _ => (None, Duration::ZERO),
+        };
+        let comm = ctx.comm_stats().since(&before).total();
+        let attention = (this.par.sequences().attention_work())
+            .zip(attention_before)
+            .map(|(now, before)| now.since(&before));
+        let scheduled = ctx.group(Axis::Pp).size() > 1;
+        let outcome = StepOutcome {
+            comm: comm.wait + comm.transfer,
+            attention,
+            moe,
+            a2a,
+            ..this.outcome(out, norm, micro_batches, scheduled)
+        };
+        Ok((this, outcome))
+    }
+
+    /// The plan's schedule over the step's micro-batches `data` (this rank's share), with
+    /// the plan clipping unless the job sums the gradients and clips them itself.
+    fn run_schedule(
+        mut self: Box<Self>,
+        data: &[LmBatch],
+        clip: Option<f32>,
+        ctx: &RankContext,
+    ) -> Result<(Box<Self>, PipelineStep), RankError> {
         let rows = data[0].inputs.dims()[0];
-        let attention_before = self.par.sequences().attention_work();
+        let micro_batches = data.len();
         // Pipeline steps count samples from the data rank's first (step 0 of a batch of this
         // step's size): all a micro-batch's place in `data` needs.
         let data_ranks = self.par.data().ranks();
@@ -288,9 +325,27 @@ impl PlanPipeline {
             // ZeRO-3 by rows gathers what the rank holds for the step.
             self.model = rows.for_step(self.model)?;
         }
-        let out =
-            self.par
-                .pipeline_step(&self.model, global_batch, 0, &micro_batch, plan_clip, ctx)?;
+        let out = (self.par.pipeline()?).step(
+            &self.model,
+            global_batch,
+            0,
+            &micro_batch,
+            plan_clip,
+            ctx,
+        )?;
+        Ok((self, out))
+    }
+
+    /// The optimizer step with the schedule's gradients `out` (none on a skipped step), at
+    /// learning rate `lr`; with the global norm before clipping. Where the job sums the
+    /// gradients, they are the plan's means times the summed groups, clipped here to `clip`.
+    fn apply_gradients(
+        mut self: Box<Self>,
+        out: &PipelineStep,
+        clip: Option<f32>,
+        micro_batches: usize,
+        lr: f64,
+    ) -> Result<(Box<Self>, f32), RankError> {
         let (norm, scale) = match self.summed_over {
             Some(ranks) => {
                 let sums = (ranks * micro_batches) as f32;
@@ -299,9 +354,6 @@ impl PlanPipeline {
             }
             None => (out.norm, 1.0),
         };
-        if let Some(state) = self.par.precision().loss_scale_state() {
-            scaler.restore(state);
-        }
         let scaled = |grads: Tensor<1>| match scale {
             1.0 => grads,
             _ => grads.mul_scalar(scale),
@@ -314,82 +366,84 @@ impl PlanPipeline {
             }
             Optimizer::Whole { .. } => {}
             Optimizer::Rows(rows) => {
-                let grads = scaled(out.rows);
+                let grads = scaled(out.rows.clone());
                 self.model = rows.step(lr, self.model, grads, !out.skipped)?;
             }
         }
-        let step = Stepped {
-            loss: out.loss,
-            norm,
-            report: out.report,
-            recomputed: out.recomputed,
-            loss_scale: out.loss_scale,
-            skipped: out.skipped,
-            reduction: out.reduction,
+        Ok((self, norm))
+    }
+
+    /// The step's routing counted by `hook`, summed over the ranks that routed different
+    /// tokens, moves the layers' routing biases; with its record and the step's expert
+    /// all-to-all time (since `a2a_before`).
+    fn update_routing(
+        &mut self,
+        hook: MoeHook,
+        ctx: &RankContext,
+        a2a_before: &CommStats,
+    ) -> Result<(Option<MoeRecord>, Duration), RankError> {
+        let Some(moe) = &self.moe else {
+            return Ok((None, Duration::ZERO));
         };
-        let (moe, a2a) = match (&self.moe, routing) {
-            (Some(moe), Some(hook)) => {
-                let pp = ctx.group(Axis::Pp);
-                let remote = self.par.experts().rows_sent();
-                let sums =
-                    RoutingSums::over(hook.take_stats(), remote, moe.shape, &[&moe.batch, pp])?;
-                transformer::update_routing_biases(&mut self.model, &sums.routed);
-                let a2a = ctx.group(Axis::Ep).stats().since(&a2a_before).total();
-                (Some(sums.record(moe.d_model)), a2a.wait + a2a.transfer)
-            }
-            _ => (None, Duration::ZERO),
-        };
-        let comm = ctx.comm_stats().since(&before).total();
+        let pp = ctx.group(Axis::Pp);
+        let remote = self.par.experts().rows_sent();
+        let sums = RoutingSums::over(hook.take_stats(), remote, moe.shape, &[&moe.batch, pp])?;
+        transformer::update_routing_biases(&mut self.model, &sums.routed);
+        let record = sums.record(moe.d_model);
+        let a2a = ctx.group(Axis::Ep).stats().since(a2a_before).total();
+        Ok((Some(record), a2a.wait + a2a.transfer))
+    }
+
+    /// What the step measured of memory, overlap and recomputation, with its loss and `norm`;
+    /// `scheduled`: a schedule over several stages ran, whose report it carries.
+    fn outcome(
+        &self,
+        out: PipelineStep,
+        norm: f32,
+        micro_batches: usize,
+        scheduled: bool,
+    ) -> StepOutcome {
         let (params, held) = self.held();
         // Under rows the buckets' peak is what the rank held of gradients (a whole one under
         // ZeRO-1's all-reduce; its rows and the buckets in flight under ZeRO-2).
         let grads = match &self.optim {
-            Optimizer::Rows(_) => (step.reduction.peak_bytes).max(held * 4),
+            Optimizer::Rows(_) => (out.reduction.peak_bytes).max(held * 4),
             Optimizer::Whole { .. } => held * 4,
         };
-        let report = step.report;
         let gathered_peak = match &self.optim {
             Optimizer::Rows(rows) => rows.gathered_bytes(),
-            Optimizer::Whole { .. } => self.par.unit_stats().map_or(0, |s| s.snapshot().peak_bytes),
+            Optimizer::Whole { .. } => {
+                (self.par.sharded().unit_stats()).map_or(0, |s| s.snapshot().peak_bytes)
+            }
         };
         let outcome = StepOutcome {
-            comm: comm.wait + comm.transfer,
             // Buckets reduced while backward ran, and the wait for the rest after it (a
             // pipeline's exposed time is its bubble instead, below).
-            overlapped: step.reduction.overlapped,
-            exposed: step.reduction.exposed,
+            overlapped: out.reduction.overlapped,
+            exposed: out.reduction.exposed,
             memory: MemoryReport {
                 params: params * 4,
                 grads,
                 optimizer: held * 8,
                 gathered_peak,
             },
-            recomputed: step.recomputed,
-            attention: self
-                .par
-                .sequences()
-                .attention_work()
-                .zip(attention_before)
-                .map(|(now, before)| now.since(&before)),
-            loss_scale: step.loss_scale,
-            skipped: step.skipped,
-            moe,
-            a2a,
+            recomputed: out.recomputed,
+            loss_scale: out.loss_scale,
+            skipped: out.skipped,
             // This rank's share's mean (the whole batch's, through the plan's reduction).
-            ..StepOutcome::new(step.loss as f64 * micro_batches as f64, step.norm)
+            ..StepOutcome::new(out.loss as f64 * micro_batches as f64, norm)
         };
         // One stage (a mixture of experts without `pp`) runs no schedule worth reporting.
-        let outcome = match ctx.group(Axis::Pp).size() > 1 {
-            true => outcome.scheduled(report),
+        match scheduled {
+            true => outcome.scheduled(out.report),
             false => outcome,
-        };
-        Ok((self, outcome))
+        }
     }
 
     /// Gradient buckets per step and when they are reduced (during backward, or after it and
     /// why).
     pub(crate) fn buckets(&self) -> (usize, ReductionTiming) {
-        self.par.gradient_buckets(&self.device)
+        self.par.reducer().buckets(&self.device)
     }
 
     /// This rank's parameters and optimizer state with where each part belongs in the whole
@@ -400,10 +454,10 @@ impl PlanPipeline {
         _grad_group: &Group,
     ) -> Result<SharedState, RankError> {
         let adam = match &self.optim {
-            Optimizer::Rows(rows) => return rows_state(rows, ctx, self.par.placements()),
+            Optimizer::Rows(rows) => return rows_state(rows, ctx, self.par.sharded().placements()),
             Optimizer::Whole { adam, .. } => adam,
         };
-        let entries = self.par.held_entries(&self.model)?;
+        let entries = self.par.sharded().held_entries(&self.model)?;
         let segments = placed_segments(&entries, 0, &|a| ctx.coord(a), &SHARING);
         let state = with_moments(flatten_params(&self.model), segments, adam.flat());
         let replicas = replica_index(ctx, &SHARING);
@@ -465,7 +519,7 @@ impl PlanPipeline {
             Optimizer::Rows(rows) => rows.for_step(self.model.clone())?,
             Optimizer::Whole { .. } => self.model.clone(),
         };
-        let whole = self.par.whole(model)?;
+        let whole = self.par.sharded().whole(model)?;
         Ok(match ctx.rank() {
             0 => named_params(&whole),
             _ => vec![],
@@ -486,18 +540,4 @@ fn rows_state(
     let segments = placed_segments(&borrowed(&entries), 0, &|a| ctx.coord(a), &sharing);
     let state = with_moments(rows.rows(), segments, rows.adam());
     Ok((state, replicas, replicas))
-}
-
-/// What a step computed, whichever way the rank steps.
-struct Stepped {
-    /// This rank's share's mean loss.
-    loss: f32,
-    /// The global gradient norm before clipping.
-    norm: f32,
-    report: PipelineStepReport,
-    recomputed: usize,
-    loss_scale: Option<f32>,
-    skipped: bool,
-    /// What the plan's gradient reduction did (empty where the job reduced rows itself).
-    reduction: ReductionReport,
 }

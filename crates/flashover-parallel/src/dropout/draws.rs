@@ -2,7 +2,7 @@
 //!
 //! The seed, the step and the global indices of the samples a forward computes live in the
 //! rank's thread (a rank is a thread, one per process under MPI), set by the plan's
-//! `batch_share` and `pipeline_step` or by one call on one device; sites are numbered in call
+//! `batch_share` and `pipeline()?.step` or by one call on one device; sites are numbered in call
 //! order within a scope (before the layer stack, layer `i`, after it), which the stacks and the
 //! pipeline enter. `crate::nn`'s dropout reads them ([`next_site`]).
 

@@ -216,31 +216,12 @@ impl ExpertDispatch for ExpertParallel {
     }
 
     fn dispatch(&self, moe: &Moe, tokens: Tensor<2>, counts: &[usize]) -> Tensor<2> {
-        let (p, per, me) = (self.group.size(), self.per_rank(), self.group.rank());
+        let (p, per) = (self.group.size(), self.per_rank());
         // This step's replicated (hot) experts of this layer: every rank holds a copy and keeps
         // its own tokens for them. Each rank's slots: its own experts, then the copies.
         let (hot, copies) = ok(self.replicas.copies_for(moe, &self.group, per, counts));
         let slots = per + hot.len();
-        let mut starts = vec![0; counts.len()];
-        for x in 1..counts.len() {
-            starts[x] = starts[x - 1] + counts[x - 1];
-        }
-        // Rows in send order: per destination rank, per slot.
-        let (mut order, mut outgoing) = (Vec::new(), vec![0u64; p * slots]);
-        for q in 0..p {
-            for (j, x) in self.experts_of(q).enumerate() {
-                if !hot.contains(&x) {
-                    outgoing[q * slots + j] = counts[x] as u64;
-                    order.extend(starts[x]..starts[x] + counts[x]);
-                }
-            }
-            if q == me {
-                for (i, &h) in hot.iter().enumerate() {
-                    outgoing[q * slots + per + i] = counts[h] as u64;
-                    order.extend(starts[h]..starts[h] + counts[h]);
-                }
-            }
-        }
+        let (order, outgoing) = self.send_order(&hot, counts, slots);
         let send: Vec<usize> = outgoing
             .chunks(slots)
             .map(|c| c.iter().sum::<u64>() as usize)
@@ -267,40 +248,9 @@ impl ExpertDispatch for ExpertParallel {
         let dtype = received.dtype().into();
         let copies = copies.into_iter().map(|c| cast_params(c, dtype));
         let experts: Vec<SwiGlu> = moe.experts.iter().cloned().chain(copies).collect();
-        let outputs = if total == 0 {
-            // Nothing to compute, but the way back must still run (it is a collective), in
-            // backward too: the ranks that ran experts track it through their parameters, so
-            // it is tracked here as well when the experts train, even if the layer's input is
-            // not (a layer reading the data directly). An empty leaf carries the tracking; the
-            // received rows stay on the graph beside it.
-            let experts_train = experts.iter().any(|e| e.w_gate.weight.base().is_tracked());
-            if experts_train {
-                received.clone() + received.detach().require_grad()
-            } else {
-                received
-            }
-        } else if slots == 1 {
-            run_experts(&experts, received, &[total])
-        } else {
-            // Received rows come (source, slot); experts want (slot, source).
-            let mut at = 0;
-            let mut first = vec![0; p * slots];
-            for (i, &n) in incoming.iter().enumerate() {
-                first[i] = at;
-                at += n;
-            }
-            let mut grouped = Vec::with_capacity(total);
-            for j in 0..slots {
-                for src in 0..p {
-                    let i = src * slots + j;
-                    grouped.extend(first[i]..first[i] + incoming[i]);
-                }
-            }
-            let per_slot: Vec<usize> = (0..slots)
-                .map(|j| (0..p).map(|src| incoming[src * slots + j]).sum())
-                .collect();
-            let rows = received.select(0, index(&grouped));
-            run_experts(&experts, rows, &per_slot).select(0, index(&inverse(&grouped)))
+        let outputs = match total {
+            0 => keep_tracked(&experts, received),
+            _ => run_by_slot(&experts, received, &incoming, slots),
         };
         let back = exchange_rows(outputs, recv, send, self);
         if reordered {
@@ -309,6 +259,85 @@ impl ExpertDispatch for ExpertParallel {
             back
         }
     }
+}
+
+impl ExpertParallel {
+    /// The rows of `counts` (tokens grouped by expert) in send order, per destination rank
+    /// and per slot (its own experts, then on this rank the `hot` copies it keeps), and how
+    /// many rows go to each (rank, slot).
+    fn send_order(&self, hot: &[usize], counts: &[usize], slots: usize) -> (Vec<usize>, Vec<u64>) {
+        let (p, per, me) = (self.group.size(), self.per_rank(), self.group.rank());
+        let mut starts = vec![0; counts.len()];
+        for x in 1..counts.len() {
+            starts[x] = starts[x - 1] + counts[x - 1];
+        }
+        let (mut order, mut outgoing) = (Vec::new(), vec![0u64; p * slots]);
+        for q in 0..p {
+            for (j, x) in self.experts_of(q).enumerate() {
+                if !hot.contains(&x) {
+                    outgoing[q * slots + j] = counts[x] as u64;
+                    order.extend(starts[x]..starts[x] + counts[x]);
+                }
+            }
+            if q == me {
+                for (i, &h) in hot.iter().enumerate() {
+                    outgoing[q * slots + per + i] = counts[h] as u64;
+                    order.extend(starts[h]..starts[h] + counts[h]);
+                }
+            }
+        }
+        (order, outgoing)
+    }
+}
+
+/// No rows arrived: nothing to compute, but the way back must still run (it is a
+/// collective), in backward too. The ranks that ran experts track it through their
+/// parameters, so it is tracked here as well when the experts train, even if the layer's
+/// input is not (a layer reading the data directly): an empty leaf carries the tracking, the
+/// received rows stay on the graph beside it.
+fn keep_tracked(experts: &[SwiGlu], received: Tensor<2>) -> Tensor<2> {
+    let experts_train = experts.iter().any(|e| e.w_gate.weight.base().is_tracked());
+    match experts_train {
+        true => received.clone() + received.detach().require_grad(),
+        false => received,
+    }
+}
+
+/// The `experts` (one per slot) run on the `received` rows, which come grouped by (source
+/// rank, slot) with `incoming[source * slots + slot]` rows each; the outputs in the same
+/// order.
+fn run_by_slot(
+    experts: &[SwiGlu],
+    received: Tensor<2>,
+    incoming: &[usize],
+    slots: usize,
+) -> Tensor<2> {
+    let total: usize = incoming.iter().sum();
+    if slots == 1 {
+        return run_experts(experts, received, &[total]);
+    }
+    let p = incoming.len() / slots;
+    // Received rows come (source, slot); experts want (slot, source).
+    let mut at = 0;
+    let mut first = vec![0; p * slots];
+    for (i, &n) in incoming.iter().enumerate() {
+        first[i] = at;
+        at += n;
+    }
+    let mut grouped = Vec::with_capacity(total);
+    for j in 0..slots {
+        for src in 0..p {
+            let i = src * slots + j;
+            grouped.extend(first[i]..first[i] + incoming[i]);
+        }
+    }
+    let per_slot: Vec<usize> = (0..slots)
+        .map(|j| (0..p).map(|src| incoming[src * slots + j]).sum())
+        .collect();
+    let device = received.device();
+    let index = |v: &[usize]| index_tensor(v, [v.len()], &device);
+    let rows = received.select(0, index(&grouped));
+    run_experts(experts, rows, &per_slot).select(0, index(&inverse(&grouped)))
 }
 
 /// The permutation that undoes `order` (`order[i]` is the row placed at `i`).

@@ -83,46 +83,18 @@ impl Routing {
 /// per sequence) and applies the capacity of `config`. `bias` (one per expert) is added to the
 /// scores for choosing only.
 pub fn route(logits: &[f32], seq_len: usize, config: &MoeConfig, bias: Option<&[f32]>) -> Routing {
-    let e = config.n_experts;
     let k = config.top_k;
-    let tokens = logits.len() / e;
-    // Softmax and sigmoid are monotone in the logit, so choosing by logit chooses by score;
-    // ties go to the lower expert index.
-    let mut chosen = Vec::with_capacity(tokens * k);
-    let mut order: Vec<usize> = (0..e).collect();
-    let group = seq_len.max(1);
-    for rows in logits.chunks(group * e) {
-        // Balanced routing: per sequence, the log of Sinkhorn's expert scaling joins the bias.
-        let balance = sinkhorn_log_scaling(rows, e, config.sinkhorn_iters);
-        for row in rows.chunks(e) {
-            let score = |x: usize| {
-                row[x] + bias.map_or(0.0, |b| b[x]) + balance.as_ref().map_or(0.0, |s| s[x])
-            };
-            order.sort_by(|&a, &b| score(b).total_cmp(&score(a)).then(a.cmp(&b)));
-            chosen.extend_from_slice(&order[..k]);
-        }
-    }
+    let tokens = logits.len() / config.n_experts;
+    let chosen = choose_experts(logits, seq_len, config, bias);
     // Priority within each (sequence, expert): by choice rank then position, or by weight
     // (each choice's router score, computed once rather than in every comparison).
     let weight: Vec<f32> = match config.drop_policy {
         DropPolicy::Position => vec![],
-        DropPolicy::Probability => (0..tokens * k)
-            .map(|choice| {
-                let (t, x) = (choice / k, chosen[choice]);
-                let row = &logits[t * e..(t + 1) * e];
-                match config.router {
-                    RouterKind::Softmax => {
-                        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                        (row[x] - max).exp() / row.iter().map(|&v| (v - max).exp()).sum::<f32>()
-                    }
-                    RouterKind::Sigmoid => 1.0 / (1.0 + (-row[x]).exp()),
-                }
-            })
-            .collect(),
+        DropPolicy::Probability => choice_weights(logits, &chosen, config),
     };
     let capacity = config.capacity(seq_len);
-    let mut per_expert: Vec<Vec<(usize, usize)>> = vec![vec![]; e];
-    let mut routed = vec![0; e];
+    let mut per_expert: Vec<Vec<(usize, usize)>> = vec![vec![]; config.n_experts];
+    let mut routed = vec![0; config.n_experts];
     for start in (0..tokens).step_by(seq_len.max(1)) {
         let end = (start + seq_len).min(tokens);
         let mut candidates: Vec<usize> = (start * k..end * k).collect();
@@ -135,7 +107,7 @@ pub fn route(logits: &[f32], seq_len: usize, config: &MoeConfig, bias: Option<&[
                     .then(a.cmp(&b))
             }),
         }
-        let mut taken = vec![0; e];
+        let mut taken = vec![0; config.n_experts];
         for c in candidates {
             let x = chosen[c];
             routed[x] += 1;
@@ -164,6 +136,50 @@ pub fn route(logits: &[f32], seq_len: usize, config: &MoeConfig, bias: Option<&[
         kept,
         routed,
     }
+}
+
+/// Each token's `top_k` experts (token-major), by its logits plus `bias` and, under balanced
+/// routing, its sequence's Sinkhorn scaling. Softmax and sigmoid are monotone in the logit,
+/// so choosing by logit chooses by score; ties go to the lower expert index.
+fn choose_experts(
+    logits: &[f32],
+    seq_len: usize,
+    config: &MoeConfig,
+    bias: Option<&[f32]>,
+) -> Vec<usize> {
+    let (e, k) = (config.n_experts, config.top_k);
+    let mut chosen = Vec::with_capacity(logits.len() / e * k);
+    let mut order: Vec<usize> = (0..e).collect();
+    for rows in logits.chunks(seq_len.max(1) * e) {
+        // Balanced routing: per sequence, the log of Sinkhorn's expert scaling joins the bias.
+        let balance = sinkhorn_log_scaling(rows, e, config.sinkhorn_iters);
+        for row in rows.chunks(e) {
+            let score = |x: usize| {
+                row[x] + bias.map_or(0.0, |b| b[x]) + balance.as_ref().map_or(0.0, |s| s[x])
+            };
+            order.sort_by(|&a, &b| score(b).total_cmp(&score(a)).then(a.cmp(&b)));
+            chosen.extend_from_slice(&order[..k]);
+        }
+    }
+    chosen
+}
+
+/// The router's score of each choice in `chosen` (token-major, `top_k` per token).
+fn choice_weights(logits: &[f32], chosen: &[usize], config: &MoeConfig) -> Vec<f32> {
+    let (e, k) = (config.n_experts, config.top_k);
+    (0..chosen.len())
+        .map(|choice| {
+            let (t, x) = (choice / k, chosen[choice]);
+            let row = &logits[t * e..(t + 1) * e];
+            match config.router {
+                RouterKind::Softmax => {
+                    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                    (row[x] - max).exp() / row.iter().map(|&v| (v - max).exp()).sum::<f32>()
+                }
+                RouterKind::Sigmoid => 1.0 / (1.0 + (-row[x]).exp()),
+            }
+        })
+        .collect()
 }
 
 /// Sinkhorn balancing of one sequence's `rows: [tokens, e]` logits: the log of the per-expert

@@ -9,7 +9,7 @@
 //!
 //! What a Burn forward does not carry, a rank's *draws* hold ([`crate::dropout::draws`]): the
 //! seed, the step and the global indices of the local batch's samples. [`crate::parallelize::Parallelized`]
-//! sets them in `batch_share` and for each micro-batch of `pipeline_step` (seeded by the
+//! sets them in `batch_share` and for each micro-batch of `pipeline()?.step` (seeded by the
 //! plan's `dropout_seed`); a one-device loop sets them with [`set_dropout_draws`]. Sites are
 //! numbered in call order within a scope: before the layer stack, layer `i` (entered by the
 //! encoder's and decoder's forward, and by a pipeline around each of its layers), and after
@@ -74,7 +74,7 @@ impl Dropout {
 /// Makes this thread's dropout masks those of `samples` (global sample indices: the batch the
 /// next forward computes) of step `step` of a run seeded `seed`, as every layout draws them:
 /// the call a one-device loop makes before each step's forward to train as a plan does with
-/// the same `dropout_seed` (a plan's `batch_share` and `pipeline_step` make it themselves).
+/// the same `dropout_seed` (a plan's `batch_share` and `pipeline()?.step` make it themselves).
 pub fn set_dropout_draws(seed: u64, step: usize, samples: Range<usize>) {
     draws::set_draws(Some(Draws::new(seed, step, samples)));
 }
@@ -145,7 +145,7 @@ pub(crate) fn drop_elements<const D: usize>(
             panic!(
                 "{layer} is split over tp={tp} and has dropout {prob} in training, with no \
                  dropout draws set on this rank: Burn's device generator would give every tp \
-                 rank its own mask. Parallelized::data().batch_share and pipeline_step set the draws; \
+                 rank its own mask. Parallelized::data().batch_share and pipeline()?.step set the draws; \
                  a loop of one's own calls flashover::nn::set_dropout_draws before the forward"
             );
         }

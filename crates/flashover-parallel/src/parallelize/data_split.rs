@@ -39,7 +39,7 @@ impl DataSplit {
     /// rank (`dp` x `fsdp` x `ep`) takes a contiguous share of it (rank 1 of 2 at step 1 of a batch
     /// of 8: `12..16`). Fails when the batch does not split evenly, and when the plan cuts the
     /// model into pipeline stages (a rank's forward is then a stage's:
-    /// [`super::Parallelized::pipeline_step`] reads the batch and runs the schedule). Sets this rank's
+    /// [`super::PipelineRunner::step`] reads the batch and runs the schedule). Sets this rank's
     /// dropout draws to the share's samples of step `step` ([`crate::nn::Dropout`]): the
     /// forward that follows drops what one device drops of them.
     pub fn batch_share(
@@ -50,7 +50,7 @@ impl DataSplit {
         if self.pipelined {
             return Err(ParallelError::Invalid(
                 "the plan cuts the model into pipeline stages: a rank's forward is a stage's, \
-                 so train with Parallelized::pipeline_step, which reads each micro-batch and \
+                 so train with Parallelized::pipeline()?.step, which reads each micro-batch and \
                  runs the schedule"
                     .into(),
             ));

@@ -27,7 +27,7 @@
 //!
 //! - `pp`: the plan's `pipeline` cuts the model's repeated layers into stages; each rank keeps
 //!   its stages' parameters (placeholders for the rest) and trains through
-//!   [`Parallelized::pipeline_step`], running its part of the forward ([`PipelineModel`]).
+//!   [`PipelineRunner::step`], running its part of the forward ([`PipelineModel`]).
 //!
 //! - `cp`: the plan's `context_parallel` rule splits every sequence: each rank holds some of
 //!   its positions ([`SequenceSplit::share`], [`SequenceSplit::positions`], through [`Parallelized::sequences`]) for the
@@ -43,10 +43,12 @@
 //! A mesh with `tp`, `pp`, `cp` or `ep` is refused when the plan has no rule for that axis: the
 //! model would run unsplit on its ranks, each repeating the others' work.
 //!
-//! [`Parallelized`]'s step functions live by concern: this module sets up and runs a forward
-//! (the fully sharded units), `reduction` reduces, clips and hands over the gradients (the
-//! data-parallel part), `pipeline_step` runs a pipelined plan's stages, `context` serves the
-//! sequence split, `mixed_precision` the backward and loss scale, `experts` the routing loads.
+//! [`Parallelized`] is a few objects, each in its module: [`ShardedModel`] (`sharded`: the
+//! placements, the whole model gathered, the units), [`GradientReducer`] (`reduction`: the
+//! buckets, and the step calls that reduce, clip and hand over the gradients),
+//! [`PipelineRunner`] (`pipeline()?.step`: a pipelined plan's schedule), [`DataSplit`],
+//! [`SequenceSplit`], [`PlanPrecision`] (`mixed_precision`: also the backward) and
+//! [`ExpertRouting`]. This module builds them and runs a forward.
 
 mod data_split;
 mod experts;
@@ -59,6 +61,7 @@ mod reduction;
 mod replica_check;
 mod row_optimizer;
 mod sequences;
+mod sharded;
 mod split_check;
 
 pub use crate::placed::{
@@ -70,73 +73,54 @@ pub use crate::plan::{
 };
 pub use mixed_precision::PlanPrecision;
 pub use pipeline::PipelineModel;
-pub use pipeline_step::PipelineStep;
+pub use pipeline_step::{PipelineRunner, PipelineStep};
+pub use reduction::GradientReducer;
 pub use sequences::SequenceSplit;
+use sharded::HeldElsewhere;
+pub use sharded::ShardedModel;
 pub use split_check::SplitCheck;
 
-use crate::data_parallel::{BucketedReduction, ReductionReport};
+use crate::data_parallel::BucketedReduction;
 use crate::error::ParallelError;
-use crate::params::{
-    ParamLayout, ParamSlot, broadcast_module, flatten_params, load_shaped, placeholders_except,
-    upload,
-};
+use crate::params::{ParamLayout, ParamSlot, broadcast_module, placeholders_except};
 use crate::placed::{Elsewhere, WholeReads};
-use crate::placement::{ParamPlacement, Placement, PlacementTable};
+use crate::placement::{Placement, PlacementTable};
 use crate::zero::ShardGroup;
 use crate::zero::units::{FullyShardedUnits, UnitGathers};
 use burn::module::Module;
-use burn::tensor::Tensor;
 pub use data_split::DataSplit;
 pub use experts::ExpertRouting;
 use experts::{ExpertShares, Experts};
-use flashover_comm::{Group, ReduceOp};
-use flashover_runtime::{Axis, RankContext, TensorCollectives};
+use flashover_comm::Group;
+use flashover_runtime::{Axis, RankContext};
 use pipeline::Stages;
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 
 /// The axes whose ranks read different samples.
 const DATA_AXES: [Axis; 3] = [Axis::Dp, Axis::Fsdp, Axis::Ep];
 
 /// What [`parallelize`] did to a model, and the per-step helpers that follow from it.
 pub struct Parallelized {
-    placements: PlacementTable,
-    /// Every gradient summed over the ranks its placement says, in buckets.
-    buckets: BucketedReduction,
+    /// The model as cut on this rank: placements, gathers, units ([`Self::sharded`]).
+    sharded: ShardedModel,
+    /// Every gradient summed over the ranks its placement says, in buckets
+    /// ([`Self::reducer`]).
+    reducer: GradientReducer,
     /// The plan's data split on this rank ([`Self::data`]).
     data_split: DataSplit,
     /// The plan's sequence split on this rank ([`Self::sequences`]).
     sequences: SequenceSplit,
-    whole_reads: WholeReads,
-    /// The pipeline's stages, when the plan has one.
+    /// The pipeline's stages, when the plan has one ([`Self::pipeline`]).
     stages: Option<Stages>,
-    /// Which experts this rank holds, when the plan spreads them over `ep`.
-    expert_shares: Option<ExpertShares>,
+    /// Whether the plan spreads experts over `ep` (this rank holds some of them).
+    experts_split: bool,
     /// What the plan's mixture-of-experts layers routed and sent ([`Self::experts`]).
     expert_routing: ExpertRouting,
-    /// The parameters this rank keeps placeholders for (other stages', other ep ranks'
-    /// experts), by path.
-    absent: HashSet<String>,
-    /// For a model cut into stages or experts: the ranks that hold its other parts (`pp` x
-    /// `ep`), which `whole` gathers over, and the whole model's parameters.
-    held_elsewhere: Option<(Group, ParamLayout)>,
-    /// Parameters under `fully_shard` paths the plan's `keep_whole` leaves whole.
-    kept_whole: BTreeSet<String>,
-    /// With `tp`, the first step's check that the parameters whole on every `tp` rank got the
-    /// same gradient on each (under sequence parallelism, that every whole parameter that runs
-    /// on sequence shards is named).
-    replica_check: Option<replica_check::ReplicaCheck>,
-    /// The fully sharded units (one collective per unit inside [`Self::forward`]).
-    units: FullyShardedUnits,
     /// The plan's mixed precision (f32 throughout without one) and its running loss scale.
     precision: mixed_precision::PlanPrecision,
     /// Under `replicate_hot_experts` (with more than one `ep` rank): the step's hot-expert
     /// copies and the `ep` group their gradients are summed over.
     hot_experts: Option<(crate::expert_parallel::Replicas, Group)>,
-    /// Where a loop of one's own is in its step, for gradient buckets reduced during its
-    /// backward ([`Self::forward`] on hooked parameters).
-    loop_overlap: loop_overlap::LoopOverlap,
-    /// What the last gradient reduction did and cost.
-    last_reduction: std::sync::Mutex<ReductionReport>,
 }
 
 /// Where `model`'s gradients live: its parameters' device outside autodiff (the rank's for a
@@ -278,9 +262,56 @@ pub fn parallelize<M: Module>(
         pipeline_ranks.clone(),
         experts.traffic.clone(),
     );
+    // Why a loop's buckets wait for the end of backward, whatever the device can do.
+    let after_backward = match &stages {
+        None if !units.paths().is_empty() => Some(
+            "fully sharded units reduce-scatter their gradients themselves; the other \
+             buckets follow backward",
+        ),
+        None if experts.hot.is_some() => {
+            Some("hot-expert copies fold their gradients into their owners' after backward")
+        }
+        None => None,
+        Some(stages) => stages.hooks_ruled_out(),
+    };
+    let held_elsewhere = match stages.is_some() || experts.shares.is_some() {
+        true => Some(HeldElsewhere {
+            group: ctx.subgroup(&[Axis::Pp, Axis::Ep])?,
+            // Each parameter counted on one rank of pp x ep: its stage's, its expert's holder.
+            counted: (0..layout.slots.len())
+                .map(|i| {
+                    stages.as_ref().is_none_or(|s| s.counts(i))
+                        && experts.shares.as_ref().is_none_or(|e| e.counts(i))
+                })
+                .collect(),
+            whole: layout,
+        }),
+        false => None,
+    };
     let par = Parallelized {
-        placements,
-        buckets,
+        sharded: ShardedModel {
+            placements,
+            whole_reads,
+            units,
+            absent: absent.by_path.into_keys().collect(),
+            held_elsewhere,
+            kept_whole,
+        },
+        reducer: GradientReducer {
+            buckets,
+            replica_check: (tp.size() > 1).then(|| {
+                let sequence_parallel = !plan.sequence_parallel.is_empty();
+                replica_check::ReplicaCheck::new(
+                    tp.clone(),
+                    sequence_parallel,
+                    sequence_partial,
+                    policy.param_dtype,
+                )
+            }),
+            after_backward,
+            loop_overlap: Default::default(),
+            last_reduction: Default::default(),
+        },
         data_split: DataSplit::new(
             ctx.subgroup(&DATA_AXES)?,
             averaged.clone(),
@@ -291,32 +322,13 @@ pub fn parallelize<M: Module>(
             context,
             (tp.size() > 1 && !plan.sequence_parallel.is_empty()).then(|| tp.clone()),
         ),
-        whole_reads,
-        held_elsewhere: match stages.is_some() || experts.shares.is_some() {
-            true => Some((ctx.subgroup(&[Axis::Pp, Axis::Ep])?, layout)),
-            false => None,
-        },
-        absent: absent.by_path.into_keys().collect(),
         stages,
         expert_routing,
-        expert_shares: experts.shares,
-        kept_whole,
-        replica_check: (tp.size() > 1).then(|| {
-            let sequence_parallel = !plan.sequence_parallel.is_empty();
-            replica_check::ReplicaCheck::new(
-                tp.clone(),
-                sequence_parallel,
-                sequence_partial,
-                policy.param_dtype,
-            )
-        }),
-        units,
+        experts_split: experts.shares.is_some(),
         precision: mixed_precision::PlanPrecision::new(policy),
         hot_experts: experts
             .hot
             .map(|(replicas, _)| (replicas, ctx.group(Axis::Ep).clone())),
-        loop_overlap: Default::default(),
-        last_reduction: Default::default(),
     };
     Ok((model, par))
 }
@@ -431,66 +443,16 @@ fn check_axes(plan: &ParallelizePlan, ctx: &RankContext) -> Result<(), ParallelE
 }
 
 impl Parallelized {
-    /// Where every parameter of the parallelized model lives (for norms, checkpoints).
-    pub fn placements(&self) -> &PlacementTable {
-        &self.placements
+    /// The model as the plan cut it on this rank: every parameter's placement, the whole
+    /// model gathered back, the fully sharded units and their counters.
+    pub fn sharded(&self) -> &ShardedModel {
+        &self.sharded
     }
 
-    /// The parameters under the plan's `fully_shard` paths that its `keep_whole` rule leaves
-    /// whole, by path: nothing else under those paths is kept whole. (Mixture-of-experts
-    /// layers' routed experts are sharded: `expert_parallel::MoeForward` gathers them all before routing,
-    /// on every rank.)
-    pub fn kept_whole(&self) -> &BTreeSet<String> {
-        &self.kept_whole
-    }
-
-    /// The parameters of `model` this rank holds (all but other pipeline stages'
-    /// placeholders), each with its slot in `model`'s flat layout and its placement: what a
-    /// checkpoint saves and restores on this rank.
-    pub fn held_entries<'a, M: Module>(
-        &'a self,
-        model: &M,
-    ) -> Result<Vec<(ParamSlot, &'a ParamPlacement)>, ParallelError> {
-        Ok(self
-            .placements
-            .entries_of(model)?
-            .into_iter()
-            .filter(|(slot, _)| !self.absent.contains(&slot.name))
-            .collect())
-    }
-
-    /// The whole model on every rank: each split or sharded parameter gathered, each
-    /// pipeline stage's parameters from the rank that holds them (collective: every rank
-    /// calls it). To read or export the weights, or to evaluate on one rank. The parameters
-    /// are new leaves (their gradient requirement kept): nothing differentiates through the
-    /// gathers.
-    pub fn whole<M: Module>(&self, model: M) -> Result<M, ParallelError> {
-        let model = {
-            let _allowed = self.whole_reads.allow();
-            model.materialize()
-        };
-        let Some((group, whole)) = &self.held_elsewhere else {
-            return Ok(model);
-        };
-        // Each parameter counted on one rank of pp x ep: its stage's, its expert's holder.
-        let counted = |i: usize| {
-            self.stages.as_ref().is_none_or(|s| s.counts(i))
-                && self.expert_shares.as_ref().is_none_or(|e| e.counts(i))
-        };
-        let local = ParamLayout::of(&model);
-        let Some(device) = model.devices().into_iter().next() else {
-            return Ok(model);
-        };
-        let local_values = flatten_params(&model);
-        let values = sum_counted(
-            whole,
-            &local_values,
-            &local,
-            counted,
-            group,
-            &device.inner(),
-        )?;
-        Ok(load_shaped(model, whole, &values))
+    /// The gradient reduction: its buckets and when they run, the last step's report, and
+    /// the rows ZeRO-1/2 keeps.
+    pub fn reducer(&self) -> &GradientReducer {
+        &self.reducer
     }
 
     /// `f(model)`, the model's forward, with the plan's fully sharded units gathered a unit at
@@ -500,19 +462,19 @@ impl Parallelized {
     /// computes (FSDP2's forward prefetch; Burn has no module hooks to start it from). Each
     /// element of the first list of layers inside a `fully_shard` module is a unit, the rest
     /// of the module another (`fully_shard("")`: `blocks.0`, `blocks.1`, ... and the
-    /// embedding, final norm and head together); [`Self::units`] lists them. Outside it,
+    /// embedding, final norm and head together); [`ShardedModel::units`] lists them. Outside it,
     /// each parameter is gathered where it is read, one collective per parameter: the same
     /// values, more collectives. The gathered parameters are kept until backward has used
     /// them, as without units. Under the plan's `mixed_precision`, `f` computes on
     /// [`crate::precision::MixedPrecision::compute_view`] of the model (every float parameter cast inside the
     /// graph, so gradients reach the f32 parameters in f32; cast float inputs yourself), and
     /// the units are all-gathered in the compute dtype. Where the plan's gradient buckets can
-    /// be reduced during backward ([`Self::gradient_buckets`]), `f` computes on parameters
+    /// be reduced during backward ([`GradientReducer::buckets`]), `f` computes on parameters
     /// whose gradient hooks hand each gradient to its bucket (see [`Self::gradients`]). Fails
     /// when a step runs more micro-batches than the step before under that overlap, when `f`
     /// runs inside another `forward`, or when a prefetch failed; a failed gather inside `f` panics with the collective's
     /// error, which the launcher reports. A plan cut into pipeline stages runs its layers as
-    /// units in [`Self::pipeline_step`] instead.
+    /// units in [`PipelineRunner::step`] instead.
     pub fn forward<M: Module, T>(
         &self,
         model: &M,
@@ -521,15 +483,17 @@ impl Parallelized {
         if self.is_pipelined() {
             return Err(ParallelError::Invalid(
                 "the plan cuts the model into pipeline stages: a rank's forward is a stage's, \
-                 so train with Parallelized::pipeline_step, which gathers each layer as a unit"
+                 so train with Parallelized::pipeline()?.step, which gathers each layer as a unit"
                     .into(),
             ));
         }
         let hooked;
         let model = match self.loop_hooks_ruled_out(model) {
             None => {
-                self.loop_overlap.before_forward(&self.buckets)?;
-                hooked = self.buckets.hooked(model);
+                self.reducer
+                    .loop_overlap
+                    .before_forward(&self.reducer.buckets)?;
+                hooked = self.reducer.buckets.hooked(model);
                 &hooked
             }
             Some(_) => model,
@@ -537,32 +501,12 @@ impl Parallelized {
         // The view inside the scope: the units gather the stored f32 shards, each read is cast,
         // and the reduce-scattered gradient reaches the shard in f32 (a scope over the view
         // would round it to the compute dtype once more).
-        self.units
+        self.sharded
+            .units
             .forward(model, |m| match self.precision.forward_view(m) {
                 Some(view) => f(&view),
                 None => f(m),
             })
-    }
-
-    /// The plan's fully sharded units on this rank, by module path, in the order
-    /// [`Self::forward`] prefetches them.
-    pub fn units(&self) -> &[String] {
-        self.units.paths()
-    }
-
-    /// The counters of this rank's unit collectives (all-gathers, prefetches, reduce-scatters,
-    /// gathered bytes alive and at most), when the plan shards parameters over `fsdp`.
-    pub fn unit_stats(&self) -> Option<&crate::zero::GatherStats> {
-        self.units.stats()
-    }
-
-    /// `f` run with every parameter of the parallelized model reading as what this rank
-    /// stores (its shard or split part, a placeholder's zeros) through `Param::val`, with no
-    /// collective: for code that records a module's parameters as they are stored, such as
-    /// Burn's `Module::into_record` of this rank's part. Not for a forward.
-    pub fn with_stored_reads<T>(&self, f: impl FnOnce() -> T) -> T {
-        let _stored = self.whole_reads.stored_parts();
-        f()
     }
 
     /// The plan's data split on this rank: its share of each step's batch (which sets its
@@ -585,52 +529,13 @@ impl Parallelized {
     }
 
     /// Whether the plan cuts the model into pipeline stages on this mesh (a rank then trains
-    /// through [`Self::pipeline_step`]).
-    pub fn is_pipelined(&self) -> bool {
+    /// through [`PipelineRunner::step`]).
+    pub(crate) fn is_pipelined(&self) -> bool {
         self.pipeline_ranks().is_some()
     }
 
     /// The `pp` ranks, when the plan cuts the model into stages over more than one.
     fn pipeline_ranks(&self) -> Option<&Group> {
         self.stages.as_ref().and_then(Stages::split_ranks)
-    }
-
-    /// The ranks of the first and the last pipeline stage when this rank holds a module both
-    /// run (an embedding tied to the head): they sum its copies' gradients. For a caller that
-    /// reduces [`Self::pipeline_gradients`] itself; [`Self::reduce_gradients`] sums them.
-    pub fn tied_copies(&self) -> Option<&Group> {
-        self.stages.as_ref().and_then(Stages::tie_group)
-    }
-
-    /// Whether the plan has a pipeline rule (its stages may be one, on a mesh without `pp`).
-    pub fn has_pipeline(&self) -> bool {
-        self.stages.is_some()
-    }
-}
-
-/// The whole model's parameter values in `whole`'s layout, from this rank's `local` ones (laid
-/// out as `local_layout`, parameter for parameter, each gathered whole over `tp` and `fsdp`
-/// already): the parameters `counted` marks (by index) copied, the rest zero, summed over
-/// `group` on `device`. Each parameter must be counted by exactly one rank of the group
-/// (collective).
-fn sum_counted(
-    whole: &ParamLayout,
-    local: &[f32],
-    local_layout: &ParamLayout,
-    counted: impl Fn(usize) -> bool,
-    group: &Group,
-    device: &burn::tensor::Device,
-) -> Result<Tensor<1>, ParallelError> {
-    let mut values = vec![0.0; whole.numel];
-    for (i, (slot, here)) in whole.slots.iter().zip(&local_layout.slots).enumerate() {
-        if counted(i) {
-            values[slot.offset..slot.offset + slot.numel]
-                .copy_from_slice(&local[here.offset..here.offset + here.numel]);
-        }
-    }
-    let values = upload(&values, device);
-    match group.size() > 1 {
-        true => Ok(group.all_reduce_tensor(values, ReduceOp::Sum)?),
-        false => Ok(values),
     }
 }

@@ -1,5 +1,5 @@
-//! A pipelined plan's steps: this rank's stages run through the schedule, their gradients
-//! reduced as a loop's are.
+//! A pipelined plan's schedule runner ([`PipelineRunner`]): this rank's stages run through the
+//! schedule, their gradients reduced as a loop's are.
 
 use super::Parallelized;
 use super::pipeline::{self, PipelineModel, Stages};
@@ -11,11 +11,11 @@ use crate::pipeline::PipelineStepReport;
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
+use flashover_comm::Group;
 use flashover_runtime::RankContext;
 use std::ops::Range;
 
-/// What one [`Parallelized::pipeline_step`] (or [`Parallelized::pipeline_gradients`])
-/// computed.
+/// What one [`PipelineRunner::step`] (or [`PipelineRunner::gradients`]) computed.
 pub struct PipelineStep {
     /// This rank's gradients, reduced and clipped as [`Parallelized::gradients`] returns them.
     pub grads: GradientsParams,
@@ -26,7 +26,7 @@ pub struct PipelineStep {
     /// 0 without any): `loss + aux_loss` is the objective trained.
     pub aux_loss: f32,
     /// The global gradient norm before clipping (NaN from
-    /// [`Parallelized::pipeline_gradients`], which does not reduce them).
+    /// [`PipelineRunner::gradients`], which does not reduce them).
     pub norm: f32,
     /// What the schedule measured on this rank (time in forwards, backwards and waits).
     pub report: PipelineStepReport,
@@ -39,10 +39,10 @@ pub struct PipelineStep {
     /// optimizer step with it changes no parameter) and a dynamic scale was halved.
     pub skipped: bool,
     /// What the gradient reduction did and cost (empty from
-    /// [`Parallelized::pipeline_gradients`], which does not reduce).
+    /// [`PipelineRunner::gradients`], which does not reduce).
     pub reduction: ReductionReport,
     /// Under the plan's `gradient_buckets.rows` (ZeRO-1/2): this rank's rows of the reduced,
-    /// clipped gradients on the device, laid out as [`Parallelized::gradient_rows`] says
+    /// clipped gradients on the device, laid out as [`super::GradientReducer::rows`] says
     /// (`grads` is then empty); empty otherwise, and on a skipped step.
     pub rows: Tensor<1>,
 }
@@ -70,7 +70,49 @@ fn step_device<M: Module>(model: &M, ctx: &RankContext) -> burn::tensor::Device 
         .unwrap_or_else(|| ctx.device().clone().autodiff())
 }
 
+/// A pipelined plan's schedule runner on this rank ([`Parallelized::pipeline`]): a training
+/// step through the plan's schedule ([`Self::step`]), a step's unreduced gradients for a
+/// loop that accumulates or reduces them itself ([`Self::gradients`]), and the forward alone
+/// ([`Self::forward`]). It borrows the parallelized model's reduction, data split and
+/// precision, which its steps use as a loop's do.
+pub struct PipelineRunner<'a> {
+    par: &'a Parallelized,
+    stages: &'a Stages,
+}
+
 impl Parallelized {
+    /// The plan's pipeline schedule runner, or why there is none (the plan has no pipeline
+    /// rule). A plan whose stages all sit on one rank (no `pp` axis) has one too.
+    pub fn pipeline(&self) -> Result<PipelineRunner<'_>, ParallelError> {
+        let stages = self.stages.as_ref().ok_or_else(|| {
+            ParallelError::Invalid(
+                "a pipeline step needs a plan with a pipeline rule (ParallelizePlan::pipeline)"
+                    .into(),
+            )
+        })?;
+        Ok(PipelineRunner { par: self, stages })
+    }
+
+    /// `flat` (`model`'s layout) with the step's hot-expert copies' gradients, summed over
+    /// `ep` and times `scale`, added to the experts this rank owns, under
+    /// `replicate_hot_experts` (collective over `ep`).
+    pub(super) fn fold_hot_experts<M: Module>(
+        &self,
+        model: &M,
+        flat: Tensor<1>,
+        scale: f32,
+    ) -> Result<Tensor<1>, ParallelError> {
+        match &self.hot_experts {
+            Some((replicas, ep)) => {
+                let folded = replicas.fold(ep, scale)?;
+                Ok(accumulate_grads(model, &folded, flat, &[]).0)
+            }
+            None => Ok(flat),
+        }
+    }
+}
+
+impl PipelineRunner<'_> {
     /// One training step of a pipelined plan: this rank's samples of step `step` of batches of
     /// `global_batch` (as [`DataSplit::batch_share`](super::DataSplit::batch_share)) cut into the plan's micro-batches, each
     /// built by `micro_batch(samples)` on every stage (layers may read it:
@@ -78,9 +120,9 @@ impl Parallelized {
     /// of `model` ([`PipelineModel`]). What travels between
     /// stages has the shapes of the first stage's `embed` output, learned on the first step
     /// (every micro-batch of a run has one shape). The gradients are reduced and clipped as
-    /// [`Self::gradients`] does; tied copies (an embedding the first and the last stage both
+    /// [`Parallelized::gradients`] does; tied copies (an embedding the first and the last stage both
     /// hold) summed. Collective.
-    pub fn pipeline_step<M>(
+    pub fn step<M>(
         &self,
         model: &M,
         global_batch: usize,
@@ -92,14 +134,14 @@ impl Parallelized {
     where
         M: PipelineModel + Sync + 'static,
     {
-        let share = self.data_split.share(global_batch, step)?;
+        let share = self.par.data_split.share(global_batch, step)?;
         let head = |m: &M, x, batch: &M::Batch, _| m.head_loss(x, batch);
-        let loss_scale = self.precision.loss_scale();
+        let loss_scale = self.par.precision.loss_scale();
         let device = step_device(model, ctx);
-        let hooked = self.pipeline_stages()?.hooks_allowed() && self.buckets.hooks_on(&device);
-        self.buckets.begin_step(hooked);
-        let hooks = hooked.then_some(&self.buckets);
-        let draws = self.data_split.draws(step, share.clone());
+        let hooked = self.stages.hooks_allowed() && self.par.reducer.buckets.hooks_on(&device);
+        self.par.reducer.buckets.begin_step(hooked);
+        let hooks = hooked.then_some(&self.par.reducer.buckets);
+        let draws = self.par.data_split.draws(step, share.clone());
         let mut run = self.run_stages(
             model,
             share,
@@ -110,9 +152,11 @@ impl Parallelized {
             hooks,
             ctx,
         )?;
-        self.data_split.mean_over_ranks(&mut run.losses)?;
+        self.par.data_split.mean_over_ranks(&mut run.losses)?;
         let [loss, aux_loss] = run.losses;
-        let reduced = self.reduce_and_clip(model, run.flat, run.divisor, max_norm, ctx)?;
+        let reduced = self
+            .par
+            .reduce_and_clip(model, run.flat, run.divisor, max_norm, ctx)?;
         Ok(PipelineStep {
             grads: reduced.grads,
             loss,
@@ -133,14 +177,14 @@ impl Parallelized {
     /// `k` is `micro_batch(k * n..(k + 1) * n)` of them (`n = samples / micro-batches`), and
     /// its loss on the last stage is `head(model, x, &micro_batch, k)` of the layers' output
     /// `x` (`PipelineModel::head_loss`, or a head that also keeps what metrics read). Unlike
-    /// [`Self::pipeline_step`], the gradients are this rank's, not yet reduced: sum several
-    /// steps' to accumulate, then reduce them with [`Self::reduce_gradients`]. The losses are
+    /// [`Self::step`], the gradients are this rank's, not yet reduced: sum several
+    /// steps' to accumulate, then reduce them with [`Parallelized::reduce_gradients`]. The losses are
     /// this rank's share's means. Under a `mixed_precision` that scales the loss, each
     /// micro-batch's loss is scaled by the running scale ([`PipelineStep::loss_scale`]) and the
     /// gradients come back unscaled; whether the step overflowed is decided from the reduced
-    /// norm, by [`Self::reduce_gradients`] (which then returns no gradients and moves the
+    /// norm, by [`Parallelized::reduce_gradients`] (which then returns no gradients and moves the
     /// scale). Collective over `pp`.
-    pub fn pipeline_gradients<M>(
+    pub fn gradients<M>(
         &self,
         model: &M,
         samples: usize,
@@ -151,7 +195,7 @@ impl Parallelized {
     where
         M: PipelineModel + Sync + 'static,
     {
-        let loss_scale = self.precision.loss_scale();
+        let loss_scale = self.par.precision.loss_scale();
         // No step and no global sample indices: the device's generator draws the masks.
         let run = self.run_stages(
             model,
@@ -197,7 +241,7 @@ impl Parallelized {
     where
         M: PipelineModel + Sync + 'static,
     {
-        let stages = self.pipeline_stages()?;
+        let stages = self.stages;
         let device = step_device(model, ctx);
         let before = stages.recomputed();
         let (flat, losses, report) = stages.step(
@@ -211,7 +255,7 @@ impl Parallelized {
             hooks,
         )?;
         // The stages' gradients and the copies' are both sums of the scaled losses'.
-        let flat = self.fold_hot_experts(model, flat, 1.0)?;
+        let flat = self.par.fold_hot_experts(model, flat, 1.0)?;
         let micro_batches = stages.schedule.micro_batches as f32;
         Ok(StagesRun {
             flat,
@@ -222,40 +266,12 @@ impl Parallelized {
         })
     }
 
-    /// `flat` (`model`'s layout) with the step's hot-expert copies' gradients, summed over
-    /// `ep` and times `scale`, added to the experts this rank owns, under
-    /// `replicate_hot_experts` (collective over `ep`).
-    pub(super) fn fold_hot_experts<M: Module>(
-        &self,
-        model: &M,
-        flat: Tensor<1>,
-        scale: f32,
-    ) -> Result<Tensor<1>, ParallelError> {
-        match &self.hot_experts {
-            Some((replicas, ep)) => {
-                let folded = replicas.fold(ep, scale)?;
-                Ok(accumulate_grads(model, &folded, flat, &[]).0)
-            }
-            None => Ok(flat),
-        }
-    }
-
-    /// The plan's pipeline stages, or why there are none.
-    fn pipeline_stages(&self) -> Result<&Stages, ParallelError> {
-        self.stages.as_ref().ok_or_else(|| {
-            ParallelError::Invalid(
-                "a pipeline step needs a plan with a pipeline rule (ParallelizePlan::pipeline)"
-                    .into(),
-            )
-        })
-    }
-
     /// The layers' output of `batch` through the plan's pipeline, forward only (validation,
     /// inference; `model` on a plain device): `Some` on the ranks that run the last stage,
     /// where the model's head reads it, `None` on the others. The first stage embeds `batch`
     /// (its whole samples, no micro-batches); each stage's output travels to the next one's
     /// rank in f32. Collective over `pp`.
-    pub fn pipeline_forward<M>(
+    pub fn forward<M>(
         &self,
         model: &M,
         batch: &M::Batch,
@@ -263,12 +279,25 @@ impl Parallelized {
     where
         M: PipelineModel,
     {
-        self.pipeline_stages()?.forward(model, batch)
+        self.stages.forward(model, batch)
     }
 
     /// Whether this rank runs the last pipeline stage, where the loss and the model's
-    /// outputs are computed (every rank does without a pipeline).
+    /// outputs are computed.
     pub fn runs_last_stage(&self) -> bool {
-        self.stages.as_ref().is_none_or(Stages::runs_last_stage)
+        self.stages.runs_last_stage()
+    }
+
+    /// Whether the stages span more than one rank (the plan's `pp` axis): a rank's forward
+    /// is then a stage's.
+    pub fn is_split(&self) -> bool {
+        self.stages.split_ranks().is_some()
+    }
+
+    /// The ranks of the first and the last pipeline stage when this rank holds a module both
+    /// run (an embedding tied to the head): they sum its copies' gradients. For a caller that
+    /// reduces [`Self::gradients`] itself; [`Parallelized::reduce_gradients`] sums them.
+    pub fn tied_copies(&self) -> Option<&Group> {
+        self.stages.tie_group()
     }
 }

@@ -3,8 +3,12 @@
 //! as this rank's rows under ZeRO-1/2).
 
 use super::Parallelized;
+use super::loop_overlap::LoopOverlap;
+use super::replica_check::ReplicaCheck;
 use crate::clip_scale;
-use crate::data_parallel::{GradientRowLayout, ReductionReport, ReductionTiming};
+use crate::data_parallel::{
+    BucketedReduction, GradientRowLayout, ReductionReport, ReductionTiming,
+};
 use crate::error::ParallelError;
 use crate::params::{accumulate_grads, grads_from_flat, part, zero_grads};
 use crate::placement::global_grad_norm;
@@ -12,6 +16,58 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{Gradients, Tensor};
 use flashover_runtime::RankContext;
+
+/// The plan's gradient reduction on this rank ([`Parallelized::reducer`]): every gradient
+/// summed over the ranks that hold the same values and read different samples, in buckets,
+/// during backward where it can. [`Parallelized::gradients`], `row_gradients`,
+/// `reduce_gradients` and a pipeline's step run it; this object says how.
+pub struct GradientReducer {
+    pub(super) buckets: BucketedReduction,
+    /// With `tp`, the first step's check that the parameters whole on every `tp` rank got the
+    /// same gradient on each (under sequence parallelism, that every whole parameter that runs
+    /// on sequence shards is named).
+    pub(super) replica_check: Option<ReplicaCheck>,
+    /// Why a step of this plan reduces after backward whatever the device can do (fully
+    /// sharded units, hot-expert copies, a schedule that splits backward), if it does.
+    pub(super) after_backward: Option<&'static str>,
+    /// Where a loop of one's own is in its step, for gradient buckets reduced during its
+    /// backward ([`Parallelized::forward`] on hooked parameters).
+    pub(super) loop_overlap: LoopOverlap,
+    /// What the last gradient reduction did and cost.
+    pub(super) last_reduction: std::sync::Mutex<ReductionReport>,
+}
+
+impl GradientReducer {
+    /// What the last gradient reduction did and cost (a pipeline step's is also its
+    /// [`super::PipelineStep::reduction`]): whether hooks reported the gradients during
+    /// backward, and how much of the communication ran before backward ended.
+    pub fn last_reduction(&self) -> ReductionReport {
+        self.last_reduction
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Under the plan's `gradient_buckets.rows` (ZeRO-1/2): which rows of which parameters
+    /// [`Parallelized::row_gradients`] and [`super::PipelineStep::rows`] hold.
+    pub fn rows(&self) -> Option<&GradientRowLayout> {
+        self.buckets.row_layout()
+    }
+
+    /// Gradient buckets per step (over every set of reduction axes), and when a step of this
+    /// plan reduces them on `device`: during backward where the plan's
+    /// `gradient_buckets.overlap` asks, the device has the gradient hook op, and the step's
+    /// backwards cover every parameter (a pipeline's schedule) or its forwards run through
+    /// [`Parallelized::forward`] (a loop of one's own, from its second step: see
+    /// [`Parallelized::gradients`]); after backward otherwise, and why.
+    pub fn buckets(&self, device: &burn::tensor::Device) -> (usize, ReductionTiming) {
+        let timing = match self.after_backward {
+            Some(why) => ReductionTiming::AfterBackward(why),
+            None => self.buckets.timing(device),
+        };
+        (self.buckets.buckets(), timing)
+    }
+}
 
 /// A step's gradients after the reduction.
 pub(super) struct Reduced {
@@ -33,7 +89,7 @@ impl Parallelized {
         let Some(device) = model.devices().into_iter().next() else {
             return Some("the model has no parameters");
         };
-        match self.gradient_buckets(&device).1 {
+        match self.reducer.buckets(&device).1 {
             ReductionTiming::AfterBackward(why) => Some(why),
             ReductionTiming::DuringBackward => None,
         }
@@ -54,8 +110,8 @@ impl Parallelized {
     /// When the step's forwards ran through [`Self::forward`], the buckets are filled by
     /// gradient hooks while backward runs, and from the second step on the backward of the
     /// step's last micro-batch (as many as the step before ran: a forward, then its backward)
-    /// reduces each bucket as it completes, as DDP does ([`Self::gradient_buckets`] says
-    /// whether, [`Self::last_reduction`] how much ran before backward ended). Forwards that
+    /// reduces each bucket as it completes, as DDP does ([`GradientReducer::buckets`] says
+    /// whether, [`GradientReducer::last_reduction`] how much ran before backward ended). Forwards that
     /// run outside it are reduced after backward, in the same order with the same sums.
     pub fn gradients<M: Module>(
         &self,
@@ -70,7 +126,7 @@ impl Parallelized {
 
     /// [`Self::gradients`] under the plan's `gradient_buckets.rows` (ZeRO-1/2 in a loop of
     /// one's own): this rank's rows of the reduced, clipped gradients, laid out as
-    /// [`Self::gradient_rows`] says (what [`crate::zero::RowAdamW::step`] steps), with the
+    /// [`GradientReducer::rows`] says (what [`crate::zero::RowAdamW::step`] steps), with the
     /// norm before clipping. The rows are empty on a step whose scaled gradients overflowed.
     /// Fails without `gradient_buckets.rows`, and under a pipelined plan (whose rows come in
     /// [`super::PipelineStep::rows`]). Collective: every rank calls it once per step.
@@ -99,7 +155,7 @@ impl Parallelized {
         if self.is_pipelined() {
             return Err(ParallelError::Invalid(
                 "the plan cuts the model into pipeline stages: a rank's forward is a stage's, \
-                 so train with Parallelized::pipeline_step, which runs the schedule"
+                 so train with Parallelized::pipeline()?.step, which runs the schedule"
                     .into(),
             ));
         }
@@ -108,7 +164,7 @@ impl Parallelized {
 
     /// [`Self::gradients`] of gradients already taken from the backward pass (what a
     /// burn-train `TrainStep` returns, or several passes' accumulated); under a pipelined
-    /// plan, of [`Self::pipeline_gradients`] (tied copies summed too). Collective.
+    /// plan, of [`PipelineRunner::gradients`](super::PipelineRunner::gradients) (tied copies summed too). Collective.
     pub fn reduce_gradients<M: Module>(
         &self,
         model: &M,
@@ -142,7 +198,7 @@ impl Parallelized {
             // The copies' gradients are summed like the model's (scaled alike under f16).
             flat = self.fold_hot_experts(model, flat, 1.0)?;
         }
-        match (self.buckets.row_layout().is_some(), rows) {
+        match (self.reducer.buckets.row_layout().is_some(), rows) {
             (true, false) => {
                 return Err(ParallelError::Invalid(
                     "the plan keeps gradient rows (gradient_buckets.rows, ZeRO-1/2): take them \
@@ -163,8 +219,8 @@ impl Parallelized {
             _ => {}
         }
         // Unless the forwards ran on hooked parameters, the buckets are filled and reduced now.
-        if !self.loop_overlap.end_step() {
-            self.buckets.begin_step(false);
+        if !self.reducer.loop_overlap.end_step() {
+            self.reducer.buckets.begin_step(false);
         }
         self.reduce_and_clip(model, flat, unscale.unwrap_or(1.0), max_norm, ctx)
     }
@@ -184,25 +240,25 @@ impl Parallelized {
         ctx: &RankContext,
     ) -> Result<Reduced, ParallelError> {
         self.sequences.check_attended(self.pipeline_ranks())?;
-        self.buckets.add_remaining(&flat);
+        self.reducer.buckets.add_remaining(&flat);
         // Whole gradients in the model's layout, or this rank's rows of them.
         let row_entries;
-        let (mut values, entries, report) = match self.buckets.row_layout() {
+        let (mut values, entries, report) = match self.reducer.buckets.row_layout() {
             None => {
-                let (flat, report) = self.buckets.finish(flat)?;
-                (flat, self.placements.entries_of(model)?, report)
+                let (flat, report) = self.reducer.buckets.finish(flat)?;
+                (flat, self.sharded.placements.entries_of(model)?, report)
             }
             Some(rows) => {
-                let (values, report) = self.buckets.finish_rows(flat)?;
-                row_entries = rows
-                    .shards
-                    .placed(&rows.layout, &self.placements, rows.axis, 0)?;
+                let (values, report) = self.reducer.buckets.finish_rows(flat)?;
+                row_entries =
+                    rows.shards
+                        .placed(&rows.layout, &self.sharded.placements, rows.axis, 0)?;
                 let entries = row_entries.iter().map(|(s, e)| (s.clone(), e)).collect();
                 (values, entries, report)
             }
         };
         // The tp ranks of one data coordinate reduce equal values over the same data ranks.
-        if let Some(check) = &self.replica_check {
+        if let Some(check) = &self.reducer.replica_check {
             check.first_step(&entries, &values)?;
         }
         // One division by the whole denominator (micro-batches, loss scale, data ranks), as
@@ -219,11 +275,12 @@ impl Parallelized {
             values = values.mul_scalar(clip);
         }
         *self
+            .reducer
             .last_reduction
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = report.clone();
         let empty = || Tensor::zeros([0], &values.device());
-        let (grads, rows) = match (applied, self.buckets.row_layout()) {
+        let (grads, rows) = match (applied, self.reducer.buckets.row_layout()) {
             (false, _) => (GradientsParams::new(), empty()),
             (true, Some(_)) => (GradientsParams::new(), values),
             (true, None) => (grads_from_flat(model, &values), empty()),
@@ -235,46 +292,5 @@ impl Parallelized {
             applied,
             report,
         })
-    }
-
-    /// What the last gradient reduction did and cost (a pipeline step's is also its
-    /// [`super::PipelineStep::reduction`]): whether hooks reported the gradients during backward, and
-    /// how much of the communication ran before backward ended.
-    pub fn last_reduction(&self) -> ReductionReport {
-        self.last_reduction
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-    }
-
-    /// Under the plan's `gradient_buckets.rows` (ZeRO-1/2): which rows of which parameters
-    /// [`super::PipelineStep::rows`] holds.
-    pub fn gradient_rows(&self) -> Option<&GradientRowLayout> {
-        self.buckets.row_layout()
-    }
-
-    /// Gradient buckets per step (over every set of reduction axes), and when a step of this
-    /// plan reduces them on `device`: during backward where the plan's
-    /// `gradient_buckets.overlap` asks, the device has the gradient hook op, and the step's
-    /// backwards cover every parameter (a pipeline's schedule) or its forwards run through
-    /// [`Self::forward`] (a loop of one's own, from its second step: see
-    /// [`Self::gradients`]); after backward otherwise, and why.
-    pub fn gradient_buckets(&self, device: &burn::tensor::Device) -> (usize, ReductionTiming) {
-        let schedule = match &self.stages {
-            None if !self.units.paths().is_empty() => Some(
-                "fully sharded units reduce-scatter their gradients themselves; the other \
-                 buckets follow backward",
-            ),
-            None if self.hot_experts.is_some() => {
-                Some("hot-expert copies fold their gradients into their owners' after backward")
-            }
-            None => None,
-            Some(stages) => stages.hooks_ruled_out(),
-        };
-        let timing = match schedule {
-            Some(why) => ReductionTiming::AfterBackward(why),
-            None => self.buckets.timing(device),
-        };
-        (self.buckets.buckets(), timing)
     }
 }

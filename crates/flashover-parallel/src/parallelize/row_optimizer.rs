@@ -21,14 +21,14 @@ impl RowAdamW {
         keep_params: bool,
         ctx: &RankContext,
     ) -> Result<Self, ParallelError> {
-        let rows = par.gradient_rows().ok_or_else(|| {
+        let rows = par.reducer().rows().ok_or_else(|| {
             ParallelError::Invalid(
                 "RowAdamW steps the rows of the gradients a plan reduces to rows: set the plan's \
                  gradient_buckets.rows"
                     .into(),
             )
         })?;
-        let held = (par.held_entries(model)?.iter())
+        let held = (par.sharded().held_entries(model)?.iter())
             .map(|(slot, _)| (slot.offset, slot.numel))
             .collect();
         let group = ctx.group(rows.axis).clone();

@@ -35,7 +35,7 @@ pub struct SplitCheck {
 impl Parallelized {
     /// Checks, before training, that the plan's split computes what the whole model computes:
     /// `loss(m)` on this rank's data (the same data for both) on `model` and on the whole
-    /// model gathered on this rank ([`Self::whole`]), then every gradient this rank holds (a
+    /// model gathered on this rank ([`ShardedModel::whole`](super::ShardedModel::whole)), then every gradient this rank holds (a
     /// `tp` or `fsdp` part against the same part of the whole model's, summed over `fsdp`
     /// where the part's is). Fails,
     /// naming the first parameter whose gradient differs by more than `tolerance` (relative
@@ -61,10 +61,7 @@ impl Parallelized {
                 self.sequences.is_split(),
                 "cp (a rank holds part of each sequence)",
             ),
-            (
-                self.expert_shares.is_some(),
-                "ep (a rank runs part of the experts)",
-            ),
+            (self.experts_split, "ep (a rank runs part of the experts)"),
             (
                 self.precision.policy().param_dtype != crate::precision::Precision::F32,
                 "mixed precision (the whole model computes in f32)",
@@ -76,7 +73,7 @@ impl Parallelized {
                  plan has {why}"
             )));
         }
-        let whole = self.whole(model.clone())?;
+        let whole = self.sharded.whole(model.clone())?;
         // Both forwards drop what this rank's dropout draws would drop next.
         let draws = draws::current_draws();
         let (split_loss, split_grads) = draws::in_scope(draws.as_ref(), Scope::Before, || {
@@ -85,7 +82,7 @@ impl Parallelized {
         let (whole_loss, whole_grads) = draws::in_scope(draws.as_ref(), Scope::Before, || {
             loss_and_flat_grads(&whole, &loss)
         });
-        let partial = self.replica_check.as_ref().map(|c| &c.partial);
+        let partial = self.reducer.replica_check.as_ref().map(|c| &c.partial);
         let whole_layout = ParamLayout::of(&whole);
         let mut check = SplitCheck {
             split_loss,
@@ -110,7 +107,7 @@ impl Parallelized {
             .iter()
             .fold(0f32, |m, g| m.max(g.abs()))
             .max(1e-12);
-        let entries = self.placements.entries_of(model)?;
+        let entries = self.sharded.placements.entries_of(model)?;
         // The split parameters first: their gradients are their own layer's doing, while a
         // whole parameter's also carries whatever the split layers after it got wrong.
         let mut order: Vec<usize> = (0..entries.len()).collect();

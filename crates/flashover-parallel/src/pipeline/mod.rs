@@ -9,7 +9,7 @@
 //! peak activations in flight; [`render_table`] prints the time x stage table.
 //! What crosses a stage boundary is one tensor or several ([`StageBoundary`]). The crate's
 //! executor runs a schedule on this rank's model chunks, under
-//! `Parallelized::pipeline_step` (the one way a plan's model is pipelined); [`deferred_linear`]
+//! `PipelineRunner::step` (the one way a plan's model is pipelined); [`deferred_linear`]
 //! lets linear layers leave their weight gradients to the schedule's weight-gradient actions.
 
 mod boundary;

@@ -12,7 +12,7 @@
 //! - **tensor parallel** (`tp`): the base is this rank's columns or rows of a linear layer,
 //!   and [`crate::nn::Linear`] computes with that part (gathered over `fsdp` first when both
 //!   apply), putting the collectives of Megatron's column- and row-parallel layers around it.
-//!   `Param::val` would gather it whole, which only [`crate::parallelize::Parallelized::whole`] may do: a
+//!   `Param::val` would gather it whole, which only [`crate::parallelize::ShardedModel::whole`] may do: a
 //!   layer that read the whole weight in its forward would silently run unsplit, so
 //!   `Param::val` of a tensor-parallel weight panics elsewhere, naming the parameter.
 //!
@@ -122,7 +122,7 @@ pub struct TpSplit {
 }
 
 /// What `Param::val` answers besides the value a layer computes with (one mode per rank,
-/// shared by its parameters): while [`crate::parallelize::Parallelized::whole`] runs, tensor-parallel
+/// shared by its parameters): while [`crate::parallelize::ShardedModel::whole`] runs, tensor-parallel
 /// parameters gathered whole; while [`crate::parallelize::Parallelized::with_stored_reads`] runs, every
 /// parameter's stored part, untouched.
 #[derive(Debug, Clone, Default)]
@@ -350,12 +350,12 @@ impl Reparameterization for Placed {
             return base;
         }
         match self.held_elsewhere {
-            // Gathered by `Parallelized::whole`; read nowhere else.
+            // Gathered by `ShardedModel::whole`; read nowhere else.
             _ if self.whole_reads.allowed() && self.held_elsewhere.is_some() => return base,
             Some(Elsewhere::Stage) => panic!(
                 "`{}` belongs to a pipeline stage another rank holds (this rank keeps a \
                  placeholder): a model cut into stages trains through \
-                 Parallelized::pipeline_step, whose stages read only their own parameters; \
+                 Parallelized::pipeline()?.step, whose stages read only their own parameters; \
                  if this rank's stage uses it (a head tied to the embedding), name its module \
                  in the pipeline rule's `first` or `last` (both, for a tied one)",
                 self.name

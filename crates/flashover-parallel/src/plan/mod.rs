@@ -94,7 +94,7 @@ pub struct ParallelizePlan {
     /// and `PositionWiseFeedForward` read it (their shape check then fails in the first
     /// forward): use [`crate::nn::RmsNorm`], [`crate::nn::BatchNorm`] and
     /// [`crate::nn::transformer`]'s layers, which read [`crate::parallelize::value_dims`], or name them
-    /// here. The report is [`crate::parallelize::Parallelized::kept_whole`].
+    /// here. The report is [`crate::parallelize::ShardedModel::kept_whole`].
     #[serde(default)]
     pub keep_whole: Vec<ModulePath>,
     /// Linear layers split over the `tp` axis (ignored on a mesh without `tp`). The layers
@@ -161,14 +161,14 @@ pub struct ParallelizePlan {
     /// fully sharded units are all-gathered in `param_dtype` (half the bytes for bf16) and
     /// reduce-scattered in `reduce_dtype`, as every other gradient is reduced. A policy that
     /// scales the loss (f16) scales it in [`crate::parallelize::Parallelized::backward`] (in
-    /// [`crate::parallelize::Parallelized::pipeline_step`] under a pipeline) and skips a step whose
+    /// [`crate::parallelize::PipelineRunner::step`] under a pipeline) and skips a step whose
     /// gradients overflowed. The TOML table is a job file's `[precision]`
     /// ([`crate::precision::PrecisionSettings`]).
     #[serde(default, with = "policy_settings")]
     pub mixed_precision: Option<MixedPrecision>,
     /// How gradients are summed over the data axes: buckets of `bucket_mb` MiB, reduced while
     /// backward runs (`overlap`) where the step's executor lets gradient hooks report them
-    /// ([`crate::parallelize::Parallelized::pipeline_step`], pipelined or one stage; its report says
+    /// ([`crate::parallelize::PipelineRunner::step`], pipelined or one stage; its report says
     /// whether they did), else right after backward. Defaults: 4 MiB, overlapped.
     #[serde(default)]
     pub gradient_buckets: GradientBuckets,

@@ -32,7 +32,7 @@ use flashover_runtime::{Axis, TensorCollectives};
 /// let (rows, norm) = par.row_gradients(&model, par.backward(loss), Some(1.0), &ctx)?;
 /// let update = rows.dims()[0] > 0; // empty on a step whose scaled gradients overflowed
 /// model = optim.step(lr, model, rows, update)?;
-/// // a pipelined plan: `par.pipeline_step(..)?`, its rows in `PipelineStep::rows`
+/// // a pipelined plan: `par.pipeline()?.step(..)?`, its rows in `PipelineStep::rows`
 /// ```
 pub struct RowAdamW {
     axis: Axis,

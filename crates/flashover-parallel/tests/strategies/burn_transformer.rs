@@ -282,7 +282,7 @@ fn trains_as_one_rank_on_every_layout(p: f64) {
             |device| TextClassifier::with_dropout(device, p),
             |model, par, step, ctx, device| {
                 let micro_batch = |samples| sentences(samples, device);
-                let out = par.pipeline_step(
+                let out = par.pipeline()?.step(
                     model,
                     GLOBAL_BATCH,
                     step,
@@ -331,7 +331,7 @@ fn fully_shard_leaves_no_parameter_of_burns_text_classifier_whole() {
             let device = Device::flex().autodiff();
             let plan = ParallelizePlan::new().fully_shard("");
             let (model, par) = parallelize(TextClassifier::new(&device), &plan, &ctx)?;
-            assert!(par.kept_whole().is_empty());
+            assert!(par.sharded().kept_whole().is_empty());
             // Every stored parameter is a shard: half the rows of the whole, rounded up.
             let whole = ParamLayout::of(&TextClassifier::new(&Device::flex()));
             let held = ParamLayout::of(&model);
@@ -649,7 +649,8 @@ fn a_splitting_stack_s_layer_run_by_a_pipeline_stage_is_refused_naming_it() {
             let device = Device::flex().autodiff();
             let (model, par) = parallelize(TextClassifier::new(&device), &plan, &ctx)?;
             let micro_batch = |samples| sentences(samples, &device);
-            par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)
+            par.pipeline()?
+                .step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)
                 .map(|_| ())
         })
         .unwrap_err()

@@ -83,7 +83,8 @@ fn tallies(
             let (mut model, par) = parallelize(TwoStreams::new(experts, &device), &plan, &ctx)?;
             let micro_batch = micro_batches(&par, &device)?;
             let step = |model: &TwoStreams, step| {
-                par.pipeline_step(model, GLOBAL_BATCH, step, &micro_batch, Some(1.0), &ctx)
+                par.pipeline()?
+                    .step(model, GLOBAL_BATCH, step, &micro_batch, Some(1.0), &ctx)
             };
             if rows.is_some() {
                 let mut optim = RowAdamW::new(&par, &model, &FlatAdamWConfig::new(), true, &ctx)?;
@@ -93,14 +94,14 @@ fn tallies(
                     let out = step(&model, i)?;
                     model = optim.step(LR, model, out.rows, !out.skipped)?;
                 }
-                par.whole(optim.for_step(model)?)?;
+                par.sharded().whole(optim.for_step(model)?)?;
             } else {
                 let mut optim = AdamWConfig::new().init();
                 for i in 0..STEPS {
                     let out = step(&model, i)?;
                     model = optim.step(LR, model, out.grads);
                 }
-                par.whole(model)?;
+                par.sharded().whole(model)?;
             }
             Ok::<_, ParallelError>(tally(&ctx))
         })

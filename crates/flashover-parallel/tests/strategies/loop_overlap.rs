@@ -45,7 +45,7 @@ fn train(overlap: bool, kind: Step) -> Vec<(Vec<f32>, Vec<bool>)> {
         .run(|ctx| {
             let device = Device::flex().autodiff();
             let (mut net, par) = parallelize(Net::new(&device), &plan, &ctx)?;
-            let timing = par.gradient_buckets(&device).1;
+            let timing = par.reducer().buckets(&device).1;
             assert_eq!(
                 timing == ReductionTiming::DuringBackward,
                 overlap,
@@ -78,7 +78,7 @@ fn train(overlap: bool, kind: Step) -> Vec<(Vec<f32>, Vec<bool>)> {
                         par.gradients(&net, l.backward(), Some(1.0), &ctx)?.0
                     }
                 };
-                during.push(par.last_reduction().reduced_during_backward);
+                during.push(par.reducer().last_reduction().reduced_during_backward);
                 net = optim.step(1e-2, net, grads);
             }
             Ok::<_, ParallelError>((flatten_params(&net), during))

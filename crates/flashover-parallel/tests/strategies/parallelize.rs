@@ -561,7 +561,7 @@ pub(crate) fn stack_pipelined_on(
                 (x.cast(dtype), y)
             };
             for step in 0..STEPS {
-                let out = par.pipeline_step(
+                let out = par.pipeline()?.step(
                     &model,
                     GLOBAL_BATCH,
                     step,
@@ -574,7 +574,7 @@ pub(crate) fn stack_pipelined_on(
                 recomputed += out.recomputed;
                 model = optim.step(LR, model, out.grads);
             }
-            let whole = flatten_params(&par.whole(model)?);
+            let whole = flatten_params(&par.sharded().whole(model)?);
             Ok::<_, ParallelError>(((losses, norms, whole), held, recomputed))
         })
         .unwrap();
@@ -680,7 +680,7 @@ fn a_users_model_stepped_by_rows_trains_as_one_rank() {
                 let (mut losses, mut norms) = (vec![], vec![]);
                 for step in 0..STEPS {
                     model = optim.for_step(model)?;
-                    let out = par.pipeline_step(
+                    let out = par.pipeline()?.step(
                         &model,
                         GLOBAL_BATCH,
                         step,
@@ -693,7 +693,7 @@ fn a_users_model_stepped_by_rows_trains_as_one_rank() {
                     norms.push(out.norm);
                     model = optim.step(LR, model, out.rows, !out.skipped)?;
                 }
-                let whole = flatten_params(&par.whole(optim.for_step(model)?)?);
+                let whole = flatten_params(&par.sharded().whole(optim.for_step(model)?)?);
                 let (params, moments) = optim.held_elements();
                 Ok::<_, ParallelError>(((losses, norms, whole), params, moments))
             })
@@ -760,7 +760,7 @@ fn a_users_own_loop_stepped_by_rows_trains_as_one_rank() {
                     .unwrap_err()
                     .to_string();
                 assert!(refused.contains("row_gradients"), "{refused}");
-                let whole = flatten_params(&par.whole(model)?);
+                let whole = flatten_params(&par.sharded().whole(model)?);
                 Ok::<_, ParallelError>((losses, norms, whole))
             })
             .unwrap()
@@ -901,13 +901,21 @@ fn a_pipelines_fully_sharded_layers_gather_once_per_layer() {
                 let fsdp = ctx.group(flashover_runtime::Axis::Fsdp);
                 let micro_batch = |samples| batch(samples, &device);
                 // The first step also runs the first stage's embed once, to learn the shape.
-                par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
+                par.pipeline()?
+                    .step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
                 let before = fsdp.stats();
-                let prefetches = par.unit_stats().expect("sharded").snapshot().prefetches;
-                par.pipeline_step(&model, GLOBAL_BATCH, 1, &micro_batch, None, &ctx)?;
+                let prefetches = par
+                    .sharded()
+                    .unit_stats()
+                    .expect("sharded")
+                    .snapshot()
+                    .prefetches;
+                par.pipeline()?
+                    .step(&model, GLOBAL_BATCH, 1, &micro_batch, None, &ctx)?;
                 let ops = fsdp.stats().since(&before).ops;
                 let calls = |op| ops.get(&op).map_or(0, |s| s.calls);
-                let prefetched = par.unit_stats().unwrap().snapshot().prefetches - prefetches;
+                let prefetched =
+                    par.sharded().unit_stats().unwrap().snapshot().prefetches - prefetches;
                 let counts = (calls(OpKind::AllGather), calls(OpKind::ReduceScatter));
                 Ok::<_, ParallelError>((counts, prefetched))
             })
@@ -987,7 +995,7 @@ fn fully_sharded_units_train_as_one_rank_with_one_gather_each() {
             let device = Device::flex().autodiff();
             let (model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
             assert_eq!(
-                par.units(),
+                par.sharded().units(),
                 ["", "layers.0", "layers.1", "layers.2", "layers.3"]
             );
             let fsdp = ctx.group(Axis::Fsdp);
@@ -996,7 +1004,7 @@ fn fully_sharded_units_train_as_one_rank_with_one_gather_each() {
                 let calls = |op| ops.get(&op).map_or(0, |s| s.calls);
                 (calls(OpKind::AllGather), calls(OpKind::ReduceScatter))
             };
-            let units = par.unit_stats().expect("sharded over fsdp=2");
+            let units = par.sharded().unit_stats().expect("sharded over fsdp=2");
             let (before, prefetches) = (fsdp.stats(), units.snapshot().prefetches);
             let loss = par.forward(&model, |m| m.loss(&batch(0..4, &device)))?;
             let _ = loss.backward();
@@ -1030,7 +1038,7 @@ fn checkpointed_units_reshard_after_forward_and_gather_again_in_backward() {
             let device = Device::flex().autodiff();
             let (model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
             let fsdp = ctx.group(Axis::Fsdp);
-            let units = par.unit_stats().expect("sharded over fsdp=2");
+            let units = par.sharded().unit_stats().expect("sharded over fsdp=2");
             let step = |recompute: bool| {
                 let (before, counts) = (fsdp.stats(), units.snapshot());
                 units.reset_peak();
@@ -1094,7 +1102,7 @@ fn units_under_balanced_checkpointing_gather_again_in_backward_without_recomputi
         .run(|ctx| {
             let (model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
             let fsdp = ctx.group(Axis::Fsdp);
-            let units = par.unit_stats().expect("sharded over fsdp=2");
+            let units = par.sharded().unit_stats().expect("sharded over fsdp=2");
             let (before, prefetches) = (fsdp.stats(), units.snapshot().prefetches);
             let loss = par.forward(&model, |m| m.loss(&batch(0..4, &device)))?;
             let after_forward = units.snapshot();
@@ -1141,7 +1149,8 @@ fn a_pipelined_units_reduce_scatter_follows_its_layers_backward_not_the_whole_ba
         .run(|ctx| {
             let (model, par) = parallelize(Stack::new(&device), &plan, &ctx)?;
             let micro_batch = |samples| batch(samples, &device);
-            par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
+            par.pipeline()?
+                .step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
             let entries = ctx.flight_recorder().expect("launched").dump_data().entries;
             let ops: Vec<OpKind> = (entries.into_iter())
                 .filter(|e| e.group.starts_with("fsdp"))
@@ -1217,7 +1226,8 @@ where
             };
             let (model, par) = parallelize(probed, plan, &ctx)?;
             let micro_batch = |samples| batch(samples, &device);
-            par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
+            par.pipeline()?
+                .step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
             let mut probe = probe(ctx.flight_recorder().expect("launched").clone());
             let seen = Arc::new(Mutex::new(None));
             let (mut forwards, saw) = (0, seen.clone());
@@ -1229,7 +1239,9 @@ where
                 }
             };
             LAYER_ZERO_PROBE.with(|p| *p.borrow_mut() = Some(Box::new(at_forward)));
-            let stepped = par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx);
+            let stepped = par
+                .pipeline()?
+                .step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx);
             LAYER_ZERO_PROBE.with(|p| p.borrow_mut().take());
             stepped?;
             let seen = seen.lock().unwrap().take();
@@ -1350,7 +1362,7 @@ fn a_forward_scope_refuses_nesting_and_pipelined_plans_and_survives_a_panic() {
             Ok::<_, ParallelError>(par.forward(&model, |_| ()).unwrap_err().to_string())
         })
         .unwrap();
-    assert!(error[0].contains("pipeline_step"), "{}", error[0]);
+    assert!(error[0].contains("pipeline()?.step"), "{}", error[0]);
 }
 
 /// The error `parallelize` refuses `plan` with on `mesh`, for the model `new` builds.
@@ -1493,7 +1505,7 @@ fn a_padded_column_wise_head_splits_any_width_and_gathers_back_whole() {
             let device = Device::flex().autodiff();
             let (model, par) = parallelize(SplitMlp::new(&device), &plan(true), &ctx)?;
             let local = model.head.d_output();
-            let whole = par.whole(model)?;
+            let whole = par.sharded().whole(model)?;
             Ok::<_, ParallelError>((local, flatten_params(&whole)))
         })
         .unwrap();
@@ -1610,7 +1622,7 @@ fn pipeline_rules_that_do_not_fit_are_refused_with_the_reason() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("another rank holds") && err.contains("pipeline_step"),
+        err.contains("another rank holds") && err.contains("pipeline()?.step"),
         "{err}"
     );
     // A pipelined model's forward is a stage's: the plain loop's calls are refused.
@@ -1624,7 +1636,7 @@ fn pipeline_rules_that_do_not_fit_are_refused_with_the_reason() {
         })
         .unwrap_err()
         .to_string();
-    assert!(err.contains("pipeline_step"), "{err}");
+    assert!(err.contains("pipeline()?.step"), "{err}");
     let err = Launch::new("pp=2")
         .unwrap()
         .run(|ctx| {
@@ -1637,7 +1649,7 @@ fn pipeline_rules_that_do_not_fit_are_refused_with_the_reason() {
         })
         .unwrap_err()
         .to_string();
-    assert!(err.contains("pipeline_step"), "{err}");
+    assert!(err.contains("pipeline()?.step"), "{err}");
 }
 
 /// A model with an RMS norm between two linear layers: Flashover's drop-in for Burn's
@@ -1705,7 +1717,7 @@ fn trains_as_one_rank_keeping_whole<M: Net>(plan: &ParallelizePlan) -> (Vec<Stri
         .run(|ctx| {
             let device = Device::flex().autodiff();
             let (_, par) = parallelize(M::new(&device), plan, &ctx)?;
-            Ok::<_, ParallelError>(par.kept_whole().clone())
+            Ok::<_, ParallelError>(par.sharded().kept_whole().clone())
         })
         .unwrap();
     (kept[0].iter().cloned().collect(), held)
@@ -1919,7 +1931,7 @@ fn train_lm<M: Lm>(mesh: Option<&str>, plan: &ParallelizePlan) -> (Vec<f32>, Vec
                 let (grads, _) = par.gradients(&model, loss.backward(), None, &ctx)?;
                 model = optim.step(LR, model, grads);
             }
-            Ok::<_, ParallelError>((losses, flatten_params(&par.whole(model)?)))
+            Ok::<_, ParallelError>((losses, flatten_params(&par.sharded().whole(model)?)))
         })
         .unwrap();
     out.into_iter().next().unwrap()
@@ -2037,7 +2049,8 @@ fn zero_bubble_refuses_layers_whose_weight_gradients_it_cannot_defer() {
             let plan = ParallelizePlan::new().pipeline(rule);
             let (model, par) = parallelize(model, &plan, &ctx)?;
             let micro_batch = |samples| batch(samples, &device);
-            par.pipeline_step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
+            par.pipeline()?
+                .step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
             Ok::<_, ParallelError>(())
         })
         .unwrap_err()

@@ -229,8 +229,14 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> Result<(Vec<f32>, Vec<f32>), 
             };
             for step in 0..STEPS {
                 let (loss, grads) = if plan.pipeline.is_some() {
-                    let out =
-                        par.pipeline_step(&model, GLOBAL_BATCH, step, &micro_batch, None, &ctx)?;
+                    let out = par.pipeline()?.step(
+                        &model,
+                        GLOBAL_BATCH,
+                        step,
+                        &micro_batch,
+                        None,
+                        &ctx,
+                    )?;
                     (out.loss, out.grads)
                 } else {
                     let loss =
@@ -241,7 +247,7 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> Result<(Vec<f32>, Vec<f32>), 
                 losses.push(loss);
                 model = optim.step(LR, model, grads);
             }
-            Ok::<_, ParallelError>((losses, flatten_params(&par.whole(model)?)))
+            Ok::<_, ParallelError>((losses, flatten_params(&par.sharded().whole(model)?)))
         })
         .map_err(|e| e.to_string())?;
     Ok(out.into_iter().next().unwrap())

@@ -249,7 +249,9 @@ fn parallel_counting(
             for step in 0..STEPS {
                 let grads = if plan.pipeline.is_some() {
                     let micro = |samples| share(batch(samples, &device));
-                    let out = par.pipeline_step(&model, GLOBAL_BATCH, step, &micro, None, &ctx)?;
+                    let out =
+                        par.pipeline()?
+                            .step(&model, GLOBAL_BATCH, step, &micro, None, &ctx)?;
                     // The objective trained: the next-token loss and the auxiliary losses.
                     losses.push(out.loss + out.aux_loss);
                     out.grads
@@ -267,7 +269,7 @@ fn parallel_counting(
                 let sent = par.experts().rows_sent();
                 rows_sent += if step > 0 { sent } else { 0 };
             }
-            let weights = flatten_params(&par.whole(model)?);
+            let weights = flatten_params(&par.sharded().whole(model)?);
             Ok::<_, ParallelError>((losses, weights, rows_sent))
         })
         .map_err(|e| e.to_string())?;
@@ -552,7 +554,7 @@ fn a_rank_whose_tokens_reach_none_of_its_experts_still_joins_their_collectives()
                     let (grads, _) = par.gradients(&model, loss.backward(), None, &ctx)?;
                     model = optim.step(LR, model, grads);
                 }
-                Ok::<_, ParallelError>(flatten_params(&par.whole(model)?))
+                Ok::<_, ParallelError>(flatten_params(&par.sharded().whole(model)?))
             })
             .unwrap_or_else(|e| panic!("{mesh}: {e}"));
         let diff = max_scaled(&weights[0], &reference);

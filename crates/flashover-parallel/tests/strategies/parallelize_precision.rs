@@ -115,7 +115,7 @@ fn a_pipelined_plan_scales_the_loss_and_skips_overflowing_steps() {
                     let before = flatten_params(&model);
                     let (grads, norm, scale) = match separately {
                         false => {
-                            let out = par.pipeline_step(
+                            let out = par.pipeline()?.step(
                                 &model,
                                 GLOBAL_BATCH,
                                 step,
@@ -131,7 +131,9 @@ fn a_pipelined_plan_scales_the_loss_and_skips_overflowing_steps() {
                             let mine = |s: std::ops::Range<usize>| {
                                 micro_batch(first + s.start..first + s.end)
                             };
-                            let out = par.pipeline_gradients(&model, share, &mine, &head, &ctx)?;
+                            let out = par
+                                .pipeline()?
+                                .gradients(&model, share, &mine, &head, &ctx)?;
                             let (grads, norm) =
                                 par.reduce_gradients(&model, out.grads, None, &ctx)?;
                             (grads, norm, out.loss_scale)
@@ -244,7 +246,7 @@ fn stack_loop(mesh: &str, plan: &ParallelizePlan, users_view: bool) -> (Run, Mov
             let moved = ctx.comm_stats().since(&before);
             let bytes = |op| moved.ops.get(&op).map_or(0, |s| s.bytes);
             let moved = (bytes(OpKind::AllGather), bytes(OpKind::ReduceScatter));
-            let whole = flatten_params(&par.whole(model)?);
+            let whole = flatten_params(&par.sharded().whole(model)?);
             Ok::<_, ParallelError>(((losses, norms, whole), moved))
         })
         .unwrap();
@@ -348,10 +350,10 @@ fn a_plans_loss_scale_skips_overflowing_steps_and_forwards_outside_it_are_refuse
                 let scale = par.precision().loss_scale();
                 let loss = par.forward(&model, |m| m.loss(&x))?;
                 let backward = par.backward(loss);
-                let before = flatten_params(&par.whole(model.clone())?);
+                let before = flatten_params(&par.sharded().whole(model.clone())?);
                 let (grads, norm) = par.gradients(&model, backward, None, &ctx)?;
                 model = optim.step(LR, model, grads);
-                let unchanged = flatten_params(&par.whole(model.clone())?) == before;
+                let unchanged = flatten_params(&par.sharded().whole(model.clone())?) == before;
                 steps.push((!norm.is_finite(), scale, unchanged));
             }
             Ok::<_, ParallelError>(steps)

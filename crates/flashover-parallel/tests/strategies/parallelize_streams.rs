@@ -329,12 +329,13 @@ fn parallel_model(
             };
             for step in 0..STEPS {
                 let out =
-                    par.pipeline_step(&model, GLOBAL_BATCH, step, &micro_batch, None, &ctx)?;
+                    par.pipeline()?
+                        .step(&model, GLOBAL_BATCH, step, &micro_batch, None, &ctx)?;
                 losses.push(out.loss + out.aux_loss);
                 recomputed += out.recomputed;
                 model = optim.step(LR, model, out.grads);
             }
-            let weights = flatten_params(&par.whole(model)?);
+            let weights = flatten_params(&par.sharded().whole(model)?);
             Ok::<_, ParallelError>(((losses, weights), recomputed))
         })
         .map_err(|e| e.to_string())?;
@@ -580,7 +581,7 @@ fn a_pipelined_forward_hands_the_last_stage_every_stream() {
             .run(|ctx| {
                 let device = Device::flex().autodiff();
                 let (model, par) = parallelize(TwoStreams::new(false, &device), &plan, &ctx)?;
-                let got = par.pipeline_forward(&model, &batch(&device))?;
+                let got = par.pipeline()?.forward(&model, &batch(&device))?;
                 Ok::<_, ParallelError>(got.map(|(memory, stream, NoGrad(keep))| {
                     [memory, stream, keep].map(|t| t.into_data().try_to_vec::<f32>().unwrap())
                 }))

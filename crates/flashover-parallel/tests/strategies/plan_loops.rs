@@ -83,7 +83,7 @@ pub(crate) fn plan_loop_on<M: Module>(
                 norms.push(norm);
                 model = optim.step(LR, model, grads);
             }
-            let whole = flatten_params(&par.whole(model)?);
+            let whole = flatten_params(&par.sharded().whole(model)?);
             Ok::<_, ParallelError>(((losses, norms, whole), held))
         })
         .unwrap();

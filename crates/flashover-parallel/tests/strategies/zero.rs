@@ -130,11 +130,11 @@ fn try_train(
                         let (grads, _) = par.gradients(&net, total.backward(), clip, &ctx)?;
                         net = optim.step(LR, net, grads);
                     }
-                    if let Some(stats) = par.unit_stats() {
+                    if let Some(stats) = par.sharded().unit_stats() {
                         let live = stats.snapshot().live_bytes;
                         assert_eq!(live, 0, "every gathered unit must be released");
                     }
-                    flatten_params(&par.whole(net)?)
+                    flatten_params(&par.sharded().whole(net)?)
                 }
                 Layout::Zero(stage) => {
                     let plan = ParallelizePlan::new().gradient_buckets(zero_buckets(stage));

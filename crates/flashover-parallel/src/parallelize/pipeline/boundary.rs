@@ -1,9 +1,18 @@
-//! What crosses a stage boundary: the tensors' specs as numbers for a send, and the tensors
-//! packed into one flat tensor and back.
+//! What crosses a stage boundary: the tensors' specs (learned from the first stage's
+//! `embed`, sent as numbers), the tensors packed into one flat tensor and back, and the
+//! forward alone through every stage (validation, inference).
 
+use super::step::{Ahead, UnitRun, run_layer};
+use super::{PipelineModel, Stages};
+use crate::dropout::draws::{self, Scope};
 use crate::error::ParallelError;
-use crate::pipeline::{BoundaryTensor, PartSpec, specs_of};
+use crate::pipeline::{
+    BoundaryTensor, PartSpec, boundary_tensors, from_boundary_tensors, specs_of,
+};
 use burn::tensor::{DType, Tensor};
+use flashover_comm::{CommunicatorExt, control};
+use flashover_runtime::TensorCollectives;
+use std::ops::Range;
 
 /// The dtypes a stage boundary's tensors may have, by their code in [`encode_specs`].
 const BOUNDARY_DTYPES: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::F64];
@@ -109,5 +118,112 @@ impl Packing {
             parts.push(BoundaryTensor::new(flat, spec.clone()));
         }
         parts
+    }
+}
+
+impl Stages {
+    /// What crosses every stage boundary for one micro-batch: the tensors of the first
+    /// stage's `embed` of `first`'s samples (their shapes, dtypes and which carry gradients),
+    /// broadcast over `pp` on the first step and kept while micro-batches keep that many
+    /// samples (the micro-batches of a run have one shape). Collective over `pp`.
+    pub(super) fn boundary<M>(
+        &self,
+        model: &M,
+        first: Range<usize>,
+        micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
+    ) -> Result<Vec<PartSpec>, ParallelError>
+    where
+        M: PipelineModel,
+    {
+        let mut known = self.boundary.lock().unwrap_or_else(|p| p.into_inner());
+        let samples = first.len();
+        if let Some((_, specs)) = known.as_ref().filter(|(n, _)| *n == samples) {
+            return Ok(specs.clone());
+        }
+        let root = self.schedule.place(0).0;
+        let mut code = vec![];
+        if self.pp.rank() == root {
+            let view = self.compute_view_of(model, &self.outside);
+            let model = view.as_ref().unwrap_or(model);
+            // Only its shapes are kept: no draws (they are the first micro-batch's forward's).
+            let x = draws::in_scope(None, Scope::Before, || model.embed(&micro_batch(first)));
+            code = encode_specs(&specs_of(&boundary_tensors(x)))?;
+        }
+        if self.pp.size() > 1 {
+            let mut len = [code.len() as u64];
+            control(|| self.pp.broadcast(&mut len, root))?;
+            code.resize(len[0] as usize, 0);
+            control(|| self.pp.broadcast(&mut code, root))?;
+        }
+        let specs = decode_specs(&code)?;
+        *known = Some((samples, specs.clone()));
+        Ok(specs)
+    }
+
+    /// `batch` forward through every stage, without gradients (validation, inference): the
+    /// layers' output on the rank that runs the last stage, `None` on the others. Each stage's
+    /// output travels to the next stage's rank in f32, its tensors' shapes first. Collective
+    /// over `pp`.
+    pub(in crate::parallelize) fn forward<M>(
+        &self,
+        model: &M,
+        batch: &M::Batch,
+    ) -> Result<Option<M::Activation>, ParallelError>
+    where
+        M: PipelineModel,
+    {
+        let (rank, last) = (self.pp.rank(), self.schedule.stages() - 1);
+        let mut carried: Option<M::Activation> = None;
+        for stage in 0..=last {
+            if self.schedule.place(stage).0 != rank {
+                continue;
+            }
+            let mut x = match (stage, carried.take()) {
+                (0, _) => model.embed(batch),
+                (_, Some(x)) => x, // the previous stage ran here too
+                (_, None) => {
+                    let src = self.schedule.place(stage - 1).0;
+                    let mut len = [0u64];
+                    control(|| self.pp.recv(&mut len, src))?;
+                    let mut code = vec![0u64; len[0] as usize];
+                    control(|| self.pp.recv(&mut code, src))?;
+                    let device = model.devices().into_iter().next().ok_or_else(|| {
+                        ParallelError::Invalid("a pipeline stage with no parameters".into())
+                    })?;
+                    let mut parts = vec![];
+                    for spec in decode_specs(&code)? {
+                        let flat = self
+                            .pp
+                            .recv_tensor([spec.numel()], DType::F32, src, &device)?;
+                        parts.push(BoundaryTensor::new(flat.cast(spec.dtype), spec));
+                    }
+                    from_boundary_tensors(parts)
+                }
+            };
+            for i in self.layers[stage].clone() {
+                let units = self.units.as_deref().map(|units| UnitRun {
+                    units,
+                    ahead: Ahead::default(),
+                    input: None,
+                });
+                x = run_layer(units, model, model, i, x, batch, None).0;
+            }
+            if stage == last {
+                return Ok(Some(x));
+            }
+            let dst = self.schedule.place(stage + 1).0;
+            if dst == rank {
+                carried = Some(x);
+            } else {
+                let parts = boundary_tensors(x);
+                let code = encode_specs(&specs_of(&parts))?;
+                control(|| self.pp.send(&[code.len() as u64], dst))?;
+                control(|| self.pp.send(&code, dst))?;
+                for part in parts {
+                    self.pp.send_tensor(&part.flat.cast(DType::F32), dst)?;
+                }
+            }
+        }
+        Ok(None)
     }
 }

@@ -2,28 +2,37 @@
 //! this rank's stages through the pipeline executor, its layers' units gathered and their
 //! gradients handed on.
 
-use super::boundary::{Packing, decode_specs, encode_specs};
+use super::boundary::Packing;
 use super::{LayerUnits, PipelineModel, Stages, StopDeferring};
 use crate::data_parallel::BucketedReduction;
 use crate::dropout::draws::{self, Draws, Scope};
 use crate::error::ParallelError;
 use crate::params::ParamLayout;
 use crate::pipeline::{
-    ActionKind, BoundaryTensor, PartSpec, PipelineExecutor, PipelineStepReport, StageBoundary,
-    StageOutput, WeightGradStore, boundary_tensors, deferral_supported, from_boundary_tensors,
-    specs_of,
+    ActionKind, BoundaryTensor, PipelineExecutor, PipelineStepReport, StageBoundary, StageOutput,
+    WeightGradStore, boundary_tensors, deferral_supported, from_boundary_tensors,
 };
 use crate::recompute::replaying;
 use crate::recompute::{Replays, checkpoint_part};
 use crate::zero::units::UnitGathers;
 use crate::zero::units::{Unit, after_input};
 use burn::module::Module;
-use burn::tensor::{DType, Device, Gradients, Tensor};
+use burn::tensor::{Device, Gradients, Tensor};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
-use flashover_runtime::TensorCollectives;
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+
+/// What every forward of one step reads: micro-batch `k`'s samples (`micro(k)`), how a
+/// micro-batch is built from them, the share's dropout draws, the head's loss and the
+/// reduction's buckets where forwards run on hooked parameters.
+struct StepInputs<'a, M: PipelineModel> {
+    micro: &'a (dyn Fn(usize) -> Range<usize> + Sync),
+    micro_batch: &'a (dyn Fn(Range<usize>) -> M::Batch + Sync),
+    draws: Option<&'a Draws>,
+    head: &'a HeadLoss<'a, M>,
+    hooks: Option<&'a BucketedReduction>,
+}
 
 impl Stages {
     /// One step's forwards and backwards of this rank's stages over `share` (this rank's
@@ -64,51 +73,15 @@ impl Stages {
         let per = share.len() / m;
         let micro = |k: usize| share.start + k * per..share.start + (k + 1) * per;
         let boundary = self.boundary(model, micro(0), micro_batch)?;
-        let last = self.schedule.stages() - 1;
-        let rank = self.pp.rank();
+        let step = StepInputs {
+            micro: &micro,
+            micro_batch,
+            draws,
+            head,
+            hooks,
+        };
         let forward = |chunk: usize, master: &M, input: Option<Vec<BoundaryTensor>>, k: usize| {
-            if let Some(units) = &self.units {
-                units.gathers.new_forward();
-            }
-            // Hooks on the f32 parameters, under the casts: the buckets receive f32. Those
-            // outside the layers run at the end of backward; each layer hooks its own (`layer`).
-            let hooked = hooks.map(|h| h.hooked_where(master, &|i| self.outside[i], None));
-            let master = hooked.as_ref().unwrap_or(master);
-            // Each micro-batch's graph casts the parameters anew (the view's casts are nodes
-            // of that graph): their gradients reach the f32 parameters in f32. The layers'
-            // are left in f32 here: each layer casts its own.
-            let view = self.compute_view_of(master, &self.outside);
-            let m = view.as_ref().unwrap_or(master);
-            let stage = self.schedule.stage_of(rank, chunk);
-            let batch = Arc::new(micro_batch(micro(k)));
-            let draws = draws.map(|d| d.for_samples(micro(k)));
-            let draws = draws.as_ref();
-            // The stage's parameters outside the layers, gathered in one collective for the
-            // whole micro-batch (from the f32 rows, read in the view's dtype).
-            let root = self.units.as_deref().map(|u| u.gather_root(master));
-            let mut x = match input {
-                Some(parts) => from_boundary_tensors(parts),
-                None => draws::in_scope(draws, Scope::Before, || m.embed(&batch)),
-            };
-            let mut aux: Option<Tensor<1>> = None;
-            for i in self.layers[stage].clone() {
-                let (y, layer_aux) = self.layer(m, i, x, &batch, draws, hooks);
-                x = y;
-                aux = match (aux, layer_aux) {
-                    (Some(sum), Some(more)) => Some(sum + more),
-                    (sum, more) => sum.or(more),
-                };
-            }
-            let output = match stage == last {
-                true => StageOutput::Loss(draws::in_scope(draws, Scope::After, || {
-                    head(m, x, &batch, k)
-                })),
-                false => StageOutput::Activation(boundary_tensors(x)),
-            };
-            if let (Some(units), Some(names)) = (self.units.as_deref(), root) {
-                units.gathers.release(names.iter().map(String::as_str));
-            }
-            StageOutput::with_aux_loss(output, aux)
+            self.chunk_forward(&step, chunk, master, input, k)
         };
         let chunks = vec![model.clone(); self.schedule.chunks];
         // Gradients of parameters outside the model (hot-expert copies) go to them.
@@ -139,6 +112,66 @@ impl Stages {
             control(|| self.pp.all_reduce(&mut losses, ReduceOp::Sum))?;
         }
         Ok((flat, losses, report))
+    }
+
+    /// Micro-batch `k`'s forward of chunk `chunk` of this rank's stages on `master` (the
+    /// model's f32 parameters), from the previous stage's `input` (the embedding on the first
+    /// stage): the stage's layers, then the head's loss on the last stage or the activation
+    /// to send on.
+    fn chunk_forward<M>(
+        &self,
+        step: &StepInputs<'_, M>,
+        chunk: usize,
+        master: &M,
+        input: Option<Vec<BoundaryTensor>>,
+        k: usize,
+    ) -> StageOutput
+    where
+        M: PipelineModel + Sync + 'static,
+    {
+        if let Some(units) = &self.units {
+            units.gathers.new_forward();
+        }
+        // Hooks on the f32 parameters, under the casts: the buckets receive f32. Those
+        // outside the layers run at the end of backward; each layer hooks its own (`layer`).
+        let hooked = (step.hooks).map(|h| h.hooked_where(master, &|i| self.outside[i], None));
+        let master = hooked.as_ref().unwrap_or(master);
+        // Each micro-batch's graph casts the parameters anew (the view's casts are nodes
+        // of that graph): their gradients reach the f32 parameters in f32. The layers'
+        // are left in f32 here: each layer casts its own.
+        let view = self.compute_view_of(master, &self.outside);
+        let m = view.as_ref().unwrap_or(master);
+        let stage = self.schedule.stage_of(self.pp.rank(), chunk);
+        let samples = (step.micro)(k);
+        let batch = Arc::new((step.micro_batch)(samples.clone()));
+        let draws = step.draws.map(|d| d.for_samples(samples));
+        let draws = draws.as_ref();
+        // The stage's parameters outside the layers, gathered in one collective for the
+        // whole micro-batch (from the f32 rows, read in the view's dtype).
+        let root = self.units.as_deref().map(|u| u.gather_root(master));
+        let mut x = match input {
+            Some(parts) => from_boundary_tensors(parts),
+            None => draws::in_scope(draws, Scope::Before, || m.embed(&batch)),
+        };
+        let mut aux: Option<Tensor<1>> = None;
+        for i in self.layers[stage].clone() {
+            let (y, layer_aux) = self.layer(m, i, x, &batch, draws, step.hooks);
+            x = y;
+            aux = match (aux, layer_aux) {
+                (Some(sum), Some(more)) => Some(sum + more),
+                (sum, more) => sum.or(more),
+            };
+        }
+        let output = match stage == self.schedule.stages() - 1 {
+            true => StageOutput::Loss(draws::in_scope(draws, Scope::After, || {
+                (step.head)(m, x, &batch, k)
+            })),
+            false => StageOutput::Activation(boundary_tensors(x)),
+        };
+        if let (Some(units), Some(names)) = (self.units.as_deref(), root) {
+            units.gathers.release(names.iter().map(String::as_str));
+        }
+        StageOutput::with_aux_loss(output, aux)
     }
 
     /// Where this step's unit reduce-scatters go: they run while backward goes on and join the
@@ -230,7 +263,7 @@ impl Stages {
 
     /// `model` with the parameters `part` marks (layout order) cast to the step's compute
     /// dtype, when it is not f32.
-    fn compute_view_of<M: Module>(&self, model: &M, part: &[bool]) -> Option<M> {
+    pub(super) fn compute_view_of<M: Module>(&self, model: &M, part: &[bool]) -> Option<M> {
         let policy = self.precision.as_ref()?;
         Some(policy.compute_view_of(model.clone(), part))
     }
@@ -279,6 +312,20 @@ impl Stages {
         }
     }
 
+    /// The layers whose all-gathers layer `index` prefetches: in forward the stage's next; in
+    /// a rerun in backward the stage's closest recomputed layer before it, which reruns next
+    /// (FSDP's backward prefetch).
+    fn ahead_of(&self, index: usize) -> Ahead {
+        let stage = self.layers.iter().find(|l| l.contains(&index)).cloned();
+        let stage = stage.unwrap_or(index..index + 1);
+        Ahead {
+            next: (index + 1 < stage.end).then_some(index + 1),
+            rerun_next: (stage.start..index)
+                .rev()
+                .find(|&i| self.recompute.recomputes_block(i)),
+        }
+    }
+
     /// Layer `index` on `x` of micro-batch `batch` and its auxiliary loss, computed on
     /// `model` (whose layers' parameters are f32) with the layer's own parameters cast to the
     /// compute dtype: recomputed in backward when the plan's policy names it (carrying only
@@ -300,17 +347,7 @@ impl Stages {
         M: PipelineModel + Sync + 'static,
     {
         let units = self.units.clone();
-        let stage = self.layers.iter().find(|l| l.contains(&index)).cloned();
-        let stage = stage.unwrap_or(index..index + 1);
-        // The layers whose all-gathers this one's prefetches: in forward the stage's next; in
-        // a rerun in backward the stage's closest recomputed layer before it, which reruns
-        // next (FSDP's backward prefetch).
-        let ahead = Ahead {
-            next: (index + 1 < stage.end).then_some(index + 1),
-            rerun_next: (stage.start..index)
-                .rev()
-                .find(|&i| self.recompute.recomputes_block(i)),
-        };
+        let ahead = self.ahead_of(index);
         let batch = batch.clone();
         let part = self.parts[index].clone();
         // The layer's input, when something goes right after the layer's backward (Burn runs
@@ -369,73 +406,6 @@ impl Stages {
         (from_boundary_tensors(y), Some(aux))
     }
 
-    /// `batch` forward through every stage, without gradients (validation, inference): the
-    /// layers' output on the rank that runs the last stage, `None` on the others. Each stage's
-    /// output travels to the next stage's rank in f32, its tensors' shapes first. Collective
-    /// over `pp`.
-    pub(in crate::parallelize) fn forward<M>(
-        &self,
-        model: &M,
-        batch: &M::Batch,
-    ) -> Result<Option<M::Activation>, ParallelError>
-    where
-        M: PipelineModel,
-    {
-        let (rank, last) = (self.pp.rank(), self.schedule.stages() - 1);
-        let mut carried: Option<M::Activation> = None;
-        for stage in 0..=last {
-            if self.schedule.place(stage).0 != rank {
-                continue;
-            }
-            let mut x = match (stage, carried.take()) {
-                (0, _) => model.embed(batch),
-                (_, Some(x)) => x, // the previous stage ran here too
-                (_, None) => {
-                    let src = self.schedule.place(stage - 1).0;
-                    let mut len = [0u64];
-                    control(|| self.pp.recv(&mut len, src))?;
-                    let mut code = vec![0u64; len[0] as usize];
-                    control(|| self.pp.recv(&mut code, src))?;
-                    let device = model.devices().into_iter().next().ok_or_else(|| {
-                        ParallelError::Invalid("a pipeline stage with no parameters".into())
-                    })?;
-                    let mut parts = vec![];
-                    for spec in decode_specs(&code)? {
-                        let flat = self
-                            .pp
-                            .recv_tensor([spec.numel()], DType::F32, src, &device)?;
-                        parts.push(BoundaryTensor::new(flat.cast(spec.dtype), spec));
-                    }
-                    from_boundary_tensors(parts)
-                }
-            };
-            for i in self.layers[stage].clone() {
-                let units = self.units.as_deref().map(|units| UnitRun {
-                    units,
-                    ahead: Ahead::default(),
-                    input: None,
-                });
-                x = run_layer(units, model, model, i, x, batch, None).0;
-            }
-            if stage == last {
-                return Ok(Some(x));
-            }
-            let dst = self.schedule.place(stage + 1).0;
-            if dst == rank {
-                carried = Some(x);
-            } else {
-                let parts = boundary_tensors(x);
-                let code = encode_specs(&specs_of(&parts))?;
-                control(|| self.pp.send(&[code.len() as u64], dst))?;
-                control(|| self.pp.send(&code, dst))?;
-                for part in parts {
-                    self.pp.send_tensor(&part.flat.cast(DType::F32), dst)?;
-                }
-            }
-        }
-        Ok(None)
-    }
-
     /// Whether this rank runs the pipeline's last stage (where the loss is computed).
     pub(in crate::parallelize) fn runs_last_stage(&self) -> bool {
         self.schedule.place(self.schedule.stages() - 1).0 == self.pp.rank()
@@ -444,44 +414,6 @@ impl Stages {
     /// Layer forwards run again in backward so far.
     pub(in crate::parallelize) fn recomputed(&self) -> usize {
         self.recomputed.load(Ordering::Relaxed)
-    }
-
-    /// What crosses every stage boundary for one micro-batch: the tensors of the first
-    /// stage's `embed` of `first`'s samples (their shapes, dtypes and which carry gradients),
-    /// broadcast over `pp` on the first step and kept while micro-batches keep that many
-    /// samples (the micro-batches of a run have one shape). Collective over `pp`.
-    fn boundary<M>(
-        &self,
-        model: &M,
-        first: Range<usize>,
-        micro_batch: &(dyn Fn(Range<usize>) -> M::Batch + Sync),
-    ) -> Result<Vec<PartSpec>, ParallelError>
-    where
-        M: PipelineModel,
-    {
-        let mut known = self.boundary.lock().unwrap_or_else(|p| p.into_inner());
-        let samples = first.len();
-        if let Some((_, specs)) = known.as_ref().filter(|(n, _)| *n == samples) {
-            return Ok(specs.clone());
-        }
-        let root = self.schedule.place(0).0;
-        let mut code = vec![];
-        if self.pp.rank() == root {
-            let view = self.compute_view_of(model, &self.outside);
-            let model = view.as_ref().unwrap_or(model);
-            // Only its shapes are kept: no draws (they are the first micro-batch's forward's).
-            let x = draws::in_scope(None, Scope::Before, || model.embed(&micro_batch(first)));
-            code = encode_specs(&specs_of(&boundary_tensors(x)))?;
-        }
-        if self.pp.size() > 1 {
-            let mut len = [code.len() as u64];
-            control(|| self.pp.broadcast(&mut len, root))?;
-            code.resize(len[0] as usize, 0);
-            control(|| self.pp.broadcast(&mut code, root))?;
-        }
-        let specs = decode_specs(&code)?;
-        *known = Some((samples, specs.clone()));
-        Ok(specs)
     }
 }
 
@@ -501,20 +433,20 @@ fn with_input<A: StageBoundary>(x: A) -> (A, Option<Tensor<1>>) {
 }
 
 /// How a layer whose parameters are fully sharded units runs ([`run_layer`]).
-struct UnitRun<'a> {
-    units: &'a LayerUnits,
+pub(super) struct UnitRun<'a> {
+    pub(super) units: &'a LayerUnits,
     /// The layers whose all-gathers the run submits.
-    ahead: Ahead,
+    pub(super) ahead: Ahead,
     /// One of the layer's input tensors ([`with_input`]): the unit reduce-scatters right
     /// after the layer's backward; without it, at the end of backward.
-    input: Option<Tensor<1>>,
+    pub(super) input: Option<Tensor<1>>,
 }
 
 /// Layer `index` of `view` on `x` of micro-batch `batch` and its auxiliary loss, its dropout
 /// drawn from `draws` as layer `index`. When the layers are `units`, its fully sharded
 /// parameters are gathered at once first from `stored`'s rows (the f32 parameters `view` may
 /// be a cast view of), and then the all-gathers of the layers ahead submitted.
-fn run_layer<M>(
+pub(super) fn run_layer<M>(
     units: Option<UnitRun<'_>>,
     stored: &M,
     view: &M,
@@ -560,7 +492,7 @@ where
 
 /// The layers whose all-gathers a layer's run submits ahead (none by default).
 #[derive(Debug, Clone, Copy, Default)]
-struct Ahead {
+pub(super) struct Ahead {
     /// In forward: the stage's next layer.
     next: Option<usize>,
     /// In a rerun in backward: the stage's recomputed layer that reruns next.

@@ -16,17 +16,18 @@
 //! plan-aware linear layers (`crate::nn::Linear`, the reference transformer's layer hooks)
 //! defer without being handed the store.
 
-use super::boundary::{BoundaryTensor, PartSpec, specs_of};
+mod exchange;
+
+use super::boundary::{BoundaryTensor, PartSpec};
 use super::schedule::{Action, ActionKind, Schedule, steps_of};
 use super::simulate::{unbuffered_deadlock, validate};
 use super::weight_grad::{DeferredWeightGrad, WeightGradStore, deferring_in};
 use crate::error::ParallelError;
-use crate::params::{ParamLayout, accumulate_grads, with_autodiff};
+use crate::params::{ParamLayout, accumulate_grads};
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Gradients, Tensor};
 use flashover_comm::Group;
-use flashover_runtime::{Incoming, TensorCollectives};
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -231,7 +232,6 @@ impl<'a> PipelineExecutor<'a> {
         F: Fn(usize, &M, Option<Vec<BoundaryTensor>>, usize) -> StageOutput,
     {
         let s = &*self.schedule;
-        let rank = self.group.rank();
         if chunks.len() != s.chunks {
             return Err(ParallelError::Invalid(format!(
                 "the schedule has {} chunks per rank; {} were given",
@@ -239,141 +239,202 @@ impl<'a> PipelineExecutor<'a> {
                 chunks.len()
             )));
         }
-        let layouts: Vec<ParamLayout> = chunks.iter().map(ParamLayout::of).collect();
-        // Per chunk: its gradients summed over the micro-batches, on the device.
-        let grad_device = device.clone().inner();
-        let mut flats: Vec<Tensor<1>> = (layouts.iter())
-            .map(|l| Tensor::zeros([l.numel], &grad_device))
-            .collect();
-        let offsets: Vec<HashMap<ParamId, usize>> = layouts
-            .iter()
-            .map(|l| l.slots.iter().map(|s| (s.id, s.offset)).collect())
-            .collect();
-        let mut deferred: HashMap<(usize, usize), Vec<DeferredWeightGrad>> = HashMap::new();
+        let mut state = StepState::new(chunks, device);
         if let Some(store) = &self.weight_grads {
             store.take(); // Nothing left over from a failed step may leak into this one.
         }
-        let mut held = InFlight::default();
-        let mut report = PipelineStepReport::default();
-        let inner = device.clone().inner();
         let is_backward =
             |a: &Action| matches!(a.kind, ActionKind::Backward | ActionKind::BackwardInput);
         // The transfers between two computations go as one batch: where sends wait for their
         // receives (NCCL), two stages sending to each other at once need that.
-        let steps: Vec<&[Action]> = steps_of(&s.ranks[rank]).collect();
+        let steps: Vec<&[Action]> = steps_of(&s.ranks[self.group.rank()]).collect();
         let last_backward = steps.iter().rposition(|step| is_backward(&step[0]));
         let started = Instant::now();
         for (index, step) in steps.iter().enumerate() {
             let a = &step[0];
-            if !a.is_compute() {
-                self.exchange(step, boundary, device, &mut held, &mut report)?;
-                continue;
-            }
-            let InFlight {
-                inputs,
-                outputs,
-                grads_in,
-                grads_out,
-            } = &mut held;
-            let key = (a.micro, a.chunk);
+            let t0 = Instant::now();
             match a.kind {
-                ActionKind::Forward => {
-                    let t0 = Instant::now();
-                    let input = inputs.remove(&key);
-                    let run = || forward(a.chunk, &chunks[a.chunk], input.clone(), a.micro);
-                    let out = match &self.weight_grads {
-                        Some(store) => deferring_in(store, run),
-                        None => run(),
-                    };
-                    if let StageOutput::Loss(loss) = out.main() {
-                        report.loss_sum += loss.clone().into_scalar::<f32>() as f64;
-                    }
-                    report.aux_loss_sum += out.aux_value();
-                    outputs.insert(key, (input, out));
-                    report.forward += t0.elapsed();
-                    report.events.push((*a, t0, Instant::now()));
-                    report.peak_in_flight = report.peak_in_flight.max(outputs.len());
+                _ if !a.is_compute() => {
+                    let (held, report) = (&mut state.held, &mut state.report);
+                    self.exchange(step, boundary, device, held, report)?;
+                    continue;
                 }
+                ActionKind::Forward => self.run_forward(a, chunks, &forward, &mut state),
                 ActionKind::Backward | ActionKind::BackwardInput => {
-                    let t0 = Instant::now();
-                    if let Some(sink) = self.backward_sink {
-                        sink.begin_backward(Some(index) == last_backward);
-                    }
-                    let (input, out) = outputs.remove(&key).expect("validated: forward first");
-                    let (out, aux) = out.split();
-                    // A chunk's own loss, scaled as the losses are, in f32.
-                    let aux = aux.map(|aux| aux.cast(DType::F32).mul_scalar(self.loss_scale));
-                    let missing = || {
-                        ParallelError::Invalid(format!(
-                            "rank {rank}: no output gradient for micro-batch {} chunk {}",
-                            a.micro, a.chunk
-                        ))
-                    };
-                    // A layer recomputed in this backward defers as its first forward did.
-                    let output_grads = grads_out.remove(&key);
-                    let backward = || -> Result<Gradients, ParallelError> {
-                        let objective = backward_objective(out, aux, output_grads, self.loss_scale);
-                        Ok(objective.ok_or_else(missing)?.backward())
-                    };
-                    let mut grads = match &self.weight_grads {
-                        Some(store) => deferring_in(store, backward)?,
-                        None => backward()?,
-                    };
-                    if let Some(take) = self.take_gradients {
-                        take(&mut grads);
-                    }
-                    if let Some(got) =
-                        input.and_then(|parts| input_gradients(&parts, &grads, boundary, &inner))
-                    {
-                        grads_in.insert(key, got);
-                    }
-                    let params = GradientsParams::from_grads(grads, &chunks[a.chunk]);
-                    let flat =
-                        std::mem::replace(&mut flats[a.chunk], Tensor::empty([0], &grad_device));
-                    flats[a.chunk] = accumulate_grads(&chunks[a.chunk], &params, flat, &[]).0;
-                    if let Some(sink) = self.backward_sink {
-                        sink.end_backward()?;
-                    }
-                    if let Some(store) = &self.weight_grads {
-                        let pending = store.take();
-                        if a.kind == ActionKind::Backward {
-                            add_weight_grads(pending, &offsets[a.chunk], &mut flats[a.chunk])?;
-                        } else {
-                            deferred.insert(key, pending);
-                        }
-                    }
-                    report.backward += t0.elapsed();
-                    report.events.push((*a, t0, Instant::now()));
+                    let last = Some(index) == last_backward;
+                    self.run_backward(a, chunks, boundary, last, &mut state)?
                 }
-                ActionKind::BackwardWeight => {
-                    let t0 = Instant::now();
-                    let pending = deferred.remove(&key).unwrap_or_default();
-                    report.deferred_weight_grads += pending.len();
-                    add_weight_grads(pending, &offsets[a.chunk], &mut flats[a.chunk])?;
-                    report.backward += t0.elapsed();
-                    report.weight_grad += t0.elapsed();
-                    report.events.push((*a, t0, Instant::now()));
-                }
+                ActionKind::BackwardWeight => state.add_deferred(a)?,
                 ActionKind::SendActivation
                 | ActionKind::RecvActivation
                 | ActionKind::SendGrad
                 | ActionKind::RecvGrad => unreachable!("transfers go in batches"),
             }
+            state.report.events.push((*a, t0, Instant::now()));
         }
-        report.wall = started.elapsed();
+        state.report.wall = started.elapsed();
         debug_assert!(
-            deferred.is_empty(),
+            state.deferred.is_empty(),
             "validated: every input gradient has its weight's"
         );
+        let mut flats = state.flats;
         if !self.sums {
             let m = s.micro_batches as f32 * self.loss_scale;
             flats = flats.into_iter().map(|flat| flat.div_scalar(m)).collect();
         }
-        Ok((flats, report))
+        Ok((flats, state.report))
+    }
+
+    /// A forward action: chunk `a.chunk` on micro-batch `a.micro`'s input, its output kept
+    /// for the backward (and its loss counted, on the last stage).
+    fn run_forward<M, F>(&self, a: &Action, chunks: &[M], forward: &F, state: &mut StepState)
+    where
+        F: Fn(usize, &M, Option<Vec<BoundaryTensor>>, usize) -> StageOutput,
+    {
+        let t0 = Instant::now();
+        let key = (a.micro, a.chunk);
+        let input = state.held.inputs.remove(&key);
+        let run = || forward(a.chunk, &chunks[a.chunk], input.clone(), a.micro);
+        let out = match &self.weight_grads {
+            Some(store) => deferring_in(store, run),
+            None => run(),
+        };
+        let report = &mut state.report;
+        if let StageOutput::Loss(loss) = out.main() {
+            report.loss_sum += loss.clone().into_scalar::<f32>() as f64;
+        }
+        report.aux_loss_sum += out.aux_value();
+        state.held.outputs.insert(key, (input, out));
+        report.forward += t0.elapsed();
+        report.peak_in_flight = report.peak_in_flight.max(state.held.outputs.len());
+    }
+
+    /// A backward action (whole, or the input gradients of zero-bubble's split): the chunk's
+    /// backward of micro-batch `a.micro`, its parameters' gradients added to the chunk's sum
+    /// and its input's kept to send upstream. `last`: the step's last backward.
+    fn run_backward<M: Module>(
+        &self,
+        a: &Action,
+        chunks: &[M],
+        boundary: &[PartSpec],
+        last: bool,
+        state: &mut StepState,
+    ) -> Result<(), ParallelError> {
+        let t0 = Instant::now();
+        let key = (a.micro, a.chunk);
+        if let Some(sink) = self.backward_sink {
+            sink.begin_backward(last);
+        }
+        let (input, out) = state
+            .held
+            .outputs
+            .remove(&key)
+            .expect("validated: forward first");
+        let (out, aux) = out.split();
+        // A chunk's own loss, scaled as the losses are, in f32.
+        let aux = aux.map(|aux| aux.cast(DType::F32).mul_scalar(self.loss_scale));
+        let missing = || {
+            ParallelError::Invalid(format!(
+                "rank {}: no output gradient for micro-batch {} chunk {}",
+                self.group.rank(),
+                a.micro,
+                a.chunk
+            ))
+        };
+        // A layer recomputed in this backward defers as its first forward did.
+        let output_grads = state.held.grads_out.remove(&key);
+        let backward = || -> Result<Gradients, ParallelError> {
+            let objective = backward_objective(out, aux, output_grads, self.loss_scale);
+            Ok(objective.ok_or_else(missing)?.backward())
+        };
+        let mut grads = match &self.weight_grads {
+            Some(store) => deferring_in(store, backward)?,
+            None => backward()?,
+        };
+        if let Some(take) = self.take_gradients {
+            take(&mut grads);
+        }
+        let inner = state.grad_device.clone();
+        if let Some(got) = input.and_then(|parts| input_gradients(&parts, &grads, boundary, &inner))
+        {
+            state.held.grads_in.insert(key, got);
+        }
+        state.accumulate(&chunks[a.chunk], a.chunk, grads);
+        if let Some(sink) = self.backward_sink {
+            sink.end_backward()?;
+        }
+        if let Some(store) = &self.weight_grads {
+            let pending = store.take();
+            if a.kind == ActionKind::Backward {
+                add_weight_grads(pending, &state.offsets[a.chunk], &mut state.flats[a.chunk])?;
+            } else {
+                state.deferred.insert(key, pending);
+            }
+        }
+        state.report.backward += t0.elapsed();
+        Ok(())
+    }
+}
+
+/// One step's running state on this rank: per chunk its gradients summed over the
+/// micro-batches (on the device) and where each parameter sits in them, the weight gradients
+/// zero-bubble deferred, what is in flight between actions, and the report.
+struct StepState {
+    flats: Vec<Tensor<1>>,
+    offsets: Vec<HashMap<ParamId, usize>>,
+    deferred: HashMap<(usize, usize), Vec<DeferredWeightGrad>>,
+    held: InFlight,
+    report: PipelineStepReport,
+    /// The gradients' device (the step's, outside autodiff).
+    grad_device: Device,
+}
+
+impl StepState {
+    fn new<M: Module>(chunks: &[M], device: &Device) -> Self {
+        let layouts: Vec<ParamLayout> = chunks.iter().map(ParamLayout::of).collect();
+        let grad_device = device.clone().inner();
+        StepState {
+            flats: (layouts.iter())
+                .map(|l| Tensor::zeros([l.numel], &grad_device))
+                .collect(),
+            offsets: (layouts.iter())
+                .map(|l| l.slots.iter().map(|s| (s.id, s.offset)).collect())
+                .collect(),
+            deferred: HashMap::new(),
+            held: InFlight::default(),
+            report: PipelineStepReport::default(),
+            grad_device,
+        }
+    }
+
+    /// `grads` of `chunk` (chunk number `index`) added to its sum.
+    fn accumulate<M: Module>(&mut self, chunk: &M, index: usize, grads: Gradients) {
+        let params = GradientsParams::from_grads(grads, chunk);
+        let empty = Tensor::empty([0], &self.grad_device);
+        let flat = std::mem::replace(&mut self.flats[index], empty);
+        self.flats[index] = accumulate_grads(chunk, &params, flat, &[]).0;
+    }
+
+    /// A weight-gradient action (zero-bubble): the weight gradients its input-gradient action
+    /// deferred, computed and added to the chunk's sum.
+    fn add_deferred(&mut self, a: &Action) -> Result<(), ParallelError> {
+        let t0 = Instant::now();
+        let pending = self
+            .deferred
+            .remove(&(a.micro, a.chunk))
+            .unwrap_or_default();
+        self.report.deferred_weight_grads += pending.len();
+        add_weight_grads(pending, &self.offsets[a.chunk], &mut self.flats[a.chunk])?;
+        self.report.backward += t0.elapsed();
+        self.report.weight_grad += t0.elapsed();
+        Ok(())
     }
 }
 
 type Parts = Vec<BoundaryTensor>;
+
+/// Tensors to send, each with its destination rank.
+type Sends = Vec<(Tensor<1>, usize)>;
 
 /// What a stage's backward differentiates for one micro-batch: its loss scaled by
 /// `loss_scale` (the last stage), or the sum of each output tensor times its gradient
@@ -458,147 +519,6 @@ struct InFlight {
     grads_in: HashMap<(usize, usize), Vec<Tensor<1>>>,
     /// Received gradients of the outputs.
     grads_out: HashMap<(usize, usize), Vec<Tensor<1>>>,
-}
-
-impl PipelineExecutor<'_> {
-    /// The transfers of `run` (consecutive sends and receives of this rank's schedule) as one
-    /// batch: what the sends carry comes out of `held`, what arrives goes into it.
-    fn exchange(
-        &self,
-        run: &[Action],
-        boundary: &[PartSpec],
-        device: &Device,
-        held: &mut InFlight,
-        report: &mut PipelineStepReport,
-    ) -> Result<(), ParallelError> {
-        let s = &*self.schedule;
-        let rank = self.group.rank();
-        let inner = device.clone().inner();
-        let differentiable = || boundary.iter().filter(|p| p.grad);
-        let mut sends: Vec<(Tensor<1>, usize)> = vec![];
-        let mut incoming: Vec<Incoming> = vec![];
-        for a in run {
-            let key = (a.micro, a.chunk);
-            let stage = s.stage_of(rank, a.chunk);
-            let from = |src: usize, spec: &PartSpec| Incoming {
-                numel: spec.numel(),
-                dtype: spec.dtype,
-                src,
-            };
-            match a.kind {
-                ActionKind::SendActivation => {
-                    let dst = s.place(stage + 1).0;
-                    match held.outputs.get(&key).map(|(_, out)| out.main()) {
-                        Some(StageOutput::Activation(parts)) => {
-                            check_boundary(rank, stage, parts, boundary)?;
-                            // Outside autodiff, as values: so a CUDA tensor's buffer, or a Flex
-                            // tensor's, goes to the engine where it lies.
-                            let values = |p: &BoundaryTensor| p.flat.clone().without_autodiff();
-                            sends.extend(parts.iter().map(|p| (values(p), dst)));
-                        }
-                        _ => {
-                            return Err(ParallelError::Invalid(format!(
-                                "rank {rank}: chunk {} returned a loss where an activation was due",
-                                a.chunk
-                            )));
-                        }
-                    }
-                }
-                ActionKind::SendGrad => {
-                    let dst = s.place(stage - 1).0;
-                    let grads = held.grads_in.remove(&key).ok_or_else(|| {
-                        ParallelError::Invalid(format!(
-                            "rank {rank}: chunk {}'s input got no gradient for micro-batch {}",
-                            a.chunk, a.micro
-                        ))
-                    })?;
-                    sends.extend(grads.into_iter().map(|g| (g, dst)));
-                }
-                ActionKind::RecvActivation => {
-                    let src = s.place(stage - 1).0;
-                    incoming.extend(boundary.iter().map(|spec| from(src, spec)));
-                }
-                ActionKind::RecvGrad => {
-                    let src = s.place(stage + 1).0;
-                    incoming.extend(differentiable().map(|spec| from(src, spec)));
-                }
-                _ => unreachable!("a run of transfers"),
-            }
-        }
-        let t0 = Instant::now();
-        // Received outside autodiff (so a CUDA tensor's buffer can go to the engine); an input
-        // joins the graph below, as a leaf on `device` would.
-        let mut received = self
-            .group
-            .exchange_flat(&sends, &incoming, &inner)?
-            .into_iter();
-        drop(sends);
-        let done = Instant::now();
-        let strategy = device.gradient_checkpointing_strategy();
-        for a in run {
-            let key = (a.micro, a.chunk);
-            match a.kind {
-                ActionKind::RecvActivation => {
-                    let parts = (boundary.iter().zip(received.by_ref()))
-                        .map(|(spec, x)| {
-                            let x = with_autodiff(x, strategy);
-                            let x = if spec.grad { x.require_grad() } else { x };
-                            BoundaryTensor::new(x, spec.clone())
-                        })
-                        .collect();
-                    held.inputs.insert(key, parts);
-                }
-                ActionKind::RecvGrad => {
-                    let grads = received.by_ref().take(differentiable().count()).collect();
-                    held.grads_out.insert(key, grads);
-                }
-                _ => continue,
-            }
-            report.events.push((*a, t0, done));
-        }
-        if run
-            .iter()
-            .any(|a| matches!(a.kind, ActionKind::RecvActivation | ActionKind::RecvGrad))
-        {
-            report.recv_wait += done - t0;
-        }
-        Ok(())
-    }
-}
-
-/// Checks that the tensors stage `stage` produced are those every boundary carries (`boundary`,
-/// learned from the first stage's `embed`).
-fn check_boundary(
-    rank: usize,
-    stage: usize,
-    parts: &[BoundaryTensor],
-    boundary: &[PartSpec],
-) -> Result<(), ParallelError> {
-    let produced = specs_of(parts);
-    if produced == boundary {
-        return Ok(());
-    }
-    let show = |specs: &[PartSpec]| {
-        let each: Vec<String> = (specs.iter())
-            .map(|p| {
-                format!(
-                    "{:?} {:?}{}",
-                    p.shape,
-                    p.dtype,
-                    ["", " (no grad)"][usize::from(!p.grad)]
-                )
-            })
-            .collect();
-        each.join(", ")
-    };
-    Err(ParallelError::Invalid(format!(
-        "rank {rank}: stage {stage} produced [{}], but every stage boundary carries [{}] (under \
-         a plan: what the first stage's `embed` returns; every stage must return the shapes and \
-         dtypes it is given, so a tensor-parallel pair cannot be split between `embed` and a \
-         layer, or between stages)",
-        show(&produced),
-        show(boundary)
-    )))
 }
 
 /// Computes deferred weight gradients and adds each at its parameter's offset in `flat` (on
