@@ -284,20 +284,7 @@ pub(crate) fn train_rank(
     let mut records = vec![];
     let mut trace = Trace::new(origin);
     for step in first_step..last_step {
-        for drill in config
-            .run
-            .kills
-            .iter()
-            .filter(|k| k.fires(ctx.rank(), step))
-        {
-            match drill.stall {
-                Some(time) => std::thread::sleep(time),
-                None => panic!(
-                    "fault drill: rank {} killed at the start of step {step}",
-                    ctx.rank()
-                ),
-            }
-        }
+        fire_drills(ctx, config, step);
         let (next, mut outcome, mine, t0) = rank.step(strategy, step, &mut scaler)?;
         strategy = next;
         if config.run.trace.is_some() {
@@ -308,21 +295,15 @@ pub(crate) fn train_rank(
                 std::mem::take(&mut outcome.events),
             );
         }
-        let all = control(|| ctx.world().all_gather_vec(&mine.to_wire()))?;
-        if ctx.rank() == 0 {
-            let ranks: Vec<RankMetrics> = all
-                .chunks(RankMetrics::WIRE_LEN)
-                .map(RankMetrics::from_wire)
-                .collect();
-            let facts = StepFacts {
-                step,
-                lr: config.lr_at(step),
-                tokens_per_step,
-                moe: outcome.moe.take(),
-                loss_scale: outcome.loss_scale,
-                skipped: outcome.skipped,
-            };
-            let record = step_record(facts, &ranks);
+        let facts = StepFacts {
+            step,
+            lr: config.lr_at(step),
+            tokens_per_step,
+            moe: outcome.moe.take(),
+            loss_scale: outcome.loss_scale,
+            skipped: outcome.skipped,
+        };
+        if let Some(record) = gather_record(ctx, facts, &mine)? {
             emit(&record);
             records.push(record);
         }
@@ -345,6 +326,43 @@ pub(crate) fn train_rank(
     }
     let (buckets, overlap) = strategy.buckets();
     Ok(Some((records, params, buckets, overlap)))
+}
+
+/// Runs the job's fault drills that fire on this rank at the start of `step`: a stall
+/// sleeps, a kill panics (the launcher reports it as the rank's failure).
+fn fire_drills(ctx: &RankContext, config: &TrainConfig, step: usize) {
+    let drills = config
+        .run
+        .kills
+        .iter()
+        .filter(|k| k.fires(ctx.rank(), step));
+    for drill in drills {
+        match drill.stall {
+            Some(time) => std::thread::sleep(time),
+            None => panic!(
+                "fault drill: rank {} killed at the start of step {step}",
+                ctx.rank()
+            ),
+        }
+    }
+}
+
+/// The step's record on rank 0, from every rank's metrics (`mine` on this one) and the step's
+/// `facts`; `None` on the other ranks. Collective over the world.
+fn gather_record(
+    ctx: &RankContext,
+    facts: StepFacts,
+    mine: &RankMetrics,
+) -> Result<Option<StepRecord>, RankError> {
+    let all = control(|| ctx.world().all_gather_vec(&mine.to_wire()))?;
+    if ctx.rank() != 0 {
+        return Ok(None);
+    }
+    let ranks: Vec<RankMetrics> = all
+        .chunks(RankMetrics::WIRE_LEN)
+        .map(RankMetrics::from_wire)
+        .collect();
+    Ok(Some(step_record(facts, &ranks)))
 }
 
 /// Loads the checkpoint at `path` into `strategy` (every rank reads the regions it holds, so

@@ -113,6 +113,63 @@ pub fn dropout_context(
     ctx
 }
 
+/// The forward contexts of a parallelized reference transformer's micro-batches, worked out
+/// once: what they all share (the plan's attention across the `cp` ranks, this rank's heads
+/// and positions of the dropout masks), to which each micro-batch adds its dropout and first
+/// sample. [`Self::of`] is [`split_sequences`] of [`dropout_context`] (or of
+/// [`forward_context`] without dropout), without asking the model again.
+#[derive(Clone, Debug)]
+pub struct MicroBatchContexts {
+    /// Without dropout: [`split_sequences`] of [`forward_context`].
+    plain: ForwardContext,
+    /// With dropout: the same, this rank's heads and positions of the masks placed.
+    placed: ForwardContext,
+}
+
+impl MicroBatchContexts {
+    /// The contexts of `model` under `par` for sequences of `seq` positions, each rank
+    /// holding `local_seq` of them (fewer under context parallelism).
+    pub fn new(
+        par: &Parallelized,
+        model: &Transformer,
+        seq: usize,
+        local_seq: usize,
+    ) -> Result<Self, ParallelError> {
+        let mut placed = forward_context();
+        // Under a pipeline the other stages' blocks are placeholders, with no split recorded.
+        if let Some((heads, split)) = model.blocks.iter().find_map(attention_split) {
+            set_tp_offsets(
+                &mut placed,
+                &split.group,
+                heads,
+                local_seq,
+                split.sequence_parallel,
+            );
+        }
+        Ok(MicroBatchContexts {
+            plain: split_sequences(par, model, forward_context(), seq)?,
+            placed: split_sequences(par, model, placed, seq)?,
+        })
+    }
+
+    /// The context of a micro-batch whose first sample has global index `sample_offset`,
+    /// dropping with `dropout` when given; its own hook collects the auxiliary losses.
+    pub fn of(&self, dropout: Option<Dropout>, sample_offset: usize) -> ForwardContext {
+        let shared = match dropout {
+            Some(_) => &self.placed,
+            None => &self.plain,
+        };
+        ForwardContext {
+            sample_offset: dropout
+                .as_ref()
+                .map_or(shared.sample_offset, |_| sample_offset),
+            dropout,
+            moe: Some(MoeHook::new()),
+            ..shared.clone()
+        }
+    }
+}
+
 /// `ctx` with the reference transformer's attention reaching across the `cp` ranks over
 /// sequences of `seq` positions, when `par`'s plan splits them (its `context_parallel` rule
 /// names no attention cores: the model's attention runs through the context): each rank then

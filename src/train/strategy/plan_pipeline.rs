@@ -11,7 +11,8 @@
 //!
 //! With a `cp` axis the plan splits every sequence as the job says (`cp_attention`,
 //! `cp_load_balance`): the job's micro-batches hold this rank's positions already, and each
-//! runs in the plan's attention across the ranks (`transformer::split_sequences`).
+//! runs in the plan's attention across the ranks (`transformer::MicroBatchContexts`, worked
+//! out once for the run).
 //!
 //! A mixture-of-experts model's experts are spread over `ep` by the model's own
 //! `expert_parallel` rules, the hottest copied to every ep rank as `moe.replicate_hot` says
@@ -36,7 +37,7 @@ use crate::train::checkpoint::{LocalState, placed_segments};
 use crate::train::config::{GradientReduction, TrainConfig};
 use burn::module::Module;
 use burn::tensor::{Int, Tensor};
-use flashover_models::transformer::{self, LmBatch};
+use flashover_models::transformer::{self, LmBatch, MicroBatchContexts};
 use flashover_models::{ForwardContext, MoeHook, Transformer, TransformerConfig};
 use flashover_parallel::activation_checkpointing::CheckpointPolicy;
 use flashover_parallel::data_parallel::{GradientBuckets, GradientRows, ReductionTiming};
@@ -82,8 +83,9 @@ pub(crate) struct PlanPipeline {
     summed_over: Option<usize>,
     par: Parallelized,
     optim: Optimizer,
-    /// Tokens per sequence (the dropout masks' positions).
-    seq: usize,
+    /// What every micro-batch's forward context shares (the plan's attention across `cp`,
+    /// this rank's part of the dropout masks), worked out once.
+    contexts: MicroBatchContexts,
     /// A mixture-of-experts model's routing: what the step's counts are summed over.
     moe: Option<Routing>,
 }
@@ -197,9 +199,13 @@ pub(crate) fn build(
         optim,
         device,
         summed_over: sum.then(|| grad_group.size()),
+        contexts: {
+            let seq = config.data.seq_len;
+            let local_seq = par.sequences().positions(seq)?.len();
+            MicroBatchContexts::new(&par, &model, seq, local_seq)?
+        },
         model,
         par,
-        seq: config.data.seq_len,
         moe: model_config.moe.as_ref().map(|moe| Routing {
             batch: grad_group.clone(),
             shape: [model_config.n_layers, moe.n_experts],
@@ -223,22 +229,12 @@ impl PlanPipeline {
     fn micro_batch(
         &self,
         (inputs, targets, fwd): (Tensor<2, Int>, Tensor<2, Int>, ForwardContext),
-    ) -> Result<LmBatch, RankError> {
-        // The positions the tp ranks split under sequence parallelism: this rank's share of
-        // each sequence (all of it without cp).
-        let local_seq = inputs.dims()[1];
-        let ctx = match fwd.dropout {
-            Some(dropout) => {
-                transformer::dropout_context(&self.model, dropout, fwd.sample_offset, local_seq)
-            }
-            None => transformer::forward_context(),
-        };
-        let ctx = transformer::split_sequences(&self.par, &self.model, ctx, self.seq)?;
-        Ok(LmBatch {
+    ) -> LmBatch {
+        LmBatch {
             inputs,
             targets,
-            ctx,
-        })
+            ctx: self.contexts.of(fwd.dropout, fwd.sample_offset),
+        }
     }
 }
 
@@ -265,7 +261,7 @@ impl PlanPipeline {
         let attention_before = self.par.sequences().attention_work();
         let data = (0..micro_batches)
             .map(|k| {
-                let mut batch = self.micro_batch(batches(k))?;
+                let mut batch = self.micro_batch(batches(k));
                 if let Some(hook) = &routing {
                     batch.ctx.moe = Some(hook.clone());
                 }

@@ -232,9 +232,7 @@ impl GroupShared {
         desc: OpDesc,
         published: Published,
     ) -> CommResult<(u64, Vec<Published>)> {
-        let n = self.size();
         let start = Instant::now();
-        let deadline = start + self.world.timeout;
         let kind = desc.kind;
         let mut st = lock(&self.state);
         if let Some(cause) = &st.poison {
@@ -252,38 +250,41 @@ impl GroupShared {
                     earlier.desc.kind
                 ),
             };
-            st.poison = Some(err.clone());
-            drop(st);
-            self.changed.notify_all();
-            return Err(err);
+            return self.fail(st, err);
         }
         st.entries[me] = Some(Entry { desc, published });
         st.entered += 1;
-        if st.entered == n {
-            let entries: Vec<Entry> = st
-                .entries
-                .iter_mut()
-                .map(|e| e.take().expect("entered"))
-                .collect();
-            st.entered = 0;
-            if let Err(detail) = self.validate(&entries) {
-                let err = CommError::Mismatch {
-                    group: self.name.clone(),
-                    seq,
-                    detail,
-                };
-                st.poison = Some(err.clone());
-                drop(st);
-                self.changed.notify_all();
-                return Err(err);
-            }
-            st.released = entries.iter().map(|e| e.published).collect();
-            st.seq += 1;
-            let released = st.released.clone();
-            drop(st);
-            self.changed.notify_all();
-            return Ok((seq, released));
+        if st.entered < self.size() {
+            return self.await_release(st, seq, kind, start);
         }
+        // The last rank in: check the calls match and release them all.
+        let entries: Vec<Entry> = (st.entries.iter_mut())
+            .map(|e| e.take().expect("entered"))
+            .collect();
+        st.entered = 0;
+        if let Err(detail) = self.validate(&entries) {
+            let group = self.name.clone();
+            return self.fail(st, CommError::Mismatch { group, seq, detail });
+        }
+        st.released = entries.iter().map(|e| e.published).collect();
+        st.seq += 1;
+        let released = st.released.clone();
+        drop(st);
+        self.changed.notify_all();
+        Ok((seq, released))
+    }
+
+    /// Waits (holding `st`'s lock between wake-ups) until op `seq`, a `kind` this rank entered
+    /// at `start`, is released by the last rank in, or fails: poisoned meanwhile, a missing
+    /// rank departed, or the deadline passed with ranks missing.
+    fn await_release(
+        &self,
+        mut st: MutexGuard<'_, RendezvousState>,
+        seq: u64,
+        kind: OpKind,
+        start: Instant,
+    ) -> CommResult<(u64, Vec<Published>)> {
+        let deadline = start + self.world.timeout;
         loop {
             if st.seq != seq {
                 return Ok((seq, st.released.clone()));
@@ -292,6 +293,7 @@ impl GroupShared {
                 // Poisoned while this op was gathering: the cause is this op's failure.
                 return Err(cause.clone());
             }
+            let n = self.size();
             let missing: Vec<usize> = (0..n).filter(|&r| st.entries[r].is_none()).collect();
             if let Some(&gone) = missing.iter().find(|&&r| st.departed[r].is_some()) {
                 let err = CommError::PeerLeft {
@@ -300,10 +302,7 @@ impl GroupShared {
                     rank: self.members[gone],
                     reason: st.departed[gone].clone().unwrap_or_default(),
                 };
-                st.poison = Some(err.clone());
-                drop(st);
-                self.changed.notify_all();
-                return Err(err);
+                return self.fail(st, err);
             }
             let now = Instant::now();
             if now >= deadline {
@@ -318,10 +317,7 @@ impl GroupShared {
                         .collect(),
                     waited: now - start,
                 };
-                st.poison = Some(err.clone());
-                drop(st);
-                self.changed.notify_all();
-                return Err(err);
+                return self.fail(st, err);
             }
             st = self
                 .changed
@@ -329,6 +325,15 @@ impl GroupShared {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+    }
+
+    /// Poisons the group with `err` (every rank's pending and later ops fail with it), wakes
+    /// the ranks waiting and returns it.
+    fn fail<T>(&self, mut st: MutexGuard<'_, RendezvousState>, err: CommError) -> CommResult<T> {
+        st.poison = Some(err.clone());
+        drop(st);
+        self.changed.notify_all();
+        Err(err)
     }
 
     /// Checks that every rank made the same call; the message lists each rank's call.

@@ -172,14 +172,7 @@ pub fn parallelize<M: Module>(
     let whole_reads = WholeReads::default();
     let units = UnitGathers::default();
     units.set_vectors(&layout);
-    // Routed experts are sharded too: their layer gathers them all at once on every rank,
-    // whatever the routing (`expert_parallel::MoeForward`).
-    // No layer is recognised by its type: a parameter stays whole only where the plan says so.
-    let kept_whole: BTreeSet<String> = (layout.slots.iter())
-        .map(|slot| slot.name.clone())
-        .filter(|name| plan.keep_whole.iter().any(|p| p.contains(name)))
-        .filter(|name| plan.shard_path(name).is_some())
-        .collect();
+    let kept_whole = kept_whole(plan, &layout);
     let context = plan
         .context_parallel
         .as_ref()
@@ -217,35 +210,10 @@ pub fn parallelize<M: Module>(
     let sharded = rows_over_fsdp(&placements, &layout);
     experts.check_unsharded(&layout, &sharded)?;
     if let Some(stages) = &mut stages {
-        // A pipeline's layers are units: each gathers its sharded parameters at once.
-        if stages.splits_backward() && sharded.iter().any(|s| *s) {
-            return Err(ParallelError::Invalid(
-                "pipeline schedule: zb-h1 defers a layer's weight gradient past the layer's \
-                 backward, where a fully sharded weight's gradient is reduce-scattered to its \
-                 shards: use zb-h1 without fully_shard, or 1f1b with it"
-                    .into(),
-            ));
-        }
-        stages.gather_layers(units.clone(), ctx.group(Axis::Fsdp), &sharded);
-        stages.compute_in(policy);
-        if let Some((copies, _)) = &experts.hot {
-            stages.hand_gradients_to(copies.clone());
-        }
+        let hot = experts.hot.as_ref().map(|(copies, _)| copies.clone());
+        stages_as_units(stages, units.clone(), &sharded, policy, hot, ctx)?;
     }
-    // The units: every sharded parameter this rank holds (not another stage's or ep rank's).
-    let held_shards = layout.slots.iter().zip(&sharded).map(|(s, &sharded)| {
-        (sharded && !absent.by_path.contains_key(&s.name)).then_some(s.name.as_str())
-    });
-    // Units gather in the compute dtype (rounded first: what the compute view reads) and
-    // reduce-scatter in the reduction's, as FSDP2's policy does.
-    let comm = (ctx.group(Axis::Fsdp).size() > 1).then(|| {
-        ShardGroup::with_precision(
-            ctx.group(Axis::Fsdp),
-            policy.param_dtype,
-            policy.reduce_dtype,
-        )
-    });
-    let units = FullyShardedUnits::new(plan, &layout, held_shards, units, comm);
+    let units = fully_sharded_units(plan, &layout, &sharded, &absent, units, policy, ctx);
     let buckets = BucketedReduction::new(
         ctx,
         grad_device(&model, ctx),
@@ -262,32 +230,8 @@ pub fn parallelize<M: Module>(
         pipeline_ranks.clone(),
         experts.traffic.clone(),
     );
-    // Why a loop's buckets wait for the end of backward, whatever the device can do.
-    let after_backward = match &stages {
-        None if !units.paths().is_empty() => Some(
-            "fully sharded units reduce-scatter their gradients themselves; the other \
-             buckets follow backward",
-        ),
-        None if experts.hot.is_some() => {
-            Some("hot-expert copies fold their gradients into their owners' after backward")
-        }
-        None => None,
-        Some(stages) => stages.hooks_ruled_out(),
-    };
-    let held_elsewhere = match stages.is_some() || experts.shares.is_some() {
-        true => Some(HeldElsewhere {
-            group: ctx.subgroup(&[Axis::Pp, Axis::Ep])?,
-            // Each parameter counted on one rank of pp x ep: its stage's, its expert's holder.
-            counted: (0..layout.slots.len())
-                .map(|i| {
-                    stages.as_ref().is_none_or(|s| s.counts(i))
-                        && experts.shares.as_ref().is_none_or(|e| e.counts(i))
-                })
-                .collect(),
-            whole: layout,
-        }),
-        false => None,
-    };
+    let after_backward = after_backward(stages.as_ref(), &units, experts.hot.is_some());
+    let held_elsewhere = held_elsewhere_of(stages.as_ref(), experts.shares.as_ref(), layout, ctx)?;
     let par = Parallelized {
         sharded: ShardedModel {
             placements,
@@ -331,6 +275,113 @@ pub fn parallelize<M: Module>(
             .map(|(replicas, _)| (replicas, ctx.group(Axis::Ep).clone())),
     };
     Ok((model, par))
+}
+
+/// The parameters under the plan's `fully_shard` paths that its `keep_whole` rule leaves
+/// whole, by path. No layer is recognised by its type: a parameter stays whole only where the
+/// plan says so (routed experts are sharded too: their layer gathers them all at once on
+/// every rank, whatever the routing, `expert_parallel::MoeForward`).
+fn kept_whole(plan: &ParallelizePlan, layout: &ParamLayout) -> BTreeSet<String> {
+    (layout.slots.iter())
+        .map(|slot| slot.name.clone())
+        .filter(|name| plan.keep_whole.iter().any(|p| p.contains(name)))
+        .filter(|name| plan.shard_path(name).is_some())
+        .collect()
+}
+
+/// A pipeline's layers made units (each gathers its parameters `sharded` marks at once),
+/// computing in `policy`, with `hot` expert copies' gradients handed to them; refuses zb-h1
+/// over sharded parameters.
+fn stages_as_units(
+    stages: &mut Stages,
+    units: UnitGathers,
+    sharded: &[bool],
+    policy: crate::precision::MixedPrecision,
+    hot: Option<crate::expert_parallel::Replicas>,
+    ctx: &RankContext,
+) -> Result<(), ParallelError> {
+    if stages.splits_backward() && sharded.iter().any(|s| *s) {
+        return Err(ParallelError::Invalid(
+            "pipeline schedule: zb-h1 defers a layer's weight gradient past the layer's \
+             backward, where a fully sharded weight's gradient is reduce-scattered to its \
+             shards: use zb-h1 without fully_shard, or 1f1b with it"
+                .into(),
+        ));
+    }
+    stages.gather_layers(units, ctx.group(Axis::Fsdp), sharded);
+    stages.compute_in(policy);
+    if let Some(copies) = hot {
+        stages.hand_gradients_to(copies);
+    }
+    Ok(())
+}
+
+/// The fully sharded units: every parameter `sharded` marks that this rank holds (not another
+/// stage's or ep rank's). They gather in the compute dtype (rounded first: what the compute
+/// view reads) and reduce-scatter in the reduction's, as FSDP2's policy does.
+fn fully_sharded_units(
+    plan: &ParallelizePlan,
+    layout: &ParamLayout,
+    sharded: &[bool],
+    absent: &Absent,
+    units: UnitGathers,
+    policy: crate::precision::MixedPrecision,
+    ctx: &RankContext,
+) -> FullyShardedUnits {
+    let held_shards = layout.slots.iter().zip(sharded).map(|(s, &sharded)| {
+        (sharded && !absent.by_path.contains_key(&s.name)).then_some(s.name.as_str())
+    });
+    let comm = (ctx.group(Axis::Fsdp).size() > 1).then(|| {
+        ShardGroup::with_precision(
+            ctx.group(Axis::Fsdp),
+            policy.param_dtype,
+            policy.reduce_dtype,
+        )
+    });
+    FullyShardedUnits::new(plan, layout, held_shards, units, comm)
+}
+
+/// Why a loop of one's own reduces its buckets after backward whatever the device can do, if
+/// it does: fully sharded units or hot-expert copies without a pipeline, or what the
+/// pipeline's schedule rules out.
+fn after_backward(
+    stages: Option<&Stages>,
+    units: &FullyShardedUnits,
+    hot_experts: bool,
+) -> Option<&'static str> {
+    match stages {
+        None if !units.paths().is_empty() => Some(
+            "fully sharded units reduce-scatter their gradients themselves; the other \
+             buckets follow backward",
+        ),
+        None if hot_experts => {
+            Some("hot-expert copies fold their gradients into their owners' after backward")
+        }
+        None => None,
+        Some(stages) => stages.hooks_ruled_out(),
+    }
+}
+
+/// For a model cut into stages or experts: the ranks that hold its other parts (`pp` x `ep`),
+/// the whole model's parameters `whole`, and which of them this rank counts when the whole
+/// model is gathered (each on one rank: its stage's, its expert's holder). Collective.
+fn held_elsewhere_of(
+    stages: Option<&Stages>,
+    shares: Option<&ExpertShares>,
+    whole: ParamLayout,
+    ctx: &RankContext,
+) -> Result<Option<HeldElsewhere>, ParallelError> {
+    if stages.is_none() && shares.is_none() {
+        return Ok(None);
+    }
+    let counted = (0..whole.slots.len())
+        .map(|i| stages.is_none_or(|s| s.counts(i)) && shares.is_none_or(|e| e.counts(i)))
+        .collect();
+    Ok(Some(HeldElsewhere {
+        group: ctx.subgroup(&[Axis::Pp, Axis::Ep])?,
+        whole,
+        counted,
+    }))
 }
 
 /// `plan`'s dropout draws on this mesh, and what they cannot place: [`crate::nn`]'s dropout
