@@ -459,6 +459,38 @@ fn reduce_on_device<T: cudarc::nccl::NcclType>(
     status.map(drop).map_err(|e| format!("{e:?}"))
 }
 
+/// An all-to-all on the communicator's stream: `send_counts[peer]` elements of `dtype` from
+/// `send` (end to end, in peer order) to each peer, `recv_counts[peer]` from each into `recv`.
+/// One NCCL group of sends and receives, so no pair waits on another.
+fn all_to_all_on_device(
+    stream: &Arc<CudaStream>,
+    comm: &Comm,
+    (send, send_counts): (u64, &[usize]),
+    (recv, recv_counts): (u64, &[usize]),
+    dtype: DType,
+) -> Result<(), String> {
+    let err = |e: &dyn std::fmt::Debug| format!("{e:?}");
+    let bytes =
+        |ptr: u64, count: usize, dtype: DType| foreign::<u8>(stream, ptr, count * dtype.size());
+    let size = dtype.size() as u64;
+    cudarc::nccl::group_start().map_err(|e| err(&e))?;
+    let (mut s_at, mut r_at) = (send, recv);
+    let mut posted = Ok(());
+    for (peer, (&s, &r)) in send_counts.iter().zip(recv_counts).enumerate() {
+        if s > 0 && posted.is_ok() {
+            posted = comm.send(&bytes(s_at, s, dtype), peer as i32).map(drop);
+        }
+        if r > 0 && posted.is_ok() {
+            posted = comm.recv(&mut bytes(r_at, r, dtype), peer as i32).map(drop);
+        }
+        s_at += s as u64 * size;
+        r_at += r as u64 * size;
+    }
+    let ended = cudarc::nccl::group_end();
+    posted.map_err(|e| err(&e))?;
+    ended.map(drop).map_err(|e| err(&e))
+}
+
 /// `job` on the communicator's stream (the caller synchronises it).
 fn on_device(stream: &Arc<CudaStream>, comm: &Comm, job: DeviceJob) -> Result<(), String> {
     let err = |e: &dyn std::fmt::Debug| format!("{e:?}");
@@ -495,26 +527,13 @@ fn on_device(stream: &Arc<CudaStream>, comm: &Comm, job: DeviceJob) -> Result<()
             recv,
             recv_counts,
             dtype,
-        } => {
-            // One NCCL group of sends and receives, so no pair waits on another.
-            let size = dtype.size() as u64;
-            cudarc::nccl::group_start().map_err(|e| err(&e))?;
-            let (mut s_at, mut r_at) = (send, recv);
-            let mut posted = Ok(());
-            for (peer, (&s, &r)) in send_counts.iter().zip(&recv_counts).enumerate() {
-                if s > 0 && posted.is_ok() {
-                    posted = comm.send(&bytes(s_at, s, dtype), peer as i32).map(drop);
-                }
-                if r > 0 && posted.is_ok() {
-                    posted = comm.recv(&mut bytes(r_at, r, dtype), peer as i32).map(drop);
-                }
-                s_at += s as u64 * size;
-                r_at += r as u64 * size;
-            }
-            let ended = cudarc::nccl::group_end();
-            posted.map_err(|e| err(&e))?;
-            ended.map(drop).map_err(|e| err(&e))
-        }
+        } => all_to_all_on_device(
+            stream,
+            comm,
+            (send, &send_counts),
+            (recv, &recv_counts),
+            dtype,
+        ),
         DeviceJob::Send(ptr, count, dtype, dst) => comm
             .send(&bytes(ptr, count, dtype), dst as i32)
             .map_err(|e| err(&e)),
