@@ -92,7 +92,7 @@ struct ReduceSet {
     row_groups: Option<(Group, Option<Group>)>,
 }
 
-/// Where a rank's rows of the reduced gradients are, under [`GradientBuckets::rows`].
+/// Where a rank's rows of the reduced gradients are, under [`crate::plan::GradientBuckets::rows`].
 pub struct GradientRowLayout {
     /// The axis the rows are cut over.
     pub axis: Axis,
