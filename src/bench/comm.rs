@@ -123,8 +123,11 @@ enum Variant {
     Raw,
     /// On reused buffers, each call seen by a flight recorder.
     Flight,
-    /// On Flex tensors through [`TensorCollectives`].
+    /// On Flex tensors through [`TensorCollectives`], handed over by value.
     Tensor,
+    /// The same, on tensors another value still holds (a parameter the model keeps, a
+    /// gradient a bucket still holds): the call may not reuse their buffers.
+    SharedTensor,
 }
 
 impl Variant {
@@ -133,6 +136,7 @@ impl Variant {
             Variant::Raw => "thread",
             Variant::Flight => "thread+flight",
             Variant::Tensor => "thread+tensor",
+            Variant::SharedTensor => "thread+shared-tensor",
         }
     }
 }
@@ -163,8 +167,10 @@ fn time_thread_collective(
                         group = group.recorded(FlightRecorder::new(rank, 256));
                     }
                     match variant {
-                        Variant::Tensor => {
-                            time_tensor_on_rank(&*group, op, bytes, target, &Device::flex())
+                        Variant::Tensor | Variant::SharedTensor => {
+                            let shared = variant == Variant::SharedTensor;
+                            let device = Device::flex();
+                            time_tensor_on_rank(&*group, op, bytes, target, &device, shared)
                         }
                         _ => time_on_rank(&*group, op, bytes, target),
                     }
@@ -218,13 +224,15 @@ fn time_on_rank(c: &dyn Communicator, op: OpKind, bytes: usize, target: Duration
 /// them: each call is handed a fresh tensor (as a gradient or shard is handed over; made, and
 /// the result dropped, outside the timed region, with a barrier between) and returns a new one,
 /// its device synchronised before the clock stops. All-to-all moves equal blocks of rows, as
-/// the raw bench's equal counts do.
+/// the raw bench's equal counts do. `shared`: a clone of each input is kept until the call
+/// returns (another value still holds the tensor).
 fn time_tensor_on_rank(
     c: &dyn Communicator,
     op: OpKind,
     bytes: usize,
     target: Duration,
     device: &Device,
+    shared: bool,
 ) -> f64 {
     let n = c.size();
     let elems = bytes / 4;
@@ -239,6 +247,7 @@ fn time_tensor_on_rank(
         let mut total = 0.0;
         for _ in 0..iters {
             let input = Tensor::<1>::ones([send_len], device);
+            let held = shared.then(|| input.clone());
             device.sync().expect("device");
             c.barrier().expect("barrier");
             let t = Instant::now();
@@ -253,7 +262,7 @@ fn time_tensor_on_rank(
             .expect("collective");
             device.sync().expect("device");
             total += t.elapsed().as_secs_f64();
-            drop(out);
+            drop((out, held));
         }
         total
     };
@@ -343,11 +352,12 @@ pub fn run_nccl(
                 slowest(time_on_rank(world, op, bytes, config.target))?,
             )];
             if config.tensors {
-                let on_device = time_tensor_on_rank(world, op, bytes, config.target, device);
+                let on_device = time_tensor_on_rank(world, op, bytes, config.target, device, false);
                 timed.push(("nccl+tensor", slowest(on_device)?));
             }
             if let Some(staged) = &staged {
-                let through_host = time_tensor_on_rank(&**staged, op, bytes, config.target, device);
+                let through_host =
+                    time_tensor_on_rank(&**staged, op, bytes, config.target, device, false);
                 timed.push(("thread+tensor", through_host));
             }
             for (backend, time_s) in timed {
@@ -386,7 +396,7 @@ pub fn run(config: &CommBenchConfig, mut emit: impl FnMut(&Record)) {
                     variants.push(Variant::Flight);
                 }
                 if config.tensors {
-                    variants.push(Variant::Tensor);
+                    variants.extend([Variant::Tensor, Variant::SharedTensor]);
                 }
                 for variant in variants {
                     let time_s = time_thread_collective(op, world, bytes, config.target, variant);
@@ -423,9 +433,10 @@ mod tests {
         for op in OPS {
             let t = time_collective(op, 3, 48 << 10, Duration::from_millis(5));
             assert!(t > 0.0 && t.is_finite(), "{op}: {t}");
-            let t =
-                time_thread_collective(op, 3, 48 << 10, Duration::from_millis(5), Variant::Tensor);
-            assert!(t > 0.0 && t.is_finite(), "{op} on tensors: {t}");
+            for variant in [Variant::Tensor, Variant::SharedTensor] {
+                let t = time_thread_collective(op, 3, 48 << 10, Duration::from_millis(5), variant);
+                assert!(t > 0.0 && t.is_finite(), "{op} on {variant:?}: {t}");
+            }
         }
     }
 }

@@ -244,9 +244,10 @@ pub struct CommArgs {
     /// (backend `thread+flight`), side by side.
     #[arg(long)]
     flight: bool,
-    /// Time each thread-engine measurement a second time on Flex tensors through
-    /// `TensorCollectives` (backend `thread+tensor`), side by side; with `--backend nccl`, CUDA
-    /// tensors (`nccl+tensor`, and at world size 1 `thread+tensor` on the same tensors).
+    /// Time each thread-engine measurement again on Flex tensors through `TensorCollectives`,
+    /// side by side: handed over by value (backend `thread+tensor`) and still held by another
+    /// value (`thread+shared-tensor`); with `--backend nccl`, CUDA tensors (`nccl+tensor`, and at
+    /// world size 1 `thread+tensor` on the same tensors).
     #[arg(long)]
     tensors: bool,
     /// `thread` (ranks as threads, --worlds), `mpi` (one rank per process: run under
