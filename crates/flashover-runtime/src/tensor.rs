@@ -241,13 +241,35 @@ struct Staged {
 }
 
 /// `tensor`'s values in host memory: its own buffer where the backend can give it up (Flex, a
-/// contiguous tensor nothing else shares), else a copy.
+/// contiguous tensor nothing else shares), one copy of a contiguous Flex tensor another value
+/// still holds, else the backend's copy.
 fn stage<C: Communicator + ?Sized, const D: usize>(
     comm: &C,
     op: OpKind,
     tensor: Tensor<D>,
 ) -> CommResult<Staged> {
-    let (bytes, shape, burn_dtype) = tensor.into_data().into_parts();
+    let shape = tensor.dims().to_vec();
+    // From a clone, so the tensor is still at hand when it is not on Flex (dropped first, so a
+    // tensor nothing else holds is this call's alone).
+    let data = match tensor.clone().try_into_primitive::<Flex>() {
+        Ok(flex) => {
+            drop(tensor);
+            if let Some(bytes) = copy_of_shared(&flex) {
+                let burn_dtype = flex.dtype();
+                transfers::to_host(Cause::Collective, bytes.len());
+                let dtype = checked_dtype(comm, op, burn_dtype)?;
+                return Ok(Staged {
+                    bytes,
+                    shape,
+                    burn_dtype,
+                    dtype,
+                });
+            }
+            flex.into_data()
+        }
+        Err(_) => tensor.into_data(),
+    };
+    let (bytes, shape, burn_dtype) = data.into_parts();
     transfers::to_host(Cause::Collective, bytes.len());
     let dtype = checked_dtype(comm, op, burn_dtype)?;
     Ok(Staged {
@@ -256,6 +278,24 @@ fn stage<C: Communicator + ?Sized, const D: usize>(
         burn_dtype,
         dtype,
     })
+}
+
+/// The values of a contiguous Flex tensor whose buffer another tensor also holds, copied once
+/// into a buffer of the element's width (the engine writes the result there); `None` for a
+/// tensor whose buffer is its own (the engine can take it) or that is not contiguous. Flex's
+/// own `into_data` of a shared buffer copies it into a `Vec<u8>`, which `Bytes` copies again to
+/// align it.
+fn copy_of_shared(flex: &FloatTensor<Flex>) -> Option<Bytes> {
+    if flex.is_unique() {
+        return None;
+    }
+    let (start, end) = flex.layout().contiguous_offsets()?;
+    let size = flex.dtype().size();
+    let range = start * size..end * size;
+    let values = flex.bytes().get(range)?;
+    let mut bytes = output(values.len(), size);
+    bytes.copy_from_slice(values);
+    Some(bytes)
 }
 
 /// Where an engine that only reads a tensor finds its values.

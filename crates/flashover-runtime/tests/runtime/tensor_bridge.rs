@@ -184,6 +184,38 @@ fn a_stream_runs_collectives_in_submission_order_while_the_caller_goes_on() {
     }
 }
 
+/// A tensor another value still holds, whole or a view into a larger buffer, is reduced from a
+/// copy of its own values: the result is the sum, and the holders keep their values.
+#[test]
+fn shared_tensors_and_views_are_reduced_without_touching_their_holders() {
+    let got = launch(2, |ctx| {
+        let r = ctx.rank() as f32;
+        let w = ctx.world();
+        let whole = Tensor::<1>::from_floats([r, r + 1.0, r + 2.0, r + 3.0], ctx.device());
+        // A view of the last two elements (its buffer starts before it).
+        let view = whole.clone().narrow(0, 2, 2);
+        let sum = w.all_reduce_tensor(whole.clone(), ReduceOp::Sum)?;
+        let view_sum = w.all_reduce_tensor(view.clone(), ReduceOp::Sum)?;
+        let from_1 = w.broadcast_tensor(view.clone(), 1)?;
+        Ok::<_, CommError>((
+            values(sum),
+            values(view_sum),
+            values(from_1),
+            values(whole),
+            values(view),
+        ))
+    })
+    .unwrap();
+    for (rank, (sum, view_sum, from_1, whole, view)) in got.into_iter().enumerate() {
+        let r = rank as f32;
+        assert_eq!(sum, vec![1.0, 3.0, 5.0, 7.0]);
+        assert_eq!(view_sum, vec![5.0, 7.0]);
+        assert_eq!(from_1, vec![3.0, 4.0]);
+        assert_eq!(whole, vec![r, r + 1.0, r + 2.0, r + 3.0], "rank {rank}'s tensor");
+        assert_eq!(view, vec![r + 2.0, r + 3.0], "rank {rank}'s view");
+    }
+}
+
 #[test]
 fn traffic_is_counted_per_axis_and_split_into_exposed_and_overlapped() {
     use flashover_runtime::{Axis, CommStream};
