@@ -133,8 +133,9 @@ mod tests {
         comm::run(&config, |_| records += 1);
         assert_eq!(
             records,
-            1 + 3,
-            "memcpy, then the collective on buffers without and with the recorder, and on tensors"
+            1 + 4,
+            "memcpy, then the collective on buffers without and with the recorder, and on tensors \
+             handed over and still held"
         );
         // The memory benchmarks need the counting allocator the `flashover` binary installs.
         let counting = flashover::heap::counting();

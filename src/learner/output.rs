@@ -9,6 +9,7 @@ use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
 use flashover_parallel::ParallelError;
 use flashover_parallel::parallelize::Parallelized;
 use flashover_runtime::TensorCollectives;
+use flashover_runtime::transfers::{Cause, read};
 
 /// A `TrainStep` or `InferenceStep` output that can be put together from the data-parallel
 /// ranks' outputs for their equal shares of a batch. Implemented for burn-train's
@@ -78,8 +79,7 @@ fn all_gather_ints<const D: usize>(
     group: &Group,
 ) -> Result<Tensor<D, Int>, ParallelError> {
     let (device, shape) = (tensor.device(), tensor.dims());
-    let values = tensor
-        .into_data()
+    let values = read(tensor, Cause::Metrics)
         .convert::<i64>()
         .try_into_vec::<i64>()
         .map_err(|e| ParallelError::Invalid(format!("integer tensor: {e:?}")))?;

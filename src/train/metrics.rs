@@ -45,11 +45,13 @@ pub(crate) struct RankMetrics {
     pub axes: [AxisComm; AXIS_BUCKETS],
     /// Byte-level collective calls on host buffers, by purpose.
     pub host_buffers: HostBufferCalls,
+    /// Reads of tensor values to the host on this rank's thread, but collective staging.
+    pub host_reads: u64,
 }
 
 impl RankMetrics {
     /// The fixed fields on the wire, before the axes'.
-    const FIXED_LEN: usize = 22;
+    const FIXED_LEN: usize = 23;
     /// f64s per axis bucket on the wire.
     const AXIS_LEN: usize = 5;
     /// Number of f64s on the wire.
@@ -84,6 +86,7 @@ impl RankMetrics {
             self.host_buffers.staged as f64,
             self.host_buffers.control as f64,
             self.host_buffers.outside_adapter as f64,
+            self.host_reads as f64,
         ];
         let mut wire = [0.0; Self::WIRE_LEN];
         wire[..Self::FIXED_LEN].copy_from_slice(&fixed);
@@ -134,6 +137,7 @@ impl RankMetrics {
                 control: w[20] as u64,
                 outside_adapter: w[21] as u64,
             },
+            host_reads: w[22] as u64,
             axes: std::array::from_fn(|i| {
                 let a = &w[Self::FIXED_LEN + i * Self::AXIS_LEN..][..Self::AXIS_LEN];
                 AxisComm {
@@ -165,6 +169,7 @@ impl RankMetrics {
             device_memory: self.device_memory,
             axes: self.axes,
             host_buffers: self.host_buffers,
+            host_reads: self.host_reads,
         }
     }
 }
@@ -243,6 +248,7 @@ mod tests {
                 control: 6,
                 outside_adapter: 7,
             },
+            host_reads: 9,
         };
         assert_eq!(RankMetrics::from_wire(&m.to_wire()), m);
         let none = RankMetrics::default();

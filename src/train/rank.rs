@@ -15,6 +15,7 @@ use flashover_models::{Dropout, ForwardContext, Transformer, TransformerConfig};
 use flashover_parallel::context_parallel::{AttentionWork, ContextParallel};
 use flashover_parallel::data_parallel::ReductionTiming;
 use flashover_parallel::precision::LossScaler;
+use flashover_runtime::transfers::{self, Cause};
 use flashover_runtime::{Axis, CommunicatorExt, Group, RankContext, RankError, control};
 use std::time::Instant;
 
@@ -126,6 +127,7 @@ impl<'a> Rank<'a> {
         let stats_before = ctx.comm_stats();
         let traffic_before = ctx.traffic_by_axis();
         let buffers_before = ctx.host_buffers().unwrap_or_default();
+        let reads_before = transfers::thread_reads();
         let t0 = Instant::now();
         let attention_before = self
             .context
@@ -172,6 +174,7 @@ impl<'a> Rank<'a> {
                 &ctx.host_buffers().unwrap_or_default(),
                 &buffers_before,
             ),
+            host_reads: reads_since(&reads_before),
         };
         Ok((strategy, outcome, metrics, t0))
     }
@@ -326,6 +329,16 @@ pub(crate) fn train_rank(
     }
     let (buckets, overlap) = strategy.buckets();
     Ok(Some((records, params, buckets, overlap)))
+}
+
+/// The reads of tensor values to the host this thread made since `before`
+/// ([`transfers::thread_reads`]), every cause but collective staging.
+fn reads_since(before: &[u64; Cause::ALL.len()]) -> u64 {
+    let now = transfers::thread_reads();
+    (Cause::ALL.iter().zip(now.iter().zip(before)))
+        .filter(|(cause, _)| **cause != Cause::Collective)
+        .map(|(_, (now, before))| now - before)
+        .sum()
 }
 
 /// Runs the job's fault drills that fire on this rank at the start of `step`: a stall

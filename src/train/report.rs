@@ -145,6 +145,10 @@ pub struct RankTimes {
     pub axes: [AxisComm; AXIS_BUCKETS],
     /// The step's byte-level collective calls on host buffers, by purpose.
     pub host_buffers: HostBufferCalls,
+    /// Reads of tensor values to the host this rank's thread made in the step, every cause
+    /// but collective staging (which `host_buffers` gives): on a GPU each waits for the
+    /// device's queue to drain. The run's summary gives them by cause.
+    pub host_reads: u64,
 }
 
 /// One rank's byte-level collective calls on host buffers in a step, by purpose
@@ -303,6 +307,7 @@ impl TrainReport {
                 t.overlapped_s += r.overlapped_s;
                 t.exposed_comm_s += r.exposed_comm_s;
                 t.idle_s += r.idle_s;
+                t.host_reads += r.host_reads;
                 for (total, axis) in t.axes.iter_mut().zip(&r.axes) {
                     total.add(axis);
                 }
@@ -448,6 +453,17 @@ impl fmt::Display for TrainReport {
                 c.to_device.bytes as f64 / steps / MIB,
             )?;
         }
+        // Steps after the first, as the totals count them.
+        let timed = self.steps.len().saturating_sub(1).max(1) as f64;
+        let reads: Vec<String> = (self.rank_totals().iter())
+            .map(|t| format!("{:.1}", t.host_reads as f64 / timed))
+            .collect();
+        writeln!(
+            f,
+            "  host reads per step on each rank's thread, steps 2..{} (every cause but collective staging): {}",
+            self.steps.len(),
+            reads.join(" / ")
+        )?;
         writeln!(f, "  per rank, steps 2..{} (seconds):", self.steps.len())?;
         writeln!(
             f,

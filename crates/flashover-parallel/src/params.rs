@@ -83,8 +83,7 @@ impl ParamLayout {
 
 /// Host copy of a tensor's values as f32.
 pub fn to_f32<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-    let data = t.into_data();
-    transfers::to_host(Cause::Flat, data.as_bytes().len());
+    let data = transfers::read(t, Cause::Flat);
     match data.as_slice::<f32>() {
         Ok(s) => s.to_vec(),
         Err(_) => data
@@ -97,8 +96,7 @@ pub fn to_f32<const D: usize>(t: Tensor<D>) -> Vec<f32> {
 
 /// Host copy of a tensor's values as f64 (exact for f32 and f64 tensors).
 pub(crate) fn to_f64<const D: usize>(t: Tensor<D>) -> Vec<f64> {
-    let data = t.into_data();
-    transfers::to_host(Cause::Flat, data.as_bytes().len());
+    let data = transfers::read(t, Cause::Flat);
     data.convert::<f64>()
         .try_into_vec::<f64>()
         .expect("converted to f64")

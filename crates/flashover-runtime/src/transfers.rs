@@ -4,11 +4,20 @@
 //! whose tensors are host memory, the same places mark where a GPU would pay.
 //!
 //! The counters are process-wide: ranks running as threads of one process add to the same
-//! ones, so a step's figure is the sum over this process's ranks. What is not counted: the
-//! model's own reads and uploads (index tensors, masks), the data batches, the metrics and
-//! checkpoints.
+//! ones, so a run's figure is the sum over this process's ranks. Reads are also counted per
+//! thread ([`thread_reads`]): a rank's thread reads what its step reads, so a step's reads on
+//! a rank are its thread's (collective staging may run on a communication thread, and is
+//! reported apart anyway).
+//!
+//! Every read of a tensor's values to the host in the step's code (flashover-parallel,
+//! flashover-models, the trainer and the Learner) goes through [`read`] or [`read_scalar`],
+//! which count it; a test fails on a read written any other way there. Not counted yet: uploads
+//! of the model's own (rope tables, masks, index tensors), the data batches, checkpoints.
 
+use burn::tensor::kind::Basic;
+use burn::tensor::{Tensor, TensorData};
 use serde::Serialize;
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Why values crossed between a device and the host.
@@ -21,11 +30,30 @@ pub enum Cause {
     /// takes no kernels) and its results written back, the norm's per-parameter sums, state
     /// that still lives on the host (ZeRO-1/2 rows, hot-expert copies).
     Flat,
+    /// Losses and auxiliary losses read to the host: a pipeline's per-micro-batch sums, a
+    /// mixture-of-experts layer's statistics.
+    Loss,
+    /// Vocabulary-parallel lookups: token ids read to find this rank's rows.
+    Lookup,
+    /// Mixture-of-experts routing computed on the host: the router's logits read.
+    Routing,
+    /// Metrics read for reports (a Learner's outputs).
+    Metrics,
+    /// Set-up and checks before training: shards cut on the host, the split check.
+    SetUp,
 }
 
 impl Cause {
     /// Every cause, in report order.
-    pub const ALL: [Cause; 2] = [Cause::Collective, Cause::Flat];
+    pub const ALL: [Cause; 7] = [
+        Cause::Collective,
+        Cause::Flat,
+        Cause::Loss,
+        Cause::Lookup,
+        Cause::Routing,
+        Cause::Metrics,
+        Cause::SetUp,
+    ];
 
     fn index(self) -> usize {
         self as usize
@@ -36,6 +64,11 @@ impl Cause {
         match self {
             Cause::Collective => "collective staging",
             Cause::Flat => "flat vectors (optimizers, norms)",
+            Cause::Loss => "losses",
+            Cause::Lookup => "vocabulary lookups",
+            Cause::Routing => "expert routing",
+            Cause::Metrics => "metrics",
+            Cause::SetUp => "set-up and checks",
         }
     }
 }
@@ -85,11 +118,41 @@ impl Transfers {
 static COUNTERS: [[AtomicU64; 4]; Cause::ALL.len()] =
     [const { [const { AtomicU64::new(0) }; 4] }; Cause::ALL.len()];
 
+thread_local! {
+    /// Per cause: reads on this thread.
+    static THREAD_READS: Cell<[u64; Cause::ALL.len()]> =
+        const { Cell::new([0; Cause::ALL.len()]) };
+}
+
 /// Records a read of `bytes` from a device to the host.
 pub fn to_host(cause: Cause, bytes: usize) {
     let c = &COUNTERS[cause.index()];
     c[0].fetch_add(1, Ordering::Relaxed);
     c[1].fetch_add(bytes as u64, Ordering::Relaxed);
+    THREAD_READS.with(|r| {
+        let mut reads = r.get();
+        reads[cause.index()] += 1;
+        r.set(reads);
+    });
+}
+
+/// The reads this thread has made so far, per cause (indexed as [`Cause::ALL`]).
+pub fn thread_reads() -> [u64; Cause::ALL.len()] {
+    THREAD_READS.with(Cell::get)
+}
+
+/// `tensor`'s values read to the host, counted as `cause`: the one way the step's code reads
+/// a tensor (on a GPU each read waits for the device's queue to drain).
+pub fn read<const D: usize, K: Basic>(tensor: Tensor<D, K>, cause: Cause) -> TensorData {
+    let data = tensor.into_data();
+    to_host(cause, data.as_bytes().len());
+    data
+}
+
+/// The value of a one-element tensor read to the host as an `f32`, counted as `cause`.
+pub fn read_scalar<const D: usize>(tensor: Tensor<D>, cause: Cause) -> f32 {
+    to_host(cause, tensor.dtype().size());
+    tensor.into_scalar::<f32>()
 }
 
 /// Records a write of `bytes` from the host to a device.
@@ -143,6 +206,11 @@ mod tests {
                 },
                 to_device: Moved { count: 1, bytes: 4 },
             },
+            Crossings::default(),
+            Crossings::default(),
+            Crossings::default(),
+            Crossings::default(),
+            Crossings::default(),
             Crossings::default(),
         ]);
         assert_eq!(exact.since(&Transfers::default()), exact);

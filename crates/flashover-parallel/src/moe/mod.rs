@@ -21,6 +21,7 @@ use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::activation::{sigmoid, silu, softmax};
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
+use flashover_runtime::transfers::{Cause, read, read_scalar};
 
 mod module;
 mod routing;
@@ -375,8 +376,10 @@ impl Moe {
         // Routing runs in f32 under any precision policy (scores, weights, auxiliary losses).
         let logits = self.router.forward(xf.clone()).cast(FloatDType::F32); // [n, e]
         let host = |logits: Tensor<2>| -> Vec<f32> {
-            (logits.into_data().convert::<f32>().try_into_vec::<f32>())
-                .expect("router logits are f32")
+            (read(logits, Cause::Routing)
+                .convert::<f32>()
+                .try_into_vec::<f32>())
+            .expect("router logits are f32")
         };
         let bias = (!self.expert_bias.is_empty()).then_some(self.expert_bias.as_slice());
         // Under context parallelism, the whole sequences are routed (on every rank alike).
@@ -463,7 +466,7 @@ impl Moe {
             let aux = (f * p.reshape([b, e]))
                 .sum()
                 .mul_scalar(e as f64 / b as f64);
-            let value = aux.clone().into_scalar::<f32>() as f64;
+            let value = read_scalar(aux.clone(), Cause::Loss) as f64;
             let (value, weight) = match &whole {
                 Some((_, _, sequence)) => (sequence.sum(value), sequence.ranks() as f64),
                 None => (value, 1.0),
@@ -475,7 +478,7 @@ impl Moe {
             let max = logits.clone().max_dim(1).detach();
             let lse = (logits - max.clone()).exp().sum_dim(1).log() + max;
             let z = lse.powi_scalar(2).mean();
-            values[1] = z.clone().into_scalar::<f32>() as f64;
+            values[1] = read_scalar(z.clone(), Cause::Loss) as f64;
             let z = z.mul_scalar(self.config.z_loss_coef);
             total = Some(match total {
                 Some(a) => a + z,

@@ -14,6 +14,7 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use flashover_comm::ReduceOp;
+use flashover_runtime::transfers::{Cause, read_scalar};
 use flashover_runtime::{Axis, RankContext, TensorCollectives};
 
 /// What [`Parallelized::check_split`] measured on this rank.
@@ -163,7 +164,7 @@ impl Parallelized {
 /// parameter has none), on the host's terms: the loss read once.
 fn loss_and_flat_grads<M: Module>(model: &M, loss: &impl Fn(&M) -> Tensor<1>) -> (f32, Tensor<1>) {
     let value = loss(model);
-    let read = value.clone().into_scalar::<f32>();
+    let read = read_scalar(value.clone(), Cause::SetUp);
     let device = value.device().inner();
     let grads = GradientsParams::from_grads(value.backward(), model);
     let (flat, _) = accumulate_grads(model, &grads, zero_grads(model, &device), &[]);

@@ -7,6 +7,7 @@ use burn::tensor::module::embedding;
 use burn::tensor::{Bool, FloatDType, Int, Tensor, TensorData};
 use flashover_comm::{Group, ReduceOp};
 use flashover_runtime::TensorCollectives;
+use flashover_runtime::transfers::{Cause, read};
 
 /// How activations enter and leave the tensor-parallel regions.
 #[derive(Debug, Clone)]
@@ -90,7 +91,7 @@ impl VocabShard {
         if real < self.rows {
             parts.push(Tensor::zeros([self.rows - real, d], &device));
         }
-        Tensor::from_data(Tensor::cat(parts, 0).into_data(), &device)
+        Tensor::from_data(read(Tensor::cat(parts, 0), Cause::SetUp), &device)
     }
 
     /// Local row of every token (0 where the token is not this rank's), a `[batch, seq, 1]`
@@ -98,9 +99,7 @@ impl VocabShard {
     fn localize(&self, tokens: &Tensor<2, Int>) -> (Tensor<2, Int>, Tensor<3>, Tensor<2, Bool>) {
         let [b, t] = tokens.dims();
         let device = tokens.device();
-        let ids: Vec<i64> = tokens
-            .clone()
-            .into_data()
+        let ids: Vec<i64> = read(tokens.clone(), Cause::Lookup)
             .convert::<i64>()
             .try_to_vec()
             .expect("i64 tokens");

@@ -2,6 +2,7 @@
 
 use crate::error::ParallelError;
 use burn::tensor::Tensor;
+use flashover_runtime::transfers::{Cause, read};
 
 /// Part `rank` of `n` equal parts of `full` along `dim` (outside any graph); fails with the
 /// shape when `dim` does not divide.
@@ -22,5 +23,5 @@ pub fn split_dim<const D: usize>(
     let part = dims[dim] / n;
     // Through host data: a fresh leaf, ready to become a parameter.
     let slice = full.clone().detach().narrow(dim, rank * part, part);
-    Ok(Tensor::from_data(slice.into_data(), &full.device()))
+    Ok(Tensor::from_data(read(slice, Cause::SetUp), &full.device()))
 }

@@ -211,7 +211,11 @@ fn shared_tensors_and_views_are_reduced_without_touching_their_holders() {
         assert_eq!(sum, vec![1.0, 3.0, 5.0, 7.0]);
         assert_eq!(view_sum, vec![5.0, 7.0]);
         assert_eq!(from_1, vec![3.0, 4.0]);
-        assert_eq!(whole, vec![r, r + 1.0, r + 2.0, r + 3.0], "rank {rank}'s tensor");
+        assert_eq!(
+            whole,
+            vec![r, r + 1.0, r + 2.0, r + 3.0],
+            "rank {rank}'s tensor"
+        );
         assert_eq!(view, vec![r + 2.0, r + 3.0], "rank {rank}'s view");
     }
 }

@@ -28,6 +28,7 @@ use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Gradients, Tensor};
 use flashover_comm::Group;
+use flashover_runtime::transfers::{Cause, read_scalar};
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -67,7 +68,7 @@ impl StageOutput {
     fn aux_value(&self) -> f64 {
         match self {
             StageOutput::WithAuxLoss(main, aux) => {
-                aux.clone().into_scalar::<f32>() as f64 + main.aux_value()
+                read_scalar(aux.clone(), Cause::Loss) as f64 + main.aux_value()
             }
             _ => 0.0,
         }
@@ -301,7 +302,7 @@ impl<'a> PipelineExecutor<'a> {
         };
         let report = &mut state.report;
         if let StageOutput::Loss(loss) = out.main() {
-            report.loss_sum += loss.clone().into_scalar::<f32>() as f64;
+            report.loss_sum += read_scalar(loss.clone(), Cause::Loss) as f64;
         }
         report.aux_loss_sum += out.aux_value();
         state.held.outputs.insert(key, (input, out));
