@@ -7,6 +7,28 @@ use flashover_parallel::precision::Precision;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 
+/// When the strategies run the project's CubeCL kernels (`flashover_kernels::KernelUse`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Kernels {
+    /// On a CubeCL device that is a card.
+    Auto,
+    /// On every CubeCL device, CPU adapters included.
+    Always,
+    /// Never: tensor operations and host loops everywhere.
+    Never,
+}
+
+impl Kernels {
+    /// Sets the policy for this process.
+    fn apply(self) {
+        flashover_kernels::set_kernel_use(match self {
+            Kernels::Auto => flashover_kernels::KernelUse::Auto,
+            Kernels::Always => flashover_kernels::KernelUse::Always,
+            Kernels::Never => flashover_kernels::KernelUse::Never,
+        });
+    }
+}
+
 /// Job options shared by `train` and `verify`. Flags override `--config`, which overrides the
 /// built-in defaults.
 #[derive(Debug, Args)]
@@ -41,6 +63,11 @@ pub struct JobArgs {
     /// Compute device: flex, wgpu or cuda (default: BURN_DEVICE, else flex).
     #[arg(long)]
     device: Option<DeviceChoice>,
+    /// When the strategies run the project's CubeCL kernels (the optimizer, the norm, the
+    /// fused sharded ops): `auto` on a GPU and not on a CPU adapter such as lavapipe, `always`
+    /// on every CubeCL device (the GPU path, runnable on lavapipe), `never`.
+    #[arg(long, value_enum, default_value_t = Kernels::Auto)]
+    kernels: Kernels,
     /// Model preset: tiny, small or base.
     #[arg(long)]
     model: Option<String>,
@@ -370,6 +397,7 @@ impl TrainOutputs {
 
 /// `flashover train`.
 pub fn train(args: &JobArgs, outputs: TrainOutputs) -> Result<(), String> {
+    args.kernels.apply();
     let mut config = args.build()?;
     if outputs.log_jsonl.is_some() {
         config.run.log_jsonl = outputs.log_jsonl;
@@ -604,6 +632,7 @@ fn reduced_f32_matmuls(config: &TrainConfig) -> Option<f64> {
 
 /// `flashover verify`.
 pub fn verify(args: &JobArgs, tolerance: Option<f64>) -> Result<bool, String> {
+    args.kernels.apply();
     let config = args.build()?;
     let full_precision = config.precision.policy()?.is_full_precision();
     let reduced_matmuls = full_precision

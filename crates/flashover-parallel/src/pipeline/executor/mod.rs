@@ -28,7 +28,7 @@ use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Gradients, Tensor};
 use flashover_comm::Group;
-use flashover_runtime::transfers::{Cause, read_scalar};
+use flashover_runtime::transfers::{Cause, read};
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -64,13 +64,18 @@ impl StageOutput {
         }
     }
 
-    /// The sum of its auxiliary losses' values (0 without any).
-    fn aux_value(&self) -> f64 {
+    /// The sum of its auxiliary losses, in f32 outside the graph (`None` without any): kept
+    /// on the device, read once with the step's losses.
+    fn aux_total(&self) -> Option<Tensor<1>> {
         match self {
             StageOutput::WithAuxLoss(main, aux) => {
-                read_scalar(aux.clone(), Cause::Loss) as f64 + main.aux_value()
+                let aux = aux.clone().detach().cast(DType::F32);
+                Some(match main.aux_total() {
+                    Some(more) => aux + more,
+                    None => aux,
+                })
             }
-            _ => 0.0,
+            _ => None,
         }
     }
 
@@ -273,6 +278,8 @@ impl<'a> PipelineExecutor<'a> {
             }
             state.report.events.push((*a, t0, Instant::now()));
         }
+        // The step's loss and auxiliary-loss sums, read in one go after its last action.
+        [state.report.loss_sum, state.report.aux_loss_sum] = state.losses.read();
         state.report.wall = started.elapsed();
         debug_assert!(
             state.deferred.is_empty(),
@@ -300,11 +307,13 @@ impl<'a> PipelineExecutor<'a> {
             Some(store) => deferring_in(store, run),
             None => run(),
         };
-        let report = &mut state.report;
         if let StageOutput::Loss(loss) = out.main() {
-            report.loss_sum += read_scalar(loss.clone(), Cause::Loss) as f64;
+            state.losses.add(0, loss.clone().detach().cast(DType::F32));
         }
-        report.aux_loss_sum += out.aux_value();
+        if let Some(aux) = out.aux_total() {
+            state.losses.add(1, aux);
+        }
+        let report = &mut state.report;
         state.held.outputs.insert(key, (input, out));
         report.forward += t0.elapsed();
         report.peak_in_flight = report.peak_in_flight.max(state.held.outputs.len());
@@ -386,8 +395,42 @@ struct StepState {
     deferred: HashMap<(usize, usize), Vec<DeferredWeightGrad>>,
     held: InFlight,
     report: PipelineStepReport,
+    /// The step's loss and auxiliary-loss sums so far, on the device.
+    losses: LossSums,
     /// The gradients' device (the step's, outside autodiff).
     grad_device: Device,
+}
+
+/// A step's sums of the last stage's losses (0) and of every stage's auxiliary losses (1), kept
+/// on the device as the micro-batches run: the host reads them once, after the step's last
+/// action, rather than once per micro-batch.
+#[derive(Default)]
+struct LossSums([Option<Tensor<1>>; 2]);
+
+impl LossSums {
+    /// Adds `value` (a one-element f32 tensor outside the graph) to sum `which`.
+    fn add(&mut self, which: usize, value: Tensor<1>) {
+        self.0[which] = Some(match self.0[which].take() {
+            Some(sum) => sum + value,
+            None => value,
+        });
+    }
+
+    /// Both sums (0 where nothing was added), in one read of the host; none without either.
+    fn read(&mut self) -> [f64; 2] {
+        let device = match self.0.iter().flatten().next() {
+            Some(sum) => sum.device(),
+            None => return [0.0; 2],
+        };
+        let sums = self.0.each_mut().map(|sum| {
+            sum.take()
+                .unwrap_or_else(|| Tensor::zeros([1], &device))
+                .reshape([1])
+        });
+        let values = read(Tensor::cat(sums.to_vec(), 0), Cause::Loss);
+        let values = (values.convert::<f32>().try_into_vec::<f32>()).expect("f32 losses");
+        [values[0] as f64, values[1] as f64]
+    }
 }
 
 impl StepState {
@@ -404,6 +447,7 @@ impl StepState {
             deferred: HashMap::new(),
             held: InFlight::default(),
             report: PipelineStepReport::default(),
+            losses: LossSums::default(),
             grad_device,
         }
     }
