@@ -98,29 +98,14 @@ impl VocabShard {
     /// 0/1 mask of the tokens this rank holds, and a `[batch * seq, 1]` mask of the others.
     fn localize(&self, tokens: &Tensor<2, Int>) -> (Tensor<2, Int>, Tensor<3>, Tensor<2, Bool>) {
         let [b, t] = tokens.dims();
-        let device = tokens.device();
-        let ids: Vec<i64> = read(tokens.clone(), Cause::Lookup)
-            .convert::<i64>()
-            .try_to_vec()
-            .expect("i64 tokens");
-        let range = self.start as i64..(self.start + self.rows) as i64;
-        let local: Vec<i64> = ids
-            .iter()
-            .map(|&i| {
-                if range.contains(&i) {
-                    i - range.start
-                } else {
-                    0
-                }
-            })
-            .collect();
-        let keep: Vec<f32> = ids.iter().map(|i| range.contains(i) as u8 as f32).collect();
-        let other: Vec<bool> = ids.iter().map(|i| !range.contains(i)).collect();
-        (
-            Tensor::from_data(TensorData::new(local, [b, t]), &device),
-            Tensor::from_data(TensorData::new(keep, [b, t, 1]), &device),
-            Tensor::from_data(TensorData::new(other, [b * t, 1]), &device),
-        )
+        let (start, end) = (self.start as i64, (self.start + self.rows) as i64);
+        // On the device: reading the tokens to the host would drain a GPU's queue.
+        let mine =
+            (tokens.clone().greater_equal_elem(start)).bool_and(tokens.clone().lower_elem(end));
+        let local = (tokens.clone().sub_scalar(start)).mask_fill(mine.clone().bool_not(), 0);
+        let keep = mine.clone().float().reshape([b, t, 1]);
+        let other = mine.bool_not().reshape([b * t, 1]);
+        (local, keep, other)
     }
 }
 
