@@ -375,11 +375,10 @@ impl Moe {
         let xf = x.reshape([n, d]);
         // Routing runs in f32 under any precision policy (scores, weights, auxiliary losses).
         let logits = self.router.forward(xf.clone()).cast(FloatDType::F32); // [n, e]
+        // The logits are f32 (cast above), as read.
         let host = |logits: Tensor<2>| -> Vec<f32> {
-            (read(logits, Cause::Routing)
-                .convert::<f32>()
-                .try_into_vec::<f32>())
-            .expect("router logits are f32")
+            let data = read(logits, Cause::Routing);
+            data.try_into_vec::<f32>().expect("router logits are f32")
         };
         let bias = (!self.expert_bias.is_empty()).then_some(self.expert_bias.as_slice());
         // Under context parallelism, the whole sequences are routed (on every rank alike).
