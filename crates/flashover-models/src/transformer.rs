@@ -155,14 +155,13 @@ impl MicroBatchContexts {
     /// The context of a micro-batch whose first sample has global index `sample_offset`,
     /// dropping with `dropout` when given; its own hook collects the auxiliary losses.
     pub fn of(&self, dropout: Option<Dropout>, sample_offset: usize) -> ForwardContext {
-        let shared = match dropout {
-            Some(_) => &self.placed,
-            None => &self.plain,
+        // Without dropout the samples' offset stays 0, as forward_context's.
+        let (shared, sample_offset) = match dropout {
+            Some(_) => (&self.placed, sample_offset),
+            None => (&self.plain, 0),
         };
         ForwardContext {
-            sample_offset: dropout
-                .as_ref()
-                .map_or(shared.sample_offset, |_| sample_offset),
+            sample_offset,
             dropout,
             moe: Some(MoeHook::new()),
             ..shared.clone()

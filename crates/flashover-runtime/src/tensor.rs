@@ -248,33 +248,28 @@ fn stage<C: Communicator + ?Sized, const D: usize>(
     op: OpKind,
     tensor: Tensor<D>,
 ) -> CommResult<Staged> {
-    let shape = tensor.dims().to_vec();
+    let dims = tensor.dims();
+    let parts = |data: TensorData| {
+        let (bytes, shape, burn_dtype) = data.into_parts();
+        (bytes, shape.to_vec(), burn_dtype)
+    };
     // From a clone, so the tensor is still at hand when it is not on Flex (dropped first, so a
     // tensor nothing else holds is this call's alone).
-    let data = match tensor.clone().try_into_primitive::<Flex>() {
+    let (bytes, shape, burn_dtype) = match tensor.clone().try_into_primitive::<Flex>() {
         Ok(flex) => {
             drop(tensor);
-            if let Some(bytes) = copy_of_shared(&flex) {
-                let burn_dtype = flex.dtype();
-                transfers::to_host(Cause::Collective, bytes.len());
-                let dtype = checked_dtype(comm, op, burn_dtype)?;
-                return Ok(Staged {
-                    bytes,
-                    shape,
-                    burn_dtype,
-                    dtype,
-                });
+            match copy_of_shared(&flex) {
+                Some(bytes) => (bytes, dims.to_vec(), flex.dtype()),
+                None => parts(flex.into_data()),
             }
-            flex.into_data()
         }
-        Err(_) => tensor.into_data(),
+        Err(_) => parts(tensor.into_data()),
     };
-    let (bytes, shape, burn_dtype) = data.into_parts();
     transfers::to_host(Cause::Collective, bytes.len());
     let dtype = checked_dtype(comm, op, burn_dtype)?;
     Ok(Staged {
         bytes,
-        shape: shape.to_vec(),
+        shape,
         burn_dtype,
         dtype,
     })

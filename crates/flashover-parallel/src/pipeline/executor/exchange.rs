@@ -31,13 +31,11 @@ impl PipelineExecutor<'_> {
         drop(sends);
         let done = Instant::now();
         let strategy = device.gradient_checkpointing_strategy();
-        for a in store_received(run, boundary, received, held, strategy) {
-            report.events.push((*a, t0, done));
+        let receives = store_received(run, boundary, received, held, strategy);
+        for a in &receives {
+            report.events.push((**a, t0, done));
         }
-        if run
-            .iter()
-            .any(|a| matches!(a.kind, ActionKind::RecvActivation | ActionKind::RecvGrad))
-        {
+        if !receives.is_empty() {
             report.recv_wait += done - t0;
         }
         Ok(())
