@@ -222,7 +222,7 @@ fn pipelined(mesh: &str, plan: &ParallelizePlan, initial: &[f32]) -> (Run, Vec<u
             let out = par
                 .pipeline()?
                 .step(&model, GLOBAL_BATCH, step, &micro_batch, None, &ctx)?; // ~
-            losses.push(out.loss); // ~
+            losses.push(out.scalars.read().loss); // ~
             model = optim.step(LR, model, out.grads);
         }
         let weights = flatten_params(&par.sharded().whole(model)?); // +

@@ -241,7 +241,7 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> (Run, Vec<usize>, usize) {
                     let out =
                         par.pipeline()?
                             .step(&model, GLOBAL_BATCH, step, &micro, clip, &ctx)?; // pp
-                    losses.push(out.loss); // pp
+                    losses.push(out.scalars.read().loss); // pp
                     recomputed += out.recomputed;
                     out.grads // pp
                 };

@@ -328,7 +328,7 @@ fn pipelined(mesh: &str, plan: &ParallelizePlan) -> (Run, Vec<usize>) {
                 let out = par
                     .pipeline()?
                     .step(&model, GLOBAL_BATCH, step, &micro, None, &ctx)?; // +
-                losses.push(out.loss);
+                losses.push(out.scalars.read().loss);
                 model = optim.step(LR, model, out.grads);
             }
             let weights = flatten_params(&par.sharded().whole(model)?); // + (gathers the stages)

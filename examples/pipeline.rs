@@ -121,7 +121,7 @@ fn train_pipeline() -> (Vec<f32>, Vec<f32>, Vec<f64>) {
             let run = par
                 .pipeline()?
                 .step(&model, BATCH, step, &micro_batch, None, &ctx)?; // +
-            losses.push(run.loss);
+            losses.push(run.scalars.read().loss);
             let busy = run.report.forward + run.report.backward;
             bubble = 1.0 - busy.as_secs_f64() / run.report.wall.as_secs_f64();
             // Each rank steps its stage's layers (the others are placeholders without gradients).

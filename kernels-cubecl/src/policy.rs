@@ -14,7 +14,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 pub enum KernelUse {
     /// On a CubeCL device that is a card (its identity names a physical device).
     Auto,
-    /// On every CubeCL device (tests use it to run the kernels on lavapipe).
+    /// On every device: the kernels on a CubeCL device (tests use it to run them on
+    /// lavapipe), their references in tensor ops elsewhere (Flex).
     Always,
     /// Never: tensor operations and host loops everywhere.
     Never,
@@ -34,15 +35,14 @@ pub fn set_kernel_use(policy: KernelUse) {
 }
 
 /// Whether the strategies use the kernels for f32 tensors on `device`, per
-/// [`set_kernel_use`]. Never off a CubeCL device (the kernels exist only there).
+/// [`set_kernel_use`]. Off a CubeCL device only under [`KernelUse::Always`], where each
+/// kernel's reference (the same operation in tensor ops) runs instead: the device path, with
+/// no host loop, on Flex too.
 pub fn uses_kernels(device: &Device) -> bool {
-    if !crate::is_cube_device(device) {
-        return false;
-    }
     match POLICY.load(Ordering::Relaxed) {
         1 => true,
         2 => false,
-        _ => is_card(&device.clone().inner()),
+        _ => crate::is_cube_device(device) && is_card(&device.clone().inner()),
     }
 }
 

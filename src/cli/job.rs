@@ -12,7 +12,8 @@ use std::path::PathBuf;
 pub enum Kernels {
     /// On a CubeCL device that is a card.
     Auto,
-    /// On every CubeCL device, CPU adapters included.
+    /// On every CubeCL device, CPU adapters included; on Flex, their tensor-op references
+    /// (the device path, with no host loop).
     Always,
     /// Never: tensor operations and host loops everywhere.
     Never,
@@ -63,9 +64,10 @@ pub struct JobArgs {
     /// Compute device: flex, wgpu or cuda (default: BURN_DEVICE, else flex).
     #[arg(long)]
     device: Option<DeviceChoice>,
-    /// When the strategies run the project's CubeCL kernels (the optimizer, the norm, the
-    /// fused sharded ops): `auto` on a GPU and not on a CPU adapter such as lavapipe, `always`
-    /// on every CubeCL device (the GPU path, runnable on lavapipe), `never`.
+    /// When the strategies run the project's CubeCL kernels (the optimizer, packing, the
+    /// fused sharded ops): `auto` on a GPU and not on a CPU adapter such as lavapipe or on
+    /// Flex (host loops there), `always` everywhere (the GPU path, runnable on lavapipe; the
+    /// kernels' tensor-op references on Flex), `never`.
     #[arg(long, value_enum, default_value_t = Kernels::Auto)]
     kernels: Kernels,
     /// Model preset: tiny, small or base.

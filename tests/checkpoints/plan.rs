@@ -166,7 +166,7 @@ fn span(
                     let out = par
                         .pipeline()?
                         .step(model, BATCH, step, &micro, None, ctx)?;
-                    Ok((out.loss, out.grads))
+                    Ok((out.scalars.read().loss, out.grads))
                 }
             }
         },

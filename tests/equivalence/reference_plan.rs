@@ -127,7 +127,8 @@ fn parallel_with(
             let out = par
                 .pipeline()?
                 .step(model, GLOBAL_BATCH, step, &micro_batch, clip, ctx)?;
-            (out.grads, out.loss + out.aux_loss, out.norm)
+            let values = out.scalars.read();
+            (out.grads, values.loss + values.aux_loss, values.norm)
         } else {
             let samples = par.data().batch_share(GLOBAL_BATCH, step)?;
             let mut fwd = match p > 0.0 {
@@ -142,7 +143,7 @@ fn parallel_with(
             let loss = par.forward(model, |m| transformer::objective_in(m, x, y, &fwd))?;
             let mean = par.data().mean_loss(loss.clone().into_scalar::<f32>())?;
             let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
-            (grads, mean, norm)
+            (grads, mean, norm.value())
         };
         if let Some(hook) = counted.filter(|_| experts > 0) {
             let loads = par

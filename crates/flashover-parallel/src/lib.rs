@@ -60,5 +60,5 @@ pub mod zero;
 
 pub use error::ParallelError;
 pub use flat_adamw::{FlatAdamW, FlatAdamWConfig, ModuleAdamW};
-pub use grad_clip::{clip_global_norm, clip_scale};
+pub use grad_clip::{GradNorm, clip_global_norm};
 pub use hook::hooks_supported;

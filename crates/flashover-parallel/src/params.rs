@@ -94,14 +94,6 @@ pub fn to_f32<const D: usize>(t: Tensor<D>) -> Vec<f32> {
     }
 }
 
-/// Host copy of a tensor's values as f64 (exact for f32 and f64 tensors).
-pub(crate) fn to_f64<const D: usize>(t: Tensor<D>) -> Vec<f64> {
-    let data = transfers::read(t, Cause::Flat);
-    data.convert::<f64>()
-        .try_into_vec::<f64>()
-        .expect("converted to f64")
-}
-
 /// `tensors` (outside any graph) read to the host as one f32 vector. On a CubeCL device they
 /// are packed into one device buffer first (`flashover_kernels::pack_scaled`): one transfer
 /// and one synchronisation instead of one per tensor. Elsewhere each is read in turn.

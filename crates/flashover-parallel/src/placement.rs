@@ -24,10 +24,12 @@
 //!   and gathering the whole model build on.
 
 use crate::error::ParallelError;
+use crate::grad_clip::{GradNorm, squared_sum};
 use crate::params::{ParamLayout, ParamSlot};
 use burn::module::{Module, ParamId};
-use burn::tensor::{DType, Tensor};
-use flashover_comm::{CommunicatorExt, ReduceOp, control};
+use burn::tensor::{Device, Tensor};
+use flashover_comm::ReduceOp;
+use flashover_runtime::TensorCollectives;
 use flashover_runtime::{Axis, DeviceMesh, RankContext};
 use std::collections::HashMap;
 
@@ -271,33 +273,21 @@ fn missing(id: ParamId) -> ParallelError {
 }
 
 /// The global L2 norm of a gradient held as `parts` (each a parameter's local gradient, flat
-/// on its device, with its entry): the squares of each part this rank counts
-/// ([`ParamPlacement::counted`]) summed on the device, in f64 where the device has it (so the
-/// norm does not depend on how the parameters are cut into parts: ZeRO-1's rows give DDP's
-/// bits), else in f32; the parts' sums read to the host as one vector and accumulated in f64,
-/// summed over the world with one all-reduce of one element.
+/// on `device`, with its entry), on the device: the squares of each part this rank counts
+/// ([`ParamPlacement::counted`]) summed as [`crate::grad_clip`] sums them (f64 where the
+/// device has it), summed over the world with one all-reduce of one element.
 pub fn global_grad_norm<'a>(
     parts: impl IntoIterator<Item = (&'a ParamPlacement, Tensor<1>)>,
+    device: &Device,
     ctx: &RankContext,
-) -> Result<f32, ParallelError> {
+) -> Result<GradNorm, ParallelError> {
     let coord = |a| ctx.coord(a);
-    let sums: Vec<Tensor<1>> = (parts.into_iter())
+    let counted = (parts.into_iter())
         .filter(|(entry, _)| entry.counted(coord))
-        .map(|(_, g)| {
-            let g = match g.device().supports_dtype(DType::F64) {
-                true => g.cast(DType::F64),
-                false => g,
-            };
-            (g.clone() * g).sum()
-        })
-        .collect();
-    let partial = match sums.is_empty() {
-        true => vec![],
-        false => crate::params::to_f64(Tensor::cat(sums, 0)),
-    };
-    let mut sq = [partial.iter().sum::<f64>()];
+        .map(|(_, g)| g);
+    let mut squares = squared_sum(counted, device);
     if ctx.world_size() > 1 {
-        control(|| ctx.world().all_reduce(&mut sq, ReduceOp::Sum))?;
+        squares = ctx.world().all_reduce_tensor(squares, ReduceOp::Sum)?;
     }
-    Ok(sq[0].sqrt() as f32)
+    Ok(GradNorm::from_squares(squares))
 }

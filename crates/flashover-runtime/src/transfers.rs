@@ -37,21 +37,25 @@ pub enum Cause {
     Lookup,
     /// Mixture-of-experts routing computed on the host: the router's logits read.
     Routing,
-    /// Metrics read for reports (a Learner's outputs).
+    /// Metrics read for reports (a Learner's outputs, a step's loss and norm).
     Metrics,
+    /// Loss-scale decisions (f16): whether a step's gradient norm overflowed, read before its
+    /// optimizer step.
+    LossScale,
     /// Set-up and checks before training: shards cut on the host, the split check.
     SetUp,
 }
 
 impl Cause {
     /// Every cause, in report order.
-    pub const ALL: [Cause; 7] = [
+    pub const ALL: [Cause; 8] = [
         Cause::Collective,
         Cause::Flat,
         Cause::Loss,
         Cause::Lookup,
         Cause::Routing,
         Cause::Metrics,
+        Cause::LossScale,
         Cause::SetUp,
     ];
 
@@ -68,6 +72,7 @@ impl Cause {
             Cause::Lookup => "vocabulary lookups",
             Cause::Routing => "expert routing",
             Cause::Metrics => "metrics",
+            Cause::LossScale => "loss-scale decisions",
             Cause::SetUp => "set-up and checks",
         }
     }
@@ -206,6 +211,7 @@ mod tests {
                 },
                 to_device: Moved { count: 1, bytes: 4 },
             },
+            Crossings::default(),
             Crossings::default(),
             Crossings::default(),
             Crossings::default(),

@@ -49,7 +49,7 @@ use flashover_parallel::pipeline::{Schedule, ScheduleKind};
 use flashover_parallel::placement::PlacementTable;
 use flashover_parallel::precision::LossScaler;
 use flashover_parallel::zero::{MemoryReport, RowAdamW};
-use flashover_parallel::{FlatAdamWConfig, ModuleAdamW, clip_scale};
+use flashover_parallel::{FlatAdamWConfig, GradNorm, ModuleAdamW};
 use flashover_runtime::{Axis, CommStats, Group, RankContext, RankError};
 use std::ops::Range;
 use std::time::Duration;
@@ -272,7 +272,7 @@ impl PlanPipeline {
         if let Some(state) = this.par.precision().loss_scale_state() {
             scaler.restore(state);
         }
-        let (mut this, norm) = this.apply_gradients(&out, clip, micro_batches, lr)?;
+        let (mut this, norm_scale) = this.apply_gradients(&out, clip, micro_batches, lr)?;
         let (moe, a2a) = match (&this.moe, routing) {
             (Some(_), Some(hook)) => this.update_routing(hook, ctx, &a2a_before)?,
             _ => (None, Duration::ZERO),
@@ -287,7 +287,7 @@ impl PlanPipeline {
             attention,
             moe,
             a2a,
-            ..this.outcome(out, norm, micro_batches, scheduled)
+            ..this.outcome(out, norm_scale, micro_batches, scheduled)
         };
         Ok((this, outcome))
     }
@@ -333,8 +333,9 @@ impl PlanPipeline {
     }
 
     /// The optimizer step with the schedule's gradients `out` (none on a skipped step), at
-    /// learning rate `lr`; with the global norm before clipping. Where the job sums the
-    /// gradients, they are the plan's means times the summed groups, clipped here to `clip`.
+    /// learning rate `lr`, queued on the device; with what the plan's norm is multiplied by to
+    /// make the step's. Where the job sums the gradients, they are the plan's means times the
+    /// summed groups, clipped here to `clip` (on the device: nothing is read).
     fn apply_gradients(
         mut self: Box<Self>,
         out: &PipelineStep,
@@ -342,17 +343,27 @@ impl PlanPipeline {
         micro_batches: usize,
         lr: f64,
     ) -> Result<(Box<Self>, f32), RankError> {
-        let (norm, scale) = match self.summed_over {
+        // What the gradients are multiplied by: the summed groups, and the clip factor (a
+        // tensor on the device) where the job clips.
+        let (norm_scale, factor) = match self.summed_over {
             Some(ranks) => {
                 let sums = (ranks * micro_batches) as f32;
-                let norm = out.norm * sums;
-                (norm, sums * clip_scale(norm, clip)?.unwrap_or(1.0))
+                let norm = out.scalars.norm().into_tensor().mul_scalar(sums);
+                let factor = match clip {
+                    Some(max) => Some(GradNorm::from_tensor(norm).clip_factor(max)?),
+                    None => None,
+                };
+                (sums, factor)
             }
-            None => (out.norm, 1.0),
+            None => (1.0, None),
         };
-        let scaled = |grads: Tensor<1>| match scale {
-            1.0 => grads,
-            _ => grads.mul_scalar(scale),
+        let scaled = |grads: Tensor<1>| match (&factor, norm_scale) {
+            (Some(factor), sums) => {
+                let n = grads.dims()[0];
+                grads * factor.clone().mul_scalar(sums).expand([n])
+            }
+            (None, 1.0) => grads,
+            (None, sums) => grads.mul_scalar(sums),
         };
         match &mut self.optim {
             Optimizer::Whole { adam, .. } if !out.skipped => {
@@ -366,7 +377,7 @@ impl PlanPipeline {
                 self.model = rows.step(lr, self.model, grads, !out.skipped)?;
             }
         }
-        Ok((self, norm))
+        Ok((self, norm_scale))
     }
 
     /// The step's routing counted by `hook`, summed over the ranks that routed different
@@ -390,15 +401,17 @@ impl PlanPipeline {
         Ok((Some(record), a2a.wait + a2a.transfer))
     }
 
-    /// What the step measured of memory, overlap and recomputation, with its loss and `norm`;
-    /// `scheduled`: a schedule over several stages ran, whose report it carries.
+    /// What the step measured of memory, overlap and recomputation, with its loss and norm
+    /// (the plan's times `norm_scale`), read in the step's one host read; `scheduled`: a
+    /// schedule over several stages ran, whose report it carries.
     fn outcome(
         &self,
         out: PipelineStep,
-        norm: f32,
+        norm_scale: f32,
         micro_batches: usize,
         scheduled: bool,
     ) -> StepOutcome {
+        let values = out.scalars.read();
         let (params, held) = self.held();
         // Under rows the buckets' peak is what the rank held of gradients (a whole one under
         // ZeRO-1's all-reduce; its rows and the buckets in flight under ZeRO-2).
@@ -427,7 +440,10 @@ impl PlanPipeline {
             loss_scale: out.loss_scale,
             skipped: out.skipped,
             // This rank's share's mean (the whole batch's, through the plan's reduction).
-            ..StepOutcome::new(out.loss as f64 * micro_batches as f64, norm)
+            ..StepOutcome::new(
+                values.loss as f64 * micro_batches as f64,
+                values.norm * norm_scale,
+            )
         };
         // One stage (a mixture of experts without `pp`) runs no schedule worth reporting.
         match scheduled {

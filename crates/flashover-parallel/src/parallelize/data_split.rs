@@ -3,7 +3,9 @@
 
 use crate::dropout::draws::Draws;
 use crate::error::ParallelError;
+use burn::tensor::Tensor;
 use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
+use flashover_runtime::TensorCollectives;
 use std::ops::Range;
 
 /// The plan's data split on this rank: the ranks that read different samples and those whose
@@ -88,16 +90,19 @@ impl DataSplit {
     /// over `dp` x `fsdp` x `ep` x `cp`).
     pub fn mean_loss(&self, loss: f32) -> Result<f32, ParallelError> {
         let mut value = [loss];
-        self.mean_over_ranks(&mut value)?;
+        if self.averaged.size() > 1 {
+            control(|| self.averaged.all_reduce(&mut value, ReduceOp::Avg))?;
+        }
         Ok(value[0])
     }
 
-    /// [`Self::mean_loss`] of several values at once.
-    pub(super) fn mean_over_ranks(&self, values: &mut [f32]) -> Result<(), ParallelError> {
-        if self.averaged.size() > 1 {
-            control(|| self.averaged.all_reduce(values, ReduceOp::Avg))?;
+    /// [`Self::mean_loss`] of several values at once, on the device (no host read; a
+    /// collective over the same ranks).
+    pub(super) fn mean_over_ranks(&self, values: Tensor<1>) -> Result<Tensor<1>, ParallelError> {
+        match self.averaged.size() > 1 {
+            true => Ok(self.averaged.all_reduce_tensor(values, ReduceOp::Avg)?),
+            false => Ok(values),
         }
-        Ok(())
     }
 
     /// The ranks that read different samples (`dp` x `fsdp` x `ep`): a global batch is cut

@@ -4,9 +4,11 @@
 //! [`super::Parallelized`] trains in f32 or unscaled loudly, not silently.
 
 use crate::error::ParallelError;
+use crate::grad_clip::GradNorm;
 use crate::precision::{LossScale, LossScaler, MixedPrecision, Precision};
 use burn::module::Module;
 use burn::tensor::{Gradients, Tensor};
+use flashover_runtime::transfers::Cause;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -123,11 +125,13 @@ impl PlanPrecision {
 
     /// After a step's gradients were reduced to their global `norm` (the same on every rank):
     /// whether to apply the step. Under loss scaling an overflow (a norm that is not finite)
-    /// skips it, and a dynamic scale moves as [`LossScaler::update`] says.
-    pub(super) fn apply(&self, norm: f32) -> bool {
+    /// skips it, and a dynamic scale moves as [`LossScaler::update`] says: the one decision
+    /// that reads the norm to the host before the optimizer step (counted as a loss-scale
+    /// read); without loss scaling nothing is read.
+    pub(super) fn apply(&self, norm: &GradNorm) -> bool {
         self.scaler()
             .as_mut()
-            .is_none_or(|scaler| scaler.update(norm.is_finite()))
+            .is_none_or(|scaler| scaler.update(norm.read(Cause::LossScale).is_finite()))
     }
 }
 

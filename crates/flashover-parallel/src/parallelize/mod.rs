@@ -73,7 +73,7 @@ pub use crate::plan::{
 };
 pub use mixed_precision::PlanPrecision;
 pub use pipeline::PipelineModel;
-pub use pipeline_step::{PipelineRunner, PipelineStep};
+pub use pipeline_step::{PipelineRunner, PipelineStep, StepScalars, StepValues};
 pub use reduction::GradientReducer;
 pub use sequences::SequenceSplit;
 use sharded::HeldElsewhere;

@@ -6,6 +6,7 @@ use super::pipeline::{self, PipelineModel, Stages};
 use crate::data_parallel::{BucketedReduction, ReductionReport};
 use crate::dropout::draws::Draws;
 use crate::error::ParallelError;
+use crate::grad_clip::GradNorm;
 use crate::params::{accumulate_grads, grads_from_flat};
 use crate::pipeline::PipelineStepReport;
 use burn::module::Module;
@@ -13,21 +14,16 @@ use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use flashover_comm::Group;
 use flashover_runtime::RankContext;
+use flashover_runtime::transfers::{Cause, read};
 use std::ops::Range;
 
 /// What one [`PipelineRunner::step`] (or [`PipelineRunner::gradients`]) computed.
 pub struct PipelineStep {
     /// This rank's gradients, reduced and clipped as [`Parallelized::gradients`] returns them.
     pub grads: GradientsParams,
-    /// The whole batch's mean loss (of `head_loss`: layers' auxiliary losses are left out),
-    /// the same on every rank.
-    pub loss: f32,
-    /// The whole batch's mean of the layers' auxiliary losses ([`PipelineModel::layer_with_aux`];
-    /// 0 without any): `loss + aux_loss` is the objective trained.
-    pub aux_loss: f32,
-    /// The global gradient norm before clipping (NaN from
-    /// [`PipelineRunner::gradients`], which does not reduce them).
-    pub norm: f32,
+    /// The step's loss, auxiliary loss and gradient norm, on the device: read them with
+    /// [`StepScalars::read`] (one host read), best once the optimizer step is queued.
+    pub scalars: StepScalars,
     /// What the schedule measured on this rank (time in forwards, backwards and waits).
     pub report: PipelineStepReport,
     /// Layer forwards this rank ran again in backward (the plan's activation checkpointing).
@@ -47,6 +43,53 @@ pub struct PipelineStep {
     pub rows: Tensor<1>,
 }
 
+/// A pipelined step's scalars on the device, as one three-element f32 tensor: the loss, the
+/// auxiliary loss and the gradient norm ([`StepValues`] says what each is). A step computes
+/// them without waiting for the device; a report reads them in one go ([`Self::read`]),
+/// after the optimizer step is queued, since on a GPU every read waits for the device queue.
+#[derive(Debug, Clone)]
+pub struct StepScalars(Tensor<1>);
+
+/// [`StepScalars`] read to the host.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepValues {
+    /// The mean loss (of `head_loss`: layers' auxiliary losses are left out): the whole
+    /// batch's from [`PipelineRunner::step`], the same on every rank; this rank's share's
+    /// from [`PipelineRunner::gradients`].
+    pub loss: f32,
+    /// The mean of the layers' auxiliary losses ([`PipelineModel::layer_with_aux`]; 0 without
+    /// any): `loss + aux_loss` is the objective trained.
+    pub aux_loss: f32,
+    /// The global gradient norm before clipping (NaN from [`PipelineRunner::gradients`],
+    /// which does not reduce the gradients).
+    pub norm: f32,
+}
+
+impl StepScalars {
+    /// `losses` (the loss and the auxiliary loss, two f32 elements) and `norm`, on one device.
+    fn new(losses: Tensor<1>, norm: GradNorm) -> Self {
+        StepScalars(Tensor::cat(vec![losses, norm.into_tensor()], 0))
+    }
+
+    /// The gradient norm, on the device (for clipping that the caller does itself).
+    pub fn norm(&self) -> GradNorm {
+        GradNorm::from_tensor(self.0.clone().slice([2..3]))
+    }
+
+    /// The three values on the host: one read (counted as a metric read).
+    pub fn read(&self) -> StepValues {
+        let values = read(self.0.clone(), Cause::Metrics).convert::<f32>();
+        let [loss, aux_loss, norm] = (values.try_into_vec::<f32>().ok())
+            .and_then(|v| <[f32; 3]>::try_from(v).ok())
+            .expect("a step's scalars are three f32 values");
+        StepValues {
+            loss,
+            aux_loss,
+            norm,
+        }
+    }
+}
+
 /// What one run of a rank's pipeline stages computed.
 struct StagesRun {
     /// This rank's gradients in the model's layout on the device, not yet reduced: sums over
@@ -54,8 +97,9 @@ struct StagesRun {
     flat: Tensor<1>,
     /// What `flat` is divided by to make it the unscaled mean over micro-batches.
     divisor: f32,
-    /// The share's mean loss and auxiliary loss (the same on every rank of `pp`).
-    losses: [f32; 2],
+    /// The share's mean loss and auxiliary loss, on the device (the same on every rank of
+    /// `pp`).
+    losses: Tensor<1>,
     report: PipelineStepReport,
     recomputed: usize,
 }
@@ -142,7 +186,7 @@ impl PipelineRunner<'_> {
         self.par.reducer.buckets.begin_step(hooked);
         let hooks = hooked.then_some(&self.par.reducer.buckets);
         let draws = self.par.data_split.draws(step, share.clone());
-        let mut run = self.run_stages(
+        let run = self.run_stages(
             model,
             share,
             Some(&draws),
@@ -152,16 +196,13 @@ impl PipelineRunner<'_> {
             hooks,
             ctx,
         )?;
-        self.par.data_split.mean_over_ranks(&mut run.losses)?;
-        let [loss, aux_loss] = run.losses;
+        let losses = self.par.data_split.mean_over_ranks(run.losses)?;
         let reduced = self
             .par
             .reduce_and_clip(model, run.flat, run.divisor, max_norm, ctx)?;
         Ok(PipelineStep {
             grads: reduced.grads,
-            loss,
-            aux_loss,
-            norm: reduced.norm,
+            scalars: StepScalars::new(losses, reduced.norm),
             report: run.report,
             recomputed: run.recomputed,
             loss_scale,
@@ -208,13 +249,11 @@ impl PipelineRunner<'_> {
             ctx,
         )?;
         let flat = run.flat.div_scalar(run.divisor);
-        let [loss, aux_loss] = run.losses;
+        let no_norm = Tensor::full([1], f32::NAN, &run.losses.device());
         Ok(PipelineStep {
             grads: grads_from_flat(model, &flat),
             rows: Tensor::zeros([0], &flat.device()),
-            loss,
-            aux_loss,
-            norm: f32::NAN,
+            scalars: StepScalars::new(run.losses, GradNorm::from_tensor(no_norm)),
             report: run.report,
             recomputed: run.recomputed,
             loss_scale,

@@ -5,11 +5,11 @@
 use super::Parallelized;
 use super::loop_overlap::LoopOverlap;
 use super::replica_check::ReplicaCheck;
-use crate::clip_scale;
 use crate::data_parallel::{
     BucketedReduction, GradientRowLayout, ReductionReport, ReductionTiming,
 };
 use crate::error::ParallelError;
+use crate::grad_clip::{GradNorm, clipped};
 use crate::params::{accumulate_grads, grads_from_flat, part, zero_grads};
 use crate::placement::global_grad_norm;
 use burn::module::Module;
@@ -75,8 +75,8 @@ pub(super) struct Reduced {
     /// Under gradient rows: this rank's rows (and `grads` empty); empty otherwise, and on a
     /// step that does not apply.
     pub(super) rows: Tensor<1>,
-    /// The global norm before clipping.
-    pub(super) norm: f32,
+    /// The global norm before clipping, on the device.
+    pub(super) norm: GradNorm,
     /// Whether the step applies (false: a scaled gradient overflowed).
     pub(super) applied: bool,
     pub(super) report: ReductionReport,
@@ -100,8 +100,9 @@ impl Parallelized {
     /// and read different samples (the placements say which) and divided by the number of
     /// data ranks. Then, with `max_norm`, clipped by their global norm (every element of the
     /// whole model counted once): scaled by `max_norm / (norm + 1e-6)` when `norm > max_norm`,
-    /// as [`crate::clip_global_norm`] does on one device. Returns them with the norm before
-    /// clipping. Under a `mixed_precision` that scales the loss, the gradients of
+    /// as [`crate::clip_global_norm`] does on one device, all on the device. Returns them with
+    /// the norm before clipping, on the device too ([`GradNorm::value`] reads it: on a GPU, a
+    /// wait for the device queue, best after the optimizer step is queued). Under a `mixed_precision` that scales the loss, the gradients of
     /// [`Self::backward`] are unscaled first, and a step whose norm overflowed (not finite)
     /// returns no gradients (an optimizer step with them changes nothing) and moves the
     /// scale. Fails under a `mixed_precision` whose forward ran outside [`Self::forward`] or
@@ -119,7 +120,7 @@ impl Parallelized {
         backward: Gradients,
         max_norm: Option<f32>,
         ctx: &RankContext,
-    ) -> Result<(GradientsParams, f32), ParallelError> {
+    ) -> Result<(GradientsParams, GradNorm), ParallelError> {
         let grads = self.taken_gradients(model, backward)?;
         self.reduce_gradients(model, grads, max_norm, ctx)
     }
@@ -136,7 +137,7 @@ impl Parallelized {
         backward: Gradients,
         max_norm: Option<f32>,
         ctx: &RankContext,
-    ) -> Result<(Tensor<1>, f32), ParallelError> {
+    ) -> Result<(Tensor<1>, GradNorm), ParallelError> {
         let grads = self.taken_gradients(model, backward)?;
         let reduced = self.reduce_taken(model, grads, max_norm, ctx, true)?;
         Ok((reduced.rows, reduced.norm))
@@ -171,7 +172,7 @@ impl Parallelized {
         grads: GradientsParams,
         max_norm: Option<f32>,
         ctx: &RankContext,
-    ) -> Result<(GradientsParams, f32), ParallelError> {
+    ) -> Result<(GradientsParams, GradNorm), ParallelError> {
         let reduced = self.reduce_taken(model, grads, max_norm, ctx, false)?;
         Ok((reduced.grads, reduced.norm))
     }
@@ -269,10 +270,10 @@ impl Parallelized {
         }
         let parts =
             (entries.iter()).map(|(slot, entry)| (*entry, part(&values, slot.offset, slot.numel)));
-        let norm = global_grad_norm(parts, ctx)?;
-        let applied = self.precision.apply(norm);
-        if applied && let Some(clip) = clip_scale(norm, max_norm)? {
-            values = values.mul_scalar(clip);
+        let norm = global_grad_norm(parts, &values.device(), ctx)?;
+        let applied = self.precision.apply(&norm);
+        if applied {
+            values = clipped(values, &norm, max_norm)?;
         }
         *self
             .reducer

@@ -188,7 +188,7 @@ fn pipelined_on(
             if let Some(store) = &store {
                 executor = executor.deferring_weight_grads(store.clone());
             }
-            let (flats, report) = executor.step_flat(
+            let (flats, loss_sums, report) = executor.step_flat(
                 &chunks,
                 &boundary(),
                 &device,
@@ -223,7 +223,7 @@ fn pipelined_on(
                     per_layer.push((first + i, w.to_vec()));
                 }
             }
-            let mut l = [report.loss_sum / m as f64];
+            let mut l = [crate::params::to_f32(loss_sums)[0] as f64 / m as f64];
             ctx.world().all_reduce(&mut l, ReduceOp::Sum)?;
             // Only the dp replicas' last stages contributed a loss.
             Ok::<_, ParallelError>((l[0] as f32 / dp.size() as f32, per_layer))
@@ -484,7 +484,7 @@ fn three_stage_step(
     let pp = ctx.group(Axis::Pp);
     let schedule = Schedule::build(kind, 3, m, 1).map_err(ParallelError::Invalid)?;
     let chunks = vec![Stack::new(stage_layers(pp.rank(), 3), &device)];
-    let (_, report) = PipelineExecutor::new(&schedule, pp)?.step_flat(
+    let (_, _, report) = PipelineExecutor::new(&schedule, pp)?.step_flat(
         &chunks,
         &boundary(),
         &device,

@@ -290,7 +290,8 @@ fn trains_as_one_rank_on_every_layout(p: f64) {
                     Some(MAX_NORM),
                     ctx,
                 )?;
-                Ok((out.grads, out.loss, out.norm))
+                let values = out.scalars.read();
+                Ok((out.grads, values.loss, values.norm))
             },
         );
         let (loss, norm, weights) = differences(&run, &reference);

@@ -93,7 +93,7 @@ pub(crate) fn plain_step<M: Module>(
     let loss = loss(model, par.data().batch_share(GLOBAL_BATCH, step)?);
     let mean = par.data().mean_loss(loss.clone().into_scalar::<f32>())?;
     let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
-    Ok((grads, mean, norm))
+    Ok((grads, mean, norm.value()))
 }
 
 /// [`assert_matches`] for a [`Run`] of [`crate::plan_loops`]: losses, gradient norms and

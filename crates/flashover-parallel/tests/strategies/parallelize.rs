@@ -174,7 +174,7 @@ fn a_users_own_checkpoint_call_recomputes_placed_parameters() {
             })?;
             let mean = par.data().mean_loss(loss.into_scalar::<f32>())?;
             let (grads, norm) = par.gradients(model, grads, Some(MAX_NORM), ctx)?;
-            Ok((grads, mean, norm))
+            Ok((grads, mean, norm.value()))
         },
     );
     let (loss, norm, weights) = differences(&run, &reference);
@@ -321,7 +321,7 @@ fn parallel<M: Net>(mesh: &str, plan: ParallelizePlan) -> (Run, Vec<usize>) {
         let loss = loss(model, x, y);
         let mean = par.data().mean_loss(loss.clone().into_scalar::<f32>())?;
         let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
-        Ok((grads, mean, norm))
+        Ok((grads, mean, norm.value()))
     })
 }
 
@@ -569,8 +569,9 @@ pub(crate) fn stack_pipelined_on(
                     Some(MAX_NORM),
                     &ctx,
                 )?;
-                losses.push(out.loss);
-                norms.push(out.norm);
+                let values = out.scalars.read();
+                losses.push(values.loss);
+                norms.push(values.norm);
                 recomputed += out.recomputed;
                 model = optim.step(LR, model, out.grads);
             }
@@ -689,8 +690,9 @@ fn a_users_model_stepped_by_rows_trains_as_one_rank() {
                         &ctx,
                     )?;
                     assert!(out.grads.is_empty(), "rows come in `rows`, not `grads`");
-                    losses.push(out.loss);
-                    norms.push(out.norm);
+                    let values = out.scalars.read();
+                    losses.push(values.loss);
+                    norms.push(values.norm);
                     model = optim.step(LR, model, out.rows, !out.skipped)?;
                 }
                 let whole = flatten_params(&par.sharded().whole(optim.for_step(model)?)?);
@@ -748,7 +750,7 @@ fn a_users_own_loop_stepped_by_rows_trains_as_one_rank() {
                     losses.push(par.data().mean_loss(loss.clone().into_scalar::<f32>())?);
                     let (rows, norm) =
                         par.row_gradients(&model, par.backward(loss), Some(MAX_NORM), &ctx)?;
-                    norms.push(norm);
+                    norms.push(norm.value());
                     let update = rows.dims()[0] > 0;
                     model = optim.step(LR, model, rows, update)?;
                 }
@@ -972,7 +974,7 @@ fn units_train_as_one_rank_on(
                 let loss = par.forward(model, |m| loss(m, &batch(samples, device)))?;
                 let mean = par.data().mean_loss(loss.clone().into_scalar::<f32>())?;
                 let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
-                Ok((grads, mean, norm))
+                Ok((grads, mean, norm.value()))
             },
         );
         let (loss, norm, weights) = differences(&run, &reference);

@@ -237,7 +237,7 @@ fn parallel(mesh: &str, plan: &ParallelizePlan) -> Result<(Vec<f32>, Vec<f32>), 
                         None,
                         &ctx,
                     )?;
-                    (out.loss, out.grads)
+                    (out.scalars.read().loss, out.grads)
                 } else {
                     let loss =
                         model.loss(&micro_batch(par.data().batch_share(GLOBAL_BATCH, step)?));

@@ -253,7 +253,8 @@ fn parallel_counting(
                         par.pipeline()?
                             .step(&model, GLOBAL_BATCH, step, &micro, None, &ctx)?;
                     // The objective trained: the next-token loss and the auxiliary losses.
-                    losses.push(out.loss + out.aux_loss);
+                    let values = out.scalars.read();
+                    losses.push(values.loss + values.aux_loss);
                     out.grads
                 } else {
                     let samples =

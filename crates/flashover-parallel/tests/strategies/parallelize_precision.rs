@@ -123,7 +123,7 @@ fn a_pipelined_plan_scales_the_loss_and_skips_overflowing_steps() {
                                 None,
                                 &ctx,
                             )?;
-                            (out.grads, out.norm, out.loss_scale)
+                            (out.grads, out.scalars.read().norm, out.loss_scale)
                         }
                         true => {
                             let share = GLOBAL_BATCH / par.data().ranks().size();
@@ -136,7 +136,7 @@ fn a_pipelined_plan_scales_the_loss_and_skips_overflowing_steps() {
                                 .gradients(&model, share, &mine, &head, &ctx)?;
                             let (grads, norm) =
                                 par.reduce_gradients(&model, out.grads, None, &ctx)?;
-                            (grads, norm, out.loss_scale)
+                            (grads, norm.value(), out.loss_scale)
                         }
                     };
                     model = optim.step(LR, model, grads);
@@ -187,7 +187,7 @@ fn a_compute_view_inside_the_scope_computes_in_its_dtype() {
             assert_eq!(dtype, burn::tensor::DType::BF16);
             let mean = par.data().mean_loss(loss.clone().into_scalar::<f32>())?;
             let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
-            Ok((grads, mean, norm))
+            Ok((grads, mean, norm.value()))
         })
         .0
     };
@@ -240,7 +240,7 @@ fn stack_loop(mesh: &str, plan: &ParallelizePlan, users_view: bool) -> (Run, Mov
                 losses.push(par.data().mean_loss(loss.clone().into_scalar::<f32>())?);
                 let backward = par.backward(loss);
                 let (grads, norm) = par.gradients(&model, backward, Some(MAX_NORM), &ctx)?;
-                norms.push(norm);
+                norms.push(norm.value());
                 model = optim.step(LR, model, grads);
             }
             let moved = ctx.comm_stats().since(&before);
@@ -354,7 +354,7 @@ fn a_plans_loss_scale_skips_overflowing_steps_and_forwards_outside_it_are_refuse
                 let (grads, norm) = par.gradients(&model, backward, None, &ctx)?;
                 model = optim.step(LR, model, grads);
                 let unchanged = flatten_params(&par.sharded().whole(model.clone())?) == before;
-                steps.push((!norm.is_finite(), scale, unchanged));
+                steps.push((!norm.value().is_finite(), scale, unchanged));
             }
             Ok::<_, ParallelError>(steps)
         })

@@ -331,7 +331,8 @@ fn parallel_model(
                 let out =
                     par.pipeline()?
                         .step(&model, GLOBAL_BATCH, step, &micro_batch, None, &ctx)?;
-                losses.push(out.loss + out.aux_loss);
+                let values = out.scalars.read();
+                losses.push(values.loss + values.aux_loss);
                 recomputed += out.recomputed;
                 model = optim.step(LR, model, out.grads);
             }

@@ -38,7 +38,7 @@ pub(crate) fn reference_loop<M: Module>(
         let device = model.devices()[0].clone().inner();
         let (flat, _) = accumulate_grads(&model, &grads, zero_grads(&model, &device), &[]);
         let (flat, norm) = clip_global_norm(flat, Some(MAX_NORM)).expect("one device");
-        norms.push(norm);
+        norms.push(norm.value());
         let grads = grads_from_flat(&model, &flat);
         model = optim.step(LR, model, grads);
     }

@@ -18,7 +18,8 @@ use crate::zero::units::UnitGathers;
 use crate::zero::units::{Unit, after_input};
 use burn::module::Module;
 use burn::tensor::{Device, Gradients, Tensor};
-use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
+use flashover_comm::{Group, ReduceOp};
+use flashover_runtime::TensorCollectives;
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -40,7 +41,7 @@ impl Stages {
     /// batch, k)` on the last stage): the gradients summed over its chunks and its
     /// micro-batches, of the losses as scaled by `loss_scale` (the caller divides by the
     /// micro-batches and the scale), in `model`'s layout, and the mean loss and auxiliary loss
-    /// of the share (the same on every rank of `pp`). With `hooks`, every forward runs on
+    /// of the share on the device (two f32 elements, the same on every rank of `pp`). With `hooks`, every forward runs on
     /// hooked parameters that hand their gradients to the reduction's buckets during
     /// backward (those are then zero in the returned sums): see [`Self::hooks_allowed`].
     /// With `draws` (the share's), each micro-batch's dropout draws its samples' one-device
@@ -57,7 +58,7 @@ impl Stages {
         head: &HeadLoss<'_, M>,
         loss_scale: Option<f32>,
         hooks: Option<&BucketedReduction>,
-    ) -> Result<(Tensor<1>, [f32; 2], PipelineStepReport), ParallelError>
+    ) -> Result<(Tensor<1>, Tensor<1>, PipelineStepReport), ParallelError>
     where
         M: PipelineModel + Sync + 'static,
     {
@@ -88,7 +89,7 @@ impl Stages {
         let take = |grads: &mut Gradients| self.copies.take_grads(grads);
         let executor = self.executor(&take, hooks, loss_scale, device)?;
         // Every chunk is the same model (its own stages' parameters): sum them in place.
-        let (flats, report) = executor.step_flat(&chunks, &boundary, device, forward)?;
+        let (flats, sums, report) = executor.step_flat(&chunks, &boundary, device, forward)?;
         // A zero-bubble step whose weight gradients were not deferred would silently be 1F1B.
         if self.splits_backward() && report.deferred_weight_grads == 0 {
             return Err(ParallelError::Invalid(
@@ -107,9 +108,9 @@ impl Stages {
             None => flat,
         };
         // The mean loss (the last stage's) and the mean of every stage's auxiliary losses.
-        let mut losses = [report.loss_sum, report.aux_loss_sum].map(|l| l as f32 / m as f32);
+        let mut losses = sums.div_scalar(m as f32);
         if self.pp.size() > 1 {
-            control(|| self.pp.all_reduce(&mut losses, ReduceOp::Sum))?;
+            losses = self.pp.all_reduce_tensor(losses, ReduceOp::Sum)?;
         }
         Ok((flat, losses, report))
     }

@@ -28,7 +28,6 @@ use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Gradients, Tensor};
 use flashover_comm::Group;
-use flashover_runtime::transfers::{Cause, read};
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -65,7 +64,7 @@ impl StageOutput {
     }
 
     /// The sum of its auxiliary losses, in f32 outside the graph (`None` without any): kept
-    /// on the device, read once with the step's losses.
+    /// on the device with the step's losses.
     fn aux_total(&self) -> Option<Tensor<1>> {
         match self {
             StageOutput::WithAuxLoss(main, aux) => {
@@ -94,10 +93,6 @@ impl StageOutput {
 /// What one step measured on this rank.
 #[derive(Debug, Clone, Default)]
 pub struct PipelineStepReport {
-    /// Sum of the micro-batch losses (last virtual stage; 0 elsewhere).
-    pub loss_sum: f64,
-    /// Sum over micro-batches of this rank's stages' auxiliary losses (not in `loss_sum`).
-    pub aux_loss_sum: f64,
     /// Time in forwards.
     pub forward: Duration,
     /// Time in backwards (input- and weight-gradient actions included).
@@ -225,14 +220,16 @@ impl<'a> PipelineExecutor<'a> {
     /// which reads micro-batch `micro` itself). Every boundary carries tensors as `boundary`
     /// says (in order: shape, dtype, whether a gradient comes back), on `device` (an autodiff
     /// device). Returns, per chunk, its gradients averaged over micro-batches in its flat
-    /// layout ([`ParamLayout`]), and what the step measured.
+    /// layout ([`ParamLayout`]); the step's sums of the last stage's losses and of this rank's
+    /// auxiliary losses, on the device (two f32 elements, 0 where none ran: the caller reads
+    /// them when it reports, so the step waits for nothing); and what the step measured.
     pub fn step_flat<M, F>(
         &self,
         chunks: &[M],
         boundary: &[PartSpec],
         device: &Device,
         forward: F,
-    ) -> Result<(Vec<Tensor<1>>, PipelineStepReport), ParallelError>
+    ) -> Result<(Vec<Tensor<1>>, Tensor<1>, PipelineStepReport), ParallelError>
     where
         M: Module,
         F: Fn(usize, &M, Option<Vec<BoundaryTensor>>, usize) -> StageOutput,
@@ -278,8 +275,7 @@ impl<'a> PipelineExecutor<'a> {
             }
             state.report.events.push((*a, t0, Instant::now()));
         }
-        // The step's loss and auxiliary-loss sums, read in one go after its last action.
-        [state.report.loss_sum, state.report.aux_loss_sum] = state.losses.read();
+        let losses = state.losses.sums(&state.grad_device);
         state.report.wall = started.elapsed();
         debug_assert!(
             state.deferred.is_empty(),
@@ -290,7 +286,7 @@ impl<'a> PipelineExecutor<'a> {
             let m = s.micro_batches as f32 * self.loss_scale;
             flats = flats.into_iter().map(|flat| flat.div_scalar(m)).collect();
         }
-        Ok((flats, state.report))
+        Ok((flats, losses, state.report))
     }
 
     /// A forward action: chunk `a.chunk` on micro-batch `a.micro`'s input, its output kept
@@ -402,8 +398,7 @@ struct StepState {
 }
 
 /// A step's sums of the last stage's losses (0) and of every stage's auxiliary losses (1), kept
-/// on the device as the micro-batches run: the host reads them once, after the step's last
-/// action, rather than once per micro-batch.
+/// on the device as the micro-batches run: nothing is read to the host inside the step.
 #[derive(Default)]
 struct LossSums([Option<Tensor<1>>; 2]);
 
@@ -416,20 +411,14 @@ impl LossSums {
         });
     }
 
-    /// Both sums (0 where nothing was added), in one read of the host; none without either.
-    fn read(&mut self) -> [f64; 2] {
-        let device = match self.0.iter().flatten().next() {
-            Some(sum) => sum.device(),
-            None => return [0.0; 2],
-        };
+    /// Both sums as one two-element tensor on `device` (0 where nothing was added).
+    fn sums(&mut self, device: &Device) -> Tensor<1> {
         let sums = self.0.each_mut().map(|sum| {
             sum.take()
-                .unwrap_or_else(|| Tensor::zeros([1], &device))
+                .unwrap_or_else(|| Tensor::zeros([1], device))
                 .reshape([1])
         });
-        let values = read(Tensor::cat(sums.to_vec(), 0), Cause::Loss);
-        let values = (values.convert::<f32>().try_into_vec::<f32>()).expect("f32 losses");
-        [values[0] as f64, values[1] as f64]
+        Tensor::cat(sums.to_vec(), 0)
     }
 }
 
