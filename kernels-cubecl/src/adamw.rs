@@ -1,10 +1,10 @@
 //! AdamW on a flat shard in one pass: the update ZeRO's sharded optimizer applies to the
 //! parameters a rank owns.
 
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-use burn::backend::Cube;
 use burn::backend::{Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
 use burn::tensor::Tensor;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+use burn_cubecl::CubeBackend;
 
 static CUBE_LAUNCHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
@@ -50,9 +50,14 @@ impl AdamWScalars {
     }
 }
 
-#[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")))]
+#[backend_extension(
+    Flex,
+    Cube: cfg(any(feature = "wgpu", feature = "cuda")),
+    Fusion: cfg(any(feature = "wgpu", feature = "cuda"))
+)]
 pub trait AdamWOps: Backend {
     /// `(params, moment_1, moment_2)` after one step with `grads`; all `[n]`.
+    #[fusion(meta = |params, _grads, moment_1, moment_2, _scalars| (params.clone(), moment_1.clone(), moment_2.clone()))]
     fn adamw_step(
         params: FloatTensor<Self>,
         grads: FloatTensor<Self>,
@@ -103,7 +108,7 @@ impl AdamWOps for Flex {
 }
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
-impl AdamWOps for Cube {
+impl AdamWOps for CubeBackend {
     fn adamw_step(
         params: FloatTensor<Self>,
         grads: FloatTensor<Self>,

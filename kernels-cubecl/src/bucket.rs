@@ -49,7 +49,8 @@ pub fn pack_scaled(parts: Vec<Tensor<1>>, scale: f32) -> Tensor<1> {
     assert!(!parts.is_empty(), "pack_scaled needs at least one tensor");
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
     if let Some(cube) = cube_parts(&parts) {
-        return Tensor::from_primitive::<Cube>(crate::cube::pack_scaled(cube, scale));
+        let packed = crate::cube::pack_scaled(cube, scale);
+        return Tensor::from_primitive::<Cube>(crate::fusion_bridge::register(packed));
     }
     pack_scaled_reference(parts, scale)
 }
@@ -78,7 +79,7 @@ pub fn unpack_scaled(flat: Tensor<1>, lens: &[usize], scale: f32) -> Vec<Tensor<
         let pieces = crate::cube::unpack_scaled(cube.remove(0), lens, scale);
         return pieces
             .into_iter()
-            .map(Tensor::from_primitive::<Cube>)
+            .map(|piece| Tensor::from_primitive::<Cube>(crate::fusion_bridge::register(piece)))
             .collect();
     }
     unpack_scaled_reference(flat, lens, scale)
@@ -113,5 +114,6 @@ fn cube_parts(parts: &[Tensor<1>]) -> Option<Vec<burn_cubecl::tensor::CubeTensor
     parts
         .iter()
         .map(|p| p.clone().try_into_primitive::<Cube>().ok())
+        .map(|p| p.map(crate::fusion_bridge::resolve))
         .collect()
 }

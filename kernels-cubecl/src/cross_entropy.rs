@@ -1,15 +1,20 @@
 //! The per-row pieces of a vocabulary-parallel cross-entropy over one rank's vocabulary shard:
 //! the maximum logit, the sum of exponentials shifted by it, and the target's logit.
 
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-use burn::backend::Cube;
 use burn::backend::{Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
 use burn::tensor::{Int, Tensor};
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+use burn_cubecl::CubeBackend;
 
-#[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")))]
+#[backend_extension(
+    Flex,
+    Cube: cfg(any(feature = "wgpu", feature = "cuda")),
+    Fusion: cfg(any(feature = "wgpu", feature = "cuda"))
+)]
 pub trait CrossEntropyOps: Backend {
     /// `logits: [rows, v]`, `targets: [rows]` (local column as f32, negative where the target
     /// is on another rank) -> `(max, sum_exp, target_logit)`, each `[rows]`.
+    #[fusion(meta = |_logits, targets| (targets.clone(), targets.clone(), targets.clone()))]
     fn cross_entropy_pieces(
         logits: FloatTensor<Self>,
         targets: FloatTensor<Self>,
@@ -47,7 +52,7 @@ impl CrossEntropyOps for Flex {
 }
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
-impl CrossEntropyOps for Cube {
+impl CrossEntropyOps for CubeBackend {
     fn cross_entropy_pieces(
         logits: FloatTensor<Self>,
         targets: FloatTensor<Self>,

@@ -36,6 +36,8 @@ mod bucket;
 mod cross_entropy;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod cube;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+pub mod fusion_bridge;
 mod merge;
 mod moe;
 mod policy;

@@ -1,16 +1,21 @@
 //! The online-softmax merge: two partial attention results over disjoint key blocks, each
 //! with the log of its softmax denominator, combined into the result over the union.
 
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-use burn::backend::Cube;
 use burn::backend::{Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
 use burn::tensor::Tensor;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+use burn_cubecl::CubeBackend;
 
 /// The online-softmax merge on a backend's primitives (Flex: the reference; CubeCL: the
 /// kernel); the entry point is [`merge_partials`].
-#[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")))]
+#[backend_extension(
+    Flex,
+    Cube: cfg(any(feature = "wgpu", feature = "cuda")),
+    Fusion: cfg(any(feature = "wgpu", feature = "cuda"))
+)]
 pub trait MergeOps: Backend {
     /// `out_*: [rows, width]`, `lse_*: [rows]` -> the merged `(out, lse)`.
+    #[fusion(meta = |out_a, lse_a, _out_b, _lse_b| (out_a.clone(), lse_a.clone()))]
     fn merge_partials(
         out_a: FloatTensor<Self>,
         lse_a: FloatTensor<Self>,
@@ -54,7 +59,7 @@ impl MergeOps for Flex {
 }
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
-impl MergeOps for Cube {
+impl MergeOps for CubeBackend {
     fn merge_partials(
         out_a: FloatTensor<Self>,
         lse_a: FloatTensor<Self>,

@@ -2,20 +2,26 @@
 //! router's choices, and expert outputs gathered back per token, weighted by the routing
 //! weights (a gather on both sides, so no atomics).
 
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
-use burn::backend::Cube;
 use burn::backend::{Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
 use burn::tensor::{Int, Tensor};
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+use burn_cubecl::CubeBackend;
 
 /// The MoE permutations on a backend's primitives (Flex: the references; CubeCL: the kernels);
 /// the entry points are [`permute_rows`] and [`unpermute_rows`].
-#[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")))]
+#[backend_extension(
+    Flex,
+    Cube: cfg(any(feature = "wgpu", feature = "cuda")),
+    Fusion: cfg(any(feature = "wgpu", feature = "cuda"))
+)]
 pub trait MoePermuteOps: Backend {
     /// `tokens: [rows, d]`, `order: [n]` (source row as f32) -> `[n, d]`.
+    #[fusion(dtype = tokens, shape = burn::tensor::Shape::new([order[0], tokens[1]]))]
     fn permute_rows(tokens: FloatTensor<Self>, order: FloatTensor<Self>) -> FloatTensor<Self>;
 
     /// `outputs: [n, d]`, `positions: [tokens, k]` (row of `outputs` as f32, negative for a
     /// dropped choice), `weights: [tokens, k]` -> `[tokens, d]`.
+    #[fusion(dtype = outputs, shape = burn::tensor::Shape::new([positions[0], outputs[1]]))]
     fn unpermute_rows(
         outputs: FloatTensor<Self>,
         positions: FloatTensor<Self>,
@@ -69,7 +75,7 @@ impl MoePermuteOps for Flex {
 }
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
-impl MoePermuteOps for Cube {
+impl MoePermuteOps for CubeBackend {
     fn permute_rows(tokens: FloatTensor<Self>, order: FloatTensor<Self>) -> FloatTensor<Self> {
         crate::cube::permute_rows(tokens, order)
     }

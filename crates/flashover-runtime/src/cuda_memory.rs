@@ -11,7 +11,9 @@
 //! on the GPU); results are built one-dimensional and reshaped back. An earlier version handed
 //! NCCL the padded buffers and read back wrong values on an H200.
 //!
-//! How it works: the tensor's primitive is burn-cubecl's `CubeTensor`; the buffer's
+//! How it works: the tensor's primitive is a fused tensor (Burn's operation fusion is on), resolved
+//! to burn-cubecl's `CubeTensor` (`flashover_kernels::fusion_bridge`), and results are registered
+//! back as fused tensors; the buffer's
 //! `CUdeviceptr` comes from `ComputeClient::get_resource` with the CUDA server's storage (the
 //! resource keeps the buffer in place while NCCL runs). Taking the resource makes the client's
 //! stream wait for the streams that wrote the buffer; the client is then synchronised before
@@ -29,6 +31,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl_cuda::CudaRuntime;
 use cubecl_runtime::runtime::Runtime;
 use flashover_comm::{CommResult, DType, DeviceCollectives, DeviceTransfer};
+use flashover_kernels::fusion_bridge::{register, resolve};
 
 use crate::tensor::{DeviceOp, Incoming};
 
@@ -52,7 +55,7 @@ fn flat_on_gpu<const D: usize>(
     // Reshaped from a clone so the tensor can still be given back; dropped once the flat view
     // is in hand, so a buffer nothing else shares stays this call's alone (`can_mut`).
     let flat = match tensor.clone().reshape([count]).try_into_primitive::<Cube>() {
-        Ok(flat) => flat,
+        Ok(flat) => resolve(flat),
         Err(_) => return Err(Box::new(tensor)),
     };
     drop(tensor);
@@ -66,7 +69,7 @@ fn flat_on_gpu<const D: usize>(
 
 /// A one-dimensional buffer as a tensor of `shape` (same element count).
 fn shaped<const D: usize>(flat: CubeTensor, shape: [usize; D]) -> Tensor<D> {
-    Tensor::<1>::from_primitive::<Cube>(flat).reshape(shape)
+    Tensor::<1>::from_primitive::<Cube>(register(flat)).reshape(shape)
 }
 
 /// A fresh one-dimensional buffer of `count` elements of `dtype` on `device` (every element is
@@ -75,6 +78,7 @@ fn fresh(count: usize, dtype: BurnDType, device: &Device) -> Option<CubeTensor> 
     Tensor::<1>::empty([count], (device, dtype))
         .try_into_primitive::<Cube>()
         .ok()
+        .map(resolve)
 }
 
 /// Runs `f` with the device address of each buffer, every one kept in place until it returns,
@@ -265,7 +269,7 @@ pub(crate) fn exchange(
     })?;
     Some(result.map(|()| {
         (outs.into_iter())
-            .map(Tensor::<1>::from_primitive::<Cube>)
+            .map(|out| Tensor::<1>::from_primitive::<Cube>(register(out)))
             .collect()
     }))
 }
