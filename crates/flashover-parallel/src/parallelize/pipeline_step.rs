@@ -73,7 +73,7 @@ impl StepScalars {
 
     /// The gradient norm, on the device (for clipping that the caller does itself).
     pub fn norm(&self) -> GradNorm {
-        GradNorm::from_tensor(self.0.clone().slice([2..3]))
+        GradNorm::from_tensor(self.0.clone().narrow(0, 2, 1))
     }
 
     /// The three values on the host: one read (counted as a metric read).
