@@ -74,7 +74,7 @@ pub fn run(
                 let ranks = timed[0].ranks.len();
                 let measured = (0..ranks)
                     .map(|r| {
-                        let idle: f64 = timed.iter().map(|s| s.ranks[r].exposed_comm_s).sum();
+                        let idle: f64 = timed.iter().map(|s| s.ranks[r].bubble_s).sum();
                         let wall: f64 = timed.iter().map(|s| s.ranks[r].pipeline_s).sum();
                         idle / wall
                     })

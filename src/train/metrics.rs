@@ -15,12 +15,8 @@ pub(crate) struct RankMetrics {
     pub loss: f64,
     /// Wall time of the step.
     pub step_s: f64,
-    /// Time in collectives.
-    pub comm_s: f64,
-    /// Of that, hidden behind compute.
-    pub overlapped_s: f64,
-    /// Of that, not hidden.
-    pub exposed_s: f64,
+    /// Pipeline: the schedule's idle part (receive waits and hand-offs).
+    pub bubble_s: f64,
     /// Time waiting at collectives' entry for other ranks.
     pub idle_s: f64,
     /// The global gradient norm this rank computed.
@@ -51,7 +47,7 @@ pub(crate) struct RankMetrics {
 
 impl RankMetrics {
     /// The fixed fields on the wire, before the axes'.
-    const FIXED_LEN: usize = 23;
+    const FIXED_LEN: usize = 21;
     /// f64s per axis bucket on the wire.
     const AXIS_LEN: usize = 5;
     /// Number of f64s on the wire.
@@ -66,9 +62,7 @@ impl RankMetrics {
         let fixed = [
             self.loss,
             self.step_s,
-            self.comm_s,
-            self.overlapped_s,
-            self.exposed_s,
+            self.bubble_s,
             self.idle_s,
             self.grad_norm,
             m.params as f64,
@@ -111,33 +105,31 @@ impl RankMetrics {
         RankMetrics {
             loss: w[0],
             step_s: w[1],
-            comm_s: w[2],
-            overlapped_s: w[3],
-            exposed_s: w[4],
-            idle_s: w[5],
-            grad_norm: w[6],
+            bubble_s: w[2],
+            idle_s: w[3],
+            grad_norm: w[4],
             memory: MemoryReport {
-                params: w[7] as usize,
-                grads: w[8] as usize,
-                optimizer: w[9] as usize,
-                gathered_peak: w[10] as usize,
+                params: w[5] as usize,
+                grads: w[6] as usize,
+                optimizer: w[7] as usize,
+                gathered_peak: w[8] as usize,
             },
-            in_flight: w[11] as usize,
-            pipeline_s: w[12],
-            a2a_s: w[13],
-            attention_s: w[14],
-            attention_scores: w[15] as u64,
-            recomputed_blocks: w[16] as u64,
-            device_memory: (w[17] >= 0.0).then(|| DeviceMemory {
-                in_use: w[17] as u64,
-                reserved: w[18] as u64,
+            in_flight: w[9] as usize,
+            pipeline_s: w[10],
+            a2a_s: w[11],
+            attention_s: w[12],
+            attention_scores: w[13] as u64,
+            recomputed_blocks: w[14] as u64,
+            device_memory: (w[15] >= 0.0).then(|| DeviceMemory {
+                in_use: w[15] as u64,
+                reserved: w[16] as u64,
             }),
             host_buffers: HostBufferCalls {
-                staged: w[19] as u64,
-                control: w[20] as u64,
-                outside_adapter: w[21] as u64,
+                staged: w[17] as u64,
+                control: w[18] as u64,
+                outside_adapter: w[19] as u64,
             },
-            host_reads: w[22] as u64,
+            host_reads: w[20] as u64,
             axes: std::array::from_fn(|i| {
                 let a = &w[Self::FIXED_LEN + i * Self::AXIS_LEN..][..Self::AXIS_LEN];
                 AxisComm {
@@ -153,13 +145,17 @@ impl RankMetrics {
 
     /// This rank's line of the step record.
     fn times(&self, rank: usize) -> RankTimes {
+        // The per-axis figures summed: the summary's two tables then say the same thing.
+        let sum = |f: fn(&AxisComm) -> f64| self.axes.iter().map(f).sum::<f64>();
+        let exposed = sum(|a| a.exposed_s);
         RankTimes {
             rank,
             step_s: self.step_s,
-            compute_s: (self.step_s - self.exposed_s).max(0.0),
-            comm_s: self.comm_s,
-            overlapped_s: self.overlapped_s,
-            exposed_comm_s: self.exposed_s,
+            compute_s: (self.step_s - exposed).max(0.0),
+            comm_s: sum(|a| a.comm_s),
+            overlapped_s: sum(|a| a.overlapped_s),
+            exposed_comm_s: exposed,
+            bubble_s: self.bubble_s,
             idle_s: self.idle_s,
             memory: self.memory,
             in_flight: self.in_flight,
@@ -215,9 +211,7 @@ mod tests {
         let m = RankMetrics {
             loss: 1.5,
             step_s: 2.0,
-            comm_s: 0.5,
-            overlapped_s: 0.25,
-            exposed_s: 0.125,
+            bubble_s: 0.125,
             idle_s: 0.0625,
             grad_norm: 3.0,
             memory: MemoryReport {
@@ -251,6 +245,15 @@ mod tests {
             host_reads: 9,
         };
         assert_eq!(RankMetrics::from_wire(&m.to_wire()), m);
+        // The per-rank line is the per-axis figures summed: the summary's tables agree.
+        let t = m.times(0);
+        let n = AXIS_BUCKETS as f64;
+        let triangle = n * (n - 1.0) / 2.0;
+        assert_eq!(t.comm_s, 0.5 * triangle);
+        assert_eq!(t.overlapped_s, 0.25 * triangle);
+        assert_eq!(t.exposed_comm_s, 0.125 * triangle);
+        assert_eq!(t.compute_s, (m.step_s - t.exposed_comm_s).max(0.0));
+        assert_eq!(t.bubble_s, 0.125);
         let none = RankMetrics::default();
         assert_eq!(RankMetrics::from_wire(&none.to_wire()), none);
     }

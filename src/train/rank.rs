@@ -153,9 +153,7 @@ impl<'a> Rank<'a> {
         let metrics = RankMetrics {
             loss: outcome.loss_sum / micro_batches as f64,
             step_s: t0.elapsed().as_secs_f64(),
-            comm_s: outcome.comm.as_secs_f64(),
-            overlapped_s: outcome.overlapped.as_secs_f64(),
-            exposed_s: outcome.exposed.as_secs_f64(),
+            bubble_s: outcome.bubble.as_secs_f64(),
             idle_s: idle.as_secs_f64(),
             grad_norm: outcome.grad_norm as f64,
             memory: outcome.memory,

@@ -109,15 +109,19 @@ pub struct RankTimes {
     pub step_s: f64,
     /// Time the training thread computed: the step minus `exposed_comm_s`.
     pub compute_s: f64,
-    /// Time the communication thread spent reducing gradients (hidden or not).
+    /// Time inside every collective of the step, on any thread (the sum of `axes`).
     pub comm_s: f64,
-    /// Part of `comm_s` that overlapped backward.
+    /// Part of `comm_s` on communication threads while nothing waited for it: hidden behind
+    /// compute (the sum of `axes`).
     pub overlapped_s: f64,
-    /// Time the training thread waited for gradient reductions after backward.
+    /// Time the training thread spent in collectives or waiting for them (the sum of
+    /// `axes`): the summary's per-axis table, summed over this rank's axes.
     pub exposed_comm_s: f64,
-    /// Time this rank's collectives waited for slower peers to arrive (load imbalance); it is
-    /// spent on the communication thread, inside `comm_s`, and shows in `exposed_comm_s` only
-    /// when backward has already finished.
+    /// Pipeline: the schedule's idle part (receive waits and hand-offs between its actions),
+    /// part of which is `exposed_comm_s`; 0 without a pipeline.
+    pub bubble_s: f64,
+    /// Time this rank's collectives waited for slower peers to arrive (load imbalance),
+    /// inside `comm_s`.
     pub idle_s: f64,
     /// Bytes this rank held for training state in the step: parameters, gradients (peak),
     /// optimizer state and gathered parameters (peak), as the strategy measured them.
@@ -125,8 +129,8 @@ pub struct RankTimes {
     /// Pipeline: the most micro-batches whose activations this rank held at once (0 without
     /// a pipeline).
     pub in_flight: usize,
-    /// Pipeline: wall time of the schedule (forwards, backwards and the waits between them);
-    /// `exposed_comm_s` is then its idle part, the bubble. 0 without a pipeline.
+    /// Pipeline: wall time of the schedule (forwards, backwards and the waits between them,
+    /// `bubble_s`). 0 without a pipeline.
     pub pipeline_s: f64,
     /// Context parallelism: time this rank spent computing attention blocks in forward (the
     /// causal work load balancing evens out); 0 without a cp axis.
@@ -139,8 +143,8 @@ pub struct RankTimes {
     /// device-wide figure.
     pub device_memory: Option<DeviceMemory>,
     /// Every collective of the step by the mesh axis its group spans (see [`AXIS_BUCKETS`]):
-    /// all of the rank's communication, where `comm_s` is the strategy's gradient reduction
-    /// only. In the log, a map from axis name over the axes with calls.
+    /// all of the rank's communication, which `comm_s`, `overlapped_s` and `exposed_comm_s`
+    /// sum. In the log, a map from axis name over the axes with calls.
     #[serde(serialize_with = "serialize_axes")]
     pub axes: [AxisComm; AXIS_BUCKETS],
     /// The step's byte-level collective calls on host buffers, by purpose.
@@ -306,6 +310,7 @@ impl TrainReport {
                 t.comm_s += r.comm_s;
                 t.overlapped_s += r.overlapped_s;
                 t.exposed_comm_s += r.exposed_comm_s;
+                t.bubble_s += r.bubble_s;
                 t.idle_s += r.idle_s;
                 t.host_reads += r.host_reads;
                 for (total, axis) in t.axes.iter_mut().zip(&r.axes) {
@@ -464,16 +469,28 @@ impl fmt::Display for TrainReport {
             self.steps.len(),
             reads.join(" / ")
         )?;
-        writeln!(f, "  per rank, steps 2..{} (seconds):", self.steps.len())?;
         writeln!(
             f,
-            "    rank    step  compute  comm(all)  overlapped  exposed   idle"
+            "  per rank, steps 2..{} (seconds; comm, overlapped and exposed: the per-axis table's, \
+             summed over the rank's axes; bubble: a pipeline schedule's idle time):",
+            self.steps.len()
+        )?;
+        writeln!(
+            f,
+            "    rank    step  compute  comm(all)  overlapped  exposed   idle  bubble"
         )?;
         for t in self.rank_totals() {
             writeln!(
                 f,
-                "    {:>4} {:>7.3} {:>8.3} {:>10.3} {:>11.3} {:>8.3} {:>6.3}",
-                t.rank, t.step_s, t.compute_s, t.comm_s, t.overlapped_s, t.exposed_comm_s, t.idle_s
+                "    {:>4} {:>7.3} {:>8.3} {:>10.3} {:>11.3} {:>8.3} {:>6.3} {:>7.3}",
+                t.rank,
+                t.step_s,
+                t.compute_s,
+                t.comm_s,
+                t.overlapped_s,
+                t.exposed_comm_s,
+                t.idle_s,
+                t.bubble_s
             )?;
         }
         self.write_axes(f)

@@ -51,9 +51,8 @@ fn routing_bias_layers(checkpoint: usize, model: usize) -> Result<(), RankError>
 pub(crate) struct StepOutcome {
     pub loss_sum: f64,
     pub grad_norm: f32,
-    pub comm: Duration,
-    pub overlapped: Duration,
-    pub exposed: Duration,
+    /// Pipeline: the schedule's idle part (receive waits and hand-offs); zero without one.
+    pub bubble: Duration,
     pub memory: MemoryReport,
     /// Pipeline actions and receive waits (pipelines only).
     pub events: Vec<(Action, Instant, Instant)>,
@@ -81,7 +80,7 @@ impl StepOutcome {
     /// every action.
     fn scheduled(self, report: PipelineStepReport) -> Self {
         StepOutcome {
-            exposed: report.wall.saturating_sub(report.forward + report.backward),
+            bubble: report.wall.saturating_sub(report.forward + report.backward),
             pipeline: report.wall,
             in_flight: report.peak_in_flight,
             events: report.events,
@@ -94,9 +93,7 @@ impl StepOutcome {
         StepOutcome {
             loss_sum,
             grad_norm,
-            comm: Duration::ZERO,
-            overlapped: Duration::ZERO,
-            exposed: Duration::ZERO,
+            bubble: Duration::ZERO,
             memory: MemoryReport::default(),
             events: vec![],
             in_flight: 0,

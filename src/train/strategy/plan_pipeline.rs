@@ -250,7 +250,6 @@ impl PlanPipeline {
         lr: f64,
         scaler: &mut LossScaler,
     ) -> Result<(Box<Self>, StepOutcome), RankError> {
-        let before = ctx.comm_stats();
         if scaler.is_active() {
             // The job's scale (a resumed checkpoint's) is the one the plan scales by.
             self.par.precision().restore_loss_scale(scaler.state())?;
@@ -277,13 +276,11 @@ impl PlanPipeline {
             (Some(_), Some(hook)) => this.update_routing(hook, ctx, &a2a_before)?,
             _ => (None, Duration::ZERO),
         };
-        let comm = ctx.comm_stats().since(&before).total();
         let attention = (this.par.sequences().attention_work())
             .zip(attention_before)
             .map(|(now, before)| now.since(&before));
         let scheduled = ctx.group(Axis::Pp).size() > 1;
         let outcome = StepOutcome {
-            comm: comm.wait + comm.transfer,
             attention,
             moe,
             a2a,
@@ -426,10 +423,6 @@ impl PlanPipeline {
             }
         };
         let outcome = StepOutcome {
-            // Buckets reduced while backward ran, and the wait for the rest after it (a
-            // pipeline's exposed time is its bubble instead, below).
-            overlapped: out.reduction.overlapped,
-            exposed: out.reduction.exposed,
             memory: MemoryReport {
                 params: params * 4,
                 grads,
