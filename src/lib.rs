@@ -70,10 +70,11 @@ pub mod train;
 ///     let samples = par.data().batch_share(8, 0)?;
 ///     let x = Tensor::<2>::ones([samples.len(), 4], &device);
 ///     let loss = net.layer.forward(x).square().mean();
-///     let mean = par.data().mean_loss(loss.clone().into_scalar::<f32>())?;
-///     let (grads, _norm) = par.gradients(&net, loss.backward(), Some(1.0), &ctx)?;
+///     let (grads, norm) = par.gradients(&net, loss.backward(), Some(1.0), &ctx)?;
+///     // The whole batch's mean loss and the norm, on the device until after the optimizer step.
+///     let scalars = par.step_scalars(&loss, &norm)?;
 ///     net = optim.step(1e-3, net, grads);
-///     Ok::<_, ParallelError>(mean)
+///     Ok::<_, ParallelError>(scalars.read().loss) // the step's one read of the host
 /// })
 /// .unwrap();
 /// assert_eq!(losses[0], losses[1]);

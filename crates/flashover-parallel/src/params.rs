@@ -83,7 +83,18 @@ impl ParamLayout {
 
 /// Host copy of a tensor's values as f32.
 pub fn to_f32<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-    let data = transfers::read(t, Cause::Flat);
+    read_f32(t, Cause::Flat)
+}
+
+/// Host copy of a tensor's values as f32 for a check of the first step (the replicas', the
+/// split's): counted as set-up, not as a step's reads.
+pub(crate) fn checked_f32<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    read_f32(t, Cause::SetUp)
+}
+
+/// Host copy of a tensor's values as f32, counted as `cause`.
+fn read_f32<const D: usize>(t: Tensor<D>, cause: Cause) -> Vec<f32> {
+    let data = transfers::read(t, cause);
     match data.as_slice::<f32>() {
         Ok(s) => s.to_vec(),
         Err(_) => data

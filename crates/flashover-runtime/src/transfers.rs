@@ -42,7 +42,8 @@ pub enum Cause {
     /// Loss-scale decisions (f16): whether a step's gradient norm overflowed, read before its
     /// optimizer step.
     LossScale,
-    /// Set-up and checks before training: shards cut on the host, the split check.
+    /// Set-up and checks before training: shards cut on the host, the first step's split and
+    /// replica checks.
     SetUp,
 }
 

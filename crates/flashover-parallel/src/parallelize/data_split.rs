@@ -87,7 +87,8 @@ impl DataSplit {
 
     /// The mean over the data ranks (and, with context parallelism, the `cp` ranks) of each
     /// rank's mean `loss`: the loss of the whole batch, the same on every rank (collective
-    /// over `dp` x `fsdp` x `ep` x `cp`).
+    /// over `dp` x `fsdp` x `ep` x `cp`). Of a host value: a loop that keeps its loss on the
+    /// device until the step's one read takes [`super::Parallelized::step_scalars`] instead.
     pub fn mean_loss(&self, loss: f32) -> Result<f32, ParallelError> {
         let mut value = [loss];
         if self.averaged.size() > 1 {

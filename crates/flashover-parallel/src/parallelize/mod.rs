@@ -6,9 +6,10 @@
 //! for step in 0..steps {
 //!     let (x, y) = my_batch(par.data().batch_share(global_batch, step)?);   // this rank's samples
 //!     let loss = model.forward(x, y);                                // the unchanged forward
-//!     println!("{}", par.data().mean_loss(loss.clone().into_scalar())?);   // the same on every rank
 //!     let (grads, norm) = par.gradients(&model, loss.backward(), Some(1.0), &ctx)?;
+//!     let scalars = par.step_scalars(&loss, &norm)?;                 // on the device
 //!     model = optim.step(lr, model, grads);                          // any Burn optimizer
+//!     println!("{:?}", scalars.read());   // one host read a step: loss (the same on every rank), norm
 //! }
 //! ```
 //!
@@ -63,6 +64,7 @@ mod row_optimizer;
 mod sequences;
 mod sharded;
 mod split_check;
+mod step_scalars;
 
 pub use crate::placed::{
     ContextSplit, ExpertSplit, Placed, TpSplit, local_value, tp_split, value_dims,
@@ -73,12 +75,13 @@ pub use crate::plan::{
 };
 pub use mixed_precision::PlanPrecision;
 pub use pipeline::PipelineModel;
-pub use pipeline_step::{PipelineRunner, PipelineStep, StepScalars, StepValues};
+pub use pipeline_step::{PipelineRunner, PipelineStep};
 pub use reduction::GradientReducer;
 pub use sequences::SequenceSplit;
 use sharded::HeldElsewhere;
 pub use sharded::ShardedModel;
 pub use split_check::SplitCheck;
+pub use step_scalars::{StepScalars, StepValues};
 
 use crate::data_parallel::BucketedReduction;
 use crate::error::ParallelError;

@@ -3,6 +3,7 @@
 
 use super::Parallelized;
 use super::pipeline::{self, PipelineModel, Stages};
+use super::step_scalars::StepScalars;
 use crate::data_parallel::{BucketedReduction, ReductionReport};
 use crate::dropout::draws::Draws;
 use crate::error::ParallelError;
@@ -14,7 +15,6 @@ use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 use flashover_comm::Group;
 use flashover_runtime::RankContext;
-use flashover_runtime::transfers::{Cause, read};
 use std::ops::Range;
 
 /// What one [`PipelineRunner::step`] (or [`PipelineRunner::gradients`]) computed.
@@ -22,7 +22,7 @@ pub struct PipelineStep {
     /// This rank's gradients, reduced and clipped as [`Parallelized::gradients`] returns them.
     pub grads: GradientsParams,
     /// The step's loss, auxiliary loss and gradient norm, on the device: read them with
-    /// [`StepScalars::read`] (one host read), best once the optimizer step is queued.
+    /// [`StepScalars::read`] (one host read), once the optimizer step is queued.
     pub scalars: StepScalars,
     /// What the schedule measured on this rank (time in forwards, backwards and waits).
     pub report: PipelineStepReport,
@@ -41,53 +41,6 @@ pub struct PipelineStep {
     /// clipped gradients on the device, laid out as [`super::GradientReducer::rows`] says
     /// (`grads` is then empty); empty otherwise, and on a skipped step.
     pub rows: Tensor<1>,
-}
-
-/// A pipelined step's scalars on the device, as one three-element f32 tensor: the loss, the
-/// auxiliary loss and the gradient norm ([`StepValues`] says what each is). A step computes
-/// them without waiting for the device; a report reads them in one go ([`Self::read`]),
-/// after the optimizer step is queued, since on a GPU every read waits for the device queue.
-#[derive(Debug, Clone)]
-pub struct StepScalars(Tensor<1>);
-
-/// [`StepScalars`] read to the host.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StepValues {
-    /// The mean loss (of `head_loss`: layers' auxiliary losses are left out): the whole
-    /// batch's from [`PipelineRunner::step`], the same on every rank; this rank's share's
-    /// from [`PipelineRunner::gradients`].
-    pub loss: f32,
-    /// The mean of the layers' auxiliary losses ([`PipelineModel::layer_with_aux`]; 0 without
-    /// any): `loss + aux_loss` is the objective trained.
-    pub aux_loss: f32,
-    /// The global gradient norm before clipping (NaN from [`PipelineRunner::gradients`],
-    /// which does not reduce the gradients).
-    pub norm: f32,
-}
-
-impl StepScalars {
-    /// `losses` (the loss and the auxiliary loss, two f32 elements) and `norm`, on one device.
-    fn new(losses: Tensor<1>, norm: GradNorm) -> Self {
-        StepScalars(Tensor::cat(vec![losses, norm.into_tensor()], 0))
-    }
-
-    /// The gradient norm, on the device (for clipping that the caller does itself).
-    pub fn norm(&self) -> GradNorm {
-        GradNorm::from_tensor(self.0.clone().narrow(0, 2, 1))
-    }
-
-    /// The three values on the host: one read (counted as a metric read).
-    pub fn read(&self) -> StepValues {
-        let values = read(self.0.clone(), Cause::Metrics).convert::<f32>();
-        let [loss, aux_loss, norm] = (values.try_into_vec::<f32>().ok())
-            .and_then(|v| <[f32; 3]>::try_from(v).ok())
-            .expect("a step's scalars are three f32 values");
-        StepValues {
-            loss,
-            aux_loss,
-            norm,
-        }
-    }
 }
 
 /// What one run of a rank's pipeline stages computed.

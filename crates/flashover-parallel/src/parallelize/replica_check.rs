@@ -9,7 +9,7 @@
 //! mask from its own device generator.
 
 use crate::error::ParallelError;
-use crate::params::{ParamSlot, part, to_f32};
+use crate::params::{ParamSlot, checked_f32, part};
 use crate::placement::{ParamPlacement, Placement};
 use crate::precision::Precision;
 use burn::module::ParamId;
@@ -84,8 +84,8 @@ impl ReplicaCheck {
             0,
         );
         // The verdict is the host's: both extremes are read back once, on the first step.
-        let max = to_f32(self.tp.all_reduce_tensor(local.clone(), ReduceOp::Max)?);
-        let min = to_f32(self.tp.all_reduce_tensor(local, ReduceOp::Min)?);
+        let max = checked_f32(self.tp.all_reduce_tensor(local.clone(), ReduceOp::Max)?);
+        let min = checked_f32(self.tp.all_reduce_tensor(local, ReduceOp::Min)?);
         let mut at = 0;
         for (slot, _) in whole {
             let range = at..at + slot.numel;

@@ -8,7 +8,7 @@
 use super::Parallelized;
 use crate::dropout::draws::{self, Scope};
 use crate::error::ParallelError;
-use crate::params::{ParamLayout, accumulate_grads, to_f32, zero_grads};
+use crate::params::{ParamLayout, accumulate_grads, checked_f32, zero_grads};
 use crate::placement::Placement;
 use burn::module::Module;
 use burn::optim::GradientsParams;
@@ -97,12 +97,12 @@ impl Parallelized {
         let fsdp = ctx.group(Axis::Fsdp);
         let summed = match fsdp.size() {
             1 => None,
-            _ => Some(to_f32(
+            _ => Some(checked_f32(
                 fsdp.all_reduce_tensor(whole_grads.clone(), ReduceOp::Sum)?,
             )),
         };
         // Each flat gradient read to the host once: the comparison is the host's.
-        let (split_grads, whole_grads) = (to_f32(split_grads), to_f32(whole_grads));
+        let (split_grads, whole_grads) = (checked_f32(split_grads), checked_f32(whole_grads));
         let summed = summed.as_ref().unwrap_or(&whole_grads);
         let largest = whole_grads
             .iter()

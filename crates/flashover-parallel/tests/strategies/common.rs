@@ -8,6 +8,7 @@ use burn::nn::Linear;
 use burn::tensor::{Device, Tensor, TensorData};
 use flashover_parallel::parallelize::Parallelized;
 use flashover_runtime::RankContext;
+use flashover_runtime::transfers::{self, Cause};
 
 /// `b(tanh(a(x)))`: 6 -> 16 -> 2, 128 weights, no biases.
 #[derive(Module, Debug)]
@@ -82,7 +83,10 @@ pub fn assert_matches(what: &str, run: &(Vec<f32>, Vec<f32>), reference: &(Vec<f
 }
 
 /// One step of a plain loop under a plan: `loss(model, samples)` of this rank's share of step
-/// `step`, its whole-batch mean, and the gradients reduced and clipped to [`MAX_NORM`].
+/// `step`, its whole-batch mean, and the gradients reduced and clipped to [`MAX_NORM`]. The
+/// loss and the norm stay on the device until one read ([`Parallelized::step_scalars`]); from
+/// the backward on, nothing else reads the host but the set-up checks of the first step and
+/// the engine's staging (asserted).
 pub(crate) fn plain_step<M: Module>(
     model: &M,
     par: &Parallelized,
@@ -91,9 +95,20 @@ pub(crate) fn plain_step<M: Module>(
     loss: impl FnOnce(&M, std::ops::Range<usize>) -> Tensor<1>,
 ) -> Step {
     let loss = loss(model, par.data().batch_share(GLOBAL_BATCH, step)?);
-    let mean = par.data().mean_loss(loss.clone().into_scalar::<f32>())?;
+    let before = transfers::thread_reads();
     let (grads, norm) = par.gradients(model, loss.backward(), Some(MAX_NORM), ctx)?;
-    Ok((grads, mean, norm.value()))
+    let values = par.step_scalars(&loss, &norm)?.read();
+    let after = transfers::thread_reads();
+    let reads: Vec<(Cause, u64)> = (Cause::ALL.into_iter())
+        .zip(after.iter().zip(before).map(|(a, b)| a - b))
+        .filter(|(cause, n)| *n > 0 && !matches!(cause, Cause::Collective | Cause::SetUp))
+        .collect();
+    let total: u64 = reads.iter().map(|(_, n)| n).sum();
+    assert_eq!(
+        total, 1,
+        "host reads in a step's reduction and report: {reads:?}"
+    );
+    Ok((grads, values.loss, values.norm))
 }
 
 /// [`assert_matches`] for a [`Run`] of [`crate::plan_loops`]: losses, gradient norms and
