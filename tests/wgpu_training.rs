@@ -241,3 +241,28 @@ fn on_the_device_a_step_reads_the_host_once() {
         }
     }
 }
+
+/// `run.log_every`: the steps' losses and norms stay on the device and are read together, one
+/// read every `log_every` steps (counted as the last step's), with the same values.
+#[test]
+fn log_every_reads_several_steps_losses_in_one_read() {
+    let _serial = serial();
+    flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Always);
+    let mut c = tiny("dp=2");
+    c.run.steps = 6;
+    let every_step = train(&c, &|_| {}).expect("log_every 1");
+    c.run.log_every = 3;
+    let every_third = train(&c, &|_| {}).expect("log_every 3");
+    for (a, b) in every_step.steps.iter().zip(&every_third.steps) {
+        assert_eq!((a.loss, a.grad_norm), (b.loss, b.grad_norm), "step {}", a.step);
+    }
+    for step in &every_third.steps[1..] {
+        let expected = u64::from((step.step + 1).is_multiple_of(3));
+        let reads: Vec<u64> = step.ranks.iter().map(|r| r.host_reads).collect();
+        assert!(
+            reads.iter().all(|&r| r == expected),
+            "step {}: {reads:?}",
+            step.step
+        );
+    }
+}

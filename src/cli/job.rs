@@ -43,6 +43,9 @@ pub struct JobArgs {
     /// Optimizer steps.
     #[arg(long)]
     steps: Option<usize>,
+    /// Read the losses and norms to the host every N steps, in one read (default 1).
+    #[arg(long)]
+    log_every: Option<usize>,
     /// Samples per step over all data-parallel ranks.
     #[arg(long)]
     global_batch: Option<usize>,
@@ -202,6 +205,7 @@ impl JobArgs {
         set(&mut c.parallel.mesh, self.mesh.clone());
         set(&mut c.parallel.mesh, mesh.map(String::from));
         set(&mut c.run.steps, self.steps);
+        set(&mut c.run.log_every, self.log_every);
         set(&mut c.run.global_batch, self.global_batch);
         set(&mut c.run.micro_batches, self.micro_batches);
         set(&mut c.data.seq_len, self.seq_len);

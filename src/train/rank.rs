@@ -7,7 +7,7 @@ use super::config::TrainConfig;
 use super::metrics::{RankMetrics, StepFacts, step_record};
 use super::report::{DeviceMemory, StepRecord, axis_comm, host_buffer_calls};
 use super::run::make_batch;
-use super::strategy::{self, PlanPipeline, StepOutcome};
+use super::strategy::{self, PendingScalars, PlanPipeline, StepOutcome};
 use super::trace::Trace;
 use burn::tensor::{Device, Int, Tensor};
 use flashover_data::{BatchPlan, TokenSource};
@@ -151,11 +151,12 @@ impl<'a> Rank<'a> {
         // From the device's allocator where the backend reports it (not Flex).
         let device_usage = ctx.device().memory_pool_usage();
         let metrics = RankMetrics {
-            loss: outcome.loss_sum / micro_batches as f64,
+            // Filled in when the job reads the step's scalars (`run.log_every`).
+            loss: f64::NAN,
             step_s: t0.elapsed().as_secs_f64(),
             bubble_s: outcome.bubble.as_secs_f64(),
             idle_s: idle.as_secs_f64(),
-            grad_norm: outcome.grad_norm as f64,
+            grad_norm: f64::NAN,
             memory: outcome.memory,
             in_flight: outcome.in_flight,
             pipeline_s: outcome.pipeline.as_secs_f64(),
@@ -284,6 +285,8 @@ pub(crate) fn train_rank(
     let tokens_per_step = (config.run.global_batch * config.data.seq_len) as f64;
     let mut records = vec![];
     let mut trace = Trace::new(origin);
+    // Steps whose loss and norm are still on the device, read together every `log_every`.
+    let mut unread: Vec<(StepFacts, RankMetrics, PendingScalars)> = vec![];
     for step in first_step..last_step {
         fire_drills(ctx, config, step);
         let (next, mut outcome, mine, t0) = rank.step(strategy, step, &mut scaler)?;
@@ -304,13 +307,20 @@ pub(crate) fn train_rank(
             loss_scale: outcome.loss_scale,
             skipped: outcome.skipped,
         };
-        if let Some(record) = gather_record(ctx, facts, &mine)? {
-            emit(&record);
-            records.push(record);
-        }
+        unread.push((facts, mine, outcome.scalars));
         let done = step + 1;
+        let saving = saver.is_some()
+            && (done.is_multiple_of(config.checkpoint.save_every) || done == last_step);
+        if done.is_multiple_of(config.run.log_every) || done == last_step || saving {
+            for (facts, mine) in read_scalars(std::mem::take(&mut unread)) {
+                if let Some(record) = gather_record(ctx, facts, &mine)? {
+                    emit(&record);
+                    records.push(record);
+                }
+            }
+        }
         if let Some(saver) = saver.as_mut()
-            && (done.is_multiple_of(config.checkpoint.save_every) || done == last_step)
+            && saving
         {
             rank.save(saver, &strategy, &scaler, done)?;
         }
@@ -337,6 +347,27 @@ fn reads_since(before: &[u64; Cause::ALL.len()]) -> u64 {
         .filter(|(cause, _)| **cause != Cause::Collective)
         .map(|(_, (now, before))| now - before)
         .sum()
+}
+
+/// The steps' metrics with their losses and norms, read from the device in one go; the read
+/// counts as the last step's.
+fn read_scalars(
+    unread: Vec<(StepFacts, RankMetrics, PendingScalars)>,
+) -> Vec<(StepFacts, RankMetrics)> {
+    let before = transfers::thread_reads();
+    let values = PendingScalars::read_all(&unread.iter().map(|(_, _, p)| p).collect::<Vec<_>>());
+    let reads = reads_since(&before);
+    let last = unread.len().saturating_sub(1);
+    (unread.into_iter().zip(values).enumerate())
+        .map(|(i, ((facts, mut mine, _), (loss, norm)))| {
+            mine.loss = loss;
+            mine.grad_norm = norm as f64;
+            if i == last {
+                mine.host_reads += reads;
+            }
+            (facts, mine)
+        })
+        .collect()
 }
 
 /// Runs the job's fault drills that fire on this rank at the start of `step`: a stall

@@ -20,6 +20,10 @@ pub struct RunSection {
     pub device: DeviceChoice,
     /// Write one JSON line per step here.
     pub log_jsonl: Option<PathBuf>,
+    /// Read the steps' losses and gradient norms to the host every this many steps, all of
+    /// them in one read (1: every step). On a GPU each read waits for the device's queue;
+    /// the steps' records are reported when read.
+    pub log_every: usize,
     /// Write a timeline of every rank's steps (and pipeline actions) here, as Chrome trace
     /// JSON (open it in Perfetto).
     pub trace: Option<PathBuf>,
@@ -98,6 +102,7 @@ impl Default for RunSection {
             seed: 1,
             device: DeviceChoice::Flex,
             log_jsonl: None,
+            log_every: 1,
             trace: None,
             exit_after: None,
             kills: vec![],

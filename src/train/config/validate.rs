@@ -119,6 +119,9 @@ impl TrainConfig {
         if self.run.steps == 0 {
             errors.push("run.steps must be at least 1".into());
         }
+        if self.run.log_every == 0 {
+            errors.push("run.log_every must be at least 1 (1: read every step's loss)".into());
+        }
         errors
     }
 

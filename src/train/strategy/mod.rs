@@ -21,6 +21,7 @@ use burn::tensor::{Int, Tensor};
 use flashover_models::ForwardContext;
 use flashover_parallel::FlatAdamW;
 use flashover_parallel::context_parallel::AttentionWork;
+use flashover_parallel::parallelize::StepScalars;
 use flashover_parallel::params::ParamSlot;
 use flashover_parallel::pipeline::{Action, PipelineStepReport};
 use flashover_parallel::placement::ParamPlacement;
@@ -49,8 +50,8 @@ fn routing_bias_layers(checkpoint: usize, model: usize) -> Result<(), RankError>
 
 /// One step's outcome on one rank.
 pub(crate) struct StepOutcome {
-    pub loss_sum: f64,
-    pub grad_norm: f32,
+    /// The step's loss and norm, on the device until the job reads them.
+    pub scalars: PendingScalars,
     /// Pipeline: the schedule's idle part (receive waits and hand-offs); zero without one.
     pub bubble: Duration,
     pub memory: MemoryReport,
@@ -89,10 +90,9 @@ impl StepOutcome {
     }
 
     /// An outcome with nothing but the loss and the norm measured.
-    fn new(loss_sum: f64, grad_norm: f32) -> Self {
+    fn new(scalars: PendingScalars) -> Self {
         StepOutcome {
-            loss_sum,
-            grad_norm,
+            scalars,
             bubble: Duration::ZERO,
             memory: MemoryReport::default(),
             events: vec![],
@@ -105,6 +105,26 @@ impl StepOutcome {
             recomputed: 0,
             attention: None,
         }
+    }
+}
+
+/// A step's loss and gradient norm, still on the device: the job reads several steps' in one
+/// go (`run.log_every`), so a step does not wait for its device queue to report them.
+pub(crate) struct PendingScalars {
+    /// The plan's loss, auxiliary loss and norm.
+    pub scalars: StepScalars,
+    /// What the plan's norm is multiplied by to make the job's (the summed groups, where the
+    /// job sums gradients; 1 otherwise).
+    pub norm_scale: f32,
+}
+
+impl PendingScalars {
+    /// The mean loss and the job's gradient norm of each of `steps`, in one read.
+    pub fn read_all(steps: &[&PendingScalars]) -> Vec<(f64, f32)> {
+        let scalars: Vec<StepScalars> = steps.iter().map(|p| p.scalars.clone()).collect();
+        (StepScalars::read_all(&scalars).into_iter().zip(steps))
+            .map(|(values, pending)| (values.loss as f64, values.norm * pending.norm_scale))
+            .collect()
     }
 }
 

@@ -29,8 +29,8 @@
 //! rank holds at the start of each.
 use super::routing::RoutingSums;
 use super::{
-    Batches, SHARING, SharedState, StepOutcome, borrowed, named_params, replica_index,
-    restore_flat, with_moments,
+    Batches, PendingScalars, SHARING, SharedState, StepOutcome, borrowed, named_params,
+    replica_index, restore_flat, with_moments,
 };
 use crate::train::MoeRecord;
 use crate::train::checkpoint::{LocalState, placed_segments};
@@ -284,7 +284,7 @@ impl PlanPipeline {
             attention,
             moe,
             a2a,
-            ..this.outcome(out, norm_scale, micro_batches, scheduled)
+            ..this.outcome(out, norm_scale, scheduled)
         };
         Ok((this, outcome))
     }
@@ -399,16 +399,9 @@ impl PlanPipeline {
     }
 
     /// What the step measured of memory, overlap and recomputation, with its loss and norm
-    /// (the plan's times `norm_scale`), read in the step's one host read; `scheduled`: a
-    /// schedule over several stages ran, whose report it carries.
-    fn outcome(
-        &self,
-        out: PipelineStep,
-        norm_scale: f32,
-        micro_batches: usize,
-        scheduled: bool,
-    ) -> StepOutcome {
-        let values = out.scalars.read();
+    /// (the plan's times `norm_scale`) still on the device; `scheduled`: a schedule over
+    /// several stages ran, whose report it carries.
+    fn outcome(&self, out: PipelineStep, norm_scale: f32, scheduled: bool) -> StepOutcome {
         let (params, held) = self.held();
         // Under rows the buckets' peak is what the rank held of gradients (a whole one under
         // ZeRO-1's all-reduce; its rows and the buckets in flight under ZeRO-2).
@@ -432,11 +425,11 @@ impl PlanPipeline {
             recomputed: out.recomputed,
             loss_scale: out.loss_scale,
             skipped: out.skipped,
-            // This rank's share's mean (the whole batch's, through the plan's reduction).
-            ..StepOutcome::new(
-                values.loss as f64 * micro_batches as f64,
-                values.norm * norm_scale,
-            )
+            // The whole batch's mean loss and the norm, read when the job reports them.
+            ..StepOutcome::new(PendingScalars {
+                scalars: out.scalars.clone(),
+                norm_scale,
+            })
         };
         // One stage (a mixture of experts without `pp`) runs no schedule worth reporting.
         match scheduled {

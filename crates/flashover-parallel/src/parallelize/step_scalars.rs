@@ -45,15 +45,25 @@ impl StepScalars {
 
     /// The three values on the host: one read (counted as a metric read).
     pub fn read(&self) -> StepValues {
-        let values = read(self.0.clone(), Cause::Metrics).convert::<f32>();
-        let [loss, aux_loss, norm] = (values.try_into_vec::<f32>().ok())
-            .and_then(|v| <[f32; 3]>::try_from(v).ok())
-            .expect("a step's scalars are three f32 values");
-        StepValues {
-            loss,
-            aux_loss,
-            norm,
+        Self::read_all(std::slice::from_ref(self))[0]
+    }
+
+    /// Several steps' scalars (on one device) in one read of the host: a job that reports
+    /// every few steps reads them together.
+    pub fn read_all(steps: &[StepScalars]) -> Vec<StepValues> {
+        if steps.is_empty() {
+            return vec![];
         }
+        let all = Tensor::cat(steps.iter().map(|s| s.0.clone()).collect(), 0);
+        let values = read(all, Cause::Metrics).convert::<f32>();
+        let values = (values.try_into_vec::<f32>()).expect("a step's scalars are f32 values");
+        (values.chunks_exact(3))
+            .map(|v| StepValues {
+                loss: v[0],
+                aux_loss: v[1],
+                norm: v[2],
+            })
+            .collect()
     }
 }
 
