@@ -254,7 +254,12 @@ fn log_every_reads_several_steps_losses_in_one_read() {
     c.run.log_every = 3;
     let every_third = train(&c, &|_| {}).expect("log_every 3");
     for (a, b) in every_step.steps.iter().zip(&every_third.steps) {
-        assert_eq!((a.loss, a.grad_norm), (b.loss, b.grad_norm), "step {}", a.step);
+        assert_eq!(
+            (a.loss, a.grad_norm),
+            (b.loss, b.grad_norm),
+            "step {}",
+            a.step
+        );
     }
     for step in &every_third.steps[1..] {
         let expected = u64::from((step.step + 1).is_multiple_of(3));
