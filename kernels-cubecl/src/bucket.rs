@@ -113,7 +113,11 @@ fn cube_parts(parts: &[Tensor<1>]) -> Option<Vec<burn_cubecl::tensor::CubeTensor
     }
     parts
         .iter()
-        .map(|p| p.clone().try_into_primitive::<Cube>().ok())
-        .map(|p| p.map(crate::fusion_bridge::resolve))
+        .map(|p| {
+            p.clone()
+                .try_into_primitive::<Cube>()
+                .ok()
+                .map(crate::fusion_bridge::resolve)
+        })
         .collect()
 }

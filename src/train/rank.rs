@@ -14,6 +14,7 @@ use flashover_data::{BatchPlan, TokenSource};
 use flashover_models::{Dropout, ForwardContext, Transformer, TransformerConfig};
 use flashover_parallel::context_parallel::{AttentionWork, ContextParallel};
 use flashover_parallel::data_parallel::ReductionTiming;
+use flashover_parallel::parallelize::StepScalars;
 use flashover_parallel::precision::LossScaler;
 use flashover_runtime::transfers::{self, Cause};
 use flashover_runtime::{Axis, CommunicatorExt, Group, RankContext, RankError, control};
@@ -354,14 +355,15 @@ fn reads_since(before: &[u64; Cause::ALL.len()]) -> u64 {
 fn read_scalars(
     unread: Vec<(StepFacts, RankMetrics, PendingScalars)>,
 ) -> Vec<(StepFacts, RankMetrics)> {
+    let scalars: Vec<StepScalars> = unread.iter().map(|(_, _, p)| p.scalars.clone()).collect();
     let before = transfers::thread_reads();
-    let values = PendingScalars::read_all(&unread.iter().map(|(_, _, p)| p).collect::<Vec<_>>());
+    let values = StepScalars::read_all(&scalars);
     let reads = reads_since(&before);
     let last = unread.len().saturating_sub(1);
     (unread.into_iter().zip(values).enumerate())
-        .map(|(i, ((facts, mut mine, _), (loss, norm)))| {
-            mine.loss = loss;
-            mine.grad_norm = norm as f64;
+        .map(|(i, ((facts, mut mine, pending), values))| {
+            mine.loss = values.loss as f64;
+            mine.grad_norm = (values.norm * pending.norm_scale) as f64;
             if i == last {
                 mine.host_reads += reads;
             }

@@ -27,11 +27,6 @@ impl GradNorm {
     }
 
     /// The norm as a one-element f32 tensor on the gradient's device.
-    pub fn tensor(&self) -> &Tensor<1> {
-        &self.0
-    }
-
-    /// The norm as a one-element f32 tensor on the gradient's device.
     pub fn into_tensor(self) -> Tensor<1> {
         self.0
     }

@@ -118,16 +118,6 @@ pub(crate) struct PendingScalars {
     pub norm_scale: f32,
 }
 
-impl PendingScalars {
-    /// The mean loss and the job's gradient norm of each of `steps`, in one read.
-    pub fn read_all(steps: &[&PendingScalars]) -> Vec<(f64, f32)> {
-        let scalars: Vec<StepScalars> = steps.iter().map(|p| p.scalars.clone()).collect();
-        (StepScalars::read_all(&scalars).into_iter().zip(steps))
-            .map(|(values, pending)| (values.loss as f64, values.norm * pending.norm_scale))
-            .collect()
-    }
-}
-
 /// `entries` held by value, seen as the checkpoint segments take them.
 fn borrowed(entries: &[(ParamSlot, ParamPlacement)]) -> Vec<(ParamSlot, &ParamPlacement)> {
     entries.iter().map(|(s, e)| (s.clone(), e)).collect()

@@ -340,27 +340,31 @@ impl PlanPipeline {
         micro_batches: usize,
         lr: f64,
     ) -> Result<(Box<Self>, f32), RankError> {
-        // What the gradients are multiplied by: the summed groups, and the clip factor (a
+        // What the gradients are multiplied by: the summed groups, times the clip factor (a
         // tensor on the device) where the job clips.
         let (norm_scale, factor) = match self.summed_over {
             Some(ranks) => {
                 let sums = (ranks * micro_batches) as f32;
                 let norm = out.scalars.norm().into_tensor().mul_scalar(sums);
                 let factor = match clip {
-                    Some(max) => Some(GradNorm::from_tensor(norm).clip_factor(max)?),
+                    Some(max) => Some(
+                        GradNorm::from_tensor(norm)
+                            .clip_factor(max)?
+                            .mul_scalar(sums),
+                    ),
                     None => None,
                 };
                 (sums, factor)
             }
             None => (1.0, None),
         };
-        let scaled = |grads: Tensor<1>| match (&factor, norm_scale) {
-            (Some(factor), sums) => {
+        let scaled = |grads: Tensor<1>| match &factor {
+            Some(factor) => {
                 let n = grads.dims()[0];
-                grads * factor.clone().mul_scalar(sums).expand([n])
+                grads * factor.clone().expand([n])
             }
-            (None, 1.0) => grads,
-            (None, sums) => grads.mul_scalar(sums),
+            None if norm_scale == 1.0 => grads,
+            None => grads.mul_scalar(norm_scale),
         };
         match &mut self.optim {
             Optimizer::Whole { adam, .. } if !out.skipped => {

@@ -102,8 +102,9 @@ impl Parallelized {
     /// whole model counted once): scaled by `max_norm / (norm + 1e-6)` when `norm > max_norm`,
     /// as [`crate::clip_global_norm`] does on one device, all on the device. Returns them with
     /// the norm before clipping, on the device too ([`GradNorm::value`] reads it: on a GPU, a
-    /// wait for the device queue, best after the optimizer step is queued). Under a `mixed_precision` that scales the loss, the gradients of
-    /// [`Self::backward`] are unscaled first, and a step whose norm overflowed (not finite)
+    /// wait for the device queue, best after the optimizer step is queued). Under a
+    /// `mixed_precision` that scales the loss, the gradients of [`Self::backward`] are
+    /// unscaled first, and a step whose norm overflowed (not finite)
     /// returns no gradients (an optimizer step with them changes nothing) and moves the
     /// scale. Fails under a `mixed_precision` whose forward ran outside [`Self::forward`] or
     /// whose backward did not scale the loss. Collective: every rank calls it once per step.

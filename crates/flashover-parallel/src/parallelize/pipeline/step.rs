@@ -41,9 +41,9 @@ impl Stages {
     /// batch, k)` on the last stage): the gradients summed over its chunks and its
     /// micro-batches, of the losses as scaled by `loss_scale` (the caller divides by the
     /// micro-batches and the scale), in `model`'s layout, and the mean loss and auxiliary loss
-    /// of the share on the device (two f32 elements, the same on every rank of `pp`). With `hooks`, every forward runs on
-    /// hooked parameters that hand their gradients to the reduction's buckets during
-    /// backward (those are then zero in the returned sums): see [`Self::hooks_allowed`].
+    /// of the share on the device (two f32 elements, the same on every rank of `pp`). With
+    /// `hooks`, every forward runs on hooked parameters that hand their gradients to the
+    /// reduction's buckets during backward (those are then zero in the returned sums): see [`Self::hooks_allowed`].
     /// With `draws` (the share's), each micro-batch's dropout draws its samples' one-device
     /// masks, its embedding, each layer and its head in their own scopes (whichever rank runs
     /// them); without, the device's generator draws them.
