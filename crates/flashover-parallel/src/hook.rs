@@ -115,6 +115,62 @@ where
     }
 }
 
+/// How many levels of Burn's backward tape lie between the hooks of two parameters read one
+/// after the other ([`ReadDepths`]): more than the ops between two parameter reads of the
+/// layers this project meets (Burn's attention core, about 16 levels from its value
+/// projection's read to its output projection's; a layer norm, about 8). A stretch deeper
+/// than this puts the hooks after it later in backward than they could be, never wrong.
+pub(crate) const LEVELS_PER_READ: usize = 128;
+
+/// Where in backward a parameter's hook runs when the model is not cut into layers whose
+/// inputs the plan sees (a loop of one's own): Burn runs the tape by depth, deepest first,
+/// and the `r`-th parameter a forward reads gets its hook placed `r` x [`LEVELS_PER_READ`]
+/// levels deep ([`grad_hook_after`] an untracked one-element tensor of that depth, which
+/// takes no part in the graph). Its consumer, the op that computes with it, is then at
+/// least as deep, so the hook runs right after that op's backward, as PyTorch's engine runs
+/// a parameter's gradient accumulator in reverse creation order. A parameter read again
+/// later has its hook from its first read: its gradient is final only after that read's
+/// backward, the last of its reads' to run.
+#[derive(Default)]
+pub(crate) struct ReadDepths {
+    /// Per depth `r` x [`LEVELS_PER_READ`] reached so far (`r` from 1), its tensor, on the
+    /// device they were built for.
+    rungs: std::sync::Mutex<(Option<Device>, Vec<Tensor<1>>)>,
+}
+
+impl ReadDepths {
+    /// `x` hooked as the `read`-th parameter a forward reads (from 0).
+    pub(crate) fn hooked<const D: usize>(
+        &self,
+        x: Tensor<D>,
+        read: usize,
+        callback: GradCallback,
+    ) -> Tensor<D> {
+        match read {
+            0 => grad_hook(x, callback),
+            _ => {
+                let depth = self.rung(read, &x.device());
+                grad_hook_after(x, depth, callback)
+            }
+        }
+    }
+
+    /// An untracked tensor `r` x [`LEVELS_PER_READ`] deep on `device` (built once: a chain
+    /// of that many one-element ops, each a level deeper than the one before).
+    fn rung(&self, r: usize, device: &Device) -> Tensor<1> {
+        let mut rungs = self.rungs.lock().unwrap_or_else(|p| p.into_inner());
+        if rungs.0.as_ref() != Some(device) {
+            *rungs = (Some(device.clone()), vec![]);
+        }
+        while rungs.1.len() < r {
+            let below = (rungs.1.last().cloned()).unwrap_or_else(|| Tensor::zeros([1], device));
+            let deeper = (0..LEVELS_PER_READ).fold(below, |t, _| t + 1.0);
+            rungs.1.push(deeper);
+        }
+        rungs.1[r - 1].clone()
+    }
+}
+
 /// Whether gradient hooks and the other custom ops work on `device`: an autodiff device of a
 /// backend they are built for (Flex; the CubeCL backend with the `wgpu` / `cuda` features).
 pub fn hooks_supported(device: &Device) -> bool {

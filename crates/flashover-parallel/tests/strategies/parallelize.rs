@@ -1203,12 +1203,34 @@ impl PipelineModel for Probed {
     }
 }
 
-/// Two pipeline steps of [`Probed`] under `plan` (which recomputes layer 0) on `mesh`, with
-/// `faults`: per rank, what `probe` returned when layer 0 ran again in backward in the second
-/// step. `probe` is made after the first step from the rank's flight recorder (the first step
-/// reduces buckets in layout order, then replans them in the order the gradients arrived, as
-/// DDP does).
+impl Probed {
+    /// The loss of a loop of one's own, layer 0 checkpointed (run again in backward).
+    fn loss_recomputing_layer_zero(&self, batch: &(Tensor<2>, Tensor<1, Int>)) -> Tensor<1> {
+        let x = checkpoint(&self.stack.layers[0], self.embed(batch), |layer, x| {
+            LAYER_ZERO_PROBE.with(|p| p.borrow_mut().as_mut().map(|probe| probe()));
+            layer.forward(x)
+        });
+        let x = (1..LAYERS).fold(x, |x, i| self.stack.layer(i, x));
+        self.head_loss(x, batch)
+    }
+}
+
+/// How a test steps [`Probed`].
+#[derive(Debug, Clone, Copy)]
+enum Stepping {
+    /// Through the plan's pipeline (which recomputes layer 0).
+    Pipeline,
+    /// A loop of one's own: `Parallelized::forward` of
+    /// [`Probed::loss_recomputing_layer_zero`], then `Parallelized::gradients`.
+    OwnLoop,
+}
+
+/// Two steps of [`Probed`] under `plan` on `mesh`, with `faults`: per rank, what `probe`
+/// returned when layer 0 ran again in backward in the second step. `probe` is made after the
+/// first step from the rank's flight recorder (the first step reduces buckets in layout order,
+/// then replans them in the order the gradients arrived, as DDP does).
 fn at_layer_zero_rerun<T, P>(
+    stepping: Stepping,
     mesh: &str,
     faults: FaultPlan,
     plan: &ParallelizePlan,
@@ -1228,8 +1250,21 @@ where
             };
             let (model, par) = parallelize(probed, plan, &ctx)?;
             let micro_batch = |samples| batch(samples, &device);
-            par.pipeline()?
-                .step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)?;
+            let step = || -> Result<(), ParallelError> {
+                match stepping {
+                    Stepping::Pipeline => (par.pipeline()?)
+                        .step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx)
+                        .map(|_| ()),
+                    Stepping::OwnLoop => {
+                        let samples = micro_batch(par.data().batch_share(GLOBAL_BATCH, 0)?);
+                        let loss =
+                            par.forward(&model, |m| m.loss_recomputing_layer_zero(&samples))?;
+                        par.gradients(&model, loss.backward(), None, &ctx)
+                            .map(|_| ())
+                    }
+                }
+            };
+            step()?;
             let mut probe = probe(ctx.flight_recorder().expect("launched").clone());
             let seen = Arc::new(Mutex::new(None));
             let (mut forwards, saw) = (0, seen.clone());
@@ -1241,9 +1276,7 @@ where
                 }
             };
             LAYER_ZERO_PROBE.with(|p| *p.borrow_mut() = Some(Box::new(at_forward)));
-            let stepped = par
-                .pipeline()?
-                .step(&model, GLOBAL_BATCH, 0, &micro_batch, None, &ctx);
+            let stepped = step();
             LAYER_ZERO_PROBE.with(|p| p.borrow_mut().take());
             stepped?;
             let seen = seen.lock().unwrap().take();
@@ -1259,33 +1292,63 @@ fn probed_rule() -> PipelineRule {
         .last(&["stack.norm"])
 }
 
+/// A probe for [`at_layer_zero_rerun`]: waits (at most 20 s) for a gradient bucket's
+/// all-reduce on dp to end, and says whether one did.
+fn waits_for_a_bucket(
+    recorder: Arc<flashover_comm::FlightRecorder>,
+) -> impl FnMut() -> bool + 'static {
+    let buckets_done = move || {
+        let entries = recorder.dump_data().entries.into_iter();
+        entries
+            .filter(|e| e.group.starts_with("dp[") && e.op == OpKind::AllReduce)
+            .filter(|e| e.end_us.is_some())
+            .count()
+    };
+    let before = buckets_done();
+    move || {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while buckets_done() == before && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        buckets_done() > before
+    }
+}
+
+/// A gradient bucket of one parameter.
+fn tiny_buckets() -> GradientBuckets {
+    GradientBuckets::default().bucket_mb(4.0 / (1 << 20) as f64)
+}
+
 #[test]
 fn a_pipelined_layers_gradient_buckets_are_reduced_before_the_layers_below_run_backward() {
     // Layer 0 is recomputed: its forward runs again in backward, once the layers above it are
-    // done. There the probe waits (at most 20 s) for a gradient bucket's all-reduce on dp.
-    // The hooks of layers 1-3, placed after their layer's input, have filled buckets by then
-    // (one parameter per bucket); hooks on the parameters alone run at the end of backward,
-    // after it, and no bucket could be reduced.
-    let tiny = GradientBuckets::default().bucket_mb(4.0 / (1 << 20) as f64);
+    // done. There the probe waits for a gradient bucket's all-reduce on dp. The hooks of
+    // layers 1-3, placed after their layer's input, have filled buckets by then (one
+    // parameter per bucket); hooks on the parameters alone run at the end of backward, after
+    // it, and no bucket could be reduced.
     let plan = (ParallelizePlan::new().pipeline(probed_rule()))
         .activation_checkpointing(CheckpointPolicy::Blocks(vec![0]))
-        .gradient_buckets(tiny);
-    let reduced = at_layer_zero_rerun("dp=2", FaultPlan::new(), &plan, |recorder| {
-        let buckets_done = move || {
-            let entries = recorder.dump_data().entries.into_iter();
-            entries
-                .filter(|e| e.group.starts_with("dp[") && e.op == OpKind::AllReduce)
-                .filter(|e| e.end_us.is_some())
-                .count()
-        };
-        let before = buckets_done();
-        move || {
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while buckets_done() == before && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            buckets_done() > before
-        }
+        .gradient_buckets(tiny_buckets());
+    let pipelined = Stepping::Pipeline;
+    let reduced = at_layer_zero_rerun(pipelined, "dp=2", FaultPlan::new(), &plan, |recorder| {
+        waits_for_a_bucket(recorder)
+    });
+    for seen in reduced {
+        let message = "no bucket was reduced before layer 0's backward";
+        assert_eq!(seen, Some(true), "{message}");
+    }
+}
+
+#[test]
+fn a_loops_gradient_buckets_are_reduced_before_the_first_layer_runs_backward() {
+    // The same probe in a loop of one's own, whose forward the plan sees only as parameter
+    // reads: each hook is placed by its parameter's read, so layers 1-3's run as their
+    // backward ends and fill buckets before layer 0's rerun. Hooks on the parameters alone
+    // run at the end of backward, after it.
+    let plan = ParallelizePlan::new().gradient_buckets(tiny_buckets());
+    let own_loop = Stepping::OwnLoop;
+    let reduced = at_layer_zero_rerun(own_loop, "dp=2", FaultPlan::new(), &plan, |recorder| {
+        waits_for_a_bucket(recorder)
     });
     for seen in reduced {
         let message = "no bucket was reduced before layer 0's backward";
@@ -1308,7 +1371,8 @@ fn under_hsdp_backward_goes_on_while_a_units_reduce_scatter_runs() {
     let slow = (0..4).fold(FaultPlan::new(), |plan, rank| {
         plan.delay_every(rank, OpKind::ReduceScatter, Duration::from_millis(300))
     });
-    let done_at_rerun = at_layer_zero_rerun("dp=2,fsdp=2", slow, &plan, |recorder| {
+    let pipelined = Stepping::Pipeline;
+    let done_at_rerun = at_layer_zero_rerun(pipelined, "dp=2,fsdp=2", slow, &plan, |recorder| {
         let scatters_done = move || {
             let entries = recorder.dump_data().entries.into_iter();
             entries

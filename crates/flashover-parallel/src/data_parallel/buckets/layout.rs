@@ -159,6 +159,7 @@ impl BucketedReduction {
             mode,
             device,
             step: Mutex::new(StepState::default()),
+            read_depths: Default::default(),
         })
     }
 }

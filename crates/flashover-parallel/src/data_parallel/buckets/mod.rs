@@ -27,7 +27,7 @@ mod layout;
 
 use super::reducer::{LaterHandle, Mode, Reducer, Spans};
 use crate::error::ParallelError;
-use crate::hook::{grad_hook, grad_hook_after, hooks_supported};
+use crate::hook::{GradCallback, ReadDepths, grad_hook, grad_hook_after, hooks_supported};
 use crate::params::{ParamLayout, part};
 use crate::plan::GradientRows;
 use crate::precision::Precision;
@@ -37,7 +37,8 @@ use burn::tensor::{Device, Tensor};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
 use flashover_runtime::{Axis, TensorCollectives};
 use layout::SetLayout;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// When a plan's gradient buckets are reduced.
@@ -138,6 +139,8 @@ pub(crate) struct BucketedReduction {
     /// The device the gradients live on (the parameters', outside autodiff).
     device: Device,
     step: Mutex<StepState>,
+    /// Where a loop of one's own's hooks go in backward ([`Self::hooked`]).
+    read_depths: Arc<ReadDepths>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -263,10 +266,21 @@ impl BucketedReduction {
     }
 
     /// `model` with a gradient hook on every parameter this rank reduces, each handing its
-    /// gradient to its bucket (the parameter then receives none). The hooks run at the end of
-    /// backward; [`Self::hooked_where`] places a layer's to run when its backward is done.
+    /// gradient to its bucket (the parameter then receives none), for one forward of a loop of
+    /// one's own. Each hook is made when the forward first reads its parameter (Burn's lazy
+    /// parameter), placed in backward by that read's order ([`ReadDepths`]): it runs right
+    /// after the backward of the op that read the parameter, while the layers below run
+    /// theirs. [`Self::hooked_where`] places a pipeline layer's after the layer's input.
     pub(crate) fn hooked<M: Module>(&self, model: &M) -> M {
-        self.hooked_where(model, &|_| true, None)
+        let sets = lock(&self.sets);
+        let mut mapper = ReadHookMapper {
+            sets: &sets,
+            member: &self.member,
+            depths: &self.read_depths,
+            reads: Arc::new(AtomicUsize::new(0)),
+            index: 0,
+        };
+        model.clone().map(&mut mapper)
     }
 
     /// [`Self::hooked`] on the parameters `select` picks (by layout index), each hook placed
@@ -521,6 +535,37 @@ impl ModuleMapper for HookMapper<'_> {
             }
             None => param,
         }
+    }
+}
+
+/// Makes every parameter a set reduces a lazy one whose first read hooks it at the depth of
+/// that read ([`BucketedReduction::hooked`]).
+struct ReadHookMapper<'a> {
+    sets: &'a [ReduceSet],
+    member: &'a [Option<(usize, usize)>],
+    depths: &'a Arc<ReadDepths>,
+    /// The forward's parameter reads so far.
+    reads: Arc<AtomicUsize>,
+    index: usize,
+}
+
+impl ModuleMapper for ReadHookMapper<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let index = self.index;
+        self.index += 1;
+        let Some((set, local)) = self.member.get(index).copied().flatten() else {
+            return param;
+        };
+        let callback: GradCallback = self.sets[set].reducer.callback(local);
+        // A view for one forward: the load and save mappers it drops are the stored model's.
+        let (id, value, _) = param.consume();
+        let (device, shape) = (value.device(), value.shape());
+        let require_grad = value.is_require_grad();
+        let (depths, reads) = (self.depths.clone(), self.reads.clone());
+        let first_read = move |_: &Device, _: bool| {
+            depths.hooked(value, reads.fetch_add(1, Ordering::Relaxed), callback)
+        };
+        Param::uninitialized(id, first_read, device, require_grad, shape)
     }
 }
 
