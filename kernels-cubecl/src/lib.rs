@@ -5,6 +5,9 @@
 //! does the same in one launch on Burn's CubeCL backend (wgpu, CUDA; with the `wgpu` / `cuda`
 //! features). They are forward-only (not differentiable).
 //!
+//! - [`attention_forward`] / [`attention_backward`]: attention without the score matrix
+//!   (FlashAttention's tiled forward with the row log-sum-exp, and its backward recomputing
+//!   the probabilities from it).
 //! - [`merge_partials`]: the online-softmax merge of two partial attention results with their
 //!   log-sum-exps (context parallelism's ring attention).
 //! - [`adamw_step`]: AdamW on a flat shard: moments, bias correction, decoupled weight decay
@@ -32,10 +35,13 @@
 #![warn(missing_docs)]
 
 mod adamw;
+mod attention;
 mod bucket;
 mod cross_entropy;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod cube;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod cube_attention;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub mod fusion_bridge;
 mod merge;
@@ -74,6 +80,10 @@ fn to_flex<const D: usize>(t: Tensor<D>) -> FloatTensor<Flex> {
 }
 
 pub use adamw::{AdamWScalars, adamw_kernel_launches, adamw_step, adamw_step_reference};
+pub use attention::{
+    AttentionMask, AttentionOps, attention_backward, attention_backward_reference,
+    attention_forward, attention_forward_reference,
+};
 pub use bucket::{
     PACK_GROUP, bucket_kernel_launches, pack_scaled, pack_scaled_reference, unpack_scaled,
     unpack_scaled_reference,

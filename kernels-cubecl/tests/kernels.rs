@@ -5,8 +5,9 @@
 
 use burn::tensor::{Device, DeviceKind, Tensor, TensorData};
 use flashover_kernels::{
-    AdamWScalars, adamw_step, adamw_step_reference, cross_entropy_pieces,
-    cross_entropy_pieces_reference, merge_partials, merge_partials_reference,
+    AdamWScalars, AttentionMask, adamw_step, adamw_step_reference, attention_backward,
+    attention_backward_reference, attention_forward, attention_forward_reference,
+    cross_entropy_pieces, cross_entropy_pieces_reference, merge_partials, merge_partials_reference,
 };
 
 fn wgpu() -> Device {
@@ -243,4 +244,103 @@ fn bucket_pack_and_unpack_kernels_match_the_reference() {
             }
         }
     }
+}
+
+/// `close` within `tolerance` (relative to the larger of the value and 1).
+fn close_within<const D: usize>(
+    kernel: Tensor<D>,
+    reference: Tensor<D>,
+    tolerance: f32,
+    what: &str,
+) {
+    let (a, b) = (
+        kernel.into_data().try_to_vec::<f32>().unwrap(),
+        reference.into_data().try_to_vec::<f32>().unwrap(),
+    );
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(
+            (x - y).abs() <= tolerance * y.abs().max(1.0),
+            "{what}[{i}]: kernel {x} vs reference {y}"
+        );
+    }
+}
+
+#[test]
+fn attention_kernels_match_the_reference_causal_and_full_at_odd_lengths() {
+    // (heads, queries, keys, head dim): lengths that are not multiples of a tile or of a
+    // cube's 64 rows, more queries than one cube, fewer queries than keys (causal aligns the
+    // last query with the last key), and the head dims 64 and 128.
+    let shapes = [
+        (3, 37, 37, 64),
+        (2, 70, 70, 64),
+        (2, 5, 37, 64),
+        (1, 37, 20, 128),
+        (2, 33, 33, 128),
+        (1, 1, 1, 16),
+    ];
+    for (heads, n_q, n_k, d) in shapes {
+        for causal in [true, false] {
+            if causal && n_q > n_k {
+                continue;
+            }
+            let mask = AttentionMask { causal };
+            let scale = 1.0 / (d as f32).sqrt();
+            let data = [
+                values(heads * n_q * d, 0.1, 1.5),
+                values(heads * n_k * d, 0.2, 1.5),
+                values(heads * n_k * d, 0.3, 1.0),
+                values(heads * n_q * d, 0.4, 1.0),
+            ];
+            let what = format!("{heads}x{n_q}x{n_k}x{d} causal {causal}");
+            let run = |device: &Device, kernel: bool| {
+                let q = tensor(data[0].clone(), [heads, n_q, d], device);
+                let k = tensor(data[1].clone(), [heads, n_k, d], device);
+                let v = tensor(data[2].clone(), [heads, n_k, d], device);
+                let d_out = tensor(data[3].clone(), [heads, n_q, d], device);
+                if kernel {
+                    let (out, lse) =
+                        attention_forward(q.clone(), k.clone(), v.clone(), mask, scale);
+                    let grads =
+                        attention_backward(q, k, v, out.clone(), lse.clone(), d_out, mask, scale);
+                    (out, lse, grads)
+                } else {
+                    let (out, lse) =
+                        attention_forward_reference(q.clone(), k.clone(), v.clone(), mask, scale);
+                    let grads = attention_backward_reference(
+                        q,
+                        k,
+                        v,
+                        out.clone(),
+                        lse.clone(),
+                        d_out,
+                        mask,
+                        scale,
+                    );
+                    (out, lse, grads)
+                }
+            };
+            let (out, lse, (d_q, d_k, d_v)) = run(&wgpu(), true);
+            let (out_r, lse_r, (d_q_r, d_k_r, d_v_r)) = run(&Device::flex(), false);
+            close_within(out, out_r, 1e-4, &format!("{what}: out"));
+            close_within(lse, lse_r, 1e-4, &format!("{what}: lse"));
+            close_within(d_q, d_q_r, 1e-4, &format!("{what}: d_q"));
+            close_within(d_k, d_k_r, 1e-4, &format!("{what}: d_k"));
+            close_within(d_v, d_v_r, 1e-4, &format!("{what}: d_v"));
+        }
+    }
+}
+
+#[test]
+fn causal_attentions_first_query_sees_only_the_first_key() {
+    // The reference's mask, checked by hand: query 0 of a causal attention over as many
+    // keys as queries attends to key 0 alone, so its output is value row 0.
+    let (n, d) = (4, 3);
+    let device = Device::flex();
+    let q = tensor(values(n * d, 0.1, 1.0), [1, n, d], &device);
+    let k = tensor(values(n * d, 0.2, 1.0), [1, n, d], &device);
+    let v = tensor(values(n * d, 0.3, 1.0), [1, n, d], &device);
+    let (out, _) =
+        attention_forward_reference(q, k, v.clone(), AttentionMask { causal: true }, 1.0);
+    close(out.narrow(1, 0, 1), v.narrow(1, 0, 1), "causal query 0");
 }

@@ -1,0 +1,268 @@
+//! Attention without the score matrix: FlashAttention's tiled forward (online softmax, the
+//! row log-sum-exp kept for backward) and its backward, which recomputes each block of
+//! probabilities from that log-sum-exp. Neither holds a `queries x keys` tensor in device
+//! memory on the CubeCL backend; the references on Flex are the plain tensor operations.
+//!
+//! Shapes: `q: [heads, n_q, d]`, `k`, `v: [heads, n_k, d]` (batch and heads flattened), f32.
+//! Causal attention aligns the last query with the last key (query `i` sees keys
+//! `j <= i + n_k - n_q`), so it needs `n_q <= n_k`.
+//!
+//! The backward is deterministic: one pass computes the query gradients row by row, another
+//! the key and value gradients row by row, each summing over the other side in a fixed order
+//! (no atomics), so the same inputs give the same bits run to run.
+
+use burn::backend::{Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor};
+use burn::tensor::{Bool, Tensor, TensorData};
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+use burn_cubecl::CubeBackend;
+
+/// Which keys a query attends to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionMask {
+    /// Causal (see the module docs); `false`: every key.
+    pub causal: bool,
+}
+
+/// Attention's forward and backward on a backend's primitives (Flex: the references; CubeCL:
+/// the kernels); the entry points are [`attention_forward`] and [`attention_backward`].
+#[backend_extension(
+    Flex,
+    Cube: cfg(any(feature = "wgpu", feature = "cuda")),
+    Fusion: cfg(any(feature = "wgpu", feature = "cuda"))
+)]
+pub trait AttentionOps: Backend {
+    /// `softmax(q k^T scale) v` and each query's log-sum-exp of its scaled scores
+    /// (`[heads, n_q]`).
+    #[fusion(meta = |q, _k, _v, _causal, _scale| (
+        q.clone(),
+        burn::backend::fusion::custom::TensorSpec::new(
+            burn::tensor::Shape::new([q.shape[0], q.shape[1]]),
+            q.dtype,
+        ),
+    ))]
+    fn attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// The gradients of `q`, `k` and `v` from the forward's `out` and `lse` and the output's
+    /// gradient `d_out`.
+    #[allow(clippy::too_many_arguments)]
+    #[fusion(meta = |q, k, v, _out, _lse, _d_out, _causal, _scale| (q.clone(), k.clone(), v.clone()))]
+    fn attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_out: FloatTensor<Self>,
+        causal: bool,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+}
+
+/// Fails naming the shapes when `q`, `k` and `v` do not fit together.
+fn check_shapes(q: [usize; 3], k: [usize; 3], v: [usize; 3], causal: bool) {
+    assert!(
+        q[0] == k[0] && k == v && q[2] == k[2],
+        "attention: q {q:?}, k {k:?} and v {v:?} must be [heads, n, d] with the same heads and \
+         d, and k and v of one shape"
+    );
+    assert!(
+        !causal || q[1] <= k[1],
+        "attention: causal attention aligns the last query with the last key, so it needs no \
+         more queries ({}) than keys ({})",
+        q[1],
+        k[1]
+    );
+}
+
+/// `true` where query `i` may not see key `j`, `[n_q, n_k]`.
+fn hidden_keys(
+    n_q: usize,
+    n_k: usize,
+    causal: bool,
+    device: &burn::tensor::Device,
+) -> Tensor<2, Bool> {
+    let offset = n_k - n_q.min(n_k);
+    let hidden: Vec<bool> = (0..n_q * n_k)
+        .map(|x| causal && x % n_k > x / n_k + offset)
+        .collect();
+    Tensor::from_data(TensorData::new(hidden, [n_q, n_k]), device)
+}
+
+/// The scaled scores with hidden keys at a large negative value, `[heads, n_q, n_k]`.
+fn scores(q: Tensor<3>, k: Tensor<3>, causal: bool, scale: f32) -> Tensor<3> {
+    let [_, n_q, _] = q.dims();
+    let n_k = k.dims()[1];
+    let s = q.matmul(k.swap_dims(1, 2)).mul_scalar(scale);
+    let hidden = hidden_keys(n_q, n_k, causal, &s.device()).unsqueeze::<3>();
+    s.mask_fill(hidden, -1.0e30)
+}
+
+/// The forward in plain Burn tensor operations (on any device): `(out, lse)`.
+pub fn attention_forward_reference(
+    q: Tensor<3>,
+    k: Tensor<3>,
+    v: Tensor<3>,
+    mask: AttentionMask,
+    scale: f32,
+) -> (Tensor<3>, Tensor<2>) {
+    check_shapes(q.dims(), k.dims(), v.dims(), mask.causal);
+    let s = scores(q, k, mask.causal, scale);
+    let max = s.clone().max_dim(2);
+    let lse = (s.clone() - max.clone()).exp().sum_dim(2).log() + max;
+    let p = (s - lse.clone()).exp();
+    let [heads, n_q, _] = lse.dims();
+    (p.matmul(v), lse.reshape([heads, n_q]))
+}
+
+/// The backward in plain Burn tensor operations (on any device): `(d_q, d_k, d_v)`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_reference(
+    q: Tensor<3>,
+    k: Tensor<3>,
+    v: Tensor<3>,
+    out: Tensor<3>,
+    lse: Tensor<2>,
+    d_out: Tensor<3>,
+    mask: AttentionMask,
+    scale: f32,
+) -> (Tensor<3>, Tensor<3>, Tensor<3>) {
+    check_shapes(q.dims(), k.dims(), v.dims(), mask.causal);
+    let p = (scores(q.clone(), k.clone(), mask.causal, scale) - lse.unsqueeze_dim(2)).exp();
+    let d_v = p.clone().swap_dims(1, 2).matmul(d_out.clone());
+    let d_p = d_out.clone().matmul(v.swap_dims(1, 2));
+    let delta = (d_out * out).sum_dim(2);
+    let d_s = p * (d_p - delta);
+    let d_q = d_s.clone().matmul(k).mul_scalar(scale);
+    let d_k = d_s.swap_dims(1, 2).matmul(q).mul_scalar(scale);
+    (d_q, d_k, d_v)
+}
+
+impl AttentionOps for Flex {
+    fn attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (out, lse) = attention_forward_reference(
+            crate::from_flex(q),
+            crate::from_flex(k),
+            crate::from_flex(v),
+            AttentionMask { causal },
+            scale,
+        );
+        (crate::to_flex(out), crate::to_flex(lse))
+    }
+
+    fn attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_out: FloatTensor<Self>,
+        causal: bool,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (d_q, d_k, d_v) = attention_backward_reference(
+            crate::from_flex(q),
+            crate::from_flex(k),
+            crate::from_flex(v),
+            crate::from_flex(out),
+            crate::from_flex(lse),
+            crate::from_flex(d_out),
+            AttentionMask { causal },
+            scale,
+        );
+        (
+            crate::to_flex(d_q),
+            crate::to_flex(d_k),
+            crate::to_flex(d_v),
+        )
+    }
+}
+
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+impl AttentionOps for CubeBackend {
+    fn attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        crate::cube_attention::forward(q, k, v, causal, scale)
+    }
+
+    fn attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_out: FloatTensor<Self>,
+        causal: bool,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        crate::cube_attention::backward(q, k, v, out, lse, d_out, causal, scale)
+    }
+}
+
+/// `softmax(q k^T scale) v` under `mask`, and each query's log-sum-exp (`[heads, n_q]`): the
+/// kernel on CubeCL devices (no score matrix), [`attention_forward_reference`] on Flex.
+pub fn attention_forward(
+    q: Tensor<3>,
+    k: Tensor<3>,
+    v: Tensor<3>,
+    mask: AttentionMask,
+    scale: f32,
+) -> (Tensor<3>, Tensor<2>) {
+    check_shapes(q.dims(), k.dims(), v.dims(), mask.causal);
+    let (out, lse) = <Dispatch as AttentionOps>::attention_forward(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        mask.causal,
+        scale,
+    );
+    (Tensor::from_dispatch(out), Tensor::from_dispatch(lse))
+}
+
+/// The gradients `(d_q, d_k, d_v)` of [`attention_forward`] from its `out` and `lse` and
+/// the output's gradient `d_out`: the kernels on CubeCL devices,
+/// [`attention_backward_reference`] on Flex.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    q: Tensor<3>,
+    k: Tensor<3>,
+    v: Tensor<3>,
+    out: Tensor<3>,
+    lse: Tensor<2>,
+    d_out: Tensor<3>,
+    mask: AttentionMask,
+    scale: f32,
+) -> (Tensor<3>, Tensor<3>, Tensor<3>) {
+    check_shapes(q.dims(), k.dims(), v.dims(), mask.causal);
+    let (d_q, d_k, d_v) = <Dispatch as AttentionOps>::attention_backward(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        out.into_dispatch(),
+        lse.into_dispatch(),
+        d_out.into_dispatch(),
+        mask.causal,
+        scale,
+    );
+    (
+        Tensor::from_dispatch(d_q),
+        Tensor::from_dispatch(d_k),
+        Tensor::from_dispatch(d_v),
+    )
+}
