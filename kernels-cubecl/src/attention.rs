@@ -16,6 +16,19 @@ use burn::tensor::{Bool, Tensor, TensorData};
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 use burn_cubecl::CubeBackend;
 
+static CUBE_LAUNCHES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many attention kernels (forward and backward passes) this process has launched on the
+/// CubeCL backend (for tests that check an attention took the fused path).
+pub fn attention_kernel_launches() -> usize {
+    CUBE_LAUNCHES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+pub(crate) fn count_launch() {
+    CUBE_LAUNCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Which keys a query attends to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttentionMask {
@@ -48,16 +61,16 @@ pub trait AttentionOps: Backend {
         scale: f32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
-    /// The gradients of `q`, `k` and `v` from the forward's `out` and `lse` and the output's
-    /// gradient `d_out`.
+    /// The gradients of `q`, `k` and `v` from the forward's `lse`, the output's gradient
+    /// `d_out` and each query's `delta` (`[heads, n_q, 1]`, see [`attention_delta`]).
     #[allow(clippy::too_many_arguments)]
-    #[fusion(meta = |q, k, v, _out, _lse, _d_out, _causal, _scale| (q.clone(), k.clone(), v.clone()))]
+    #[fusion(meta = |q, k, v, _lse, _delta, _d_out, _causal, _scale| (q.clone(), k.clone(), v.clone()))]
     fn attention_backward(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
-        out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
+        delta: FloatTensor<Self>,
         d_out: FloatTensor<Self>,
         causal: bool,
         scale: f32,
@@ -120,14 +133,26 @@ pub fn attention_forward_reference(
     (p.matmul(v), lse.reshape([heads, n_q]))
 }
 
+/// Each query's `sum(d_out * out) - d_lse` (`[heads, n_q, 1]`): what the backward subtracts
+/// from a probability's gradient before the softmax's, the log-sum-exp's gradient `d_lse`
+/// (`[heads, n_q]`, where the caller uses the log-sum-exp) folded in, as `d lse_i / d s_ij =
+/// p_ij`.
+pub fn attention_delta(out: Tensor<3>, d_out: Tensor<3>, d_lse: Option<Tensor<2>>) -> Tensor<3> {
+    let delta = (d_out * out).sum_dim(2);
+    match d_lse {
+        Some(d_lse) => delta - d_lse.unsqueeze_dim(2),
+        None => delta,
+    }
+}
+
 /// The backward in plain Burn tensor operations (on any device): `(d_q, d_k, d_v)`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward_reference(
     q: Tensor<3>,
     k: Tensor<3>,
     v: Tensor<3>,
-    out: Tensor<3>,
     lse: Tensor<2>,
+    delta: Tensor<3>,
     d_out: Tensor<3>,
     mask: AttentionMask,
     scale: f32,
@@ -135,8 +160,7 @@ pub fn attention_backward_reference(
     check_shapes(q.dims(), k.dims(), v.dims(), mask.causal);
     let p = (scores(q.clone(), k.clone(), mask.causal, scale) - lse.unsqueeze_dim(2)).exp();
     let d_v = p.clone().swap_dims(1, 2).matmul(d_out.clone());
-    let d_p = d_out.clone().matmul(v.swap_dims(1, 2));
-    let delta = (d_out * out).sum_dim(2);
+    let d_p = d_out.matmul(v.swap_dims(1, 2));
     let d_s = p * (d_p - delta);
     let d_q = d_s.clone().matmul(k).mul_scalar(scale);
     let d_k = d_s.swap_dims(1, 2).matmul(q).mul_scalar(scale);
@@ -165,8 +189,8 @@ impl AttentionOps for Flex {
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
-        out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
+        delta: FloatTensor<Self>,
         d_out: FloatTensor<Self>,
         causal: bool,
         scale: f32,
@@ -175,8 +199,8 @@ impl AttentionOps for Flex {
             crate::from_flex(q),
             crate::from_flex(k),
             crate::from_flex(v),
-            crate::from_flex(out),
             crate::from_flex(lse),
+            crate::from_flex(delta),
             crate::from_flex(d_out),
             AttentionMask { causal },
             scale,
@@ -205,13 +229,13 @@ impl AttentionOps for CubeBackend {
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
-        out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
+        delta: FloatTensor<Self>,
         d_out: FloatTensor<Self>,
         causal: bool,
         scale: f32,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        crate::cube_attention::backward(q, k, v, out, lse, d_out, causal, scale)
+        crate::cube_attention::backward(q, k, v, lse, delta, d_out, causal, scale)
     }
 }
 
@@ -235,16 +259,16 @@ pub fn attention_forward(
     (Tensor::from_dispatch(out), Tensor::from_dispatch(lse))
 }
 
-/// The gradients `(d_q, d_k, d_v)` of [`attention_forward`] from its `out` and `lse` and
-/// the output's gradient `d_out`: the kernels on CubeCL devices,
+/// The gradients `(d_q, d_k, d_v)` of [`attention_forward`] from its `lse`, the output's
+/// gradient `d_out` and [`attention_delta`]: the kernels on CubeCL devices,
 /// [`attention_backward_reference`] on Flex.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     q: Tensor<3>,
     k: Tensor<3>,
     v: Tensor<3>,
-    out: Tensor<3>,
     lse: Tensor<2>,
+    delta: Tensor<3>,
     d_out: Tensor<3>,
     mask: AttentionMask,
     scale: f32,
@@ -254,8 +278,8 @@ pub fn attention_backward(
         q.into_dispatch(),
         k.into_dispatch(),
         v.into_dispatch(),
-        out.into_dispatch(),
         lse.into_dispatch(),
+        delta.into_dispatch(),
         d_out.into_dispatch(),
         mask.causal,
         scale,

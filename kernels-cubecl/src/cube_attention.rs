@@ -2,9 +2,8 @@
 //! gradients) or key row (key and value gradients), a cube of [`ROWS`] rows per head, and the
 //! other side streamed through shared memory a tile of rows at a time.
 
-use burn::backend::{Backend, TensorMetadata, tensor::FloatTensor};
+use burn::backend::TensorMetadata;
 use burn::tensor::{DType, Shape};
-use burn_cubecl::CubeBackend;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
@@ -319,11 +318,6 @@ fn key_value_grad_kernel(
     }
 }
 
-/// `sum(a * b)` over the last of three dimensions, kept as one.
-fn row_dot<B: Backend>(a: FloatTensor<B>, b: FloatTensor<B>) -> FloatTensor<B> {
-    B::float_sum_dim(B::float_mul(a, b), 2)
-}
-
 fn f32_contiguous(t: CubeTensor, what: &str) -> CubeTensor {
     assert_eq!(
         t.dtype,
@@ -413,6 +407,7 @@ pub(crate) fn forward(
         d,
         tile,
     );
+    crate::attention::count_launch();
     (out, lse)
 }
 
@@ -421,8 +416,8 @@ pub(crate) fn backward(
     q: CubeTensor,
     k: CubeTensor,
     v: CubeTensor,
-    out: CubeTensor,
     lse: CubeTensor,
+    delta: CubeTensor,
     d_out: CubeTensor,
     causal: bool,
     scale: f32,
@@ -432,14 +427,12 @@ pub(crate) fn backward(
         f32_contiguous(k, "k"),
         f32_contiguous(v, "v"),
     );
-    let (out, lse, d_out) = (
-        f32_contiguous(out, "out"),
+    let (lse, delta, d_out) = (
         f32_contiguous(lse, "lse"),
+        f32_contiguous(delta, "delta"),
         f32_contiguous(d_out, "d_out"),
     );
     let (heads, n_q, d, n_k) = (q.shape()[0], q.shape()[1], q.shape()[2], k.shape()[1]);
-    // Each query's `sum(d_out * out)`, `[heads, n_q, 1]`.
-    let delta = into_contiguous(row_dot::<CubeBackend>(d_out.clone(), out));
     let d_q = empty(&q, q.shape());
     let d_k = empty(&k, k.shape());
     let d_v = empty(&v, v.shape());
@@ -484,5 +477,6 @@ pub(crate) fn backward(
         d,
         tile,
     );
+    crate::attention::count_launch();
     (d_q, d_k, d_v)
 }

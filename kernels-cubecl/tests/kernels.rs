@@ -6,7 +6,7 @@
 use burn::tensor::{Device, DeviceKind, Tensor, TensorData};
 use flashover_kernels::{
     AdamWScalars, AttentionMask, adamw_step, adamw_step_reference, attention_backward,
-    attention_backward_reference, attention_forward, attention_forward_reference,
+    attention_backward_reference, attention_delta, attention_forward, attention_forward_reference,
     cross_entropy_pieces, cross_entropy_pieces_reference, merge_partials, merge_partials_reference,
 };
 
@@ -291,6 +291,7 @@ fn attention_kernels_match_the_reference_causal_and_full_at_odd_lengths() {
                 values(heads * n_k * d, 0.2, 1.5),
                 values(heads * n_k * d, 0.3, 1.0),
                 values(heads * n_q * d, 0.4, 1.0),
+                values(heads * n_q, 0.5, 1.0),
             ];
             let what = format!("{heads}x{n_q}x{n_k}x{d} causal {causal}");
             let run = |device: &Device, kernel: bool| {
@@ -298,21 +299,23 @@ fn attention_kernels_match_the_reference_causal_and_full_at_odd_lengths() {
                 let k = tensor(data[1].clone(), [heads, n_k, d], device);
                 let v = tensor(data[2].clone(), [heads, n_k, d], device);
                 let d_out = tensor(data[3].clone(), [heads, n_q, d], device);
+                let d_lse = tensor(data[4].clone(), [heads, n_q], device);
                 if kernel {
                     let (out, lse) =
                         attention_forward(q.clone(), k.clone(), v.clone(), mask, scale);
-                    let grads =
-                        attention_backward(q, k, v, out.clone(), lse.clone(), d_out, mask, scale);
+                    let delta = attention_delta(out.clone(), d_out.clone(), Some(d_lse.clone()));
+                    let grads = attention_backward(q, k, v, lse.clone(), delta, d_out, mask, scale);
                     (out, lse, grads)
                 } else {
                     let (out, lse) =
                         attention_forward_reference(q.clone(), k.clone(), v.clone(), mask, scale);
+                    let delta = attention_delta(out.clone(), d_out.clone(), Some(d_lse.clone()));
                     let grads = attention_backward_reference(
                         q,
                         k,
                         v,
-                        out.clone(),
                         lse.clone(),
+                        delta,
                         d_out,
                         mask,
                         scale,
@@ -343,4 +346,44 @@ fn causal_attentions_first_query_sees_only_the_first_key() {
     let (out, _) =
         attention_forward_reference(q, k, v.clone(), AttentionMask { causal: true }, 1.0);
     close(out.narrow(1, 0, 1), v.narrow(1, 0, 1), "causal query 0");
+}
+
+#[test]
+fn the_attention_backward_is_autodiffs_gradient_of_the_forward() {
+    // On Flex's autodiff: the gradients of `sum(out * r) + sum(lse * s)` through the
+    // reference forward against the reference backward with `s` folded into the delta.
+    let (heads, n_q, n_k, d) = (2, 5, 7, 4);
+    let device = Device::flex().autodiff();
+    for causal in [true, false] {
+        let mask = AttentionMask { causal };
+        let leaf = |n, salt, shape: [usize; 3]| tensor(values(n, salt, 1.0), shape, &device);
+        let q = leaf(heads * n_q * d, 0.1, [heads, n_q, d]).require_grad();
+        let k = leaf(heads * n_k * d, 0.2, [heads, n_k, d]).require_grad();
+        let v = leaf(heads * n_k * d, 0.3, [heads, n_k, d]).require_grad();
+        let r = leaf(heads * n_q * d, 0.4, [heads, n_q, d]);
+        let s = tensor(values(heads * n_q, 0.5, 1.0), [heads, n_q], &device);
+        let (out, lse) = attention_forward_reference(q.clone(), k.clone(), v.clone(), mask, 0.7);
+        let loss = (out.clone() * r.clone()).sum() + (lse.clone() * s.clone()).sum();
+        let grads = loss.backward();
+        let delta = attention_delta(out.detach(), r.clone(), Some(s));
+        let (d_q, d_k, d_v) = attention_backward_reference(
+            q.clone().detach(),
+            k.clone().detach(),
+            v.clone().detach(),
+            lse.detach(),
+            delta,
+            r,
+            mask,
+            0.7,
+        );
+        for (leaf, mine, what) in [(q, d_q, "d_q"), (k, d_k, "d_k"), (v, d_v, "d_v")] {
+            let autodiff = leaf.grad(&grads).expect("a gradient");
+            close_within(
+                mine.inner(),
+                autodiff,
+                1e-5,
+                &format!("causal {causal}: {what}"),
+            );
+        }
+    }
 }
