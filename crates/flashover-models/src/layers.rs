@@ -8,8 +8,8 @@ use flashover_parallel::dropout::Site;
 use flashover_parallel::expert_parallel::MoeForward;
 use flashover_parallel::forward_context::ForwardContext;
 use flashover_parallel::moe::{Moe, SwiGlu};
-use flashover_parallel::nn::Linear;
 use flashover_parallel::nn::RmsNorm;
+use flashover_parallel::nn::{Linear, fused_causal_attention, takes_fused_attention};
 
 /// Applies rotary embeddings to `x: [batch, heads, seq, head_dim]` ("rotate half" layout).
 fn apply_rope(x: Tensor<4>, cos: &Tensor<2>, sin: &Tensor<2>) -> Tensor<4> {
@@ -81,6 +81,10 @@ impl Attention {
         let v = split(v);
         if let Some(core) = &ctx.core_attention {
             let out = core.0.attend(q, k, v, ctx, layer);
+            return self.wo.forward(out.swap_dims(1, 2).reshape([b, t, h * hd]));
+        }
+        if ctx.dropout.is_none() && takes_fused_attention(&q.device()) {
+            let out = fused_causal_attention(q, k, v);
             return self.wo.forward(out.swap_dims(1, 2).reshape([b, t, h * hd]));
         }
         let scores = q.matmul(k.swap_dims(2, 3)).div_scalar((hd as f64).sqrt());

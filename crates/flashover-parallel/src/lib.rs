@@ -33,6 +33,7 @@
 #![warn(missing_docs)]
 
 pub mod activation_checkpointing;
+mod attention_op;
 mod collective_op;
 pub mod context_parallel;
 pub mod data_parallel;

@@ -5,7 +5,7 @@ use super::comm::{heads_to_sequence, sequence_to_heads};
 use super::layout::SequenceLayout;
 use super::work::WorkCounter;
 use crate::forward_context::{AttentionOp, ForwardContext};
-use burn::tensor::Tensor;
+use burn::tensor::{Int, Tensor, TensorData};
 use flashover_comm::Group;
 use std::sync::Arc;
 use std::time::Instant;
@@ -22,6 +22,28 @@ pub struct AllToAllAttention {
     /// The causal mask over `positions` (the layout is fixed: built once, not per call).
     pub(super) hidden: Vec<bool>,
     pub(super) work: Arc<WorkCounter>,
+}
+
+impl AllToAllAttention {
+    /// Causal attention over the rows of `q`, `k`, `v` (laid out as `positions`) as the fused
+    /// op: the rows put in position order, attended causally, and the output put back.
+    fn fused_causal(&self, q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
+        let device = q.device();
+        let index = |rows: Vec<usize>| {
+            let rows: Vec<i64> = rows.into_iter().map(|r| r as i64).collect();
+            let n = rows.len();
+            Tensor::<1, Int>::from_data(TensorData::new(rows, [n]), &device)
+        };
+        // Row `r` holds position `positions[r]`: the row of each position, in order.
+        let mut row_of = vec![0; self.positions.len()];
+        for (row, &position) in self.positions.iter().enumerate() {
+            row_of[position] = row;
+        }
+        let in_order = index(row_of);
+        let ordered = |t: Tensor<4>| t.select(2, in_order.clone());
+        let out = crate::nn::fused_causal_attention(ordered(q), ordered(k), ordered(v));
+        out.select(2, index(self.positions.clone()))
+    }
 }
 
 impl AttentionOp for AllToAllAttention {
@@ -48,9 +70,12 @@ impl AttentionOp for AllToAllAttention {
         let started = Instant::now();
         let head_offset = ctx.head_offset + group.rank() * heads / n;
         let all = &self.positions;
-        let out = attend_masked(q, k, v, self.hidden.clone(), |p| {
-            ctx.attention_at(p, layer, head_offset, all, all)
-        });
+        let out = match ctx.dropout.is_none() && crate::attention_op::fuses(&q.device()) {
+            true => self.fused_causal(q, k, v),
+            false => attend_masked(q, k, v, self.hidden.clone(), |p| {
+                ctx.attention_at(p, layer, head_offset, all, all)
+            }),
+        };
         let t = all.len();
         self.work.add(b * heads / n * t * t, started.elapsed());
         heads_to_sequence(out, group)

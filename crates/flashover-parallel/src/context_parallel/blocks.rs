@@ -45,6 +45,19 @@ pub fn attend_block(
     }
 }
 
+/// [`attend_block`] without dropout as the fused op (no score tensor): a diagonal block is
+/// causal over as many keys as queries.
+pub fn attend_block_fused(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    visibility: Visibility,
+) -> Partial {
+    let causal = visibility == Visibility::Diagonal;
+    let (out, lse) = crate::attention_op::fused_attention(q, k, v, causal);
+    Partial { out, lse }
+}
+
 /// The attention over the union of `a`'s and `b`'s keys: each block's result weighted by its
 /// share `exp(lse_block - lse)` of the joint denominator.
 pub fn merge(a: Partial, b: Partial) -> Partial {

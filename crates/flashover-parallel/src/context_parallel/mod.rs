@@ -21,7 +21,9 @@ mod sequence;
 mod work;
 
 pub use all_to_all::AllToAllAttention;
-pub use blocks::{Partial, attend_block, attend_masked, attend_positions, causal_mask, merge};
+pub use blocks::{
+    Partial, attend_block, attend_block_fused, attend_masked, attend_positions, causal_mask, merge,
+};
 pub use comm::{heads_to_sequence, ring_pass, sequence_to_heads};
 pub use layout::{SequenceLayout, Visibility};
 pub use ring::RingAttention;

@@ -1,6 +1,6 @@
 //! Ring attention: queries stay, key/value blocks travel the ring.
 
-use super::blocks::{Partial, attend_block, merge};
+use super::blocks::{Partial, attend_block, attend_block_fused, merge};
 use super::comm::{ring_passed, ring_shift};
 use super::layout::{SequenceLayout, Visibility};
 use super::merge_op;
@@ -50,6 +50,7 @@ impl AttentionOp for RingAttention {
             .collect();
         let mut partials: Vec<Option<Partial>> = mine.iter().map(|_| None).collect();
         // Keys and values travel as one block, stacked along the head dim.
+        let fused = ctx.dropout.is_none() && crate::attention_op::fuses(&q.device());
         let mut kv = Tensor::cat(vec![k, v], 1);
         let mut used = false;
         for step in 0..n {
@@ -76,9 +77,12 @@ impl AttentionOp for RingAttention {
                     );
                     let (q_pos, k_pos): (Vec<usize>, Vec<usize>) =
                         (q_range.clone().collect(), k_range.clone().collect());
-                    let part = attend_block(queries[qi].clone(), kb, vb, visibility, |p| {
-                        ctx.attention_at(p, layer, ctx.head_offset, &q_pos, &k_pos)
-                    });
+                    let part = match fused {
+                        true => attend_block_fused(queries[qi].clone(), kb, vb, visibility),
+                        false => attend_block(queries[qi].clone(), kb, vb, visibility, |p| {
+                            ctx.attention_at(p, layer, ctx.head_offset, &q_pos, &k_pos)
+                        }),
+                    };
                     elements += queries[qi].dims()[0] * heads * c * c;
                     used = true;
                     partials[qi] = Some(match partials[qi].take() {

@@ -57,7 +57,10 @@ impl CausalAttention {
     /// `softmax(q k^T / sqrt(head_dim))`.
     pub fn forward(&self, q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
         let Some(split) = self.split() else {
-            return local_causal_attention(q, k, v);
+            return match takes_fused_attention(&q.device()) {
+                true => fused_causal_attention(q, k, v),
+                false => local_causal_attention(q, k, v),
+            };
         };
         let [_, heads, local, _] = q.dims();
         let cp = split
@@ -70,6 +73,21 @@ impl CausalAttention {
             .expect("a context-parallel forward context has an attention core");
         core.0.attend(q, k, v, &ctx, 0)
     }
+}
+
+/// Whether attention on `device` runs as one fused op that makes no `seq x seq` score
+/// tensor (FlashAttention's forward and backward: on a CubeCL device where
+/// [`flashover_kernels::uses_kernels`] says so, by default a GPU). The composed tensor
+/// operations run elsewhere, and wherever dropout applies to the probabilities.
+pub fn takes_fused_attention(device: &Device) -> bool {
+    crate::attention_op::fuses(device)
+}
+
+/// Causal attention over positions all held here, `q`, `k`, `v`: `[batch, heads, seq,
+/// head_dim]`, scaled by `1 / sqrt(head_dim)`, as the fused op (see
+/// [`takes_fused_attention`]; on Flex it runs the kernels' reference). No dropout.
+pub fn fused_causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
+    crate::attention_op::fused_attention(q, k, v, true).0
 }
 
 /// Causal attention over positions all held here.

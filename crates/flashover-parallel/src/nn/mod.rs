@@ -31,7 +31,7 @@ mod sequence_split;
 mod swiglu;
 pub mod transformer;
 
-pub use attention::CausalAttention;
+pub use attention::{CausalAttention, fused_causal_attention, takes_fused_attention};
 pub use batch_norm::{BatchNorm, BatchNormConfig};
 pub use dropout::{Dropout, DropoutConfig, clear_dropout_draws, set_dropout_draws};
 pub use embedding::{Embedding, EmbeddingConfig};

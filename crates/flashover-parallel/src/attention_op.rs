@@ -1,0 +1,249 @@
+//! Attention as one differentiable operation whose forward and backward are
+//! `flashover_kernels`' attention kernels: on a CubeCL device no `queries x keys` tensor is
+//! made, in forward or backward, and backward keeps only `q`, `k`, `v`, the output and each
+//! query's log-sum-exp (FlashAttention's recipe). Flex runs the kernels' references.
+//!
+//! Burn's custom ops have one output each, so the op's output packs the attention and the
+//! log-sum-exp side by side (`[heads, queries, head_dim + 1]`): a caller that merges blocks by
+//! their log-sum-exps (ring attention) hands both gradients to the one backward, which folds
+//! the log-sum-exp's into each query's delta (`flashover_kernels::attention_delta`).
+//!
+//! Not taken (the composed tensor operations run instead, their results the same): where
+//! dropout applies to the attention probabilities (the kernels draw no masks), and where
+//! [`flashover_kernels::uses_kernels`] says no (by default, off a GPU).
+
+use crate::collective_op::{from_tensor, to_tensor};
+use burn::backend::autodiff::{
+    checkpoint::{base::Checkpointer, strategy::CheckpointStrategy},
+    grads::Gradients,
+    ops::{Backward, Ops, OpsKind},
+};
+use burn::backend::{Autodiff, Backend, Dispatch, backend_extension, tensor::FloatTensor};
+use burn::tensor::{DType, FloatDType, Tensor};
+use burn_dispatch::{DispatchKindConversion, DispatchTensor};
+use flashover_kernels::{AttentionMask, attention_backward, attention_delta, attention_forward};
+
+#[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")), Autodiff)]
+pub trait FusedAttentionOps: Backend {
+    /// `q: [heads, n_q, d]`, `k`, `v: [heads, n_k, d]` -> the attention and each query's
+    /// log-sum-exp side by side, `[heads, n_q, d + 1]` (see the module docs), differentiable.
+    fn fused_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        scale: f32,
+    ) -> FloatTensor<Self>;
+}
+
+/// The kernels' forward on untracked tensors: `(packed, out, lse)`.
+fn forward(
+    q: Tensor<3>,
+    k: Tensor<3>,
+    v: Tensor<3>,
+    mask: AttentionMask,
+    scale: f32,
+) -> (Tensor<3>, Tensor<3>, Tensor<2>) {
+    let (out, lse) = attention_forward(q, k, v, mask, scale);
+    let packed = Tensor::cat(vec![out.clone(), lse.clone().unsqueeze_dim(2)], 2);
+    (packed, out, lse)
+}
+
+crate::collective_op::for_inner_backends! {
+    impl FusedAttentionOps {
+        fn fused_attention(
+            q: FloatTensor<Self>,
+            k: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            causal: bool,
+            scale: f32,
+        ) -> FloatTensor<Self> {
+            let [q, k, v] = [q, k, v].map(to_tensor::<Self, 3>);
+            from_tensor::<Self, 3>(forward(q, k, v, AttentionMask { causal }, scale).0)
+        }
+    }
+}
+
+/// The op's backward: the kernels' from `q`, `k`, `v`, the output and the log-sum-exp.
+#[derive(Debug)]
+struct AttentionBackward;
+
+/// `(q, k, v, out, lse, causal, scale)`, on the inner backend.
+type AttentionState<B> = (
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    bool,
+    f32,
+);
+
+impl<B: Backend> Backward<B, 3> for AttentionBackward
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    type State = AttentionState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let (q, k, v, out, lse, causal, scale) = ops.state;
+        let packed: Tensor<3> = to_tensor::<B, 3>(grads.consume::<B>(&ops.node));
+        let width = packed.dims()[2] - 1;
+        let d_out = packed.clone().narrow(2, 0, width);
+        let d_lse = packed.narrow(2, width, 1).squeeze_dim::<2>(2);
+        let delta = attention_delta(to_tensor::<B, 3>(out), d_out.clone(), Some(d_lse));
+        let [q, k, v] = [q, k, v].map(to_tensor::<B, 3>);
+        let lse = to_tensor::<B, 2>(lse);
+        let mask = AttentionMask { causal };
+        let (d_q, d_k, d_v) = attention_backward(q, k, v, lse, delta, d_out, mask, scale);
+        for (parent, grad) in ops.parents.into_iter().zip([d_q, d_k, d_v]) {
+            if let Some(node) = parent {
+                grads.register::<B>(node.id, from_tensor::<B, 3>(grad));
+            }
+        }
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> FusedAttentionOps for Autodiff<B, C>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    fn fused_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        scale: f32,
+    ) -> FloatTensor<Self> {
+        let nodes = [q.node(), k.node(), v.node()];
+        let (q, k, v) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
+        let [tq, tk, tv] = [&q, &k, &v].map(|t| to_tensor::<B, 3>(t.clone()));
+        let (packed, out, lse) = forward(tq, tk, tv, AttentionMask { causal }, scale);
+        let packed = from_tensor::<B, 3>(packed);
+        match AttentionBackward
+            .prepare::<C>(nodes)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let state = (
+                    q,
+                    k,
+                    v,
+                    from_tensor::<B, 3>(out),
+                    from_tensor::<B, 2>(lse),
+                    causal,
+                    scale,
+                );
+                prep.finish(state, packed)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(packed),
+        }
+    }
+}
+
+/// Whether attention on `device` takes the fused op (see the module docs for where not).
+pub(crate) fn fuses(device: &burn::tensor::Device) -> bool {
+    flashover_kernels::uses_kernels(device)
+}
+
+/// Attention of `q` over `k`, `v` (`[batch, heads, len, head_dim]`), scaled by
+/// `1 / sqrt(head_dim)`, causal (the last query aligned with the last key) or over every key,
+/// as the fused op: `(out, lse)`, the output `[batch, heads, n_q, head_dim]` in `q`'s dtype
+/// and each query's log-sum-exp `[batch, heads, n_q, 1]`. Reduced-precision inputs are
+/// computed in f32 (the kernels' dtype) and the output cast back.
+pub(crate) fn fused_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    causal: bool,
+) -> (Tensor<4>, Tensor<4>) {
+    let [b, h, n_q, d] = q.dims();
+    let n_k = k.dims()[2];
+    let dtype = q.dtype();
+    let flat = |t: Tensor<4>, n: usize| {
+        let t = t.reshape([b * h, n, d]);
+        match t.dtype() == DType::F32 {
+            true => t,
+            false => t.cast(FloatDType::F32),
+        }
+    };
+    let packed = Tensor::<3>::from_dispatch(<Dispatch as FusedAttentionOps>::fused_attention(
+        flat(q, n_q).into_dispatch(),
+        flat(k, n_k).into_dispatch(),
+        flat(v, n_k).into_dispatch(),
+        causal,
+        1.0 / (d as f32).sqrt(),
+    ));
+    let back = |t: Tensor<3>| match dtype == DType::F32 {
+        true => t,
+        false => t.cast(dtype),
+    };
+    let out = back(packed.clone().narrow(2, 0, d)).reshape([b, h, n_q, d]);
+    let lse = back(packed.narrow(2, d, 1)).reshape([b, h, n_q, 1]);
+    (out, lse)
+}
+
+#[cfg(all(test, feature = "wgpu"))]
+mod tests {
+    use super::*;
+    use crate::context_parallel::Visibility;
+    use crate::context_parallel::{Partial, attend_block};
+    use burn::tensor::{Device, DeviceKind, Distribution};
+
+    fn values(t: Tensor<4>) -> Vec<f32> {
+        t.into_data().try_to_vec::<f32>().unwrap()
+    }
+
+    /// The fused op (the kernels, on the wgpu device) against the composed tensor operations
+    /// of a block of ring attention: output, log-sum-exp and the gradients of q, k and v
+    /// through both, causal and full, at lengths that are not multiples of a tile.
+    #[test]
+    fn the_fused_attention_has_the_composed_attentions_values_and_gradients() {
+        let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
+        flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Always);
+        assert!(fuses(&device));
+        let (b, h, n, d) = (2, 3, 37, 16);
+        let rand = |shape: [usize; 4]| {
+            Tensor::<4>::random(shape, Distribution::Uniform(-1.0, 1.0), &device).detach()
+        };
+        let inputs = [rand([b, h, n, d]), rand([b, h, n, d]), rand([b, h, n, d])];
+        let (r_out, r_lse) = (rand([b, h, n, d]), rand([b, h, n, 1]));
+        for visibility in [Visibility::Diagonal, Visibility::All] {
+            let run = |fused: bool| {
+                let leaves: Vec<Tensor<4>> =
+                    inputs.iter().map(|t| t.clone().require_grad()).collect();
+                let (q, k, v) = (leaves[0].clone(), leaves[1].clone(), leaves[2].clone());
+                let launches = flashover_kernels::attention_kernel_launches();
+                let part = match fused {
+                    true => {
+                        let causal = visibility == Visibility::Diagonal;
+                        let (out, lse) = fused_attention(q, k, v, causal);
+                        Partial { out, lse }
+                    }
+                    false => attend_block(q, k, v, visibility, |p| p),
+                };
+                let loss = (part.out.clone() * r_out.clone()).sum()
+                    + (part.lse.clone() * r_lse.clone()).sum();
+                let grads = loss.backward();
+                let mut all = vec![values(part.out.inner()), values(part.lse.inner())];
+                all.extend(leaves.iter().map(|l| values(l.grad(&grads).unwrap())));
+                // The forward and the backward launched kernels, counted as Burn's fusion
+                // runs them (by the reads above); the composed path none.
+                let launched = flashover_kernels::attention_kernel_launches() - launches;
+                assert_eq!(launched >= 2, fused, "kernel launches: {launched}");
+                all
+            };
+            let (fused, composed) = (run(true), run(false));
+            let names = ["out", "lse", "d q", "d k", "d v"];
+            for ((f, c), name) in fused.iter().zip(&composed).zip(names) {
+                for (x, y) in f.iter().zip(c) {
+                    assert!(
+                        (x - y).abs() <= 1e-4 * y.abs().max(1.0),
+                        "{visibility:?} {name}: {x} vs {y}"
+                    );
+                }
+            }
+        }
+    }
+}
