@@ -30,17 +30,31 @@ fn tiny(mesh: &str) -> TrainConfig {
 }
 
 fn flex_and_wgpu_agree(c: TrainConfig) -> flashover::train::TrainReport {
+    let what = format!(
+        "{} zero={} recompute={} cp_attention={}",
+        c.parallel.mesh,
+        c.parallel.zero,
+        c.parallel.activation_checkpointing,
+        c.parallel.cp_attention
+    );
+    // Flex without the kernels' paths (the composed tensor operations and host loops), so
+    // that a kernel path wrong on both backends alike fails here too.
+    flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Never);
+    let flex = train(&c, &|_| {}).unwrap_or_else(|e| panic!("{what} on flex: {e}"));
     // Lavapipe is a CPU adapter, where the strategies do not use the kernels by default: force
     // them (the path GPUs take), so every layout here runs through them.
     flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Always);
-    let what = format!(
-        "{} zero={} recompute={}",
-        c.parallel.mesh, c.parallel.zero, c.parallel.activation_checkpointing
-    );
-    let flex = train(&c, &|_| {}).unwrap_or_else(|e| panic!("{what} on flex: {e}"));
     let mut on_wgpu = c;
     on_wgpu.run.device = DeviceChoice::Wgpu;
+    let attention = flashover_kernels::attention_kernel_launches();
     let wgpu = train(&on_wgpu, &|_| {}).unwrap_or_else(|e| panic!("{what} on wgpu: {e}"));
+    // Attention ran as the fused kernels (no dropout here): the composed path would launch
+    // none.
+    let launched = flashover_kernels::attention_kernel_launches() - attention;
+    assert!(
+        launched > 0,
+        "{what}: attention took the composed path on wgpu"
+    );
     let cmp = compare(&flex, &wgpu, 1e-4);
     assert!(cmp.max_rel_loss_diff <= 1e-4, "{what}: {cmp}");
     assert!(cmp.max_rel_param_diff <= 1e-4, "{what}: {cmp}");
@@ -90,6 +104,9 @@ fn tensor_pipeline_and_sharded_layouts_on_wgpu_match_flex() {
 fn context_expert_and_recomputation_on_wgpu_match_flex() {
     let _serial = serial();
     flex_and_wgpu_agree(tiny("cp=2"));
+    let mut all_to_all = tiny("cp=2");
+    all_to_all.parallel.cp_attention = "all-to-all".parse().unwrap();
+    flex_and_wgpu_agree(all_to_all);
     let mut moe = tiny("ep=2");
     moe.moe.experts = 4;
     moe.moe.d_expert = Some(16);

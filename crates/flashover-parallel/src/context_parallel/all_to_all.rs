@@ -41,7 +41,7 @@ impl AllToAllAttention {
         }
         let in_order = index(row_of);
         let ordered = |t: Tensor<4>| t.select(2, in_order.clone());
-        let out = crate::nn::fused_causal_attention(ordered(q), ordered(k), ordered(v));
+        let out = crate::attention_op::fused_attention(ordered(q), ordered(k), ordered(v), true).0;
         out.select(2, index(self.positions.clone()))
     }
 }

@@ -145,3 +145,61 @@ mod tests {
         close(merge(early, diag).out, whole);
     }
 }
+
+#[cfg(all(test, feature = "wgpu"))]
+mod fused_tests {
+    use super::*;
+    use burn::tensor::{Device, DeviceKind, Distribution};
+
+    fn values(t: Tensor<4>) -> Vec<f32> {
+        t.into_data().try_to_vec::<f32>().unwrap()
+    }
+
+    /// The fused op (the kernels, on the wgpu device) against the composed tensor operations
+    /// of a block: output, log-sum-exp and the gradients of q, k and v
+    /// through both, causal and full, at lengths that are not multiples of a tile.
+    #[test]
+    fn the_fused_attention_has_the_composed_attentions_values_and_gradients() {
+        let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
+        flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Always);
+        assert!(crate::attention_op::fuses(&device));
+        let (b, h, n, d) = (2, 3, 37, 16);
+        let rand = |shape: [usize; 4]| {
+            Tensor::<4>::random(shape, Distribution::Uniform(-1.0, 1.0), &device).detach()
+        };
+        let inputs = [rand([b, h, n, d]), rand([b, h, n, d]), rand([b, h, n, d])];
+        let (r_out, r_lse) = (rand([b, h, n, d]), rand([b, h, n, 1]));
+        for visibility in [Visibility::Diagonal, Visibility::All] {
+            let run = |fused: bool| {
+                let leaves: Vec<Tensor<4>> =
+                    inputs.iter().map(|t| t.clone().require_grad()).collect();
+                let (q, k, v) = (leaves[0].clone(), leaves[1].clone(), leaves[2].clone());
+                let launches = flashover_kernels::attention_kernel_launches();
+                let part = match fused {
+                    true => attend_block_fused(q, k, v, visibility),
+                    false => attend_block(q, k, v, visibility, |p| p),
+                };
+                let loss = (part.out.clone() * r_out.clone()).sum()
+                    + (part.lse.clone() * r_lse.clone()).sum();
+                let grads = loss.backward();
+                let mut all = vec![values(part.out.inner()), values(part.lse.inner())];
+                all.extend(leaves.iter().map(|l| values(l.grad(&grads).unwrap())));
+                // The forward and the backward launched kernels, counted as Burn's fusion
+                // runs them (by the reads above); the composed path none.
+                let launched = flashover_kernels::attention_kernel_launches() - launches;
+                assert_eq!(launched >= 2, fused, "kernel launches: {launched}");
+                all
+            };
+            let (fused, composed) = (run(true), run(false));
+            let names = ["out", "lse", "d q", "d k", "d v"];
+            for ((f, c), name) in fused.iter().zip(&composed).zip(names) {
+                for (x, y) in f.iter().zip(c) {
+                    assert!(
+                        (x - y).abs() <= 1e-4 * y.abs().max(1.0),
+                        "{visibility:?} {name}: {x} vs {y}"
+                    );
+                }
+            }
+        }
+    }
+}
