@@ -18,6 +18,14 @@
 #      (Burn's wgpu has no bf16 there; see wgpu_large below): tokens/s, memory and MFU;
 #   4. the CubeCL kernels against their plain-tensor references on wgpu.
 #
+# QUICK=1 (with FLASHOVER_BIN: prebuilt binaries, no build) runs only what fits in about eight
+# minutes of one H100 or H200 and prints one table: causal attention forward+backward, the
+# fused kernels against Burn's fallback, at seq 2048, 8192 and 32768 (16 heads of 128, bf16;
+# time and memory kept for backward, a length that runs out of memory reported as failed);
+# examples/configs/gpu.toml at bf16 with the kernels (`--kernels auto`: a GPU takes them,
+# attention included) and without (`--kernels never`): tokens/s, MFU and memory; and the host
+# reads per step of both runs.
+#
 # MFU = the last step's tokens/s x FLOPs per token / peak, with FLOPs per token = 6 x non-embedding parameters
 # + 12 x layers x d_model x sequence length (forward and backward, attention scores and values),
 # and the peak the GPU's dense bf16 rate (PEAK_TFLOPS, default 989: an H100/H200 SXM).
@@ -33,6 +41,10 @@ LOG_DIR=${LOG_DIR:-target/gpu_check}
 PEAK_TFLOPS=${PEAK_TFLOPS:-989}
 mkdir -p "$LOG_DIR"
 
+if [[ -n "${QUICK:-}" && -z "${FLASHOVER_BIN:-}" ]]; then
+  echo "gpu_check: QUICK=1 needs FLASHOVER_BIN (binaries built beforehand)"
+  exit 1
+fi
 if [[ -n "${FLASHOVER_BIN:-}" ]]; then
   BIN=$FLASHOVER_BIN
 else
@@ -88,6 +100,20 @@ mfu() {
     }' "$LOG_DIR/$1.log"
   grep -A3 "memory per rank" "$LOG_DIR/$1.log" | tail -n 2
 }
+
+if [[ -n "${QUICK:-}" ]]; then
+  check attention 240 "$BIN/flashover" bench attention --device cuda --seqs 2048,8192,32768 \
+    --heads 16 --head-dim 128 --dtype bf16 --repeats 2
+  grep "^|" "$LOG_DIR/attention.log" 2>/dev/null
+  for kernels in auto never; do
+    check "gpu_toml_kernels_$kernels" 150 "$BIN/flashover" train --config examples/configs/gpu.toml \
+      --device cuda --kernels "$kernels"
+    mfu "gpu_toml_kernels_$kernels"
+    grep "host reads per step" "$LOG_DIR/gpu_toml_kernels_$kernels.log" 2>/dev/null
+  done
+  echo "gpu_check: $failed failed; logs in $LOG_DIR"
+  exit "$failed"
+fi
 
 check nccl_check 180 "$BIN/nccl_check"
 check cuda_collectives 60 "$BIN/cuda_collectives"

@@ -4,6 +4,7 @@
 //! below run each on a small job. They live in the binary, not the library: a user of the
 //! library needs none of them.
 
+pub mod attention;
 pub mod calibrate;
 pub mod checkpoint;
 pub mod comm;
@@ -150,5 +151,12 @@ mod tests {
         // `--device wgpu` runs the kernels).
         let kernels = crate::bench::kernels::run(&burn::tensor::Device::flex(), 1).unwrap();
         assert!(kernels.iter().all(|r| r.fused_s > 0.0 && r.unfused_s > 0.0));
+        // Attention both ways at one length (on Flex the fused op is its reference).
+        let f32 = burn::tensor::DType::F32;
+        let flex = burn::tensor::Device::flex();
+        let attention = crate::bench::attention::run(&flex, &[8], 2, 4, f32, 1).unwrap();
+        let ways: Vec<&str> = attention.iter().map(|r| r.way.as_str()).collect();
+        assert_eq!(ways, ["fused", "burn"]);
+        assert!(attention.iter().all(|r| r.step_s > 0.0));
     }
 }

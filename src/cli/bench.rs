@@ -29,6 +29,9 @@ pub enum BenchCommand {
     Plan(Box<PlanCalibrationArgs>),
     /// Each fused CubeCL kernel against the unfused Burn operations it replaces.
     Kernels(KernelArgs),
+    /// Causal attention's forward and backward: the fused kernels (no score tensor) against
+    /// Burn's `module::attention`, time and memory kept for backward per sequence length.
+    Attention(AttentionArgs),
     /// A plan's fully sharded parameters gathered per read against per unit with prefetch.
     Units(Box<UnitsArgs>),
     /// A loop of one's own under data parallelism: gradient buckets reduced during backward
@@ -80,6 +83,29 @@ pub struct KernelArgs {
     device: flashover::DeviceChoice,
     /// Timed runs per measurement (the median is reported).
     #[arg(long, default_value_t = 10)]
+    repeats: usize,
+}
+
+/// Options of `bench attention`.
+#[derive(Debug, Args)]
+pub struct AttentionArgs {
+    /// Device: wgpu or cuda (the kernels), or flex (their reference on both sides).
+    #[arg(long, default_value = "wgpu")]
+    device: flashover::DeviceChoice,
+    /// Sequence lengths, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "256,512,1024")]
+    seqs: Vec<usize>,
+    /// Heads.
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    /// Head dimension.
+    #[arg(long, default_value_t = 64)]
+    head_dim: usize,
+    /// Input dtype: f32, bf16 or f16 (the kernels compute in f32).
+    #[arg(long, default_value = "f32")]
+    dtype: flashover_parallel::precision::Precision,
+    /// Timed runs of each way per length (after one warm-up), alternating.
+    #[arg(long, default_value_t = 3)]
     repeats: usize,
 }
 
@@ -355,6 +381,37 @@ pub fn run(cmd: BenchCommand) -> Result<(), String> {
                     r.unfused_s * 1e3,
                     r.unfused_s / r.fused_s,
                 );
+            }
+            Ok(())
+        }
+        BenchCommand::Attention(args) => {
+            let device = args.device.device(0).map_err(|e| e.to_string())?;
+            let dtype = args.dtype.float_dtype().into();
+            let records = crate::bench::attention::run(
+                &device,
+                &args.seqs,
+                args.heads,
+                args.head_dim,
+                dtype,
+                args.repeats,
+            )?;
+            println!(
+                "device {device:?}, {} heads x {}, {:?}",
+                args.heads, args.head_dim, args.dtype
+            );
+            println!("| seq | way | forward+backward ms | kept for backward MiB | time / fused |");
+            println!("|---:|---|---:|---:|---:|");
+            for pair in records.chunks(2) {
+                let fused = pair[0].step_s;
+                for r in pair {
+                    let kept = r.kept_mib.map_or("-".into(), |m| format!("{m:.1}"));
+                    let ms = match &r.error {
+                        Some(e) => format!("failed: {}", e.lines().next().unwrap_or(e)),
+                        None => format!("{:.2}", r.step_s * 1e3),
+                    };
+                    let ratio = r.step_s / fused;
+                    println!("| {} | {} | {ms} | {kept} | {ratio:.2} |", r.seq, r.way);
+                }
             }
             Ok(())
         }
