@@ -147,7 +147,7 @@ fn unpermute_kernel(
     }
 }
 
-fn f32_contiguous(t: CubeTensor, what: &str) -> CubeTensor {
+pub(crate) fn f32_contiguous(t: CubeTensor, what: &str) -> CubeTensor {
     assert_eq!(
         t.dtype,
         DType::F32,
@@ -157,13 +157,13 @@ fn f32_contiguous(t: CubeTensor, what: &str) -> CubeTensor {
     into_contiguous(t)
 }
 
-fn buffer(t: &CubeTensor) -> BufferArg {
+pub(crate) fn buffer(t: &CubeTensor) -> BufferArg {
     let len = t.shape().num_elements();
     // SAFETY: the handle is a contiguous f32 buffer of `len` elements (f32_contiguous).
     unsafe { BufferArg::from_raw_parts(t.handle.clone(), len) }
 }
 
-fn empty(like: &CubeTensor, shape: Shape) -> CubeTensor {
+pub(crate) fn empty(like: &CubeTensor, shape: Shape) -> CubeTensor {
     let bytes = shape.num_elements() * std::mem::size_of::<f32>();
     let handle = like.client.empty(bytes.max(4));
     CubeTensor::new_contiguous(

@@ -2,9 +2,9 @@
 //! gradients) or key row (key and value gradients), a cube of [`ROWS`] rows per head, and the
 //! other side streamed through shared memory a tile of rows at a time.
 
+use crate::cube::{buffer, empty, f32_contiguous};
 use burn::backend::TensorMetadata;
-use burn::tensor::{DType, Shape};
-use burn_cubecl::kernel::into_contiguous;
+use burn::tensor::Shape;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
@@ -44,6 +44,31 @@ fn load_tile(
     }
 }
 
+/// `dst` <- row `row` of `src` (`d` values from `row * d`), or zeros for an inactive unit.
+#[cube]
+fn load_row(src: &[f32], row: usize, active: bool, dst: &mut Array<f32>, #[comptime] d: usize) {
+    for c in 0..d {
+        dst[c] = 0.0;
+        if active {
+            dst[c] = src[row * d + c];
+        }
+    }
+}
+
+/// How many keys any query of this cube sees (from `first`, `CUBE_DIM_X` queries).
+#[cube]
+fn keys_seen(first: usize, nq: usize, nk: usize, offset: usize, causal: u32) -> usize {
+    let mut keys = nk;
+    if causal == 1 {
+        let mut last = first + CUBE_DIM_X as usize;
+        if last > nq {
+            last = nq;
+        }
+        keys = last + offset;
+    }
+    keys
+}
+
 /// Forward: each unit keeps its query, the running maximum and denominator and the unnormalised
 /// output in registers, and streams the keys and values through shared memory.
 #[allow(clippy::too_many_arguments)]
@@ -71,22 +96,9 @@ fn forward_kernel(
     let mut v_tile = Shared::<[f32]>::new_slice(comptime!(tile * d));
     let mut q_row = Array::<f32>::new(d);
     let mut acc = Array::<f32>::new(d);
-    for c in 0..d {
-        acc[c] = 0.0;
-        q_row[c] = 0.0;
-        if active {
-            q_row[c] = q[(head * nq + row) * d + c];
-        }
-    }
-    // The keys any query of this cube sees.
-    let mut keys = nk;
-    if causal == 1 {
-        let mut last = first + CUBE_DIM_X as usize;
-        if last > nq {
-            last = nq;
-        }
-        keys = last + offset;
-    }
+    load_row(q, head * nq + row, active, &mut q_row, d);
+    load_row(q, 0, false, &mut acc, d);
+    let keys = keys_seen(first, nq, nk, offset, causal);
     // Minus infinity (WGSL has no infinite literals): below any scaled score.
     let mut m = f32::new(-1.0e30);
     let mut l = 0.0f32;
@@ -165,29 +177,16 @@ fn query_grad_kernel(
     let mut q_row = Array::<f32>::new(d);
     let mut do_row = Array::<f32>::new(d);
     let mut acc = Array::<f32>::new(d);
+    load_row(q, head * nq + row, active, &mut q_row, d);
+    load_row(d_out, head * nq + row, active, &mut do_row, d);
+    load_row(q, 0, false, &mut acc, d);
     let mut row_lse = 0.0f32;
     let mut row_delta = 0.0f32;
-    for c in 0..d {
-        acc[c] = 0.0;
-        q_row[c] = 0.0;
-        do_row[c] = 0.0;
-        if active {
-            q_row[c] = q[(head * nq + row) * d + c];
-            do_row[c] = d_out[(head * nq + row) * d + c];
-        }
-    }
     if active {
         row_lse = lse[head * nq + row];
         row_delta = delta[head * nq + row];
     }
-    let mut keys = nk;
-    if causal == 1 {
-        let mut last = first + CUBE_DIM_X as usize;
-        if last > nq {
-            last = nq;
-        }
-        keys = last + offset;
-    }
+    let keys = keys_seen(first, nq, nk, offset, causal);
     let mut start = 0usize;
     while start < keys {
         load_tile(k, &mut k_tile, head, start, nk, d, tile);
@@ -255,16 +254,10 @@ fn key_value_grad_kernel(
     let mut v_row = Array::<f32>::new(d);
     let mut dk = Array::<f32>::new(d);
     let mut dv = Array::<f32>::new(d);
-    for c in 0..d {
-        dk[c] = 0.0;
-        dv[c] = 0.0;
-        k_row[c] = 0.0;
-        v_row[c] = 0.0;
-        if active {
-            k_row[c] = k[(head * nk + row) * d + c];
-            v_row[c] = v[(head * nk + row) * d + c];
-        }
-    }
+    load_row(k, head * nk + row, active, &mut k_row, d);
+    load_row(v, head * nk + row, active, &mut v_row, d);
+    load_row(k, 0, false, &mut dk, d);
+    load_row(k, 0, false, &mut dv, d);
     // The first query that sees any key of this cube.
     let mut start = 0usize;
     if causal == 1 && first > offset {
@@ -318,35 +311,6 @@ fn key_value_grad_kernel(
     }
 }
 
-fn f32_contiguous(t: CubeTensor, what: &str) -> CubeTensor {
-    assert_eq!(
-        t.dtype,
-        DType::F32,
-        "flashover-kernels: attention's {what} must be f32 (got {:?}); other dtypes take the \
-         plain path",
-        t.dtype
-    );
-    into_contiguous(t)
-}
-
-fn buffer(t: &CubeTensor) -> BufferArg {
-    let len = t.shape().num_elements();
-    // SAFETY: the handle is a contiguous f32 buffer of `len` elements (f32_contiguous).
-    unsafe { BufferArg::from_raw_parts(t.handle.clone(), len) }
-}
-
-fn empty(like: &CubeTensor, shape: Shape) -> CubeTensor {
-    let bytes = shape.num_elements() * std::mem::size_of::<f32>();
-    let handle = like.client.empty(bytes.max(4));
-    CubeTensor::new_contiguous(
-        like.client.clone(),
-        like.device.clone(),
-        shape,
-        handle,
-        DType::F32,
-    )
-}
-
 /// The most rows of `width` f32 values (and `extra` more per row) that fit in the device's
 /// shared memory `tensors` times, a power of two up to [`MAX_TILE`].
 fn tile_rows(like: &CubeTensor, tensors: usize, width: usize, extra: usize) -> usize {
@@ -382,9 +346,9 @@ pub(crate) fn forward(
     scale: f32,
 ) -> (CubeTensor, CubeTensor) {
     let (q, k, v) = (
-        f32_contiguous(q, "q"),
-        f32_contiguous(k, "k"),
-        f32_contiguous(v, "v"),
+        f32_contiguous(q, "attention's q"),
+        f32_contiguous(k, "attention's k"),
+        f32_contiguous(v, "attention's v"),
     );
     let (heads, n_q, d, n_k) = (q.shape()[0], q.shape()[1], q.shape()[2], k.shape()[1]);
     let out = empty(&q, q.shape());
@@ -423,14 +387,14 @@ pub(crate) fn backward(
     scale: f32,
 ) -> (CubeTensor, CubeTensor, CubeTensor) {
     let (q, k, v) = (
-        f32_contiguous(q, "q"),
-        f32_contiguous(k, "k"),
-        f32_contiguous(v, "v"),
+        f32_contiguous(q, "attention's q"),
+        f32_contiguous(k, "attention's k"),
+        f32_contiguous(v, "attention's v"),
     );
     let (lse, delta, d_out) = (
-        f32_contiguous(lse, "lse"),
-        f32_contiguous(delta, "delta"),
-        f32_contiguous(d_out, "d_out"),
+        f32_contiguous(lse, "attention's lse"),
+        f32_contiguous(delta, "attention's delta"),
+        f32_contiguous(d_out, "attention's d_out"),
     );
     let (heads, n_q, d, n_k) = (q.shape()[0], q.shape()[1], q.shape()[2], k.shape()[1]);
     let d_q = empty(&q, q.shape());

@@ -1329,13 +1329,18 @@ fn a_pipelined_layers_gradient_buckets_are_reduced_before_the_layers_below_run_b
     let plan = (ParallelizePlan::new().pipeline(probed_rule()))
         .activation_checkpointing(CheckpointPolicy::Blocks(vec![0]))
         .gradient_buckets(tiny_buckets());
-    let pipelined = Stepping::Pipeline;
-    let reduced = at_layer_zero_rerun(pipelined, "dp=2", FaultPlan::new(), &plan, |recorder| {
+    a_bucket_is_reduced_before_layer_zeros_rerun(Stepping::Pipeline, &plan);
+}
+
+/// Asserts that on `dp=2`, stepping by `stepping` under `plan`, every rank saw a gradient
+/// bucket reduced before layer 0 ran again in backward.
+fn a_bucket_is_reduced_before_layer_zeros_rerun(stepping: Stepping, plan: &ParallelizePlan) {
+    let reduced = at_layer_zero_rerun(stepping, "dp=2", FaultPlan::new(), plan, |recorder| {
         waits_for_a_bucket(recorder)
     });
     for seen in reduced {
         let message = "no bucket was reduced before layer 0's backward";
-        assert_eq!(seen, Some(true), "{message}");
+        assert_eq!(seen, Some(true), "{stepping:?}: {message}");
     }
 }
 
@@ -1346,14 +1351,7 @@ fn a_loops_gradient_buckets_are_reduced_before_the_first_layer_runs_backward() {
     // backward ends and fill buckets before layer 0's rerun. Hooks on the parameters alone
     // run at the end of backward, after it.
     let plan = ParallelizePlan::new().gradient_buckets(tiny_buckets());
-    let own_loop = Stepping::OwnLoop;
-    let reduced = at_layer_zero_rerun(own_loop, "dp=2", FaultPlan::new(), &plan, |recorder| {
-        waits_for_a_bucket(recorder)
-    });
-    for seen in reduced {
-        let message = "no bucket was reduced before layer 0's backward";
-        assert_eq!(seen, Some(true), "{message}");
-    }
+    a_bucket_is_reduced_before_layer_zeros_rerun(Stepping::OwnLoop, &plan);
 }
 
 #[test]
