@@ -55,6 +55,14 @@ fn load_row(src: &[f32], row: usize, active: bool, dst: &mut Array<f32>, #[compt
     }
 }
 
+/// `dst` <- `d` zeros.
+#[cube]
+fn zero_row(dst: &mut Array<f32>, #[comptime] d: usize) {
+    for c in 0..d {
+        dst[c] = 0.0;
+    }
+}
+
 /// How many keys any query of this cube sees (from `first`, `CUBE_DIM_X` queries).
 #[cube]
 fn keys_seen(first: usize, nq: usize, nk: usize, offset: usize, causal: u32) -> usize {
@@ -97,7 +105,7 @@ fn forward_kernel(
     let mut q_row = Array::<f32>::new(d);
     let mut acc = Array::<f32>::new(d);
     load_row(q, head * nq + row, active, &mut q_row, d);
-    load_row(q, 0, false, &mut acc, d);
+    zero_row(&mut acc, d);
     let keys = keys_seen(first, nq, nk, offset, causal);
     // Minus infinity (WGSL has no infinite literals): below any scaled score.
     let mut m = f32::new(-1.0e30);
@@ -179,7 +187,7 @@ fn query_grad_kernel(
     let mut acc = Array::<f32>::new(d);
     load_row(q, head * nq + row, active, &mut q_row, d);
     load_row(d_out, head * nq + row, active, &mut do_row, d);
-    load_row(q, 0, false, &mut acc, d);
+    zero_row(&mut acc, d);
     let mut row_lse = 0.0f32;
     let mut row_delta = 0.0f32;
     if active {
@@ -256,8 +264,8 @@ fn key_value_grad_kernel(
     let mut dv = Array::<f32>::new(d);
     load_row(k, head * nk + row, active, &mut k_row, d);
     load_row(v, head * nk + row, active, &mut v_row, d);
-    load_row(k, 0, false, &mut dk, d);
-    load_row(k, 0, false, &mut dv, d);
+    zero_row(&mut dk, d);
+    zero_row(&mut dv, d);
     // The first query that sees any key of this cube.
     let mut start = 0usize;
     if causal == 1 && first > offset {

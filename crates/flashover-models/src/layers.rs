@@ -9,7 +9,7 @@ use flashover_parallel::expert_parallel::MoeForward;
 use flashover_parallel::forward_context::ForwardContext;
 use flashover_parallel::moe::{Moe, SwiGlu};
 use flashover_parallel::nn::RmsNorm;
-use flashover_parallel::nn::{Linear, fused_causal_attention, takes_fused_attention};
+use flashover_parallel::nn::{Linear, fused_causal_attention};
 
 /// Applies rotary embeddings to `x: [batch, heads, seq, head_dim]` ("rotate half" layout).
 fn apply_rope(x: Tensor<4>, cos: &Tensor<2>, sin: &Tensor<2>) -> Tensor<4> {
@@ -83,7 +83,7 @@ impl Attention {
             let out = core.0.attend(q, k, v, ctx, layer);
             return self.wo.forward(out.swap_dims(1, 2).reshape([b, t, h * hd]));
         }
-        if ctx.dropout.is_none() && takes_fused_attention(&q.device()) {
+        if ctx.takes_fused_attention(&q.device()) {
             let out = fused_causal_attention(q, k, v);
             return self.wo.forward(out.swap_dims(1, 2).reshape([b, t, h * hd]));
         }

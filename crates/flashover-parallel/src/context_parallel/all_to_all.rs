@@ -21,7 +21,18 @@ pub struct AllToAllAttention {
     pub(super) positions: Vec<usize>,
     /// The causal mask over `positions` (the layout is fixed: built once, not per call).
     pub(super) hidden: Vec<bool>,
+    /// The row of each position, in position order ([`rows_in_position_order`]).
+    pub(super) rows_in_order: Vec<usize>,
     pub(super) work: Arc<WorkCounter>,
+}
+
+/// Row `r` holds position `positions[r]`: the row of each position, in position order.
+pub(super) fn rows_in_position_order(positions: &[usize]) -> Vec<usize> {
+    let mut rows = vec![0; positions.len()];
+    for (row, &position) in positions.iter().enumerate() {
+        rows[position] = row;
+    }
+    rows
 }
 
 impl AllToAllAttention {
@@ -34,12 +45,7 @@ impl AllToAllAttention {
             let n = rows.len();
             Tensor::<1, Int>::from_data(TensorData::new(rows, [n]), &device)
         };
-        // Row `r` holds position `positions[r]`: the row of each position, in order.
-        let mut row_of = vec![0; self.positions.len()];
-        for (row, &position) in self.positions.iter().enumerate() {
-            row_of[position] = row;
-        }
-        let in_order = index(row_of);
+        let in_order = index(self.rows_in_order.clone());
         let ordered = |t: Tensor<4>| t.select(2, in_order.clone());
         let out = crate::attention_op::fused_attention(ordered(q), ordered(k), ordered(v), true).0;
         out.select(2, index(self.positions.clone()))
@@ -70,7 +76,7 @@ impl AttentionOp for AllToAllAttention {
         let started = Instant::now();
         let head_offset = ctx.head_offset + group.rank() * heads / n;
         let all = &self.positions;
-        let out = match ctx.dropout.is_none() && crate::attention_op::fuses(&q.device()) {
+        let out = match ctx.takes_fused_attention(&q.device()) {
             true => self.fused_causal(q, k, v),
             false => attend_masked(q, k, v, self.hidden.clone(), |p| {
                 ctx.attention_at(p, layer, head_offset, all, all)

@@ -97,6 +97,7 @@ impl ContextParallel {
                     group: group.clone(),
                     layout,
                     hidden: causal_mask(&positions, &positions),
+                    rows_in_order: all_to_all::rows_in_position_order(&positions),
                     positions,
                     work: work.clone(),
                 }))

@@ -50,7 +50,7 @@ impl AttentionOp for RingAttention {
             .collect();
         let mut partials: Vec<Option<Partial>> = mine.iter().map(|_| None).collect();
         // Keys and values travel as one block, stacked along the head dim.
-        let fused = ctx.dropout.is_none() && crate::attention_op::fuses(&q.device());
+        let fused = ctx.takes_fused_attention(&q.device());
         let mut kv = Tensor::cat(vec![k, v], 1);
         let mut used = false;
         for step in 0..n {

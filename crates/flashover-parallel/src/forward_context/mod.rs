@@ -251,6 +251,13 @@ impl ForwardContext {
         }
     }
 
+    /// Whether attention on `device` under this context runs as the fused op (no score
+    /// tensor): where the kernels are used (`flashover_kernels::uses_kernels`) and no dropout
+    /// applies to the probabilities, which the kernels do not draw.
+    pub fn takes_fused_attention(&self, device: &Device) -> bool {
+        self.dropout.is_none() && crate::attention_op::fuses(device)
+    }
+
     /// Dropout on `[batch, heads, seq, seq]` attention probabilities.
     pub fn attention(&self, probs: Tensor<4>, layer: usize) -> Tensor<4> {
         match &self.dropout {
