@@ -44,6 +44,28 @@ fn load_tile(
     }
 }
 
+/// `dst[i]` <- `src[base + start + i]` for the `tile` rows from `start`, zeros from row `n`
+/// on; every unit of the cube takes part.
+#[cube]
+fn load_column(
+    src: &[f32],
+    dst: &mut Shared<[f32]>,
+    base: usize,
+    start: usize,
+    n: usize,
+    #[comptime] tile: usize,
+) {
+    let mut i = UNIT_POS_X as usize;
+    while i < tile {
+        let mut x = 0.0f32;
+        if start + i < n {
+            x = src[base + start + i];
+        }
+        dst[i] = x;
+        i += CUBE_DIM_X as usize;
+    }
+}
+
 /// `dst` <- row `row` of `src` (`d` values from `row * d`), or zeros for an inactive unit.
 #[cube]
 fn load_row(src: &[f32], row: usize, active: bool, dst: &mut Array<f32>, #[comptime] d: usize) {
@@ -85,23 +107,28 @@ fn forward_kernel(
     q: &[f32],
     k: &[f32],
     v: &[f32],
+    padding: &[f32],
     out: &mut [f32],
     lse: &mut [f32],
     n_q: u32,
     n_k: u32,
     scale: f32,
     causal: u32,
+    heads_per_row: u32,
+    pad_score: f32,
     #[comptime] d: usize,
     #[comptime] tile: usize,
 ) {
     let head = CUBE_POS_Y as usize;
     let (nq, nk) = (n_q as usize, n_k as usize);
     let offset = nk - nq;
+    let pad_base = (head / heads_per_row as usize) * nk;
     let first = CUBE_POS_X as usize * CUBE_DIM_X as usize;
     let row = first + UNIT_POS_X as usize;
     let active = row < nq;
     let mut k_tile = Shared::<[f32]>::new_slice(comptime!(tile * d));
     let mut v_tile = Shared::<[f32]>::new_slice(comptime!(tile * d));
+    let mut pad_tile = Shared::<[f32]>::new_slice(tile);
     let mut q_row = Array::<f32>::new(d);
     let mut acc = Array::<f32>::new(d);
     load_row(q, head * nq + row, active, &mut q_row, d);
@@ -114,6 +141,7 @@ fn forward_kernel(
     while start < keys {
         load_tile(k, &mut k_tile, head, start, nk, d, tile);
         load_tile(v, &mut v_tile, head, start, nk, d, tile);
+        load_column(padding, &mut pad_tile, pad_base, start, nk, tile);
         sync_cube();
         if active {
             for r in 0..tile {
@@ -123,6 +151,9 @@ fn forward_kernel(
                         s += q_row[c] * k_tile[r * d + c];
                     }
                     s *= scale;
+                    if pad_tile[r] != 0.0 {
+                        s = pad_score;
+                    }
                     let mut m_new = m;
                     if s > m_new {
                         m_new = s;
@@ -166,22 +197,26 @@ fn query_grad_kernel(
     lse: &[f32],
     delta: &[f32],
     d_out: &[f32],
+    padding: &[f32],
     d_q: &mut [f32],
     n_q: u32,
     n_k: u32,
     scale: f32,
     causal: u32,
+    heads_per_row: u32,
     #[comptime] d: usize,
     #[comptime] tile: usize,
 ) {
     let head = CUBE_POS_Y as usize;
     let (nq, nk) = (n_q as usize, n_k as usize);
     let offset = nk - nq;
+    let pad_base = (head / heads_per_row as usize) * nk;
     let first = CUBE_POS_X as usize * CUBE_DIM_X as usize;
     let row = first + UNIT_POS_X as usize;
     let active = row < nq;
     let mut k_tile = Shared::<[f32]>::new_slice(comptime!(tile * d));
     let mut v_tile = Shared::<[f32]>::new_slice(comptime!(tile * d));
+    let mut pad_tile = Shared::<[f32]>::new_slice(tile);
     let mut q_row = Array::<f32>::new(d);
     let mut do_row = Array::<f32>::new(d);
     let mut acc = Array::<f32>::new(d);
@@ -199,10 +234,12 @@ fn query_grad_kernel(
     while start < keys {
         load_tile(k, &mut k_tile, head, start, nk, d, tile);
         load_tile(v, &mut v_tile, head, start, nk, d, tile);
+        load_column(padding, &mut pad_tile, pad_base, start, nk, tile);
         sync_cube();
         if active {
             for r in 0..tile {
-                if visible(row, start + r, nk, offset, causal) {
+                // A padding key's score is a constant: it adds nothing to dq.
+                if visible(row, start + r, nk, offset, causal) && pad_tile[r] == 0.0 {
                     let mut s = 0.0f32;
                     let mut dp = 0.0f32;
                     for c in 0..d {
@@ -239,12 +276,15 @@ fn key_value_grad_kernel(
     lse: &[f32],
     delta: &[f32],
     d_out: &[f32],
+    padding: &[f32],
     d_k: &mut [f32],
     d_v: &mut [f32],
     n_q: u32,
     n_k: u32,
     scale: f32,
     causal: u32,
+    heads_per_row: u32,
+    pad_score: f32,
     #[comptime] d: usize,
     #[comptime] tile: usize,
 ) {
@@ -266,6 +306,10 @@ fn key_value_grad_kernel(
     load_row(v, head * nk + row, active, &mut v_row, d);
     zero_row(&mut dk, d);
     zero_row(&mut dv, d);
+    let mut pad = 0.0f32;
+    if active {
+        pad = padding[(head / heads_per_row as usize) * nk + row];
+    }
     // The first query that sees any key of this cube.
     let mut start = 0usize;
     if causal == 1 && first > offset {
@@ -274,19 +318,8 @@ fn key_value_grad_kernel(
     while start < nq {
         load_tile(q, &mut q_tile, head, start, nq, d, tile);
         load_tile(d_out, &mut do_tile, head, start, nq, d, tile);
-        let mut i = UNIT_POS_X as usize;
-        while i < tile {
-            let query = start + i;
-            let mut a = 0.0f32;
-            let mut b = 0.0f32;
-            if query < nq {
-                a = lse[head * nq + query];
-                b = delta[head * nq + query];
-            }
-            lse_tile[i] = a;
-            delta_tile[i] = b;
-            i += CUBE_DIM_X as usize;
-        }
+        load_column(lse, &mut lse_tile, head * nq, start, nq, tile);
+        load_column(delta, &mut delta_tile, head * nq, start, nq, tile);
         sync_cube();
         if active {
             for r in 0..tile {
@@ -298,8 +331,16 @@ fn key_value_grad_kernel(
                         s += q_tile[r * d + c] * k_row[c];
                         dp += do_tile[r * d + c] * v_row[c];
                     }
-                    let p = (s * scale - lse_tile[r]).exp();
-                    let ds = p * (dp - delta_tile[r]);
+                    let mut score = s * scale;
+                    if pad != 0.0 {
+                        score = pad_score;
+                    }
+                    let p = (score - lse_tile[r]).exp();
+                    let mut ds = p * (dp - delta_tile[r]);
+                    if pad != 0.0 {
+                        // A padding key's score is a constant: no gradient to k.
+                        ds = 0.0;
+                    }
                     for c in 0..d {
                         dv[c] += p * do_tile[r * d + c];
                         dk[c] += ds * q_tile[r * d + c];
@@ -346,11 +387,29 @@ fn grid(rows: usize, heads: usize) -> (CubeCount, CubeDim) {
     )
 }
 
+/// Which keys the queries see: causal or not, and the padding (`[rows, n_k]`, 1 where a key
+/// is padding) whose keys score `pad_score`.
+pub(crate) struct Mask {
+    pub padding: CubeTensor,
+    pub causal: bool,
+    pub pad_score: f32,
+}
+
+impl Mask {
+    /// The padding as f32, and how many heads (consecutive, from head 0) share one of its
+    /// rows.
+    fn padding_rows(self, heads: usize) -> (CubeTensor, u32) {
+        let padding = f32_contiguous(self.padding, "attention's key padding");
+        let rows = padding.shape()[0].max(1);
+        (padding, (heads / rows).max(1) as u32)
+    }
+}
+
 pub(crate) fn forward(
     q: CubeTensor,
     k: CubeTensor,
     v: CubeTensor,
-    causal: bool,
+    mask: Mask,
     scale: f32,
 ) -> (CubeTensor, CubeTensor) {
     let (q, k, v) = (
@@ -359,9 +418,11 @@ pub(crate) fn forward(
         f32_contiguous(v, "attention's v"),
     );
     let (heads, n_q, d, n_k) = (q.shape()[0], q.shape()[1], q.shape()[2], k.shape()[1]);
+    let (causal, pad_score) = (mask.causal, mask.pad_score);
+    let (padding, heads_per_row) = mask.padding_rows(heads);
     let out = empty(&q, q.shape());
     let lse = empty(&q, Shape::new([heads, n_q]));
-    let tile = tile_rows(&q, 2, d, 0);
+    let tile = tile_rows(&q, 2, d, 1);
     let (count, dim) = grid(n_q, heads);
     forward_kernel::launch(
         &q.client,
@@ -370,12 +431,15 @@ pub(crate) fn forward(
         buffer(&q),
         buffer(&k),
         buffer(&v),
+        buffer(&padding),
         buffer(&out),
         buffer(&lse),
         n_q as u32,
         n_k as u32,
         scale,
         causal as u32,
+        heads_per_row,
+        pad_score,
         d,
         tile,
     );
@@ -391,7 +455,7 @@ pub(crate) fn backward(
     lse: CubeTensor,
     delta: CubeTensor,
     d_out: CubeTensor,
-    causal: bool,
+    mask: Mask,
     scale: f32,
 ) -> (CubeTensor, CubeTensor, CubeTensor) {
     let (q, k, v) = (
@@ -405,10 +469,12 @@ pub(crate) fn backward(
         f32_contiguous(d_out, "attention's d_out"),
     );
     let (heads, n_q, d, n_k) = (q.shape()[0], q.shape()[1], q.shape()[2], k.shape()[1]);
+    let (causal, pad_score) = (mask.causal, mask.pad_score);
+    let (padding, heads_per_row) = mask.padding_rows(heads);
     let d_q = empty(&q, q.shape());
     let d_k = empty(&k, k.shape());
     let d_v = empty(&v, v.shape());
-    let tile = tile_rows(&q, 2, d, 0);
+    let tile = tile_rows(&q, 2, d, 1);
     let (count, dim) = grid(n_q, heads);
     query_grad_kernel::launch(
         &q.client,
@@ -420,11 +486,13 @@ pub(crate) fn backward(
         buffer(&lse),
         buffer(&delta),
         buffer(&d_out),
+        buffer(&padding),
         buffer(&d_q),
         n_q as u32,
         n_k as u32,
         scale,
         causal as u32,
+        heads_per_row,
         d,
         tile,
     );
@@ -440,12 +508,15 @@ pub(crate) fn backward(
         buffer(&lse),
         buffer(&delta),
         buffer(&d_out),
+        buffer(&padding),
         buffer(&d_k),
         buffer(&d_v),
         n_q as u32,
         n_k as u32,
         scale,
         causal as u32,
+        heads_per_row,
+        pad_score,
         d,
         tile,
     );

@@ -81,8 +81,8 @@ fn to_flex<const D: usize>(t: Tensor<D>) -> FloatTensor<Flex> {
 
 pub use adamw::{AdamWScalars, adamw_kernel_launches, adamw_step, adamw_step_reference};
 pub use attention::{
-    AttentionMask, AttentionOps, attention_backward, attention_backward_reference, attention_delta,
-    attention_forward, attention_forward_reference, attention_kernel_launches,
+    AttentionMask, AttentionOps, KeyPadding, attention_backward, attention_backward_reference,
+    attention_delta, attention_forward, attention_forward_reference, attention_kernel_launches,
 };
 pub use bucket::{
     PACK_GROUP, bucket_kernel_launches, pack_scaled, pack_scaled_reference, unpack_scaled,

@@ -3,7 +3,7 @@
 //! element.
 #![cfg(feature = "wgpu")]
 
-use burn::tensor::{Device, DeviceKind, Tensor, TensorData};
+use burn::tensor::{Bool, Device, DeviceKind, Tensor, TensorData};
 use flashover_kernels::{
     AdamWScalars, AttentionMask, adamw_step, adamw_step_reference, attention_backward,
     attention_backward_reference, attention_delta, attention_forward, attention_forward_reference,
@@ -256,25 +256,50 @@ fn close_within<const D: usize>(
     }
 }
 
+/// Key padding for `heads` heads of two samples over `n_k` keys: the first sample's last third
+/// of keys (at least one) are padding; with `all_padding`, every key of the second sample is.
+fn key_padding(heads: usize, n_k: usize, all_padding: bool, device: &Device) -> Tensor<2, Bool> {
+    let rows = if heads.is_multiple_of(2) { 2 } else { 1 };
+    let real = n_k - (n_k / 3).max(1);
+    let padded: Vec<bool> = (0..rows * n_k)
+        .map(|i| match i / n_k {
+            0 => i % n_k >= real,
+            _ => all_padding || i % n_k == 0,
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(padded, [rows, n_k]), device)
+}
+
 #[test]
 fn attention_kernels_match_the_reference_causal_and_full_at_odd_lengths() {
     // (heads, queries, keys, head dim): lengths that are not multiples of a tile or of a
     // cube's 64 rows, more queries than one cube, fewer queries than keys (causal aligns the
-    // last query with the last key), and the head dims 64 and 128.
+    // last query with the last key), and the head dims 64 and 128. Each without and with key
+    // padding (Burn's score for it, -1e4), one case with a sample of padding only.
     let shapes = [
         (3, 37, 37, 64),
         (2, 70, 70, 64),
         (2, 5, 37, 64),
         (1, 37, 20, 128),
         (2, 33, 33, 128),
+        (4, 9, 9, 64),
         (1, 1, 1, 16),
     ];
-    for (heads, n_q, n_k, d) in shapes {
+    let paddings = [None, Some(false), Some(true)];
+    for ((heads, n_q, n_k, d), padding) in shapes.into_iter().flat_map(|s| paddings.map(|p| (s, p)))
+    {
+        if padding.is_some() && n_k < 2 {
+            continue;
+        }
         for causal in [true, false] {
             if causal && n_q > n_k {
                 continue;
             }
-            let mask = AttentionMask { causal };
+            let mask_on = |device: &Device| match padding {
+                Some(all) => AttentionMask::new(causal)
+                    .with_padding(key_padding(heads, n_k, all, device), -1.0e4),
+                None => AttentionMask::new(causal),
+            };
             let scale = 1.0 / (d as f32).sqrt();
             let data = [
                 values(heads * n_q * d, 0.1, 1.5),
@@ -283,8 +308,9 @@ fn attention_kernels_match_the_reference_causal_and_full_at_odd_lengths() {
                 values(heads * n_q * d, 0.4, 1.0),
                 values(heads * n_q, 0.5, 1.0),
             ];
-            let what = format!("{heads}x{n_q}x{n_k}x{d} causal {causal}");
+            let what = format!("{heads}x{n_q}x{n_k}x{d} causal {causal} padding {padding:?}");
             let run = |device: &Device, kernel: bool| {
+                let mask = &mask_on(device);
                 let q = tensor(data[0].clone(), [heads, n_q, d], device);
                 let k = tensor(data[1].clone(), [heads, n_k, d], device);
                 let v = tensor(data[2].clone(), [heads, n_k, d], device);
@@ -333,8 +359,7 @@ fn causal_attentions_first_query_sees_only_the_first_key() {
     let q = tensor(values(n * d, 0.1, 1.0), [1, n, d], &device);
     let k = tensor(values(n * d, 0.2, 1.0), [1, n, d], &device);
     let v = tensor(values(n * d, 0.3, 1.0), [1, n, d], &device);
-    let (out, _) =
-        attention_forward_reference(q, k, v.clone(), AttentionMask { causal: true }, 1.0);
+    let (out, _) = attention_forward_reference(q, k, v.clone(), &AttentionMask::new(true), 1.0);
     close(out.narrow(1, 0, 1), v.narrow(1, 0, 1), "causal query 0");
 }
 
@@ -342,10 +367,17 @@ fn causal_attentions_first_query_sees_only_the_first_key() {
 fn the_attention_backward_is_autodiffs_gradient_of_the_forward() {
     // On Flex's autodiff: the gradients of `sum(out * r) + sum(lse * s)` through the
     // reference forward against the reference backward with `s` folded into the delta.
-    let (heads, n_q, n_k, d) = (2, 5, 7, 4);
+    let (heads, n_q, n_k, d) = (4, 5, 7, 4);
     let device = Device::flex().autodiff();
-    for causal in [true, false] {
-        let mask = AttentionMask { causal };
+    for (causal, padded) in [(true, false), (false, false), (true, true), (false, true)] {
+        // Key padding on the second sample's keys 1 and 4 (heads 2 and 3 of 4).
+        let pads: Vec<bool> = (0..2 * n_k).map(|i| i == n_k + 1 || i == n_k + 4).collect();
+        let pads = Tensor::from_data(TensorData::new(pads, [2, n_k]), &device);
+        let mask = match padded {
+            true => AttentionMask::new(causal).with_padding(pads, -3.0),
+            false => AttentionMask::new(causal),
+        };
+        let mask = &mask;
         let leaf = |n, salt, shape: [usize; 3]| tensor(values(n, salt, 1.0), shape, &device);
         let q = leaf(heads * n_q * d, 0.1, [heads, n_q, d]).require_grad();
         let k = leaf(heads * n_k * d, 0.2, [heads, n_k, d]).require_grad();
@@ -372,7 +404,7 @@ fn the_attention_backward_is_autodiffs_gradient_of_the_forward() {
                 mine.inner(),
                 autodiff,
                 1e-5,
-                &format!("causal {causal}: {what}"),
+                &format!("causal {causal} padded {padded}: {what}"),
             );
         }
     }

@@ -19,21 +19,31 @@ use burn::backend::autodiff::{
     ops::{Backward, Ops, OpsKind},
 };
 use burn::backend::{Autodiff, Backend, Dispatch, backend_extension, tensor::FloatTensor};
-use burn::tensor::{DType, FloatDType, Tensor};
+use burn::tensor::{Bool, DType, FloatDType, Tensor};
 use burn_dispatch::{DispatchKindConversion, DispatchTensor};
 use flashover_kernels::{AttentionMask, attention_backward, attention_delta, attention_forward};
 
 #[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")), Autodiff)]
 pub trait FusedAttentionOps: Backend {
     /// `q: [heads, n_q, d]`, `k`, `v: [heads, n_k, d]` -> the attention and each query's
-    /// log-sum-exp side by side, `[heads, n_q, d + 1]` (see the module docs), differentiable.
+    /// log-sum-exp side by side, `[heads, n_q, d + 1]` (see the module docs), differentiable
+    /// in `q`, `k` and `v`. `padding`: `[rows, n_k]`, 1 where a key is padding (its score is
+    /// `pad_score`; a row of zeros for none), see `flashover_kernels::KeyPadding`.
+    #[allow(clippy::too_many_arguments)]
     fn fused_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
+        padding: FloatTensor<Self>,
         causal: bool,
+        pad_score: f32,
         scale: f32,
     ) -> FloatTensor<Self>;
+}
+
+/// The kernels' mask from the op's arguments.
+fn mask(causal: bool, padding: Tensor<2>, pad_score: f32) -> AttentionMask {
+    AttentionMask::new(causal).with_padding(padding.greater_elem(0.0), pad_score)
 }
 
 /// The kernels' forward on untracked tensors: `(packed, out, lse)`.
@@ -41,7 +51,7 @@ fn forward(
     q: Tensor<3>,
     k: Tensor<3>,
     v: Tensor<3>,
-    mask: AttentionMask,
+    mask: &AttentionMask,
     scale: f32,
 ) -> (Tensor<3>, Tensor<3>, Tensor<2>) {
     let (out, lse) = attention_forward(q, k, v, mask, scale);
@@ -55,11 +65,14 @@ crate::collective_op::for_inner_backends! {
             q: FloatTensor<Self>,
             k: FloatTensor<Self>,
             v: FloatTensor<Self>,
+            padding: FloatTensor<Self>,
             causal: bool,
+            pad_score: f32,
             scale: f32,
         ) -> FloatTensor<Self> {
             let [q, k, v] = [q, k, v].map(to_tensor::<Self, 3>);
-            from_tensor::<Self, 3>(forward(q, k, v, AttentionMask { causal }, scale).0)
+            let mask = mask(causal, to_tensor::<Self, 2>(padding), pad_score);
+            from_tensor::<Self, 3>(forward(q, k, v, &mask, scale).0)
         }
     }
 }
@@ -68,15 +81,15 @@ crate::collective_op::for_inner_backends! {
 #[derive(Debug)]
 struct AttentionBackward;
 
-/// `(q, k, v, out, lse, causal, scale)`, on the inner backend.
+/// `(q, k, v, out, lse, padding, (causal, pad_score, scale))`, on the inner backend.
 type AttentionState<B> = (
     FloatTensor<B>,
     FloatTensor<B>,
     FloatTensor<B>,
     FloatTensor<B>,
     FloatTensor<B>,
-    bool,
-    f32,
+    FloatTensor<B>,
+    (bool, f32, f32),
 );
 
 impl<B: Backend> Backward<B, 3> for AttentionBackward
@@ -86,7 +99,7 @@ where
     type State = AttentionState<B>;
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let (q, k, v, out, lse, causal, scale) = ops.state;
+        let (q, k, v, out, lse, padding, (causal, pad_score, scale)) = ops.state;
         let packed: Tensor<3> = to_tensor::<B, 3>(grads.consume::<B>(&ops.node));
         let width = packed.dims()[2] - 1;
         let d_out = packed.clone().narrow(2, 0, width);
@@ -94,8 +107,8 @@ where
         let delta = attention_delta(to_tensor::<B, 3>(out), d_out.clone(), Some(d_lse));
         let [q, k, v] = [q, k, v].map(to_tensor::<B, 3>);
         let lse = to_tensor::<B, 2>(lse);
-        let mask = AttentionMask { causal };
-        let (d_q, d_k, d_v) = attention_backward(q, k, v, lse, delta, d_out, mask, scale);
+        let mask = mask(causal, to_tensor::<B, 2>(padding), pad_score);
+        let (d_q, d_k, d_v) = attention_backward(q, k, v, lse, delta, d_out, &mask, scale);
         for (parent, grad) in ops.parents.into_iter().zip([d_q, d_k, d_v]) {
             if let Some(node) = parent {
                 grads.register::<B>(node.id, from_tensor::<B, 3>(grad));
@@ -112,13 +125,18 @@ where
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
+        padding: FloatTensor<Self>,
         causal: bool,
+        pad_score: f32,
         scale: f32,
     ) -> FloatTensor<Self> {
         let nodes = [q.node(), k.node(), v.node()];
         let (q, k, v) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
+        // A mask, never differentiated.
+        let padding = padding.into_primitive();
         let [tq, tk, tv] = [&q, &k, &v].map(|t| to_tensor::<B, 3>(t.clone()));
-        let (packed, out, lse) = forward(tq, tk, tv, AttentionMask { causal }, scale);
+        let mask = mask(causal, to_tensor::<B, 2>(padding.clone()), pad_score);
+        let (packed, out, lse) = forward(tq, tk, tv, &mask, scale);
         let packed = from_tensor::<B, 3>(packed);
         match AttentionBackward
             .prepare::<C>(nodes)
@@ -132,8 +150,8 @@ where
                     v,
                     from_tensor::<B, 3>(out),
                     from_tensor::<B, 2>(lse),
-                    causal,
-                    scale,
+                    padding,
+                    (causal, pad_score, scale),
                 );
                 prep.finish(state, packed)
             }
@@ -147,16 +165,36 @@ pub(crate) fn fuses(device: &burn::tensor::Device) -> bool {
     flashover_kernels::uses_kernels(device)
 }
 
+/// Which keys [`fused_attention`]'s queries see.
+#[derive(Debug, Clone)]
+pub(crate) struct KeysSeen {
+    /// Causal (the last query aligned with the last key), or every key.
+    pub causal: bool,
+    /// `[batch, n_k]`, true where a key is padding, and the score such a key takes (see
+    /// `flashover_kernels::KeyPadding`).
+    pub padding: Option<(Tensor<2, Bool>, f32)>,
+}
+
+impl KeysSeen {
+    /// Causal (`true`) or every key, no padding.
+    pub fn new(causal: bool) -> Self {
+        KeysSeen {
+            causal,
+            padding: None,
+        }
+    }
+}
+
 /// Attention of `q` over `k`, `v` (`[batch, heads, len, head_dim]`), scaled by
-/// `1 / sqrt(head_dim)`, causal (the last query aligned with the last key) or over every key,
-/// as the fused op: `(out, lse)`, the output `[batch, heads, n_q, head_dim]` in `q`'s dtype
-/// and each query's log-sum-exp `[batch, heads, n_q, 1]`. Reduced-precision inputs are
-/// computed in f32 (the kernels' dtype) and the output cast back.
+/// `1 / sqrt(head_dim)`, over the keys `seen` says, as the fused op: `(out, lse)`, the output
+/// `[batch, heads, n_q, head_dim]` in `q`'s dtype and each query's log-sum-exp `[batch,
+/// heads, n_q, 1]`. Reduced-precision inputs are computed in f32 (the kernels' dtype) and the
+/// output cast back.
 pub(crate) fn fused_attention(
     q: Tensor<4>,
     k: Tensor<4>,
     v: Tensor<4>,
-    causal: bool,
+    seen: KeysSeen,
 ) -> (Tensor<4>, Tensor<4>) {
     let [b, h, n_q, d] = q.dims();
     let n_k = k.dims()[2];
@@ -168,11 +206,17 @@ pub(crate) fn fused_attention(
             false => t.cast(FloatDType::F32),
         }
     };
+    let (padding, pad_score) = match seen.padding {
+        Some((keys, score)) => (keys.float().cast(FloatDType::F32), score),
+        None => (Tensor::zeros([1, n_k], &k.device()), 0.0),
+    };
     let packed = Tensor::<3>::from_dispatch(<Dispatch as FusedAttentionOps>::fused_attention(
         flat(q, n_q).into_dispatch(),
         flat(k, n_k).into_dispatch(),
         flat(v, n_k).into_dispatch(),
-        causal,
+        padding.into_dispatch(),
+        seen.causal,
+        pad_score,
         1.0 / (d as f32).sqrt(),
     ));
     let back = |t: Tensor<3>| match dtype == DType::F32 {
@@ -182,4 +226,14 @@ pub(crate) fn fused_attention(
     let out = back(packed.clone().narrow(2, 0, d)).reshape([b, h, n_q, d]);
     let lse = back(packed.narrow(2, d, 1)).reshape([b, h, n_q, 1]);
     (out, lse)
+}
+
+/// Held by the tests that set `flashover_kernels`' process-wide kernel use or count its
+/// launches, so that they do not run into each other.
+#[cfg(all(test, feature = "wgpu"))]
+pub(crate) fn kernel_tests_serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }

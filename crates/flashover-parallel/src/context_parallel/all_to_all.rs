@@ -4,6 +4,7 @@ use super::blocks::attend_masked;
 use super::comm::{heads_to_sequence, sequence_to_heads};
 use super::layout::SequenceLayout;
 use super::work::WorkCounter;
+use crate::attention_op::KeysSeen;
 use crate::forward_context::{AttentionOp, ForwardContext};
 use burn::tensor::{Int, Tensor, TensorData};
 use flashover_comm::Group;
@@ -47,7 +48,13 @@ impl AllToAllAttention {
         };
         let in_order = index(self.rows_in_order.clone());
         let ordered = |t: Tensor<4>| t.select(2, in_order.clone());
-        let out = crate::attention_op::fused_attention(ordered(q), ordered(k), ordered(v), true).0;
+        let out = crate::attention_op::fused_attention(
+            ordered(q),
+            ordered(k),
+            ordered(v),
+            KeysSeen::new(true),
+        )
+        .0;
         out.select(2, index(self.positions.clone()))
     }
 }

@@ -2,6 +2,7 @@
 //! attention over their union (the online softmax of flash and ring attention).
 
 use super::layout::Visibility;
+use crate::attention_op::KeysSeen;
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Tensor, TensorData};
 
@@ -54,7 +55,7 @@ pub fn attend_block_fused(
     visibility: Visibility,
 ) -> Partial {
     let causal = visibility == Visibility::Diagonal;
-    let (out, lse) = crate::attention_op::fused_attention(q, k, v, causal);
+    let (out, lse) = crate::attention_op::fused_attention(q, k, v, KeysSeen::new(causal));
     Partial { out, lse }
 }
 
@@ -160,6 +161,7 @@ mod fused_tests {
     /// through both, causal and full, at lengths that are not multiples of a tile.
     #[test]
     fn the_fused_attention_has_the_composed_attentions_values_and_gradients() {
+        let _serial = crate::attention_op::kernel_tests_serial();
         let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
         flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Always);
         assert!(crate::attention_op::fuses(&device));

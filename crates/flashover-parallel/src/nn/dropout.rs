@@ -121,6 +121,12 @@ pub(crate) fn drop_residual(
     )
 }
 
+/// Whether dropout with probability `prob` drops anything on `device`: in training, on an
+/// autodiff device, at a probability above 0 (as Burn's `Dropout`).
+pub(crate) fn drops(prob: f64, training: &Param<Flag>, device: &burn::tensor::Device) -> bool {
+    training.is_enabled() && device.is_autodiff() && prob != 0.0
+}
+
 /// A layer split over `tp` (its name and the group's size), for the refusal without draws.
 pub(crate) type SplitLayer<'a> = Option<(&'a str, usize)>;
 
@@ -137,7 +143,7 @@ pub(crate) fn drop_elements<const D: usize>(
     positions: Positions,
     split: SplitLayer<'_>,
 ) -> Tensor<D> {
-    if !training.is_enabled() || !x.device().is_autodiff() || prob == 0.0 {
+    if !drops(prob, training, &x.device()) {
         return x;
     }
     let Some((draws, site)) = draws::next_site() else {

@@ -1,8 +1,9 @@
 //! Burn's `MultiHeadAttention`, splittable by whole heads over `tp` and fully shardable.
 
-use super::dropout::{Positions, drop_elements};
+use super::dropout::{Positions, drop_elements, drops};
 use super::sequence_split;
 use super::{Linear, LinearConfig};
+use crate::attention_op::KeysSeen;
 use crate::context_parallel::{heads_to_sequence, sequence_to_heads};
 use crate::placed::{context_split, tp_split};
 use crate::plan::TensorParallelRule;
@@ -227,6 +228,27 @@ impl MultiHeadAttention {
     /// rank's positions of a self-attention input). Under `tp` it computes its
     /// `local_heads` and the output projection sums the ranks' parts.
     pub fn forward(&self, input: MhaInput) -> MhaOutput {
+        let (weights, context) = self.attend(input, true);
+        MhaOutput {
+            weights: weights.expect("the composed attention keeps its weights"),
+            context,
+        }
+    }
+
+    /// [`Self::forward`]'s `context` alone, as Burn's encoder and decoder layers use it. Where
+    /// attention takes the fused op on this device ([`crate::nn::takes_fused_attention`]: by
+    /// default on a GPU) and the weights need nothing the op lacks (no `mask_attn`, Burn's
+    /// softmax rather than `quiet_softmax`, no dropout drawn on them: in eval or at
+    /// probability 0), it runs the fused attention: no `[batch, heads, seq_q, seq_k]` tensor in
+    /// forward or backward, padding keys scoring `min_float` as [`Self::forward`]'s do.
+    /// Otherwise it is [`Self::forward`]'s context.
+    pub fn forward_context(&self, input: MhaInput) -> Tensor<3> {
+        self.attend(input, false).1
+    }
+
+    /// The attention weights (`None` where the fused op ran: only when `keep_weights` is
+    /// false) and the projected output.
+    fn attend(&self, input: MhaInput, keep_weights: bool) -> (Option<Tensor<4>>, Tensor<3>) {
         let d_model = self.query.d_input();
         for (name, x) in [("query", &input.query), ("key", &input.key)] {
             assert_eq!(
@@ -267,18 +289,34 @@ impl MultiHeadAttention {
             first_head += split.group.rank() * heads / n;
             [q, k, v] = [q, k, v].map(|x| sequence_to_heads(x, &split.group));
         }
-        let scores = q.matmul(k.transpose()).div_scalar((self.d_k as f32).sqrt());
-        let weights = self.weights(scores, input.mask_pad, input.mask_attn, first_head);
-        let mut context = weights.clone().matmul(v);
+        let [_, heads_here, n_q, _] = q.dims();
+        let scores = (batch * heads_here * n_q * k.dims()[2]) as u64;
+        let fused = !keep_weights
+            && input.mask_attn.is_none()
+            && !self.quiet_softmax
+            && !drops(self.dropout.prob, &self.dropout.training, &q.device())
+            && super::takes_fused_attention(&q.device());
+        let (weights, mut context) = match fused {
+            true => {
+                let padding = (input.mask_pad).map(|mask| (mask, self.min_float as f32));
+                let seen = KeysSeen {
+                    causal: false,
+                    padding,
+                };
+                (None, crate::attention_op::fused_attention(q, k, v, seen).0)
+            }
+            false => {
+                let scores = q.matmul(k.transpose()).div_scalar((self.d_k as f32).sqrt());
+                let weights = self.weights(scores, input.mask_pad, input.mask_attn, first_head);
+                (Some(weights.clone()), weights.matmul(v))
+            }
+        };
         if let Some(split) = cp {
-            split.count_scores(weights.shape().num_elements() as u64);
+            split.count_scores(scores);
             context = heads_to_sequence(context, &split.group);
         }
         let context = context.swap_dims(1, 2).reshape([batch, seq_q, width]);
-        MhaOutput {
-            weights,
-            context: self.output.forward(context),
-        }
+        (weights, self.output.forward(context))
     }
 
     /// The masked softmax of `scores: [batch, heads, seq_q, seq_k]` of the layer's heads

@@ -287,7 +287,7 @@ impl TransformerDecoderLayer {
         if let Some(mask) = &input.target_mask_attn {
             attend = attend.mask_attn(mask.clone());
         }
-        let mut x = x + self.drop_branch(self.self_attn.forward(attend).context);
+        let mut x = x + self.drop_branch(self.self_attn.forward_context(attend));
         let cross_in = match self.norm_first {
             true => self.norm_1.forward(x.clone()),
             false => {
@@ -303,7 +303,7 @@ impl TransformerDecoderLayer {
         if let Some(mask) = &input.memory_mask_attn {
             attend = attend.mask_attn(mask.clone());
         }
-        let mut x = x + self.drop_branch(self.cross_attn.forward(attend).context);
+        let mut x = x + self.drop_branch(self.cross_attn.forward_context(attend));
         let ff_in = match self.norm_first {
             true => self.norm_2.forward(x.clone()),
             false => {
