@@ -304,7 +304,8 @@ pub(crate) fn train_rank(
             step,
             lr: config.lr_at(step),
             tokens_per_step,
-            moe: outcome.moe.take(),
+            // Filled when the step's scalars are read.
+            moe: None,
             loss_scale: outcome.loss_scale,
             skipped: outcome.skipped,
         };
@@ -356,14 +357,23 @@ fn read_scalars(
     unread: Vec<(StepFacts, RankMetrics, PendingScalars)>,
 ) -> Vec<(StepFacts, RankMetrics)> {
     let scalars: Vec<StepScalars> = unread.iter().map(|(_, _, p)| p.scalars.clone()).collect();
+    // The routing records' auxiliary losses, read in the same go.
+    let moe_losses: Vec<Tensor<1>> = (unread.iter())
+        .filter_map(|(_, _, p)| p.moe.as_ref().map(|m| m.losses()))
+        .collect();
     let before = transfers::thread_reads();
-    let values = StepScalars::read_all(&scalars);
+    let (values, moe_values) = StepScalars::read_all_with(&scalars, &moe_losses);
     let reads = reads_since(&before);
     let last = unread.len().saturating_sub(1);
+    let mut moe_values = moe_values.into_iter();
     (unread.into_iter().zip(values).enumerate())
-        .map(|(i, ((facts, mut mine, pending), values))| {
+        .map(|(i, ((mut facts, mut mine, pending), values))| {
             mine.loss = values.loss as f64;
             mine.grad_norm = (values.norm * pending.norm_scale) as f64;
+            if let Some(moe) = pending.moe {
+                let read = moe_values.next().expect("one read per routing record");
+                facts.moe = Some(moe.finish([read[0], read[1]]));
+            }
             if i == last {
                 mine.host_reads += reads;
             }

@@ -15,7 +15,6 @@ pub(crate) use plan_pipeline::PlanPipeline;
 mod routing;
 
 use super::checkpoint::{LocalState, Segment};
-use super::report::MoeRecord;
 use burn::module::Module;
 use burn::tensor::{Int, Tensor};
 use flashover_models::ForwardContext;
@@ -61,8 +60,6 @@ pub(crate) struct StepOutcome {
     pub in_flight: usize,
     /// Pipeline: wall time of the schedule.
     pub pipeline: Duration,
-    /// Mixture of experts: the step's routing over the global batch.
-    pub moe: Option<MoeRecord>,
     /// Mixture of experts: this rank's time in all-to-alls.
     pub a2a: Duration,
     /// Loss scaling: the scale of this step (none without scaling).
@@ -98,7 +95,6 @@ impl StepOutcome {
             events: vec![],
             in_flight: 0,
             pipeline: Duration::ZERO,
-            moe: None,
             a2a: Duration::ZERO,
             loss_scale: None,
             skipped: false,
@@ -116,6 +112,9 @@ pub(crate) struct PendingScalars {
     /// What the plan's norm is multiplied by to make the job's (the summed groups, where the
     /// job sums gradients; 1 otherwise).
     pub norm_scale: f32,
+    /// Mixture of experts: the step's routing over the global batch, its auxiliary losses
+    /// read with the loss.
+    pub moe: Option<routing::PendingMoeRecord>,
 }
 
 /// `entries` held by value, seen as the checkpoint segments take them.

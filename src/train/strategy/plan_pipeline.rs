@@ -27,12 +27,11 @@
 //! ZeRO-2 and ZeRO-3 by rows), clipped by the global norm. ZeRO-1/2 all-gather the updated
 //! rows after the step; ZeRO-3 by rows keeps only the rows between steps and gathers what the
 //! rank holds at the start of each.
-use super::routing::RoutingSums;
+use super::routing::{PendingMoeRecord, RoutingSums};
 use super::{
     Batches, PendingScalars, SHARING, SharedState, StepOutcome, borrowed, named_params,
     replica_index, restore_flat, with_moments,
 };
-use crate::train::MoeRecord;
 use crate::train::checkpoint::{LocalState, placed_segments};
 use crate::train::config::{GradientReduction, TrainConfig};
 use burn::module::Module;
@@ -280,12 +279,12 @@ impl PlanPipeline {
             .zip(attention_before)
             .map(|(now, before)| now.since(&before));
         let scheduled = ctx.group(Axis::Pp).size() > 1;
-        let outcome = StepOutcome {
+        let mut outcome = StepOutcome {
             attention,
-            moe,
             a2a,
             ..this.outcome(out, norm_scale, scheduled)
         };
+        outcome.scalars.moe = moe;
         Ok((this, outcome))
     }
 
@@ -389,13 +388,15 @@ impl PlanPipeline {
         hook: MoeHook,
         ctx: &RankContext,
         a2a_before: &CommStats,
-    ) -> Result<(Option<MoeRecord>, Duration), RankError> {
+    ) -> Result<(Option<PendingMoeRecord>, Duration), RankError> {
         let Some(moe) = &self.moe else {
             return Ok((None, Duration::ZERO));
         };
         let pp = ctx.group(Axis::Pp);
         let remote = self.par.experts().rows_sent();
-        let sums = RoutingSums::over(hook.take_stats(), remote, moe.shape, &[&moe.batch, pp])?;
+        let groups = [&moe.batch, pp];
+        let device = self.device.clone().inner();
+        let sums = RoutingSums::over(hook.take_stats(), remote, moe.shape, &groups, &device)?;
         transformer::update_routing_biases(&mut self.model, &sums.routed);
         let record = sums.record(moe.d_model);
         let a2a = ctx.group(Axis::Ep).stats().since(a2a_before).total();
@@ -433,6 +434,7 @@ impl PlanPipeline {
             ..StepOutcome::new(PendingScalars {
                 scalars: out.scalars.clone(),
                 norm_scale,
+                moe: None,
             })
         };
         // One stage (a mixture of experts without `pp`) runs no schedule worth reporting.

@@ -7,7 +7,7 @@ use crate::collective_op::ok;
 use crate::forward_context::SequenceShare;
 use crate::tensor_util::index_tensor;
 use burn::tensor::Tensor;
-use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
+use flashover_comm::Group;
 use flashover_runtime::TensorCollectives;
 
 /// The `cp` group and which positions each of its ranks holds.
@@ -45,11 +45,5 @@ impl SequenceShare for CpSequences {
             }
         }
         side_by_side.select(1, index_tensor(&column, [column.len()], &device))
-    }
-
-    fn sum(&self, value: f64) -> f64 {
-        let mut v = [value];
-        ok(control(|| self.group.all_reduce(&mut v, ReduceOp::Sum)));
-        v[0]
     }
 }

@@ -85,8 +85,6 @@ pub trait SequenceShare: Send + Sync {
     /// sequence) as the whole sequences, `[batch, seq_len, width]` in position order
     /// (collective).
     fn gather(&self, rows: Tensor<3>) -> Tensor<3>;
-    /// `value` summed over the ranks (collective).
-    fn sum(&self, value: f64) -> f64;
 }
 
 shared_hook!(SequenceHook, SequenceShare);

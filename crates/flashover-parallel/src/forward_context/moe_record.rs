@@ -5,16 +5,16 @@ use burn::tensor::Tensor;
 use std::sync::{Arc, Mutex};
 
 /// One step's routing statistics, summed over layers and micro-batches (per layer).
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default)]
 pub struct MoeStats {
     /// Per layer: assignments per expert before dropping.
     pub routed: Vec<Vec<u64>>,
     /// Per layer: assignments per expert kept.
     pub kept: Vec<Vec<u64>>,
-    /// Sum of the load-balancing losses (unweighted) over layers and micro-batches.
-    pub aux_loss: f64,
-    /// Sum of the router z-losses (unweighted) over layers and micro-batches.
-    pub z_loss: f64,
+    /// The sums of the load-balancing and router z-losses (unweighted) over layers and
+    /// micro-batches, `[aux, z]` on the device (`None` while no layer recorded any): read
+    /// with the step's other scalars, not per layer.
+    pub losses: Option<Tensor<1>>,
     /// How many (layer, micro-batch) forwards the sums cover.
     pub forwards: u64,
 }
@@ -32,9 +32,16 @@ impl MoeStats {
     fn add_layer(&mut self, layer: usize, other: MoeStats) {
         let first = |per_layer: &[Vec<u64>]| per_layer.first().cloned().unwrap_or_default();
         self.add_counts(layer, &first(&other.routed), &first(&other.kept));
-        self.aux_loss += other.aux_loss;
-        self.z_loss += other.z_loss;
+        self.add_losses(other.losses);
         self.forwards += other.forwards;
+    }
+
+    /// Adds `[aux, z]` losses to the sums, on the device.
+    fn add_losses(&mut self, losses: Option<Tensor<1>>) {
+        self.losses = match (self.losses.take(), losses) {
+            (Some(a), Some(b)) => Some(a + b),
+            (a, b) => a.or(b),
+        };
     }
 
     /// Adds per-expert counts to layer `layer`'s.
@@ -85,17 +92,17 @@ impl MoeHook {
     }
 
     /// Records one forward of a layer as layer `layer`: its assignments per expert (before
-    /// dropping, and kept) and its unweighted load-balancing and z-losses.
+    /// dropping, and kept) and its unweighted load-balancing and z-losses (`[aux, z]`, on the
+    /// device, untracked; `None` where both are off).
     pub(crate) fn record(
         &self,
         layer: usize,
         [routed, kept]: [&[usize]; 2],
-        [aux_loss, z_loss]: [f64; 2],
+        losses: Option<Tensor<1>>,
     ) {
         let mut stats = self.stats.lock().expect("moe stats");
         stats.record(layer, routed, kept);
-        stats.aux_loss += aux_loss;
-        stats.z_loss += z_loss;
+        stats.add_losses(losses);
         stats.forwards += 1;
     }
 

@@ -21,7 +21,7 @@ use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::activation::{sigmoid, silu, softmax};
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
-use flashover_runtime::transfers::{Cause, read, read_scalar};
+use flashover_runtime::transfers::{Cause, read};
 
 mod module;
 mod routing;
@@ -428,11 +428,13 @@ impl Moe {
     }
 
     /// The weighted sum of the load-balancing and z-losses of one forward (`None` if both
-    /// weights are 0) and their unweighted values (0 where a weight is 0). With `whole` (the
-    /// routing of the whole sequences, their length, and the ranks sharing them), the balancing
-    /// loss counts the whole sequences' choices and this rank's part of their mean scores; it
-    /// is weighted by the number of sharing ranks, whose gradients are averaged, and its value
-    /// is the whole one.
+    /// weights are 0) and their unweighted values `[aux, z]` on the device, untracked (0 where
+    /// a weight is 0; `None` if both are). With `whole` (the routing of the whole sequences,
+    /// their length, and the ranks sharing them), the balancing loss counts the whole
+    /// sequences' choices and this rank's part of their mean scores; it is weighted by the
+    /// number of sharing ranks, whose gradients are averaged, and so is its value: summed over
+    /// those ranks (as the step's routing sums are), the values are that many whole ones, as
+    /// the forwards counted are that many.
     fn aux_losses(
         &self,
         logits: Tensor<2>,
@@ -440,10 +442,11 @@ impl Moe {
         routing: &Routing,
         [b, t]: [usize; 2],
         whole: Option<WholeSequences>,
-    ) -> (Option<Tensor<1>>, [f64; 2]) {
+    ) -> (Option<Tensor<1>>, Option<Tensor<1>>) {
         let (e, k) = (self.config.n_experts, self.config.top_k);
         let mut total: Option<Tensor<1>> = None;
-        let mut values = [0.0; 2];
+        let device = logits.device().inner();
+        let mut values = [None, None];
         if self.config.aux_loss_coef > 0.0 {
             let (chosen, seq_len) = match &whole {
                 Some((whole, seq_len, _)) => (&whole.chosen, *seq_len),
@@ -465,25 +468,32 @@ impl Moe {
             let aux = (f * p.reshape([b, e]))
                 .sum()
                 .mul_scalar(e as f64 / b as f64);
-            let value = read_scalar(aux.clone(), Cause::Loss) as f64;
-            let (value, weight) = match &whole {
-                Some((_, _, sequence)) => (sequence.sum(value), sequence.ranks() as f64),
-                None => (value, 1.0),
-            };
-            values[0] = value;
-            total = Some(aux.mul_scalar(self.config.aux_loss_coef * weight));
+            let weight = whole
+                .as_ref()
+                .map_or(1, |(_, _, sequence)| sequence.ranks()) as f64;
+            let aux = aux.mul_scalar(weight);
+            values[0] = Some(aux.clone().inner());
+            total = Some(aux.mul_scalar(self.config.aux_loss_coef));
         }
         if self.config.z_loss_coef > 0.0 {
             let max = logits.clone().max_dim(1).detach();
             let lse = (logits - max.clone()).exp().sum_dim(1).log() + max;
             let z = lse.powi_scalar(2).mean();
-            values[1] = read_scalar(z.clone(), Cause::Loss) as f64;
+            values[1] = Some(z.clone().inner());
             let z = z.mul_scalar(self.config.z_loss_coef);
             total = Some(match total {
                 Some(a) => a + z,
                 None => z,
             });
         }
+        let values = match values {
+            [None, None] => None,
+            pair => Some(Tensor::cat(
+                pair.map(|v| v.unwrap_or_else(|| Tensor::zeros([1], &device)))
+                    .to_vec(),
+                0,
+            )),
+        };
         (total, values)
     }
 }

@@ -51,19 +51,41 @@ impl StepScalars {
     /// Several steps' scalars (on one device) in one read of the host: a job that reports
     /// every few steps reads them together.
     pub fn read_all(steps: &[StepScalars]) -> Vec<StepValues> {
-        if steps.is_empty() {
-            return vec![];
+        Self::read_all_with(steps, &[]).0
+    }
+
+    /// [`Self::read_all`], with the values of `extra` (one-dimensional tensors on the same
+    /// device: a job's own metrics) in the same read, tensor by tensor.
+    pub fn read_all_with(
+        steps: &[StepScalars],
+        extra: &[Tensor<1>],
+    ) -> (Vec<StepValues>, Vec<Vec<f32>>) {
+        if steps.is_empty() && extra.is_empty() {
+            return (vec![], vec![]);
         }
-        let all = Tensor::cat(steps.iter().map(|s| s.0.clone()).collect(), 0);
-        let values = read(all, Cause::Metrics).convert::<f32>();
+        let f32s = |t: &Tensor<1>| t.clone().cast(DType::F32);
+        let parts: Vec<Tensor<1>> = (steps.iter().map(|s| &s.0))
+            .chain(extra)
+            .map(f32s)
+            .collect();
+        let values = read(Tensor::cat(parts, 0), Cause::Metrics).convert::<f32>();
         let values = (values.try_into_vec::<f32>()).expect("a step's scalars are f32 values");
-        (values.chunks_exact(3))
+        let (scalars, mut rest) = values.split_at(3 * steps.len());
+        let steps = (scalars.chunks_exact(3))
             .map(|v| StepValues {
                 loss: v[0],
                 aux_loss: v[1],
                 norm: v[2],
             })
-            .collect()
+            .collect();
+        let extra = (extra.iter())
+            .map(|t| {
+                let (mine, after) = rest.split_at(t.dims()[0]);
+                rest = after;
+                mine.to_vec()
+            })
+            .collect();
+        (steps, extra)
     }
 }
 
