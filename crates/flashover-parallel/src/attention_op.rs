@@ -228,12 +228,27 @@ pub(crate) fn fused_attention(
     (out, lse)
 }
 
-/// Held by the tests that set `flashover_kernels`' process-wide kernel use or count its
-/// launches, so that they do not run into each other.
-#[cfg(all(test, feature = "wgpu"))]
-pub(crate) fn kernel_tests_serial() -> std::sync::MutexGuard<'static, ()> {
+/// `flashover_kernels`' process-wide kernel use, held by a test that sets it or depends on
+/// it (kernel launches counted; a Flex result compared bit for bit with Burn's composed
+/// operations, which `KernelUse::Always` would replace by the kernels' references): tests
+/// holding it run one at a time, and each leaves the default (`Auto`) behind.
+#[cfg(test)]
+pub(crate) struct KernelUseHeld(#[allow(dead_code)] std::sync::MutexGuard<'static, ()>);
+
+#[cfg(test)]
+impl Drop for KernelUseHeld {
+    fn drop(&mut self) {
+        flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Auto);
+    }
+}
+
+/// Holds the kernel use for a test ([`KernelUseHeld`]), waiting for the test holding it.
+#[cfg(test)]
+pub(crate) fn hold_kernel_use() -> KernelUseHeld {
     static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    SERIAL
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+    KernelUseHeld(
+        SERIAL
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()),
+    )
 }

@@ -161,7 +161,7 @@ mod fused_tests {
     /// through both, causal and full, at lengths that are not multiples of a tile.
     #[test]
     fn the_fused_attention_has_the_composed_attentions_values_and_gradients() {
-        let _serial = crate::attention_op::kernel_tests_serial();
+        let _serial = crate::attention_op::hold_kernel_use();
         let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
         flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Always);
         assert!(crate::attention_op::fuses(&device));

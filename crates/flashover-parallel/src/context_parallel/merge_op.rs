@@ -200,7 +200,7 @@ mod tests {
     /// composed tensor operations, on the wgpu device.
     #[test]
     fn the_fused_merge_has_the_composed_merges_values_and_gradients() {
-        let _serial = crate::attention_op::kernel_tests_serial();
+        let _serial = crate::attention_op::hold_kernel_use();
         let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
         flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Always);
         assert!(crate::context_parallel::merge_op::fuses(&Partial {

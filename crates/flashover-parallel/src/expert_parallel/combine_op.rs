@@ -269,7 +269,7 @@ mod tests {
     /// summed over repeated tokens.
     #[test]
     fn the_fused_gather_has_selects_values_and_gradient() {
-        let _serial = crate::attention_op::kernel_tests_serial();
+        let _serial = crate::attention_op::hold_kernel_use();
         let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
         flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Always);
         let x = Tensor::<2>::random([5, 6], Distribution::Uniform(-1.0, 1.0), &device).detach();
@@ -304,7 +304,7 @@ mod tests {
     /// operations, on wgpu, with dropped choices and rows in expert (not token) order.
     #[test]
     fn the_fused_combine_has_the_tensor_combines_values_and_gradients() {
-        let _serial = crate::attention_op::kernel_tests_serial();
+        let _serial = crate::attention_op::hold_kernel_use();
         let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
         flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Always);
         let (tokens, top_k, d) = (5, 2, 6);
