@@ -139,20 +139,10 @@ pub(crate) struct ReadDepths {
 }
 
 impl ReadDepths {
-    /// `x` hooked as the `read`-th parameter a forward reads (from 0).
-    pub(crate) fn hooked<const D: usize>(
-        &self,
-        x: Tensor<D>,
-        read: usize,
-        callback: GradCallback,
-    ) -> Tensor<D> {
-        match read {
-            0 => grad_hook(x, callback),
-            _ => {
-                let depth = self.rung(read, &x.device());
-                grad_hook_after(x, depth, callback)
-            }
-        }
+    /// What the hook of the `read`-th parameter a forward reads (from 0) goes after: nothing
+    /// for the first (the end of backward), a rung `read` deep for the others.
+    fn anchor(&self, read: usize, device: &Device) -> Option<Tensor<1>> {
+        (read > 0).then(|| self.rung(read, device))
     }
 
     /// An untracked tensor `r` x [`LEVELS_PER_READ`] deep on `device` (built once: a chain
@@ -168,6 +158,50 @@ impl ReadDepths {
             rungs.1.push(deeper);
         }
         rungs.1[r - 1].clone()
+    }
+}
+
+/// Where the hook of a parameter hooked at its first read goes in backward: right after the
+/// backward of what the forward had computed when it read the parameter. One rule, two ways
+/// of knowing that point.
+#[derive(Clone)]
+pub(crate) enum ReadPlacement {
+    /// A loop of one's own, whose activations the plan never sees: by read order
+    /// ([`ReadDepths`]), the reads counted in `reads`.
+    Depths {
+        depths: Arc<ReadDepths>,
+        reads: Arc<std::sync::atomic::AtomicUsize>,
+    },
+    /// A pipeline step, which sees its activations: after the one it holds at the read, as
+    /// it sets it (none before the layers: the end of backward; after them, the last layer's
+    /// output, so a final norm's and a head's hooks run once the head's backward is done).
+    Latest(Arc<std::sync::Mutex<Option<Tensor<1>>>>),
+}
+
+impl ReadPlacement {
+    /// By read order from the first read of a forward.
+    pub(crate) fn by_read_order(depths: &Arc<ReadDepths>) -> Self {
+        ReadPlacement::Depths {
+            depths: depths.clone(),
+            reads: Default::default(),
+        }
+    }
+
+    /// `x`, read now, hooked where this placement says.
+    pub(crate) fn hooked<const D: usize>(&self, x: Tensor<D>, callback: GradCallback) -> Tensor<D> {
+        let anchor = match self {
+            ReadPlacement::Depths { depths, reads } => {
+                let read = reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                depths.anchor(read, &x.device())
+            }
+            ReadPlacement::Latest(latest) => {
+                (latest.lock().unwrap_or_else(|p| p.into_inner())).clone()
+            }
+        };
+        match anchor {
+            Some(after) => grad_hook_after(x, after, callback),
+            None => grad_hook(x, callback),
+        }
     }
 }
 

@@ -1296,11 +1296,12 @@ fn probed_rule() -> PipelineRule {
 /// all-reduce on dp to end, and says whether one did.
 fn waits_for_a_bucket(
     recorder: Arc<flashover_comm::FlightRecorder>,
+    group: &'static str,
 ) -> impl FnMut() -> bool + 'static {
     let buckets_done = move || {
         let entries = recorder.dump_data().entries.into_iter();
         entries
-            .filter(|e| e.group.starts_with("dp[") && e.op == OpKind::AllReduce)
+            .filter(|e| e.group.starts_with(group) && e.op == OpKind::AllReduce)
             .filter(|e| e.end_us.is_some())
             .count()
     };
@@ -1336,7 +1337,7 @@ fn a_pipelined_layers_gradient_buckets_are_reduced_before_the_layers_below_run_b
 /// bucket reduced before layer 0 ran again in backward.
 fn a_bucket_is_reduced_before_layer_zeros_rerun(stepping: Stepping, plan: &ParallelizePlan) {
     let reduced = at_layer_zero_rerun(stepping, "dp=2", FaultPlan::new(), plan, |recorder| {
-        waits_for_a_bucket(recorder)
+        waits_for_a_bucket(recorder, "dp[")
     });
     for seen in reduced {
         let message = "no bucket was reduced before layer 0's backward";
@@ -1352,6 +1353,30 @@ fn a_loops_gradient_buckets_are_reduced_before_the_first_layer_runs_backward() {
     // run at the end of backward, after it.
     let plan = ParallelizePlan::new().gradient_buckets(tiny_buckets());
     a_bucket_is_reduced_before_layer_zeros_rerun(Stepping::OwnLoop, &plan);
+}
+
+#[test]
+fn a_pipelines_head_hands_its_gradients_to_their_buckets_before_the_layers_run_backward() {
+    // Every layer is a fully sharded unit (reduce-scattered, in no bucket); the parameters
+    // outside the layers are replicated over fsdp and all-reduced in buckets of one parameter.
+    // Layer 0 is recomputed, and at its rerun in backward the probe waits for an all-reduce
+    // of this step on fsdp: only the final norm's buckets can have filled by then, their hooks
+    // made at the norm's read after the layers and placed after the last layer's output (the
+    // input projection's gradient is final only at the end). Hooked at the end of backward, as
+    // before, none has, and the probe times out at 20 s.
+    let sharded = (0..LAYERS).fold(ParallelizePlan::new().pipeline(probed_rule()), |plan, i| {
+        plan.fully_shard(&format!("stack.layers.{i}"))
+    });
+    let plan = (sharded.gradient_buckets(tiny_buckets()))
+        .activation_checkpointing(CheckpointPolicy::Blocks(vec![0]));
+    let pipelined = Stepping::Pipeline;
+    let reduced = at_layer_zero_rerun(pipelined, "fsdp=2", FaultPlan::new(), &plan, |recorder| {
+        waits_for_a_bucket(recorder, "fsdp")
+    });
+    for seen in reduced {
+        let message = "no bucket of the final norm was reduced before layer 0's backward";
+        assert_eq!(seen, Some(true), "{message}");
+    }
 }
 
 #[test]

@@ -27,7 +27,9 @@ mod layout;
 
 use super::reducer::{LaterHandle, Mode, Reducer, Spans};
 use crate::error::ParallelError;
-use crate::hook::{GradCallback, ReadDepths, grad_hook, grad_hook_after, hooks_supported};
+use crate::hook::{
+    GradCallback, ReadDepths, ReadPlacement, grad_hook, grad_hook_after, hooks_supported,
+};
 use crate::params::{ParamLayout, part};
 use crate::plan::GradientRows;
 use crate::precision::Precision;
@@ -37,7 +39,6 @@ use burn::tensor::{Device, Tensor};
 use flashover_comm::{CommunicatorExt, Group, ReduceOp, control};
 use flashover_runtime::{Axis, TensorCollectives};
 use layout::SetLayout;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -272,12 +273,24 @@ impl BucketedReduction {
     /// after the backward of the op that read the parameter, while the layers below run
     /// theirs. [`Self::hooked_where`] places a pipeline layer's after the layer's input.
     pub(crate) fn hooked<M: Module>(&self, model: &M) -> M {
+        let placement = ReadPlacement::by_read_order(&self.read_depths);
+        self.hooked_at_reads(model, &|_| true, placement)
+    }
+
+    /// [`Self::hooked`] on the parameters `select` picks (by layout index), each hook placed
+    /// at its parameter's first read as `placement` says.
+    pub(crate) fn hooked_at_reads<M: Module>(
+        &self,
+        model: &M,
+        select: &dyn Fn(usize) -> bool,
+        placement: ReadPlacement,
+    ) -> M {
         let sets = lock(&self.sets);
         let mut mapper = ReadHookMapper {
             sets: &sets,
             member: &self.member,
-            depths: &self.read_depths,
-            reads: Arc::new(AtomicUsize::new(0)),
+            select,
+            placement: Arc::new(placement),
             index: 0,
         };
         model.clone().map(&mut mapper)
@@ -538,14 +551,14 @@ impl ModuleMapper for HookMapper<'_> {
     }
 }
 
-/// Makes every parameter a set reduces a lazy one whose first read hooks it at the depth of
-/// that read ([`BucketedReduction::hooked`]).
+/// Makes every selected parameter a set reduces a lazy one whose first read hooks it where
+/// its placement says ([`BucketedReduction::hooked_at_reads`]).
 struct ReadHookMapper<'a> {
     sets: &'a [ReduceSet],
     member: &'a [Option<(usize, usize)>],
-    depths: &'a Arc<ReadDepths>,
-    /// The forward's parameter reads so far.
-    reads: Arc<AtomicUsize>,
+    /// Which parameters (layout index) to hook.
+    select: &'a dyn Fn(usize) -> bool,
+    placement: Arc<ReadPlacement>,
     index: usize,
 }
 
@@ -553,7 +566,8 @@ impl ModuleMapper for ReadHookMapper<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let index = self.index;
         self.index += 1;
-        let Some((set, local)) = self.member.get(index).copied().flatten() else {
+        let member = self.member.get(index).copied().flatten();
+        let Some((set, local)) = member.filter(|_| (self.select)(index)) else {
             return param;
         };
         let callback: GradCallback = self.sets[set].reducer.callback(local);
@@ -561,10 +575,8 @@ impl ModuleMapper for ReadHookMapper<'_> {
         let (id, value, _) = param.consume();
         let (device, shape) = (value.device(), value.shape());
         let require_grad = value.is_require_grad();
-        let (depths, reads) = (self.depths.clone(), self.reads.clone());
-        let first_read = move |_: &Device, _: bool| {
-            depths.hooked(value, reads.fetch_add(1, Ordering::Relaxed), callback)
-        };
+        let placement = self.placement.clone();
+        let first_read = move |_: &Device, _: bool| placement.hooked(value, callback);
         Param::uninitialized(id, first_read, device, require_grad, shape)
     }
 }

@@ -7,6 +7,7 @@ use super::{LayerUnits, PipelineModel, Stages, StopDeferring};
 use crate::data_parallel::BucketedReduction;
 use crate::dropout::draws::{self, Draws, Scope};
 use crate::error::ParallelError;
+use crate::hook::ReadPlacement;
 use crate::params::ParamLayout;
 use crate::pipeline::{
     ActionKind, BoundaryTensor, PipelineExecutor, PipelineStepReport, StageBoundary, StageOutput,
@@ -21,8 +22,8 @@ use burn::tensor::{Device, Gradients, Tensor};
 use flashover_comm::{Group, ReduceOp};
 use flashover_runtime::TensorCollectives;
 use std::ops::Range;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 
 /// What every forward of one step reads: micro-batch `k`'s samples (`micro(k)`), how a
 /// micro-batch is built from them, the share's dropout draws, the head's loss and the
@@ -133,9 +134,16 @@ impl Stages {
         if let Some(units) = &self.units {
             units.gathers.new_forward();
         }
-        // Hooks on the f32 parameters, under the casts: the buckets receive f32. Those
-        // outside the layers run at the end of backward; each layer hooks its own (`layer`).
-        let hooked = (step.hooks).map(|h| h.hooked_where(master, &|i| self.outside[i], None));
+        // Hooks on the f32 parameters, under the casts: the buckets receive f32. Each layer
+        // hooks its own (`layer`); those outside the layers are hooked at their first read,
+        // after the activation held then (`latest`): the embedding's at the end of backward,
+        // a final norm's and a head's once the head's backward is done. (A compute dtype's
+        // view reads them all before the layers.)
+        let latest = Arc::new(Mutex::new(None));
+        let hooked = (step.hooks).map(|h| {
+            let placement = ReadPlacement::Latest(latest.clone());
+            h.hooked_at_reads(master, &|i| self.outside[i], placement)
+        });
         let master = hooked.as_ref().unwrap_or(master);
         // Each micro-batch's graph casts the parameters anew (the view's casts are nodes
         // of that graph): their gradients reach the f32 parameters in f32. The layers'
@@ -162,6 +170,11 @@ impl Stages {
                 (Some(sum), Some(more)) => Some(sum + more),
                 (sum, more) => sum.or(more),
             };
+        }
+        if step.hooks.is_some() {
+            let (held, input) = with_input(x);
+            x = held;
+            *latest.lock().unwrap_or_else(|p| p.into_inner()) = input;
         }
         let output = match stage == self.schedule.stages() - 1 {
             true => StageOutput::Loss(draws::in_scope(draws, Scope::After, || {
