@@ -45,41 +45,28 @@ fn untracked<const D: usize>(t: Tensor<D>) -> Tensor<D> {
     t.detach().set_require_grad(false)
 }
 
-/// The parameters a recomputation carries, one by one in layout order: those `part` marks
-/// (every one without it). The others are left as they are, unread: a lazy parameter (a
-/// gradient hook made at its first read) keeps its first read for the forward that reads it.
-struct Marked<'a> {
-    part: Option<&'a [bool]>,
-    index: usize,
-}
+/// Parameters outside any graph. A lazy parameter no forward has read yet (a gradient hook
+/// made at its first read) is left lazy, unread: its first read belongs to the forward that
+/// reads it, not to this layer's checkpoint, and made in backward it would register a node
+/// in the graph being run.
+struct Detach;
 
-impl Marked<'_> {
-    /// Whether the next parameter is carried.
-    fn next(&mut self) -> bool {
-        let marked = self.part.is_none_or(|part| part[self.index]);
-        self.index += 1;
-        marked
-    }
-}
-
-/// The carried parameters outside any graph.
-struct Detach<'a>(Marked<'a>);
-
-impl ModuleMapper for Detach<'_> {
+impl ModuleMapper for Detach {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        match self.0.next() {
+        match param.is_initialized() {
             true => param.map(untracked),
             false => param,
         }
     }
 }
 
-/// The carried parameters as fresh leaves of a new graph (same ids and values).
-struct Leaves<'a>(Marked<'a>);
+/// Parameters as fresh leaves of a new graph (same ids and values); a lazy one not read yet
+/// left lazy, as [`Detach`] leaves it.
+struct Leaves;
 
-impl ModuleMapper for Leaves<'_> {
+impl ModuleMapper for Leaves {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        match self.0.next() {
+        match param.is_initialized() {
             true => param.map(|t| t.detach().require_grad()),
             false => param,
         }
@@ -131,10 +118,7 @@ where
         false => Tensor::cat(marked.iter().map(|(_, p)| p.clone()).collect(), 0),
     };
     // Shares the parameters' storage: nothing is copied.
-    let values = module.clone().map(&mut Detach(Marked {
-        part: part.as_deref(),
-        index: 0,
-    }));
+    let values = module.clone().map(&mut Detach);
     // Both runs read the parameters apart from any unit gathered around them: the first
     // from the values of the parameters collected above.
     let stored = marked.into_iter().map(|(id, p)| (id, untracked(p)));
@@ -145,10 +129,7 @@ where
     let strategy = x.gradient_checkpointing_strategy();
     let hook = RecomputeHook(Arc::new(
         move |x: DispatchTensor, grad_y: DispatchTensor| {
-            let module = values.clone().map(&mut Leaves(Marked {
-                part: part.as_deref(),
-                index: 0,
-            }));
+            let module = values.clone().map(&mut Leaves);
             let stored = marked_params(&module, part.as_deref())
                 .into_iter()
                 .collect();
