@@ -137,8 +137,9 @@ impl Stages {
         // Hooks on the f32 parameters, under the casts: the buckets receive f32. Each layer
         // hooks its own (`layer`); those outside the layers are hooked at their first read,
         // after the activation held then (`latest`): the embedding's at the end of backward,
-        // a final norm's and a head's once the head's backward is done. (A compute dtype's
-        // view reads them all before the layers.)
+        // a final norm's and a head's once the head's backward is done, where the layers'
+        // output is one tensor ([`sole_input`]). (A compute dtype's view reads them all
+        // before the layers.)
         let latest = Arc::new(Mutex::new(None));
         let hooked = (step.hooks).map(|h| {
             let placement = ReadPlacement::Latest(latest.clone());
@@ -172,7 +173,7 @@ impl Stages {
             };
         }
         if step.hooks.is_some() {
-            let (held, input) = with_input(x);
+            let (held, input) = sole_input(x);
             x = held;
             *latest.lock().unwrap_or_else(|p| p.into_inner()) = input;
         }
@@ -443,6 +444,19 @@ pub type HeadLoss<'a, M> = dyn Fn(&M, <M as PipelineModel>::Activation, &<M as P
 fn with_input<A: StageBoundary>(x: A) -> (A, Option<Tensor<1>>) {
     let parts = boundary_tensors(x);
     let input = parts.iter().find(|p| p.grad).map(|p| p.flat.clone());
+    (from_boundary_tensors(parts), input)
+}
+
+/// [`with_input`] where `x` has one tensor that needs a gradient, `None` where it has several:
+/// a hook placed after a tensor hands it no gradient, so the tensor must get one from what
+/// reads it, and of several only one may be read (a head reading one of two streams).
+fn sole_input<A: StageBoundary>(x: A) -> (A, Option<Tensor<1>>) {
+    let parts = boundary_tensors(x);
+    let mut needing = parts.iter().filter(|p| p.grad);
+    let input = match (needing.next(), needing.next()) {
+        (Some(only), None) => Some(only.flat.clone()),
+        _ => None,
+    };
     (from_boundary_tensors(parts), input)
 }
 
