@@ -96,6 +96,7 @@ fn with_pointers<R>(buffers: &[&CubeTensor], f: impl FnOnce(&[u64]) -> R) -> Opt
     // Synchronised after the resources are taken, so that whatever taking them queued on the
     // GPU has finished too.
     burn::tensor::read_sync(buffers[0].client.sync()).ok()?;
+    crate::transfers::to_host(crate::transfers::Cause::Fence, 0);
     let pointers: Vec<u64> = held.iter().map(|r| r.resource().ptr).collect();
     let out = f(&pointers);
     drop(held);

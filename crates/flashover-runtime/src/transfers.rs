@@ -45,11 +45,15 @@ pub enum Cause {
     /// Set-up and checks before training: shards cut on the host, the first step's split and
     /// replica checks.
     SetUp,
+    /// Host waits for the device that read no values: the fence before NCCL takes a CUDA
+    /// tensor's buffer (one per device collective, until collectives are ordered on the
+    /// device). Counted as a read of 0 bytes.
+    Fence,
 }
 
 impl Cause {
     /// Every cause, in report order.
-    pub const ALL: [Cause; 8] = [
+    pub const ALL: [Cause; 9] = [
         Cause::Collective,
         Cause::Flat,
         Cause::Loss,
@@ -58,6 +62,7 @@ impl Cause {
         Cause::Metrics,
         Cause::LossScale,
         Cause::SetUp,
+        Cause::Fence,
     ];
 
     fn index(self) -> usize {
@@ -75,6 +80,7 @@ impl Cause {
             Cause::Metrics => "metrics",
             Cause::LossScale => "loss-scale decisions",
             Cause::SetUp => "set-up and checks",
+            Cause::Fence => "device fences (collectives)",
         }
     }
 }

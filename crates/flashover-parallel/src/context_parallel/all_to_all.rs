@@ -6,9 +6,9 @@ use super::layout::SequenceLayout;
 use super::work::WorkCounter;
 use crate::attention_op::KeysSeen;
 use crate::forward_context::{AttentionOp, ForwardContext};
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_comm::Group;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// Causal attention over a sequence split by `layout` across `group`: one all-to-all turns
@@ -24,7 +24,34 @@ pub struct AllToAllAttention {
     pub(super) hidden: Vec<bool>,
     /// The row of each position, in position order ([`rows_in_position_order`]).
     pub(super) rows_in_order: Vec<usize>,
+    /// `rows_in_order` and `positions` as index tensors on the device of the last call.
+    pub(super) indices: OrderIndices,
     pub(super) work: Arc<WorkCounter>,
+}
+
+/// The fused path's two index tensors (rows into position order, and back), made on the
+/// first call on a device and kept: the layout is fixed, so no call after the first uploads
+/// them.
+#[derive(Default)]
+pub(super) struct OrderIndices(Mutex<Option<(Device, [Tensor<1, Int>; 2])>>);
+
+impl OrderIndices {
+    /// The indices on `device`, made by `make` if they are not there yet.
+    fn on(
+        &self,
+        device: &Device,
+        make: impl FnOnce() -> [Tensor<1, Int>; 2],
+    ) -> [Tensor<1, Int>; 2] {
+        let mut held = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match held.as_ref() {
+            Some((on, indices)) if on == device => indices.clone(),
+            _ => {
+                let indices = make();
+                *held = Some((device.clone(), indices.clone()));
+                indices
+            }
+        }
+    }
 }
 
 /// Row `r` holds position `positions[r]`: the row of each position, in position order.
@@ -41,12 +68,14 @@ impl AllToAllAttention {
     /// op: the rows put in position order, attended causally, and the output put back.
     fn fused_causal(&self, q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
         let device = q.device();
-        let index = |rows: Vec<usize>| {
-            let rows: Vec<i64> = rows.into_iter().map(|r| r as i64).collect();
+        let index = |rows: &[usize]| {
+            let rows: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
             let n = rows.len();
             Tensor::<1, Int>::from_data(TensorData::new(rows, [n]), &device)
         };
-        let in_order = index(self.rows_in_order.clone());
+        let [in_order, back] = (self.indices).on(&device, || {
+            [index(&self.rows_in_order), index(&self.positions)]
+        });
         let ordered = |t: Tensor<4>| t.select(2, in_order.clone());
         let out = crate::attention_op::fused_attention(
             ordered(q),
@@ -55,7 +84,7 @@ impl AllToAllAttention {
             KeysSeen::new(true),
         )
         .0;
-        out.select(2, index(self.positions.clone()))
+        out.select(2, back)
     }
 }
 

@@ -98,6 +98,7 @@ impl ContextParallel {
                     layout,
                     hidden: causal_mask(&positions, &positions),
                     rows_in_order: all_to_all::rows_in_position_order(&positions),
+                    indices: Default::default(),
                     positions,
                     work: work.clone(),
                 }))
