@@ -210,22 +210,14 @@ mod tests {
         assert!(staged.to_host.count >= 2 && staged.to_host.bytes >= 16);
         let flat = delta.of(Cause::Flat);
         assert!(flat.to_device.count >= 1 && flat.to_device.bytes >= 8);
-        let exact = Transfers([
-            Crossings {
-                to_host: Moved {
-                    count: 2,
-                    bytes: 16,
-                },
-                to_device: Moved { count: 1, bytes: 4 },
+        let mut exact = Transfers::default();
+        exact.0[Cause::Collective.index()] = Crossings {
+            to_host: Moved {
+                count: 2,
+                bytes: 16,
             },
-            Crossings::default(),
-            Crossings::default(),
-            Crossings::default(),
-            Crossings::default(),
-            Crossings::default(),
-            Crossings::default(),
-            Crossings::default(),
-        ]);
+            to_device: Moved { count: 1, bytes: 4 },
+        };
         assert_eq!(exact.since(&Transfers::default()), exact);
         assert_eq!(exact.since(&exact), Transfers::default());
         assert_eq!(exact.of(Cause::Collective).to_host.count, 2);
