@@ -72,9 +72,10 @@ impl AttentionMask {
         }
     }
 
-    /// The padding as the backends take it: `[rows, n_k]` f32, 1 where a key is padding (one
-    /// row of zeros without padding), and the score.
-    fn padding_values(&self, n_k: usize, device: &burn::tensor::Device) -> (Tensor<2>, f32) {
+    /// The padding as the backends take it (`AttentionOps`' `padding` and `pad_score`):
+    /// `[rows, n_k]` f32, 1 where a key is padding (one row of zeros without padding), and
+    /// the score.
+    pub fn padding_values(&self, n_k: usize, device: &burn::tensor::Device) -> (Tensor<2>, f32) {
         match &self.padding {
             Some(p) => (p.keys.clone().float().cast(FloatDType::F32), p.score),
             None => (Tensor::zeros([1, n_k], device), 0.0),
@@ -82,7 +83,7 @@ impl AttentionMask {
     }
 
     /// The mask a backend's padding values (from [`Self::padding_values`]) stand for.
-    fn from_values(causal: bool, padding: Tensor<2>, score: f32) -> Self {
+    pub fn from_values(causal: bool, padding: Tensor<2>, score: f32) -> Self {
         AttentionMask::new(causal).with_padding(padding.greater_elem(0.0), score)
     }
 }

@@ -19,7 +19,7 @@ use burn::backend::autodiff::{
     ops::{Backward, Ops, OpsKind},
 };
 use burn::backend::{Autodiff, Backend, Dispatch, backend_extension, tensor::FloatTensor};
-use burn::tensor::{Bool, DType, FloatDType, Tensor};
+use burn::tensor::{DType, FloatDType, Tensor};
 use burn_dispatch::{DispatchKindConversion, DispatchTensor};
 use flashover_kernels::{AttentionMask, attention_backward, attention_delta, attention_forward};
 
@@ -39,11 +39,6 @@ pub trait FusedAttentionOps: Backend {
         pad_score: f32,
         scale: f32,
     ) -> FloatTensor<Self>;
-}
-
-/// The kernels' mask from the op's arguments.
-fn mask(causal: bool, padding: Tensor<2>, pad_score: f32) -> AttentionMask {
-    AttentionMask::new(causal).with_padding(padding.greater_elem(0.0), pad_score)
 }
 
 /// The kernels' forward on untracked tensors: `(packed, out, lse)`.
@@ -71,7 +66,7 @@ crate::collective_op::for_inner_backends! {
             scale: f32,
         ) -> FloatTensor<Self> {
             let [q, k, v] = [q, k, v].map(to_tensor::<Self, 3>);
-            let mask = mask(causal, to_tensor::<Self, 2>(padding), pad_score);
+            let mask = AttentionMask::from_values(causal, to_tensor::<Self, 2>(padding), pad_score);
             from_tensor::<Self, 3>(forward(q, k, v, &mask, scale).0)
         }
     }
@@ -107,7 +102,7 @@ where
         let delta = attention_delta(to_tensor::<B, 3>(out), d_out.clone(), Some(d_lse));
         let [q, k, v] = [q, k, v].map(to_tensor::<B, 3>);
         let lse = to_tensor::<B, 2>(lse);
-        let mask = mask(causal, to_tensor::<B, 2>(padding), pad_score);
+        let mask = AttentionMask::from_values(causal, to_tensor::<B, 2>(padding), pad_score);
         let (d_q, d_k, d_v) = attention_backward(q, k, v, lse, delta, d_out, &mask, scale);
         for (parent, grad) in ops.parents.into_iter().zip([d_q, d_k, d_v]) {
             if let Some(node) = parent {
@@ -135,7 +130,8 @@ where
         // A mask, never differentiated.
         let padding = padding.into_primitive();
         let [tq, tk, tv] = [&q, &k, &v].map(|t| to_tensor::<B, 3>(t.clone()));
-        let mask = mask(causal, to_tensor::<B, 2>(padding.clone()), pad_score);
+        let mask =
+            AttentionMask::from_values(causal, to_tensor::<B, 2>(padding.clone()), pad_score);
         let (packed, out, lse) = forward(tq, tk, tv, &mask, scale);
         let packed = from_tensor::<B, 3>(packed);
         match AttentionBackward
@@ -165,28 +161,9 @@ pub(crate) fn fuses(device: &burn::tensor::Device) -> bool {
     flashover_kernels::uses_kernels(device)
 }
 
-/// Which keys [`fused_attention`]'s queries see.
-#[derive(Debug, Clone)]
-pub(crate) struct KeysSeen {
-    /// Causal (the last query aligned with the last key), or every key.
-    pub causal: bool,
-    /// `[batch, n_k]`, true where a key is padding, and the score such a key takes (see
-    /// `flashover_kernels::KeyPadding`).
-    pub padding: Option<(Tensor<2, Bool>, f32)>,
-}
-
-impl KeysSeen {
-    /// Causal (`true`) or every key, no padding.
-    pub fn new(causal: bool) -> Self {
-        KeysSeen {
-            causal,
-            padding: None,
-        }
-    }
-}
-
 /// Attention of `q` over `k`, `v` (`[batch, heads, len, head_dim]`), scaled by
-/// `1 / sqrt(head_dim)`, over the keys `seen` says, as the fused op: `(out, lse)`, the output
+/// `1 / sqrt(head_dim)`, over the keys `mask` says (its padding `[batch, n_k]`), as the fused
+/// op: `(out, lse)`, the output
 /// `[batch, heads, n_q, head_dim]` in `q`'s dtype and each query's log-sum-exp `[batch,
 /// heads, n_q, 1]`. Reduced-precision inputs are computed in f32 (the kernels' dtype) and the
 /// output cast back.
@@ -194,7 +171,7 @@ pub(crate) fn fused_attention(
     q: Tensor<4>,
     k: Tensor<4>,
     v: Tensor<4>,
-    seen: KeysSeen,
+    mask: AttentionMask,
 ) -> (Tensor<4>, Tensor<4>) {
     let [b, h, n_q, d] = q.dims();
     let n_k = k.dims()[2];
@@ -206,16 +183,13 @@ pub(crate) fn fused_attention(
             false => t.cast(FloatDType::F32),
         }
     };
-    let (padding, pad_score) = match seen.padding {
-        Some((keys, score)) => (keys.float().cast(FloatDType::F32), score),
-        None => (Tensor::zeros([1, n_k], &k.device()), 0.0),
-    };
+    let (padding, pad_score) = mask.padding_values(n_k, &k.device());
     let packed = Tensor::<3>::from_dispatch(<Dispatch as FusedAttentionOps>::fused_attention(
         flat(q, n_q).into_dispatch(),
         flat(k, n_k).into_dispatch(),
         flat(v, n_k).into_dispatch(),
         padding.into_dispatch(),
-        seen.causal,
+        mask.causal,
         pad_score,
         1.0 / (d as f32).sqrt(),
     ));
@@ -242,13 +216,16 @@ impl Drop for KernelUseHeld {
     }
 }
 
-/// Holds the kernel use for a test ([`KernelUseHeld`]), waiting for the test holding it.
+/// Holds the kernel use for a test ([`KernelUseHeld`]), waiting for the test holding it, and
+/// sets it to `policy`.
 #[cfg(test)]
-pub(crate) fn hold_kernel_use() -> KernelUseHeld {
+pub(crate) fn hold_kernel_use(policy: flashover_kernels::KernelUse) -> KernelUseHeld {
     static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    KernelUseHeld(
+    let held = KernelUseHeld(
         SERIAL
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner()),
-    )
+    );
+    flashover_kernels::set_kernel_use(policy);
+    held
 }

@@ -4,10 +4,10 @@ use super::blocks::attend_masked;
 use super::comm::{heads_to_sequence, sequence_to_heads};
 use super::layout::SequenceLayout;
 use super::work::WorkCounter;
-use crate::attention_op::KeysSeen;
 use crate::forward_context::{AttentionOp, ForwardContext};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use flashover_comm::Group;
+use flashover_kernels::AttentionMask;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -81,7 +81,7 @@ impl AllToAllAttention {
             ordered(q),
             ordered(k),
             ordered(v),
-            KeysSeen::new(true),
+            AttentionMask::new(true),
         )
         .0;
         out.select(2, back)

@@ -2,9 +2,9 @@
 //! attention over their union (the online softmax of flash and ring attention).
 
 use super::layout::Visibility;
-use crate::attention_op::KeysSeen;
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Tensor, TensorData};
+use flashover_kernels::AttentionMask;
 
 /// Attention of some queries over one block of keys: the block's softmax-weighted values and
 /// the log of its softmax denominator (`[batch, heads, queries, 1]`).
@@ -55,7 +55,7 @@ pub fn attend_block_fused(
     visibility: Visibility,
 ) -> Partial {
     let causal = visibility == Visibility::Diagonal;
-    let (out, lse) = crate::attention_op::fused_attention(q, k, v, KeysSeen::new(causal));
+    let (out, lse) = crate::attention_op::fused_attention(q, k, v, AttentionMask::new(causal));
     Partial { out, lse }
 }
 
@@ -161,9 +161,8 @@ mod fused_tests {
     /// through both, causal and full, at lengths that are not multiples of a tile.
     #[test]
     fn the_fused_attention_has_the_composed_attentions_values_and_gradients() {
-        let _serial = crate::attention_op::hold_kernel_use();
+        let _serial = crate::attention_op::hold_kernel_use(flashover_kernels::KernelUse::Always);
         let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
-        flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Always);
         assert!(crate::attention_op::fuses(&device));
         let (b, h, n, d) = (2, 3, 37, 16);
         let rand = |shape: [usize; 4]| {

@@ -200,9 +200,8 @@ mod tests {
     /// composed tensor operations, on the wgpu device.
     #[test]
     fn the_fused_merge_has_the_composed_merges_values_and_gradients() {
-        let _serial = crate::attention_op::hold_kernel_use();
+        let _serial = crate::attention_op::hold_kernel_use(flashover_kernels::KernelUse::Always);
         let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
-        flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Always);
         assert!(crate::context_parallel::merge_op::fuses(&Partial {
             out: Tensor::zeros([1, 1, 1, 1], &device),
             lse: Tensor::zeros([1, 1, 1, 1], &device),

@@ -269,9 +269,8 @@ mod tests {
     /// summed over repeated tokens.
     #[test]
     fn the_fused_gather_has_selects_values_and_gradient() {
-        let _serial = crate::attention_op::hold_kernel_use();
+        let _serial = crate::attention_op::hold_kernel_use(flashover_kernels::KernelUse::Always);
         let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
-        flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Always);
         let x = Tensor::<2>::random([5, 6], Distribution::Uniform(-1.0, 1.0), &device).detach();
         // Rows in expert order; tokens 0 and 3 go to two experts, token 4 to none.
         let rows = [3, 0, 2, 3, 1, 0];
@@ -304,9 +303,8 @@ mod tests {
     /// operations, on wgpu, with dropped choices and rows in expert (not token) order.
     #[test]
     fn the_fused_combine_has_the_tensor_combines_values_and_gradients() {
-        let _serial = crate::attention_op::hold_kernel_use();
+        let _serial = crate::attention_op::hold_kernel_use(flashover_kernels::KernelUse::Always);
         let device = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
-        flashover_kernels::set_kernel_use(flashover_kernels::KernelUse::Always);
         let (tokens, top_k, d) = (5, 2, 6);
         // Kept choices in expert order; choices 3 and 8 are dropped.
         let choice = vec![4, 0, 9, 2, 6, 1, 5, 7];

@@ -1,11 +1,11 @@
 //! Causal attention's core, splittable over `cp` by a plan's `context_parallel` rule.
 
-use crate::attention_op::KeysSeen;
 use crate::forward_context::ForwardContext;
 use crate::placed::{ContextSplit, Placed};
 use burn::module::{Module, Param};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Bool, Device, Tensor};
+use flashover_kernels::AttentionMask;
 
 /// `softmax(q k^T / sqrt(head_dim) + causal mask) v`, the part of self-attention where
 /// sequence positions meet. Under a plan's `context_parallel` rule each rank holds some
@@ -88,7 +88,7 @@ pub fn takes_fused_attention(device: &Device) -> bool {
 /// head_dim]`, scaled by `1 / sqrt(head_dim)`, as the fused op (see
 /// [`takes_fused_attention`]; on Flex it runs the kernels' reference). No dropout.
 pub fn fused_causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
-    crate::attention_op::fused_attention(q, k, v, KeysSeen::new(true)).0
+    crate::attention_op::fused_attention(q, k, v, AttentionMask::new(true)).0
 }
 
 /// Causal attention over positions all held here.

@@ -3,7 +3,6 @@
 use super::dropout::{Positions, drop_elements, drops};
 use super::sequence_split;
 use super::{Linear, LinearConfig};
-use crate::attention_op::KeysSeen;
 use crate::context_parallel::{heads_to_sequence, sequence_to_heads};
 use crate::placed::{context_split, tp_split};
 use crate::plan::TensorParallelRule;
@@ -12,6 +11,7 @@ use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Gelu, Initializer};
 use burn::tensor::activation::{quiet_softmax, softmax};
 use burn::tensor::{Bool, Device, Tensor};
+use flashover_kernels::AttentionMask;
 
 /// Burn's [`burn::nn::attention::MultiHeadAttentionConfig`] for [`MultiHeadAttention`]: the
 /// same fields and defaults.
@@ -298,12 +298,11 @@ impl MultiHeadAttention {
             && super::takes_fused_attention(&q.device());
         let (weights, mut context) = match fused {
             true => {
-                let padding = (input.mask_pad).map(|mask| (mask, self.min_float as f32));
-                let seen = KeysSeen {
-                    causal: false,
-                    padding,
+                let mask = match input.mask_pad {
+                    Some(pad) => AttentionMask::new(false).with_padding(pad, self.min_float as f32),
+                    None => AttentionMask::new(false),
                 };
-                (None, crate::attention_op::fused_attention(q, k, v, seen).0)
+                (None, crate::attention_op::fused_attention(q, k, v, mask).0)
             }
             false => {
                 let scores = q.matmul(k.transpose()).div_scalar((self.d_k as f32).sqrt());

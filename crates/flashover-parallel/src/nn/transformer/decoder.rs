@@ -336,7 +336,7 @@ mod tests {
     /// into the drop-in (dropout off: it draws from the device).
     #[test]
     fn the_drop_in_decoder_computes_what_burns_does() {
-        let _composed = crate::attention_op::hold_kernel_use();
+        let _composed = crate::attention_op::hold_kernel_use(flashover_kernels::KernelUse::Auto);
         let device = Device::flex();
         for norm_first in [false, true] {
             let config = burn::nn::transformer::TransformerDecoderConfig::new(16, 32, 4, 2)

@@ -463,7 +463,7 @@ mod tests {
     /// padding mask, pre- and post-norm (dropout off: it draws from the device).
     #[test]
     fn the_drop_in_encoder_computes_what_burns_does() {
-        let _composed = crate::attention_op::hold_kernel_use();
+        let _composed = crate::attention_op::hold_kernel_use(flashover_kernels::KernelUse::Auto);
         let device = Device::flex();
         for norm_first in [false, true] {
             let config = burn::nn::transformer::TransformerEncoderConfig::new(16, 32, 4, 2)
@@ -494,7 +494,7 @@ mod tests {
     /// which then computes what Burn's does, bit for bit.
     #[test]
     fn a_record_of_burns_encoder_loads_into_the_drop_in() {
-        let _composed = crate::attention_op::hold_kernel_use();
+        let _composed = crate::attention_op::hold_kernel_use(flashover_kernels::KernelUse::Auto);
         let device = Device::flex();
         let burns = burn::nn::transformer::TransformerEncoderConfig::new(16, 32, 4, 2)
             .with_dropout(0.0)
@@ -553,7 +553,7 @@ mod fused_tests {
     /// is itself 3e-4 from Flex in these gradients). The length is not a multiple of a tile.
     #[test]
     fn the_drop_in_encoder_attends_fused_with_padding_as_burns_encoder_does() {
-        let _serial = crate::attention_op::hold_kernel_use();
+        let _serial = crate::attention_op::hold_kernel_use(flashover_kernels::KernelUse::Auto);
         let flex = Device::flex().autodiff();
         let wgpu = Device::wgpu(DeviceKind::DefaultDevice).autodiff();
         let (batch, seq, d_model, layers) = (2, 37, 16, 2);

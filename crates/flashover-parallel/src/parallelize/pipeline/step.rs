@@ -442,21 +442,27 @@ pub type HeadLoss<'a, M> = dyn Fn(&M, <M as PipelineModel>::Activation, &<M as P
 /// `x`, and one of its tensors that carries a gradient (flattened): what an op is placed after
 /// to run in backward right after the backward of the layer `x` goes into.
 fn with_input<A: StageBoundary>(x: A) -> (A, Option<Tensor<1>>) {
-    let parts = boundary_tensors(x);
-    let input = parts.iter().find(|p| p.grad).map(|p| p.flat.clone());
-    (from_boundary_tensors(parts), input)
+    input_picked(x, |needing| needing.into_iter().next())
 }
 
 /// [`with_input`] where `x` has one tensor that needs a gradient, `None` where it has several:
 /// a hook placed after a tensor hands it no gradient, so the tensor must get one from what
 /// reads it, and of several only one may be read (a head reading one of two streams).
 fn sole_input<A: StageBoundary>(x: A) -> (A, Option<Tensor<1>>) {
+    input_picked(x, |needing| {
+        <[_; 1]>::try_from(needing).ok().map(|[only]| only)
+    })
+}
+
+/// `x` as it was, and the tensor `pick` takes of those of `x` that need a gradient (flat, in
+/// order).
+fn input_picked<A: StageBoundary>(
+    x: A,
+    pick: impl FnOnce(Vec<Tensor<1>>) -> Option<Tensor<1>>,
+) -> (A, Option<Tensor<1>>) {
     let parts = boundary_tensors(x);
-    let mut needing = parts.iter().filter(|p| p.grad);
-    let input = match (needing.next(), needing.next()) {
-        (Some(only), None) => Some(only.flat.clone()),
-        _ => None,
-    };
+    let needing = parts.iter().filter(|p| p.grad).map(|p| p.flat.clone());
+    let input = pick(needing.collect());
     (from_boundary_tensors(parts), input)
 }
 
